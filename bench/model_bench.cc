@@ -1,0 +1,170 @@
+// `fluxion bench model`: CPU prefill and decode throughput of the model runtime, beside the two
+// limits that bound them on this machine: decode streams every weight once per token (floor =
+// weight bytes / measured read bandwidth); prefill is matrix products (ceiling = measured sgemm
+// rate).
+#include <cblas.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <random>
+
+#include "bench/bench_util.h"
+#include "bench/model_bench.h"
+#include "common/flag_set.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/model.h"
+#include "model/random_model.h"
+#include "model/sampler.h"
+
+namespace fluxion::bench {
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Single-precision matrix-product rate (GFLOP/s) at a square size typical of prefill.
+double MeasureSgemmGflops(int64_t n, int repeats) {
+  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto* v : {&a, &b})
+    for (float& x : *v) x = u(rng);
+  double best = 0;
+  for (int r = 0; r < repeats + 1; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    if (r > 0) best = std::max(best, 2.0 * n * n * n / Seconds(t0) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int RunModelBench(const std::vector<std::string>& args) {
+  std::string model_dir, preset = "tiny", json_path;
+  std::vector<int64_t> prompt_tokens = {128, 1024};
+  std::vector<int64_t> threads_list = {1, 0};
+  int64_t decode_tokens = 32, repeats = 3, seed = 0;
+  FlagSet flags("fluxion bench model",
+                "Measures CPU prefill and decode tokens/s of the model runtime against the "
+                "machine's read bandwidth and sgemm rate.");
+  flags.String("model", &model_dir, "model directory; empty = make a random --preset model");
+  flags.String("preset", &preset, "random model shape when --model is empty");
+  flags.IntList("prompt-tokens", &prompt_tokens, "prompt lengths to measure");
+  flags.Int("decode-tokens", &decode_tokens, "decode steps timed after each prompt");
+  flags.IntList("threads", &threads_list, "thread counts to measure; 0 = all cores");
+  flags.Int("repeats", &repeats, "repeats per point (median reported)");
+  flags.Int("seed", &seed, "seed for prompts and the random model");
+  flags.String("json", &json_path, "also write results to this file");
+  absl::Status parsed = flags.Parse(args);
+  if (!parsed.ok()) {
+    std::cerr << "error: " << parsed.message() << "\n";
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  std::string made_dir;
+  if (model_dir.empty()) {
+    auto config = model::PresetConfig(preset);
+    if (!config.ok()) {
+      std::cerr << "error: " << config.status().message() << "\n";
+      return 2;
+    }
+    made_dir = (std::filesystem::temp_directory_path() / ("fluxion-bench-" + preset)).string();
+    std::cerr << "making a random " << preset << " model in " << made_dir << " ...\n";
+    if (auto s = model::WriteRandomModel(*config, seed, made_dir); !s.ok()) {
+      std::cerr << "error: " << s << "\n";
+      return 1;
+    }
+    model_dir = made_dir;
+  }
+  auto loaded = model::Model::Load(model_dir);
+  if (!made_dir.empty()) std::filesystem::remove_all(made_dir);
+  if (!loaded.ok()) {
+    std::cerr << "error: " << loaded.status() << "\n";
+    return 1;
+  }
+  const model::Model& m = **loaded;
+  const double weight_gb = m.num_parameters() * 4.0 / 1e9;
+  std::mt19937 rng(seed);
+  nlohmann::json results = nlohmann::json::array(), limits = nlohmann::json::object();
+  std::printf("model: %s, %.1fM parameters (%.2f GB fp32 in memory)\n",
+              model_dir.c_str(), m.num_parameters() / 1e6, weight_gb);
+  std::printf("%7s %7s | %12s %9s | %11s %12s %10s %7s\n", "threads", "prompt", "prefill tok/s",
+              "% sgemm", "decode ms", "decode tok/s", "floor ms", "% floor");
+  for (int64_t t : threads_list) {
+    kernels::cpu::SetNumThreads(static_cast<int>(t));
+    const int nthreads = kernels::cpu::NumThreads();
+    const double read_gbps = MeasureReadBandwidthGbps(size_t{1} << 30, nthreads);
+    const double sgemm_gflops = MeasureSgemmGflops(1024, 3);
+    limits[std::to_string(nthreads) + "_threads"] = {{"host_read_gbps", read_gbps},
+                                                     {"sgemm_gflops", sgemm_gflops}};
+    const double floor_ms = weight_gb / read_gbps * 1e3;
+    for (int64_t len : prompt_tokens) {
+      std::vector<int32_t> prompt(len);
+      for (auto& x : prompt) x = static_cast<int32_t>(rng() % m.config().vocab_size);
+      std::vector<double> prefill_s, decode_ms;
+      for (int64_t r = 0; r < repeats; ++r) {
+        auto seq = m.NewSequence();
+        std::vector<float> logits;
+        auto t0 = std::chrono::steady_clock::now();
+        if (auto s = m.Forward(*seq, prompt, &logits); !s.ok()) {
+          std::cerr << "error: " << s << "\n";
+          return 1;
+        }
+        prefill_s.push_back(Seconds(t0));
+        int32_t token = model::ArgMax(logits);
+        for (int64_t i = 0; i < decode_tokens; ++i) {
+          t0 = std::chrono::steady_clock::now();
+          if (auto s = m.Forward(*seq, absl::MakeConstSpan(&token, 1), &logits); !s.ok()) {
+            std::cerr << "error: " << s << "\n";
+            return 1;
+          }
+          decode_ms.push_back(Seconds(t0) * 1e3);
+          token = model::ArgMax(logits);
+        }
+      }
+      const Stats pre = Summarize(prefill_s), dec = Summarize(decode_ms);
+      // Prefill FLOPs: 2 per parameter per token for the matrix products (attention excluded, so
+      // the percentage is a slight underestimate at long prompts).
+      const double prefill_tps = len / pre.median;
+      const double sgemm_pct = 100.0 * 2.0 * m.num_parameters() * prefill_tps / 1e9 / sgemm_gflops;
+      std::printf("%7d %7lld | %12.1f %8.0f%% | %11.3f %12.1f %10.3f %6.0f%%\n", nthreads,
+                  static_cast<long long>(len), prefill_tps, sgemm_pct, dec.median,
+                  1e3 / dec.median, floor_ms, 100.0 * floor_ms / dec.median);
+      results.push_back({{"threads", nthreads},
+                         {"context", len},
+                         {"prefill_ms", pre.median * 1e3},
+                         {"prefill_ms_p10", pre.p10 * 1e3},
+                         {"prefill_ms_p90", pre.p90 * 1e3},
+                         {"prefill_tokens_per_s", prefill_tps},
+                         {"prefill_pct_of_sgemm", sgemm_pct},
+                         {"tpot_ms", dec.median},
+                         {"tpot_ms_p10", dec.p10},
+                         {"tpot_ms_p90", dec.p90},
+                         {"tokens_per_s", 1e3 / dec.median},
+                         {"decode_floor_ms", floor_ms},
+                         {"decode_pct_of_floor", 100.0 * floor_ms / dec.median}});
+    }
+  }
+  if (!json_path.empty()) {
+    nlohmann::json doc =
+        ResultEnvelope(JoinCommand("fluxion bench model", args), limits, results);
+    doc["model"] = {{"dir", model_dir}, {"preset", made_dir.empty() ? "" : preset},
+                    {"parameters", m.num_parameters()}};
+    if (auto s = WriteJson(json_path, doc); !s.ok()) {
+      std::cerr << "error: " << s << "\n";
+      return 1;
+    }
+    std::cout << "wrote " << json_path << "\n";
+  }
+  return 0;
+}
+
+}  // namespace fluxion::bench

@@ -1,0 +1,137 @@
+#include "kernels/cpu/cpu_ops.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace fluxion::kernels::cpu {
+namespace {
+
+// Query rows per attention tile: large enough that sgemm runs near peak, small enough that the
+// score tile (kQueryTile x keys floats) stays in L2 for contexts of a few thousand tokens.
+constexpr int64_t kQueryTile = 64;
+
+}  // namespace
+
+void SetNumThreads(int threads) {
+  if (threads <= 0) threads = omp_get_num_procs();
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+}
+
+int NumThreads() { return omp_get_max_threads(); }
+
+void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+            int64_t k, bool accumulate) {
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (m == 1) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x, 1, beta, y, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, beta, y, n);
+  }
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < m; ++i) Add(bias, y + i * n, n);
+  }
+}
+
+void RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m, int64_t d) {
+#pragma omp parallel for if (m > 4)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * d;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; ++j) ss += row[j] * row[j];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+    float* out = y + i * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) out[j] = row[j] * inv * weight[j];
+  }
+}
+
+void ApplyRope(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
+               int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel if (n > 4)
+  {
+    std::vector<float> cos_t(half), sin_t(half);
+#pragma omp for
+    for (int64_t t = 0; t < n; ++t) {
+      // fp32 angle, as transformers computes it (position * inv_freq in float32).
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+        cos_t[i] = std::cos(angle);
+        sin_t[i] = std::sin(angle);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = x + (t * heads + h) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = row[i], b = row[i + half];
+          row[i] = a * cos_t[i] - b * sin_t[i];
+          row[i + half] = b * cos_t[i] + a * sin_t[i];
+        }
+      }
+    }
+  }
+}
+
+void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+#pragma omp parallel for simd if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void Add(const float* x, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] += x[i];
+}
+
+void CausalAttention(const float* q, const float* k, const float* v, float* out,
+                     const AttentionParams& p) {
+  const int64_t d = p.head_dim, hq = p.num_heads, hkv = p.num_kv_heads;
+  const int64_t group = hq / hkv;
+  const int64_t tiles = (p.n + kQueryTile - 1) / kQueryTile;
+  const int64_t q_stride = hq * d;   // between consecutive tokens' rows of one head
+  const int64_t kv_stride = hkv * d;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t h = 0; h < hq; ++h) {
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t i0 = tile * kQueryTile;
+        const int64_t rows = std::min(kQueryTile, p.n - i0);
+        const int64_t keys = p.pos0 + i0 + rows;  // the tile's last query sees this many keys
+        const float* qt = q + i0 * q_stride + h * d;
+        const float* kh = k + (h / group) * d;
+        const float* vh = v + (h / group) * d;
+        float* ot = out + i0 * q_stride + h * d;
+        scores.resize(rows * keys);
+        // scores[rows][keys] = scale * q_tile . K^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, p.scale, qt, q_stride,
+                    kh, kv_stride, 0.0f, scores.data(), keys);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + r * keys;
+          const int64_t visible = p.pos0 + i0 + r + 1;  // causal mask
+          float max_s = -INFINITY;
+          for (int64_t j = 0; j < visible; ++j) max_s = std::max(max_s, s[j]);
+          float denom = 0.0f;
+          for (int64_t j = 0; j < visible; ++j) denom += (s[j] = std::exp(s[j] - max_s));
+          const float inv = 1.0f / denom;
+          for (int64_t j = 0; j < visible; ++j) s[j] *= inv;
+          std::fill(s + visible, s + keys, 0.0f);
+        }
+        // out_tile[rows][d] = P . V
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, keys, 1.0f, scores.data(),
+                    keys, vh, kv_stride, 0.0f, ot, q_stride);
+      }
+    }
+  }
+}
+
+}  // namespace fluxion::kernels::cpu

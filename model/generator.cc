@@ -1,0 +1,75 @@
+#include "model/generator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace fluxion::model {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool Contains(const std::vector<int32_t>& ids, int32_t id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+}  // namespace
+
+const char* FinishReasonName(FinishReason reason) {
+  return reason == FinishReason::kStop ? "stop" : "length";
+}
+
+absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const int32_t> prompt,
+                                          const GenerationOptions& options,
+                                          const std::function<void(int32_t)>& on_token) {
+  if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  if (options.max_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be >= 1, got ", options.max_tokens));
+  }
+  FLUXION_RETURN_IF_ERROR(ValidateSamplingParams(options.sampling));
+  const ModelConfig& config = model.config();
+  const int64_t limit = config.max_position_embeddings;
+  if (limit > 0 && static_cast<int64_t>(prompt.size()) >= limit) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", prompt.size(),
+                                                   " tokens leaves no room in the model's ",
+                                                   limit, "-token context"));
+  }
+  std::vector<int32_t> stop_ids = options.stop_token_ids;
+  if (!options.ignore_eos) {
+    for (int64_t id : config.eos_token_ids) stop_ids.push_back(static_cast<int32_t>(id));
+  }
+
+  GenerationResult result;
+  Sampler sampler(options.sampling);
+  std::unique_ptr<Sequence> seq = model.NewSequence();
+  std::vector<float> logits;
+  auto t0 = std::chrono::steady_clock::now();
+  FLUXION_RETURN_IF_ERROR(model.Forward(*seq, prompt, &logits));
+  int32_t token = sampler.Sample(logits);
+  result.prefill_seconds = SecondsSince(t0);
+  t0 = std::chrono::steady_clock::now();
+  while (true) {
+    result.tokens.push_back(token);
+    if (on_token) on_token(token);
+    if (Contains(stop_ids, token)) {
+      result.finish_reason = FinishReason::kStop;
+      break;
+    }
+    if (static_cast<int64_t>(result.tokens.size()) >= options.max_tokens ||
+        (limit > 0 && seq->length() >= limit)) {
+      result.finish_reason = FinishReason::kLength;
+      break;
+    }
+    FLUXION_RETURN_IF_ERROR(model.Forward(*seq, absl::MakeConstSpan(&token, 1), &logits));
+    token = sampler.Sample(logits);
+  }
+  result.decode_seconds = SecondsSince(t0);
+  return result;
+}
+
+}  // namespace fluxion::model

@@ -1,0 +1,43 @@
+// The single-process generation loop: prefill the prompt, then decode token by token with a
+// Sampler until a stop token, max_tokens, or the model's context limit.
+#ifndef FLUXION_MODEL_GENERATOR_H_
+#define FLUXION_MODEL_GENERATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/model.h"
+#include "model/sampler.h"
+
+namespace fluxion::model {
+
+struct GenerationOptions {
+  SamplingParams sampling;
+  int64_t max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+  bool ignore_eos = false;              // keep going past EOS (not past stop_token_ids)
+};
+
+enum class FinishReason { kStop, kLength };
+const char* FinishReasonName(FinishReason reason);
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids; a stop token that ended generation is included
+  FinishReason finish_reason = FinishReason::kLength;
+  double prefill_seconds = 0;   // prompt forward + first token
+  double decode_seconds = 0;    // every later token
+};
+
+// Generates from `prompt` on a fresh sequence of `model`. `on_token` (optional) sees each token as
+// it is produced. InvalidArgument for an empty prompt, bad sampling parameters, max_tokens < 1, or
+// a prompt that already fills max_position_embeddings.
+absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const int32_t> prompt,
+                                          const GenerationOptions& options,
+                                          const std::function<void(int32_t)>& on_token = nullptr);
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_GENERATOR_H_

@@ -1,0 +1,202 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/dense_attention.h"
+#include "model/rope.h"
+
+namespace fluxion::model {
+namespace {
+
+namespace cpu = ::fluxion::kernels::cpu;
+
+// Prompts are processed in chunks of this many tokens: activations stay bounded (a 32K-token
+// prompt on a 0.5B model would otherwise need ~1 GiB of MLP scratch) and the math is unchanged,
+// because attention continues from the cache exactly as decode steps do.
+constexpr int64_t kPrefillChunk = 512;
+
+// Reads tensors from a checkpoint and remembers which ones were used, so that tensors the config
+// does not account for (a checkpoint with q/k/v biases loaded under a config without them) are an
+// error instead of being silently dropped.
+class TensorReader {
+ public:
+  explicit TensorReader(const Checkpoint& ckpt) : ckpt_(ckpt) {}
+
+  absl::StatusOr<std::vector<float>> Read(const std::string& name, std::vector<int64_t> shape) {
+    FLUXION_ASSIGN_OR_RETURN(const TensorView* t, ckpt_.Find(name));
+    used_.insert(name);
+    return ReadAsFloat(*t, shape);
+  }
+
+  absl::StatusOr<LinearWeights> ReadLinear(const std::string& name, int64_t out, int64_t in,
+                                           bool bias) {
+    LinearWeights lw;
+    lw.out = out;
+    lw.in = in;
+    FLUXION_ASSIGN_OR_RETURN(lw.weight, Read(name + ".weight", {out, in}));
+    if (bias) {
+      FLUXION_ASSIGN_OR_RETURN(lw.bias, Read(name + ".bias", {out}));
+    }
+    return lw;
+  }
+
+  // InvalidArgument naming the first unused tensor. Ignored: RoPE buffers some exporters save,
+  // and an lm_head saved beside tied embeddings (transformers ignores it too).
+  absl::Status CheckAllUsed(const ModelConfig& config) const {
+    for (const auto& [name, tensor] : ckpt_.tensors()) {
+      if (used_.count(name) || absl::EndsWith(name, "rotary_emb.inv_freq")) continue;
+      if (name == "lm_head.weight" && config.tie_word_embeddings) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoint tensor '", name, "' is not used by the model config.json describes ",
+          "(check attention_bias/mlp_bias, num_hidden_layers and tie_word_embeddings)"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const Checkpoint& ckpt_;
+  std::set<std::string> used_;
+};
+
+void Linear(const LinearWeights& w, const float* x, float* y, int64_t m, bool accumulate) {
+  cpu::MatMul(x, w.weight.data(), w.bias.empty() ? nullptr : w.bias.data(), y, m, w.out, w.in,
+              accumulate);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
+  FLUXION_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir + "/config.json"));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
+  return FromCheckpoint(config, *ckpt);
+}
+
+absl::StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config,
+                                                            const Checkpoint& ckpt) {
+  std::unique_ptr<Model> m(new Model());
+  m->config_ = config;
+  TensorReader reader(ckpt);
+  const int64_t h = config.hidden_size, d = config.head_dim;
+  const int64_t q_out = config.num_heads * d, kv_out = config.num_kv_heads * d;
+  FLUXION_ASSIGN_OR_RETURN(m->embed_, reader.Read("model.embed_tokens.weight",
+                                           {config.vocab_size, h}));
+  m->layers_.resize(config.num_layers);
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    LayerWeights& lw = m->layers_[i];
+    FLUXION_ASSIGN_OR_RETURN(lw.input_norm, reader.Read(p + "input_layernorm.weight", {h}));
+    FLUXION_ASSIGN_OR_RETURN(lw.q, reader.ReadLinear(p + "self_attn.q_proj", q_out, h,
+                                              config.qkv_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.k, reader.ReadLinear(p + "self_attn.k_proj", kv_out, h,
+                                              config.qkv_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.v, reader.ReadLinear(p + "self_attn.v_proj", kv_out, h,
+                                              config.qkv_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.o, reader.ReadLinear(p + "self_attn.o_proj", h, q_out,
+                                              config.o_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.post_attention_norm,
+                             reader.Read(p + "post_attention_layernorm.weight", {h}));
+    const int64_t f = config.intermediate_size;
+    FLUXION_ASSIGN_OR_RETURN(lw.gate, reader.ReadLinear(p + "mlp.gate_proj", f, h,
+                                                 config.mlp_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.up, reader.ReadLinear(p + "mlp.up_proj", f, h, config.mlp_bias));
+    FLUXION_ASSIGN_OR_RETURN(lw.down, reader.ReadLinear(p + "mlp.down_proj", h, f,
+                                                 config.mlp_bias));
+  }
+  FLUXION_ASSIGN_OR_RETURN(m->final_norm_, reader.Read("model.norm.weight", {h}));
+  if (!config.tie_word_embeddings) {
+    FLUXION_ASSIGN_OR_RETURN(m->lm_head_, reader.Read("lm_head.weight", {config.vocab_size, h}));
+  }
+  FLUXION_RETURN_IF_ERROR(reader.CheckAllUsed(config));
+  m->inv_freq_ = ComputeInvFreq(config.rope, d);
+  int64_t n = m->embed_.size() + m->final_norm_.size() + m->lm_head_.size();
+  for (const LayerWeights& lw : m->layers_) {
+    n += lw.input_norm.size() + lw.post_attention_norm.size();
+    for (const LinearWeights* w : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) {
+      n += w->weight.size() + w->bias.size();
+    }
+  }
+  m->num_parameters_ = n;
+  return m;
+}
+
+AttentionShape Model::attention_shape() const {
+  return AttentionShape{config_.num_layers, config_.num_heads, config_.num_kv_heads,
+                        config_.head_dim,
+                        1.0f / std::sqrt(static_cast<float>(config_.head_dim))};
+}
+
+std::unique_ptr<Sequence> Model::NewSequence() const {
+  return std::make_unique<Sequence>(std::make_unique<DenseAttention>(attention_shape()));
+}
+
+absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens,
+                            std::vector<float>* logits, bool all_logits) const {
+  if (tokens.empty()) return absl::InvalidArgumentError("Forward needs at least one token");
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= config_.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", t, " is outside the vocabulary [0, ", config_.vocab_size, ")"));
+    }
+  }
+  const int64_t h = config_.hidden_size, d = config_.head_dim, f = config_.intermediate_size;
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, vocab = config_.vocab_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const float* lm_head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+  const int64_t total = static_cast<int64_t>(tokens.size());
+  if (all_logits) {
+    logits->resize(total * vocab);
+  } else {
+    logits->resize(vocab);
+  }
+
+  const int64_t chunk = std::min(total, kPrefillChunk);
+  std::vector<float> x(chunk * h), normed(chunk * h), q(chunk * hq * d), k(chunk * hkv * d),
+      v(chunk * hkv * d), attn(chunk * hq * d), gate(chunk * f), up(chunk * f);
+  std::vector<int64_t> positions(chunk);
+
+  for (int64_t c0 = 0; c0 < total; c0 += chunk) {
+    const int64_t n = std::min(chunk, total - c0);
+    const int64_t pos0 = seq.length_;
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(embed_.data() + int64_t{tokens[c0 + i]} * h, h, x.data() + i * h);
+      positions[i] = pos0 + i;
+    }
+    for (int64_t l = 0; l < config_.num_layers; ++l) {
+      const LayerWeights& lw = layers_[l];
+      cpu::RmsNorm(x.data(), lw.input_norm.data(), eps, normed.data(), n, h);
+      Linear(lw.q, normed.data(), q.data(), n, false);
+      Linear(lw.k, normed.data(), k.data(), n, false);
+      Linear(lw.v, normed.data(), v.data(), n, false);
+      cpu::ApplyRope(q.data(), positions.data(), inv_freq_.data(), n, hq, d);
+      cpu::ApplyRope(k.data(), positions.data(), inv_freq_.data(), n, hkv, d);
+      FLUXION_RETURN_IF_ERROR(
+          seq.attention_->Forward(static_cast<int>(l), pos0, n, q.data(), k.data(), v.data(),
+                                  attn.data()));
+      Linear(lw.o, attn.data(), x.data(), n, /*accumulate=*/true);  // residual
+      cpu::RmsNorm(x.data(), lw.post_attention_norm.data(), eps, normed.data(), n, h);
+      Linear(lw.gate, normed.data(), gate.data(), n, false);
+      Linear(lw.up, normed.data(), up.data(), n, false);
+      cpu::SiluMul(gate.data(), up.data(), gate.data(), n * f);
+      Linear(lw.down, gate.data(), x.data(), n, /*accumulate=*/true);  // residual
+    }
+    seq.length_ += n;
+    if (all_logits) {
+      cpu::RmsNorm(x.data(), final_norm_.data(), eps, normed.data(), n, h);
+      cpu::MatMul(normed.data(), lm_head, nullptr, logits->data() + c0 * vocab, n, vocab, h,
+                  false);
+    } else if (c0 + n == total) {
+      const float* last = x.data() + (n - 1) * h;
+      cpu::RmsNorm(last, final_norm_.data(), eps, normed.data(), 1, h);
+      cpu::MatMul(normed.data(), lm_head, nullptr, logits->data(), 1, vocab, h, false);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fluxion::model

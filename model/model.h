@@ -1,0 +1,91 @@
+// A Llama-family decoder-only transformer on the CPU: embeddings, RMSNorm, RoPE (default, linear,
+// llama3), GQA/MQA attention through SequenceAttention, SwiGLU MLP, final norm, LM head.
+// Weights are held as fp32 (converted once at load from bf16/fp16/fp32: exact), so results match a
+// float32 reference computed from the same saved weights.
+//
+// Thread-safety: a Model is immutable after Load and may be shared; Forward() calls on different
+// Sequences may run concurrently (each uses its own scratch space). Kernels inside one Forward use
+// OpenMP/OpenBLAS threads.
+#ifndef FLUXION_MODEL_MODEL_H_
+#define FLUXION_MODEL_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/attention.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace fluxion::model {
+
+struct LinearWeights {
+  std::vector<float> weight;  // [out][in], as nn.Linear stores it
+  std::vector<float> bias;    // [out] or empty
+  int64_t out = 0;
+  int64_t in = 0;
+};
+
+struct LayerWeights {
+  std::vector<float> input_norm;  // [hidden]
+  LinearWeights q, k, v, o;
+  std::vector<float> post_attention_norm;  // [hidden]
+  LinearWeights gate, up, down;
+};
+
+// One generation stream: its attention state and how many tokens it holds.
+class Sequence {
+ public:
+  explicit Sequence(std::unique_ptr<SequenceAttention> attention)
+      : attention_(std::move(attention)) {}
+  int64_t length() const { return length_; }
+  SequenceAttention& attention() { return *attention_; }
+
+ private:
+  friend class Model;
+  std::unique_ptr<SequenceAttention> attention_;
+  int64_t length_ = 0;
+};
+
+class Model {
+ public:
+  // Loads `dir/config.json` and the checkpoint in `dir`.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
+  // Builds from an already-parsed config (e.g. an alternative config form) and checkpoint.
+  // Errors name the missing or mis-shaped tensor.
+  static absl::StatusOr<std::unique_ptr<Model>> FromCheckpoint(const ModelConfig& config,
+                                                              const Checkpoint& checkpoint);
+
+  const ModelConfig& config() const { return config_; }
+  // Parameters held (a tied LM head counted once); fp32 in memory, so 4 bytes each.
+  int64_t num_parameters() const { return num_parameters_; }
+  AttentionShape attention_shape() const;
+
+  // A sequence with the built-in dense fp32 KV cache.
+  std::unique_ptr<Sequence> NewSequence() const;
+
+  // Runs `tokens` at positions [seq.length(), seq.length() + tokens.size()) and advances the
+  // sequence. Writes the logits of the last token ([vocab_size]) into `*logits`; with
+  // `all_logits`, logits of every token ([n][vocab_size]).
+  // InvalidArgument for an empty input or a token id outside [0, vocab_size).
+  absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, std::vector<float>* logits,
+                       bool all_logits = false) const;
+
+ private:
+  Model() = default;
+  ModelConfig config_;
+  std::vector<float> embed_;       // [vocab][hidden]
+  std::vector<LayerWeights> layers_;
+  std::vector<float> final_norm_;  // [hidden]
+  std::vector<float> lm_head_;     // [vocab][hidden]; empty when tied to embed_
+  std::vector<float> inv_freq_;    // [head_dim / 2], RoPE frequencies after scaling
+  int64_t num_parameters_ = 0;
+};
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_MODEL_H_

@@ -1,0 +1,52 @@
+// The one `fluxion` binary: dispatches to the subcommand, whose code lives in its part.
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "bench/commands.h"
+#include "model/commands.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  std::function<int(const std::vector<std::string>&)> run;
+};
+
+const std::vector<Subcommand>& Subcommands() {
+  static const auto* commands = new std::vector<Subcommand>{
+      {"generate", "generate tokens from prompt ids with the CPU model runtime",
+       fluxion::model::RunGenerateCommand},
+      {"make-model", "write a random-weight model in Hugging Face layout",
+       fluxion::model::RunMakeModelCommand},
+      {"bench", "benchmarks: `fluxion bench model`", fluxion::bench::RunBenchCommand},
+  };
+  return *commands;
+}
+
+void PrintUsage(std::ostream& out) {
+  out << "usage: fluxion <command> [flags]   (fluxion <command> --help for its flags)\n\n"
+         "commands:\n";
+  for (const Subcommand& c : Subcommands()) {
+    out << "  " << c.name << std::string(12 - std::strlen(c.name), ' ') << c.summary << "\n";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
+    PrintUsage(argc < 2 ? std::cerr : std::cout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::vector<std::string> args(argv + 2, argv + argc);
+  for (const Subcommand& c : Subcommands()) {
+    if (c.name == std::string(argv[1])) return c.run(args);
+  }
+  std::cerr << "fluxion: unknown command '" << argv[1] << "'\n\n";
+  PrintUsage(std::cerr);
+  return 2;
+}

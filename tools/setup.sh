@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs exactly the Debian 12 packages Fluxion needs to build, test and run. Idempotent: a
+# second run installs nothing. Why each package is here: docs/DEPENDENCIES.md.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config            # toolchain (CMake >= 3.25 in Debian 12)
+  libgrpc++-dev protobuf-compiler-grpc        # gRPC services and the grpc_cpp_plugin
+  libprotobuf-dev protobuf-compiler           # wire contract (proto/)
+  libucx-dev ucx-utils                        # KV transfer (transfer/ucx), ucx_info for diagnostics
+  libabsl-dev                                 # Status/StatusOr, flags, Mutex, Span
+  libgoogle-glog-dev                          # logging
+  libgtest-dev libgmock-dev                   # tests
+  libopenblas-openmp-dev                      # CPU GEMM/GEMV, OpenMP build so it shares our thread pool
+  nlohmann-json3-dev                          # config.json, safetensors headers, --json output
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages already installed"
+  exit 0
+fi
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+echo "setup: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
