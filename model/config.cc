@@ -195,7 +195,8 @@ absl::Status ReadRopeScaling(const Fields& scaling, const std::string& rope_type
   }
   if (rope_type == "linear") {
     rope->type = RopeType::kLinear;
-    FLUXION_ASSIGN_OR_RETURN(rope->factor, scaling.RequiredNumber("factor", "for rope_type 'linear'"));
+    FLUXION_ASSIGN_OR_RETURN(rope->factor,
+                             scaling.RequiredNumber("factor", "for rope_type 'linear'"));
     if (!(rope->factor > 0)) return FieldError(scaling.Name("factor"), "must be positive");
     return absl::OkStatus();
   }
@@ -228,8 +229,8 @@ absl::Status ReadRopeScaling(const Fields& scaling, const std::string& rope_type
   }
   // dynamic, yarn, longrope, su, mrope, ...: each changes the math in its own way.
   return absl::InvalidArgumentError(
-      absl::StrCat("config.json: '", scaling.Name("rope_type"), "': rope_scaling type '",
-                   rope_type, "' is not supported (supported: default, linear, llama3)"));
+      absl::StrCat("config.json: '", scaling.Name("rope_type"), "': rope_scaling type '", rope_type,
+                   "' is not supported (supported: default, linear, llama3)"));
 }
 
 // The rope type named in a scaling object: "rope_type", or the pre-4.42 key "type".
@@ -246,8 +247,8 @@ absl::StatusOr<RopeConfig> ReadRope(const Fields& fields) {
   // it reads rope_parameters, and so do we.
   if (const Json* params = fields.Get("rope_parameters")) {
     if (!params->is_object()) {
-      return FieldError("rope_parameters", absl::StrCat("must be an object, got ",
-                                                        params->type_name()));
+      return FieldError("rope_parameters",
+                        absl::StrCat("must be an object, got ", params->type_name()));
     }
     Fields scaling(*params, "rope_parameters.");
     FLUXION_ASSIGN_OR_RETURN(rope.theta, scaling.Number("rope_theta", rope.theta));
@@ -255,8 +256,8 @@ absl::StatusOr<RopeConfig> ReadRope(const Fields& fields) {
     FLUXION_RETURN_IF_ERROR(ReadRopeScaling(scaling, type.value_or("default"), &rope));
   } else if (const Json* classic = fields.Get("rope_scaling")) {
     if (!classic->is_object()) {
-      return FieldError("rope_scaling", absl::StrCat("must be an object or null, got ",
-                                                     classic->type_name()));
+      return FieldError("rope_scaling",
+                        absl::StrCat("must be an object or null, got ", classic->type_name()));
     }
     Fields scaling(*classic, "rope_scaling.");
     FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> type, RopeTypeOf(scaling));
@@ -295,10 +296,10 @@ absl::Status CheckSlidingWindow(const Fields& fields, const ModelConfig& config)
   FLUXION_ASSIGN_OR_RETURN(std::optional<int64_t> window, fields.OptionalInt("sliding_window"));
   if (!use_sliding_window || !window.has_value()) return absl::OkStatus();
   if (*window < config.max_position_embeddings) {
-    return FieldError("use_sliding_window",
-                      absl::StrCat("is true with sliding_window ", *window,
-                                   " < max_position_embeddings ", config.max_position_embeddings,
-                                   "; only full attention is supported"));
+    return FieldError(
+        "use_sliding_window",
+        absl::StrCat("is true with sliding_window ", *window, " < max_position_embeddings ",
+                     config.max_position_embeddings, "; only full attention is supported"));
   }
   return absl::OkStatus();
 }
@@ -310,18 +311,17 @@ absl::Status Validate(const ModelConfig& config, bool head_dim_given) {
   FLUXION_RETURN_IF_ERROR(RequirePositive("num_hidden_layers", config.num_layers));
   FLUXION_RETURN_IF_ERROR(RequirePositive("num_attention_heads", config.num_heads));
   FLUXION_RETURN_IF_ERROR(RequirePositive("num_key_value_heads", config.num_kv_heads));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("max_position_embeddings",
-                                          config.max_position_embeddings));
+  FLUXION_RETURN_IF_ERROR(
+      RequirePositive("max_position_embeddings", config.max_position_embeddings));
   if (config.num_heads % config.num_kv_heads != 0) {
     return FieldError("num_key_value_heads",
                       absl::StrCat("(", config.num_kv_heads, ") must divide num_attention_heads (",
                                    config.num_heads, ")"));
   }
   if (!head_dim_given && config.hidden_size % config.num_heads != 0) {
-    return FieldError("hidden_size",
-                      absl::StrCat("(", config.hidden_size,
-                                   ") is not divisible by num_attention_heads (", config.num_heads,
-                                   ") and no head_dim is given"));
+    return FieldError("hidden_size", absl::StrCat("(", config.hidden_size,
+                                                  ") is not divisible by num_attention_heads (",
+                                                  config.num_heads, ") and no head_dim is given"));
   }
   FLUXION_RETURN_IF_ERROR(RequirePositive("head_dim", config.head_dim));
   // RoPE rotates pairs of dimensions.
@@ -376,10 +376,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
   FLUXION_ASSIGN_OR_RETURN(config.num_kv_heads,
                            fields.Int("num_key_value_heads", config.num_heads));
   FLUXION_ASSIGN_OR_RETURN(std::optional<int64_t> head_dim, fields.OptionalInt("head_dim"));
-  // Checked in Validate before anything divides by it.
-  config.head_dim = head_dim.has_value()       ? *head_dim
-                    : config.num_heads > 0 ? config.hidden_size / config.num_heads
-                                           : 0;
+  // A non-positive head count is reported by Validate below; do not divide by it here.
+  config.head_dim =
+      head_dim.value_or(config.num_heads > 0 ? config.hidden_size / config.num_heads : 0);
   FLUXION_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.Number("rms_norm_eps", 1e-6));
   // The defaults transformers fills in when the field is absent.
   FLUXION_ASSIGN_OR_RETURN(config.max_position_embeddings,
@@ -400,7 +399,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
   FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> hidden_act,
                            fields.OptionalString("hidden_act"));
   if (hidden_act.has_value() && *hidden_act != "silu") {
-    return FieldError("hidden_act", absl::StrCat("'", *hidden_act, "' is not supported (only silu)"));
+    return FieldError("hidden_act",
+                      absl::StrCat("'", *hidden_act, "' is not supported (only silu)"));
   }
   FLUXION_ASSIGN_OR_RETURN(config.eos_token_ids, ReadTokenIds(fields, "eos_token_id"));
   FLUXION_ASSIGN_OR_RETURN(std::optional<int64_t> bos, fields.OptionalInt("bos_token_id"));

@@ -226,32 +226,30 @@ TEST(ModelConfigTest, ParsesQwen25WithTiedEmbeddingsAndQkvBias) {
 }
 
 TEST(ModelConfigTest, ModelTypeAloneSelectsTheArchitecture) {
-  std::string text = absl::StrReplaceAll(
-      kQwen25, {{R"("architectures": ["Qwen2ForCausalLM"],)", ""}});
+  std::string text =
+      absl::StrReplaceAll(kQwen25, {{R"("architectures": ["Qwen2ForCausalLM"],)", ""}});
   absl::StatusOr<ModelConfig> config = ParseModelConfig(text);
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->architecture, Architecture::kQwen2);
 }
 
 TEST(ModelConfigTest, ExplicitHeadDimOverridesHiddenOverHeads) {
-  absl::StatusOr<ModelConfig> config =
-      ParseModelConfig(SmallLlamaWith(R"("num_key_value_heads": 2,)",
-                                      R"("num_key_value_heads": 2, "head_dim": 64,)"));
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(SmallLlamaWith(
+      R"("num_key_value_heads": 2,)", R"("num_key_value_heads": 2, "head_dim": 64,)"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->head_dim, 64);  // not 256 / 8
 }
 
 TEST(ModelConfigTest, NullHeadDimIsDerivedFromHiddenSize) {
-  absl::StatusOr<ModelConfig> config =
-      ParseModelConfig(SmallLlamaWith(R"("num_key_value_heads": 2,)",
-                                      R"("num_key_value_heads": 2, "head_dim": null,)"));
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(SmallLlamaWith(
+      R"("num_key_value_heads": 2,)", R"("num_key_value_heads": 2, "head_dim": null,)"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->head_dim, 32);
 }
 
 TEST(ModelConfigTest, MultiQueryAttentionHasOneKvHeadServingAllQueryHeads) {
-  absl::StatusOr<ModelConfig> config =
-      ParseModelConfig(SmallLlamaWith(R"("num_key_value_heads": 2)", R"("num_key_value_heads": 1)"));
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(
+      SmallLlamaWith(R"("num_key_value_heads": 2)", R"("num_key_value_heads": 1)"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->num_kv_heads, 1);
   EXPECT_EQ(config->group_size(), 8);
@@ -281,8 +279,9 @@ TEST(ModelConfigTest, EosTokenMayBeAListOrNull) {
 }
 
 TEST(ModelConfigTest, LlamaAttentionBiasCoversQkvAndOutputProjections) {
-  absl::StatusOr<ModelConfig> config = ParseModelConfig(SmallLlamaWith(
-      R"("rope_scaling": null,)", R"("rope_scaling": null, "attention_bias": true, "mlp_bias": true,)"));
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(
+      SmallLlamaWith(R"("rope_scaling": null,)",
+                     R"("rope_scaling": null, "attention_bias": true, "mlp_bias": true,)"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(config->qkv_bias);
   EXPECT_TRUE(config->o_bias);
@@ -323,10 +322,9 @@ TEST(ModelConfigTest, HeadsNotDivisibleByKvHeadsIsRejectedNamingTheField) {
 }
 
 TEST(ModelConfigTest, UnsupportedRopeTypeIsRejectedInBothForms) {
-  ExpectRejectedNaming(
-      SmallLlamaWith(R"("rope_scaling": null)",
-                     R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0})"),
-      "rope_scaling type 'yarn' is not supported");
+  ExpectRejectedNaming(SmallLlamaWith(R"("rope_scaling": null)",
+                                      R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0})"),
+                       "rope_scaling type 'yarn' is not supported");
   ExpectRejectedNaming(SmallLlamaWith(R"("rope_theta": 500000.0,
   "rope_scaling": null,)",
                                       R"("rope_parameters": {"rope_type": "dynamic",
@@ -352,10 +350,9 @@ TEST(ModelConfigTest, FractionalSizeIsRejectedNamingTheField) {
 }
 
 TEST(ModelConfigTest, SlidingWindowShorterThanContextIsRejected) {
-  std::string text = absl::StrReplaceAll(kQwen25, {{R"("sliding_window": 32768)",
-                                                    R"("sliding_window": 4096)"},
-                                                   {R"("use_sliding_window": false)",
-                                                    R"("use_sliding_window": true)"}});
+  std::string text = absl::StrReplaceAll(
+      kQwen25, {{R"("sliding_window": 32768)", R"("sliding_window": 4096)"},
+                {R"("use_sliding_window": false)", R"("use_sliding_window": true)"}});
   ExpectRejectedNaming(text, "sliding_window");
 }
 

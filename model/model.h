@@ -42,6 +42,12 @@ class Sequence {
  public:
   explicit Sequence(std::unique_ptr<SequenceAttention> attention)
       : attention_(std::move(attention)) {}
+  // Continues a sequence whose `attention` already holds `length` tokens in every layer (e.g. a
+  // copy of a prefilled DenseAttention, so that several decodes can share one prefill).
+  // REQUIRES: length >= 0 and equals what `attention` holds; a mismatch surfaces as
+  // InvalidArgument from the next Forward.
+  Sequence(std::unique_ptr<SequenceAttention> attention, int64_t length)
+      : attention_(std::move(attention)), length_(length) {}
   int64_t length() const { return length_; }
   SequenceAttention& attention() { return *attention_; }
 

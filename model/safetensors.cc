@@ -20,7 +20,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
-// safetensors stores every value little-endian; we reinterpret the bytes in place.
+// safetensors stores every value little-endian; we copy its bytes straight into host values.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors.cc assumes little-endian");
 
 namespace fluxion::model {
@@ -48,7 +48,7 @@ absl::Status WithContext(const absl::Status& status, absl::string_view context) 
   return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
 }
 
-// numel * element_size in bytes, or nullopt-like false on a negative dimension or overflow.
+// Sets `*bytes` to numel * element_size; false on a negative dimension or on overflow.
 // Overflow matters: a hostile header could otherwise make a huge shape match a small byte range.
 bool CheckedByteSize(absl::Span<const int64_t> shape, uint64_t element_size, uint64_t* bytes) {
   uint64_t total = element_size;
@@ -60,9 +60,10 @@ bool CheckedByteSize(absl::Span<const int64_t> shape, uint64_t element_size, uin
 }
 
 // nlohmann reports syntax errors only through exceptions or a SAX handler, and silently keeps the
-// last of duplicate keys. This handler runs over the header first to recover the reason for a
-// syntax error and to catch a tensor named twice (which would leave bytes nobody accounts for).
-class HeaderScanner : public nlohmann::json_sax<Json> {
+// last of duplicate keys. This handler runs over the text before the DOM parse to recover the
+// reason for a syntax error and to catch a top-level key given twice (in a header, a tensor named
+// twice, which would leave bytes nobody accounts for).
+class JsonPrescan : public nlohmann::json_sax<Json> {
  public:
   bool null() override { return true; }
   bool boolean(bool) override { return true; }
@@ -107,7 +108,7 @@ class HeaderScanner : public nlohmann::json_sax<Json> {
 };
 
 absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view what) {
-  HeaderScanner scanner;
+  JsonPrescan scanner;
   if (!Json::sax_parse(text.begin(), text.end(), &scanner)) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not valid JSON: ", scanner.syntax_error));
@@ -117,7 +118,9 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view what) {
         absl::StrCat(what, " names '", scanner.duplicate_key, "' twice"));
   }
   Json root = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, " is not valid JSON"));
+  if (root.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not valid JSON"));
+  }
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not a JSON object (got ", root.type_name(), ")"));
@@ -191,10 +194,10 @@ absl::Status ParseTensorEntry(const std::string& name, const Json& entry, const 
         absl::StrCat(tensor, " has shape ", ShapeString(view->shape), " whose size overflows"));
   }
   if (view->dtype != DType::kOther && expected_bytes != view->nbytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        tensor, " has shape ", ShapeString(view->shape), " of ", view->dtype_name, " (",
-        expected_bytes, " bytes) but data_offsets [", begin, ",", end, "] span ", view->nbytes,
-        " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(tensor, " has shape ", ShapeString(view->shape),
+                                                   " of ", view->dtype_name, " (", expected_bytes,
+                                                   " bytes) but data_offsets [", begin, ",", end,
+                                                   "] span ", view->nbytes, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -216,8 +219,7 @@ absl::Status ParseMetadata(const Json& value, std::map<std::string, std::string>
 }
 
 // Zero-length tensors occupy no bytes and may sit anywhere, including inside another tensor.
-absl::Status CheckNoOverlap(const std::map<std::string, TensorView>& tensors,
-                            const uint8_t* data) {
+absl::Status CheckNoOverlap(const std::map<std::string, TensorView>& tensors, const uint8_t* data) {
   std::vector<const TensorView*> by_offset;
   for (const auto& [name, view] : tensors) {
     if (view.nbytes > 0) by_offset.push_back(&view);
@@ -428,9 +430,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   file->path_ = path;
   file->map_ = map;
   file->map_bytes_ = size;
-  FLUXION_RETURN_IF_ERROR(WithContext(ParseHeader(static_cast<const uint8_t*>(map), size, path,
-                                                  &file->tensors_, &file->metadata_),
-                                      path));
+  FLUXION_RETURN_IF_ERROR(WithContext(
+      ParseHeader(static_cast<const uint8_t*>(map), size, path, &file->tensors_, &file->metadata_),
+      path));
   return file;
 }
 
@@ -454,8 +456,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     const std::string single_path = JoinPath(dir, kSingleFile);
     FLUXION_ASSIGN_OR_RETURN(bool has_single, FileExists(single_path));
     if (!has_single) {
-      return absl::NotFoundError(
-          absl::StrCat("no ", kSingleFile, " or ", kIndexFile, " in ", dir));
+      return absl::NotFoundError(absl::StrCat("no ", kSingleFile, " or ", kIndexFile, " in ", dir));
     }
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
                              SafetensorsFile::Open(single_path));
@@ -476,8 +477,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   std::map<std::string, const SafetensorsFile*> shards;
   for (const auto& item : weight_map->items()) {
     if (!item.value().is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": shard of tensor '",
-                                                     item.key(), "' must be a string"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, ": shard of tensor '", item.key(), "' must be a string"));
     }
     const std::string& shard = item.value().get_ref<const std::string&>();
     FLUXION_RETURN_IF_ERROR(WithContext(ValidateShardName(shard), index_path));
@@ -490,8 +491,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     for (const auto& [name, view] : opened->tensors()) {
       auto [it, inserted] = checkpoint->tensors_.emplace(name, &view);
       if (!inserted) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is in both ",
-                                                       it->second->file, " and ", view.file));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", name, "' is in both ", it->second->file, " and ", view.file));
       }
     }
     checkpoint->files_.push_back(std::move(opened));
@@ -518,10 +519,10 @@ absl::StatusOr<const TensorView*> Checkpoint::Find(const std::string& name) cons
 absl::StatusOr<std::vector<float>> ReadAsFloat(const TensorView& tensor,
                                                absl::Span<const int64_t> expected_shape) {
   if (tensor.dtype == DType::kOther) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor '", tensor.name, "' has dtype ",
-        tensor.dtype_name.empty() ? DTypeName(tensor.dtype) : tensor.dtype_name,
-        "; expected BF16, F16 or F32"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", tensor.name, "' has dtype ",
+                     tensor.dtype_name.empty() ? DTypeName(tensor.dtype) : tensor.dtype_name,
+                     "; expected BF16, F16 or F32"));
   }
   if (absl::Span<const int64_t>(tensor.shape) != expected_shape) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor.name, "' has shape ",
@@ -530,8 +531,8 @@ absl::StatusOr<std::vector<float>> ReadAsFloat(const TensorView& tensor,
   }
   // Views from SafetensorsFile are already consistent; this guards hand-built ones.
   uint64_t nbytes;
-  if (!CheckedByteSize(tensor.shape, DTypeSize(tensor.dtype), &nbytes) ||
-      nbytes != tensor.nbytes || (nbytes > 0 && tensor.data == nullptr)) {
+  if (!CheckedByteSize(tensor.shape, DTypeSize(tensor.dtype), &nbytes) || nbytes != tensor.nbytes ||
+      (nbytes > 0 && tensor.data == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor '", tensor.name, "' holds ", tensor.nbytes, " bytes, which does not match shape ",
         ShapeString(tensor.shape), " of ", DTypeName(tensor.dtype)));
@@ -593,9 +594,9 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
     uint64_t nbytes;
     if (!CheckedByteSize(tensor.shape, DTypeSize(tensor.dtype), &nbytes) ||
         nbytes != tensor.data.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          label, " has shape ", ShapeString(tensor.shape), " of ", DTypeName(tensor.dtype),
-          " but ", tensor.data.size(), " bytes of data"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, " has shape ", ShapeString(tensor.shape), " of ",
+                       DTypeName(tensor.dtype), " but ", tensor.data.size(), " bytes of data"));
     }
     header[tensor.name] = {{"dtype", DTypeName(tensor.dtype)},
                            {"shape", tensor.shape},

@@ -84,8 +84,7 @@ std::string LittleEndian64(uint64_t value) {
 }
 
 // A hand-made file: [header_len][header][data], for headers WriteSafetensors would never write.
-void WriteRawSafetensors(const std::string& path, const std::string& header,
-                         size_t data_bytes) {
+void WriteRawSafetensors(const std::string& path, const std::string& header, size_t data_bytes) {
   WriteBytes(path, LittleEndian64(header.size()) + header + std::string(data_bytes, '\x01'));
 }
 
@@ -104,10 +103,10 @@ TEST(SafetensorsTest, WriteThenOpenRoundTripsEachDtypeAndMetadata) {
   ScopedTempDir temp;
   const std::string path = temp.File("model.safetensors");
   // Values exactly representable in each dtype, including extremes and an fp16 subnormal.
-  const std::vector<float> bf16_values = {0.0f, 1.0f, -2.5f, 0.15625f, 65280.0f,
-                                          -std::ldexp(1.0f, -100)};
-  const std::vector<float> f16_values = {0.0f, -1.0f, 2.5f, 65504.0f, std::ldexp(1.0f, -14),
-                                         std::ldexp(1.0f, -24)};
+  const std::vector<float> bf16_values = {0.0f,     1.0f,     -2.5f,
+                                          0.15625f, 65280.0f, -std::ldexp(1.0f, -100)};
+  const std::vector<float> f16_values = {
+      0.0f, -1.0f, 2.5f, 65504.0f, std::ldexp(1.0f, -14), std::ldexp(1.0f, -24)};
   const std::vector<float> f32_values = {3.14159274f, -1e-38f, 1e38f, 0.1f};
   const std::vector<TensorToWrite> tensors = {
       {"w.bf16", DType::kBF16, {2, 3}, Bf16Bytes(bf16_values)},
@@ -179,9 +178,9 @@ TEST(SafetensorsTest, WrittenHeaderIsPaddedSoTheDataSectionIsEightByteAligned) {
 TEST(SafetensorsTest, WriteRejectsDataOfTheWrongSizeNamingTheTensorAndLeavesNoFile) {
   ScopedTempDir temp;
   const std::string path = temp.File("bad.safetensors");
-  absl::Status status = WriteSafetensors(
-      path, {{"ok", DType::kF32, {1}, F32Bytes({1})},
-             {"model.norm.weight", DType::kBF16, {4}, Bf16Bytes({1, 2, 3})}});
+  absl::Status status =
+      WriteSafetensors(path, {{"ok", DType::kF32, {1}, F32Bytes({1})},
+                              {"model.norm.weight", DType::kBF16, {4}, Bf16Bytes({1, 2, 3})}});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), AllOf(HasSubstr("model.norm.weight"), HasSubstr("[4]")));
   EXPECT_FALSE(std::filesystem::exists(path));
@@ -205,10 +204,10 @@ TEST(SafetensorsTest, WriteRejectsUnknownDtypeAndDuplicateNames) {
 
 TEST(SafetensorsTest, CheckpointOpensEveryShardListedInTheIndex) {
   ScopedTempDir temp;
-  ASSERT_TRUE(WriteSafetensors(temp.File("model-00001-of-00002.safetensors"),
-                               {{"model.embed_tokens.weight", DType::kBF16, {2, 2},
-                                 Bf16Bytes({1, 2, 3, 4})},
-                                {"model.norm.weight", DType::kF32, {2}, F32Bytes({5, 6})}})
+  ASSERT_TRUE(WriteSafetensors(
+                  temp.File("model-00001-of-00002.safetensors"),
+                  {{"model.embed_tokens.weight", DType::kBF16, {2, 2}, Bf16Bytes({1, 2, 3, 4})},
+                   {"model.norm.weight", DType::kF32, {2}, F32Bytes({5, 6})}})
                   .ok());
   ASSERT_TRUE(WriteSafetensors(temp.File("model-00002-of-00002.safetensors"),
                                {{"lm_head.weight", DType::kF16, {2, 2}, F16Bytes({7, 8, 9, 10})}})
@@ -320,11 +319,11 @@ TEST(SafetensorsTest, MissingFileIsNotFound) {
 TEST(SafetensorsTest, FileCutInTheMiddleOfTheDataIsDataLossNamingTheTensor) {
   ScopedTempDir temp;
   const std::string path = temp.File("cut.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"model.layers.0.mlp.up_proj.weight", DType::kF32, {4},
-                                       F32Bytes({1, 2, 3, 4})},
-                                      {"model.layers.0.mlp.down_proj.weight", DType::kF32, {4},
-                                       F32Bytes({5, 6, 7, 8})}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(
+          path, {{"model.layers.0.mlp.up_proj.weight", DType::kF32, {4}, F32Bytes({1, 2, 3, 4})},
+                 {"model.layers.0.mlp.down_proj.weight", DType::kF32, {4}, F32Bytes({5, 6, 7, 8})}})
+          .ok());
   const uint64_t full = std::filesystem::file_size(path);
   std::filesystem::resize_file(path, full - 16);  // keep the first half of the 32 data bytes
   ExpectOpenFails(path, absl::StatusCode::kDataLoss, {"model.layers.0.mlp.down_proj.weight"});
@@ -479,8 +478,9 @@ TEST(SafetensorsTest, FileFindOfAnAbsentTensorIsNotFoundNamingIt) {
 TEST(SafetensorsTest, ReadAsFloatShapeMismatchNamesTensorAndBothShapes) {
   ScopedTempDir temp;
   const std::string name = "model.layers.0.self_attn.q_proj.weight";
-  ASSERT_TRUE(WriteSafetensors(temp.File("f"), {{name, DType::kBF16, {64, 32},
-                                                 Bf16Bytes(std::vector<float>(64 * 32, 1.0f))}})
+  ASSERT_TRUE(WriteSafetensors(
+                  temp.File("f"),
+                  {{name, DType::kBF16, {64, 32}, Bf16Bytes(std::vector<float>(64 * 32, 1.0f))}})
                   .ok());
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(temp.File("f"));
   ASSERT_TRUE(file.ok()) << file.status();
