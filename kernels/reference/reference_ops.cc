@@ -1,5 +1,6 @@
 #include "kernels/reference/reference_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -77,6 +78,62 @@ void CausalAttention(const float* q, const float* k, const float* v, float* out,
         orow[t] = static_cast<float>(acc / denom);
       }
     }
+  }
+}
+
+void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const DecodeQuery& q, const AttentionState& state) {
+  const int64_t d = kv.head_dim;
+  for (int64_t g = 0; g < q.group; ++g) {
+    const float* qg = q.q + g * d;
+    std::vector<double> scores;
+    std::vector<const bf16*> v_rows;
+    for (int64_t s = 0; s < num_spans; ++s) {
+      for (int32_t r = spans[s].first_row; r < spans[s].first_row + spans[s].rows; ++r) {
+        const bf16* k = kv.keys(spans[s].page) + r * d;
+        double dot = 0;
+        for (int64_t t = 0; t < d; ++t) dot += double(qg[t]) * Bf16ToFloat(k[t]);
+        scores.push_back(dot * q.scale);
+        v_rows.push_back(kv.values(spans[s].page) + r * d);
+      }
+    }
+    float* out = state.out + g * d;
+    if (scores.empty()) {
+      std::fill(out, out + d, 0.0f);
+      state.lse[g] = -INFINITY;
+      continue;
+    }
+    double m = -INFINITY;
+    for (double x : scores) m = std::max(m, x);
+    double l = 0;
+    std::vector<double> acc(d, 0.0);
+    for (size_t j = 0; j < scores.size(); ++j) {
+      const double p = std::exp(scores[j] - m);
+      l += p;
+      for (int64_t t = 0; t < d; ++t) acc[t] += p * Bf16ToFloat(v_rows[j][t]);
+    }
+    for (int64_t t = 0; t < d; ++t) out[t] = static_cast<float>(acc[t] / l);
+    state.lse[g] = static_cast<float>(m + std::log(l));
+  }
+}
+
+void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
+                          int64_t group, int64_t head_dim) {
+  for (int64_t g = 0; g < group; ++g) {
+    const double la = lse_a[g], lb = lse_b[g];
+    if (lb == -INFINITY) continue;
+    if (la == -INFINITY) {
+      std::copy_n(out_b + g * head_dim, head_dim, out_a + g * head_dim);
+      lse_a[g] = lse_b[g];
+      continue;
+    }
+    const double m = std::max(la, lb);
+    const double wa = std::exp(la - m), wb = std::exp(lb - m);
+    for (int64_t t = 0; t < head_dim; ++t) {
+      out_a[g * head_dim + t] = static_cast<float>(
+          (wa * out_a[g * head_dim + t] + wb * out_b[g * head_dim + t]) / (wa + wb));
+    }
+    lse_a[g] = static_cast<float>(m + std::log(wa + wb));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/attention_params.h"
+#include "kernels/paged_attention.h"
 
 namespace fluxion::kernels::reference {
 
@@ -33,6 +34,16 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n);
 //   out: [n][num_heads][head_dim]
 void CausalAttention(const float* q, const float* k, const float* v, float* out,
                      const AttentionParams& p);
+
+// Attention of q.group heads over the rows listed in `spans` of `kv` (double accumulation).
+// Writes state.out [group][head_dim] and state.lse [group] (-inf and zeros for no rows).
+void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const DecodeQuery& q, const AttentionState& state);
+
+// Merges partial state b into a (disjoint row sets): a := softmax-weighted combination by lse.
+//   out_a, out_b: [group][head_dim]; lse_a, lse_b: [group] natural base.
+void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
+                          int64_t group, int64_t head_dim);
 
 }  // namespace fluxion::kernels::reference
 

@@ -1,0 +1,35 @@
+// CPU decode attention over host KV pages (contract in kernels/paged_attention.h), AVX2 + FMA.
+// An AVX-512-BF16 variant chosen at run time is planned (issue 4); this is the portable baseline.
+//
+// Thread-safe: pure function of its inputs; callers parallelise over (request, layer, KV head).
+#ifndef FLUXION_KERNELS_CPU_PAGED_ATTENTION_CPU_H_
+#define FLUXION_KERNELS_CPU_PAGED_ATTENTION_CPU_H_
+
+#include <cstdint>
+
+#include "kernels/paged_attention.h"
+
+namespace fluxion::kernels::cpu {
+
+// Largest group and rows per span the kernel's stack scratch holds.
+inline constexpr int64_t kMaxGroup = 16;
+inline constexpr int64_t kMaxSpanRows = 64;
+inline constexpr int64_t kMaxHeadDim = 256;
+
+// True when PagedAttention supports this shape: head_dim a multiple of 8 and <= kMaxHeadDim,
+// group <= kMaxGroup, page_tokens <= kMaxSpanRows.
+bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_tokens);
+
+// Attends q.group heads over the rows in `spans`; each K and V row is read once, converted from
+// bf16 to fp32, used for every head of the group. fp32 accumulation, online softmax.
+// REQUIRES: PagedAttentionSupported(kv.head_dim, q.group, kv.page_tokens).
+void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const DecodeQuery& q, const AttentionState& state);
+
+// a := merge(a, b) by log-sum-exp (disjoint row sets). Same contract as the reference.
+void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
+                          int64_t group, int64_t head_dim);
+
+}  // namespace fluxion::kernels::cpu
+
+#endif  // FLUXION_KERNELS_CPU_PAGED_ATTENTION_CPU_H_
