@@ -1,9 +1,11 @@
 #include "kernels/cpu/paged_attention_cpu.h"
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -110,6 +112,30 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
     const float inv = 1.0f / running_sum[g];
     for (int64_t t = 0; t < d; ++t) out[t] *= inv;
     state.lse[g] = running_max[g] + std::log(running_sum[g]);
+  }
+}
+
+void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                         const DecodeQuery& q, const AttentionState& state, int threads) {
+  if (threads <= 0) threads = omp_get_max_threads();
+  threads = static_cast<int>(std::min<int64_t>(threads, num_spans));
+  if (threads <= 1) {
+    PagedAttention(kv, spans, num_spans, q, state);
+    return;
+  }
+  const int64_t gd = q.group * kv.head_dim;
+  std::vector<float> outs(threads * gd), lses(threads * q.group);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t begin = num_spans * t / threads, end = num_spans * (t + 1) / threads;
+    PagedAttention(kv, spans + begin, end - begin, q,
+                   {outs.data() + t * gd, lses.data() + t * q.group});
+  }
+  std::copy_n(outs.data(), gd, state.out);
+  std::copy_n(lses.data(), q.group, state.lse);
+  for (int t = 1; t < threads; ++t) {
+    MergeAttentionStates(state.out, state.lse, outs.data() + t * gd, lses.data() + t * q.group,
+                         q.group, kv.head_dim);
   }
 }
 

@@ -26,6 +26,12 @@ bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_token
 void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const DecodeQuery& q, const AttentionState& state);
 
+// Split-KV version for long row sets (flash-decoding): the spans are cut into `threads` slices of
+// about equal rows, each slice is attended by one OpenMP thread into a partial state, and the
+// partial states are merged by log-sum-exp. threads <= 0 uses the OpenMP default.
+void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                         const DecodeQuery& q, const AttentionState& state, int threads);
+
 // a := merge(a, b) by log-sum-exp (disjoint row sets). Same contract as the reference.
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim);

@@ -117,6 +117,25 @@ TEST_P(PagedAttentionTest, MergingTwoHalvesEqualsAttendingTheWhole) {
   for (int64_t g = 0; g < c.group; ++g) EXPECT_NEAR(a_lse[g], whole_lse[g], 1e-5);
 }
 
+TEST_P(PagedAttentionTest, SplitAcrossThreadsMatchesSingleThread) {
+  const Case c = GetParam();
+  Fixture f = Make(c, 29);
+  DecodeQuery q{f.q.data(), c.group, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  std::vector<float> one(c.group * c.head_dim), one_lse(c.group);
+  std::vector<float> split(one.size(), NAN), split_lse(c.group, NAN);
+  cpu::PagedAttention(f.kv, f.spans.data(), f.spans.size(), q, {one.data(), one_lse.data()});
+  cpu::PagedAttentionSplit(f.kv, f.spans.data(), f.spans.size(), q,
+                           {split.data(), split_lse.data()}, 3);
+  EXPECT_LT(RelErr(split, one), 2e-6);
+  for (int64_t g = 0; g < c.group; ++g) {
+    if (f.spans.empty()) {
+      EXPECT_EQ(split_lse[g], -INFINITY);
+    } else {
+      EXPECT_NEAR(split_lse[g], one_lse[g], 1e-5);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Grid, PagedAttentionTest,
     ::testing::Values(Case{128, 4, 16, 64, 1.0, false},    // Llama-8B head, GQA 4:1, dense
