@@ -10,107 +10,220 @@
 namespace fluxion::kernels::cpu {
 namespace {
 
-// bf16 -> fp32 is a 16-bit left shift of the bit pattern.
-inline __m256 LoadBf16x8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// Head dimensions are processed 16 at a time: one 256-bit load holds 16 bf16 values, which split
+// into two fp32 vectors with one instruction each: the even-indexed elements (shift left by 16)
+// and the odd-indexed ones (mask off the low half). Dot products do not care about the order of
+// their terms, so the query is stored deinterleaved the same way and no shuffle is ever needed;
+// the output accumulators are kept deinterleaved too and re-interleaved once at the end.
+constexpr int64_t kChunk = 16;
+constexpr int64_t kHeadBlock = 4;  // query heads sharing one pass over a K/V row
+
+struct Bf16Pair {
+  __m256 even, odd;
+};
+
+inline Bf16Pair LoadBf16x16(const bf16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xffff0000)))};
 }
 
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// Horizontal sums of four vectors, returned as the four lanes of one vector.
+inline __m128 HorizontalSum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Converts `rows` consecutive bf16 rows of length d into fp32 scratch [rows][d].
-inline void ConvertRows(const bf16* src, int64_t rows, int64_t d, float* dst) {
-  for (int64_t i = 0; i < rows * d; i += 8) _mm256_storeu_ps(dst + i, LoadBf16x8(src + i));
+// exp(x) for 8 lanes: range reduction to r in [-ln2/2, ln2/2], degree-6 polynomial, scale by 2^n.
+// Relative error ~2e-7 (a couple of fp32 ulps); inputs below -87 flush to 0.
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                        _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// v[i] = exp(v[i] - shift) for n values, returning their sum.
+inline float ExpShiftedInPlace(float* v, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), s));
+    _mm256_storeu_ps(v + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] +
+                lanes[7];
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    for (int64_t j = i; j < n; ++j) tail[j - i] = v[j] - shift;
+    for (int64_t j = n - i; j < 8; ++j) tail[j] = -INFINITY;
+    _mm256_store_ps(tail, Exp8(_mm256_load_ps(tail)));
+    for (int64_t j = i; j < n; ++j) {
+      v[j] = tail[j - i];
+      total += v[j];
+    }
+  }
+  return total;
 }
 
 }  // namespace
 
 bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_tokens) {
-  return head_dim > 0 && head_dim % 8 == 0 && head_dim <= kMaxHeadDim && group >= 1 &&
+  return head_dim > 0 && head_dim % kChunk == 0 && head_dim <= kMaxHeadDim && group >= 1 &&
          group <= kMaxGroup && page_tokens >= 1 && page_tokens <= kMaxSpanRows;
 }
 
 void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const DecodeQuery& q, const AttentionState& state) {
-  const int64_t d = kv.head_dim, group = q.group;
-  // Scratch: the span's K and V rows in fp32, scores, and the group's scaled queries. Converting
-  // a span once and then sweeping it per head keeps the accumulators in registers for a whole
-  // span instead of reloading them for every row.
-  alignas(32) float k_rows[kMaxSpanRows * kMaxHeadDim];
-  alignas(32) float v_rows[kMaxSpanRows * kMaxHeadDim];
-  alignas(32) float qs[kMaxGroup * kMaxHeadDim];
-  float scores[kMaxGroup][kMaxSpanRows];
+  const int64_t d = kv.head_dim, group = q.group, chunks = d / kChunk;
+  // Heads are padded to a multiple of kHeadBlock with zero queries so the inner loops have a
+  // fixed width; padded heads' results are never read.
+  const int64_t padded = (group + kHeadBlock - 1) / kHeadBlock * kHeadBlock;
+  alignas(32) float qd[kMaxGroup * kMaxHeadDim];   // scaled, deinterleaved queries
+  alignas(32) float acc[kMaxGroup * kMaxHeadDim];  // deinterleaved output accumulators
+  alignas(32) float scores[kMaxGroup][kMaxSpanRows];
   float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int64_t i = 0; i < group * d; ++i) qs[i] = q.q[i] * q.scale;
-  std::fill(state.out, state.out + group * d, 0.0f);
-  std::fill(running_max, running_max + group, -INFINITY);
-  std::fill(running_sum, running_sum + group, 0.0f);
+  for (int64_t g = 0; g < padded; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t i = 0; i < 8; ++i) {
+        const bool real = g < group;
+        qd[g * d + c * kChunk + i] = real ? q.q[g * d + c * kChunk + 2 * i] * q.scale : 0.0f;
+        qd[g * d + c * kChunk + 8 + i] = real ? q.q[g * d + c * kChunk + 2 * i + 1] * q.scale : 0.0f;
+      }
+    }
+  }
+  std::fill(acc, acc + padded * d, 0.0f);
+  std::fill(running_max, running_max + padded, -INFINITY);
+  std::fill(running_sum, running_sum + padded, 0.0f);
 
   for (int64_t s = 0; s < num_spans; ++s) {
     const PageSpan& span = spans[s];
     const int64_t rows = span.rows;
     if (rows <= 0) continue;
     if (s + 1 < num_spans) {
-      // The next span is usually a different, non-adjacent page: start its first lines early.
-      _mm_prefetch(reinterpret_cast<const char*>(kv.keys(spans[s + 1].page) +
-                                                 spans[s + 1].first_row * d),
+      // The next span is usually a different, non-adjacent page: touch its first K and V lines
+      // so the hardware prefetcher is already streaming it when we get there. (Prefetching every
+      // line of the next page measured slower: it competes with the current page's loads.)
+      const PageSpan& next = spans[s + 1];
+      _mm_prefetch(reinterpret_cast<const char*>(kv.keys(next.page) + next.first_row * d),
                    _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(kv.values(spans[s + 1].page) +
-                                                 spans[s + 1].first_row * d),
+      _mm_prefetch(reinterpret_cast<const char*>(kv.values(next.page) + next.first_row * d),
                    _MM_HINT_T0);
     }
-    ConvertRows(kv.keys(span.page) + span.first_row * d, rows, d, k_rows);
-    ConvertRows(kv.values(span.page) + span.first_row * d, rows, d, v_rows);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qs + g * d;
+    const bf16* k_rows = kv.keys(span.page) + span.first_row * d;
+    const bf16* v_rows = kv.values(span.page) + span.first_row * d;
+
+    // Scores: each K row is loaded and converted once per block of four heads.
+    for (int64_t hb = 0; hb < padded; hb += kHeadBlock) {
+      const float* q0 = qd + hb * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* k = k_rows + r * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Bf16Pair kk = LoadBf16x16(k + c * kChunk);
+          const float* qc = q0 + c * kChunk;
+          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc), kk.even, a0);
+          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc + 8), kk.odd, a0);
+          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d), kk.even, a1);
+          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d + 8), kk.odd, a1);
+          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d), kk.even, a2);
+          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d + 8), kk.odd, a2);
+          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d), kk.even, a3);
+          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d + 8), kk.odd, a3);
+        }
+        alignas(16) float four[4];
+        _mm_store_ps(four, HorizontalSum4(a0, a1, a2, a3));
+        for (int64_t j = 0; j < kHeadBlock; ++j) scores[hb + j][r] = four[j];
+      }
+    }
+
+    // Online softmax: new running maximum, rescale factor for what was accumulated, weights.
+    float correction[kMaxGroup];
+    for (int64_t g = 0; g < padded; ++g) {
       float span_max = -INFINITY;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* k = k_rows + r * d;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= d; t += 16) {
-          acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t), _mm256_loadu_ps(k + t), acc0);
-          acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t + 8), _mm256_loadu_ps(k + t + 8), acc1);
-        }
-        if (t < d) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t), _mm256_loadu_ps(k + t), acc0);
-        scores[g][r] = HorizontalSum(_mm256_add_ps(acc0, acc1));
-        span_max = std::max(span_max, scores[g][r]);
-      }
-      // Online softmax: rescale what was accumulated so far to the new maximum.
+      for (int64_t r = 0; r < rows; ++r) span_max = std::max(span_max, scores[g][r]);
       const float new_max = std::max(running_max[g], span_max);
-      const float correction = std::exp(running_max[g] - new_max);
-      float sum = running_sum[g] * correction;
-      for (int64_t r = 0; r < rows; ++r) {
-        scores[g][r] = std::exp(scores[g][r] - new_max);
-        sum += scores[g][r];
-      }
+      correction[g] = std::exp(running_max[g] - new_max);
+      running_sum[g] = running_sum[g] * correction[g] +
+                       ExpShiftedInPlace(scores[g], rows, new_max);
       running_max[g] = new_max;
-      running_sum[g] = sum;
-      float* out = state.out + g * d;
-      const __m256 corr = _mm256_set1_ps(correction);
-      for (int64_t t = 0; t < d; t += 8) {
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(out + t), corr);
+    }
+
+    // Weighted V rows: four heads' accumulators for one 16-wide chunk stay in registers across
+    // all rows of the span; each V chunk is loaded and converted once per head block.
+    for (int64_t hb = 0; hb < padded; hb += kHeadBlock) {
+      const __m256 c0 = _mm256_set1_ps(correction[hb]), c1 = _mm256_set1_ps(correction[hb + 1]),
+                   c2 = _mm256_set1_ps(correction[hb + 2]), c3 = _mm256_set1_ps(correction[hb + 3]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* a = acc + hb * d + c * kChunk;
+        __m256 e0 = _mm256_mul_ps(_mm256_load_ps(a), c0);
+        __m256 o0 = _mm256_mul_ps(_mm256_load_ps(a + 8), c0);
+        __m256 e1 = _mm256_mul_ps(_mm256_load_ps(a + d), c1);
+        __m256 o1 = _mm256_mul_ps(_mm256_load_ps(a + d + 8), c1);
+        __m256 e2 = _mm256_mul_ps(_mm256_load_ps(a + 2 * d), c2);
+        __m256 o2 = _mm256_mul_ps(_mm256_load_ps(a + 2 * d + 8), c2);
+        __m256 e3 = _mm256_mul_ps(_mm256_load_ps(a + 3 * d), c3);
+        __m256 o3 = _mm256_mul_ps(_mm256_load_ps(a + 3 * d + 8), c3);
         for (int64_t r = 0; r < rows; ++r) {
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[g][r]), _mm256_loadu_ps(v_rows + r * d + t),
-                                acc);
+          const Bf16Pair vv = LoadBf16x16(v_rows + r * d + c * kChunk);
+          __m256 p = _mm256_broadcast_ss(&scores[hb][r]);
+          e0 = _mm256_fmadd_ps(p, vv.even, e0);
+          o0 = _mm256_fmadd_ps(p, vv.odd, o0);
+          p = _mm256_broadcast_ss(&scores[hb + 1][r]);
+          e1 = _mm256_fmadd_ps(p, vv.even, e1);
+          o1 = _mm256_fmadd_ps(p, vv.odd, o1);
+          p = _mm256_broadcast_ss(&scores[hb + 2][r]);
+          e2 = _mm256_fmadd_ps(p, vv.even, e2);
+          o2 = _mm256_fmadd_ps(p, vv.odd, o2);
+          p = _mm256_broadcast_ss(&scores[hb + 3][r]);
+          e3 = _mm256_fmadd_ps(p, vv.even, e3);
+          o3 = _mm256_fmadd_ps(p, vv.odd, o3);
         }
-        _mm256_storeu_ps(out + t, acc);
+        _mm256_store_ps(a, e0);
+        _mm256_store_ps(a + 8, o0);
+        _mm256_store_ps(a + d, e1);
+        _mm256_store_ps(a + d + 8, o1);
+        _mm256_store_ps(a + 2 * d, e2);
+        _mm256_store_ps(a + 2 * d + 8, o2);
+        _mm256_store_ps(a + 3 * d, e3);
+        _mm256_store_ps(a + 3 * d + 8, o3);
       }
     }
   }
+
   for (int64_t g = 0; g < group; ++g) {
     float* out = state.out + g * d;
     if (running_sum[g] == 0.0f) {
-      state.lse[g] = -INFINITY;  // no rows: output stays 0
+      std::fill(out, out + d, 0.0f);  // no rows: empty state
+      state.lse[g] = -INFINITY;
       continue;
     }
-    const float inv = 1.0f / running_sum[g];
-    for (int64_t t = 0; t < d; ++t) out[t] *= inv;
+    const __m256 inv = _mm256_set1_ps(1.0f / running_sum[g]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* a = acc + g * d + c * kChunk;
+      const __m256 e = _mm256_mul_ps(_mm256_load_ps(a), inv);
+      const __m256 o = _mm256_mul_ps(_mm256_load_ps(a + 8), inv);
+      const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+      _mm256_storeu_ps(out + c * kChunk, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(out + c * kChunk + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
     state.lse[g] = running_max[g] + std::log(running_sum[g]);
   }
 }

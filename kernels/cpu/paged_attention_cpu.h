@@ -16,7 +16,7 @@ inline constexpr int64_t kMaxGroup = 16;
 inline constexpr int64_t kMaxSpanRows = 64;
 inline constexpr int64_t kMaxHeadDim = 256;
 
-// True when PagedAttention supports this shape: head_dim a multiple of 8 and <= kMaxHeadDim,
+// True when PagedAttention supports this shape: head_dim a multiple of 16 and <= kMaxHeadDim,
 // group <= kMaxGroup, page_tokens <= kMaxSpanRows.
 bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_tokens);
 

@@ -155,7 +155,7 @@ TEST(MergeAttentionStatesTest, TwoEmptyStatesMergeToEmpty) {
 }
 
 TEST(PagedAttentionSupportTest, RejectsShapesTheKernelCannotHold) {
-  EXPECT_FALSE(cpu::PagedAttentionSupported(100, 4, 16));  // not a multiple of 8
+  EXPECT_FALSE(cpu::PagedAttentionSupported(120, 4, 16));  // not a multiple of 16
   EXPECT_FALSE(cpu::PagedAttentionSupported(512, 4, 16));
   EXPECT_FALSE(cpu::PagedAttentionSupported(128, 32, 16));
   EXPECT_FALSE(cpu::PagedAttentionSupported(128, 4, 128));
