@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <random>
 
+#include <unistd.h>
+
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
 #include "model/generator.h"
@@ -22,8 +24,11 @@ namespace ref = ::fluxion::kernels::reference;
 // evaluates RoPE angles in double. Differences are rounding: <= 2e-4 relative to the logit scale.
 constexpr double kLogitTol = 2e-4;
 
+// Unique per test and process: ctest runs the tests of this file as parallel processes.
 std::string TempModelDir(const std::string& name) {
-  return ::testing::TempDir() + "/fluxion_model_test_" + name;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return ::testing::TempDir() + "/fluxion_model_test_" + name + "_" + info->name() + "_" +
+         std::to_string(getpid());
 }
 
 // Last-position logits of `tokens` computed from scratch with the reference kernels.

@@ -372,8 +372,8 @@ absl::StatusOr<TaskSample> MakeTaskSample(const std::string& task, int64_t conte
   const int64_t minimum = PromptLength(item_chars, item_count, query_chars);
   if (minimum > context_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "context ", context_tokens, " is too short for task ", task, ": its items and question (",
-        "this sample's) alone take ", minimum, " tokens"));
+        "context ", context_tokens, " is too short for task ", task, ": the items and question of ",
+        "seed ", seed, " alone take ", minimum, " tokens"));
   }
   std::vector<std::string> filler =
       FillHaystack(rng, context_tokens, item_chars, item_count, query_chars);

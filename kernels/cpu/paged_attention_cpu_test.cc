@@ -145,7 +145,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{64, 8, 32, 20, 1.0, true},      // 32-token pages
                       Case{96, 2, 64, 9, 1.0, false},      // 64-token pages, head_dim 96
                       Case{256, 16, 16, 5, 1.0, false},    // largest head and group
-                      Case{32, 4, 16, 3, 0.0, false}));    // nothing selected: empty state
+                      Case{32, 4, 16, 3, 0.0, false}),     // nothing selected: empty state
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const Case& c = info.param;
+      return "d" + std::to_string(c.head_dim) + "_g" + std::to_string(c.group) + "_p" +
+             std::to_string(c.page_tokens) + "x" + std::to_string(c.pages) + "_keep" +
+             std::to_string(static_cast<int>(c.keep * 100)) + (c.partial_rows ? "_partial" : "");
+    });
 
 TEST(MergeAttentionStatesTest, TwoEmptyStatesMergeToEmpty) {
   std::vector<float> a(8, 0.0f), b(8, 0.0f), la(1, -INFINITY), lb(1, -INFINITY);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bench/commands.h"
+#include "bench/eval/eval_command.h"
 #include "model/commands.h"
 
 namespace {
@@ -23,6 +24,7 @@ const std::vector<Subcommand>& Subcommands() {
       {"make-model", "write a random-weight model in Hugging Face layout",
        fluxion::model::RunMakeModelCommand},
       {"bench", "benchmarks: `fluxion bench model`", fluxion::bench::RunBenchCommand},
+      {"eval", "quality evaluations: `fluxion eval tasks`", fluxion::eval::RunEvalCommand},
   };
   return *commands;
 }

@@ -1,0 +1,234 @@
+#include "bench/eval/eval_command.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "bench/bench_util.h"
+#include "bench/eval/task_eval.h"
+#include "bench/eval/tasks.h"
+#include "common/flag_set.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/model.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::eval {
+namespace {
+
+// Model output can be any bytes (or specials spelled `<eos>`): show it on one line, escaped.
+std::string Printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c >= 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  return out;
+}
+
+// The last `n` characters of `s`, with "..." when cut.
+std::string Tail(const std::string& s, size_t n) {
+  return s.size() <= n ? s : "..." + s.substr(s.size() - n);
+}
+
+void PrintTable(const std::vector<CellResult>& results) {
+  std::printf("%-16s %8s  %-8s %5s  %8s  %-16s %11s %9s\n", "task", "context", "policy", "n",
+              "accuracy", "95% CI", "prefill ms", "tpot ms");
+  for (const CellResult& r : results) {
+    char ci[32];
+    std::snprintf(ci, sizeof(ci), "[%.3f, %.3f]", r.ci_low, r.ci_high);
+    std::printf("%-16s %8lld  %-8s %5lld  %8.3f  %-16s %11.1f %9.2f\n", r.task.c_str(),
+                static_cast<long long>(r.context), r.policy.c_str(),
+                static_cast<long long>(r.samples), r.accuracy, ci, r.prefill_ms, r.tpot_ms);
+  }
+}
+
+void PrintSample(const SampleOutcome& o) {
+  const TaskSample& s = o.sample;
+  std::printf("--- %s %lld seed %llu: %zu prompt tokens, prefill %.1f ms\n", s.task.c_str(),
+              static_cast<long long>(s.context), static_cast<unsigned long long>(s.seed),
+              s.prompt_ids.size(), o.prefill_seconds * 1e3);
+  std::printf("  question : %s\n", Printable(Tail(s.query, 160)).c_str());
+  std::printf("  expected : %s\n", Printable(s.answer).c_str());
+  for (const PolicyOutcome& p : o.policies) {
+    std::printf("  %-9s: %s   [%s]\n", p.policy.c_str(), Printable(p.answer).c_str(),
+                p.correct ? "ok" : "WRONG");
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int RunEvalCommand(const std::vector<std::string>& args) {
+  const char* usage =
+      "usage: fluxion eval <what> [flags]   (fluxion eval <what> --help)\n"
+      "  tasks    accuracy on the long-context tasks of docs/TASKS.md per context and attention "
+      "policy\n";
+  if (args.empty() || args[0] == "--help") {
+    std::cout << usage;
+    return args.empty() ? 2 : 0;
+  }
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "tasks") return RunEvalTasksCommand(rest);
+  std::cerr << "fluxion eval: unknown evaluation '" << args[0] << "'\n" << usage;
+  return 2;
+}
+
+int RunEvalTasksCommand(const std::vector<std::string>& args) {
+  std::string model_dir, json_path, capture_dir;
+  std::vector<std::string> tasks = TaskNames();
+  std::vector<std::string> policies = {"full"};
+  std::vector<int64_t> contexts = {1024, 4096};
+  int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), threads = 0,
+          max_new_tokens = 0, capture_kv_max = 8192;
+  bool show = false;
+  FlagSet flags("fluxion eval tasks",
+                "Runs the long-context tasks of docs/TASKS.md through the CPU engine: one "
+                "full-attention prefill per sample, a greedy decode per attention policy, exact-"
+                "match accuracy with 95% Wilson intervals.");
+  flags.String("model", &model_dir, "model directory (config.json + safetensors)");
+  flags.StringList("tasks", &tasks, "tasks to run");
+  flags.IntList("contexts", &contexts, "prompt lengths in tokens (each prompt is 0.9-1.0 of it)");
+  flags.Int("samples", &samples, "samples per task and context");
+  flags.Int("seed", &seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
+  flags.StringList("policy", &policies,
+                   "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
+  flags.Int("threads", &threads, "CPU threads; 0 = all cores");
+  flags.Int("max-new-tokens", &max_new_tokens,
+            "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
+  flags.String("json", &json_path, "also write results to this file (docs/BENCHMARKS.md format)");
+  flags.Bool("show", &show, "print each sample's question tail, expected and generated answers");
+  flags.String("capture-dir", &capture_dir,
+               "write queries, K/V and attention statistics of every sample here (.npy + "
+               "index.json) for sparse-policy calibration");
+  flags.Int("capture-kv-max", &capture_kv_max,
+            "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
+  flags.Require("model");
+  if (absl::Status s = flags.Parse(args); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+
+  TaskEvalOptions options;
+  options.tasks = tasks;
+  options.contexts = contexts;
+  options.samples = samples;
+  options.first_seed = static_cast<uint64_t>(seed);
+  options.policies = policies;
+  options.max_new_tokens = max_new_tokens;
+  options.capture_dir = capture_dir;
+  options.capture_kv_max = capture_kv_max;
+  options.model_name = model_dir;
+  // Usage errors (exit 2) are found before the model is loaded.
+  std::string usage_error;
+  if (seed < static_cast<int64_t>(kFirstEvalSeed)) {
+    usage_error = absl::StrCat("--seed ", seed, " is in the training range; evaluation seeds ",
+                               "are >= ", kFirstEvalSeed, " (docs/TASKS.md)");
+  } else if (samples < 1) {
+    usage_error = "--samples must be >= 1";
+  } else if (max_new_tokens < 0) {
+    usage_error = "--max-new-tokens must be >= 0";
+  } else if (tasks.empty() || contexts.empty() || policies.empty()) {
+    usage_error = "--tasks, --contexts and --policy need at least one value each";
+  }
+  for (const std::string& p : policies) {
+    if (absl::Status s = ValidatePolicy(p); usage_error.empty() && !s.ok()) {
+      usage_error = absl::StrCat("--policy: ", s.message());
+    }
+  }
+  for (const std::string& task : tasks) {
+    for (int64_t context : contexts) {
+      absl::Status s = MakeTaskSample(task, context, options.first_seed).status();
+      if (usage_error.empty() && !s.ok()) usage_error = std::string(s.message());
+    }
+  }
+  if (!usage_error.empty()) {
+    std::cerr << "error: " << usage_error << "\n";
+    return 2;
+  }
+
+  kernels::cpu::SetNumThreads(static_cast<int>(threads));
+  auto model = model::Model::Load(model_dir);
+  if (!model.ok()) {
+    std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
+    return 1;
+  }
+
+  // Progress on stderr: one rewritten line on a terminal, a line per sample otherwise (logs).
+  const bool tty = isatty(STDERR_FILENO) == 1;
+  TaskEvalCallbacks callbacks;
+  callbacks.on_sample_start = [tty](int64_t index, int64_t total, const std::string& task,
+                                    int64_t context) {
+    if (tty) {
+      std::fprintf(stderr, "\r\033[K[%lld/%lld] %s %lld ...", static_cast<long long>(index + 1),
+                   static_cast<long long>(total), task.c_str(), static_cast<long long>(context));
+      std::fflush(stderr);
+    }
+  };
+  callbacks.on_sample_done = [tty, show](const SampleOutcome& o) {
+    if (tty) {
+      std::fprintf(stderr, "\r\033[K");
+    } else {
+      std::string verdicts;
+      for (const PolicyOutcome& p : o.policies) {
+        absl::StrAppend(&verdicts, " ", p.policy, "=", p.correct ? "ok" : "wrong");
+      }
+      std::fprintf(stderr, "[%lld/%lld] %s %lld seed %llu:%s (prefill %.0f ms)\n",
+                   static_cast<long long>(o.index + 1), static_cast<long long>(o.total),
+                   o.sample.task.c_str(), static_cast<long long>(o.sample.context),
+                   static_cast<unsigned long long>(o.sample.seed), verdicts.c_str(),
+                   o.prefill_seconds * 1e3);
+    }
+    std::fflush(stderr);
+    if (show) PrintSample(o);
+  };
+  auto results = RunTaskEval(**model, options, callbacks);
+  if (tty) std::fprintf(stderr, "\r\033[K");
+  if (!results.ok()) {
+    std::cerr << "error: " << results.status() << "\n";
+    return 1;
+  }
+  PrintTable(*results);
+
+  if (!json_path.empty()) {
+    nlohmann::json rows = nlohmann::json::array();
+    for (const CellResult& r : *results) {
+      rows.push_back({{"task", r.task},
+                      {"context", r.context},
+                      {"policy", r.policy},
+                      {"samples", r.samples},
+                      {"correct", r.correct},
+                      {"accuracy", r.accuracy},
+                      {"ci_low", r.ci_low},
+                      {"ci_high", r.ci_high},
+                      {"prefill_ms", r.prefill_ms},
+                      {"tpot_ms", r.tpot_ms},
+                      {"threads", kernels::cpu::NumThreads()},
+                      {"seed", seed},
+                      {"model", model_dir}});
+    }
+    nlohmann::json doc = bench::ResultEnvelope(bench::JoinCommand("fluxion eval tasks", args),
+                                               nlohmann::json::object(), rows);
+    if (absl::Status s = bench::WriteJson(json_path, doc); !s.ok()) {
+      std::cerr << "error: " << s.message() << "\n";
+      return 1;
+    }
+    std::cerr << "wrote " << json_path << "\n";
+  }
+  return 0;
+}
+
+}  // namespace fluxion::eval

@@ -1,0 +1,29 @@
+// A minimal writer of NumPy `.npy` files (format version 1.0): little-endian, C order, float32 or
+// int64. Enough for capture files that Python reads back with numpy.load; there is no reader.
+//
+// Thread-safe: pure functions (concurrent writes to one path are the caller's problem).
+#ifndef FLUXION_BENCH_EVAL_NPY_H_
+#define FLUXION_BENCH_EVAL_NPY_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace fluxion::eval {
+
+// The header of a version-1.0 `.npy` file for `descr` ("<f4", "<i8") and `shape`, padded so the
+// data starts at a multiple of 64 bytes, as numpy itself writes it.
+std::string NpyHeader(const std::string& descr, absl::Span<const int64_t> shape);
+
+// Write `data` (prod(shape) elements, C order) to `path`. Internal naming the path on failure;
+// InvalidArgument when data.size() != prod(shape).
+absl::Status WriteNpy(const std::string& path, absl::Span<const int64_t> shape,
+                      absl::Span<const float> data);
+absl::Status WriteNpy(const std::string& path, absl::Span<const int64_t> shape,
+                      absl::Span<const int64_t> data);
+
+}  // namespace fluxion::eval
+
+#endif  // FLUXION_BENCH_EVAL_NPY_H_

@@ -1,0 +1,336 @@
+#include "bench/eval/task_eval.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "bench/eval/capturing_attention.h"
+#include "bench/eval/npy.h"
+#include "common/status_macros.h"
+#include "model/byte_tokenizer.h"
+#include "model/sampler.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::eval {
+namespace {
+
+using ::fluxion::model::ByteTokenizer;
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Capture layout, one folder per sample (`<task>_<context>_<seed>/`) beside `index.json`, which
+// describes every file and is rewritten after each sample so an interrupted run stays readable:
+//   prompt_ids.npy                 int64 [tokens]   BOS + bytes
+//   k_l{L}.npy, v_l{L}.npy         f32 [tokens][kv_heads][head_dim], post-RoPE K; only for prompts
+//                                  of at most capture_kv_max tokens
+//   prompt_positions.npy           int64 [rows]     the last capture_prompt_rows prompt positions
+//   prompt_q_l{L}.npy              f32 [rows][heads][head_dim], post-RoPE
+//   prompt_stats_l{L}.npy          f32 [rows][heads][3]: sink_mass, local_mass, entropy (nats)
+//   {policy}_positions.npy, {policy}_q_l{L}.npy, {policy}_stats_l{L}.npy: the same for every
+//                                  decode step of that policy's decode
+class CaptureWriter {
+ public:
+  CaptureWriter(const TaskEvalOptions& options, const model::AttentionShape& shape)
+      : options_(options), shape_(shape) {
+    CaptureOptions c;
+    index_ = {
+        {"format", "fluxion-eval-capture/v1"},
+        {"model", options.model_name},
+        {"shape",
+         {{"num_layers", shape.num_layers},
+          {"num_heads", shape.num_heads},
+          {"num_kv_heads", shape.num_kv_heads},
+          {"head_dim", shape.head_dim},
+          {"scale", shape.scale}}},
+        {"stats", std::vector<std::string>(kRowStatNames, kRowStatNames + kNumRowStats)},
+        {"sink_tokens", c.sink_tokens},
+        {"local_window", c.local_window},
+        {"capture_kv_max", options.capture_kv_max},
+        {"files",
+         {{"prompt_ids", "int64 [tokens]: BOS + bytes"},
+          {"k_l{L}, v_l{L}", "float32 [tokens][num_kv_heads][head_dim], K post-RoPE"},
+          {"{part}_positions", "int64 [rows]"},
+          {"{part}_q_l{L}", "float32 [rows][num_heads][head_dim], post-RoPE"},
+          {"{part}_stats_l{L}", "float32 [rows][num_heads][stats], over full attention"}}},
+        {"samples", nlohmann::json::array()},
+    };
+  }
+
+  absl::Status BeginSample(const TaskSample& sample, const model::DenseAttention& prefilled,
+                           const CapturingAttention& prompt_rows) {
+    const std::string name = absl::StrCat(sample.task, "_", sample.context, "_", sample.seed);
+    dir_ = options_.capture_dir + "/" + name;
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir_, ": ", ec.message()));
+    const int64_t tokens = sample.prompt_ids.size();
+    std::vector<int64_t> ids(sample.prompt_ids.begin(), sample.prompt_ids.end());
+    FLUXION_RETURN_IF_ERROR(WriteNpy(dir_ + "/prompt_ids.npy", {tokens}, ids));
+    const bool kv = tokens <= options_.capture_kv_max;
+    if (kv) {
+      const int64_t row = shape_.num_kv_heads * shape_.head_dim;
+      for (int l = 0; l < shape_.num_layers; ++l) {
+        const std::vector<int64_t> dims = {prefilled.length(l), shape_.num_kv_heads,
+                                           shape_.head_dim};
+        FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/k_l", l, ".npy"), dims,
+                                         absl::MakeConstSpan(prefilled.keys(l),
+                                                             prefilled.length(l) * row)));
+        FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/v_l", l, ".npy"), dims,
+                                         absl::MakeConstSpan(prefilled.values(l),
+                                                             prefilled.length(l) * row)));
+      }
+    }
+    FLUXION_ASSIGN_OR_RETURN(int64_t rows, WriteRows("prompt", prompt_rows));
+    sample_ = {{"dir", name},
+               {"task", sample.task},
+               {"context", sample.context},
+               {"seed", sample.seed},
+               {"prompt_tokens", tokens},
+               {"answer", sample.answer},
+               {"kv", kv},
+               {"prompt_rows", rows},
+               {"policies", nlohmann::json::object()}};
+    return absl::OkStatus();
+  }
+
+  absl::Status AddPolicy(const PolicyOutcome& outcome, const CapturingAttention& decode_rows) {
+    FLUXION_ASSIGN_OR_RETURN(int64_t rows, WriteRows(outcome.policy, decode_rows));
+    sample_["policies"][outcome.policy] = {{"generated", outcome.answer},
+                                           {"tokens", outcome.tokens},
+                                           {"correct", outcome.correct},
+                                           {"rows", rows}};
+    return absl::OkStatus();
+  }
+
+  absl::Status EndSample() {
+    index_["samples"].push_back(std::move(sample_));
+    const std::string path = options_.capture_dir + "/index.json";
+    std::ofstream out(path, std::ios::trunc);
+    // Generated text can be any bytes; `replace` keeps dump() from throwing on invalid UTF-8 (the
+    // exact output is in "tokens").
+    out << index_.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    out.close();
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<int64_t> WriteRows(const std::string& part, const CapturingAttention& capture) {
+    const int64_t rows = capture.rows(0).positions.size();
+    FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_positions.npy"), {rows},
+                                     capture.rows(0).positions));
+    for (int l = 0; l < shape_.num_layers; ++l) {
+      const CapturedRows& r = capture.rows(l);
+      FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_q_l", l, ".npy"),
+                                       {rows, shape_.num_heads, shape_.head_dim}, r.q));
+      FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_stats_l", l, ".npy"),
+                                       {rows, shape_.num_heads, int64_t{kNumRowStats}}, r.stats));
+    }
+    return rows;
+  }
+
+  const TaskEvalOptions& options_;
+  model::AttentionShape shape_;
+  nlohmann::json index_;
+  nlohmann::json sample_;
+  std::string dir_;
+};
+
+struct CellTotals {
+  int64_t samples = 0, correct = 0, decode_steps = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+}  // namespace
+
+const std::vector<std::string>& PolicyNames() {
+  static const auto* names = new std::vector<std::string>{"full"};
+  return *names;
+}
+
+absl::Status ValidatePolicy(const std::string& name) {
+  const auto& names = PolicyNames();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("unknown attention policy '", name,
+                                                 "'; known policies: ",
+                                                 absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
+    const std::string& name, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape) {
+  FLUXION_RETURN_IF_ERROR(ValidatePolicy(name));
+  // `full`: decode keeps attending over every prefilled token, exactly as the prefill did.
+  return std::unique_ptr<model::SequenceAttention>(
+      std::make_unique<model::DenseAttention>(prefilled));
+}
+
+bool IsAnswerTerminator(int32_t token) { return token == '\n' || token == ByteTokenizer::kEos; }
+
+std::string AnswerText(absl::Span<const int32_t> generated) {
+  auto end = std::find_if(generated.begin(), generated.end(), IsAnswerTerminator);
+  return ByteTokenizer::Decode(absl::MakeConstSpan(generated.begin(), end));
+}
+
+int64_t DefaultMaxNewTokens(const std::string& answer) {
+  return static_cast<int64_t>(answer.size()) + 16;
+}
+
+Interval Wilson95(int64_t successes, int64_t n) {
+  if (n <= 0) return {0.0, 1.0};
+  constexpr double z = 1.959963984540054;
+  const double p = static_cast<double>(successes) / n, z2n = z * z / n;
+  const double center = (p + z2n / 2) / (1 + z2n);
+  const double half = z / (1 + z2n) * std::sqrt(p * (1 - p) / n + z2n / (4.0 * n));
+  return {std::max(0.0, center - half), std::min(1.0, center + half)};
+}
+
+absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
+                                                    const TaskEvalOptions& options,
+                                                    const TaskEvalCallbacks& callbacks) {
+  const std::vector<std::string> tasks = options.tasks.empty() ? TaskNames() : options.tasks;
+  if (options.samples < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("samples must be >= 1, got ", options.samples));
+  }
+  if (options.contexts.empty() || options.policies.empty()) {
+    return absl::InvalidArgumentError("at least one context and one policy are needed");
+  }
+  for (const std::string& p : options.policies) FLUXION_RETURN_IF_ERROR(ValidatePolicy(p));
+  // Fail before any model time is spent: every (task, context) must produce a prompt.
+  for (const std::string& task : tasks) {
+    for (int64_t context : options.contexts) {
+      FLUXION_RETURN_IF_ERROR(MakeTaskSample(task, context, options.first_seed).status());
+    }
+  }
+  if (model.config().vocab_size <= ByteTokenizer::kEos) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the model's vocabulary has ", model.config().vocab_size,
+                     " ids; the byte tokenizer needs at least ", ByteTokenizer::kEos + 1,
+                     " (docs/TASKS.md)"));
+  }
+
+  const model::AttentionShape shape = model.attention_shape();
+  const bool capture = !options.capture_dir.empty();
+  std::unique_ptr<CaptureWriter> writer;
+  if (capture) writer = std::make_unique<CaptureWriter>(options, shape);
+  const int64_t num_policies = options.policies.size();
+  std::vector<CellTotals> totals(tasks.size() * options.contexts.size() * num_policies);
+  const int64_t total = tasks.size() * options.contexts.size() * options.samples;
+  int64_t index = 0;
+  std::vector<float> logits;
+
+  for (size_t ti = 0; ti < tasks.size(); ++ti) {
+    for (size_t ci = 0; ci < options.contexts.size(); ++ci) {
+      for (int64_t i = 0; i < options.samples; ++i, ++index) {
+        if (callbacks.on_sample_start) {
+          callbacks.on_sample_start(index, total, tasks[ti], options.contexts[ci]);
+        }
+        SampleOutcome outcome;
+        outcome.index = index;
+        outcome.total = total;
+        FLUXION_ASSIGN_OR_RETURN(outcome.sample, MakeTaskSample(tasks[ti], options.contexts[ci],
+                                                                options.first_seed + i));
+        const TaskSample& sample = outcome.sample;
+        const int64_t prompt_len = sample.prompt_ids.size();
+
+        // One full-attention prefill per sample. Capturing wraps the cache so the last prompt
+        // rows' queries and statistics are recorded on the way.
+        auto dense = std::make_unique<model::DenseAttention>(shape);
+        const model::DenseAttention* prefilled = dense.get();
+        std::unique_ptr<model::SequenceAttention> attention = std::move(dense);
+        const CapturingAttention* prompt_capture = nullptr;
+        if (capture) {
+          CaptureOptions c;
+          c.capture_from = std::max<int64_t>(0, prompt_len - options.capture_prompt_rows);
+          auto wrapped = std::make_unique<CapturingAttention>(std::move(attention), shape, c);
+          prompt_capture = wrapped.get();
+          attention = std::move(wrapped);
+        }
+        model::Sequence prefill(std::move(attention));
+        auto t0 = std::chrono::steady_clock::now();
+        FLUXION_RETURN_IF_ERROR(model.Forward(prefill, sample.prompt_ids, &logits));
+        const int32_t first = model::ArgMax(logits);
+        outcome.prefill_seconds = SecondsSince(t0);
+        if (capture) {
+          FLUXION_RETURN_IF_ERROR(writer->BeginSample(sample, *prefilled, *prompt_capture));
+        }
+
+        const int64_t max_new = options.max_new_tokens > 0 ? options.max_new_tokens
+                                                           : DefaultMaxNewTokens(sample.answer);
+        for (int64_t pi = 0; pi < num_policies; ++pi) {
+          PolicyOutcome po;
+          po.policy = options.policies[pi];
+          FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> decode_attention,
+                                   MakePolicyAttention(po.policy, *prefilled, shape));
+          const CapturingAttention* decode_capture = nullptr;
+          if (capture) {
+            CaptureOptions c;
+            c.capture_from = prompt_len;
+            auto wrapped = std::make_unique<CapturingAttention>(std::move(decode_attention),
+                                                                shape, c, prefilled);
+            decode_capture = wrapped.get();
+            decode_attention = std::move(wrapped);
+          }
+          // Greedy decode continuing from the prefill's copy; the first token is the prefill's.
+          model::Sequence decode(std::move(decode_attention), prompt_len);
+          po.tokens.push_back(first);
+          t0 = std::chrono::steady_clock::now();
+          while (!IsAnswerTerminator(po.tokens.back()) &&
+                 static_cast<int64_t>(po.tokens.size()) < max_new) {
+            FLUXION_RETURN_IF_ERROR(
+                model.Forward(decode, absl::MakeConstSpan(&po.tokens.back(), 1), &logits));
+            po.tokens.push_back(model::ArgMax(logits));
+            ++po.decode_steps;
+          }
+          po.decode_seconds = SecondsSince(t0);
+          po.answer = AnswerText(po.tokens);
+          po.correct = po.answer == sample.answer;
+          if (capture) FLUXION_RETURN_IF_ERROR(writer->AddPolicy(po, *decode_capture));
+
+          CellTotals& cell = totals[(ti * options.contexts.size() + ci) * num_policies + pi];
+          ++cell.samples;
+          cell.correct += po.correct;
+          cell.prefill_seconds += outcome.prefill_seconds;
+          cell.decode_seconds += po.decode_seconds;
+          cell.decode_steps += po.decode_steps;
+          outcome.policies.push_back(std::move(po));
+        }
+        if (capture) FLUXION_RETURN_IF_ERROR(writer->EndSample());
+        if (callbacks.on_sample_done) callbacks.on_sample_done(outcome);
+      }
+    }
+  }
+
+  std::vector<CellResult> results;
+  for (size_t ti = 0; ti < tasks.size(); ++ti) {
+    for (size_t ci = 0; ci < options.contexts.size(); ++ci) {
+      for (int64_t pi = 0; pi < num_policies; ++pi) {
+        const CellTotals& t = totals[(ti * options.contexts.size() + ci) * num_policies + pi];
+        CellResult r;
+        r.task = tasks[ti];
+        r.context = options.contexts[ci];
+        r.policy = options.policies[pi];
+        r.samples = t.samples;
+        r.correct = t.correct;
+        r.accuracy = t.samples > 0 ? static_cast<double>(t.correct) / t.samples : 0.0;
+        const Interval ci95 = Wilson95(t.correct, t.samples);
+        r.ci_low = ci95.low;
+        r.ci_high = ci95.high;
+        r.prefill_ms = t.samples > 0 ? 1e3 * t.prefill_seconds / t.samples : 0.0;
+        r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
+        results.push_back(std::move(r));
+      }
+    }
+  }
+  return results;
+}
+
+}  // namespace fluxion::eval

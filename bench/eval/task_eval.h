@@ -1,0 +1,124 @@
+// The task-evaluation harness behind `fluxion eval tasks`: generates docs/TASKS.md prompts, runs
+// them through the real engine and scores exact answers, per (task, context, attention policy).
+//
+// Every sample is prefilled once with full attention (model::DenseAttention); each policy then
+// decodes greedily from its own copy of that prefilled state, so comparing policies costs one
+// prefill. This is also how serving works: prefill is full attention on the prefill node, and the
+// sparse policy only changes decode. Optionally the run is captured to disk (queries, keys,
+// values and attention statistics) for calibrating sparse policies.
+//
+// Thread-compatible: one RunTaskEval at a time per Model is the intended use (the engine's kernels
+// are multi-threaded inside).
+#ifndef FLUXION_BENCH_EVAL_TASK_EVAL_H_
+#define FLUXION_BENCH_EVAL_TASK_EVAL_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "bench/eval/tasks.h"
+#include "model/attention.h"
+#include "model/dense_attention.h"
+#include "model/model.h"
+
+namespace fluxion::eval {
+
+// --- Attention policies ---
+// A policy decides how decode steps attend over the prefilled KV. Today only `full` exists; the
+// sparse-attention issue adds its policies to this factory.
+
+// Known policy names, `full` first.
+const std::vector<std::string>& PolicyNames();
+
+// OK for a known name; InvalidArgument listing the known ones otherwise.
+absl::Status ValidatePolicy(const std::string& name);
+
+// The attention a decode under `name` starts from, given the full-attention prefill state
+// `prefilled` of shape `shape` (which it may copy but not keep a reference to).
+absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
+    const std::string& name, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape);
+
+// --- Scoring (TASKS.md "Scoring") ---
+
+// Tokens that end an answer: "\n" and the byte tokenizer's EOS.
+bool IsAnswerTerminator(int32_t token);
+
+// The continuation up to (excluding) the first terminator, decoded as text.
+std::string AnswerText(absl::Span<const int32_t> generated);
+
+// Tokens to generate at most for `answer`: len(answer) + 16.
+int64_t DefaultMaxNewTokens(const std::string& answer);
+
+struct Interval {
+  double low = 0, high = 0;
+};
+// 95% Wilson score interval of `successes` out of `n` ([0, 1] for n == 0).
+Interval Wilson95(int64_t successes, int64_t n);
+
+// --- The harness ---
+
+struct TaskEvalOptions {
+  std::vector<std::string> tasks;         // empty: every task
+  std::vector<int64_t> contexts = {1024};
+  int64_t samples = 8;                    // per (task, context)
+  uint64_t first_seed = kFirstEvalSeed;   // sample i of every cell uses first_seed + i
+  std::vector<std::string> policies = {"full"};
+  int64_t max_new_tokens = 0;  // > 0 overrides DefaultMaxNewTokens(answer)
+  // Capture (off when capture_dir is empty): see WriteCapture in task_eval.cc for the layout.
+  std::string capture_dir;
+  int64_t capture_kv_max = 8192;    // prompt K/V are written only for prompts up to this length
+  int64_t capture_prompt_rows = 64;  // query rows of the last this-many prompt positions
+  std::string model_name;            // recorded in the capture index
+};
+
+struct PolicyOutcome {
+  std::string policy;
+  std::vector<int32_t> tokens;  // everything generated, the terminator included
+  std::string answer;           // AnswerText(tokens)
+  bool correct = false;
+  int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
+  double decode_seconds = 0;
+};
+
+struct SampleOutcome {
+  int64_t index = 0;  // 0-based over the whole run
+  int64_t total = 0;  // samples in the run (tasks x contexts x samples)
+  TaskSample sample;
+  double prefill_seconds = 0;
+  std::vector<PolicyOutcome> policies;  // in options.policies order
+};
+
+struct CellResult {
+  std::string task;
+  int64_t context = 0;
+  std::string policy;
+  int64_t samples = 0;
+  int64_t correct = 0;
+  double accuracy = 0, ci_low = 0, ci_high = 0;
+  double prefill_ms = 0;  // mean over samples
+  double tpot_ms = 0;     // decode ms per token over all of the cell's decode steps; 0 if none
+};
+
+struct TaskEvalCallbacks {
+  // Before sample `index` of `total` is generated and prefilled (for progress lines).
+  std::function<void(int64_t index, int64_t total, const std::string& task, int64_t context)>
+      on_sample_start;
+  std::function<void(const SampleOutcome&)> on_sample_done;
+};
+
+// Runs the evaluation; results in (task, context, policy) order. InvalidArgument for an unknown
+// task or policy, a bad seed, a context too short for a task, samples < 1; FailedPrecondition for a
+// model whose vocabulary cannot hold the byte tokenizer's ids; Internal for capture write failures.
+absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
+                                                    const TaskEvalOptions& options,
+                                                    const TaskEvalCallbacks& callbacks = {});
+
+}  // namespace fluxion::eval
+
+#endif  // FLUXION_BENCH_EVAL_TASK_EVAL_H_

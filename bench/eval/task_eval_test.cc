@@ -1,0 +1,82 @@
+// Scoring and policy plumbing of the harness; the end-to-end runs through a model are in
+// tests/eval_quick_test.cc.
+#include "bench/eval/task_eval.h"
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/byte_tokenizer.h"
+
+namespace fluxion::eval {
+namespace {
+
+using ::fluxion::model::ByteTokenizer;
+using ::testing::HasSubstr;
+
+std::vector<int32_t> Ids(const std::string& text) { return ByteTokenizer::Encode(text, false); }
+
+TEST(TaskEvalTest, AnswerIsTheContinuationUpToTheFirstNewline) {
+  EXPECT_EQ(AnswerText(Ids("1234567\nWhat")), "1234567");
+  EXPECT_EQ(AnswerText(Ids("\n1234567")), "");
+}
+
+TEST(TaskEvalTest, AnswerStopsAtEosToo) {
+  std::vector<int32_t> ids = Ids("42");
+  ids.push_back(ByteTokenizer::kEos);
+  ids.push_back('9');
+  EXPECT_EQ(AnswerText(ids), "42");
+}
+
+TEST(TaskEvalTest, AnswerWithoutTerminatorIsEverythingGeneratedSpecialsSpelledOut) {
+  std::vector<int32_t> ids = Ids("12");
+  ids.push_back(ByteTokenizer::kPad);
+  EXPECT_EQ(AnswerText(ids), "12<pad>");
+}
+
+TEST(TaskEvalTest, DefaultBudgetIsAnswerLengthPlusSixteen) {
+  EXPECT_EQ(DefaultMaxNewTokens("1234567"), 23);
+  EXPECT_EQ(DefaultMaxNewTokens(std::string(256, 'a')), 272);
+}
+
+TEST(TaskEvalTest, WilsonIntervalMatchesTheClosedForm) {
+  // Reference values from statsmodels' proportion_confint(method="wilson").
+  Interval all = Wilson95(8, 8);
+  EXPECT_NEAR(all.low, 0.6756, 1e-4);
+  EXPECT_DOUBLE_EQ(all.high, 1.0);
+  Interval half = Wilson95(5, 10);
+  EXPECT_NEAR(half.low, 0.2366, 1e-4);
+  EXPECT_NEAR(half.high, 0.7634, 1e-4);
+  Interval none = Wilson95(0, 20);
+  EXPECT_DOUBLE_EQ(none.low, 0.0);
+  EXPECT_NEAR(none.high, 0.1611, 1e-4);
+  Interval empty = Wilson95(0, 0);
+  EXPECT_EQ(empty.low, 0.0);
+  EXPECT_EQ(empty.high, 1.0);
+}
+
+TEST(TaskEvalTest, FullIsTheFirstPolicyAndUnknownOnesAreListed) {
+  EXPECT_EQ(PolicyNames().front(), "full");
+  EXPECT_TRUE(ValidatePolicy("full").ok());
+  absl::Status s = ValidatePolicy("quest");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("known policies: full"));
+}
+
+TEST(TaskEvalTest, FullPolicyStartsFromAnIndependentCopyOfThePrefill) {
+  const model::AttentionShape shape = {1, 2, 1, 4, 0.5f};
+  model::DenseAttention prefilled(shape);
+  std::vector<float> q(2 * 4, 0.1f), kv(4, 0.2f), out(2 * 4);
+  ASSERT_TRUE(prefilled.Forward(0, 0, 1, q.data(), kv.data(), kv.data(), out.data()).ok());
+  auto attention = MakePolicyAttention("full", prefilled, shape);
+  ASSERT_TRUE(attention.ok());
+  // The copy continues at position 1; the original is untouched.
+  ASSERT_TRUE((*attention)->Forward(0, 1, 1, q.data(), kv.data(), kv.data(), out.data()).ok());
+  EXPECT_EQ(prefilled.length(0), 1);
+  EXPECT_EQ(MakePolicyAttention("nope", prefilled, shape).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace fluxion::eval

@@ -1,0 +1,94 @@
+#include "decode/paged_kv.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace fluxion::decode {
+
+absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const KvShape& shape) {
+  if (shape.num_layers <= 0 || shape.num_kv_heads <= 0 || shape.head_dim <= 0 ||
+      shape.page_tokens <= 0) {
+    return absl::InvalidArgumentError("KV shape needs positive layers, heads, head_dim, page size");
+  }
+  if (arena->page_bytes() < shape.page_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("arena pages of ", arena->page_bytes(),
+                                                   " bytes cannot hold ", shape.page_bytes(),
+                                                   "-byte KV pages"));
+  }
+  return std::unique_ptr<PagedKv>(new PagedKv(arena, shape));
+}
+
+PagedKv::PagedKv(KvArena* arena, const KvShape& shape)
+    : arena_(arena),
+      shape_(shape),
+      lengths_(shape.num_layers, 0),
+      pages_(shape.num_layers * shape.num_kv_heads),
+      meta_(shape.num_layers * shape.num_kv_heads) {}
+
+PagedKv::~PagedKv() {
+  if (!runs_.empty()) {
+    // Our own bookkeeping: a failure here is a bug, and there is nobody to return it to.
+    absl::Status s = arena_->Free(runs_);
+    (void)s;
+  }
+}
+
+absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* v,
+                             int64_t row_stride) {
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  const int64_t pt = shape_.page_tokens, d = shape_.head_dim, heads = shape_.num_kv_heads;
+  const int64_t old_len = lengths_[layer], new_len = old_len + n;
+  const int64_t have = static_cast<int64_t>(pages_[Index(layer, 0)].size());
+  const int64_t want = (new_len + pt - 1) / pt;
+  if (want > have) {
+    // One reservation for every head of the layer: all or nothing.
+    FLUXION_ASSIGN_OR_RETURN(std::vector<PageRun> runs, arena_->Allocate((want - have) * heads));
+    std::vector<int32_t> ids;
+    for (const PageRun& r : runs) {
+      for (int32_t id = r.first; id < r.first + r.count; ++id) ids.push_back(id);
+    }
+    // Head-major: each head's new pages are consecutive ids where the runs allow.
+    for (int64_t h = 0; h < heads; ++h) {
+      auto& table = pages_[Index(layer, h)];
+      PageMeta& meta = meta_[Index(layer, h)];
+      for (int64_t p = 0; p < want - have; ++p) table.push_back(ids[h * (want - have) + p]);
+      meta.min.resize(want * d, INFINITY);
+      meta.max.resize(want * d, -INFINITY);
+      meta.mean.resize(want * d, 0.0f);
+    }
+    runs_.insert(runs_.end(), runs.begin(), runs.end());
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const auto& table = pages_[Index(layer, h)];
+    PageMeta& meta = meta_[Index(layer, h)];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = old_len + i, page = pos / pt, slot = pos % pt;
+      bf16* kp = reinterpret_cast<bf16*>(arena_->page(table[page])) + slot * d;
+      bf16* vp = kp + pt * d;
+      const float* ks = k + i * row_stride + h * d;
+      const float* vs = v + i * row_stride + h * d;
+      float* mn = meta.min.data() + page * d;
+      float* mx = meta.max.data() + page * d;
+      float* mean = meta.mean.data() + page * d;
+      const float w = 1.0f / static_cast<float>(slot + 1);  // running mean over the page
+      for (int64_t t = 0; t < d; ++t) {
+        kp[t] = FloatToBf16(ks[t]);
+        vp[t] = FloatToBf16(vs[t]);
+        // Metadata describes the stored (bf16) keys, so bounds hold for what kernels read.
+        const float kr = Bf16ToFloat(kp[t]);
+        mn[t] = std::min(mn[t], kr);
+        mx[t] = std::max(mx[t], kr);
+        mean[t] += (kr - mean[t]) * w;
+      }
+    }
+  }
+  lengths_[layer] = new_len;
+  return absl::OkStatus();
+}
+
+}  // namespace fluxion::decode

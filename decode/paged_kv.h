@@ -1,0 +1,88 @@
+// One request's KV cache in the decode node's host arena: page tables per (layer, KV head), the
+// token count per layer, and per-page selection metadata (Quest min/max bounds and a mean key).
+//
+// Logical page i of (layer, kv_head) holds tokens [i * page_tokens, (i + 1) * page_tokens).
+// Pages are reserved from the arena all-or-nothing: for the prompt at creation, then one page per
+// (layer, KV head) whenever a layer's token count crosses a page boundary. Everything is returned
+// to the arena on destruction.
+//
+// Thread-compatible: one request is driven by one thread at a time; different requests may run
+// concurrently (the arena is thread-safe).
+#ifndef FLUXION_DECODE_PAGED_KV_H_
+#define FLUXION_DECODE_PAGED_KV_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/half.h"
+#include "decode/kv_arena.h"
+#include "kernels/paged_attention.h"
+
+namespace fluxion::decode {
+
+struct KvShape {
+  int64_t num_layers = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t page_tokens = 16;
+
+  size_t page_bytes() const { return 2 * page_tokens * head_dim * sizeof(bf16); }
+};
+
+class PagedKv {
+ public:
+  // An empty sequence whose pages come from `arena`, which must outlive it and have pages of at
+  // least shape.page_bytes(). InvalidArgument for a mismatched arena.
+  static absl::StatusOr<std::unique_ptr<PagedKv>> Create(KvArena* arena, const KvShape& shape);
+  ~PagedKv();
+  PagedKv(const PagedKv&) = delete;
+  PagedKv& operator=(const PagedKv&) = delete;
+
+  // Appends `n` tokens of K/V for `layer` (rounded to bf16):
+  //   k, v: [n][num_kv_heads][head_dim], row `row_stride` floats apart (>= num_kv_heads*head_dim).
+  // ResourceExhausted (nothing appended) when the arena cannot supply the pages needed.
+  absl::Status Append(int layer, int64_t n, const float* k, const float* v, int64_t row_stride);
+
+  const KvShape& shape() const { return shape_; }
+  int64_t length(int layer) const { return lengths_[layer]; }
+  // Physical page ids of (layer, kv_head), in token order.
+  const std::vector<int32_t>& pages(int layer, int kv_head) const {
+    return pages_[Index(layer, kv_head)];
+  }
+  kernels::PagedKvView view() const {
+    return {arena_->base(), arena_->page_bytes(), shape_.page_tokens, shape_.head_dim};
+  }
+
+  // Per-page metadata of (layer, kv_head), [pages][head_dim] fp32: element-wise min and max of
+  // the page's keys (Quest's bound) and their mean. Covers the valid tokens of partial pages.
+  const float* key_min(int layer, int kv_head) const { return meta_[Index(layer, kv_head)].min.data(); }
+  const float* key_max(int layer, int kv_head) const { return meta_[Index(layer, kv_head)].max.data(); }
+  const float* key_mean(int layer, int kv_head) const {
+    return meta_[Index(layer, kv_head)].mean.data();
+  }
+
+  // Pages currently reserved by this sequence.
+  int64_t reserved_pages() const { return CountPages(runs_); }
+
+ private:
+  struct PageMeta {
+    std::vector<float> min, max, mean;  // [pages][head_dim]
+  };
+  PagedKv(KvArena* arena, const KvShape& shape);
+  size_t Index(int layer, int kv_head) const {
+    return static_cast<size_t>(layer) * shape_.num_kv_heads + kv_head;
+  }
+
+  KvArena* const arena_;
+  const KvShape shape_;
+  std::vector<int64_t> lengths_;               // [layer]
+  std::vector<std::vector<int32_t>> pages_;    // [layer * kv_heads + head] -> page ids
+  std::vector<PageMeta> meta_;                 // same index
+  std::vector<PageRun> runs_;                  // everything reserved, for Free
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_PAGED_KV_H_
