@@ -1,0 +1,211 @@
+#include "decode/sparse/policy.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cpu/topk.h"
+
+namespace fluxion::decode::sparse {
+namespace {
+
+using kernels::PageSpan;
+
+// The middle region [sink_end, local_begin) a sparse policy chooses from, and how many of its
+// rows the budget leaves after sinks and the local window.
+struct Regions {
+  int64_t sink_end = 0, local_begin = 0, middle_rows_budget = 0;
+};
+
+Regions SplitContext(const PolicyConfig& c, int64_t context) {
+  Regions r;
+  r.sink_end = std::min(c.sink_tokens, context);
+  r.local_begin = std::max(r.sink_end, context - c.local_tokens);
+  const int64_t budget_rows = static_cast<int64_t>(std::ceil(c.budget * context));
+  r.middle_rows_budget = std::clamp<int64_t>(budget_rows - r.sink_end - (context - r.local_begin),
+                                             0, r.local_begin - r.sink_end);
+  return r;
+}
+
+// Sinks + the chosen middle spans + the local window, in token order.
+void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector<PageSpan>& middle,
+                   std::vector<PageSpan>* spans, SelectionStats* stats) {
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, spans);
+  spans->insert(spans->end(), middle.begin(), middle.end());
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, spans);
+  int64_t rows = r.sink_end + (in.context - r.local_begin);
+  for (const PageSpan& s : middle) rows += s.rows;
+  stats->rows_attended += rows;
+  stats->context += in.context;
+}
+
+class FullPolicy : public SparsePolicy {
+ public:
+  void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
+              SelectionStats* stats) override {
+    AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, in.context, spans);
+    stats->rows_attended += in.context;
+    stats->context += in.context;
+  }
+};
+
+// Exact top-k tokens of the middle region by the largest scaled logit over the group's heads:
+// the quality ceiling for token-level selection, paying a full K scan to score.
+class ExactTopKPolicy : public SparsePolicy {
+ public:
+  explicit ExactTopKPolicy(const PolicyConfig& c) : config_(c) {}
+
+  void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
+              SelectionStats* stats) override {
+    const Regions r = SplitContext(config_, in.context);
+    std::vector<PageSpan> middle;
+    const int64_t n = r.local_begin - r.sink_end;
+    if (r.middle_rows_budget > 0 && n > 0) {
+      const int64_t d = in.kv->shape().head_dim, pt = in.kv->shape().page_tokens;
+      const auto& pages = in.kv->pages(in.layer, in.kv_head);
+      const kernels::PagedKvView view = in.kv->view();
+      scores_.assign(n, -INFINITY);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = r.sink_end + i;
+        const bf16* k = view.keys(pages[t / pt]) + (t % pt) * d;
+        for (int64_t g = 0; g < in.group; ++g) {
+          const float* qg = in.q + g * d;
+          float dot = 0.0f;
+          for (int64_t j = 0; j < d; ++j) dot += qg[j] * Bf16ToFloat(k[j]);
+          scores_[i] = std::max(scores_[i], dot);
+        }
+      }
+      stats->k_rows_scored += n;
+      kernels::cpu::TopKIndices(scores_.data(), n, r.middle_rows_budget, &picked_);
+      std::sort(picked_.begin(), picked_.end());
+      // Coalesce consecutive tokens of one page into one span.
+      for (int32_t i : picked_) {
+        const int64_t t = r.sink_end + i;
+        const int32_t page = pages[t / pt], row = static_cast<int32_t>(t % pt);
+        if (!middle.empty() && middle.back().page == page &&
+            middle.back().first_row + middle.back().rows == row) {
+          ++middle.back().rows;
+        } else {
+          middle.push_back({page, row, 1});
+        }
+      }
+    }
+    AssembleSpans(in, r, middle, spans, stats);
+  }
+
+ private:
+  PolicyConfig config_;
+  std::vector<float> scores_;
+  std::vector<int32_t> picked_;
+};
+
+// Quest: score each block of the middle region by the upper bound of q.k over the block's keys,
+// sum_d max(q_d * min_d, q_d * max_d) (max over the group's heads), attend the top blocks.
+class QuestPolicy : public SparsePolicy {
+ public:
+  explicit QuestPolicy(const PolicyConfig& c) : config_(c) {}
+
+  void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
+              SelectionStats* stats) override {
+    const Regions r = SplitContext(config_, in.context);
+    std::vector<PageSpan> middle;
+    const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
+    const int64_t block = std::max(config_.block_tokens, pt);
+    const int64_t pages_per_block = block / pt;
+    const int64_t first_block = r.sink_end / block, end_block = (r.local_begin + block - 1) / block;
+    const int64_t nblocks = end_block - first_block;
+    const int64_t want = r.middle_rows_budget / block;
+    if (want > 0 && nblocks > 0) {
+      const float* kmin = in.kv->key_min(in.layer, in.kv_head);
+      const float* kmax = in.kv->key_max(in.layer, in.kv_head);
+      scores_.assign(nblocks, -INFINITY);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t p0 = (first_block + b) * pages_per_block;
+        for (int64_t g = 0; g < in.group; ++g) {
+          const float* qg = in.q + g * d;
+          float bound = 0.0f;
+          for (int64_t j = 0; j < d; ++j) {
+            float lo = INFINITY, hi = -INFINITY;
+            for (int64_t p = p0; p < p0 + pages_per_block; ++p) {
+              lo = std::min(lo, kmin[p * d + j]);
+              hi = std::max(hi, kmax[p * d + j]);
+            }
+            bound += std::max(qg[j] * lo, qg[j] * hi);
+          }
+          scores_[b] = std::max(scores_[b], bound);
+        }
+      }
+      kernels::cpu::TopKIndices(scores_.data(), nblocks, want, &picked_);
+      std::sort(picked_.begin(), picked_.end());
+      for (int32_t b : picked_) {
+        // Blocks straddling the sinks or the window contribute only their middle part.
+        const int64_t begin = std::max((first_block + b) * block, r.sink_end);
+        const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
+        if (begin < end) AppendTokenRange(*in.kv, in.layer, in.kv_head, begin, end, &middle);
+      }
+    }
+    AssembleSpans(in, r, middle, spans, stats);
+  }
+
+ private:
+  PolicyConfig config_;
+  std::vector<float> scores_;
+  std::vector<int32_t> picked_;
+};
+
+}  // namespace
+
+std::vector<std::string> PolicyNames() {
+  return {"full", "exact_topk", "quest", "fixed_<block>_<budget>"};
+}
+
+absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
+  PolicyConfig c;
+  c.name = name;
+  c.budget = budget;
+  if (absl::StartsWith(name, "fixed_")) {
+    std::vector<std::string> parts = absl::StrSplit(name, '_');
+    double b = 0;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &c.block_tokens) ||
+        !absl::SimpleAtod(parts[2], &b) || c.block_tokens <= 0 || c.block_tokens % 16 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy '", name, "' should look like fixed_<block>_<budget>, e.g. fixed_32_0.05, "
+                            "with a block that is a multiple of 16 tokens"));
+    }
+    c.budget = b;
+  } else if (name == "full") {
+    c.budget = 1.0;
+  } else if (name != "exact_topk" && name != "quest") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
+                                                   absl::StrJoin(PolicyNames(), ", ")));
+  }
+  if (!(c.budget > 0.0 && c.budget <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("budget must be in (0, 1], got ", c.budget, " for policy ", name));
+  }
+  return c;
+}
+
+std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
+  if (config.name == "full") return std::make_unique<FullPolicy>();
+  if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);
+  return std::make_unique<QuestPolicy>(config);  // quest and fixed_<block>_<budget>
+}
+
+void AppendTokenRange(const PagedKv& kv, int layer, int kv_head, int64_t begin, int64_t end,
+                      std::vector<PageSpan>* spans) {
+  const int64_t pt = kv.shape().page_tokens;
+  const auto& pages = kv.pages(layer, kv_head);
+  while (begin < end) {
+    const int64_t page = begin / pt, row = begin % pt;
+    const int64_t rows = std::min(end - begin, pt - row);
+    spans->push_back({pages[page], static_cast<int32_t>(row), static_cast<int32_t>(rows)});
+    begin += rows;
+  }
+}
+
+}  // namespace fluxion::decode::sparse

@@ -1,0 +1,74 @@
+// Sparse attention policies: which K/V rows of a request's host pages a decode step attends, per
+// (layer, KV head), for all query heads of the GQA group at once.
+//
+// Budget: the fraction of the context's tokens whose K/V rows the step attends, sinks and the
+// local window included, so every policy is compared at equal attended reads. Sinks (the first
+// `sink_tokens`) and the local window (the last `local_tokens`) are always attended densely; a
+// policy chooses among the tokens between them. Policies that score keys read extra K rows for
+// scoring; SelectionStats counts those separately.
+//
+// Thread-compatible: a policy object serves one request (later policies keep per-request history).
+#ifndef FLUXION_DECODE_SPARSE_POLICY_H_
+#define FLUXION_DECODE_SPARSE_POLICY_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "decode/paged_kv.h"
+#include "kernels/paged_attention.h"
+
+namespace fluxion::decode::sparse {
+
+struct PolicyConfig {
+  std::string name = "full";  // full, exact_topk, quest, fixed_<block>_<budget>
+  double budget = 1.0;        // fraction of context tokens attended; 1 for `full`
+  int64_t sink_tokens = 4;
+  int64_t local_tokens = 64;
+  int64_t block_tokens = 16;  // selection granularity of block policies (multiple of page size)
+};
+
+// Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
+std::vector<std::string> PolicyNames();
+
+// Parses a policy name and budget into a config. `fixed_32_0.05` sets block 32 and budget 0.05
+// (the budget argument is then ignored). InvalidArgument naming the known policies for an unknown
+// name, and for a budget outside (0, 1].
+absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget);
+
+// What a policy sees at one decode step for one (layer, KV head).
+struct SelectionInput {
+  const PagedKv* kv = nullptr;
+  int layer = 0;
+  int kv_head = 0;
+  const float* q = nullptr;  // [group][head_dim], post-RoPE, unscaled
+  int64_t group = 1;
+  float scale = 0.0f;
+  int64_t context = 0;  // tokens stored for this layer, the current one included
+};
+
+struct SelectionStats {
+  int64_t rows_attended = 0;  // K/V rows the attention kernel reads
+  int64_t k_rows_scored = 0;  // extra K rows read only to score (exact top-k)
+  int64_t context = 0;        // tokens available
+};
+
+class SparsePolicy {
+ public:
+  virtual ~SparsePolicy() = default;
+  // Appends disjoint spans in token order covering the rows to attend, and adds to *stats.
+  virtual void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
+                      SelectionStats* stats) = 0;
+};
+
+std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);
+
+// Appends spans covering tokens [begin, end) of (layer, kv_head), split at page boundaries.
+void AppendTokenRange(const PagedKv& kv, int layer, int kv_head, int64_t begin, int64_t end,
+                      std::vector<kernels::PageSpan>* spans);
+
+}  // namespace fluxion::decode::sparse
+
+#endif  // FLUXION_DECODE_SPARSE_POLICY_H_

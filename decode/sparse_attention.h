@@ -1,0 +1,58 @@
+// A request's attention over its host KV pages under a sparse policy: the decode-side
+// implementation of model::SequenceAttention. Prompt K/V arrive from a full-attention prefill
+// (here: copied from a DenseAttention, rounded to bf16 as the pages store them; in the served
+// system they land over UCX); every decode step appends its K/V to the pages and attends the rows
+// the policy selects, per KV head with its whole GQA group, through the CPU paged kernel.
+//
+// Thread-compatible (one request, one driver thread).
+#ifndef FLUXION_DECODE_SPARSE_ATTENTION_H_
+#define FLUXION_DECODE_SPARSE_ATTENTION_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "decode/paged_kv.h"
+#include "decode/sparse/policy.h"
+#include "model/attention.h"
+#include "model/dense_attention.h"
+
+namespace fluxion::decode {
+
+class SparseAttention : public model::SequenceAttention {
+ public:
+  // Copies every layer's prefilled K/V from `prefilled` into pages of `arena` (which must outlive
+  // the result). ResourceExhausted when the arena is short of pages (nothing kept);
+  // InvalidArgument for shapes the CPU kernel does not support or a bad policy config.
+  static absl::StatusOr<std::unique_ptr<SparseAttention>> FromDense(
+      KvArena* arena, const model::AttentionShape& shape, int64_t page_tokens,
+      const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy);
+
+  // n == 1 (decode): the policy's rows. n > 1 (more prompt): causal full attention over pages.
+  absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
+                       const float* v, float* out) override;
+
+  // Attended and scored rows summed over every decode step, layer and KV head so far.
+  const sparse::SelectionStats& stats() const { return stats_; }
+  // Fraction of available context rows attended by decode steps (the budget actually spent).
+  double attended_fraction() const {
+    return stats_.context > 0 ? static_cast<double>(stats_.rows_attended) / stats_.context : 0.0;
+  }
+  const PagedKv& kv() const { return *kv_; }
+
+ private:
+  SparseAttention(const model::AttentionShape& shape, std::unique_ptr<PagedKv> kv,
+                  std::unique_ptr<sparse::SparsePolicy> policy)
+      : shape_(shape), kv_(std::move(kv)), policy_(std::move(policy)) {}
+
+  model::AttentionShape shape_;
+  std::unique_ptr<PagedKv> kv_;
+  std::unique_ptr<sparse::SparsePolicy> policy_;
+  sparse::SelectionStats stats_;
+  std::vector<kernels::PageSpan> spans_;  // scratch
+  std::vector<float> lse_;                // scratch
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_SPARSE_ATTENTION_H_
