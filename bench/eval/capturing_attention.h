@@ -57,6 +57,7 @@ class CapturingAttention : public model::SequenceAttention {
 
   const CapturedRows& rows(int layer) const { return rows_[layer]; }
   model::SequenceAttention& inner() { return *inner_; }
+  const model::SequenceAttention& inner() const { return *inner_; }
 
  private:
   std::unique_ptr<model::SequenceAttention> inner_;

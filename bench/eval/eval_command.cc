@@ -41,14 +41,15 @@ std::string Tail(const std::string& s, size_t n) {
 }
 
 void PrintTable(const std::vector<CellResult>& results) {
-  std::printf("%-16s %8s  %-8s %5s  %8s  %-16s %11s %9s\n", "task", "context", "policy", "n",
-              "accuracy", "95% CI", "prefill ms", "tpot ms");
+  std::printf("%-16s %8s  %-18s %5s  %8s  %-16s %7s %11s %9s\n", "task", "context", "policy",
+              "n", "accuracy", "95% CI", "read", "prefill ms", "tpot ms");
   for (const CellResult& r : results) {
     char ci[32];
     std::snprintf(ci, sizeof(ci), "[%.3f, %.3f]", r.ci_low, r.ci_high);
-    std::printf("%-16s %8lld  %-8s %5lld  %8.3f  %-16s %11.1f %9.2f\n", r.task.c_str(),
+    std::printf("%-16s %8lld  %-18s %5lld  %8.3f  %-16s %7.4f %11.1f %9.2f\n", r.task.c_str(),
                 static_cast<long long>(r.context), r.policy.c_str(),
-                static_cast<long long>(r.samples), r.accuracy, ci, r.prefill_ms, r.tpot_ms);
+                static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, r.prefill_ms,
+                r.tpot_ms);
   }
 }
 
@@ -87,6 +88,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   std::string model_dir, json_path, capture_dir;
   std::vector<std::string> tasks = TaskNames();
   std::vector<std::string> policies = {"full"};
+  std::vector<double> budgets = {0.05};
   std::vector<int64_t> contexts = {1024, 4096};
   int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), threads = 0,
           max_new_tokens = 0, capture_kv_max = 8192;
@@ -102,6 +104,8 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   flags.Int("seed", &seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
   flags.StringList("policy", &policies,
                    "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
+  flags.DoubleList("budget", &budgets,
+                   "read budgets (fraction of context rows) for each sparse policy");
   flags.Int("threads", &threads, "CPU threads; 0 = all cores");
   flags.Int("max-new-tokens", &max_new_tokens,
             "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
@@ -127,7 +131,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   options.contexts = contexts;
   options.samples = samples;
   options.first_seed = static_cast<uint64_t>(seed);
-  options.policies = policies;
+  options.policies = PolicyLabels(policies, budgets);
   options.max_new_tokens = max_new_tokens;
   options.capture_dir = capture_dir;
   options.capture_kv_max = capture_kv_max;
@@ -144,7 +148,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   } else if (tasks.empty() || contexts.empty() || policies.empty()) {
     usage_error = "--tasks, --contexts and --policy need at least one value each";
   }
-  for (const std::string& p : policies) {
+  for (const std::string& p : options.policies) {
     if (absl::Status s = ValidatePolicy(p); usage_error.empty() && !s.ok()) {
       usage_error = absl::StrCat("--policy: ", s.message());
     }
@@ -216,6 +220,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                       {"ci_high", r.ci_high},
                       {"prefill_ms", r.prefill_ms},
                       {"tpot_ms", r.tpot_ms},
+                      {"budget_spent", r.budget_spent},
                       {"threads", kernels::cpu::NumThreads()},
                       {"seed", seed},
                       {"model", model_dir}});

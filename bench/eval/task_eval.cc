@@ -8,17 +8,24 @@
 #include <system_error>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "bench/eval/capturing_attention.h"
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
+#include "decode/sparse_attention.h"
 #include "model/byte_tokenizer.h"
 #include "model/sampler.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::eval {
 namespace {
+
+// Host page size for the sparse policies (DESIGN.md: 16 tokens of one layer and KV head).
+constexpr int64_t kPageTokens = 16;
 
 using ::fluxion::model::ByteTokenizer;
 
@@ -146,31 +153,76 @@ class CaptureWriter {
 
 struct CellTotals {
   int64_t samples = 0, correct = 0, decode_steps = 0;
-  double prefill_seconds = 0, decode_seconds = 0;
+  double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0;
 };
 
 }  // namespace
 
 const std::vector<std::string>& PolicyNames() {
-  static const auto* names = new std::vector<std::string>{"full"};
+  static const auto* names = [] {
+    auto* n = new std::vector<std::string>{"full"};
+    for (const std::string& name : decode::sparse::PolicyNames()) {
+      if (name != "full") n->push_back(name);
+    }
+    return n;
+  }();
   return *names;
 }
 
-absl::Status ValidatePolicy(const std::string& name) {
-  const auto& names = PolicyNames();
-  if (std::find(names.begin(), names.end(), name) != names.end()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("unknown attention policy '", name,
-                                                 "'; known policies: ",
-                                                 absl::StrJoin(names, ", ")));
+namespace {
+
+// Splits `name@budget`; `full` and fixed_* need no budget.
+absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& label) {
+  std::vector<std::string> parts = absl::StrSplit(label, '@');
+  double budget = 1.0;
+  if (parts.size() > 2 || (parts.size() == 2 && !absl::SimpleAtod(parts[1], &budget))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention policy '", label, "' should be NAME or NAME@BUDGET; known: ",
+                     absl::StrJoin(PolicyNames(), ", ")));
+  }
+  return decode::sparse::ParsePolicy(parts[0], budget);
+}
+
+}  // namespace
+
+absl::Status ValidatePolicy(const std::string& label) { return ParseLabel(label).status(); }
+
+std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
+                                      const std::vector<double>& budgets) {
+  std::vector<std::string> labels;
+  for (const std::string& p : policies) {
+    if (p == "full" || absl::StartsWith(p, "fixed_") || absl::StrContains(p, '@')) {
+      labels.push_back(p);
+      continue;
+    }
+    for (double b : budgets) labels.push_back(absl::StrCat(p, "@", b));
+  }
+  return labels;
 }
 
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
-    const std::string& name, const model::DenseAttention& prefilled,
-    const model::AttentionShape& shape) {
-  FLUXION_RETURN_IF_ERROR(ValidatePolicy(name));
-  // `full`: decode keeps attending over every prefilled token, exactly as the prefill did.
-  return std::unique_ptr<model::SequenceAttention>(
-      std::make_unique<model::DenseAttention>(prefilled));
+    const std::string& label, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape, decode::KvArena* arena) {
+  FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
+  if (label == "full") {
+    // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
+    return std::unique_ptr<model::SequenceAttention>(
+        std::make_unique<model::DenseAttention>(prefilled));
+  }
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::SparseAttention> sparse,
+      decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config));
+  return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
+}
+
+double AttendedFraction(const model::SequenceAttention& attention) {
+  if (const auto* capturing = dynamic_cast<const CapturingAttention*>(&attention)) {
+    return AttendedFraction(capturing->inner());
+  }
+  if (const auto* sparse = dynamic_cast<const decode::SparseAttention*>(&attention)) {
+    return sparse->attended_fraction();
+  }
+  return 1.0;
 }
 
 bool IsAnswerTerminator(int32_t token) { return token == '\n' || token == ByteTokenizer::kEos; }
@@ -218,6 +270,17 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
   }
 
   const model::AttentionShape shape = model.attention_shape();
+  // Host pages for the sparse policies: one decode at a time, so the longest prompt plus its
+  // longest answer (TASKS.md: at most 256 + 16 tokens) per layer and KV head, once.
+  const int64_t longest = *std::max_element(options.contexts.begin(), options.contexts.end()) +
+                          std::max<int64_t>(options.max_new_tokens, 512);
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::KvArena> arena,
+      decode::KvArena::Create(decode::KvShape{shape.num_layers, shape.num_kv_heads,
+                                              shape.head_dim, kPageTokens}
+                                  .page_bytes(),
+                              shape.num_layers * shape.num_kv_heads *
+                                  ((longest + kPageTokens - 1) / kPageTokens + 1)));
   const bool capture = !options.capture_dir.empty();
   std::unique_ptr<CaptureWriter> writer;
   if (capture) writer = std::make_unique<CaptureWriter>(options, shape);
@@ -269,7 +332,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           PolicyOutcome po;
           po.policy = options.policies[pi];
           FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> decode_attention,
-                                   MakePolicyAttention(po.policy, *prefilled, shape));
+                                   MakePolicyAttention(po.policy, *prefilled, shape, arena.get()));
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
             CaptureOptions c;
@@ -280,6 +343,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
             decode_attention = std::move(wrapped);
           }
           // Greedy decode continuing from the prefill's copy; the first token is the prefill's.
+          const model::SequenceAttention* decode_view = decode_attention.get();
           model::Sequence decode(std::move(decode_attention), prompt_len);
           po.tokens.push_back(first);
           t0 = std::chrono::steady_clock::now();
@@ -291,6 +355,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
             ++po.decode_steps;
           }
           po.decode_seconds = SecondsSince(t0);
+          po.attended_fraction = AttendedFraction(*decode_view);
           po.answer = AnswerText(po.tokens);
           po.correct = po.answer == sample.answer;
           if (capture) FLUXION_RETURN_IF_ERROR(writer->AddPolicy(po, *decode_capture));
@@ -301,6 +366,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           cell.prefill_seconds += outcome.prefill_seconds;
           cell.decode_seconds += po.decode_seconds;
           cell.decode_steps += po.decode_steps;
+          cell.attended_fraction += po.attended_fraction;
           outcome.policies.push_back(std::move(po));
         }
         if (capture) FLUXION_RETURN_IF_ERROR(writer->EndSample());
@@ -326,6 +392,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         r.ci_high = ci95.high;
         r.prefill_ms = t.samples > 0 ? 1e3 * t.prefill_seconds / t.samples : 0.0;
         r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
+        r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
         results.push_back(std::move(r));
       }
     }

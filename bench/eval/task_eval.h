@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "bench/eval/tasks.h"
+#include "decode/kv_arena.h"
 #include "model/attention.h"
 #include "model/dense_attention.h"
 #include "model/model.h"
@@ -29,20 +30,30 @@
 namespace fluxion::eval {
 
 // --- Attention policies ---
-// A policy decides how decode steps attend over the prefilled KV. Today only `full` exists; the
-// sparse-attention issue adds its policies to this factory.
+// A policy decides how decode steps attend over the prefilled KV. A policy label is `full` (the
+// fp32 dense cache the prefill built: the reference every sparse policy is judged against) or
+// `<name>@<budget>` for a sparse policy of decode/sparse over bf16 host pages, e.g.
+// `quest@0.05`; `fixed_<block>_<budget>` carries its own budget.
 
 // Known policy names, `full` first.
 const std::vector<std::string>& PolicyNames();
 
-// OK for a known name; InvalidArgument listing the known ones otherwise.
-absl::Status ValidatePolicy(const std::string& name);
+// OK for a valid label; InvalidArgument naming the known policies otherwise.
+absl::Status ValidatePolicy(const std::string& label);
 
-// The attention a decode under `name` starts from, given the full-attention prefill state
-// `prefilled` of shape `shape` (which it may copy but not keep a reference to).
+// Expands policies x budgets into labels: `full` and fixed_* once, the others once per budget.
+std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
+                                      const std::vector<double>& budgets);
+
+// The attention a decode under `label` starts from, given the full-attention prefill state
+// `prefilled` of shape `shape` (copied, not kept). Sparse policies take pages from `arena`, which
+// must outlive the result.
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
-    const std::string& name, const model::DenseAttention& prefilled,
-    const model::AttentionShape& shape);
+    const std::string& label, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape, decode::KvArena* arena);
+
+// Fraction of context rows a decode attention read (1 for `full`).
+double AttendedFraction(const model::SequenceAttention& attention);
 
 // --- Scoring (TASKS.md "Scoring") ---
 
@@ -84,6 +95,7 @@ struct PolicyOutcome {
   bool correct = false;
   int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
   double decode_seconds = 0;
+  double attended_fraction = 1;  // context rows the decode steps read (the budget spent)
 };
 
 struct SampleOutcome {
@@ -103,6 +115,7 @@ struct CellResult {
   double accuracy = 0, ci_low = 0, ci_high = 0;
   double prefill_ms = 0;  // mean over samples
   double tpot_ms = 0;     // decode ms per token over all of the cell's decode steps; 0 if none
+  double budget_spent = 1;  // mean attended fraction of the context over the cell's samples
 };
 
 struct TaskEvalCallbacks {

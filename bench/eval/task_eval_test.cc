@@ -59,9 +59,17 @@ TEST(TaskEvalTest, WilsonIntervalMatchesTheClosedForm) {
 TEST(TaskEvalTest, FullIsTheFirstPolicyAndUnknownOnesAreListed) {
   EXPECT_EQ(PolicyNames().front(), "full");
   EXPECT_TRUE(ValidatePolicy("full").ok());
-  absl::Status s = ValidatePolicy("quest");
+  EXPECT_TRUE(ValidatePolicy("quest@0.05").ok());
+  EXPECT_TRUE(ValidatePolicy("fixed_32_0.05").ok());
+  absl::Status s = ValidatePolicy("nope@0.05");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("known policies: full"));
+  EXPECT_THAT(s.message(), HasSubstr("known: full"));
+  EXPECT_FALSE(ValidatePolicy("quest@x").ok());
+}
+
+TEST(TaskEvalTest, PolicyLabelsExpandSparsePoliciesPerBudget) {
+  EXPECT_EQ(PolicyLabels({"full", "quest", "fixed_32_0.05"}, {0.02, 0.05}),
+            (std::vector<std::string>{"full", "quest@0.02", "quest@0.05", "fixed_32_0.05"}));
 }
 
 TEST(TaskEvalTest, FullPolicyStartsFromAnIndependentCopyOfThePrefill) {
@@ -69,12 +77,12 @@ TEST(TaskEvalTest, FullPolicyStartsFromAnIndependentCopyOfThePrefill) {
   model::DenseAttention prefilled(shape);
   std::vector<float> q(2 * 4, 0.1f), kv(4, 0.2f), out(2 * 4);
   ASSERT_TRUE(prefilled.Forward(0, 0, 1, q.data(), kv.data(), kv.data(), out.data()).ok());
-  auto attention = MakePolicyAttention("full", prefilled, shape);
+  auto attention = MakePolicyAttention("full", prefilled, shape, nullptr);
   ASSERT_TRUE(attention.ok());
   // The copy continues at position 1; the original is untouched.
   ASSERT_TRUE((*attention)->Forward(0, 1, 1, q.data(), kv.data(), kv.data(), out.data()).ok());
   EXPECT_EQ(prefilled.length(0), 1);
-  EXPECT_EQ(MakePolicyAttention("nope", prefilled, shape).status().code(),
+  EXPECT_EQ(MakePolicyAttention("nope", prefilled, shape, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
