@@ -46,10 +46,17 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
 
   GenerationResult result;
   Sampler sampler(options.sampling);
-  std::unique_ptr<Sequence> seq = model.NewSequence();
+  auto dense = std::make_unique<DenseAttention>(model.attention_shape());
+  const DenseAttention* prefilled = dense.get();
+  auto seq = std::make_unique<Sequence>(std::move(dense));
   std::vector<float> logits;
   auto t0 = std::chrono::steady_clock::now();
   FLUXION_RETURN_IF_ERROR(model.Forward(*seq, prompt, &logits));
+  if (options.decode_attention) {
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<SequenceAttention> attention,
+                             options.decode_attention(*prefilled));
+    seq = std::make_unique<Sequence>(std::move(attention), seq->length());
+  }
   int32_t token = sampler.Sample(logits);
   result.prefill_seconds = SecondsSince(t0);
   t0 = std::chrono::steady_clock::now();
@@ -69,6 +76,7 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
     token = sampler.Sample(logits);
   }
   result.decode_seconds = SecondsSince(t0);
+  result.sequence = std::move(seq);
   return result;
 }
 

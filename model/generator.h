@@ -5,20 +5,28 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "model/dense_attention.h"
 #include "model/model.h"
 #include "model/sampler.h"
 
 namespace fluxion::model {
+
+// Builds the attention decode steps run on from the full-attention prefill state (copied, not
+// kept). `decode/` passes one for its paged, sparse policies; `model/` never depends on them.
+using DecodeAttentionFactory =
+    std::function<absl::StatusOr<std::unique_ptr<SequenceAttention>>(const DenseAttention&)>;
 
 struct GenerationOptions {
   SamplingParams sampling;
   int64_t max_tokens = 16;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool ignore_eos = false;              // keep going past EOS (not past stop_token_ids)
+  DecodeAttentionFactory decode_attention;  // empty: decode continues on the prefill's cache
 };
 
 enum class FinishReason { kStop, kLength };
@@ -29,6 +37,9 @@ struct GenerationResult {
   FinishReason finish_reason = FinishReason::kLength;
   double prefill_seconds = 0;   // prompt forward + first token
   double decode_seconds = 0;    // every later token
+  // The finished sequence, so the caller can inspect its attention (e.g. the budget a sparse
+  // policy spent); it owns whatever the decode_attention factory returned.
+  std::unique_ptr<Sequence> sequence;
 };
 
 // Generates from `prompt` on a fresh sequence of `model`. `on_token` (optional) sees each token as

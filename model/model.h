@@ -50,6 +50,7 @@ class Sequence {
       : attention_(std::move(attention)), length_(length) {}
   int64_t length() const { return length_; }
   SequenceAttention& attention() { return *attention_; }
+  const SequenceAttention& attention() const { return *attention_; }
 
  private:
   friend class Model;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bench/commands.h"
+#include "decode/commands.h"
 #include "bench/eval/eval_command.h"
 #include "model/commands.h"
 
@@ -20,7 +21,7 @@ struct Subcommand {
 const std::vector<Subcommand>& Subcommands() {
   static const auto* commands = new std::vector<Subcommand>{
       {"generate", "generate tokens from prompt ids with the CPU model runtime",
-       fluxion::model::RunGenerateCommand},
+       fluxion::decode::RunGenerateCommand},
       {"make-model", "write a random-weight model in Hugging Face layout",
        fluxion::model::RunMakeModelCommand},
       {"bench", "benchmarks: `fluxion bench model`", fluxion::bench::RunBenchCommand},

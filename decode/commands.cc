@@ -1,0 +1,127 @@
+#include "decode/commands.h"
+
+#include <cstdio>
+#include <iostream>
+
+#include "absl/strings/str_join.h"
+#include "common/flag_set.h"
+#include "decode/kv_arena.h"
+#include "decode/sparse/policy.h"
+#include "decode/sparse_attention.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/commands.h"
+#include "model/generator.h"
+#include "model/model.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::decode {
+
+using model::ParseOrExit;
+
+int RunGenerateCommand(const std::vector<std::string>& args) {
+  std::string model_dir;
+  std::vector<int64_t> prompt_ids;
+  std::vector<int64_t> stop_ids;
+  int64_t max_tokens = 16, top_k = 0, seed = 0, threads = 0;
+  double temperature = 0.0, top_p = 1.0;
+  bool ignore_eos = false, json = false;
+  std::string policy = "full";
+  double budget = 0.05;
+  int64_t page_tokens = 16;
+  FlagSet flags("fluxion generate",
+                "Generates tokens from a prompt of token ids with the CPU model runtime.");
+  flags.String("model", &model_dir, "model directory (config.json + safetensors)");
+  flags.IntList("prompt-ids", &prompt_ids, "prompt token ids, comma-separated");
+  flags.Int("max-tokens", &max_tokens, "tokens to generate at most");
+  flags.Double("temperature", &temperature, "sampling temperature; 0 = greedy");
+  flags.Int("top-k", &top_k, "sample among the k most likely tokens; 0 = all");
+  flags.Double("top-p", &top_p, "nucleus sampling threshold in (0, 1]");
+  flags.Int("seed", &seed, "random seed for sampling");
+  flags.IntList("stop-ids", &stop_ids, "extra token ids that end generation");
+  flags.Bool("ignore-eos", &ignore_eos, "keep generating past the model's EOS token");
+  flags.Bool("json", &json, "print one JSON object instead of text");
+  flags.Int("threads", &threads, "CPU threads; 0 = all cores");
+  flags.String("policy", &policy,
+               "decode attention: full (the model's own fp32 cache) or a sparse policy over bf16 "
+               "host pages: " + absl::StrJoin(sparse::PolicyNames(), ", "));
+  flags.Double("budget", &budget, "fraction of context rows a sparse policy reads");
+  flags.Int("page-tokens", &page_tokens, "tokens per host KV page for sparse policies");
+  flags.Require("model");
+  flags.Require("prompt-ids");
+  if (int rc = ParseOrExit(flags, args); rc >= 0) return rc;
+
+  auto policy_config = sparse::ParsePolicy(policy, budget);
+  if (!policy_config.ok()) {
+    std::cerr << "error: " << policy_config.status().message() << "\n";
+    return 2;
+  }
+  kernels::cpu::SetNumThreads(static_cast<int>(threads));
+  auto model = model::Model::Load(model_dir);
+  if (!model.ok()) {
+    std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
+    return 1;
+  }
+  std::vector<int32_t> prompt(prompt_ids.begin(), prompt_ids.end());
+  model::GenerationOptions options;
+  options.sampling = model::SamplingParams{temperature, top_k, top_p, static_cast<uint64_t>(seed)};
+  options.max_tokens = max_tokens;
+  options.stop_token_ids.assign(stop_ids.begin(), stop_ids.end());
+  options.ignore_eos = ignore_eos;
+  // Sparse policies decode over host pages from an arena sized for this one request.
+  std::unique_ptr<KvArena> arena;
+  SparseAttention* sparse_attention = nullptr;
+  if (policy != "full") {
+    const model::AttentionShape shape = (*model)->attention_shape();
+    const int64_t tokens = static_cast<int64_t>(prompt.size()) + max_tokens;
+    auto created = KvArena::Create(
+        KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
+        shape.num_layers * shape.num_kv_heads * ((tokens + page_tokens - 1) / page_tokens + 1));
+    if (!created.ok()) {
+      std::cerr << "error: " << created.status() << "\n";
+      return 1;
+    }
+    arena = std::move(*created);
+    options.decode_attention = [&arena, &sparse_attention, &policy_config, shape,
+                                page_tokens](const model::DenseAttention& prefilled)
+        -> absl::StatusOr<std::unique_ptr<model::SequenceAttention>> {
+      auto a = SparseAttention::FromDense(arena.get(), shape, page_tokens, prefilled,
+                                          *policy_config);
+      if (!a.ok()) return a.status();
+      sparse_attention = a->get();
+      return std::unique_ptr<model::SequenceAttention>(std::move(*a));
+    };
+  }
+  auto result = model::Generate(**model, prompt, options);
+  if (!result.ok()) {
+    std::cerr << "error: " << result.status() << "\n";
+    return 1;
+  }
+  const size_t n = result->tokens.size();
+  const double decode_tps = n > 1 ? (n - 1) / result->decode_seconds : 0.0;
+  if (json) {
+    nlohmann::json out = {
+        {"tokens", result->tokens},
+        {"finish_reason", model::FinishReasonName(result->finish_reason)},
+        {"prompt_tokens", prompt.size()},
+        {"completion_tokens", n},
+        {"ttft_ms", result->prefill_seconds * 1e3},
+        {"decode_tokens_per_s", decode_tps},
+        {"policy", policy},
+        {"budget_spent", sparse_attention ? sparse_attention->attended_fraction() : 1.0},
+    };
+    std::cout << out.dump() << "\n";
+  } else {
+    std::cout << "tokens: " << absl::StrJoin(result->tokens, " ") << "\n";
+    std::printf("finish: %s | prompt %zu tokens, first token after %.1f ms | %zu tokens, "
+                "%.1f tokens/s decode\n",
+                model::FinishReasonName(result->finish_reason), prompt.size(),
+                result->prefill_seconds * 1e3, n, decode_tps);
+    if (sparse_attention != nullptr) {
+      std::printf("policy: %s, read %.4f of the context per decode step\n", policy.c_str(),
+                  sparse_attention->attended_fraction());
+    }
+  }
+  return 0;
+}
+
+}  // namespace fluxion::decode
