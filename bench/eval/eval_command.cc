@@ -10,6 +10,7 @@
 #include "bench/bench_util.h"
 #include "bench/eval/task_eval.h"
 #include "bench/eval/tasks.h"
+#include "bench/attention_eval.h"
 #include "common/flag_set.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "model/model.h"
@@ -72,14 +73,16 @@ void PrintSample(const SampleOutcome& o) {
 int RunEvalCommand(const std::vector<std::string>& args) {
   const char* usage =
       "usage: fluxion eval <what> [flags]   (fluxion eval <what> --help)\n"
-      "  tasks    accuracy on the long-context tasks of docs/TASKS.md per context and attention "
-      "policy\n";
+      "  tasks      accuracy on the long-context tasks of docs/TASKS.md per context and attention "
+      "policy\n"
+      "  attention  sparse policies vs full attention on structured synthetic heads\n";
   if (args.empty() || args[0] == "--help") {
     std::cout << usage;
     return args.empty() ? 2 : 0;
   }
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "tasks") return RunEvalTasksCommand(rest);
+  if (args[0] == "attention") return bench::RunAttentionEval(rest);
   std::cerr << "fluxion eval: unknown evaluation '" << args[0] << "'\n" << usage;
   return 2;
 }
