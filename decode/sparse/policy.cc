@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
 namespace fluxion::decode::sparse {
@@ -65,20 +66,13 @@ class ExactTopKPolicy : public SparsePolicy {
     std::vector<PageSpan> middle;
     const int64_t n = r.local_begin - r.sink_end;
     if (r.middle_rows_budget > 0 && n > 0) {
-      const int64_t d = in.kv->shape().head_dim, pt = in.kv->shape().page_tokens;
+      const int64_t pt = in.kv->shape().page_tokens;
       const auto& pages = in.kv->pages(in.layer, in.kv_head);
-      const kernels::PagedKvView view = in.kv->view();
-      scores_.assign(n, -INFINITY);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = r.sink_end + i;
-        const bf16* k = view.keys(pages[t / pt]) + (t % pt) * d;
-        for (int64_t g = 0; g < in.group; ++g) {
-          const float* qg = in.q + g * d;
-          float dot = 0.0f;
-          for (int64_t j = 0; j < d; ++j) dot += qg[j] * Bf16ToFloat(k[j]);
-          scores_[i] = std::max(scores_[i], dot);
-        }
-      }
+      scan_.clear();
+      AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scan_);
+      scores_.resize(n);
+      kernels::cpu::MaxGroupScores(in.kv->view(), scan_.data(), scan_.size(), in.q, in.group,
+                                   scores_.data());
       stats->k_rows_scored += n;
       kernels::cpu::TopKIndices(scores_.data(), n, r.middle_rows_budget, &picked_);
       std::sort(picked_.begin(), picked_.end());
@@ -99,6 +93,7 @@ class ExactTopKPolicy : public SparsePolicy {
 
  private:
   PolicyConfig config_;
+  std::vector<kernels::PageSpan> scan_;
   std::vector<float> scores_;
   std::vector<int32_t> picked_;
 };
@@ -120,25 +115,11 @@ class QuestPolicy : public SparsePolicy {
     const int64_t nblocks = end_block - first_block;
     const int64_t want = r.middle_rows_budget / block;
     if (want > 0 && nblocks > 0) {
-      const float* kmin = in.kv->key_min(in.layer, in.kv_head);
-      const float* kmax = in.kv->key_max(in.layer, in.kv_head);
-      scores_.assign(nblocks, -INFINITY);
-      for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t p0 = (first_block + b) * pages_per_block;
-        for (int64_t g = 0; g < in.group; ++g) {
-          const float* qg = in.q + g * d;
-          float bound = 0.0f;
-          for (int64_t j = 0; j < d; ++j) {
-            float lo = INFINITY, hi = -INFINITY;
-            for (int64_t p = p0; p < p0 + pages_per_block; ++p) {
-              lo = std::min(lo, kmin[p * d + j]);
-              hi = std::max(hi, kmax[p * d + j]);
-            }
-            bound += std::max(qg[j] * lo, qg[j] * hi);
-          }
-          scores_[b] = std::max(scores_[b], bound);
-        }
-      }
+      scores_.resize(nblocks);
+      kernels::cpu::QuestBlockBounds(in.kv->key_min(in.layer, in.kv_head),
+                                     in.kv->key_max(in.layer, in.kv_head), d, first_block,
+                                     nblocks, pages_per_block, in.q, in.group, scores_.data());
+      stats->metadata_bytes += nblocks * pages_per_block * 2 * d * int64_t{sizeof(float)};
       kernels::cpu::TopKIndices(scores_.data(), nblocks, want, &picked_);
       std::sort(picked_.begin(), picked_.end());
       for (int32_t b : picked_) {

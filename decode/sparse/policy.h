@@ -52,6 +52,7 @@ struct SelectionInput {
 struct SelectionStats {
   int64_t rows_attended = 0;  // K/V rows the attention kernel reads
   int64_t k_rows_scored = 0;  // extra K rows read only to score (exact top-k)
+  int64_t metadata_bytes = 0; // page metadata read to score (Quest's fp32 min/max bounds)
   int64_t context = 0;        // tokens available
 };
 

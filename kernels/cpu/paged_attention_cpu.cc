@@ -1,5 +1,7 @@
 #include "kernels/cpu/paged_attention_cpu.h"
 
+#include "kernels/cpu/bf16_avx2.h"
+
 #include <immintrin.h>
 #include <omp.h>
 
@@ -10,30 +12,7 @@
 namespace fluxion::kernels::cpu {
 namespace {
 
-// Head dimensions are processed 16 at a time: one 256-bit load holds 16 bf16 values, which split
-// into two fp32 vectors with one instruction each: the even-indexed elements (shift left by 16)
-// and the odd-indexed ones (mask off the low half). Dot products do not care about the order of
-// their terms, so the query is stored deinterleaved the same way and no shuffle is ever needed;
-// the output accumulators are kept deinterleaved too and re-interleaved once at the end.
-constexpr int64_t kChunk = 16;
 constexpr int64_t kHeadBlock = 4;  // query heads sharing one pass over a K/V row
-
-struct Bf16Pair {
-  __m256 even, odd;
-};
-
-inline Bf16Pair LoadBf16x16(const bf16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xffff0000)))};
-}
-
-// Horizontal sums of four vectors, returned as the four lanes of one vector.
-inline __m128 HorizontalSum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
 
 // exp(x) for 8 lanes: range reduction to r in [-ln2/2, ln2/2], degree-6 polynomial, scale by 2^n.
 // Relative error ~2e-7 (a couple of fp32 ulps); inputs below -87 flush to 0.

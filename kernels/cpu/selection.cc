@@ -1,0 +1,110 @@
+#include "kernels/cpu/selection.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cpu/bf16_avx2.h"
+#include "kernels/cpu/paged_attention_cpu.h"
+
+namespace fluxion::kernels::cpu {
+namespace {
+
+inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace
+
+void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const float* q, int64_t group, float* scores) {
+  const int64_t d = kv.head_dim, chunks = d / kChunk;
+  const int64_t padded = (group + 3) / 4 * 4;
+  alignas(32) float qd[kMaxGroup * kMaxHeadDim];
+  for (int64_t g = 0; g < padded; ++g) {
+    if (g < group) {
+      DeinterleaveQuery(q + g * d, d, 1.0f, qd + g * d);
+    } else {
+      // Padding heads repeat head 0 so they never raise the maximum.
+      DeinterleaveQuery(q, d, 1.0f, qd + g * d);
+    }
+  }
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
+    for (int64_t r = 0; r < spans[s].rows; ++r) {
+      const bf16* k = rows + r * d;
+      __m256 best = _mm256_set1_ps(-INFINITY);
+      for (int64_t hb = 0; hb < padded; hb += 4) {
+        const float* q0 = qd + hb * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Bf16Pair kk = LoadBf16x16(k + c * kChunk);
+          const float* qc = q0 + c * kChunk;
+          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc), kk.even, a0);
+          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc + 8), kk.odd, a0);
+          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d), kk.even, a1);
+          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d + 8), kk.odd, a1);
+          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d), kk.even, a2);
+          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d + 8), kk.odd, a2);
+          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d), kk.even, a3);
+          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d + 8), kk.odd, a3);
+        }
+        const __m128 four = HorizontalSum4(a0, a1, a2, a3);
+        best = _mm256_max_ps(best, _mm256_castps128_ps256(four));
+      }
+      // Only the low four lanes carry sums; the high ones are undefined after the cast.
+      const __m128 low = _mm256_castps256_ps128(best);
+      __m128 m = _mm_max_ps(low, _mm_movehl_ps(low, low));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      *scores++ = _mm_cvtss_f32(m);
+    }
+  }
+}
+
+void QuestBlockBounds(const float* key_min, const float* key_max, int64_t d, int64_t first_block,
+                      int64_t num_blocks, int64_t pages_per_block, const float* q, int64_t group,
+                      float* out) {
+  alignas(32) float lo[kMaxHeadDim], hi[kMaxHeadDim];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t p0 = (first_block + b) * pages_per_block;
+    const float* mn = key_min + p0 * d;
+    const float* mx = key_max + p0 * d;
+    if (pages_per_block > 1) {
+      // Merge the block's page bounds first: one pass per extra page.
+      for (int64_t j = 0; j < d; j += 8) {
+        __m256 l = _mm256_loadu_ps(mn + j), h = _mm256_loadu_ps(mx + j);
+        for (int64_t p = 1; p < pages_per_block; ++p) {
+          l = _mm256_min_ps(l, _mm256_loadu_ps(mn + p * d + j));
+          h = _mm256_max_ps(h, _mm256_loadu_ps(mx + p * d + j));
+        }
+        _mm256_store_ps(lo + j, l);
+        _mm256_store_ps(hi + j, h);
+      }
+      mn = lo;
+      mx = hi;
+    }
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = 0; j < d; j += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + j);
+        acc = _mm256_add_ps(acc, _mm256_max_ps(_mm256_mul_ps(qv, _mm256_loadu_ps(mn + j)),
+                                               _mm256_mul_ps(qv, _mm256_loadu_ps(mx + j))));
+      }
+      best = _mm256_max_ps(best, _mm256_set1_ps(HorizontalSum(acc)));
+    }
+    out[b] = HorizontalMax(best);
+  }
+}
+
+}  // namespace fluxion::kernels::cpu

@@ -1,0 +1,29 @@
+// Scoring kernels for sparse selection over host KV pages (AVX2). Policies in decode/sparse call
+// these on every decode step, so they are as much on the critical path as attention itself.
+//
+// Thread-safe: pure functions.
+#ifndef FLUXION_KERNELS_CPU_SELECTION_H_
+#define FLUXION_KERNELS_CPU_SELECTION_H_
+
+#include <cstdint>
+
+#include "kernels/paged_attention.h"
+
+namespace fluxion::kernels::cpu {
+
+// scores[i] = max over the group's heads of q_g . k_i for every row i of `spans`, in span order
+// (unscaled logits). q: [group][head_dim]. REQUIRES: PagedAttentionSupported(head_dim, group, ..).
+void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const float* q, int64_t group, float* scores);
+
+// Quest upper bounds of q.k over blocks of `pages_per_block` consecutive logical pages:
+//   out[b] = max_g sum_d max(q_g[d] * min_d, q_g[d] * max_d),
+// where min/max are taken over the block's pages. key_min/key_max: [pages][head_dim] fp32 page
+// metadata; block b covers pages [(first_block + b) * pages_per_block, +pages_per_block).
+void QuestBlockBounds(const float* key_min, const float* key_max, int64_t head_dim,
+                      int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
+                      const float* q, int64_t group, float* out);
+
+}  // namespace fluxion::kernels::cpu
+
+#endif  // FLUXION_KERNELS_CPU_SELECTION_H_

@@ -1,0 +1,89 @@
+// The selection kernels against scalar double-precision twins computed here.
+#include "kernels/cpu/selection.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace fluxion::kernels::cpu {
+namespace {
+
+TEST(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
+  for (int64_t group : {1, 3, 4, 7}) {
+    const int64_t d = 64, pt = 16, pages = 6;
+    std::mt19937 rng(group);
+    std::normal_distribution<float> normal(0, 1);
+    const size_t page_bytes = 2 * pt * d * sizeof(bf16);
+    std::vector<uint8_t> arena(pages * page_bytes);
+    auto* all = reinterpret_cast<bf16*>(arena.data());
+    for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
+    PagedKvView kv{arena.data(), page_bytes, pt, d};
+    std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
+    std::vector<float> q(group * d);
+    for (float& x : q) x = normal(rng);
+    std::vector<float> got(26);
+    MaxGroupScores(kv, spans.data(), spans.size(), q.data(), group, got.data());
+    size_t i = 0;
+    for (const PageSpan& s : spans) {
+      for (int r = s.first_row; r < s.first_row + s.rows; ++r, ++i) {
+        double best = -INFINITY;
+        for (int64_t g = 0; g < group; ++g) {
+          double dot = 0;
+          for (int64_t j = 0; j < d; ++j) {
+            dot += q[g * d + j] * Bf16ToFloat(kv.keys(s.page)[r * d + j]);
+          }
+          best = std::max(best, dot);
+        }
+        EXPECT_NEAR(got[i], best, 1e-4 * std::max(1.0, std::abs(best))) << "group " << group;
+      }
+    }
+  }
+}
+
+TEST(SelectionTest, QuestBoundsMatchScalarAndBoundEveryKeyInTheBlock) {
+  const int64_t d = 32, pages = 8, group = 3;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> keys(pages * 16 * d), mn(pages * d, INFINITY), mx(pages * d, -INFINITY);
+  for (float& x : keys) x = normal(rng);
+  for (int64_t p = 0; p < pages; ++p)
+    for (int64_t t = 0; t < 16; ++t)
+      for (int64_t j = 0; j < d; ++j) {
+        mn[p * d + j] = std::min(mn[p * d + j], keys[(p * 16 + t) * d + j]);
+        mx[p * d + j] = std::max(mx[p * d + j], keys[(p * 16 + t) * d + j]);
+      }
+  std::vector<float> q(group * d);
+  for (float& x : q) x = normal(rng);
+  for (int64_t ppb : {1, 2}) {
+    const int64_t blocks = pages / ppb - 1;
+    std::vector<float> got(blocks);
+    QuestBlockBounds(mn.data(), mx.data(), d, 1, blocks, ppb, q.data(), group, got.data());
+    for (int64_t b = 0; b < blocks; ++b) {
+      double bound = -INFINITY, best_dot = -INFINITY;
+      for (int64_t g = 0; g < group; ++g) {
+        double s = 0;
+        for (int64_t j = 0; j < d; ++j) {
+          double lo = INFINITY, hi = -INFINITY;
+          for (int64_t p = (1 + b) * ppb; p < (2 + b) * ppb; ++p) {
+            lo = std::min<double>(lo, mn[p * d + j]);
+            hi = std::max<double>(hi, mx[p * d + j]);
+          }
+          s += std::max(q[g * d + j] * lo, q[g * d + j] * hi);
+        }
+        bound = std::max(bound, s);
+        for (int64_t t = (1 + b) * ppb * 16; t < (2 + b) * ppb * 16; ++t) {
+          double dot = 0;
+          for (int64_t j = 0; j < d; ++j) dot += q[g * d + j] * keys[t * d + j];
+          best_dot = std::max(best_dot, dot);
+        }
+      }
+      EXPECT_NEAR(got[b], bound, 1e-4 * std::abs(bound));
+      EXPECT_GE(got[b] + 1e-3, best_dot);  // an upper bound on every key's score
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fluxion::kernels::cpu
