@@ -61,30 +61,16 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.Int("seed", &seed, "random seed for data");
   flags.Double("pool-gib", &pool_gib, "KV bytes the steps rotate through (defeats the caches)");
   flags.String("json", &json_path, "also write results to this file");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, page_tokens)) {
     std::cerr << "error: head_dim " << head_dim << ", group " << group << ", page_tokens "
               << page_tokens << " is not supported by the CPU kernel\n";
     return 2;
   }
-  std::vector<std::pair<std::string, decode::sparse::PolicyConfig>> configs;
-  for (const std::string& p : policies) {
-    const bool one = p == "full" || p.rfind("fixed_", 0) == 0;
-    for (double b : one ? std::vector<double>{1.0} : budgets) {
-      auto c = decode::sparse::ParsePolicy(p, b);
-      if (!c.ok()) {
-        std::cerr << "error: " << c.status().message() << "\n";
-        return 2;
-      }
-      configs.push_back({p, *c});
-    }
+  auto configs = decode::sparse::ExpandPolicies(policies, budgets);
+  if (!configs.ok()) {
+    std::cerr << "error: " << configs.status().message() << "\n";
+    return 2;
   }
   const decode::KvShape shape{1, 1, head_dim, page_tokens};
   const size_t page_bytes = shape.page_bytes();
@@ -130,7 +116,8 @@ int RunAttentionBench(const std::vector<std::string>& args) {
       heads.push_back(std::move(kv));
       queries.push_back(sh.queries);
     }
-    for (const auto& [label, config] : configs) {
+    for (const decode::sparse::PolicyConfig& config : *configs) {
+        const std::string label = decode::sparse::PolicyLabel(config);
       for (int64_t t : threads_list) {
         kernels::cpu::SetNumThreads(static_cast<int>(t));
         const int nthreads = kernels::cpu::NumThreads();

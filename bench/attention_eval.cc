@@ -47,25 +47,11 @@ int RunAttentionEval(const std::vector<std::string>& args) {
   flags.Int("steps", &steps, "decode steps per head");
   flags.Int("seed", &seed, "random seed");
   flags.String("json", &json_path, "also write results to this file");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  auto configs = decode::sparse::ExpandPolicies(policies, budgets);
+  if (!configs.ok()) {
+    std::cerr << "error: " << configs.status().message() << "\n";
     return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
-  std::vector<std::pair<std::string, decode::sparse::PolicyConfig>> configs;
-  for (const std::string& p : policies) {
-    const bool fixed = p.rfind("fixed_", 0) == 0;
-    for (double b : fixed ? std::vector<double>{1.0} : budgets) {
-      auto c = decode::sparse::ParsePolicy(p, b);
-      if (!c.ok()) {
-        std::cerr << "error: " << c.status().message() << "\n";
-        return 2;
-      }
-      configs.push_back({fixed ? p : p + "@" + std::to_string(b).substr(0, 4), *c});
-    }
   }
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, 16)) {
     std::cerr << "error: unsupported head_dim/group\n";
@@ -100,7 +86,8 @@ int RunAttentionEval(const std::vector<std::string>& args) {
     for (int64_t context : contexts) {
       const SyntheticHead head =
           MakeSyntheticHead(kind, context, head_dim, group, steps, seed + context);
-      for (const auto& [label, config] : configs) {
+      for (const decode::sparse::PolicyConfig& config : *configs) {
+        const std::string label = decode::sparse::PolicyLabel(config);
         auto kv = *decode::PagedKv::Create(arena->get(), shape);
         const int64_t first_pos = context - steps;
         if (!kv->Append(0, first_pos, head.keys.data(), head.values.data(), head_dim).ok()) {

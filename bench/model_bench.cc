@@ -60,15 +60,7 @@ int RunModelBench(const std::vector<std::string>& args) {
   flags.Int("repeats", &repeats, "repeats per point (median reported)");
   flags.Int("seed", &seed, "seed for prompts and the random model");
   flags.String("json", &json_path, "also write results to this file");
-  absl::Status parsed = flags.Parse(args);
-  if (!parsed.ok()) {
-    std::cerr << "error: " << parsed.message() << "\n";
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   std::string made_dir;
   if (model_dir.empty()) {
     auto config = model::PresetConfig(preset);

@@ -26,14 +26,7 @@ int RunTopKBench(const std::vector<std::string>& args) {
   flags.Int("repeats", &repeats, "timed calls per point (median reported)");
   flags.Int("seed", &seed, "random seed");
   flags.String("json", &json_path, "also write results to this file");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   std::mt19937 rng(seed);
   nlohmann::json results = nlohmann::json::array();
   std::printf("%8s %7s | %12s %12s %8s\n", "n", "k", "radix us", "nth us", "speedup");

@@ -1,5 +1,6 @@
 #include "common/flag_set.h"
 
+#include <iostream>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -181,6 +182,19 @@ std::string FlagSet::Usage() const {
     absl::StrAppend(&out, "\n");
   }
   return out;
+}
+
+int ParseFlagsOrExit(FlagSet& flags, const std::vector<std::string>& args) {
+  absl::Status status = flags.Parse(args);
+  if (!status.ok()) {
+    std::cerr << "error: " << status.message() << "\n";
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::cout << flags.Usage();
+    return 0;
+  }
+  return -1;
 }
 
 }  // namespace fluxion

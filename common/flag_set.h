@@ -67,6 +67,10 @@ class FlagSet {
   bool help_requested_ = false;
 };
 
+// The subcommand prologue: parses `args` into `flags`. Returns -1 to go on, else the exit code to
+// return: 0 after printing Usage() for --help, 2 after printing a usage error to stderr.
+int ParseFlagsOrExit(FlagSet& flags, const std::vector<std::string>& args);
+
 }  // namespace fluxion
 
 #endif  // FLUXION_COMMON_FLAG_SET_H_

@@ -9,14 +9,11 @@
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "model/commands.h"
 #include "model/generator.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::decode {
-
-using model::ParseOrExit;
 
 int RunGenerateCommand(const std::vector<std::string>& args) {
   std::string model_dir;
@@ -48,7 +45,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.Int("page-tokens", &page_tokens, "tokens per host KV page for sparse policies");
   flags.Require("model");
   flags.Require("prompt-ids");
-  if (int rc = ParseOrExit(flags, args); rc >= 0) return rc;
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
 
   auto policy_config = sparse::ParsePolicy(policy, budget);
   if (!policy_config.ok()) {

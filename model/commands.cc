@@ -9,19 +9,6 @@
 
 namespace fluxion::model {
 
-int ParseOrExit(FlagSet& flags, const std::vector<std::string>& args) {
-  absl::Status status = flags.Parse(args);
-  if (!status.ok()) {
-    std::cerr << "error: " << status.message() << "\n";
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
-  return -1;
-}
-
 int RunMakeModelCommand(const std::vector<std::string>& args) {
   std::string preset = "tiny", out;
   int64_t seed = 0;
@@ -32,7 +19,7 @@ int RunMakeModelCommand(const std::vector<std::string>& args) {
   flags.String("out", &out, "output directory (created)");
   flags.Int("seed", &seed, "random seed for the weights");
   flags.Require("out");
-  if (int rc = ParseOrExit(flags, args); rc >= 0) return rc;
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   auto config = PresetConfig(preset);
   if (!config.ok()) {
     std::cerr << "error: " << config.status().message() << "\n";

@@ -120,14 +120,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   flags.Int("capture-kv-max", &capture_kv_max,
             "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
   flags.Require("model");
-  if (absl::Status s = flags.Parse(args); !s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
-    return 2;
-  }
-  if (flags.help_requested()) {
-    std::cout << flags.Usage();
-    return 0;
-  }
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
 
   TaskEvalOptions options;
   options.tasks = tasks;

@@ -191,11 +191,13 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
                                       const std::vector<double>& budgets) {
   std::vector<std::string> labels;
   for (const std::string& p : policies) {
-    if (p == "full" || absl::StartsWith(p, "fixed_") || absl::StrContains(p, '@')) {
+    // Labels that already carry a budget pass through; bad names surface in ValidatePolicy.
+    auto configs = decode::sparse::ExpandPolicies({p}, budgets);
+    if (absl::StrContains(p, '@') || !configs.ok()) {
       labels.push_back(p);
       continue;
     }
-    for (double b : budgets) labels.push_back(absl::StrCat(p, "@", b));
+    for (const auto& c : *configs) labels.push_back(decode::sparse::PolicyLabel(c));
   }
   return labels;
 }

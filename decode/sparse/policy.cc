@@ -171,6 +171,25 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
   return c;
 }
 
+absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::string>& names,
+                                                         const std::vector<double>& budgets) {
+  std::vector<PolicyConfig> configs;
+  for (const std::string& name : names) {
+    const bool budget_free = name == "full" || absl::StartsWith(name, "fixed_");
+    for (double b : budget_free ? std::vector<double>{1.0} : budgets) {
+      absl::StatusOr<PolicyConfig> c = ParsePolicy(name, b);
+      if (!c.ok()) return c.status();
+      configs.push_back(*c);
+    }
+  }
+  return configs;
+}
+
+std::string PolicyLabel(const PolicyConfig& config) {
+  if (config.name == "full" || absl::StartsWith(config.name, "fixed_")) return config.name;
+  return absl::StrCat(config.name, "@", config.budget);
+}
+
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
   if (config.name == "full") return std::make_unique<FullPolicy>();
   if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);

@@ -38,6 +38,14 @@ std::vector<std::string> PolicyNames();
 // name, and for a budget outside (0, 1].
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget);
 
+// Expands policy names x budgets for measuring commands: `full` and fixed_<block>_<budget> once,
+// every other policy once per budget. Errors as ParsePolicy.
+absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::string>& names,
+                                                         const std::vector<double>& budgets);
+
+// `full`, `fixed_32_0.05`, or `<name>@<budget>` (e.g. `quest@0.05`): how results name a config.
+std::string PolicyLabel(const PolicyConfig& config);
+
 // What a policy sees at one decode step for one (layer, KV head).
 struct SelectionInput {
   const PagedKv* kv = nullptr;

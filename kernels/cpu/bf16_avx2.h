@@ -35,6 +35,25 @@ inline __m128 HorizontalSum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// Dot products of one bf16 key row k[d] with four deinterleaved queries q0[4][d] (rows d floats
+// apart), as the four lanes of the result. The key row is loaded and widened once for all four.
+inline __m128 ScoreFourHeads(const bf16* k, const float* q0, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t c = 0; c < d; c += kChunk) {
+    const Bf16Pair kk = LoadBf16x16(k + c);
+    const float* qc = q0 + c;
+    a0 = _mm256_fmadd_ps(_mm256_load_ps(qc), kk.even, a0);
+    a0 = _mm256_fmadd_ps(_mm256_load_ps(qc + 8), kk.odd, a0);
+    a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d), kk.even, a1);
+    a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d + 8), kk.odd, a1);
+    a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d), kk.even, a2);
+    a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d + 8), kk.odd, a2);
+    a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d), kk.even, a3);
+    a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d + 8), kk.odd, a3);
+  }
+  return HorizontalSum4(a0, a1, a2, a3);
+}
+
 // Writes q[d] (times `scale`) deinterleaved per 16-wide chunk: 8 even-indexed then 8 odd-indexed
 // values, the order LoadBf16x16 produces keys in.
 inline void DeinterleaveQuery(const float* q, int64_t d, float scale, float* out) {

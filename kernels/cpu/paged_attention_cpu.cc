@@ -79,15 +79,8 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
   alignas(32) float acc[kMaxGroup * kMaxHeadDim];  // deinterleaved output accumulators
   alignas(32) float scores[kMaxGroup][kMaxSpanRows];
   float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int64_t g = 0; g < padded; ++g) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (int64_t i = 0; i < 8; ++i) {
-        const bool real = g < group;
-        qd[g * d + c * kChunk + i] = real ? q.q[g * d + c * kChunk + 2 * i] * q.scale : 0.0f;
-        qd[g * d + c * kChunk + 8 + i] = real ? q.q[g * d + c * kChunk + 2 * i + 1] * q.scale : 0.0f;
-      }
-    }
-  }
+  for (int64_t g = 0; g < group; ++g) DeinterleaveQuery(q.q + g * d, d, q.scale, qd + g * d);
+  std::fill(qd + group * d, qd + padded * d, 0.0f);
   std::fill(acc, acc + padded * d, 0.0f);
   std::fill(running_max, running_max + padded, -INFINITY);
   std::fill(running_sum, running_sum + padded, 0.0f);
@@ -114,21 +107,8 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
       const float* q0 = qd + hb * d;
       for (int64_t r = 0; r < rows; ++r) {
         const bf16* k = k_rows + r * d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Bf16Pair kk = LoadBf16x16(k + c * kChunk);
-          const float* qc = q0 + c * kChunk;
-          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc), kk.even, a0);
-          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc + 8), kk.odd, a0);
-          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d), kk.even, a1);
-          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d + 8), kk.odd, a1);
-          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d), kk.even, a2);
-          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d + 8), kk.odd, a2);
-          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d), kk.even, a3);
-          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d + 8), kk.odd, a3);
-        }
         alignas(16) float four[4];
-        _mm_store_ps(four, HorizontalSum4(a0, a1, a2, a3));
+        _mm_store_ps(four, ScoreFourHeads(k, q0, d));
         for (int64_t j = 0; j < kHeadBlock; ++j) scores[hb + j][r] = four[j];
       }
     }

@@ -27,7 +27,7 @@ inline float HorizontalSum(__m256 v) {
 
 void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const float* q, int64_t group, float* scores) {
-  const int64_t d = kv.head_dim, chunks = d / kChunk;
+  const int64_t d = kv.head_dim;
   const int64_t padded = (group + 3) / 4 * 4;
   alignas(32) float qd[kMaxGroup * kMaxHeadDim];
   for (int64_t g = 0; g < padded; ++g) {
@@ -44,21 +44,7 @@ void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
       const bf16* k = rows + r * d;
       __m256 best = _mm256_set1_ps(-INFINITY);
       for (int64_t hb = 0; hb < padded; hb += 4) {
-        const float* q0 = qd + hb * d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Bf16Pair kk = LoadBf16x16(k + c * kChunk);
-          const float* qc = q0 + c * kChunk;
-          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc), kk.even, a0);
-          a0 = _mm256_fmadd_ps(_mm256_load_ps(qc + 8), kk.odd, a0);
-          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d), kk.even, a1);
-          a1 = _mm256_fmadd_ps(_mm256_load_ps(qc + d + 8), kk.odd, a1);
-          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d), kk.even, a2);
-          a2 = _mm256_fmadd_ps(_mm256_load_ps(qc + 2 * d + 8), kk.odd, a2);
-          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d), kk.even, a3);
-          a3 = _mm256_fmadd_ps(_mm256_load_ps(qc + 3 * d + 8), kk.odd, a3);
-        }
-        const __m128 four = HorizontalSum4(a0, a1, a2, a3);
+        const __m128 four = ScoreFourHeads(k, qd + hb * d, d);
         best = _mm256_max_ps(best, _mm256_castps128_ps256(four));
       }
       // Only the low four lanes carry sums; the high ones are undefined after the cast.
