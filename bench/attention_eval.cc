@@ -1,5 +1,6 @@
 // `fluxion eval attention`: attention-level quality of each sparse policy against full attention
-// on the same inputs, over synthetic heads with real structure (bench/synthetic_heads.h):
+// on the same inputs, over synthetic heads with real structure (bench/synthetic_heads.h) or, with
+// --capture, over Q/K/V captured from the trained model (bench/captured_attention_eval.h):
 //   rel_err  |o_policy - o_full| / |o_full| after a random output projection W_O over the group
 //   recall   share of full attention's probability mass on the rows the policy attended
 //   overlap  share of the exact top-k rows (same count as the policy's middle rows) it attended
@@ -12,7 +13,9 @@
 #include <set>
 
 #include "bench/attention_eval.h"
+#include "bench/attention_quality.h"
 #include "bench/bench_util.h"
+#include "bench/captured_attention_eval.h"
 #include "bench/synthetic_heads.h"
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
@@ -21,14 +24,6 @@
 #include "kernels/cpu/topk.h"
 
 namespace fluxion::bench {
-namespace {
-
-struct Metrics {
-  double rel_err = 0, recall = 0, overlap = 0, read = 0;
-  int64_t n = 0, overlap_n = 0;  // overlap only counts steps where the policy chose middle rows
-};
-
-}  // namespace
 
 int RunAttentionEval(const std::vector<std::string>& args) {
   std::vector<int64_t> contexts = {4096, 16384};
@@ -47,11 +42,34 @@ int RunAttentionEval(const std::vector<std::string>& args) {
   flags.Int("steps", &steps, "decode steps per head");
   flags.Int("seed", &seed, "random seed");
   flags.String("json", &json_path, "also write results to this file");
+  std::string capture_dir, model_dir;
+  flags.String("capture", &capture_dir,
+               "evaluate on Q/K/V captured by `fluxion eval tasks --capture-dir` instead of "
+               "synthetic heads");
+  flags.String("model", &model_dir, "with --capture: model whose W_O the error is measured "
+                                    "after (default: the one the capture names)");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   auto configs = decode::sparse::ExpandPolicies(policies, budgets);
   if (!configs.ok()) {
     std::cerr << "error: " << configs.status().message() << "\n";
     return 2;
+  }
+  if (!capture_dir.empty()) {
+    auto rows = EvalCapturedAttention(capture_dir, model_dir, *configs);
+    if (!rows.ok()) {
+      std::cerr << "error: " << rows.status() << "\n";
+      return 1;
+    }
+    if (!json_path.empty()) {
+      auto doc = ResultEnvelope(JoinCommand("fluxion eval attention", args),
+                                nlohmann::json::object(), *rows);
+      if (absl::Status st = WriteJson(json_path, doc); !st.ok()) {
+        std::cerr << "error: " << st << "\n";
+        return 1;
+      }
+      std::cout << "wrote " << json_path << "\n";
+    }
+    return 0;
   }
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, 16)) {
     std::cerr << "error: unsupported head_dim/group\n";
@@ -71,17 +89,11 @@ int RunAttentionEval(const std::vector<std::string>& args) {
   const int64_t gd = group * head_dim;
   std::vector<float> w_o(head_dim * gd);
   for (float& x : w_o) x = normal(rng) / std::sqrt(static_cast<float>(gd));
-  auto project = [&](const std::vector<float>& o) {
-    std::vector<double> y(head_dim, 0.0);
-    for (int64_t i = 0; i < head_dim; ++i)
-      for (int64_t j = 0; j < gd; ++j) y[i] += double(w_o[i * gd + j]) * o[j];
-    return y;
-  };
+  auto project = [&](const std::vector<float>& o) { return Project(w_o, head_dim, gd, o); };
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
 
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-10s %8s %-16s | %9s %8s %8s %7s\n", "head", "context", "policy", "rel_err",
-              "recall", "overlap", "read");
+  PrintQualityHeader("head");
   for (HeadKind kind : AllHeadKinds()) {
     for (int64_t context : contexts) {
       const SyntheticHead head =
@@ -113,71 +125,17 @@ int RunAttentionEval(const std::vector<std::string>& args) {
           decode::sparse::AppendTokenRange(*kv, 0, 0, 0, ctx, &all);
           kernels::cpu::PagedAttention(kv->view(), all.data(), all.size(), {q, group, scale},
                                        {full.data(), full_lse.data()});
-          // Error after W_O.
-          const auto yp = project(out), yf = project(full);
-          double num = 0, den = 0;
-          for (int64_t i = 0; i < head_dim; ++i) {
-            num += (yp[i] - yf[i]) * (yp[i] - yf[i]);
-            den += yf[i] * yf[i];
-          }
-          m.rel_err += std::sqrt(num / den);
-          // Selected token set, full probabilities (from the stored bf16 keys), recall.
-          std::vector<char> selected(ctx, 0);
-          const auto& pages = kv->pages(0, 0);
-          for (const auto& sp : spans) {
-            const int64_t page_index =
-                std::find(pages.begin(), pages.end(), sp.page) - pages.begin();
-            for (int r = sp.first_row; r < sp.first_row + sp.rows; ++r)
-              selected[page_index * 16 + r] = 1;
-          }
-          std::vector<float> max_logit(ctx, -INFINITY);
-          double recall = 0;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q + g * head_dim;
-            double mass = 0;
-            for (int64_t t = 0; t < ctx; ++t) {
-              const bf16* k = kv->view().keys(pages[t / 16]) + (t % 16) * head_dim;
-              double dot = 0;
-              for (int64_t j = 0; j < head_dim; ++j) dot += qg[j] * Bf16ToFloat(k[j]);
-              const double logit = dot * scale;
-              max_logit[t] = std::max(max_logit[t], static_cast<float>(logit));
-              if (selected[t]) mass += std::exp(logit - full_lse[g]);
-            }
-            recall += mass / group;
-          }
-          m.recall += recall;
-          // Overlap with the exact top-k of the middle region, same count as the policy chose.
-          const int64_t sink_end = std::min<int64_t>(config.sink_tokens, ctx);
-          const int64_t local_begin = std::max(sink_end, ctx - config.local_tokens);
-          int64_t chosen = 0;
-          for (int64_t t = sink_end; t < local_begin; ++t) chosen += selected[t];
-          if (chosen > 0) {
-            std::vector<int32_t> top;
-            kernels::cpu::TopKIndices(max_logit.data() + sink_end, local_begin - sink_end,
-                                      chosen, &top);
-            int64_t hit = 0;
-            for (int32_t i : top) hit += selected[sink_end + i];
-            m.overlap += static_cast<double>(hit) / chosen;
-            ++m.overlap_n;
-          }
-          m.read += static_cast<double>(stats.rows_attended) / ctx;
-          ++m.n;
+          m.rel_err += RelativeError(project(out), project(full));
+          AddSelectionQuality(*kv, 0, 0, q, group, scale, ctx, spans, config, full_lse.data(),
+                              stats.rows_attended, &m);
         }
-        const double n = static_cast<double>(m.n);
-        const double overlap = m.overlap_n > 0 ? m.overlap / m.overlap_n : NAN;
-        std::printf("%-10s %8lld %-16s | %9.2e %8.4f %8.4f %7.4f\n", HeadKindName(kind),
-                    static_cast<long long>(context), label.c_str(), m.rel_err / n, m.recall / n,
-                    overlap, m.read / n);
-        results.push_back({{"head", HeadKindName(kind)},
-                           {"context", context},
-                           {"policy", config.name},
-                           {"budget", config.budget},
-                           {"rel_err", m.rel_err / n},
-                           {"recall", m.recall / n},
-                           {"overlap_topk", m.overlap_n > 0 ? nlohmann::json(overlap)
-                                                            : nlohmann::json(nullptr)},
-                           {"budget_spent", m.read / n},
-                           {"steps", m.n}});
+        m.Print(HeadKindName(kind), context, label);
+        nlohmann::json row = m.ToJson();
+        row.update({{"head", HeadKindName(kind)},
+                    {"context", context},
+                    {"policy", config.name},
+                    {"budget", config.budget}});
+        results.push_back(row);
       }
     }
   }

@@ -45,6 +45,8 @@ absl::Status CapturingAttention::Forward(int layer, int64_t pos0, int64_t n, con
     const int64_t position = pos0 + i;
     rows.positions.push_back(position);
     rows.q.insert(rows.q.end(), q + i * q_row, q + (i + 1) * q_row);
+    rows.k.insert(rows.k.end(), k + i * kv_row, k + (i + 1) * kv_row);
+    rows.v.insert(rows.v.end(), v + i * kv_row, v + (i + 1) * kv_row);
     rows.stats.resize(rows.stats.size() + shape_.num_heads * kNumRowStats);
     ComputeRowStats(shape_, options_, q + i * q_row, keys_[layer].data(), position,
                     rows.stats.data() + rows.stats.size() - shape_.num_heads * kNumRowStats);

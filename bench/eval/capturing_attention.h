@@ -39,6 +39,7 @@ struct CapturedRows {
   std::vector<int64_t> positions;  // [rows]
   std::vector<float> q;            // [rows][num_heads][head_dim], post-RoPE, as attention saw it
   std::vector<float> stats;        // [rows][num_heads][kNumRowStats]; entropy in nats
+  std::vector<float> k, v;         // [rows][num_kv_heads][head_dim], the rows' own K (post-RoPE), V
 };
 
 class CapturingAttention : public model::SequenceAttention {

@@ -1,6 +1,9 @@
 #include "bench/eval/capturing_attention.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -172,6 +175,26 @@ TEST(NpyTest, HeaderIsVersionOneAlignedTo64WithAPythonShapeTuple) {
   EXPECT_THAT(h, HasSubstr("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4, 5), }"));
   EXPECT_EQ(h.back(), '\n');
   EXPECT_THAT(NpyHeader("<i8", {7}), HasSubstr("'shape': (7,)"));
+}
+
+TEST(NpyTest, ReaderRoundTripsWhatTheWriterWrote) {
+  const std::string path = ::testing::TempDir() + "/npy_roundtrip_" + std::to_string(getpid());
+  const std::vector<float> data = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, -0.5f};
+  ASSERT_TRUE(WriteNpy(path + ".f.npy", {3, 2}, data).ok());
+  auto f = ReadNpyFloat(path + ".f.npy");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(f->data, data);
+  const std::vector<int64_t> ids = {256, 84, 104};
+  ASSERT_TRUE(WriteNpy(path + ".i.npy", {3}, ids).ok());
+  auto i = ReadNpyInt64(path + ".i.npy");
+  ASSERT_TRUE(i.ok()) << i.status();
+  EXPECT_EQ(i->data, ids);
+  // Asking for the wrong dtype, or a missing file, is an error naming the file.
+  EXPECT_EQ(ReadNpyFloat(path + ".i.npy").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadNpyFloat(path + ".missing.npy").status().code(), absl::StatusCode::kNotFound);
+  std::remove((path + ".f.npy").c_str());
+  std::remove((path + ".i.npy").c_str());
 }
 
 TEST(NpyTest, WritesHeaderThenLittleEndianData) {

@@ -43,6 +43,8 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 //   prompt_stats_l{L}.npy          f32 [rows][heads][3]: sink_mass, local_mass, entropy (nats)
 //   {policy}_positions.npy, {policy}_q_l{L}.npy, {policy}_stats_l{L}.npy: the same for every
 //                                  decode step of that policy's decode
+//   {part}_k_l{L}.npy, {part}_v_l{L}.npy  f32 [rows][kv_heads][head_dim]: the captured rows' own
+//                                  K/V, so a decode step can be replayed over exactly the keys it saw
 class CaptureWriter {
  public:
   CaptureWriter(const TaskEvalOptions& options, const model::AttentionShape& shape)
@@ -66,7 +68,9 @@ class CaptureWriter {
           {"k_l{L}, v_l{L}", "float32 [tokens][num_kv_heads][head_dim], K post-RoPE"},
           {"{part}_positions", "int64 [rows]"},
           {"{part}_q_l{L}", "float32 [rows][num_heads][head_dim], post-RoPE"},
-          {"{part}_stats_l{L}", "float32 [rows][num_heads][stats], over full attention"}}},
+          {"{part}_stats_l{L}", "float32 [rows][num_heads][stats], over full attention"},
+          {"{part}_k_l{L}, {part}_v_l{L}",
+           "float32 [rows][num_kv_heads][head_dim], the captured rows' own K (post-RoPE) and V"}}},
         {"samples", nlohmann::json::array()},
     };
   }
@@ -140,6 +144,10 @@ class CaptureWriter {
                                        {rows, shape_.num_heads, shape_.head_dim}, r.q));
       FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_stats_l", l, ".npy"),
                                        {rows, shape_.num_heads, int64_t{kNumRowStats}}, r.stats));
+      FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_k_l", l, ".npy"),
+                                       {rows, shape_.num_kv_heads, shape_.head_dim}, r.k));
+      FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/", part, "_v_l", l, ".npy"),
+                                       {rows, shape_.num_kv_heads, shape_.head_dim}, r.v));
     }
     return rows;
   }
