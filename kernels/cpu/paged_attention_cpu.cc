@@ -1,6 +1,8 @@
 #include "kernels/cpu/paged_attention_cpu.h"
 
 #include "kernels/cpu/bf16_avx2.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/paged_attention_impl.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -64,13 +66,10 @@ inline float ExpShiftedInPlace(float* v, int64_t n, float shift) {
 
 }  // namespace
 
-bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_tokens) {
-  return head_dim > 0 && head_dim % kChunk == 0 && head_dim <= kMaxHeadDim && group >= 1 &&
-         group <= kMaxGroup && page_tokens >= 1 && page_tokens <= kMaxSpanRows;
-}
+namespace internal {
 
-void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                    const DecodeQuery& q, const AttentionState& state) {
+void PagedAttentionAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                        const DecodeQuery& q, const AttentionState& state) {
   const int64_t d = kv.head_dim, group = q.group, chunks = d / kChunk;
   // Heads are padded to a multiple of kHeadBlock with zero queries so the inner loops have a
   // fixed width; padded heads' results are never read.
@@ -187,12 +186,13 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
   }
 }
 
-void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                         const DecodeQuery& q, const AttentionState& state, int threads) {
+void PagedAttentionSplitWith(PagedAttentionFn attend, const PagedKvView& kv,
+                             const PageSpan* spans, int64_t num_spans, const DecodeQuery& q,
+                             const AttentionState& state, int threads) {
   if (threads <= 0) threads = omp_get_max_threads();
   threads = static_cast<int>(std::min<int64_t>(threads, num_spans));
   if (threads <= 1) {
-    PagedAttention(kv, spans, num_spans, q, state);
+    attend(kv, spans, num_spans, q, state);
     return;
   }
   const int64_t gd = q.group * kv.head_dim;
@@ -200,8 +200,7 @@ void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t n
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int t = 0; t < threads; ++t) {
     const int64_t begin = num_spans * t / threads, end = num_spans * (t + 1) / threads;
-    PagedAttention(kv, spans + begin, end - begin, q,
-                   {outs.data() + t * gd, lses.data() + t * q.group});
+    attend(kv, spans + begin, end - begin, q, {outs.data() + t * gd, lses.data() + t * q.group});
   }
   std::copy_n(outs.data(), gd, state.out);
   std::copy_n(lses.data(), q.group, state.lse);
@@ -209,6 +208,84 @@ void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t n
     MergeAttentionStates(state.out, state.lse, outs.data() + t * gd, lses.data() + t * q.group,
                          q.group, kv.head_dim);
   }
+}
+
+namespace {
+
+constexpr CpuKernels kAvx2Kernels = {CpuIsa::kAvx2, kChunk, false, PagedAttentionAvx2,
+                                     MaxGroupScoresAvx2, QuestBlockBoundsAvx2};
+#ifdef FLUXION_HAVE_AVX512_KERNELS
+// Selection has no bf16 variant: its scores rank rows, and the fp32 kernel is exact to fp32.
+constexpr CpuKernels kAvx512Kernels = {CpuIsa::kAvx512, 32, false, PagedAttentionAvx512,
+                                       MaxGroupScoresAvx512, QuestBlockBoundsAvx512};
+constexpr CpuKernels kAvx512Bf16Kernels = {CpuIsa::kAvx512Bf16, 32, true,
+                                           PagedAttentionAvx512Bf16, MaxGroupScoresAvx512,
+                                           QuestBlockBoundsAvx512};
+#endif
+
+}  // namespace
+
+const CpuKernels* RunnableKernels(CpuIsa isa, std::string* why_not) {
+  const CpuKernels* kernels = nullptr;
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      kernels = &kAvx2Kernels;
+      break;
+#ifdef FLUXION_HAVE_AVX512_KERNELS
+    case CpuIsa::kAvx512:
+      kernels = &kAvx512Kernels;
+      break;
+    case CpuIsa::kAvx512Bf16:
+      kernels = &kAvx512Bf16Kernels;
+      break;
+#else
+    case CpuIsa::kAvx512:
+    case CpuIsa::kAvx512Bf16:
+      break;
+#endif
+  }
+  if (kernels == nullptr) {
+    if (why_not != nullptr) {
+      *why_not = std::string(CpuIsaName(isa)) + " kernels not compiled (FLUXION_ENABLE_AVX512=OFF)";
+    }
+    return nullptr;
+  }
+  if (!CpuCanRun(isa, DetectCpuFeatures())) {
+    if (why_not != nullptr) *why_not = isa == CpuIsa::kAvx512Bf16 ? "no AVX-512-BF16" : "no AVX-512";
+    return nullptr;
+  }
+  return kernels;
+}
+
+const CpuKernels& ActiveKernels() {
+  // ActiveCpuIsa() only ever names an ISA this build has and this CPU runs, so this is non-null;
+  // the AVX2 table is the backstop should that ever be broken.
+  static const CpuKernels* const kernels = [] {
+    const CpuKernels* k = RunnableKernels(ActiveCpuIsa(), nullptr);
+    return k != nullptr ? k : &kAvx2Kernels;
+  }();
+  return *kernels;
+}
+
+}  // namespace internal
+
+bool PagedAttentionSupported(int64_t head_dim, int64_t group, int64_t page_tokens) {
+  return head_dim > 0 && head_dim % kChunk == 0 && head_dim <= kMaxHeadDim && group >= 1 &&
+         group <= kMaxGroup && page_tokens >= 1 && page_tokens <= kMaxSpanRows;
+}
+
+void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const DecodeQuery& q, const AttentionState& state) {
+  const internal::CpuKernels& k = internal::ActiveKernels();
+  const internal::PagedAttentionFn attend = kv.head_dim % k.head_dim_multiple == 0
+                                                ? k.paged_attention
+                                                : internal::PagedAttentionAvx2;
+  attend(kv, spans, num_spans, q, state);
+}
+
+void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                         const DecodeQuery& q, const AttentionState& state, int threads) {
+  internal::PagedAttentionSplitWith(PagedAttention, kv, spans, num_spans, q, state, threads);
 }
 
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
