@@ -24,8 +24,8 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::decode::RunGenerateCommand},
       {"make-model", "write a random-weight model in Hugging Face layout",
        fluxion::model::RunMakeModelCommand},
-      {"bench", "benchmarks: `fluxion bench model`", fluxion::bench::RunBenchCommand},
-      {"eval", "quality evaluations: `fluxion eval tasks`", fluxion::eval::RunEvalCommand},
+      {"bench", "measurements: `fluxion bench model|attention|topk`", fluxion::bench::RunBenchCommand},
+      {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
   };
   return *commands;
 }
