@@ -1,0 +1,93 @@
+#include "decode/sparse/lfps_tables.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace fluxion::decode::sparse {
+
+DecayedTable::DecayedTable(double decay, int64_t rescale_every)
+    : decay_(decay), rescale_every_(rescale_every) {}
+
+void DecayedTable::Step() {
+  g_ /= decay_;
+  if (++steps_since_rescale_ >= rescale_every_) Rescale();
+}
+
+void DecayedTable::Rescale() {
+  // Fold g back into the entries and recompute the moments exactly, dropping accumulated
+  // rounding drift of the incremental sums.
+  nonzero_ = 0;
+  std::fill(std::begin(sum_), std::end(sum_), 0.0);
+  for (double& p : psi_) {
+    p /= g_;
+    if (p != 0.0) AddToMoments(0.0, p);
+  }
+  g_ = 1.0;
+  steps_since_rescale_ = 0;
+}
+
+void DecayedTable::AddToMoments(double old_psi, double new_psi) {
+  if (old_psi == 0.0 && new_psi != 0.0) ++nonzero_;
+  double o = 1.0, n = 1.0;
+  for (int k = 1; k <= 4; ++k) {
+    o *= old_psi;
+    n *= new_psi;
+    sum_[k] += n - o;
+  }
+}
+
+void DecayedTable::Add(int64_t index, double w) {
+  if (w <= 0.0 || index < 0) return;
+  if (index >= size()) psi_.resize(index + 1, 0.0);
+  const double old = psi_[index];
+  psi_[index] = old + w * g_;
+  AddToMoments(old, psi_[index]);
+}
+
+double DecayedTable::value(int64_t index) const {
+  return index >= 0 && index < size() ? psi_[index] / g_ : 0.0;
+}
+
+TableMoments DecayedTable::moments() const {
+  TableMoments m;
+  m.count = nonzero_;
+  if (nonzero_ == 0) return m;
+  const double n = static_cast<double>(nonzero_);
+  // Moments of Phi = Psi / g.
+  const double e1 = sum_[1] / n / g_, e2 = sum_[2] / n / (g_ * g_);
+  const double e3 = sum_[3] / n / (g_ * g_ * g_), e4 = sum_[4] / n / (g_ * g_ * g_ * g_);
+  const double var = std::max(0.0, e2 - e1 * e1);
+  m.mean = e1;
+  m.stddev = std::sqrt(var);
+  const double central4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1 * e1 * e1 * e1;
+  m.kurtosis = var > 0 ? std::max(0.0, central4) / (var * var) : 0.0;
+  return m;
+}
+
+void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count,
+                               std::vector<int64_t>* out) const {
+  const TableMoments m = moments();
+  if (m.count == 0) return;
+  const double threshold_psi = (m.mean + a * std::sqrt(m.kurtosis) * m.stddev) * g_;
+  std::vector<int64_t> picked;
+  for (int64_t i = 0; i < size(); ++i) {
+    if (psi_[i] != 0.0 && psi_[i] >= threshold_psi) picked.push_back(i);
+  }
+  const int64_t want_min = std::min(min_count, m.count);
+  if (static_cast<int64_t>(picked.size()) > max_count ||
+      static_cast<int64_t>(picked.size()) < want_min) {
+    // Re-select the k largest non-zero entries instead.
+    const int64_t k = static_cast<int64_t>(picked.size()) > max_count ? max_count : want_min;
+    picked.clear();
+    for (int64_t i = 0; i < size(); ++i) {
+      if (psi_[i] != 0.0) picked.push_back(i);
+    }
+    std::nth_element(picked.begin(), picked.begin() + (k - 1), picked.end(),
+                     [&](int64_t x, int64_t y) { return psi_[x] > psi_[y]; });
+    picked.resize(k);
+    std::sort(picked.begin(), picked.end());
+  }
+  out->insert(out->end(), picked.begin(), picked.end());
+}
+
+}  // namespace fluxion::decode::sparse

@@ -1,0 +1,83 @@
+// LFPS history tables of one KV head (../shared/docs/ALGORITHMS.md §1.3.2-1.3.4): a vertical
+// table over absolute key positions and a slash table over distances back from the query, both
+// exponentially decayed sums of the attention weights past decode steps gave each entry.
+//
+//   Phi_ver[j] <- r * Phi_ver[j] + w_t(j)        Phi_sla[d] <- r * Phi_sla[d] + w_t(t - d)
+//
+// Decaying every entry every step would cost as much as the scan LFPS avoids, so the tables hold
+// Psi = Phi * g with g = r^-(steps since the last rescale): a step only multiplies g by 1/r, an
+// update adds w * g to one entry. Psi grows like r^-t, and the fourth-moment sums kept for the
+// kurtosis threshold like r^-4t, which overflows fp32 after ~430 steps; everything is fp64 and
+// rescaled (Psi /= g, g = 1, moments recomputed exactly) every `rescale_every` steps.
+//
+// Thread-compatible: one table pair per (request, layer, KV head), driven by one thread.
+#ifndef FLUXION_DECODE_SPARSE_LFPS_TABLES_H_
+#define FLUXION_DECODE_SPARSE_LFPS_TABLES_H_
+
+#include <cstdint>
+#include <vector>
+
+namespace fluxion::decode::sparse {
+
+// Mean, standard deviation and kurtosis of a table's non-zero entries (Phi, not Psi).
+struct TableMoments {
+  int64_t count = 0;
+  double mean = 0, stddev = 0, kurtosis = 0;
+};
+
+class DecayedTable {
+ public:
+  explicit DecayedTable(double decay, int64_t rescale_every);
+
+  // Moves to the next step: every entry decays by `decay`.
+  void Step();
+  // Phi[index] += w (w >= 0). Grows the table as needed.
+  void Add(int64_t index, double w);
+  double value(int64_t index) const;  // Phi
+  int64_t size() const { return static_cast<int64_t>(psi_.size()); }
+
+  TableMoments moments() const;
+  // Indices whose Phi >= mean + a * sqrt(kurtosis) * stddev (non-zero entries only), clamped to
+  // the `max_count` largest when more qualify and widened to the `min_count` largest non-zero
+  // entries when fewer do. Appends to *out in index order.
+  void SelectAbove(double a, int64_t min_count, int64_t max_count,
+                   std::vector<int64_t>* out) const;
+
+ private:
+  void Rescale();
+  void AddToMoments(double old_psi, double new_psi);
+
+  double decay_;
+  int64_t rescale_every_;
+  int64_t steps_since_rescale_ = 0;
+  double g_ = 1.0;               // Psi = Phi * g
+  std::vector<double> psi_;
+  int64_t nonzero_ = 0;
+  double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
+};
+
+// The vertical/slash pair of one KV head.
+class LfpsTables {
+ public:
+  explicit LfpsTables(double decay = 0.95, int64_t rescale_every = 256)
+      : vertical_(decay, rescale_every), slash_(decay, rescale_every) {}
+
+  void Step() {
+    vertical_.Step();
+    slash_.Step();
+  }
+  // The query at `query_position` gave weight w to the key at `key_position` (<= query_position).
+  void Add(int64_t key_position, int64_t query_position, double w) {
+    vertical_.Add(key_position, w);
+    slash_.Add(query_position - key_position, w);
+  }
+  const DecayedTable& vertical() const { return vertical_; }
+  const DecayedTable& slash() const { return slash_; }
+
+ private:
+  DecayedTable vertical_, slash_;
+};
+
+}  // namespace fluxion::decode::sparse
+
+#endif  // FLUXION_DECODE_SPARSE_LFPS_TABLES_H_

@@ -1,0 +1,101 @@
+#include "decode/sparse/lfps_tables.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace fluxion::decode::sparse {
+namespace {
+
+// The definition, applied literally: decay every entry every step.
+struct EagerTable {
+  std::vector<double> phi;
+  void Step() {
+    for (double& p : phi) p *= 0.95;
+  }
+  void Add(int64_t i, double w) {
+    if (i >= static_cast<int64_t>(phi.size())) phi.resize(i + 1, 0.0);
+    phi[i] += w;
+  }
+};
+
+TEST(DecayedTableTest, LazyDecayMatchesEagerDecayOverThousandsOfSteps) {
+  // 3000 steps: far past where fp32 lazy sums overflow, across many rescales.
+  DecayedTable lazy(0.95, 256);
+  EagerTable eager;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int step = 0; step < 3000; ++step) {
+    lazy.Step();
+    eager.Step();
+    for (int k = 0; k < 5; ++k) {
+      const int64_t i = rng() % 200;
+      const double w = u(rng);
+      lazy.Add(i, w);
+      eager.Add(i, w);
+    }
+  }
+  for (int64_t i = 0; i < 200; ++i) {
+    const double want = i < static_cast<int64_t>(eager.phi.size()) ? eager.phi[i] : 0.0;
+    EXPECT_NEAR(lazy.value(i), want, 1e-9 * std::max(1.0, want)) << i;
+  }
+}
+
+TEST(DecayedTableTest, MomentsMatchADirectComputationBetweenRescales) {
+  DecayedTable t(0.95, 256);
+  std::mt19937 rng(2);
+  std::exponential_distribution<double> e(1.0);
+  for (int step = 0; step < 300; ++step) {  // crosses one rescale
+    t.Step();
+    t.Add(rng() % 500, e(rng));
+  }
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.size(); ++i)
+    if (t.value(i) != 0) v.push_back(t.value(i));
+  double mean = 0;
+  for (double x : v) mean += x / v.size();
+  double m2 = 0, m4 = 0;
+  for (double x : v) {
+    m2 += (x - mean) * (x - mean) / v.size();
+    m4 += std::pow(x - mean, 4) / v.size();
+  }
+  const TableMoments m = t.moments();
+  EXPECT_EQ(m.count, static_cast<int64_t>(v.size()));
+  EXPECT_NEAR(m.mean, mean, 1e-9 * mean);
+  EXPECT_NEAR(m.stddev, std::sqrt(m2), 1e-6 * std::sqrt(m2));
+  EXPECT_NEAR(m.kurtosis, m4 / (m2 * m2), 1e-4 * m4 / (m2 * m2));
+}
+
+TEST(DecayedTableTest, SelectAboveFindsThePeaksAndHonoursTheClamps) {
+  DecayedTable t(0.95, 256);
+  t.Step();
+  for (int64_t i = 0; i < 100; ++i) t.Add(i, 0.01);  // flat background
+  t.Add(17, 5.0);                                     // two peaks
+  t.Add(63, 4.0);
+  std::vector<int64_t> out;
+  t.SelectAbove(0.2, 0, 50, &out);
+  EXPECT_EQ(out, (std::vector<int64_t>{17, 63}));
+  out.clear();
+  t.SelectAbove(0.2, 5, 50, &out);  // at least five: the peaks plus three background entries
+  EXPECT_EQ(out.size(), 5u);
+  EXPECT_NE(std::find(out.begin(), out.end(), 17), out.end());
+  out.clear();
+  t.SelectAbove(-10.0, 0, 10, &out);  // everything qualifies: clamped to the 10 largest
+  EXPECT_EQ(out.size(), 10u);
+  EXPECT_NE(std::find(out.begin(), out.end(), 63), out.end());
+}
+
+TEST(LfpsTablesTest, SlashTableIndexesByDistanceBack) {
+  LfpsTables t;
+  t.Step();
+  t.Add(90, 100, 1.0);  // distance 10
+  t.Step();
+  t.Add(91, 101, 1.0);  // a copy head: the same distance one step later
+  EXPECT_NEAR(t.slash().value(10), 0.95 + 1.0, 1e-12);
+  EXPECT_NEAR(t.vertical().value(90), 0.95, 1e-12);
+  EXPECT_NEAR(t.vertical().value(91), 1.0, 1e-12);
+}
+
+}  // namespace
+}  // namespace fluxion::decode::sparse
