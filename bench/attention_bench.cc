@@ -132,10 +132,12 @@ int RunAttentionBench(const std::vector<std::string>& args) {
           decode::sparse::SelectionStats stats;
           spans.clear();
           auto t0 = std::chrono::steady_clock::now();
+          // Selection, attention and what a history policy does after the step (Observe).
           policy->Select({&kv, 0, 0, q, group, scale, context}, &spans, &stats);
           kernels::cpu::PagedAttentionSplit(kv.view(), spans.data(), spans.size(),
                                             {q, group, scale}, {out.data(), lse.data()},
                                             nthreads);
+          policy->Observe({&kv, 0, 0, q, group, scale, context}, spans);
           const double elapsed =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           if (r == 0) {

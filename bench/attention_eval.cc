@@ -19,6 +19,7 @@
 #include "bench/synthetic_heads.h"
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse_attention.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/topk.h"
@@ -116,11 +117,9 @@ int RunAttentionEval(const std::vector<std::string>& args) {
                            head_dim);
           const float* q = &head.queries[s * gd];
           const int64_t ctx = pos + 1;
-          spans.clear();
           decode::sparse::SelectionStats stats;
-          policy->Select({kv.get(), 0, 0, q, group, scale, ctx}, &spans, &stats);
-          kernels::cpu::PagedAttention(kv->view(), spans.data(), spans.size(),
-                                       {q, group, scale}, {out.data(), lse.data()});
+          decode::RunPolicyStep(*policy, {kv.get(), 0, 0, q, group, scale, ctx}, &spans, &stats,
+                                out.data(), lse.data());
           std::vector<kernels::PageSpan> all;
           decode::sparse::AppendTokenRange(*kv, 0, 0, 0, ctx, &all);
           kernels::cpu::PagedAttention(kv->view(), all.data(), all.size(), {q, group, scale},

@@ -1,5 +1,6 @@
 #include "bench/captured_attention_eval.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -8,6 +9,7 @@
 #include "bench/attention_quality.h"
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
+#include "decode/sparse_attention.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "model/safetensors.h"
 
@@ -106,8 +108,23 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
       FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::PagedKv> kv,
                                decode::PagedKv::Create(arena.get(), kv_shape));
       FLUXION_RETURN_IF_ERROR(kv->Append(0, prompt, k.data.data(), v.data.data(), hkv * d));
+      // The prefill tail (the last 32 prompt rows' queries) primes history-based policies, as
+      // SparseAttention::FromDense does in serving.
+      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> tail_q,
+                               eval::ReadNpyFloat(absl::StrCat(dir, "/prompt_q_l", l, ".npy")));
+      FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> tail_pos,
+                               eval::ReadNpyInt64(dir + "/prompt_positions.npy"));
+      const int64_t tail_rows = std::min<int64_t>(32, tail_pos.data.size());
+      std::vector<int64_t> tail_positions(tail_pos.data.end() - tail_rows, tail_pos.data.end());
+      std::vector<float> tail_queries(tail_q.data.end() - tail_rows * hq * d, tail_q.data.end());
       std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
-      for (const auto& c : configs) policies.push_back(decode::sparse::MakePolicy(c));
+      for (const auto& c : configs) {
+        policies.push_back(decode::sparse::MakePolicy(c));
+        for (int64_t h = 0; h < hkv; ++h) {
+          FLUXION_RETURN_IF_ERROR(policies.back()->Prepare(
+              *kv, 0, static_cast<int>(h), tail_queries, tail_positions, group, scale));
+        }
+      }
       std::vector<float> full(hq * d), full_lse(hq), out(hq * d), lse(group);
       std::vector<kernels::PageSpan> spans;
       for (int64_t r = 0; r < rows; ++r) {
@@ -126,13 +143,11 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
         for (size_t p = 0; p < configs.size(); ++p) {
           Metrics step;
           for (int64_t h = 0; h < hkv; ++h) {
-            spans.clear();
             decode::sparse::SelectionStats stats;
             const float* qg = qr + h * group * d;
-            policies[p]->Select({kv.get(), 0, static_cast<int>(h), qg, group, scale, ctx}, &spans,
-                                &stats);
-            kernels::cpu::PagedAttention(kv->view(), spans.data(), spans.size(),
-                                         {qg, group, scale}, {&out[h * group * d], lse.data()});
+            decode::RunPolicyStep(*policies[p],
+                                  {kv.get(), 0, static_cast<int>(h), qg, group, scale, ctx},
+                                  &spans, &stats, &out[h * group * d], lse.data());
             AddSelectionQuality(*kv, 0, static_cast<int>(h), qg, group, scale, ctx, spans,
                                 configs[p], &full_lse[h * group], stats.rows_attended, &step);
           }

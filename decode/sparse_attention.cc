@@ -6,6 +6,22 @@
 
 namespace fluxion::decode {
 
+void RunPolicyStep(sparse::SparsePolicy& policy, const sparse::SelectionInput& in,
+                   std::vector<kernels::PageSpan>* spans, sparse::SelectionStats* stats,
+                   float* out, float* lse) {
+  spans->clear();
+  policy.Select(in, spans, stats);
+  const int64_t d = in.kv->shape().head_dim;
+  kernels::cpu::PagedAttention(in.kv->view(), spans->data(), spans->size(),
+                               {in.q, in.group, in.scale}, {out, lse});
+  // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
+  std::vector<float> rest_out(in.group * d), rest_lse(in.group);
+  if (policy.ApproximateRest(in, rest_out.data(), rest_lse.data())) {
+    kernels::cpu::MergeAttentionStates(out, lse, rest_out.data(), rest_lse.data(), in.group, d);
+  }
+  policy.Observe(in, *spans);
+}
+
 absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
     KvArena* arena, const model::AttentionShape& shape, int64_t page_tokens,
     const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy) {
@@ -23,8 +39,16 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
     FLUXION_RETURN_IF_ERROR(kv->Append(layer, prefilled.length(layer), prefilled.keys(layer),
                                        prefilled.values(layer), row));
   }
-  return std::unique_ptr<SparseAttention>(
-      new SparseAttention(shape, std::move(kv), sparse::MakePolicy(policy)));
+  std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
+  const int64_t group_size = shape.num_heads / shape.num_kv_heads;
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      FLUXION_RETURN_IF_ERROR(p->Prepare(*kv, layer, h, prefilled.recorded_queries(layer),
+                                         prefilled.recorded_positions(layer), group_size,
+                                         shape.scale));
+    }
+  }
+  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
 }
 
 absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
@@ -49,13 +73,13 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
       float* og = out + (i * hq + kvh * group) * d;
       spans_.clear();
       if (n == 1) {
-        sparse::SelectionInput in{kv_.get(), layer, kvh, qg, group, shape_.scale, context};
-        policy_->Select(in, &spans_, &stats_);
+        RunPolicyStep(*policy_, {kv_.get(), layer, kvh, qg, group, shape_.scale, context},
+                      &spans_, &stats_, og, lse_.data());
       } else {
         sparse::AppendTokenRange(*kv_, layer, kvh, 0, context, &spans_);
+        kernels::cpu::PagedAttention(view, spans_.data(), spans_.size(),
+                                     {qg, group, shape_.scale}, {og, lse_.data()});
       }
-      kernels::cpu::PagedAttention(view, spans_.data(), spans_.size(),
-                                   {qg, group, shape_.scale}, {og, lse_.data()});
     }
   }
   return absl::OkStatus();

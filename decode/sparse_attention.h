@@ -19,6 +19,14 @@
 
 namespace fluxion::decode {
 
+// One decode step of one (layer, KV head) under `policy`: select rows, attend them with the CPU
+// kernel, merge the policy's estimate of the skipped rows if it gives one, and let the policy
+// observe the step. out: [group][head_dim]; lse: [group]. `spans` is scratch and holds the
+// selection afterwards.
+void RunPolicyStep(sparse::SparsePolicy& policy, const sparse::SelectionInput& in,
+                   std::vector<kernels::PageSpan>* spans, sparse::SelectionStats* stats,
+                   float* out, float* lse);
+
 class SparseAttention : public model::SequenceAttention {
  public:
   // Copies every layer's prefilled K/V from `prefilled` into pages of `arena` (which must outlive

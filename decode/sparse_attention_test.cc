@@ -90,7 +90,7 @@ TEST(SparseAttentionTest, EveryPolicySpendsItsBudgetAndFindsAPlantedNeedle) {
   auto s = MakeSetup(tokens, 2, needle);
   const auto want = FullReference(*s, tokens);
   auto arena = *KvArena::Create(KvShape{1, 2, 64, 16}.page_bytes(), 1024);
-  for (const char* name : {"exact_topk", "quest", "fixed_32_0.05"}) {
+  for (const char* name : {"exact_topk", "quest", "fixed_32_0.05", "lfps", "lfps_paper"}) {
     auto a = SparseAttention::FromDense(arena.get(), kShape, 16, s->dense,
                                         *sparse::ParsePolicy(name, 0.05));
     ASSERT_TRUE(a.ok()) << a.status();
@@ -103,6 +103,36 @@ TEST(SparseAttentionTest, EveryPolicySpendsItsBudgetAndFindsAPlantedNeedle) {
     EXPECT_LT(RelErr(got0, want0), 0.05) << name;
   }
   EXPECT_EQ(arena->counters().reserved, 0);  // every sequence returned its pages
+}
+
+TEST(SparseAttentionTest, LfpsKeepsFindingTheNeedleFromItsTablesWithoutFullScans) {
+  const int64_t tokens = 4096, needle = 1717;
+  auto s = MakeSetup(tokens, 5, needle);
+  auto arena = *KvArena::Create(KvShape{1, 2, 64, 16}.page_bytes(), 1024);
+  auto a = *SparseAttention::FromDense(arena.get(), kShape, 16, s->dense,
+                                       *sparse::ParsePolicy("lfps", 0.05));
+  std::vector<float> out(s->q_step.size());
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0, 1);
+  int64_t scored_before = 0;
+  for (int step = 0; step < 12; ++step) {
+    const int64_t pos = tokens + step;
+    std::vector<float> k(2 * 64), v(2 * 64);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    ASSERT_TRUE(a->Forward(0, pos, 1, s->q_step.data(), k.data(), v.data(), out.data()).ok());
+    // Query head 0 is aligned with the needle: its output is close to the needle's value row.
+    std::vector<float> needle_v(s->v_all.begin() + needle * 128, s->v_all.begin() + needle * 128 + 64);
+    std::vector<float> got0(out.begin(), out.begin() + 64);
+    EXPECT_LT(RelErr(got0, needle_v), 0.1) << "step " << step;
+    const int64_t scored = a->stats().k_rows_scored - scored_before;
+    scored_before = a->stats().k_rows_scored;
+    // Step 0 refreshes (exact scan of both KV heads' middle regions); later steps score only
+    // table candidates, a small fraction of the context.
+    if (step > 0) {
+      EXPECT_LT(scored, tokens / 2) << "step " << step;
+    }
+  }
 }
 
 TEST(SparseAttentionTest, BudgetBelowSinksAndWindowAttendsExactlySinksAndWindow) {

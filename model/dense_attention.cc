@@ -1,5 +1,7 @@
 #include "model/dense_attention.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
 
@@ -10,7 +12,9 @@ DenseAttention::DenseAttention(const AttentionShape& shape, int64_t max_tokens)
       max_tokens_(max_tokens),
       k_(shape.num_layers),
       v_(shape.num_layers),
-      lengths_(shape.num_layers, 0) {}
+      lengths_(shape.num_layers, 0),
+      queries_(shape.num_layers),
+      positions_(shape.num_layers) {}
 
 absl::Status DenseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
                                      const float* k, const float* v, float* out) {
@@ -30,6 +34,13 @@ absl::Status DenseAttention::Forward(int layer, int64_t pos0, int64_t n, const f
   k_[layer].insert(k_[layer].end(), k, k + n * row);
   v_[layer].insert(v_[layer].end(), v, v + n * row);
   lengths_[layer] += n;
+  if (record_from_ >= 0) {
+    const int64_t q_row = shape_.num_heads * shape_.head_dim;
+    for (int64_t i = std::max<int64_t>(0, record_from_ - pos0); i < n; ++i) {
+      queries_[layer].insert(queries_[layer].end(), q + i * q_row, q + (i + 1) * q_row);
+      positions_[layer].push_back(pos0 + i);
+    }
+  }
   kernels::AttentionParams p{n, pos0, shape_.num_heads, shape_.num_kv_heads, shape_.head_dim,
                              shape_.scale};
   kernels::cpu::CausalAttention(q, k_[layer].data(), v_[layer].data(), out, p);

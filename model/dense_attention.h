@@ -20,6 +20,14 @@ class DenseAttention : public SequenceAttention {
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
                        const float* v, float* out) override;
 
+  // Records the query rows of every position >= `first_position` from now on (e.g. the prompt's
+  // last 32 rows, from which sparse policies initialise their state, ALGORITHMS.md §1.3.3).
+  void RecordQueriesFrom(int64_t first_position) { record_from_ = first_position; }
+  // Recorded rows of `layer`: [rows][num_heads][head_dim], post-RoPE, positions
+  // recorded_positions(layer).
+  const std::vector<float>& recorded_queries(int layer) const { return queries_[layer]; }
+  const std::vector<int64_t>& recorded_positions(int layer) const { return positions_[layer]; }
+
   int64_t length(int layer) const { return lengths_[layer]; }
   // K/V rows of `layer`: [length][num_kv_heads][head_dim].
   const float* keys(int layer) const { return k_[layer].data(); }
@@ -30,6 +38,9 @@ class DenseAttention : public SequenceAttention {
   int64_t max_tokens_;
   std::vector<std::vector<float>> k_, v_;  // [layer] -> [length][num_kv_heads][head_dim]
   std::vector<int64_t> lengths_;
+  int64_t record_from_ = -1;  // < 0: record nothing
+  std::vector<std::vector<float>> queries_;     // [layer] -> [rows][num_heads][head_dim]
+  std::vector<std::vector<int64_t>> positions_;  // [layer] -> [rows]
 };
 
 }  // namespace fluxion::model

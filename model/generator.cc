@@ -48,6 +48,9 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
   Sampler sampler(options.sampling);
   auto dense = std::make_unique<DenseAttention>(model.attention_shape());
   const DenseAttention* prefilled = dense.get();
+  // Sparse policies initialise from the prompt's last query rows (LFPS: the last 32).
+  dense->RecordQueriesFrom(
+      std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - kPrefillTailRows));
   auto seq = std::make_unique<Sequence>(std::move(dense));
   std::vector<float> logits;
   auto t0 = std::chrono::steady_clock::now();

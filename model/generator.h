@@ -16,6 +16,9 @@
 
 namespace fluxion::model {
 
+// Prompt rows whose queries the prefill records for sparse policies (ALGORITHMS.md §1.3.3: s = 32).
+inline constexpr int64_t kPrefillTailRows = 32;
+
 // Builds the attention decode steps run on from the full-attention prefill state (copied, not
 // kept). `decode/` passes one for its paged, sparse policies; `model/` never depends on them.
 using DecodeAttentionFactory =

@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "decode/sparse_attention.h"
 #include "model/byte_tokenizer.h"
+#include "model/generator.h"
 #include "model/sampler.h"
 #include "nlohmann/json.hpp"
 
@@ -317,6 +318,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         // One full-attention prefill per sample. Capturing wraps the cache so the last prompt
         // rows' queries and statistics are recorded on the way.
         auto dense = std::make_unique<model::DenseAttention>(shape);
+        dense->RecordQueriesFrom(std::max<int64_t>(0, prompt_len - model::kPrefillTailRows));
         const model::DenseAttention* prefilled = dense.get();
         std::unique_ptr<model::SequenceAttention> attention = std::move(dense);
         const CapturingAttention* prompt_capture = nullptr;

@@ -8,41 +8,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "decode/sparse/lfps_policy.h"
+#include "decode/sparse/policy_util.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
 namespace fluxion::decode::sparse {
-namespace {
 
 using kernels::PageSpan;
 
-// The middle region [sink_end, local_begin) a sparse policy chooses from, and how many of its
-// rows the budget leaves after sinks and the local window.
-struct Regions {
-  int64_t sink_end = 0, local_begin = 0, middle_rows_budget = 0;
-};
-
-Regions SplitContext(const PolicyConfig& c, int64_t context) {
-  Regions r;
-  r.sink_end = std::min(c.sink_tokens, context);
-  r.local_begin = std::max(r.sink_end, context - c.local_tokens);
-  const int64_t budget_rows = static_cast<int64_t>(std::ceil(c.budget * context));
-  r.middle_rows_budget = std::clamp<int64_t>(budget_rows - r.sink_end - (context - r.local_begin),
-                                             0, r.local_begin - r.sink_end);
-  return r;
-}
-
-// Sinks + the chosen middle spans + the local window, in token order.
-void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector<PageSpan>& middle,
-                   std::vector<PageSpan>* spans, SelectionStats* stats) {
-  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, spans);
-  spans->insert(spans->end(), middle.begin(), middle.end());
-  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, spans);
-  int64_t rows = r.sink_end + (in.context - r.local_begin);
-  for (const PageSpan& s : middle) rows += s.rows;
-  stats->rows_attended += rows;
-  stats->context += in.context;
-}
+namespace {
 
 class FullPolicy : public SparsePolicy {
  public:
@@ -66,8 +41,6 @@ class ExactTopKPolicy : public SparsePolicy {
     std::vector<PageSpan> middle;
     const int64_t n = r.local_begin - r.sink_end;
     if (r.middle_rows_budget > 0 && n > 0) {
-      const int64_t pt = in.kv->shape().page_tokens;
-      const auto& pages = in.kv->pages(in.layer, in.kv_head);
       scan_.clear();
       AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scan_);
       scores_.resize(n);
@@ -76,17 +49,8 @@ class ExactTopKPolicy : public SparsePolicy {
       stats->k_rows_scored += n;
       kernels::cpu::TopKIndices(scores_.data(), n, r.middle_rows_budget, &picked_);
       std::sort(picked_.begin(), picked_.end());
-      // Coalesce consecutive tokens of one page into one span.
-      for (int32_t i : picked_) {
-        const int64_t t = r.sink_end + i;
-        const int32_t page = pages[t / pt], row = static_cast<int32_t>(t % pt);
-        if (!middle.empty() && middle.back().page == page &&
-            middle.back().first_row + middle.back().rows == row) {
-          ++middle.back().rows;
-        } else {
-          middle.push_back({page, row, 1});
-        }
-      }
+      for (int32_t& i : picked_) i += static_cast<int32_t>(r.sink_end);
+      AppendPositions(*in.kv, in.layer, in.kv_head, picked_, &middle);
     }
     AssembleSpans(in, r, middle, spans, stats);
   }
@@ -141,7 +105,7 @@ class QuestPolicy : public SparsePolicy {
 }  // namespace
 
 std::vector<std::string> PolicyNames() {
-  return {"full", "exact_topk", "quest", "fixed_<block>_<budget>"};
+  return {"full", "exact_topk", "quest", "lfps", "lfps_paper", "fixed_<block>_<budget>"};
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
@@ -160,7 +124,7 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
     c.budget = b;
   } else if (name == "full") {
     c.budget = 1.0;
-  } else if (name != "exact_topk" && name != "quest") {
+  } else if (name != "exact_topk" && name != "quest" && name != "lfps" && name != "lfps_paper") {
     return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
                                                    absl::StrJoin(PolicyNames(), ", ")));
   }
@@ -193,7 +157,47 @@ std::string PolicyLabel(const PolicyConfig& config) {
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
   if (config.name == "full") return std::make_unique<FullPolicy>();
   if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);
+  if (config.name == "lfps" || config.name == "lfps_paper") {
+    return std::make_unique<LfpsPolicy>(config, LfpsParams{}, config.name == "lfps_paper");
+  }
   return std::make_unique<QuestPolicy>(config);  // quest and fixed_<block>_<budget>
+}
+
+Regions SplitContext(const PolicyConfig& c, int64_t context) {
+  Regions r;
+  r.sink_end = std::min(c.sink_tokens, context);
+  r.local_begin = std::max(r.sink_end, context - c.local_tokens);
+  const int64_t budget_rows = static_cast<int64_t>(std::ceil(c.budget * context));
+  r.middle_rows_budget = std::clamp<int64_t>(budget_rows - r.sink_end - (context - r.local_begin),
+                                             0, r.local_begin - r.sink_end);
+  return r;
+}
+
+void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector<PageSpan>& middle,
+                   std::vector<PageSpan>* spans, SelectionStats* stats) {
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, spans);
+  spans->insert(spans->end(), middle.begin(), middle.end());
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, spans);
+  int64_t rows = r.sink_end + (in.context - r.local_begin);
+  for (const PageSpan& s : middle) rows += s.rows;
+  stats->rows_attended += rows;
+  stats->context += in.context;
+}
+
+void AppendPositions(const PagedKv& kv, int layer, int kv_head,
+                     const std::vector<int32_t>& sorted_positions, std::vector<PageSpan>* spans) {
+  const int64_t pt = kv.shape().page_tokens;
+  const auto& pages = kv.pages(layer, kv_head);
+  const size_t first = spans->size();
+  for (int32_t t : sorted_positions) {
+    const int32_t page = pages[t / pt], row = static_cast<int32_t>(t % pt);
+    if (spans->size() > first && spans->back().page == page &&
+        spans->back().first_row + spans->back().rows == row) {
+      ++spans->back().rows;
+    } else {
+      spans->push_back({page, row, 1});
+    }
+  }
 }
 
 void AppendTokenRange(const PagedKv& kv, int layer, int kv_head, int64_t begin, int64_t end,

@@ -23,7 +23,7 @@
 namespace fluxion::decode::sparse {
 
 struct PolicyConfig {
-  std::string name = "full";  // full, exact_topk, quest, fixed_<block>_<budget>
+  std::string name = "full";  // full, exact_topk, quest, lfps, lfps_paper, fixed_<block>_<budget>
   double budget = 1.0;        // fraction of context tokens attended; 1 for `full`
   int64_t sink_tokens = 4;
   int64_t local_tokens = 64;
@@ -61,15 +61,37 @@ struct SelectionStats {
   int64_t rows_attended = 0;  // K/V rows the attention kernel reads
   int64_t k_rows_scored = 0;  // extra K rows read only to score (exact top-k)
   int64_t metadata_bytes = 0; // page metadata read to score (Quest's fp32 min/max bounds)
+  int64_t selections = 0;     // (step, KV head) selections a history policy made
+  int64_t bypassed = 0;       // of those, how many bypassed to sinks + window (LFPS)
   int64_t context = 0;        // tokens available
 };
 
 class SparsePolicy {
  public:
   virtual ~SparsePolicy() = default;
+
+  // Called once per (layer, KV head) after the prompt's K/V are in `kv`, with the prefill's
+  // recorded tail queries (model::DenseAttention::recorded_queries; may be empty) for policies
+  // that learn from the prefill (LFPS). `scale` is the softmax scale.
+  virtual absl::Status Prepare(const PagedKv& kv, int layer, int kv_head,
+                               const std::vector<float>& tail_queries,
+                               const std::vector<int64_t>& tail_positions, int64_t group,
+                               float scale) {
+    return absl::OkStatus();
+  }
+
   // Appends disjoint spans in token order covering the rows to attend, and adds to *stats.
   virtual void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
                       SelectionStats* stats) = 0;
+
+  // After the step attended `spans` (what Select returned): lets history-based policies learn
+  // from the step. Default: nothing.
+  virtual void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) {}
+
+  // For the step just selected: an estimate of attention over the rows NOT attended, as a
+  // partial state (out [group][head_dim], natural-base lse [group]) to merge into the output.
+  // Returns false (the default) when the policy adds none.
+  virtual bool ApproximateRest(const SelectionInput& in, float* out, float* lse) { return false; }
 };
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);

@@ -1,0 +1,293 @@
+#include "decode/sparse/lfps_policy.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "decode/sparse/policy_util.h"
+#include "kernels/cpu/selection.h"
+#include "kernels/cpu/topk.h"
+
+namespace fluxion::decode::sparse {
+
+using kernels::PageSpan;
+
+namespace {
+
+// Expansion offsets around each predicted position [SEED]: the asymmetric +2 absorbs the one
+// token a slash pattern moves per decode step.
+constexpr int kExpand[] = {-1, 0, 1, 2};
+
+}  // namespace
+
+LfpsPolicy::LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, bool paper_bypass)
+    : config_(config), params_(params), paper_bypass_(paper_bypass) {}
+
+LfpsPolicy::HeadState& LfpsPolicy::State(int layer, int kv_head) {
+  auto it = states_.find({layer, kv_head});
+  if (it == states_.end()) it = states_.emplace(std::make_pair(layer, kv_head), HeadState(params_)).first;
+  return it->second;
+}
+
+void LfpsPolicy::HeadScores(const PagedKv& kv, const std::vector<PageSpan>& spans,
+                            const float* q_head, float scale, std::vector<float>* out) {
+  int64_t rows = 0;
+  for (const PageSpan& s : spans) rows += s.rows;
+  out->resize(rows);
+  kernels::cpu::MaxGroupScores(kv.view(), spans.data(), spans.size(), q_head, 1, out->data());
+  for (float& x : *out) x *= scale;
+}
+
+void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end,
+                            int64_t end, HeadState* s) {
+  const int64_t d = kv.shape().head_dim, pt = kv.shape().page_tokens;
+  if (s->key_sum.empty()) {
+    s->key_sum.assign(d, 0.0);
+    s->key_outer.assign(d * d, 0.0);
+    s->value_sum.assign(d, 0.0);
+    s->folded_end = sink_end;
+  }
+  const auto& pages = kv.pages(layer, kv_head);
+  const kernels::PagedKvView view = kv.view();
+  std::vector<double> k(d);
+  for (int64_t t = std::max(s->folded_end, sink_end); t < end; ++t) {
+    const bf16* kr = view.keys(pages[t / pt]) + (t % pt) * d;
+    const bf16* vr = view.values(pages[t / pt]) + (t % pt) * d;
+    for (int64_t i = 0; i < d; ++i) {
+      k[i] = Bf16ToFloat(kr[i]);
+      s->key_sum[i] += k[i];
+      s->value_sum[i] += Bf16ToFloat(vr[i]);
+    }
+    // O(d^2) per key leaving the window: the price of a scan-free estimate of the global mass.
+    for (int64_t i = 0; i < d; ++i) {
+      double* row = &s->key_outer[i * d];
+      for (int64_t j = 0; j < d; ++j) row[j] += k[i] * k[j];
+    }
+    ++s->count;
+  }
+  s->folded_end = std::max(s->folded_end, end);
+}
+
+absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
+                                 const std::vector<float>& tail_queries,
+                                 const std::vector<int64_t>& tail_positions, int64_t group,
+                                 float scale) {
+  HeadState& s = State(layer, kv_head);
+  const int64_t d = kv.shape().head_dim;
+  const int64_t rows = static_cast<int64_t>(tail_positions.size());
+  if (rows == 0) return absl::OkStatus();  // no tail: the first step refreshes exactly
+  const int64_t num_heads = static_cast<int64_t>(tail_queries.size()) / (rows * d);
+  // Tables from the prefill tail (§1.3.3): each tail row's full attention, max over the group,
+  // decayed so the table is already in its steady-state form.
+  std::vector<float> best;
+  double tail_share = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t p = tail_positions[i];
+    if (p >= kv.length(layer)) break;
+    scratch_spans_.clear();
+    AppendTokenRange(kv, layer, kv_head, 0, p + 1, &scratch_spans_);
+    best.assign(p + 1, 0.0f);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = &tail_queries[(i * num_heads + kv_head * group + g) * d];
+      HeadScores(kv, scratch_spans_, q, scale, &scores_);
+      const float m = *std::max_element(scores_.begin(), scores_.end());
+      double z = 0;
+      for (float x : scores_) z += std::exp(x - m);
+      for (int64_t j = 0; j <= p; ++j) {
+        best[j] = std::max(best[j], static_cast<float>(std::exp(scores_[j] - m) / z));
+      }
+    }
+    s.tables.Step();
+    for (int64_t j = config_.sink_tokens; j <= p; ++j) {
+      if (best[j] >= params_.min_weight) s.tables.Add(j, p, best[j]);
+    }
+    // Middle share of this row (max over the group of each key's weight is an upper bound on
+    // every head's share, so the bypass test stays conservative).
+    const int64_t sink_end = std::min<int64_t>(config_.sink_tokens, p + 1);
+    const int64_t local_begin = std::max<int64_t>(sink_end, p + 1 - config_.local_tokens);
+    double share = 0;
+    for (int64_t j = sink_end; j < local_begin; ++j) share += best[j];
+    tail_share = std::max(tail_share, std::min(1.0, share));
+  }
+  s.middle_share = tail_share;
+  s.steps_since_measured = 0;
+  return absl::OkStatus();
+}
+
+void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
+                        SelectionStats* stats) {
+  HeadState& s = State(in.layer, in.kv_head);
+  const Regions r = SplitContext(config_, in.context);
+  const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
+  s.bypassed = false;
+  std::vector<PageSpan> middle;
+  ++stats->selections;
+  if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
+    AssembleSpans(in, r, middle, spans, stats);
+    return;
+  }
+  FoldGlobal(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &s);
+
+  // Head sparsity (§1.3.8): exact mass of sinks + window against a log-normal estimate of the
+  // global region's, for every query head of the group.
+  scratch_spans_.clear();
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, &scratch_spans_);
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, &scratch_spans_);
+  bool all_streaming = s.count > 0;
+  s.global_log_mass.assign(in.group, -INFINITY);
+  for (int64_t g = 0; g < in.group; ++g) {
+    const float* q = in.q + g * d;
+    HeadScores(*in.kv, scratch_spans_, q, in.scale, &scores_);
+    const double m = *std::max_element(scores_.begin(), scores_.end());
+    double z_exact = 0;
+    for (float x : scores_) z_exact += std::exp(x - m);
+    if (s.count == 0) continue;
+    const double n = static_cast<double>(s.count);
+    double mu = 0, var = 0;
+    for (int64_t i = 0; i < d; ++i) mu += q[i] * s.key_sum[i] / n;
+    for (int64_t i = 0; i < d; ++i) {
+      double row = 0;
+      for (int64_t j = 0; j < d; ++j) {
+        row += (s.key_outer[i * d + j] / n - s.key_sum[i] / n * s.key_sum[j] / n) * q[j];
+      }
+      var += q[i] * row;
+    }
+    mu *= in.scale;
+    var = std::max(0.0, var) * in.scale * in.scale;
+    s.global_log_mass[g] = std::log(n) + mu + var / 2;
+    const double z_global = std::exp(s.global_log_mass[g] - m);
+    const double rho = z_exact / (z_exact + z_global);
+    if (rho < params_.bypass_rho) all_streaming = false;
+  }
+  // Re-measure every refresh period: a head may turn from streaming to retrieval.
+  const bool measured_recently = s.steps_since_measured < params_.refresh_every;
+  if (all_streaming && measured_recently && s.middle_share <= 1.0 - params_.bypass_rho) {
+    s.bypassed = true;
+    ++s.steps_since_measured;
+    ++stats->bypassed;
+    AssembleSpans(in, r, middle, spans, stats);
+    return;
+  }
+
+  const int64_t n_middle = r.local_begin - r.sink_end;
+  const bool refresh = s.steps_since_refresh >= params_.refresh_every ||
+                       s.tables.vertical().moments().count == 0;
+  picked_.clear();
+  if (refresh) {
+    // Safety valve: an exact top-k over the whole middle region.
+    scratch_spans_.clear();
+    AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scratch_spans_);
+    scores_.resize(n_middle);
+    kernels::cpu::MaxGroupScores(in.kv->view(), scratch_spans_.data(), scratch_spans_.size(),
+                                 in.q, in.group, scores_.data());
+    stats->k_rows_scored += n_middle;
+    kernels::cpu::TopKIndices(scores_.data(), n_middle, r.middle_rows_budget, &picked_);
+    for (int32_t& i : picked_) i += static_cast<int32_t>(r.sink_end);
+    s.steps_since_refresh = 0;
+  } else {
+    // Candidates from the history tables, expanded, restricted to the middle region.
+    const int64_t k = r.middle_rows_budget;
+    const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(params_.candidate_cap * in.context));
+    std::vector<int64_t> vertical, slash;
+    s.tables.vertical().SelectAbove(params_.threshold_a, 2 * k, cap, &vertical);
+    s.tables.slash().SelectAbove(params_.threshold_a, 2 * k, cap, &slash);
+    mark_.assign(in.context, 0);
+    auto mark = [&](int64_t p) {
+      for (int e : kExpand) {
+        const int64_t x = p + e;
+        if (x >= r.sink_end && x < r.local_begin) mark_[x] = 1;
+      }
+    };
+    for (int64_t p : vertical) mark(p);
+    for (int64_t dist : slash) mark(t - dist);
+    std::vector<int32_t> candidates;
+    for (int64_t x = r.sink_end; x < r.local_begin; ++x) {
+      if (mark_[x]) candidates.push_back(static_cast<int32_t>(x));
+    }
+    if (static_cast<int64_t>(candidates.size()) <= k) {
+      picked_ = candidates;
+    } else {
+      scratch_spans_.clear();
+      AppendPositions(*in.kv, in.layer, in.kv_head, candidates, &scratch_spans_);
+      scores_.resize(candidates.size());
+      kernels::cpu::MaxGroupScores(in.kv->view(), scratch_spans_.data(), scratch_spans_.size(),
+                                   in.q, in.group, scores_.data());
+      kernels::cpu::TopKIndices(scores_.data(), candidates.size(), k, &scratch_picked_);
+      for (int32_t i : scratch_picked_) picked_.push_back(candidates[i]);
+    }
+    stats->k_rows_scored += static_cast<int64_t>(candidates.size());
+    ++s.steps_since_refresh;
+  }
+  std::sort(picked_.begin(), picked_.end());
+  AppendPositions(*in.kv, in.layer, in.kv_head, picked_, &middle);
+  AssembleSpans(in, r, middle, spans, stats);
+}
+
+void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {
+  HeadState& s = State(in.layer, in.kv_head);
+  const int64_t d = in.kv->shape().head_dim, pt = in.kv->shape().page_tokens;
+  const int64_t t = in.context - 1;
+  const Regions r = SplitContext(config_, in.context);
+  const auto& pages = in.kv->pages(in.layer, in.kv_head);
+  std::vector<int32_t> positions;
+  for (const PageSpan& sp : spans) {
+    const int64_t page_index = std::find(pages.begin(), pages.end(), sp.page) - pages.begin();
+    for (int32_t row = sp.first_row; row < sp.first_row + sp.rows; ++row) {
+      positions.push_back(static_cast<int32_t>(page_index * pt + row));
+    }
+  }
+  std::sort(positions.begin(), positions.end());
+  s.tables.Step();
+  if (positions.empty()) return;
+  scratch_spans_.clear();
+  AppendPositions(*in.kv, in.layer, in.kv_head, positions, &scratch_spans_);
+  // Per head: the softmax over the attended rows gives the middle region's share of the
+  // attended mass (a lower bound on its share of the full mass: re-measured whenever the head is
+  // not bypassed); the softmax over the attended rows minus the sinks gives the half-normalised
+  // weights that feed the tables (§1.3.1: the sinks' forced, large mass carries no indexing
+  // information). Both are maxed over the group (§1.3.7).
+  std::vector<float> best(positions.size(), 0.0f);
+  double middle_share = 0;
+  for (int64_t g = 0; g < in.group; ++g) {
+    HeadScores(*in.kv, scratch_spans_, in.q + g * d, in.scale, &scores_);
+    float m = -INFINITY, m_all = -INFINITY;
+    for (size_t j = 0; j < positions.size(); ++j) {
+      m_all = std::max(m_all, scores_[j]);
+      if (positions[j] >= config_.sink_tokens) m = std::max(m, scores_[j]);
+    }
+    double z = 0, z_all = 0, z_middle = 0;
+    for (size_t j = 0; j < positions.size(); ++j) {
+      const double e_all = std::exp(scores_[j] - m_all);
+      z_all += e_all;
+      if (positions[j] >= r.sink_end && positions[j] < r.local_begin) z_middle += e_all;
+      if (positions[j] >= config_.sink_tokens) z += std::exp(scores_[j] - m);
+    }
+    middle_share = std::max(middle_share, z_middle / z_all);
+    for (size_t j = 0; j < positions.size(); ++j) {
+      if (positions[j] < config_.sink_tokens) continue;
+      best[j] = std::max(best[j], static_cast<float>(std::exp(scores_[j] - m) / z));
+    }
+  }
+  if (!s.bypassed) {
+    s.middle_share = middle_share;
+    s.steps_since_measured = 0;
+  }
+  for (size_t j = 0; j < positions.size(); ++j) {
+    if (best[j] >= params_.min_weight) s.tables.Add(positions[j], t, best[j]);
+  }
+}
+
+bool LfpsPolicy::ApproximateRest(const SelectionInput& in, float* out, float* lse) {
+  if (!paper_bypass_) return false;
+  HeadState& s = State(in.layer, in.kv_head);
+  if (!s.bypassed || s.count == 0) return false;
+  // The published bypass: the global region as one pseudo-row holding its mean value vector and
+  // its estimated total mass.
+  const int64_t d = in.kv->shape().head_dim;
+  for (int64_t g = 0; g < in.group; ++g) {
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = static_cast<float>(s.value_sum[i] / s.count);
+    lse[g] = static_cast<float>(s.global_log_mass[g]);
+  }
+  return true;
+}
+
+}  // namespace fluxion::decode::sparse

@@ -1,0 +1,90 @@
+// LFPS ("Learn from the Past", ../shared/docs/ALGORITHMS.md §1.3-1.5) as a SparsePolicy.
+//
+// Per (layer, KV head) it keeps vertical/slash history tables (lfps_tables.h), initialised from
+// the prefill's last query rows and updated after every step with the half-normalised weights of
+// the rows the step attended. A step:
+//   1. folds keys that left the local window into running key mean/covariance (and value mean);
+//   2. estimates the head's sparsity rho = Z(sinks + window) / Z(all), the global part from a
+//      log-normal model of q.k over the folded keys; rho >= 0.85 for every query head of the
+//      group -> bypass: attend sinks + window only (`lfps`), or additionally merge the global
+//      region's mean value vector with the estimated mass (`lfps_paper`, as published);
+//   3. otherwise: kurtosis-adaptive thresholds on both tables give candidate positions, expanded
+//      by {-1, 0, +1, +2}, scored exactly, top rows within the budget; every `refresh_every`
+//      steps an exact top-k over the whole middle region instead (the safety valve).
+//
+// Thread-compatible (one request).
+#ifndef FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
+#define FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "decode/sparse/lfps_tables.h"
+#include "decode/sparse/policy.h"
+
+namespace fluxion::decode::sparse {
+
+struct LfpsParams {
+  double decay = 0.95;           // r [SEED]
+  double threshold_a = 0.2;      // a in theta = mu + a sqrt(kurtosis) sigma [SEED value]
+  double candidate_cap = 0.1;    // |V| + |D| <= cap * context [ENG]
+  int64_t refresh_every = 32;    // exact top-k refresh period [ENG]
+  double bypass_rho = 0.85;      // epsilon [SEED]
+  double min_weight = 1e-4;      // smaller table additions are dropped: keeps tables sparse
+  int64_t rescale_every = 256;   // lazy-decay rescale period [ENG]
+};
+
+class LfpsPolicy : public SparsePolicy {
+ public:
+  LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, bool paper_bypass);
+
+  absl::Status Prepare(const PagedKv& kv, int layer, int kv_head,
+                       const std::vector<float>& tail_queries,
+                       const std::vector<int64_t>& tail_positions, int64_t group,
+                       float scale) override;
+  void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
+              SelectionStats* stats) override;
+  void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
+  bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
+
+ private:
+  struct HeadState {
+    explicit HeadState(const LfpsParams& p) : tables(p.decay, p.rescale_every) {}
+    LfpsTables tables;
+    // Keys in [sink_end, folded_end) are folded into the global-region statistics.
+    int64_t folded_end = 0;
+    int64_t count = 0;
+    std::vector<double> key_sum, key_outer, value_sum;  // [d], [d][d], [d]
+    int64_t steps_since_refresh = 0;
+    bool bypassed = false;
+    // Exact share of attention mass on the middle region (between sinks and window) at the last
+    // step that looked at it (or over the prefill tail). The log-normal estimate cannot see rare
+    // high-logit keys (needles) among the folded ones, so a head whose middle recently held mass
+    // is never bypassed on the estimate alone. Starts unknown (1: no bypass).
+    double middle_share = 1.0;
+    int64_t steps_since_measured = 0;
+    std::vector<double> global_log_mass;  // [group], log of the estimated global partition
+  };
+
+  HeadState& State(int layer, int kv_head);
+  void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
+                  HeadState* s);
+  // Scaled logits of one query head over `spans`' rows, in span order.
+  void HeadScores(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
+                  const float* q_head, float scale, std::vector<float>* out);
+
+  PolicyConfig config_;
+  LfpsParams params_;
+  bool paper_bypass_;
+  std::map<std::pair<int, int>, HeadState> states_;
+  std::vector<kernels::PageSpan> scratch_spans_;
+  std::vector<float> scores_, scratch_;
+  std::vector<int32_t> picked_, scratch_picked_;
+  std::vector<char> mark_;
+};
+
+}  // namespace fluxion::decode::sparse
+
+#endif  // FLUXION_DECODE_SPARSE_LFPS_POLICY_H_

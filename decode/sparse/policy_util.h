@@ -1,0 +1,32 @@
+// Internal helpers shared by the policies in decode/sparse (not part of the policy interface).
+#ifndef FLUXION_DECODE_SPARSE_POLICY_UTIL_H_
+#define FLUXION_DECODE_SPARSE_POLICY_UTIL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "decode/sparse/policy.h"
+
+namespace fluxion::decode::sparse {
+
+// The middle region [sink_end, local_begin) a sparse policy chooses from, and how many of its
+// rows the budget leaves after sinks and the local window.
+struct Regions {
+  int64_t sink_end = 0, local_begin = 0, middle_rows_budget = 0;
+};
+Regions SplitContext(const PolicyConfig& c, int64_t context);
+
+// Sinks + the chosen middle spans + the local window, in token order; counts rows in *stats.
+void AssembleSpans(const SelectionInput& in, const Regions& r,
+                   const std::vector<kernels::PageSpan>& middle,
+                   std::vector<kernels::PageSpan>* spans, SelectionStats* stats);
+
+// Appends spans for sorted, distinct token positions, one span per run of consecutive tokens
+// within a page.
+void AppendPositions(const PagedKv& kv, int layer, int kv_head,
+                     const std::vector<int32_t>& sorted_positions,
+                     std::vector<kernels::PageSpan>* spans);
+
+}  // namespace fluxion::decode::sparse
+
+#endif  // FLUXION_DECODE_SPARSE_POLICY_UTIL_H_
