@@ -90,7 +90,7 @@ TEST(SparseAttentionTest, EveryPolicySpendsItsBudgetAndFindsAPlantedNeedle) {
   auto s = MakeSetup(tokens, 2, needle);
   const auto want = FullReference(*s, tokens);
   auto arena = *KvArena::Create(KvShape{1, 2, 64, 16}.page_bytes(), 1024);
-  for (const char* name : {"exact_topk", "quest", "fixed_32_0.05", "lfps", "lfps_paper"}) {
+  for (const char* name : {"exact_topk", "quest", "fixed_32_0.05", "lfps", "lfps_paper", "fluxion"}) {
     auto a = SparseAttention::FromDense(arena.get(), kShape, 16, s->dense,
                                         *sparse::ParsePolicy(name, 0.05));
     ASSERT_TRUE(a.ok()) << a.status();

@@ -62,7 +62,7 @@ TEST_F(SparseGenerateTest, FullPolicyOverPagesGivesTheSameTokensAsTheDenseCache)
 }
 
 TEST_F(SparseGenerateTest, SparsePoliciesRunInsideTheDecodeLoopAndReportTheirBudget) {
-  for (const char* policy : {"exact_topk", "quest", "fixed_32_0.05", "lfps", "lfps_paper"}) {
+  for (const char* policy : {"exact_topk", "quest", "fixed_32_0.05", "lfps", "lfps_paper", "fluxion"}) {
     auto r = Run(policy, 0.1);
     EXPECT_EQ(r.tokens.size(), 24u) << policy;
     const auto& attention = dynamic_cast<const SparseAttention&>(r.sequence->attention());

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "decode/sparse/policy_util.h"
 #include "kernels/cpu/selection.h"
@@ -16,6 +17,9 @@ namespace {
 // Expansion offsets around each predicted position [SEED]: the asymmetric +2 absorbs the one
 // token a slash pattern moves per decode step.
 constexpr int kExpand[] = {-1, 0, 1, 2};
+
+// A head's "need": the fraction of its middle tokens holding this share of its middle mass.
+constexpr double kCoverageTarget = 0.9;
 
 }  // namespace
 
@@ -35,6 +39,10 @@ void LfpsPolicy::HeadScores(const PagedKv& kv, const std::vector<PageSpan>& span
   out->resize(rows);
   kernels::cpu::MaxGroupScores(kv.view(), spans.data(), spans.size(), q_head, 1, out->data());
   for (float& x : *out) x *= scale;
+}
+
+int64_t LfpsPolicy::MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context) {
+  return r.middle_rows_budget;
 }
 
 void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end,
@@ -79,7 +87,8 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   // Tables from the prefill tail (§1.3.3): each tail row's full attention, max over the group,
   // decayed so the table is already in its steady-state form.
   std::vector<float> best;
-  double tail_share = 0;
+  double tail_share = 0, need_sum = 0;
+  int64_t need_rows = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t p = tail_positions[i];
     if (p >= kv.length(layer)) break;
@@ -107,8 +116,18 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
     double share = 0;
     for (int64_t j = sink_end; j < local_begin; ++j) share += best[j];
     tail_share = std::max(tail_share, std::min(1.0, share));
+    if (local_begin > sink_end && share > 0) {
+      std::vector<float> middle(best.begin() + sink_end, best.begin() + local_begin);
+      std::sort(middle.begin(), middle.end(), std::greater<float>());
+      double covered = 0;
+      size_t needed = 0;
+      while (needed < middle.size() && covered < kCoverageTarget * share) covered += middle[needed++];
+      need_sum += static_cast<double>(needed) / middle.size();
+      ++need_rows;
+    }
   }
   s.middle_share = tail_share;
+  s.need_fraction = need_rows > 0 ? need_sum / need_rows : 1.0;
   s.steps_since_measured = 0;
   return absl::OkStatus();
 }
@@ -116,7 +135,8 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
 void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                         SelectionStats* stats) {
   HeadState& s = State(in.layer, in.kv_head);
-  const Regions r = SplitContext(config_, in.context);
+  Regions r = SplitContext(config_, in.context);
+  r.middle_rows_budget = MiddleBudget(in.layer, in.kv_head, r, in.context);
   const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
   s.bypassed = false;
   std::vector<PageSpan> middle;

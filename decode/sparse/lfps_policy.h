@@ -23,6 +23,7 @@
 
 #include "decode/sparse/lfps_tables.h"
 #include "decode/sparse/policy.h"
+#include "decode/sparse/policy_util.h"
 
 namespace fluxion::decode::sparse {
 
@@ -49,7 +50,7 @@ class LfpsPolicy : public SparsePolicy {
   void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
   bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
 
- private:
+ protected:
   struct HeadState {
     explicit HeadState(const LfpsParams& p) : tables(p.decay, p.rescale_every) {}
     LfpsTables tables;
@@ -65,10 +66,16 @@ class LfpsPolicy : public SparsePolicy {
     // is never bypassed on the estimate alone. Starts unknown (1: no bypass).
     double middle_share = 1.0;
     int64_t steps_since_measured = 0;
+    // From the prefill tail: the fraction of middle tokens holding 90% of the middle mass
+    // (1 when unknown). Fluxion sizes per-head budgets from it.
+    double need_fraction = 1.0;
     std::vector<double> global_log_mass;  // [group], log of the estimated global partition
   };
 
   HeadState& State(int layer, int kv_head);
+  // Rows of the middle region this step may attend for (layer, kv_head); LFPS: the policy
+  // budget's share (SplitContext). Fluxion overrides it with per-head budgets.
+  virtual int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context);
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
   // Scaled logits of one query head over `spans`' rows, in span order.
@@ -79,6 +86,8 @@ class LfpsPolicy : public SparsePolicy {
   LfpsParams params_;
   bool paper_bypass_;
   std::map<std::pair<int, int>, HeadState> states_;
+
+ private:
   std::vector<kernels::PageSpan> scratch_spans_;
   std::vector<float> scores_, scratch_;
   std::vector<int32_t> picked_, scratch_picked_;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "decode/sparse/fluxion_policy.h"
 #include "decode/sparse/lfps_policy.h"
 #include "decode/sparse/policy_util.h"
 #include "kernels/cpu/selection.h"
@@ -105,7 +106,7 @@ class QuestPolicy : public SparsePolicy {
 }  // namespace
 
 std::vector<std::string> PolicyNames() {
-  return {"full", "exact_topk", "quest", "lfps", "lfps_paper", "fixed_<block>_<budget>"};
+  return {"full", "exact_topk", "quest", "lfps", "lfps_paper", "fluxion", "fixed_<block>_<budget>"};
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
@@ -124,7 +125,8 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
     c.budget = b;
   } else if (name == "full") {
     c.budget = 1.0;
-  } else if (name != "exact_topk" && name != "quest" && name != "lfps" && name != "lfps_paper") {
+  } else if (name != "exact_topk" && name != "quest" && name != "lfps" && name != "lfps_paper" &&
+             name != "fluxion") {
     return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
                                                    absl::StrJoin(PolicyNames(), ", ")));
   }
@@ -157,6 +159,7 @@ std::string PolicyLabel(const PolicyConfig& config) {
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
   if (config.name == "full") return std::make_unique<FullPolicy>();
   if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);
+  if (config.name == "fluxion") return std::make_unique<FluxionPolicy>(config);
   if (config.name == "lfps" || config.name == "lfps_paper") {
     return std::make_unique<LfpsPolicy>(config, LfpsParams{}, config.name == "lfps_paper");
   }

@@ -1,0 +1,56 @@
+#include "decode/sparse/fluxion_policy.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace fluxion::decode::sparse {
+namespace {
+
+// Two KV heads, one query head each: head 0 is a streaming head (every query is drawn to the
+// sinks), head 1 a diffuse one. Fluxion must give head 0 no middle budget and head 1 the rest,
+// keeping the request's total read at the uniform budget.
+TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
+  const int64_t tokens = 2048, d = 32;
+  const KvShape shape{1, 2, d, 16};
+  auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
+  auto kv = *PagedKv::Create(arena.get(), shape);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> q_dir(d);
+  for (float& x : q_dir) x = normal(rng);
+  std::vector<float> k(tokens * 2 * d), v(tokens * 2 * d);
+  for (float& x : k) x = normal(rng) * 0.3f;
+  for (float& x : v) x = normal(rng);
+  for (int64_t t = 0; t < 4; ++t) {
+    for (int64_t j = 0; j < d; ++j) k[(t * 2 + 0) * d + j] = 4.0f * q_dir[j];  // head 0 sinks
+  }
+  ASSERT_TRUE(kv->Append(0, tokens, k.data(), v.data(), 2 * d).ok());
+  // Tail: the last 32 positions' queries, both heads pointing along q_dir.
+  std::vector<float> tail_q;
+  std::vector<int64_t> tail_pos;
+  for (int64_t i = tokens - 32; i < tokens; ++i) {
+    tail_pos.push_back(i);
+    for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  PolicyConfig config = *ParsePolicy("fluxion", 0.1);
+  FluxionPolicy policy(config);
+  for (int h = 0; h < 2; ++h) {
+    ASSERT_TRUE(policy.Prepare(*kv, 0, h, tail_q, tail_pos, 1, scale).ok());
+  }
+  SelectionStats stats[2];
+  for (int h = 0; h < 2; ++h) {
+    std::vector<kernels::PageSpan> spans;
+    policy.Select({kv.get(), 0, h, q_dir.data(), 1, scale, tokens}, &spans, &stats[h]);
+  }
+  const int64_t sinks_and_window = 4 + 64;
+  EXPECT_EQ(stats[0].rows_attended, sinks_and_window);  // streaming: nothing from the middle
+  // The uniform budget per head is 0.1 * 2048 = 205 rows; head 1 gets head 0's middle share too.
+  const int64_t uniform_middle = static_cast<int64_t>(std::ceil(0.1 * tokens)) - sinks_and_window;
+  EXPECT_NEAR(stats[1].rows_attended - sinks_and_window, 2 * uniform_middle, 2);
+}
+
+}  // namespace
+}  // namespace fluxion::decode::sparse
