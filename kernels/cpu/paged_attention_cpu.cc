@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace fluxion::kernels::cpu {
@@ -246,12 +247,15 @@ const CpuKernels* RunnableKernels(CpuIsa isa, std::string* why_not) {
   }
   if (kernels == nullptr) {
     if (why_not != nullptr) {
-      *why_not = std::string(CpuIsaName(isa)) + " kernels not compiled (FLUXION_ENABLE_AVX512=OFF)";
+      *why_not =
+          std::string(CpuIsaName(isa)) + " kernels not compiled (FLUXION_ENABLE_AVX512=OFF)";
     }
     return nullptr;
   }
   if (!CpuCanRun(isa, DetectCpuFeatures())) {
-    if (why_not != nullptr) *why_not = isa == CpuIsa::kAvx512Bf16 ? "no AVX-512-BF16" : "no AVX-512";
+    if (why_not != nullptr) {
+      *why_not = isa == CpuIsa::kAvx512Bf16 ? "no AVX-512-BF16" : "no AVX-512";
+    }
     return nullptr;
   }
   return kernels;

@@ -5,6 +5,7 @@
 
 #include "kernels/cpu/bf16_avx2.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/cpu/paged_attention_impl.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -25,8 +26,10 @@ inline float HorizontalSum(__m256 v) {
 
 }  // namespace
 
-void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                    const float* q, int64_t group, float* scores) {
+namespace internal {
+
+void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                        const float* q, int64_t group, float* scores) {
   const int64_t d = kv.head_dim;
   const int64_t padded = (group + 3) / 4 * 4;
   alignas(32) float qd[kMaxGroup * kMaxHeadDim];
@@ -56,9 +59,9 @@ void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
   }
 }
 
-void QuestBlockBounds(const float* key_min, const float* key_max, int64_t d, int64_t first_block,
-                      int64_t num_blocks, int64_t pages_per_block, const float* q, int64_t group,
-                      float* out) {
+void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
+                          int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
+                          const float* q, int64_t group, float* out) {
   alignas(32) float lo[kMaxHeadDim], hi[kMaxHeadDim];
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t p0 = (first_block + b) * pages_per_block;
@@ -91,6 +94,25 @@ void QuestBlockBounds(const float* key_min, const float* key_max, int64_t d, int
     }
     out[b] = HorizontalMax(best);
   }
+}
+
+}  // namespace internal
+
+// Both dispatch through the table chosen once per process (cpu_features.h).
+void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                    const float* q, int64_t group, float* scores) {
+  const internal::CpuKernels& k = internal::ActiveKernels();
+  const internal::MaxGroupScoresFn score = kv.head_dim % k.head_dim_multiple == 0
+                                               ? k.max_group_scores
+                                               : internal::MaxGroupScoresAvx2;
+  score(kv, spans, num_spans, q, group, scores);
+}
+
+void QuestBlockBounds(const float* key_min, const float* key_max, int64_t head_dim,
+                      int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
+                      const float* q, int64_t group, float* out) {
+  internal::ActiveKernels().quest_block_bounds(key_min, key_max, head_dim, first_block,
+                                               num_blocks, pages_per_block, q, group, out);
 }
 
 }  // namespace fluxion::kernels::cpu

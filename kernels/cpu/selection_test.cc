@@ -1,89 +1,168 @@
-// The selection kernels against scalar double-precision twins computed here.
+// The selection kernels against scalar double-precision twins computed here, for every
+// implementation: the public (dispatching) functions and each ISA's kernels directly; the ones
+// this CPU or build lacks skip.
 #include "kernels/cpu/selection.h"
 
 #include <cmath>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/paged_attention_impl.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
 
-TEST(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
-  for (int64_t group : {1, 3, 4, 7}) {
-    const int64_t d = 64, pt = 16, pages = 6;
-    std::mt19937 rng(group);
-    std::normal_distribution<float> normal(0, 1);
-    const size_t page_bytes = 2 * pt * d * sizeof(bf16);
-    std::vector<uint8_t> arena(pages * page_bytes);
-    auto* all = reinterpret_cast<bf16*>(arena.data());
-    for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
-    PagedKvView kv{arena.data(), page_bytes, pt, d};
-    std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
-    std::vector<float> q(group * d);
-    for (float& x : q) x = normal(rng);
-    std::vector<float> got(26);
-    MaxGroupScores(kv, spans.data(), spans.size(), q.data(), group, got.data());
-    size_t i = 0;
-    for (const PageSpan& s : spans) {
-      for (int r = s.first_row; r < s.first_row + s.rows; ++r, ++i) {
-        double best = -INFINITY;
-        for (int64_t g = 0; g < group; ++g) {
-          double dot = 0;
-          for (int64_t j = 0; j < d; ++j) {
-            dot += q[g * d + j] * Bf16ToFloat(kv.keys(s.page)[r * d + j]);
+// kDispatched runs the public functions; the others call one ISA's kernels directly.
+enum class Impl { kDispatched, kAvx2, kAvx512, kAvx512Bf16 };
+
+std::string ImplName(Impl impl) {
+  switch (impl) {
+    case Impl::kDispatched:
+      return "Dispatched";
+    case Impl::kAvx2:
+      return "Avx2";
+    case Impl::kAvx512:
+      return "Avx512";
+    case Impl::kAvx512Bf16:
+      return "Avx512Bf16";
+  }
+  return "Unknown";
+}
+
+void PrintTo(Impl impl, std::ostream* os) { *os << ImplName(impl); }
+
+class SelectionTest : public ::testing::TestWithParam<Impl> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == Impl::kDispatched) return;
+    const CpuIsa isa = GetParam() == Impl::kAvx2     ? CpuIsa::kAvx2
+                       : GetParam() == Impl::kAvx512 ? CpuIsa::kAvx512
+                                                     : CpuIsa::kAvx512Bf16;
+    std::string why_not;
+    kernels_ = internal::RunnableKernels(isa, &why_not);
+    if (kernels_ == nullptr) GTEST_SKIP() << why_not;
+  }
+
+  // False when a directly called kernel does not take this head_dim (the dispatcher would send
+  // it to AVX2).
+  bool Takes(int64_t head_dim) const {
+    return kernels_ == nullptr || head_dim % kernels_->head_dim_multiple == 0;
+  }
+
+  void Scores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+              int64_t group, float* scores) const {
+    if (kernels_ == nullptr) {
+      MaxGroupScores(kv, spans, num_spans, q, group, scores);
+    } else {
+      kernels_->max_group_scores(kv, spans, num_spans, q, group, scores);
+    }
+  }
+
+  void Bounds(const float* mn, const float* mx, int64_t d, int64_t first_block, int64_t blocks,
+              int64_t ppb, const float* q, int64_t group, float* out) const {
+    if (kernels_ == nullptr) {
+      QuestBlockBounds(mn, mx, d, first_block, blocks, ppb, q, group, out);
+    } else {
+      kernels_->quest_block_bounds(mn, mx, d, first_block, blocks, ppb, q, group, out);
+    }
+  }
+
+  const internal::CpuKernels* kernels_ = nullptr;  // null: the public functions
+};
+
+TEST_P(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
+  // 80 is a multiple of 16 but not of 32: only AVX2 (and the dispatcher, through it) take it.
+  for (int64_t d : {64, 96, 80}) {
+    if (!Takes(d)) continue;
+    for (int64_t group : {1, 3, 4, 7}) {
+      const int64_t pt = 16, pages = 6;
+      std::mt19937 rng(group);
+      std::normal_distribution<float> normal(0, 1);
+      const size_t page_bytes = 2 * pt * d * sizeof(bf16);
+      std::vector<uint8_t> arena(pages * page_bytes);
+      auto* all = reinterpret_cast<bf16*>(arena.data());
+      for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
+      PagedKvView kv{arena.data(), page_bytes, pt, d};
+      std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
+      std::vector<float> q(group * d);
+      for (float& x : q) x = normal(rng);
+      std::vector<float> got(26);
+      Scores(kv, spans.data(), spans.size(), q.data(), group, got.data());
+      size_t i = 0;
+      for (const PageSpan& s : spans) {
+        for (int r = s.first_row; r < s.first_row + s.rows; ++r, ++i) {
+          double best = -INFINITY;
+          for (int64_t g = 0; g < group; ++g) {
+            double dot = 0;
+            for (int64_t j = 0; j < d; ++j) {
+              dot += q[g * d + j] * Bf16ToFloat(kv.keys(s.page)[r * d + j]);
+            }
+            best = std::max(best, dot);
           }
-          best = std::max(best, dot);
+          EXPECT_NEAR(got[i], best, 1e-4 * std::max(1.0, std::abs(best)))
+              << "d " << d << " group " << group;
         }
-        EXPECT_NEAR(got[i], best, 1e-4 * std::max(1.0, std::abs(best))) << "group " << group;
       }
     }
   }
 }
 
-TEST(SelectionTest, QuestBoundsMatchScalarAndBoundEveryKeyInTheBlock) {
-  const int64_t d = 32, pages = 8, group = 3;
-  std::mt19937 rng(9);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> keys(pages * 16 * d), mn(pages * d, INFINITY), mx(pages * d, -INFINITY);
-  for (float& x : keys) x = normal(rng);
-  for (int64_t p = 0; p < pages; ++p)
-    for (int64_t t = 0; t < 16; ++t)
-      for (int64_t j = 0; j < d; ++j) {
-        mn[p * d + j] = std::min(mn[p * d + j], keys[(p * 16 + t) * d + j]);
-        mx[p * d + j] = std::max(mx[p * d + j], keys[(p * 16 + t) * d + j]);
-      }
-  std::vector<float> q(group * d);
-  for (float& x : q) x = normal(rng);
-  for (int64_t ppb : {1, 2}) {
-    const int64_t blocks = pages / ppb - 1;
-    std::vector<float> got(blocks);
-    QuestBlockBounds(mn.data(), mx.data(), d, 1, blocks, ppb, q.data(), group, got.data());
-    for (int64_t b = 0; b < blocks; ++b) {
-      double bound = -INFINITY, best_dot = -INFINITY;
-      for (int64_t g = 0; g < group; ++g) {
-        double s = 0;
+TEST_P(SelectionTest, QuestBoundsMatchScalarAndBoundEveryKeyInTheBlock) {
+  // 40 leaves a part-width last step for the 16-wide (AVX-512) loop.
+  for (int64_t d : {32, 40}) {
+    const int64_t pages = 8, group = 3;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> normal(0, 1);
+    std::vector<float> keys(pages * 16 * d), mn(pages * d, INFINITY), mx(pages * d, -INFINITY);
+    for (float& x : keys) x = normal(rng);
+    for (int64_t p = 0; p < pages; ++p)
+      for (int64_t t = 0; t < 16; ++t)
         for (int64_t j = 0; j < d; ++j) {
-          double lo = INFINITY, hi = -INFINITY;
-          for (int64_t p = (1 + b) * ppb; p < (2 + b) * ppb; ++p) {
-            lo = std::min<double>(lo, mn[p * d + j]);
-            hi = std::max<double>(hi, mx[p * d + j]);
+          mn[p * d + j] = std::min(mn[p * d + j], keys[(p * 16 + t) * d + j]);
+          mx[p * d + j] = std::max(mx[p * d + j], keys[(p * 16 + t) * d + j]);
+        }
+    std::vector<float> q(group * d);
+    for (float& x : q) x = normal(rng);
+    for (int64_t ppb : {1, 2}) {
+      const int64_t blocks = pages / ppb - 1;
+      std::vector<float> got(blocks);
+      Bounds(mn.data(), mx.data(), d, 1, blocks, ppb, q.data(), group, got.data());
+      for (int64_t b = 0; b < blocks; ++b) {
+        double bound = -INFINITY, best_dot = -INFINITY;
+        for (int64_t g = 0; g < group; ++g) {
+          double s = 0;
+          for (int64_t j = 0; j < d; ++j) {
+            double lo = INFINITY, hi = -INFINITY;
+            for (int64_t p = (1 + b) * ppb; p < (2 + b) * ppb; ++p) {
+              lo = std::min<double>(lo, mn[p * d + j]);
+              hi = std::max<double>(hi, mx[p * d + j]);
+            }
+            s += std::max(q[g * d + j] * lo, q[g * d + j] * hi);
           }
-          s += std::max(q[g * d + j] * lo, q[g * d + j] * hi);
+          bound = std::max(bound, s);
+          for (int64_t t = (1 + b) * ppb * 16; t < (2 + b) * ppb * 16; ++t) {
+            double dot = 0;
+            for (int64_t j = 0; j < d; ++j) dot += q[g * d + j] * keys[t * d + j];
+            best_dot = std::max(best_dot, dot);
+          }
         }
-        bound = std::max(bound, s);
-        for (int64_t t = (1 + b) * ppb * 16; t < (2 + b) * ppb * 16; ++t) {
-          double dot = 0;
-          for (int64_t j = 0; j < d; ++j) dot += q[g * d + j] * keys[t * d + j];
-          best_dot = std::max(best_dot, dot);
-        }
+        EXPECT_NEAR(got[b], bound, 1e-4 * std::abs(bound)) << "d " << d;
+        EXPECT_GE(got[b] + 1e-3, best_dot);  // an upper bound on every key's score
       }
-      EXPECT_NEAR(got[b], bound, 1e-4 * std::abs(bound));
-      EXPECT_GE(got[b] + 1e-3, best_dot);  // an upper bound on every key's score
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Impls, SelectionTest,
+                         ::testing::Values(Impl::kDispatched, Impl::kAvx2, Impl::kAvx512,
+                                           Impl::kAvx512Bf16),
+                         [](const ::testing::TestParamInfo<Impl>& info) {
+                           return ImplName(info.param);
+                         });
 
 }  // namespace
 }  // namespace fluxion::kernels::cpu
