@@ -20,6 +20,7 @@
 #include "bench/synthetic_heads.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/reference/reference_ops.h"
@@ -84,7 +85,9 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   nlohmann::json results = nlohmann::json::array(), limits = nlohmann::json::object();
-  std::printf("head_dim %lld, group %lld, %lld-token pages (%zu bytes), pool %.2f GiB\n",
+  std::printf("kernels: %s | head_dim %lld, group %lld, %lld-token pages (%zu bytes), "
+              "pool %.2f GiB\n",
+              kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa()),
               static_cast<long long>(head_dim), static_cast<long long>(group),
               static_cast<long long>(page_tokens), page_bytes,
               pool_pages * page_bytes / double(1 << 30));

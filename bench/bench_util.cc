@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "kernels/cpu/cpu_features.h"
 
 namespace fluxion::bench {
 namespace {
@@ -127,9 +128,13 @@ nlohmann::json ResultEnvelope(const std::string& command, const nlohmann::json& 
   std::string git = RunAndRead("git rev-parse --short HEAD 2>/dev/null");
   if (!git.empty() && !RunAndRead("git status --porcelain --untracked-files=no 2>/dev/null").empty())
     git += "-dirty";
-  return nlohmann::json{{"command", command},   {"machine", MachineDescription()},
-                        {"date", date},         {"git", git.empty() ? "unknown" : git},
-                        {"limits", limits},     {"results", results}};
+  return nlohmann::json{{"command", command},
+                        {"machine", MachineDescription()},
+                        {"cpu_kernels", kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())},
+                        {"date", date},
+                        {"git", git.empty() ? "unknown" : git},
+                        {"limits", limits},
+                        {"results", results}};
 }
 
 absl::Status WriteJson(const std::string& path, const nlohmann::json& doc) {
