@@ -1,5 +1,6 @@
-// CPU decode attention over host KV pages (contract in kernels/paged_attention.h), AVX2 + FMA.
-// An AVX-512-BF16 variant chosen at run time is planned (issue 4); this is the portable baseline.
+// CPU decode attention over host KV pages (contract in kernels/paged_attention.h). The public
+// functions dispatch once per process (cpu_features.h) to the AVX-512 kernel where the CPU has it
+// and to the AVX2 + FMA baseline otherwise; FLUXION_CPU_ISA=avx2|avx512|avx512bf16 forces one.
 //
 // Thread-safe: pure function of its inputs; callers parallelise over (request, layer, KV head).
 #ifndef FLUXION_KERNELS_CPU_PAGED_ATTENTION_CPU_H_

@@ -1,4 +1,5 @@
-// Scoring kernels for sparse selection over host KV pages (AVX2). Policies in decode/sparse call
+// Scoring kernels for sparse selection over host KV pages (AVX2 or AVX-512, dispatched like
+// paged_attention_cpu.h). Policies in decode/sparse call
 // these on every decode step, so they are as much on the critical path as attention itself.
 //
 // Thread-safe: pure functions.
