@@ -65,21 +65,45 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
   FLUXION_RETURN_IF_ERROR(kv_->Append(layer, n, k, v, hkv * d));
   lse_.resize(group);
   const kernels::PagedKvView view = kv_->view();
+  if (n == 1) {
+    // Decode: select per KV head (policies keep per-request state: serial), attend every head
+    // in parallel, then let the policy merge its estimates and observe (serial again).
+    const int64_t context = pos0 + 1;
+    head_spans_.resize(hkv);
+    tasks_.resize(hkv);
+    head_lse_.resize(hkv * group);
+    for (int kvh = 0; kvh < hkv; ++kvh) {
+      // Query heads kvh*group .. kvh*group+group-1 share this KV head and sit next to each other.
+      const float* qg = q + kvh * group * d;
+      head_spans_[kvh].clear();
+      policy_->Select({kv_.get(), layer, kvh, qg, group, shape_.scale, context}, &head_spans_[kvh],
+                      &stats_);
+      tasks_[kvh] = {view, head_spans_[kvh].data(), static_cast<int64_t>(head_spans_[kvh].size()),
+                     {qg, group, shape_.scale}, {out + kvh * group * d, &head_lse_[kvh * group]}};
+    }
+    kernels::cpu::PagedAttentionBatch(tasks_.data(), hkv, 0);
+    std::vector<float> rest_out(group * d), rest_lse(group);
+    for (int kvh = 0; kvh < hkv; ++kvh) {
+      const sparse::SelectionInput in{kv_.get(), layer, kvh, q + kvh * group * d, group,
+                                      shape_.scale, context};
+      if (policy_->ApproximateRest(in, rest_out.data(), rest_lse.data())) {
+        kernels::cpu::MergeAttentionStates(out + kvh * group * d, &head_lse_[kvh * group],
+                                           rest_out.data(), rest_lse.data(), group, d);
+      }
+      policy_->Observe(in, head_spans_[kvh]);
+    }
+    return absl::OkStatus();
+  }
+  // More prompt (n > 1): causal full attention over the pages, row by row.
   for (int64_t i = 0; i < n; ++i) {
     const int64_t context = pos0 + i + 1;
     for (int kvh = 0; kvh < hkv; ++kvh) {
-      // Query heads kvh*group .. kvh*group+group-1 share this KV head and sit next to each other.
       const float* qg = q + (i * hq + kvh * group) * d;
       float* og = out + (i * hq + kvh * group) * d;
       spans_.clear();
-      if (n == 1) {
-        RunPolicyStep(*policy_, {kv_.get(), layer, kvh, qg, group, shape_.scale, context},
-                      &spans_, &stats_, og, lse_.data());
-      } else {
-        sparse::AppendTokenRange(*kv_, layer, kvh, 0, context, &spans_);
-        kernels::cpu::PagedAttention(view, spans_.data(), spans_.size(),
-                                     {qg, group, shape_.scale}, {og, lse_.data()});
-      }
+      sparse::AppendTokenRange(*kv_, layer, kvh, 0, context, &spans_);
+      kernels::cpu::PagedAttention(view, spans_.data(), spans_.size(), {qg, group, shape_.scale},
+                                   {og, lse_.data()});
     }
   }
   return absl::OkStatus();

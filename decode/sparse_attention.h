@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
+#include "kernels/cpu/paged_attention_cpu.h"
 #include "model/attention.h"
 #include "model/dense_attention.h"
 
@@ -58,7 +59,10 @@ class SparseAttention : public model::SequenceAttention {
   std::unique_ptr<sparse::SparsePolicy> policy_;
   sparse::SelectionStats stats_;
   std::vector<kernels::PageSpan> spans_;  // scratch
-  std::vector<float> lse_;                // scratch
+  // Scratch, reused across steps.
+  std::vector<float> lse_, head_lse_;
+  std::vector<std::vector<kernels::PageSpan>> head_spans_;  // [kv_head]
+  std::vector<kernels::cpu::PagedAttentionTask> tasks_;      // [kv_head]
 };
 
 }  // namespace fluxion::decode

@@ -292,6 +292,16 @@ void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t n
   internal::PagedAttentionSplitWith(PagedAttention, kv, spans, num_spans, q, state, threads);
 }
 
+void PagedAttentionBatch(const PagedAttentionTask* tasks, int64_t num_tasks, int threads) {
+  if (threads <= 0) threads = omp_get_max_threads();
+  threads = static_cast<int>(std::min<int64_t>(threads, num_tasks));
+#pragma omp parallel for num_threads(std::max(threads, 1)) schedule(dynamic, 1) if (threads > 1)
+  for (int64_t i = 0; i < num_tasks; ++i) {
+    const PagedAttentionTask& t = tasks[i];
+    PagedAttention(t.kv, t.spans, t.num_spans, t.q, t.state);
+  }
+}
+
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim) {
   for (int64_t g = 0; g < group; ++g) {

@@ -33,6 +33,21 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
 void PagedAttentionSplit(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                          const DecodeQuery& q, const AttentionState& state, int threads);
 
+// One (request, layer, KV head) attention of a decode step: the unit of CPU parallelism.
+struct PagedAttentionTask {
+  PagedKvView kv;
+  const PageSpan* spans = nullptr;
+  int64_t num_spans = 0;
+  DecodeQuery q;
+  AttentionState state;
+};
+
+// Runs every task (PagedAttention each) on `threads` OpenMP threads (<= 0: the OpenMP default),
+// dynamically scheduled since selected row counts differ between heads. Placement follows
+// OMP_PLACES / OMP_PROC_BIND (e.g. OMP_PROC_BIND=close OMP_PLACES=cores keeps threads on the
+// cores of the NUMA node that holds the arena).
+void PagedAttentionBatch(const PagedAttentionTask* tasks, int64_t num_tasks, int threads);
+
 // a := merge(a, b) by log-sum-exp (disjoint row sets). Same contract as the reference.
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim);

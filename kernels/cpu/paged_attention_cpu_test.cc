@@ -29,7 +29,7 @@ namespace {
 
 struct Case {
   int64_t head_dim, group, page_tokens, pages;
-  double keep;  // fraction of pages attended (sparsity)
+  double keep;        // fraction of pages attended (sparsity)
   bool partial_rows;  // spans cover only part of their pages
 };
 
@@ -159,8 +159,8 @@ class PagedAttentionTest : public ::testing::TestWithParam<std::tuple<Impl, Case
     }
   }
 
-  void Attend(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-              const DecodeQuery& q, const AttentionState& state) const {
+  void Attend(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const DecodeQuery& q,
+              const AttentionState& state) const {
     if (kernels_ == nullptr) {
       cpu::PagedAttention(kv, spans, num_spans, q, state);
     } else {
@@ -314,6 +314,29 @@ TEST(PagedAttentionDispatchTest, RunsTheActiveKernelOrAvx2ForOtherHeadDims) {
     expected(f.kv, f.spans.data(), f.spans.size(), q, {want.data(), want_lse.data()});
     EXPECT_EQ(got, want) << "head_dim " << head_dim << ", active " << cpu::CpuIsaName(active.isa);
     EXPECT_EQ(got_lse, want_lse);
+  }
+}
+
+TEST(PagedAttentionBatchTest, BatchOfHeadsMatchesOneCallPerHead) {
+  std::vector<Fixture> heads;
+  for (uint32_t seed = 0; seed < 5; ++seed)
+    heads.push_back(Make({64, 4, 16, 40, 0.3, seed % 2 == 1}, seed));
+  const int64_t gd = 4 * 64;
+  std::vector<float> batch_out(5 * gd, NAN), batch_lse(5 * 4, NAN), one(gd), one_lse(4);
+  std::vector<cpu::PagedAttentionTask> tasks;
+  for (int i = 0; i < 5; ++i) {
+    tasks.push_back({heads[i].kv,
+                     heads[i].spans.data(),
+                     static_cast<int64_t>(heads[i].spans.size()),
+                     {heads[i].q.data(), 4, 0.125f},
+                     {&batch_out[i * gd], &batch_lse[i * 4]}});
+  }
+  cpu::PagedAttentionBatch(tasks.data(), tasks.size(), 2);
+  for (int i = 0; i < 5; ++i) {
+    cpu::PagedAttention(heads[i].kv, heads[i].spans.data(), heads[i].spans.size(),
+                        {heads[i].q.data(), 4, 0.125f}, {one.data(), one_lse.data()});
+    std::vector<float> got(batch_out.begin() + i * gd, batch_out.begin() + (i + 1) * gd);
+    EXPECT_EQ(got, one) << "head " << i;  // same kernel, same inputs: bit-identical
   }
 }
 
