@@ -76,6 +76,30 @@ TEST(EvalQuickTest, TrainedModelFindsTheNeedleInThreeOfFourOneKPrompts) {
   EXPECT_GE(r.accuracy, 0.75) << "niah_single at 1024 tokens with full attention:\n" << log;
 }
 
+// The sparse policies on the trained model: a change that breaks LFPS or Fluxion (or the paged
+// path under them) loses the needle and fails here. 2K tokens at a 10% budget leave ~140 middle
+// rows per head after sinks and window; full attention solves every sample.
+TEST(EvalQuickTest, TrainedModelFindsTheNeedleWithLfpsAndFluxionAtTenPercent) {
+  const std::string dir = SourceDir() + "/models/fluxion-tiny-retrieval";
+  auto model = model::Model::Load(dir);
+  ASSERT_TRUE(model.ok()) << "cannot load " << dir << ": " << model.status();
+  TaskEvalOptions options;
+  options.tasks = {"niah_multikey"};
+  options.contexts = {2048};
+  options.samples = 4;
+  options.first_seed = kFirstEvalSeed;
+  options.policies = {"full", "lfps@0.1", "fluxion@0.1"};
+  auto results = RunTaskEval(**model, options);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 3u);
+  for (const CellResult& r : *results) {
+    EXPECT_GE(r.accuracy, 0.75) << r.policy;
+    if (r.policy != "full") {
+      EXPECT_LT(r.budget_spent, 0.12) << r.policy;  // it really read about 10%, not everything
+    }
+  }
+}
+
 TEST(EvalQuickTest, HarnessRunsEveryTaskEndToEndAndCapturesOnARandomModel) {
   const std::string capture_dir =
       ::testing::TempDir() + "/eval_quick_test_capture_" + std::to_string(getpid());
