@@ -25,17 +25,13 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/reference/reference_ops.h"
+#include "kernels/reference/compare.h"
 
 namespace fluxion::bench {
 namespace {
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return kernels::reference::RelativeL2Error(got, want);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
+#include "kernels/reference/compare.h"
 
 namespace fluxion::decode {
 namespace {
@@ -19,12 +20,7 @@ std::vector<float> Random(size_t n, std::mt19937* rng, float sd = 1.0f) {
 }
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
+  return kernels::reference::RelativeL2Error(got, want);
 }
 
 // A prefilled dense state of `tokens` random K/V rows plus one decode query.

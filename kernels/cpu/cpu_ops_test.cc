@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/reference/reference_ops.h"
+#include "kernels/reference/compare.h"
 
 namespace fluxion::kernels {
 namespace {
@@ -24,13 +25,7 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
 }
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return kernels::reference::RelativeL2Error(got, want);
 }
 
 TEST(CpuOpsTest, MatMulMatchesReferenceForVectorsAndMatrices) {

@@ -23,6 +23,7 @@
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/paged_attention_impl.h"
 #include "kernels/reference/reference_ops.h"
+#include "kernels/reference/compare.h"
 
 namespace fluxion::kernels {
 namespace {
@@ -75,13 +76,7 @@ Fixture Make(const Case& c, uint32_t seed) {
 }
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+  return kernels::reference::RelativeL2Error(got, want);
 }
 
 // Every implementation a conformance body runs against. kDispatched is what callers get; the

@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
+#include "kernels/reference/compare.h"
 
 namespace fluxion::kernels {
 namespace {
@@ -48,13 +49,7 @@ std::vector<float> Random(size_t n, uint32_t seed) {
 }
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
+  return kernels::reference::RelativeL2Error(got, want);
 }
 
 TEST_F(CudaOpsTest, RmsNormMatchesReference) {
