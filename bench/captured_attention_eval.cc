@@ -12,6 +12,7 @@
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "model/safetensors.h"
+#include "model/sparse_state.h"
 
 namespace fluxion::bench {
 namespace {
@@ -108,8 +109,8 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
       FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::PagedKv> kv,
                                decode::PagedKv::Create(arena.get(), kv_shape));
       FLUXION_RETURN_IF_ERROR(kv->Append(0, prompt, k.data.data(), v.data.data(), hkv * d));
-      // The prefill tail (the last 32 prompt rows' queries) primes history-based policies, as
-      // SparseAttention::FromDense does in serving.
+      // The prefill tail (the last 32 prompt rows' queries) gives the sparse state that primes
+      // history-based policies, as SparseAttention::FromDense does in serving.
       FLUXION_ASSIGN_OR_RETURN(NpyArray<float> tail_q,
                                eval::ReadNpyFloat(absl::StrCat(dir, "/prompt_q_l", l, ".npy")));
       FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> tail_pos,
@@ -117,12 +118,16 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
       const int64_t tail_rows = std::min<int64_t>(32, tail_pos.data.size());
       std::vector<int64_t> tail_positions(tail_pos.data.end() - tail_rows, tail_pos.data.end());
       std::vector<float> tail_queries(tail_q.data.end() - tail_rows * hq * d, tail_q.data.end());
+      const model::AttentionShape one_layer{1, hq, hkv, d, scale};
+      FLUXION_ASSIGN_OR_RETURN(model::SparseState state,
+                               model::CaptureSparseState({k.data.data()}, prompt, {tail_queries},
+                                                         {tail_positions}, one_layer));
       std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
       for (const auto& c : configs) {
         policies.push_back(decode::sparse::MakePolicy(c));
         for (int64_t h = 0; h < hkv; ++h) {
-          FLUXION_RETURN_IF_ERROR(policies.back()->Prepare(
-              *kv, 0, static_cast<int>(h), tail_queries, tail_positions, group, scale));
+          FLUXION_RETURN_IF_ERROR(
+              policies.back()->Prepare(*kv, 0, static_cast<int>(h), &state.head(0, h)));
         }
       }
       std::vector<float> full(hq * d), full_lse(hq), out(hq * d), lse(group);

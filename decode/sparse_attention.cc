@@ -24,7 +24,8 @@ void RunPolicyStep(sparse::SparsePolicy& policy, const sparse::SelectionInput& i
 
 absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
     KvArena* arena, const model::AttentionShape& shape, int64_t page_tokens,
-    const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy) {
+    const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy,
+    const model::SparseState* state) {
   const int64_t group = shape.num_heads / shape.num_kv_heads;
   if (!kernels::cpu::PagedAttentionSupported(shape.head_dim, group, page_tokens)) {
     return absl::InvalidArgumentError(
@@ -40,12 +41,20 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
                                        prefilled.values(layer), row));
   }
   std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
-  const int64_t group_size = shape.num_heads / shape.num_kv_heads;
+  model::SparseState captured;
+  const bool needs_state = policy.name == "lfps" || policy.name == "lfps_paper" ||
+                           policy.name == "fluxion";
+  if (state == nullptr && needs_state && !prefilled.recorded_positions(0).empty()) {
+    model::SparseStateParams params;
+    params.sink_tokens = policy.sink_tokens;
+    params.local_tokens = policy.local_tokens;
+    FLUXION_ASSIGN_OR_RETURN(captured, model::CaptureSparseState(prefilled, shape, params));
+    state = &captured;
+  }
   for (int layer = 0; layer < shape.num_layers; ++layer) {
     for (int h = 0; h < shape.num_kv_heads; ++h) {
-      FLUXION_RETURN_IF_ERROR(p->Prepare(*kv, layer, h, prefilled.recorded_queries(layer),
-                                         prefilled.recorded_positions(layer), group_size,
-                                         shape.scale));
+      FLUXION_RETURN_IF_ERROR(
+          p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
     }
   }
   return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));

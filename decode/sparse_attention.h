@@ -33,9 +33,12 @@ class SparseAttention : public model::SequenceAttention {
   // Copies every layer's prefilled K/V from `prefilled` into pages of `arena` (which must outlive
   // the result). ResourceExhausted when the arena is short of pages (nothing kept);
   // InvalidArgument for shapes the CPU kernel does not support or a bad policy config.
+  // `state` is the prefill's sparse state (model/sparse_state.h), shared by every policy decoding
+  // from the same prefill; when null and `prefilled` recorded tail queries, it is captured here.
   static absl::StatusOr<std::unique_ptr<SparseAttention>> FromDense(
       KvArena* arena, const model::AttentionShape& shape, int64_t page_tokens,
-      const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy);
+      const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy,
+      const model::SparseState* state = nullptr);
 
   // n == 1 (decode): the policy's rows. n > 1 (more prompt): causal full attention over pages.
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,

@@ -34,9 +34,10 @@ absl::Status DenseAttention::Forward(int layer, int64_t pos0, int64_t n, const f
   k_[layer].insert(k_[layer].end(), k, k + n * row);
   v_[layer].insert(v_[layer].end(), v, v + n * row);
   lengths_[layer] += n;
-  if (record_from_ >= 0) {
+  if (record_end_ > record_from_) {
     const int64_t q_row = shape_.num_heads * shape_.head_dim;
-    for (int64_t i = std::max<int64_t>(0, record_from_ - pos0); i < n; ++i) {
+    const int64_t end = std::min(n, record_end_ - pos0);
+    for (int64_t i = std::max<int64_t>(0, record_from_ - pos0); i < end; ++i) {
       queries_[layer].insert(queries_[layer].end(), q + i * q_row, q + (i + 1) * q_row);
       positions_[layer].push_back(pos0 + i);
     }

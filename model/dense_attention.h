@@ -20,9 +20,12 @@ class DenseAttention : public SequenceAttention {
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
                        const float* v, float* out) override;
 
-  // Records the query rows of every position >= `first_position` from now on (e.g. the prompt's
-  // last 32 rows, from which sparse policies initialise their state, ALGORITHMS.md §1.3.3).
-  void RecordQueriesFrom(int64_t first_position) { record_from_ = first_position; }
+  // Records the query rows of positions in [first, end) (e.g. the prompt's last 32 rows, from
+  // which sparse policies initialise their state, ALGORITHMS.md §1.3.3). Copies keep the setting.
+  void RecordQueries(int64_t first, int64_t end) {
+    record_from_ = first;
+    record_end_ = end;
+  }
   // Recorded rows of `layer`: [rows][num_heads][head_dim], post-RoPE, positions
   // recorded_positions(layer).
   const std::vector<float>& recorded_queries(int layer) const { return queries_[layer]; }
@@ -38,7 +41,7 @@ class DenseAttention : public SequenceAttention {
   int64_t max_tokens_;
   std::vector<std::vector<float>> k_, v_;  // [layer] -> [length][num_kv_heads][head_dim]
   std::vector<int64_t> lengths_;
-  int64_t record_from_ = -1;  // < 0: record nothing
+  int64_t record_from_ = 0, record_end_ = 0;  // empty range: record nothing
   std::vector<std::vector<float>> queries_;     // [layer] -> [rows][num_heads][head_dim]
   std::vector<std::vector<int64_t>> positions_;  // [layer] -> [rows]
 };

@@ -49,8 +49,8 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
   auto dense = std::make_unique<DenseAttention>(model.attention_shape());
   const DenseAttention* prefilled = dense.get();
   // Sparse policies initialise from the prompt's last query rows (LFPS: the last 32).
-  dense->RecordQueriesFrom(
-      std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - kPrefillTailRows));
+  const int64_t prompt_len = static_cast<int64_t>(prompt.size());
+  dense->RecordQueries(std::max<int64_t>(0, prompt_len - kPrefillTailRows), prompt_len);
   auto seq = std::make_unique<Sequence>(std::move(dense));
   std::vector<float> logits;
   auto t0 = std::chrono::steady_clock::now();

@@ -213,7 +213,7 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
-    const model::AttentionShape& shape, decode::KvArena* arena) {
+    const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state) {
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
   if (label == "full") {
     // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
@@ -222,7 +222,7 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
   }
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<decode::SparseAttention> sparse,
-      decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config));
+      decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config, state));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
 }
 
@@ -293,6 +293,10 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
                               shape.num_layers * shape.num_kv_heads *
                                   ((longest + kPageTokens - 1) / kPageTokens + 1)));
   const bool capture = !options.capture_dir.empty();
+  const bool needs_sparse_state =
+      std::any_of(options.policies.begin(), options.policies.end(), [](const std::string& p) {
+        return absl::StartsWith(p, "lfps") || absl::StartsWith(p, "fluxion");
+      });
   std::unique_ptr<CaptureWriter> writer;
   if (capture) writer = std::make_unique<CaptureWriter>(options, shape);
   const int64_t num_policies = options.policies.size();
@@ -318,7 +322,8 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         // One full-attention prefill per sample. Capturing wraps the cache so the last prompt
         // rows' queries and statistics are recorded on the way.
         auto dense = std::make_unique<model::DenseAttention>(shape);
-        dense->RecordQueriesFrom(std::max<int64_t>(0, prompt_len - model::kPrefillTailRows));
+        dense->RecordQueries(std::max<int64_t>(0, prompt_len - model::kPrefillTailRows),
+                             prompt_len);
         const model::DenseAttention* prefilled = dense.get();
         std::unique_ptr<model::SequenceAttention> attention = std::move(dense);
         const CapturingAttention* prompt_capture = nullptr;
@@ -338,13 +343,20 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           FLUXION_RETURN_IF_ERROR(writer->BeginSample(sample, *prefilled, *prompt_capture));
         }
 
+        // The prefill's sparse state, once per sample, for every policy that starts from it.
+        model::SparseState sparse_state;
+        if (needs_sparse_state) {
+          FLUXION_ASSIGN_OR_RETURN(sparse_state, model::CaptureSparseState(*prefilled, shape));
+        }
         const int64_t max_new = options.max_new_tokens > 0 ? options.max_new_tokens
                                                            : DefaultMaxNewTokens(sample.answer);
         for (int64_t pi = 0; pi < num_policies; ++pi) {
           PolicyOutcome po;
           po.policy = options.policies[pi];
           FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> decode_attention,
-                                   MakePolicyAttention(po.policy, *prefilled, shape, arena.get()));
+                                   MakePolicyAttention(po.policy, *prefilled, shape, arena.get(),
+                                                       needs_sparse_state ? &sparse_state
+                                                                          : nullptr));
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
             CaptureOptions c;

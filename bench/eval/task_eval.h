@@ -26,6 +26,7 @@
 #include "model/attention.h"
 #include "model/dense_attention.h"
 #include "model/model.h"
+#include "model/sparse_state.h"
 
 namespace fluxion::eval {
 
@@ -48,9 +49,11 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 // The attention a decode under `label` starts from, given the full-attention prefill state
 // `prefilled` of shape `shape` (copied, not kept). Sparse policies take pages from `arena`, which
 // must outlive the result.
+// `state` (optional) is the prefill's sparse state, captured once per sample and shared.
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
-    const model::AttentionShape& shape, decode::KvArena* arena);
+    const model::AttentionShape& shape, decode::KvArena* arena,
+    const model::SparseState* state = nullptr);
 
 // Fraction of context rows a decode attention read (1 for `full`).
 double AttendedFraction(const model::SequenceAttention& attention);

@@ -35,10 +35,13 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
     for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const model::AttentionShape attn{1, 2, 2, d, scale};
+  auto state = model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
+  ASSERT_TRUE(state.ok()) << state.status();
   PolicyConfig config = *ParsePolicy("fluxion", 0.1);
   FluxionPolicy policy(config);
   for (int h = 0; h < 2; ++h) {
-    ASSERT_TRUE(policy.Prepare(*kv, 0, h, tail_q, tail_pos, 1, scale).ok());
+    ASSERT_TRUE(policy.Prepare(*kv, 0, h, &state->head(0, h)).ok());
   }
   SelectionStats stats[2];
   for (int h = 0; h < 2; ++h) {

@@ -18,8 +18,6 @@ namespace {
 // token a slash pattern moves per decode step.
 constexpr int kExpand[] = {-1, 0, 1, 2};
 
-// A head's "need": the fraction of its middle tokens holding this share of its middle mass.
-constexpr double kCoverageTarget = 0.9;
 
 }  // namespace
 
@@ -76,58 +74,24 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
 }
 
 absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
-                                 const std::vector<float>& tail_queries,
-                                 const std::vector<int64_t>& tail_positions, int64_t group,
-                                 float scale) {
+                                 const model::HeadSparseState* state) {
   HeadState& s = State(layer, kv_head);
-  const int64_t d = kv.shape().head_dim;
-  const int64_t rows = static_cast<int64_t>(tail_positions.size());
-  if (rows == 0) return absl::OkStatus();  // no tail: the first step refreshes exactly
-  const int64_t num_heads = static_cast<int64_t>(tail_queries.size()) / (rows * d);
-  // Tables from the prefill tail (§1.3.3): each tail row's full attention, max over the group,
-  // decayed so the table is already in its steady-state form.
-  std::vector<float> best;
-  double tail_share = 0, need_sum = 0;
-  int64_t need_rows = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t p = tail_positions[i];
-    if (p >= kv.length(layer)) break;
-    scratch_spans_.clear();
-    AppendTokenRange(kv, layer, kv_head, 0, p + 1, &scratch_spans_);
-    best.assign(p + 1, 0.0f);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* q = &tail_queries[(i * num_heads + kv_head * group + g) * d];
-      HeadScores(kv, scratch_spans_, q, scale, &scores_);
-      const float m = *std::max_element(scores_.begin(), scores_.end());
-      double z = 0;
-      for (float x : scores_) z += std::exp(x - m);
-      for (int64_t j = 0; j <= p; ++j) {
-        best[j] = std::max(best[j], static_cast<float>(std::exp(scores_[j] - m) / z));
-      }
-    }
-    s.tables.Step();
-    for (int64_t j = config_.sink_tokens; j <= p; ++j) {
-      if (best[j] >= params_.min_weight) s.tables.Add(j, p, best[j]);
-    }
-    // Middle share of this row (max over the group of each key's weight is an upper bound on
-    // every head's share, so the bypass test stays conservative).
-    const int64_t sink_end = std::min<int64_t>(config_.sink_tokens, p + 1);
-    const int64_t local_begin = std::max<int64_t>(sink_end, p + 1 - config_.local_tokens);
-    double share = 0;
-    for (int64_t j = sink_end; j < local_begin; ++j) share += best[j];
-    tail_share = std::max(tail_share, std::min(1.0, share));
-    if (local_begin > sink_end && share > 0) {
-      std::vector<float> middle(best.begin() + sink_end, best.begin() + local_begin);
-      std::sort(middle.begin(), middle.end(), std::greater<float>());
-      double covered = 0;
-      size_t needed = 0;
-      while (needed < middle.size() && covered < kCoverageTarget * share) covered += middle[needed++];
-      need_sum += static_cast<double>(needed) / middle.size();
-      ++need_rows;
-    }
+  if (state == nullptr) return absl::OkStatus();  // no capture: the first step refreshes exactly
+  const int64_t n = std::min<int64_t>(state->vertical.size(), kv.length(layer));
+  if (static_cast<int64_t>(state->slash.size()) < n) {
+    return absl::InvalidArgumentError("sparse state tables are shorter than the prompt");
   }
-  s.middle_share = tail_share;
-  s.need_fraction = need_rows > 0 ? need_sum / need_rows : 1.0;
+  // The captured tables are already decayed to the end of the prompt (§1.3.3); sinks are
+  // attended anyway and stay out of the vertical table. Tiny entries are dropped to keep the
+  // tables sparse, as during decoding.
+  for (int64_t j = config_.sink_tokens; j < n; ++j) {
+    if (state->vertical[j] >= params_.min_weight) s.tables.AddVertical(j, state->vertical[j]);
+  }
+  for (int64_t dist = 0; dist < n; ++dist) {
+    if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist, state->slash[dist]);
+  }
+  s.middle_share = state->middle_share;
+  s.need_fraction = state->need_fraction;
   s.steps_since_measured = 0;
   return absl::OkStatus();
 }

@@ -42,9 +42,7 @@ class LfpsPolicy : public SparsePolicy {
   LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, bool paper_bypass);
 
   absl::Status Prepare(const PagedKv& kv, int layer, int kv_head,
-                       const std::vector<float>& tail_queries,
-                       const std::vector<int64_t>& tail_positions, int64_t group,
-                       float scale) override;
+                       const model::HeadSparseState* state) override;
   void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
               SelectionStats* stats) override;
   void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;

@@ -71,6 +71,9 @@ class LfpsTables {
     vertical_.Add(key_position, w);
     slash_.Add(query_position - key_position, w);
   }
+  // Phi_ver[position] += w / Phi_sla[distance] += w alone (loading captured tables).
+  void AddVertical(int64_t position, double w) { vertical_.Add(position, w); }
+  void AddSlash(int64_t distance, double w) { slash_.Add(distance, w); }
   const DecayedTable& vertical() const { return vertical_; }
   const DecayedTable& slash() const { return slash_; }
 

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "decode/paged_kv.h"
 #include "kernels/paged_attention.h"
+#include "model/sparse_state.h"
 
 namespace fluxion::decode::sparse {
 
@@ -70,13 +71,11 @@ class SparsePolicy {
  public:
   virtual ~SparsePolicy() = default;
 
-  // Called once per (layer, KV head) after the prompt's K/V are in `kv`, with the prefill's
-  // recorded tail queries (model::DenseAttention::recorded_queries; may be empty) for policies
-  // that learn from the prefill (LFPS). `scale` is the softmax scale.
+  // Called once per (layer, KV head) after the prompt's K/V are in `kv`, with that head's part of
+  // the prefill's sparse state (model/sparse_state.h; null when none was captured) for policies
+  // that start from the prefill (LFPS, Fluxion).
   virtual absl::Status Prepare(const PagedKv& kv, int layer, int kv_head,
-                               const std::vector<float>& tail_queries,
-                               const std::vector<int64_t>& tail_positions, int64_t group,
-                               float scale) {
+                               const model::HeadSparseState* state) {
     return absl::OkStatus();
   }
 

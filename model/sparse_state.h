@@ -1,0 +1,84 @@
+// The state sparse decoding starts from, captured at the end of prefill from the prompt's last
+// query rows (ALGORITHMS.md §1.3.3 for LFPS's tables; §2.4 for Fluxion's head features). The
+// prefill node computes it (it has the rows and the keys in fast memory) and ships it with the KV
+// (issue 6: over UCX into room the decode node reserved; gRPC carries only the summary); the
+// decode node's policies load it instead of rescanning the context.
+//
+// Per (layer, KV head), over the tail rows i (positions p_i, the last at n - 1), with a_i(j) the
+// full attention of query row i on key j, maxed over the GQA group:
+//   vertical[j] = sum_i r^(n-1-p_i) a_i(j)          slash[d] = sum_i r^(n-1-p_i) a_i(p_i - d)
+//   middle_share  max over rows of the mass between the sinks and the local window
+//   need_fraction mean over rows of the fraction of middle keys holding 90% of the middle mass
+//   sink_mass, local_mass, entropy (nats): means over rows and query heads
+//
+// Wire format v1 (docs/SPARSE_STATE.md): little-endian; header, then per (layer, kv head) in
+// layer-major order: 5 float32 features, vertical [tokens] float32, slash [tokens] float32.
+//
+// Thread-safe: a value type.
+#ifndef FLUXION_MODEL_SPARSE_STATE_H_
+#define FLUXION_MODEL_SPARSE_STATE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "model/attention.h"
+#include "model/dense_attention.h"
+
+namespace fluxion::model {
+
+inline constexpr uint32_t kSparseStateVersion = 1;
+
+struct SparseStateParams {
+  double decay = 0.95;        // r
+  int64_t sink_tokens = 4;
+  int64_t local_tokens = 64;
+  double coverage = 0.9;      // need_fraction's share of the middle mass
+};
+
+struct HeadSparseState {
+  float middle_share = 1.0f;
+  float need_fraction = 1.0f;
+  float sink_mass = 0.0f;
+  float local_mass = 0.0f;
+  float entropy = 0.0f;
+  std::vector<float> vertical;  // [tokens], by key position
+  std::vector<float> slash;     // [tokens], by distance back from the query
+};
+
+struct SparseState {
+  int64_t num_layers = 0, num_kv_heads = 0, group = 0, tokens = 0, tail_rows = 0;
+  SparseStateParams params;
+  std::vector<HeadSparseState> heads;  // [layer * num_kv_heads + kv_head]
+
+  const HeadSparseState& head(int layer, int kv_head) const {
+    return heads[static_cast<size_t>(layer) * num_kv_heads + kv_head];
+  }
+
+  // Little-endian wire format v1.
+  std::string Serialize() const;
+  // InvalidArgument for a wrong magic, version or size: never trusts a length before checking it
+  // against the buffer.
+  static absl::StatusOr<SparseState> Parse(absl::string_view bytes);
+};
+
+// From raw prefill data: keys[layer] = [tokens][num_kv_heads][head_dim] (post-RoPE, fp32);
+// tail_q[layer] = [rows][num_heads][head_dim]; tail_positions[layer] = [rows] (< tokens).
+// InvalidArgument for inconsistent sizes.
+absl::StatusOr<SparseState> CaptureSparseState(const std::vector<const float*>& keys,
+                                               int64_t tokens,
+                                               const std::vector<std::vector<float>>& tail_q,
+                                               const std::vector<std::vector<int64_t>>& tail_positions,
+                                               const AttentionShape& shape,
+                                               const SparseStateParams& params = {});
+
+// From a prefilled DenseAttention that recorded its tail queries (RecordQueries).
+absl::StatusOr<SparseState> CaptureSparseState(const DenseAttention& prefilled,
+                                               const AttentionShape& shape,
+                                               const SparseStateParams& params = {});
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_SPARSE_STATE_H_

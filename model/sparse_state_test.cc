@@ -1,0 +1,96 @@
+#include "model/sparse_state.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace fluxion::model {
+namespace {
+
+constexpr AttentionShape kShape{2, 4, 2, 16, 0.25f};
+
+DenseAttention Prefilled(int64_t tokens, int64_t tail, uint32_t seed) {
+  DenseAttention dense(kShape);
+  dense.RecordQueries(tokens - tail, tokens);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> q(tokens * 4 * 16), k(tokens * 2 * 16), v(tokens * 2 * 16), out(q.size());
+  for (int l = 0; l < 2; ++l) {
+    for (auto* vec : {&q, &k, &v})
+      for (float& x : *vec) x = normal(rng);
+    EXPECT_TRUE(dense.Forward(l, 0, tokens, q.data(), k.data(), v.data(), out.data()).ok());
+  }
+  return dense;
+}
+
+TEST(SparseStateTest, CaptureFromTheRecordedTailHasConsistentTablesAndFeatures) {
+  const int64_t tokens = 300;
+  DenseAttention dense = Prefilled(tokens, 8, 1);
+  ASSERT_EQ(dense.recorded_positions(0).size(), 8u);
+  auto st = CaptureSparseState(dense, kShape);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->tokens, tokens);
+  EXPECT_EQ(st->tail_rows, 8);
+  ASSERT_EQ(st->heads.size(), 4u);
+  for (const HeadSparseState& h : st->heads) {
+    // Each row's weights (max over a group of probability rows) sum to between 1 and group = 2;
+    // with decay 0.95 over 8 rows the tables hold between sum(0.95^i) and twice that.
+    double vsum = 0, ssum = 0;
+    for (float x : h.vertical) vsum += x;
+    for (float x : h.slash) ssum += x;
+    double decayed = 0;
+    for (int i = 0; i < 8; ++i) decayed += std::pow(0.95, i);
+    EXPECT_GE(vsum, decayed - 1e-3);
+    EXPECT_LE(vsum, 2 * decayed + 1e-3);
+    EXPECT_NEAR(vsum, ssum, 1e-3);  // the same weights, indexed two ways
+    EXPECT_GT(h.middle_share, 0.0f);
+    EXPECT_LE(h.middle_share, 1.0f);
+    EXPECT_GT(h.need_fraction, 0.0f);
+    EXPECT_LE(h.need_fraction, 1.0f);
+    EXPECT_GT(h.entropy, 0.0f);
+  }
+}
+
+TEST(SparseStateTest, SerializeParseRoundTripsExactly) {
+  DenseAttention dense = Prefilled(100, 4, 2);
+  auto st = *CaptureSparseState(dense, kShape);
+  const std::string bytes = st.Serialize();
+  auto back = SparseState::Parse(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->tokens, st.tokens);
+  EXPECT_EQ(back->num_kv_heads, st.num_kv_heads);
+  ASSERT_EQ(back->heads.size(), st.heads.size());
+  for (size_t i = 0; i < st.heads.size(); ++i) {
+    EXPECT_EQ(back->heads[i].vertical, st.heads[i].vertical);
+    EXPECT_EQ(back->heads[i].slash, st.heads[i].slash);
+    EXPECT_EQ(back->heads[i].need_fraction, st.heads[i].need_fraction);
+  }
+}
+
+TEST(SparseStateTest, ParseRejectsTruncatedForeignAndFutureBuffers) {
+  DenseAttention dense = Prefilled(50, 4, 3);
+  std::string bytes = CaptureSparseState(dense, kShape)->Serialize();
+  EXPECT_FALSE(SparseState::Parse(bytes.substr(0, bytes.size() - 1)).ok());
+  EXPECT_FALSE(SparseState::Parse(bytes.substr(0, 10)).ok());
+  std::string foreign = bytes;
+  foreign[0] = 'X';
+  EXPECT_FALSE(SparseState::Parse(foreign).ok());
+  std::string future = bytes;
+  future[4] = 2;  // version 2
+  auto s = SparseState::Parse(future);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("version"), std::string::npos);
+}
+
+TEST(DenseAttentionTest, RecordsOnlyTheRequestedRange) {
+  DenseAttention dense(kShape);
+  dense.RecordQueries(5, 8);
+  std::vector<float> q(10 * 4 * 16, 1.0f), kv(10 * 2 * 16, 0.5f), out(q.size());
+  ASSERT_TRUE(dense.Forward(0, 0, 10, q.data(), kv.data(), kv.data(), out.data()).ok());
+  EXPECT_EQ(dense.recorded_positions(0), (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(dense.recorded_queries(0).size(), 3u * 4 * 16);
+}
+
+}  // namespace
+}  // namespace fluxion::model
