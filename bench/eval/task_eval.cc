@@ -161,7 +161,7 @@ class CaptureWriter {
 };
 
 struct CellTotals {
-  int64_t samples = 0, correct = 0, decode_steps = 0;
+  int64_t samples = 0, correct = 0, decode_steps = 0, lost = 0, gained = 0;
   double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0;
 };
 
@@ -245,6 +245,16 @@ std::string AnswerText(absl::Span<const int32_t> generated) {
 
 int64_t DefaultMaxNewTokens(const std::string& answer) {
   return static_cast<int64_t>(answer.size()) + 16;
+}
+
+Interval PairedDifference95(int64_t lost, int64_t gained, int64_t n) {
+  if (n <= 0) return {0.0, 0.0};
+  constexpr double z = 1.959963984540054;
+  const double nn = static_cast<double>(n);
+  const double d = (gained - lost) / nn;
+  const double var = ((gained + lost) / nn - d * d) / nn;
+  const double half = z * std::sqrt(std::max(var, 0.0));
+  return {d - half, d + half};
 }
 
 Interval Wilson95(int64_t successes, int64_t n) {
@@ -391,6 +401,11 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           cell.decode_seconds += po.decode_seconds;
           cell.decode_steps += po.decode_steps;
           cell.attended_fraction += po.attended_fraction;
+          if (pi > 0) {
+            const bool reference_correct = outcome.policies[0].correct;
+            cell.lost += reference_correct && !po.correct;
+            cell.gained += !reference_correct && po.correct;
+          }
           outcome.policies.push_back(std::move(po));
         }
         if (capture) FLUXION_RETURN_IF_ERROR(writer->EndSample());
@@ -417,6 +432,12 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         r.prefill_ms = t.samples > 0 ? 1e3 * t.prefill_seconds / t.samples : 0.0;
         r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
         r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
+        r.lost = t.lost;
+        r.gained = t.gained;
+        r.delta = t.samples > 0 ? static_cast<double>(t.gained - t.lost) / t.samples : 0.0;
+        const Interval paired = PairedDifference95(t.lost, t.gained, t.samples);
+        r.delta_low = paired.low;
+        r.delta_high = paired.high;
         results.push_back(std::move(r));
       }
     }

@@ -119,7 +119,16 @@ struct CellResult {
   double prefill_ms = 0;  // mean over samples
   double tpot_ms = 0;     // decode ms per token over all of the cell's decode steps; 0 if none
   double budget_spent = 1;  // mean attended fraction of the context over the cell's samples
+  // Paired against the first policy of the run (the reference, normally `full`) on the same
+  // samples: samples only the reference solved, only this policy solved, and the accuracy
+  // difference (this - reference) with a 95% interval. Zero for the reference itself.
+  int64_t lost = 0, gained = 0;
+  double delta = 0, delta_low = 0, delta_high = 0;
 };
+
+// 95% interval of a paired accuracy difference (gained - lost) / n: the Wald interval on the
+// discordant pairs, as McNemar's test uses them. {0, 0} for n == 0.
+Interval PairedDifference95(int64_t lost, int64_t gained, int64_t n);
 
 struct TaskEvalCallbacks {
   // Before sample `index` of `total` is generated and prefilled (for progress lines).

@@ -2,6 +2,8 @@
 // tests/eval_quick_test.cc.
 #include "bench/eval/task_eval.h"
 
+#include <cmath>
+
 #include <string>
 #include <vector>
 
@@ -65,6 +67,17 @@ TEST(TaskEvalTest, FullIsTheFirstPolicyAndUnknownOnesAreListed) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("known: full"));
   EXPECT_FALSE(ValidatePolicy("quest@x").ok());
+}
+
+TEST(TaskEvalTest, PairedDifferenceIntervalCentresOnTheDiscordantBalance) {
+  // 200 samples, 6 lost and 2 gained: delta -0.02; var = (8/200 - 0.0004)/200.
+  const Interval i = PairedDifference95(6, 2, 200);
+  const double half = 1.959963984540054 * std::sqrt((8.0 / 200 - 0.0004) / 200);
+  EXPECT_NEAR(i.low, -0.02 - half, 1e-12);
+  EXPECT_NEAR(i.high, -0.02 + half, 1e-12);
+  const Interval none = PairedDifference95(0, 0, 50);  // identical outcomes: a zero interval
+  EXPECT_EQ(none.low, 0.0);
+  EXPECT_EQ(none.high, 0.0);
 }
 
 TEST(TaskEvalTest, PolicyLabelsExpandSparsePoliciesPerBudget) {
