@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "decode/sparse/policy_util.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
@@ -54,22 +55,22 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
   }
   const auto& pages = kv.pages(layer, kv_head);
   const kernels::PagedKvView view = kv.view();
-  std::vector<double> k(d);
-  for (int64_t t = std::max(s->folded_end, sink_end); t < end; ++t) {
+  const int64_t first = std::max(s->folded_end, sink_end);
+  if (end <= first) return;
+  // Keys leaving the window one per step, or the whole prompt's middle at the first step: widen
+  // them to fp32 and fold them in one syrk (O(n d^2) flops at matrix speed).
+  std::vector<float> keys((end - first) * d);
+  for (int64_t t = first; t < end; ++t) {
     const bf16* kr = view.keys(pages[t / pt]) + (t % pt) * d;
     const bf16* vr = view.values(pages[t / pt]) + (t % pt) * d;
     for (int64_t i = 0; i < d; ++i) {
-      k[i] = Bf16ToFloat(kr[i]);
-      s->key_sum[i] += k[i];
+      keys[(t - first) * d + i] = Bf16ToFloat(kr[i]);
       s->value_sum[i] += Bf16ToFloat(vr[i]);
     }
-    // O(d^2) per key leaving the window: the price of a scan-free estimate of the global mass.
-    for (int64_t i = 0; i < d; ++i) {
-      double* row = &s->key_outer[i * d];
-      for (int64_t j = 0; j < d; ++j) row[j] += k[i] * k[j];
-    }
-    ++s->count;
   }
+  kernels::cpu::AccumulateMoments(keys.data(), end - first, d, s->key_sum.data(),
+                                  s->key_outer.data());
+  s->count += end - first;
   s->folded_end = std::max(s->folded_end, end);
 }
 

@@ -91,6 +91,21 @@ void Add(const float* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += x[i];
 }
 
+void AccumulateMoments(const float* x, int64_t n, int64_t d, double* sums, double* outer) {
+  if (n <= 0) return;
+  std::vector<float> c(d * d, 0.0f);
+  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, d, n, 1.0f, x, d, 0.0f, c.data(), d);
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t j = i; j < d; ++j) {
+      outer[i * d + j] += c[i * d + j];
+      if (j != i) outer[j * d + i] += c[i * d + j];
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < d; ++i) sums[i] += x[r * d + i];
+  }
+}
+
 void CausalAttention(const float* q, const float* k, const float* v, float* out,
                      const AttentionParams& p) {
   const int64_t d = p.head_dim, hq = p.num_heads, hkv = p.num_kv_heads;

@@ -34,6 +34,11 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n);
 // out[n] += x[n].
 void Add(const float* x, float* out, int64_t n);
 
+// sums[d] += column sums of x[n][d]; outer[d][d] += x^T x (full matrix, both triangles). fp32
+// products through OpenBLAS (syrk), accumulated into the caller's double sums: used to fold many
+// keys at once into running mean/covariance estimates.
+void AccumulateMoments(const float* x, int64_t n, int64_t d, double* sums, double* outer);
+
 // Causal attention: q [n][num_heads][head_dim], k/v [pos0 + n][num_kv_heads][head_dim],
 // out [n][num_heads][head_dim]. Query tiles of 64 rows go through two sgemm calls (scores, then
 // probabilities x V), so long prefills run at matrix-product speed.

@@ -72,6 +72,23 @@ TEST(CpuOpsTest, SiluMulMatchesReference) {
   EXPECT_LT(RelErr(got, want), kRelTol);
 }
 
+TEST(CpuOpsTest, AccumulateMomentsMatchesDirectSums) {
+  const int64_t n = 300, d = 24;
+  auto x = Random(n * d, 13);
+  std::vector<double> sums(d, 1.0), outer(d * d, 2.0);  // accumulates onto what is there
+  cpu::AccumulateMoments(x.data(), n, d, sums.data(), outer.data());
+  for (int64_t i = 0; i < d; ++i) {
+    double s = 1.0;
+    for (int64_t r = 0; r < n; ++r) s += x[r * d + i];
+    EXPECT_NEAR(sums[i], s, 1e-3);
+    for (int64_t j = 0; j < d; ++j) {
+      double o = 2.0;
+      for (int64_t r = 0; r < n; ++r) o += double(x[r * d + i]) * x[r * d + j];
+      EXPECT_NEAR(outer[i * d + j], o, 1e-3 * std::max(1.0, std::abs(o)));
+    }
+  }
+}
+
 struct AttentionCase {
   int64_t n, pos0, heads, kv_heads, head_dim;
 };
