@@ -3,7 +3,7 @@
 # Until the local cluster lands (issue 7), the main job is the engine on its own:
 #   1. a small random model made on the spot generates tokens (the CPU runtime end to end);
 #   2. the trained retrieval model (models/fluxion-tiny-retrieval) answers long-context questions
-#      with full attention and with a sparse policy reading 5% of the KV, printed next to the
+#      with full attention and with LFPS reading 5% of the KV, printed next to the
 #      expected answers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +15,4 @@ cmake --build build -j"$(nproc)" --target fluxion
   --max-tokens 32 --ignore-eos
 ./build/fluxion eval tasks --model models/fluxion-tiny-retrieval \
   --tasks niah_single,niah_multikey,niah_multivalue --contexts 4096 --samples 2 \
-  --policy full,quest --budget 0.05 --show
+  --policy full,lfps --budget 0.05 --show
