@@ -6,6 +6,7 @@
 //
 // Caches are defeated by keeping a pool of distinct structured heads (bench/synthetic_heads.h)
 // far larger than the last-level cache and attending a different one on every repeat.
+#include "absl/strings/str_join.h"
 #include "bench/attention_bench.h"
 
 #include <chrono>
@@ -52,7 +53,7 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.IntList("contexts", &contexts, "context lengths in tokens");
   flags.DoubleList("budget", &budgets, "read budgets for the sparse policies");
   flags.StringList("policy", &policies,
-                   "policies: full, exact_topk, quest, fixed_<block>_<budget>");
+                   "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
   flags.IntList("threads", &threads_list, "thread counts; 0 = all cores");
   flags.Int("head-dim", &head_dim, "head dimension");
   flags.Int("group", &group, "query heads per KV head (GQA)");

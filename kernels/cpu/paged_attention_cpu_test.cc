@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/impl_testing.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/paged_attention_impl.h"
 #include "kernels/reference/reference_ops.h"
@@ -79,26 +80,10 @@ double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
   return kernels::reference::RelativeL2Error(got, want);
 }
 
-// Every implementation a conformance body runs against. kDispatched is what callers get; the
-// others call one ISA's kernels directly, whatever the dispatcher would pick.
-enum class Impl { kDispatched, kAvx2, kAvx512, kAvx512Bf16 };
-
-std::string ImplName(Impl impl) {
-  switch (impl) {
-    case Impl::kDispatched:
-      return "Dispatched";
-    case Impl::kAvx2:
-      return "Avx2";
-    case Impl::kAvx512:
-      return "Avx512";
-    case Impl::kAvx512Bf16:
-      return "Avx512Bf16";
-  }
-  return "?";
-}
+using cpu::impl_testing::Impl;
+using cpu::impl_testing::ImplName;
 
 // Readable parameters in gtest's failure messages.
-void PrintTo(Impl impl, std::ostream* os) { *os << ImplName(impl); }
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "head_dim " << c.head_dim << ", group " << c.group << ", page_tokens " << c.page_tokens
       << ", pages " << c.pages << ", keep " << c.keep << (c.partial_rows ? ", partial rows" : "");

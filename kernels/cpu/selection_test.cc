@@ -10,30 +10,15 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/impl_testing.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
 
-// kDispatched runs the public functions; the others call one ISA's kernels directly.
-enum class Impl { kDispatched, kAvx2, kAvx512, kAvx512Bf16 };
-
-std::string ImplName(Impl impl) {
-  switch (impl) {
-    case Impl::kDispatched:
-      return "Dispatched";
-    case Impl::kAvx2:
-      return "Avx2";
-    case Impl::kAvx512:
-      return "Avx512";
-    case Impl::kAvx512Bf16:
-      return "Avx512Bf16";
-  }
-  return "Unknown";
-}
-
-void PrintTo(Impl impl, std::ostream* os) { *os << ImplName(impl); }
+using impl_testing::Impl;
+using impl_testing::ImplName;
 
 class SelectionTest : public ::testing::TestWithParam<Impl> {
  protected:
