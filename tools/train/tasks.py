@@ -328,11 +328,15 @@ def make_eval_sample(task, length, seed):
 # ---------------------------------------------------------------------------------------------
 # Training sequences (several tasks mixed, all asked, dense supervision)
 # ---------------------------------------------------------------------------------------------
-def make_train_sequence(rng, length):
+def make_train_sequence(rng, length, focus=False):
     """Returns (text, spans); BOS precedes text; 1 + len(text) <= length.
 
     Units are drawn in random order and kept while the items plus all query lines fit in
     ``length - 1 - 2 - slack`` characters; the rest of the budget is filler.
+
+    ``focus`` (phase F, run 3 on): a second vt chain, aggregate key and passage join the draw,
+    so that the tasks that still failed after run 2 (vt, aggregate, passage capitals) get
+    about twice the supervision per token.
     """
     u = Uniq(rng)
     short = length < 1024
@@ -351,6 +355,13 @@ def make_train_sequence(rng, length):
     else:
         cands.append(lambda: unit_passage(rng, u, n=256, distractor=True,
                                           ask_distractor=rng.random() < 0.25))
+    if focus:
+        cands.append(lambda: unit_vt(rng, u, ask_distractor=rng.random() < 0.5))
+        cands.append(lambda: unit_aggregate(rng, u, ask_distractor=rng.random() < 0.5))
+        if length > 1100:
+            cands.append(lambda: unit_passage(rng, u, n=256, distractor=False))
+        elif not short:
+            cands.append(lambda: unit_passage(rng, u, n=rng.randint(64, 256), distractor=False))
     rng.shuffle(cands)
     slack = max(16, length // 16)  # keep at least this much filler
     limit = length - 1 - 2 - slack

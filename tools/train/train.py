@@ -45,7 +45,11 @@ CURRICULUM = [
     (900, "C", [(4096, 0.8), (1024, 0.2)]),
     (1500, "D", [(17408, 0.55), (4096, 0.3), (1024, 0.15)]),
     (4291, "E", [(17408, 0.35), (4096, 0.3), (1024, 0.35)]),  # run 2: more short, dense steps
+    # run 3 on (from the exported run-2 weights): the hard tasks twice per sequence (tasks.py
+    # make_train_sequence focus=True), more short rows, 16K kept so long contexts do not degrade.
+    (8249, "F", [(17408, 0.25), (4096, 0.35), (1024, 0.4)]),
 ]
+FOCUS_PHASES = {"F"}
 
 
 def phase_of(step, cur=CURRICULUM):
@@ -72,12 +76,13 @@ def step_shape(step, cur=CURRICULUM, tokens=TOKENS_PER_STEP):
 
 def make_batch(step, cur=CURRICULUM, tokens=TOKENS_PER_STEP):
     L, rows = step_shape(step, cur, tokens)
+    focus = phase_of(step, cur)[1] in FOCUS_PHASES
     rng = random.Random(step)  # training seed = step (< 1,000,000)
     rng.random()  # the draw step_shape used
     tb = bytearray()
     cb = bytearray()
     for _ in range(rows):
-        text, spans = tasks.make_train_sequence(rng, L + 1)
+        text, spans = tasks.make_train_sequence(rng, L + 1, focus=focus)
         t, c = tasks.encode_train(text, spans, L + 1)
         tb += t
         cb += c
@@ -229,6 +234,11 @@ def main():
     p.add_argument("--check-hf", action="store_true", help="compare logits with transformers first")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short lengths")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--label-weights", default="",
+                   help="answer-loss weight per label, e.g. vt=3,aggregate=2 (default 1 each)")
+    p.add_argument("--no-decay-embed-norm", action="store_true",
+                   help="no weight decay on the (tied) embeddings and norm gains: run 2's decay "
+                        "shrank the rare capital letters' rows (the passage-copy failure)")
     a = p.parse_args()
 
     os.makedirs(a.out, exist_ok=True)
@@ -260,8 +270,20 @@ def main():
             import traceback
             log("HF check FAILED:", repr(e), traceback.format_exc())
     okw = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1,
+    if a.no_decay_embed_norm:
+        decay = [p_ for n_, p_ in model.named_parameters() if p_.dim() >= 2 and "embed" not in n_]
+        keep = [p_ for n_, p_ in model.named_parameters() if not (p_.dim() >= 2 and "embed" not in n_)]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": keep, "weight_decay": 0.0}]
+    else:
+        groups = model.parameters()
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             eps=1e-8, **okw)
+    label_w = torch.ones(2 + len(tasks.TRAIN_LABELS))
+    for kv in filter(None, a.label_weights.split(",")):
+        name, w = kv.split("=")
+        label_w[2 + tasks.TRAIN_LABELS.index(name)] = float(w)
+    label_w = label_w.to(device)
+    log("label weights", label_w.tolist(), "no-decay embed/norm", a.no_decay_embed_norm)
     step = a.start_step
     history = []
     if a.init_from:
@@ -316,8 +338,8 @@ def main():
                              reduction="none").view_as(tgt)
         ans = c >= 2
         lm = c == 1
-        n_ans = ans.sum().clamp(min=1)
-        ans_loss = (ce * ans).sum() / n_ans
+        wa = label_w[c] * ans
+        ans_loss = (ce * wa).sum() / wa.sum().clamp(min=1)
         lm_loss = (ce * lm).sum() / lm.sum().clamp(min=1)
         loss = ans_loss + 0.1 * lm_loss
         opt.zero_grad(set_to_none=True)
