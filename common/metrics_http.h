@@ -1,0 +1,44 @@
+// Serves a metrics::Registry at HTTP GET /metrics in the Prometheus text format, with civetweb
+// (Debian's libcivetweb-dev, an embeddable HTTP server) on its own small thread pool. Every
+// `fluxion` server (router, prefill, decode) starts one next to its gRPC port (`--metrics-port`).
+//
+// A separate target from fluxion::metrics so that only servers link civetweb.
+//
+// Thread-safe: the server renders on civetweb's threads; the registry is thread-safe.
+#ifndef FLUXION_COMMON_METRICS_HTTP_H_
+#define FLUXION_COMMON_METRICS_HTTP_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/metrics.h"
+
+struct mg_context;
+
+namespace fluxion::metrics {
+
+class MetricsHttpServer {
+ public:
+  // Starts listening on `address` ("host:port" or "port"; port 0 picks a free one). `registry`
+  // must outlive the server. UNAVAILABLE if the port cannot be bound (the message names it).
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
+                                                                  const Registry* registry);
+  // Stops listening and waits for requests in flight.
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  // The bound port (the real one when 0 was asked for).
+  int port() const { return port_; }
+
+ private:
+  MetricsHttpServer() = default;
+  mg_context* context_ = nullptr;
+  const Registry* registry_ = nullptr;
+  int port_ = 0;
+};
+
+}  // namespace fluxion::metrics
+
+#endif  // FLUXION_COMMON_METRICS_HTTP_H_

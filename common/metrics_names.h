@@ -1,0 +1,61 @@
+// The names every Fluxion server exports at /metrics, in one place so that the services, the
+// router, dashboards and docs/METRICS.md agree. docs/METRICS.md gives type, unit and labels for
+// each, and the mapping to the Gateway API Inference Extension's endpoint picker.
+#ifndef FLUXION_COMMON_METRICS_NAMES_H_
+#define FLUXION_COMMON_METRICS_NAMES_H_
+
+namespace fluxion::metrics::names {
+
+// Decode node: what the endpoint picker reads (queue, running, KV utilisation, page size).
+inline constexpr char kDecodeRequestsRunning[] = "fluxion_decode_requests_running";
+inline constexpr char kDecodeRequestsWaiting[] = "fluxion_decode_requests_waiting";
+inline constexpr char kDecodeRequestsPrefilling[] = "fluxion_decode_requests_prefilling";
+inline constexpr char kKvCacheUsageRatio[] = "fluxion_kv_cache_usage_ratio";
+inline constexpr char kKvPagesTotal[] = "fluxion_kv_pages_total";
+inline constexpr char kKvPagesFree[] = "fluxion_kv_pages_free";
+inline constexpr char kKvPagesQuarantined[] = "fluxion_kv_pages_quarantined";
+inline constexpr char kKvPageTokens[] = "fluxion_kv_page_tokens";
+inline constexpr char kKvCacheConfigInfo[] = "fluxion_kv_cache_config_info";
+
+// Decode node: requests, tokens, latency, steps, sparse attention.
+inline constexpr char kDecodeRequestsTotal[] = "fluxion_decode_requests_total";
+inline constexpr char kDecodeFinishedTotal[] = "fluxion_decode_finished_total";
+inline constexpr char kDecodePromptTokensTotal[] = "fluxion_decode_prompt_tokens_total";
+inline constexpr char kDecodeGenerationTokensTotal[] = "fluxion_decode_generation_tokens_total";
+inline constexpr char kDecodeQueueSeconds[] = "fluxion_decode_queue_time_seconds";
+inline constexpr char kDecodeTtftSeconds[] = "fluxion_decode_time_to_first_token_seconds";
+inline constexpr char kDecodeTpotSeconds[] = "fluxion_decode_time_per_output_token_seconds";
+inline constexpr char kDecodeE2eSeconds[] = "fluxion_decode_e2e_request_latency_seconds";
+inline constexpr char kDecodeStepSeconds[] = "fluxion_decode_step_seconds";
+inline constexpr char kDecodeStepCpuSecondsTotal[] = "fluxion_decode_step_cpu_seconds_total";
+inline constexpr char kDecodeStepGpuSecondsTotal[] = "fluxion_decode_step_gpu_seconds_total";
+inline constexpr char kDecodePreemptionsTotal[] = "fluxion_decode_preemptions_total";
+inline constexpr char kSparseReadFraction[] = "fluxion_sparse_read_fraction";
+inline constexpr char kSparseBudgetRatio[] = "fluxion_sparse_budget_ratio";
+inline constexpr char kSparseHeadStepsTotal[] = "fluxion_sparse_head_steps_total";
+
+// KV transfer (both ends).
+inline constexpr char kTransferBytesTotal[] = "fluxion_transfer_bytes_total";
+inline constexpr char kTransferSeconds[] = "fluxion_transfer_seconds";
+inline constexpr char kTransferFailuresTotal[] = "fluxion_transfer_failures_total";
+
+// Prefill node.
+inline constexpr char kPrefillRequestsQueued[] = "fluxion_prefill_requests_queued";
+inline constexpr char kPrefillPromptTokensQueued[] = "fluxion_prefill_prompt_tokens_queued";
+inline constexpr char kPrefillRequestsRunning[] = "fluxion_prefill_requests_running";
+inline constexpr char kPrefillRequestsTotal[] = "fluxion_prefill_requests_total";
+inline constexpr char kPrefillComputeSeconds[] = "fluxion_prefill_compute_seconds";
+inline constexpr char kPrefillTransferTailSeconds[] = "fluxion_prefill_transfer_tail_seconds";
+
+// Router.
+inline constexpr char kRouterRequestsTotal[] = "fluxion_router_requests_total";
+inline constexpr char kRouterRequestsInflight[] = "fluxion_router_requests_inflight";
+inline constexpr char kRouterAttemptsTotal[] = "fluxion_router_attempts_total";
+inline constexpr char kRouterShedTotal[] = "fluxion_router_shed_total";
+inline constexpr char kRouterBackendsHealthy[] = "fluxion_router_backends_healthy";
+inline constexpr char kRouterTtftSeconds[] = "fluxion_router_time_to_first_token_seconds";
+inline constexpr char kRouterE2eSeconds[] = "fluxion_router_e2e_request_latency_seconds";
+
+}  // namespace fluxion::metrics::names
+
+#endif  // FLUXION_COMMON_METRICS_NAMES_H_
