@@ -8,6 +8,7 @@
 #include "bench/commands.h"
 #include "decode/commands.h"
 #include "bench/eval/eval_command.h"
+#include "cluster/replay_command.h"
 #include "model/commands.h"
 
 namespace {
@@ -26,6 +27,8 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::model::RunMakeModelCommand},
       {"bench", "measurements: `fluxion bench model|attention|topk`", fluxion::bench::RunBenchCommand},
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
+      {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
+       fluxion::cluster::RunReplayCommand},
   };
   return *commands;
 }

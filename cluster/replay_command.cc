@@ -1,0 +1,212 @@
+#include "cluster/replay_command.h"
+
+#include <signal.h>
+
+#include <atomic>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "cluster/replay_report.h"
+#include "cluster/replayer.h"
+#include "cluster/trace.h"
+#include "common/flag_set.h"
+
+namespace fluxion::cluster {
+namespace {
+
+std::atomic<Replayer*> g_replayer{nullptr};
+
+void OnInterrupt(int) {
+  // Async-signal-safe: an atomic load and an atomic store. SA_RESETHAND makes a second Ctrl-C
+  // kill the process the usual way.
+  if (Replayer* r = g_replayer.load()) r->Interrupt();
+}
+
+std::string DescribeTransform(const TraceTransform& t, int64_t block_tokens) {
+  std::vector<std::string> parts;
+  if (t.start_s > 0 || t.duration_s > 0) {
+    parts.push_back(absl::StrFormat("window [%g s, %s)", t.start_s,
+                                    t.duration_s > 0 ? absl::StrCat(t.start_s + t.duration_s, " s")
+                                                     : std::string("end")));
+  }
+  if (t.sample_fraction < 1) parts.push_back(absl::StrFormat("sample %g (seed %d)",
+                                                             t.sample_fraction, t.seed));
+  if (t.max_requests > 0) parts.push_back(absl::StrCat("first ", t.max_requests, " requests"));
+  if (t.time_scale != 1) parts.push_back(absl::StrFormat("time x%g", t.time_scale));
+  if (t.length_scale != 1) {
+    parts.push_back(absl::StrFormat("lengths x%g (block %d tokens)", t.length_scale, block_tokens));
+  }
+  if (t.max_input_tokens > 0) parts.push_back(absl::StrCat("input cap ", t.max_input_tokens));
+  if (t.max_output_tokens > 0) parts.push_back(absl::StrCat("output cap ", t.max_output_tokens));
+  return parts.empty() ? "none" : absl::StrJoin(parts, ", ");
+}
+
+}  // namespace
+
+int RunReplayCommand(const std::vector<std::string>& args) {
+  std::string target, trace, json_path, out_dir, plot_format = "png", input_len = "fixed:256",
+                                                 output_len = "fixed:32", policy;
+  bool synthetic = false, progress = true;
+  int64_t num_requests = 100, concurrency = 0, max_inflight = 0, vocab_size = 256, seed = 1;
+  double rate = 1.0, timeout_s = 600, temperature = 0, budget = 0, bucket_s = 0;
+  TraceTransform transform;
+  Slo slo;
+  FlagSet flags("fluxion replay",
+                "Replays a Mooncake trace or synthetic load against a router or decode node and "
+                "reports TTFT, TPOT, ITL, E2E, throughput and goodput (docs/REPLAY.md).");
+  flags.String("target", &target, "host:port of the router or decode node (fluxion.v1 Generate)");
+  flags.String("trace", &trace, "Mooncake JSONL trace (timestamp ms, input/output_length, hash_ids)");
+  flags.Bool("synthetic", &synthetic, "generate load instead of reading a trace");
+  flags.Int("num-requests", &num_requests, "synthetic: number of requests");
+  flags.Double("rate", &rate, "synthetic: Poisson arrival rate (req/s); 0 = all at once");
+  flags.String("input-len", &input_len,
+               "synthetic prompt lengths: fixed:N, uniform:MIN:MAX, normal:MEAN:STD, exponential:MEAN");
+  flags.String("output-len", &output_len, "synthetic output lengths (same forms as --input-len)");
+  flags.Int("seed", &seed, "seed for synthetic load and sub-sampling");
+  flags.Int("concurrency", &concurrency,
+            "keep exactly this many requests in flight, ignoring arrival times (0 = honour times)");
+  flags.Int("max-inflight", &max_inflight, "timed mode: hold arrivals while this many are open");
+  flags.Double("time-scale", &transform.time_scale, "multiply arrival times (10 = 10x slower)");
+  flags.Double("length-scale", &transform.length_scale,
+               "multiply input/output lengths and the 512-token block (keeps prefix sharing)");
+  flags.Int("max-input-tokens", &transform.max_input_tokens, "truncate longer prompts (0 = no cap)");
+  flags.Int("max-output-tokens", &transform.max_output_tokens, "cap output lengths (0 = no cap)");
+  flags.Double("sample", &transform.sample_fraction, "keep each request with this probability");
+  flags.Int("max-requests", &transform.max_requests, "keep only the first N requests (0 = all)");
+  flags.Double("start-s", &transform.start_s, "skip trace requests before this time (s)");
+  flags.Double("duration-s", &transform.duration_s, "keep trace requests up to start+duration (s)");
+  flags.Int("vocab-size", &vocab_size, "prompt token ids are drawn from [1, vocab-size)");
+  flags.Double("temperature", &temperature, "sampling temperature (0 = greedy)");
+  flags.String("policy", &policy, "sparse attention policy (empty = the server's default)");
+  flags.Double("budget", &budget, "sparse budget (0 = the policy's default)");
+  flags.Double("timeout-s", &timeout_s, "per-request time budget (timeout_ms and gRPC deadline)");
+  flags.Double("slo-ttft-ms", &slo.ttft_ms, "goodput objective on TTFT (0 = none)");
+  flags.Double("slo-tpot-ms", &slo.tpot_ms, "goodput objective on TPOT (0 = none)");
+  flags.Double("slo-e2e-ms", &slo.e2e_ms, "goodput objective on end-to-end latency (0 = none)");
+  flags.String("json", &json_path, "write the summary as JSON to this file");
+  flags.String("out-dir", &out_dir,
+               "write summary.json, requests.csv, timeline.csv and plots into this directory");
+  flags.String("plot-format", &plot_format, "png or svg");
+  flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 100 points)");
+  flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
+  flags.Require("target");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (trace.empty() == !synthetic) {
+    std::cerr << "error: give exactly one of --trace FILE and --synthetic\n";
+    return 2;
+  }
+  transform.seed = static_cast<uint64_t>(seed);
+
+  RunDescription run;
+  Schedule source;
+  if (synthetic) {
+    SyntheticOptions options;
+    auto in = ParseLengthDistribution(input_len);
+    auto out = ParseLengthDistribution(output_len);
+    if (!in.ok() || !out.ok()) {
+      std::cerr << "error: " << (in.ok() ? out.status() : in.status()).message() << "\n";
+      return 2;
+    }
+    options.num_requests = num_requests;
+    options.rate = rate;
+    options.input = *in;
+    options.output = *out;
+    options.seed = static_cast<uint64_t>(seed);
+    source = MakeSyntheticSchedule(options);
+    run.config["source"] = absl::StrFormat(
+        "synthetic: %d requests, %s, input %s, output %s, seed %d", num_requests,
+        rate > 0 ? absl::StrFormat("Poisson %g req/s", rate) : std::string("all at t=0"),
+        input_len, output_len, seed);
+  } else {
+    auto loaded = LoadMooncakeTrace(trace);
+    if (!loaded.ok()) {
+      std::cerr << "error: " << loaded.status().message() << "\n";
+      return 1;
+    }
+    source = std::move(*loaded);
+    run.config["source"] = absl::StrCat("Mooncake trace ", trace);
+  }
+  auto schedule = ApplyTransform(source, transform, &run.transform);
+  if (!schedule.ok()) {
+    std::cerr << "error: " << schedule.status().message() << "\n";
+    return 2;
+  }
+  if (schedule->requests.empty()) {
+    std::cerr << "error: the schedule is empty after the transforms\n";
+    return 2;
+  }
+
+  ReplayOptions options;
+  options.target = target;
+  options.concurrency = concurrency;
+  options.max_inflight = max_inflight;
+  options.timeout_s = timeout_s;
+  options.vocab_size = static_cast<uint32_t>(vocab_size);
+  options.temperature = static_cast<float>(temperature);
+  options.sparse_policy = policy;
+  if (budget > 0) options.sparse_budget = static_cast<float>(budget);
+  options.progress = progress;
+  run.config["target"] = target;
+  run.config["mode"] = concurrency > 0
+                           ? absl::StrCat("fixed concurrency ", concurrency)
+                           : absl::StrCat("timed arrivals",
+                                          max_inflight > 0
+                                              ? absl::StrCat(", at most ", max_inflight, " in flight")
+                                              : std::string());
+  run.config["transforms"] = DescribeTransform(transform, schedule->block_tokens);
+  run.config["block_tokens"] = schedule->block_tokens;
+  run.config["vocab_size"] = vocab_size;
+  run.config["temperature"] = temperature;
+  run.config["policy"] = policy.empty() ? "server default" : policy;
+  run.config["timeout_s"] = timeout_s;
+  run.config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
+
+  Replayer replayer(options);
+  g_replayer.store(&replayer);
+  struct sigaction action = {};
+  action.sa_handler = OnInterrupt;
+  action.sa_flags = SA_RESETHAND;
+  struct sigaction previous_int = {}, previous_term = {};
+  sigaction(SIGINT, &action, &previous_int);
+  sigaction(SIGTERM, &action, &previous_term);
+  auto records = replayer.Run(*schedule);
+  sigaction(SIGINT, &previous_int, nullptr);
+  sigaction(SIGTERM, &previous_term, nullptr);
+  g_replayer.store(nullptr);
+  if (!records.ok()) {
+    std::cerr << "error: " << records.status().message() << "\n";
+    return 1;
+  }
+
+  ReplayStats stats = ComputeStats(*records, slo, bucket_s);
+  nlohmann::json summary = StatsToJson(stats, run);
+  std::cout << FormatSummary(stats, run);
+  bool write_failed = false;
+  auto check = [&](const absl::Status& s) {
+    if (!s.ok()) {
+      std::cerr << "error: " << s.message() << "\n";
+      write_failed = true;
+    }
+  };
+  if (!json_path.empty()) check(WriteJson(json_path, summary));
+  if (!out_dir.empty()) {
+    std::string mkdir = absl::StrCat("mkdir -p '", out_dir, "'");
+    if (std::system(mkdir.c_str()) != 0) check(absl::PermissionDeniedError("cannot create " + out_dir));
+    check(WriteJson(out_dir + "/summary.json", summary));
+    check(WriteRequestsCsv(out_dir + "/requests.csv", *records));
+    check(WriteTimelineCsv(out_dir + "/timeline.csv", stats));
+    auto plots = RenderPlots(out_dir + "/plots", plot_format, *records, stats,
+                             run.config["source"].get<std::string>());
+    if (plots.ok()) {
+      std::cout << "plots: " << absl::StrJoin(*plots, ", ") << "\n";
+    } else {
+      std::cerr << "plots skipped: " << plots.status().message() << "\n";
+    }
+    std::cout << "results: " << out_dir << "/{summary.json,requests.csv,timeline.csv}\n";
+  }
+  return (stats.failed > 0 || write_failed) ? 1 : 0;
+}
+
+}  // namespace fluxion::cluster

@@ -1,0 +1,241 @@
+#include "cluster/replayer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace fluxion::cluster {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+using Clock = std::chrono::steady_clock;
+
+class Call;
+
+// Shared by the dispatcher, the reactors (on gRPC threads) and the progress printer.
+struct RunState {
+  Clock::time_point t0;
+  absl::Mutex mu;
+  std::unordered_map<Call*, std::shared_ptr<Call>> live ABSL_GUARDED_BY(mu);
+  std::vector<RequestRecord> records ABSL_GUARDED_BY(mu);
+  std::atomic<int64_t> sent{0}, finished{0}, failed{0}, tokens{0};
+
+  double Now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+};
+
+// One Generate stream. Owned by RunState::live from Start() until OnDone().
+class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
+ public:
+  Call(RunState* state, RequestRecord record, v1::GenerateRequest request)
+      : state_(state), record_(std::move(record)), request_(std::move(request)) {}
+
+  void Start(v1::DecodeService::Stub* stub, std::chrono::system_clock::time_point deadline) {
+    context_.set_deadline(deadline);
+    stub->async()->Generate(&context_, &request_, this);
+    StartRead(&response_);
+    StartCall();
+  }
+
+  void Cancel() { context_.TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended; OnDone follows
+    double now = state_->Now();
+    if (response_.has_chunk() && response_.chunk().token_ids_size() > 0) {
+      int n = response_.chunk().token_ids_size();
+      record_.chunk_times_s.push_back(now);
+      record_.chunk_tokens.push_back(n);
+      record_.output_tokens += n;
+      state_->tokens.fetch_add(n, std::memory_order_relaxed);
+    } else if (response_.has_error()) {
+      error_message_ = response_.error().message();
+    }
+    StartRead(&response_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    record_.end_s = state_->Now();
+    record_.status_code = status.error_code();
+    record_.status_message = status.ok() ? "" : status.error_message();
+    if (!status.ok() && record_.status_message.empty()) record_.status_message = error_message_;
+    if (!status.ok()) state_->failed.fetch_add(1, std::memory_order_relaxed);
+    state_->finished.fetch_add(1, std::memory_order_relaxed);
+    std::shared_ptr<Call> self;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->records.push_back(std::move(record_));
+      auto it = state_->live.find(this);
+      self = std::move(it->second);  // keeps *this alive until the end of this function
+      state_->live.erase(it);
+    }
+  }
+
+ private:
+  RunState* state_;
+  RequestRecord record_;
+  v1::GenerateRequest request_;
+  v1::GenerateResponse response_;
+  grpc::ClientContext context_;
+  std::string error_message_;
+};
+
+void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_line) {
+  double elapsed = state.Now();
+  int64_t sent = state.sent.load(), finished = state.finished.load();
+  int64_t failed = state.failed.load(), tokens = state.tokens.load();
+  std::string line = absl::StrFormat(
+      "replay %6.1fs  sent %lld/%lld  done %lld  failed %lld  in flight %lld  %.0f tok/s",
+      elapsed, static_cast<long long>(sent), static_cast<long long>(total),
+      static_cast<long long>(finished), static_cast<long long>(failed),
+      static_cast<long long>(sent - finished), elapsed > 0 ? tokens / elapsed : 0.0);
+  if (tty) {
+    std::fprintf(stderr, "\r%s\033[K%s", line.c_str(), final_line ? "\n" : "");
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedule) {
+  auto channel = grpc::CreateChannel(options_.target, grpc::InsecureChannelCredentials());
+  // gRPC deadlines are system_clock time points.
+  auto connect_deadline = std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(options_.connect_timeout_s * 1e3));
+  if (!channel->WaitForConnected(connect_deadline)) {
+    return absl::UnavailableError(absl::StrCat("replay: cannot connect to ", options_.target,
+                                               " within ", options_.connect_timeout_s,
+                                               " s (is the router or decode node running?)"));
+  }
+  auto stub = v1::DecodeService::NewStub(channel);
+
+  RunState state;
+  const int64_t total = schedule.requests.size();
+  const bool tty = isatty(STDERR_FILENO);
+  std::atomic<bool> done{false};
+  std::thread progress;
+  if (options_.progress) {
+    progress = std::thread([&] {
+      // A live line on a terminal twice a second; in logs, one line every 10 s.
+      const auto period = tty ? std::chrono::milliseconds(500) : std::chrono::milliseconds(10000);
+      auto next = Clock::now() + period;
+      while (!done.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (Clock::now() >= next) {
+          PrintProgress(state, total, tty, false);
+          next += period;
+        }
+      }
+    });
+  }
+
+  state.t0 = Clock::now();
+  auto open_requests = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
+    return static_cast<int64_t>(state.live.size());
+  };
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_s * 1e3));
+  for (int64_t i = 0; i < total && !interrupted_.load(); ++i) {
+    const TraceRequest& tr = schedule.requests[i];
+    // Wait for the request's turn: its arrival time, or a free concurrency slot.
+    int64_t limit = options_.concurrency > 0 ? options_.concurrency : options_.max_inflight;
+    if (options_.concurrency <= 0) {
+      auto when = state.t0 + std::chrono::microseconds(static_cast<int64_t>(tr.arrival_s * 1e6));
+      while (!interrupted_.load() && Clock::now() < when) {
+        std::this_thread::sleep_until(std::min(when, Clock::now() + std::chrono::milliseconds(100)));
+      }
+    }
+    if (limit > 0) {
+      std::pair<RunState*, int64_t> arg(&state, limit);
+      absl::MutexLock lock(&state.mu);
+      while (!interrupted_.load() && open_requests() >= limit) {
+        // Woken by OnDone's unlock; the timeout only bounds how late an Interrupt() is seen.
+        state.mu.AwaitWithTimeout(
+            absl::Condition(
+                +[](std::pair<RunState*, int64_t>* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                  return static_cast<int64_t>(a->first->live.size()) < a->second;
+                },
+                &arg),
+            absl::Milliseconds(100));
+      }
+    }
+    if (interrupted_.load()) break;
+
+    v1::GenerateRequest request;
+    request.set_request_id(absl::StrCat(options_.request_id_prefix, "-", i));
+    for (uint32_t t : BuildPrompt(tr, schedule.block_tokens, options_.vocab_size)) {
+      request.add_prompt_token_ids(t);
+    }
+    v1::SamplingParams* sampling = request.mutable_sampling();
+    sampling->set_max_tokens(static_cast<uint32_t>(tr.output_tokens));
+    sampling->set_ignore_eos(true);  // the trace fixes the output length
+    if (options_.temperature.has_value()) sampling->set_temperature(*options_.temperature);
+    if (!options_.sparse_policy.empty()) {
+      request.mutable_sparse()->set_policy(options_.sparse_policy);
+      if (options_.sparse_budget.has_value()) request.mutable_sparse()->set_budget(*options_.sparse_budget);
+    }
+    request.set_timeout_ms(static_cast<uint32_t>(options_.timeout_s * 1e3));
+    request.set_protocol_version(v1::PROTOCOL_VERSION_1);
+
+    RequestRecord record;
+    record.index = i;
+    record.request_id = request.request_id();
+    record.scheduled_s = tr.arrival_s;
+    record.input_tokens = tr.input_tokens;
+    record.requested_output_tokens = tr.output_tokens;
+    record.start_s = state.Now();
+    auto call = std::make_shared<Call>(&state, std::move(record), std::move(request));
+    {
+      absl::MutexLock lock(&state.mu);
+      state.live.emplace(call.get(), call);
+    }
+    state.sent.fetch_add(1);
+    // The gRPC deadline is a little later than timeout_ms so that a server that notices first can
+    // still end the stream with an error carrying partial usage (docs/PROTOCOL.md).
+    call->Start(stub.get(), std::chrono::system_clock::now() + timeout + std::chrono::seconds(1));
+  }
+
+  // Drain. Every call has a deadline, so this ends; Interrupt() cancels what is left.
+  bool cancelled = false;
+  while (true) {
+    std::vector<std::shared_ptr<Call>> to_cancel;
+    {
+      absl::MutexLock lock(&state.mu);
+      if (state.live.empty()) break;
+      if (interrupted_.load() && !cancelled) {
+        for (auto& [ptr, call] : state.live) to_cancel.push_back(call);
+        cancelled = true;
+      } else {
+        state.mu.AwaitWithTimeout(
+            absl::Condition(
+                +[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->live.empty(); },
+                &state),
+            absl::Milliseconds(100));
+      }
+    }
+    // TryCancel outside the lock: it may run OnDone, which takes the lock.
+    for (auto& call : to_cancel) call->Cancel();
+  }
+  done.store(true);
+  if (progress.joinable()) {
+    progress.join();
+    PrintProgress(state, total, tty, true);
+  }
+  absl::MutexLock lock(&state.mu);
+  std::vector<RequestRecord> records = std::move(state.records);
+  std::sort(records.begin(), records.end(),
+            [](const RequestRecord& a, const RequestRecord& b) { return a.index < b.index; });
+  return records;
+}
+
+}  // namespace fluxion::cluster

@@ -1,0 +1,57 @@
+// The load driver of `fluxion replay`: sends a schedule's requests to any server of the
+// fluxion.v1 DecodeService (a router or a decode node) on time, or at a fixed concurrency, and
+// records what each stream did (cluster/replay_stats.h).
+//
+// Requests run on gRPC's callback API (one reactor per request, no thread per request), so
+// thousands may be in flight; the dispatching thread only sleeps until the next arrival.
+//
+// Thread-safety: Run() is called from one thread; Interrupt() may be called from any thread or a
+// signal handler.
+#ifndef FLUXION_CLUSTER_REPLAYER_H_
+#define FLUXION_CLUSTER_REPLAYER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cluster/replay_stats.h"
+#include "cluster/trace.h"
+
+namespace fluxion::cluster {
+
+struct ReplayOptions {
+  std::string target;            // "host:port" of the router or decode node
+  int64_t concurrency = 0;       // > 0: keep this many in flight, ignoring arrival times
+  int64_t max_inflight = 0;      // > 0 (timed mode): delay arrivals while this many are open
+  double timeout_s = 600;        // per request: gRPC deadline and GenerateRequest.timeout_ms
+  uint32_t vocab_size = 32000;   // prompt token ids are drawn from [1, vocab_size)
+  std::optional<float> temperature = 0.0f;
+  std::string sparse_policy;     // empty: the server's default
+  std::optional<float> sparse_budget;
+  std::string request_id_prefix = "replay";
+  bool progress = true;          // live progress line on stderr
+  double connect_timeout_s = 10; // wait this long for the target to accept connections
+};
+
+class Replayer {
+ public:
+  explicit Replayer(ReplayOptions options) : options_(std::move(options)) {}
+
+  // Sends every request of `schedule` and waits for all of them. UNAVAILABLE if the target does
+  // not accept a connection within connect_timeout_s. After Interrupt(), stops sending, cancels the
+  // requests in flight and returns the records so far (cancelled ones with status CANCELLED).
+  absl::StatusOr<std::vector<RequestRecord>> Run(const Schedule& schedule);
+
+  void Interrupt() { interrupted_.store(true); }
+
+ private:
+  ReplayOptions options_;
+  std::atomic<bool> interrupted_{false};
+};
+
+}  // namespace fluxion::cluster
+
+#endif  // FLUXION_CLUSTER_REPLAYER_H_

@@ -1,0 +1,139 @@
+#include "cluster/replayer.h"
+
+#include <fstream>
+#include <thread>
+
+#include "cluster/fake_decode_service.h"
+#include "cluster/replay_report.h"
+#include "gtest/gtest.h"
+
+namespace fluxion::cluster {
+namespace {
+
+using testing::FakeDecodeService;
+using testing::FakeServer;
+
+Schedule Timed(int n, double gap_s, int64_t input, int64_t output) {
+  Schedule s;
+  for (int i = 0; i < n; ++i) s.requests.push_back({i * gap_s, input, output, {}, i});
+  return s;
+}
+
+ReplayOptions Options(const FakeServer& server) {
+  ReplayOptions o;
+  o.target = server.address();
+  o.progress = false;
+  o.timeout_s = 20;
+  return o;
+}
+
+// The fake streams its first token after 40 ms, then one token every 10 ms, and rejects every
+// fifth request with UNAVAILABLE. So TTFT ~40 ms, TPOT = ITL ~10 ms, E2E ~40 + 10 * (n - 1) ms.
+TEST(ReplayerTest, StatisticsMatchTheFakeServersKnownTimetable) {
+  FakeDecodeService service;
+  FakeDecodeService::Behaviour b;
+  b.reject = [](const v1::GenerateRequest& r) {
+    int index = std::stoi(r.request_id().substr(r.request_id().rfind('-') + 1));
+    return index % 5 == 0 ? grpc::Status(grpc::UNAVAILABLE, "fake: rejected") : grpc::Status::OK;
+  };
+  service.SetBehaviour(b);
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+
+  Schedule schedule = Timed(10, 0.05, 33, 6);
+  auto records = Replayer(Options(server)).Run(schedule);
+  ASSERT_TRUE(records.ok()) << records.status();
+  ASSERT_EQ(records->size(), 10u);
+  ReplayStats s = ComputeStats(*records, Slo{});
+  EXPECT_EQ(s.failed, 2);
+  EXPECT_EQ(s.errors_by_code.at("UNAVAILABLE"), 2);
+  EXPECT_EQ(s.output_tokens, 8 * 6);
+  EXPECT_EQ(s.input_tokens, 8 * 33);
+  // Timing tolerances allow for a busy 2-core machine; the hand-computed schedule test in
+  // replay_stats_test.cc checks the arithmetic exactly.
+  EXPECT_NEAR(s.ttft_ms.mean, 40, 25);
+  EXPECT_NEAR(s.tpot_ms.mean, 10, 5);
+  EXPECT_NEAR(s.itl_ms.p50, 10, 5);
+  EXPECT_NEAR(s.e2e_ms.mean, 90, 35);
+  EXPECT_GE(s.ttft_ms.min, 39);  // the fake never answers sooner
+  EXPECT_EQ(s.itl_ms.count, 8 * 5);
+  for (const RequestRecord& r : *records) {
+    EXPECT_NEAR(r.start_s, r.scheduled_s, 0.03) << "request " << r.index << " sent late";
+  }
+  // What went on the wire: prompt length, max_tokens, EOS ignored, time budget.
+  auto seen = service.seen();
+  ASSERT_EQ(seen.size(), 10u);
+  for (const auto& r : seen) {
+    EXPECT_EQ(r.request.prompt_token_ids_size(), 33);
+    EXPECT_EQ(r.request.sampling().max_tokens(), 6u);
+    EXPECT_TRUE(r.request.sampling().ignore_eos());
+    EXPECT_EQ(r.request.timeout_ms(), 20000u);
+  }
+}
+
+TEST(ReplayerTest, FixedConcurrencyKeepsExactlyThatManyInFlight) {
+  FakeDecodeService service;
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+  ReplayOptions o = Options(server);
+  o.concurrency = 3;
+  auto records = Replayer(o).Run(Timed(9, 0, 8, 3));
+  ASSERT_TRUE(records.ok()) << records.status();
+  EXPECT_EQ(ComputeStats(*records, Slo{}).succeeded, 9);
+  EXPECT_EQ(service.max_concurrent(), 3);
+}
+
+TEST(ReplayerTest, InterruptCancelsRequestsInFlightAndReturnsWhatItHas) {
+  FakeDecodeService service;
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+  Replayer replayer(Options(server));
+  std::thread interrupter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    replayer.Interrupt();
+  });
+  auto start = std::chrono::steady_clock::now();
+  auto records = replayer.Run(Timed(4, 0, 8, 500));  // 5 s each if left alone
+  interrupter.join();
+  ASSERT_TRUE(records.ok()) << records.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  ASSERT_EQ(records->size(), 4u);
+  for (const RequestRecord& r : *records) EXPECT_EQ(r.status_code, grpc::StatusCode::CANCELLED);
+}
+
+TEST(ReplayerTest, UnreachableTargetIsUnavailable) {
+  ReplayOptions o;
+  o.target = "127.0.0.1:1";
+  o.progress = false;
+  o.connect_timeout_s = 0.3;
+  EXPECT_EQ(Replayer(o).Run(Timed(1, 0, 1, 1)).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(ReplayerTest, ReportWritesJsonCsvAndPlots) {
+  FakeDecodeService service;
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+  auto records = Replayer(Options(server)).Run(Timed(5, 0.01, 8, 4));
+  ASSERT_TRUE(records.ok()) << records.status();
+  ReplayStats stats = ComputeStats(*records, Slo{1000, 0, 0});
+  RunDescription run;
+  run.config["target"] = server.address();
+  std::string summary = FormatSummary(stats, run);
+  EXPECT_NE(summary.find("TTFT"), std::string::npos);
+  EXPECT_NE(summary.find("goodput"), std::string::npos);
+  nlohmann::json json = StatsToJson(stats, run);
+  EXPECT_EQ(json["succeeded"], 5);
+  EXPECT_TRUE(json["ttft_ms"].contains("p99"));
+  std::string dir = ::testing::TempDir() + "/replay_report_test";
+  EXPECT_TRUE(WriteRequestsCsv(dir + "_requests.csv", *records).ok());
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "gnuplot not installed (Debian package gnuplot-nox)";
+  }
+  for (const char* format : {"png", "svg"}) {
+    auto plots = RenderPlots(dir, format, *records, stats, "test");
+    ASSERT_TRUE(plots.ok()) << plots.status();
+    for (const std::string& path : *plots) {
+      std::ifstream in(path, std::ios::binary | std::ios::ate);
+      EXPECT_GT(static_cast<int64_t>(in.tellg()), 1000) << path;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fluxion::cluster

@@ -1,0 +1,96 @@
+// Request schedules for `fluxion replay`: Mooncake JSONL traces and synthetic load, the transforms
+// that fit them to a machine (time scale, length scale/caps, sub-sampling), and deterministic prompt
+// construction from Mooncake `hash_ids`. docs/REPLAY.md describes the semantics.
+//
+// Thread-compatible: plain values and pure functions.
+#ifndef FLUXION_CLUSTER_TRACE_H_
+#define FLUXION_CLUSTER_TRACE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace fluxion::cluster {
+
+// Mooncake's block size: one hash id names 512 prompt tokens.
+inline constexpr int64_t kMooncakeBlockTokens = 512;
+
+// One request of a schedule.
+struct TraceRequest {
+  double arrival_s = 0;          // seconds from the start of the run
+  int64_t input_tokens = 0;      // prompt length
+  int64_t output_tokens = 0;     // completion tokens to ask for (max_tokens, EOS ignored)
+  std::vector<uint64_t> hash_ids;  // prefix blocks; equal ids mean equal prompt content
+  int64_t source_index = 0;      // line (trace) or draw (synthetic) this request came from
+};
+
+// A schedule and the block size its hash ids refer to.
+struct Schedule {
+  std::vector<TraceRequest> requests;  // sorted by arrival_s
+  int64_t block_tokens = kMooncakeBlockTokens;
+};
+
+// Reads a Mooncake trace: one JSON object per line with `timestamp` (ms), `input_length`,
+// `output_length` and optional `hash_ids`. Blank lines are skipped. INVALID_ARGUMENT names the
+// line of the first malformed record; NOT_FOUND if the file cannot be opened.
+absl::StatusOr<Schedule> LoadMooncakeTrace(const std::string& path);
+
+// A length distribution, parsed from "fixed:N", "uniform:MIN:MAX", "normal:MEAN:STD" or
+// "exponential:MEAN". Samples are rounded and at least 1.
+struct LengthDistribution {
+  enum class Kind { kFixed, kUniform, kNormal, kExponential };
+  Kind kind = Kind::kFixed;
+  double a = 1, b = 0;
+  std::string text;  // as given, for reports
+};
+absl::StatusOr<LengthDistribution> ParseLengthDistribution(const std::string& text);
+
+struct SyntheticOptions {
+  int64_t num_requests = 100;
+  double rate = 0;  // Poisson arrivals per second; 0: all at time 0 (use with concurrency)
+  LengthDistribution input;
+  LengthDistribution output;
+  uint64_t seed = 1;
+};
+// Poisson arrivals (exponential gaps), lengths drawn independently; prompts share no prefix.
+Schedule MakeSyntheticSchedule(const SyntheticOptions& options);
+
+// Changes that fit a schedule to the machine. Each is reported (TransformReport) with the run.
+struct TraceTransform {
+  double time_scale = 1.0;      // multiplies arrival times: 10 replays 10x slower
+  double length_scale = 1.0;    // multiplies input/output lengths and the block size
+  int64_t max_input_tokens = 0;   // 0: no cap; longer prompts are truncated (prefix kept)
+  int64_t max_output_tokens = 0;  // 0: no cap
+  double sample_fraction = 1.0;   // keep each request with this probability (seeded)
+  int64_t max_requests = 0;       // 0: all; else the first N kept requests
+  double start_s = 0;             // drop requests before this trace time; times re-based to it
+  double duration_s = 0;          // 0: all; else drop requests after start_s + duration_s
+  uint64_t seed = 1;
+};
+
+struct TransformReport {
+  int64_t requests_in = 0;
+  int64_t requests_out = 0;
+  int64_t inputs_capped = 0;
+  int64_t outputs_capped = 0;
+  double span_in_s = 0;   // last arrival - first arrival, before
+  double span_out_s = 0;  // after
+};
+
+// Applies `transform` in this order: window (start/duration), sub-sample, max_requests, length
+// scale, caps, time scale. INVALID_ARGUMENT for non-positive scales or a fraction outside (0, 1].
+absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTransform& transform,
+                                        TransformReport* report);
+
+// The prompt of `request`: block j (< hash_ids.size()) is `block_tokens` tokens derived only from
+// hash_ids[j], so requests sharing ids share those prefix tokens; tokens past the named blocks are
+// unique to the request. Truncated to input_tokens. Ids are in [1, vocab_size).
+// REQUIRES: vocab_size >= 2, block_tokens >= 1.
+std::vector<uint32_t> BuildPrompt(const TraceRequest& request, int64_t block_tokens,
+                                  uint32_t vocab_size);
+
+}  // namespace fluxion::cluster
+
+#endif  // FLUXION_CLUSTER_TRACE_H_

@@ -1,0 +1,154 @@
+#include "cluster/trace.h"
+
+#include <cstdlib>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace fluxion::cluster {
+namespace {
+
+std::string WriteTemp(const std::string& text) {
+  std::string path = ::testing::TempDir() + "/trace_test.jsonl";
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(TraceTest, LoadsMooncakeLinesSortedByTime) {
+  std::string path = WriteTemp(
+      "{\"timestamp\": 3000, \"input_length\": 1000, \"output_length\": 5, \"hash_ids\": [0, 1]}\n"
+      "\n"
+      "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 7, \"hash_ids\": "
+      "[0, 18446744073709551615]}\n");
+  auto schedule = LoadMooncakeTrace(path);
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  ASSERT_EQ(schedule->requests.size(), 2u);
+  EXPECT_EQ(schedule->block_tokens, 512);
+  EXPECT_EQ(schedule->requests[0].arrival_s, 0);
+  EXPECT_EQ(schedule->requests[0].output_tokens, 7);
+  EXPECT_EQ(schedule->requests[0].hash_ids[1], 18446744073709551615ULL);  // no 32-bit truncation
+  EXPECT_EQ(schedule->requests[1].arrival_s, 3);
+  EXPECT_EQ(schedule->requests[1].input_tokens, 1000);
+}
+
+TEST(TraceTest, MalformedLineIsInvalidArgumentNamingTheLine) {
+  std::string path = WriteTemp(
+      "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5}\n"
+      "{\"timestamp\": 1, \"input_length\": \"ten\", \"output_length\": 5}\n");
+  auto schedule = LoadMooncakeTrace(path);
+  EXPECT_EQ(schedule.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(schedule.status().message().find(":2:"), std::string::npos) << schedule.status();
+  EXPECT_EQ(LoadMooncakeTrace("/nonexistent.jsonl").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(TraceTest, SharedTracesLoadWhenPresent) {
+  const char* root = std::getenv("FLUXION_SOURCE_DIR");
+  std::string path = std::string(root ? root : ".") + "/../shared/traces/mooncake_synthetic_trace.jsonl";
+  if (!std::ifstream(path)) GTEST_SKIP() << "no " << path;
+  auto schedule = LoadMooncakeTrace(path);
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  EXPECT_EQ(schedule->requests.size(), 3993u);
+}
+
+TEST(TraceTest, SharedHashIdsGiveSharedPrefixes) {
+  TraceRequest a{0, 1200, 1, {7, 8, 9}, 0};
+  TraceRequest b{0, 1100, 1, {7, 8, 10}, 1};
+  std::vector<uint32_t> pa = BuildPrompt(a, 512, 256), pb = BuildPrompt(b, 512, 256);
+  ASSERT_EQ(pa.size(), 1200u);
+  ASSERT_EQ(pb.size(), 1100u);
+  EXPECT_TRUE(std::equal(pa.begin(), pa.begin() + 1024, pb.begin()));
+  int same_third_block = 0;
+  for (int i = 1024; i < 1100; ++i) same_third_block += pa[i] == pb[i];
+  EXPECT_LT(same_third_block, 10);
+  for (uint32_t t : pa) {
+    ASSERT_GE(t, 1u);
+    ASSERT_LT(t, 256u);
+  }
+  EXPECT_EQ(BuildPrompt(a, 512, 256), pa);  // deterministic
+}
+
+TEST(TraceTest, TokensBeyondNamedBlocksAreUniquePerRequest) {
+  TraceRequest a{0, 64, 1, {}, 0}, b{0, 64, 1, {}, 1};
+  EXPECT_NE(BuildPrompt(a, 512, 32000), BuildPrompt(b, 512, 32000));
+}
+
+Schedule Uniform(int n) {
+  Schedule s;
+  for (int i = 0; i < n; ++i) s.requests.push_back({i * 1.0, 1000, 100, {1, 2}, i});
+  return s;
+}
+
+TEST(TraceTest, TransformScalesTimeAndLengthsAndReportsCaps) {
+  TraceTransform t;
+  t.time_scale = 10;
+  t.length_scale = 0.5;
+  t.max_input_tokens = 400;
+  t.max_output_tokens = 20;
+  TransformReport report;
+  auto out = ApplyTransform(Uniform(5), t, &report);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->block_tokens, 256);
+  EXPECT_EQ(out->requests[3].arrival_s, 30);
+  EXPECT_EQ(out->requests[3].input_tokens, 400);   // 500 after scaling, then capped
+  EXPECT_EQ(out->requests[3].output_tokens, 20);   // 50 after scaling, then capped
+  EXPECT_EQ(out->requests[3].hash_ids.size(), 2u);  // 400 tokens still span 2 blocks of 256
+  EXPECT_EQ(report.inputs_capped, 5);
+  EXPECT_EQ(report.outputs_capped, 5);
+  EXPECT_EQ(report.span_in_s, 4);
+  EXPECT_EQ(report.span_out_s, 40);
+}
+
+TEST(TraceTest, TransformWindowSubsampleAndLimitAreDeterministic) {
+  TraceTransform t;
+  t.start_s = 100;
+  t.duration_s = 799;
+  t.sample_fraction = 0.5;
+  t.seed = 42;
+  TransformReport report;
+  auto a = ApplyTransform(Uniform(1000), t, &report);
+  auto b = ApplyTransform(Uniform(1000), t, nullptr);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(report.requests_in, 1000);
+  EXPECT_GT(report.requests_out, 340);  // ~400 of the 800 in the window
+  EXPECT_LT(report.requests_out, 460);
+  ASSERT_EQ(a->requests.size(), b->requests.size());
+  for (size_t i = 0; i < a->requests.size(); ++i) {
+    EXPECT_EQ(a->requests[i].source_index, b->requests[i].source_index);
+  }
+  EXPECT_EQ(a->requests.front().arrival_s, 0);  // re-based
+  EXPECT_GE(a->requests.front().source_index, 100);
+  t.max_requests = 7;
+  EXPECT_EQ(ApplyTransform(Uniform(1000), t, nullptr)->requests.size(), 7u);
+  t.time_scale = 0;
+  EXPECT_EQ(ApplyTransform(Uniform(10), t, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TraceTest, SyntheticPoissonArrivalsHaveTheRequestedRate) {
+  SyntheticOptions o;
+  o.num_requests = 4001;
+  o.rate = 20;
+  o.input = *ParseLengthDistribution("uniform:10:20");
+  o.output = *ParseLengthDistribution("fixed:5");
+  Schedule s = MakeSyntheticSchedule(o);
+  ASSERT_EQ(s.requests.size(), 4001u);
+  double mean_gap = s.requests.back().arrival_s / 4000;
+  EXPECT_NEAR(mean_gap, 0.05, 0.005);
+  for (const TraceRequest& r : s.requests) {
+    ASSERT_GE(r.input_tokens, 10);
+    ASSERT_LE(r.input_tokens, 20);
+    ASSERT_EQ(r.output_tokens, 5);
+  }
+}
+
+TEST(TraceTest, LengthDistributionsParseOrExplain) {
+  EXPECT_TRUE(ParseLengthDistribution("normal:100:10").ok());
+  EXPECT_TRUE(ParseLengthDistribution("exponential:50").ok());
+  EXPECT_FALSE(ParseLengthDistribution("uniform:10").ok());
+  EXPECT_FALSE(ParseLengthDistribution("uniform:20:10").ok());
+  EXPECT_FALSE(ParseLengthDistribution("zipf:1").ok());
+  EXPECT_FALSE(ParseLengthDistribution("fixed:x").ok());
+}
+
+}  // namespace
+}  // namespace fluxion::cluster
