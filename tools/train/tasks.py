@@ -22,7 +22,7 @@ VOCAB = 264
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
 SYLLABLES = [c + v for c in CONSONANTS for v in VOWELS]  # 70
-UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+LOWER = "abcdefghijklmnopqrstuvwxyz"
 
 FIXED_SENTENCES = [
     "The grass is green.",
@@ -58,7 +58,8 @@ def key_word(rng):
 
 
 def var_name(rng):
-    return "".join(rng.choices(UPPER, k=5))
+    """5 lowercase letters (TASKS.md v2: v1's capitals confounded vt with the capital-copy failure)."""
+    return "".join(rng.choices(LOWER, k=5))
 
 
 def number7(rng):
@@ -97,11 +98,12 @@ def filler_sentence(rng):
 
 
 def passage_text(rng, n=256):
-    """Random filler sentences (random kind only) joined by spaces until >= n chars, cut to n."""
+    """Random filler sentences (random kind only, lowercased: TASKS.md v2) joined by spaces until
+    >= n chars, cut to n."""
     parts = []
     total = -1
     while total < n:
-        s = random_sentence(rng)
+        s = random_sentence(rng).lower()
         parts.append(s)
         total += 1 + len(s)
     return " ".join(parts)[:n]
@@ -183,8 +185,9 @@ def q_multiquery(ka, kb):
             " %s are " % (ka, kb, ka, kb))
 
 
-def q_vt(x):
-    return "What is the value of VAR %s? The value of VAR %s is " % (x, x)
+def q_vt(v):
+    """RULER's form (TASKS.md v2): name every variable that holds v, in chain order."""
+    return "Which variables hold the value %s? The variables that hold %s are " % (v, v)
 
 
 def q_aggregate(k):
@@ -247,9 +250,9 @@ def unit_vt(rng, u, ask_distractor=False):
     chain = ["VAR %s = %s." % (xs[0], v), "VAR %s = VAR %s." % (xs[1], xs[0]),
              "VAR %s = VAR %s." % (xs[2], xs[1])]
     dist = ["VAR %s = %s." % (ys[0], w), "VAR %s = VAR %s." % (ys[1], ys[0])]
-    queries = [lambda order: (q_vt(xs[2]), v)]
+    queries = [lambda order: (q_vt(v), ", ".join(xs))]
     if ask_distractor:
-        queries.append(lambda order: (q_vt(ys[1]), w))
+        queries.append(lambda order: (q_vt(w), ", ".join(ys)))
     return [chain, dist], queries
 
 
@@ -409,7 +412,7 @@ TRAIN_LABELS = ["needle", "multiquery", "multivalue", "vt", "aggregate", "passag
 
 def query_label(q):
     for prefix, lab in (("What is the special", 0), ("What are the special", 1),
-                        ("What are all the special", 2), ("What is the value", 3),
+                        ("What are all the special", 2), ("Which variables hold", 3),
                         ("List every", 4), ("Repeat passage", 5)):
         if q.startswith(prefix):
             return lab

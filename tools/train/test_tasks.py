@@ -11,7 +11,7 @@ SYL = "[bdfgklmnprstvz][aeiou]"
 KEY = "(?:%s){4}" % SYL
 NUM = "[1-9][0-9]{6}"
 VAL = "[1-9][0-9]{4}"
-VAR = "[A-Z]{5}"
+VAR = "[a-z]{5}"
 TAGW = "(?:%s){2,3}" % SYL
 WORD = "(?:%s){1,3}" % SYL
 RAND_SENT = r"[BDFGKLMNPRSTVZ][aeiou](?:%s){0,2}(?: %s){3,9}\." % (SYL, WORD)
@@ -21,14 +21,14 @@ QUESTION = {
     "niah_multikey": r"What is the special magic number for (%s)\? The special magic number for \1 is " % KEY,
     "niah_multivalue": r"What are all the special magic numbers for (%s)\? The special magic numbers for \1 are " % KEY,
     "niah_multiquery": r"What are the special magic numbers for (%s) and (%s)\? The special magic numbers for \1 and \2 are " % (KEY, KEY),
-    "vt": r"What is the value of VAR (%s)\? The value of VAR \1 is " % VAR,
+    "vt": r"Which variables hold the value (%s)\? The variables that hold \1 are " % VAL,
     "aggregate": r"List every (%s) tag\. The \1 tags are " % KEY,
     "passage": r"Repeat passage (%s)\. Passage \1 begins: " % KEY,
 }
 ANSWER = {
     "niah_single": NUM, "niah_multikey": NUM, "niah_multivalue": "%s(?:, %s){3}" % (NUM, NUM),
-    "niah_multiquery": "%s, %s" % (NUM, NUM), "vt": VAL, "aggregate": "%s(?:, %s){1,5}" % (TAGW, TAGW),
-    "passage": ".{256}",
+    "niah_multiquery": "%s, %s" % (NUM, NUM), "vt": "%s, %s, %s" % (VAR, VAR, VAR), "aggregate": "%s(?:, %s){1,5}" % (TAGW, TAGW),
+    "passage": "[a-z .]{256}",  # v2: lowercase
 }
 ITEM = [r"The special magic number for %s is %s\." % (KEY, NUM),
         r"VAR %s = (?:%s|VAR %s)\." % (VAR, VAL, VAR),
@@ -89,10 +89,11 @@ def check_sample(s):
         for x in items:
             a, b = re.match(r"VAR (\S+) = (.+)\.", x).groups()
             env[a] = env[b[4:]] if b.startswith("VAR ") else b
-        x3 = re.search(VAR, q).group(0)
-        assert env[x3] == s["answer"]
-        chain = [x for x in items if x3 in x]
-        assert len(chain) == 1
+        v = re.search(VAL, q).group(0)
+        # every variable holding v, in haystack order (= chain order): 3 of the 5
+        holders = [re.match(r"VAR (\S+)", x).group(1) for x in items]
+        holders = [a for a in holders if env[a] == v]
+        assert s["answer"] == ", ".join(holders) and len(holders) == 3
     elif t == "aggregate":
         k = re.search(KEY, q).group(0)
         mine = [re.search("is (%s)" % TAGW, x).group(1) for x in items if " %s " % k in x]
