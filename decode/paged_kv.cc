@@ -21,6 +21,59 @@ absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const K
   return std::unique_ptr<PagedKv>(new PagedKv(arena, shape));
 }
 
+absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Adopt(KvArena* arena, const KvShape& shape,
+                                                         std::vector<PageRun> runs,
+                                                         absl::Span<const int32_t> pages,
+                                                         int64_t tokens) {
+  auto created = Create(arena, shape);
+  if (!created.ok()) {
+    absl::Status s = arena->Free(runs);
+    (void)s;  // the caller's runs: a failure here would be its bug, reported by Free's counters
+    return created.status();
+  }
+  std::unique_ptr<PagedKv> kv = std::move(*created);
+  kv->runs_ = std::move(runs);  // owned from here on, whatever happens below
+  const int64_t pt = shape.page_tokens, d = shape.head_dim;
+  const int64_t per_head = (tokens + pt - 1) / pt;
+  if (tokens <= 0 ||
+      static_cast<int64_t>(pages.size()) != shape.num_layers * shape.num_kv_heads * per_head) {
+    return absl::InvalidArgumentError(absl::StrCat(pages.size(), " pages cannot hold ", tokens,
+                                                   " tokens of every layer and KV head"));
+  }
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    kv->lengths_[layer] = tokens;
+    for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+      const size_t index = kv->Index(static_cast<int>(layer), static_cast<int>(h));
+      auto& table = kv->pages_[index];
+      table.assign(pages.begin() + index * per_head, pages.begin() + (index + 1) * per_head);
+      PageMeta& meta = kv->meta_[index];
+      meta.min.assign(per_head * d, INFINITY);
+      meta.max.assign(per_head * d, -INFINITY);
+      meta.mean.assign(per_head * d, 0.0f);
+      for (int64_t page = 0; page < per_head; ++page) {
+        if (table[page] < 0 || table[page] >= arena->num_pages()) {
+          return absl::InvalidArgumentError(absl::StrCat("page id ", table[page], " is outside the arena"));
+        }
+        const bf16* kp = reinterpret_cast<const bf16*>(arena->page(table[page]));
+        const int64_t valid = std::min(pt, tokens - page * pt);
+        float* mn = meta.min.data() + page * d;
+        float* mx = meta.max.data() + page * d;
+        float* mean = meta.mean.data() + page * d;
+        for (int64_t slot = 0; slot < valid; ++slot) {
+          const float w = 1.0f / static_cast<float>(slot + 1);
+          for (int64_t t = 0; t < d; ++t) {
+            const float kr = Bf16ToFloat(kp[slot * d + t]);
+            mn[t] = std::min(mn[t], kr);
+            mx[t] = std::max(mx[t], kr);
+            mean[t] += (kr - mean[t]) * w;
+          }
+        }
+      }
+    }
+  }
+  return kv;
+}
+
 PagedKv::PagedKv(KvArena* arena, const KvShape& shape)
     : arena_(arena),
       shape_(shape),

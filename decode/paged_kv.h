@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/half.h"
 #include "decode/kv_arena.h"
 #include "kernels/paged_attention.h"
@@ -36,6 +37,16 @@ class PagedKv {
   // An empty sequence whose pages come from `arena`, which must outlive it and have pages of at
   // least shape.page_bytes(). InvalidArgument for a mismatched arena.
   static absl::StatusOr<std::unique_ptr<PagedKv>> Create(KvArena* arena, const KvShape& shape);
+  // A sequence of `tokens` tokens per layer whose pages are already reserved and filled (the
+  // prompt's KV written by a prefill node into pages the decode node reserved). `pages` lists
+  // every page in PAGE_ORDER_LAYER_HEAD_PAGE: entry (layer * num_kv_heads + head) * P + i is
+  // logical page i of (layer, head), P = ceil(tokens / page_tokens). `runs` are the reserved runs
+  // holding them; the sequence owns them from now on and frees them on destruction, also when
+  // this call fails. Page metadata is computed from the stored keys.
+  static absl::StatusOr<std::unique_ptr<PagedKv>> Adopt(KvArena* arena, const KvShape& shape,
+                                                        std::vector<PageRun> runs,
+                                                        absl::Span<const int32_t> pages,
+                                                        int64_t tokens);
   ~PagedKv();
   PagedKv(const PagedKv&) = delete;
   PagedKv& operator=(const PagedKv&) = delete;

@@ -60,6 +60,26 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
   return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
 }
 
+absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
+    std::unique_ptr<PagedKv> kv, const model::AttentionShape& shape,
+    const sparse::PolicyConfig& policy, const model::SparseState* state) {
+  const int64_t group = shape.num_heads / shape.num_kv_heads;
+  const int64_t page_tokens = kv->shape().page_tokens;
+  if (!kernels::cpu::PagedAttentionSupported(shape.head_dim, group, page_tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CPU paged kernel does not support head_dim ", shape.head_dim,
+                     ", GQA group ", group, ", page_tokens ", page_tokens));
+  }
+  std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      FLUXION_RETURN_IF_ERROR(
+          p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
+    }
+  }
+  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
+}
+
 absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
                                       const float* k, const float* v, float* out) {
   if (layer < 0 || layer >= shape_.num_layers) {

@@ -40,6 +40,12 @@ class SparseAttention : public model::SequenceAttention {
       const model::DenseAttention& prefilled, const sparse::PolicyConfig& policy,
       const model::SparseState* state = nullptr);
 
+  // Decodes over `kv`, whose prompt pages are already filled (PagedKv::Adopt: the served path,
+  // where a prefill node wrote them). `state` as for FromDense; null for policies that need none.
+  static absl::StatusOr<std::unique_ptr<SparseAttention>> FromPages(
+      std::unique_ptr<PagedKv> kv, const model::AttentionShape& shape,
+      const sparse::PolicyConfig& policy, const model::SparseState* state);
+
   // n == 1 (decode): the policy's rows. n > 1 (more prompt): causal full attention over pages.
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
                        const float* v, float* out) override;

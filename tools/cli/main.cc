@@ -10,6 +10,10 @@
 #include "bench/eval/eval_command.h"
 #include "cluster/replay_command.h"
 #include "model/commands.h"
+#ifdef FLUXION_HAVE_SERVICES
+#include "decode/serve_command.h"
+#include "prefill/commands.h"
+#endif
 
 namespace {
 
@@ -29,6 +33,12 @@ const std::vector<Subcommand>& Subcommands() {
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
       {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
        fluxion::cluster::RunReplayCommand},
+#ifdef FLUXION_HAVE_SERVICES
+      {"prefill", "serve PrefillService: compute prompts, write KV into decode nodes over UCX",
+       fluxion::prefill::RunPrefillCommand},
+      {"decode", "serve DecodeService: admit, batch and decode requests over host KV",
+       fluxion::decode::RunDecodeCommand},
+#endif
   };
   return *commands;
 }

@@ -1,0 +1,147 @@
+#include "decode/batch_scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace fluxion::decode {
+
+Finish AcceptToken(DecodeRequest& r, int32_t token) {
+  r.last_token = token;
+  ++r.completion_tokens;
+  Finish finish = Finish::kNone;
+  if (std::find(r.stop_ids.begin(), r.stop_ids.end(), token) != r.stop_ids.end()) {
+    finish = Finish::kStop;
+  } else if (r.completion_tokens >= r.max_tokens ||
+             (r.context_limit > 0 && r.seq != nullptr && r.seq->length() + 1 >= r.context_limit)) {
+    finish = Finish::kLength;
+  }
+  absl::MutexLock lock(&r.mu);
+  r.pending.push_back(token);
+  if (finish == Finish::kStop) r.matched_stop = token;
+  return finish;
+}
+
+void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
+  const double fraction = r.attention != nullptr ? r.attention->attended_fraction() : 1.0;
+  r.attention = nullptr;
+  r.seq.reset();  // returns the request's pages to the arena
+  absl::MutexLock lock(&r.mu);
+  if (r.finish == Finish::kNone) {
+    r.finish = finish;
+    r.error = std::move(error);
+    r.read_fraction = fraction;
+  }
+}
+
+BatchScheduler::BatchScheduler(const model::Model* model, KvAdmission* admission,
+                               int64_t growth_pages, int64_t page_tokens)
+    : model_(model),
+      admission_(admission),
+      growth_pages_(growth_pages),
+      page_tokens_(page_tokens),
+      thread_([this] { Loop(); }) {}
+
+BatchScheduler::~BatchScheduler() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+  for (auto& r : running_) End(*r, Finish::kError, absl::UnavailableError("decode node shutting down"));
+  absl::MutexLock lock(&mu_);
+  for (auto& r : joining_) End(*r, Finish::kError, absl::UnavailableError("decode node shutting down"));
+}
+
+void BatchScheduler::Join(std::shared_ptr<DecodeRequest> r) {
+  absl::MutexLock lock(&mu_);
+  joining_.push_back(std::move(r));
+}
+
+double BatchScheduler::recent_step_ms() const {
+  absl::MutexLock lock(&mu_);
+  if (absl::Now() - last_step_ > absl::Seconds(10)) return 0;
+  return step_ms_;
+}
+
+void BatchScheduler::End(DecodeRequest& r, Finish finish, absl::Status error) {
+  EndRequest(r, finish, std::move(error));
+  admission_->Notify();
+}
+
+void BatchScheduler::Loop() {
+  std::vector<float> logits;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !joining_.empty() || !running_.empty();
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+      if (stop_) return;
+      for (auto& r : joining_) running_.push_back(std::move(r));
+      joining_.clear();
+    }
+    running_count_ = static_cast<int64_t>(running_.size());
+    if (running_.empty()) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < running_.size(); ++i) {
+      DecodeRequest& r = *running_[i];
+      if (r.seq == nullptr) continue;  // preempted earlier in this step
+      if (r.abort.load()) {
+        End(r, Finish::kAbort, absl::OkStatus());
+        continue;
+      }
+      if (r.seq->length() % page_tokens_ == 0) {
+        // The next token starts a page in every layer and head: make room by the rule.
+        while (admission_->arena()->counters().free < growth_pages_) {
+          DecodeRequest* victim = nullptr;
+          for (auto& other : running_) {
+            if (other->seq != nullptr &&
+                (victim == nullptr || other->admission_seq > victim->admission_seq)) {
+              victim = other.get();
+            }
+          }
+          if (victim == nullptr) break;
+          ++preempted_;
+          End(*victim, Finish::kError,
+              absl::ResourceExhaustedError(absl::StrCat(
+                  "preempted: the KV arena ran out of pages while ", running_.size(),
+                  " requests were decoding; the youngest request is ended so that older ones "
+                  "finish (docs/SERVING.md). Retry with fewer max_tokens or on another node")));
+          if (victim == &r) break;
+        }
+        if (r.seq == nullptr) continue;
+      }
+      const auto ts = std::chrono::steady_clock::now();
+      absl::Status s = model_->Forward(*r.seq, absl::MakeConstSpan(&r.last_token, 1), &logits);
+      if (!s.ok()) {
+        End(r, Finish::kError,
+            absl::Status(s.code(), absl::StrCat("decode step failed: ", s.message())));
+        continue;
+      }
+      const int32_t token = r.sampler->Sample(logits);
+      const uint64_t step_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now() - ts)
+                                   .count();
+      {
+        absl::MutexLock lock(&r.mu);
+        r.max_step_us = std::max(r.max_step_us, step_us);
+      }
+      const Finish finish = AcceptToken(r, token);
+      if (finish != Finish::kNone) End(r, finish, absl::OkStatus());
+    }
+    running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                  [](const auto& r) { return r->seq == nullptr; }),
+                   running_.end());
+    running_count_ = static_cast<int64_t>(running_.size());
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    absl::MutexLock lock(&mu_);
+    step_ms_ = step_ms_ == 0 ? ms : 0.9 * step_ms_ + 0.1 * ms;
+    last_step_ = absl::Now();
+  }
+}
+
+}  // namespace fluxion::decode

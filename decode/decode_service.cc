@@ -1,0 +1,526 @@
+#include "decode/decode_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+#include "decode/paged_kv.h"
+#include "decode/sparse/policy.h"
+#include "decode/sparse_attention.h"
+#include "model/sparse_state.h"
+#include "proto/convert.h"
+#include "transfer/crc32c.h"
+
+namespace fluxion::decode {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+using Clock = std::chrono::steady_clock;
+
+uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
+  return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
+}
+
+// The first `n` pages of `runs` and the rest, in order.
+void SplitRuns(const std::vector<PageRun>& runs, int64_t n, std::vector<PageRun>* head,
+               std::vector<PageRun>* tail) {
+  for (const PageRun& r : runs) {
+    const int64_t take = std::min<int64_t>(n, r.count);
+    if (take > 0) head->push_back({r.first, static_cast<int32_t>(take)});
+    if (take < r.count) tail->push_back({r.first + static_cast<int32_t>(take),
+                                         r.count - static_cast<int32_t>(take)});
+    n -= take;
+  }
+}
+
+bool PolicyNeedsState(const std::string& name) {
+  return name == "lfps" || name == "lfps_paper" || name == "fluxion";
+}
+
+uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
+  return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
+}
+
+}  // namespace
+
+DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
+                                     KvAdmission* admission, BatchScheduler* scheduler,
+                                     const transfer::Transport* transport,
+                                     const transfer::PeerDescriptor& arena_descriptor,
+                                     const v1::ServerInfo& info,
+                                     const DecodeServiceOptions& options)
+    : model_(model),
+      arena_(arena),
+      admission_(admission),
+      scheduler_(scheduler),
+      transport_(transport),
+      arena_descriptor_(arena_descriptor),
+      info_(info),
+      options_(options),
+      prefill_client_(options.abort_wait) {}
+
+grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
+                                         const v1::GenerateRequest* request,
+                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const Clock::time_point t_arrival = Clock::now();
+  const absl::Time arrival = absl::Now();
+  const model::ModelConfig& config = model_->config();
+  const model::AttentionShape shape = model_->attention_shape();
+  const int64_t n = request->prompt_token_ids_size();
+  auto reject = [this](absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    ++metrics_.rejected;
+    return ToGrpcStatus(s);
+  };
+
+  // 1. Validate: everything a client can get wrong is INVALID_ARGUMENT naming the field.
+  const std::string& id = request->request_id();
+  if (id.empty() || id.size() > 128) {
+    return reject(absl::InvalidArgumentError(
+        absl::StrCat("request_id must be 1 to 128 bytes, got ", id.size())));
+  }
+  if (request->protocol_version() > 1) {
+    return reject(absl::FailedPreconditionError(absl::StrCat(
+        "protocol_version ", request->protocol_version(), " is newer than this server's 1")));
+  }
+  if (n == 0) return reject(absl::InvalidArgumentError("prompt_token_ids is empty"));
+  for (int64_t i = 0; i < n; ++i) {
+    if (request->prompt_token_ids(i) >= static_cast<uint64_t>(config.vocab_size)) {
+      return reject(absl::InvalidArgumentError(
+          absl::StrCat("prompt_token_ids[", i, "] = ", request->prompt_token_ids(i),
+                       " is outside the model's vocabulary [0, ", config.vocab_size, ")")));
+    }
+  }
+  const int64_t context_limit = config.max_position_embeddings;
+  if (context_limit > 0 && n >= context_limit) {
+    return reject(absl::InvalidArgumentError(
+        absl::StrCat("prompt of ", n, " tokens leaves no room in the model's ", context_limit,
+                     "-token context")));
+  }
+  absl::StatusOr<model::SamplingParams> sampling = proto::SamplingFromProto(request->sampling());
+  if (!sampling.ok()) return reject(sampling.status());
+  const v1::SamplingParams& sp = request->sampling();
+  if (sp.has_max_tokens() && sp.max_tokens() == 0) {
+    return reject(absl::InvalidArgumentError("sampling.max_tokens must be >= 1 when set"));
+  }
+  for (uint32_t stop : sp.stop_token_ids()) {
+    if (stop >= static_cast<uint64_t>(config.vocab_size)) {
+      return reject(absl::InvalidArgumentError(absl::StrCat(
+          "sampling.stop_token_ids holds ", stop, ", outside the vocabulary [0, ",
+          config.vocab_size, ")")));
+    }
+  }
+  const int64_t max_tokens = sp.has_max_tokens()
+                                 ? static_cast<int64_t>(sp.max_tokens())
+                                 : (context_limit > 0 ? context_limit - n : int64_t{1} << 30);
+  std::string policy_name = options_.default_policy;
+  double budget = options_.default_budget;
+  if (request->has_sparse() && !request->sparse().policy().empty()) {
+    policy_name = request->sparse().policy();
+  }
+  const bool fixed_budget = policy_name == "full" || policy_name.rfind("fixed_", 0) == 0;
+  if (request->has_sparse() && request->sparse().has_budget()) {
+    if (fixed_budget) {
+      return reject(absl::InvalidArgumentError(absl::StrCat(
+          "sparse.budget must be absent for policy '", policy_name, "', whose name fixes it")));
+    }
+    budget = request->sparse().budget();
+  }
+  if (policy_name == "full") budget = 1.0;
+  absl::StatusOr<sparse::PolicyConfig> policy = sparse::ParsePolicy(policy_name, budget);
+  if (!policy.ok()) {
+    return reject(absl::InvalidArgumentError(absl::StrCat("sparse: ", policy.status().message())));
+  }
+  const std::string prefill_address =
+      request->has_prefill_address() ? request->prefill_address() : options_.prefill_address;
+  if (prefill_address.empty()) {
+    return reject(absl::FailedPreconditionError(
+        "no prefill node: set GenerateRequest.prefill_address or start the decode node with "
+        "--prefill-address"));
+  }
+
+  auto live = std::make_shared<Live>();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!live_.emplace(id, live).second) {
+      ++metrics_.rejected;
+      return ToGrpcStatus(absl::AlreadyExistsError(
+          absl::StrCat("request '", id, "' is already live on this decode node")));
+    }
+    ++metrics_.requests_started;
+  }
+  struct Unregister {
+    DecodeServiceImpl* self;
+    const std::string& id;
+    ~Unregister() {
+      absl::MutexLock lock(&self->mu_);
+      self->live_.erase(id);
+    }
+  } unregister{this, id};
+
+  absl::Time deadline = absl::FromChrono(context->deadline());
+  if (request->has_timeout_ms()) {
+    deadline = std::min(deadline, arrival + absl::Milliseconds(request->timeout_ms()));
+  }
+  auto cancelled = [&] { return context->IsCancelled() || live->aborted.load(); };
+  v1::Usage usage;
+  usage.set_prompt_tokens(static_cast<uint32_t>(n));
+  v1::GenerateTiming timing;
+  auto count = [this](uint64_t DecodeMetrics::*field) {
+    absl::MutexLock lock(&mu_);
+    ++(metrics_.*field);
+  };
+  // Ends a request cancelled before it joined the batch.
+  auto end_cancelled = [&]() -> grpc::Status {
+    count(&DecodeMetrics::finished_abort);
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    v1::GenerateResponse msg;
+    v1::GenerateComplete* done = msg.mutable_complete();
+    done->set_finish_reason(v1::FINISH_REASON_ABORT);
+    *done->mutable_usage() = usage;
+    timing.set_queue_us(MicrosBetween(t_arrival, Clock::now()));
+    *done->mutable_timing() = timing;
+    done->set_sparse_policy(sparse::PolicyLabel(*policy));
+    absl::MutexLock lock(&mu_);
+    done->set_abort_reason(live->abort_reason);
+    writer->WriteLast(msg, grpc::WriteOptions());
+    return grpc::Status::OK;
+  };
+
+  // 2. Admission: pages for every layer and KV head of the prompt, plus room for the sparse state.
+  const int64_t pt = options_.page_tokens;
+  const int64_t per_head = (n + pt - 1) / pt;
+  const int64_t kv_pages = shape.num_layers * shape.num_kv_heads * per_head;
+  const bool needs_state = PolicyNeedsState(policy->name);
+  const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
+  const int64_t state_pages =
+      needs_state ? static_cast<int64_t>((state_bytes + arena_->page_bytes() - 1) /
+                                         arena_->page_bytes())
+                  : 0;
+  absl::StatusOr<std::vector<PageRun>> reserved = admission_->Reserve(
+      kv_pages + state_pages, std::min(deadline, absl::Now() + options_.admission_timeout),
+      cancelled);
+  if (!reserved.ok()) {
+    if (reserved.status().code() == absl::StatusCode::kCancelled) return end_cancelled();
+    return reject(reserved.status());
+  }
+  const Clock::time_point t_admitted = Clock::now();
+  timing.set_queue_us(MicrosBetween(t_arrival, t_admitted));
+  std::vector<PageRun> kv_runs, state_runs;
+  SplitRuns(*reserved, kv_pages, &kv_runs, &state_runs);
+
+  // 3. Prefill: the prefill node writes the KV into kv_runs and the state into state_runs.
+  v1::PrefillRequest prefill;
+  prefill.set_request_id(id);
+  *prefill.mutable_prompt_token_ids() = request->prompt_token_ids();
+  *prefill.mutable_sampling() = request->sampling();
+  if (!sp.has_seed()) prefill.mutable_sampling()->set_seed(sampling->seed);
+  v1::KvTarget* kv = prefill.mutable_kv_target();
+  kv->set_transport(arena_descriptor_.transport);
+  kv->set_peer_name(arena_descriptor_.peer_name);
+  kv->set_worker_address(arena_descriptor_.worker_address);
+  kv->set_remote_key(arena_descriptor_.remote_key);
+  kv->set_arena_base_address(arena_descriptor_.base_address);
+  kv->set_arena_bytes(arena_descriptor_.length);
+  kv->set_page_bytes(arena_->page_bytes());
+  for (const PageRun& r : kv_runs) {
+    v1::PageExtent* e = kv->add_extents();
+    e->set_first_page_id(r.first);
+    e->set_count(r.count);
+  }
+  kv->set_page_order(v1::PAGE_ORDER_LAYER_HEAD_PAGE);
+  kv->set_pages_per_head(static_cast<uint32_t>(per_head));
+  kv->set_checksum_algorithm(v1::CHECKSUM_ALGORITHM_CRC32C);
+  if (needs_state) {
+    v1::SparseStateTarget* st = prefill.mutable_sparse_target();
+    st->set_format_version(model::kSparseStateVersion);
+    st->set_base_address(arena_descriptor_.base_address);
+    for (const PageRun& r : state_runs) {
+      v1::ByteExtent* e = st->add_extents();
+      e->set_offset(static_cast<uint64_t>(r.first) * arena_->page_bytes());
+      e->set_length(static_cast<uint64_t>(r.count) * arena_->page_bytes());
+    }
+    st->set_observation_window_tokens(32);
+    st->set_score_block_tokens(1);
+  }
+  *prefill.mutable_layout() = info_.layout();
+  prefill.set_protocol_version(1);
+  live->prefilling = true;
+  PrefillOutcome outcome = prefill_client_.Call(
+      prefill_address, prefill, std::min(deadline, absl::Now() + options_.prefill_timeout),
+      cancelled);
+  live->prefilling = false;
+  const Clock::time_point t_prefilled = Clock::now();
+  timing.set_prefill_us(MicrosBetween(t_admitted, t_prefilled));
+  if (!outcome.response.ok()) {
+    if (outcome.peer_stopped) {
+      admission_->Free(*reserved);
+    } else {
+      // The call ended without the prefill node's answer: writes may still land. Quarantine.
+      admission_->Quarantine(*reserved, absl::Now() + options_.quarantine_lease);
+      count(&DecodeMetrics::quarantined_reservations);
+    }
+    if (cancelled()) return end_cancelled();
+    count(&DecodeMetrics::finished_error);
+    return ToGrpcStatus(outcome.response.status());
+  }
+  const v1::PrefillResponse& landed = *outcome.response;
+  timing.set_transfer_us(landed.timing().transfer_us());
+
+  // 4. Verify what landed, then hand the pages to the request's attention.
+  std::vector<int32_t> page_ids;
+  page_ids.reserve(kv_pages);
+  for (const PageRun& r : kv_runs) {
+    for (int32_t p = r.first; p < r.first + r.count; ++p) page_ids.push_back(p);
+  }
+  auto fail = [&](absl::Status s) -> grpc::Status {
+    count(&DecodeMetrics::finished_error);
+    return ToGrpcStatus(s);
+  };
+  const size_t content = KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, pt}.page_bytes();
+  if (landed.layer_checksums_size() != shape.num_layers) {
+    admission_->Free(*reserved);
+    return fail(absl::DataLossError(absl::StrCat("prefill node ", landed.node_name(), " sent ",
+                                                 landed.layer_checksums_size(),
+                                                 " layer checksums for ", shape.num_layers,
+                                                 " layers")));
+  }
+  const int64_t ppl = shape.num_kv_heads * per_head;
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    uint32_t crc = 0;
+    for (int64_t i = layer * ppl; i < (layer + 1) * ppl; ++i) {
+      crc = transfer::Crc32cExtend(crc, arena_->page(page_ids[i]), content);
+    }
+    if (crc != landed.layer_checksums(layer)) {
+      admission_->Free(*reserved);
+      count(&DecodeMetrics::checksum_failures);
+      return fail(absl::DataLossError(absl::StrFormat(
+          "KV of layer %d landed with CRC-32C %08x but prefill node %s sent %08x; the request "
+          "was not decoded (retry it)",
+          layer, crc, landed.node_name(), static_cast<uint32_t>(landed.layer_checksums(layer)))));
+    }
+  }
+  model::SparseState state;
+  if (needs_state) {
+    const uint64_t written = landed.sparse_state().bytes_written();
+    std::string blob;
+    for (const PageRun& r : state_runs) {
+      if (blob.size() >= written) break;
+      const uint64_t len = std::min<uint64_t>(written - blob.size(),
+                                              static_cast<uint64_t>(r.count) * arena_->page_bytes());
+      blob.append(reinterpret_cast<const char*>(arena_->page(r.first)), len);
+    }
+    absl::Status ok = absl::OkStatus();
+    if (blob.size() != written) {
+      ok = absl::DataLossError(absl::StrCat("sparse state of ", written,
+                                            " bytes does not fit the reserved room"));
+    } else if (transfer::Crc32c(blob.data(), blob.size()) != landed.sparse_state().checksum()) {
+      count(&DecodeMetrics::checksum_failures);
+      ok = absl::DataLossError("sparse state landed with a wrong CRC-32C; retry the request");
+    } else {
+      absl::StatusOr<model::SparseState> parsed = model::SparseState::Parse(blob);
+      if (parsed.ok()) {
+        state = std::move(*parsed);
+      } else {
+        ok = absl::DataLossError(absl::StrCat("sparse state: ", parsed.status().message()));
+      }
+    }
+    if (!ok.ok()) {
+      admission_->Free(*reserved);
+      return fail(ok);
+    }
+    admission_->Free(state_runs);  // parsed; the room is no longer needed
+  }
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, pt};
+  absl::StatusOr<std::unique_ptr<PagedKv>> paged =
+      PagedKv::Adopt(arena_, kv_shape, kv_runs, page_ids, n);  // owns kv_runs from here on
+  if (!paged.ok()) {
+    admission_->Notify();
+    return fail(absl::InternalError(absl::StrCat("adopting pages: ", paged.status().message())));
+  }
+  absl::StatusOr<std::unique_ptr<SparseAttention>> attention = SparseAttention::FromPages(
+      std::move(*paged), shape, *policy, needs_state ? &state : nullptr);
+  if (!attention.ok()) {
+    admission_->Notify();
+    return fail(absl::InternalError(absl::StrCat("policy setup: ", attention.status().message())));
+  }
+  auto r = std::make_shared<DecodeRequest>();
+  r->id = id;
+  r->admission_seq = ++admission_seq_;
+  r->attention = attention->get();
+  r->seq = std::make_unique<model::Sequence>(std::move(*attention), n);
+  r->sampler.emplace(*sampling);
+  r->stop_ids.assign(sp.stop_token_ids().begin(), sp.stop_token_ids().end());
+  if (!sp.ignore_eos()) {
+    for (int64_t eos : config.eos_token_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));
+  }
+  r->max_tokens = max_tokens;
+  r->context_limit = context_limit;
+  const Finish first = AcceptToken(*r, static_cast<int32_t>(landed.first_token_id()));
+  if (first != Finish::kNone) {
+    EndRequest(*r, first, absl::OkStatus());
+    admission_->Notify();
+  } else {
+    scheduler_->Join(r);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    live->request = r;
+  }
+
+  // 5. Stream until the request ends.
+  bool client_gone = false, deadline_hit = false;
+  uint32_t sent = 0;
+  Clock::time_point t_first_sent{};
+  Finish finish = Finish::kNone;
+  while (true) {
+    std::vector<int32_t> tokens;
+    {
+      absl::MutexLock lock(&r->mu);
+      auto ready = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+        return !r->pending.empty() || r->finish != Finish::kNone;
+      };
+      r->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(20));
+      tokens.swap(r->pending);
+      finish = r->finish;
+    }
+    if (!tokens.empty() && !client_gone) {
+      sent += static_cast<uint32_t>(tokens.size());
+      v1::GenerateResponse msg;
+      v1::GenerateChunk* chunk = msg.mutable_chunk();
+      for (int32_t t : tokens) chunk->add_token_ids(static_cast<uint32_t>(t));
+      chunk->set_completion_tokens(sent);
+      if (t_first_sent == Clock::time_point{}) {
+        t_first_sent = Clock::now();
+        timing.set_ttft_us(MicrosBetween(t_arrival, t_first_sent));
+      }
+      if (!writer->Write(msg)) {
+        client_gone = true;
+        r->abort = true;
+      }
+    }
+    if (finish != Finish::kNone) break;
+    if (context->IsCancelled()) {
+      client_gone = true;
+      r->abort = true;
+    }
+    if (live->aborted.load()) r->abort = true;
+    if (!deadline_hit && absl::Now() >= deadline) {
+      deadline_hit = true;
+      r->abort = true;
+    }
+  }
+  const Clock::time_point t_end = Clock::now();
+  usage.set_completion_tokens(sent);
+  timing.set_decode_us(MicrosBetween(t_first_sent, t_end));
+  if (sent > 1) timing.set_tpot_mean_us(static_cast<double>(timing.decode_us()) / (sent - 1));
+  absl::Status error;
+  std::optional<int32_t> matched;
+  double read_fraction = 1.0;
+  {
+    absl::MutexLock lock(&r->mu);
+    timing.set_tpot_max_us(r->max_step_us);
+    error = r->error;
+    matched = r->matched_stop;
+    read_fraction = r->read_fraction;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    metrics_.completion_tokens += sent;
+    switch (finish) {
+      case Finish::kStop: ++metrics_.finished_stop; break;
+      case Finish::kLength: ++metrics_.finished_length; break;
+      case Finish::kAbort: ++metrics_.finished_abort; break;
+      default: ++metrics_.finished_error;
+    }
+  }
+  if (client_gone) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  v1::GenerateResponse msg;
+  if (finish == Finish::kError || (finish == Finish::kAbort && deadline_hit)) {
+    if (finish == Finish::kAbort) {
+      error = absl::DeadlineExceededError(absl::StrCat(
+          "request '", id, "' ran out of its time budget after ", sent, " tokens"));
+    }
+    v1::GenerateError* e = msg.mutable_error();
+    e->set_code(static_cast<int32_t>(error.code()));
+    e->set_message(std::string(error.message()));
+    *e->mutable_usage() = usage;
+    *e->mutable_timing() = timing;
+    writer->WriteLast(msg, grpc::WriteOptions());
+    return ToGrpcStatus(error);
+  }
+  v1::GenerateComplete* done = msg.mutable_complete();
+  done->set_finish_reason(finish == Finish::kStop     ? v1::FINISH_REASON_STOP
+                          : finish == Finish::kLength ? v1::FINISH_REASON_LENGTH
+                                                      : v1::FINISH_REASON_ABORT);
+  if (matched.has_value()) done->set_matched_stop_token_id(static_cast<uint32_t>(*matched));
+  *done->mutable_usage() = usage;
+  *done->mutable_timing() = timing;
+  done->set_sparse_policy(sparse::PolicyLabel(*policy));
+  done->set_read_fraction(static_cast<float>(read_fraction));
+  if (finish == Finish::kAbort) {
+    absl::MutexLock lock(&mu_);
+    done->set_abort_reason(live->abort_reason);
+  }
+  writer->WriteLast(msg, grpc::WriteOptions());
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeServiceImpl::Abort(grpc::ServerContext* context,
+                                      const v1::AbortRequest* request,
+                                      v1::AbortResponse* response) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : request->request_ids()) {
+    auto it = live_.find(id);
+    if (it == live_.end()) continue;
+    it->second->abort_reason = request->reason();
+    it->second->aborted = true;
+    response->add_aborted_request_ids(id);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeServiceImpl::GetLoad(grpc::ServerContext* context,
+                                        const v1::GetLoadRequest* request,
+                                        v1::DecodeLoad* response) {
+  const KvArenaCounters c = arena_->counters();
+  const model::AttentionShape shape = model_->attention_shape();
+  response->set_running_requests(static_cast<uint32_t>(scheduler_->running()));
+  uint32_t prefilling = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, live] : live_) prefilling += live->prefilling.load() ? 1 : 0;
+  }
+  response->set_prefilling_requests(prefilling);
+  response->set_waiting_requests(static_cast<uint32_t>(admission_->waiting()));
+  response->set_free_kv_pages(c.free);
+  response->set_total_kv_pages(c.total);
+  response->set_page_tokens(static_cast<uint32_t>(options_.page_tokens));
+  response->set_kv_usage(c.total > 0 ? 1.0f - static_cast<float>(c.free) / c.total : 0.0f);
+  const int64_t usable = std::max<int64_t>(0, c.free - admission_->headroom_pages());
+  response->set_admittable_prompt_tokens(
+      static_cast<uint64_t>(usable / (shape.num_layers * shape.num_kv_heads)) *
+      options_.page_tokens);
+  response->set_recent_step_ms(static_cast<float>(scheduler_->recent_step_ms()));
+  *response->mutable_server() = info_;
+  return grpc::Status::OK;
+}
+
+DecodeMetrics DecodeServiceImpl::metrics() const {
+  DecodeMetrics m;
+  {
+    absl::MutexLock lock(&mu_);
+    m = metrics_;
+  }
+  m.preempted = scheduler_->preempted();
+  m.pages = arena_->counters();
+  m.transport = transport_->metrics();
+  return m;
+}
+
+}  // namespace fluxion::decode

@@ -1,0 +1,114 @@
+// fluxion.v1.DecodeService on the decode node: Generate (server streaming), Abort, GetLoad.
+//
+// Request lifecycle (docs/SERVING.md): validate -> admit (reserve prompt + sparse-state pages in
+// the arena, or wait in a bounded queue until the deadline) -> Prefill on a prefill node, which
+// writes the KV into those pages over UCX -> verify per-layer checksums, load the sparse state ->
+// join the continuous batch (BatchScheduler) -> stream chunks -> complete/error. Pages come back
+// at finish, abort and failure; when the prefill node's call ends without its reply (it died, the
+// connection broke) they are quarantined for a lease instead, since writes may still land.
+//
+// Thread-safe. Uses gRPC's synchronous server: a Generate call holds a server thread, which polls
+// for cancellation every 10-20 ms.
+#ifndef FLUXION_DECODE_DECODE_SERVICE_H_
+#define FLUXION_DECODE_DECODE_SERVICE_H_
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "decode/batch_scheduler.h"
+#include "decode/kv_admission.h"
+#include "decode/kv_arena.h"
+#include "decode/prefill_client.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "model/model.h"
+#include "transfer/transport.h"
+
+namespace fluxion::decode {
+
+struct DecodeServiceOptions {
+  // Prefill node used when a request names none ("host:port").
+  std::string prefill_address;
+  // Policy and budget for requests without GenerateRequest.sparse.
+  std::string default_policy = "fluxion";
+  double default_budget = 0.1;
+  int64_t page_tokens = 16;
+  // Longest a request waits for KV pages (also bounded by its own deadline).
+  absl::Duration admission_timeout = absl::Seconds(10);
+  // Bound on the Prefill call (also bounded by the request's deadline).
+  absl::Duration prefill_timeout = absl::Seconds(120);
+  // After sending Abort to a prefill node, how long to wait for its reply before giving up and
+  // quarantining the pages.
+  absl::Duration abort_wait = absl::Seconds(2);
+  // How long pages stay quarantined when a prefill node may still write into them (its call
+  // ended without a reply). Must exceed the prefill node's --transfer-timeout-ms plus UCX's
+  // keepalive for the guarantee to hold between hosts; on one host a dead process writes nothing.
+  absl::Duration quarantine_lease = absl::Seconds(30);
+};
+
+// Counters of the service, a plain snapshot (cluster/ exports them).
+struct DecodeMetrics {
+  uint64_t requests_started = 0;
+  uint64_t finished_stop = 0;
+  uint64_t finished_length = 0;
+  uint64_t finished_abort = 0;
+  uint64_t finished_error = 0;
+  uint64_t rejected = 0;       // refused before admission (bad arguments, no room)
+  uint64_t preempted = 0;
+  uint64_t checksum_failures = 0;
+  uint64_t quarantined_reservations = 0;
+  uint64_t completion_tokens = 0;
+  KvArenaCounters pages;
+  transfer::TransportMetrics transport;
+};
+
+class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
+ public:
+  // Everything passed must outlive the service. `arena_registration` is the arena registered with
+  // `transport` (remote_write); its descriptor goes into every Prefill request.
+  DecodeServiceImpl(const model::Model* model, KvArena* arena, KvAdmission* admission,
+                    BatchScheduler* scheduler, const transfer::Transport* transport,
+                    const transfer::PeerDescriptor& arena_descriptor,
+                    const fluxion::v1::ServerInfo& info, const DecodeServiceOptions& options);
+
+  grpc::Status Generate(grpc::ServerContext* context, const fluxion::v1::GenerateRequest* request,
+                        grpc::ServerWriter<fluxion::v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* context, const fluxion::v1::AbortRequest* request,
+                     fluxion::v1::AbortResponse* response) override;
+  grpc::Status GetLoad(grpc::ServerContext* context, const fluxion::v1::GetLoadRequest* request,
+                       fluxion::v1::DecodeLoad* response) override;
+
+  DecodeMetrics metrics() const;
+
+ private:
+  struct Live {
+    std::atomic<bool> aborted{false};
+    std::string abort_reason;  // guarded by the service's mu_
+    std::atomic<bool> prefilling{false};
+    std::shared_ptr<DecodeRequest> request;  // once it joined the batch
+  };
+  class Call;  // one Generate call's state machine (decode_service.cc)
+
+  const model::Model* const model_;
+  KvArena* const arena_;
+  KvAdmission* const admission_;
+  BatchScheduler* const scheduler_;
+  const transfer::Transport* const transport_;
+  const transfer::PeerDescriptor arena_descriptor_;
+  const fluxion::v1::ServerInfo info_;
+  const DecodeServiceOptions options_;
+  PrefillClient prefill_client_;
+  std::atomic<uint64_t> admission_seq_{0};
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);
+  DecodeMetrics metrics_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_DECODE_SERVICE_H_

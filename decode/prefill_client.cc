@@ -1,0 +1,88 @@
+#include "decode/prefill_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/grpc_status.h"
+
+namespace fluxion::decode {
+
+namespace v1 = ::fluxion::v1;
+
+std::shared_ptr<grpc::Channel> PrefillClient::ChannelFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(address);
+  if (it != channels_.end()) return it->second;
+  grpc::ChannelArguments args;
+  // A dead prefill node must surface as UNAVAILABLE quickly, not after TCP's own timeouts.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  channels_[address] = channel;
+  return channel;
+}
+
+PrefillOutcome PrefillClient::Call(const std::string& address, const v1::PrefillRequest& request,
+                                   absl::Time deadline, const std::function<bool()>& cancelled) {
+  auto channel = ChannelFor(address);
+  auto stub = v1::PrefillService::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::PrefillResponse response;
+  grpc::Status status;
+  absl::Notification done;
+  stub->async()->Prefill(&context, &request, &response, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  bool abort_sent = false, we_cancelled = false;
+  absl::Time give_up = absl::InfiniteFuture();
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(10))) {
+    if (!abort_sent && cancelled()) {
+      abort_sent = true;
+      give_up = absl::Now() + abort_wait_;
+      grpc::ClientContext abort_context;
+      abort_context.set_deadline(absl::ToChronoTime(give_up));
+      v1::AbortRequest abort;
+      abort.add_request_ids(request.request_id());
+      abort.set_reason("cancelled on the decode node");
+      v1::AbortResponse ignored;
+      (void)stub->Abort(&abort_context, abort, &ignored);
+    }
+    if (abort_sent && absl::Now() >= give_up) {
+      we_cancelled = true;
+      context.TryCancel();
+      done.WaitForNotification();
+      break;
+    }
+  }
+  PrefillOutcome out;
+  if (status.ok()) {
+    out.response = std::move(response);
+    out.peer_stopped = true;
+    return out;
+  }
+  const absl::Status s = FromGrpcStatus(status);
+  out.response = absl::Status(s.code(), absl::StrCat("prefill node ", address, ": ", s.message()));
+  switch (s.code()) {
+    // Answers the prefill node gives itself, after validation or after its writes stopped.
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kUnimplemented:
+      out.peer_stopped = true;
+      break;
+    case absl::StatusCode::kCancelled:
+      out.peer_stopped = !we_cancelled;  // its reply to our Abort, not our own TryCancel
+      break;
+    default:  // Unavailable, DeadlineExceeded, Internal, Unknown: nothing proven
+      out.peer_stopped = false;
+  }
+  return out;
+}
+
+}  // namespace fluxion::decode

@@ -1,0 +1,180 @@
+#include "decode/serve_command.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/flag_set.h"
+#include "decode/batch_scheduler.h"
+#include "decode/decode_service.h"
+#include "decode/kv_admission.h"
+#include "decode/kv_arena.h"
+#include "decode/paged_kv.h"
+#include "decode/sparse/policy.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/model.h"
+#include "proto/convert.h"
+#include "transfer/ucx_flags.h"
+
+namespace fluxion::decode {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+}  // namespace
+
+int RunDecodeCommand(const std::vector<std::string>& args) {
+  std::string model_dir, listen = "0.0.0.0:7002", port_file, node_name, prefill_address;
+  std::string default_policy = "fluxion";
+  double default_budget = 0.1;
+  int64_t threads = 0, page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
+  int64_t admission_timeout_ms = 10000, prefill_timeout_ms = 120000, abort_wait_ms = 2000;
+  int64_t quarantine_ms = 30000;
+  bool huge_pages = true;
+  transfer::UcxFlags ucx;
+  FlagSet flags("fluxion decode",
+                "Serves fluxion.v1.DecodeService: admits requests into a host KV arena that "
+                "prefill nodes write over UCX, decodes them in a continuous batch with sparse "
+                "attention, streams tokens.");
+  flags.String("model", &model_dir, "model directory (config.json + safetensors)");
+  flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
+  flags.String("port-file", &port_file, "write the bound port into this file once serving");
+  flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
+  flags.String("prefill-address", &prefill_address,
+               "prefill node (host:port) for requests that name none");
+  flags.String("default-policy", &default_policy,
+               "sparse policy for requests that name none: " +
+                   absl::StrJoin(sparse::PolicyNames(), ", "));
+  flags.Double("default-budget", &default_budget, "budget for requests that name none");
+  flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
+  flags.Int("page-tokens", &page_tokens, "tokens per KV page");
+  flags.Int("kv-pages", &kv_pages, "pages in the host KV arena (each layer x KV head x page)");
+  flags.Int("headroom-tokens", &headroom_tokens,
+            "tokens of growth per layer and head kept free when admitting a request");
+  flags.Int("max-waiting", &max_waiting, "requests waiting for KV pages at most");
+  flags.Int("admission-timeout-ms", &admission_timeout_ms, "longest wait for KV pages");
+  flags.Int("prefill-timeout-ms", &prefill_timeout_ms, "bound on one Prefill call");
+  flags.Int("abort-wait-ms", &abort_wait_ms,
+            "after aborting a prefill, how long to wait for its reply before quarantining");
+  flags.Int("quarantine-ms", &quarantine_ms,
+            "how long pages a prefill node may still write stay out of use");
+  flags.Bool("huge-pages", &huge_pages, "back the arena with huge pages when available");
+  ucx.Register(flags);
+  flags.Require("model");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (node_name.empty()) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    node_name = absl::StrCat("decode@", host, "/", getpid(), "/", absl::ToUnixMillis(absl::Now()));
+  }
+  {
+    const double b = default_policy == "full" ? 1.0 : default_budget;
+    auto parsed = sparse::ParsePolicy(default_policy, b);
+    if (!parsed.ok()) {
+      std::cerr << "error: --default-policy: " << parsed.status().message() << "\n";
+      return 2;
+    }
+  }
+
+  kernels::cpu::SetNumThreads(static_cast<int>(threads));
+  auto model = model::Model::Load(model_dir);
+  if (!model.ok()) {
+    std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
+    return 1;
+  }
+  auto hash = proto::ModelFingerprint(model_dir);
+  if (!hash.ok()) {
+    std::cerr << "error: " << hash.status() << "\n";
+    return 1;
+  }
+  const model::AttentionShape shape = (*model)->attention_shape();
+  const fluxion::v1::ModelLayout layout =
+      proto::LayoutFor((*model)->config(), model_dir, *hash, page_tokens);
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens};
+  KvArenaOptions arena_options;
+  arena_options.huge_pages = huge_pages;
+  auto arena = KvArena::Create(kv_shape.page_bytes(), kv_pages, arena_options);
+  if (!arena.ok()) {
+    std::cerr << "error: KV arena of " << kv_pages << " pages: " << arena.status() << "\n";
+    return 1;
+  }
+  auto transport =
+      transfer::NewUcxTransport(ucx.ToOptions(node_name, proto::CompatibilityOf(layout, 1)));
+  if (!transport.ok()) {
+    std::cerr << "error: cannot start UCX: " << transport.status() << "\n";
+    return 1;
+  }
+  // The arena is registered once; its descriptor (worker address, packed key) goes into every
+  // Prefill request.
+  auto registration = (*transport)->Register({(*arena)->base(), (*arena)->bytes()}, {true});
+  if (!registration.ok()) {
+    std::cerr << "error: registering the KV arena: " << registration.status() << "\n";
+    return 1;
+  }
+  auto descriptor = (*registration)->Describe();
+  if (!descriptor.ok()) {
+    std::cerr << "error: describing the KV arena: " << descriptor.status() << "\n";
+    return 1;
+  }
+  const int64_t growth_pages = shape.num_layers * shape.num_kv_heads;
+  KvAdmissionOptions admission_options;
+  admission_options.headroom_pages = growth_pages * ((headroom_tokens + page_tokens - 1) / page_tokens);
+  admission_options.max_waiting = max_waiting;
+  {
+    KvAdmission admission(arena->get(), admission_options);
+    BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens);
+    DecodeServiceOptions options;
+    options.prefill_address = prefill_address;
+    options.default_policy = default_policy;
+    options.default_budget = default_budget;
+    options.page_tokens = page_tokens;
+    options.admission_timeout = absl::Milliseconds(admission_timeout_ms);
+    options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);
+    options.abort_wait = absl::Milliseconds(abort_wait_ms);
+    options.quarantine_lease = absl::Milliseconds(quarantine_ms);
+    fluxion::v1::ServerInfo info;
+    info.set_role(fluxion::v1::SERVER_ROLE_DECODE);
+    info.set_node_name(node_name);
+    *info.mutable_layout() = layout;
+    info.set_protocol_version(1);
+    info.set_max_context_tokens(
+        static_cast<uint32_t>((*model)->config().max_position_embeddings));
+    DecodeServiceImpl service(model->get(), arena->get(), &admission, &scheduler, transport->get(),
+                              *descriptor, info, options);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (server == nullptr || port == 0) {
+      std::cerr << "error: cannot serve on " << listen << "\n";
+      return 1;
+    }
+    std::cerr << "fluxion decode " << node_name << " serving on port " << port << ", "
+              << kv_pages << " KV pages of " << kv_shape.page_bytes() << " bytes"
+              << ((*arena)->explicit_huge_pages() ? " (huge pages)" : "") << "\n";
+    if (!port_file.empty()) {
+      std::ofstream(port_file + ".tmp") << port << "\n";
+      std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+    }
+    std::signal(SIGTERM, OnSignal);
+    std::signal(SIGINT, OnSignal);
+    while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  return 0;
+}
+
+}  // namespace fluxion::decode

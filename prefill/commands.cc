@@ -1,0 +1,116 @@
+#include "prefill/commands.h"
+
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/flag_set.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/model.h"
+#include "prefill/prefill_engine.h"
+#include "prefill/prefill_service.h"
+#include "proto/convert.h"
+#include "transfer/ucx_flags.h"
+
+namespace fluxion::prefill {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+std::string DefaultNodeName(const std::string& role) {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return absl::StrCat(role, "@", host, "/", getpid(), "/", absl::ToUnixMillis(absl::Now()));
+}
+
+}  // namespace
+
+int RunPrefillCommand(const std::vector<std::string>& args) {
+  std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
+  int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
+  bool layerwise = true;
+  transfer::UcxFlags ucx;
+  FlagSet flags("fluxion prefill",
+                "Serves fluxion.v1.PrefillService: computes prompts and writes their KV into "
+                "decode nodes' host memory over UCX, layer by layer.");
+  flags.String("model", &model_dir, "model directory (config.json + safetensors)");
+  flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
+  flags.String("port-file", &port_file, "write the bound port into this file once serving");
+  flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
+  flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
+  flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
+  flags.Bool("layerwise", &layerwise,
+             "send each layer's KV as soon as it is computed (off: after the last layer)");
+  flags.Int("transfer-timeout-ms", &transfer_timeout_ms,
+            "bound on waiting for a request's KV writes to land");
+  flags.Int("test-layer-delay-ms", &layer_delay_ms,
+            "fault injection for tests: sleep after each layer's send");
+  ucx.Register(flags);
+  flags.Require("model");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (node_name.empty()) node_name = DefaultNodeName("prefill");
+
+  kernels::cpu::SetNumThreads(static_cast<int>(threads));
+  auto model = model::Model::Load(model_dir);
+  if (!model.ok()) {
+    std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
+    return 1;
+  }
+  auto hash = proto::ModelFingerprint(model_dir);
+  if (!hash.ok()) {
+    std::cerr << "error: " << hash.status() << "\n";
+    return 1;
+  }
+  const fluxion::v1::ModelLayout layout =
+      proto::LayoutFor((*model)->config(), model_dir, *hash, page_tokens);
+  auto transport =
+      transfer::NewUcxTransport(ucx.ToOptions(node_name, proto::CompatibilityOf(layout, 1)));
+  if (!transport.ok()) {
+    std::cerr << "error: cannot start UCX: " << transport.status() << "\n";
+    return 1;
+  }
+  PrefillEngineOptions options;
+  options.layerwise = layerwise;
+  options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
+  options.layer_delay = absl::Milliseconds(layer_delay_ms);
+  PrefillEngine engine(model->get(), transport->get(), layout, options);
+  fluxion::v1::ServerInfo info;
+  info.set_role(fluxion::v1::SERVER_ROLE_PREFILL);
+  info.set_node_name(node_name);
+  *info.mutable_layout() = layout;
+  info.set_protocol_version(1);
+  info.set_max_context_tokens(static_cast<uint32_t>((*model)->config().max_position_embeddings));
+  PrefillServiceImpl service(&engine, transport->get(), info);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "error: cannot serve on " << listen << "\n";
+    return 1;
+  }
+  std::cerr << "fluxion prefill " << node_name << " serving on port " << port << "\n";
+  if (!port_file.empty()) {
+    std::ofstream(port_file + ".tmp") << port << "\n";
+    std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+  }
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}
+
+}  // namespace fluxion::prefill

@@ -1,0 +1,350 @@
+#include "prefill/prefill_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/dense_attention.h"
+#include "model/generator.h"
+#include "model/sampler.h"
+#include "model/sparse_state.h"
+#include "proto/convert.h"
+#include "transfer/crc32c.h"
+#include "transfer/kv_pages.h"
+
+namespace fluxion::prefill {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+using Clock = std::chrono::steady_clock;
+
+uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
+  return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
+}
+
+// The prefill's own full attention, which hands each layer to `on_layer_done` as soon as the
+// prompt's last token of that layer is stored: the hook that sends layer l while the model goes
+// on with layer l + 1. An error from the hook (cancellation, a refused write) stops the forward.
+class SendingAttention : public model::SequenceAttention {
+ public:
+  SendingAttention(const model::AttentionShape& shape, int64_t tokens,
+                   std::function<absl::Status(int)> on_layer_done)
+      : dense_(shape), tokens_(tokens), on_layer_done_(std::move(on_layer_done)) {
+    dense_.RecordQueries(std::max<int64_t>(0, tokens - model::kPrefillTailRows), tokens);
+  }
+
+  absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
+                       const float* v, float* out) override {
+    FLUXION_RETURN_IF_ERROR(dense_.Forward(layer, pos0, n, q, k, v, out));
+    if (dense_.length(layer) == tokens_) return on_layer_done_(layer);
+    return absl::OkStatus();
+  }
+
+  const model::DenseAttention& dense() const { return dense_; }
+
+ private:
+  model::DenseAttention dense_;
+  const int64_t tokens_;
+  std::function<absl::Status(int)> on_layer_done_;
+};
+
+// Everything submitted for one request, so that every exit path waits for it first.
+class Submitted {
+ public:
+  explicit Submitted(absl::Duration timeout) : timeout_(timeout) {}
+  ~Submitted() { (void)WaitAll(); }  // exits that forgot to wait still honour "reply = stopped"
+
+  void Add(std::unique_ptr<transfer::TransferHandle> h) {
+    if (handles_.empty()) first_submit_ = Clock::now();
+    handles_.push_back(std::move(h));
+  }
+  bool empty() const { return handles_.empty(); }
+  Clock::time_point first_submit() const { return first_submit_; }
+
+  // Waits for every batch, each bounded by what is left of the lease; the first error wins.
+  absl::Status WaitAll() {
+    const absl::Time deadline = absl::Now() + timeout_;
+    absl::Status first;
+    for (auto& h : handles_) {
+      absl::Status s = h->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      if (!s.ok() && first.ok()) first = s;
+    }
+    handles_.clear();
+    return first;
+  }
+
+ private:
+  const absl::Duration timeout_;
+  std::vector<std::unique_ptr<transfer::TransferHandle>> handles_;
+  Clock::time_point first_submit_{};
+};
+
+absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
+  return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
+}
+
+}  // namespace
+
+PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
+                             const v1::ModelLayout& layout, const PrefillEngineOptions& options)
+    : model_(model), transport_(transport), layout_(layout), options_(options) {}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest& request,
+                                                       const std::function<bool()>& cancelled) const {
+  const Clock::time_point t_start = Clock::now();
+  const model::ModelConfig& config = model_->config();
+  const model::AttentionShape shape = model_->attention_shape();
+  const int64_t n = request.prompt_token_ids_size();
+
+  // 1. Validate everything before touching the decode node's memory.
+  if (n == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
+  for (int64_t i = 0; i < n; ++i) {
+    if (request.prompt_token_ids(i) >= static_cast<uint64_t>(config.vocab_size)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt_token_ids[", i, "] = ", request.prompt_token_ids(i),
+                       " is outside the model's vocabulary [0, ", config.vocab_size, ")"));
+    }
+  }
+  if (config.max_position_embeddings > 0 && n >= config.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", n, " tokens leaves no room in the ",
+                                                   config.max_position_embeddings,
+                                                   "-token context"));
+  }
+  const uint32_t version = request.protocol_version() == 0 ? 1 : request.protocol_version();
+  if (version > transfer::kTransferProtocolVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("protocol_version ", version, " is newer than this prefill node's ",
+                     transfer::kTransferProtocolVersion));
+  }
+  FLUXION_RETURN_IF_ERROR(Annotate(
+      transfer::CheckCompatible(proto::CompatibilityOf(layout_, version),
+                                proto::CompatibilityOf(request.layout(), version)),
+      "the decode node's model/layout differs from this prefill node's (here = prefill, peer = "
+      "decode): "));
+  FLUXION_ASSIGN_OR_RETURN(model::SamplingParams sampling,
+                           proto::SamplingFromProto(request.sampling()));
+
+  const v1::KvTarget& kv = request.kv_target();
+  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                     static_cast<int64_t>(layout_.page_tokens())};
+  if (kv.transport() != transport_->kind()) {
+    return absl::FailedPreconditionError(absl::StrCat("kv_target.transport is '", kv.transport(),
+                                                      "'; this prefill node writes with '",
+                                                      transport_->kind(), "'"));
+  }
+  if (kv.page_order() != v1::PAGE_ORDER_LAYER_HEAD_PAGE) {
+    return absl::InvalidArgumentError("kv_target.page_order must be PAGE_ORDER_LAYER_HEAD_PAGE");
+  }
+  if (kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_UNSPECIFIED) {
+    return absl::InvalidArgumentError("kv_target.checksum_algorithm is unspecified");
+  }
+  if (kv.checksum_algorithm() != v1::CHECKSUM_ALGORITHM_NONE &&
+      kv.checksum_algorithm() != v1::CHECKSUM_ALGORITHM_CRC32C) {
+    return absl::FailedPreconditionError(
+        "this prefill node computes only CHECKSUM_ALGORITHM_CRC32C or NONE");
+  }
+  const uint64_t cb = geo.content_bytes();
+  if (kv.page_bytes() < cb) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_target.page_bytes ", kv.page_bytes(),
+                                                   " is smaller than a page's ", cb, " bytes"));
+  }
+  const int64_t per_head = geo.pages_per_head(n);
+  if (kv.pages_per_head() != per_head) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_target.pages_per_head is ",
+                                                   kv.pages_per_head(), "; a ", n,
+                                                   "-token prompt needs ", per_head));
+  }
+  std::vector<transfer::PageIdRun> runs;
+  uint64_t max_end = 0;
+  for (const v1::PageExtent& e : kv.extents()) {
+    runs.push_back({e.first_page_id(), e.count()});
+    max_end = std::max<uint64_t>(max_end, e.first_page_id() + e.count());
+  }
+  // The remote key covers [base, base + arena_bytes); without the field, what the extents need.
+  const uint64_t arena_bytes = kv.arena_bytes() != 0 ? kv.arena_bytes() : max_end * kv.page_bytes();
+  absl::StatusOr<std::vector<uint64_t>> expanded =
+      transfer::ExpandPageRuns(runs, geo.total_pages(n), arena_bytes / kv.page_bytes());
+  if (!expanded.ok()) return Annotate(expanded.status(), "kv_target.extents: ");
+  const std::vector<uint64_t> page_ids = std::move(*expanded);
+  const bool want_state = request.has_sparse_target();
+  const v1::SparseStateTarget& st = request.sparse_target();
+  const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
+  if (want_state) {
+    if (st.format_version() != model::kSparseStateVersion) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sparse_target.format_version ", st.format_version(),
+                       " is not produced here; this prefill node writes version ",
+                       model::kSparseStateVersion));
+    }
+    if (!st.remote_key().empty()) {
+      return absl::FailedPreconditionError(
+          "sparse_target.remote_key must be empty: this prefill node writes the sparse state "
+          "inside the KV arena only");
+    }
+    uint64_t room = 0;
+    for (int i = 0; i < st.extents_size(); ++i) {
+      const v1::ByteExtent& e = st.extents(i);
+      const uint64_t start = st.base_address() + e.offset();
+      if (e.length() == 0 || start < kv.arena_base_address() ||
+          start - kv.arena_base_address() > arena_bytes ||
+          e.length() > arena_bytes - (start - kv.arena_base_address())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sparse_target.extents[", i, "] lies outside the arena"));
+      }
+      room += e.length();
+    }
+    if (room < state_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("sparse_target.extents hold ", room,
+                                                       " bytes; the sparse state needs ",
+                                                       state_bytes));
+    }
+  }
+
+  // 2. Connect (cached per decode-node incarnation inside the transport).
+  transfer::PeerDescriptor peer;
+  peer.peer_name = kv.peer_name();
+  peer.transport = kv.transport();
+  peer.worker_address = kv.worker_address();
+  peer.remote_key = kv.remote_key();
+  peer.base_address = kv.arena_base_address();
+  peer.length = arena_bytes;
+  peer.compat = proto::CompatibilityOf(request.layout(), version);
+  const std::string who = absl::StrCat("decode node ", kv.peer_name(), ": ");
+  absl::StatusOr<std::unique_ptr<transfer::RemoteTarget>> connected = transport_->Connect(peer);
+  if (!connected.ok()) return Annotate(connected.status(), who);
+  const std::unique_ptr<transfer::RemoteTarget> target = std::move(*connected);
+
+  // 3. Forward, sending each layer as it completes. The staging buffer holds every layer's pages
+  // in PAGE_ORDER_LAYER_HEAD_PAGE order, so consecutive reserved page ids coalesce into one put.
+  const int64_t ppl = geo.pages_per_layer(n);
+  const uint64_t layer_bytes = static_cast<uint64_t>(ppl) * cb;
+  std::vector<uint8_t> staging(layer_bytes * shape.num_layers);
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<transfer::Registration> staging_reg,
+      transport_->Register({staging.data(), staging.size()}, {/*remote_write=*/false}));
+  const bool crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
+  std::vector<uint64_t> checksums(shape.num_layers, 0);
+  std::string state_blob;  // the serialized sparse state, a copy source like `staging`
+  std::unique_ptr<transfer::Registration> state_reg;
+  // Declared after the buffers it reads, so it is destroyed (and waits) before them.
+  Submitted submitted(options_.transfer_timeout);
+  auto submit_layers = [&](int64_t first, int64_t end) -> absl::Status {
+    std::vector<transfer::BlockCopy> copies;
+    copies.reserve((end - first) * ppl);
+    for (int64_t idx = first * ppl; idx < end * ppl; ++idx) {
+      copies.push_back({kv.arena_base_address() + page_ids[idx] * kv.page_bytes(),
+                        staging.data() + idx * cb, cb});
+    }
+    absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
+        transport_->Write(*target, copies);
+    if (!h.ok()) return Annotate(h.status(), who);
+    submitted.Add(std::move(*h));
+    return absl::OkStatus();
+  };
+  SendingAttention* attention_ptr = nullptr;
+  auto owned = std::make_unique<SendingAttention>(shape, n, [&](int layer) -> absl::Status {
+    if (cancelled()) {
+      return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
+                                               "' aborted before layer ", layer + 1, " was sent"));
+    }
+    const model::DenseAttention& dense = attention_ptr->dense();
+    uint8_t* dst = staging.data() + layer * layer_bytes;
+    transfer::PackLayerPages(geo, n, dense.keys(layer), dense.values(layer),
+                             shape.num_kv_heads * shape.head_dim, dst);
+    if (crc) checksums[layer] = transfer::Crc32c(dst, layer_bytes);
+    if (options_.layerwise) FLUXION_RETURN_IF_ERROR(submit_layers(layer, layer + 1));
+    if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
+    return absl::OkStatus();
+  });
+  attention_ptr = owned.get();
+  model::Sequence seq(std::move(owned));
+  std::vector<int32_t> prompt(request.prompt_token_ids().begin(),
+                              request.prompt_token_ids().end());
+  std::vector<float> logits;
+  const Clock::time_point t_compute = Clock::now();
+  absl::Status forward = model_->Forward(seq, prompt, &logits);
+  const Clock::time_point t_compute_end = Clock::now();
+  if (!forward.ok()) {
+    absl::Status waited = submitted.WaitAll();  // stopped writing before we say so
+    (void)waited;
+    return forward;
+  }
+  if (!options_.layerwise) FLUXION_RETURN_IF_ERROR(submit_layers(0, shape.num_layers));
+
+  // 4. The sparse state, into the room reserved for it.
+  v1::PrefillResponse response;
+  if (want_state) {
+    absl::StatusOr<model::SparseState> state =
+        model::CaptureSparseState(attention_ptr->dense(), shape);
+    if (!state.ok()) {
+      (void)submitted.WaitAll();
+      return state.status();
+    }
+    state_blob = state->Serialize();
+    absl::StatusOr<std::unique_ptr<transfer::Registration>> reg =
+        transport_->Register({state_blob.data(), state_blob.size()}, {/*remote_write=*/false});
+    if (!reg.ok()) {
+      (void)submitted.WaitAll();
+      return reg.status();
+    }
+    state_reg = std::move(*reg);
+    std::vector<transfer::BlockCopy> copies;
+    uint64_t done = 0;
+    for (const v1::ByteExtent& e : st.extents()) {
+      if (done == state_blob.size()) break;
+      const uint64_t len = std::min<uint64_t>(e.length(), state_blob.size() - done);
+      copies.push_back({st.base_address() + e.offset(), state_blob.data() + done, len});
+      done += len;
+    }
+    absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
+        transport_->Write(*target, copies);
+    if (!h.ok()) {
+      (void)submitted.WaitAll();
+      return Annotate(h.status(), who);
+    }
+    submitted.Add(std::move(*h));
+    v1::SparseStateSummary* summary = response.mutable_sparse_state();
+    summary->set_format_version(model::kSparseStateVersion);
+    summary->set_bytes_written(state_blob.size());
+    summary->set_observation_window_tokens(static_cast<uint32_t>(state->tail_rows));
+    summary->set_score_block_tokens(1);
+    if (crc) summary->set_checksum(transfer::Crc32c(state_blob.data(), state_blob.size()));
+  }
+
+  // 5. The first token, then wait until every write has landed.
+  model::Sampler sampler(sampling);
+  const int32_t first = sampler.Sample(logits);
+  const Clock::time_point t_first_submit = submitted.first_submit();
+  absl::Status landed = submitted.WaitAll();
+  if (!landed.ok()) {
+    return Annotate(landed, absl::StrCat(who, "KV writes did not complete: "));
+  }
+  const Clock::time_point t_end = Clock::now();
+
+  response.set_first_token_id(static_cast<uint32_t>(first));
+  response.set_prompt_tokens(static_cast<uint32_t>(n));
+  response.set_checksum_algorithm(kv.checksum_algorithm());
+  if (crc) {
+    for (uint64_t c : checksums) response.add_layer_checksums(c);
+  }
+  response.set_kv_bytes_written(staging.size());
+  v1::PrefillTiming* timing = response.mutable_timing();
+  timing->set_compute_us(MicrosBetween(t_compute, t_compute_end));
+  timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));
+  timing->set_transfer_tail_us(MicrosBetween(t_compute_end, t_end));
+  timing->set_total_us(MicrosBetween(t_start, t_end));
+  return response;
+}
+
+}  // namespace fluxion::prefill

@@ -1,0 +1,63 @@
+// The prefill node's work for one request: validate it against this node's model and layout,
+// connect to the decode node's arena (transfer/), run the model's forward over the prompt with
+// full attention, and after each layer write that layer's KV pages into the pages the decode node
+// reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the transport's
+// progress thread moves the bytes while this thread computes). Then capture the sparse state
+// (model::CaptureSparseState), write it into the room reserved for it, wait until every write has
+// landed, and sample the first token.
+//
+// "Any reply means the prefill node stopped writing" (prefill.proto): Run() returns only after
+// every batch it submitted has completed or failed, also when cancelled between layers.
+//
+// Thread-safe: Run() may be called from several threads (each call owns its buffers); the
+// service serialises calls anyway so that one prompt gets both cores.
+#ifndef FLUXION_PREFILL_PREFILL_ENGINE_H_
+#define FLUXION_PREFILL_PREFILL_ENGINE_H_
+
+#include <functional>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "fluxion/v1/prefill.pb.h"
+#include "model/model.h"
+#include "transfer/transport.h"
+
+namespace fluxion::prefill {
+
+struct PrefillEngineOptions {
+  // Send each layer as soon as it is computed (true) or everything after the last layer (false:
+  // the baseline the benchmark compares against).
+  bool layerwise = true;
+  // Bound on waiting for the writes to land once submitted (the transfer's lease).
+  absl::Duration transfer_timeout = absl::Seconds(30);
+  // Fault injection for tests: sleep this long after each layer's send is submitted, so a test
+  // can kill the process or cancel the request mid-transfer.
+  absl::Duration layer_delay = absl::ZeroDuration();
+};
+
+class PrefillEngine {
+ public:
+  // `model` and `transport` must outlive the engine. `layout` is what this node serves.
+  PrefillEngine(const model::Model* model, transfer::Transport* transport,
+                const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
+
+  // Runs `request`. `cancelled` is polled between layers; once it returns true the call stops
+  // computing, waits for writes already submitted, and returns Cancelled. Errors:
+  // InvalidArgument (bad ids, sampling, extents), FailedPrecondition (layout, protocol version,
+  // transport kind, checksum algorithm), ResourceExhausted (sparse-state room too small),
+  // Unavailable (the decode node is gone), DeadlineExceeded (writes did not land in time).
+  absl::StatusOr<fluxion::v1::PrefillResponse> Run(const fluxion::v1::PrefillRequest& request,
+                                                   const std::function<bool()>& cancelled) const;
+
+  const fluxion::v1::ModelLayout& layout() const { return layout_; }
+
+ private:
+  const model::Model* const model_;
+  transfer::Transport* const transport_;
+  const fluxion::v1::ModelLayout layout_;
+  const PrefillEngineOptions options_;
+};
+
+}  // namespace fluxion::prefill
+
+#endif  // FLUXION_PREFILL_PREFILL_ENGINE_H_

@@ -1,0 +1,69 @@
+// fluxion.v1.PrefillService on a PrefillEngine: Prefill, Abort, GetLoad.
+//
+// One prompt computes at a time (the model's kernels already use every core; batching several
+// prompts into one forward is not done yet): requests wait in arrival order, counted by GetLoad.
+// A request is cancelled by Abort (by id) or by its caller cancelling the call; both are checked
+// while it waits and between layers, and the reply comes only after its writes stopped.
+//
+// Thread-safe. Uses gRPC's synchronous server: each call holds a server thread while it waits.
+#ifndef FLUXION_PREFILL_PREFILL_SERVICE_H_
+#define FLUXION_PREFILL_PREFILL_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "fluxion/v1/prefill.grpc.pb.h"
+#include "prefill/prefill_engine.h"
+#include "transfer/transport.h"
+
+namespace fluxion::prefill {
+
+// Counters of the service, a plain snapshot (cluster/ exports them).
+struct PrefillMetrics {
+  uint64_t requests_ok = 0;
+  uint64_t requests_cancelled = 0;
+  uint64_t requests_failed = 0;
+  uint64_t prompt_tokens = 0;
+  transfer::TransportMetrics transport;
+};
+
+class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
+ public:
+  // `engine` and `transport` must outlive the service. `info` is returned in GetLoad.
+  PrefillServiceImpl(const PrefillEngine* engine, const transfer::Transport* transport,
+                     const fluxion::v1::ServerInfo& info);
+
+  grpc::Status Prefill(grpc::ServerContext* context, const fluxion::v1::PrefillRequest* request,
+                       fluxion::v1::PrefillResponse* response) override;
+  grpc::Status Abort(grpc::ServerContext* context, const fluxion::v1::AbortRequest* request,
+                     fluxion::v1::AbortResponse* response) override;
+  grpc::Status GetLoad(grpc::ServerContext* context, const fluxion::v1::GetLoadRequest* request,
+                       fluxion::v1::PrefillLoad* response) override;
+
+  PrefillMetrics metrics() const;
+
+ private:
+  struct Live {
+    std::atomic<bool> aborted{false};
+    uint64_t prompt_tokens = 0;
+    bool running = false;
+  };
+
+  const PrefillEngine* const engine_;
+  const transfer::Transport* const transport_;
+  const fluxion::v1::ServerInfo info_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a prompt is computing
+  PrefillMetrics metrics_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace fluxion::prefill
+
+#endif  // FLUXION_PREFILL_PREFILL_SERVICE_H_

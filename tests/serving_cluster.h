@@ -1,0 +1,82 @@
+// Test helpers for the serving integration tests: real `fluxion prefill` / `fluxion decode`
+// processes on this host (real gRPC, real UCX over TCP loopback or shared memory) and a small
+// DecodeService client. Every wait has a deadline.
+#ifndef FLUXION_TESTS_SERVING_CLUSTER_H_
+#define FLUXION_TESTS_SERVING_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "fluxion/v1/prefill.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace fluxion::testing {
+
+// Where the tests find the trained model (FLUXION_SOURCE_DIR/models/fluxion-tiny-retrieval).
+std::string TinyModelDir();
+
+// UCX on one host: "tcp" (TCP on lo, peer error handling on) or "sm" (shared memory, off).
+std::vector<std::string> UcxArgs(const std::string& tls);
+
+// A child process running `fluxion <args>`, killed (SIGKILL) when destroyed unless stopped.
+class ServerProcess {
+ public:
+  // Starts `fluxion <command> <args> --listen 127.0.0.1:0 --port-file ...` and waits (up to 60 s)
+  // until it serves. Returns null, with the log printed, if it does not.
+  static std::unique_ptr<ServerProcess> Start(const std::string& command,
+                                              std::vector<std::string> args);
+  ~ServerProcess();
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+  void Kill();  // SIGKILL and reap
+  std::string Log() const;
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string dir_;
+};
+
+struct GenerateResult {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+  bool has_complete = false;
+  fluxion::v1::GenerateComplete complete;
+  bool has_error = false;
+  fluxion::v1::GenerateError error;
+};
+
+class DecodeClient {
+ public:
+  explicit DecodeClient(const std::string& address);
+  GenerateResult Generate(const fluxion::v1::GenerateRequest& request,
+                          absl::Duration deadline = absl::Seconds(60));
+  fluxion::v1::DecodeLoad Load();
+  fluxion::v1::DecodeService::Stub& stub() { return *stub_; }
+  // Polls GetLoad until every KV page is free (or `timeout`); returns the last load.
+  fluxion::v1::DecodeLoad WaitAllPagesFree(absl::Duration timeout);
+
+ private:
+  std::unique_ptr<fluxion::v1::DecodeService::Stub> stub_;
+};
+
+fluxion::v1::PrefillLoad PrefillLoadOf(const std::string& address);
+
+// A greedy request over `prompt` for `max_tokens` tokens (EOS ignored) with `policy` ("" = the
+// node's default) through `prefill_address` ("" = the node's default).
+fluxion::v1::GenerateRequest GreedyRequest(const std::string& id, const std::vector<uint32_t>& prompt,
+                                           uint32_t max_tokens, const std::string& policy,
+                                           const std::string& prefill_address);
+
+// Byte-token prompt of `text`.
+std::vector<uint32_t> BytePrompt(const std::string& text);
+
+}  // namespace fluxion::testing
+
+#endif  // FLUXION_TESTS_SERVING_CLUSTER_H_

@@ -1,0 +1,439 @@
+// The disaggregated pair end to end: real `fluxion prefill` and `fluxion decode` processes, real
+// gRPC, real UCX (TCP on loopback, and shared memory), the trained tiny model. Checks that served
+// tokens equal single-process generation under `full`, that requests batch with different
+// policies, and the failure behaviour of issue 6: bad arguments, client cancellation, Abort, a
+// prefill node killed mid-transfer, an incompatible prefill node, preemption. After every test
+// the decode node's page counters are back at their start.
+#include <signal.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "decode/kv_arena.h"
+#include "decode/paged_kv.h"
+#include "decode/sparse/policy.h"
+#include "decode/sparse_attention.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "model/generator.h"
+#include "model/model.h"
+#include "tests/serving_cluster.h"
+
+namespace fluxion::testing {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+
+const std::string kPromptText =
+    "The key to the blue vault is 4417. Remember it. The weather today is mild and the river is "
+    "calm. The key to the blue vault is";
+
+// One prefill + one decode node on a UCX configuration, shared by the tests that use it.
+struct Pair {
+  std::unique_ptr<ServerProcess> prefill, decode;
+  std::unique_ptr<DecodeClient> client;
+};
+
+Pair* PairFor(const std::string& tls) {
+  static auto* pairs = new std::map<std::string, std::unique_ptr<Pair>>();
+  auto& slot = (*pairs)[tls];
+  if (slot != nullptr) return slot.get();
+  auto pair = std::make_unique<Pair>();
+  std::vector<std::string> ucx = UcxArgs(tls);
+  std::vector<std::string> pargs = {"--model", TinyModelDir()};
+  pargs.insert(pargs.end(), ucx.begin(), ucx.end());
+  pair->prefill = ServerProcess::Start("prefill", pargs);
+  if (pair->prefill == nullptr) return nullptr;
+  std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "4096",
+                                    "--prefill-address", pair->prefill->address(),
+                                    "--quarantine-ms", "1000", "--admission-timeout-ms", "500",
+                                    "--nohuge-pages"};
+  dargs.insert(dargs.end(), ucx.begin(), ucx.end());
+  pair->decode = ServerProcess::Start("decode", dargs);
+  if (pair->decode == nullptr) return nullptr;
+  pair->client = std::make_unique<DecodeClient>(pair->decode->address());
+  slot = std::move(pair);
+  return slot.get();
+}
+
+const model::Model& TinyModel() {
+  static const model::Model* m = [] {
+    kernels::cpu::SetNumThreads(1);
+    auto loaded = model::Model::Load(TinyModelDir());
+    if (!loaded.ok()) {
+      ADD_FAILURE() << loaded.status();
+      return static_cast<model::Model*>(nullptr);
+    }
+    return loaded->release();
+  }();
+  return *m;
+}
+
+std::vector<int32_t> Ints(const std::vector<uint32_t>& v) { return {v.begin(), v.end()}; }
+
+// Single-process generation with the decode node's `full` path: prompt K/V in bf16 host pages.
+std::vector<uint32_t> ReferenceTokens(const std::vector<uint32_t>& prompt, int64_t max_tokens,
+                                      bool paged) {
+  const model::Model& m = TinyModel();
+  model::GenerationOptions options;
+  options.max_tokens = max_tokens;
+  options.ignore_eos = true;
+  const model::AttentionShape shape = m.attention_shape();
+  auto arena = decode::KvArena::Create(
+      decode::KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, 16}.page_bytes(), 4096);
+  EXPECT_TRUE(arena.ok());
+  if (paged) {
+    options.decode_attention = [&](const model::DenseAttention& prefilled)
+        -> absl::StatusOr<std::unique_ptr<model::SequenceAttention>> {
+      decode::sparse::PolicyConfig full;
+      auto a = decode::SparseAttention::FromDense(arena->get(), shape, 16, prefilled, full);
+      if (!a.ok()) return a.status();
+      return std::unique_ptr<model::SequenceAttention>(std::move(*a));
+    };
+  }
+  auto result = model::Generate(m, Ints(prompt), options);
+  EXPECT_TRUE(result.ok()) << result.status();
+  std::vector<uint32_t> out;
+  if (result.ok()) out.assign(result->tokens.begin(), result->tokens.end());
+  return out;
+}
+
+// Logit of `a` minus logit of `b` after `context` (fp32 model, full attention).
+float LogitMargin(const std::vector<uint32_t>& context, uint32_t a, uint32_t b) {
+  const model::Model& m = TinyModel();
+  auto seq = m.NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(m.Forward(*seq, Ints(context), &logits).ok());
+  return logits[a] - logits[b];
+}
+
+void ExpectAllPagesFree(DecodeClient& client) {
+  const v1::DecodeLoad load = client.WaitAllPagesFree(absl::Seconds(5));
+  EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages()) << "pages did not come back";
+  EXPECT_GT(load.total_kv_pages(), 0u);
+}
+
+class ServingTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    pair_ = PairFor(GetParam());
+    ASSERT_NE(pair_, nullptr) << "could not start the servers";
+    ExpectAllPagesFree(*pair_->client);
+  }
+  void TearDown() override {
+    if (pair_ != nullptr) ExpectAllPagesFree(*pair_->client);
+  }
+  Pair* pair_ = nullptr;
+};
+
+TEST_P(ServingTest, FullPolicyMatchesSingleProcessGeneration) {
+  const std::vector<uint32_t> prompt = BytePrompt(kPromptText);
+  GenerateResult r = pair_->client->Generate(GreedyRequest("full-1", prompt, 24, "full", ""));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_TRUE(r.has_complete);
+  EXPECT_EQ(r.complete.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(r.complete.usage().completion_tokens(), 24u);
+  EXPECT_EQ(r.complete.usage().prompt_tokens(), prompt.size());
+  EXPECT_EQ(r.complete.sparse_policy(), "full");
+  EXPECT_GT(r.complete.timing().ttft_us(), 0u);
+  EXPECT_GT(r.complete.timing().transfer_us(), 0u);
+  // The same computation in one process (bf16 host pages, full attention): identical tokens.
+  EXPECT_EQ(r.tokens, ReferenceTokens(prompt, 24, /*paged=*/true));
+  // Against the model's own fp32 cache: equal, or the first difference is a near-tie.
+  const std::vector<uint32_t> fp32 = ReferenceTokens(prompt, 24, /*paged=*/false);
+  auto diff = std::mismatch(r.tokens.begin(), r.tokens.end(), fp32.begin(), fp32.end());
+  if (diff.first != r.tokens.end()) {
+    const size_t i = diff.first - r.tokens.begin();
+    std::vector<uint32_t> context = prompt;
+    context.insert(context.end(), r.tokens.begin(), r.tokens.begin() + i);
+    const float margin = LogitMargin(context, fp32[i], r.tokens[i]);
+    std::cout << "first difference from fp32 at token " << i << ", logit margin " << margin << "\n";
+    EXPECT_LT(margin, 1e-3f) << "a real divergence from single-process generation";
+  }
+}
+
+TEST_P(ServingTest, RequestsWithDifferentPoliciesBatchTogether) {
+  const std::vector<uint32_t> prompt = BytePrompt(kPromptText);
+  const std::vector<std::string> policies = {"full", "", "lfps", "quest"};
+  std::vector<GenerateResult> results(policies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < policies.size(); ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = pair_->client->Generate(
+          GreedyRequest("batch-" + std::to_string(i), prompt, 32, policies[i], ""));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < policies.size(); ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << policies[i] << ": " << results[i].status.error_message();
+    ASSERT_TRUE(results[i].has_complete);
+    EXPECT_EQ(results[i].tokens.size(), 32u) << policies[i];
+  }
+  EXPECT_EQ(results[0].tokens, ReferenceTokens(prompt, 32, /*paged=*/true));
+  EXPECT_EQ(results[1].complete.sparse_policy(), "fluxion@0.1");  // the node's default
+  EXPECT_LE(results[1].complete.read_fraction(), 1.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, ServingTest, ::testing::Values("tcp", "sm"),
+                         [](const auto& info) { return info.param; });
+
+// Failure behaviour, over TCP (the configuration with UCX peer-error handling).
+class ServingFailureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    pair_ = PairFor("tcp");
+    ASSERT_NE(pair_, nullptr) << "could not start the servers";
+    ExpectAllPagesFree(*pair_->client);
+  }
+  void TearDown() override {
+    if (pair_ != nullptr) ExpectAllPagesFree(*pair_->client);
+  }
+  // A prefill node that sleeps `delay_ms` after each of the 6 layers.
+  std::unique_ptr<ServerProcess> SlowPrefill(int delay_ms, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms",
+                                     std::to_string(delay_ms)};
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    args.insert(args.end(), ucx.begin(), ucx.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    return ServerProcess::Start("prefill", args);
+  }
+  Pair* pair_ = nullptr;
+};
+
+TEST_F(ServingFailureTest, BadArgumentsAreRejectedWithActionableMessages) {
+  const std::vector<uint32_t> prompt = BytePrompt("hello");
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    grpc::StatusCode code;
+    std::string mentions;
+  };
+  std::vector<Case> cases;
+  auto base = [&] { return GreedyRequest("bad", prompt, 4, "", ""); };
+  {
+    auto r = base();
+    r.set_prompt_token_ids(1, 100000);
+    cases.push_back({"token id", r, grpc::StatusCode::INVALID_ARGUMENT, "vocabulary"});
+  }
+  {
+    auto r = base();
+    r.clear_prompt_token_ids();
+    cases.push_back({"empty prompt", r, grpc::StatusCode::INVALID_ARGUMENT, "empty"});
+  }
+  {
+    auto r = base();
+    r.mutable_sampling()->set_temperature(-1);
+    cases.push_back({"temperature", r, grpc::StatusCode::INVALID_ARGUMENT, "temperature"});
+  }
+  {
+    auto r = base();
+    r.mutable_sampling()->set_top_p(1.5f);
+    cases.push_back({"top_p", r, grpc::StatusCode::INVALID_ARGUMENT, "top_p"});
+  }
+  {
+    auto r = base();
+    r.mutable_sampling()->set_max_tokens(0);
+    cases.push_back({"max_tokens", r, grpc::StatusCode::INVALID_ARGUMENT, "max_tokens"});
+  }
+  {
+    auto r = base();
+    r.mutable_sparse()->set_policy("no_such_policy");
+    cases.push_back({"policy", r, grpc::StatusCode::INVALID_ARGUMENT, "fluxion"});
+  }
+  {
+    auto r = base();
+    r.mutable_sparse()->set_policy("full");
+    r.mutable_sparse()->set_budget(0.5f);
+    cases.push_back({"budget with full", r, grpc::StatusCode::INVALID_ARGUMENT, "budget"});
+  }
+  {
+    auto r = base();
+    r.set_request_id("");
+    cases.push_back({"request id", r, grpc::StatusCode::INVALID_ARGUMENT, "request_id"});
+  }
+  {
+    // 4096 pages / (6 layers x 4 heads) hold 170 pages per head, 2720 tokens: never admissible.
+    auto r = GreedyRequest("huge", std::vector<uint32_t>(3000, 65), 4, "full", "");
+    cases.push_back({"oversize prompt", r, grpc::StatusCode::RESOURCE_EXHAUSTED, "--kv-pages"});
+  }
+  // A request running meanwhile is unaffected.
+  GenerateResult running;
+  std::thread t([&] {
+    running = pair_->client->Generate(GreedyRequest("bystander", BytePrompt(kPromptText), 48, "full", ""));
+  });
+  for (const Case& c : cases) {
+    GenerateResult r = pair_->client->Generate(c.request);
+    EXPECT_EQ(r.status.error_code(), c.code) << c.name << ": " << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(c.mentions), std::string::npos)
+        << c.name << ": " << r.status.error_message();
+    EXPECT_TRUE(r.tokens.empty()) << c.name;
+  }
+  t.join();
+  EXPECT_TRUE(running.status.ok()) << running.status.error_message();
+  EXPECT_EQ(running.tokens.size(), 48u);
+}
+
+TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
+  GenerateResult r;
+  std::thread t([&] {
+    r = pair_->client->Generate(GreedyRequest("to-abort", BytePrompt(kPromptText), 100000, "full", ""));
+  });
+  // Wait until it decodes, then abort it.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (pair_->client->Load().running_requests() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  grpc::ClientContext context;
+  v1::AbortRequest abort;
+  abort.add_request_ids("to-abort");
+  abort.add_request_ids("unknown-id");
+  abort.set_reason("test says stop");
+  v1::AbortResponse response;
+  ASSERT_TRUE(pair_->client->stub().Abort(&context, abort, &response).ok());
+  t.join();
+  ASSERT_EQ(response.aborted_request_ids_size(), 1);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_TRUE(r.has_complete);
+  EXPECT_EQ(r.complete.finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_EQ(r.complete.abort_reason(), "test says stop");
+  EXPECT_GE(r.tokens.size(), 1u);
+}
+
+// Cancels a Generate call after `after` and returns when its stream ended.
+grpc::Status GenerateAndCancel(DecodeClient& client, const v1::GenerateRequest& request,
+                               absl::Duration after, absl::Time* cancelled_at) {
+  grpc::ClientContext context;
+  auto reader = client.stub().Generate(&context, request);
+  std::thread canceller([&] {
+    absl::SleepFor(after);
+    *cancelled_at = absl::Now();
+    context.TryCancel();
+  });
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  canceller.join();
+  return reader->Finish();
+}
+
+TEST_F(ServingFailureTest, ClientCancelDuringPrefillStopsBothNodesWithinASecond) {
+  auto slow = SlowPrefill(300);  // 6 layers x 300 ms
+  ASSERT_NE(slow, nullptr);
+  absl::Time cancelled_at;
+  grpc::Status s = GenerateAndCancel(
+      *pair_->client, GreedyRequest("cancel-prefill", BytePrompt(kPromptText), 8, "", slow->address()),
+      absl::Milliseconds(500), &cancelled_at);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
+  // Both nodes stop and the decode node's pages come back within 1 s of the cancellation.
+  const v1::DecodeLoad load = pair_->client->WaitAllPagesFree(absl::Seconds(1));
+  const absl::Duration released = absl::Now() - cancelled_at;
+  EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+  EXPECT_LT(released, absl::Seconds(1));
+  std::cout << "pages released " << absl::ToDoubleMilliseconds(released)
+            << " ms after the client cancelled (during prefill)\n";
+  v1::PrefillLoad pl = PrefillLoadOf(slow->address());
+  EXPECT_EQ(pl.running_requests(), 0u);
+  EXPECT_EQ(pl.queued_requests(), 0u);
+}
+
+TEST_F(ServingFailureTest, ClientCancelDuringDecodeReleasesWithinASecond) {
+  absl::Time cancelled_at;
+  grpc::Status s = GenerateAndCancel(
+      *pair_->client, GreedyRequest("cancel-decode", BytePrompt(kPromptText), 100000, "", ""),
+      absl::Milliseconds(400), &cancelled_at);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
+  const v1::DecodeLoad load = pair_->client->WaitAllPagesFree(absl::Seconds(1));
+  const absl::Duration released = absl::Now() - cancelled_at;
+  EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+  EXPECT_LT(released, absl::Seconds(1));
+  EXPECT_EQ(load.running_requests(), 0u);
+  std::cout << "pages released " << absl::ToDoubleMilliseconds(released)
+            << " ms after the client cancelled (during decode)\n";
+}
+
+TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeBack) {
+  auto slow = SlowPrefill(400);
+  ASSERT_NE(slow, nullptr);
+  GenerateResult r;
+  const absl::Time start = absl::Now();
+  std::thread t([&] {
+    r = pair_->client->Generate(
+        GreedyRequest("victim", BytePrompt(kPromptText), 8, "", slow->address()));
+  });
+  // Layers 1-2 have been sent when the process dies.
+  absl::SleepFor(absl::Milliseconds(900));
+  const absl::Time killed = absl::Now();
+  slow->Kill();
+  t.join();
+  const absl::Time failed = absl::Now();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("prefill node"), std::string::npos)
+      << r.status.error_message();
+  EXPECT_LT(failed - killed, absl::Seconds(10));
+  std::cout << "UNAVAILABLE " << absl::ToDoubleMilliseconds(failed - killed)
+            << " ms after the prefill node was killed (" << absl::ToDoubleMilliseconds(killed - start)
+            << " ms into the request)\n";
+  // The decode node keeps serving others (through the healthy prefill node) meanwhile.
+  GenerateResult other =
+      pair_->client->Generate(GreedyRequest("survivor", BytePrompt(kPromptText), 8, "full", ""));
+  EXPECT_TRUE(other.status.ok()) << other.status.error_message();
+  EXPECT_EQ(other.tokens.size(), 8u);
+  // The victim's pages were quarantined (the peer may have been writing), then came back after
+  // the 1 s lease; TearDown checks that every page is free again.
+}
+
+TEST_F(ServingFailureTest, IncompatiblePrefillNodeIsRefusedNamingTheField) {
+  auto other = SlowPrefill(0, {"--page-tokens", "32"});
+  ASSERT_NE(other, nullptr);
+  GenerateResult r = pair_->client->Generate(
+      GreedyRequest("mismatch", BytePrompt(kPromptText), 4, "full", other->address()));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("page_tokens"), std::string::npos)
+      << r.status.error_message();
+}
+
+TEST(ServingPreemptionTest, YoungestRequestIsPreemptedWhenPagesRunOut) {
+  Pair* pair = PairFor("tcp");
+  ASSERT_NE(pair, nullptr);
+  // A decode node with room for ~2 prompts and little growth: 6 x 4 x 20 pages = 480.
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--kv-pages", "480",
+                                   "--prefill-address", pair->prefill->address(),
+                                   "--headroom-tokens", "16", "--nohuge-pages"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  auto decode = ServerProcess::Start("decode", args);
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
+  const std::vector<uint32_t> prompt = BytePrompt(kPromptText);  // 8 pages per head
+  // Both fit at admission (2 x 192 pages + headroom); growing to 120 tokens each does not.
+  GenerateResult results[2];
+  std::thread a([&] { results[0] = client.Generate(GreedyRequest("a", prompt, 120, "full", "")); });
+  std::thread b([&] { results[1] = client.Generate(GreedyRequest("b", prompt, 120, "full", "")); });
+  a.join();
+  b.join();
+  std::cout << "a: " << results[0].status.error_message() << " " << results[0].tokens.size()
+            << " tokens; b: " << results[1].status.error_message() << " "
+            << results[1].tokens.size() << " tokens\n";
+  const int preempted = results[0].status.ok() ? 1 : 0;
+  const GenerateResult& older = results[1 - preempted];
+  const GenerateResult& younger = results[preempted];
+  EXPECT_TRUE(older.status.ok()) << older.status.error_message();
+  EXPECT_EQ(older.tokens.size(), 120u);
+  EXPECT_EQ(younger.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << younger.status.error_message();
+  EXPECT_TRUE(younger.has_error);
+  EXPECT_NE(younger.status.error_message().find("preempted"), std::string::npos);
+  EXPECT_GT(younger.tokens.size(), 0u);
+  EXPECT_LT(younger.tokens.size(), 120u);
+  EXPECT_EQ(younger.error.usage().completion_tokens(), younger.tokens.size());
+  ExpectAllPagesFree(client);
+}
+
+}  // namespace
+}  // namespace fluxion::testing

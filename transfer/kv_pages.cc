@@ -1,0 +1,57 @@
+#include "transfer/kv_pages.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/half.h"
+
+namespace fluxion::transfer {
+
+absl::StatusOr<std::vector<uint64_t>> ExpandPageRuns(absl::Span<const PageIdRun> runs,
+                                                     uint64_t expected, uint64_t arena_pages) {
+  std::vector<uint64_t> ids;
+  uint64_t total = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const PageIdRun& r = runs[i];
+    if (r.count == 0) return absl::InvalidArgumentError(absl::StrCat("page extent ", i, " is empty"));
+    if (r.first >= arena_pages || r.count > arena_pages - r.first) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page extent ", i, " [", r.first, ", +", r.count, ") lies outside the ",
+                       arena_pages, "-page arena"));
+    }
+    total += r.count;
+    if (total > expected) break;
+  }
+  if (total != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("the page extents hold ", total,
+                                                   " pages or more; the prompt needs exactly ",
+                                                   expected));
+  }
+  ids.reserve(expected);
+  for (const PageIdRun& r : runs) {
+    for (uint64_t p = 0; p < r.count; ++p) ids.push_back(r.first + p);
+  }
+  return ids;
+}
+
+void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, const float* v,
+                    int64_t row_stride, uint8_t* dst) {
+  const int64_t pt = g.page_tokens, d = g.head_dim, pages = g.pages_per_head(tokens);
+  const size_t page_bytes = g.content_bytes();
+  std::memset(dst, 0, page_bytes * pages * g.num_kv_heads);
+  for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t page = t / pt, slot = t % pt;
+      bf16* kp = reinterpret_cast<bf16*>(dst + (h * pages + page) * page_bytes) + slot * d;
+      bf16* vp = kp + pt * d;
+      const float* ks = k + t * row_stride + h * d;
+      const float* vs = v + t * row_stride + h * d;
+      for (int64_t i = 0; i < d; ++i) {
+        kp[i] = FloatToBf16(ks[i]);
+        vp[i] = FloatToBf16(vs[i]);
+      }
+    }
+  }
+}
+
+}  // namespace fluxion::transfer

@@ -1,0 +1,63 @@
+#include "transfer/kv_pages.h"
+
+#include <cstring>
+#include <vector>
+
+#include "common/half.h"
+#include "gtest/gtest.h"
+#include "transfer/crc32c.h"
+
+namespace fluxion::transfer {
+namespace {
+
+TEST(Crc32cTest, KnownVectorsAndExtension) {
+  // RFC 3720 B.4 test vectors.
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xFF);
+  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(ones.data(), ones.size()), 0x62A8AB43u);
+  const char* s = "123456789";
+  EXPECT_EQ(Crc32c(s, 9), 0xE3069283u);
+  EXPECT_EQ(Crc32cExtend(Crc32c(s, 4), s + 4, 5), Crc32c(s, 9));
+}
+
+TEST(ExpandPageRunsTest, ConcatenatesAndChecks) {
+  std::vector<PageIdRun> runs = {{10, 3}, {2, 2}};
+  auto ids = ExpandPageRuns(runs, 5, 100);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, (std::vector<uint64_t>{10, 11, 12, 2, 3}));
+  EXPECT_EQ(ExpandPageRuns(runs, 6, 100).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandPageRuns(runs, 4, 100).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandPageRuns(runs, 5, 12).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<PageIdRun> empty_run = {{0, 0}};
+  EXPECT_EQ(ExpandPageRuns(empty_run, 0, 10).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<PageIdRun> wrap = {{~0ull - 1, 4}};
+  EXPECT_EQ(ExpandPageRuns(wrap, 4, 100).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PackLayerPagesTest, HeadMajorPagesWithZeroTail) {
+  KvPageGeometry g{1, 2, 4, 2};  // 2 heads, head_dim 4, 2 tokens per page
+  const int64_t tokens = 3;      // 2 pages per head, the last half full
+  std::vector<float> k(tokens * 2 * 4), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i);
+    v[i] = -static_cast<float>(i);
+  }
+  std::vector<uint8_t> dst(g.pages_per_layer(tokens) * g.content_bytes(), 0xAB);
+  PackLayerPages(g, tokens, k.data(), v.data(), 8, dst.data());
+  auto at = [&](int64_t head, int64_t page) {
+    return reinterpret_cast<const bf16*>(dst.data() + (head * 2 + page) * g.content_bytes());
+  };
+  // Head 1, token 2 (page 1, slot 0): K row = k[2*8 + 4 ..], V after page_tokens rows of K.
+  EXPECT_EQ(Bf16ToFloat(at(1, 1)[0]), k[2 * 8 + 4]);
+  EXPECT_EQ(Bf16ToFloat(at(1, 1)[2 * 4]), v[2 * 8 + 4]);
+  // Head 0, token 1 (page 0, slot 1).
+  EXPECT_EQ(Bf16ToFloat(at(0, 0)[4 + 3]), k[1 * 8 + 3]);
+  // Slot 1 of the last page is zero in K and V.
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(Bf16ToFloat(at(1, 1)[4 + i]), 0.0f);
+    EXPECT_EQ(Bf16ToFloat(at(1, 1)[8 + 4 + i]), 0.0f);
+  }
+}
+
+}  // namespace
+}  // namespace fluxion::transfer
