@@ -28,6 +28,10 @@ struct RunState {
   absl::Mutex mu;
   std::unordered_map<Call*, std::shared_ptr<Call>> live ABSL_GUARDED_BY(mu);
   std::vector<RequestRecord> records ABSL_GUARDED_BY(mu);
+  // Call objects not yet destroyed. Run() returns only at 0: a Call's ClientContext holds a
+  // reference to the channel's core, and the last reference must not be dropped on a gRPC thread
+  // (gRPC may crash destroying a channel from its own callback thread).
+  int64_t alive ABSL_GUARDED_BY(mu) = 0;
   std::atomic<int64_t> sent{0}, finished{0}, failed{0}, tokens{0};
 
   double Now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -36,17 +40,29 @@ struct RunState {
 // One Generate stream. Owned by RunState::live from Start() until OnDone().
 class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
  public:
-  Call(RunState* state, RequestRecord record, v1::GenerateRequest request)
-      : state_(state), record_(std::move(record)), request_(std::move(request)) {}
+  Call(std::shared_ptr<RunState> state, RequestRecord record, v1::GenerateRequest request)
+      : state_(std::move(state)),
+        record_(std::move(record)),
+        request_(std::move(request)),
+        context_(std::make_unique<grpc::ClientContext>()) {
+    absl::MutexLock lock(&state_->mu);
+    ++state_->alive;
+  }
+
+  ~Call() override {
+    context_.reset();  // before the count drops, so Run() cannot outlive the context
+    absl::MutexLock lock(&state_->mu);
+    --state_->alive;
+  }
 
   void Start(v1::DecodeService::Stub* stub, std::chrono::system_clock::time_point deadline) {
-    context_.set_deadline(deadline);
-    stub->async()->Generate(&context_, &request_, this);
+    context_->set_deadline(deadline);
+    stub->async()->Generate(context_.get(), &request_, this);
     StartRead(&response_);
     StartCall();
   }
 
-  void Cancel() { context_.TryCancel(); }
+  void Cancel() { context_->TryCancel(); }
 
   void OnReadDone(bool ok) override {
     if (!ok) return;  // the stream ended; OnDone follows
@@ -81,11 +97,11 @@ class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
   }
 
  private:
-  RunState* state_;
+  const std::shared_ptr<RunState> state_;
   RequestRecord record_;
   v1::GenerateRequest request_;
   v1::GenerateResponse response_;
-  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientContext> context_;
   std::string error_message_;
 };
 
@@ -120,7 +136,9 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
   }
   auto stub = v1::DecodeService::NewStub(channel);
 
-  RunState state;
+  // Shared with every Call, so whichever of them finishes last can still reach it.
+  auto state_ptr = std::make_shared<RunState>();
+  RunState& state = *state_ptr;
   const int64_t total = schedule.requests.size();
   const bool tty = isatty(STDERR_FILENO);
   std::atomic<bool> done{false};
@@ -194,7 +212,7 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
     record.input_tokens = tr.input_tokens;
     record.requested_output_tokens = tr.output_tokens;
     record.start_s = state.Now();
-    auto call = std::make_shared<Call>(&state, std::move(record), std::move(request));
+    auto call = std::make_shared<Call>(state_ptr, std::move(record), std::move(request));
     {
       absl::MutexLock lock(&state.mu);
       state.live.emplace(call.get(), call);
@@ -225,6 +243,14 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
     }
     // TryCancel outside the lock: it may run OnDone, which takes the lock.
     for (auto& call : to_cancel) call->Cancel();
+  }
+  {
+    // Every Call has left `live`; wait until the last one is destroyed too (see RunState::alive).
+    absl::MutexLock lock(&state.mu);
+    state.mu.AwaitWithTimeout(
+        absl::Condition(+[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->alive == 0; },
+                        &state),
+        absl::Seconds(10));
   }
   done.store(true);
   if (progress.joinable()) {

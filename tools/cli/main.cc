@@ -9,6 +9,7 @@
 #include "decode/commands.h"
 #include "bench/eval/eval_command.h"
 #include "cluster/replay_command.h"
+#include "cluster/router_command.h"
 #include "model/commands.h"
 #ifdef FLUXION_HAVE_SERVICES
 #include "decode/serve_command.h"
@@ -33,6 +34,8 @@ const std::vector<Subcommand>& Subcommands() {
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
       {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
        fluxion::cluster::RunReplayCommand},
+      {"router", "serve DecodeService in front of prefill/decode nodes: pick pairs, retry, shed",
+       fluxion::cluster::RunRouterCommand},
 #ifdef FLUXION_HAVE_SERVICES
       {"prefill", "serve PrefillService: compute prompts, write KV into decode nodes over UCX",
        fluxion::prefill::RunPrefillCommand},

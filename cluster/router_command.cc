@@ -1,0 +1,130 @@
+#include "cluster/router_command.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <ctime>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cluster/backends.h"
+#include "cluster/router_service.h"
+#include "common/flag_set.h"
+#include "common/metrics_http.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace fluxion::cluster {
+
+int RunRouterCommand(const std::vector<std::string>& args) {
+  std::string listen = "0.0.0.0:7000", metrics_listen = "0.0.0.0:9100", node_name;
+  std::vector<std::string> decode, prefill, decode_dns, prefill_dns;
+  int64_t poll_ms = 200, max_attempts = 3;
+  double shed_kv_usage = 0.95;
+  FlagSet flags("fluxion router",
+                "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
+                "pair picked by load, with health checks, retries before the first token and load "
+                "shedding (docs/CLUSTER.md).");
+  flags.String("listen", &listen, "gRPC address to serve clients on");
+  flags.String("metrics-listen", &metrics_listen,
+               "HTTP address for Prometheus /metrics (empty: no endpoint)");
+  flags.StringList("decode", &decode, "decode nodes, host:port, comma-separated");
+  flags.StringList("prefill", &prefill, "prefill nodes, host:port, comma-separated");
+  flags.StringList("decode-dns", &decode_dns,
+                   "DNS names of decode nodes, name:port (every A record, e.g. a headless service)");
+  flags.StringList("prefill-dns", &prefill_dns, "DNS names of prefill nodes, name:port");
+  flags.Int("poll-ms", &poll_ms, "health check and GetLoad interval");
+  flags.Double("shed-kv-usage", &shed_kv_usage,
+               "refuse requests (RESOURCE_EXHAUSTED) when every decode node's KV usage is at or "
+               "above this fraction");
+  flags.Int("max-attempts", &max_attempts,
+            "tries per request, each on another decode node, only before the first token");
+  flags.String("node-name", &node_name, "name in GetLoad (default: hostname/start time)");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (node_name.empty()) {
+    char host[256] = "router";
+    gethostname(host, sizeof(host) - 1);
+    node_name = absl::StrCat(host, "/", std::time(nullptr));
+  }
+
+  // Signals are taken synchronously by the main thread (sigtimedwait), so block them before any
+  // thread starts: every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  Backends::Options backend_options;
+  backend_options.decode_addresses = decode;
+  backend_options.prefill_addresses = prefill;
+  backend_options.decode_dns = decode_dns;
+  backend_options.prefill_dns = prefill_dns;
+  backend_options.poll_interval = absl::Milliseconds(poll_ms);
+  auto backends = Backends::Create(backend_options);
+  if (!backends.ok()) {
+    std::cerr << "error: " << backends.status().message() << "\n";
+    return 2;
+  }
+  RouterOptions router_options;
+  router_options.shed_kv_usage = shed_kv_usage;
+  router_options.max_attempts = static_cast<int>(max_attempts);
+  router_options.node_name = node_name;
+  metrics::Registry& registry = metrics::Registry::Default();
+  RouterService service(backends->get(), router_options, &registry);
+
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_server;
+  if (!metrics_listen.empty()) {
+    auto started = metrics::MetricsHttpServer::Start(metrics_listen, &registry);
+    if (!started.ok()) {
+      std::cerr << "error: " << started.status().message() << "\n";
+      return 1;
+    }
+    metrics_server = std::move(*started);
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "error: cannot listen on " << listen << " (port in use or bad address)\n";
+    return 1;
+  }
+  auto* health = server->GetHealthCheckService();
+  std::cout << "router: serving fluxion.v1.DecodeService on port " << port
+            << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
+            << "; decode " << absl::StrJoin(decode, ",") << absl::StrJoin(decode_dns, ",")
+            << (prefill.empty() && prefill_dns.empty()
+                    ? std::string()
+                    : absl::StrCat("; prefill ", absl::StrJoin(prefill, ","),
+                                   absl::StrJoin(prefill_dns, ",")))
+            << std::endl;
+
+  // Readiness follows the decode nodes: NOT_SERVING for the service name while none is healthy
+  // (the empty name, liveness, stays SERVING).
+  timespec tick{0, 200 * 1000 * 1000};
+  bool serving = false;
+  health->SetServingStatus("fluxion.v1.DecodeService", false);
+  while (true) {
+    bool now_serving = (*backends)->HealthyCount(Role::kDecode) > 0;
+    if (now_serving != serving) {
+      health->SetServingStatus("fluxion.v1.DecodeService", now_serving);
+      std::cout << "router: " << (now_serving ? "ready" : "no healthy decode node, not ready")
+                << std::endl;
+      serving = now_serving;
+    }
+    int sig = sigtimedwait(&signals, nullptr, &tick);
+    if (sig == SIGINT || sig == SIGTERM) break;
+  }
+  std::cout << "router: shutting down (open requests get 10 s)" << std::endl;
+  health->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  server->Wait();
+  return 0;
+}
+
+}  // namespace fluxion::cluster

@@ -1,0 +1,558 @@
+#include "cluster/router_service.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cluster/router_policy.h"
+#include "common/metrics_names.h"
+
+namespace fluxion::cluster {
+namespace {
+
+using SystemClock = std::chrono::system_clock;
+
+bool Retryable(grpc::StatusCode code) {
+  // Codes after which another decode node may succeed (docs/PROTOCOL.md, "caller's reaction").
+  return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+         code == grpc::StatusCode::DATA_LOSS || code == grpc::StatusCode::INTERNAL;
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+}  // namespace
+
+// One client Generate call and its downstream attempts. Deleted when the client call is done and
+// no attempt is alive (reference count: one for the client call, one per live attempt).
+class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  Relay(RouterService* service, grpc::CallbackServerContext* context,
+        const v1::GenerateRequest& request)
+      : service_(service), context_(context), request_(request), arrival_(SystemClock::now()) {
+    deadline_ = context->deadline();
+    if (request_.has_timeout_ms()) {
+      deadline_ = std::min(deadline_, arrival_ + std::chrono::milliseconds(request_.timeout_ms()));
+    }
+  }
+
+  void Begin() {
+    const std::string& id = request_.request_id();
+    if (id.empty() || id.size() > 128) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "request_id must be 1 to 128 bytes"),
+                 nullptr);
+      return;
+    }
+    if (request_.prompt_token_ids_size() == 0) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("request ", id, ": empty prompt")),
+                 nullptr);
+      return;
+    }
+    StartAttempt();
+  }
+
+  void OnWriteDone(bool ok) override {
+    Attempt* attempt;
+    std::optional<grpc::Status> deferred;
+    {
+      absl::MutexLock lock(&mu_);
+      write_in_flight_ = false;
+      attempt = current_;
+      if (done_while_writing_.has_value()) {
+        deferred = std::move(done_while_writing_);
+        done_while_writing_.reset();
+      }
+    }
+    if (deferred.has_value()) {
+      HandleAttemptDone(*deferred);
+    } else if (!ok) {
+      attempt->Cancel();  // the client is gone; OnCancel follows as well
+    } else {
+      attempt->ReadNext();
+    }
+  }
+
+  void OnCancel() override {
+    Attempt* attempt = nullptr;
+    bool finish_now = false;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (attempt_active_) {
+        attempt = current_;
+      } else {
+        finish_now = true;
+      }
+    }
+    if (attempt != nullptr) attempt->Cancel();
+    if (finish_now) {
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled"), nullptr);
+    }
+  }
+
+  void OnDone() override {
+    service_->metrics_.e2e->Observe(
+        std::chrono::duration<double>(SystemClock::now() - arrival_).count());
+    service_->ClearLive(request_.request_id());
+    Unref();
+  }
+
+ private:
+  class Attempt : public grpc::ClientReadReactor<v1::GenerateResponse> {
+   public:
+    Attempt(Relay* relay, std::string decode, std::string prefill)
+        : relay_(relay), decode_(std::move(decode)), prefill_(std::move(prefill)) {}
+    void Start(v1::DecodeService::Stub* stub, v1::GenerateRequest request,
+               std::optional<SystemClock::time_point> deadline) {
+      request_ = std::move(request);
+      if (deadline.has_value()) context_.set_deadline(*deadline);
+      stub->async()->Generate(&context_, &request_, this);
+      StartRead(&response_);
+      StartCall();
+    }
+    void ReadNext() { StartRead(&response_); }
+    void Cancel() { context_.TryCancel(); }
+    void OnReadDone(bool ok) override {
+      if (ok) relay_->OnAttemptMessage(this);
+    }
+    void OnDone(const grpc::Status& status) override {
+      Relay* relay = relay_;
+      relay->OnAttemptDone(this, status);
+      relay->Unref();  // may delete the relay and this attempt: nothing may follow
+    }
+    const std::string& decode() const { return decode_; }
+    const std::string& prefill() const { return prefill_; }
+    v1::GenerateResponse& response() { return response_; }
+    bool saw_message = false;
+
+   private:
+    Relay* const relay_;
+    const std::string decode_, prefill_;
+    grpc::ClientContext context_;
+    v1::GenerateRequest request_;
+    v1::GenerateResponse response_;
+  };
+
+  void Unref() {
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      last = --refs_ == 0;
+    }
+    if (last) delete this;
+  }
+
+  // Picks a pair and forwards. Finishes the call instead when no pair is left or time is up.
+  void StartAttempt() {
+    RouterService* s = service_;
+    Attempt* attempt = nullptr;
+    v1::GenerateRequest forward;
+    std::shared_ptr<v1::DecodeService::Stub> stub;
+    std::optional<SystemClock::time_point> deadline;
+    grpc::Status fail;
+    {
+      absl::MutexLock lock(&mu_);
+      const std::string& id = request_.request_id();
+      auto now = SystemClock::now();
+      bool has_deadline = deadline_ != SystemClock::time_point::max();
+      if (cancelled_) {
+        fail = grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+      } else if (has_deadline && now >= deadline_) {
+        fail = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                            absl::StrCat("request ", id, ": time budget ran out in the router",
+                                         attempts_ > 0 ? absl::StrCat(" after ", attempts_,
+                                                                      " failed attempts: ",
+                                                                      last_failure_.error_message())
+                                                       : ""));
+      } else {
+        auto decode = PickDecode(s->backends_->Snapshot(Role::kDecode),
+                                 request_.prompt_token_ids_size(), s->options_.shed_kv_usage,
+                                 excluded_decodes_);
+        absl::StatusOr<std::string> prefill = std::string();
+        if (decode.ok() && s->backends_->has_prefill_nodes()) {
+          prefill = PickPrefill(s->backends_->Snapshot(Role::kPrefill), excluded_prefills_);
+        }
+        if (decode.ok() && prefill.ok()) stub = s->backends_->DecodeStub(*decode);
+        if (!decode.ok() || !prefill.ok() || stub == nullptr) {
+          absl::Status why = !decode.ok()    ? decode.status()
+                             : !prefill.ok() ? prefill.status()
+                                             : absl::UnavailableError("decode node went away");
+          if (why.code() == absl::StatusCode::kResourceExhausted && attempts_ == 0) {
+            s->metrics_.shed->Increment();
+          }
+          if (attempts_ > 0) {
+            // The last failure says more than "no node left" does.
+            fail = grpc::Status(last_failure_.error_code(),
+                                absl::StrCat("request ", id, ": ", attempts_,
+                                             " attempts failed before the first token; last: ",
+                                             last_failure_.error_message(), " (then: ",
+                                             why.message(), ")"));
+          } else {
+            fail = grpc::Status(static_cast<grpc::StatusCode>(why.code()),
+                                absl::StrCat("request ", id, ": ", why.message()));
+          }
+        } else {
+          forward = request_;
+          if (!prefill->empty()) forward.set_prefill_address(*prefill);
+          if (has_deadline) {
+            // Forward what is left of the budget, so the decode node can end the stream itself
+            // with partial usage before the gRPC deadline fires.
+            auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - now);
+            forward.set_timeout_ms(static_cast<uint32_t>(
+                std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max())));
+            deadline = deadline_;
+          }
+          ++attempts_;
+          attempts_list_.push_back(std::make_unique<Attempt>(this, *decode, *prefill));
+          attempt = attempts_list_.back().get();
+          current_ = attempt;
+          attempt_active_ = true;
+          ++refs_;
+          s->backends_->NoteDispatch(*decode, request_.prompt_token_ids_size());
+          if (!prefill->empty()) s->backends_->NoteDispatch(*prefill, request_.prompt_token_ids_size());
+          s->SetLive(id, *decode);
+        }
+      }
+    }
+    if (attempt == nullptr) {
+      FinishOnce(fail, nullptr);
+      return;
+    }
+    attempt->Start(stub.get(), std::move(forward), deadline);
+  }
+
+  void OnAttemptMessage(Attempt* attempt) {
+    bool write = false;
+    {
+      absl::MutexLock lock(&mu_);
+      attempt->saw_message = true;
+      v1::GenerateResponse& msg = attempt->response();
+      if (msg.has_error() && !relayed_tokens_) {
+        // Failed before the first token: hold the error; the request may yet be retried.
+        held_error_ = msg;
+      } else {
+        if (msg.has_chunk() && msg.chunk().token_ids_size() > 0 && !relayed_tokens_) {
+          relayed_tokens_ = true;
+          service_->metrics_.ttft->Observe(
+              std::chrono::duration<double>(SystemClock::now() - arrival_).count());
+        }
+        out_.Swap(&msg);
+        write = true;
+        write_in_flight_ = true;
+      }
+    }
+    if (write) {
+      StartWrite(&out_);  // OnWriteDone asks for the next message
+    } else {
+      attempt->ReadNext();
+    }
+  }
+
+  void OnAttemptDone(Attempt* attempt, const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      attempt_active_ = false;
+      if (write_in_flight_) {
+        // Finish only after the client write completes (OnWriteDone picks this up).
+        done_while_writing_ = status;
+        return;
+      }
+    }
+    HandleAttemptDone(status);
+  }
+
+  void HandleAttemptDone(const grpc::Status& status) {
+    RouterService* s = service_;
+    bool retry = false;
+    grpc::Status final_status = status;
+    const v1::GenerateResponse* final_message = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      Attempt* attempt = current_;
+      const std::string& id = request_.request_id();
+      if (cancelled_) {
+        final_status = grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+      } else if (status.ok()) {
+        s->metrics_.attempts_ok->Increment();
+      } else if (!relayed_tokens_ && Retryable(status.error_code()) &&
+                 attempts_ < s->options_.max_attempts) {
+        retry = true;
+        s->metrics_.attempts_retried->Increment();
+        last_failure_ = grpc::Status(
+            status.error_code(), absl::StrCat("decode node ", attempt->decode(), ": ",
+                                              status.error_message()));
+        excluded_decodes_.insert(attempt->decode());
+        if (!attempt->prefill().empty()) excluded_prefills_.insert(attempt->prefill());
+        // No message at all and UNAVAILABLE: the node itself is unreachable, not just busy.
+        if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !attempt->saw_message) {
+          s->backends_->MarkFailed(attempt->decode(), status.error_message());
+        }
+        held_error_.reset();
+      } else {
+        s->metrics_.attempts_failed->Increment();
+        if (relayed_tokens_) {
+          final_status = grpc::Status(
+              status.error_code(),
+              absl::StrCat("request ", id, ": decode node ", attempt->decode(),
+                           " failed after the first token (not retried: tokens were already "
+                           "streamed): ",
+                           status.error_message()));
+        } else {
+          final_status = grpc::Status(status.error_code(),
+                                      absl::StrCat("request ", id, ": decode node ",
+                                                   attempt->decode(), ": ", status.error_message()));
+          if (held_error_.has_value()) {
+            out_ = *held_error_;
+            final_message = &out_;
+          }
+        }
+      }
+    }
+    if (retry) {
+      StartAttempt();
+    } else {
+      FinishOnce(final_status, final_message);
+    }
+  }
+
+  void FinishOnce(const grpc::Status& status, const v1::GenerateResponse* message) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    service_->metrics_.registry
+        ->AddCounter(metrics::names::kRouterRequestsTotal,
+                     "Client Generate calls by final gRPC status.",
+                     {{"code", CodeName(status.error_code())}})
+        ->Increment();
+    if (message != nullptr) {
+      StartWriteAndFinish(message, grpc::WriteOptions(), status);
+    } else {
+      Finish(status);
+    }
+  }
+
+  RouterService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const v1::GenerateRequest request_;
+  const SystemClock::time_point arrival_;
+  SystemClock::time_point deadline_;  // max() when neither a gRPC deadline nor timeout_ms is set
+
+  absl::Mutex mu_;
+  int refs_ ABSL_GUARDED_BY(mu_) = 1;
+  int attempts_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<Attempt>> attempts_list_ ABSL_GUARDED_BY(mu_);
+  Attempt* current_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool attempt_active_ ABSL_GUARDED_BY(mu_) = false;
+  bool relayed_tokens_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> done_while_writing_ ABSL_GUARDED_BY(mu_);
+  std::optional<v1::GenerateResponse> held_error_ ABSL_GUARDED_BY(mu_);
+  grpc::Status last_failure_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> excluded_decodes_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> excluded_prefills_ ABSL_GUARDED_BY(mu_);
+  v1::GenerateResponse out_;  // the message being written; touched only with no write in flight
+};
+
+RouterService::RouterService(Backends* backends, RouterOptions options,
+                             metrics::Registry* registry)
+    : backends_(backends), options_(std::move(options)) {
+  namespace n = metrics::names;
+  metrics_.registry = registry;
+  metrics_.inflight = registry->AddGauge(n::kRouterRequestsInflight, "Client Generate calls open.");
+  const char* attempts_help =
+      "Forwarded Generate attempts by outcome (retried: failed before the first token and tried "
+      "on another decode node).";
+  metrics_.attempts_ok = registry->AddCounter(n::kRouterAttemptsTotal, attempts_help,
+                                              {{"outcome", "ok"}});
+  metrics_.attempts_retried = registry->AddCounter(n::kRouterAttemptsTotal, attempts_help,
+                                                   {{"outcome", "retried"}});
+  metrics_.attempts_failed = registry->AddCounter(n::kRouterAttemptsTotal, attempts_help,
+                                                  {{"outcome", "failed"}});
+  metrics_.shed = registry->AddCounter(
+      n::kRouterShedTotal,
+      "Requests refused with RESOURCE_EXHAUSTED because every decode node was above the KV usage "
+      "threshold.");
+  metrics_.ttft = registry->AddHistogram(n::kRouterTtftSeconds,
+                                         "Client arrival to first token relayed.",
+                                         metrics::LatencyBuckets());
+  metrics_.e2e = registry->AddHistogram(n::kRouterE2eSeconds, "Client arrival to end of stream.",
+                                        metrics::LatencyBuckets());
+  for (Role role : {Role::kDecode, Role::kPrefill}) {
+    registry->AddGaugeCallback(n::kRouterBackendsHealthy, "Backends passing health checks.",
+                               {{"role", RoleName(role)}},
+                               [backends, role] { return backends->HealthyCount(role); });
+  }
+}
+
+RouterService::~RouterService() {
+  // The registry may outlive us (the process-wide one does): its callbacks must not reach
+  // `backends_` any more.
+  for (Role role : {Role::kDecode, Role::kPrefill}) {
+    metrics_.registry->AddGaugeCallback(metrics::names::kRouterBackendsHealthy,
+                                        "Backends passing health checks.",
+                                        {{"role", RoleName(role)}}, [] { return 0.0; });
+  }
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  auto* relay = new Relay(this, context, *request);
+  {
+    absl::MutexLock lock(&mu_);
+    ++open_;
+    metrics_.inflight->Set(open_);
+  }
+  relay->Begin();
+  return relay;
+}
+
+void RouterService::SetLive(const std::string& request_id, const std::string& decode_address) {
+  absl::MutexLock lock(&mu_);
+  live_[request_id] = decode_address;
+}
+
+void RouterService::ClearLive(const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  live_.erase(request_id);
+  --open_;
+  metrics_.inflight->Set(open_);
+}
+
+int RouterService::inflight() const {
+  absl::MutexLock lock(&mu_);
+  return open_;
+}
+
+grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* context,
+                                               const v1::AbortRequest* request,
+                                               v1::AbortResponse* response) {
+  // Forward to the decode node serving each live id; ids the router does not know are ignored
+  // (Abort is idempotent).
+  std::map<std::string, std::vector<std::string>> by_node;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& id : request->request_ids()) {
+      auto it = live_.find(id);
+      if (it != live_.end()) by_node[it->second].push_back(id);
+    }
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (by_node.empty()) {
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  struct Fanout {
+    grpc::ServerUnaryReactor* reactor;
+    v1::AbortResponse* response;
+    absl::Mutex mu;
+    int pending;
+    struct Call {
+      grpc::ClientContext context;
+      v1::AbortRequest request;
+      v1::AbortResponse response;
+    };
+    std::vector<std::unique_ptr<Call>> calls;
+  };
+  auto* fanout = new Fanout{reactor, response, {}, static_cast<int>(by_node.size()), {}};
+  std::vector<std::pair<std::shared_ptr<v1::DecodeService::Stub>, Fanout::Call*>> to_start;
+  for (auto& [node, ids] : by_node) {
+    auto call = std::make_unique<Fanout::Call>();
+    for (const std::string& id : ids) call->request.add_request_ids(id);
+    call->request.set_reason(request->reason());
+    call->context.set_deadline(SystemClock::now() + std::chrono::seconds(5));
+    to_start.emplace_back(backends_->DecodeStub(node), call.get());
+    fanout->calls.push_back(std::move(call));
+  }
+  for (auto& [stub, call] : to_start) {
+    auto done = [fanout, call](grpc::Status) {
+      bool last;
+      {
+        absl::MutexLock lock(&fanout->mu);
+        for (const std::string& id : call->response.aborted_request_ids()) {
+          fanout->response->add_aborted_request_ids(id);
+        }
+        last = --fanout->pending == 0;
+      }
+      if (last) {
+        fanout->reactor->Finish(grpc::Status::OK);
+        delete fanout;
+      }
+    };
+    if (stub == nullptr) {
+      done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node went away"));
+    } else {
+      stub->async()->Abort(&call->context, &call->request, &call->response, done);
+    }
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::GetLoad(grpc::CallbackServerContext* context,
+                                                 const v1::GetLoadRequest*,
+                                                 v1::DecodeLoad* response) {
+  // Sums over healthy decode nodes (fractions and times averaged), from the last poll: no RPC.
+  int healthy = 0;
+  double kv_usage = 0, step_ms = 0;
+  for (const BackendState& node : backends_->Snapshot(Role::kDecode)) {
+    if (!node.healthy) continue;
+    const v1::DecodeLoad& l = node.decode_load;
+    if (healthy == 0) {
+      response->set_page_tokens(l.page_tokens());
+      *response->mutable_server()->mutable_layout() = l.server().layout();
+      response->mutable_server()->set_max_context_tokens(l.server().max_context_tokens());
+    }
+    ++healthy;
+    response->set_running_requests(response->running_requests() + l.running_requests());
+    response->set_prefilling_requests(response->prefilling_requests() + l.prefilling_requests());
+    response->set_waiting_requests(response->waiting_requests() + l.waiting_requests());
+    response->set_free_kv_pages(response->free_kv_pages() + l.free_kv_pages());
+    response->set_total_kv_pages(response->total_kv_pages() + l.total_kv_pages());
+    response->set_admittable_prompt_tokens(
+        std::max(response->admittable_prompt_tokens(), l.admittable_prompt_tokens()));
+    kv_usage += l.kv_usage();
+    step_ms += l.recent_step_ms();
+  }
+  if (healthy > 0) {
+    response->set_kv_usage(static_cast<float>(kv_usage / healthy));
+    response->set_recent_step_ms(static_cast<float>(step_ms / healthy));
+  }
+  v1::ServerInfo* server = response->mutable_server();
+  server->set_role(v1::SERVER_ROLE_ROUTER);
+  server->set_node_name(options_.node_name);
+  server->set_protocol_version(v1::PROTOCOL_VERSION_1);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace fluxion::cluster

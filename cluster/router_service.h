@@ -1,0 +1,85 @@
+// The router's gRPC service: serves fluxion.v1.DecodeService (Generate, Abort, GetLoad) to
+// clients, so a client cannot tell a router from a decode node, and forwards each Generate to a
+// decode node it picks, naming the prefill node it picks in `prefill_address`.
+//
+// Per request: pick a pair (cluster/router_policy.h), forward with the remaining time budget,
+// relay the stream with flow control (the next downstream message is read only after the previous
+// one was written to the client). A failure before the first token is retried on another pair (a
+// different decode node; another prefill node when there is one); after the first token it is
+// relayed to the client as is, never retried. Client cancellation cancels the downstream call;
+// the earlier of the client's gRPC deadline and `timeout_ms` bounds the whole request.
+//
+// Thread-safe. Reactors never block: picking reads a snapshot under a mutex, and every gRPC call
+// is asynchronous.
+#ifndef FLUXION_CLUSTER_ROUTER_SERVICE_H_
+#define FLUXION_CLUSTER_ROUTER_SERVICE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "cluster/backends.h"
+#include "common/metrics.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+
+namespace fluxion::cluster {
+
+struct RouterOptions {
+  // Shed with RESOURCE_EXHAUSTED when every healthy decode node's kv_usage is at or above this.
+  double shed_kv_usage = 0.95;
+  // Attempts per request (first try plus retries), each on a different decode node.
+  int max_attempts = 3;
+  // Name reported in GetLoad's ServerInfo.
+  std::string node_name = "router";
+};
+
+class RouterService final : public v1::DecodeService::CallbackService {
+ public:
+  // `backends` and `registry` must outlive the service.
+  RouterService(Backends* backends, RouterOptions options, metrics::Registry* registry);
+  ~RouterService() override;
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetLoad(grpc::CallbackServerContext* context,
+                                    const v1::GetLoadRequest* request,
+                                    v1::DecodeLoad* response) override;
+
+  // Requests open now (for tests and the inflight gauge).
+  int inflight() const;
+
+ private:
+  class Relay;
+  friend class Relay;
+
+  struct Metrics {
+    metrics::Registry* registry;
+    metrics::Gauge* inflight;
+    metrics::Counter* attempts_ok;
+    metrics::Counter* attempts_retried;
+    metrics::Counter* attempts_failed;
+    metrics::Counter* shed;
+    metrics::Histogram* ttft;
+    metrics::Histogram* e2e;
+  };
+
+  // Live requests: id -> decode node serving it now (for Abort).
+  void SetLive(const std::string& request_id, const std::string& decode_address);
+  void ClearLive(const std::string& request_id);
+
+  Backends* const backends_;
+  const RouterOptions options_;
+  Metrics metrics_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::string> live_ ABSL_GUARDED_BY(mu_);
+  int open_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace fluxion::cluster
+
+#endif  // FLUXION_CLUSTER_ROUTER_SERVICE_H_

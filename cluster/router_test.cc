@@ -1,0 +1,388 @@
+// The router over real gRPC on loopback, in front of in-test fake decode and prefill nodes
+// (cluster/fake_decode_service.h).
+#include <chrono>
+#include <thread>
+
+#include "cluster/backends.h"
+#include "cluster/fake_decode_service.h"
+#include "cluster/replayer.h"
+#include "cluster/router_service.h"
+#include "common/metrics_http.h"
+#include "common/metrics_testing.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fluxion::cluster {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::FakeDecodeService;
+using testing::FakePrefillService;
+using testing::FakeServer;
+
+v1::DecodeLoad Load(uint64_t free_pages, uint32_t running, float kv_usage) {
+  v1::DecodeLoad l;
+  l.set_free_kv_pages(free_pages);
+  l.set_total_kv_pages(1000);
+  l.set_page_tokens(16);
+  l.set_running_requests(running);
+  l.set_kv_usage(kv_usage);
+  l.set_admittable_prompt_tokens(1 << 20);
+  l.mutable_server()->set_role(v1::SERVER_ROLE_DECODE);
+  return l;
+}
+
+struct Result {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+  std::vector<v1::GenerateResponse> messages;
+};
+
+// Two decode nodes (a: 10% free, b: 90% free, so b is picked first), two prefill nodes (p2 has
+// the shorter queue), and the router in front.
+class RouterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    decode_a_.SetLoad(Load(100, 0, 0.9f));
+    decode_b_.SetLoad(Load(900, 0, 0.1f));
+    v1::PrefillLoad p1, p2;
+    p1.set_queued_prompt_tokens(5000);
+    p2.set_queued_prompt_tokens(10);
+    prefill_1_.SetLoad(p1);
+    prefill_2_.SetLoad(p2);
+    a_ = std::make_unique<FakeServer>(&decode_a_, "fluxion.v1.DecodeService");
+    b_ = std::make_unique<FakeServer>(&decode_b_, "fluxion.v1.DecodeService");
+    p1_ = std::make_unique<FakeServer>(&prefill_1_, "fluxion.v1.PrefillService");
+    p2_ = std::make_unique<FakeServer>(&prefill_2_, "fluxion.v1.PrefillService");
+    StartRouter({a_->address(), b_->address()}, {p1_->address(), p2_->address()});
+  }
+
+  void StartRouter(std::vector<std::string> decodes, std::vector<std::string> prefills,
+                   std::vector<std::string> decode_dns = {}) {
+    Backends::Options o;
+    o.decode_addresses = std::move(decodes);
+    o.prefill_addresses = std::move(prefills);
+    o.decode_dns = std::move(decode_dns);
+    o.start_poller = false;  // tests poll explicitly, so what the router knows is deterministic
+    auto backends = Backends::Create(o);
+    ASSERT_TRUE(backends.ok()) << backends.status();
+    backends_ = std::move(*backends);
+    RouterOptions ro;
+    ro.shed_kv_usage = 0.95;
+    service_ = std::make_unique<RouterService>(backends_.get(), ro, &registry_);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    router_ = builder.BuildAndStart();
+    router_address_ = "127.0.0.1:" + std::to_string(port);
+    stub_ = v1::DecodeService::NewStub(
+        grpc::CreateChannel(router_address_, grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    if (router_) {
+      router_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      router_->Wait();
+    }
+  }
+
+  static v1::GenerateRequest Request(const std::string& id, uint32_t max_tokens) {
+    v1::GenerateRequest r;
+    r.set_request_id(id);
+    for (uint32_t t : {5u, 6u, 7u}) r.add_prompt_token_ids(t);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    return r;
+  }
+
+  Result Generate(const v1::GenerateRequest& request,
+                  std::chrono::milliseconds deadline = std::chrono::seconds(10)) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + deadline);
+    Result result;
+    auto reader = stub_->Generate(&context, request);
+    v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      for (uint32_t t : response.chunk().token_ids()) result.tokens.push_back(t);
+      result.messages.push_back(response);
+    }
+    result.status = reader->Finish();
+    return result;
+  }
+
+  double Counter(const std::string& name, const metrics::Labels& labels) {
+    return registry_.AddCounter(name, "", labels)->value();
+  }
+
+  // Waits up to 2 s for `condition`.
+  template <typename F>
+  bool Eventually(F condition) {
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (std::chrono::steady_clock::now() < until) {
+      if (condition()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return condition();
+  }
+
+  FakeDecodeService decode_a_, decode_b_;
+  FakePrefillService prefill_1_, prefill_2_;
+  std::unique_ptr<FakeServer> a_, b_, p1_, p2_;
+  metrics::Registry registry_;
+  std::unique_ptr<Backends> backends_;
+  std::unique_ptr<RouterService> service_;
+  std::unique_ptr<grpc::Server> router_;
+  std::string router_address_;
+  std::unique_ptr<v1::DecodeService::Stub> stub_;
+};
+
+TEST_F(RouterTest, ForwardsToTheFreestDecodeNodeNamingTheLeastQueuedPrefillNode) {
+  Result r = Generate(Request("r-1", 4));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, (std::vector<uint32_t>{100, 101, 102, 103}));
+  ASSERT_TRUE(r.messages.back().has_complete());
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_TRUE(decode_a_.seen().empty());
+  const v1::GenerateRequest forwarded = decode_b_.seen()[0].request;
+  EXPECT_EQ(forwarded.request_id(), "r-1");
+  EXPECT_EQ(forwarded.prefill_address(), p2_->address());
+  EXPECT_EQ(forwarded.prompt_token_ids_size(), 3);
+}
+
+TEST_F(RouterTest, FailureBeforeTheFirstTokenIsRetriedOnAnotherPair) {
+  FakeDecodeService::Behaviour reject;
+  reject.reject = [](const v1::GenerateRequest&) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake: prefill peer died");
+  };
+  decode_b_.SetBehaviour(reject);
+  Result r = Generate(Request("r-2", 3));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens.size(), 3u);
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  ASSERT_EQ(decode_a_.seen().size(), 1u);
+  EXPECT_EQ(decode_a_.seen()[0].request.request_id(), "r-2");  // the id travels unchanged
+  // Another pair: the first prefill choice (p2) is not reused while p1 is healthy.
+  EXPECT_EQ(decode_a_.seen()[0].request.prefill_address(), p1_->address());
+  EXPECT_EQ(Counter("fluxion_router_attempts_total", {{"outcome", "retried"}}), 1);
+}
+
+TEST_F(RouterTest, FailureAfterTheFirstTokenIsRelayedNotRetried) {
+  FakeDecodeService::Behaviour fail;
+  fail.fail_after_tokens = 2;
+  decode_b_.SetBehaviour(fail);
+  Result r = Generate(Request("r-3", 10));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("after the first token"));
+  EXPECT_EQ(r.tokens.size(), 2u);
+  ASSERT_TRUE(r.messages.back().has_error());
+  EXPECT_TRUE(decode_a_.seen().empty());
+}
+
+TEST_F(RouterTest, RetriesStopAfterMaxAttemptsWithTheLastError) {
+  FakeDecodeService::Behaviour reject;
+  reject.reject = [](const v1::GenerateRequest&) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "fake: no pages");
+  };
+  decode_a_.SetBehaviour(reject);
+  decode_b_.SetBehaviour(reject);
+  Result r = Generate(Request("r-4", 3));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("fake: no pages"));
+  EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 2u);  // each node once
+}
+
+TEST_F(RouterTest, ShedsWithResourceExhaustedWhenEveryDecodeNodeIsAboveTheThreshold) {
+  decode_a_.SetLoad(Load(20, 0, 0.98f));
+  decode_b_.SetLoad(Load(30, 0, 0.97f));
+  backends_->PollOnce();
+  auto start = std::chrono::steady_clock::now();
+  Result r = Generate(Request("r-5", 3));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("KV usage threshold"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_TRUE(decode_a_.seen().empty());
+  EXPECT_TRUE(decode_b_.seen().empty());
+  EXPECT_EQ(registry_.AddCounter("fluxion_router_shed_total", "")->value(), 1);
+}
+
+TEST_F(RouterTest, KilledDecodeNodeFailsItsStreamClearlyAndNewRequestsGoElsewhere) {
+  // An in-flight request on b fails with a clear error when b dies after the first token.
+  std::thread killer([&] {
+    ASSERT_TRUE(Eventually([&] { return decode_b_.seen().size() == 1; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    b_->Shutdown();
+  });
+  Result inflight = Generate(Request("r-6", 500));
+  killer.join();
+  EXPECT_FALSE(inflight.status.ok());
+  EXPECT_GT(inflight.tokens.size(), 0u);
+  EXPECT_THAT(inflight.status.error_message(), HasSubstr("after the first token"));
+  EXPECT_THAT(inflight.status.error_message(), HasSubstr(b_->address()));
+
+  // b's load answer still looks best, but it is gone: the next request tries it, fails before
+  // any token, and is served by a; after that the router avoids b.
+  Result next = Generate(Request("r-7", 3));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(decode_a_.seen().size(), 1u);
+  Result after = Generate(Request("r-8", 3));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(decode_a_.seen().size(), 2u);
+  EXPECT_EQ(Counter("fluxion_router_attempts_total", {{"outcome", "retried"}}), 1);
+  backends_->PollOnce();
+  EXPECT_EQ(backends_->HealthyCount(Role::kDecode), 1);
+}
+
+TEST_F(RouterTest, UnhealthyNodeIsNotPicked) {
+  b_->SetServing(false);
+  backends_->PollOnce();
+  Result r = Generate(Request("r-9", 2));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(decode_b_.seen().empty());
+  EXPECT_EQ(decode_a_.seen().size(), 1u);
+}
+
+TEST_F(RouterTest, ClientCancellationReachesTheDecodeNode) {
+  grpc::ClientContext context;
+  auto reader = stub_->Generate(&context, Request("r-10", 500));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  ASSERT_TRUE(reader->Read(&response));
+  context.TryCancel();
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(Eventually([&] {
+    auto seen = decode_b_.seen();
+    return seen.size() == 1 && seen[0].cancelled;
+  })) << "the decode node's call was not cancelled";
+  EXPECT_TRUE(Eventually([&] { return service_->inflight() == 0; }));
+}
+
+TEST_F(RouterTest, RemainingTimeBudgetAndDeadlineAreForwarded) {
+  v1::GenerateRequest request = Request("r-11", 2);
+  request.set_timeout_ms(60000);  // the 3 s gRPC deadline is earlier and wins
+  auto before = std::chrono::system_clock::now();
+  Result r = Generate(request, std::chrono::seconds(3));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  const testing::SeenRequest seen = decode_b_.seen()[0];
+  // gRPC sends a deadline as a relative timeout that the router re-anchors on arrival, so a few
+  // ms of slack either way.
+  EXPECT_LE(seen.request.timeout_ms(), 3100u);
+  EXPECT_GT(seen.request.timeout_ms(), 2000u);
+  auto deadline_error = seen.deadline - (before + std::chrono::seconds(3));
+  EXPECT_LT(std::chrono::abs(deadline_error), std::chrono::milliseconds(500));
+}
+
+TEST_F(RouterTest, DeadlineEndsTheRequestAndCancelsDownstream) {
+  FakeDecodeService::Behaviour slow;
+  slow.ttft = std::chrono::milliseconds(5000);
+  decode_b_.SetBehaviour(slow);
+  v1::GenerateRequest request = Request("r-12", 2);
+  request.set_timeout_ms(300);
+  auto start = std::chrono::steady_clock::now();
+  Result r = Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_TRUE(Eventually([&] {
+    auto seen = decode_b_.seen();
+    return seen.size() == 1 && seen[0].cancelled;
+  }));
+}
+
+TEST_F(RouterTest, AbortIsForwardedToTheServingDecodeNode) {
+  std::thread aborter([&] {
+    ASSERT_TRUE(Eventually([&] { return decode_b_.seen().size() == 1; }));
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    abort.add_request_ids("r-13");
+    abort.add_request_ids("unknown-id");
+    abort.set_reason("test");
+    v1::AbortResponse response;
+    ASSERT_TRUE(stub_->Abort(&context, abort, &response).ok());
+    EXPECT_EQ(response.aborted_request_ids_size(), 1);
+  });
+  Result r = Generate(Request("r-13", 500));
+  aborter.join();
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_TRUE(r.messages.back().has_complete());
+  EXPECT_EQ(r.messages.back().complete().finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_EQ(decode_b_.aborted(), std::vector<std::string>{"r-13"});
+}
+
+TEST_F(RouterTest, GetLoadSumsHealthyDecodeNodes) {
+  decode_a_.SetLoad(Load(100, 2, 0.9f));
+  decode_b_.SetLoad(Load(900, 3, 0.1f));
+  backends_->PollOnce();
+  grpc::ClientContext context;
+  v1::DecodeLoad load;
+  ASSERT_TRUE(stub_->GetLoad(&context, v1::GetLoadRequest(), &load).ok());
+  EXPECT_EQ(load.running_requests(), 5u);
+  EXPECT_EQ(load.free_kv_pages(), 1000u);
+  EXPECT_EQ(load.total_kv_pages(), 2000u);
+  EXPECT_NEAR(load.kv_usage(), 0.5, 1e-6);
+  EXPECT_EQ(load.server().role(), v1::SERVER_ROLE_ROUTER);
+}
+
+TEST_F(RouterTest, InvalidRequestIsRejectedWithoutForwarding) {
+  Result r = Generate(Request("", 2));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(decode_a_.seen().empty() && decode_b_.seen().empty());
+}
+
+TEST_F(RouterTest, DozensOfReplayedRequestsAllSucceedAcrossBothNodes) {
+  // The router's own picks spread load: requests sent since the last poll count against a node.
+  Schedule schedule;
+  for (int i = 0; i < 40; ++i) schedule.requests.push_back({i * 0.005, 16, 4, {}, i});
+  ReplayOptions o;
+  o.target = router_address_;
+  o.progress = false;
+  auto records = Replayer(o).Run(schedule);
+  ASSERT_TRUE(records.ok()) << records.status();
+  ReplayStats stats = ComputeStats(*records, Slo{});
+  EXPECT_EQ(stats.succeeded, 40) << stats.errors_by_code.size();
+  EXPECT_GT(decode_a_.seen().size(), 0u);
+  EXPECT_GT(decode_b_.seen().size(), 0u);
+}
+
+TEST_F(RouterTest, MetricsEndpointPassesPromtool) {
+  Generate(Request("r-14", 2));
+  Generate(Request("", 2));
+  auto server = metrics::MetricsHttpServer::Start("127.0.0.1:0", &registry_);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto body = metrics::testing::HttpGet((*server)->port(), "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_THAT(*body, HasSubstr("fluxion_router_requests_total{code=\"OK\"} 1"));
+  EXPECT_THAT(*body, HasSubstr("fluxion_router_requests_total{code=\"INVALID_ARGUMENT\"} 1"));
+  EXPECT_THAT(*body, HasSubstr("fluxion_router_backends_healthy{role=\"decode\"} 2"));
+  if (!metrics::testing::HavePromtool()) {
+    GTEST_SKIP() << "promtool not installed (Debian package prometheus)";
+  }
+  absl::Status check = metrics::testing::PromtoolCheck(*body);
+  EXPECT_TRUE(check.ok()) << check << "\n" << *body;
+}
+
+TEST(BackendsTest, DnsNamesResolveToEveryAddressAndAreHealthChecked) {
+  auto resolved = ResolveAll("localhost", 7100);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_THAT(*resolved, ::testing::Contains("127.0.0.1:7100"));
+  EXPECT_EQ(ResolveAll("no-such-host.invalid", 1).status().code(), absl::StatusCode::kUnavailable);
+
+  FakeDecodeService decode;
+  decode.SetLoad(Load(500, 0, 0.5f));
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  Backends::Options o;
+  o.decode_dns = {"localhost:" + std::to_string(server.port())};
+  o.start_poller = false;
+  auto backends = Backends::Create(o);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  auto nodes = (*backends)->Snapshot(Role::kDecode);
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].address, "127.0.0.1:" + std::to_string(server.port()));
+  EXPECT_TRUE(nodes[0].healthy) << nodes[0].last_error;
+  EXPECT_EQ(Backends::Create(Backends::Options{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace fluxion::cluster
