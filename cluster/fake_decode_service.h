@@ -186,13 +186,17 @@ class FakePrefillService final : public v1::PrefillService::Service {
 // for "" and for `service_name`).
 class FakeServer {
  public:
+  // An empty `service_name` registers no name: health answers only for "" (and NOT_FOUND for
+  // the service's name), like a server that never calls SetServingStatus.
   FakeServer(grpc::Service* service, const std::string& service_name) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(service);
     server_ = builder.BuildAndStart();
-    server_->GetHealthCheckService()->SetServingStatus(service_name, true);
+    if (!service_name.empty()) {
+      server_->GetHealthCheckService()->SetServingStatus(service_name, true);
+    }
   }
   ~FakeServer() { Shutdown(); }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }

@@ -89,7 +89,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   flags.String("out-dir", &out_dir,
                "write summary.json, requests.csv, timeline.csv and plots into this directory");
   flags.String("plot-format", &plot_format, "png or svg");
-  flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 100 points)");
+  flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 50 points)");
   flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
   flags.Require("target");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;

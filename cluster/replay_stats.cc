@@ -102,7 +102,7 @@ ReplayStats ComputeStats(const std::vector<RequestRecord>& records, const Slo& s
   s.slo_attainment = static_cast<double>(s.good_requests) / s.requests;
 
   // Timeline in fixed buckets from the first send.
-  double bucket = timeline_bucket_s > 0 ? timeline_bucket_s : s.duration_s / 100.0;
+  double bucket = timeline_bucket_s > 0 ? timeline_bucket_s : s.duration_s / 50.0;
   bucket = std::max(bucket, 1e-3);
   size_t n = static_cast<size_t>(std::ceil(s.duration_s / bucket));
   n = std::max<size_t>(n, 1);

@@ -78,7 +78,7 @@ struct ReplayStats {
   std::vector<TimelinePoint> timeline;
 };
 
-// Computes the report. `timeline_bucket_s` <= 0 picks a bucket giving about 100 points.
+// Computes the report. `timeline_bucket_s` <= 0 picks a bucket giving about 50 points.
 ReplayStats ComputeStats(const std::vector<RequestRecord>& records, const Slo& slo,
                          double timeline_bucket_s = 0);
 

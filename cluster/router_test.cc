@@ -384,5 +384,21 @@ TEST(BackendsTest, DnsNamesResolveToEveryAddressAndAreHealthChecked) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(BackendsTest, ServerWithoutItsServiceNameIsJudgedByWholeServerHealth) {
+  FakeDecodeService decode;
+  decode.SetLoad(Load(500, 0, 0.5f));
+  FakeServer server(&decode, /*service_name=*/"");
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  auto backends = Backends::Create(o);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 1);
+  server.SetServing(false);  // NOT_SERVING for every name, "" included
+  (*backends)->PollOnce();
+  EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
+  EXPECT_THAT((*backends)->Snapshot(Role::kDecode)[0].last_error, HasSubstr("NOT_SERVING"));
+}
+
 }  // namespace
 }  // namespace fluxion::cluster

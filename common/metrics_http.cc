@@ -1,67 +1,98 @@
 #include "common/metrics_http.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <cstring>
-#include <mutex>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "civetweb.h"
+#include "microhttpd.h"
 
 namespace fluxion::metrics {
 namespace {
 
 constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 
-int HandleMetrics(mg_connection* conn, void* cbdata) {
-  const auto* registry = static_cast<const Registry*>(cbdata);
-  const mg_request_info* info = mg_get_request_info(conn);
-  if (info == nullptr || (std::strcmp(info->request_method, "GET") != 0 &&
-                          std::strcmp(info->request_method, "HEAD") != 0)) {
-    mg_send_http_error(conn, 405, "only GET /metrics");
-    return 405;
-  }
-  std::string body = registry->Render();
-  mg_send_http_ok(conn, kContentType, static_cast<long long>(body.size()));
-  if (std::strcmp(info->request_method, "GET") == 0) mg_write(conn, body.data(), body.size());
-  return 200;
+MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
+                 const char* content_type) {
+  MHD_Response* response = MHD_create_response_from_buffer(
+      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, "Content-Type", content_type);
+  MHD_Result result = MHD_queue_response(connection, code, response);
+  MHD_destroy_response(response);
+  return result;
 }
 
-// civetweb logs to stderr by default; keep its messages out of the server's output unless they
-// are errors the operator needs.
-int LogMessage(const mg_connection*, const char*) { return 1; }
+MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                  const char*, const char*, size_t*, void**) {
+  const auto* registry = static_cast<const Registry*>(cls);
+  if (std::strcmp(url, "/metrics") != 0) {
+    return Reply(connection, MHD_HTTP_NOT_FOUND, "only /metrics is served here\n", "text/plain");
+  }
+  if (std::strcmp(method, "GET") != 0 && std::strcmp(method, "HEAD") != 0) {
+    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "GET /metrics\n", "text/plain");
+  }
+  return Reply(connection, MHD_HTTP_OK, registry->Render(), kContentType);
+}
+
+// "host:port" or "port" -> IPv4 socket address; host may be a name ("localhost") or "0.0.0.0".
+absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
+  std::string host = "0.0.0.0", port_text = address;
+  if (size_t colon = address.rfind(':'); colon != std::string::npos) {
+    host = address.substr(0, colon);
+    port_text = address.substr(colon + 1);
+  }
+  int port = -1;
+  if (!absl::SimpleAtoi(port_text, &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics: '", address, "' is not host:port (e.g. 0.0.0.0:9100)"));
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    addrinfo* result = nullptr;
+    if (getaddrinfo(host.c_str(), nullptr, &hints, &result) != 0 || result == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics: cannot resolve '", host, "'"));
+    }
+    addr.sin_addr = reinterpret_cast<sockaddr_in*>(result->ai_addr)->sin_addr;
+    freeaddrinfo(result);
+  }
+  return addr;
+}
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, const Registry* registry) {
-  static std::once_flag init;
-  std::call_once(init, [] { mg_init_library(0); });
+  auto addr = ParseAddress(address);
+  if (!addr.ok()) return addr.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  server->registry_ = registry;
-  mg_callbacks callbacks;
-  std::memset(&callbacks, 0, sizeof(callbacks));
-  callbacks.log_message = LogMessage;
-  // Two threads: scrapes are rare (every 15 s or so) and rendering takes microseconds.
-  const char* options[] = {"listening_ports", address.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000", nullptr};
-  server->context_ = mg_start(&callbacks, nullptr, options);
-  if (server->context_ == nullptr) {
+  // One internal polling thread: scrapes are rare and rendering takes microseconds. Its stack is
+  // set explicitly: static TLS of libraries in the `fluxion` binary (OpenBLAS ~60 KiB, glog ~30
+  // KiB) is carved from every thread's stack, which overflowed civetweb's fixed 100 KiB threads.
+  server->daemon_ = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL, 0, nullptr, nullptr, &Handle,
+      const_cast<Registry*>(registry), MHD_OPTION_SOCK_ADDR, &*addr,
+      MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned int>(10), MHD_OPTION_END);
+  if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
-        absl::StrCat("metrics: cannot listen on '", address, "' (port in use or bad address)"));
+        absl::StrCat("metrics: cannot listen on '", address, "' (port in use?)"));
   }
-  mg_set_request_handler(server->context_, "/metrics$", HandleMetrics,
-                         const_cast<Registry*>(registry));
-  mg_server_port ports[4];
-  int n = mg_get_server_ports(server->context_, 4, ports);
-  if (n < 1) {
-    return absl::InternalError(absl::StrCat("metrics: no port bound for '", address, "'"));
-  }
-  server->port_ = ports[0].port;
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(server->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  server->port_ = info != nullptr ? info->port : ntohs(addr->sin_port);
   return server;
 }
 
 MetricsHttpServer::~MetricsHttpServer() {
-  if (context_ != nullptr) mg_stop(context_);
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
 }
 
 }  // namespace fluxion::metrics

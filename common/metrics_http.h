@@ -1,10 +1,10 @@
-// Serves a metrics::Registry at HTTP GET /metrics in the Prometheus text format, with civetweb
-// (Debian's libcivetweb-dev, an embeddable HTTP server) on its own small thread pool. Every
-// `fluxion` server (router, prefill, decode) starts one next to its gRPC port (`--metrics-port`).
+// Serves a metrics::Registry at HTTP GET /metrics in the Prometheus text format, with GNU
+// libmicrohttpd (Debian's libmicrohttpd-dev, an embeddable HTTP server) on one internal thread.
+// Every `fluxion` server (router, prefill, decode) starts one next to its gRPC port.
 //
-// A separate target from fluxion::metrics so that only servers link civetweb.
+// A separate target from fluxion::metrics so that only servers link an HTTP server.
 //
-// Thread-safe: the server renders on civetweb's threads; the registry is thread-safe.
+// Thread-safe: the server renders on its own thread; the registry is thread-safe.
 #ifndef FLUXION_COMMON_METRICS_HTTP_H_
 #define FLUXION_COMMON_METRICS_HTTP_H_
 
@@ -14,14 +14,15 @@
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
 
-struct mg_context;
+struct MHD_Daemon;
 
 namespace fluxion::metrics {
 
 class MetricsHttpServer {
  public:
-  // Starts listening on `address` ("host:port" or "port"; port 0 picks a free one). `registry`
-  // must outlive the server. UNAVAILABLE if the port cannot be bound (the message names it).
+  // Starts listening on `address` ("host:port" or "port", IPv4; port 0 picks a free one).
+  // `registry` must outlive the server. UNAVAILABLE if the port cannot be bound,
+  // INVALID_ARGUMENT for a malformed address.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
                                                                   const Registry* registry);
   // Stops listening and waits for requests in flight.
@@ -34,7 +35,7 @@ class MetricsHttpServer {
 
  private:
   MetricsHttpServer() = default;
-  mg_context* context_ = nullptr;
+  MHD_Daemon* daemon_ = nullptr;
   const Registry* registry_ = nullptr;
   int port_ = 0;
 };

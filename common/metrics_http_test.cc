@@ -9,8 +9,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// One server for the suite: civetweb's mg_stop waits out its 2 s listening poll, so every
-// server a test starts and stops costs 2 s.
+// One server (and registry) for the suite.
 class MetricsHttpServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

@@ -76,6 +76,10 @@ TEST(MetricsTest, GaugeCallbackIsReadAtRenderTime) {
 TEST(MetricsTest, ValuesUseShortestRoundTripAndPrometheusSpecials) {
   EXPECT_EQ(FormatValue(0.005), "0.005");
   EXPECT_EQ(FormatValue(12345678), "12345678");
+  EXPECT_EQ(FormatValue(10), "10");
+  EXPECT_EQ(FormatValue(-3), "-3");
+  EXPECT_EQ(FormatValue(2.5), "2.5");
+  EXPECT_EQ(FormatValue(1e20), "1e+20");
   EXPECT_EQ(FormatValue(1.0 / 0.0), "+Inf");
   EXPECT_EQ(FormatValue(-1.0 / 0.0), "-Inf");
   EXPECT_EQ(FormatValue(0.0 / 0.0), "NaN");

@@ -13,7 +13,7 @@ packages=(
   libgtest-dev libgmock-dev                   # tests
   libopenblas-openmp-dev                      # CPU GEMM/GEMV, OpenMP build so it shares our thread pool
   nlohmann-json3-dev                          # config.json, safetensors headers, --json output
-  libcivetweb-dev                             # HTTP /metrics endpoints (common/metrics_http)
+  libmicrohttpd-dev                           # HTTP /metrics endpoints (common/metrics_http)
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
 )
