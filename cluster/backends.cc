@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 
 namespace fluxion::cluster {
@@ -52,6 +53,23 @@ std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
 }
 
 }  // namespace
+
+bool HealthServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                   absl::Duration timeout) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineAfter(timeout));
+  grpc::ByteBuffer request = HealthCheckRequest(service), response;
+  grpc::Status status;
+  absl::Notification done;
+  stub.UnaryCall(&context, kHealthCheckMethod, grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();  // bounded: the call has a deadline
+  return status.ok() && IsServing(response);
+}
 
 const char* RoleName(Role role) { return role == Role::kDecode ? "decode" : "prefill"; }
 

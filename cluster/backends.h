@@ -48,6 +48,11 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& add
 // "ip:port", sorted. UNAVAILABLE when the name does not resolve.
 absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& host, int port);
 
+// Asks `channel`'s grpc.health.v1 service about `service` ("" = the whole server): true when
+// SERVING, false for any other answer or no answer within `timeout`. Blocks the caller.
+bool HealthServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                   absl::Duration timeout);
+
 class Backends {
  public:
   struct Options {

@@ -1,50 +1,17 @@
 #include "cluster/replay_command.h"
 
-#include <signal.h>
-
-#include <atomic>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "cluster/replay_report.h"
+#include "cluster/replay_run.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
 #include "common/flag_set.h"
 
 namespace fluxion::cluster {
-namespace {
-
-std::atomic<Replayer*> g_replayer{nullptr};
-
-void OnInterrupt(int) {
-  // Async-signal-safe: an atomic load and an atomic store. SA_RESETHAND makes a second Ctrl-C
-  // kill the process the usual way.
-  if (Replayer* r = g_replayer.load()) r->Interrupt();
-}
-
-std::string DescribeTransform(const TraceTransform& t, int64_t block_tokens) {
-  std::vector<std::string> parts;
-  if (t.start_s > 0 || t.duration_s > 0) {
-    parts.push_back(absl::StrFormat("window [%g s, %s)", t.start_s,
-                                    t.duration_s > 0 ? absl::StrCat(t.start_s + t.duration_s, " s")
-                                                     : std::string("end")));
-  }
-  if (t.sample_fraction < 1) parts.push_back(absl::StrFormat("sample %g (seed %d)",
-                                                             t.sample_fraction, t.seed));
-  if (t.max_requests > 0) parts.push_back(absl::StrCat("first ", t.max_requests, " requests"));
-  if (t.time_scale != 1) parts.push_back(absl::StrFormat("time x%g", t.time_scale));
-  if (t.length_scale != 1) {
-    parts.push_back(absl::StrFormat("lengths x%g (block %d tokens)", t.length_scale, block_tokens));
-  }
-  if (t.max_input_tokens > 0) parts.push_back(absl::StrCat("input cap ", t.max_input_tokens));
-  if (t.max_output_tokens > 0) parts.push_back(absl::StrCat("output cap ", t.max_output_tokens));
-  return parts.empty() ? "none" : absl::StrJoin(parts, ", ");
-}
-
-}  // namespace
-
 int RunReplayCommand(const std::vector<std::string>& args) {
   std::string target, trace, json_path, out_dir, plot_format = "png", input_len = "fixed:256",
                                                  output_len = "fixed:32", policy;
@@ -164,49 +131,24 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   run.config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
 
   Replayer replayer(options);
-  g_replayer.store(&replayer);
-  struct sigaction action = {};
-  action.sa_handler = OnInterrupt;
-  action.sa_flags = SA_RESETHAND;
-  struct sigaction previous_int = {}, previous_term = {};
-  sigaction(SIGINT, &action, &previous_int);
-  sigaction(SIGTERM, &action, &previous_term);
-  auto records = replayer.Run(*schedule);
-  sigaction(SIGINT, &previous_int, nullptr);
-  sigaction(SIGTERM, &previous_term, nullptr);
-  g_replayer.store(nullptr);
+  absl::StatusOr<std::vector<RequestRecord>> records;
+  {
+    InterruptScope interrupt;
+    InterruptScope::SetReplayer(&replayer);
+    records = replayer.Run(*schedule);
+    InterruptScope::SetReplayer(nullptr);
+  }
   if (!records.ok()) {
     std::cerr << "error: " << records.status().message() << "\n";
     return 1;
   }
-
-  ReplayStats stats = ComputeStats(*records, slo, bucket_s);
-  nlohmann::json summary = StatsToJson(stats, run);
-  std::cout << FormatSummary(stats, run);
-  bool write_failed = false;
-  auto check = [&](const absl::Status& s) {
-    if (!s.ok()) {
-      std::cerr << "error: " << s.message() << "\n";
-      write_failed = true;
-    }
-  };
-  if (!json_path.empty()) check(WriteJson(json_path, summary));
-  if (!out_dir.empty()) {
-    std::string mkdir = absl::StrCat("mkdir -p '", out_dir, "'");
-    if (std::system(mkdir.c_str()) != 0) check(absl::PermissionDeniedError("cannot create " + out_dir));
-    check(WriteJson(out_dir + "/summary.json", summary));
-    check(WriteRequestsCsv(out_dir + "/requests.csv", *records));
-    check(WriteTimelineCsv(out_dir + "/timeline.csv", stats));
-    auto plots = RenderPlots(out_dir + "/plots", plot_format, *records, stats,
-                             run.config["source"].get<std::string>());
-    if (plots.ok()) {
-      std::cout << "plots: " << absl::StrJoin(*plots, ", ") << "\n";
-    } else {
-      std::cerr << "plots skipped: " << plots.status().message() << "\n";
-    }
-    std::cout << "results: " << out_dir << "/{summary.json,requests.csv,timeline.csv}\n";
-  }
-  return (stats.failed > 0 || write_failed) ? 1 : 0;
+  ReportOutputs outputs;
+  outputs.json_path = json_path;
+  outputs.out_dir = out_dir;
+  outputs.plot_format = plot_format;
+  outputs.timeline_bucket_s = bucket_s;
+  ReportResult result = ReportRun(*records, run, slo, outputs);
+  return (result.stats.failed > 0 || result.write_failed) ? 1 : 0;
 }
 
 }  // namespace fluxion::cluster

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <ctime>
+#include <fstream>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +22,7 @@ namespace fluxion::cluster {
 
 int RunRouterCommand(const std::vector<std::string>& args) {
   std::string listen = "0.0.0.0:7000", metrics_listen = "0.0.0.0:9100", node_name;
+  std::string port_file, metrics_port_file;
   std::vector<std::string> decode, prefill, decode_dns, prefill_dns;
   int64_t poll_ms = 200, max_attempts = 3;
   double shed_kv_usage = 0.95;
@@ -42,6 +45,9 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.Int("max-attempts", &max_attempts,
             "tries per request, each on another decode node, only before the first token");
   flags.String("node-name", &node_name, "name in GetLoad (default: hostname/start time)");
+  flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
+  flags.String("metrics-port-file", &metrics_port_file,
+               "write the bound /metrics port into this file once serving");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   if (node_name.empty()) {
     char host[256] = "router";
@@ -95,6 +101,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
     return 1;
   }
   auto* health = server->GetHealthCheckService();
+  // Port files appear whole (write, then rename), so a reader never sees a partial number.
+  auto write_port = [](const std::string& path, int value) {
+    if (path.empty()) return;
+    std::ofstream(path + ".tmp") << value << "\n";
+    std::rename((path + ".tmp").c_str(), path.c_str());
+  };
+  if (metrics_server) write_port(metrics_port_file, metrics_server->port());
+  write_port(port_file, port);
   std::cout << "router: serving fluxion.v1.DecodeService on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << "; decode " << absl::StrJoin(decode, ",") << absl::StrJoin(decode_dns, ",")

@@ -8,6 +8,7 @@
 #include "bench/commands.h"
 #include "decode/commands.h"
 #include "bench/eval/eval_command.h"
+#include "cluster/local_command.h"
 #include "cluster/replay_command.h"
 #include "cluster/router_command.h"
 #include "model/commands.h"
@@ -36,6 +37,8 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::cluster::RunReplayCommand},
       {"router", "serve DecodeService in front of prefill/decode nodes: pick pairs, retry, shed",
        fluxion::cluster::RunRouterCommand},
+      {"local", "run router + prefill + decode on this machine and replay a short trace",
+       fluxion::cluster::RunLocalCommand},
 #ifdef FLUXION_HAVE_SERVICES
       {"prefill", "serve PrefillService: compute prompts, write KV into decode nodes over UCX",
        fluxion::prefill::RunPrefillCommand},
