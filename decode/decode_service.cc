@@ -271,6 +271,9 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
   }
   const v1::PrefillResponse& landed = *outcome.response;
   timing.set_transfer_us(landed.timing().transfer_us());
+  timing.set_prefill_compute_us(landed.timing().compute_us());
+  timing.set_transfer_tail_us(landed.timing().transfer_tail_us());
+  timing.set_sparse_state_us(landed.timing().sparse_state_us());
 
   // 4. Verify what landed, then hand the pages to the request's attention.
   std::vector<int32_t> page_ids;
@@ -372,6 +375,7 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
     absl::MutexLock lock(&mu_);
     live->request = r;
   }
+  timing.set_load_us(MicrosBetween(t_prefilled, Clock::now()));
 
   // 5. Stream until the request ends.
   bool client_gone = false, deadline_hit = false;

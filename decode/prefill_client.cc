@@ -38,13 +38,18 @@ PrefillOutcome PrefillClient::Call(const std::string& address, const v1::Prefill
     done.Notify();
   });
   bool abort_sent = false, we_cancelled = false;
-  absl::Time give_up = absl::InfiniteFuture();
-  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(10))) {
+  absl::Time give_up = absl::InfiniteFuture(), next_abort = absl::InfinitePast();
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
     if (!abort_sent && cancelled()) {
       abort_sent = true;
       give_up = absl::Now() + abort_wait_;
+    }
+    // Abort is idempotent and ignores ids the prefill node has not seen yet, so it is repeated
+    // until the reply comes: an Abort that overtakes its Prefill call is not lost.
+    if (abort_sent && absl::Now() >= next_abort) {
+      next_abort = absl::Now() + absl::Milliseconds(50);
       grpc::ClientContext abort_context;
-      abort_context.set_deadline(absl::ToChronoTime(give_up));
+      abort_context.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Milliseconds(500))));
       v1::AbortRequest abort;
       abort.add_request_ids(request.request_id());
       abort.set_reason("cancelled on the decode node");

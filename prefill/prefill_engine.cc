@@ -28,30 +28,29 @@ uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
   return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
 }
 
-// The prefill's own full attention, which hands each layer to `on_layer_done` as soon as the
-// prompt's last token of that layer is stored: the hook that sends layer l while the model goes
-// on with layer l + 1. An error from the hook (cancellation, a refused write) stops the forward.
+// The prefill's own full attention, which hands every computed piece of a layer (a prompt chunk:
+// the model runs long prompts in chunks) to `on_rows(layer, first, end)` right after storing it:
+// the hook that packs and sends those rows' pages while the model goes on with the next layer,
+// and that checks for cancellation. An error from the hook stops the forward.
 class SendingAttention : public model::SequenceAttention {
  public:
   SendingAttention(const model::AttentionShape& shape, int64_t tokens,
-                   std::function<absl::Status(int)> on_layer_done)
-      : dense_(shape), tokens_(tokens), on_layer_done_(std::move(on_layer_done)) {
+                   std::function<absl::Status(int, int64_t, int64_t)> on_rows)
+      : dense_(shape), on_rows_(std::move(on_rows)) {
     dense_.RecordQueries(std::max<int64_t>(0, tokens - model::kPrefillTailRows), tokens);
   }
 
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
                        const float* v, float* out) override {
     FLUXION_RETURN_IF_ERROR(dense_.Forward(layer, pos0, n, q, k, v, out));
-    if (dense_.length(layer) == tokens_) return on_layer_done_(layer);
-    return absl::OkStatus();
+    return on_rows_(layer, pos0, pos0 + n);
   }
 
   const model::DenseAttention& dense() const { return dense_; }
 
  private:
   model::DenseAttention dense_;
-  const int64_t tokens_;
-  std::function<absl::Status(int)> on_layer_done_;
+  std::function<absl::Status(int, int64_t, int64_t)> on_rows_;
 };
 
 // Everything submitted for one request, so that every exit path waits for it first.
@@ -239,12 +238,18 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
   std::unique_ptr<transfer::Registration> state_reg;
   // Declared after the buffers it reads, so it is destroyed (and waits) before them.
   Submitted submitted(options_.transfer_timeout);
-  auto submit_layers = [&](int64_t first, int64_t end) -> absl::Status {
+  // Submits pages [p0, p1) of every KV head of layers [l0, l1) as one batch.
+  auto submit = [&](int64_t l0, int64_t l1, int64_t p0, int64_t p1) -> absl::Status {
     std::vector<transfer::BlockCopy> copies;
-    copies.reserve((end - first) * ppl);
-    for (int64_t idx = first * ppl; idx < end * ppl; ++idx) {
-      copies.push_back({kv.arena_base_address() + page_ids[idx] * kv.page_bytes(),
-                        staging.data() + idx * cb, cb});
+    copies.reserve((l1 - l0) * shape.num_kv_heads * (p1 - p0));
+    for (int64_t l = l0; l < l1; ++l) {
+      for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t idx = l * ppl + h * per_head + p;
+          copies.push_back({kv.arena_base_address() + page_ids[idx] * kv.page_bytes(),
+                            staging.data() + idx * cb, cb});
+        }
+      }
     }
     absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
         transport_->Write(*target, copies);
@@ -252,21 +257,33 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
     submitted.Add(std::move(*h));
     return absl::OkStatus();
   };
+  const int64_t row = shape.num_kv_heads * shape.head_dim;
+  const int64_t pt = geo.page_tokens;
+  std::vector<int64_t> sent(shape.num_layers, 0);  // pages per head already submitted
   SendingAttention* attention_ptr = nullptr;
-  auto owned = std::make_unique<SendingAttention>(shape, n, [&](int layer) -> absl::Status {
-    if (cancelled()) {
-      return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
-                                               "' aborted before layer ", layer + 1, " was sent"));
-    }
-    const model::DenseAttention& dense = attention_ptr->dense();
-    uint8_t* dst = staging.data() + layer * layer_bytes;
-    transfer::PackLayerPages(geo, n, dense.keys(layer), dense.values(layer),
-                             shape.num_kv_heads * shape.head_dim, dst);
-    if (crc) checksums[layer] = transfer::Crc32c(dst, layer_bytes);
-    if (options_.layerwise) FLUXION_RETURN_IF_ERROR(submit_layers(layer, layer + 1));
-    if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
-    return absl::OkStatus();
-  });
+  auto owned = std::make_unique<SendingAttention>(
+      shape, n, [&](int layer, int64_t first, int64_t end) -> absl::Status {
+        if (cancelled()) {
+          return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
+                                                   "' aborted at layer ", layer + 1));
+        }
+        const model::DenseAttention& dense = attention_ptr->dense();
+        uint8_t* dst = staging.data() + layer * layer_bytes;
+        transfer::PackLayerRows(geo, n, first, end, dense.keys(layer) + first * row,
+                                dense.values(layer) + first * row, row, dst);
+        const bool layer_done = end == n;
+        // Pages whose every row is computed (the last one once the prompt ends).
+        const int64_t complete = layer_done ? per_head : end / pt;
+        if (options_.layerwise && complete > sent[layer]) {
+          FLUXION_RETURN_IF_ERROR(submit(layer, layer + 1, sent[layer], complete));
+          sent[layer] = complete;
+        }
+        if (layer_done) {
+          if (crc) checksums[layer] = transfer::Crc32c(dst, layer_bytes);
+          if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
+        }
+        return absl::OkStatus();
+      });
   attention_ptr = owned.get();
   model::Sequence seq(std::move(owned));
   std::vector<int32_t> prompt(request.prompt_token_ids().begin(),
@@ -280,10 +297,11 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
     (void)waited;
     return forward;
   }
-  if (!options_.layerwise) FLUXION_RETURN_IF_ERROR(submit_layers(0, shape.num_layers));
+  if (!options_.layerwise) FLUXION_RETURN_IF_ERROR(submit(0, shape.num_layers, 0, per_head));
 
   // 4. The sparse state, into the room reserved for it.
   v1::PrefillResponse response;
+  Clock::time_point t_state_end = t_compute_end;
   if (want_state) {
     absl::StatusOr<model::SparseState> state =
         model::CaptureSparseState(attention_ptr->dense(), shape);
@@ -319,12 +337,14 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
     summary->set_bytes_written(state_blob.size());
     summary->set_observation_window_tokens(static_cast<uint32_t>(state->tail_rows));
     summary->set_score_block_tokens(1);
+    t_state_end = Clock::now();
     if (crc) summary->set_checksum(transfer::Crc32c(state_blob.data(), state_blob.size()));
   }
 
   // 5. The first token, then wait until every write has landed.
   model::Sampler sampler(sampling);
   const int32_t first = sampler.Sample(logits);
+  const Clock::time_point t_all_computed = Clock::now();
   const Clock::time_point t_first_submit = submitted.first_submit();
   absl::Status landed = submitted.WaitAll();
   if (!landed.ok()) {
@@ -342,7 +362,8 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
   v1::PrefillTiming* timing = response.mutable_timing();
   timing->set_compute_us(MicrosBetween(t_compute, t_compute_end));
   timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));
-  timing->set_transfer_tail_us(MicrosBetween(t_compute_end, t_end));
+  timing->set_sparse_state_us(MicrosBetween(t_compute_end, t_state_end));
+  timing->set_transfer_tail_us(MicrosBetween(t_all_computed, t_end));
   timing->set_total_us(MicrosBetween(t_start, t_end));
   return response;
 }

@@ -40,8 +40,9 @@ struct Pair {
 };
 
 Pair* PairFor(const std::string& tls) {
-  static auto* pairs = new std::map<std::string, std::unique_ptr<Pair>>();
-  auto& slot = (*pairs)[tls];
+  // Destroyed at exit, which kills the servers (and they die with us anyway: PR_SET_PDEATHSIG).
+  static std::map<std::string, std::unique_ptr<Pair>> pairs;
+  auto& slot = pairs[tls];
   if (slot != nullptr) return slot.get();
   auto pair = std::make_unique<Pair>();
   std::vector<std::string> ucx = UcxArgs(tls);

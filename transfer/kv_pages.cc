@@ -34,24 +34,29 @@ absl::StatusOr<std::vector<uint64_t>> ExpandPageRuns(absl::Span<const PageIdRun>
   return ids;
 }
 
-void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, const float* v,
-                    int64_t row_stride, uint8_t* dst) {
+void PackLayerRows(const KvPageGeometry& g, int64_t tokens, int64_t first, int64_t end,
+                   const float* k, const float* v, int64_t row_stride, uint8_t* dst) {
   const int64_t pt = g.page_tokens, d = g.head_dim, pages = g.pages_per_head(tokens);
   const size_t page_bytes = g.content_bytes();
-  std::memset(dst, 0, page_bytes * pages * g.num_kv_heads);
   for (int64_t h = 0; h < g.num_kv_heads; ++h) {
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = first; t < end; ++t) {
       const int64_t page = t / pt, slot = t % pt;
       bf16* kp = reinterpret_cast<bf16*>(dst + (h * pages + page) * page_bytes) + slot * d;
       bf16* vp = kp + pt * d;
-      const float* ks = k + t * row_stride + h * d;
-      const float* vs = v + t * row_stride + h * d;
+      const float* ks = k + (t - first) * row_stride + h * d;
+      const float* vs = v + (t - first) * row_stride + h * d;
       for (int64_t i = 0; i < d; ++i) {
         kp[i] = FloatToBf16(ks[i]);
         vp[i] = FloatToBf16(vs[i]);
       }
     }
   }
+}
+
+void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, const float* v,
+                    int64_t row_stride, uint8_t* dst) {
+  std::memset(dst, 0, g.content_bytes() * g.pages_per_layer(tokens));
+  PackLayerRows(g, tokens, 0, tokens, k, v, row_stride, dst);
 }
 
 }  // namespace fluxion::transfer

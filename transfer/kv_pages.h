@@ -52,6 +52,12 @@ absl::StatusOr<std::vector<uint64_t>> ExpandPageRuns(absl::Span<const PageIdRun>
 void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, const float* v,
                     int64_t row_stride, uint8_t* dst);
 
+// Packs rows [first, end) of one layer (k, v point at row `first`) into the layer's pages laid
+// out as PackLayerPages does for a `tokens`-token prompt. Bytes of other rows are left as they
+// are, so packing a prompt chunk by chunk into a zeroed buffer gives PackLayerPages' result.
+void PackLayerRows(const KvPageGeometry& g, int64_t tokens, int64_t first, int64_t end,
+                   const float* k, const float* v, int64_t row_stride, uint8_t* dst);
+
 }  // namespace fluxion::transfer
 
 #endif  // FLUXION_TRANSFER_KV_PAGES_H_

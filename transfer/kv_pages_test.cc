@@ -59,5 +59,24 @@ TEST(PackLayerPagesTest, HeadMajorPagesWithZeroTail) {
   }
 }
 
+TEST(PackLayerPagesTest, ChunkByChunkEqualsAllAtOnce) {
+  KvPageGeometry g{1, 3, 8, 4};
+  const int64_t tokens = 19, stride = 3 * 8;
+  std::vector<float> k(tokens * stride), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.5f * static_cast<float>(i);
+    v[i] = -0.25f * static_cast<float>(i);
+  }
+  std::vector<uint8_t> whole(g.pages_per_layer(tokens) * g.content_bytes(), 0xCD);
+  PackLayerPages(g, tokens, k.data(), v.data(), stride, whole.data());
+  std::vector<uint8_t> chunked(whole.size(), 0);
+  for (int64_t first : {0, 5, 8, 16}) {  // chunks [0,5) [5,8) [8,16) [16,19)
+    const int64_t end = first == 0 ? 5 : first == 5 ? 8 : first == 8 ? 16 : 19;
+    PackLayerRows(g, tokens, first, end, k.data() + first * stride, v.data() + first * stride,
+                  stride, chunked.data());
+  }
+  EXPECT_EQ(chunked, whole);
+}
+
 }  // namespace
 }  // namespace fluxion::transfer
