@@ -1,0 +1,232 @@
+// The router in front of real `fluxion prefill` and `fluxion decode` processes (real gRPC, real
+// UCX over TCP loopback): many requests succeed, `full` tokens pass through unchanged, overload is
+// shed at once, and a decode node killed mid-stream fails its stream with a clear error while new
+// requests go to the other node.
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cluster/backends.h"
+#include "cluster/child_process.h"
+#include "cluster/replayer.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace fluxion::cluster {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+using ::testing::HasSubstr;
+
+std::string ModelDir() {
+  const char* src = std::getenv("FLUXION_SOURCE_DIR");
+  return std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval";
+}
+
+struct Node {
+  std::unique_ptr<ChildProcess> process;
+  std::string address;
+};
+
+// Starts `fluxion <command> <args> --listen 127.0.0.1:0 --port-file ...`; empty address on failure.
+Node StartNode(const std::string& dir, const std::string& name, const std::string& command,
+               std::vector<std::string> args) {
+  Node node;
+  const std::string port_file = dir + "/" + name + ".port";
+  std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
+                                   "--port-file", port_file};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto child = ChildProcess::Start(name, argv, dir + "/" + name + ".log");
+  if (!child.ok()) return node;
+  node.process = std::move(*child);
+  auto port = node.process->WaitForPortFile(port_file, absl::Seconds(60));
+  if (port.ok()) node.address = absl::StrCat("127.0.0.1:", *port);
+  return node;
+}
+
+struct StreamResult {
+  grpc::Status status;
+  std::vector<uint32_t> tokens;
+};
+
+StreamResult Generate(const std::string& address, const v1::GenerateRequest& request,
+                      std::chrono::seconds deadline = std::chrono::seconds(60)) {
+  auto stub = v1::DecodeService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + deadline);
+  StreamResult result;
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    for (uint32_t t : response.chunk().token_ids()) result.tokens.push_back(t);
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+v1::GenerateRequest Greedy(const std::string& id, int prompt_tokens, uint32_t max_tokens,
+                           const std::string& policy = "") {
+  v1::GenerateRequest r;
+  r.set_request_id(id);
+  for (int i = 0; i < prompt_tokens; ++i) r.add_prompt_token_ids(32 + (i * 7) % 90);
+  r.mutable_sampling()->set_temperature(0);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  if (!policy.empty()) r.mutable_sparse()->set_policy(policy);
+  return r;
+}
+
+// One prefill node, two decode nodes, a router, and a second router that sheds everything.
+class ClusterE2eTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/fluxion-e2e-XXXXXX";
+    dir_ = new std::string(mkdtemp(tmpl));
+    const std::vector<std::string> node = {"--model", ModelDir(), "--threads", "1", "--ucx-tls",
+                                           "tcp", "--ucx-net-devices", "lo"};
+    prefill_ = new Node(StartNode(*dir_, "prefill", "prefill", node));
+    if (prefill_->address.empty()) return;
+    decodes_ = new std::vector<Node>();
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> args = node;
+      args.insert(args.end(), {"--kv-pages", "8192", "--prefill-address", prefill_->address});
+      decodes_->push_back(StartNode(*dir_, absl::StrCat("decode-", i), "decode", args));
+    }
+    const std::string decode_list =
+        absl::StrCat((*decodes_)[0].address, ",", (*decodes_)[1].address);
+    router_ = new Node(StartNode(*dir_, "router", "router",
+                                 {"--metrics-listen", "", "--decode", decode_list, "--prefill",
+                                  prefill_->address, "--poll-ms", "100"}));
+    shedding_router_ = new Node(StartNode(
+        *dir_, "router-shed", "router",
+        {"--metrics-listen", "", "--decode", decode_list, "--shed-kv-usage", "0"}));
+  }
+  static void TearDownTestSuite() {
+    // Routers first, then decode nodes, then the prefill node (each SIGTERM, then SIGKILL).
+    delete shedding_router_;
+    delete router_;
+    delete decodes_;
+    delete prefill_;
+    delete dir_;
+  }
+  void SetUp() override {
+    ASSERT_FALSE(prefill_->address.empty()) << "prefill did not start; logs in " << *dir_;
+    for (const Node& d : *decodes_) ASSERT_FALSE(d.address.empty()) << "logs in " << *dir_;
+    ASSERT_FALSE(router_->address.empty()) << "logs in " << *dir_;
+    ASSERT_FALSE(shedding_router_->address.empty()) << "logs in " << *dir_;
+    // Ready once the routers see both decode nodes healthy.
+    auto channel = grpc::CreateChannel(router_->address, grpc::InsecureChannelCredentials());
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!HealthServing(channel, "fluxion.v1.DecodeService", absl::Milliseconds(500)) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  static std::string* dir_;
+  static Node* prefill_;
+  static std::vector<Node>* decodes_;
+  static Node* router_;
+  static Node* shedding_router_;
+};
+std::string* ClusterE2eTest::dir_ = nullptr;
+Node* ClusterE2eTest::prefill_ = nullptr;
+std::vector<Node>* ClusterE2eTest::decodes_ = nullptr;
+Node* ClusterE2eTest::router_ = nullptr;
+Node* ClusterE2eTest::shedding_router_ = nullptr;
+
+TEST_F(ClusterE2eTest, DozensOfReplayedRequestsAllSucceed) {
+  SyntheticOptions synthetic;
+  synthetic.num_requests = 30;
+  synthetic.rate = 10;
+  synthetic.input = *ParseLengthDistribution("uniform:32:160");
+  synthetic.output = *ParseLengthDistribution("fixed:6");
+  ReplayOptions options;
+  options.target = router_->address;
+  options.progress = false;
+  options.timeout_s = 60;
+  options.vocab_size = 256;
+  auto records = Replayer(options).Run(MakeSyntheticSchedule(synthetic));
+  ASSERT_TRUE(records.ok()) << records.status();
+  ReplayStats stats = ComputeStats(*records, Slo{});
+  for (const RequestRecord& r : *records) {
+    EXPECT_EQ(r.status_code, 0) << r.request_id << ": " << r.status_message;
+    EXPECT_EQ(r.output_tokens, 6) << r.request_id;
+  }
+  EXPECT_EQ(stats.succeeded, 30);
+}
+
+TEST_F(ClusterE2eTest, FullPolicyTokensPassThroughTheRouterUnchanged) {
+  // The decode node's own `full` answer equals single-process generation (tests/serving_test.cc);
+  // through the router, and from either decode node, it must be the same.
+  StreamResult routed = Generate(router_->address, Greedy("full-router", 120, 16, "full"));
+  ASSERT_TRUE(routed.status.ok()) << routed.status.error_message();
+  ASSERT_EQ(routed.tokens.size(), 16u);
+  for (int i = 0; i < 2; ++i) {
+    v1::GenerateRequest direct = Greedy(absl::StrCat("full-direct-", i), 120, 16, "full");
+    direct.set_prefill_address(prefill_->address);
+    StreamResult d = Generate((*decodes_)[i].address, direct);
+    ASSERT_TRUE(d.status.ok()) << d.status.error_message();
+    EXPECT_EQ(d.tokens, routed.tokens) << "decode-" << i;
+  }
+}
+
+TEST_F(ClusterE2eTest, OverloadIsShedAtOnceNotQueued) {
+  auto start = std::chrono::steady_clock::now();
+  StreamResult r = Generate(shedding_router_->address, Greedy("shed-1", 64, 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("KV usage threshold"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+}
+
+// Last: it kills a decode node.
+TEST_F(ClusterE2eTest, ZKilledDecodeNodeFailsItsStreamClearlyAndNewRequestsGoElsewhere) {
+  auto stub = v1::DecodeService::NewStub(
+      grpc::CreateChannel(router_->address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = stub->Generate(&context, Greedy("long-1", 64, 2000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response)) << "no first token";
+  // Which decode node is running it? The one holding KV pages (the other is idle).
+  int victim = -1;
+  for (int i = 0; i < 2 && victim < 0; ++i) {
+    auto d = v1::DecodeService::NewStub(
+        grpc::CreateChannel((*decodes_)[i].address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::DecodeLoad load;
+    if (d->GetLoad(&c, v1::GetLoadRequest(), &load).ok() &&
+        (load.running_requests() > 0 || load.free_kv_pages() < load.total_kv_pages())) {
+      victim = i;
+    }
+  }
+  ASSERT_GE(victim, 0);
+  kill((*decodes_)[victim].process->pid(), SIGKILL);
+  auto killed_at = std::chrono::steady_clock::now();
+  while (reader->Read(&response)) {
+  }
+  grpc::Status status = reader->Finish();
+  EXPECT_FALSE(status.ok());
+  EXPECT_THAT(status.error_message(), HasSubstr((*decodes_)[victim].address));
+  EXPECT_THAT(status.error_message(), HasSubstr("after the first token"));
+  EXPECT_LT(std::chrono::steady_clock::now() - killed_at, std::chrono::seconds(10));
+
+  // New requests succeed on the surviving node (the first may try the dead one and retry).
+  for (int i = 0; i < 4; ++i) {
+    StreamResult r = Generate(router_->address, Greedy(absl::StrCat("after-kill-", i), 48, 4));
+    EXPECT_TRUE(r.status.ok()) << i << ": " << r.status.error_message();
+    EXPECT_EQ(r.tokens.size(), 4u);
+  }
+}
+
+}  // namespace
+}  // namespace fluxion::cluster
