@@ -53,7 +53,7 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
  public:
   Relay(RouterService* service, grpc::CallbackServerContext* context,
         const v1::GenerateRequest& request)
-      : service_(service), context_(context), request_(request), arrival_(SystemClock::now()) {
+      : service_(service), request_(request), arrival_(SystemClock::now()) {
     deadline_ = context->deadline();
     if (request_.has_timeout_ms()) {
       deadline_ = std::min(deadline_, arrival_ + std::chrono::milliseconds(request_.timeout_ms()));
@@ -360,7 +360,6 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   }
 
   RouterService* const service_;
-  grpc::CallbackServerContext* const context_;
   const v1::GenerateRequest request_;
   const SystemClock::time_point arrival_;
   SystemClock::time_point deadline_;  // max() when neither a gRPC deadline nor timeout_ms is set
@@ -493,7 +492,10 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
     to_start.emplace_back(backends_->DecodeStub(node), call.get());
     fanout->calls.push_back(std::move(call));
   }
-  for (auto& [stub, call] : to_start) {
+  for (auto& entry : to_start) {
+    // Plain variables, not structured bindings: C++17 lambdas cannot capture those.
+    v1::DecodeService::Stub* stub = entry.first.get();
+    Fanout::Call* call = entry.second;
     auto done = [fanout, call](grpc::Status) {
       bool last;
       {

@@ -36,7 +36,6 @@ class MetricsHttpServer {
  private:
   MetricsHttpServer() = default;
   MHD_Daemon* daemon_ = nullptr;
-  const Registry* registry_ = nullptr;
   int port_ = 0;
 };
 
