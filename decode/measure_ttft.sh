@@ -6,7 +6,7 @@
 # decode (CANCEL_PROMPT tokens, cancelled CANCEL_AFTER_MS after sending).
 # Usage: decode/measure_ttft.sh BUILD_DIR OUT_FILE "PROMPT_LENGTHS" [REQUESTS]
 set -uo pipefail
-build=${1:?build dir}; out=${2:?output file}; lengths=${3:-"1024 4096"}; requests=${4:-5}
+build=${1:?build dir}; out=${2:?output file}; lengths=${3:-"1024 4096"}; requests=${4:-5}; policies=${POLICIES:-"fluxion full"}
 cancel_prompt=${CANCEL_PROMPT:-2048}; cancel_after=${CANCEL_AFTER_MS:-"30 1500"}
 model=models/fluxion-tiny-retrieval
 dir=$(mktemp -d)
@@ -21,25 +21,30 @@ stop() { kill "$(cat "$dir/$1.pid")" 2>/dev/null; wait "$(cat "$dir/$1.pid")" 2>
 {
   echo "# date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD)  host: $(uname -n)"
   echo "# cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)  cores: $(nproc)  load: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "# model: $model, policy fluxion (default; the sparse state travels too), max_tokens 1,"
+  echo "# model: $model, max_tokens 1; policy fluxion: the sparse state is captured and travels too;"
+  echo "# policy full: KV only. state_ms = sparse-state capture on the prefill node (after compute)"
   echo "# $requests requests per row after one warm-up, medians in ms; prefill and decode with --threads 1 each"
-  printf "%-28s %7s %9s %11s %11s %10s %9s %10s %9s %8s\n" "config" "prompt" "admit_ms" \
-    "compute_ms" "transfer_ms" "tail_ms" "load_ms" "prefill_ms" "ttft_ms" "tail/ttft"
+  printf "%-28s %7s %9s %11s %9s %11s %10s %9s %10s %9s %8s\n" "config" "prompt" "admit_ms" \
+    "compute_ms" "state_ms" "transfer_ms" "tail_ms" "load_ms" "prefill_ms" "ttft_ms" "tail/ttft"
   for tls in tcp sm; do
     if [ "$tls" = sm ]; then ucx="--ucx-tls sm,self --noucx-peer-error-handling"; else ucx="--ucx-tls tcp --ucx-net-devices lo"; fi
     for layerwise in --layerwise --nolayerwise; do
       start prefill prefill --model $model --threads 1 $layerwise $ucx || exit 1
       start decode decode --model $model --threads 1 --kv-pages 65536 --nohuge-pages \
         --prefill-address 127.0.0.1:$(cat "$dir/prefill.port") $ucx || exit 1
-      for n in $lengths; do
-        "$build/decode/serving_ttft_probe" --decode 127.0.0.1:$(cat "$dir/decode.port") \
-          --prompt_tokens $n --requests $requests --label "$tls ${layerwise#--}"
+      for policy in $policies; do
+        for n in $lengths; do
+          "$build/decode/serving_ttft_probe" --decode 127.0.0.1:$(cat "$dir/decode.port") \
+            --prompt_tokens $n --requests $requests --policy $policy \
+            --label "$tls ${layerwise#--} $policy"
+        done
       done
       if [ "$tls$layerwise" = "tcp--layerwise" ]; then
         echo "# cancellation: client cancels, time until every KV page is free again (GetLoad)"
         for after in $cancel_after; do
           "$build/decode/serving_ttft_probe" --decode 127.0.0.1:$(cat "$dir/decode.port") \
-            --prompt_tokens $cancel_prompt --requests 30 --cancel_after_ms $after --label "$tls ${layerwise#--}"
+            --prompt_tokens $cancel_prompt --requests 30 --cancel_after_ms $after --verbose \
+            --label "$tls ${layerwise#--}"
         done
       fi
       stop decode; stop prefill

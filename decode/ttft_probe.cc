@@ -33,6 +33,7 @@ double Median(std::vector<double> v) {
 int Main(int argc, char** argv) {
   std::string address = "127.0.0.1:7002", policy, label;
   int64_t prompt_tokens = 1024, requests = 5, vocab = 256, cancel_after_ms = -1;
+  bool verbose = false;
   fluxion::FlagSet flags("serving_ttft_probe", "Median TTFT split of a prefill + decode pair.");
   flags.String("decode", &address, "decode node address");
   flags.Int("prompt_tokens", &prompt_tokens, "prompt length");
@@ -42,13 +43,14 @@ int Main(int argc, char** argv) {
   flags.String("label", &label, "a label printed in the result line");
   flags.Int("cancel_after_ms", &cancel_after_ms,
             "measure cancellation: cancel each request this long after sending it (-1: off)");
+  flags.Bool("verbose", &verbose, "print every cancellation with the phase it hit");
   std::vector<std::string> args(argv + 1, argv + argc);
   if (int rc = fluxion::ParseFlagsOrExit(flags, args); rc >= 0) return rc;
 
   auto stub = v1::DecodeService::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   std::mt19937 rng(7);
-  std::vector<double> queue, compute, transfer, tail, load, prefill, ttft, release;
+  std::vector<double> queue, compute, state, transfer, tail, load, prefill, ttft, release;
   auto all_free = [&] {
     grpc::ClientContext c;
     c.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
@@ -69,12 +71,24 @@ int Main(int argc, char** argv) {
     auto reader = stub->Generate(&context, r);
     if (cancel_after_ms >= 0) {
       absl::SleepFor(absl::Milliseconds(cancel_after_ms));
+      v1::DecodeLoad before;
+      if (verbose) {
+        grpc::ClientContext c;
+        (void)stub->GetLoad(&c, v1::GetLoadRequest(), &before);
+      }
       const absl::Time cancelled = absl::Now();
       context.TryCancel();
       while (!all_free() && absl::Now() - cancelled < absl::Seconds(10)) {
         absl::SleepFor(absl::Milliseconds(1));
       }
       release.push_back(absl::ToDoubleMilliseconds(absl::Now() - cancelled));
+      if (verbose) {
+        std::printf("# cancel %lld: %s, pages free after %.1f ms\n", static_cast<long long>(i),
+                    before.prefilling_requests() > 0 ? "during prefill"
+                    : before.running_requests() > 0  ? "during decode"
+                                                     : "queued or other",
+                    release.back());
+      }
       v1::GenerateResponse ignored;
       while (reader->Read(&ignored)) {
       }
@@ -94,6 +108,7 @@ int Main(int argc, char** argv) {
     if (i == 0) continue;  // warm-up
     queue.push_back(timing.queue_us() / 1e3);
     compute.push_back(timing.prefill_compute_us() / 1e3);
+    state.push_back(timing.sparse_state_us() / 1e3);
     transfer.push_back(timing.transfer_us() / 1e3);
     tail.push_back(timing.transfer_tail_us() / 1e3);
     load.push_back(timing.load_us() / 1e3);
@@ -110,8 +125,9 @@ int Main(int argc, char** argv) {
                 release.back(), release.size());
     return 0;
   }
-  std::printf("%-28s %7lld %9.2f %11.2f %11.2f %10.2f %9.2f %10.2f %9.2f %7.1f%%\n", label.c_str(),
-              static_cast<long long>(prompt_tokens), Median(queue), Median(compute),
+  std::printf("%-28s %7lld %9.2f %11.2f %9.2f %11.2f %10.2f %9.2f %10.2f %9.2f %7.1f%%\n",
+              label.c_str(), static_cast<long long>(prompt_tokens), Median(queue), Median(compute),
+              Median(state),
               Median(transfer), Median(tail), Median(load), Median(prefill), Median(ttft),
               100.0 * Median(tail) / std::max(1e-9, Median(ttft)));
   return 0;
