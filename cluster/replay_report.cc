@@ -217,6 +217,7 @@ absl::StatusOr<std::vector<std::string>> RenderPlots(const std::string& dir,
     if (!gp) return OpenError(script_path);
     gp << "# Made by fluxion replay; rerun with: gnuplot " << script_path << "\n"
        << "set terminal " << terminal << "\n"
+       << "set termoption noenhanced\n"  // file names hold '_', which would become subscripts
        << "set datafile separator whitespace\n"
        << "set output " << GpString(cdf_image) << "\n"
        << "set multiplot layout 2,2 title " << GpString("Latency CDFs: " + title) << "\n"
