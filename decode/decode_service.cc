@@ -358,6 +358,9 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
   r->attention = attention->get();
   r->seq = std::make_unique<model::Sequence>(std::move(*attention), n);
   r->sampler.emplace(*sampling);
+  // Draw 0 of the request's stream sampled the first token on the prefill node; the next token is
+  // draw 1 (PROTOCOL.md), so a seeded request gives the tokens of single-process generation.
+  (void)r->sampler->Sample(std::vector<float>{0.0f});
   r->stop_ids.assign(sp.stop_token_ids().begin(), sp.stop_token_ids().end());
   if (!sp.ignore_eos()) {
     for (int64_t eos : config.eos_token_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));

@@ -79,9 +79,10 @@ std::vector<int32_t> Ints(const std::vector<uint32_t>& v) { return {v.begin(), v
 
 // Single-process generation with the decode node's `full` path: prompt K/V in bf16 host pages.
 std::vector<uint32_t> ReferenceTokens(const std::vector<uint32_t>& prompt, int64_t max_tokens,
-                                      bool paged) {
+                                      bool paged, const model::SamplingParams& sampling = {}) {
   const model::Model& m = TinyModel();
   model::GenerationOptions options;
+  options.sampling = sampling;
   options.max_tokens = max_tokens;
   options.ignore_eos = true;
   const model::AttentionShape shape = m.attention_shape();
@@ -156,6 +157,18 @@ TEST_P(ServingTest, FullPolicyMatchesSingleProcessGeneration) {
     std::cout << "first difference from fp32 at token " << i << ", logit margin " << margin << "\n";
     EXPECT_LT(margin, 1e-3f) << "a real divergence from single-process generation";
   }
+}
+
+TEST_P(ServingTest, SeededSamplingMatchesSingleProcessGeneration) {
+  const std::vector<uint32_t> prompt = BytePrompt(kPromptText);
+  v1::GenerateRequest request = GreedyRequest("seeded", prompt, 24, "full", "");
+  request.mutable_sampling()->set_temperature(0.8f);
+  request.mutable_sampling()->set_top_k(20);
+  request.mutable_sampling()->set_seed(1234);
+  GenerateResult r = pair_->client->Generate(request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  model::SamplingParams sampling{0.8, 20, 1.0, 1234};
+  EXPECT_EQ(r.tokens, ReferenceTokens(prompt, 24, /*paged=*/true, sampling));
 }
 
 TEST_P(ServingTest, RequestsWithDifferentPoliciesBatchTogether) {
@@ -303,6 +316,18 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
   EXPECT_EQ(r.complete.finish_reason(), v1::FINISH_REASON_ABORT);
   EXPECT_EQ(r.complete.abort_reason(), "test says stop");
   EXPECT_GE(r.tokens.size(), 1u);
+}
+
+TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartialUsage) {
+  v1::GenerateRequest request = GreedyRequest("budget", BytePrompt(kPromptText), 100000, "full", "");
+  request.set_timeout_ms(400);
+  GenerateResult r = pair_->client->Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
+  ASSERT_TRUE(r.has_error);
+  EXPECT_EQ(r.error.code(), static_cast<int>(grpc::StatusCode::DEADLINE_EXCEEDED));
+  EXPECT_GT(r.tokens.size(), 0u);
+  EXPECT_EQ(r.error.usage().completion_tokens(), r.tokens.size());
+  EXPECT_GT(r.error.timing().ttft_us(), 0u);
 }
 
 // Cancels a Generate call after `after` and returns when its stream ended.
