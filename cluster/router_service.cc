@@ -68,6 +68,15 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
                  nullptr);
       return;
     }
+    if (request_.protocol_version() > v1::PROTOCOL_VERSION_1) {
+      FinishOnce(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                              absl::StrCat("request ", id, ": protocol_version ",
+                                           request_.protocol_version(),
+                                           " is above the router's (1); stamp the lower of yours "
+                                           "and GetLoad's server.protocol_version")),
+                 nullptr);
+      return;
+    }
     if (request_.prompt_token_ids_size() == 0) {
       FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                               absl::StrCat("request ", id, ": empty prompt")),

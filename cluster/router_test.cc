@@ -330,6 +330,15 @@ TEST_F(RouterTest, InvalidRequestIsRejectedWithoutForwarding) {
   EXPECT_TRUE(decode_a_.seen().empty() && decode_b_.seen().empty());
 }
 
+TEST_F(RouterTest, NewerProtocolVersionIsRefusedWithFailedPrecondition) {
+  v1::GenerateRequest request = Request("r-15", 2);
+  request.set_protocol_version(2);
+  Result r = Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("protocol_version 2"));
+  EXPECT_TRUE(decode_a_.seen().empty() && decode_b_.seen().empty());
+}
+
 TEST_F(RouterTest, DozensOfReplayedRequestsAllSucceedAcrossBothNodes) {
   // The router's own picks spread load: requests sent since the last poll count against a node.
   Schedule schedule;
