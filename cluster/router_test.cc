@@ -354,6 +354,31 @@ TEST_F(RouterTest, DozensOfReplayedRequestsAllSucceedAcrossBothNodes) {
   EXPECT_GT(decode_b_.seen().size(), 0u);
 }
 
+TEST_F(RouterTest, ManyConcurrentStreamsAreRelayedCompletely) {
+  // Stress for the relay's flow control and lifetimes: 300 streams, 64 at a time, 20 tokens each.
+  FakeDecodeService::Behaviour fast;
+  fast.ttft = std::chrono::milliseconds(2);
+  fast.itl = std::chrono::milliseconds(1);
+  decode_a_.SetBehaviour(fast);
+  decode_b_.SetBehaviour(fast);
+  decode_a_.SetLoad(Load(900, 0, 0.1f));
+  backends_->PollOnce();
+  Schedule schedule;
+  for (int i = 0; i < 300; ++i) schedule.requests.push_back({0, 8, 20, {}, i});
+  ReplayOptions o;
+  o.target = router_address_;
+  o.progress = false;
+  o.concurrency = 64;
+  auto records = Replayer(o).Run(schedule);
+  ASSERT_TRUE(records.ok()) << records.status();
+  for (const RequestRecord& r : *records) {
+    ASSERT_EQ(r.status_code, 0) << r.request_id << ": " << r.status_message;
+    ASSERT_EQ(r.output_tokens, 20) << r.request_id;
+  }
+  EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 300u);
+  EXPECT_TRUE(Eventually([&] { return service_->inflight() == 0; }));
+}
+
 TEST_F(RouterTest, MetricsEndpointPassesPromtool) {
   Generate(Request("r-14", 2));
   Generate(Request("", 2));
