@@ -18,6 +18,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   bool synthetic = false, progress = true;
   int64_t num_requests = 100, concurrency = 0, max_inflight = 0, vocab_size = 256, seed = 1;
   double rate = 1.0, timeout_s = 600, temperature = 0, budget = 0, bucket_s = 0;
+  double cancel_fraction = 0, cancel_after_s = 1;
   TraceTransform transform;
   Slo slo;
   FlagSet flags("fluxion replay",
@@ -49,6 +50,9 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   flags.String("policy", &policy, "sparse attention policy (empty = the server's default)");
   flags.Double("budget", &budget, "sparse budget (0 = the policy's default)");
   flags.Double("timeout-s", &timeout_s, "per-request time budget (timeout_ms and gRPC deadline)");
+  flags.Double("cancel-fraction", &cancel_fraction,
+               "cancel this fraction of requests (seeded) --cancel-after-s after sending them");
+  flags.Double("cancel-after-s", &cancel_after_s, "delay before a chosen request is cancelled");
   flags.Double("slo-ttft-ms", &slo.ttft_ms, "goodput objective on TTFT (0 = none)");
   flags.Double("slo-tpot-ms", &slo.tpot_ms, "goodput objective on TPOT (0 = none)");
   flags.Double("slo-e2e-ms", &slo.e2e_ms, "goodput objective on end-to-end latency (0 = none)");
@@ -115,6 +119,9 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   options.sparse_policy = policy;
   if (budget > 0) options.sparse_budget = static_cast<float>(budget);
   options.progress = progress;
+  options.cancel_fraction = cancel_fraction;
+  options.cancel_after_s = cancel_after_s;
+  options.cancel_seed = static_cast<uint64_t>(seed);
   run.config["target"] = target;
   run.config["mode"] = concurrency > 0
                            ? absl::StrCat("fixed concurrency ", concurrency)
@@ -128,6 +135,10 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   run.config["temperature"] = temperature;
   run.config["policy"] = policy.empty() ? "server default" : policy;
   run.config["timeout_s"] = timeout_s;
+  if (cancel_fraction > 0) {
+    run.config["cancellation"] = absl::StrCat(cancel_fraction, " of requests after ",
+                                              cancel_after_s, " s");
+  }
   run.config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
 
   Replayer replayer(options);

@@ -73,6 +73,7 @@ nlohmann::json StatsToJson(const ReplayStats& s, const RunDescription& run) {
       {"requests", s.requests},
       {"succeeded", s.succeeded},
       {"failed", s.failed},
+      {"cancelled", s.cancelled},
       {"errors_by_code", errors},
       {"duration_s", s.duration_s},
       {"ttft_ms", DistributionJson(s.ttft_ms)},
@@ -98,7 +99,7 @@ std::string FormatSummary(const ReplayStats& s, const RunDescription& run) {
   auto row = [&](const std::string& name, const std::string& value) {
     absl::StrAppend(&out, absl::StrFormat("%-22s %s\n", name, value));
   };
-  for (const char* key : {"target", "source", "mode", "transforms"}) {
+  for (const char* key : {"target", "source", "mode", "transforms", "cancellation"}) {
     if (run.config.contains(key)) row(key, run.config[key].get<std::string>());
   }
   const TransformReport& t = run.transform;
@@ -115,10 +116,13 @@ std::string FormatSummary(const ReplayStats& s, const RunDescription& run) {
     absl::StrAppend(&failures, failures.empty() ? " (" : ", ", code, " ", n);
   }
   if (!failures.empty()) failures += ")";
-  row("requests", absl::StrFormat("%lld sent, %lld succeeded, %lld failed%s",
+  row("requests", absl::StrFormat("%lld sent, %lld succeeded, %lld failed%s%s",
                                   static_cast<long long>(s.requests),
                                   static_cast<long long>(s.succeeded),
-                                  static_cast<long long>(s.failed), failures));
+                                  static_cast<long long>(s.failed), failures,
+                                  s.cancelled > 0 ? absl::StrFormat(", %lld cancelled on purpose",
+                                                                    static_cast<long long>(s.cancelled))
+                                                  : std::string()));
   row("duration", absl::StrFormat("%.2f s", s.duration_s));
   row("tokens", absl::StrFormat("%lld in, %lld out (succeeded requests)",
                                 static_cast<long long>(s.input_tokens),
@@ -154,12 +158,13 @@ absl::Status WriteRequestsCsv(const std::string& path, const std::vector<Request
   std::ofstream out(path);
   if (!out) return OpenError(path);
   out << "index,request_id,scheduled_s,start_s,end_s,input_tokens,requested_output_tokens,"
-         "output_tokens,ttft_ms,tpot_ms,e2e_ms,status,message\n";
+         "output_tokens,ttft_ms,tpot_ms,e2e_ms,status,cancelled_by_client,message\n";
   for (const RequestRecord& r : records) {
     out << r.index << "," << CsvField(r.request_id) << "," << r.scheduled_s << "," << r.start_s
         << "," << r.end_s << "," << r.input_tokens << "," << r.requested_output_tokens << ","
         << r.output_tokens << "," << TtftMs(r) << "," << TpotMs(r) << "," << E2eMs(r) << ","
-        << StatusCodeName(r.status_code) << "," << CsvField(r.status_message) << "\n";
+        << StatusCodeName(r.status_code) << "," << (r.cancelled_by_client ? 1 : 0) << ","
+        << CsvField(r.status_message) << "\n";
   }
   return out ? absl::OkStatus() : OpenError(path);
 }

@@ -71,6 +71,10 @@ ReplayStats ComputeStats(const std::vector<RequestRecord>& records, const Slo& s
   for (const RequestRecord& r : records) {
     first = std::min(first, r.start_s);
     last = std::max(last, r.end_s);
+    if (r.cancelled_by_client) {
+      ++s.cancelled;
+      continue;
+    }
     if (!r.ok()) {
       ++s.failed;
       ++s.errors_by_code[StatusCodeName(r.status_code)];
@@ -99,7 +103,9 @@ ReplayStats ComputeStats(const std::vector<RequestRecord>& records, const Slo& s
   s.output_token_throughput = s.output_tokens / s.duration_s;
   s.total_token_throughput = (s.input_tokens + s.output_tokens) / s.duration_s;
   s.goodput = s.good_requests / s.duration_s;
-  s.slo_attainment = static_cast<double>(s.good_requests) / s.requests;
+  s.slo_attainment = s.requests > s.cancelled
+                         ? static_cast<double>(s.good_requests) / (s.requests - s.cancelled)
+                         : 0.0;
 
   // Timeline in fixed buckets from the first send.
   double bucket = timeline_bucket_s > 0 ? timeline_bucket_s : s.duration_s / 50.0;

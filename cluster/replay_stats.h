@@ -27,6 +27,8 @@ struct RequestRecord {
   int64_t output_tokens = 0;    // tokens received
   int status_code = 0;          // final gRPC status code (0 = OK)
   std::string status_message;
+  // The replayer cancelled it on purpose (--cancel-fraction): not a failure; reported apart.
+  bool cancelled_by_client = false;
 
   bool ok() const { return status_code == 0; }
   bool has_first_token() const { return !chunk_times_s.empty(); }
@@ -62,6 +64,7 @@ struct ReplayStats {
   int64_t requests = 0;
   int64_t succeeded = 0;
   int64_t failed = 0;
+  int64_t cancelled = 0;  // cancelled on purpose by the replayer; in no other count
   std::map<std::string, int64_t> errors_by_code;  // gRPC code name -> count, failures only
   double duration_s = 0;  // first send to last end
   // Over successful requests, in milliseconds.
@@ -73,7 +76,8 @@ struct ReplayStats {
   Slo slo;
   int64_t good_requests = 0;  // successful and within every set objective
   double goodput = 0;         // good_requests / duration (requests per second)
-  double slo_attainment = 0;  // good_requests / requests (failed requests count as misses)
+  // good_requests / (requests - cancelled): failed requests count as misses.
+  double slo_attainment = 0;
   double timeline_bucket_s = 0;
   std::vector<TimelinePoint> timeline;
 };

@@ -104,6 +104,22 @@ TEST(ReplayStatsTest, PercentileInterpolatesLikeNumpy) {
   EXPECT_DOUBLE_EQ(Percentile({7}, 99), 7);
 }
 
+TEST(ReplayStatsTest, DeliberateCancellationsAreNeitherFailuresNorMisses) {
+  std::vector<RequestRecord> records = KnownRecords();
+  RequestRecord cancelled;
+  cancelled.start_s = 0.2;
+  cancelled.end_s = 0.3;
+  cancelled.status_code = 1;  // CANCELLED
+  cancelled.cancelled_by_client = true;
+  records.push_back(cancelled);
+  ReplayStats s = ComputeStats(records, Slo{150, 0, 0});
+  EXPECT_EQ(s.requests, 5);
+  EXPECT_EQ(s.cancelled, 1);
+  EXPECT_EQ(s.failed, 1);  // only the UNAVAILABLE one
+  EXPECT_EQ(s.errors_by_code.count("CANCELLED"), 0u);
+  EXPECT_NEAR(s.slo_attainment, 2.0 / 4, 1e-9);
+}
+
 TEST(ReplayStatsTest, EmptyRunHasZeroStats) {
   ReplayStats s = ComputeStats({}, Slo{});
   EXPECT_EQ(s.requests, 0);

@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -63,6 +65,11 @@ class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
   }
 
   void Cancel() { context_->TryCancel(); }
+  // A deliberate client-side cancellation (ReplayOptions::cancel_fraction).
+  void CancelOnPurpose() {
+    cancel_on_purpose_.store(true);
+    context_->TryCancel();
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) return;  // the stream ended; OnDone follows
@@ -83,8 +90,12 @@ class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
     record_.end_s = state_->Now();
     record_.status_code = status.error_code();
     record_.status_message = status.ok() ? "" : status.error_message();
+    // A request that finished before its cancellation landed counts as finished.
+    record_.cancelled_by_client = cancel_on_purpose_.load() && !status.ok();
     if (!status.ok() && record_.status_message.empty()) record_.status_message = error_message_;
-    if (!status.ok()) state_->failed.fetch_add(1, std::memory_order_relaxed);
+    if (!status.ok() && !record_.cancelled_by_client) {
+      state_->failed.fetch_add(1, std::memory_order_relaxed);
+    }
     state_->finished.fetch_add(1, std::memory_order_relaxed);
     std::shared_ptr<Call> self;
     {
@@ -103,6 +114,50 @@ class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
   v1::GenerateResponse response_;
   std::unique_ptr<grpc::ClientContext> context_;
   std::string error_message_;
+  std::atomic<bool> cancel_on_purpose_{false};
+};
+
+// Cancels chosen requests a fixed time after they were sent, on its own thread.
+class Canceller {
+ public:
+  Canceller() : thread_([this] { Loop(); }) {}
+  ~Canceller() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Schedule(Clock::time_point when, std::weak_ptr<Call> call) {
+    absl::MutexLock lock(&mu_);
+    due_.emplace(when, std::move(call));
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      std::vector<std::weak_ptr<Call>> now_due;
+      {
+        absl::MutexLock lock(&mu_);
+        // Wakes every 10 ms at most: cancellation times need no finer resolution.
+        mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(10));
+        if (stop_) return;
+        auto now = Clock::now();
+        while (!due_.empty() && due_.begin()->first <= now) {
+          now_due.push_back(std::move(due_.begin()->second));
+          due_.erase(due_.begin());
+        }
+      }
+      for (auto& weak : now_due) {
+        if (auto call = weak.lock()) call->CancelOnPurpose();  // outside the lock
+      }
+    }
+  }
+
+  absl::Mutex mu_;
+  std::multimap<Clock::time_point, std::weak_ptr<Call>> due_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
 };
 
 void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_line) {
@@ -158,6 +213,12 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
     });
   }
 
+  std::unique_ptr<Canceller> canceller;
+  if (options_.cancel_fraction > 0) canceller = std::make_unique<Canceller>();
+  std::mt19937_64 cancel_rng(options_.cancel_seed);
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  const auto cancel_after =
+      std::chrono::microseconds(static_cast<int64_t>(options_.cancel_after_s * 1e6));
   state.t0 = Clock::now();
   auto open_requests = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
     return static_cast<int64_t>(state.live.size());
@@ -221,6 +282,10 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
     // The gRPC deadline is a little later than timeout_ms so that a server that notices first can
     // still end the stream with an error carrying partial usage (docs/PROTOCOL.md).
     call->Start(stub.get(), std::chrono::system_clock::now() + timeout + std::chrono::seconds(1));
+    // One draw per request, cancelled or not, so the same seed picks the same requests.
+    if (canceller != nullptr && coin(cancel_rng) < options_.cancel_fraction) {
+      canceller->Schedule(Clock::now() + cancel_after, call);
+    }
   }
 
   // Drain. Every call has a deadline, so this ends; Interrupt() cancels what is left.
@@ -244,6 +309,7 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
     // TryCancel outside the lock: it may run OnDone, which takes the lock.
     for (auto& call : to_cancel) call->Cancel();
   }
+  canceller.reset();  // it may hold a Call for a moment; the wait below counts those too
   {
     // Every Call has left `live`; wait until the last one is destroyed too (see RunState::alive).
     absl::MutexLock lock(&state.mu);

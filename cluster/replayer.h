@@ -34,6 +34,12 @@ struct ReplayOptions {
   std::string request_id_prefix = "replay";
   bool progress = true;          // live progress line on stderr
   double connect_timeout_s = 10; // wait this long for the target to accept connections
+  // Cancel this fraction of requests (chosen with cancel_seed) cancel_after_s after sending them,
+  // as a client that gives up would (aiperf's request cancellation). Such requests are reported
+  // as cancelled on purpose, not as failures.
+  double cancel_fraction = 0;
+  double cancel_after_s = 0;
+  uint64_t cancel_seed = 1;
 };
 
 class Replayer {

@@ -102,6 +102,38 @@ TEST(ReplayerTest, InterruptCancelsRequestsInFlightAndReturnsWhatItHas) {
   for (const RequestRecord& r : *records) EXPECT_EQ(r.status_code, grpc::StatusCode::CANCELLED);
 }
 
+TEST(ReplayerTest, ChosenRequestsAreCancelledOnPurposeAndReportedApart) {
+  FakeDecodeService service;
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+  ReplayOptions o = Options(server);
+  o.cancel_fraction = 0.5;
+  o.cancel_after_s = 0.1;  // the fake needs 40 + 19 x 10 = 230 ms for 20 tokens
+  o.cancel_seed = 7;
+  auto records = Replayer(o).Run(Timed(12, 0.01, 8, 20));
+  ASSERT_TRUE(records.ok()) << records.status();
+  ReplayStats s = ComputeStats(*records, Slo{1000, 0, 0});
+  EXPECT_GT(s.cancelled, 0);
+  EXPECT_LT(s.cancelled, 12);
+  EXPECT_EQ(s.failed, 0);
+  EXPECT_EQ(s.cancelled + s.succeeded, 12);
+  EXPECT_NEAR(s.slo_attainment, 1.0, 1e-9);  // cancelled requests are not misses
+  int cancelled_on_server = 0;
+  for (const auto& seen : service.seen()) cancelled_on_server += seen.cancelled;
+  EXPECT_EQ(cancelled_on_server, s.cancelled);
+  for (const RequestRecord& r : *records) {
+    if (r.cancelled_by_client) {
+      EXPECT_EQ(r.status_code, grpc::StatusCode::CANCELLED);
+      EXPECT_NEAR(r.end_s - r.start_s, 0.1, 0.08);
+    }
+  }
+  // The same seed picks the same requests.
+  auto again = Replayer(o).Run(Timed(12, 0.01, 8, 20));
+  ASSERT_TRUE(again.ok());
+  for (size_t i = 0; i < records->size(); ++i) {
+    EXPECT_EQ((*records)[i].cancelled_by_client, (*again)[i].cancelled_by_client) << i;
+  }
+}
+
 TEST(ReplayerTest, UnreachableTargetIsUnavailable) {
   ReplayOptions o;
   o.target = "127.0.0.1:1";
