@@ -187,6 +187,41 @@ TEST_F(ClusterE2eTest, OverloadIsShedAtOnceNotQueued) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
 }
 
+TEST_F(ClusterE2eTest, ClientCancellationThroughTheRouterReleasesDecodePages) {
+  SyntheticOptions synthetic;
+  synthetic.num_requests = 8;
+  synthetic.rate = 20;
+  synthetic.input = *ParseLengthDistribution("fixed:96");
+  synthetic.output = *ParseLengthDistribution("fixed:400");
+  ReplayOptions options;
+  options.target = router_->address;
+  options.progress = false;
+  options.vocab_size = 256;
+  options.cancel_fraction = 1.0;  // every request, 1.5 s after it was sent
+  options.cancel_after_s = 1.5;
+  auto records = Replayer(options).Run(MakeSyntheticSchedule(synthetic));
+  ASSERT_TRUE(records.ok()) << records.status();
+  ReplayStats stats = ComputeStats(*records, Slo{});
+  EXPECT_EQ(stats.cancelled, 8) << "failed: " << stats.failed;
+  // Both decode nodes give every page back within a few seconds (cancellation reached them
+  // through the router, and from them the prefill node).
+  for (int i = 0; i < 2; ++i) {
+    auto d = v1::DecodeService::NewStub(
+        grpc::CreateChannel((*decodes_)[i].address, grpc::InsecureChannelCredentials()));
+    v1::DecodeLoad load;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    do {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      ASSERT_TRUE(d->GetLoad(&c, v1::GetLoadRequest(), &load).ok());
+      if (load.free_kv_pages() == load.total_kv_pages()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (std::chrono::steady_clock::now() < deadline);
+    EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages()) << "decode-" << i;
+    EXPECT_EQ(load.running_requests(), 0u) << "decode-" << i;
+  }
+}
+
 // Last: it kills a decode node.
 TEST_F(ClusterE2eTest, ZKilledDecodeNodeFailsItsStreamClearlyAndNewRequestsGoElsewhere) {
   auto stub = v1::DecodeService::NewStub(
