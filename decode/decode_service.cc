@@ -78,6 +78,10 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
     return ToGrpcStatus(s);
   };
 
+  if (draining_.load()) {
+    return reject(absl::UnavailableError(
+        absl::StrCat("decode node ", info_.node_name(), " is draining; retry on another node")));
+  }
   // 1. Validate: everything a client can get wrong is INVALID_ARGUMENT naming the field.
   const std::string& id = request->request_id();
   if (id.empty() || id.size() > 128) {
@@ -514,8 +518,14 @@ grpc::Status DecodeServiceImpl::GetLoad(grpc::ServerContext* context,
       static_cast<uint64_t>(usable / (shape.num_layers * shape.num_kv_heads)) *
       options_.page_tokens);
   response->set_recent_step_ms(static_cast<float>(scheduler_->recent_step_ms()));
+  response->set_draining(draining_.load());
   *response->mutable_server() = info_;
   return grpc::Status::OK;
+}
+
+int64_t DecodeServiceImpl::live_requests() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(live_.size());
 }
 
 DecodeMetrics DecodeServiceImpl::metrics() const {

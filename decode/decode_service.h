@@ -84,6 +84,12 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
 
   DecodeMetrics metrics() const;
 
+  // While draining, new Generate calls are refused with UNAVAILABLE and GetLoad says so; running
+  // ones finish. The serving command drains on SIGTERM before shutting down.
+  void SetDraining(bool draining) { draining_ = draining; }
+  // Generate calls in progress (any phase).
+  int64_t live_requests() const;
+
  private:
   struct Live {
     std::atomic<bool> aborted{false};
@@ -103,6 +109,7 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   const DecodeServiceOptions options_;
   PrefillClient prefill_client_;
   std::atomic<uint64_t> admission_seq_{0};
+  std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);

@@ -40,7 +40,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   double default_budget = 0.1;
   int64_t threads = 0, page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
   int64_t admission_timeout_ms = 10000, prefill_timeout_ms = 120000, abort_wait_ms = 2000;
-  int64_t quarantine_ms = 30000;
+  int64_t quarantine_ms = 30000, drain_timeout_ms = 30000;
   bool huge_pages = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion decode",
@@ -69,6 +69,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "after aborting a prefill, how long to wait for its reply before quarantining");
   flags.Int("quarantine-ms", &quarantine_ms,
             "how long pages a prefill node may still write stay out of use");
+  flags.Int("drain-timeout-ms", &drain_timeout_ms,
+            "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   flags.Bool("huge-pages", &huge_pages, "back the arena with huge pages when available");
   ucx.Register(flags);
   flags.Require("model");
@@ -172,6 +174,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::signal(SIGTERM, OnSignal);
     std::signal(SIGINT, OnSignal);
     while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+    // Drain: health NOT_SERVING and UNAVAILABLE for new requests, let running ones finish.
+    server->GetHealthCheckService()->SetServingStatus(false);
+    service.SetDraining(true);
+    const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
+    while (service.live_requests() > 0 && absl::Now() < drain_deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    std::cerr << "fluxion decode " << node_name << " stopping with " << service.live_requests()
+              << " requests still live\n";
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   }
   return 0;

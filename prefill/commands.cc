@@ -37,6 +37,7 @@ std::string DefaultNodeName(const std::string& role) {
 int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
+  int64_t drain_timeout_ms = 30000;
   bool layerwise = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
@@ -54,6 +55,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "bound on waiting for a request's KV writes to land");
   flags.Int("test-layer-delay-ms", &layer_delay_ms,
             "fault injection for tests: sleep after each layer's send");
+  flags.Int("drain-timeout-ms", &drain_timeout_ms,
+            "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   ucx.Register(flags);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
@@ -109,6 +112,12 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+  server->GetHealthCheckService()->SetServingStatus(false);
+  service.SetDraining(true);
+  const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
+  while (service.live_requests() > 0 && absl::Now() < drain_deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }

@@ -22,6 +22,10 @@ grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
   if (id.empty() || id.size() > 128) {
     return ToGrpcStatus(absl::InvalidArgumentError("request_id must be 1 to 128 bytes"));
   }
+  if (draining_.load()) {
+    return ToGrpcStatus(absl::UnavailableError(
+        absl::StrCat("prefill node ", info_.node_name(), " is draining; retry on another node")));
+  }
   auto live = std::make_shared<Live>();
   live->prompt_tokens = request->prompt_token_ids_size();
   {
@@ -100,8 +104,14 @@ grpc::Status PrefillServiceImpl::GetLoad(grpc::ServerContext* context,
       response->set_queued_prompt_tokens(response->queued_prompt_tokens() + live->prompt_tokens);
     }
   }
+  response->set_draining(draining_.load());
   *response->mutable_server() = info_;
   return grpc::Status::OK;
+}
+
+int64_t PrefillServiceImpl::live_requests() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(live_.size());
 }
 
 PrefillMetrics PrefillServiceImpl::metrics() const {

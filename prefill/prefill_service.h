@@ -47,6 +47,10 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
 
   PrefillMetrics metrics() const;
 
+  // While draining, new Prefill calls are refused with UNAVAILABLE; running ones finish.
+  void SetDraining(bool draining) { draining_ = draining; }
+  int64_t live_requests() const;
+
  private:
   struct Live {
     std::atomic<bool> aborted{false};
@@ -57,6 +61,7 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   const PrefillEngine* const engine_;
   const transfer::Transport* const transport_;
   const fluxion::v1::ServerInfo info_;
+  std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);

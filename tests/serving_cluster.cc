@@ -74,6 +74,26 @@ void ServerProcess::Kill() {
   pid_ = -1;
 }
 
+void ServerProcess::Signal(int signal) {
+  if (pid_ > 0) kill(pid_, signal);
+}
+
+bool ServerProcess::Terminate(absl::Duration timeout) {
+  if (pid_ <= 0) return true;
+  kill(pid_, SIGTERM);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  Kill();
+  return false;
+}
+
 std::string ServerProcess::Log() const {
   std::ifstream in(dir_ + "/log");
   std::stringstream ss;

@@ -35,6 +35,9 @@ class ServerProcess {
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
   void Kill();  // SIGKILL and reap
+  // SIGTERM, then wait up to `timeout` for the process to exit; true when it exited by itself.
+  bool Terminate(absl::Duration timeout);
+  void Signal(int signal);
   std::string Log() const;
 
  private:

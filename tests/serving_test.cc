@@ -424,6 +424,39 @@ TEST_F(ServingFailureTest, IncompatiblePrefillNodeIsRefusedNamingTheField) {
       << r.status.error_message();
 }
 
+TEST(ServingDrainTest, SigtermRefusesNewRequestsAndLetsRunningOnesFinish) {
+  Pair* pair = PairFor("tcp");
+  ASSERT_NE(pair, nullptr);
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--kv-pages", "4096",
+                                   "--prefill-address", pair->prefill->address(), "--nohuge-pages"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  auto decode = ServerProcess::Start("decode", args);
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
+  GenerateResult running;
+  std::thread t([&] {
+    running = client.Generate(GreedyRequest("long", BytePrompt(kPromptText), 200, "full", ""));
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (client.Load().running_requests() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  decode->Signal(SIGTERM);
+  v1::DecodeLoad load;
+  while (!(load = client.Load()).draining() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(load.draining());
+  GenerateResult refused = client.Generate(GreedyRequest("late", BytePrompt("hi"), 4, "full", ""));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.status.error_message().find("draining"), std::string::npos);
+  t.join();
+  EXPECT_TRUE(running.status.ok()) << running.status.error_message();
+  EXPECT_EQ(running.tokens.size(), 200u);
+  EXPECT_TRUE(decode->Terminate(absl::Seconds(10))) << "did not exit after draining";
+}
+
 TEST(ServingPreemptionTest, YoungestRequestIsPreemptedWhenPagesRunOut) {
   Pair* pair = PairFor("tcp");
   ASSERT_NE(pair, nullptr);
