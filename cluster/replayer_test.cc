@@ -51,17 +51,17 @@ TEST(ReplayerTest, StatisticsMatchTheFakeServersKnownTimetable) {
   // The fake is never faster than its timetable, so lower bounds are tight; upper bounds leave
   // room for a busy 2-core CI machine. replay_stats_test.cc checks the arithmetic exactly.
   EXPECT_GE(s.ttft_ms.min, 39);
-  EXPECT_LT(s.ttft_ms.mean, 100);
+  EXPECT_LT(s.ttft_ms.mean, 150);
   EXPECT_GE(s.tpot_ms.mean, 9.5);
-  EXPECT_LT(s.tpot_ms.mean, 30);
+  EXPECT_LT(s.tpot_ms.mean, 40);
   EXPECT_GE(s.itl_ms.p50, 9.5);
-  EXPECT_LT(s.itl_ms.p50, 30);
+  EXPECT_LT(s.itl_ms.p50, 40);
   EXPECT_GE(s.e2e_ms.min, 89);  // 40 + 5 x 10
-  EXPECT_LT(s.e2e_ms.mean, 200);
+  EXPECT_LT(s.e2e_ms.mean, 300);
   EXPECT_EQ(s.itl_ms.count, 8 * 5);
   for (const RequestRecord& r : *records) {
     EXPECT_GE(r.start_s, r.scheduled_s);
-    EXPECT_LT(r.start_s - r.scheduled_s, 0.1) << "request " << r.index << " sent late";
+    EXPECT_LT(r.start_s - r.scheduled_s, 0.25) << "request " << r.index << " sent late";
   }
   // What went on the wire: prompt length, max_tokens, EOS ignored, time budget.
   auto seen = service.seen();
