@@ -302,6 +302,11 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
   // 4. The sparse state, into the room reserved for it.
   v1::PrefillResponse response;
   Clock::time_point t_state_end = t_compute_end;
+  if (cancelled()) {  // the capture below is not interruptible: do not start it for nothing
+    (void)submitted.WaitAll();
+    return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
+                                             "' aborted after the forward"));
+  }
   if (want_state) {
     absl::StatusOr<model::SparseState> state =
         model::CaptureSparseState(attention_ptr->dense(), shape);
