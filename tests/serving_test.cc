@@ -457,6 +457,31 @@ TEST(ServingDrainTest, SigtermRefusesNewRequestsAndLetsRunningOnesFinish) {
   EXPECT_TRUE(decode->Terminate(absl::Seconds(10))) << "did not exit after draining";
 }
 
+TEST(ServingRestartTest, ARestartedDecodeNodeGetsFreshTransferState) {
+  Pair* pair = PairFor("tcp");
+  ASSERT_NE(pair, nullptr);
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--kv-pages", "4096",
+                                   "--prefill-address", pair->prefill->address(), "--nohuge-pages"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  const std::vector<uint32_t> prompt = BytePrompt(kPromptText);
+  const std::vector<uint32_t> expected = ReferenceTokens(prompt, 8, /*paged=*/true);
+  // The shared prefill node writes into one decode node, which then dies without closing
+  // anything; a new decode process (new node name, worker address and key) must be served with
+  // fresh UCX state, never the dead peer's endpoint or key.
+  for (int incarnation = 0; incarnation < 2; ++incarnation) {
+    auto decode = ServerProcess::Start("decode", args);
+    ASSERT_NE(decode, nullptr);
+    DecodeClient client(decode->address());
+    GenerateResult r = client.Generate(
+        GreedyRequest("restart-" + std::to_string(incarnation), prompt, 8, "full", ""));
+    ASSERT_TRUE(r.status.ok()) << "incarnation " << incarnation << ": " << r.status.error_message();
+    EXPECT_EQ(r.tokens, expected);
+    ExpectAllPagesFree(client);
+    decode->Kill();
+  }
+}
+
 TEST(ServingPreemptionTest, YoungestRequestIsPreemptedWhenPagesRunOut) {
   Pair* pair = PairFor("tcp");
   ASSERT_NE(pair, nullptr);
