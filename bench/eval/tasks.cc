@@ -87,7 +87,8 @@ std::vector<std::string> Keys(Rng& rng, int n) {
 std::vector<std::string> VariableNames(Rng& rng, int n) {
   return Distinct(n, [&] {
     std::string name;
-    for (int i = 0; i < 5; ++i) name.push_back(static_cast<char>('A' + rng.Uniform(0, 25)));
+    // Lowercase (TASKS.md v2): v1's capitals confounded vt with the model's capital-copy failure.
+    for (int i = 0; i < 5; ++i) name.push_back(static_cast<char>('a' + rng.Uniform(0, 25)));
     return name;
   });
 }
@@ -127,6 +128,8 @@ std::string PassageText(Rng& rng) {
     text += RandomSentence(rng);
   }
   text.resize(kPassageChars);
+  // Lowercase (TASKS.md v2): the model cannot copy sentence-initial capitals (model card).
+  absl::AsciiStrToLower(&text);
   return text;
 }
 
@@ -210,10 +213,12 @@ TaskItems VariableTracking(Rng& rng) {
                                     assign(names[2], "VAR " + names[1])};
   std::vector<std::string> distractor = {assign(names[3], values[1]),
                                          assign(names[4], "VAR " + names[3])};
+  // RULER's form (TASKS.md v2): name every variable holding the value, in chain order, so each
+  // generated name is one lookup and the attended positions move across decode steps.
   return {{chain, distractor},
-          absl::StrCat("What is the value of VAR ", names[2], "? The value of VAR ", names[2],
-                       " is "),
-          values[0]};
+          absl::StrCat("Which variables hold the value ", values[0],
+                       "? The variables that hold ", values[0], " are "),
+          absl::StrCat(names[0], ", ", names[1], ", ", names[2])};
 }
 
 TaskItems Aggregate(Rng& rng) {
