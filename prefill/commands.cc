@@ -37,7 +37,7 @@ std::string DefaultNodeName(const std::string& role) {
 int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
-  int64_t drain_timeout_ms = 30000;
+  int64_t drain_timeout_ms = 30000, piece_tokens = 512;
   bool layerwise = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
@@ -55,6 +55,9 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "bound on waiting for a request's KV writes to land");
   flags.Int("test-layer-delay-ms", &layer_delay_ms,
             "fault injection for tests: sleep after each layer's send");
+  flags.Int("piece-tokens", &piece_tokens,
+            "run the forward in pieces of this many tokens: cancellation is checked and pages are "
+            "sent after each piece of each layer");
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
             "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   ucx.Register(flags);
@@ -85,6 +88,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   options.layerwise = layerwise;
   options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   options.layer_delay = absl::Milliseconds(layer_delay_ms);
+  options.piece_tokens = piece_tokens;
   PrefillEngine engine(model->get(), transport->get(), layout, options);
   fluxion::v1::ServerInfo info;
   info.set_role(fluxion::v1::SERVER_ROLE_PREFILL);

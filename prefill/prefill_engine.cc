@@ -290,7 +290,12 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
                               request.prompt_token_ids().end());
   std::vector<float> logits;
   const Clock::time_point t_compute = Clock::now();
-  absl::Status forward = model_->Forward(seq, prompt, &logits);
+  absl::Status forward = absl::OkStatus();
+  const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
+  for (int64_t first = 0; first < n && forward.ok(); first += piece) {
+    forward = model_->Forward(
+        seq, absl::MakeConstSpan(prompt).subspan(first, std::min(piece, n - first)), &logits);
+  }
   const Clock::time_point t_compute_end = Clock::now();
   if (!forward.ok()) {
     absl::Status waited = submitted.WaitAll();  // stopped writing before we say so

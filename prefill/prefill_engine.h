@@ -30,6 +30,10 @@ struct PrefillEngineOptions {
   bool layerwise = true;
   // Bound on waiting for the writes to land once submitted (the transfer's lease).
   absl::Duration transfer_timeout = absl::Seconds(30);
+  // The forward runs over the prompt in pieces of this many tokens (the model chunks long inputs
+  // at 512 anyway): cancellation is checked, and completed pages are sent, after every piece of
+  // every layer, so a smaller piece cancels sooner and starts sending earlier.
+  int64_t piece_tokens = 512;
   // Fault injection for tests: sleep this long after each layer's send is submitted, so a test
   // can kill the process or cancel the request mid-transfer.
   absl::Duration layer_delay = absl::ZeroDuration();
