@@ -214,8 +214,15 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   const Regions r = SplitContext(config_, in.context);
   const auto& pages = in.kv->pages(in.layer, in.kv_head);
   std::vector<int32_t> positions;
+  // Spans come in position order (sinks, middle, window), so each page is searched for from the
+  // previous span's page on: O(pages + spans) per step instead of O(pages x spans), which at 128K
+  // (8192 pages of 16 tokens) was a visible part of the step.
+  auto hint = pages.begin();
   for (const PageSpan& sp : spans) {
-    const int64_t page_index = std::find(pages.begin(), pages.end(), sp.page) - pages.begin();
+    auto it = std::find(hint, pages.end(), sp.page);
+    if (it == pages.end()) it = std::find(pages.begin(), hint, sp.page);
+    hint = it;
+    const int64_t page_index = it - pages.begin();
     for (int32_t row = sp.first_row; row < sp.first_row + sp.rows; ++row) {
       positions.push_back(static_cast<int32_t>(page_index * pt + row));
     }
