@@ -71,19 +71,37 @@ absl::StatusOr<std::unique_ptr<KvArena>> KvArena::Create(size_t page_bytes, int6
       new KvArena(static_cast<uint8_t*>(p), bytes, page_bytes, num_pages, huge));
 }
 
-KvArena::KvArena(uint8_t* base, size_t bytes, size_t page_bytes, int64_t num_pages, bool huge)
+absl::StatusOr<std::unique_ptr<KvArena>> KvArena::Over(uint8_t* base, size_t bytes,
+                                                       size_t page_bytes) {
+  if (base == nullptr || page_bytes == 0 || bytes < page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot make a KV arena of ", page_bytes,
+                                                   "-byte pages over ", bytes, " bytes"));
+  }
+  const size_t pages = bytes / page_bytes;
+  if (pages > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("KV arena of ", pages, " pages is too large"));
+  }
+  return std::unique_ptr<KvArena>(new KvArena(base, bytes, page_bytes,
+                                              static_cast<int64_t>(pages), false, /*owned=*/false));
+}
+
+KvArena::KvArena(uint8_t* base, size_t bytes, size_t page_bytes, int64_t num_pages, bool huge,
+                 bool owned)
     : base_(base),
       bytes_(bytes),
       page_bytes_(page_bytes),
       num_pages_(num_pages),
       explicit_huge_pages_(huge),
+      owned_(owned),
       state_(num_pages, State::kFree) {
   absl::MutexLock lock(&mu_);
   AddFreeExtent(0, static_cast<int32_t>(num_pages));
   free_ = num_pages;
 }
 
-KvArena::~KvArena() { munmap(base_, bytes_); }
+KvArena::~KvArena() {
+  if (owned_) munmap(base_, bytes_);
+}
 
 void KvArena::AddFreeExtent(int32_t first, int32_t count) {
   // Coalesce with the neighbours so large requests keep finding single runs.

@@ -56,6 +56,12 @@ class KvArena {
   // overflows; ResourceExhausted when the memory cannot be mapped.
   static absl::StatusOr<std::unique_ptr<KvArena>> Create(size_t page_bytes, int64_t num_pages,
                                                          const KvArenaOptions& options = {});
+  // An arena over memory someone else owns (e.g. a UCX-allocated segment from
+  // transfer::Transport::Allocate, which peers on this host write into directly): `bytes` from
+  // `base` hold bytes / page_bytes pages; the memory must outlive the arena and is not unmapped.
+  // InvalidArgument for a null base or fewer bytes than one page.
+  static absl::StatusOr<std::unique_ptr<KvArena>> Over(uint8_t* base, size_t bytes,
+                                                       size_t page_bytes);
   ~KvArena();
   KvArena(const KvArena&) = delete;
   KvArena& operator=(const KvArena&) = delete;
@@ -88,7 +94,8 @@ class KvArena {
 
  private:
   enum class State : uint8_t { kFree, kReserved, kQuarantined };
-  KvArena(uint8_t* base, size_t bytes, size_t page_bytes, int64_t num_pages, bool huge);
+  KvArena(uint8_t* base, size_t bytes, size_t page_bytes, int64_t num_pages, bool huge,
+          bool owned = true);
   absl::Status Transition(absl::Span<const PageRun> runs, State from, State to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddFreeExtent(int32_t first, int32_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -99,6 +106,7 @@ class KvArena {
   const size_t page_bytes_;
   const int64_t num_pages_;
   const bool explicit_huge_pages_;
+  const bool owned_;  // unmapped on destruction
 
   mutable absl::Mutex mu_;
   std::vector<State> state_ ABSL_GUARDED_BY(mu_);

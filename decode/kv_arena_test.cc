@@ -143,5 +143,23 @@ TEST(KvArenaTest, CreateRejectsNonsenseSizes) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(KvArenaTest, OverExternalMemoryUsesItAndLeavesItMapped) {
+  std::vector<uint8_t> memory(10 * 4096 + 100, 0);
+  auto arena = KvArena::Over(memory.data(), memory.size(), 4096);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ((*arena)->num_pages(), 10);
+  EXPECT_EQ((*arena)->base(), memory.data());
+  auto runs = (*arena)->Allocate(10);
+  ASSERT_TRUE(runs.ok());
+  (*arena)->page(9)[4095] = 7;  // the last page lies inside the caller's memory
+  EXPECT_EQ(memory[10 * 4096 - 1], 7);
+  EXPECT_FALSE((*arena)->Allocate(1).ok());
+  arena->reset();
+  EXPECT_EQ(memory[10 * 4096 - 1], 7);  // still ours, not unmapped
+  EXPECT_EQ(KvArena::Over(nullptr, 4096, 4096).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvArena::Over(memory.data(), 100, 4096).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace fluxion::decode
