@@ -38,8 +38,9 @@ void SplitRuns(const std::vector<PageRun>& runs, int64_t n, std::vector<PageRun>
   }
 }
 
+// Policies that start from the prefill's sparse state (LFPS tables, Fluxion head features).
 bool PolicyNeedsState(const std::string& name) {
-  return name == "lfps" || name == "lfps_paper" || name == "fluxion";
+  return name == "lfps" || name == "lfps_paper" || name.rfind("fluxion", 0) == 0;
 }
 
 uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
