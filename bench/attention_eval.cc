@@ -49,14 +49,27 @@ int RunAttentionEval(const std::vector<std::string>& args) {
                "synthetic heads");
   flags.String("model", &model_dir, "with --capture: model whose W_O the error is measured "
                                     "after (default: the one the capture names)");
+  std::string head_table;
+  flags.String("head-table", &head_table,
+               "with --capture: write Fluxion's predictor training table (features + e_h(b) "
+               "labels per step, layer and KV head; tools/fluxion_predictor/README.md) to this "
+               "CSV; policies are then evaluated only when --policy is given");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  const bool policy_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
+    return a.rfind("--policy", 0) == 0;
+  });
+  if (!head_table.empty() && capture_dir.empty()) {
+    std::cerr << "error: --head-table needs --capture DIR\n";
+    return 2;
+  }
+  if (!head_table.empty() && !policy_given) policies.clear();
   auto configs = decode::sparse::ExpandPolicies(policies, budgets);
   if (!configs.ok()) {
     std::cerr << "error: " << configs.status().message() << "\n";
     return 2;
   }
   if (!capture_dir.empty()) {
-    auto rows = EvalCapturedAttention(capture_dir, model_dir, *configs);
+    auto rows = EvalCapturedAttention(capture_dir, model_dir, *configs, head_table);
     if (!rows.ok()) {
       std::cerr << "error: " << rows.status() << "\n";
       return 1;

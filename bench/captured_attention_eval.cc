@@ -1,15 +1,20 @@
 #include "bench/captured_attention_eval.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "bench/attention_quality.h"
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
+#include "decode/sparse/policy_util.h"
 #include "decode/sparse_attention.h"
+#include "kernels/cpu/selection.h"
+#include "kernels/cpu/topk.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "model/safetensors.h"
 #include "model/sparse_state.h"
@@ -31,11 +36,158 @@ absl::Status CheckShape(const std::string& what, const std::vector<int64_t>& got
       absl::StrCat(what, " has shape ", str(got), ", expected ", str(want)));
 }
 
+// The budgets the head table labels: 0 (sinks + local window only) and the two tiers of
+// ALGORITHMS.md §2.4.4. Column names in the CSV follow this order.
+constexpr double kTableBudgets[] = {0.0, 0.02, 0.05};
+constexpr const char* kTableBudgetNames[] = {"0", "002", "005"};
+constexpr int kNumTableBudgets = 3;
+
+// One decode step's labels for every KV head of one layer (ALGORITHMS.md §2.4.2).
+struct HeadLabels {
+  // [kv_head][budget]: ||W_O^h (o_h - ô_h(b))|| / ||sum_h' W_O^h' o_h'|| with o, ô the
+  // sink-free partial outputs (attention renormalised over everything after the sinks), as the
+  // spec defines e_h(b); and the same after merging the sinks back in (the error that reaches
+  // the residual stream), for comparison.
+  std::vector<std::array<double, kNumTableBudgets>> err, err_merged;
+  std::vector<double> contribution;  // [kv_head]: c_h of the sink-free outputs
+  std::vector<int64_t> middle_rows;  // [budget]: middle rows the budget leaves at this context
+};
+
+// ||W_O[:, cols] x|| for the column slice [col0, col0 + x.size()) of w ([rows][cols]).
+double SliceNorm(const std::vector<float>& w, int64_t rows, int64_t cols, int64_t col0,
+                 const std::vector<double>& x) {
+  double sum = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* wr = &w[r * cols + col0];
+    double y = 0;
+    for (size_t c = 0; c < x.size(); ++c) y += wr[c] * x[c];
+    sum += y * y;
+  }
+  return std::sqrt(sum);
+}
+
+double Norm(const std::vector<double>& y) {
+  double sum = 0;
+  for (double v : y) sum += v * v;
+  return std::sqrt(sum);
+}
+
+// Merges two partial attention states of one query head (natural-base LSEs) into `out`.
+void MergeInto(const float* o1, float lse1, const float* o2, float lse2, int64_t d,
+               std::vector<double>* out) {
+  const double m = std::max(lse1, lse2);
+  const double w1 = std::isinf(lse1) ? 0.0 : std::exp(lse1 - m);
+  const double w2 = std::isinf(lse2) ? 0.0 : std::exp(lse2 - m);
+  const double z = w1 + w2;
+  for (int64_t i = 0; i < d; ++i) out->push_back(z > 0 ? (w1 * o1[i] + w2 * o2[i]) / z : 0.0);
+}
+
+// Labels of every KV head of the replayed layer (layer 0 of `kv`) at one step with context
+// `ctx`: exact top-k of the middle region by the group's largest logit within each budget,
+// sinks and local window always attended.
+HeadLabels ComputeHeadLabels(const decode::PagedKv& kv, const std::vector<float>& w_o,
+                             int64_t hidden, int64_t hq, int64_t hkv, int64_t d, float scale,
+                             const float* q_row, int64_t ctx) {
+  const int64_t group = hq / hkv, hd = group * d;
+  decode::sparse::PolicyConfig config;  // default sinks and window, as every policy uses
+  HeadLabels labels;
+  labels.err.resize(hkv);
+  labels.err_merged.resize(hkv);
+  // Outputs per budget, [budget][hq * d], sink-free and merged; and the exact ones.
+  std::vector<std::vector<double>> sparse(kNumTableBudgets), sparse_merged(kNumTableBudgets);
+  std::vector<double> exact, exact_merged;
+  std::vector<float> sink_out(hd), sink_lse(group), out(hd), lse(group);
+  std::vector<kernels::PageSpan> spans;
+  std::vector<float> scores;
+  std::vector<int32_t> picked;
+  for (int64_t h = 0; h < hkv; ++h) {
+    const int kvh = static_cast<int>(h);
+    const kernels::DecodeQuery q{q_row + h * hd, group, scale};
+    config.budget = 0;
+    const decode::sparse::Regions r0 = decode::sparse::SplitContext(config, ctx);
+    spans.clear();
+    decode::sparse::AppendTokenRange(kv, 0, kvh, 0, r0.sink_end, &spans);
+    if (spans.empty()) {
+      std::fill(sink_lse.begin(), sink_lse.end(), -std::numeric_limits<float>::infinity());
+    } else {
+      kernels::cpu::PagedAttention(kv.view(), spans.data(), spans.size(), q,
+                                   {sink_out.data(), sink_lse.data()});
+    }
+    spans.clear();
+    decode::sparse::AppendTokenRange(kv, 0, kvh, r0.sink_end, ctx, &spans);
+    kernels::cpu::PagedAttention(kv.view(), spans.data(), spans.size(), q,
+                                 {out.data(), lse.data()});
+    exact.insert(exact.end(), out.begin(), out.end());
+    for (int64_t g = 0; g < group; ++g) {
+      MergeInto(&sink_out[g * d], sink_lse[g], &out[g * d], lse[g], d, &exact_merged);
+    }
+    // The middle's scores once; each budget takes its top rows of them.
+    const int64_t n = r0.local_begin - r0.sink_end;
+    if (n > 0) {
+      spans.clear();
+      decode::sparse::AppendTokenRange(kv, 0, kvh, r0.sink_end, r0.local_begin, &spans);
+      scores.resize(n);
+      kernels::cpu::MaxGroupScores(kv.view(), spans.data(), spans.size(), q.q, group,
+                                   scores.data());
+    }
+    for (int b = 0; b < kNumTableBudgets; ++b) {
+      config.budget = kTableBudgets[b];
+      const decode::sparse::Regions r = decode::sparse::SplitContext(config, ctx);
+      if (h == 0) labels.middle_rows.push_back(r.middle_rows_budget);
+      spans.clear();
+      if (r.middle_rows_budget > 0 && n > 0) {
+        kernels::cpu::TopKIndices(scores.data(), n, r.middle_rows_budget, &picked);
+        std::sort(picked.begin(), picked.end());
+        for (int32_t& i : picked) i += static_cast<int32_t>(r.sink_end);
+        decode::sparse::AppendPositions(kv, 0, kvh, picked, &spans);
+      }
+      decode::sparse::AppendTokenRange(kv, 0, kvh, r.local_begin, ctx, &spans);
+      kernels::cpu::PagedAttention(kv.view(), spans.data(), spans.size(), q,
+                                   {out.data(), lse.data()});
+      sparse[b].insert(sparse[b].end(), out.begin(), out.end());
+      for (int64_t g = 0; g < group; ++g) {
+        MergeInto(&sink_out[g * d], sink_lse[g], &out[g * d], lse[g], d, &sparse_merged[b]);
+      }
+    }
+  }
+  auto as_float = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
+  const double total = Norm(Project(w_o, hidden, hq * d, as_float(exact)));
+  const double total_merged = Norm(Project(w_o, hidden, hq * d, as_float(exact_merged)));
+  std::vector<double> slice(hd);
+  double contribution_sum = 0;
+  for (int64_t h = 0; h < hkv; ++h) {
+    std::copy(exact.begin() + h * hd, exact.begin() + (h + 1) * hd, slice.begin());
+    labels.contribution.push_back(SliceNorm(w_o, hidden, hq * d, h * hd, slice));
+    contribution_sum += labels.contribution.back();
+    for (int b = 0; b < kNumTableBudgets; ++b) {
+      for (int64_t i = 0; i < hd; ++i) slice[i] = exact[h * hd + i] - sparse[b][h * hd + i];
+      labels.err[h][b] = SliceNorm(w_o, hidden, hq * d, h * hd, slice) / std::max(total, 1e-30);
+      for (int64_t i = 0; i < hd; ++i) {
+        slice[i] = exact_merged[h * hd + i] - sparse_merged[b][h * hd + i];
+      }
+      labels.err_merged[h][b] =
+          SliceNorm(w_o, hidden, hq * d, h * hd, slice) / std::max(total_merged, 1e-30);
+    }
+  }
+  for (double& c : labels.contribution) c /= std::max(contribution_sum, 1e-30);
+  return labels;
+}
+
+std::string HeadTableHeader() {
+  std::string h =
+      "sample,task,context,seed,step,position,layer,num_layers,kv_head,middle_share,"
+      "need_fraction,sink_mass,local_mass,entropy,layer_frac,contribution";
+  for (const char* b : kTableBudgetNames) absl::StrAppend(&h, ",e_", b);
+  for (const char* b : kTableBudgetNames) absl::StrAppend(&h, ",e_merged_", b);
+  for (const char* b : kTableBudgetNames) absl::StrAppend(&h, ",middle_rows_", b);
+  return h + "\n";
+}
+
 }  // namespace
 
 absl::StatusOr<nlohmann::json> EvalCapturedAttention(
     const std::string& capture_dir, const std::string& model_dir_flag,
-    const std::vector<decode::sparse::PolicyConfig>& configs) {
+    const std::vector<decode::sparse::PolicyConfig>& configs, const std::string& head_table_csv) {
   std::ifstream in(capture_dir + "/index.json");
   if (!in) return absl::NotFoundError(absl::StrCat("no index.json in ", capture_dir));
   nlohmann::json index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -67,6 +219,13 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
     FLUXION_ASSIGN_OR_RETURN(w_o[l], model::ReadAsFloat(*t, {hidden, hq * d}));
   }
 
+  std::ofstream table;
+  if (!head_table_csv.empty()) {
+    table.open(head_table_csv);
+    if (!table) return absl::InternalError(absl::StrCat("cannot write ", head_table_csv));
+    table << HeadTableHeader();
+  }
+  int64_t table_rows = 0;
   // Totals per (task, policy) and over everything per policy.
   std::map<std::pair<std::string, size_t>, Metrics> per_task;
   std::map<std::string, int64_t> task_context;
@@ -144,6 +303,26 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
                                        {qr + h * group * d, group, scale},
                                        {&full[h * group * d], &full_lse[h * group]});
         }
+        if (table.is_open()) {
+          const HeadLabels labels =
+              ComputeHeadLabels(*kv, w_o[l], hidden, hq, hkv, d, scale, qr, ctx);
+          for (int64_t h = 0; h < hkv; ++h) {
+            const model::HeadSparseState& f = state.head(0, static_cast<int>(h));
+            table << sample.value("dir", std::string()) << ',' << task << ','
+                  << task_context[task] << ',' << sample.value("seed", uint64_t{0}) << ',' << r
+                  << ',' << ctx - 1 << ',' << l << ',' << layers << ',' << h << ','
+                  << f.middle_share << ',' << f.need_fraction << ',' << f.sink_mass << ','
+                  << f.local_mass << ',' << f.entropy << ','
+                  << static_cast<double>(l) / static_cast<double>(layers) << ','
+                  << labels.contribution[h];
+            for (double e : labels.err[h]) table << ',' << e;
+            for (double e : labels.err_merged[h]) table << ',' << e;
+            for (int64_t m : labels.middle_rows) table << ',' << m;
+            table << '\n';
+            ++table_rows;
+          }
+        }
+        if (configs.empty()) continue;
         const std::vector<double> y_full = Project(w_o[l], hidden, hq * d, full);
         for (size_t p = 0; p < configs.size(); ++p) {
           Metrics step;
@@ -170,7 +349,15 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
         capture_dir, " holds no sample with prompt K/V and a `full` decode: capture with ",
         "`fluxion eval tasks --policy full --capture-dir DIR` and prompts within --capture-kv-max"));
   }
+  if (table.is_open()) {
+    table.close();
+    if (!table) return absl::InternalError(absl::StrCat("writing ", head_table_csv, " failed"));
+    std::printf("wrote %lld head-table rows from %lld samples to %s\n",
+                static_cast<long long>(table_rows), static_cast<long long>(samples_used),
+                head_table_csv.c_str());
+  }
   nlohmann::json results = nlohmann::json::array();
+  if (configs.empty()) return results;
   PrintQualityHeader("task (captured)");
   for (const auto& [key, m] : per_task) {
     const auto& [task, p] = key;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "common/flag_set.h"
 #include "decode/kv_arena.h"
+#include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -43,6 +44,11 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
                "host pages: " + absl::StrJoin(sparse::PolicyNames(), ", "));
   flags.Double("budget", &budget, "fraction of context rows a sparse policy reads");
   flags.Int("page-tokens", &page_tokens, "tokens per host KV page for sparse policies");
+  std::string predictor_flag;
+  flags.String("fluxion-predictor", &predictor_flag,
+               "head-property predictor for the `fluxion` policy (JSON from "
+               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "present; `none`: the rule-based fallback");
   flags.Require("model");
   flags.Require("prompt-ids");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
@@ -51,6 +57,14 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   if (!policy_config.ok()) {
     std::cerr << "error: " << policy_config.status().message() << "\n";
     return 2;
+  }
+  if (policy == "fluxion") {
+    auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
+    if (!predictor.ok()) {
+      std::cerr << "error: " << predictor.status().message() << "\n";
+      return 1;
+    }
+    policy_config->fluxion_predictor = *predictor;
   }
   kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);

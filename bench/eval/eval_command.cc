@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <iostream>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/bench_util.h"
@@ -12,6 +14,7 @@
 #include "bench/eval/tasks.h"
 #include "bench/attention_eval.h"
 #include "common/flag_set.h"
+#include "decode/sparse/fluxion_predictor.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
@@ -94,14 +97,14 @@ int RunEvalCommand(const std::vector<std::string>& args) {
 }
 
 int RunEvalTasksCommand(const std::vector<std::string>& args) {
-  std::string model_dir, json_path, capture_dir;
+  std::string model_dir, json_path, capture_dir, predictor_flag;
   std::vector<std::string> tasks = TaskNames();
   std::vector<std::string> policies = {"full"};
   std::vector<double> budgets = {0.05};
   std::vector<int64_t> contexts = {1024, 4096};
   int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), threads = 0,
           max_new_tokens = 0, capture_kv_max = 8192;
-  bool show = false;
+  bool show = false, calibration = false;
   FlagSet flags("fluxion eval tasks",
                 "Runs the long-context tasks of docs/TASKS.md through the CPU engine: one "
                 "full-attention prefill per sample, a greedy decode per attention policy, exact-"
@@ -119,6 +122,15 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   flags.Int("max-new-tokens", &max_new_tokens,
             "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
   flags.String("json", &json_path, "also write results to this file (docs/BENCHMARKS.md format)");
+  flags.String("fluxion-predictor", &predictor_flag,
+               "head-property predictor for the `fluxion` policy (JSON from "
+               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "present; `none`: the rule-based fallback (what `fluxion_rules` always uses)");
+  flags.Bool("calibration", &calibration,
+             absl::StrCat("use calibration seeds (", kFirstCalibrationSeed, "-",
+                          kFirstCalibrationSeed + kCalibrationSeeds - 1,
+                          ", docs/TASKS.md) instead of evaluation seeds: for fitting offline "
+                          "predictors, never for reported accuracy"));
   flags.Bool("show", &show, "print each sample's question tail, expected and generated answers");
   flags.String("capture-dir", &capture_dir,
                "write queries, K/V and attention statistics of every sample here (.npy + "
@@ -126,7 +138,10 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   flags.Int("capture-kv-max", &capture_kv_max,
             "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
   flags.Require("model");
+  const bool seed_given = absl::c_any_of(
+      args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (calibration && !seed_given) seed = static_cast<int64_t>(kFirstCalibrationSeed);
 
   TaskEvalOptions options;
   options.tasks = tasks;
@@ -140,9 +155,15 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   options.model_name = model_dir;
   // Usage errors (exit 2) are found before the model is loaded.
   std::string usage_error;
-  if (seed < static_cast<int64_t>(kFirstEvalSeed)) {
-    usage_error = absl::StrCat("--seed ", seed, " is in the training range; evaluation seeds ",
-                               "are >= ", kFirstEvalSeed, " (docs/TASKS.md)");
+  if (calibration && (!IsCalibrationSeed(static_cast<uint64_t>(seed)) ||
+                      !IsCalibrationSeed(static_cast<uint64_t>(seed + samples - 1)))) {
+    usage_error = absl::StrCat("--calibration: seeds ", seed, "-", seed + samples - 1,
+                               " leave the calibration range ", kFirstCalibrationSeed, "-",
+                               kFirstCalibrationSeed + kCalibrationSeeds - 1, " (docs/TASKS.md)");
+  } else if (!calibration && seed < static_cast<int64_t>(kFirstEvalSeed)) {
+    usage_error = absl::StrCat("--seed ", seed, " is not an evaluation seed; evaluation seeds ",
+                               "are >= ", kFirstEvalSeed, " (calibration runs: --calibration; ",
+                               "docs/TASKS.md)");
   } else if (samples < 1) {
     usage_error = "--samples must be >= 1";
   } else if (max_new_tokens < 0) {
@@ -165,6 +186,15 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << usage_error << "\n";
     return 2;
   }
+
+  auto predictor = decode::sparse::ResolvePredictor(predictor_flag, model_dir);
+  if (!predictor.ok()) {
+    std::cerr << "error: " << predictor.status().message() << "\n";
+    return 1;
+  }
+  options.fluxion_predictor = *predictor;
+  std::cerr << "fluxion policy: "
+            << (*predictor ? "trained head-property predictor" : "rule-based fallback") << "\n";
 
   kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);
@@ -230,6 +260,8 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                       {"delta_ci_high", r.delta_high},
                       {"threads", kernels::cpu::NumThreads()},
                       {"seed", seed},
+                      {"calibration", calibration},
+                      {"fluxion_predictor", *predictor != nullptr},
                       {"model", model_dir}});
     }
     nlohmann::json doc = bench::ResultEnvelope(bench::JoinCommand("fluxion eval tasks", args),

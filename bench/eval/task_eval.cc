@@ -213,8 +213,10 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
-    const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state) {
+    const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor) {
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
+  config.fluxion_predictor = std::move(predictor);
   if (label == "full") {
     // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
     return std::unique_ptr<model::SequenceAttention>(
@@ -366,7 +368,8 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> decode_attention,
                                    MakePolicyAttention(po.policy, *prefilled, shape, arena.get(),
                                                        needs_sparse_state ? &sparse_state
-                                                                          : nullptr));
+                                                                          : nullptr,
+                                                       options.fluxion_predictor));
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
             CaptureOptions c;

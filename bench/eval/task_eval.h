@@ -23,6 +23,7 @@
 #include "absl/types/span.h"
 #include "bench/eval/tasks.h"
 #include "decode/kv_arena.h"
+#include "decode/sparse/fluxion_predictor.h"
 #include "model/attention.h"
 #include "model/dense_attention.h"
 #include "model/model.h"
@@ -50,10 +51,12 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 // `prefilled` of shape `shape` (copied, not kept). Sparse policies take pages from `arena`, which
 // must outlive the result.
 // `state` (optional) is the prefill's sparse state, captured once per sample and shared.
+// `predictor` (optional) is the trained head-property predictor the `fluxion` policy uses.
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena,
-    const model::SparseState* state = nullptr);
+    const model::SparseState* state = nullptr,
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr);
 
 // Fraction of context rows a decode attention read (1 for `full`).
 double AttendedFraction(const model::SequenceAttention& attention);
@@ -89,6 +92,8 @@ struct TaskEvalOptions {
   int64_t capture_kv_max = 8192;    // prompt K/V are written only for prompts up to this length
   int64_t capture_prompt_rows = 64;  // query rows of the last this-many prompt positions
   std::string model_name;            // recorded in the capture index
+  // For the `fluxion` policy: its trained predictor; null -> the rule-based fallback.
+  std::shared_ptr<const decode::sparse::FluxionPredictor> fluxion_predictor;
 };
 
 struct PolicyOutcome {

@@ -351,10 +351,11 @@ absl::StatusOr<TaskSample> MakeTaskSample(const std::string& task, int64_t conte
     return absl::InvalidArgumentError(absl::StrCat("unknown task '", task, "'; valid tasks: ",
                                                    absl::StrJoin(TaskNames(), ", ")));
   }
-  if (seed < kFirstEvalSeed) {
+  if (seed < kFirstEvalSeed && !IsCalibrationSeed(seed)) {
     return absl::InvalidArgumentError(
         absl::StrCat("seed ", seed, " is a training seed; evaluation seeds start at ",
-                     kFirstEvalSeed, " (docs/TASKS.md)"));
+                     kFirstEvalSeed, ", calibration seeds are ", kFirstCalibrationSeed, "-",
+                     kFirstCalibrationSeed + kCalibrationSeeds - 1, " (docs/TASKS.md)"));
   }
   if (context_tokens <= 0) {
     return absl::InvalidArgumentError(

@@ -23,6 +23,18 @@ namespace fluxion::eval {
 // prompt is ever a training prompt. MakeTaskSample enforces it.
 inline constexpr uint64_t kFirstEvalSeed = 1000000;
 
+// Calibration seeds (docs/TASKS.md): [kFirstCalibrationSeed, kFirstCalibrationSeed +
+// kCalibrationSeeds), below every evaluation seed and far above the training steps' seeds (the
+// Python generators used step indices < 20,000). Offline predictors (tools/fluxion_predictor) are
+// fitted on these only, so no evaluation prompt is ever a calibration prompt.
+inline constexpr uint64_t kFirstCalibrationSeed = 500000;
+inline constexpr uint64_t kCalibrationSeeds = 1000;
+
+// True for a seed of the calibration range.
+inline bool IsCalibrationSeed(uint64_t seed) {
+  return seed >= kFirstCalibrationSeed && seed < kFirstCalibrationSeed + kCalibrationSeeds;
+}
+
 struct TaskSample {
   std::string task;
   int64_t context = 0;  // the requested context length L
@@ -42,7 +54,7 @@ const std::vector<std::string>& TaskNames();
 
 // One evaluation prompt of `task` whose token count lies in [0.9 context_tokens, context_tokens].
 // InvalidArgument: an unknown task (the message lists the valid names), a seed below
-// kFirstEvalSeed, or a context too short to hold the task's items and question.
+// kFirstEvalSeed outside the calibration range, or a context too short to hold the task's items and question.
 absl::StatusOr<TaskSample> MakeTaskSample(const std::string& task, int64_t context_tokens,
                                           uint64_t seed);
 

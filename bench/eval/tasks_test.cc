@@ -386,6 +386,14 @@ TEST(TasksTest, RejectsTrainingSeedsBelowOneMillion) {
   EXPECT_TRUE(MakeTaskSample("niah_single", 1024, kFirstEvalSeed).ok());
 }
 
+TEST(TasksTest, AcceptsOnlyTheCalibrationRangeBelowTheEvaluationSeeds) {
+  EXPECT_TRUE(MakeTaskSample("vt", 1024, kFirstCalibrationSeed).ok());
+  EXPECT_TRUE(MakeTaskSample("vt", 1024, kFirstCalibrationSeed + kCalibrationSeeds - 1).ok());
+  EXPECT_FALSE(MakeTaskSample("vt", 1024, kFirstCalibrationSeed - 1).ok());
+  EXPECT_FALSE(MakeTaskSample("vt", 1024, kFirstCalibrationSeed + kCalibrationSeeds).ok());
+  EXPECT_LT(kFirstCalibrationSeed + kCalibrationSeeds, kFirstEvalSeed);
+}
+
 TEST(TasksTest, UnknownTaskErrorListsTheValidNames) {
   absl::StatusOr<TaskSample> s = MakeTaskSample("niah", 1024, kFirstEvalSeed);
   ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);

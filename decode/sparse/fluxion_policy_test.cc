@@ -39,7 +39,7 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
   auto state = model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
   ASSERT_TRUE(state.ok()) << state.status();
   PolicyConfig config = *ParsePolicy("fluxion", 0.1);
-  FluxionPolicy policy(config);
+  FluxionPolicy policy(config, nullptr);
   for (int h = 0; h < 2; ++h) {
     ASSERT_TRUE(policy.Prepare(*kv, 0, h, &state->head(0, h)).ok());
   }

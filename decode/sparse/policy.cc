@@ -106,7 +106,8 @@ class QuestPolicy : public SparsePolicy {
 }  // namespace
 
 std::vector<std::string> PolicyNames() {
-  return {"full", "exact_topk", "quest", "lfps", "lfps_paper", "fluxion", "fixed_<block>_<budget>"};
+  return {"full",    "exact_topk",    "quest",         "lfps",
+          "lfps_paper", "fluxion", "fluxion_rules", "fixed_<block>_<budget>"};
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
@@ -126,7 +127,7 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
   } else if (name == "full") {
     c.budget = 1.0;
   } else if (name != "exact_topk" && name != "quest" && name != "lfps" && name != "lfps_paper" &&
-             name != "fluxion") {
+             name != "fluxion" && name != "fluxion_rules") {
     return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
                                                    absl::StrJoin(PolicyNames(), ", ")));
   }
@@ -159,7 +160,10 @@ std::string PolicyLabel(const PolicyConfig& config) {
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
   if (config.name == "full") return std::make_unique<FullPolicy>();
   if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);
-  if (config.name == "fluxion") return std::make_unique<FluxionPolicy>(config);
+  if (config.name == "fluxion") {
+    return std::make_unique<FluxionPolicy>(config, config.fluxion_predictor);
+  }
+  if (config.name == "fluxion_rules") return std::make_unique<FluxionPolicy>(config, nullptr);
   if (config.name == "lfps" || config.name == "lfps_paper") {
     return std::make_unique<LfpsPolicy>(config, LfpsParams{}, config.name == "lfps_paper");
   }

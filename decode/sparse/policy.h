@@ -23,12 +23,18 @@
 
 namespace fluxion::decode::sparse {
 
+class FluxionPredictor;  // decode/sparse/fluxion_predictor.h
+
 struct PolicyConfig {
-  std::string name = "full";  // full, exact_topk, quest, lfps, lfps_paper, fixed_<block>_<budget>
+  // full, exact_topk, quest, lfps, lfps_paper, fluxion, fluxion_rules, fixed_<block>_<budget>
+  std::string name = "full";
   double budget = 1.0;        // fraction of context tokens attended; 1 for `full`
   int64_t sink_tokens = 4;
   int64_t local_tokens = 64;
   int64_t block_tokens = 16;  // selection granularity of block policies (multiple of page size)
+  // `fluxion` only: the trained head-property predictor; null -> the rule-based fallback (which
+  // `fluxion_rules` always uses). Shared, immutable.
+  std::shared_ptr<const FluxionPredictor> fluxion_predictor;
 };
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
