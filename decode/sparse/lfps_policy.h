@@ -90,6 +90,7 @@ class LfpsPolicy : public SparsePolicy {
   std::vector<float> scores_, scratch_;
   std::vector<int32_t> picked_, scratch_picked_;
   std::vector<char> mark_;
+  std::vector<double> kq_;  // [head_dim]: summed key outer products times q (bypass estimate)
 };
 
 }  // namespace fluxion::decode::sparse
