@@ -28,7 +28,7 @@ import numpy as np
 
 FEATURES = ["middle_share", "need_fraction", "sink_mass", "local_mass", "entropy", "layer_frac"]
 TIERS = [0.02, 0.05]
-LAMBDAS = [1e-3, 1e-2, 1e-1, 1.0, 10.0]
+LAMBDAS = [1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
 
 
 def load(paths):
@@ -87,8 +87,8 @@ def folds_of(samples, k, seed=0):
     return np.array([fold[s] for s in samples])
 
 
-def metrics(y, p):
-    pred = p > 0.5
+def metrics(y, p, threshold=0.5):
+    pred = p > threshold
     tp = int(np.sum(pred & (y == 1)))
     tn = int(np.sum(~pred & (y == 0)))
     fp = int(np.sum(pred & (y == 0)))
@@ -133,6 +133,10 @@ def main():
     ap.add_argument("--out", required=True, help="predictor JSON to write")
     ap.add_argument("--tau", type=float, default=0.02, help="per-head error tolerance")
     ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--threshold", type=float, default=0.5,
+                    help="P(streaming) above which a head is called streaming (validation also "
+                         "reports e_h(0) of the retrieval heads called streaming: what a false "
+                         "positive costs)")
     ap.add_argument("--rules-epsilon", type=float, default=0.85,
                     help="the fallback's streaming rule (middle_share < 1 - epsilon), for comparison")
     args = ap.parse_args()
@@ -178,7 +182,12 @@ def main():
     contexts = sorted(set(h["context"] for h in heads))
     tasks = sorted(set(h["task"] for h in heads))
     seeds = sorted(set(h["seed"] for h in heads))
-    stream_val = metrics(y_stream, p_s)
+    stream_val = metrics(y_stream, p_s, args.threshold)
+    stream_val["threshold"] = args.threshold
+    fp = (p_s > args.threshold) & (y_stream == 0)
+    stream_val["false_pos_e0_mean"] = float(e[fp, 0].mean()) if fp.any() else 0.0
+    stream_val["false_pos_e0_max"] = float(e[fp, 0].max()) if fp.any() else 0.0
+    stream_val["retrieval_e0_median"] = float(np.median(e[y_stream == 0, 0]))
     stream_val["lambda"] = lam_s
     stream_val["log_loss"] = loss_s
     stream_val["rules_fallback"] = metrics(y_stream, rules)
@@ -191,7 +200,7 @@ def main():
         per_context[str(c)] = {
             "heads": int(m.sum()),
             "streaming_share": float(np.mean(y_stream[m])),
-            "streaming_accuracy": metrics(y_stream[m], p_s[m])["accuracy"],
+            "streaming_accuracy": metrics(y_stream[m], p_s[m], args.threshold)["accuracy"],
             "rules_accuracy": metrics(y_stream[m], rules[m])["accuracy"],
             "mean_e": [float(v) for v in e[m].mean(0)],
         }
@@ -202,7 +211,7 @@ def main():
         "mean": [float(v) for v in mean],
         "scale": [float(v) for v in scale],
         "tau": args.tau,
-        "streaming": {"weights": [float(v) for v in w_s], "bias": float(b_s), "threshold": 0.5,
+        "streaming": {"weights": [float(v) for v in w_s], "bias": float(b_s), "threshold": args.threshold,
                       "label": "mean over decode steps of e_h(0) <= tau"},
         "tier": {"weights": [float(v) for v in w_t], "bias": float(b_t), "tiers": TIERS,
                  "label": "retrieval heads: 1 (tier 0.05) when mean e_h(0.02) > tau"},
