@@ -187,6 +187,7 @@ Counter* Registry::AddCounter(const std::string& name, const std::string& help,
                               const Labels& labels) {
   absl::MutexLock lock(&mu_);
   Series& s = GetSeries(name, help, Type::kCounter, labels, nullptr);
+  CHECK(!s.callback) << "counter '" << name << "' is already a callback counter";
   if (s.counter == nullptr) s.counter = std::make_unique<Counter>();
   return s.counter.get();
 }
@@ -215,6 +216,24 @@ void Registry::AddGaugeCallback(const std::string& name, const std::string& help
   s.callback = std::move(read);
 }
 
+void Registry::AddCounterCallback(const std::string& name, const std::string& help,
+                                  const Labels& labels, std::function<double()> read) {
+  absl::MutexLock lock(&mu_);
+  Series& s = GetSeries(name, help, Type::kCounter, labels, nullptr);
+  CHECK(s.counter == nullptr) << "counter '" << name << "' is already a plain counter";
+  s.callback = std::move(read);
+}
+
+void Registry::Remove(const std::string& name, const Labels& labels) {
+  absl::MutexLock lock(&mu_);
+  auto it = families_.find(name);
+  if (it == families_.end()) return;
+  Labels sorted = labels;
+  std::sort(sorted.begin(), sorted.end());
+  it->second.series.erase(RenderLabels(sorted));
+  if (it->second.series.empty()) families_.erase(it);
+}
+
 std::string Registry::Render() const {
   absl::MutexLock lock(&mu_);
   std::string out;
@@ -224,7 +243,8 @@ std::string Registry::Render() const {
     for (const auto& [key, s] : family.series) {
       switch (family.type) {
         case Type::kCounter:
-          absl::StrAppend(&out, name, key, " ", FormatValue(s.counter->value()), "\n");
+          absl::StrAppend(&out, name, key, " ",
+                          FormatValue(s.callback ? s.callback() : s.counter->value()), "\n");
           break;
         case Type::kGauge: {
           double v = s.callback ? s.callback() : s.gauge->value();

@@ -116,6 +116,13 @@ class Registry {
   // that already counts them). Registering the same name and labels again replaces the callback.
   void AddGaugeCallback(const std::string& name, const std::string& help, const Labels& labels,
                         std::function<double()> read);
+  // A counter read at scrape time from a count something else already keeps (a service's plain
+  // metrics struct). `read` must never decrease. Same replacement rule as AddGaugeCallback.
+  void AddCounterCallback(const std::string& name, const std::string& help, const Labels& labels,
+                          std::function<double()> read);
+  // Removes the series (name, labels), if any; a family left without series is no longer
+  // rendered. For callbacks whose objects are about to be destroyed (a service shutting down).
+  void Remove(const std::string& name, const Labels& labels = {});
 
   // The whole registry in the Prometheus text format, families sorted by name.
   std::string Render() const;

@@ -11,6 +11,7 @@ namespace fluxion::metrics {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 TEST(MetricsTest, CounterRendersHelpTypeAndLabelledSeries) {
   Registry registry;
@@ -71,6 +72,30 @@ TEST(MetricsTest, GaugeCallbackIsReadAtRenderTime) {
   EXPECT_THAT(registry.Render(), HasSubstr("pages_free 5\n"));
   pages = 9;
   EXPECT_THAT(registry.Render(), HasSubstr("pages_free 9\n"));
+}
+
+TEST(MetricsTest, CounterCallbackIsReadAtRenderTimeAsACounter) {
+  Registry registry;
+  uint64_t sent = 3;
+  registry.AddCounterCallback("bytes_total", "Bytes.", {{"direction", "sent"}},
+                              [&] { return static_cast<double>(sent); });
+  EXPECT_THAT(registry.Render(), HasSubstr("# TYPE bytes_total counter\n"));
+  EXPECT_THAT(registry.Render(), HasSubstr("bytes_total{direction=\"sent\"} 3\n"));
+  sent = 70;
+  EXPECT_THAT(registry.Render(), HasSubstr("bytes_total{direction=\"sent\"} 70\n"));
+}
+
+TEST(MetricsTest, RemoveDropsTheSeriesAndAnEmptyFamily) {
+  Registry registry;
+  registry.AddGaugeCallback("free", "Free.", {{"a", "1"}}, [] { return 1.0; });
+  registry.AddGaugeCallback("free", "Free.", {{"a", "2"}}, [] { return 2.0; });
+  registry.Remove("free", {{"a", "1"}});
+  std::string text = registry.Render();
+  EXPECT_THAT(text, Not(HasSubstr("free{a=\"1\"}")));
+  EXPECT_THAT(text, HasSubstr("free{a=\"2\"} 2\n"));
+  registry.Remove("free", {{"a", "2"}});
+  registry.Remove("never_registered");
+  EXPECT_EQ(registry.Render(), "");
 }
 
 TEST(MetricsTest, ValuesUseShortestRoundTripAndPrometheusSpecials) {
