@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -195,6 +196,150 @@ absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens,
       cpu::RmsNorm(last, final_norm_.data(), eps, normed.data(), 1, h);
       cpu::MatMul(normed.data(), lm_head, nullptr, logits->data(), 1, vocab, h, false);
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
+                                 absl::Span<const absl::Span<const int32_t>> tokens,
+                                 std::vector<std::vector<float>>* logits,
+                                 std::vector<absl::Status>* statuses) const {
+  const size_t b = seqs.size();
+  if (b == 0) return absl::InvalidArgumentError("ForwardBatch needs at least one sequence");
+  if (tokens.size() != b) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch got ", b, " sequences but ",
+                                                   tokens.size(), " token lists"));
+  }
+  std::set<const Sequence*> seen;
+  for (size_t i = 0; i < b; ++i) {
+    if (seqs[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    if (!seen.insert(seqs[i]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is listed twice"));
+    }
+    if (tokens[i].empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, ": Forward needs at least one token"));
+    }
+    for (size_t j = 0; j < tokens[i].size(); ++j) {
+      const int32_t t = tokens[i][j];
+      if (t < 0 || t >= config_.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", i, ": token id ", t, " at index ", j,
+                         " is outside the vocabulary [0, ", config_.vocab_size, ")"));
+      }
+    }
+  }
+  const int64_t h = config_.hidden_size, d = config_.head_dim, f = config_.intermediate_size;
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, vocab = config_.vocab_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const float* lm_head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+  logits->assign(b, {});
+  statuses->assign(b, absl::OkStatus());
+
+  int64_t max_rows = 0;
+  for (size_t i = 0; i < b; ++i) {
+    max_rows += std::min<int64_t>(static_cast<int64_t>(tokens[i].size()), kPrefillChunk);
+  }
+  std::vector<float> x(max_rows * h), normed(max_rows * h), q(max_rows * hq * d),
+      k(max_rows * hkv * d), v(max_rows * hkv * d), attn(max_rows * hq * d), gate(max_rows * f),
+      up(max_rows * f), head_logits;
+  std::vector<int64_t> positions(max_rows);
+  std::vector<int64_t> done(b, 0);  // tokens of each sequence already run
+  std::vector<size_t> active(b);
+  for (size_t i = 0; i < b; ++i) active[i] = i;
+
+  // One part per sequence in a step: its rows [row0, row0 + n) of the stacked activations.
+  struct Part {
+    size_t seq;
+    int64_t row0, n, pos0;
+  };
+  while (!active.empty()) {
+    std::vector<Part> parts;
+    int64_t rows = 0;
+    for (size_t i : active) {
+      const int64_t n =
+          std::min<int64_t>(kPrefillChunk, static_cast<int64_t>(tokens[i].size()) - done[i]);
+      parts.push_back({i, rows, n, seqs[i]->length_});
+      for (int64_t r = 0; r < n; ++r) {
+        std::copy_n(embed_.data() + int64_t{tokens[i][done[i] + r]} * h, h,
+                    x.data() + (rows + r) * h);
+        positions[rows + r] = seqs[i]->length_ + r;
+      }
+      rows += n;
+    }
+    for (int64_t l = 0; l < config_.num_layers && rows > 0; ++l) {
+      const LayerWeights& lw = layers_[l];
+      cpu::RmsNorm(x.data(), lw.input_norm.data(), eps, normed.data(), rows, h);
+      Linear(lw.q, normed.data(), q.data(), rows, false);
+      Linear(lw.k, normed.data(), k.data(), rows, false);
+      Linear(lw.v, normed.data(), v.data(), rows, false);
+      cpu::ApplyRope(q.data(), positions.data(), inv_freq_.data(), rows, hq, d);
+      cpu::ApplyRope(k.data(), positions.data(), inv_freq_.data(), rows, hkv, d);
+      bool dropped = false;
+      for (Part& p : parts) {
+        absl::Status s = seqs[p.seq]->attention_->Forward(
+            static_cast<int>(l), p.pos0, p.n, q.data() + p.row0 * hq * d,
+            k.data() + p.row0 * hkv * d, v.data() + p.row0 * hkv * d,
+            attn.data() + p.row0 * hq * d);
+        if (!s.ok()) {
+          (*statuses)[p.seq] = std::move(s);
+          dropped = true;
+        }
+      }
+      if (dropped) {
+        // Compact the live activations (the residual stream, the attention output and the
+        // positions) over the rows of the dropped sequences; survivors keep their order.
+        std::vector<Part> kept;
+        int64_t at = 0;
+        for (const Part& p : parts) {
+          if (!(*statuses)[p.seq].ok()) continue;
+          if (at != p.row0) {
+            std::memmove(x.data() + at * h, x.data() + p.row0 * h, p.n * h * sizeof(float));
+            std::memmove(attn.data() + at * hq * d, attn.data() + p.row0 * hq * d,
+                         p.n * hq * d * sizeof(float));
+            std::memmove(positions.data() + at, positions.data() + p.row0,
+                         p.n * sizeof(int64_t));
+          }
+          kept.push_back({p.seq, at, p.n, p.pos0});
+          at += p.n;
+        }
+        parts = std::move(kept);
+        rows = at;
+        if (rows == 0) break;
+      }
+      Linear(lw.o, attn.data(), x.data(), rows, /*accumulate=*/true);  // residual
+      cpu::RmsNorm(x.data(), lw.post_attention_norm.data(), eps, normed.data(), rows, h);
+      Linear(lw.gate, normed.data(), gate.data(), rows, false);
+      Linear(lw.up, normed.data(), up.data(), rows, false);
+      cpu::SiluMul(gate.data(), up.data(), gate.data(), rows * f);
+      Linear(lw.down, gate.data(), x.data(), rows, /*accumulate=*/true);  // residual
+    }
+    // The LM head over the last rows of the sequences that end in this step, in one product.
+    std::vector<size_t> finishing;
+    int64_t m = 0;
+    for (const Part& p : parts) {
+      seqs[p.seq]->length_ += p.n;
+      done[p.seq] += p.n;
+      if (done[p.seq] == static_cast<int64_t>(tokens[p.seq].size())) {
+        cpu::RmsNorm(x.data() + (p.row0 + p.n - 1) * h, final_norm_.data(), eps,
+                     normed.data() + m * h, 1, h);
+        finishing.push_back(p.seq);
+        ++m;
+      }
+    }
+    if (m > 0) {
+      head_logits.resize(m * vocab);
+      cpu::MatMul(normed.data(), lm_head, nullptr, head_logits.data(), m, vocab, h, false);
+      for (int64_t j = 0; j < m; ++j) {
+        (*logits)[finishing[j]].assign(head_logits.begin() + j * vocab,
+                                       head_logits.begin() + (j + 1) * vocab);
+      }
+    }
+    std::vector<size_t> next;
+    for (const Part& p : parts) {
+      if (done[p.seq] < static_cast<int64_t>(tokens[p.seq].size())) next.push_back(p.seq);
+    }
+    active = std::move(next);
   }
   return absl::OkStatus();
 }

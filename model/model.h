@@ -82,6 +82,24 @@ class Model {
   absl::Status Forward(Sequence& seq, absl::Span<const int32_t> tokens, std::vector<float>* logits,
                        bool all_logits = false) const;
 
+  // Forward over several sequences at once (prefill batching): each step stacks up to 512 rows
+  // of every unfinished sequence, runs every matrix product (QKV, O, gate/up/down, the LM head of
+  // each last row) once over the stacked rows, and RoPE and attention per sequence on its own
+  // positions and cache. Each sequence's results equal Forward() on it alone (up to the GEMM's
+  // blocking: ~1e-6 relative). Writes the last token's logits of sequence i into (*logits)[i].
+  //
+  // An error from a sequence's attention (e.g. an attention that checks for cancellation between
+  // layers) drops that sequence from the batch: its rows leave every later product, its status
+  // goes to (*statuses)[i] (its cache and length are then unspecified, as after a failed
+  // Forward), and the others go on unharmed. (*statuses)[i] is OK for every sequence that
+  // completed. Returns InvalidArgument naming the sequence (and nothing is computed) when the
+  // spans' sizes differ, a sequence is null or listed twice, an input is empty, or an id is
+  // outside the vocabulary.
+  absl::Status ForwardBatch(absl::Span<Sequence* const> seqs,
+                            absl::Span<const absl::Span<const int32_t>> tokens,
+                            std::vector<std::vector<float>>* logits,
+                            std::vector<absl::Status>* statuses) const;
+
  private:
   Model() = default;
   ModelConfig config_;
