@@ -183,19 +183,20 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     std::vector<int64_t> vertical, slash;
     s.tables.vertical().SelectAbove(params_.threshold_a, 2 * k, cap, &vertical);
     s.tables.slash().SelectAbove(params_.threshold_a, 2 * k, cap, &slash);
-    mark_.assign(in.context, 0);
+    // Expanded candidates collected directly and sorted: O(c log c) for c candidates instead of
+    // clearing and scanning a mark array over the whole context every step.
+    std::vector<int32_t>& candidates = candidates_;
+    candidates.clear();
     auto mark = [&](int64_t p) {
       for (int e : kExpand) {
         const int64_t x = p + e;
-        if (x >= r.sink_end && x < r.local_begin) mark_[x] = 1;
+        if (x >= r.sink_end && x < r.local_begin) candidates.push_back(static_cast<int32_t>(x));
       }
     };
     for (int64_t p : vertical) mark(p);
     for (int64_t dist : slash) mark(t - dist);
-    std::vector<int32_t> candidates;
-    for (int64_t x = r.sink_end; x < r.local_begin; ++x) {
-      if (mark_[x]) candidates.push_back(static_cast<int32_t>(x));
-    }
+    std::sort(candidates.begin(), candidates.end());
+    candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
     if (static_cast<int64_t>(candidates.size()) <= k) {
       picked_ = candidates;
     } else {

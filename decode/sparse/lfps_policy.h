@@ -89,7 +89,7 @@ class LfpsPolicy : public SparsePolicy {
   std::vector<kernels::PageSpan> scratch_spans_;
   std::vector<float> scores_, scratch_;
   std::vector<int32_t> picked_, scratch_picked_;
-  std::vector<char> mark_;
+  std::vector<int32_t> candidates_;  // this step's expanded LFPS candidates, sorted
   std::vector<double> kq_;  // [head_dim]: summed key outer products times q (bypass estimate)
 };
 
