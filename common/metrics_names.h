@@ -11,7 +11,7 @@ inline constexpr char kDecodeRequestsRunning[] = "fluxion_decode_requests_runnin
 inline constexpr char kDecodeRequestsWaiting[] = "fluxion_decode_requests_waiting";
 inline constexpr char kDecodeRequestsPrefilling[] = "fluxion_decode_requests_prefilling";
 inline constexpr char kKvCacheUsageRatio[] = "fluxion_kv_cache_usage_ratio";
-inline constexpr char kKvPagesTotal[] = "fluxion_kv_pages_total";
+inline constexpr char kKvPagesCapacity[] = "fluxion_kv_pages_capacity";
 inline constexpr char kKvPagesFree[] = "fluxion_kv_pages_free";
 inline constexpr char kKvPagesQuarantined[] = "fluxion_kv_pages_quarantined";
 inline constexpr char kKvPageTokens[] = "fluxion_kv_page_tokens";
@@ -33,6 +33,7 @@ inline constexpr char kDecodePreemptionsTotal[] = "fluxion_decode_preemptions_to
 inline constexpr char kSparseReadFraction[] = "fluxion_sparse_read_fraction";
 inline constexpr char kSparseBudgetRatio[] = "fluxion_sparse_budget_ratio";
 inline constexpr char kSparseHeadStepsTotal[] = "fluxion_sparse_head_steps_total";
+inline constexpr char kSparseRowsTotal[] = "fluxion_sparse_rows_total";
 
 // KV transfer (both ends).
 inline constexpr char kTransferBytesTotal[] = "fluxion_transfer_bytes_total";
@@ -44,6 +45,7 @@ inline constexpr char kPrefillRequestsQueued[] = "fluxion_prefill_requests_queue
 inline constexpr char kPrefillPromptTokensQueued[] = "fluxion_prefill_prompt_tokens_queued";
 inline constexpr char kPrefillRequestsRunning[] = "fluxion_prefill_requests_running";
 inline constexpr char kPrefillRequestsTotal[] = "fluxion_prefill_requests_total";
+inline constexpr char kPrefillPromptTokensTotal[] = "fluxion_prefill_prompt_tokens_total";
 inline constexpr char kPrefillComputeSeconds[] = "fluxion_prefill_compute_seconds";
 inline constexpr char kPrefillTransferTailSeconds[] = "fluxion_prefill_transfer_tail_seconds";
 

@@ -3,9 +3,22 @@
 #include <algorithm>
 #include <chrono>
 
+#include <ctime>
+
 #include "absl/strings/str_cat.h"
+#include "decode/decode_metrics.h"
 
 namespace fluxion::decode {
+namespace {
+
+// CPU time of the whole process (every thread, the model's worker threads included).
+double ProcessCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+
+}  // namespace
 
 Finish AcceptToken(DecodeRequest& r, int32_t token) {
   r.last_token = token;
@@ -25,6 +38,8 @@ Finish AcceptToken(DecodeRequest& r, int32_t token) {
 
 void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
   const double fraction = r.attention != nullptr ? r.attention->attended_fraction() : 1.0;
+  const sparse::SelectionStats stats =
+      r.attention != nullptr ? r.attention->stats() : sparse::SelectionStats{};
   r.attention = nullptr;
   r.seq.reset();  // returns the request's pages to the arena
   absl::MutexLock lock(&r.mu);
@@ -32,15 +47,18 @@ void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
     r.finish = finish;
     r.error = std::move(error);
     r.read_fraction = fraction;
+    r.sparse_stats = stats;
   }
 }
 
 BatchScheduler::BatchScheduler(const model::Model* model, KvAdmission* admission,
-                               int64_t growth_pages, int64_t page_tokens)
+                               int64_t growth_pages, int64_t page_tokens,
+                               DecodeNodeMetrics* node_metrics)
     : model_(model),
       admission_(admission),
       growth_pages_(growth_pages),
       page_tokens_(page_tokens),
+      node_metrics_(node_metrics),
       thread_([this] { Loop(); }) {}
 
 BatchScheduler::~BatchScheduler() {
@@ -86,6 +104,7 @@ void BatchScheduler::Loop() {
     running_count_ = static_cast<int64_t>(running_.size());
     if (running_.empty()) continue;
     const auto t0 = std::chrono::steady_clock::now();
+    const double cpu0 = node_metrics_ != nullptr ? ProcessCpuSeconds() : 0.0;
     for (size_t i = 0; i < running_.size(); ++i) {
       DecodeRequest& r = *running_[i];
       if (r.seq == nullptr) continue;  // preempted earlier in this step
@@ -105,6 +124,10 @@ void BatchScheduler::Loop() {
           }
           if (victim == nullptr) break;
           ++preempted_;
+          {
+            absl::MutexLock lock(&victim->mu);
+            victim->preempted = true;
+          }
           End(*victim, Finish::kError,
               absl::ResourceExhaustedError(absl::StrCat(
                   "preempted: the KV arena ran out of pages while ", running_.size(),
@@ -138,6 +161,7 @@ void BatchScheduler::Loop() {
     running_count_ = static_cast<int64_t>(running_.size());
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (node_metrics_ != nullptr) node_metrics_->OnStep(ms * 1e-3, ProcessCpuSeconds() - cpu0);
     absl::MutexLock lock(&mu_);
     step_ms_ = step_ms_ == 0 ? ms : 0.9 * step_ms_ + 0.1 * ms;
     last_step_ = absl::Now();

@@ -56,6 +56,8 @@ struct DecodeRequest {
   std::optional<int32_t> matched_stop ABSL_GUARDED_BY(mu);
   uint64_t max_step_us ABSL_GUARDED_BY(mu) = 0;
   double read_fraction ABSL_GUARDED_BY(mu) = 1.0;
+  sparse::SelectionStats sparse_stats ABSL_GUARDED_BY(mu);  // of its decode steps, set at the end
+  bool preempted ABSL_GUARDED_BY(mu) = false;  // ended by the preemption rule
 };
 
 // Records `token` as produced by `r` (into `pending`) and says whether it ends `r`: kStop for a
@@ -68,12 +70,16 @@ Finish AcceptToken(DecodeRequest& r, int32_t token);
 // wins) so that whoever sees `finish != kNone` also sees the pages back in the arena.
 void EndRequest(DecodeRequest& r, Finish finish, absl::Status error);
 
+class DecodeNodeMetrics;  // decode/decode_metrics.h
+
 class BatchScheduler {
  public:
   // `model` and `admission` must outlive the scheduler. `growth_pages`: pages one more token
   // needs when it starts a page (num_layers * num_kv_heads).
+  // `node_metrics` (may be null) gets every step's wall and CPU time; it must outlive the
+  // scheduler.
   BatchScheduler(const model::Model* model, KvAdmission* admission, int64_t growth_pages,
-                 int64_t page_tokens);
+                 int64_t page_tokens, DecodeNodeMetrics* node_metrics = nullptr);
   // Ends every running request with an error (Unavailable: shutting down) and stops the thread.
   ~BatchScheduler();
   BatchScheduler(const BatchScheduler&) = delete;
@@ -95,6 +101,7 @@ class BatchScheduler {
   KvAdmission* const admission_;
   const int64_t growth_pages_;
   const int64_t page_tokens_;
+  DecodeNodeMetrics* const node_metrics_;
 
   mutable absl::Mutex mu_;
   std::vector<std::shared_ptr<DecodeRequest>> joining_ ABSL_GUARDED_BY(mu_);

@@ -68,6 +68,15 @@ DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
 grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,
                                          grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  grpc::Status status = GenerateCall(context, request, writer);
+  if (options_.node_metrics != nullptr) options_.node_metrics->OnRequestDone(status.error_code());
+  return status;
+}
+
+grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
+                                             const v1::GenerateRequest* request,
+                                             grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  DecodeNodeMetrics* const node_metrics = options_.node_metrics;
   const Clock::time_point t_arrival = Clock::now();
   const absl::Time arrival = absl::Now();
   const model::ModelConfig& config = model_->config();
@@ -216,6 +225,11 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
   }
   const Clock::time_point t_admitted = Clock::now();
   timing.set_queue_us(MicrosBetween(t_arrival, t_admitted));
+  {
+    absl::MutexLock lock(&mu_);
+    metrics_.prompt_tokens += static_cast<uint64_t>(n);
+  }
+  if (node_metrics != nullptr) node_metrics->OnAdmitted(timing.queue_us() * 1e-6);
   std::vector<PageRun> kv_runs, state_runs;
   SplitRuns(*reserved, kv_pages, &kv_runs, &state_runs);
 
@@ -272,9 +286,14 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
     }
     if (cancelled()) return end_cancelled();
     count(&DecodeMetrics::finished_error);
+    if (node_metrics != nullptr) node_metrics->OnTransferFailed(outcome.response.status().code());
     return ToGrpcStatus(outcome.response.status());
   }
   const v1::PrefillResponse& landed = *outcome.response;
+  if (node_metrics != nullptr) {
+    node_metrics->OnPrefillLanded(landed.kv_bytes_written() + landed.sparse_state().bytes_written(),
+                                  landed.timing().transfer_us() * 1e-6);
+  }
   timing.set_transfer_us(landed.timing().transfer_us());
   timing.set_prefill_compute_us(landed.timing().compute_us());
   timing.set_transfer_tail_us(landed.timing().transfer_tail_us());
@@ -307,6 +326,7 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
     if (crc != landed.layer_checksums(layer)) {
       admission_->Free(*reserved);
       count(&DecodeMetrics::checksum_failures);
+      if (node_metrics != nullptr) node_metrics->OnChecksumFailure();
       return fail(absl::DataLossError(absl::StrFormat(
           "KV of layer %d landed with CRC-32C %08x but prefill node %s sent %08x; the request "
           "was not decoded (retry it)",
@@ -329,6 +349,7 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
                                             " bytes does not fit the reserved room"));
     } else if (transfer::Crc32c(blob.data(), blob.size()) != landed.sparse_state().checksum()) {
       count(&DecodeMetrics::checksum_failures);
+      if (node_metrics != nullptr) node_metrics->OnChecksumFailure();
       ok = absl::DataLossError("sparse state landed with a wrong CRC-32C; retry the request");
     } else {
       absl::StatusOr<model::SparseState> parsed = model::SparseState::Parse(blob);
@@ -434,12 +455,16 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
   absl::Status error;
   std::optional<int32_t> matched;
   double read_fraction = 1.0;
+  bool preempted = false;
+  sparse::SelectionStats sparse_stats;
   {
     absl::MutexLock lock(&r->mu);
     timing.set_tpot_max_us(r->max_step_us);
     error = r->error;
     matched = r->matched_stop;
     read_fraction = r->read_fraction;
+    preempted = r->preempted;
+    sparse_stats = r->sparse_stats;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -448,8 +473,18 @@ grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
       case Finish::kStop: ++metrics_.finished_stop; break;
       case Finish::kLength: ++metrics_.finished_length; break;
       case Finish::kAbort: ++metrics_.finished_abort; break;
-      default: ++metrics_.finished_error;
+      default: ++(preempted ? metrics_.finished_preempted : metrics_.finished_error);
     }
+  }
+  if (node_metrics != nullptr) {
+    FinishedRequestStats stats;
+    stats.ttft_seconds = sent > 0 ? timing.ttft_us() * 1e-6 : -1;
+    stats.e2e_seconds = MicrosBetween(t_arrival, t_end) * 1e-6;
+    stats.completion_tokens = sent;
+    stats.policy = policy->name;
+    stats.read_fraction = read_fraction;
+    stats.sparse = sparse_stats;
+    node_metrics->OnFinished(stats);
   }
   if (client_gone) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   v1::GenerateResponse msg;
@@ -503,12 +538,7 @@ grpc::Status DecodeServiceImpl::GetLoad(grpc::ServerContext* context,
   const KvArenaCounters c = arena_->counters();
   const model::AttentionShape shape = model_->attention_shape();
   response->set_running_requests(static_cast<uint32_t>(scheduler_->running()));
-  uint32_t prefilling = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, live] : live_) prefilling += live->prefilling.load() ? 1 : 0;
-  }
-  response->set_prefilling_requests(prefilling);
+  response->set_prefilling_requests(static_cast<uint32_t>(prefilling_requests()));
   response->set_waiting_requests(static_cast<uint32_t>(admission_->waiting()));
   response->set_free_kv_pages(c.free);
   response->set_total_kv_pages(c.total);
@@ -527,6 +557,13 @@ grpc::Status DecodeServiceImpl::GetLoad(grpc::ServerContext* context,
 int64_t DecodeServiceImpl::live_requests() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(live_.size());
+}
+
+int64_t DecodeServiceImpl::prefilling_requests() const {
+  absl::MutexLock lock(&mu_);
+  int64_t prefilling = 0;
+  for (const auto& [id, live] : live_) prefilling += live->prefilling.load() ? 1 : 0;
+  return prefilling;
 }
 
 DecodeMetrics DecodeServiceImpl::metrics() const {

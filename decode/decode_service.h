@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "decode/batch_scheduler.h"
+#include "decode/decode_metrics.h"
 #include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "decode/prefill_client.h"
@@ -48,20 +49,24 @@ struct DecodeServiceOptions {
   // ended without a reply). Must exceed the prefill node's --transfer-timeout-ms plus UCX's
   // keepalive for the guarantee to hold between hosts; on one host a dead process writes nothing.
   absl::Duration quarantine_lease = absl::Seconds(30);
+  // Prometheus metrics (decode/decode_metrics.h); null = none. Must outlive the service.
+  DecodeNodeMetrics* node_metrics = nullptr;
 };
 
-// Counters of the service, a plain snapshot (cluster/ exports them).
+// Counters of the service, a plain snapshot (decode/decode_metrics.h exports them).
 struct DecodeMetrics {
   uint64_t requests_started = 0;
   uint64_t finished_stop = 0;
   uint64_t finished_length = 0;
   uint64_t finished_abort = 0;
-  uint64_t finished_error = 0;
+  uint64_t finished_error = 0;      // preempted requests not included
+  uint64_t finished_preempted = 0;
   uint64_t rejected = 0;       // refused before admission (bad arguments, no room)
   uint64_t preempted = 0;
   uint64_t checksum_failures = 0;
   uint64_t quarantined_reservations = 0;
   uint64_t completion_tokens = 0;
+  uint64_t prompt_tokens = 0;  // of admitted requests
   KvArenaCounters pages;
   transfer::TransportMetrics transport;
 };
@@ -89,6 +94,8 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   void SetDraining(bool draining) { draining_ = draining; }
   // Generate calls in progress (any phase).
   int64_t live_requests() const;
+  // Requests whose pages are reserved and whose Prefill call is in flight.
+  int64_t prefilling_requests() const;
 
  private:
   struct Live {
@@ -98,6 +105,10 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
     std::shared_ptr<DecodeRequest> request;  // once it joined the batch
   };
   class Call;  // one Generate call's state machine (decode_service.cc)
+  // Generate without the final-status metric.
+  grpc::Status GenerateCall(grpc::ServerContext* context,
+                            const fluxion::v1::GenerateRequest* request,
+                            grpc::ServerWriter<fluxion::v1::GenerateResponse>* writer);
 
   const model::Model* const model_;
   KvArena* const arena_;

@@ -13,6 +13,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
+#include "common/metrics_http.h"
+#include "decode/decode_metrics.h"
 #include "decode/batch_scheduler.h"
 #include "decode/decode_service.h"
 #include "decode/kv_admission.h"
@@ -29,6 +31,8 @@
 namespace fluxion::decode {
 namespace {
 
+constexpr char kDecodeServiceName[] = "fluxion.v1.DecodeService";
+
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
@@ -36,6 +40,7 @@ void OnSignal(int) { g_stop = true; }
 
 int RunDecodeCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = "0.0.0.0:7002", port_file, node_name, prefill_address;
+  std::string metrics_listen, metrics_port_file;
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
   int64_t threads = 0, page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
@@ -51,6 +56,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
   flags.String("port-file", &port_file, "write the bound port into this file once serving");
   flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
+  flags.String("metrics-listen", &metrics_listen,
+               "HTTP address for Prometheus /metrics, host:port (port 0 picks a free port; "
+               "empty: no endpoint)");
+  flags.String("metrics-port-file", &metrics_port_file,
+               "write the bound /metrics port into this file once serving");
   flags.String("prefill-address", &prefill_address,
                "prefill node (host:port) for requests that name none");
   flags.String("default-policy", &default_policy,
@@ -155,8 +165,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   admission_options.headroom_pages = growth_pages * ((headroom_tokens + page_tokens - 1) / page_tokens);
   admission_options.max_waiting = max_waiting;
   {
+    DecodeMetricsConfig metrics_config;
+    metrics_config.page_tokens = page_tokens;
+    metrics_config.num_layers = shape.num_layers;
+    metrics_config.num_kv_heads = shape.num_kv_heads;
+    metrics_config.default_policy = default_policy;
+    metrics_config.default_budget = default_policy == "full" ? 1.0 : default_budget;
+    DecodeNodeMetrics node_metrics(&metrics::Registry::Default(), metrics_config);
     KvAdmission admission(arena.get(), admission_options);
-    BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens);
+    BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics);
     DecodeServiceOptions options;
     options.prefill_address = prefill_address;
     options.default_policy = default_policy;
@@ -166,6 +183,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);
     options.abort_wait = absl::Milliseconds(abort_wait_ms);
     options.quarantine_lease = absl::Milliseconds(quarantine_ms);
+    options.node_metrics = &node_metrics;
     fluxion::v1::ServerInfo info;
     info.set_role(fluxion::v1::SERVER_ROLE_DECODE);
     info.set_node_name(node_name);
@@ -175,6 +193,18 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
         static_cast<uint32_t>((*model)->config().max_position_embeddings));
     DecodeServiceImpl service(model->get(), arena.get(), &admission, &scheduler, transport->get(),
                               *descriptor, info, options);
+    node_metrics.Attach(&service, &scheduler, &admission, arena.get());
+    // Declared after everything its callbacks read, so it stops serving before they go away.
+    std::unique_ptr<metrics::MetricsHttpServer> metrics_server;
+    if (!metrics_listen.empty()) {
+      auto started = metrics::MetricsHttpServer::Start(metrics_listen, &metrics::Registry::Default());
+      if (!started.ok()) {
+        std::cerr << "error: --metrics-listen " << metrics_listen << ": " << started.status()
+                  << "\n";
+        return 1;
+      }
+      metrics_server = std::move(*started);
+    }
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -185,17 +215,28 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       std::cerr << "error: cannot serve on " << listen << "\n";
       return 1;
     }
+    // Ready: the model is loaded and the arena registered (docs/PROTOCOL.md, Health).
+    server->GetHealthCheckService()->SetServingStatus(kDecodeServiceName, true);
     std::cerr << "fluxion decode " << node_name << " serving on port " << port << ", "
               << kv_pages << " KV pages of " << kv_shape.page_bytes() << " bytes"
-              << (arena->explicit_huge_pages() ? " (huge pages)" : "") << "\n";
-    if (!port_file.empty()) {
-      std::ofstream(port_file + ".tmp") << port << "\n";
-      std::rename((port_file + ".tmp").c_str(), port_file.c_str());
-    }
+              << (arena->explicit_huge_pages() ? " (huge pages)" : "")
+              << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
+              << "\n";
+    // Port files appear whole (write, then rename); the metrics one first, so a reader that sees
+    // the gRPC port file also finds the metrics port.
+    auto write_port = [](const std::string& path, int value) {
+      if (path.empty()) return;
+      std::ofstream(path + ".tmp") << value << "\n";
+      std::rename((path + ".tmp").c_str(), path.c_str());
+    };
+    if (metrics_server) write_port(metrics_port_file, metrics_server->port());
+    write_port(port_file, port);
     std::signal(SIGTERM, OnSignal);
     std::signal(SIGINT, OnSignal);
     while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
-    // Drain: health NOT_SERVING and UNAVAILABLE for new requests, let running ones finish.
+    // Drain: health NOT_SERVING (the service name and "") and UNAVAILABLE for new requests, let
+    // running ones finish.
+    server->GetHealthCheckService()->SetServingStatus(kDecodeServiceName, false);
     server->GetHealthCheckService()->SetServingStatus(false);
     service.SetDraining(true);
     const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
@@ -205,6 +246,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::cerr << "fluxion decode " << node_name << " stopping with " << service.live_requests()
               << " requests still live\n";
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    metrics_server.reset();
+    node_metrics.Detach();
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
+#include "common/metrics_http.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -22,6 +23,8 @@
 
 namespace fluxion::prefill {
 namespace {
+
+constexpr char kPrefillServiceName[] = "fluxion.v1.PrefillService";
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
@@ -36,6 +39,7 @@ std::string DefaultNodeName(const std::string& role) {
 
 int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
+  std::string metrics_listen, metrics_port_file;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
   int64_t drain_timeout_ms = 30000, piece_tokens = 512;
   bool layerwise = true;
@@ -47,6 +51,11 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
   flags.String("port-file", &port_file, "write the bound port into this file once serving");
   flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
+  flags.String("metrics-listen", &metrics_listen,
+               "HTTP address for Prometheus /metrics, host:port (port 0 picks a free port; "
+               "empty: no endpoint)");
+  flags.String("metrics-port-file", &metrics_port_file,
+               "write the bound /metrics port into this file once serving");
   flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
   flags.Bool("layerwise", &layerwise,
@@ -96,7 +105,19 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   *info.mutable_layout() = layout;
   info.set_protocol_version(1);
   info.set_max_context_tokens(static_cast<uint32_t>((*model)->config().max_position_embeddings));
-  PrefillServiceImpl service(&engine, transport->get(), info);
+  PrefillNodeMetrics node_metrics(&metrics::Registry::Default());
+  PrefillServiceImpl service(&engine, transport->get(), info, &node_metrics);
+  node_metrics.Attach(&service);
+  // Declared after everything its callbacks read, so it stops serving before they go away.
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_server;
+  if (!metrics_listen.empty()) {
+    auto started = metrics::MetricsHttpServer::Start(metrics_listen, &metrics::Registry::Default());
+    if (!started.ok()) {
+      std::cerr << "error: --metrics-listen " << metrics_listen << ": " << started.status() << "\n";
+      return 1;
+    }
+    metrics_server = std::move(*started);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -108,14 +129,24 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     std::cerr << "error: cannot serve on " << listen << "\n";
     return 1;
   }
-  std::cerr << "fluxion prefill " << node_name << " serving on port " << port << "\n";
-  if (!port_file.empty()) {
-    std::ofstream(port_file + ".tmp") << port << "\n";
-    std::rename((port_file + ".tmp").c_str(), port_file.c_str());
-  }
+  // Ready: the model is loaded and UCX is up (docs/PROTOCOL.md, Health).
+  server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, true);
+  std::cerr << "fluxion prefill " << node_name << " serving on port " << port
+            << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
+            << "\n";
+  // Port files appear whole (write, then rename); the metrics one first, so a reader that sees
+  // the gRPC port file also finds the metrics port.
+  auto write_port = [](const std::string& path, int value) {
+    if (path.empty()) return;
+    std::ofstream(path + ".tmp") << value << "\n";
+    std::rename((path + ".tmp").c_str(), path.c_str());
+  };
+  if (metrics_server) write_port(metrics_port_file, metrics_server->port());
+  write_port(port_file, port);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+  server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, false);
   server->GetHealthCheckService()->SetServingStatus(false);
   service.SetDraining(true);
   const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
@@ -123,6 +154,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  metrics_server.reset();
+  node_metrics.Detach();
   return 0;
 }
 

@@ -11,12 +11,21 @@ namespace v1 = ::fluxion::v1;
 
 PrefillServiceImpl::PrefillServiceImpl(const PrefillEngine* engine,
                                        const transfer::Transport* transport,
-                                       const v1::ServerInfo& info)
-    : engine_(engine), transport_(transport), info_(info) {}
+                                       const v1::ServerInfo& info,
+                                       PrefillNodeMetrics* node_metrics)
+    : engine_(engine), transport_(transport), info_(info), node_metrics_(node_metrics) {}
 
 grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
                                          const v1::PrefillRequest* request,
                                          v1::PrefillResponse* response) {
+  grpc::Status status = PrefillCall(context, request, response);
+  if (node_metrics_ != nullptr) node_metrics_->OnRequestDone(status.error_code());
+  return status;
+}
+
+grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
+                                             const v1::PrefillRequest* request,
+                                             v1::PrefillResponse* response) {
   const auto t_arrival = std::chrono::steady_clock::now();
   const std::string& id = request->request_id();
   if (id.empty() || id.size() > 128) {
@@ -75,6 +84,7 @@ grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
   timing->set_queue_us(
       std::chrono::duration_cast<std::chrono::microseconds>(t_start - t_arrival).count());
   timing->set_total_us(timing->total_us() + timing->queue_us());
+  if (node_metrics_ != nullptr) node_metrics_->OnComputed(*timing);
   return grpc::Status::OK;
 }
 
@@ -94,19 +104,27 @@ grpc::Status PrefillServiceImpl::Abort(grpc::ServerContext* context,
 grpc::Status PrefillServiceImpl::GetLoad(grpc::ServerContext* context,
                                          const v1::GetLoadRequest* request,
                                          v1::PrefillLoad* response) {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [id, live] : live_) {
-    if (live->running) {
-      response->set_running_requests(response->running_requests() + 1);
-      response->set_running_prompt_tokens(response->running_prompt_tokens() + live->prompt_tokens);
-    } else {
-      response->set_queued_requests(response->queued_requests() + 1);
-      response->set_queued_prompt_tokens(response->queued_prompt_tokens() + live->prompt_tokens);
+  *response = Load();
+  return grpc::Status::OK;
+}
+
+v1::PrefillLoad PrefillServiceImpl::Load() const {
+  v1::PrefillLoad load;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, live] : live_) {
+      if (live->running) {
+        load.set_running_requests(load.running_requests() + 1);
+        load.set_running_prompt_tokens(load.running_prompt_tokens() + live->prompt_tokens);
+      } else {
+        load.set_queued_requests(load.queued_requests() + 1);
+        load.set_queued_prompt_tokens(load.queued_prompt_tokens() + live->prompt_tokens);
+      }
     }
   }
-  response->set_draining(draining_.load());
-  *response->mutable_server() = info_;
-  return grpc::Status::OK;
+  load.set_draining(draining_.load());
+  *load.mutable_server() = info_;
+  return load;
 }
 
 int64_t PrefillServiceImpl::live_requests() const {

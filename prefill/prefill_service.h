@@ -19,11 +19,12 @@
 #include "absl/synchronization/mutex.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "prefill/prefill_engine.h"
+#include "prefill/prefill_metrics.h"
 #include "transfer/transport.h"
 
 namespace fluxion::prefill {
 
-// Counters of the service, a plain snapshot (cluster/ exports them).
+// Counters of the service, a plain snapshot (prefill/prefill_metrics.h exports them).
 struct PrefillMetrics {
   uint64_t requests_ok = 0;
   uint64_t requests_cancelled = 0;
@@ -35,8 +36,11 @@ struct PrefillMetrics {
 class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
  public:
   // `engine` and `transport` must outlive the service. `info` is returned in GetLoad.
+  // `node_metrics` (null: none) gets every call's final status and timings; it must outlive the
+  // service.
   PrefillServiceImpl(const PrefillEngine* engine, const transfer::Transport* transport,
-                     const fluxion::v1::ServerInfo& info);
+                     const fluxion::v1::ServerInfo& info,
+                     PrefillNodeMetrics* node_metrics = nullptr);
 
   grpc::Status Prefill(grpc::ServerContext* context, const fluxion::v1::PrefillRequest* request,
                        fluxion::v1::PrefillResponse* response) override;
@@ -46,12 +50,18 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
                        fluxion::v1::PrefillLoad* response) override;
 
   PrefillMetrics metrics() const;
+  // What GetLoad answers: queued and running calls and their prompt tokens, draining, server.
+  fluxion::v1::PrefillLoad Load() const;
 
   // While draining, new Prefill calls are refused with UNAVAILABLE; running ones finish.
   void SetDraining(bool draining) { draining_ = draining; }
   int64_t live_requests() const;
 
  private:
+  // Prefill without the final-status metric.
+  grpc::Status PrefillCall(grpc::ServerContext* context, const fluxion::v1::PrefillRequest* request,
+                           fluxion::v1::PrefillResponse* response);
+
   struct Live {
     std::atomic<bool> aborted{false};
     uint64_t prompt_tokens = 0;
@@ -61,6 +71,7 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   const PrefillEngine* const engine_;
   const transfer::Transport* const transport_;
   const fluxion::v1::ServerInfo info_;
+  PrefillNodeMetrics* const node_metrics_;
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;

@@ -35,8 +35,11 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& command,
   char tmpl[] = "/tmp/fluxion-serving-XXXXXX";
   p->dir_ = mkdtemp(tmpl);
   const std::string port_file = p->dir_ + "/port", log = p->dir_ + "/log";
+  const std::string metrics_port_file = p->dir_ + "/metrics_port";
   std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
-                                   "--port-file", port_file, "--threads", "1"};
+                                   "--port-file", port_file, "--threads", "1",
+                                   "--metrics-listen", "127.0.0.1:0",
+                                   "--metrics-port-file", metrics_port_file};
   argv.insert(argv.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {
@@ -54,7 +57,13 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& command,
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   while (absl::Now() < deadline) {
     std::ifstream in(port_file);
-    if (in >> p->port_ && p->port_ > 0) return p;
+    if (in >> p->port_ && p->port_ > 0) {
+      // The servers write the metrics port file before the gRPC one.
+      std::ifstream metrics_in(metrics_port_file);
+      if (metrics_in >> p->metrics_port_ && p->metrics_port_ > 0) return p;
+      std::cerr << "server wrote no metrics port: " << p->Log() << "\n";
+      return nullptr;
+    }
     int status = 0;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       p->pid_ = -1;

@@ -26,14 +26,16 @@ std::vector<std::string> UcxArgs(const std::string& tls);
 // A child process running `fluxion <args>`, killed (SIGKILL) when destroyed unless stopped.
 class ServerProcess {
  public:
-  // Starts `fluxion <command> <args> --listen 127.0.0.1:0 --port-file ...` and waits (up to 60 s)
-  // until it serves. Returns null, with the log printed, if it does not.
+  // Starts `fluxion <command> <args> --listen 127.0.0.1:0 --port-file ... --metrics-listen
+  // 127.0.0.1:0 --metrics-port-file ...` and waits (up to 60 s) until it serves. Returns null, with
+  // the log printed, if it does not.
   static std::unique_ptr<ServerProcess> Start(const std::string& command,
                                               std::vector<std::string> args);
   ~ServerProcess();
 
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
+  int metrics_port() const { return metrics_port_; }  // its Prometheus /metrics endpoint
   void Kill();  // SIGKILL and reap
   // SIGTERM, then wait up to `timeout` for the process to exit; true when it exited by itself.
   bool Terminate(absl::Duration timeout);
@@ -43,6 +45,7 @@ class ServerProcess {
  private:
   pid_t pid_ = -1;
   int port_ = 0;
+  int metrics_port_ = 0;
   std::string dir_;
 };
 

@@ -1,0 +1,274 @@
+// /metrics and health of live `fluxion prefill` and `fluxion decode` processes (issue 7): Prometheus'
+// own linter passes on both endpoints (skipped without promtool), the endpoint-picker metrics
+// (waiting, running, KV usage, page tokens) are there and move while requests run, the event
+// metrics (requests by code, TTFT/E2E, transfer bytes, sparse head steps) count what was served,
+// and each node reports its fluxion.v1 service name SERVING through grpc.health.v1, NOT_SERVING
+// while draining.
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "cluster/backends.h"
+#include "common/metrics_testing.h"
+#include "gtest/gtest.h"
+#include "tests/serving_cluster.h"
+
+namespace fluxion::testing {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+constexpr double kAbsent = std::numeric_limits<double>::quiet_NaN();
+
+// The value of the sample whose name and labels are exactly `series` (as rendered, e.g.
+// `fluxion_decode_requests_total{code="OK"}`); NaN when there is none.
+double Sample(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
+        line[series.size()] == ' ') {
+      double v;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return kAbsent;
+}
+
+std::string Scrape(const ServerProcess& server) {
+  auto body = metrics::testing::HttpGet(server.metrics_port(), "/metrics");
+  EXPECT_TRUE(body.ok()) << body.status();
+  return body.ok() ? *body : std::string();
+}
+
+void ExpectPromtoolPasses(const std::string& exposition, const std::string& what) {
+  if (!metrics::testing::HavePromtool()) {
+    std::cout << "promtool not installed (Debian package prometheus): lint of " << what
+              << " skipped\n";
+    return;
+  }
+  absl::Status check = metrics::testing::PromtoolCheck(exposition);
+  EXPECT_TRUE(check.ok()) << what << ": " << check << "\n" << exposition;
+}
+
+std::shared_ptr<grpc::Channel> ChannelTo(const ServerProcess& server) {
+  return grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+}
+
+// Polls `server`'s /metrics until `series` satisfies `want` (or `timeout`); returns the last value.
+template <typename Want>
+double WaitForSample(const ServerProcess& server, const std::string& series, Want want,
+                     absl::Duration timeout = absl::Seconds(15)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  double v = kAbsent;
+  while (absl::Now() < deadline) {
+    v = Sample(Scrape(server), series);
+    if (!std::isnan(v) && want(v)) return v;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return v;
+}
+
+// One prefill node and one decode node whose arena holds 12 pages per layer and KV head (the tiny
+// model has 6 layers x 4 KV heads, so 288 pages of 16 tokens): a request that grows to 12 pages
+// per head fits alone, and a prompt of 10 pages per head (plus one page of headroom) must wait
+// while another request holds more than one page per head.
+class ServingMetricsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    std::vector<std::string> pargs = {"--model", TinyModelDir()};
+    pargs.insert(pargs.end(), ucx.begin(), ucx.end());
+    prefill_ = ServerProcess::Start("prefill", pargs).release();
+    if (prefill_ == nullptr) return;
+    std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "288",
+                                      "--headroom-tokens", "16", "--prefill-address",
+                                      prefill_->address(), "--admission-timeout-ms", "30000",
+                                      "--default-policy", "fluxion", "--nohuge-pages"};
+    dargs.insert(dargs.end(), ucx.begin(), ucx.end());
+    decode_ = ServerProcess::Start("decode", dargs).release();
+  }
+  static void TearDownTestSuite() {
+    delete decode_;  // kills the process
+    delete prefill_;
+    decode_ = prefill_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(prefill_, nullptr) << "prefill node did not start";
+    ASSERT_NE(decode_, nullptr) << "decode node did not start";
+  }
+  static ServerProcess* prefill_;
+  static ServerProcess* decode_;
+};
+ServerProcess* ServingMetricsTest::prefill_ = nullptr;
+ServerProcess* ServingMetricsTest::decode_ = nullptr;
+
+TEST_F(ServingMetricsTest, NamedServicesReportServingThroughGrpcHealth) {
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.DecodeService",
+                                     absl::Seconds(2)));
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*prefill_), "fluxion.v1.PrefillService",
+                                     absl::Seconds(2)));
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode_), "", absl::Seconds(2)));
+  // Each node registers only its own service (the other name is NOT_FOUND).
+  EXPECT_FALSE(cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.PrefillService",
+                                      absl::Seconds(2)));
+  EXPECT_FALSE(cluster::HealthServing(ChannelTo(*prefill_), "fluxion.v1.DecodeService",
+                                      absl::Seconds(2)));
+}
+
+TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
+  const std::string idle = Scrape(*decode_);
+  ExpectPromtoolPasses(idle, "decode /metrics (idle)");
+  ExpectPromtoolPasses(Scrape(*prefill_), "prefill /metrics (idle)");
+  // The endpoint picker's inputs, idle.
+  EXPECT_EQ(Sample(idle, "fluxion_decode_requests_running"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_decode_requests_waiting"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_decode_requests_prefilling"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_cache_usage_ratio"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_page_tokens"), 16);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_pages_capacity"), 288);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_pages_free"), 288);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_pages_quarantined"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_kv_cache_config_info{block_size=\"16\",num_gpu_blocks=\"12\","
+                         "num_pages=\"288\",page_tokens=\"16\"}"),
+            1);
+  EXPECT_EQ(Sample(idle, "fluxion_decode_step_gpu_seconds_total"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_sparse_budget_ratio{policy=\"fluxion\"}"), 0.1);
+  const double ok_before = std::isnan(Sample(idle, "fluxion_decode_requests_total{code=\"OK\"}"))
+                               ? 0
+                               : Sample(idle, "fluxion_decode_requests_total{code=\"OK\"}");
+  const double e2e_before = Sample(idle, "fluxion_decode_e2e_request_latency_seconds_count");
+
+  // A: 5 prompt tokens, 180 more (12 pages per head at the end). B: 150 prompt tokens, which need
+  // 10 + 1 pages per head free: B waits while A holds 2+ pages per head, then runs.
+  DecodeClient client(decode_->address());
+  GenerateResult a, b;
+  std::thread ta([&] {
+    a = client.Generate(GreedyRequest("metrics-a", BytePrompt("hello"), 180, "full", ""));
+  });
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_running", [](double v) { return v == 1; }),
+            1);
+  const double held = 288 - WaitForSample(*decode_, "fluxion_kv_pages_free",
+                                          [](double v) { return v < 288 - 24; });
+  EXPECT_GT(held, 24) << "A should hold two pages per layer and head by now";
+  const std::string running = Scrape(*decode_);
+  EXPECT_GT(Sample(running, "fluxion_kv_cache_usage_ratio"), 0);
+  ExpectPromtoolPasses(running, "decode /metrics (running)");
+  std::thread tb([&] {
+    b = client.Generate(
+        GreedyRequest("metrics-b", BytePrompt(std::string(150, 'x')), 4, "full", ""));
+  });
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_waiting", [](double v) { return v == 1; }),
+            1)
+      << "B should wait for pages while A runs";
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(a.tokens.size(), 180u);
+  EXPECT_EQ(b.tokens.size(), 4u);
+
+  // Finished: load back to idle, the event metrics counted both requests.
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_kv_pages_free", [](double v) { return v == 288; }),
+            288);
+  const std::string after = Scrape(*decode_);
+  ExpectPromtoolPasses(after, "decode /metrics (after)");
+  EXPECT_EQ(Sample(after, "fluxion_decode_requests_running"), 0);
+  EXPECT_EQ(Sample(after, "fluxion_decode_requests_waiting"), 0);
+  EXPECT_EQ(Sample(after, "fluxion_decode_requests_total{code=\"OK\"}"), ok_before + 2);
+  EXPECT_EQ(Sample(after, "fluxion_decode_e2e_request_latency_seconds_count"),
+            (std::isnan(e2e_before) ? 0 : e2e_before) + 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_time_to_first_token_seconds_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_time_per_output_token_seconds_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_queue_time_seconds_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_finished_total{reason=\"length\"}"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_prompt_tokens_total"), 155);
+  EXPECT_GE(Sample(after, "fluxion_decode_generation_tokens_total"), 184);
+  EXPECT_GE(Sample(after, "fluxion_decode_step_seconds_count"), 179);
+  EXPECT_GT(Sample(after, "fluxion_decode_step_cpu_seconds_total"), 0);
+  EXPECT_GT(Sample(after, "fluxion_transfer_bytes_total{direction=\"received\"}"), 0);
+  EXPECT_GE(Sample(after, "fluxion_transfer_seconds_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_sparse_read_fraction_count{policy=\"full\"}"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_preemptions_total"), 0);
+
+  const std::string prefill = Scrape(*prefill_);
+  ExpectPromtoolPasses(prefill, "prefill /metrics (after)");
+  EXPECT_EQ(Sample(prefill, "fluxion_prefill_requests_queued"), 0);
+  EXPECT_EQ(Sample(prefill, "fluxion_prefill_prompt_tokens_queued"), 0);
+  EXPECT_EQ(Sample(prefill, "fluxion_prefill_requests_running"), 0);
+  EXPECT_GE(Sample(prefill, "fluxion_prefill_requests_total{code=\"OK\"}"), 2);
+  EXPECT_GE(Sample(prefill, "fluxion_prefill_prompt_tokens_total"), 155);
+  EXPECT_GE(Sample(prefill, "fluxion_prefill_compute_seconds_count"), 2);
+  EXPECT_GE(Sample(prefill, "fluxion_prefill_transfer_tail_seconds_count"), 2);
+  EXPECT_GT(Sample(prefill, "fluxion_transfer_bytes_total{direction=\"sent\"}"), 0);
+  EXPECT_EQ(Sample(prefill, "fluxion_transfer_failures_total{cause=\"peer_unreachable\"}"), 0);
+}
+
+TEST_F(ServingMetricsTest, SparseHeadStepsAndReadFractionAreCountedPerPolicy) {
+  DecodeClient client(decode_->address());
+  // The default policy (fluxion) over a prompt longer than sinks + local window.
+  GenerateResult r =
+      client.Generate(GreedyRequest("metrics-sparse", BytePrompt(std::string(120, 'y')), 8, "", ""));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_TRUE(r.has_complete);
+  const std::string text = Scrape(*decode_);
+  const double selected = Sample(text, "fluxion_sparse_head_steps_total{kind=\"selected\"}");
+  const double bypassed = Sample(text, "fluxion_sparse_head_steps_total{kind=\"bypassed\"}");
+  ASSERT_FALSE(std::isnan(selected));
+  ASSERT_FALSE(std::isnan(bypassed));
+  // 7 decode steps (the first token came from the prefill node) x 6 layers x 4 KV heads.
+  EXPECT_GE(selected + bypassed, 7 * 24);
+  EXPECT_GE(Sample(text, "fluxion_sparse_read_fraction_count{policy=\"fluxion\"}"), 1);
+  EXPECT_GT(Sample(text, "fluxion_sparse_rows_total{kind=\"context\"}"),
+            Sample(text, "fluxion_sparse_rows_total{kind=\"attended\"}") - 1e-9);
+  ExpectPromtoolPasses(text, "decode /metrics (sparse)");
+}
+
+// Runs last (gtest runs a suite's tests in order): it drains the decode node. The request goes
+// through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
+TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  ASSERT_NE(slow, nullptr);
+  DecodeClient client(decode_->address());
+  GenerateResult running;
+  std::atomic<bool> done{false};
+  std::thread t([&] {
+    running = client.Generate(
+        GreedyRequest("metrics-drain", BytePrompt("hello"), 8, "full", slow->address()));
+    done = true;
+  });
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_prefilling",
+                          [](double v) { return v == 1; }),
+            1);
+  decode_->Signal(SIGTERM);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  bool serving = true;
+  while (serving && absl::Now() < deadline) {
+    serving = cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.DecodeService",
+                                     absl::Milliseconds(500));
+  }
+  const bool request_was_live = !done.load();  // so the process was still up, draining
+  EXPECT_FALSE(serving) << "the named service stayed SERVING while draining";
+  EXPECT_TRUE(request_was_live) << "the request ended before NOT_SERVING was seen";
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*slow), "fluxion.v1.PrefillService",
+                                     absl::Seconds(2)));
+  t.join();
+  EXPECT_TRUE(running.status.ok()) << running.status.error_message();
+  EXPECT_EQ(running.tokens.size(), 8u);
+  EXPECT_TRUE(decode_->Terminate(absl::Seconds(10)));
+}
+
+}  // namespace
+}  // namespace fluxion::testing
