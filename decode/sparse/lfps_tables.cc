@@ -18,10 +18,17 @@ void DecayedTable::Rescale() {
   // rounding drift of the incremental sums.
   nonzero_ = 0;
   std::fill(std::begin(sum_), std::end(sum_), 0.0);
-  for (double& p : psi_) {
-    p /= g_;
-    if (p != 0.0) AddToMoments(0.0, p);
+  std::vector<int64_t> still_nonzero;
+  still_nonzero.reserve(nonzero_index_.size());
+  for (int64_t i : nonzero_index_) {
+    double& p = psi_[i];
+    p /= g_;  // may underflow to 0: the entry then leaves the non-zero set
+    if (p != 0.0) {
+      AddToMoments(0.0, p);
+      still_nonzero.push_back(i);
+    }
   }
+  nonzero_index_ = std::move(still_nonzero);
   g_ = 1.0;
   steps_since_rescale_ = 0;
 }
@@ -41,6 +48,7 @@ void DecayedTable::Add(int64_t index, double w) {
   if (index >= size()) psi_.resize(index + 1, 0.0);
   const double old = psi_[index];
   psi_[index] = old + w * g_;
+  if (old == 0.0 && psi_[index] != 0.0) nonzero_index_.push_back(index);
   AddToMoments(old, psi_[index]);
 }
 
@@ -69,24 +77,23 @@ void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count,
   const TableMoments m = moments();
   if (m.count == 0) return;
   const double threshold_psi = (m.mean + a * std::sqrt(m.kurtosis) * m.stddev) * g_;
+  // Only the non-zero entries are visited (the tables are sparse: a dense scan of a 128K-entry
+  // table per step was most of LFPS's step at long contexts).
   std::vector<int64_t> picked;
-  for (int64_t i = 0; i < size(); ++i) {
-    if (psi_[i] != 0.0 && psi_[i] >= threshold_psi) picked.push_back(i);
+  for (int64_t i : nonzero_index_) {
+    if (psi_[i] >= threshold_psi) picked.push_back(i);
   }
   const int64_t want_min = std::min(min_count, m.count);
   if (static_cast<int64_t>(picked.size()) > max_count ||
       static_cast<int64_t>(picked.size()) < want_min) {
     // Re-select the k largest non-zero entries instead.
     const int64_t k = static_cast<int64_t>(picked.size()) > max_count ? max_count : want_min;
-    picked.clear();
-    for (int64_t i = 0; i < size(); ++i) {
-      if (psi_[i] != 0.0) picked.push_back(i);
-    }
+    picked = nonzero_index_;
     std::nth_element(picked.begin(), picked.begin() + (k - 1), picked.end(),
                      [&](int64_t x, int64_t y) { return psi_[x] > psi_[y]; });
     picked.resize(k);
-    std::sort(picked.begin(), picked.end());
   }
+  std::sort(picked.begin(), picked.end());
   out->insert(out->end(), picked.begin(), picked.end());
 }
 

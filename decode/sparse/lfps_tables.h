@@ -52,6 +52,7 @@ class DecayedTable {
   int64_t steps_since_rescale_ = 0;
   double g_ = 1.0;               // Psi = Phi * g
   std::vector<double> psi_;
+  std::vector<int64_t> nonzero_index_;  // indices of the non-zero entries, in insertion order
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };
