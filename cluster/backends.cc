@@ -212,9 +212,9 @@ void Backends::PollOnce() {
     std::unique_ptr<grpc::GenericStub> generic;
     std::shared_ptr<v1::DecodeService::Stub> decode_stub;
     std::shared_ptr<v1::PrefillService::Stub> prefill_stub;
-    grpc::ClientContext health_context, overall_context, load_context;
-    grpc::ByteBuffer health_request, health_response, overall_request, overall_response;
-    grpc::Status health_status, overall_status, load_status;
+    grpc::ClientContext health_context, load_context;
+    grpc::ByteBuffer health_request, health_response;
+    grpc::Status health_status, load_status;
     v1::GetLoadRequest load_request;
     v1::DecodeLoad decode_load;
     v1::PrefillLoad prefill_load;
@@ -232,23 +232,16 @@ void Backends::PollOnce() {
       probes.push_back(std::move(p));
     }
   }
-  // Three calls per node, all in flight at once; each has a deadline, so every callback runs.
-  // Health is asked for the node's service name and for "" (the whole server): a server that
-  // never registered its service name answers NOT_FOUND for it, and then the whole server's
-  // status stands in.
-  absl::BlockingCounter pending(static_cast<int>(3 * probes.size()));
+  // Two calls per node, all in flight at once; each has a deadline, so every callback runs.
+  // Health is asked for the node's service name only (docs/PROTOCOL.md: every Fluxion server
+  // registers it once it can serve). No fallback to "" (the whole server): a server answering
+  // NOT_FOUND for the name is not ready (still loading) or not a node of that role, and is
+  // unhealthy either way.
+  absl::BlockingCounter pending(static_cast<int>(2 * probes.size()));
   for (auto& p : probes) {
     Probe* probe = p.get();
     probe->health_context.set_deadline(DeadlineAfter(options_.rpc_timeout));
     probe->load_context.set_deadline(DeadlineAfter(options_.rpc_timeout));
-    probe->overall_context.set_deadline(DeadlineAfter(options_.rpc_timeout));
-    probe->overall_request = HealthCheckRequest("");
-    probe->generic->UnaryCall(&probe->overall_context, kHealthCheckMethod, grpc::StubOptions(),
-                              &probe->overall_request, &probe->overall_response,
-                              [probe, &pending](grpc::Status s) {
-                                probe->overall_status = std::move(s);
-                                pending.DecrementCount();
-                              });
     probe->health_request =
         HealthCheckRequest(probe->role == Role::kDecode ? kDecodeService : kPrefillService);
     probe->generic->UnaryCall(&probe->health_context, kHealthCheckMethod, grpc::StubOptions(),
@@ -276,9 +269,8 @@ void Backends::PollOnce() {
     auto it = nodes_.find(p->address);
     if (it == nodes_.end()) continue;  // removed by a re-resolve meanwhile
     BackendState& s = it->second.state;
-    const bool named_unknown = p->health_status.error_code() == grpc::StatusCode::NOT_FOUND;
-    const grpc::Status& health = named_unknown ? p->overall_status : p->health_status;
-    bool serving = health.ok() && IsServing(named_unknown ? p->overall_response : p->health_response);
+    const grpc::Status& health = p->health_status;
+    bool serving = health.ok() && IsServing(p->health_response);
     bool draining = p->role == Role::kDecode ? p->decode_load.draining() : p->prefill_load.draining();
     if (p->load_status.ok()) {
       s.has_load = true;

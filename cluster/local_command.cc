@@ -5,6 +5,7 @@
 
 #include <climits>
 #include <ctime>
+#include <functional>
 #include <iostream>
 #include <memory>
 
@@ -180,39 +181,56 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   std::cout << "fluxion local: starting " << prefill_nodes << " prefill, " << decode_nodes
             << " decode node(s) and a router; logs in " << logs << std::endl;
   std::vector<std::string> prefill_addresses, decode_addresses;
-  {
+  // Every node's Prometheus endpoint, "name http://127.0.0.1:port/metrics", printed once ready.
+  std::vector<std::string> metrics_urls;
+  // Starts `count` nodes of `command` (gRPC and /metrics on free loopback ports, each written to
+  // a port file) and waits until all serve; appends their gRPC addresses.
+  auto start_nodes = [&](const std::string& command, int64_t count,
+                         const std::function<std::vector<std::string>(int64_t)>& node_args,
+                         std::vector<std::string>* addresses) -> absl::Status {
     std::vector<ChildProcess*> started;
-    std::vector<std::string> port_files;
-    for (int64_t i = 0; i < prefill_nodes; ++i) {
-      std::string name = absl::StrCat("prefill-", i), port_file = absl::StrCat(logs, "/", name, ".port");
+    std::vector<std::string> port_files, names;
+    for (int64_t i = 0; i < count; ++i) {
+      std::string name = absl::StrCat(command, "-", i);
+      std::string port_file = absl::StrCat(logs, "/", name, ".port");
+      std::string metrics_file = absl::StrCat(logs, "/", name, ".metrics-port");
       std::vector<std::string> a = {"--model", model, "--listen", "127.0.0.1:0", "--port-file",
-                                    port_file, "--threads", std::to_string(threads)};
+                                    port_file, "--metrics-listen", "127.0.0.1:0",
+                                    "--metrics-port-file", metrics_file, "--threads",
+                                    std::to_string(threads)};
+      std::vector<std::string> more = node_args(i);
+      a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), ucx.begin(), ucx.end());
-      if (absl::Status s = start(name, "prefill", a); !s.ok()) return fail(s);
-      started.push_back(children.back().get());
-      port_files.push_back(port_file);
+      if (absl::Status s = start(name, command, a); !s.ok()) return s;
+      started.insert(started.end(), {children.back().get(), children.back().get()});
+      port_files.insert(port_files.end(), {port_file, metrics_file});
+      names.push_back(name);
     }
     auto ports = WaitForPorts(started, port_files, startup);
-    if (!ports.ok()) return fail(ports.status());
-    for (int port : *ports) prefill_addresses.push_back(absl::StrCat("127.0.0.1:", port));
+    if (!ports.ok()) return ports.status();
+    for (size_t i = 0; i < names.size(); ++i) {
+      addresses->push_back(absl::StrCat("127.0.0.1:", (*ports)[2 * i]));
+      metrics_urls.push_back(
+          absl::StrCat(names[i], " http://127.0.0.1:", (*ports)[2 * i + 1], "/metrics"));
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = start_nodes(
+          "prefill", prefill_nodes, [](int64_t) { return std::vector<std::string>(); },
+          &prefill_addresses);
+      !s.ok()) {
+    return fail(s);
   }
-  {
-    std::vector<ChildProcess*> started;
-    std::vector<std::string> port_files;
-    for (int64_t i = 0; i < decode_nodes; ++i) {
-      std::string name = absl::StrCat("decode-", i), port_file = absl::StrCat(logs, "/", name, ".port");
-      std::vector<std::string> a = {"--model", model, "--listen", "127.0.0.1:0", "--port-file",
-                                    port_file, "--threads", std::to_string(threads),
-                                    "--kv-pages", std::to_string(kv_pages), "--prefill-address",
-                                    prefill_addresses[i % prefill_addresses.size()]};
-      a.insert(a.end(), ucx.begin(), ucx.end());
-      if (absl::Status s = start(name, "decode", a); !s.ok()) return fail(s);
-      started.push_back(children.back().get());
-      port_files.push_back(port_file);
-    }
-    auto ports = WaitForPorts(started, port_files, startup);
-    if (!ports.ok()) return fail(ports.status());
-    for (int port : *ports) decode_addresses.push_back(absl::StrCat("127.0.0.1:", port));
+  if (absl::Status s = start_nodes(
+          "decode", decode_nodes,
+          [&](int64_t i) {
+            return std::vector<std::string>{"--kv-pages", std::to_string(kv_pages),
+                                            "--prefill-address",
+                                            prefill_addresses[i % prefill_addresses.size()]};
+          },
+          &decode_addresses);
+      !s.ok()) {
+    return fail(s);
   }
   std::string router_address;
   int metrics_port = 0;
@@ -246,9 +264,13 @@ int RunLocalCommand(const std::vector<std::string>& args) {
       absl::SleepFor(absl::Milliseconds(100));
     }
   }
-  std::cout << "cluster ready: router " << router_address << " (metrics http://127.0.0.1:"
-            << metrics_port << "/metrics), prefill " << absl::StrJoin(prefill_addresses, ",")
-            << ", decode " << absl::StrJoin(decode_addresses, ",") << "\n"
+  metrics_urls.insert(metrics_urls.begin(),
+                      absl::StrCat("router http://127.0.0.1:", metrics_port, "/metrics"));
+  std::cout << "cluster ready: router " << router_address << ", prefill "
+            << absl::StrJoin(prefill_addresses, ",") << ", decode "
+            << absl::StrJoin(decode_addresses, ",") << "\n"
+            << "metrics (Prometheus text, while the cluster runs):\n  "
+            << absl::StrJoin(metrics_urls, "\n  ") << "\n"
             << "replaying " << schedule->requests.size() << " requests of " << trace << "\n"
             << std::flush;
 

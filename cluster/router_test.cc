@@ -418,7 +418,8 @@ TEST(BackendsTest, DnsNamesResolveToEveryAddressAndAreHealthChecked) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(BackendsTest, ServerWithoutItsServiceNameIsJudgedByWholeServerHealth) {
+TEST(BackendsTest, ServerWithoutItsServiceNameIsUnhealthy) {
+  // Health is asked for the role's service name only; "" SERVING does not stand in for it.
   FakeDecodeService decode;
   decode.SetLoad(Load(500, 0, 0.5f));
   FakeServer server(&decode, /*service_name=*/"");
@@ -427,8 +428,21 @@ TEST(BackendsTest, ServerWithoutItsServiceNameIsJudgedByWholeServerHealth) {
   o.start_poller = false;
   auto backends = Backends::Create(o);
   ASSERT_TRUE(backends.ok()) << backends.status();
+  EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
+  EXPECT_THAT((*backends)->Snapshot(Role::kDecode)[0].last_error, HasSubstr("health check"));
+}
+
+TEST(BackendsTest, NotServingServiceNameMakesANodeUnhealthy) {
+  FakeDecodeService decode;
+  decode.SetLoad(Load(500, 0, 0.5f));
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  auto backends = Backends::Create(o);
+  ASSERT_TRUE(backends.ok()) << backends.status();
   EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 1);
-  server.SetServing(false);  // NOT_SERVING for every name, "" included
+  server.SetServing(false);  // NOT_SERVING for every name, the service's included
   (*backends)->PollOnce();
   EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
   EXPECT_THAT((*backends)->Snapshot(Role::kDecode)[0].last_error, HasSubstr("NOT_SERVING"));

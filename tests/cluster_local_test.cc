@@ -95,6 +95,10 @@ TEST(LocalClusterTest, ReplaysATraceThroughRealProcessesAndShutsDownCleanly) {
   std::string log = Slurp(dir + ".log");
   ASSERT_EQ(code, 0) << log;
   EXPECT_THAT(log, HasSubstr("cluster ready"));
+  // Every node's /metrics URL is printed.
+  EXPECT_THAT(log, HasSubstr("router http://127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("prefill-0 http://127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("decode-0 http://127.0.0.1:"));
   EXPECT_THAT(log, HasSubstr("8 sent, 8 succeeded, 0 failed"));
   EXPECT_THAT(log, HasSubstr("router (pid"));
   nlohmann::json summary = nlohmann::json::parse(Slurp(dir + "-summary.json"));
