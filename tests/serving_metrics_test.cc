@@ -93,6 +93,7 @@ class ServingMetricsTest : public ::testing::Test {
     std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "288",
                                       "--headroom-tokens", "16", "--prefill-address",
                                       prefill_->address(), "--admission-timeout-ms", "30000",
+                                      "--quarantine-ms", "1000",
                                       "--default-policy", "fluxion", "--nohuge-pages"};
     dargs.insert(dargs.end(), ucx.begin(), ucx.end());
     decode_ = ServerProcess::Start("decode", dargs).release();
@@ -231,6 +232,38 @@ TEST_F(ServingMetricsTest, SparseHeadStepsAndReadFractionAreCountedPerPolicy) {
   EXPECT_GT(Sample(text, "fluxion_sparse_rows_total{kind=\"context\"}"),
             Sample(text, "fluxion_sparse_rows_total{kind=\"attended\"}") - 1e-9);
   ExpectPromtoolPasses(text, "decode /metrics (sparse)");
+}
+
+TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuarantinedPages) {
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  ASSERT_NE(slow, nullptr);
+  const std::string failures = "fluxion_transfer_failures_total{cause=\"peer_unreachable\"}";
+  const double before = Sample(Scrape(*decode_), failures);
+  ASSERT_FALSE(std::isnan(before));
+  DecodeClient client(decode_->address());
+  GenerateResult r;
+  std::thread t([&] {
+    r = client.Generate(
+        GreedyRequest("metrics-killed", BytePrompt("hello"), 8, "full", slow->address()));
+  });
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_prefilling",
+                          [](double v) { return v == 1; }),
+            1);
+  absl::SleepFor(absl::Milliseconds(400));  // a layer or two sent
+  slow->Kill();
+  t.join();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  const std::string text = Scrape(*decode_);
+  EXPECT_EQ(Sample(text, failures), before + 1);
+  EXPECT_GE(Sample(text, "fluxion_decode_requests_total{code=\"UNAVAILABLE\"}"), 1);
+  EXPECT_GE(Sample(text, "fluxion_decode_finished_total{reason=\"error\"}"), 1);
+  // The reservation is quarantined for --quarantine-ms (1 s), then freed.
+  EXPECT_GT(Sample(text, "fluxion_kv_pages_quarantined"), 0);
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_kv_pages_quarantined", [](double v) { return v == 0; }),
+            0);
 }
 
 // Runs last (gtest runs a suite's tests in order): it drains the decode node. The request goes
