@@ -41,7 +41,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
   std::string metrics_listen, metrics_port_file;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
-  int64_t drain_timeout_ms = 30000, piece_tokens = 512;
+  int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
   bool layerwise = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
@@ -67,6 +67,9 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.Int("piece-tokens", &piece_tokens,
             "run the forward in pieces of this many tokens: cancellation is checked and pages are "
             "sent after each piece of each layer");
+  flags.Int("max-batch-tokens", &max_batch_tokens,
+            "queued requests run through one batched forward up to this many prompt tokens "
+            "together (a larger request runs alone); 0 = one request at a time");
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
             "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   ucx.Register(flags);
@@ -107,6 +110,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   info.set_max_context_tokens(static_cast<uint32_t>((*model)->config().max_position_embeddings));
   PrefillNodeMetrics node_metrics(&metrics::Registry::Default());
   PrefillServiceImpl service(&engine, transport->get(), info, &node_metrics);
+  service.SetMaxBatchTokens(max_batch_tokens);
   node_metrics.Attach(&service);
   // Declared after everything its callbacks read, so it stops serving before they go away.
   std::unique_ptr<metrics::MetricsHttpServer> metrics_server;

@@ -99,8 +99,43 @@ PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* tra
                              const v1::ModelLayout& layout, const PrefillEngineOptions& options)
     : model_(model), transport_(transport), layout_(layout), options_(options) {}
 
-absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest& request,
-                                                       const std::function<bool()>& cancelled) const {
+// One request of a (possibly one-request) batch: everything its forward hook, its sends and
+// its reply need. Members that writes read from (the staging buffer, the state blob, their
+// registrations, the target) are declared before `submitted`, so they outlive its wait.
+struct PrefillEngine::Job {
+  size_t index = 0;
+  const v1::PrefillRequest* request = nullptr;
+  std::function<bool()> cancelled;
+  Clock::time_point t_start, t_compute, t_compute_end;
+  int64_t n = 0;
+  transfer::KvPageGeometry geo;
+  int64_t per_head = 0, ppl = 0;
+  uint64_t cb = 0, layer_bytes = 0;
+  std::vector<uint64_t> page_ids;
+  model::SamplingParams sampling;
+  std::string who;
+  bool crc = false;
+  std::unique_ptr<transfer::RemoteTarget> target;
+  std::vector<uint8_t> staging;
+  std::unique_ptr<transfer::Registration> staging_reg;
+  std::string state_blob;  // the serialized sparse state, a copy source like `staging`
+  std::unique_ptr<transfer::Registration> state_reg;
+  std::unique_ptr<Submitted> submitted;
+  std::vector<uint64_t> checksums;
+  std::vector<int64_t> sent;  // pages per head already submitted, per layer
+  SendingAttention* attention = nullptr;
+  std::unique_ptr<model::Sequence> seq;
+  std::vector<int32_t> prompt;
+  std::vector<float> logits;
+  absl::Status forward;
+
+  ~Job() {
+    if (submitted != nullptr) (void)submitted->WaitAll();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
+    const v1::PrefillRequest& request, const std::function<bool()>& cancelled) const {
   const Clock::time_point t_start = Clock::now();
   const model::ModelConfig& config = model_->config();
   const model::AttentionShape shape = model_->attention_shape();
@@ -222,160 +257,258 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
   const std::string who = absl::StrCat("decode node ", kv.peer_name(), ": ");
   absl::StatusOr<std::unique_ptr<transfer::RemoteTarget>> connected = transport_->Connect(peer);
   if (!connected.ok()) return Annotate(connected.status(), who);
-  const std::unique_ptr<transfer::RemoteTarget> target = std::move(*connected);
+
+  auto job = std::make_unique<Job>();
+  Job* j = job.get();
+  j->request = &request;
+  j->cancelled = cancelled;
+  j->t_start = t_start;
+  j->n = n;
+  j->geo = geo;
+  j->per_head = per_head;
+  j->cb = cb;
+  j->page_ids = std::move(page_ids);
+  j->sampling = sampling;
+  j->who = who;
+  j->target = std::move(*connected);
 
   // 3. Forward, sending each layer as it completes. The staging buffer holds every layer's pages
   // in PAGE_ORDER_LAYER_HEAD_PAGE order, so consecutive reserved page ids coalesce into one put.
-  const int64_t ppl = geo.pages_per_layer(n);
-  const uint64_t layer_bytes = static_cast<uint64_t>(ppl) * cb;
-  std::vector<uint8_t> staging(layer_bytes * shape.num_layers);
+  j->ppl = geo.pages_per_layer(n);
+  j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
+  j->staging.resize(j->layer_bytes * shape.num_layers);
   FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<transfer::Registration> staging_reg,
-      transport_->Register({staging.data(), staging.size()}, {/*remote_write=*/false}));
-  const bool crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
-  std::vector<uint64_t> checksums(shape.num_layers, 0);
-  std::string state_blob;  // the serialized sparse state, a copy source like `staging`
-  std::unique_ptr<transfer::Registration> state_reg;
-  // Declared after the buffers it reads, so it is destroyed (and waits) before them.
-  Submitted submitted(options_.transfer_timeout);
-  // Submits pages [p0, p1) of every KV head of layers [l0, l1) as one batch.
-  auto submit = [&](int64_t l0, int64_t l1, int64_t p0, int64_t p1) -> absl::Status {
-    std::vector<transfer::BlockCopy> copies;
-    copies.reserve((l1 - l0) * shape.num_kv_heads * (p1 - p0));
-    for (int64_t l = l0; l < l1; ++l) {
-      for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t idx = l * ppl + h * per_head + p;
-          copies.push_back({kv.arena_base_address() + page_ids[idx] * kv.page_bytes(),
-                            staging.data() + idx * cb, cb});
-        }
+      j->staging_reg,
+      transport_->Register({j->staging.data(), j->staging.size()}, {/*remote_write=*/false}));
+  j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
+  j->checksums.assign(shape.num_layers, 0);
+  j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
+  j->sent.assign(shape.num_layers, 0);
+  auto owned = std::make_unique<SendingAttention>(
+      shape, n, [this, j](int layer, int64_t first, int64_t end) -> absl::Status {
+        return OnRows(*j, layer, first, end);
+      });
+  j->attention = owned.get();
+  j->seq = std::make_unique<model::Sequence>(std::move(owned));
+  j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
+  return job;
+}
+
+// Submits pages [p0, p1) of every KV head of layers [l0, l1) of `j` as one batch.
+absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const {
+  const model::AttentionShape shape = model_->attention_shape();
+  const v1::KvTarget& kv = j.request->kv_target();
+  std::vector<transfer::BlockCopy> copies;
+  copies.reserve((l1 - l0) * shape.num_kv_heads * (p1 - p0));
+  for (int64_t l = l0; l < l1; ++l) {
+    for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t idx = l * j.ppl + h * j.per_head + p;
+        copies.push_back({kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
+                          j.staging.data() + idx * j.cb, j.cb});
       }
     }
-    absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
-        transport_->Write(*target, copies);
-    if (!h.ok()) return Annotate(h.status(), who);
-    submitted.Add(std::move(*h));
-    return absl::OkStatus();
-  };
+  }
+  absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h = transport_->Write(*j.target, copies);
+  if (!h.ok()) return Annotate(h.status(), j.who);
+  j.submitted->Add(std::move(*h));
+  return absl::OkStatus();
+}
+
+// The per-piece, per-layer hook of `j`'s attention: checks for cancellation, packs the rows,
+// sends the pages they complete, and checksums a finished layer.
+absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end) const {
+  if (j.cancelled()) {
+    return absl::CancelledError(absl::StrCat("prefill of request '", j.request->request_id(),
+                                             "' aborted at layer ", layer + 1));
+  }
+  const model::AttentionShape shape = model_->attention_shape();
   const int64_t row = shape.num_kv_heads * shape.head_dim;
-  const int64_t pt = geo.page_tokens;
-  std::vector<int64_t> sent(shape.num_layers, 0);  // pages per head already submitted
-  SendingAttention* attention_ptr = nullptr;
-  auto owned = std::make_unique<SendingAttention>(
-      shape, n, [&](int layer, int64_t first, int64_t end) -> absl::Status {
-        if (cancelled()) {
-          return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
-                                                   "' aborted at layer ", layer + 1));
-        }
-        const model::DenseAttention& dense = attention_ptr->dense();
-        uint8_t* dst = staging.data() + layer * layer_bytes;
-        transfer::PackLayerRows(geo, n, first, end, dense.keys(layer) + first * row,
-                                dense.values(layer) + first * row, row, dst);
-        const bool layer_done = end == n;
-        // Pages whose every row is computed (the last one once the prompt ends).
-        const int64_t complete = layer_done ? per_head : end / pt;
-        if (options_.layerwise && complete > sent[layer]) {
-          FLUXION_RETURN_IF_ERROR(submit(layer, layer + 1, sent[layer], complete));
-          sent[layer] = complete;
-        }
-        if (layer_done) {
-          if (crc) checksums[layer] = transfer::Crc32c(dst, layer_bytes);
-          if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
-        }
-        return absl::OkStatus();
-      });
-  attention_ptr = owned.get();
-  model::Sequence seq(std::move(owned));
-  std::vector<int32_t> prompt(request.prompt_token_ids().begin(),
-                              request.prompt_token_ids().end());
-  std::vector<float> logits;
-  const Clock::time_point t_compute = Clock::now();
-  absl::Status forward = absl::OkStatus();
-  const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
-  for (int64_t first = 0; first < n && forward.ok(); first += piece) {
-    forward = model_->Forward(
-        seq, absl::MakeConstSpan(prompt).subspan(first, std::min(piece, n - first)), &logits);
+  const model::DenseAttention& dense = j.attention->dense();
+  uint8_t* dst = j.staging.data() + layer * j.layer_bytes;
+  transfer::PackLayerRows(j.geo, j.n, first, end, dense.keys(layer) + first * row,
+                          dense.values(layer) + first * row, row, dst);
+  const bool layer_done = end == j.n;
+  // Pages whose every row is computed (the last one once the prompt ends).
+  const int64_t complete = layer_done ? j.per_head : end / j.geo.page_tokens;
+  if (options_.layerwise && complete > j.sent[layer]) {
+    FLUXION_RETURN_IF_ERROR(Submit(j, layer, layer + 1, j.sent[layer], complete));
+    j.sent[layer] = complete;
   }
-  const Clock::time_point t_compute_end = Clock::now();
-  if (!forward.ok()) {
-    absl::Status waited = submitted.WaitAll();  // stopped writing before we say so
-    (void)waited;
-    return forward;
+  if (layer_done) {
+    if (j.crc) j.checksums[layer] = transfer::Crc32c(dst, j.layer_bytes);
+    if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
-  if (!options_.layerwise) FLUXION_RETURN_IF_ERROR(submit(0, shape.num_layers, 0, per_head));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
+  const model::AttentionShape shape = model_->attention_shape();
+  const v1::PrefillRequest& request = *j.request;
+  const v1::KvTarget& kv = request.kv_target();
+  Submitted& submitted = *j.submitted;
+  if (!j.forward.ok()) {
+    (void)submitted.WaitAll();  // stopped writing before we say so
+    return j.forward;
+  }
+  if (!options_.layerwise) {
+    absl::Status s = Submit(j, 0, shape.num_layers, 0, j.per_head);
+    if (!s.ok()) {
+      (void)submitted.WaitAll();
+      return s;
+    }
+  }
 
   // 4. The sparse state, into the room reserved for it.
   v1::PrefillResponse response;
-  Clock::time_point t_state_end = t_compute_end;
-  if (cancelled()) {  // the capture below is not interruptible: do not start it for nothing
+  Clock::time_point t_state_end = j.t_compute_end;
+  if (j.cancelled()) {  // the capture below is not interruptible: do not start it for nothing
     (void)submitted.WaitAll();
     return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
                                              "' aborted after the forward"));
   }
-  if (want_state) {
+  if (request.has_sparse_target()) {
+    const v1::SparseStateTarget& st = request.sparse_target();
     absl::StatusOr<model::SparseState> state =
-        model::CaptureSparseState(attention_ptr->dense(), shape);
+        model::CaptureSparseState(j.attention->dense(), shape);
     if (!state.ok()) {
       (void)submitted.WaitAll();
       return state.status();
     }
-    state_blob = state->Serialize();
-    absl::StatusOr<std::unique_ptr<transfer::Registration>> reg =
-        transport_->Register({state_blob.data(), state_blob.size()}, {/*remote_write=*/false});
+    j.state_blob = state->Serialize();
+    absl::StatusOr<std::unique_ptr<transfer::Registration>> reg = transport_->Register(
+        {j.state_blob.data(), j.state_blob.size()}, {/*remote_write=*/false});
     if (!reg.ok()) {
       (void)submitted.WaitAll();
       return reg.status();
     }
-    state_reg = std::move(*reg);
+    j.state_reg = std::move(*reg);
     std::vector<transfer::BlockCopy> copies;
     uint64_t done = 0;
     for (const v1::ByteExtent& e : st.extents()) {
-      if (done == state_blob.size()) break;
-      const uint64_t len = std::min<uint64_t>(e.length(), state_blob.size() - done);
-      copies.push_back({st.base_address() + e.offset(), state_blob.data() + done, len});
+      if (done == j.state_blob.size()) break;
+      const uint64_t len = std::min<uint64_t>(e.length(), j.state_blob.size() - done);
+      copies.push_back({st.base_address() + e.offset(), j.state_blob.data() + done, len});
       done += len;
     }
     absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
-        transport_->Write(*target, copies);
+        transport_->Write(*j.target, copies);
     if (!h.ok()) {
       (void)submitted.WaitAll();
-      return Annotate(h.status(), who);
+      return Annotate(h.status(), j.who);
     }
     submitted.Add(std::move(*h));
     v1::SparseStateSummary* summary = response.mutable_sparse_state();
     summary->set_format_version(model::kSparseStateVersion);
-    summary->set_bytes_written(state_blob.size());
+    summary->set_bytes_written(j.state_blob.size());
     summary->set_observation_window_tokens(static_cast<uint32_t>(state->tail_rows));
     summary->set_score_block_tokens(1);
     t_state_end = Clock::now();
-    if (crc) summary->set_checksum(transfer::Crc32c(state_blob.data(), state_blob.size()));
+    if (j.crc) summary->set_checksum(transfer::Crc32c(j.state_blob.data(), j.state_blob.size()));
   }
 
   // 5. The first token, then wait until every write has landed.
-  model::Sampler sampler(sampling);
-  const int32_t first = sampler.Sample(logits);
+  model::Sampler sampler(j.sampling);
+  const int32_t first = sampler.Sample(j.logits);
   const Clock::time_point t_all_computed = Clock::now();
   const Clock::time_point t_first_submit = submitted.first_submit();
   absl::Status landed = submitted.WaitAll();
   if (!landed.ok()) {
-    return Annotate(landed, absl::StrCat(who, "KV writes did not complete: "));
+    return Annotate(landed, absl::StrCat(j.who, "KV writes did not complete: "));
   }
   const Clock::time_point t_end = Clock::now();
 
   response.set_first_token_id(static_cast<uint32_t>(first));
-  response.set_prompt_tokens(static_cast<uint32_t>(n));
+  response.set_prompt_tokens(static_cast<uint32_t>(j.n));
   response.set_checksum_algorithm(kv.checksum_algorithm());
-  if (crc) {
-    for (uint64_t c : checksums) response.add_layer_checksums(c);
+  if (j.crc) {
+    for (uint64_t c : j.checksums) response.add_layer_checksums(c);
   }
-  response.set_kv_bytes_written(staging.size());
+  response.set_kv_bytes_written(j.staging.size());
   v1::PrefillTiming* timing = response.mutable_timing();
-  timing->set_compute_us(MicrosBetween(t_compute, t_compute_end));
+  timing->set_compute_us(MicrosBetween(j.t_compute, j.t_compute_end));
   timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));
-  timing->set_sparse_state_us(MicrosBetween(t_compute_end, t_state_end));
+  timing->set_sparse_state_us(MicrosBetween(j.t_compute_end, t_state_end));
   timing->set_transfer_tail_us(MicrosBetween(t_all_computed, t_end));
-  timing->set_total_us(MicrosBetween(t_start, t_end));
+  timing->set_total_us(MicrosBetween(j.t_start, t_end));
   return response;
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest& request,
+                                                       const std::function<bool()>& cancelled) const {
+  absl::StatusOr<v1::PrefillResponse> result = absl::InternalError("no reply");
+  const v1::PrefillRequest* one[] = {&request};
+  const std::function<bool()> fns[] = {cancelled};
+  RunBatch(one, fns, [&](size_t, absl::StatusOr<v1::PrefillResponse> r) { result = std::move(r); });
+  return result;
+}
+
+void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> requests,
+                             absl::Span<const std::function<bool()>> cancelled,
+                             const Reply& reply) const {
+  // Validate and connect each request; one that fails is answered at once.
+  std::vector<std::unique_ptr<Job>> jobs;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
+    if (!job.ok()) {
+      reply(i, job.status());
+      continue;
+    }
+    (*job)->index = i;
+    jobs.push_back(std::move(*job));
+  }
+  if (jobs.empty()) return;
+  const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
+  const Clock::time_point t_compute = Clock::now();
+  for (auto& j : jobs) j->t_compute = t_compute;
+  if (jobs.size() == 1) {
+    // Alone: the plain forward, piece by piece.
+    Job& j = *jobs[0];
+    for (int64_t first = 0; first < j.n && j.forward.ok(); first += piece) {
+      j.forward = model_->Forward(*j.seq,
+                                  absl::MakeConstSpan(j.prompt).subspan(first,
+                                                                        std::min(piece, j.n - first)),
+                                  &j.logits);
+    }
+    j.t_compute_end = Clock::now();
+  } else {
+    // Together: piece p of every request still computing goes through one batched forward. A
+    // request whose hook fails (cancelled, a send refused) leaves the batch; it is answered as
+    // soon as its writes stopped, without waiting for the others.
+    std::vector<model::Sequence*> seqs;
+    std::vector<absl::Span<const int32_t>> spans;
+    std::vector<Job*> in;
+    std::vector<std::vector<float>> logits;
+    std::vector<absl::Status> statuses;
+    for (int64_t first = 0;; first += piece) {
+      seqs.clear();
+      spans.clear();
+      in.clear();
+      for (auto& j : jobs) {
+        if (!j->forward.ok() || first >= j->n) continue;
+        in.push_back(j.get());
+        seqs.push_back(j->seq.get());
+        spans.push_back(absl::MakeConstSpan(j->prompt).subspan(first, std::min(piece, j->n - first)));
+      }
+      if (in.empty()) break;
+      absl::Status s = model_->ForwardBatch(seqs, spans, &logits, &statuses);
+      const Clock::time_point now = Clock::now();
+      for (size_t b = 0; b < in.size(); ++b) {
+        Job& j = *in[b];
+        j.forward = s.ok() ? statuses[b] : s;
+        if (!j.forward.ok()) {
+          j.t_compute_end = now;
+          reply(j.index, Finish(j));  // waits for its writes first
+        } else if (first + piece >= j.n) {
+          j.logits = std::move(logits[b]);
+          j.t_compute_end = now;
+        }
+      }
+    }
+  }
+  for (auto& j : jobs) {
+    if (j->forward.ok()) reply(j->index, Finish(*j));
+  }
 }
 
 }  // namespace fluxion::prefill

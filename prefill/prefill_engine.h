@@ -9,12 +9,15 @@
 // "Any reply means the prefill node stopped writing" (prefill.proto): Run() returns only after
 // every batch it submitted has completed or failed, also when cancelled between layers.
 //
-// Thread-safe: Run() may be called from several threads (each call owns its buffers); the
-// service serialises calls anyway so that one prompt gets both cores.
+// Thread-safe: Run()/RunBatch() may be called from several threads (each call owns its buffers);
+// the service runs one batch at a time so that it gets every core.
 #ifndef FLUXION_PREFILL_PREFILL_ENGINE_H_
 #define FLUXION_PREFILL_PREFILL_ENGINE_H_
 
 #include <functional>
+#include <memory>
+
+#include "absl/types/span.h"
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -53,9 +56,28 @@ class PrefillEngine {
   absl::StatusOr<fluxion::v1::PrefillResponse> Run(const fluxion::v1::PrefillRequest& request,
                                                    const std::function<bool()>& cancelled) const;
 
+  // Several requests through one batched forward (model::Model::ForwardBatch): piece p of every
+  // request still computing is stacked into one forward, each request keeping its own sends after
+  // every piece of every layer, checksums, sparse state and cancellation checks. `reply(i, ...)`
+  // is called exactly once per request, from this thread, after that request's writes completed
+  // or failed: a request rejected by validation at once, one that fails or is cancelled
+  // mid-batch as soon as it left the batch (the others go on unharmed), the rest after the
+  // forward. One request alone runs exactly as Run(). REQUIRES: cancelled.size() ==
+  // requests.size().
+  using Reply = std::function<void(size_t, absl::StatusOr<fluxion::v1::PrefillResponse>)>;
+  void RunBatch(absl::Span<const fluxion::v1::PrefillRequest* const> requests,
+                absl::Span<const std::function<bool()>> cancelled, const Reply& reply) const;
+
   const fluxion::v1::ModelLayout& layout() const { return layout_; }
 
  private:
+  struct Job;
+  absl::StatusOr<std::unique_ptr<Job>> Prepare(const fluxion::v1::PrefillRequest& request,
+                                               const std::function<bool()>& cancelled) const;
+  absl::Status Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const;
+  absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
+  absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
+
   const model::Model* const model_;
   transfer::Transport* const transport_;
   const fluxion::v1::ModelLayout layout_;

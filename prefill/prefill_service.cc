@@ -1,6 +1,9 @@
 #include "prefill/prefill_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
@@ -37,37 +40,64 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
   }
   auto live = std::make_shared<Live>();
   live->prompt_tokens = request->prompt_token_ids_size();
+  live->request = request;
+  // Cancelled by Abort or by the caller; read by this thread and, inside a batch, its leader.
+  live->cancelled = [l = live.get(), context] { return l->aborted.load() || context->IsCancelled(); };
   {
     absl::MutexLock lock(&mu_);
+    live->arrival = next_arrival_++;
     if (!live_.emplace(id, live).second) {
       return ToGrpcStatus(absl::AlreadyExistsError(
           absl::StrCat("request '", id, "' is already being prefilled here")));
     }
   }
-  auto cancelled = [&] { return live->aborted.load() || context->IsCancelled(); };
-  // Wait for the compute slot (arrival order is not guaranteed, but no waiter starves: each
-  // finished prompt wakes them all).
-  absl::Status status;
+  // Wait until this request is answered inside another call's batch, or the compute slot is
+  // free: then this call leads a batch of itself and the requests queued behind it (arrival
+  // order, up to max_batch_tokens prompt tokens: docs/SERVING.md "Batching") and hands each its
+  // reply. No waiter starves: each finished batch wakes them all.
+  std::vector<std::shared_ptr<Live>> batch;
   {
     absl::MutexLock lock(&mu_);
-    while (busy_ && !cancelled()) {
-      mu_.AwaitWithTimeout(absl::Condition(
-                               +[](bool* busy) { return !*busy; }, &busy_),
-                           absl::Milliseconds(20));
+    while (!live->done && (live->running || (busy_ && !live->cancelled()))) {
+      batch_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
     }
-    if (!busy_) {
+    if (!live->running && !busy_ && !live->cancelled()) {
       busy_ = true;
-      live->running = true;
+      batch = PickBatchLocked(live);
     }
   }
-  const auto t_start = std::chrono::steady_clock::now();
+  if (!batch.empty()) {
+    const auto t_batch = std::chrono::steady_clock::now();
+    std::vector<const v1::PrefillRequest*> requests;
+    std::vector<std::function<bool()>> cancelled;
+    for (const auto& b : batch) {
+      b->t_start = t_batch;
+      requests.push_back(b->request);
+      cancelled.push_back(b->cancelled);
+    }
+    engine_->RunBatch(requests, cancelled,
+                      [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
+                        absl::MutexLock lock(&mu_);
+                        batch[i]->result = std::move(r);
+                        batch[i]->done = true;
+                        EraseLocked(batch[i]);  // its writes stopped: no longer running
+                        batch_cv_.SignalAll();
+                      });
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+    if (batch.size() > 1) {
+      ++metrics_.batches;
+      metrics_.batched_requests += batch.size();
+    }
+    batch_cv_.SignalAll();
+  }
+  const auto t_start = live->done ? live->t_start : std::chrono::steady_clock::now();
   absl::StatusOr<v1::PrefillResponse> result =
-      live->running ? engine_->Run(*request, cancelled)
-                    : absl::CancelledError(absl::StrCat("request '", id, "' aborted while queued"));
+      live->done ? std::move(live->result)
+                 : absl::CancelledError(absl::StrCat("request '", id, "' aborted while queued"));
   {
     absl::MutexLock lock(&mu_);
-    if (live->running) busy_ = false;
-    live_.erase(id);
+    EraseLocked(live);
     if (result.ok()) {
       ++metrics_.requests_ok;
       metrics_.prompt_tokens += live->prompt_tokens;
@@ -86,6 +116,34 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
   timing->set_total_us(timing->total_us() + timing->queue_us());
   if (node_metrics_ != nullptr) node_metrics_->OnComputed(*timing);
   return grpc::Status::OK;
+}
+
+void PrefillServiceImpl::EraseLocked(const std::shared_ptr<Live>& live) {
+  auto it = live_.find(live->request->request_id());
+  if (it != live_.end() && it->second == live) live_.erase(it);
+}
+
+std::vector<std::shared_ptr<PrefillServiceImpl::Live>> PrefillServiceImpl::PickBatchLocked(
+    const std::shared_ptr<Live>& leader) {
+  std::vector<std::shared_ptr<Live>> batch = {leader};
+  leader->running = true;
+  uint64_t tokens = leader->prompt_tokens;
+  if (max_batch_tokens_ <= 0) return batch;
+  std::vector<std::shared_ptr<Live>> queued;
+  for (const auto& [id, l] : live_) {
+    if (l != leader && !l->running && !l->done && l->request != nullptr && !l->cancelled()) {
+      queued.push_back(l);
+    }
+  }
+  std::sort(queued.begin(), queued.end(),
+            [](const auto& x, const auto& y) { return x->arrival < y->arrival; });
+  for (const auto& l : queued) {
+    if (tokens + l->prompt_tokens > static_cast<uint64_t>(max_batch_tokens_)) break;
+    tokens += l->prompt_tokens;
+    l->running = true;
+    batch.push_back(l);
+  }
+  return batch;
 }
 
 grpc::Status PrefillServiceImpl::Abort(grpc::ServerContext* context,

@@ -1,7 +1,10 @@
 // fluxion.v1.PrefillService on a PrefillEngine: Prefill, Abort, GetLoad.
 //
-// One prompt computes at a time (the model's kernels already use every core; batching several
-// prompts into one forward is not done yet): requests wait in arrival order, counted by GetLoad.
+// One batch computes at a time (the model's kernels already use every core). A call that finds
+// the compute slot free leads a batch: itself and the requests queued behind it, in arrival order
+// up to SetMaxBatchTokens() prompt tokens, through one batched forward (PrefillEngine::RunBatch);
+// each call replies once the leader hands it its result. Queued and running calls are counted by
+// GetLoad (running = in the current batch).
 // A request is cancelled by Abort (by id) or by its caller cancelling the call; both are checked
 // while it waits and between layers, and the reply comes only after its writes stopped.
 //
@@ -10,10 +13,13 @@
 #define FLUXION_PREFILL_PREFILL_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -30,6 +36,9 @@ struct PrefillMetrics {
   uint64_t requests_cancelled = 0;
   uint64_t requests_failed = 0;
   uint64_t prompt_tokens = 0;
+  // Forwards that ran several requests together (prefill batching), and the requests in them.
+  uint64_t batches = 0;
+  uint64_t batched_requests = 0;
   transfer::TransportMetrics transport;
 };
 
@@ -55,6 +64,9 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
 
   // While draining, new Prefill calls are refused with UNAVAILABLE; running ones finish.
   void SetDraining(bool draining) { draining_ = draining; }
+  // Up to this many prompt tokens of queued requests run through one batched forward (a request
+  // larger than that still runs, alone); 0 (the default here) runs one request at a time.
+  void SetMaxBatchTokens(int64_t tokens) { max_batch_tokens_ = tokens; }
   int64_t live_requests() const;
 
  private:
@@ -65,8 +77,20 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   struct Live {
     std::atomic<bool> aborted{false};
     uint64_t prompt_tokens = 0;
-    bool running = false;
+    // Guarded by mu_ (set before the call waits; `result` written by the batch's leader):
+    const fluxion::v1::PrefillRequest* request = nullptr;
+    std::function<bool()> cancelled;
+    uint64_t arrival = 0;
+    bool running = false;  // in a batch
+    bool done = false;     // `result` is the reply; its writes stopped
+    absl::StatusOr<fluxion::v1::PrefillResponse> result{absl::UnknownError("no reply yet")};
+    std::chrono::steady_clock::time_point t_start;  // its batch started
   };
+  // Marks `leader` and the queued requests that fit (arrival order) running; returns them.
+  std::vector<std::shared_ptr<Live>> PickBatchLocked(const std::shared_ptr<Live>& leader)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `live` from live_ if it is still there (a finished batch member leaves at once).
+  void EraseLocked(const std::shared_ptr<Live>& live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PrefillEngine* const engine_;
   const transfer::Transport* const transport_;
@@ -76,7 +100,10 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a prompt is computing
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a batch is computing
+  absl::CondVar batch_cv_;                  // a batch ended or a reply is ready
+  uint64_t next_arrival_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> max_batch_tokens_{0};
   PrefillMetrics metrics_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -7,12 +7,16 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
@@ -426,6 +430,205 @@ TEST_F(ServingFailureTest, IncompatiblePrefillNodeIsRefusedNamingTheField) {
       << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("page_tokens"), std::string::npos)
       << r.status.error_message();
+}
+
+// Prefill batching (docs/SERVING.md "Batching"): requests that queue behind a running prefill
+// go through one batched forward, and every request still gets its own KV, checksums, sparse state
+// and reply. The proof of batching is the prefill node's GetLoad: running_requests counts the
+// requests of the batch being computed (it never exceeded 1 before batching).
+class ServingPrefillBatchTest : public ServingFailureTest {
+ protected:
+  // Polls the prefill node's load every 10 ms until stopped; the largest running_requests seen.
+  class RunningPoller {
+   public:
+    explicit RunningPoller(const std::string& address)
+        : thread_([this, address] {
+            while (!stop_) {
+              max_ = std::max(max_.load(), PrefillLoadOf(address).running_requests());
+              absl::SleepFor(absl::Milliseconds(10));
+            }
+          }) {}
+    uint32_t Stop() {
+      stop_ = true;
+      thread_.join();
+      return max_;
+    }
+
+   private:
+    std::atomic<bool> stop_{false};
+    std::atomic<uint32_t> max_{0};
+    std::thread thread_;
+  };
+};
+
+TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingleProcess) {
+  auto slow = SlowPrefill(100);  // the first prompt computes for 6 x 100 ms; the others queue
+  ASSERT_NE(slow, nullptr);
+  const std::vector<std::vector<uint32_t>> prompts = {
+      BytePrompt(kPromptText), BytePrompt("x"), BytePrompt("Remember the river: it is calm."),
+      BytePrompt(kPromptText + " The key to the red vault is 9902. The key to the red vault is")};
+  constexpr uint32_t kTokens = 12;
+  std::vector<GenerateResult> results(prompts.size());
+  RunningPoller poller(slow->address());
+  std::vector<std::thread> threads;
+  auto start = [&](size_t i) {
+    threads.emplace_back([&, i] {
+      results[i] = pair_->client->Generate(GreedyRequest("batched-" + std::to_string(i),
+                                                         prompts[i], kTokens, "full",
+                                                         slow->address()));
+    });
+  };
+  start(0);
+  absl::SleepFor(absl::Milliseconds(150));
+  for (size_t i = 1; i < prompts.size(); ++i) start(i);
+  for (auto& t : threads) t.join();
+  const uint32_t max_running = poller.Stop();
+  EXPECT_GE(max_running, 3u) << "the three queued prompts were not prefilled in one batch";
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].tokens, ReferenceTokens(prompts[i], kTokens, /*paged=*/true))
+        << "prompt " << i << " (" << prompts[i].size() << " tokens)";
+  }
+  const v1::PrefillLoad pl = PrefillLoadOf(slow->address());
+  EXPECT_EQ(pl.running_requests(), 0u);
+  EXPECT_EQ(pl.queued_requests(), 0u);
+}
+
+TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorrect) {
+  auto slow = SlowPrefill(150);  // each forward: 6 x 150 ms
+  ASSERT_NE(slow, nullptr);
+  const std::vector<std::vector<uint32_t>> prompts = {
+      BytePrompt(kPromptText), BytePrompt("Remember the river: it is calm."),
+      BytePrompt("The key to the green vault is 1234. The key to the green vault is")};
+  constexpr uint32_t kTokens = 12;
+  std::vector<GenerateResult> results(prompts.size());
+  RunningPoller poller(slow->address());
+  std::vector<std::thread> threads;
+  auto start = [&](size_t i) {
+    threads.emplace_back([&, i] {
+      results[i] = pair_->client->Generate(GreedyRequest("kept-" + std::to_string(i), prompts[i],
+                                                         kTokens, "full", slow->address()));
+    });
+  };
+  start(0);
+  absl::SleepFor(absl::Milliseconds(150));
+  for (size_t i = 1; i < prompts.size(); ++i) start(i);
+  // Queued with them; cancelled once the batch of three is seen computing, a layer into it.
+  grpc::ClientContext cancel_context;
+  grpc::Status cancelled;
+  std::thread cancel_thread([&] {
+    auto reader = pair_->client->stub().Generate(
+        &cancel_context, GreedyRequest("cancelled-in-batch", BytePrompt(kPromptText + " and"),
+                                       kTokens, "full", slow->address()));
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+    }
+    cancelled = reader->Finish();
+  });
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (PrefillLoadOf(slow->address()).running_requests() < 3 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time cancelled_at = absl::Now();
+  cancel_context.TryCancel();
+  cancel_thread.join();
+  const absl::Duration cancel_returned = absl::Now() - cancelled_at;
+  for (auto& t : threads) t.join();
+  const uint32_t max_running = poller.Stop();
+  EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED) << cancelled.error_message();
+  EXPECT_LT(cancel_returned, absl::Seconds(1));
+  EXPECT_GE(max_running, 3u) << "the cancelled request was not batched with two others";
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].tokens, ReferenceTokens(prompts[i], kTokens, /*paged=*/true))
+        << "prompt " << i;
+  }
+  // TearDown: every page of the cancelled request came back too.
+}
+
+// Prefill throughput for 4 concurrent 1K-token prompts, batching on (--max-batch-tokens 4096)
+// against off (0), runs interleaved (alternating which goes first) because the machine is noisy.
+// Not a test: run with --gtest_also_run_disabled_tests --gtest_filter='*PrefillBatchThroughput*'
+// (FLUXION_BENCH_ROUNDS, default 5). Throughput = prompt tokens / wall time from sending the 4
+// Generate calls (max_tokens 1, policy full) until the last returned.
+TEST(ServingPrefillBatchBench, DISABLED_PrefillBatchThroughput) {
+  const char* rounds_env = std::getenv("FLUXION_BENCH_ROUNDS");
+  const int rounds = rounds_env != nullptr ? std::atoi(rounds_env) : 5;
+  constexpr int kPrompts = 4, kTokens = 1024;
+  std::map<std::string, std::unique_ptr<ServerProcess>> prefill;
+  for (const std::string mode : {"on", "off"}) {
+    std::vector<std::string> args = {"--model", TinyModelDir(), "--max-batch-tokens",
+                                     mode == "on" ? "4096" : "0"};
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    args.insert(args.end(), ucx.begin(), ucx.end());
+    prefill[mode] = ServerProcess::Start("prefill", args);
+    ASSERT_NE(prefill[mode], nullptr);
+  }
+  // Its own decode node, with room for all four prompts at once (each needs 1536 pages).
+  std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "16384",
+                                    "--nohuge-pages"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  dargs.insert(dargs.end(), ucx.begin(), ucx.end());
+  auto decode = ServerProcess::Start("decode", dargs);
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; i < kPrompts; ++i) {
+    std::string text;
+    while (text.size() < kTokens) {
+      text += "Request " + std::to_string(i) + ": the key to vault " + std::to_string(text.size()) +
+              " is " + std::to_string(1000 + 7 * text.size() + i) + ". ";
+    }
+    prompts.push_back(BytePrompt(text.substr(0, kTokens)));
+  }
+  auto run = [&](const std::string& mode, int round, uint32_t* max_running) {
+    std::atomic<bool> stop{false};
+    std::atomic<uint32_t> seen{0};
+    std::thread poller([&] {
+      while (!stop) {
+        seen = std::max(seen.load(), PrefillLoadOf(prefill[mode]->address()).running_requests());
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    });
+    std::vector<GenerateResult> results(kPrompts);
+    std::vector<std::thread> threads;
+    const absl::Time t0 = absl::Now();
+    for (int i = 0; i < kPrompts; ++i) {
+      threads.emplace_back([&, i] {
+        results[i] = client.Generate(GreedyRequest(
+            absl::StrCat("bench-", mode, "-", round, "-", i), prompts[i], 1, "full",
+            prefill[mode]->address()), absl::Seconds(300));
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+    stop = true;
+    poller.join();
+    for (const auto& r : results) EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    *max_running = seen;
+    return secs;
+  };
+  uint32_t ignored;
+  run("on", -1, &ignored);  // warm-up of both
+  run("off", -1, &ignored);
+  std::map<std::string, std::vector<double>> tps;
+  std::printf("round mode  wall_s  prompt_tok_per_s  max_batch\n");
+  for (int r = 0; r < rounds; ++r) {
+    for (const std::string& mode : r % 2 == 0 ? std::vector<std::string>{"on", "off"}
+                                              : std::vector<std::string>{"off", "on"}) {
+      uint32_t max_running = 0;
+      const double secs = run(mode, r, &max_running);
+      tps[mode].push_back(kPrompts * kTokens / secs);
+      std::printf("%5d %-4s %7.3f %17.1f %10u\n", r, mode.c_str(), secs, tps[mode].back(),
+                  max_running);
+    }
+  }
+  for (auto& [mode, v] : tps) {
+    std::sort(v.begin(), v.end());
+    std::printf("batching %-3s median %.1f prompt tok/s (min %.1f, max %.1f, %zu runs)\n",
+                mode.c_str(), v[v.size() / 2], v.front(), v.back(), v.size());
+  }
 }
 
 TEST(ServingDrainTest, SigtermRefusesNewRequestsAndLetsRunningOnesFinish) {
