@@ -4,9 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <ctime>
-#include <fstream>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +13,7 @@
 #include "cluster/router_service.h"
 #include "common/flag_set.h"
 #include "common/metrics_http.h"
+#include "common/server_main.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -81,34 +80,22 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   metrics::Registry& registry = metrics::Registry::Default();
   RouterService service(backends->get(), router_options, &registry);
 
-  std::unique_ptr<metrics::MetricsHttpServer> metrics_server;
-  if (!metrics_listen.empty()) {
-    auto started = metrics::MetricsHttpServer::Start(metrics_listen, &registry);
-    if (!started.ok()) {
-      std::cerr << "error: " << started.status().message() << "\n";
-      return 1;
-    }
-    metrics_server = std::move(*started);
-  }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "error: cannot listen on " << listen << " (port in use or bad address)\n";
+  auto metrics_started = serving::StartMetricsIfRequested(metrics_listen, &registry);
+  if (!metrics_started.ok()) {
+    std::cerr << "error: " << metrics_started.status().message() << "\n";
     return 1;
   }
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
+  int port = 0;
+  auto server_started = serving::StartGrpcServer(listen, &service, &port);
+  if (!server_started.ok()) {
+    std::cerr << "error: " << server_started.status().message() << "\n";
+    return 1;
+  }
+  std::unique_ptr<grpc::Server> server = std::move(*server_started);
   auto* health = server->GetHealthCheckService();
-  // Port files appear whole (write, then rename), so a reader never sees a partial number.
-  auto write_port = [](const std::string& path, int value) {
-    if (path.empty()) return;
-    std::ofstream(path + ".tmp") << value << "\n";
-    std::rename((path + ".tmp").c_str(), path.c_str());
-  };
-  if (metrics_server) write_port(metrics_port_file, metrics_server->port());
-  write_port(port_file, port);
+  if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
+  serving::WritePortFile(port_file, port);
   std::cout << "router: serving fluxion.v1.DecodeService on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << "; decode " << absl::StrJoin(decode, ",") << absl::StrJoin(decode_dns, ",")

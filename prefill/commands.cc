@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <csignal>
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -11,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
 #include "common/metrics_http.h"
+#include "common/server_main.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -113,40 +113,30 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   service.SetMaxBatchTokens(max_batch_tokens);
   node_metrics.Attach(&service);
   // Declared after everything its callbacks read, so it stops serving before they go away.
-  std::unique_ptr<metrics::MetricsHttpServer> metrics_server;
-  if (!metrics_listen.empty()) {
-    auto started = metrics::MetricsHttpServer::Start(metrics_listen, &metrics::Registry::Default());
-    if (!started.ok()) {
-      std::cerr << "error: --metrics-listen " << metrics_listen << ": " << started.status() << "\n";
-      return 1;
-    }
-    metrics_server = std::move(*started);
-  }
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::cerr << "error: cannot serve on " << listen << "\n";
+  auto metrics_started =
+      serving::StartMetricsIfRequested(metrics_listen, &metrics::Registry::Default());
+  if (!metrics_started.ok()) {
+    std::cerr << "error: --metrics-listen " << metrics_listen << ": " << metrics_started.status()
+              << "\n";
     return 1;
   }
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
+
+  int port = 0;
+  auto server_started = serving::StartGrpcServer(listen, &service, &port);
+  if (!server_started.ok()) {
+    std::cerr << "error: " << server_started.status().message() << "\n";
+    return 1;
+  }
+  std::unique_ptr<grpc::Server> server = std::move(*server_started);
   // Ready: the model is loaded and UCX is up (docs/PROTOCOL.md, Health).
   server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, true);
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << "\n";
-  // Port files appear whole (write, then rename); the metrics one first, so a reader that sees
-  // the gRPC port file also finds the metrics port.
-  auto write_port = [](const std::string& path, int value) {
-    if (path.empty()) return;
-    std::ofstream(path + ".tmp") << value << "\n";
-    std::rename((path + ".tmp").c_str(), path.c_str());
-  };
-  if (metrics_server) write_port(metrics_port_file, metrics_server->port());
-  write_port(port_file, port);
+  // The metrics port file first, so a reader that sees the gRPC port file also finds it.
+  if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
+  serving::WritePortFile(port_file, port);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
