@@ -128,6 +128,10 @@ struct PrefillEngine::Job {
   std::vector<int32_t> prompt;
   std::vector<float> logits;
   absl::Status forward;
+  // In a batch: answers this request the moment its hook fails (it then leaves the batch), so it
+  // does not wait for the rest of the others' piece. Null when alone.
+  const Reply* early_reply = nullptr;
+  bool replied = false;
 
   ~Job() {
     if (submitted != nullptr) (void)submitted->WaitAll();
@@ -286,7 +290,14 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->sent.assign(shape.num_layers, 0);
   auto owned = std::make_unique<SendingAttention>(
       shape, n, [this, j](int layer, int64_t first, int64_t end) -> absl::Status {
-        return OnRows(*j, layer, first, end);
+        absl::Status s = OnRows(*j, layer, first, end);
+        if (!s.ok() && j->early_reply != nullptr && !j->replied) {
+          j->forward = s;
+          j->t_compute_end = Clock::now();
+          (*j->early_reply)(j->index, Finish(*j));  // waits for its writes first
+          j->replied = true;
+        }
+        return s;
       });
   j->attention = owned.get();
   j->seq = std::make_unique<model::Sequence>(std::move(owned));
@@ -473,13 +484,14 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
     j.t_compute_end = Clock::now();
   } else {
     // Together: piece p of every request still computing goes through one batched forward. A
-    // request whose hook fails (cancelled, a send refused) leaves the batch; it is answered as
-    // soon as its writes stopped, without waiting for the others.
+    // request whose hook fails (cancelled, a send refused) leaves the batch at that layer and is
+    // answered from the hook, once its writes stopped, without waiting for the others.
     std::vector<model::Sequence*> seqs;
     std::vector<absl::Span<const int32_t>> spans;
     std::vector<Job*> in;
     std::vector<std::vector<float>> logits;
     std::vector<absl::Status> statuses;
+    for (auto& j : jobs) j->early_reply = &reply;
     for (int64_t first = 0;; first += piece) {
       seqs.clear();
       spans.clear();
@@ -497,8 +509,11 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
         Job& j = *in[b];
         j.forward = s.ok() ? statuses[b] : s;
         if (!j.forward.ok()) {
-          j.t_compute_end = now;
-          reply(j.index, Finish(j));  // waits for its writes first
+          if (!j.replied) {  // failed outside its hook (not expected: inputs were validated)
+            j.t_compute_end = now;
+            reply(j.index, Finish(j));  // waits for its writes first
+            j.replied = true;
+          }
         } else if (first + piece >= j.n) {
           j.logits = std::move(logits[b]);
           j.t_compute_end = now;
@@ -506,8 +521,9 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
       }
     }
   }
-  for (auto& j : jobs) {
-    if (j->forward.ok()) reply(j->index, Finish(*j));
+  for (auto& j : jobs) {  // the rest, in order; Finish answers a failed forward with its error
+    if (!j->replied) reply(j->index, Finish(*j));
+    j->replied = true;
   }
 }
 

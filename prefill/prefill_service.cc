@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -67,29 +68,14 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
     }
   }
   if (!batch.empty()) {
-    const auto t_batch = std::chrono::steady_clock::now();
-    std::vector<const v1::PrefillRequest*> requests;
-    std::vector<std::function<bool()>> cancelled;
-    for (const auto& b : batch) {
-      b->t_start = t_batch;
-      requests.push_back(b->request);
-      cancelled.push_back(b->cancelled);
-    }
-    engine_->RunBatch(requests, cancelled,
-                      [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
-                        absl::MutexLock lock(&mu_);
-                        batch[i]->result = std::move(r);
-                        batch[i]->done = true;
-                        EraseLocked(batch[i]);  // its writes stopped: no longer running
-                        batch_cv_.SignalAll();
-                      });
+    // The batch computes on its own thread, so that this call, like every other in the batch,
+    // replies as soon as its own result is in (a request cancelled mid-batch need not wait for
+    // the others). Only the holder of busy_ touches batch_thread_: the previous batch's thread
+    // has released busy_ and is returning, so the join is immediate.
+    if (batch_thread_.joinable()) batch_thread_.join();
+    batch_thread_ = std::thread([this, batch] { RunBatch(batch); });
     absl::MutexLock lock(&mu_);
-    busy_ = false;
-    if (batch.size() > 1) {
-      ++metrics_.batches;
-      metrics_.batched_requests += batch.size();
-    }
-    batch_cv_.SignalAll();
+    while (!live->done) batch_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
   }
   const auto t_start = live->done ? live->t_start : std::chrono::steady_clock::now();
   absl::StatusOr<v1::PrefillResponse> result =
@@ -116,6 +102,44 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
   timing->set_total_us(timing->total_us() + timing->queue_us());
   if (node_metrics_ != nullptr) node_metrics_->OnComputed(*timing);
   return grpc::Status::OK;
+}
+
+PrefillServiceImpl::~PrefillServiceImpl() {
+  if (batch_thread_.joinable()) batch_thread_.join();
+}
+
+void PrefillServiceImpl::RunBatch(const std::vector<std::shared_ptr<Live>>& batch) {
+  const auto t_batch = std::chrono::steady_clock::now();
+  std::vector<const v1::PrefillRequest*> requests;
+  std::vector<std::function<bool()>> cancelled;
+  for (const auto& b : batch) {
+    b->t_start = t_batch;
+    requests.push_back(b->request);
+    cancelled.push_back(b->cancelled);
+  }
+  // Each request's call waits until its `done`, so `requests[i]` and `cancelled[i]` stay valid
+  // until its reply is handed over, after which the engine no longer uses them.
+  engine_->RunBatch(requests, cancelled, [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
+    absl::MutexLock lock(&mu_);
+    batch[i]->result = std::move(r);
+    batch[i]->done = true;
+    EraseLocked(batch[i]);  // its writes stopped: no longer running
+    batch_cv_.SignalAll();
+  });
+  absl::MutexLock lock(&mu_);
+  for (const auto& b : batch) {  // the engine answers each request once; never leave one waiting
+    if (!b->done) {
+      b->result = absl::InternalError("the prefill engine gave this request no reply");
+      b->done = true;
+      EraseLocked(b);
+    }
+  }
+  busy_ = false;
+  if (batch.size() > 1) {
+    ++metrics_.batches;
+    metrics_.batched_requests += batch.size();
+  }
+  batch_cv_.SignalAll();
 }
 
 void PrefillServiceImpl::EraseLocked(const std::shared_ptr<Live>& live) {

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -50,6 +51,7 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   PrefillServiceImpl(const PrefillEngine* engine, const transfer::Transport* transport,
                      const fluxion::v1::ServerInfo& info,
                      PrefillNodeMetrics* node_metrics = nullptr);
+  ~PrefillServiceImpl() override;  // joins the last batch's thread
 
   grpc::Status Prefill(grpc::ServerContext* context, const fluxion::v1::PrefillRequest* request,
                        fluxion::v1::PrefillResponse* response) override;
@@ -91,6 +93,9 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `live` from live_ if it is still there (a finished batch member leaves at once).
   void EraseLocked(const std::shared_ptr<Live>& live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `batch` (its members marked running, busy_ held) and hands each member its result;
+  // releases busy_ at the end. Runs on batch_thread_.
+  void RunBatch(const std::vector<std::shared_ptr<Live>>& batch) ABSL_LOCKS_EXCLUDED(mu_);
 
   const PrefillEngine* const engine_;
   const transfer::Transport* const transport_;
@@ -104,6 +109,7 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   absl::CondVar batch_cv_;                  // a batch ended or a reply is ready
   uint64_t next_arrival_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> max_batch_tokens_{0};
+  std::thread batch_thread_;  // the running (or last) batch; touched only by busy_'s holder
   PrefillMetrics metrics_ ABSL_GUARDED_BY(mu_);
 };
 
