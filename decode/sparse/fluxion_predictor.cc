@@ -16,9 +16,8 @@ using nlohmann::json;
 absl::Status Bad(const std::string& what) {
   return absl::InvalidArgumentError(
       absl::StrCat("fluxion predictor: ", what,
-                   " (regenerate it with tools/fluxion_predictor/train.py, or run without "
-                   "--fluxion-predictor / with --fluxion-predictor none for the rule-based "
-                   "fallback)"));
+                   " (regenerate it with tools/fluxion_predictor/train.py, or pass "
+                   "--fluxion-predictor none for the rule-based fallback)"));
 }
 
 absl::StatusOr<double> FiniteNumber(const json& obj, const std::string& key,
