@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/eval/task_eval.h"
 #include "bench/eval/tasks.h"
+#include "decode/sparse/fluxion_predictor.h"
 #include "gtest/gtest.h"
 #include "model/byte_tokenizer.h"
 #include "model/generator.h"
@@ -78,7 +79,8 @@ TEST(EvalQuickTest, TrainedModelFindsTheNeedleInThreeOfFourOneKPrompts) {
 
 // The sparse policies on the trained model: a change that breaks LFPS or Fluxion (or the paged
 // path under them) loses the needle and fails here. 2K tokens at a 10% budget leave ~140 middle
-// rows per head after sinks and window; full attention solves every sample.
+// rows per head after sinks and window; full attention solves every sample. `fluxion` runs with
+// the committed predictor (which must parse), `fluxion_rules` with the rule-based fallback.
 TEST(EvalQuickTest, TrainedModelFindsTheNeedleWithLfpsAndFluxionAtTenPercent) {
   const std::string dir = SourceDir() + "/models/fluxion-tiny-retrieval";
   auto model = model::Model::Load(dir);
@@ -88,10 +90,14 @@ TEST(EvalQuickTest, TrainedModelFindsTheNeedleWithLfpsAndFluxionAtTenPercent) {
   options.contexts = {2048};
   options.samples = 4;
   options.first_seed = kFirstEvalSeed;
-  options.policies = {"full", "lfps@0.1", "fluxion@0.1"};
+  options.policies = {"full", "lfps@0.1", "fluxion@0.1", "fluxion_rules@0.1"};
+  auto predictor = decode::sparse::ResolvePredictor("", dir);
+  ASSERT_TRUE(predictor.ok()) << predictor.status();
+  ASSERT_NE(*predictor, nullptr) << "no " << decode::sparse::kPredictorFileName << " in " << dir;
+  options.fluxion_predictor = *predictor;
   auto results = RunTaskEval(**model, options);
   ASSERT_TRUE(results.ok()) << results.status();
-  ASSERT_EQ(results->size(), 3u);
+  ASSERT_EQ(results->size(), 4u);
   for (const CellResult& r : *results) {
     EXPECT_GE(r.accuracy, 0.75) << r.policy;
     if (r.policy != "full") {
