@@ -299,22 +299,36 @@ TEST_F(ServingFailureTest, BadArgumentsAreRejectedWithActionableMessages) {
 }
 
 TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
+  // Start from an idle node (an earlier test's request may still be counted for a moment), wait
+  // until the request decodes (running, none prefilling: its first token has been streamed), then
+  // abort until the node reports it aborted. Waiting for a running count alone raced with the
+  // admission (about 1 run in 15 aborted before the request existed).
+  pair_->client->WaitAllPagesFree(absl::Seconds(5));
   GenerateResult r;
   std::thread t([&] {
     r = pair_->client->Generate(GreedyRequest("to-abort", BytePrompt(kPromptText), 100000, "full", ""));
   });
-  // Wait until it decodes, then abort it.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (pair_->client->Load().running_requests() == 0 && absl::Now() < deadline) {
+  for (;;) {
+    const v1::DecodeLoad load = pair_->client->Load();
+    if ((load.running_requests() > 0 && load.prefilling_requests() == 0) ||
+        absl::Now() >= deadline) {
+      break;
+    }
     absl::SleepFor(absl::Milliseconds(5));
   }
-  grpc::ClientContext context;
-  v1::AbortRequest abort;
-  abort.add_request_ids("to-abort");
-  abort.add_request_ids("unknown-id");
-  abort.set_reason("test says stop");
   v1::AbortResponse response;
-  ASSERT_TRUE(pair_->client->stub().Abort(&context, abort, &response).ok());
+  do {
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    abort.add_request_ids("to-abort");
+    abort.add_request_ids("unknown-id");
+    abort.set_reason("test says stop");
+    response.Clear();
+    ASSERT_TRUE(pair_->client->stub().Abort(&context, abort, &response).ok());
+    if (response.aborted_request_ids_size() > 0) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  } while (absl::Now() < deadline);
   t.join();
   ASSERT_EQ(response.aborted_request_ids_size(), 1);
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
@@ -325,10 +339,15 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
 }
 
 TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartialUsage) {
+  // Connections to the prefill node are set up by a short request first, so that the budget
+  // below is spent decoding (on a loaded CI machine set-up plus prefill once took all of 1.5 s and
+  // the call ended before its first token); 2 s of decoding stays far below the arena's 4096
+  // pages (a 4 s budget once filled it: the request was preempted instead).
+  ASSERT_TRUE(pair_->client->Generate(GreedyRequest("budget-warm-up", BytePrompt(kPromptText), 2,
+                                                    "full", ""))
+                  .status.ok());
   v1::GenerateRequest request = GreedyRequest("budget", BytePrompt(kPromptText), 100000, "full", "");
-  // Long enough for connection set-up and the prefill on a loaded 2-core CI machine (1.5 s was
-  // not: the deadline then hit before the first token and the call ended without a stream error).
-  request.set_timeout_ms(4000);
+  request.set_timeout_ms(2000);
   GenerateResult r = pair_->client->Generate(request);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
   ASSERT_TRUE(r.has_error);
