@@ -178,9 +178,17 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
   EXPECT_EQ(a.tokens.size(), 180u);
   EXPECT_EQ(b.tokens.size(), 4u);
 
-  // Finished: load back to idle, the event metrics counted both requests.
+  // Finished: load back to idle, the event metrics counted both requests. The streams end before
+  // the node's bookkeeping does (pages, then the running count, then the request counters), so
+  // each is waited for rather than read once.
   EXPECT_EQ(WaitForSample(*decode_, "fluxion_kv_pages_free", [](double v) { return v == 288; }),
             288);
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_running", [](double v) { return v == 0; }),
+            0);
+  const double e2e_want = (std::isnan(e2e_before) ? 0 : e2e_before) + 2;
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_e2e_request_latency_seconds_count",
+                          [&](double v) { return v == e2e_want; }),
+            e2e_want);
   const std::string after = Scrape(*decode_);
   ExpectPromtoolPasses(after, "decode /metrics (after)");
   EXPECT_EQ(Sample(after, "fluxion_decode_requests_running"), 0);
