@@ -149,7 +149,13 @@ v1::DecodeLoad DecodeClient::Load() {
 v1::DecodeLoad DecodeClient::WaitAllPagesFree(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   v1::DecodeLoad load = Load();
-  while (load.free_kv_pages() != load.total_kv_pages() && absl::Now() < deadline) {
+  // Idle, not only pages: a request's pages come back a moment before it leaves the running
+  // count, and tests that check both after this call raced that gap.
+  auto idle = [](const v1::DecodeLoad& l) {
+    return l.free_kv_pages() == l.total_kv_pages() && l.running_requests() == 0 &&
+           l.prefilling_requests() == 0 && l.waiting_requests() == 0;
+  };
+  while (!idle(load) && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(10));
     load = Load();
   }

@@ -65,7 +65,8 @@ class DecodeClient {
                           absl::Duration deadline = absl::Seconds(60));
   fluxion::v1::DecodeLoad Load();
   fluxion::v1::DecodeService::Stub& stub() { return *stub_; }
-  // Polls GetLoad until every KV page is free (or `timeout`); returns the last load.
+  // Polls GetLoad until the node is idle -- every KV page free and no request running, prefilling
+  // or waiting -- or `timeout` passes; returns the last load.
   fluxion::v1::DecodeLoad WaitAllPagesFree(absl::Duration timeout);
 
  private:
