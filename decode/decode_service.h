@@ -37,6 +37,9 @@ struct DecodeServiceOptions {
   // Policy and budget for requests without GenerateRequest.sparse.
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
+  // Head-property predictor for requests with policy `fluxion` (decode/sparse/fluxion_predictor.h);
+  // null = its rule-based fallback (what `fluxion_rules` always uses).
+  std::shared_ptr<const sparse::FluxionPredictor> fluxion_predictor;
   int64_t page_tokens = 16;
   // Longest a request waits for KV pages (also bounded by its own deadline).
   absl::Duration admission_timeout = absl::Seconds(10);

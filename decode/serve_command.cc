@@ -19,6 +19,7 @@
 #include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -66,6 +67,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                "sparse policy for requests that name none: " +
                    absl::StrJoin(sparse::PolicyNames(), ", "));
   flags.Double("default-budget", &default_budget, "budget for requests that name none");
+  std::string predictor_flag;
+  flags.String("fluxion-predictor", &predictor_flag,
+               "head-property predictor for the `fluxion` policy (JSON from "
+               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "present; `none`: the rule-based fallback");
   flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page");
   flags.Int("kv-pages", &kv_pages, "pages in the host KV arena (each layer x KV head x page)");
@@ -100,6 +106,12 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       std::cerr << "error: --default-policy: " << parsed.status().message() << "\n";
       return 2;
     }
+  }
+
+  auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
+  if (!predictor.ok()) {
+    std::cerr << "error: --fluxion-predictor: " << predictor.status().message() << "\n";
+    return 1;
   }
 
   kernels::cpu::SetNumThreads(static_cast<int>(threads));
@@ -177,6 +189,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.prefill_address = prefill_address;
     options.default_policy = default_policy;
     options.default_budget = default_budget;
+    options.fluxion_predictor = *predictor;
     options.page_tokens = page_tokens;
     options.admission_timeout = absl::Milliseconds(admission_timeout_ms);
     options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);
@@ -215,6 +228,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << kv_pages << " KV pages of " << kv_shape.page_bytes() << " bytes"
               << (arena->explicit_huge_pages() ? " (huge pages)" : "")
               << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
+              << "; fluxion policy: "
+              << (*predictor != nullptr ? "trained head-property predictor" : "rule-based fallback")
               << "\n";
     // The metrics port file first, so a reader that sees the gRPC port file also finds it.
     if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
