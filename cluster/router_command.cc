@@ -94,8 +94,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   }
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
   auto* health = server->GetHealthCheckService();
-  if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
-  serving::WritePortFile(port_file, port);
+  serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   std::cout << "router: serving fluxion.v1.DecodeService on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << "; decode " << absl::StrJoin(decode, ",") << absl::StrJoin(decode_dns, ",")

@@ -1,11 +1,15 @@
 #include "common/server_main.h"
 
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace fluxion::serving {
 
@@ -28,6 +32,36 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfReques
     const std::string& listen, metrics::Registry* registry) {
   if (listen.empty()) return std::unique_ptr<metrics::MetricsHttpServer>();
   return metrics::MetricsHttpServer::Start(listen, registry);
+}
+
+namespace {
+std::atomic<bool> g_stop{false};
+void OnStopSignal(int) { g_stop = true; }
+}  // namespace
+
+void WritePortFiles(const std::string& port_file, int port, const std::string& metrics_port_file,
+                    const metrics::MetricsHttpServer* metrics) {
+  if (metrics != nullptr) WritePortFile(metrics_port_file, metrics->port());
+  WritePortFile(port_file, port);
+}
+
+void WaitForStopSignal() {
+  std::signal(SIGTERM, OnStopSignal);
+  std::signal(SIGINT, OnStopSignal);
+  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
+}
+
+int64_t DrainAndShutdown(grpc::Server* server, const std::string& service_name,
+                         const std::function<void()>& start_draining,
+                         const std::function<int64_t()>& live_requests, absl::Duration timeout) {
+  server->GetHealthCheckService()->SetServingStatus(service_name, false);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  start_draining();
+  const absl::Time deadline = absl::Now() + timeout;
+  while (live_requests() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  const int64_t left = live_requests();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return left;
 }
 
 void WritePortFile(const std::string& path, int value) {

@@ -6,10 +6,13 @@
 #ifndef FLUXION_COMMON_SERVER_MAIN_H_
 #define FLUXION_COMMON_SERVER_MAIN_H_
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "grpcpp/grpcpp.h"
@@ -25,6 +28,22 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
 // The /metrics endpoint on `listen`, or nullptr when `listen` is empty (the flag's "off").
 absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfRequested(
     const std::string& listen, metrics::Registry* registry);
+
+// Writes the metrics port file (when `metrics` runs) and then the gRPC one, so a reader that sees
+// the gRPC port file also finds the metrics port.
+void WritePortFiles(const std::string& port_file, int port, const std::string& metrics_port_file,
+                    const metrics::MetricsHttpServer* metrics);
+
+// Blocks until SIGTERM or SIGINT arrives (installs handlers for both).
+void WaitForStopSignal();
+
+// Drains a node: its service name and the server's overall health go NOT_SERVING,
+// `start_draining` makes the service refuse new requests (UNAVAILABLE), running ones get until
+// `timeout` to finish, then the server shuts down (5 s grace). Returns the requests still live when
+// the drain gave up.
+int64_t DrainAndShutdown(grpc::Server* server, const std::string& service_name,
+                         const std::function<void()>& start_draining,
+                         const std::function<int64_t()>& live_requests, absl::Duration timeout);
 
 // Writes `value` and a newline to `path` (write to path.tmp, then rename, so a reader never sees
 // a partial number). Does nothing for an empty path.

@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <atomic>
-#include <csignal>
 #include <iostream>
 #include <memory>
 
@@ -33,8 +31,6 @@ namespace {
 
 constexpr char kDecodeServiceName[] = "fluxion.v1.DecodeService";
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop = true; }
 
 }  // namespace
 
@@ -231,24 +227,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << "; fluxion policy: "
               << (*predictor != nullptr ? "trained head-property predictor" : "rule-based fallback")
               << "\n";
-    // The metrics port file first, so a reader that sees the gRPC port file also finds it.
-    if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
-    serving::WritePortFile(port_file, port);
-    std::signal(SIGTERM, OnSignal);
-    std::signal(SIGINT, OnSignal);
-    while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
-    // Drain: health NOT_SERVING (the service name and "") and UNAVAILABLE for new requests, let
-    // running ones finish.
-    server->GetHealthCheckService()->SetServingStatus(kDecodeServiceName, false);
-    server->GetHealthCheckService()->SetServingStatus(false);
-    service.SetDraining(true);
-    const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
-    while (service.live_requests() > 0 && absl::Now() < drain_deadline) {
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    std::cerr << "fluxion decode " << node_name << " stopping with " << service.live_requests()
+    serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
+    serving::WaitForStopSignal();
+    // Drain: NOT_SERVING, UNAVAILABLE for new requests, running ones may finish.
+    const int64_t left = serving::DrainAndShutdown(
+        server.get(), kDecodeServiceName, [&] { service.SetDraining(true); },
+        [&] { return service.live_requests(); },
+        absl::Milliseconds(drain_timeout_ms));
+    std::cerr << "fluxion decode " << node_name << " stopped with " << left
               << " requests still live\n";
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
     metrics_server.reset();
     node_metrics.Detach();
   }

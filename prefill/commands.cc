@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <csignal>
 #include <iostream>
 #include <memory>
 
@@ -26,8 +25,6 @@ namespace {
 
 constexpr char kPrefillServiceName[] = "fluxion.v1.PrefillService";
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop = true; }
 
 std::string DefaultNodeName(const std::string& role) {
   char host[256] = {0};
@@ -134,20 +131,12 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << "\n";
-  // The metrics port file first, so a reader that sees the gRPC port file also finds it.
-  if (metrics_server) serving::WritePortFile(metrics_port_file, metrics_server->port());
-  serving::WritePortFile(port_file, port);
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
-  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
-  server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, false);
-  server->GetHealthCheckService()->SetServingStatus(false);
-  service.SetDraining(true);
-  const absl::Time drain_deadline = absl::Now() + absl::Milliseconds(drain_timeout_ms);
-  while (service.live_requests() > 0 && absl::Now() < drain_deadline) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
+  serving::WaitForStopSignal();
+  serving::DrainAndShutdown(
+      server.get(), kPrefillServiceName, [&] { service.SetDraining(true); },
+      [&] { return service.live_requests(); },
+      absl::Milliseconds(drain_timeout_ms));
   metrics_server.reset();
   node_metrics.Detach();
   return 0;
