@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/read_bandwidth.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::bench {
@@ -14,9 +15,7 @@ namespace fluxion::bench {
 // "CPU model, N cores, M GiB, OS" read from /proc and /etc/os-release.
 std::string MachineDescription();
 
-// STREAM-style read probe: GB/s summing a `bytes`-sized buffer with `threads` OpenMP threads
-// (best of `repeats`, after one untimed pass that faults the pages in).
-double MeasureReadBandwidthGbps(size_t bytes, int threads, int repeats = 5);
+using common::MeasureReadBandwidthGbps;  // common/read_bandwidth.h
 
 struct Stats {
   double median = 0, p10 = 0, p90 = 0, min = 0, max = 0;

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "decode/sparse/policy_util.h"
+#include "kernels/cpu/selection.h"
+#include "kernels/cpu/topk.h"
+
 namespace fluxion::decode::sparse {
 
 FluxionPolicy::FluxionPolicy(const PolicyConfig& config,
@@ -20,6 +24,15 @@ absl::Status FluxionPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
     f.local_mass = state->local_mass;
     f.entropy = state->entropy;
     features_[{layer, kv_head}] = f;
+    // The prefill tail's attention mass per middle token (the vertical table), summed per block
+    // of each candidate size: the coverage side of the granularity choice.
+    const int64_t n = std::min<int64_t>(state->vertical.size(), kv.length(layer));
+    const Regions r = SplitContext(config_, n);
+    std::vector<double> mass(state->vertical.begin() + r.sink_end,
+                             state->vertical.begin() + std::max(r.sink_end, r.local_begin));
+    HeadScan& h = Scan(layer, kv_head);
+    h.block_mass.clear();
+    for (int64_t b : kFluxionBlocks) h.block_mass.push_back(BlockMass(mass, r.sink_end, b));
   }
   return LfpsPolicy::Prepare(kv, layer, kv_head, state);
 }
@@ -65,6 +78,63 @@ int64_t FluxionPolicy::MiddleBudget(int layer, int kv_head, const Regions& r, in
   const int64_t middle = r.local_begin - r.sink_end;
   return std::clamp<int64_t>(static_cast<int64_t>(std::llround(w * r.middle_rows_budget)), 0,
                              middle);
+}
+
+FluxionPolicy::HeadScan& FluxionPolicy::Scan(int layer, int kv_head) {
+  return scans_[{layer, kv_head}];
+}
+
+void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
+                                  std::vector<int32_t>* candidates, SelectionStats* stats) {
+  HeadScan& h = Scan(in.layer, in.kv_head);
+  const int64_t middle = r.local_begin - r.sink_end;
+  const StepShape shape{middle, k, in.kv->shape().head_dim, kScanOver};
+  // Granularity for this head (§2.4.4): chosen at the first step, again when the context grew by
+  // more than 25% (the cost terms scale with it; the coverage comes from the prefill).
+  if (h.bounds == nullptr || in.context * 4 > h.chosen_at_context * 5) {
+    const GranularityChoice c = ChooseGranularity(config_.host_cost, shape, h.coverage(k),
+                                                  kCoverageTolerance);
+    if (h.bounds == nullptr || h.bounds->block_tokens() != c.block) {
+      h.bounds = std::make_unique<BlockBounds>(c.block);
+    }
+    h.choice = c;
+    h.chosen_at_context = in.context;
+  }
+  const int64_t block = h.bounds->block_tokens();
+  h.bounds->Update(*in.kv, in.layer, in.kv_head);
+  const int64_t first_block = r.sink_end / block;
+  const int64_t end_block = std::min((r.local_begin + block - 1) / block, h.bounds->num_blocks());
+  const int64_t nblocks = end_block - first_block;
+  const int64_t want = std::min<int64_t>(nblocks, (kScanOver * k + block - 1) / block);
+  if (want <= 0) return;
+  const int64_t d = in.kv->shape().head_dim;
+  block_scores_.resize(nblocks);
+  kernels::cpu::QuestBlockBounds(h.bounds->key_min(), h.bounds->key_max(), d, first_block,
+                                 nblocks, /*pages_per_block=*/1, in.q, in.group,
+                                 block_scores_.data());
+  stats->metadata_bytes += nblocks * 2 * d * int64_t{sizeof(float)};
+  kernels::cpu::TopKIndices(block_scores_.data(), nblocks, want, &top_blocks_);
+  for (int32_t b : top_blocks_) {
+    const int64_t begin = std::max((first_block + b) * block, r.sink_end);
+    const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
+    for (int64_t p = begin; p < end; ++p) candidates->push_back(static_cast<int32_t>(p));
+  }
+}
+
+std::vector<double> FluxionPolicy::HeadScan::coverage(int64_t k) const {
+  std::vector<double> out;
+  for (size_t i = 0; i < std::size(kFluxionBlocks); ++i) {
+    out.push_back(i < block_mass.size()
+                      ? BlockCoverage(block_mass[i], kFluxionBlocks[i], kScanOver * k)
+                      : 1.0);
+  }
+  return out;
+}
+
+int64_t FluxionPolicy::HeadBlock(int layer, int kv_head) {
+  auto it = scans_.find({layer, kv_head});
+  return it == scans_.end() || it->second.bounds == nullptr ? 0
+                                                            : it->second.bounds->block_tokens();
 }
 
 }  // namespace fluxion::decode::sparse

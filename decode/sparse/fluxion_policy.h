@@ -10,12 +10,16 @@
 //   - without one (the rule-based fallback, and always for `fluxion_rules`): heads whose middle
 //     share is below 1 - epsilon are streaming (weight 0), the rest weigh middle_share x need.
 // Weights are normalised to sum to the number of heads; if every head is streaming, no head reads
-// the middle (the predictor's case; the rules then keep the uniform budget, as v1 did). Selection
-// within a head's budget is LFPS's (tables -> candidates -> exact rescoring, periodic refresh,
-// bypass).
+// the middle (the predictor's case; the rules then keep the uniform budget, as v1 did).
 //
-// Not yet (issue 5): granularity/budget choice from {16, 32, 64} x {0.02, 0.05} by the calibrated
-// cost model, and LFPS candidates shrinking Quest block scoring.
+// Selection within a head's budget k: LFPS's history candidates (tables -> expansion) plus the
+// rows of the query-aware top blocks (Quest bounds at the head's block size, holding 2k rows),
+// rescored exactly; the top k rows are attended. The block size per head comes from the
+// granularity selector (granularity.h: host cost model + prefill coverage). ALGORITHMS.md §2.4.5
+// proposes the reverse (score only LFPS's candidate blocks); on our model LFPS's candidates held
+// 0.2-0.95 of the top-k mass per head (docs/SPARSE.md), so restricting the scan to them would cap
+// quality at LFPS's, and the coarse bound scan costs 3-12% of the K/V bytes. The bypass is LFPS's
+// at epsilon = 0.95.
 //
 // Thread-compatible (one request).
 #ifndef FLUXION_DECODE_SPARSE_FLUXION_POLICY_H_
@@ -25,7 +29,9 @@
 #include <memory>
 #include <utility>
 
+#include "decode/sparse/block_bounds.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse/granularity.h"
 #include "decode/sparse/lfps_policy.h"
 
 namespace fluxion::decode::sparse {
@@ -41,9 +47,18 @@ class FluxionPolicy : public LfpsPolicy {
   // The weight of (layer, kv_head) after allocation (1 = the uniform share); for tests and
   // reports. Allocates on first use.
   double HeadWeight(int layer, int kv_head);
+  // The block size the head's query-aware scan uses (16, 32 or 64), 0 before its first scan.
+  int64_t HeadBlock(int layer, int kv_head);
+
+  // Candidate rows from the query-aware scan per attended row, and how much coverage a coarser
+  // block may give up against 16-token blocks (granularity.h). [ENG]
+  static constexpr int64_t kScanOver = 2;
+  static constexpr double kCoverageTolerance = 0.02;
 
  protected:
   int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context) override;
+  void AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
+                     std::vector<int32_t>* candidates, SelectionStats* stats) override;
 
  private:
   void Allocate();
@@ -53,6 +68,19 @@ class FluxionPolicy : public LfpsPolicy {
   std::map<std::pair<int, int>, model::HeadSparseState> features_;
   std::map<std::pair<int, int>, double> weight_;
   bool allocated_ = false;
+
+  // The query-aware scan of one head: its granularity and the bounds at that granularity.
+  struct HeadScan {
+    std::vector<std::vector<double>> block_mass;  // per kFluxionBlocks entry; empty: no capture
+    GranularityChoice choice;
+    int64_t chosen_at_context = 0;
+    std::unique_ptr<BlockBounds> bounds;
+    std::vector<double> coverage(int64_t k) const;  // per kFluxionBlocks entry
+  };
+  HeadScan& Scan(int layer, int kv_head);
+  std::map<std::pair<int, int>, HeadScan> scans_;
+  std::vector<float> block_scores_;
+  std::vector<int32_t> top_blocks_;
 };
 
 }  // namespace fluxion::decode::sparse

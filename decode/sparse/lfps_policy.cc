@@ -23,7 +23,10 @@ constexpr int kExpand[] = {-1, 0, 1, 2};
 }  // namespace
 
 LfpsPolicy::LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, bool paper_bypass)
-    : config_(config), params_(params), paper_bypass_(paper_bypass) {}
+    : config_(config), params_(params), paper_bypass_(paper_bypass) {
+  // As published: bypass at rho >= 0.85 [SEED]. Ours keeps LfpsParams' calibrated 0.95.
+  if (paper_bypass_) params_.bypass_rho = kPaperBypassRho;
+}
 
 LfpsPolicy::HeadState& LfpsPolicy::State(int layer, int kv_head) {
   auto it = states_.find({layer, kv_head});
@@ -181,8 +184,13 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     const int64_t k = r.middle_rows_budget;
     const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(params_.candidate_cap * in.context));
     std::vector<int64_t> vertical, slash;
-    s.tables.vertical().SelectAbove(params_.threshold_a, 2 * k, cap, &vertical);
-    s.tables.slash().SelectAbove(params_.threshold_a, 2 * k, cap, &slash);
+    // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
+    // just outside it still reaches in through the expansion offsets, so the ranges are widened
+    // by them.
+    s.tables.vertical().SelectAbove(params_.threshold_a, 2 * k, cap, r.sink_end - 2,
+                                    r.local_begin + 1, &vertical);
+    s.tables.slash().SelectAbove(params_.threshold_a, 2 * k, cap, t - r.local_begin,
+                                 t - r.sink_end + 3, &slash);
     // Expanded candidates collected directly and sorted: O(c log c) for c candidates instead of
     // clearing and scanning a mark array over the whole context every step.
     std::vector<int32_t>& candidates = candidates_;
@@ -195,6 +203,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     };
     for (int64_t p : vertical) mark(p);
     for (int64_t dist : slash) mark(t - dist);
+    AddCandidates(in, r, k, &candidates, stats);
     std::sort(candidates.begin(), candidates.end());
     candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
     if (static_cast<int64_t>(candidates.size()) <= k) {

@@ -72,26 +72,32 @@ TableMoments DecayedTable::moments() const {
   return m;
 }
 
-void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count,
-                               std::vector<int64_t>* out) const {
+void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, int64_t lo,
+                               int64_t hi, std::vector<int64_t>* out) const {
   const TableMoments m = moments();
-  if (m.count == 0) return;
+  if (m.count == 0 || hi <= lo) return;
   const double threshold_psi = (m.mean + a * std::sqrt(m.kurtosis) * m.stddev) * g_;
   // Only the non-zero entries are visited (the tables are sparse: a dense scan of a 128K-entry
   // table per step was most of LFPS's step at long contexts).
+  std::vector<int64_t>& eligible = scratch_;
+  eligible.clear();
   std::vector<int64_t> picked;
   for (int64_t i : nonzero_index_) {
+    if (i < lo || i >= hi) continue;
+    eligible.push_back(i);
     if (psi_[i] >= threshold_psi) picked.push_back(i);
   }
-  const int64_t want_min = std::min(min_count, m.count);
+  const int64_t want_min = std::min<int64_t>(min_count, eligible.size());
   if (static_cast<int64_t>(picked.size()) > max_count ||
       static_cast<int64_t>(picked.size()) < want_min) {
-    // Re-select the k largest non-zero entries instead.
+    // Re-select the k largest eligible entries instead.
     const int64_t k = static_cast<int64_t>(picked.size()) > max_count ? max_count : want_min;
-    picked = nonzero_index_;
-    std::nth_element(picked.begin(), picked.begin() + (k - 1), picked.end(),
-                     [&](int64_t x, int64_t y) { return psi_[x] > psi_[y]; });
-    picked.resize(k);
+    picked.clear();
+    if (k > 0) {
+      std::nth_element(eligible.begin(), eligible.begin() + (k - 1), eligible.end(),
+                       [&](int64_t x, int64_t y) { return psi_[x] > psi_[y]; });
+      picked.assign(eligible.begin(), eligible.begin() + k);
+    }
   }
   std::sort(picked.begin(), picked.end());
   out->insert(out->end(), picked.begin(), picked.end());

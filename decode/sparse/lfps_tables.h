@@ -15,6 +15,7 @@
 #define FLUXION_DECODE_SPARSE_LFPS_TABLES_H_
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace fluxion::decode::sparse {
@@ -37,11 +38,22 @@ class DecayedTable {
   int64_t size() const { return static_cast<int64_t>(psi_.size()); }
 
   TableMoments moments() const;
-  // Indices whose Phi >= mean + a * sqrt(kurtosis) * stddev (non-zero entries only), clamped to
-  // the `max_count` largest when more qualify and widened to the `min_count` largest non-zero
-  // entries when fewer do. Appends to *out in index order.
-  void SelectAbove(double a, int64_t min_count, int64_t max_count,
+  // Indices in [lo, hi) whose Phi >= mean + a * sqrt(kurtosis) * stddev (the moments are the
+  // whole table's, non-zero entries only), clamped to the `max_count` largest when more qualify
+  // and widened to the `min_count` largest non-zero entries of [lo, hi) when fewer do. Appends to
+  // *out in index order.
+  //
+  // The range is what makes the clamps mean something: LFPS attends sinks and the local window
+  // anyway, and their entries (recent tokens, small distances) are the heaviest of both tables on
+  // most heads, so an unrestricted top-`min_count` was mostly spent on rows already attended and
+  // left the region the budget is for with a handful of candidates (bench/results/README.md,
+  // session 3).
+  void SelectAbove(double a, int64_t min_count, int64_t max_count, int64_t lo, int64_t hi,
                    std::vector<int64_t>* out) const;
+  void SelectAbove(double a, int64_t min_count, int64_t max_count,
+                   std::vector<int64_t>* out) const {
+    SelectAbove(a, min_count, max_count, 0, std::numeric_limits<int64_t>::max(), out);
+  }
 
  private:
   void Rescale();
@@ -53,6 +65,7 @@ class DecayedTable {
   double g_ = 1.0;               // Psi = Phi * g
   std::vector<double> psi_;
   std::vector<int64_t> nonzero_index_;  // indices of the non-zero entries, in insertion order
+  mutable std::vector<int64_t> scratch_;  // SelectAbove's eligible entries (no allocation per step)
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };

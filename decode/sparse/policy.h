@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/granularity.h"
 #include "kernels/paged_attention.h"
 #include "model/sparse_state.h"
 
@@ -35,6 +36,8 @@ struct PolicyConfig {
   // `fluxion` only: the trained head-property predictor; null -> the rule-based fallback (which
   // `fluxion_rules` always uses). Shared, immutable.
   std::shared_ptr<const FluxionPredictor> fluxion_predictor;
+  // `fluxion` / `fluxion_rules`: the host costs its granularity choice is calibrated with.
+  HostCostModel host_cost;
 };
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
