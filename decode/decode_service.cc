@@ -151,6 +151,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
     return reject(absl::InvalidArgumentError(absl::StrCat("sparse: ", policy.status().message())));
   }
   if (policy_name == "fluxion") policy->fluxion_predictor = options_.fluxion_predictor;
+  policy->host_cost = options_.host_cost;
   const std::string prefill_address =
       request->has_prefill_address() ? request->prefill_address() : options_.prefill_address;
   if (prefill_address.empty()) {

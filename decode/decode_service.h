@@ -40,6 +40,8 @@ struct DecodeServiceOptions {
   // Head-property predictor for requests with policy `fluxion` (decode/sparse/fluxion_predictor.h);
   // null = its rule-based fallback (what `fluxion_rules` always uses).
   std::shared_ptr<const sparse::FluxionPredictor> fluxion_predictor;
+  // Host costs for `fluxion`'s granularity choice (the node's measured read bandwidth).
+  sparse::HostCostModel host_cost;
   int64_t page_tokens = 16;
   // Longest a request waits for KV pages (also bounded by its own deadline).
   absl::Duration admission_timeout = absl::Seconds(10);

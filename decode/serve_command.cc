@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
@@ -17,6 +18,7 @@
 #include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "common/read_bandwidth.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
@@ -68,6 +70,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                "head-property predictor for the `fluxion` policy (JSON from "
                "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
                "present; `none`: the rule-based fallback");
+  double host_read_gbps = 0;
+  flags.Double("host-read-gbps", &host_read_gbps,
+               "one core's read bandwidth (GB/s) for the `fluxion` granularity cost model; "
+               "0 = measure at start-up (a 64 MiB read probe, ~0.1 s)");
   flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page");
   flags.Int("kv-pages", &kv_pages, "pages in the host KV arena (each layer x KV head x page)");
@@ -104,6 +110,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     }
   }
 
+  if (host_read_gbps < 0) {
+    std::cerr << "error: --host-read-gbps must be >= 0 (0 = measure), got " << host_read_gbps
+              << "\n";
+    return 2;
+  }
+  if (host_read_gbps == 0) {
+    // One thread: a head's selection and attention run on one core (granularity.h).
+    host_read_gbps = common::MeasureReadBandwidthGbps(size_t{64} << 20, 1, 3);
+  }
   auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
   if (!predictor.ok()) {
     std::cerr << "error: --fluxion-predictor: " << predictor.status().message() << "\n";
@@ -186,6 +201,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.default_policy = default_policy;
     options.default_budget = default_budget;
     options.fluxion_predictor = *predictor;
+    options.host_cost.read_gbps = host_read_gbps;
     options.page_tokens = page_tokens;
     options.admission_timeout = absl::Milliseconds(admission_timeout_ms);
     options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);
@@ -226,7 +242,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
               << "; fluxion policy: "
               << (*predictor != nullptr ? "trained head-property predictor" : "rule-based fallback")
-              << "\n";
+              << ", host read " << absl::StrFormat("%.1f", host_read_gbps) << " GB/s per core\n";
     serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
     serving::WaitForStopSignal();
     // Drain: NOT_SERVING, UNAVAILABLE for new requests, running ones may finish.
