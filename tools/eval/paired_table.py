@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Markdown table of a `fluxion eval tasks --json` result: one row per policy, one column per task.
+
+Each task cell is correct/n with the paired outcome against the first policy (full attention when
+it is listed first): (-lost/+gained). The "all" columns pool every sample of the context: paired
+lost/gained and the mean paired difference with a normal-approximation 95% interval (the same
+rule `fluxion eval tasks` prints per task).
+
+    tools/eval/paired_table.py bench/results/eval-tasks-4k-devbox-20261129-n50.json [--context 4096]
+"""
+import argparse
+import json
+import math
+import sys
+from collections import OrderedDict
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json_file")
+    ap.add_argument("--context", type=int, help="only this context (default: each, in turn)")
+    args = ap.parse_args()
+    try:
+        with open(args.json_file) as f:
+            doc = json.load(f)
+        rows = doc["results"]
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: {args.json_file}: not a `fluxion eval tasks --json` file ({e})")
+    contexts = sorted({r["context"] for r in rows})
+    if args.context is not None:
+        if args.context not in contexts:
+            sys.exit(f"error: context {args.context} not in the file (has {contexts})")
+        contexts = [args.context]
+    for context in contexts:
+        cells = [r for r in rows if r["context"] == context]
+        tasks = list(OrderedDict.fromkeys(r["task"] for r in cells))
+        policies = list(OrderedDict.fromkeys(r["policy"] for r in cells))
+        print(f"| policy ({context}) | " + " | ".join(tasks) +
+              " | all: correct/n | lost/gained vs first | delta [95%] | read |")
+        print("|---" * (len(tasks) + 5) + "|")
+        for p in policies:
+            line, correct, n, lost, gained, read, read_n = [], 0, 0, 0, 0, 0.0, 0
+            for t in tasks:
+                r = next((x for x in cells if x["task"] == t and x["policy"] == p), None)
+                if r is None:
+                    line.append("-")
+                    continue
+                cell = f"{r['correct']}/{r['samples']}"
+                if r["paired_lost"] or r["paired_gained"]:
+                    cell += f" (-{r['paired_lost']}/+{r['paired_gained']})"
+                line.append(cell)
+                correct += r["correct"]
+                n += r["samples"]
+                lost += r["paired_lost"]
+                gained += r["paired_gained"]
+                read += r["budget_spent"] * r["samples"]
+                read_n += r["samples"]
+            delta = (gained - lost) / n if n else 0.0
+            var = max(0.0, (gained + lost) / n - delta * delta) if n else 0.0
+            half = 1.96 * math.sqrt(var / n) if n else 0.0
+            print(f"| {p} | " + " | ".join(line) +
+                  f" | {correct}/{n} ({correct / max(n, 1):.3f}) | {lost}/{gained} | "
+                  f"{delta:+.3f} [{delta - half:+.3f}, {delta + half:+.3f}] | "
+                  f"{read / max(read_n, 1):.4f} |")
+        print()
+
+
+if __name__ == "__main__":
+    main()
