@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call of session 3 (Xeon; only ~200 s of device time were left): the attention bench of
-# the session-3 LFPS/Fluxion at 4K and 128K on one core, the issue-5 speed targets' setting.
+# Xeon attention bench of the session-3 LFPS/Fluxion at 128K and 4K on one core (the issue-5
+# speed targets' setting). Written in session 3 but not run there: the device refused to start
+# with the ~200 s of device time that session had left. Run it first in the next session.
 # Bundle: ../shared/device/bundle.sh .device build/fluxion; tar -cJf .device.tar.xz .device;
 # carry [".device.tar.xz"]. Output is written line by line under $OUT, so a run cut short by the
 # device budget still returns what it measured.
