@@ -46,8 +46,8 @@ class DecayedTable {
   // The range is what makes the clamps mean something: LFPS attends sinks and the local window
   // anyway, and their entries (recent tokens, small distances) are the heaviest of both tables on
   // most heads, so an unrestricted top-`min_count` was mostly spent on rows already attended and
-  // left the region the budget is for with a handful of candidates (bench/results/README.md,
-  // session 3).
+  // left the region the budget is for with a handful of candidates (docs/SPARSE.md, "Two changes
+  // from the published method").
   void SelectAbove(double a, int64_t min_count, int64_t max_count, int64_t lo, int64_t hi,
                    std::vector<int64_t>* out) const;
   void SelectAbove(double a, int64_t min_count, int64_t max_count,

@@ -86,6 +86,31 @@ TEST(DecayedTableTest, SelectAboveFindsThePeaksAndHonoursTheClamps) {
   EXPECT_NE(std::find(out.begin(), out.end(), 63), out.end());
 }
 
+// The local window's entries are the heaviest (attended every step); a range that excludes them
+// must still yield `min_count` entries from the rest, peaks first.
+TEST(DecayedTableTest, SelectAboveInARangeSpendsTheClampsInsideIt) {
+  DecayedTable t(0.95, 256);
+  t.Step();
+  for (int64_t i = 0; i < 200; ++i) t.Add(i, 0.01);     // background
+  for (int64_t i = 180; i < 200; ++i) t.Add(i, 10.0);   // "window": the heaviest entries
+  t.Add(40, 2.0);                                       // a needle in the middle
+  std::vector<int64_t> out;
+  t.SelectAbove(0.2, 5, 50, &out);  // unrestricted: the 20 window entries, no needle
+  EXPECT_EQ(out.size(), 20u);
+  for (int64_t i : out) EXPECT_GE(i, 180);
+  out.clear();
+  t.SelectAbove(0.2, 5, 50, 4, 180, &out);  // the middle only: the needle plus four others
+  ASSERT_EQ(out.size(), 5u);
+  EXPECT_NE(std::find(out.begin(), out.end(), 40), out.end());
+  for (int64_t i : out) {
+    EXPECT_GE(i, 4);
+    EXPECT_LT(i, 180);
+  }
+  out.clear();
+  t.SelectAbove(0.2, 5, 50, 300, 400, &out);  // an empty range selects nothing
+  EXPECT_TRUE(out.empty());
+}
+
 TEST(LfpsTablesTest, SlashTableIndexesByDistanceBack) {
   LfpsTables t;
   t.Step();
