@@ -6,7 +6,11 @@ it is listed first): (-lost/+gained). The "all" columns pool every sample of the
 lost/gained and the mean paired difference with a normal-approximation 95% interval (the same
 rule `fluxion eval tasks` prints per task).
 
-    tools/eval/paired_table.py bench/results/eval-tasks-4k-devbox-20261129-n50.json [--context 4096]
+Several files are pooled when they hold disjoint samples (runs with different --seed ranges):
+correct counts, sample counts and paired lost/gained add up exactly, reads by sample weight.
+Policies missing from some files are shown with the samples they have.
+
+    tools/eval/paired_table.py RESULT.json [MORE.json ...] [--context 4096]
 """
 import argparse
 import json
@@ -17,15 +21,28 @@ from collections import OrderedDict
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json_file")
+    ap.add_argument("json_files", nargs="+")
     ap.add_argument("--context", type=int, help="only this context (default: each, in turn)")
     args = ap.parse_args()
-    try:
-        with open(args.json_file) as f:
-            doc = json.load(f)
-        rows = doc["results"]
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {args.json_file}: not a `fluxion eval tasks --json` file ({e})")
+    pooled = OrderedDict()
+    for path in args.json_files:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            rows = doc["results"]
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"error: {path}: not a `fluxion eval tasks --json` file ({e})")
+        for r in rows:
+            key = (r["context"], r["task"], r["policy"])
+            p = pooled.setdefault(key, {"context": r["context"], "task": r["task"],
+                                        "policy": r["policy"], "correct": 0, "samples": 0,
+                                        "paired_lost": 0, "paired_gained": 0, "read_sum": 0.0})
+            for k in ("correct", "samples", "paired_lost", "paired_gained"):
+                p[k] += r[k]
+            p["read_sum"] += r["budget_spent"] * r["samples"]
+    rows = list(pooled.values())
+    for r in rows:
+        r["budget_spent"] = r["read_sum"] / max(r["samples"], 1)
     contexts = sorted({r["context"] for r in rows})
     if args.context is not None:
         if args.context not in contexts:
