@@ -88,7 +88,7 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
                                   std::vector<int32_t>* candidates, SelectionStats* stats) {
   HeadScan& h = Scan(in.layer, in.kv_head);
   const int64_t middle = r.local_begin - r.sink_end;
-  const StepShape shape{middle, k, in.kv->shape().head_dim, kScanOver};
+  const StepShape shape{middle, k, in.kv->shape().head_dim, kScanOver, kScanMinBlocks};
   // Granularity for this head (§2.4.4): chosen at the first step, again when the context grew by
   // more than 25% (the cost terms scale with it; the coverage comes from the prefill).
   if (h.bounds == nullptr || in.context * 4 > h.chosen_at_context * 5) {
@@ -105,7 +105,7 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
   const int64_t first_block = r.sink_end / block;
   const int64_t end_block = std::min((r.local_begin + block - 1) / block, h.bounds->num_blocks());
   const int64_t nblocks = end_block - first_block;
-  const int64_t want = std::min<int64_t>(nblocks, (kScanOver * k + block - 1) / block);
+  const int64_t want = std::min(nblocks, ScanBlocks(shape, block));
   if (want <= 0) return;
   const int64_t d = in.kv->shape().head_dim;
   block_scores_.resize(nblocks);
@@ -124,9 +124,9 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
 std::vector<double> FluxionPolicy::HeadScan::coverage(int64_t k) const {
   std::vector<double> out;
   for (size_t i = 0; i < std::size(kFluxionBlocks); ++i) {
-    out.push_back(i < block_mass.size()
-                      ? BlockCoverage(block_mass[i], kFluxionBlocks[i], kScanOver * k)
-                      : 1.0);
+    const int64_t b = kFluxionBlocks[i];
+    const int64_t rows = std::max(kScanOver * k, kScanMinBlocks * b);
+    out.push_back(i < block_mass.size() ? BlockCoverage(block_mass[i], b, rows) : 1.0);
   }
   return out;
 }

@@ -13,9 +13,10 @@
 // the middle (the predictor's case; the rules then keep the uniform budget, as v1 did).
 //
 // Selection within a head's budget k: LFPS's history candidates (tables -> expansion) plus the
-// rows of the query-aware top blocks (Quest bounds at the head's block size, holding 2k rows),
-// rescored exactly; the top k rows are attended. The block size per head comes from the
-// granularity selector (granularity.h: host cost model + prefill coverage). ALGORITHMS.md §2.4.5
+// rows of the query-aware top blocks (Quest bounds at the head's block size; blocks holding 2k
+// rows, at least 16), rescored exactly; the top k rows are attended. The block size per head
+// comes from the granularity selector (granularity.h: host cost model + prefill coverage).
+// ALGORITHMS.md §2.4.5
 // proposes the reverse (score only LFPS's candidate blocks); on our model LFPS's candidates held
 // 0.2-0.95 of the top-k mass per head (docs/SPARSE.md), so restricting the scan to them would cap
 // quality at LFPS's, and the coarse bound scan costs 3-12% of the K/V bytes. The bypass is LFPS's
@@ -53,6 +54,11 @@ class FluxionPolicy : public LfpsPolicy {
   // Candidate rows from the query-aware scan per attended row, and how much coverage a coarser
   // block may give up against 16-token blocks (granularity.h). [ENG]
   static constexpr int64_t kScanOver = 2;
+  // At short contexts 2k rows are one or two blocks, fewer than the places a multi-value question
+  // spreads over: the scan keeps at least 16 blocks (4K, 0.02, n = 16: niah_multivalue 1 -> 0
+  // and aggregate 3 -> 2 samples lost against full; small samples, the direction is what
+  // counts). At 128K 2k rows are ~320 blocks of 16, so this only matters below ~16K. [ENG]
+  static constexpr int64_t kScanMinBlocks = 16;
   static constexpr double kCoverageTolerance = 0.02;
 
  protected:

@@ -6,13 +6,19 @@
 
 namespace fluxion::decode::sparse {
 
+int64_t ScanBlocks(const StepShape& shape, int64_t block) {
+  const int64_t blocks = (shape.middle_rows + block - 1) / block;
+  const int64_t want = (shape.over * shape.attend_rows + block - 1) / block;
+  return std::min(blocks, std::max(want, shape.min_blocks));
+}
+
 double PredictStepMicros(const HostCostModel& cost, const StepShape& shape, int64_t block) {
   const double blocks = static_cast<double>((shape.middle_rows + block - 1) / block);
   const double d = static_cast<double>(shape.head_dim);
   const double meta_bytes = blocks * 2 * d * sizeof(float);  // min and max vectors
   // The scan's candidate rows come in whole blocks; scoring reads their K rows (bf16).
-  const int64_t want_rows = std::min(shape.middle_rows, shape.over * shape.attend_rows);
-  const double score_rows = static_cast<double>((want_rows + block - 1) / block * block);
+  const double score_rows = static_cast<double>(
+      std::min(shape.middle_rows, ScanBlocks(shape, block) * block));
   const double score_bytes = score_rows * d * 2;
   const double attend_bytes = static_cast<double>(shape.attend_rows) * 2 * d * 2;  // K and V
   const double bytes = meta_bytes + score_bytes + attend_bytes;

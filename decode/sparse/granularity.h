@@ -2,8 +2,8 @@
 // block size of the query-aware scan, chosen by a host cost model under a coverage constraint.
 //
 // A Fluxion head step scores the middle region's blocks by their Quest bounds (fp32 min/max
-// vectors per block), takes the top blocks holding `over` x k rows as candidates (with LFPS's
-// history candidates), rescores those rows exactly (K only) and attends the top k rows. Coarser
+// vectors per block), takes the top blocks holding `over` x k rows (at least `min_blocks`
+// blocks) as candidates (with LFPS's history candidates), rescores those rows exactly (K only) and attends the top k rows. Coarser
 // blocks shrink the metadata scan (2 x head_dim x 4 bytes per block: 12.5% of the K/V bytes at
 // 16 tokens, 3.1% at 64) but hold more rows the head does not need, so their top blocks cover
 // less of the head's attention. Per head and request:
@@ -43,7 +43,11 @@ struct StepShape {
   int64_t attend_rows = 0;  // k: middle rows the head attends
   int64_t head_dim = 128;
   int64_t over = 2;         // candidate rows from the scan per attended row
+  int64_t min_blocks = 16;  // ... but at least this many blocks
 };
+
+// Blocks the scan keeps as candidates: over x k rows, at least `min_blocks`, at most all.
+int64_t ScanBlocks(const StepShape& shape, int64_t block);
 
 // Predicted microseconds of one head's selection + middle attention at block size `block`.
 double PredictStepMicros(const HostCostModel& cost, const StepShape& shape, int64_t block);
