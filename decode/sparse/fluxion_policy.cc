@@ -97,7 +97,6 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
     if (h.bounds == nullptr || h.bounds->block_tokens() != c.block) {
       h.bounds = std::make_unique<BlockBounds>(c.block);
     }
-    h.choice = c;
     h.chosen_at_context = in.context;
   }
   const int64_t block = h.bounds->block_tokens();

@@ -78,7 +78,6 @@ class FluxionPolicy : public LfpsPolicy {
   // The query-aware scan of one head: its granularity and the bounds at that granularity.
   struct HeadScan {
     std::vector<std::vector<double>> block_mass;  // per kFluxionBlocks entry; empty: no capture
-    GranularityChoice choice;
     int64_t chosen_at_context = 0;
     std::unique_ptr<BlockBounds> bounds;
     std::vector<double> coverage(int64_t k) const;  // per kFluxionBlocks entry

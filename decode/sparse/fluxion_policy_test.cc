@@ -55,5 +55,51 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
   EXPECT_NEAR(stats[1].rows_attended - sinks_and_window, 2 * uniform_middle, 2);
 }
 
+// Granularity (granularity.h) inside the policy: a head whose prefill attention sits in one long
+// run of keys scans 64-token blocks (as well covered, cheaper); a head whose attention is spread
+// over 200 single keys keeps 16-token blocks (coarser top blocks would hold far fewer of them).
+TEST(FluxionPolicyTest, RunsOfAttentionGetCoarseBlocksScatteredAttentionFineOnes) {
+  const int64_t tokens = 16384, d = 32;
+  const KvShape shape{1, 2, d, 16};
+  auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
+  auto kv = *PagedKv::Create(arena.get(), shape);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> q_dir(d);
+  for (float& x : q_dir) x = normal(rng);
+  std::vector<float> k(tokens * 2 * d), v(tokens * 2 * d);
+  for (float& x : k) x = normal(rng) * 0.3f;
+  for (float& x : v) x = normal(rng);
+  auto align = [&](int64_t t, int h) {
+    for (int64_t j = 0; j < d; ++j) k[(t * 2 + h) * d + j] = 1.5f * q_dir[j];
+  };
+  for (int64_t t = 5000; t < 6000; ++t) align(t, 0);       // head 0: one run of 1,000 keys
+  for (int64_t i = 0; i < 200; ++i) align(100 + 80 * i, 1);  // head 1: 200 keys, 80 apart
+  ASSERT_TRUE(kv->Append(0, tokens, k.data(), v.data(), 2 * d).ok());
+  std::vector<float> tail_q;
+  std::vector<int64_t> tail_pos;
+  for (int64_t i = tokens - 32; i < tokens; ++i) {
+    tail_pos.push_back(i);
+    for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const model::AttentionShape attn{1, 2, 2, d, scale};
+  auto state = model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
+  ASSERT_TRUE(state.ok()) << state.status();
+  FluxionPolicy policy(*ParsePolicy("fluxion", 0.05), nullptr);
+  for (int h = 0; h < 2; ++h) {
+    ASSERT_TRUE(policy.Prepare(*kv, 0, h, &state->head(0, h)).ok());
+  }
+  for (int h = 0; h < 2; ++h) {
+    std::vector<kernels::PageSpan> spans;
+    SelectionStats stats;
+    policy.Select({kv.get(), 0, h, q_dir.data(), 1, scale, tokens}, &spans, &stats);
+    EXPECT_EQ(stats.bypassed, 0) << "head " << h;
+    EXPECT_GT(stats.metadata_bytes, 0) << "head " << h << " did not scan block bounds";
+  }
+  EXPECT_EQ(policy.HeadBlock(0, 0), 64);
+  EXPECT_EQ(policy.HeadBlock(0, 1), 16);
+}
+
 }  // namespace
 }  // namespace fluxion::decode::sparse
