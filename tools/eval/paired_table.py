@@ -23,6 +23,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json_files", nargs="+")
     ap.add_argument("--context", type=int, help="only this context (default: each, in turn)")
+    ap.add_argument("--tasks", help="comma list: only these tasks (e.g. the ones that count: full "
+                    "attention >= 0.8 at that length)")
     args = ap.parse_args()
     pooled = OrderedDict()
     for path in args.json_files:
@@ -41,6 +43,9 @@ def main():
                 p[k] += r[k]
             p["read_sum"] += r["budget_spent"] * r["samples"]
     rows = list(pooled.values())
+    if args.tasks:
+        wanted = args.tasks.split(",")
+        rows = [r for r in rows if r["task"] in wanted]
     for r in rows:
         r["budget_spent"] = r["read_sum"] / max(r["samples"], 1)
     contexts = sorted({r["context"] for r in rows})
