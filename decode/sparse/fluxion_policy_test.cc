@@ -2,11 +2,28 @@
 
 #include <cmath>
 #include <random>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::decode::sparse {
 namespace {
+
+// The sparse state a prefill would capture for one layer of two KV heads (one query head each)
+// whose last 32 queries all point along `q_dir`.
+absl::StatusOr<model::SparseState> CaptureTail(const std::vector<float>& k, int64_t tokens,
+                                               const std::vector<float>& q_dir) {
+  const int64_t d = static_cast<int64_t>(q_dir.size());
+  std::vector<float> tail_q;
+  std::vector<int64_t> tail_pos;
+  for (int64_t i = tokens - 32; i < tokens; ++i) {
+    tail_pos.push_back(i);
+    for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
+  }
+  const model::AttentionShape attn{1, 2, 2, d, 1.0f / std::sqrt(static_cast<float>(d))};
+  return model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
+}
 
 // Two KV heads, one query head each: head 0 is a streaming head (every query is drawn to the
 // sinks), head 1 a diffuse one. Fluxion must give head 0 no middle budget and head 1 the rest,
@@ -27,16 +44,8 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
     for (int64_t j = 0; j < d; ++j) k[(t * 2 + 0) * d + j] = 4.0f * q_dir[j];  // head 0 sinks
   }
   ASSERT_TRUE(kv->Append(0, tokens, k.data(), v.data(), 2 * d).ok());
-  // Tail: the last 32 positions' queries, both heads pointing along q_dir.
-  std::vector<float> tail_q;
-  std::vector<int64_t> tail_pos;
-  for (int64_t i = tokens - 32; i < tokens; ++i) {
-    tail_pos.push_back(i);
-    for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
-  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const model::AttentionShape attn{1, 2, 2, d, scale};
-  auto state = model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
+  const absl::StatusOr<model::SparseState> state = CaptureTail(k, tokens, q_dir);
   ASSERT_TRUE(state.ok()) << state.status();
   PolicyConfig config = *ParsePolicy("fluxion", 0.1);
   FluxionPolicy policy(config, nullptr);
@@ -76,15 +85,8 @@ TEST(FluxionPolicyTest, RunsOfAttentionGetCoarseBlocksScatteredAttentionFineOnes
   for (int64_t t = 5000; t < 6000; ++t) align(t, 0);       // head 0: one run of 1,000 keys
   for (int64_t i = 0; i < 200; ++i) align(100 + 80 * i, 1);  // head 1: 200 keys, 80 apart
   ASSERT_TRUE(kv->Append(0, tokens, k.data(), v.data(), 2 * d).ok());
-  std::vector<float> tail_q;
-  std::vector<int64_t> tail_pos;
-  for (int64_t i = tokens - 32; i < tokens; ++i) {
-    tail_pos.push_back(i);
-    for (int h = 0; h < 2; ++h) tail_q.insert(tail_q.end(), q_dir.begin(), q_dir.end());
-  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const model::AttentionShape attn{1, 2, 2, d, scale};
-  auto state = model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
+  const absl::StatusOr<model::SparseState> state = CaptureTail(k, tokens, q_dir);
   ASSERT_TRUE(state.ok()) << state.status();
   FluxionPolicy policy(*ParsePolicy("fluxion", 0.05), nullptr);
   for (int h = 0; h < 2; ++h) {
