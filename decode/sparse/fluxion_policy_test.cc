@@ -25,6 +25,22 @@ absl::StatusOr<model::SparseState> CaptureTail(const std::vector<float>& k, int6
   return model::CaptureSparseState({k.data()}, tokens, {tail_q}, {tail_pos}, attn);
 }
 
+// Random keys (small), values and a query direction for two KV heads over `tokens` positions,
+// [tokens][2][d]; tests then align chosen keys with `q_dir`.
+struct TwoHeadPrompt {
+  std::vector<float> q_dir, k, v;
+};
+TwoHeadPrompt RandomTwoHeadPrompt(int64_t tokens, int64_t d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  TwoHeadPrompt p{std::vector<float>(d), std::vector<float>(tokens * 2 * d),
+                  std::vector<float>(tokens * 2 * d)};
+  for (float& x : p.q_dir) x = normal(rng);
+  for (float& x : p.k) x = normal(rng) * 0.3f;
+  for (float& x : p.v) x = normal(rng);
+  return p;
+}
+
 // Two KV heads, one query head each: head 0 is a streaming head (every query is drawn to the
 // sinks), head 1 a diffuse one. Fluxion must give head 0 no middle budget and head 1 the rest,
 // keeping the request's total read at the uniform budget.
@@ -33,13 +49,7 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
   const KvShape shape{1, 2, d, 16};
   auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
   auto kv = *PagedKv::Create(arena.get(), shape);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> q_dir(d);
-  for (float& x : q_dir) x = normal(rng);
-  std::vector<float> k(tokens * 2 * d), v(tokens * 2 * d);
-  for (float& x : k) x = normal(rng) * 0.3f;
-  for (float& x : v) x = normal(rng);
+  auto [q_dir, k, v] = RandomTwoHeadPrompt(tokens, d, 3);
   for (int64_t t = 0; t < 4; ++t) {
     for (int64_t j = 0; j < d; ++j) k[(t * 2 + 0) * d + j] = 4.0f * q_dir[j];  // head 0 sinks
   }
@@ -72,13 +82,7 @@ TEST(FluxionPolicyTest, RunsOfAttentionGetCoarseBlocksScatteredAttentionFineOnes
   const KvShape shape{1, 2, d, 16};
   auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
   auto kv = *PagedKv::Create(arena.get(), shape);
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> q_dir(d);
-  for (float& x : q_dir) x = normal(rng);
-  std::vector<float> k(tokens * 2 * d), v(tokens * 2 * d);
-  for (float& x : k) x = normal(rng) * 0.3f;
-  for (float& x : v) x = normal(rng);
+  auto [q_dir, k, v] = RandomTwoHeadPrompt(tokens, d, 5);
   auto align = [&](int64_t t, int h) {
     for (int64_t j = 0; j < d; ++j) k[(t * 2 + h) * d + j] = 1.5f * q_dir[j];
   };
