@@ -5,6 +5,7 @@
 
 #include "cluster/fake_decode_service.h"
 #include "cluster/replay_report.h"
+#include "common/test_temp_dir.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
@@ -156,7 +157,8 @@ TEST(ReplayerTest, ReportWritesJsonCsvAndPlots) {
   nlohmann::json json = StatsToJson(stats, run);
   EXPECT_EQ(json["succeeded"], 5);
   EXPECT_TRUE(json["ttft_ms"].contains("p99"));
-  std::string dir = ::testing::TempDir() + "/replay_report_test";
+  ScopedTestTempDir temp;
+  std::string dir = temp.File("replay_report_test");
   EXPECT_TRUE(WriteRequestsCsv(dir + "_requests.csv", *records).ok());
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "gnuplot not installed (Debian package gnuplot-nox)";

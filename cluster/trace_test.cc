@@ -3,19 +3,23 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "common/test_temp_dir.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
 namespace {
 
-std::string WriteTemp(const std::string& text) {
-  std::string path = ::testing::TempDir() + "/trace_test.jsonl";
+// Writes `text` into the running test's own temp dir (tests run as parallel processes).
+std::string WriteTemp(const ScopedTestTempDir& temp, const std::string& text) {
+  std::string path = temp.File("trace.jsonl");
   std::ofstream(path) << text;
   return path;
 }
 
 TEST(TraceTest, LoadsMooncakeLinesSortedByTime) {
+  ScopedTestTempDir temp;
   std::string path = WriteTemp(
+      temp,
       "{\"timestamp\": 3000, \"input_length\": 1000, \"output_length\": 5, \"hash_ids\": [0, 1]}\n"
       "\n"
       "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 7, \"hash_ids\": "
@@ -32,7 +36,9 @@ TEST(TraceTest, LoadsMooncakeLinesSortedByTime) {
 }
 
 TEST(TraceTest, MalformedLineIsInvalidArgumentNamingTheLine) {
+  ScopedTestTempDir temp;
   std::string path = WriteTemp(
+      temp,
       "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5}\n"
       "{\"timestamp\": 1, \"input_length\": \"ten\", \"output_length\": 5}\n");
   auto schedule = LoadMooncakeTrace(path);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_replace.h"
+#include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -432,29 +433,9 @@ TEST(ModelConfigTest, ToJsonRoundTripsAHandBuiltConfig) {
   ExpectSameConfig(config, *reparsed);
 }
 
-// A fresh directory under the test temp dir, removed with everything in it at scope exit.
-class ScopedTempDir {
- public:
-  ScopedTempDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::path(::testing::TempDir()) /
-            (std::string("fluxion_") + test->test_suite_name() + "_" + test->name());
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-    std::filesystem::create_directories(path_, ignored);
-  }
-  ~ScopedTempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 TEST(ModelConfigTest, LoadModelConfigReadsAFileAndReportsAMissingOne) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::filesystem::path& dir = temp.path();
   const std::string path = (dir / "config.json").string();
   {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -20,27 +21,6 @@ using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
-// A fresh directory under the test temp dir, removed with everything in it at scope exit.
-class ScopedTempDir {
- public:
-  ScopedTempDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::path(::testing::TempDir()) /
-            (std::string("fluxion_") + test->test_suite_name() + "_" + test->name());
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-    std::filesystem::create_directories(path_, ignored);
-  }
-  ~ScopedTempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-  std::string dir() const { return path_.string(); }
-
- private:
-  std::filesystem::path path_;
-};
 
 std::vector<uint8_t> F32Bytes(const std::vector<float>& values) {
   std::vector<uint8_t> bytes(values.size() * 4);
@@ -100,7 +80,7 @@ void ExpectOpenFails(const std::string& path, absl::StatusCode code,
 }
 
 TEST(SafetensorsTest, WriteThenOpenRoundTripsEachDtypeAndMetadata) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string path = temp.File("model.safetensors");
   // Values exactly representable in each dtype, including extremes and an fp16 subnormal.
   const std::vector<float> bf16_values = {0.0f,     1.0f,     -2.5f,
@@ -161,7 +141,7 @@ TEST(SafetensorsTest, WriteThenOpenRoundTripsEachDtypeAndMetadata) {
 }
 
 TEST(SafetensorsTest, WrittenHeaderIsPaddedSoTheDataSectionIsEightByteAligned) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string path = temp.File("x.safetensors");
   // A one-letter name makes an unpadded header length unlikely to be a multiple of 8.
   for (const char* name : {"a", "ab", "abc", "abcd", "abcde", "abcdef", "abcdefg", "abcdefgh"}) {
@@ -176,7 +156,7 @@ TEST(SafetensorsTest, WrittenHeaderIsPaddedSoTheDataSectionIsEightByteAligned) {
 }
 
 TEST(SafetensorsTest, WriteRejectsDataOfTheWrongSizeNamingTheTensorAndLeavesNoFile) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string path = temp.File("bad.safetensors");
   absl::Status status =
       WriteSafetensors(path, {{"ok", DType::kF32, {1}, F32Bytes({1})},
@@ -188,7 +168,7 @@ TEST(SafetensorsTest, WriteRejectsDataOfTheWrongSizeNamingTheTensorAndLeavesNoFi
 }
 
 TEST(SafetensorsTest, WriteRejectsUnknownDtypeAndDuplicateNames) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string path = temp.File("bad.safetensors");
   absl::Status status =
       WriteSafetensors(path, {{"ids", DType::kOther, {2}, std::vector<uint8_t>(16)}});
@@ -203,7 +183,7 @@ TEST(SafetensorsTest, WriteRejectsUnknownDtypeAndDuplicateNames) {
 }
 
 TEST(SafetensorsTest, CheckpointOpensEveryShardListedInTheIndex) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ASSERT_TRUE(WriteSafetensors(
                   temp.File("model-00001-of-00002.safetensors"),
                   {{"model.embed_tokens.weight", DType::kBF16, {2, 2}, Bf16Bytes({1, 2, 3, 4})},
@@ -237,7 +217,7 @@ TEST(SafetensorsTest, CheckpointOpensEveryShardListedInTheIndex) {
 }
 
 TEST(SafetensorsTest, CheckpointOpensASingleFileWhenThereIsNoIndex) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ASSERT_TRUE(WriteSafetensors(temp.File("model.safetensors"),
                                {{"model.norm.weight", DType::kF32, {2}, F32Bytes({5, 6})}})
                   .ok());
@@ -248,7 +228,7 @@ TEST(SafetensorsTest, CheckpointOpensASingleFileWhenThereIsNoIndex) {
 }
 
 TEST(SafetensorsTest, CheckpointFindOfAnAbsentTensorIsNotFoundNamingIt) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ASSERT_TRUE(WriteSafetensors(temp.File("model.safetensors"),
                                {{"model.norm.weight", DType::kF32, {2}, F32Bytes({5, 6})}})
                   .ok());
@@ -260,7 +240,7 @@ TEST(SafetensorsTest, CheckpointFindOfAnAbsentTensorIsNotFoundNamingIt) {
 }
 
 TEST(SafetensorsTest, DirectoryWithoutWeightsIsNotFoundNamingTheDirectory) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(temp.dir());
   EXPECT_EQ(checkpoint.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(checkpoint.status().message(),
@@ -269,7 +249,7 @@ TEST(SafetensorsTest, DirectoryWithoutWeightsIsNotFoundNamingTheDirectory) {
 }
 
 TEST(SafetensorsTest, IndexNamingATensorAbsentFromItsShardIsNotFound) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ASSERT_TRUE(WriteSafetensors(temp.File("shard-1.safetensors"),
                                {{"model.norm.weight", DType::kF32, {2}, F32Bytes({5, 6})}})
                   .ok());
@@ -283,7 +263,7 @@ TEST(SafetensorsTest, IndexNamingATensorAbsentFromItsShardIsNotFound) {
 }
 
 TEST(SafetensorsTest, IndexWithAPathTraversingShardNameIsRejected) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   // A real file outside the checkpoint dir, so only the name check can stop it.
   ASSERT_TRUE(WriteSafetensors(temp.File("x"), {{"w", DType::kF32, {1}, F32Bytes({1})}}).ok());
   std::filesystem::create_directories(temp.File("ckpt"));
@@ -294,7 +274,7 @@ TEST(SafetensorsTest, IndexWithAPathTraversingShardNameIsRejected) {
 }
 
 TEST(SafetensorsTest, TensorInTwoShardsIsInvalidArgumentNamingIt) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   for (const char* shard : {"a.safetensors", "b.safetensors"}) {
     ASSERT_TRUE(WriteSafetensors(temp.File(shard),
                                  {{"model.norm.weight", DType::kF32, {1}, F32Bytes({1})},
@@ -311,13 +291,13 @@ TEST(SafetensorsTest, TensorInTwoShardsIsInvalidArgumentNamingIt) {
 }
 
 TEST(SafetensorsTest, MissingFileIsNotFound) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ExpectOpenFails(temp.File("absent.safetensors"), absl::StatusCode::kNotFound,
                   {"absent.safetensors"});
 }
 
 TEST(SafetensorsTest, FileCutInTheMiddleOfTheDataIsDataLossNamingTheTensor) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string path = temp.File("cut.safetensors");
   ASSERT_TRUE(
       WriteSafetensors(
@@ -330,7 +310,7 @@ TEST(SafetensorsTest, FileCutInTheMiddleOfTheDataIsDataLossNamingTheTensor) {
 }
 
 TEST(SafetensorsTest, FileShorterThanTheLengthPrefixIsDataLoss) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteBytes(temp.File("short"), std::string("\x10\x00\x00", 3));
   ExpectOpenFails(temp.File("short"), absl::StatusCode::kDataLoss, {"truncated"});
   WriteBytes(temp.File("empty"), "");
@@ -338,7 +318,7 @@ TEST(SafetensorsTest, FileShorterThanTheLengthPrefixIsDataLoss) {
 }
 
 TEST(SafetensorsTest, HeaderLengthOverTheLimitIsRejectedBeforeAnyAllocation) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   // 2^40 bytes could neither be allocated nor mapped; the length check must come first.
   WriteBytes(temp.File("huge"), LittleEndian64(uint64_t{1} << 40) + "{}      ");
   ExpectOpenFails(temp.File("huge"), absl::StatusCode::kInvalidArgument,
@@ -348,13 +328,13 @@ TEST(SafetensorsTest, HeaderLengthOverTheLimitIsRejectedBeforeAnyAllocation) {
 }
 
 TEST(SafetensorsTest, HeaderLengthBeyondTheFileIsDataLoss) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteBytes(temp.File("f"), LittleEndian64(1000) + R"({"__metadata__": {}})");
   ExpectOpenFails(temp.File("f"), absl::StatusCode::kDataLoss, {"1000"});
 }
 
 TEST(SafetensorsTest, MalformedHeaderJsonIsInvalidArgument) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({"w": {"dtype": "F32", "shape": [1],)", 4);
   ExpectOpenFails(temp.File("f"), absl::StatusCode::kInvalidArgument, {"not valid JSON"});
   WriteRawSafetensors(temp.File("g"), "[1, 2, 3]", 0);
@@ -362,7 +342,7 @@ TEST(SafetensorsTest, MalformedHeaderJsonIsInvalidArgument) {
 }
 
 TEST(SafetensorsTest, OverlappingTensorsAreDataLossNamingBoth) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "model.first": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
       "model.second": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})",
@@ -371,7 +351,7 @@ TEST(SafetensorsTest, OverlappingTensorsAreDataLossNamingBoth) {
 }
 
 TEST(SafetensorsTest, ZeroLengthTensorInsideAnotherIsNotAnOverlap) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
       "b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}})",
@@ -381,7 +361,7 @@ TEST(SafetensorsTest, ZeroLengthTensorInsideAnotherIsNotAnOverlap) {
 }
 
 TEST(SafetensorsTest, OffsetsOutsideTheDataSectionAreDataLossNamingTheTensor) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "model.reversed": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})",
                       8);
@@ -393,7 +373,7 @@ TEST(SafetensorsTest, OffsetsOutsideTheDataSectionAreDataLossNamingTheTensor) {
 }
 
 TEST(SafetensorsTest, ShapeThatDisagreesWithTheByteCountIsInvalidArgumentNamingTheTensor) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "model.layers.3.self_attn.k_proj.weight":
           {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})",
@@ -403,7 +383,7 @@ TEST(SafetensorsTest, ShapeThatDisagreesWithTheByteCountIsInvalidArgumentNamingT
 }
 
 TEST(SafetensorsTest, ShapeWhoseByteSizeOverflowsIsInvalidArgument) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   // 2^62 * 2^2 elements of 4 bytes wraps to 0 in 64 bits, which would "match" an empty range.
   WriteRawSafetensors(temp.File("f"), R"({
       "model.wrap": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})",
@@ -412,7 +392,7 @@ TEST(SafetensorsTest, ShapeWhoseByteSizeOverflowsIsInvalidArgument) {
 }
 
 TEST(SafetensorsTest, EntryFieldsOfTheWrongTypeAreInvalidArgumentNamingTheTensor) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::vector<std::string> bad_entries = {
       R"({"dtype": 7, "shape": [1], "data_offsets": [0, 4]})",
       R"({"dtype": "F32", "shape": "1", "data_offsets": [0, 4]})",
@@ -431,7 +411,7 @@ TEST(SafetensorsTest, EntryFieldsOfTheWrongTypeAreInvalidArgumentNamingTheTensor
 }
 
 TEST(SafetensorsTest, TensorNamedTwiceInTheHeaderIsInvalidArgument) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "model.twice": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
       "model.twice": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
@@ -440,7 +420,7 @@ TEST(SafetensorsTest, TensorNamedTwiceInTheHeaderIsInvalidArgument) {
 }
 
 TEST(SafetensorsTest, MetadataMustMapStringsToStrings) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({"__metadata__": {"format": "pt", "step": 100}})", 0);
   ExpectOpenFails(temp.File("f"), absl::StatusCode::kInvalidArgument, {"__metadata__", "step"});
   WriteRawSafetensors(temp.File("g"), R"({"__metadata__": ["pt"]})", 0);
@@ -448,7 +428,7 @@ TEST(SafetensorsTest, MetadataMustMapStringsToStrings) {
 }
 
 TEST(SafetensorsTest, UnknownDtypeOpensButReadAsFloatRejectsItNamingTensorAndDtype) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   WriteRawSafetensors(temp.File("f"), R"({
       "model.position_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}})",
                       16);
@@ -466,7 +446,7 @@ TEST(SafetensorsTest, UnknownDtypeOpensButReadAsFloatRejectsItNamingTensorAndDty
 }
 
 TEST(SafetensorsTest, FileFindOfAnAbsentTensorIsNotFoundNamingIt) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   ASSERT_TRUE(WriteSafetensors(temp.File("f"), {{"a", DType::kF32, {1}, F32Bytes({1})}}).ok());
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(temp.File("f"));
   ASSERT_TRUE(file.ok()) << file.status();
@@ -476,7 +456,7 @@ TEST(SafetensorsTest, FileFindOfAnAbsentTensorIsNotFoundNamingIt) {
 }
 
 TEST(SafetensorsTest, ReadAsFloatShapeMismatchNamesTensorAndBothShapes) {
-  ScopedTempDir temp;
+  ScopedTestTempDir temp;
   const std::string name = "model.layers.0.self_attn.q_proj.weight";
   ASSERT_TRUE(WriteSafetensors(
                   temp.File("f"),

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench/eval/npy.h"
+#include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/dense_attention.h"
@@ -198,7 +199,8 @@ TEST(NpyTest, ReaderRoundTripsWhatTheWriterWrote) {
 }
 
 TEST(NpyTest, WritesHeaderThenLittleEndianData) {
-  const std::string path = ::testing::TempDir() + "/npy_test.npy";
+  ScopedTestTempDir temp;
+  const std::string path = temp.File("npy_test.npy");
   const std::vector<float> data = {1.0f, -2.5f, 3.0f, 0.0f, 5.0f, 6.0f};
   ASSERT_TRUE(WriteNpy(path, {2, 3}, data).ok());
   std::ifstream in(path, std::ios::binary);

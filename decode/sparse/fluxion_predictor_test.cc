@@ -5,6 +5,7 @@
 #include <random>
 #include <string>
 
+#include "common/test_temp_dir.h"
 #include "decode/sparse/fluxion_policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -111,7 +112,8 @@ TEST(FluxionPredictorTest, ResolveFallsBackWithoutAFileAndHonoursNone) {
   auto none = ResolvePredictor("", "/nonexistent-model-dir");
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(*none, nullptr);
-  const std::string dir = ::testing::TempDir();
+  ScopedTestTempDir temp;
+  const std::string dir = temp.dir();
   std::ofstream(dir + "/" + kPredictorFileName) << GoodFile().dump();
   auto beside = ResolvePredictor("", dir);
   ASSERT_TRUE(beside.ok()) << beside.status();
