@@ -86,24 +86,18 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
     StartAttempt();
   }
 
+  // The attempt whose message was written cannot have finished meanwhile: its read hold (see
+  // Attempt::Start) keeps its call open until this asks for the next message or gives up.
   void OnWriteDone(bool ok) override {
     Attempt* attempt;
-    std::optional<grpc::Status> deferred;
     {
       absl::MutexLock lock(&mu_);
-      write_in_flight_ = false;
       attempt = current_;
-      if (done_while_writing_.has_value()) {
-        deferred = std::move(done_while_writing_);
-        done_while_writing_.reset();
-      }
     }
-    if (deferred.has_value()) {
-      HandleAttemptDone(*deferred);
-    } else if (!ok) {
-      attempt->Cancel();  // the client is gone; OnCancel follows as well
-    } else {
+    if (ok) {
       attempt->ReadNext();
+    } else {
+      attempt->StopReading();  // the client is gone; OnCancel follows as well
     }
   }
 
@@ -142,17 +136,32 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
       request_ = std::move(request);
       if (deadline.has_value()) context_.set_deadline(*deadline);
       stub->async()->Generate(&context_, &request_, this);
+      // The relay asks for the next message from its OnWriteDone, outside this call's reactions.
+      // Without a hold the status could arrive between a read and that request, gRPC would
+      // finish the call and free its reader, and StartRead would touch freed memory (the rare
+      // "pure virtual method called" abort of session 4). The hold is released once no read will
+      // be asked for from outside: when a read ends the stream, or when the client write failed.
+      AddHold();
       StartRead(&response_);
       StartCall();
     }
     void ReadNext() { StartRead(&response_); }
     void Cancel() { context_.TryCancel(); }
+    // Called instead of ReadNext when the relay will not read again; nothing may follow.
+    void StopReading() {
+      Cancel();
+      RemoveHold();
+    }
     void OnReadDone(bool ok) override {
-      if (ok) relay_->OnAttemptMessage(this);
+      if (ok) {
+        relay_->OnAttemptMessage(this);
+      } else {
+        RemoveHold();
+      }
     }
     void OnDone(const grpc::Status& status) override {
       Relay* relay = relay_;
-      relay->OnAttemptDone(this, status);
+      relay->OnAttemptDone(status);
       relay->Unref();  // may delete the relay and this attempt: nothing may follow
     }
     const std::string& decode() const { return decode_; }
@@ -273,7 +282,6 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
         }
         out_.Swap(&msg);
         write = true;
-        write_in_flight_ = true;
       }
     }
     if (write) {
@@ -283,15 +291,12 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
     }
   }
 
-  void OnAttemptDone(Attempt* attempt, const grpc::Status& status) {
+  // No client write of this attempt's messages is in flight here: the read hold is released
+  // only after the last one completed.
+  void OnAttemptDone(const grpc::Status& status) {
     {
       absl::MutexLock lock(&mu_);
       attempt_active_ = false;
-      if (write_in_flight_) {
-        // Finish only after the client write completes (OnWriteDone picks this up).
-        done_while_writing_ = status;
-        return;
-      }
     }
     HandleAttemptDone(status);
   }
@@ -382,8 +387,6 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   bool relayed_tokens_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> done_while_writing_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::GenerateResponse> held_error_ ABSL_GUARDED_BY(mu_);
   grpc::Status last_failure_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> excluded_decodes_ ABSL_GUARDED_BY(mu_);
