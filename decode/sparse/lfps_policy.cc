@@ -34,12 +34,12 @@ LfpsPolicy::HeadState& LfpsPolicy::State(int layer, int kv_head) {
   return it->second;
 }
 
-void LfpsPolicy::HeadScores(const PagedKv& kv, const std::vector<PageSpan>& spans,
-                            const float* q_head, float scale, std::vector<float>* out) {
+void LfpsPolicy::GroupLogits(const PagedKv& kv, const std::vector<PageSpan>& spans,
+                             const float* q, int64_t group, float scale, std::vector<float>* out) {
   int64_t rows = 0;
   for (const PageSpan& s : spans) rows += s.rows;
-  out->resize(rows);
-  kernels::cpu::MaxGroupScores(kv.view(), spans.data(), spans.size(), q_head, 1, out->data());
+  out->resize(rows * group);
+  kernels::cpu::GroupScores(kv.view(), spans.data(), spans.size(), q, group, out->data());
   for (float& x : *out) x *= scale;
 }
 
@@ -122,12 +122,14 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, &scratch_spans_);
   bool all_streaming = s.count > 0;
   s.global_log_mass.assign(in.group, -INFINITY);
+  GroupLogits(*in.kv, scratch_spans_, in.q, in.group, in.scale, &scores_);
+  const int64_t exact_rows = static_cast<int64_t>(scores_.size()) / in.group;
   for (int64_t g = 0; g < in.group; ++g) {
     const float* q = in.q + g * d;
-    HeadScores(*in.kv, scratch_spans_, q, in.scale, &scores_);
-    const double m = *std::max_element(scores_.begin(), scores_.end());
+    double m = -INFINITY;
+    for (int64_t j = 0; j < exact_rows; ++j) m = std::max<double>(m, scores_[j * in.group + g]);
     double z_exact = 0;
-    for (float x : scores_) z_exact += std::exp(x - m);
+    for (int64_t j = 0; j < exact_rows; ++j) z_exact += std::exp(scores_[j * in.group + g] - m);
     if (s.count == 0) continue;
     const double n = static_cast<double>(s.count);
     // var = q^T (E[k k^T] - E[k] E[k]^T) q = (q^T K q) / n - mu^2 with K the summed outer
@@ -227,7 +229,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {
   HeadState& s = State(in.layer, in.kv_head);
-  const int64_t d = in.kv->shape().head_dim, pt = in.kv->shape().page_tokens;
+  const int64_t pt = in.kv->shape().page_tokens;
   const int64_t t = in.context - 1;
   const Regions r = SplitContext(config_, in.context);
   const auto& pages = in.kv->pages(in.layer, in.kv_head);
@@ -257,24 +259,26 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   // information). Both are maxed over the group (§1.3.7).
   std::vector<float> best(positions.size(), 0.0f);
   double middle_share = 0;
-  for (int64_t g = 0; g < in.group; ++g) {
-    HeadScores(*in.kv, scratch_spans_, in.q + g * d, in.scale, &scores_);
+  GroupLogits(*in.kv, scratch_spans_, in.q, in.group, in.scale, &scores_);
+  const int64_t group = in.group;
+  for (int64_t g = 0; g < group; ++g) {
+    auto score = [&](size_t j) { return scores_[j * group + g]; };
     float m = -INFINITY, m_all = -INFINITY;
     for (size_t j = 0; j < positions.size(); ++j) {
-      m_all = std::max(m_all, scores_[j]);
-      if (positions[j] >= config_.sink_tokens) m = std::max(m, scores_[j]);
+      m_all = std::max(m_all, score(j));
+      if (positions[j] >= config_.sink_tokens) m = std::max(m, score(j));
     }
     double z = 0, z_all = 0, z_middle = 0;
     for (size_t j = 0; j < positions.size(); ++j) {
-      const double e_all = std::exp(scores_[j] - m_all);
+      const double e_all = std::exp(score(j) - m_all);
       z_all += e_all;
       if (positions[j] >= r.sink_end && positions[j] < r.local_begin) z_middle += e_all;
-      if (positions[j] >= config_.sink_tokens) z += std::exp(scores_[j] - m);
+      if (positions[j] >= config_.sink_tokens) z += std::exp(score(j) - m);
     }
     middle_share = std::max(middle_share, z_middle / z_all);
     for (size_t j = 0; j < positions.size(); ++j) {
       if (positions[j] < config_.sink_tokens) continue;
-      best[j] = std::max(best[j], static_cast<float>(std::exp(scores_[j] - m) / z));
+      best[j] = std::max(best[j], static_cast<float>(std::exp(score(j) - m) / z));
     }
   }
   if (!s.bypassed) {

@@ -90,9 +90,10 @@ class LfpsPolicy : public SparsePolicy {
                              std::vector<int32_t>* candidates, SelectionStats* stats) {}
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
-  // Scaled logits of one query head over `spans`' rows, in span order.
-  void HeadScores(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
-                  const float* q_head, float scale, std::vector<float>* out);
+  // Scaled logits of every query head of the group over `spans`' rows, in span order:
+  // (*out)[row * group + g]. One walk over the keys for the whole group.
+  void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
+                   const float* q, int64_t group, float scale, std::vector<float>* out);
 
   PolicyConfig config_;
   LfpsParams params_;

@@ -27,7 +27,7 @@ using QuestBlockBoundsFn = void (*)(const float* key_min, const float* key_max, 
                                     int64_t pages_per_block, const float* q, int64_t group,
                                     float* out);
 
-// One ISA's kernels. paged_attention and max_group_scores require head_dim to be a multiple of
+// One ISA's kernels. paged_attention, max_group_scores and group_scores require head_dim to be a multiple of
 // head_dim_multiple (16 for AVX2, 32 for AVX-512); the public functions send other head dims to
 // the AVX2 kernels. quest_block_bounds takes any head_dim that is a multiple of 8.
 struct CpuKernels {
@@ -38,6 +38,7 @@ struct CpuKernels {
   bool rounds_query_to_bf16;
   PagedAttentionFn paged_attention;
   MaxGroupScoresFn max_group_scores;
+  MaxGroupScoresFn group_scores;  // same signature; writes [rows][group]
   QuestBlockBoundsFn quest_block_bounds;
 };
 
@@ -59,6 +60,8 @@ void PagedAttentionAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t nu
                         const DecodeQuery& q, const AttentionState& state);
 void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                         const float* q, int64_t group, float* scores);
+void GroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                     const float* q, int64_t group, float* scores);
 void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t head_dim,
                           int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
                           const float* q, int64_t group, float* out);
@@ -70,6 +73,8 @@ void PagedAttentionAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t 
                           const DecodeQuery& q, const AttentionState& state);
 void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                           const float* q, int64_t group, float* scores);
+void GroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                       const float* q, int64_t group, float* scores);
 void QuestBlockBoundsAvx512(const float* key_min, const float* key_max, int64_t head_dim,
                             int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
                             const float* q, int64_t group, float* out);

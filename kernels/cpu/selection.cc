@@ -28,8 +28,11 @@ inline float HorizontalSum(__m256 v) {
 
 namespace internal {
 
-void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                        const float* q, int64_t group, float* scores) {
+namespace {
+
+// MaxGroupScores (all_heads false) and GroupScores (true): one walk over the key rows.
+void ScoreRowsAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                   const float* q, int64_t group, bool all_heads, float* scores) {
   const int64_t d = kv.head_dim;
   const int64_t padded = (group + 3) / 4 * 4;
   alignas(32) float qd[kMaxGroup * kMaxHeadDim];
@@ -45,6 +48,16 @@ void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t nu
     const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
     for (int64_t r = 0; r < spans[s].rows; ++r) {
       const bf16* k = rows + r * d;
+      if (all_heads) {
+        // Row-major [row][group]: each block of four heads stored, the padding dropped.
+        for (int64_t hb = 0; hb < padded; hb += 4) {
+          alignas(16) float four[4];
+          _mm_store_ps(four, ScoreFourHeads(k, qd + hb * d, d));
+          for (int64_t j = 0; j < 4 && hb + j < group; ++j) scores[hb + j] = four[j];
+        }
+        scores += group;
+        continue;
+      }
       __m256 best = _mm256_set1_ps(-INFINITY);
       for (int64_t hb = 0; hb < padded; hb += 4) {
         const __m128 four = ScoreFourHeads(k, qd + hb * d, d);
@@ -57,6 +70,18 @@ void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t nu
       *scores++ = _mm_cvtss_f32(m);
     }
   }
+}
+
+}  // namespace
+
+void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                        const float* q, int64_t group, float* scores) {
+  ScoreRowsAvx2(kv, spans, num_spans, q, group, /*all_heads=*/false, scores);
+}
+
+void GroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                     const float* q, int64_t group, float* scores) {
+  ScoreRowsAvx2(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
 }
 
 void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
@@ -98,13 +123,22 @@ void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
 
 }  // namespace internal
 
-// Both dispatch through the table chosen once per process (cpu_features.h).
+// All dispatch through the table chosen once per process (cpu_features.h).
 void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const float* q, int64_t group, float* scores) {
   const internal::CpuKernels& k = internal::ActiveKernels();
   const internal::MaxGroupScoresFn score = kv.head_dim % k.head_dim_multiple == 0
                                                ? k.max_group_scores
                                                : internal::MaxGroupScoresAvx2;
+  score(kv, spans, num_spans, q, group, scores);
+}
+
+void GroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+                 int64_t group, float* scores) {
+  const internal::CpuKernels& k = internal::ActiveKernels();
+  const internal::MaxGroupScoresFn score = kv.head_dim % k.head_dim_multiple == 0
+                                               ? k.group_scores
+                                               : internal::GroupScoresAvx2;
   score(kv, spans, num_spans, q, group, scores);
 }
 

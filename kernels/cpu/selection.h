@@ -17,6 +17,12 @@ namespace fluxion::kernels::cpu {
 void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const float* q, int64_t group, float* scores);
 
+// scores[i * group + g] = q_g . k_i for every row i of `spans` and head g of the group, in span
+// order (unscaled logits): every head's scores from one walk over the keys, where calling
+// MaxGroupScores once per head would read each row `group` times. Same requirements.
+void GroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+                 int64_t group, float* scores);
+
 // Quest upper bounds of q.k over blocks of `pages_per_block` consecutive logical pages:
 //   out[b] = max_g sum_d max(q_g[d] * min_d, q_g[d] * max_d),
 // where min/max are taken over the block's pages. key_min/key_max: [pages][head_dim] fp32 page

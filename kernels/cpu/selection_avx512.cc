@@ -21,8 +21,11 @@ inline __mmask16 StepLanes(int64_t d, int64_t j) { return FirstLanes(d - j < 16 
 
 namespace internal {
 
-void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                          const float* q, int64_t group, float* scores) {
+namespace {
+
+// MaxGroupScores (all_heads false) and GroupScores (true): one walk over the key rows.
+void ScoreRowsAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                     const float* q, int64_t group, bool all_heads, float* scores) {
   const int64_t d = kv.head_dim;
   const int64_t padded = (group + 3) / 4 * 4;
   alignas(64) float qd[kMaxGroup * kMaxHeadDim];
@@ -34,6 +37,16 @@ void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t 
     const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
     for (int64_t r = 0; r < spans[s].rows; ++r) {
       const bf16* k = rows + r * d;
+      if (all_heads) {
+        // Row-major [row][group]: each block of four heads stored, the padding dropped.
+        for (int64_t hb = 0; hb < padded; hb += 4) {
+          alignas(16) float four[4];
+          _mm_store_ps(four, ScoreFourHeads512(k, qd + hb * d, d));
+          for (int64_t j = 0; j < 4 && hb + j < group; ++j) scores[hb + j] = four[j];
+        }
+        scores += group;
+        continue;
+      }
       __m128 best = ScoreFourHeads512(k, qd, d);
       for (int64_t hb = 4; hb < padded; hb += 4) {
         best = _mm_max_ps(best, ScoreFourHeads512(k, qd + hb * d, d));
@@ -42,6 +55,18 @@ void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t 
       *scores++ = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     }
   }
+}
+
+}  // namespace
+
+void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                          const float* q, int64_t group, float* scores) {
+  ScoreRowsAvx512(kv, spans, num_spans, q, group, /*all_heads=*/false, scores);
+}
+
+void GroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                       const float* q, int64_t group, float* scores) {
+  ScoreRowsAvx512(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
 }
 
 void QuestBlockBoundsAvx512(const float* key_min, const float* key_max, int64_t d,

@@ -47,6 +47,15 @@ class SelectionTest : public ::testing::TestWithParam<Impl> {
     }
   }
 
+  void AllScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+                 int64_t group, float* scores) const {
+    if (kernels_ == nullptr) {
+      GroupScores(kv, spans, num_spans, q, group, scores);
+    } else {
+      kernels_->group_scores(kv, spans, num_spans, q, group, scores);
+    }
+  }
+
   void Bounds(const float* mn, const float* mx, int64_t d, int64_t first_block, int64_t blocks,
               int64_t ppb, const float* q, int64_t group, float* out) const {
     if (kernels_ == nullptr) {
@@ -59,7 +68,8 @@ class SelectionTest : public ::testing::TestWithParam<Impl> {
   const internal::CpuKernels* kernels_ = nullptr;  // null: the public functions
 };
 
-TEST_P(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
+// MaxGroupScores (the group's maximum per row) and GroupScores (every head's score per row).
+TEST_P(SelectionTest, GroupScoresAndTheirMaximumMatchScalarDotProducts) {
   // 80 is a multiple of 16 but not of 32: only AVX2 (and the dispatcher, through it) take it.
   for (int64_t d : {64, 96, 80}) {
     if (!Takes(d)) continue;
@@ -75,8 +85,9 @@ TEST_P(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
       std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
       std::vector<float> q(group * d);
       for (float& x : q) x = normal(rng);
-      std::vector<float> got(26);
+      std::vector<float> got(26), each(26 * group);
       Scores(kv, spans.data(), spans.size(), q.data(), group, got.data());
+      AllScores(kv, spans.data(), spans.size(), q.data(), group, each.data());
       size_t i = 0;
       for (const PageSpan& s : spans) {
         for (int r = s.first_row; r < s.first_row + s.rows; ++r, ++i) {
@@ -87,6 +98,8 @@ TEST_P(SelectionTest, MaxGroupScoresMatchScalarDotProducts) {
               dot += q[g * d + j] * Bf16ToFloat(kv.keys(s.page)[r * d + j]);
             }
             best = std::max(best, dot);
+            EXPECT_NEAR(each[i * group + g], dot, 1e-4 * std::max(1.0, std::abs(dot)))
+                << "d " << d << " group " << group << " head " << g;
           }
           EXPECT_NEAR(got[i], best, 1e-4 * std::max(1.0, std::abs(best)))
               << "d " << d << " group " << group;
