@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/cpu/bf16_avx2.h"
+#include "kernels/cpu/key_prefetcher.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
@@ -46,7 +47,9 @@ void ScoreRowsAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spa
   }
   for (int64_t s = 0; s < num_spans; ++s) {
     const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
+    const KeyPrefetcher prefetch(kv, spans, num_spans, s);
     for (int64_t r = 0; r < spans[s].rows; ++r) {
+      prefetch.Row(r);
       const bf16* k = rows + r * d;
       if (all_heads) {
         // Row-major [row][group]: each block of four heads stored, the padding dropped.

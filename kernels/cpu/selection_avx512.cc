@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/bf16_avx512.h"
+#include "kernels/cpu/key_prefetcher.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
@@ -35,7 +36,9 @@ void ScoreRowsAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_s
   }
   for (int64_t s = 0; s < num_spans; ++s) {
     const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
+    const KeyPrefetcher prefetch(kv, spans, num_spans, s);
     for (int64_t r = 0; r < spans[s].rows; ++r) {
+      prefetch.Row(r);
       const bf16* k = rows + r * d;
       if (all_heads) {
         // Row-major [row][group]: each block of four heads stored, the padding dropped.
