@@ -28,6 +28,13 @@ LfpsPolicy::LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, boo
   if (paper_bypass_) params_.bypass_rho = kPaperBypassRho;
 }
 
+void LfpsPolicy::HeadState::NoteMiddleShare(double share) {
+  recent_shares[recent_next] = share;
+  recent_next = (recent_next + 1) % kShareMemory;
+  recent_count = std::min(recent_count + 1, kShareMemory);
+  middle_share = *std::max_element(recent_shares.begin(), recent_shares.begin() + recent_count);
+}
+
 LfpsPolicy::HeadState& LfpsPolicy::State(int layer, int kv_head) {
   auto it = states_.find({layer, kv_head});
   if (it == states_.end()) it = states_.emplace(std::make_pair(layer, kv_head), HeadState(params_)).first;
@@ -94,7 +101,7 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   for (int64_t dist = 0; dist < n; ++dist) {
     if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist, state->slash[dist]);
   }
-  s.middle_share = state->middle_share;
+  s.NoteMiddleShare(state->middle_share);
   s.need_fraction = state->need_fraction;
   s.steps_since_measured = 0;
   return absl::OkStatus();
@@ -282,7 +289,7 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
     }
   }
   if (!s.bypassed) {
-    s.middle_share = middle_share;
+    s.NoteMiddleShare(middle_share);
     s.steps_since_measured = 0;
   }
   for (size_t j = 0; j < positions.size(); ++j) {

@@ -16,6 +16,7 @@
 #ifndef FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 #define FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <utility>
@@ -58,6 +59,7 @@ class LfpsPolicy : public SparsePolicy {
   bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
 
  protected:
+  static constexpr int kShareMemory = 8;
   struct HeadState {
     explicit HeadState(const LfpsParams& p) : tables(p.decay, p.rescale_every) {}
     LfpsTables tables;
@@ -67,11 +69,18 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<double> key_sum, key_outer, value_sum;  // [d], [d][d], [d]
     int64_t steps_since_refresh = 0;
     bool bypassed = false;
-    // Exact share of attention mass on the middle region (between sinks and window) at the last
-    // step that looked at it (or over the prefill tail). The log-normal estimate cannot see rare
-    // high-logit keys (needles) among the folded ones, so a head whose middle recently held mass
-    // is never bypassed on the estimate alone. Starts unknown (1: no bypass).
+    // Exact share of attention mass on the middle region (between sinks and window): the peak
+    // over the last kShareMemory steps that looked at it (the prefill tail counts as one). The
+    // log-normal estimate cannot see rare high-logit keys (needles) among the folded ones, so a
+    // head whose middle recently held mass is never bypassed on the estimate alone. A peak, not
+    // the last value: a copy head's target moves every step and its share swings with each
+    // target key (4% to 30% on the synthetic copy head), so a single low step is no evidence
+    // (with the last value, LFPS bypassed that head after one 4% step and lost 13% of its mass
+    // for the next refresh period; docs/SPARSE.md). Starts unknown (1: no bypass).
     double middle_share = 1.0;
+    void NoteMiddleShare(double share);
+    std::array<double, kShareMemory> recent_shares{};
+    int recent_count = 0, recent_next = 0;
     int64_t steps_since_measured = 0;
     // From the prefill tail: the fraction of middle tokens holding 90% of the middle mass
     // (1 when unknown). Fluxion sizes per-head budgets from it.
