@@ -214,16 +214,14 @@ void PagedAttentionSplitWith(PagedAttentionFn attend, const PagedKvView& kv,
 namespace {
 
 constexpr CpuKernels kAvx2Kernels = {CpuIsa::kAvx2, kChunk, false, PagedAttentionAvx2,
-                                     MaxGroupScoresAvx2, GroupScoresAvx2,
-                                     QuestBlockBoundsAvx2};
+                                     ScoreRowsAvx2, QuestBlockBoundsAvx2};
 #ifdef FLUXION_HAVE_AVX512_KERNELS
 // Selection has no bf16 variant: its scores rank rows, and the fp32 kernel is exact to fp32.
 constexpr CpuKernels kAvx512Kernels = {CpuIsa::kAvx512, 32, false, PagedAttentionAvx512,
-                                       MaxGroupScoresAvx512, GroupScoresAvx512,
-                                       QuestBlockBoundsAvx512};
+                                       ScoreRowsAvx512, QuestBlockBoundsAvx512};
 constexpr CpuKernels kAvx512Bf16Kernels = {CpuIsa::kAvx512Bf16, 32, true,
-                                           PagedAttentionAvx512Bf16, MaxGroupScoresAvx512,
-                                           GroupScoresAvx512, QuestBlockBoundsAvx512};
+                                           PagedAttentionAvx512Bf16, ScoreRowsAvx512,
+                                           QuestBlockBoundsAvx512};
 #endif
 
 }  // namespace

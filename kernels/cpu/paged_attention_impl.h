@@ -20,14 +20,15 @@ namespace fluxion::kernels::cpu::internal {
 
 using PagedAttentionFn = void (*)(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                                   const DecodeQuery& q, const AttentionState& state);
-using MaxGroupScoresFn = void (*)(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                                  const float* q, int64_t group, float* scores);
+// MaxGroupScores (all_heads false: scores[row]) and GroupScores (true: scores[row][group]).
+using ScoreRowsFn = void (*)(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                             const float* q, int64_t group, bool all_heads, float* scores);
 using QuestBlockBoundsFn = void (*)(const float* key_min, const float* key_max, int64_t head_dim,
                                     int64_t first_block, int64_t num_blocks,
                                     int64_t pages_per_block, const float* q, int64_t group,
                                     float* out);
 
-// One ISA's kernels. paged_attention, max_group_scores and group_scores require head_dim to be a multiple of
+// One ISA's kernels. paged_attention and score_rows require head_dim to be a multiple of
 // head_dim_multiple (16 for AVX2, 32 for AVX-512); the public functions send other head dims to
 // the AVX2 kernels. quest_block_bounds takes any head_dim that is a multiple of 8.
 struct CpuKernels {
@@ -37,8 +38,7 @@ struct CpuKernels {
   // variant): its results equal the fp32 kernels' on that rounded query, not on q itself.
   bool rounds_query_to_bf16;
   PagedAttentionFn paged_attention;
-  MaxGroupScoresFn max_group_scores;
-  MaxGroupScoresFn group_scores;  // same signature; writes [rows][group]
+  ScoreRowsFn score_rows;
   QuestBlockBoundsFn quest_block_bounds;
 };
 
@@ -58,10 +58,8 @@ void PagedAttentionSplitWith(PagedAttentionFn attend, const PagedKvView& kv, con
 // AVX2 + FMA (paged_attention_cpu.cc, selection.cc).
 void PagedAttentionAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                         const DecodeQuery& q, const AttentionState& state);
-void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                        const float* q, int64_t group, float* scores);
-void GroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                     const float* q, int64_t group, float* scores);
+void ScoreRowsAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                   const float* q, int64_t group, bool all_heads, float* scores);
 void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t head_dim,
                           int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
                           const float* q, int64_t group, float* out);
@@ -71,10 +69,8 @@ void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t he
 // two.
 void PagedAttentionAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                           const DecodeQuery& q, const AttentionState& state);
-void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                          const float* q, int64_t group, float* scores);
-void GroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                       const float* q, int64_t group, float* scores);
+void ScoreRowsAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                     const float* q, int64_t group, bool all_heads, float* scores);
 void QuestBlockBoundsAvx512(const float* key_min, const float* key_max, int64_t head_dim,
                             int64_t first_block, int64_t num_blocks, int64_t pages_per_block,
                             const float* q, int64_t group, float* out);

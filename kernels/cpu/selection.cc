@@ -4,9 +4,9 @@
 #include <cmath>
 
 #include "kernels/cpu/bf16_avx2.h"
-#include "kernels/cpu/key_prefetcher.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
+#include "kernels/cpu/score_rows.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -29,62 +29,17 @@ inline float HorizontalSum(__m256 v) {
 
 namespace internal {
 
-namespace {
-
-// MaxGroupScores (all_heads false) and GroupScores (true): one walk over the key rows.
 void ScoreRowsAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                    const float* q, int64_t group, bool all_heads, float* scores) {
   const int64_t d = kv.head_dim;
   const int64_t padded = (group + 3) / 4 * 4;
   alignas(32) float qd[kMaxGroup * kMaxHeadDim];
   for (int64_t g = 0; g < padded; ++g) {
-    if (g < group) {
-      DeinterleaveQuery(q + g * d, d, 1.0f, qd + g * d);
-    } else {
-      // Padding heads repeat head 0 so they never raise the maximum.
-      DeinterleaveQuery(q, d, 1.0f, qd + g * d);
-    }
+    // Padding heads repeat head 0 so they never raise the maximum.
+    DeinterleaveQuery(q + (g < group ? g : 0) * d, d, 1.0f, qd + g * d);
   }
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
-    const KeyPrefetcher prefetch(kv, spans, num_spans, s);
-    for (int64_t r = 0; r < spans[s].rows; ++r) {
-      prefetch.Row(r);
-      const bf16* k = rows + r * d;
-      if (all_heads) {
-        // Row-major [row][group]: each block of four heads stored, the padding dropped.
-        for (int64_t hb = 0; hb < padded; hb += 4) {
-          alignas(16) float four[4];
-          _mm_store_ps(four, ScoreFourHeads(k, qd + hb * d, d));
-          for (int64_t j = 0; j < 4 && hb + j < group; ++j) scores[hb + j] = four[j];
-        }
-        scores += group;
-        continue;
-      }
-      __m256 best = _mm256_set1_ps(-INFINITY);
-      for (int64_t hb = 0; hb < padded; hb += 4) {
-        const __m128 four = ScoreFourHeads(k, qd + hb * d, d);
-        best = _mm256_max_ps(best, _mm256_castps128_ps256(four));
-      }
-      // Only the low four lanes carry sums; the high ones are undefined after the cast.
-      const __m128 low = _mm256_castps256_ps128(best);
-      __m128 m = _mm_max_ps(low, _mm_movehl_ps(low, low));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      *scores++ = _mm_cvtss_f32(m);
-    }
-  }
-}
-
-}  // namespace
-
-void MaxGroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                        const float* q, int64_t group, float* scores) {
-  ScoreRowsAvx2(kv, spans, num_spans, q, group, /*all_heads=*/false, scores);
-}
-
-void GroupScoresAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                     const float* q, int64_t group, float* scores) {
-  ScoreRowsAvx2(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
+  ScoreRowsWith(kv, spans, num_spans, qd, group, padded, all_heads,
+                [d](const bf16* k, const float* q4) { return ScoreFourHeads(k, q4, d); }, scores);
 }
 
 void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
@@ -126,23 +81,28 @@ void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
 
 }  // namespace internal
 
-// All dispatch through the table chosen once per process (cpu_features.h).
+// All dispatch through the table chosen once per process (cpu_features.h); head dims the ISA's
+// kernels do not take go to AVX2.
+namespace {
+
+void ScoreRows(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+               int64_t group, bool all_heads, float* scores) {
+  const internal::CpuKernels& k = internal::ActiveKernels();
+  const internal::ScoreRowsFn score =
+      kv.head_dim % k.head_dim_multiple == 0 ? k.score_rows : internal::ScoreRowsAvx2;
+  score(kv, spans, num_spans, q, group, all_heads, scores);
+}
+
+}  // namespace
+
 void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const float* q, int64_t group, float* scores) {
-  const internal::CpuKernels& k = internal::ActiveKernels();
-  const internal::MaxGroupScoresFn score = kv.head_dim % k.head_dim_multiple == 0
-                                               ? k.max_group_scores
-                                               : internal::MaxGroupScoresAvx2;
-  score(kv, spans, num_spans, q, group, scores);
+  ScoreRows(kv, spans, num_spans, q, group, /*all_heads=*/false, scores);
 }
 
 void GroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
                  int64_t group, float* scores) {
-  const internal::CpuKernels& k = internal::ActiveKernels();
-  const internal::MaxGroupScoresFn score = kv.head_dim % k.head_dim_multiple == 0
-                                               ? k.group_scores
-                                               : internal::GroupScoresAvx2;
-  score(kv, spans, num_spans, q, group, scores);
+  ScoreRows(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
 }
 
 void QuestBlockBounds(const float* key_min, const float* key_max, int64_t head_dim,

@@ -8,9 +8,9 @@
 #include <cstdint>
 
 #include "kernels/cpu/bf16_avx512.h"
-#include "kernels/cpu/key_prefetcher.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
+#include "kernels/cpu/score_rows.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -22,9 +22,6 @@ inline __mmask16 StepLanes(int64_t d, int64_t j) { return FirstLanes(d - j < 16 
 
 namespace internal {
 
-namespace {
-
-// MaxGroupScores (all_heads false) and GroupScores (true): one walk over the key rows.
 void ScoreRowsAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                      const float* q, int64_t group, bool all_heads, float* scores) {
   const int64_t d = kv.head_dim;
@@ -34,42 +31,9 @@ void ScoreRowsAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_s
     // Padding heads repeat head 0 so they never raise the maximum.
     DeinterleaveQuery32(q + (g < group ? g : 0) * d, d, 1.0f, qd + g * d);
   }
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const bf16* rows = kv.keys(spans[s].page) + spans[s].first_row * d;
-    const KeyPrefetcher prefetch(kv, spans, num_spans, s);
-    for (int64_t r = 0; r < spans[s].rows; ++r) {
-      prefetch.Row(r);
-      const bf16* k = rows + r * d;
-      if (all_heads) {
-        // Row-major [row][group]: each block of four heads stored, the padding dropped.
-        for (int64_t hb = 0; hb < padded; hb += 4) {
-          alignas(16) float four[4];
-          _mm_store_ps(four, ScoreFourHeads512(k, qd + hb * d, d));
-          for (int64_t j = 0; j < 4 && hb + j < group; ++j) scores[hb + j] = four[j];
-        }
-        scores += group;
-        continue;
-      }
-      __m128 best = ScoreFourHeads512(k, qd, d);
-      for (int64_t hb = 4; hb < padded; hb += 4) {
-        best = _mm_max_ps(best, ScoreFourHeads512(k, qd + hb * d, d));
-      }
-      const __m128 m = _mm_max_ps(best, _mm_movehl_ps(best, best));
-      *scores++ = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    }
-  }
-}
-
-}  // namespace
-
-void MaxGroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                          const float* q, int64_t group, float* scores) {
-  ScoreRowsAvx512(kv, spans, num_spans, q, group, /*all_heads=*/false, scores);
-}
-
-void GroupScoresAvx512(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
-                       const float* q, int64_t group, float* scores) {
-  ScoreRowsAvx512(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
+  ScoreRowsWith(kv, spans, num_spans, qd, group, padded, all_heads,
+                [d](const bf16* k, const float* q4) { return ScoreFourHeads512(k, q4, d); },
+                scores);
 }
 
 void QuestBlockBoundsAvx512(const float* key_min, const float* key_max, int64_t d,

@@ -38,31 +38,22 @@ class SelectionTest : public ::testing::TestWithParam<Impl> {
     return kernels_ == nullptr || head_dim % kernels_->head_dim_multiple == 0;
   }
 
+  // The kernels under test: the public (dispatching) functions, or one ISA's table entries.
   void Scores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
-              int64_t group, float* scores) const {
-    if (kernels_ == nullptr) {
-      MaxGroupScores(kv, spans, num_spans, q, group, scores);
-    } else {
-      kernels_->max_group_scores(kv, spans, num_spans, q, group, scores);
-    }
-  }
-
-  void AllScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
-                 int64_t group, float* scores) const {
-    if (kernels_ == nullptr) {
+              int64_t group, bool all_heads, float* scores) const {
+    if (kernels_ != nullptr) {
+      kernels_->score_rows(kv, spans, num_spans, q, group, all_heads, scores);
+    } else if (all_heads) {
       GroupScores(kv, spans, num_spans, q, group, scores);
     } else {
-      kernels_->group_scores(kv, spans, num_spans, q, group, scores);
+      MaxGroupScores(kv, spans, num_spans, q, group, scores);
     }
   }
 
   void Bounds(const float* mn, const float* mx, int64_t d, int64_t first_block, int64_t blocks,
               int64_t ppb, const float* q, int64_t group, float* out) const {
-    if (kernels_ == nullptr) {
-      QuestBlockBounds(mn, mx, d, first_block, blocks, ppb, q, group, out);
-    } else {
-      kernels_->quest_block_bounds(mn, mx, d, first_block, blocks, ppb, q, group, out);
-    }
+    const auto bounds = kernels_ != nullptr ? kernels_->quest_block_bounds : QuestBlockBounds;
+    bounds(mn, mx, d, first_block, blocks, ppb, q, group, out);
   }
 
   const internal::CpuKernels* kernels_ = nullptr;  // null: the public functions
@@ -86,8 +77,8 @@ TEST_P(SelectionTest, GroupScoresAndTheirMaximumMatchScalarDotProducts) {
       std::vector<float> q(group * d);
       for (float& x : q) x = normal(rng);
       std::vector<float> got(26), each(26 * group);
-      Scores(kv, spans.data(), spans.size(), q.data(), group, got.data());
-      AllScores(kv, spans.data(), spans.size(), q.data(), group, each.data());
+      Scores(kv, spans.data(), spans.size(), q.data(), group, /*all_heads=*/false, got.data());
+      Scores(kv, spans.data(), spans.size(), q.data(), group, /*all_heads=*/true, each.data());
       size_t i = 0;
       for (const PageSpan& s : spans) {
         for (int r = s.first_row; r < s.first_row + s.rows; ++r, ++i) {
