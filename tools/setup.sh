@@ -16,6 +16,7 @@ packages=(
   libmicrohttpd-dev                           # HTTP /metrics endpoints (common/metrics_http)
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
+  python3                                     # tools/eval: result tables (and their ctest)
 )
 
 missing=()

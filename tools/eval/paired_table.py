@@ -8,9 +8,11 @@ rule `fluxion eval tasks` prints per task).
 
 Several files are pooled when they hold disjoint samples (runs with different --seed ranges):
 correct counts, sample counts and paired lost/gained add up exactly, reads by sample weight.
-Policies missing from some files are shown with the samples they have.
+Policies missing from some files are shown with the samples they have. FILE:POLICY,POLICY takes
+only those policies from FILE (e.g. an older run whose `lfps` rows predate a change to it but
+whose `full` and `exact_topk` rows still hold); overlapping seed ranges of one policy are refused.
 
-    tools/eval/paired_table.py RESULT.json [MORE.json ...] [--context 4096]
+    tools/eval/paired_table.py RESULT.json[:full,exact_topk@0.02] [MORE.json ...] [--context 4096]
 """
 import argparse
 import json
@@ -27,7 +29,10 @@ def main():
                     "attention >= 0.8 at that length)")
     args = ap.parse_args()
     pooled = OrderedDict()
-    for path in args.json_files:
+    seen = {}  # (context, task, policy) -> [(first seed, end), ...]
+    for arg in args.json_files:
+        path, _, only = arg.partition(":")
+        keep = set(only.split(",")) if only else None
         try:
             with open(path) as f:
                 doc = json.load(f)
@@ -35,7 +40,15 @@ def main():
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"error: {path}: not a `fluxion eval tasks --json` file ({e})")
         for r in rows:
+            if keep is not None and r["policy"] not in keep:
+                continue
             key = (r["context"], r["task"], r["policy"])
+            begin, end = r["seed"], r["seed"] + r["samples"]
+            for b, e in seen.get(key, []):
+                if begin < e and b < end:
+                    sys.exit(f"error: {path}: {r['policy']} {r['task']} {r['context']} seeds "
+                             f"{begin}-{end - 1} overlap {b}-{e - 1} from an earlier file")
+            seen.setdefault(key, []).append((begin, end))
             p = pooled.setdefault(key, {"context": r["context"], "task": r["task"],
                                         "policy": r["policy"], "correct": 0, "samples": 0,
                                         "paired_lost": 0, "paired_gained": 0, "read_sum": 0.0})

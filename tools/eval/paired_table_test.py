@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Tests of paired_table.py: pooling disjoint runs, the FILE:POLICY filter, overlap refusal."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paired_table.py")
+
+
+def row(policy, seed, correct, samples, lost=0, gained=0, read=1.0, task="niah_single"):
+    return {"context": 4096, "task": task, "policy": policy, "seed": seed, "correct": correct,
+            "samples": samples, "paired_lost": lost, "paired_gained": gained,
+            "budget_spent": read}
+
+
+class PairedTableTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def write(self, name, rows):
+        path = os.path.join(self.dir.name, name)
+        with open(path, "w") as f:
+            json.dump({"results": rows}, f)
+        return path
+
+    def run_table(self, *args):
+        return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True)
+
+    def test_pools_disjoint_seed_ranges_and_filters_policies(self):
+        a = self.write("a.json", [row("full", 100, 10, 10), row("lfps@0.02", 100, 7, 10, lost=3),
+                                  row("exact_topk@0.02", 100, 9, 10, lost=1, read=0.02)])
+        b = self.write("b.json", [row("full", 200, 9, 10), row("lfps@0.02", 200, 9, 10, lost=1,
+                                                               gained=1)])
+        out = self.run_table(a + ":full,exact_topk@0.02", b)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = {l.split("|")[1].strip(): l for l in out.stdout.splitlines() if l.startswith("| ")}
+        self.assertIn("19/20", lines["full"])
+        # a.json's lfps rows were left out: only b.json's 10 samples count.
+        self.assertIn("9/10 (-1/+1)", lines["lfps@0.02"])
+        self.assertIn("9/10 (-1/+0)", lines["exact_topk@0.02"])
+
+    def test_overlapping_seed_ranges_are_refused(self):
+        a = self.write("a.json", [row("full", 100, 10, 10)])
+        b = self.write("b.json", [row("full", 105, 10, 10)])
+        out = self.run_table(a, b)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("overlap", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
