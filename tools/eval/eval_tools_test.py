@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tests of paired_table.py: pooling disjoint runs, the FILE:POLICY filter, overlap refusal."""
+"""Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal) and pair_policies.py."""
 import json
 import os
 import subprocess
@@ -7,7 +7,9 @@ import sys
 import tempfile
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paired_table.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "paired_table.py")
+PAIR = os.path.join(HERE, "pair_policies.py")
 
 
 def row(policy, seed, correct, samples, lost=0, gained=0, read=1.0, task="niah_single"):
@@ -51,6 +53,28 @@ class PairedTableTest(unittest.TestCase):
         out = self.run_table(a, b)
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("overlap", out.stderr)
+
+
+    def test_pair_policies_pairs_across_logs_and_refuses_duplicates(self):
+        new = os.path.join(self.dir.name, "new.txt")
+        old = os.path.join(self.dir.name, "old.txt")
+        with open(new, "w") as f:
+            f.write("[1/3] aggregate 4096 seed 7: full=ok fluxion@0.02=ok (prefill 1 ms)\n"
+                    "[2/3] aggregate 4096 seed 8: full=ok fluxion@0.02=wrong (prefill 1 ms)\n"
+                    "[3/3] aggregate 4096 seed 9: full=ok fluxion@0.02=ok (prefill 1 ms)\n")
+        with open(old, "w") as f:
+            f.write("[1/3] aggregate 4096 seed 7: full=ok exact_topk@0.02=wrong (prefill 1 ms)\n"
+                    "[2/3] aggregate 4096 seed 8: full=ok exact_topk@0.02=ok (prefill 1 ms)\n"
+                    "[3/3] aggregate 4096 seed 9: full=ok exact_topk@0.02=wrong (prefill 1 ms)\n")
+        out = subprocess.run([sys.executable, PAIR, "fluxion@0.02", "exact_topk@0.02", new,
+                              old + ":exact_topk@0.02"], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("3 prompts, only fluxion@0.02 right 2, only exact_topk@0.02 right 1", out.stdout)
+        self.assertIn("+33.3 points", out.stdout)
+        dup = subprocess.run([sys.executable, PAIR, "full", "fluxion@0.02", new, old],
+                             capture_output=True, text=True)
+        self.assertNotEqual(dup.returncode, 0)
+        self.assertIn("also in an earlier log", dup.stderr)
 
 
 if __name__ == "__main__":
