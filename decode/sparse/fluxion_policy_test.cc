@@ -1,6 +1,7 @@
 #include "decode/sparse/fluxion_policy.h"
 
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -41,14 +42,23 @@ TwoHeadPrompt RandomTwoHeadPrompt(int64_t tokens, int64_t d, uint32_t seed) {
   return p;
 }
 
+// An arena and an empty paged sequence for one layer of two KV heads of `tokens` positions
+// (kv is declared after the arena, so it is destroyed first).
+struct TwoHeadKv {
+  TwoHeadKv(int64_t tokens, int64_t d)
+      : arena(*KvArena::Create(KvShape{1, 2, d, 16}.page_bytes(), 2 * (tokens / 16 + 2))),
+        kv(*PagedKv::Create(arena.get(), KvShape{1, 2, d, 16})) {}
+  std::unique_ptr<KvArena> arena;
+  std::unique_ptr<PagedKv> kv;
+};
+
 // Two KV heads, one query head each: head 0 is a streaming head (every query is drawn to the
 // sinks), head 1 a diffuse one. Fluxion must give head 0 no middle budget and head 1 the rest,
 // keeping the request's total read at the uniform budget.
 TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
   const int64_t tokens = 2048, d = 32;
-  const KvShape shape{1, 2, d, 16};
-  auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
-  auto kv = *PagedKv::Create(arena.get(), shape);
+  TwoHeadKv pool(tokens, d);
+  auto& kv = pool.kv;
   auto [q_dir, k, v] = RandomTwoHeadPrompt(tokens, d, 3);
   for (int64_t t = 0; t < 4; ++t) {
     for (int64_t j = 0; j < d; ++j) k[(t * 2 + 0) * d + j] = 4.0f * q_dir[j];  // head 0 sinks
@@ -79,9 +89,8 @@ TEST(FluxionPolicyTest, StreamingHeadGetsNoMiddleBudgetAndTotalReadIsKept) {
 // over 200 single keys keeps 16-token blocks (coarser top blocks would hold far fewer of them).
 TEST(FluxionPolicyTest, RunsOfAttentionGetCoarseBlocksScatteredAttentionFineOnes) {
   const int64_t tokens = 16384, d = 32;
-  const KvShape shape{1, 2, d, 16};
-  auto arena = *KvArena::Create(shape.page_bytes(), 2 * (tokens / 16 + 2));
-  auto kv = *PagedKv::Create(arena.get(), shape);
+  TwoHeadKv pool(tokens, d);
+  auto& kv = pool.kv;
   auto [q_dir, k, v] = RandomTwoHeadPrompt(tokens, d, 5);
   auto align = [&](int64_t t, int h) {
     for (int64_t j = 0; j < d; ++j) k[(t * 2 + h) * d + j] = 1.5f * q_dir[j];
