@@ -51,8 +51,9 @@ void FluxionPolicy::Allocate() {
     }
   } else {
     for (const auto& [key, s] : states_) {
-      const bool streaming = s.middle_share < 1.0 - params_.bypass_rho;
-      const double w = streaming ? 0.0 : s.middle_share * std::max(s.need_fraction, 1e-3);
+      const double share = s.MiddleShare();
+      const bool streaming = share < 1.0 - params_.bypass_rho;
+      const double w = streaming ? 0.0 : share * std::max(s.need_fraction, 1e-3);
       weight_[key] = w;
       total += w;
     }

@@ -12,11 +12,10 @@
 // Weights are normalised to sum to the number of heads; if every head is streaming, no head reads
 // the middle (the predictor's case; the rules then keep the uniform budget, as v1 did).
 //
-// Selection within a head's budget k: LFPS's history candidates (tables -> expansion) plus the
-// rows of the query-aware top blocks (Quest bounds at the head's block size; blocks holding 2k
-// rows, at least 16), rescored exactly; the top k rows are attended. The block size per head
-// comes from the granularity selector (granularity.h: host cost model + prefill coverage).
-// ALGORITHMS.md §2.4.5
+// Selection within a head's budget k: LFPS's history candidates (tables -> expansion) plus the rows
+// of the query-aware top blocks (Quest bounds at the head's block size; blocks holding 2k rows, at
+// least 16), rescored exactly; the top k rows are attended. The block size per head comes from the
+// granularity selector (granularity.h: host cost model + prefill coverage). ALGORITHMS.md §2.4.5
 // proposes the reverse (score only LFPS's candidate blocks); on our model LFPS's candidates held
 // 0.2-0.95 of the top-k mass per head (docs/SPARSE.md), so restricting the scan to them would cap
 // quality at LFPS's, and the coarse bound scan costs 3-12% of the K/V bytes. The bypass is LFPS's

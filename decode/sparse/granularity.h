@@ -1,12 +1,12 @@
 // Fluxion's granularity selector (../shared/docs/ALGORITHMS.md §2.4.4): per retrieval head, the
 // block size of the query-aware scan, chosen by a host cost model under a coverage constraint.
 //
-// A Fluxion head step scores the middle region's blocks by their Quest bounds (fp32 min/max
-// vectors per block), takes the top blocks holding `over` x k rows (at least `min_blocks`
-// blocks) as candidates (with LFPS's history candidates), rescores those rows exactly (K only) and attends the top k rows. Coarser
-// blocks shrink the metadata scan (2 x head_dim x 4 bytes per block: 12.5% of the K/V bytes at
-// 16 tokens, 3.1% at 64) but hold more rows the head does not need, so their top blocks cover
-// less of the head's attention. Per head and request:
+// A Fluxion head step scores the middle region's blocks by their Quest bounds (fp32 min/max vectors
+// per block), takes the top blocks holding `over` x k rows (at least `min_blocks` blocks) as
+// candidates (with LFPS's history candidates), rescores those rows exactly (K only) and attends the
+// top k rows. Coarser blocks shrink the metadata scan (2 x head_dim x 4 bytes per block: 12.5% of
+// the K/V bytes at 16 tokens, 3.1% at 64) but hold more rows the head does not need, so their top
+// blocks cover less of the head's attention. Per head and request:
 //
 //     T(b) = [meta_bytes(b) + score_bytes(b) + attend_bytes] / read_bandwidth + topk(n / b)
 //     choose the b in {16, 32, 64} with the smallest T(b) whose coverage is within `tolerance`

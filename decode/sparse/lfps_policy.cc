@@ -32,7 +32,11 @@ void LfpsPolicy::HeadState::NoteMiddleShare(double share) {
   recent_shares[recent_next] = share;
   recent_next = (recent_next + 1) % kShareMemory;
   recent_count = std::min(recent_count + 1, kShareMemory);
-  middle_share = *std::max_element(recent_shares.begin(), recent_shares.begin() + recent_count);
+}
+
+double LfpsPolicy::HeadState::MiddleShare() const {
+  if (recent_count == 0) return 1.0;
+  return *std::max_element(recent_shares.begin(), recent_shares.begin() + recent_count);
 }
 
 LfpsPolicy::HeadState& LfpsPolicy::State(int layer, int kv_head) {
@@ -165,7 +169,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   }
   // Re-measure every refresh period: a head may turn from streaming to retrieval.
   const bool measured_recently = s.steps_since_measured < params_.refresh_every;
-  if (all_streaming && measured_recently && s.middle_share <= 1.0 - params_.bypass_rho) {
+  if (all_streaming && measured_recently && s.MiddleShare() <= 1.0 - params_.bypass_rho) {
     s.bypassed = true;
     ++s.steps_since_measured;
     ++stats->bypassed;

@@ -76,10 +76,11 @@ class LfpsPolicy : public SparsePolicy {
     // the last value: a copy head's target moves every step and its share swings with each
     // target key (4% to 30% on the synthetic copy head), so a single low step is no evidence
     // (with the last value, LFPS bypassed that head after one 4% step and lost 13% of its mass
-    // for the next refresh period; docs/SPARSE.md). Starts unknown (1: no bypass).
-    double middle_share = 1.0;
+    // for the next refresh period; docs/SPARSE.md). Unknown before the first measurement
+    // (1: no bypass).
+    double MiddleShare() const;
     void NoteMiddleShare(double share);
-    std::array<double, kShareMemory> recent_shares{};
+    std::array<double, kShareMemory> recent_shares{};  // a ring; the first recent_count are set
     int recent_count = 0, recent_next = 0;
     int64_t steps_since_measured = 0;
     // From the prefill tail: the fraction of middle tokens holding 90% of the middle mass

@@ -52,7 +52,8 @@ CopyHead MakeCopyHead(const std::vector<double>& strength, uint32_t seed) {
     const std::vector<float> dir = unit(&u);
     set(kTargetBase + s, dir, 12.0f);
     std::vector<float> q(kDim);
-    for (int64_t j = 0; j < kDim; ++j) q[j] = 8.0f * (u[j] + static_cast<float>(strength[s]) * dir[j]);
+    const float c = static_cast<float>(strength[s]);
+    for (int64_t j = 0; j < kDim; ++j) q[j] = 8.0f * (u[j] + c * dir[j]);
     h.q.push_back(q);
   }
   return h;
@@ -106,7 +107,8 @@ TEST(LfpsPolicyTest, CopyHeadIsNotBypassedAfterOneLowStep) {
 // The other side of the same rule: a head whose middle never holds mass (no target at all) is
 // still bypassed once its recent steps all measured a tiny middle share.
 TEST(LfpsPolicyTest, HeadWithAnEmptyMiddleIsBypassed) {
-  const std::vector<StepResult> steps = RunSteps(MakeCopyHead(std::vector<double>(kSteps, 0.0), 12));
+  const std::vector<StepResult> steps =
+      RunSteps(MakeCopyHead(std::vector<double>(kSteps, 0.0), 12));
   int bypassed = 0;
   for (const StepResult& s : steps) bypassed += s.bypassed;
   EXPECT_GE(bypassed, kSteps / 2);

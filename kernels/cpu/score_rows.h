@@ -76,7 +76,9 @@ inline void ScoreRowsWith(const PagedKvView& kv, const PageSpan* spans, int64_t 
         continue;
       }
       __m128 best = score_four(k, qd);
-      for (int64_t hb = 4; hb < padded; hb += 4) best = _mm_max_ps(best, score_four(k, qd + hb * d));
+      for (int64_t hb = 4; hb < padded; hb += 4) {
+        best = _mm_max_ps(best, score_four(k, qd + hb * d));
+      }
       const __m128 m = _mm_max_ps(best, _mm_movehl_ps(best, best));
       *scores++ = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     }
