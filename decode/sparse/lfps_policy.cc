@@ -217,8 +217,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     for (int64_t p : vertical) mark(p);
     for (int64_t dist : slash) mark(t - dist);
     AddCandidates(in, r, k, &candidates, stats);
-    std::sort(candidates.begin(), candidates.end());
-    candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+    SortUniqueWithin(r.sink_end, r.local_begin, &candidates, &candidate_bits_);
     if (static_cast<int64_t>(candidates.size()) <= k) {
       picked_ = candidates;
     } else {

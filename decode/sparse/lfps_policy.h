@@ -115,6 +115,7 @@ class LfpsPolicy : public SparsePolicy {
   std::vector<float> scores_, scratch_;
   std::vector<int32_t> picked_, scratch_picked_;
   std::vector<int32_t> candidates_;  // this step's expanded LFPS candidates, sorted
+  std::vector<uint64_t> candidate_bits_;  // SortUniqueWithin's bitmap, kept between steps
   std::vector<double> kq_;  // [head_dim]: summed key outer products times q (bypass estimate)
 };
 

@@ -191,6 +191,28 @@ void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector
   stats->context += in.context;
 }
 
+void SortUniqueWithin(int64_t begin, int64_t end, std::vector<int32_t>* positions,
+                      std::vector<uint64_t>* words) {
+  if (end <= begin) {
+    positions->clear();
+    return;
+  }
+  words->assign(static_cast<size_t>((end - begin + 63) / 64), 0);
+  uint64_t* w = words->data();
+  for (int32_t p : *positions) {
+    if (p < begin || p >= end) continue;
+    const int64_t bit = p - begin;
+    w[bit >> 6] |= uint64_t{1} << (bit & 63);
+  }
+  positions->clear();
+  for (size_t i = 0; i < words->size(); ++i) {
+    for (uint64_t bits = w[i]; bits != 0; bits &= bits - 1) {
+      positions->push_back(static_cast<int32_t>(begin + static_cast<int64_t>(i) * 64 +
+                                                __builtin_ctzll(bits)));
+    }
+  }
+}
+
 void AppendPositions(const PagedKv& kv, int layer, int kv_head,
                      const std::vector<int32_t>& sorted_positions, std::vector<PageSpan>* spans) {
   const int64_t pt = kv.shape().page_tokens;

@@ -116,7 +116,10 @@ INSTANTIATE_TEST_SUITE_P(
                       AttentionCase{1, 129, 8, 1, 128},   // decode step, MQA, head_dim 128
                       AttentionCase{100, 0, 4, 2, 32},    // prefill spanning two query tiles
                       AttentionCase{65, 40, 6, 3, 24},    // chunked prefill continuing a sequence
-                      AttentionCase{7, 5, 14, 2, 64}));   // Qwen2.5-0.5B head layout
+                      AttentionCase{7, 5, 14, 2, 64},     // Qwen2.5-0.5B head layout
+                      AttentionCase{1, 1500, 8, 4, 32},   // decode step over three key chunks
+                      AttentionCase{130, 1000, 8, 4, 32}, // tiles whose mask cuts a key chunk
+                      AttentionCase{600, 0, 2, 1, 32}));  // prefill longer than one key chunk
 
 }  // namespace
 }  // namespace fluxion::kernels

@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/bf16_avx2.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/exp_avx2.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
 #include <immintrin.h>
@@ -16,54 +17,6 @@ namespace fluxion::kernels::cpu {
 namespace {
 
 constexpr int64_t kHeadBlock = 4;  // query heads sharing one pass over a K/V row
-
-// exp(x) for 8 lanes: range reduction to r in [-ln2/2, ln2/2], degree-6 polynomial, scale by 2^n.
-// Relative error ~2e-7 (a couple of fp32 ulps); inputs below -87 flush to 0.
-inline __m256 Exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                        _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// v[i] = exp(v[i] - shift) for n values, returning their sum.
-inline float ExpShiftedInPlace(float* v, int64_t n, float shift) {
-  const __m256 s = _mm256_set1_ps(shift);
-  __m256 sum = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), s));
-    _mm256_storeu_ps(v + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] +
-                lanes[7];
-  if (i < n) {
-    alignas(32) float tail[8] = {};
-    for (int64_t j = i; j < n; ++j) tail[j - i] = v[j] - shift;
-    for (int64_t j = n - i; j < 8; ++j) tail[j] = -INFINITY;
-    _mm256_store_ps(tail, Exp8(_mm256_load_ps(tail)));
-    for (int64_t j = i; j < n; ++j) {
-      v[j] = tail[j - i];
-      total += v[j];
-    }
-  }
-  return total;
-}
 
 }  // namespace
 
