@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal) and pair_policies.py."""
+"""Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal), pair_policies.py and
+merge_runs.py."""
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "paired_table.py")
 PAIR = os.path.join(HERE, "pair_policies.py")
+MERGE = os.path.join(HERE, "merge_runs.py")
 
 
 def row(policy, seed, correct, samples, lost=0, gained=0, read=1.0, task="niah_single"):
@@ -75,6 +77,41 @@ class PairedTableTest(unittest.TestCase):
                              capture_output=True, text=True)
         self.assertNotEqual(dup.returncode, 0)
         self.assertIn("also in an earlier log", dup.stderr)
+
+    def test_merge_runs_joins_consecutive_seeds_keeps_gaps_and_sorts_the_log(self):
+        runs = []
+        for seed, correct, lost in ((7, 1, 0), (8, 0, 1), (10, 1, 0)):
+            path = self.write(f"run{seed}.json", [
+                row("full", seed, 1, 1, read=1.0), row("lfps@0.02", seed, correct, 1, lost=lost,
+                                                       read=0.02 if seed == 7 else 0.03)])
+            with open(path[:-len(".json")] + ".txt", "w") as f:
+                f.write("fluxion policy: rules\n"
+                        f"[1/1] niah_single 4096 seed {seed}: full=ok lfps@0.02=ok (prefill 1 ms)\n"
+                        "task  context  policy\n")
+            runs.append(path)
+        out_json = os.path.join(self.dir.name, "merged.json")
+        out_log = os.path.join(self.dir.name, "merged.txt")
+        out = subprocess.run([sys.executable, MERGE, out_json, *reversed(runs), "--log", out_log],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.assertEqual(doc["merged_runs"], 3)
+        lfps = [r for r in doc["results"] if r["policy"] == "lfps@0.02"]
+        # Seeds 7 and 8 follow each other and merge; 10 stays apart (9 is missing).
+        self.assertEqual([(r["seed"], r["samples"], r["correct"], r["paired_lost"]) for r in lfps],
+                         [(7, 2, 1, 1), (10, 1, 1, 0)])
+        self.assertAlmostEqual(lfps[0]["budget_spent"], 0.025)
+        self.assertAlmostEqual(lfps[0]["accuracy"], 0.5)
+        self.assertAlmostEqual(lfps[0]["delta_vs_first"], -0.5)
+        with open(out_log) as f:
+            self.assertEqual([l.split(" seed ")[1][:2] for l in f.read().splitlines()],
+                             ["7:", "8:", "10"])
+        # The same seed twice is refused.
+        dup = subprocess.run([sys.executable, MERGE, out_json, runs[0], runs[0]],
+                             capture_output=True, text=True)
+        self.assertNotEqual(dup.returncode, 0)
+        self.assertIn("overlap", dup.stderr)
 
 
 if __name__ == "__main__":
