@@ -103,6 +103,12 @@ TEST(EvalQuickTest, TrainedModelFindsTheNeedleWithLfpsAndFluxionAtTenPercent) {
     if (r.policy != "full") {
       EXPECT_LT(r.budget_spent, 0.12) << r.policy;  // it really read about 10%, not everything
     }
+    // Only the LFPS family bypasses heads; a share, so within [0, 1).
+    EXPECT_GE(r.bypassed, 0.0) << r.policy;
+    EXPECT_LT(r.bypassed, 1.0) << r.policy;
+    if (r.policy == "full") {
+      EXPECT_EQ(r.bypassed, 0.0);
+    }
   }
 }
 

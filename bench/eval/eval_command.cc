@@ -45,9 +45,9 @@ std::string Tail(const std::string& s, size_t n) {
 }
 
 void PrintTable(const std::vector<CellResult>& results) {
-  std::printf("%-16s %8s  %-18s %5s  %8s  %-16s %7s %6s %-22s %11s %9s\n", "task", "context",
-              "policy", "n", "accuracy", "95% CI", "read", "-/+", "vs first: delta [95%]",
-              "prefill ms", "tpot ms");
+  std::printf("%-16s %8s  %-18s %5s  %8s  %-16s %7s %6s %-22s %11s %9s %7s\n", "task",
+              "context", "policy", "n", "accuracy", "95% CI", "read", "-/+",
+              "vs first: delta [95%]", "prefill ms", "tpot ms", "bypass");
   for (const CellResult& r : results) {
     char ci[32];
     std::snprintf(ci, sizeof(ci), "[%.3f, %.3f]", r.ci_low, r.ci_high);
@@ -56,10 +56,10 @@ void PrintTable(const std::vector<CellResult>& results) {
                   static_cast<long long>(r.gained));
     std::snprintf(paired, sizeof(paired), "%+.3f [%+.3f, %+.3f]", r.delta, r.delta_low,
                   r.delta_high);
-    std::printf("%-16s %8lld  %-18s %5lld  %8.3f  %-16s %7.4f %6s %-22s %11.1f %9.2f\n",
+    std::printf("%-16s %8lld  %-18s %5lld  %8.3f  %-16s %7.4f %6s %-22s %11.1f %9.2f %7.3f\n",
                 r.task.c_str(), static_cast<long long>(r.context), r.policy.c_str(),
                 static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, counts, paired,
-                r.prefill_ms, r.tpot_ms);
+                r.prefill_ms, r.tpot_ms, r.bypassed);
   }
 }
 
@@ -253,6 +253,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                       {"prefill_ms", r.prefill_ms},
                       {"tpot_ms", r.tpot_ms},
                       {"budget_spent", r.budget_spent},
+                      {"bypassed", r.bypassed},
                       {"paired_lost", r.lost},
                       {"paired_gained", r.gained},
                       {"delta_vs_first", r.delta},

@@ -162,7 +162,7 @@ class CaptureWriter {
 
 struct CellTotals {
   int64_t samples = 0, correct = 0, decode_steps = 0, lost = 0, gained = 0;
-  double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0;
+  double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0, bypassed_fraction = 0;
 };
 
 }  // namespace
@@ -226,6 +226,18 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
       std::unique_ptr<decode::SparseAttention> sparse,
       decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config, state));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
+}
+
+// Share of (layer, KV head, step) selections a history policy bypassed to sinks + local window.
+double BypassedFraction(const model::SequenceAttention& attention) {
+  if (const auto* capturing = dynamic_cast<const CapturingAttention*>(&attention)) {
+    return BypassedFraction(capturing->inner());
+  }
+  if (const auto* sparse = dynamic_cast<const decode::SparseAttention*>(&attention)) {
+    const decode::sparse::SelectionStats& s = sparse->stats();
+    return s.selections > 0 ? static_cast<double>(s.bypassed) / s.selections : 0.0;
+  }
+  return 0.0;
 }
 
 double AttendedFraction(const model::SequenceAttention& attention) {
@@ -393,6 +405,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           }
           po.decode_seconds = SecondsSince(t0);
           po.attended_fraction = AttendedFraction(*decode_view);
+          po.bypassed_fraction = BypassedFraction(*decode_view);
           po.answer = AnswerText(po.tokens);
           po.correct = po.answer == sample.answer;
           if (capture) FLUXION_RETURN_IF_ERROR(writer->AddPolicy(po, *decode_capture));
@@ -404,6 +417,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           cell.decode_seconds += po.decode_seconds;
           cell.decode_steps += po.decode_steps;
           cell.attended_fraction += po.attended_fraction;
+          cell.bypassed_fraction += po.bypassed_fraction;
           if (pi > 0) {
             const bool reference_correct = outcome.policies[0].correct;
             cell.lost += reference_correct && !po.correct;
@@ -435,6 +449,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         r.prefill_ms = t.samples > 0 ? 1e3 * t.prefill_seconds / t.samples : 0.0;
         r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
         r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
+        r.bypassed = t.samples > 0 ? t.bypassed_fraction / t.samples : 0.0;
         r.lost = t.lost;
         r.gained = t.gained;
         r.delta = t.samples > 0 ? static_cast<double>(t.gained - t.lost) / t.samples : 0.0;

@@ -104,6 +104,7 @@ struct PolicyOutcome {
   int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
   double decode_seconds = 0;
   double attended_fraction = 1;  // context rows the decode steps read (the budget spent)
+  double bypassed_fraction = 0;  // head-steps a history policy bypassed to sinks + window
 };
 
 struct SampleOutcome {
@@ -124,6 +125,7 @@ struct CellResult {
   double prefill_ms = 0;  // mean over samples
   double tpot_ms = 0;     // decode ms per token over all of the cell's decode steps; 0 if none
   double budget_spent = 1;  // mean attended fraction of the context over the cell's samples
+  double bypassed = 0;      // mean share of head-steps bypassed (LFPS family; 0 for the others)
   // Paired against the first policy of the run (the reference, normally `full`) on the same
   // samples: samples only the reference solved, only this policy solved, and the accuracy
   // difference (this - reference) with a 95% interval. Zero for the reference itself.
