@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace fluxion::bench {
 namespace {
@@ -83,6 +84,7 @@ nlohmann::json ResultEnvelope(const std::string& command, const nlohmann::json& 
   return nlohmann::json{{"command", command},
                         {"machine", MachineDescription()},
                         {"cpu_kernels", kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())},
+                        {"blas_core", kernels::cpu::BlasCoreName()},
                         {"date", date},
                         {"git", git.empty() ? "unknown" : git},
                         {"limits", limits},

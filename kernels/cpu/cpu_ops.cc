@@ -30,6 +30,8 @@ void SetNumThreads(int threads) {
 
 int NumThreads() { return omp_get_max_threads(); }
 
+const char* BlasCoreName() { return openblas_get_corename(); }
+
 void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
             int64_t k, bool accumulate) {
   const float beta = accumulate ? 1.0f : 0.0f;

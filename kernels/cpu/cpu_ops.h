@@ -17,6 +17,11 @@ namespace fluxion::kernels::cpu {
 void SetNumThreads(int threads);
 int NumThreads();
 
+// The kernel family OpenBLAS chose for this CPU at load time (e.g. "Cooperlake", "Haswell"). Its
+// cpuid detection can pick a slow one inside VMs; OPENBLAS_CORETYPE overrides it
+// (docs/DEPENDENCIES.md). Recorded in every result file.
+const char* BlasCoreName();
+
 // y[m][n] = x[m][k] . w[n][k]^T + bias[n] (+ y when accumulate). bias may be null.
 void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
             int64_t k, bool accumulate);
