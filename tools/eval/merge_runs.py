@@ -15,31 +15,13 @@ per-sample lines of the runs' .txt logs (same path, .txt for .json) are written 
 """
 import argparse
 import json
-import math
 import os
 import re
 import sys
 
+from paired_stats import paired_difference95, wilson95
+
 SAMPLE_LINE = re.compile(r"\[\d+/\d+\] (\S+) (\d+) seed (\d+): ")
-
-
-def wilson(correct, n, z=1.96):
-    if n == 0:
-        return 0.0, 0.0
-    p = correct / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def paired(lost, gained, n):
-    if n == 0:
-        return 0.0, 0.0, 0.0
-    delta = (gained - lost) / n
-    var = max(0.0, (gained + lost) / n - delta * delta)
-    half = 1.96 * math.sqrt(var / n)
-    return delta, delta - half, delta + half
 
 
 def merge_rows(rows):
@@ -67,8 +49,8 @@ def merge_rows(rows):
                 last[k] += r[k]
         for r in runs:
             r["accuracy"] = r["correct"] / r["samples"]
-            r["ci_low"], r["ci_high"] = wilson(r["correct"], r["samples"])
-            r["delta_vs_first"], r["delta_ci_low"], r["delta_ci_high"] = paired(
+            r["ci_low"], r["ci_high"] = wilson95(r["correct"], r["samples"])
+            r["delta_vs_first"], r["delta_ci_low"], r["delta_ci_high"] = paired_difference95(
                 r["paired_lost"], r["paired_gained"], r["samples"])
         merged.extend(runs)
     merged.sort(key=lambda r: (r["context"], r["task"], r["seed"]))

@@ -16,9 +16,10 @@ whose `full` and `exact_topk` rows still hold); overlapping seed ranges of one p
 """
 import argparse
 import json
-import math
 import sys
 from collections import OrderedDict
+
+from paired_stats import paired_difference95
 
 
 def main():
@@ -90,12 +91,10 @@ def main():
                 gained += r["paired_gained"]
                 read += r["budget_spent"] * r["samples"]
                 read_n += r["samples"]
-            delta = (gained - lost) / n if n else 0.0
-            var = max(0.0, (gained + lost) / n - delta * delta) if n else 0.0
-            half = 1.96 * math.sqrt(var / n) if n else 0.0
+            delta, low, high = paired_difference95(lost, gained, n)
             print(f"| {p} | " + " | ".join(line) +
                   f" | {correct}/{n} ({correct / max(n, 1):.3f}) | {lost}/{gained} | "
-                  f"{delta:+.3f} [{delta - half:+.3f}, {delta + half:+.3f}] | "
+                  f"{delta:+.3f} [{low:+.3f}, {high:+.3f}] | "
                   f"{read / max(read_n, 1):.4f} |")
         print()
 
