@@ -228,26 +228,25 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
 }
 
-// Share of (layer, KV head, step) selections a history policy bypassed to sinks + local window.
-double BypassedFraction(const model::SequenceAttention& attention) {
+// The sparse attention under a decode's attention (through a capture wrapper), or null for full
+// attention.
+const decode::SparseAttention* SparseUnder(const model::SequenceAttention& attention) {
   if (const auto* capturing = dynamic_cast<const CapturingAttention*>(&attention)) {
-    return BypassedFraction(capturing->inner());
+    return SparseUnder(capturing->inner());
   }
-  if (const auto* sparse = dynamic_cast<const decode::SparseAttention*>(&attention)) {
-    const decode::sparse::SelectionStats& s = sparse->stats();
-    return s.selections > 0 ? static_cast<double>(s.bypassed) / s.selections : 0.0;
-  }
-  return 0.0;
+  return dynamic_cast<const decode::SparseAttention*>(&attention);
 }
 
 double AttendedFraction(const model::SequenceAttention& attention) {
-  if (const auto* capturing = dynamic_cast<const CapturingAttention*>(&attention)) {
-    return AttendedFraction(capturing->inner());
-  }
-  if (const auto* sparse = dynamic_cast<const decode::SparseAttention*>(&attention)) {
-    return sparse->attended_fraction();
-  }
-  return 1.0;
+  const decode::SparseAttention* sparse = SparseUnder(attention);
+  return sparse != nullptr ? sparse->attended_fraction() : 1.0;
+}
+
+// Share of (layer, KV head, step) selections a history policy bypassed to sinks + local window.
+double BypassedFraction(const model::SequenceAttention& attention) {
+  const decode::SparseAttention* sparse = SparseUnder(attention);
+  if (sparse == nullptr || sparse->stats().selections == 0) return 0.0;
+  return static_cast<double>(sparse->stats().bypassed) / sparse->stats().selections;
 }
 
 bool IsAnswerTerminator(int32_t token) { return token == '\n' || token == ByteTokenizer::kEos; }
