@@ -1,6 +1,6 @@
 #include "kernels/cpu/cpu_ops.h"
 
-#include "kernels/cpu/exp_avx2.h"
+#include "kernels/cpu/math_avx2.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -123,8 +123,10 @@ void CausalAttention(const float* q, const float* k, const float* v, float* out,
   const int64_t kv_stride = hkv * d;
 #pragma omp parallel
   {
-    std::vector<float> scores(kQueryTile * kKeyChunk);
-    std::vector<float> acc(kQueryTile * d), running_max(kQueryTile), running_sum(kQueryTile);
+    // Sized for the largest tile this call has: a decode step (n = 1) is a 1-row tile.
+    const int64_t tile_rows = std::min(kQueryTile, p.n);
+    std::vector<float> scores(tile_rows * kKeyChunk);
+    std::vector<float> acc(tile_rows * d), running_max(tile_rows), running_sum(tile_rows);
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t h = 0; h < hq; ++h) {
       for (int64_t tile = 0; tile < tiles; ++tile) {

@@ -2,7 +2,7 @@
 
 #include "kernels/cpu/bf16_avx2.h"
 #include "kernels/cpu/cpu_features.h"
-#include "kernels/cpu/exp_avx2.h"
+#include "kernels/cpu/math_avx2.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
 #include <immintrin.h>

@@ -4,29 +4,12 @@
 #include <cmath>
 
 #include "kernels/cpu/bf16_avx2.h"
+#include "kernels/cpu/math_avx2.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
 #include "kernels/cpu/score_rows.h"
 
 namespace fluxion::kernels::cpu {
-namespace {
-
-inline float HorizontalMax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-}  // namespace
-
 namespace internal {
 
 void ScoreRowsAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
@@ -73,9 +56,9 @@ void QuestBlockBoundsAvx2(const float* key_min, const float* key_max, int64_t d,
         acc = _mm256_add_ps(acc, _mm256_max_ps(_mm256_mul_ps(qv, _mm256_loadu_ps(mn + j)),
                                                _mm256_mul_ps(qv, _mm256_loadu_ps(mx + j))));
       }
-      best = _mm256_max_ps(best, _mm256_set1_ps(HorizontalSum(acc)));
+      best = _mm256_max_ps(best, _mm256_set1_ps(HorizontalSum8(acc)));
     }
-    out[b] = HorizontalMax(best);
+    out[b] = HorizontalMax8(best);
   }
 }
 

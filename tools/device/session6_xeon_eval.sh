@@ -34,7 +34,7 @@ for core in default COOPERLAKE SKYLAKEX HASWELL; do
   echo "openblas core $core: 4K prefill ${ms:-failed} ms" | tee -a "$work/openblas.txt"
   if [ -n "$ms" ] && [ "$ms" -lt "$best_ms" ]; then best=$core; best_ms=$ms; fi
 done
-[ "$best" != default ] && export OPENBLAS_CORETYPE=$best
+if [ -n "$best" ] && [ "$best" != default ]; then export OPENBLAS_CORETYPE=$best; fi
 echo "using OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-default}" | tee -a "$work/openblas.txt"
 
 if [ "$phase" = bench ]; then

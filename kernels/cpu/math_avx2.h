@@ -1,8 +1,9 @@
-// Vectorised exp and the softmax pieces built on it, shared by the paged decode kernels and the
-// model's dense attention (both compiled with -mavx2 -mfma). libm's expf is scalar and was 13% of
-// a 4K prefill on its own (perf, session 6); the polynomial below is within a couple of ulps.
-#ifndef FLUXION_KERNELS_CPU_EXP_AVX2_H_
-#define FLUXION_KERNELS_CPU_EXP_AVX2_H_
+// AVX2 vector math shared by the kernels compiled with -mavx2 -mfma (the paged decode kernels,
+// the selection kernels, the model's dense attention): exp, horizontal reductions, and the softmax
+// pieces built on them. libm's expf is scalar and was 13% of a 4K prefill on its own (perf,
+// session 6); the polynomial below is within a couple of ulps.
+#ifndef FLUXION_KERNELS_CPU_MATH_AVX2_H_
+#define FLUXION_KERNELS_CPU_MATH_AVX2_H_
 
 #include <immintrin.h>
 
@@ -33,9 +34,17 @@ inline __m256 Exp8(__m256 x) {
 }
 
 inline float HorizontalSum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float HorizontalMax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 // v[i] = exp(v[i] - shift) for n values, returning their sum.
@@ -67,14 +76,11 @@ inline float MaxOf(const float* v, int64_t n) {
   __m256 m = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float best = lanes[0];
-  for (int j = 1; j < 8; ++j) best = best > lanes[j] ? best : lanes[j];
+  float best = HorizontalMax8(m);
   for (; i < n; ++i) best = best > v[i] ? best : v[i];
   return best;
 }
 
 }  // namespace fluxion::kernels::cpu
 
-#endif  // FLUXION_KERNELS_CPU_EXP_AVX2_H_
+#endif  // FLUXION_KERNELS_CPU_MATH_AVX2_H_
