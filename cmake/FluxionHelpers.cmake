@@ -5,6 +5,9 @@
 #        ("model/config.h"), so every header is named by its folder.
 #   fluxion_cc_test(NAME foo_test SRCS foo_test.cc DEPS fluxion::foo LABELS unit)
 #     -> executable registered with ctest through gtest_discover_tests.
+#   fluxion_fuzz_target(NAME foo_fuzz SRCS foo_fuzz.cc DEPS fluxion::foo)
+#     -> a libFuzzer executable (LLVMFuzzerTestOneInput) when FLUXION_FUZZ is on (clang only);
+#        its seed corpus is tests/fuzz/corpus/<NAME>/. Nothing is built otherwise.
 
 function(fluxion_set_warnings target)
   target_compile_options(${target} PRIVATE
@@ -52,4 +55,17 @@ function(fluxion_cc_test)
     PROPERTIES LABELS "${F_LABELS}"
                ENVIRONMENT "FLUXION_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
     DISCOVERY_TIMEOUT 60)
+endfunction()
+
+function(fluxion_fuzz_target)
+  if(NOT FLUXION_FUZZ)
+    return()
+  endif()
+  cmake_parse_arguments(F "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${F_NAME} ${F_SRCS})
+  target_include_directories(${F_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${F_NAME} PRIVATE ${F_DEPS})
+  target_compile_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined)
+  target_link_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined)
+  fluxion_set_warnings(${F_NAME})
 endfunction()
