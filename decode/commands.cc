@@ -58,7 +58,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << policy_config.status().message() << "\n";
     return 2;
   }
-  if (policy == "fluxion") {
+  if (sparse::TraitsOf(policy_config->kind).uses_predictor) {
     auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
     if (!predictor.ok()) {
       std::cerr << "error: " << predictor.status().message() << "\n";
@@ -81,7 +81,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   // Sparse policies decode over host pages from an arena sized for this one request.
   std::unique_ptr<KvArena> arena;
   SparseAttention* sparse_attention = nullptr;
-  if (policy != "full") {
+  if (policy_config->kind != sparse::PolicyKind::kFull) {
     const model::AttentionShape shape = (*model)->attention_shape();
     const int64_t tokens = static_cast<int64_t>(prompt.size()) + max_tokens;
     auto created = KvArena::Create(

@@ -42,8 +42,7 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
   }
   std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
   model::SparseState captured;
-  const bool needs_state = policy.name == "lfps" || policy.name == "lfps_paper" ||
-                           policy.name == "fluxion" || policy.name == "fluxion_rules";
+  const bool needs_state = sparse::TraitsOf(policy.kind).needs_sparse_state;
   if (state == nullptr && needs_state && !prefilled.recorded_positions(0).empty()) {
     model::SparseStateParams params;
     params.sink_tokens = policy.sink_tokens;

@@ -8,9 +8,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 #include "decode/sparse/fluxion_policy.h"
 #include "decode/sparse/lfps_policy.h"
 #include "decode/sparse/policy_util.h"
+#include "glog/logging.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
@@ -105,16 +108,57 @@ class QuestPolicy : public SparsePolicy {
 
 }  // namespace
 
+namespace {
+
+struct KindEntry {
+  PolicyKind kind;
+  PolicyTraits traits;
+};
+
+// One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
+constexpr KindEntry kKinds[] = {
+    {PolicyKind::kFull, {"full", true, false, false}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false}},
+    {PolicyKind::kQuest, {"quest", false, false, false}},
+    {PolicyKind::kLfps, {"lfps", false, true, false}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false}},
+    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false}},
+};
+
+constexpr absl::string_view kFixedPrefix = "fixed_";
+
+}  // namespace
+
+const PolicyTraits& TraitsOf(PolicyKind kind) {
+  for (const KindEntry& e : kKinds) {
+    if (e.kind == kind) return e.traits;
+  }
+  LOG(FATAL) << "PolicyKind " << static_cast<int>(kind) << " has no row in kKinds";
+}
+
 std::vector<std::string> PolicyNames() {
-  return {"full",    "exact_topk",    "quest",         "lfps",
-          "lfps_paper", "fluxion", "fluxion_rules", "fixed_<block>_<budget>"};
+  std::vector<std::string> names;
+  for (const KindEntry& e : kKinds) names.push_back(e.traits.name);
+  return names;
+}
+
+absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name) {
+  if (absl::StartsWith(name, kFixedPrefix)) return PolicyKind::kFixedBlock;
+  for (const KindEntry& e : kKinds) {
+    if (e.kind != PolicyKind::kFixedBlock && name == e.traits.name) return e.kind;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
+                                                 absl::StrJoin(PolicyNames(), ", ")));
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
   PolicyConfig c;
+  FLUXION_ASSIGN_OR_RETURN(c.kind, ParsePolicyKind(name));
   c.name = name;
   c.budget = budget;
-  if (absl::StartsWith(name, "fixed_")) {
+  if (c.kind == PolicyKind::kFixedBlock) {
     std::vector<std::string> parts = absl::StrSplit(name, '_');
     double b = 0;
     if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &c.block_tokens) ||
@@ -124,12 +168,8 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
                             "with a block that is a multiple of 16 tokens"));
     }
     c.budget = b;
-  } else if (name == "full") {
+  } else if (c.kind == PolicyKind::kFull) {
     c.budget = 1.0;
-  } else if (name != "exact_topk" && name != "quest" && name != "lfps" && name != "lfps_paper" &&
-             name != "fluxion" && name != "fluxion_rules") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown policy '", name, "'; known: ",
-                                                   absl::StrJoin(PolicyNames(), ", ")));
   }
   if (!(c.budget > 0.0 && c.budget <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -142,32 +182,39 @@ absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::
                                                          const std::vector<double>& budgets) {
   std::vector<PolicyConfig> configs;
   for (const std::string& name : names) {
-    const bool budget_free = name == "full" || absl::StartsWith(name, "fixed_");
-    for (double b : budget_free ? std::vector<double>{1.0} : budgets) {
-      absl::StatusOr<PolicyConfig> c = ParsePolicy(name, b);
-      if (!c.ok()) return c.status();
-      configs.push_back(*c);
+    FLUXION_ASSIGN_OR_RETURN(PolicyKind kind, ParsePolicyKind(name));
+    for (double b : TraitsOf(kind).budget_from_name ? std::vector<double>{1.0} : budgets) {
+      FLUXION_ASSIGN_OR_RETURN(PolicyConfig c, ParsePolicy(name, b));
+      configs.push_back(std::move(c));
     }
   }
   return configs;
 }
 
 std::string PolicyLabel(const PolicyConfig& config) {
-  if (config.name == "full" || absl::StartsWith(config.name, "fixed_")) return config.name;
+  if (TraitsOf(config.kind).budget_from_name) return config.name;
   return absl::StrCat(config.name, "@", config.budget);
 }
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
-  if (config.name == "full") return std::make_unique<FullPolicy>();
-  if (config.name == "exact_topk") return std::make_unique<ExactTopKPolicy>(config);
-  if (config.name == "fluxion") {
-    return std::make_unique<FluxionPolicy>(config, config.fluxion_predictor);
+  switch (config.kind) {
+    case PolicyKind::kFull:
+      return std::make_unique<FullPolicy>();
+    case PolicyKind::kExactTopK:
+      return std::make_unique<ExactTopKPolicy>(config);
+    case PolicyKind::kQuest:
+    case PolicyKind::kFixedBlock:
+      return std::make_unique<QuestPolicy>(config);
+    case PolicyKind::kLfps:
+    case PolicyKind::kLfpsPaper:
+      return std::make_unique<LfpsPolicy>(config, LfpsParams{},
+                                          config.kind == PolicyKind::kLfpsPaper);
+    case PolicyKind::kFluxion:
+      return std::make_unique<FluxionPolicy>(config, config.fluxion_predictor);
+    case PolicyKind::kFluxionRules:
+      return std::make_unique<FluxionPolicy>(config, nullptr);
   }
-  if (config.name == "fluxion_rules") return std::make_unique<FluxionPolicy>(config, nullptr);
-  if (config.name == "lfps" || config.name == "lfps_paper") {
-    return std::make_unique<LfpsPolicy>(config, LfpsParams{}, config.name == "lfps_paper");
-  }
-  return std::make_unique<QuestPolicy>(config);  // quest and fixed_<block>_<budget>
+  LOG(FATAL) << "PolicyKind " << static_cast<int>(config.kind) << " has no factory";
 }
 
 Regions SplitContext(const PolicyConfig& c, int64_t context) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/granularity.h"
 #include "kernels/paged_attention.h"
@@ -26,8 +27,34 @@ namespace fluxion::decode::sparse {
 
 class FluxionPredictor;  // decode/sparse/fluxion_predictor.h
 
+// Which policy a config runs. A name is parsed into a kind once (ParsePolicy); everything that
+// depends on the policy's identity asks the kind's traits instead of comparing names, so two
+// places cannot disagree about, say, which policies need the prefill node's sparse state.
+enum class PolicyKind {
+  kFull,          // every row (the reference)
+  kExactTopK,     // oracle: exact scores of every middle row, top rows
+  kQuest,         // query-aware page bounds (Quest), top blocks
+  kFixedBlock,    // fixed_<block>_<budget>: Quest scoring at a fixed block size and budget
+  kLfps,          // LFPS with our streaming rule
+  kLfpsPaper,     // LFPS with the published bypass rule
+  kFluxion,       // per-head budgets from the trained predictor (rule fallback without one)
+  kFluxionRules,  // Fluxion with the rule-based head properties only
+};
+
+struct PolicyTraits {
+  const char* name;          // the name as users type it (fixed_<block>_<budget> as a pattern)
+  bool budget_from_name;     // the budget is not a separate argument (full, fixed_*)
+  bool needs_sparse_state;   // starts from the prefill node's captured sparse state
+  bool uses_predictor;       // reads PolicyConfig::fluxion_predictor
+};
+
+const PolicyTraits& TraitsOf(PolicyKind kind);
+
 struct PolicyConfig {
-  // full, exact_topk, quest, lfps, lfps_paper, fluxion, fluxion_rules, fixed_<block>_<budget>
+  // Set by ParsePolicy; a default-constructed config is `full`.
+  PolicyKind kind = PolicyKind::kFull;
+  // The name it was parsed from: full, exact_topk, quest, lfps, lfps_paper, fluxion,
+  // fluxion_rules or fixed_<block>_<budget> (with its numbers); used for labels only.
   std::string name = "full";
   double budget = 1.0;        // fraction of context tokens attended; 1 for `full`
   int64_t sink_tokens = 4;
@@ -42,6 +69,10 @@ struct PolicyConfig {
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
 std::vector<std::string> PolicyNames();
+
+// The kind a policy name denotes (any fixed_... name is kFixedBlock; ParsePolicy checks its
+// numbers). InvalidArgument naming the known policies for an unknown name.
+absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
 
 // Parses a policy name and budget into a config. `fixed_32_0.05` sets block 32 and budget 0.05
 // (the budget argument is then ignored). InvalidArgument naming the known policies for an unknown
