@@ -163,6 +163,36 @@ __global__ void MergeStatesKernel(float* out_a, float* lse_a, const float* out_b
   if (threadIdx.x == 0) lse_a[s] = m + logf(wa + wb);
 }
 
+// One block per (item, head): the chunks' maximum lse, then every thread sums its dimensions'
+// weighted outputs over the chunks.
+__global__ void MergeChunksKernel(const float* chunk_out, const float* chunk_lse,
+                                  const int32_t* chunk_begin, int group, int64_t head_dim,
+                                  float* out, float* lse) {
+  const int64_t item = blockIdx.x;
+  const int head = blockIdx.y;
+  const int32_t begin = chunk_begin[item], end = chunk_begin[item + 1];
+  float m = -INFINITY;
+  for (int32_t c = begin; c < end; ++c) m = fmaxf(m, chunk_lse[c * group + head]);
+  float* o = out + (item * group + head) * head_dim;
+  if (m == -INFINITY) {
+    for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = 0.0f;
+    if (threadIdx.x == 0) lse[item * group + head] = -INFINITY;
+    return;
+  }
+  float total = 0.0f;
+  for (int32_t c = begin; c < end; ++c) total += __expf(chunk_lse[c * group + head] - m);
+  const float inv = 1.0f / total;
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int32_t c = begin; c < end; ++c) {
+      const float w = __expf(chunk_lse[c * group + head] - m);
+      acc += w * chunk_out[(static_cast<int64_t>(c) * group + head) * head_dim + d];
+    }
+    o[d] = acc * inv;
+  }
+  if (threadIdx.x == 0) lse[item * group + head] = m + logf(total);
+}
+
 }  // namespace
 
 cudaError_t EmbedRows(const bf16* table, const int32_t* ids, float* out, int64_t m, int64_t d,
@@ -227,6 +257,18 @@ cudaError_t MergeStates(float* out_a, float* lse_a, const float* out_b, const fl
   const int threads = static_cast<int>(std::min<int64_t>(128, std::max<int64_t>(32, head_dim)));
   MergeStatesKernel<<<static_cast<unsigned>(states), threads, 0, stream>>>(out_a, lse_a, out_b,
                                                                          lse_b, head_dim);
+  return cudaGetLastError();
+}
+
+cudaError_t MergeChunks(const float* chunk_out, const float* chunk_lse,
+                        const int32_t* chunk_begin, int64_t items, int64_t group,
+                        int64_t head_dim, float* out, float* lse, cudaStream_t stream) {
+  if (items == 0) return cudaSuccess;
+  if (items > 2147483647 || group < 1 || group > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(group));
+  const int threads = static_cast<int>(std::min<int64_t>(128, std::max<int64_t>(32, head_dim)));
+  MergeChunksKernel<<<grid, threads, 0, stream>>>(chunk_out, chunk_lse, chunk_begin,
+                                                  static_cast<int>(group), head_dim, out, lse);
   return cudaGetLastError();
 }
 

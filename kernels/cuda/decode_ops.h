@@ -67,6 +67,15 @@ cudaError_t WindowAttention(const WindowProblem* problems, int64_t num_problems,
 cudaError_t MergeStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                         int64_t states, int64_t head_dim, cudaStream_t stream);
 
+// Merges the partial states of items split into chunks (flash-decoding's second pass). Item i has
+// chunks [chunk_begin[i], chunk_begin[i + 1]), each holding `group` states:
+//   chunk_out [chunks][group][head_dim], chunk_lse [chunks][group], chunk_begin [items + 1]
+//   out [items][group][head_dim], lse [items][group]
+// An item with no chunks, or whose chunks are all empty, gets out 0 and lse -inf.
+cudaError_t MergeChunks(const float* chunk_out, const float* chunk_lse,
+                        const int32_t* chunk_begin, int64_t items, int64_t group,
+                        int64_t head_dim, float* out, float* lse, cudaStream_t stream);
+
 }  // namespace fluxion::kernels::cuda
 
 #endif  // FLUXION_KERNELS_CUDA_DECODE_OPS_H_

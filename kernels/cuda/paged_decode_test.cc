@@ -158,6 +158,13 @@ TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
                                  dev.ToDevice(p.spans), dev.ToDevice(items), chunks, group, scale,
                                  nullptr),
             cudaSuccess);
+  // One pass over all chunks (MergeChunks) into separate outputs, then the pairwise fold below.
+  float* merged_out = dev.ToDevice(std::vector<float>(group * head_dim, NAN));
+  float* merged_lse = dev.ToDevice(std::vector<float>(group, NAN));
+  const std::vector<int32_t> chunk_begin = {0, static_cast<int32_t>(chunks)};
+  ASSERT_EQ(MergeChunks(outs, lses, dev.ToDevice(chunk_begin), 1, group, head_dim, merged_out,
+                        merged_lse, nullptr),
+            cudaSuccess);
   for (size_t c = 1; c < chunks; ++c) {  // fold chunk c into chunk 0, state by state (per head)
     ASSERT_EQ(MergeStates(outs, lses, outs + c * group * head_dim, lses + c * group, group,
                           head_dim, nullptr),
@@ -168,6 +175,8 @@ TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
   Reference(p, head_dim, group, scale, 0, &want_out, &want_lse);
   ExpectStateNear(DeviceBuffers::ToHost(outs, group * head_dim),
                   DeviceBuffers::ToHost(lses, group), want_out, want_lse, "merged chunks");
+  ExpectStateNear(DeviceBuffers::ToHost(merged_out, group * head_dim),
+                  DeviceBuffers::ToHost(merged_lse, group), want_out, want_lse, "MergeChunks");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeTest,
