@@ -3,6 +3,9 @@
 #include <iostream>
 
 #include "bench/attention_bench.h"
+#ifdef FLUXION_HAVE_CUDA
+#include "bench/gpu_bench.h"
+#endif
 #include "bench/model_bench.h"
 #include "bench/topk_bench.h"
 
@@ -13,7 +16,8 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "usage: fluxion bench <what> [flags]   (fluxion bench <what> --help)\n"
       "  model      CPU prefill/decode tokens/s of the model runtime vs bandwidth and sgemm limits\n"
       "  attention  one decode step over host KV pages, dense and at read budgets, vs bandwidth\n"
-      "  topk       radix-select top-k against std::nth_element\n";
+      "  topk       radix-select top-k against std::nth_element\n"
+      "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n";
   if (args.empty() || args[0] == "--help") {
     std::cout << usage;
     return args.empty() ? 2 : 0;
@@ -22,6 +26,14 @@ int RunBenchCommand(const std::vector<std::string>& args) {
   if (args[0] == "model") return RunModelBench(rest);
   if (args[0] == "attention") return RunAttentionBench(rest);
   if (args[0] == "topk") return RunTopKBench(rest);
+  if (args[0] == "gpu") {
+#ifdef FLUXION_HAVE_CUDA
+    return RunGpuBench(rest);
+#else
+    std::cerr << "fluxion bench gpu: this binary was built without CUDA\n";
+    return 1;
+#endif
+  }
   std::cerr << "fluxion bench: unknown benchmark '" << args[0] << "'\n" << usage;
   return 2;
 }

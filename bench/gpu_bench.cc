@@ -1,0 +1,383 @@
+#include "bench/gpu_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "bench/bench_util.h"
+#include "common/flag_set.h"
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/decode_ops.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/paged_decode.h"
+
+namespace fluxion::bench {
+namespace {
+
+using kernels::PageSpan;
+namespace cuda = kernels::cuda;
+
+// Llama-3.1-8B: hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab 128256.
+constexpr int64_t kHidden = 4096, kLayers = 32, kKvHeads = 8, kGroup = 4, kHeadDim = 128;
+constexpr int64_t kFfn = 14336, kVocab = 128256, kPageTokens = 16;
+constexpr int64_t kPageBytes = 2 * kPageTokens * kHeadDim * 2;
+
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+#define BENCH_CUDA(expr) FLUXION_RETURN_IF_ERROR(Check((expr), #expr))
+
+// Device memory owned for the bench's lifetime.
+class DeviceMemory {
+ public:
+  ~DeviceMemory() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  absl::StatusOr<void*> Get(size_t bytes) {
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cudaMalloc(", bytes, "): ", cudaGetErrorString(e)));
+    }
+    blocks_.push_back(p);
+    return p;
+  }
+
+ private:
+  std::vector<void*> blocks_;
+};
+
+// Median of `repeats` timings of `body` (ms, CUDA events on `stream`), after two warm-up runs.
+absl::StatusOr<Stats> TimeMs(cudaStream_t stream, int64_t repeats,
+                             const std::function<absl::Status()>& body) {
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  std::vector<double> samples;
+  absl::Status status;
+  for (int64_t i = 0; i < repeats + 2 && status.ok(); ++i) {
+    status = Check(cudaEventRecord(start, stream), "cudaEventRecord");
+    if (status.ok()) status = body();
+    if (status.ok()) status = Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    if (status.ok()) status = Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    if (status.ok()) status = Check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    if (status.ok() && i >= 2) samples.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  FLUXION_RETURN_IF_ERROR(status);
+  return Summarize(samples);
+}
+
+struct Options {
+  std::vector<int64_t> batches = {1, 4, 16};
+  std::vector<int64_t> contexts = {32768, 65536, 131072};
+  std::vector<double> fractions = {0.05, 0.02};
+  int64_t chunk_rows = 2048, span_tokens = 32, repeats = 20;
+  double host_gib = 8.0;
+};
+
+// One launch plan: items (B x KV heads), each split into chunks of spans, and the merge.
+struct AttentionPlan {
+  std::vector<PageSpan> spans;
+  std::vector<cuda::PagedItem> chunks;
+  std::vector<int32_t> chunk_begin;  // per item
+  PageSpan* d_spans = nullptr;
+  cuda::PagedItem* d_chunks = nullptr;
+  int32_t* d_chunk_begin = nullptr;
+  float *d_chunk_out = nullptr, *d_chunk_lse = nullptr, *d_out = nullptr, *d_lse = nullptr;
+  int64_t items = 0, rows = 0;
+};
+
+// Items of `rows_per_item` rows each: dense (every page of a contiguous range, full attention) or
+// random spans of `span_tokens` over `arena_pages` pages (a sparse selection).
+absl::Status BuildPlan(DeviceMemory& mem, int64_t items, int64_t rows_per_item, bool dense,
+                       int64_t span_tokens, int64_t arena_pages, int64_t chunk_rows,
+                       const float* d_q, AttentionPlan* plan, std::mt19937_64& rng) {
+  *plan = AttentionPlan{};
+  plan->items = items;
+  std::vector<int32_t> item_spans = {0};
+  const int64_t span_pages = std::max<int64_t>(1, span_tokens / kPageTokens);
+  std::uniform_int_distribution<int64_t> pick(0, arena_pages / span_pages - 1);
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t pages = (rows_per_item + kPageTokens - 1) / kPageTokens;
+    for (int64_t p = 0; p < pages; p += (dense ? 1 : span_pages)) {
+      const int64_t first = dense ? i * pages + p : pick(rng) * span_pages;
+      for (int64_t k = 0; k < (dense ? 1 : span_pages) && p + k < pages; ++k) {
+        plan->spans.push_back({static_cast<int32_t>(first + k), 0, kPageTokens});
+      }
+    }
+    item_spans.push_back(plan->spans.size());
+  }
+  plan->rows = static_cast<int64_t>(plan->spans.size()) * kPageTokens;
+  int64_t chunk_count = 0;
+  plan->chunk_begin.push_back(0);
+  std::vector<std::vector<int32_t>> bounds(items);
+  for (int64_t i = 0; i < items; ++i) {
+    bounds[i] = cuda::SplitByRows(plan->spans.data(), item_spans[i], item_spans[i + 1], chunk_rows);
+    chunk_count += bounds[i].size() - 1;
+    plan->chunk_begin.push_back(chunk_count);
+  }
+  auto alloc = [&mem](size_t bytes) -> absl::StatusOr<void*> { return mem.Get(bytes); };
+  FLUXION_ASSIGN_OR_RETURN(void* co, alloc(chunk_count * kGroup * kHeadDim * sizeof(float)));
+  FLUXION_ASSIGN_OR_RETURN(void* cl, alloc(chunk_count * kGroup * sizeof(float)));
+  FLUXION_ASSIGN_OR_RETURN(void* o, alloc(items * kGroup * kHeadDim * sizeof(float)));
+  FLUXION_ASSIGN_OR_RETURN(void* l, alloc(items * kGroup * sizeof(float)));
+  plan->d_chunk_out = static_cast<float*>(co);
+  plan->d_chunk_lse = static_cast<float*>(cl);
+  plan->d_out = static_cast<float*>(o);
+  plan->d_lse = static_cast<float*>(l);
+  int64_t c = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    for (size_t b = 0; b + 1 < bounds[i].size(); ++b, ++c) {
+      plan->chunks.push_back({d_q + i * kGroup * kHeadDim, bounds[i][b], bounds[i][b + 1],
+                              plan->d_chunk_out + c * kGroup * kHeadDim,
+                              plan->d_chunk_lse + c * kGroup});
+    }
+  }
+  FLUXION_ASSIGN_OR_RETURN(void* ds, alloc(std::max<size_t>(1, plan->spans.size()) * sizeof(PageSpan)));
+  FLUXION_ASSIGN_OR_RETURN(void* dc, alloc(std::max<size_t>(1, plan->chunks.size()) *
+                                           sizeof(cuda::PagedItem)));
+  FLUXION_ASSIGN_OR_RETURN(void* db, alloc(plan->chunk_begin.size() * sizeof(int32_t)));
+  plan->d_spans = static_cast<PageSpan*>(ds);
+  plan->d_chunks = static_cast<cuda::PagedItem*>(dc);
+  plan->d_chunk_begin = static_cast<int32_t*>(db);
+  BENCH_CUDA(cudaMemcpy(ds, plan->spans.data(), plan->spans.size() * sizeof(PageSpan),
+                        cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(dc, plan->chunks.data(), plan->chunks.size() * sizeof(cuda::PagedItem),
+                        cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(db, plan->chunk_begin.data(), plan->chunk_begin.size() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+absl::Status RunPlan(const AttentionPlan& plan, const uint8_t* arena, cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  BENCH_CUDA(cuda::PagedDecodeAttention(arena, kPageBytes, kPageTokens, kHeadDim, plan.d_spans,
+                                        plan.d_chunks, plan.chunks.size(), kGroup, scale, stream));
+  BENCH_CUDA(cuda::MergeChunks(plan.d_chunk_out, plan.d_chunk_lse, plan.d_chunk_begin, plan.items,
+                               kGroup, kHeadDim, plan.d_out, plan.d_lse, stream));
+  return absl::OkStatus();
+}
+
+void Row(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void Row(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::vprintf(fmt, ap);
+  va_end(ap);
+  std::fflush(stdout);
+}
+
+absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limits) {
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreate(&stream));
+  DeviceMemory mem;
+  std::mt19937_64 rng(1);
+
+  // Probes: HBM device-to-device copy (bytes read + written) and pinned host-to-device copy.
+  const size_t probe_bytes = size_t{2} << 30;
+  FLUXION_ASSIGN_OR_RETURN(void* a, mem.Get(probe_bytes));
+  FLUXION_ASSIGN_OR_RETURN(void* b, mem.Get(probe_bytes));
+  FLUXION_ASSIGN_OR_RETURN(Stats d2d, TimeMs(stream, o.repeats, [&] {
+    return Check(cudaMemcpyAsync(b, a, probe_bytes, cudaMemcpyDeviceToDevice, stream), "d2d");
+  }));
+  const double hbm_gbps = 2.0 * probe_bytes / (d2d.median * 1e-3) / 1e9;
+  const size_t host_bytes = static_cast<size_t>(o.host_gib * (1ull << 30)) / kPageBytes * kPageBytes;
+  void* host = nullptr;
+  BENCH_CUDA(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
+  std::unique_ptr<void, void (*)(void*)> host_owner(host, [](void* p) { cudaFreeHost(p); });
+  std::memset(host, 0x3c, host_bytes);  // finite bf16 values, every page touched
+  FLUXION_ASSIGN_OR_RETURN(Stats h2d, TimeMs(stream, o.repeats, [&] {
+    return Check(cudaMemcpyAsync(a, host, std::min(probe_bytes, host_bytes),
+                                 cudaMemcpyHostToDevice, stream), "h2d");
+  }));
+  const double h2d_gbps = std::min(probe_bytes, host_bytes) / (h2d.median * 1e-3) / 1e9;
+  *limits = {{"hbm_copy_gbps_read_plus_write", hbm_gbps}, {"pinned_h2d_gbps", h2d_gbps}};
+  Row("probes: HBM copy %.0f GB/s (read + write), pinned host->device copy %.1f GB/s\n\n",
+      hbm_gbps, h2d_gbps);
+
+  // GEMMs at 8B shapes: weights bf16 [n][k], activations bf16 [m][k], output fp32.
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<cuda::Gemm> gemm, cuda::Gemm::Create(stream));
+  struct Matrix { const char* name; int64_t n, k, per_step; };
+  const Matrix matrices[] = {{"qkv", (kKvHeads * kGroup + 2 * kKvHeads) * kHeadDim, kHidden, kLayers},
+                             {"o", kHidden, kKvHeads * kGroup * kHeadDim, kLayers},
+                             {"gate_up", 2 * kFfn, kHidden, kLayers},
+                             {"down", kHidden, kFfn, kLayers},
+                             {"lm_head", kVocab, kHidden, 1}};
+  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
+  Row("%-8s %5s %10s %10s %8s\n", "gemm", "m", "ms", "GB/s", "% HBM");
+  for (int64_t m : o.batches) {
+    double step_ms = 0, step_bytes = 0;
+    for (const Matrix& w : matrices) {
+      FLUXION_ASSIGN_OR_RETURN(void* dw, mem.Get(w.n * w.k * 2));
+      FLUXION_ASSIGN_OR_RETURN(void* dx, mem.Get(max_m * w.k * 2));
+      FLUXION_ASSIGN_OR_RETURN(void* dy, mem.Get(max_m * w.n * 4));
+      BENCH_CUDA(cudaMemsetAsync(dw, 0x3c, w.n * w.k * 2, stream));
+      BENCH_CUDA(cudaMemsetAsync(dx, 0x3c, max_m * w.k * 2, stream));
+      FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+        return gemm->MatMulBf16(static_cast<bf16*>(dx), static_cast<bf16*>(dw),
+                                static_cast<float*>(dy), m, w.n, w.k);
+      }));
+      const double bytes = 2.0 * w.n * w.k;
+      const double gbps = bytes / (t.median * 1e-3) / 1e9;
+      Row("%-8s %5ld %10.4f %10.0f %7.0f%%\n", w.name, m, t.median, gbps, 100 * gbps / (hbm_gbps / 2));
+      step_ms += t.median * w.per_step;
+      step_bytes += bytes * w.per_step;
+      results->push_back({{"kind", "gemm"}, {"matrix", w.name}, {"m", m}, {"n", w.n}, {"k", w.k},
+                          {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90}, {"gbps", gbps}});
+    }
+    Row("%-8s %5ld %10.3f %10.0f   (dense GEMMs of one whole step: 32 layers + lm_head)\n",
+        "step", m, step_ms, step_bytes / (step_ms * 1e-3) / 1e9);
+    results->push_back({{"kind", "gemm_step"}, {"m", m}, {"ms", step_ms},
+                        {"weight_gib", step_bytes / (1 << 30)}});
+  }
+
+  // Attention of one layer over every KV head of the batch.
+  FLUXION_ASSIGN_OR_RETURN(void* dq, mem.Get(max_m * kKvHeads * kGroup * kHeadDim * 4));
+  BENCH_CUDA(cudaMemsetAsync(dq, 0, max_m * kKvHeads * kGroup * kHeadDim * 4, stream));
+  Row("\n%-22s %5s %8s %9s %10s %9s %8s\n", "attention (one layer)", "B", "context", "read",
+      "ms", "GB/s", "% limit");
+  for (int64_t batch : o.batches) {
+    for (int64_t ctx : o.contexts) {
+      const int64_t items = batch * kKvHeads;
+      const int64_t pages = items * ((ctx + kPageTokens - 1) / kPageTokens);
+      // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
+      size_t free_bytes = 0, total = 0;
+      BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
+      if (static_cast<size_t>(pages) * kPageBytes + (size_t{1} << 30) < free_bytes) {
+        void* arena = nullptr;
+        BENCH_CUDA(cudaMalloc(&arena, pages * kPageBytes));
+        std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
+        BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * kPageBytes, stream));
+        AttentionPlan plan;
+        DeviceMemory plan_mem;
+        FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true,
+                                                o.span_tokens, pages, o.chunk_rows,
+                                                static_cast<float*>(dq), &plan, rng));
+        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+          return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
+        }));
+        const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+        const double gbps = bytes / (t.median * 1e-3) / 1e9;
+        Row("%-22s %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", "full, KV in HBM", batch, ctx, "1",
+            t.median, gbps, 100 * gbps / (hbm_gbps / 2));
+        results->push_back({{"kind", "attention_hbm_full"}, {"batch", batch}, {"context", ctx},
+                            {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
+                            {"gbps", gbps}, {"chunks", plan.chunks.size()}});
+      } else {
+        Row("%-22s %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
+            "full, KV in HBM", batch, ctx, "1", pages * kPageBytes >> 20);
+      }
+      // Sparse selection read straight from pinned host memory.
+      const int64_t host_pages = host_bytes / kPageBytes;
+      void* mapped = nullptr;
+      BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
+      const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
+      for (double f : o.fractions) {
+        const int64_t rows = std::max<int64_t>(kPageTokens, static_cast<int64_t>(f * ctx));
+        AttentionPlan plan;
+        DeviceMemory plan_mem;
+        FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, rows, /*dense=*/false,
+                                                o.span_tokens, host_pages, o.chunk_rows,
+                                                static_cast<float*>(dq), &plan, rng));
+        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+          return RunPlan(plan, host_arena, stream);
+        }));
+        const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+        const double gbps = bytes / (t.median * 1e-3) / 1e9;
+        const std::string label = absl::StrCat("zero-copy host, ", o.span_tokens, "-tok spans");
+        Row("%-22s %5ld %8ld %9.3f %10.4f %9.1f %7.0f%%\n", label.c_str(), batch, ctx, f, t.median,
+            gbps, 100 * gbps / h2d_gbps);
+        results->push_back({{"kind", "attention_host_zero_copy"}, {"batch", batch},
+                            {"context", ctx}, {"read_fraction", f}, {"span_tokens", o.span_tokens},
+                            {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
+                            {"gbps", gbps}, {"chunks", plan.chunks.size()}});
+      }
+    }
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunGpuBench(const std::vector<std::string>& args) {
+  Options o;
+  std::string json_path;
+  FlagSet flags("fluxion bench gpu",
+                "Times the decode step's GPU kernels at Llama-3.1-8B shapes: bf16 GEMMs, paged "
+                "attention over HBM-resident KV, and attention reading selected pages from pinned "
+                "host memory (zero-copy), against copy probes measured in the same run.");
+  flags.IntList("batch", &o.batches, "batch sizes (GEMM m; requests in the attention step)");
+  flags.IntList("contexts", &o.contexts, "context lengths in tokens");
+  flags.DoubleList("read-fraction", &o.fractions, "share of the context a sparse step reads");
+  flags.Int("chunk-rows", &o.chunk_rows, "rows per flash-decoding chunk");
+  flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
+  flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
+  flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
+  flags.String("json", &json_path, "also write results to this file");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (!cuda::DeviceAvailable()) {
+    std::cerr << "error: no CUDA device\n";
+    return 1;
+  }
+  if (o.span_tokens <= 0 || o.span_tokens % kPageTokens != 0 || o.chunk_rows <= 0 ||
+      o.repeats <= 0 || !(o.host_gib > 0 && o.host_gib <= 64)) {
+    std::cerr << "error: --span-tokens must be a positive multiple of 16, --chunk-rows and "
+                 "--repeats positive, --host-gib in (0, 64]\n";
+    return 2;
+  }
+  for (int64_t b : o.batches) {
+    if (b <= 0 || b > 256) {
+      std::cerr << "error: --batch values must be in [1, 256]\n";
+      return 2;
+    }
+  }
+  for (int64_t c : o.contexts) {
+    if (c <= 0 || c > (int64_t{1} << 20)) {
+      std::cerr << "error: --contexts values must be in [1, 1048576]\n";
+      return 2;
+    }
+  }
+  for (double f : o.fractions) {
+    if (!(f > 0 && f <= 1)) {
+      std::cerr << "error: --read-fraction values must be in (0, 1]\n";
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s, %.0f GiB\n", prop.name, prop.totalGlobalMem / double(1 << 30));
+  nlohmann::json results = nlohmann::json::array(), limits;
+  if (absl::Status s = Run(o, &results, &limits); !s.ok()) {
+    std::cerr << "error: " << s << "\n";
+    return 1;
+  }
+  limits["device"] = prop.name;
+  if (!json_path.empty()) {
+    absl::Status s = WriteJson(json_path,
+                               ResultEnvelope(JoinCommand("fluxion bench gpu", args), limits, results));
+    if (!s.ok()) {
+      std::cerr << "error: " << s << "\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace fluxion::bench

@@ -1,0 +1,56 @@
+// Decode attention over paged K/V on the GPU: the same page layout and contracts as the CPU paged
+// kernels (kernels/paged_attention.h: page `id` at arena + id * page_bytes, K then V, bf16
+// [page_tokens][head_dim]), for many (request, KV head) items in one launch. The arena may be
+// device memory (the KV resident in HBM) or pinned host memory mapped into the device's address
+// space (cudaHostRegister with cudaHostRegisterMapped, or any pointer on a UVA system), in which
+// case the kernel reads the selected rows straight over PCIe ("zero-copy"). Each row is read once
+// per item for all `group` query heads, which matters most over PCIe.
+//
+// Long items are split into chunks of spans by the caller (SplitByRows), each chunk a partial
+// state, and the chunks merged with MergeStates (kernels/cuda/decode_ops.h): flash-decoding.
+//
+// Thread-safe: launches on the caller's stream; nothing is allocated.
+#ifndef FLUXION_KERNELS_CUDA_PAGED_DECODE_H_
+#define FLUXION_KERNELS_CUDA_PAGED_DECODE_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/paged_attention.h"
+
+namespace fluxion::kernels::cuda {
+
+// Largest GQA group (query heads per KV head) the kernel is compiled for.
+inline constexpr int64_t kMaxPagedGroup = 8;
+
+// The `group` query heads of one (request, KV head) over the rows of spans[span_begin, span_end).
+// q: [group][head_dim] fp32 post-RoPE, unscaled; out: [group][head_dim]; lse: [group] natural
+// base of the scaled scores (-inf, out 0 when the spans hold no rows).
+struct PagedItem {
+  const float* q = nullptr;
+  int32_t span_begin = 0;
+  int32_t span_end = 0;
+  float* out = nullptr;
+  float* lse = nullptr;
+};
+
+// All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
+// [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
+// page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise.
+cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
+                                 int64_t head_dim, const PageSpan* spans, const PagedItem* items,
+                                 int64_t num_items, int64_t group, float scale,
+                                 cudaStream_t stream);
+
+// Host-side planning for flash-decoding: cuts spans[begin, end) into consecutive chunks of at
+// most `max_rows` rows each. A span is never cut, so a chunk holds more than max_rows rows only
+// when one span alone does. Returns the chunk boundaries as span indices: {begin, b1, ..., end}; {begin, end} when
+// everything fits one chunk; {begin} when begin == end.
+std::vector<int32_t> SplitByRows(const PageSpan* spans, int32_t begin, int32_t end,
+                                 int64_t max_rows);
+
+}  // namespace fluxion::kernels::cuda
+
+#endif  // FLUXION_KERNELS_CUDA_PAGED_DECODE_H_

@@ -1,0 +1,208 @@
+// GPU paged decode attention against reference::PagedAttention, over an arena in device memory
+// and over pinned host memory read in place (zero-copy), whole and split into chunks merged by
+// log-sum-exp.
+#include "kernels/cuda/paged_decode.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/half.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/decode_ops.h"
+#include "kernels/cuda/device_buffers_testing.h"
+#include "kernels/reference/compare.h"
+#include "kernels/reference/reference_ops.h"
+
+namespace fluxion::kernels::cuda {
+namespace {
+
+struct Case {
+  int64_t head_dim;
+  int64_t group;
+};
+
+class PagedDecodeTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+constexpr int64_t kPageTokens = 16;
+constexpr int32_t kPages = 400;
+
+// Random pages, and per item a random list of spans over random pages (partial spans included).
+struct Problem {
+  std::vector<bf16> arena;
+  size_t page_bytes = 0;
+  std::vector<PageSpan> spans;
+  std::vector<int32_t> item_begin;  // [items + 1]
+  std::vector<std::vector<float>> q;
+};
+
+Problem MakeProblem(int64_t head_dim, int64_t group, const std::vector<int>& spans_per_item,
+                    uint32_t seed) {
+  Problem p;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.5f);
+  const int64_t page_elems = 2 * kPageTokens * head_dim + 32;  // padding: page_bytes > content
+  p.page_bytes = page_elems * sizeof(bf16);
+  p.arena.resize(kPages * page_elems);
+  for (bf16& x : p.arena) x = FloatToBf16(dist(rng));
+  std::uniform_int_distribution<int32_t> page(0, kPages - 1), row(0, kPageTokens - 1);
+  for (int count : spans_per_item) {
+    p.item_begin.push_back(p.spans.size());
+    for (int s = 0; s < count; ++s) {
+      const int32_t first = s % 3 == 0 ? row(rng) : 0;
+      const int32_t rows = s % 3 == 0 ? std::uniform_int_distribution<int32_t>(
+                                            1, kPageTokens - first)(rng)
+                                      : kPageTokens;
+      p.spans.push_back({page(rng), first, rows});
+    }
+    std::vector<float> q(group * head_dim);
+    for (float& x : q) x = dist(rng);
+    p.q.push_back(q);
+  }
+  p.item_begin.push_back(p.spans.size());
+  return p;
+}
+
+void Reference(const Problem& p, int64_t head_dim, int64_t group, float scale, size_t item,
+               std::vector<float>* out, std::vector<float>* lse) {
+  out->assign(group * head_dim, 0.0f);
+  lse->assign(group, 0.0f);
+  PagedKvView view{reinterpret_cast<const uint8_t*>(p.arena.data()), p.page_bytes, kPageTokens,
+                   head_dim};
+  reference::PagedAttention(view, p.spans.data() + p.item_begin[item],
+                            p.item_begin[item + 1] - p.item_begin[item],
+                            DecodeQuery{p.q[item].data(), group, scale},
+                            AttentionState{out->data(), lse->data()});
+}
+
+void ExpectStateNear(const std::vector<float>& out, const std::vector<float>& lse,
+                     const std::vector<float>& want_out, const std::vector<float>& want_lse,
+                     const std::string& what) {
+  bool empty = std::isinf(want_lse[0]);
+  if (empty) {
+    for (float v : out) EXPECT_EQ(v, 0.0f) << what;
+  } else {
+    EXPECT_LT(reference::RelativeL2Error(out, want_out), 2e-5) << what;
+  }
+  for (size_t h = 0; h < lse.size(); ++h) {
+    if (std::isinf(want_lse[h])) {
+      EXPECT_EQ(lse[h], want_lse[h]) << what;
+    } else {
+      EXPECT_NEAR(lse[h], want_lse[h], 1e-4 * std::max(1.0f, std::fabs(want_lse[h]))) << what;
+    }
+  }
+}
+
+TEST_P(PagedDecodeTest, MatchesReferenceFromDeviceAndPinnedHostMemory) {
+  const auto [head_dim, group] = GetParam();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const Problem p = MakeProblem(head_dim, group, {1, 0, 5, 40, 300}, 3);
+  DeviceBuffers dev;
+  const uint8_t* device_arena = reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena));
+  // Pinned host copy, mapped into the device's address space.
+  std::vector<bf16> host_arena = p.arena;
+  ASSERT_EQ(cudaHostRegister(host_arena.data(), host_arena.size() * sizeof(bf16),
+                             cudaHostRegisterMapped | cudaHostRegisterReadOnly),
+            cudaSuccess);
+  void* mapped = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host_arena.data(), 0), cudaSuccess);
+  const PageSpan* spans = dev.ToDevice(p.spans);
+  const size_t items = p.q.size();
+  for (const uint8_t* arena : {device_arena, static_cast<const uint8_t*>(mapped)}) {
+    std::vector<PagedItem> host_items(items);
+    std::vector<float*> outs(items), lses(items);
+    for (size_t i = 0; i < items; ++i) {
+      host_items[i] = {dev.ToDevice(p.q[i]), p.item_begin[i], p.item_begin[i + 1],
+                       outs[i] = dev.ToDevice(std::vector<float>(group * head_dim, NAN)),
+                       lses[i] = dev.ToDevice(std::vector<float>(group, NAN))};
+    }
+    ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, kPageTokens, head_dim, spans,
+                                   dev.ToDevice(host_items), items, group, scale, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t i = 0; i < items; ++i) {
+      std::vector<float> want_out, want_lse;
+      Reference(p, head_dim, group, scale, i, &want_out, &want_lse);
+      ExpectStateNear(DeviceBuffers::ToHost(outs[i], group * head_dim),
+                      DeviceBuffers::ToHost(lses[i], group), want_out, want_lse,
+                      (arena == device_arena ? "device item " : "pinned item ") +
+                          std::to_string(i));
+    }
+  }
+  ASSERT_EQ(cudaHostUnregister(host_arena.data()), cudaSuccess);
+}
+
+TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
+  const auto [head_dim, group] = GetParam();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const Problem p = MakeProblem(head_dim, group, {500}, 9);
+  const std::vector<int32_t> bounds = SplitByRows(p.spans.data(), 0, p.spans.size(), 700);
+  ASSERT_GT(bounds.size(), 3u);
+  DeviceBuffers dev;
+  const uint8_t* arena = reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena));
+  const float* q = dev.ToDevice(p.q[0]);
+  const size_t chunks = bounds.size() - 1;
+  float* outs = dev.ToDevice(std::vector<float>(chunks * group * head_dim, NAN));
+  float* lses = dev.ToDevice(std::vector<float>(chunks * group, NAN));
+  std::vector<PagedItem> items;
+  for (size_t c = 0; c < chunks; ++c) {
+    items.push_back({q, bounds[c], bounds[c + 1], outs + c * group * head_dim, lses + c * group});
+  }
+  ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, kPageTokens, head_dim,
+                                 dev.ToDevice(p.spans), dev.ToDevice(items), chunks, group, scale,
+                                 nullptr),
+            cudaSuccess);
+  // One pass over all chunks (MergeChunks) into separate outputs, then the pairwise fold below.
+  float* merged_out = dev.ToDevice(std::vector<float>(group * head_dim, NAN));
+  float* merged_lse = dev.ToDevice(std::vector<float>(group, NAN));
+  const std::vector<int32_t> chunk_begin = {0, static_cast<int32_t>(chunks)};
+  ASSERT_EQ(MergeChunks(outs, lses, dev.ToDevice(chunk_begin), 1, group, head_dim, merged_out,
+                        merged_lse, nullptr),
+            cudaSuccess);
+  for (size_t c = 1; c < chunks; ++c) {  // fold chunk c into chunk 0, state by state (per head)
+    ASSERT_EQ(MergeStates(outs, lses, outs + c * group * head_dim, lses + c * group, group,
+                          head_dim, nullptr),
+              cudaSuccess);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> want_out, want_lse;
+  Reference(p, head_dim, group, scale, 0, &want_out, &want_lse);
+  ExpectStateNear(DeviceBuffers::ToHost(outs, group * head_dim),
+                  DeviceBuffers::ToHost(lses, group), want_out, want_lse, "merged chunks");
+  ExpectStateNear(DeviceBuffers::ToHost(merged_out, group * head_dim),
+                  DeviceBuffers::ToHost(merged_lse, group), want_out, want_lse, "MergeChunks");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeTest,
+                         ::testing::Values(Case{128, 4}, Case{128, 1}, Case{64, 8}, Case{128, 7}),
+                         [](const auto& info) {
+                           return "d" + std::to_string(info.param.head_dim) + "_g" +
+                                  std::to_string(info.param.group);
+                         });
+
+TEST(SplitByRowsTest, CutsBetweenSpansOnly) {
+  const std::vector<PageSpan> spans = {{0, 0, 16}, {1, 0, 16}, {2, 3, 5}, {3, 0, 16}, {4, 0, 40}};
+  EXPECT_EQ(SplitByRows(spans.data(), 0, 5, 1000), (std::vector<int32_t>{0, 5}));
+  EXPECT_EQ(SplitByRows(spans.data(), 0, 5, 32), (std::vector<int32_t>{0, 2, 4, 5}));
+  EXPECT_EQ(SplitByRows(spans.data(), 2, 2, 32), (std::vector<int32_t>{2}));
+  EXPECT_EQ(SplitByRows(spans.data(), 4, 5, 8), (std::vector<int32_t>{4, 5}));
+}
+
+TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
+  PagedItem item;
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 4096, 16, 96, nullptr, &item, 1, 4, 1.0f, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 4096, 16, 128, nullptr, &item, 1, 9, 1.0f, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 100, 16, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
+            cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace fluxion::kernels::cuda
