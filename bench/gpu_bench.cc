@@ -86,7 +86,7 @@ struct Options {
   std::vector<int64_t> batches = {1, 4, 16};
   std::vector<int64_t> contexts = {32768, 65536, 131072};
   std::vector<double> fractions = {0.05, 0.02};
-  int64_t chunk_rows = 2048, span_tokens = 32, repeats = 20;
+  int64_t chunk_rows = 0, span_tokens = 32, repeats = 20;  // chunk_rows 0: ChooseChunkRows
   double host_gib = 8.0;
 };
 
@@ -99,14 +99,15 @@ struct AttentionPlan {
   cuda::PagedItem* d_chunks = nullptr;
   int32_t* d_chunk_begin = nullptr;
   float *d_chunk_out = nullptr, *d_chunk_lse = nullptr, *d_out = nullptr, *d_lse = nullptr;
-  int64_t items = 0, rows = 0;
+  int64_t items = 0, rows = 0, chunk_rows = 0;
 };
 
 // Items of `rows_per_item` rows each: dense (every page of a contiguous range, full attention) or
 // random spans of `span_tokens` over `arena_pages` pages (a sparse selection).
 absl::Status BuildPlan(DeviceMemory& mem, int64_t items, int64_t rows_per_item, bool dense,
                        int64_t span_tokens, int64_t arena_pages, int64_t chunk_rows,
-                       const float* d_q, AttentionPlan* plan, std::mt19937_64& rng) {
+                       int num_sms, const float* d_q, AttentionPlan* plan,
+                       std::mt19937_64& rng) {
   *plan = AttentionPlan{};
   plan->items = items;
   std::vector<int32_t> item_spans = {0};
@@ -123,6 +124,8 @@ absl::Status BuildPlan(DeviceMemory& mem, int64_t items, int64_t rows_per_item, 
     item_spans.push_back(plan->spans.size());
   }
   plan->rows = static_cast<int64_t>(plan->spans.size()) * kPageTokens;
+  if (chunk_rows == 0) chunk_rows = cuda::ChooseChunkRows(plan->rows, num_sms);
+  plan->chunk_rows = chunk_rows;
   int64_t chunk_count = 0;
   plan->chunk_begin.push_back(0);
   std::vector<std::vector<int32_t>> bounds(items);
@@ -182,7 +185,8 @@ void Row(const char* fmt, ...) {
   std::fflush(stdout);
 }
 
-absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limits) {
+absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
+                 nlohmann::json* limits) {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreate(&stream));
   DeviceMemory mem;
@@ -207,7 +211,8 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
   }));
   const double h2d_gbps = std::min(probe_bytes, host_bytes) / (h2d.median * 1e-3) / 1e9;
   *limits = {{"hbm_copy_gbps_read_plus_write", hbm_gbps}, {"pinned_h2d_gbps", h2d_gbps}};
-  Row("probes: HBM copy %.0f GB/s (read + write), pinned host->device copy %.1f GB/s\n\n",
+  Row("probes: HBM copy %.0f GB/s (bytes read + written), pinned host->device copy %.1f GB/s\n"
+      "(%% HBM and %% limit below: GB/s read over these probes)\n\n",
       hbm_gbps, h2d_gbps);
 
   // GEMMs at 8B shapes: weights bf16 [n][k], activations bf16 [m][k], output fp32.
@@ -234,7 +239,7 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
       }));
       const double bytes = 2.0 * w.n * w.k;
       const double gbps = bytes / (t.median * 1e-3) / 1e9;
-      Row("%-8s %5ld %10.4f %10.0f %7.0f%%\n", w.name, m, t.median, gbps, 100 * gbps / (hbm_gbps / 2));
+      Row("%-8s %5ld %10.4f %10.0f %7.0f%%\n", w.name, m, t.median, gbps, 100 * gbps / hbm_gbps);
       step_ms += t.median * w.per_step;
       step_bytes += bytes * w.per_step;
       results->push_back({{"kind", "gemm"}, {"matrix", w.name}, {"m", m}, {"n", w.n}, {"k", w.k},
@@ -266,7 +271,7 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
         AttentionPlan plan;
         DeviceMemory plan_mem;
         FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true,
-                                                o.span_tokens, pages, o.chunk_rows,
+                                                o.span_tokens, pages, o.chunk_rows, num_sms,
                                                 static_cast<float*>(dq), &plan, rng));
         FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
           return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
@@ -274,10 +279,11 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
         const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
         const double gbps = bytes / (t.median * 1e-3) / 1e9;
         Row("%-22s %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", "full, KV in HBM", batch, ctx, "1",
-            t.median, gbps, 100 * gbps / (hbm_gbps / 2));
+            t.median, gbps, 100 * gbps / hbm_gbps);
         results->push_back({{"kind", "attention_hbm_full"}, {"batch", batch}, {"context", ctx},
                             {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                            {"gbps", gbps}, {"chunks", plan.chunks.size()}});
+                            {"gbps", gbps}, {"chunks", plan.chunks.size()},
+                            {"chunk_rows", plan.chunk_rows}});
       } else {
         Row("%-22s %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
             "full, KV in HBM", batch, ctx, "1", pages * kPageBytes >> 20);
@@ -292,7 +298,7 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
         AttentionPlan plan;
         DeviceMemory plan_mem;
         FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, rows, /*dense=*/false,
-                                                o.span_tokens, host_pages, o.chunk_rows,
+                                                o.span_tokens, host_pages, o.chunk_rows, num_sms,
                                                 static_cast<float*>(dq), &plan, rng));
         FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
           return RunPlan(plan, host_arena, stream);
@@ -305,7 +311,8 @@ absl::Status Run(const Options& o, nlohmann::json* results, nlohmann::json* limi
         results->push_back({{"kind", "attention_host_zero_copy"}, {"batch", batch},
                             {"context", ctx}, {"read_fraction", f}, {"span_tokens", o.span_tokens},
                             {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                            {"gbps", gbps}, {"chunks", plan.chunks.size()}});
+                            {"gbps", gbps}, {"chunks", plan.chunks.size()},
+                            {"chunk_rows", plan.chunk_rows}});
       }
     }
   }
@@ -326,7 +333,8 @@ int RunGpuBench(const std::vector<std::string>& args) {
   flags.IntList("batch", &o.batches, "batch sizes (GEMM m; requests in the attention step)");
   flags.IntList("contexts", &o.contexts, "context lengths in tokens");
   flags.DoubleList("read-fraction", &o.fractions, "share of the context a sparse step reads");
-  flags.Int("chunk-rows", &o.chunk_rows, "rows per flash-decoding chunk");
+  flags.Int("chunk-rows", &o.chunk_rows,
+            "rows per flash-decoding chunk; 0 = about four blocks per SM (ChooseChunkRows)");
   flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
@@ -336,9 +344,9 @@ int RunGpuBench(const std::vector<std::string>& args) {
     std::cerr << "error: no CUDA device\n";
     return 1;
   }
-  if (o.span_tokens <= 0 || o.span_tokens % kPageTokens != 0 || o.chunk_rows <= 0 ||
+  if (o.span_tokens <= 0 || o.span_tokens % kPageTokens != 0 || o.chunk_rows < 0 ||
       o.repeats <= 0 || !(o.host_gib > 0 && o.host_gib <= 64)) {
-    std::cerr << "error: --span-tokens must be a positive multiple of 16, --chunk-rows and "
+    std::cerr << "error: --span-tokens must be a positive multiple of 16, --chunk-rows >= 0, "
                  "--repeats positive, --host-gib in (0, 64]\n";
     return 2;
   }
@@ -364,7 +372,7 @@ int RunGpuBench(const std::vector<std::string>& args) {
   cudaGetDeviceProperties(&prop, 0);
   std::printf("device: %s, %.0f GiB\n", prop.name, prop.totalGlobalMem / double(1 << 30));
   nlohmann::json results = nlohmann::json::array(), limits;
-  if (absl::Status s = Run(o, &results, &limits); !s.ok()) {
+  if (absl::Status s = Run(o, prop.multiProcessorCount, &results, &limits); !s.ok()) {
     std::cerr << "error: " << s << "\n";
     return 1;
   }

@@ -38,11 +38,17 @@ struct PagedItem {
 
 // All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
 // [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
+// page_tokens even and <= 32; arena and page_bytes 16-byte aligned and
 // page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise.
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
                                  int64_t head_dim, const PageSpan* spans, const PagedItem* items,
                                  int64_t num_items, int64_t group, float scale,
                                  cudaStream_t stream);
+
+// Rows per chunk so that `total_rows` (all items of a launch) make about four blocks per SM:
+// enough blocks in flight to hide memory latency (over PCIe above all), a multiple of 128 rows
+// (one tile of full 16-token pages), between 128 and 8192.
+int64_t ChooseChunkRows(int64_t total_rows, int num_sms);
 
 // Host-side planning for flash-decoding: cuts spans[begin, end) into consecutive chunks of at
 // most `max_rows` rows each. A span is never cut, so a chunk holds more than max_rows rows only

@@ -186,6 +186,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeTest,
                                   std::to_string(info.param.group);
                          });
 
+TEST(ChooseChunkRowsTest, AimsAtFourBlocksPerSmWithinBounds) {
+  EXPECT_EQ(ChooseChunkRows(8 * 32768, 132), 512);  // B=1, 8 KV heads at 32K: 512 blocks
+  EXPECT_EQ(ChooseChunkRows(1000, 132), 128);
+  EXPECT_EQ(ChooseChunkRows(int64_t{1} << 40, 132), 8192);
+  EXPECT_EQ(ChooseChunkRows(0, 0), 128);
+}
+
 TEST(SplitByRowsTest, CutsBetweenSpansOnly) {
   const std::vector<PageSpan> spans = {{0, 0, 16}, {1, 0, 16}, {2, 3, 5}, {3, 0, 16}, {4, 0, 40}};
   EXPECT_EQ(SplitByRows(spans.data(), 0, 5, 1000), (std::vector<int32_t>{0, 5}));
@@ -202,6 +209,10 @@ TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
             cudaErrorInvalidValue);
   EXPECT_EQ(PagedDecodeAttention(nullptr, 100, 16, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
             cudaErrorInvalidValue);
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 8192, 15, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
+            cudaErrorInvalidValue);  // odd page_tokens
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 8200, 16, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
+            cudaErrorInvalidValue);  // page_bytes not 16-byte aligned
 }
 
 }  // namespace
