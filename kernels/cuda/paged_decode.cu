@@ -8,9 +8,7 @@
 namespace fluxion::kernels::cuda {
 namespace {
 
-// Eight bf16 from one 16-byte load.
-__device__ __forceinline__ void LoadBf16x8(const bf16* p, float out[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float out[8]) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -21,26 +19,33 @@ __device__ __forceinline__ void LoadBf16x8(const bf16* p, float out[8]) {
 }
 
 // One block of 128 threads per item (a chunk of one (request, KV head)), all `group` query heads
-// at once so each K/V row is read once. The spans are taken kSpansPerTile at a time; a tile has
-// kSpansPerTile * page_tokens slots (slots past a span's rows score -inf and weigh 0).
-//   scoring: kLanesPerRow lanes per row, each a 16-byte load of 8 dims (a 128-dim row is one
-//            256-byte read by half a warp), a shuffle reduction per head;
+// at once so each K/V row is read once. Spans are taken kSlots / kPageTokens at a time; a tile
+// has kSlots row slots (slots past a span's rows score -inf and weigh 0).
+//   keys:    kLanesPerRow lanes per row, each a 16-byte load of 8 dims (a 128-dim row is one
+//            256-byte read by half a warp); every thread issues all its loads of the tile before
+//            using any (kKLoads 16-byte loads in flight per thread), then a shuffle reduction
+//            per head;
 //   softmax: one warp per head folds the tile into the running max and sum (online softmax);
-//   values:  thread (row group rg, dim group dg) accumulates rows rg, rg + kRowGroups, ... of
-//            dims [8 dg, 8 dg + 8) for every head; row groups are summed once at the end.
-template <int kHeadDim>
+//   values:  thread (row group rg, dim group dg) loads rows rg, rg + kRowGroups, ... of dims
+//            [8 dg, 8 dg + 8), again all loads first, and accumulates them for every head; the
+//            row groups are summed once at the end.
+// Issuing the loads first is what moves the kernel from latency- to bandwidth-bound: with one
+// load in flight per thread, v2 of this kernel read HBM at ~0.9 TB/s (bench/results, session 7).
+template <int kHeadDim, int kPageTokens>
 __global__ void __launch_bounds__(128)
-    PagedDecodeKernel(const uint8_t* arena, size_t page_bytes, int page_tokens,
-                      const PageSpan* spans, const PagedItem* items, int group, float scale) {
+    PagedDecodeKernel(const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
+                      const PagedItem* items, int group, float scale) {
   constexpr int kThreads = 128, kWarps = 4, kVec = 8;
   constexpr int kG = static_cast<int>(kMaxPagedGroup);
-  constexpr int kSpansPerTile = 8;
-  constexpr int kMaxSlots = kSpansPerTile * 32;  // page_tokens <= 32
+  constexpr int kSlots = 128;
+  constexpr int kSpansPerTile = kSlots / kPageTokens;
   constexpr int kLanesPerRow = kHeadDim / kVec;  // 16 (d128) or 8 (d64)
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;
   constexpr int kRowGroups = kThreads / kLanesPerRow;
+  constexpr int kKLoads = kSlots / (kWarps * kRowsPerWarp);
+  constexpr int kVLoads = kSlots / kRowGroups;
   __shared__ float q[kG][kHeadDim];
-  __shared__ float w[kG][kMaxSlots];  // scores, then softmax weights
+  __shared__ float w[kG][kSlots];  // scores, then softmax weights
   __shared__ float run_max[kG], run_sum[kG], correction[kG];
   __shared__ const bf16* span_keys[kSpansPerTile];  // K row `first_row` of each span
   __shared__ int span_rows[kSpansPerTile];
@@ -61,8 +66,8 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int j = 0; j < kVec; ++j) acc[h][j] = 0.0f;
   }
-  const int slots = kSpansPerTile * page_tokens;  // a multiple of 16: uniform warp loops below
-  const int64_t value_offset = static_cast<int64_t>(page_tokens) * kHeadDim;
+  constexpr int64_t kValueOffset = static_cast<int64_t>(kPageTokens) * kHeadDim;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
 
   for (int s0 = item.span_begin; s0 < item.span_end; s0 += kSpansPerTile) {
     __syncthreads();  // the previous tile is consumed
@@ -80,27 +85,29 @@ __global__ void __launch_bounds__(128)
     }
     __syncthreads();
 
-    for (int slot = warp * kRowsPerWarp + sub; slot < slots; slot += kWarps * kRowsPerWarp) {
-      const int s = slot / page_tokens, r = slot % page_tokens;
+    uint4 keys[kKLoads];
+#pragma unroll
+    for (int i = 0; i < kKLoads; ++i) {
+      const int slot = warp * kRowsPerWarp + sub + i * kWarps * kRowsPerWarp;
+      const int s = slot / kPageTokens, r = slot % kPageTokens;
+      keys[i] = r < span_rows[s] ? *reinterpret_cast<const uint4*>(
+                                       span_keys[s] + static_cast<int64_t>(r) * kHeadDim +
+                                       dg * kVec)
+                                 : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < kKLoads; ++i) {
+      const int slot = warp * kRowsPerWarp + sub + i * kWarps * kRowsPerWarp;
+      const int s = slot / kPageTokens, r = slot % kPageTokens;
       const bool valid = r < span_rows[s];
-      float dot[kG];
-#pragma unroll
-      for (int h = 0; h < kG; ++h) dot[h] = 0.0f;
-      if (valid) {
-        float k[kVec];
-        LoadBf16x8(span_keys[s] + static_cast<int64_t>(r) * kHeadDim + dg * kVec, k);
-#pragma unroll
-        for (int h = 0; h < kG; ++h) {
-          if (h < group) {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) dot[h] += q[h][dg * kVec + j] * k[j];
-          }
-        }
-      }
+      float k[kVec];
+      UnpackBf16x8(keys[i], k);
 #pragma unroll
       for (int h = 0; h < kG; ++h) {
         if (h < group) {
-          float v = dot[h];
+          float v = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) v += q[h][dg * kVec + j] * k[j];
 #pragma unroll
           for (int offset = kLanesPerRow / 2; offset > 0; offset >>= 1) {
             v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -111,16 +118,27 @@ __global__ void __launch_bounds__(128)
     }
     __syncthreads();
 
+    // The value loads do not depend on the softmax: in flight while it runs.
+    uint4 values[kVLoads];
+#pragma unroll
+    for (int i = 0; i < kVLoads; ++i) {
+      const int slot = rg + i * kRowGroups;
+      const int s = slot / kPageTokens, r = slot % kPageTokens;
+      values[i] = r < span_rows[s] ? *reinterpret_cast<const uint4*>(
+                                         span_keys[s] + kValueOffset +
+                                         static_cast<int64_t>(r) * kHeadDim + dg * kVec)
+                                   : zero;
+    }
     for (int h = warp; h < group; h += kWarps) {
       float m = -INFINITY;
-      for (int i = lane; i < slots; i += 32) m = fmaxf(m, w[h][i]);
+      for (int i = lane; i < kSlots; i += 32) m = fmaxf(m, w[h][i]);
       for (int offset = 16; offset > 0; offset >>= 1) {
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
       }
       const float old_max = run_max[h];
       const float new_max = fmaxf(old_max, m);
       float sum = 0.0f;
-      for (int i = lane; i < slots; i += 32) {
+      for (int i = lane; i < kSlots; i += 32) {
         const float e = new_max == -INFINITY ? 0.0f : __expf(w[h][i] - new_max);
         w[h][i] = e;
         sum += e;
@@ -145,11 +163,11 @@ __global__ void __launch_bounds__(128)
         for (int j = 0; j < kVec; ++j) acc[h][j] *= c;
       }
     }
-    for (int slot = rg; slot < slots; slot += kRowGroups) {
-      const int s = slot / page_tokens, r = slot % page_tokens;
-      if (r >= span_rows[s]) continue;
+#pragma unroll
+    for (int i = 0; i < kVLoads; ++i) {
+      const int slot = rg + i * kRowGroups;
       float v[kVec];
-      LoadBf16x8(span_keys[s] + value_offset + static_cast<int64_t>(r) * kHeadDim + dg * kVec, v);
+      UnpackBf16x8(values[i], v);  // an invalid slot loaded zeros and weighs 0
 #pragma unroll
       for (int h = 0; h < kG; ++h) {
         if (h < group) {
@@ -180,6 +198,29 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+template <int kHeadDim>
+cudaError_t LaunchForPageTokens(int64_t page_tokens, unsigned blocks, cudaStream_t stream,
+                                const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
+                                const PagedItem* items, int group, float scale) {
+  switch (page_tokens) {
+    case 8:
+      PagedDecodeKernel<kHeadDim, 8><<<blocks, 128, 0, stream>>>(arena, page_bytes, spans, items,
+                                                                 group, scale);
+      break;
+    case 16:
+      PagedDecodeKernel<kHeadDim, 16><<<blocks, 128, 0, stream>>>(arena, page_bytes, spans,
+                                                                  items, group, scale);
+      break;
+    case 32:
+      PagedDecodeKernel<kHeadDim, 32><<<blocks, 128, 0, stream>>>(arena, page_bytes, spans,
+                                                                  items, group, scale);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
@@ -187,29 +228,26 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
                                  int64_t num_items, int64_t group, float scale,
                                  cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
-  // Even page_tokens up to 32 (tiles of 8 spans fit the shared score buffer and warp loops stay
-  // uniform); 16-byte aligned pages and arena (every row is read with 16-byte loads).
-  if (group < 1 || group > kMaxPagedGroup || num_items > 2147483647 || page_tokens < 2 ||
-      page_tokens > 32 || page_tokens % 2 != 0 || page_bytes % 16 != 0 ||
+  // page_tokens 8, 16 or 32 (compiled in: a tile is 128 row slots); 16-byte aligned pages and
+  // arena (every row is read with 16-byte loads).
+  if (group < 1 || group > kMaxPagedGroup || num_items > 2147483647 ||
+      (page_tokens != 8 && page_tokens != 16 && page_tokens != 32) || page_bytes % 16 != 0 ||
       reinterpret_cast<uintptr_t>(arena) % 16 != 0 ||
       page_bytes < static_cast<size_t>(2 * page_tokens * head_dim * sizeof(bf16))) {
     return cudaErrorInvalidValue;
   }
   const unsigned blocks = static_cast<unsigned>(num_items);
-  const int pt = static_cast<int>(page_tokens), g = static_cast<int>(group);
+  const int g = static_cast<int>(group);
   switch (head_dim) {
     case 64:
-      PagedDecodeKernel<64><<<blocks, 128, 0, stream>>>(arena, page_bytes, pt, spans, items, g,
-                                                        scale);
-      break;
+      return LaunchForPageTokens<64>(page_tokens, blocks, stream, arena, page_bytes, spans, items,
+                                     g, scale);
     case 128:
-      PagedDecodeKernel<128><<<blocks, 128, 0, stream>>>(arena, page_bytes, pt, spans, items, g,
-                                                          scale);
-      break;
+      return LaunchForPageTokens<128>(page_tokens, blocks, stream, arena, page_bytes, spans,
+                                      items, g, scale);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 int64_t ChooseChunkRows(int64_t total_rows, int num_sms) {

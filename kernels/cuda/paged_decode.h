@@ -38,7 +38,7 @@ struct PagedItem {
 
 // All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
 // [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
-// page_tokens even and <= 32; arena and page_bytes 16-byte aligned and
+// page_tokens 8, 16 or 32; arena and page_bytes 16-byte aligned and
 // page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise.
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
                                  int64_t head_dim, const PageSpan* spans, const PagedItem* items,
