@@ -47,14 +47,14 @@ void RegisterClientTlsFlags(FlagSet& flags, const std::string& prefix, const std
              absl::StrCat("TLS to ", peer, " (implied by the other --", prefix,
                           "-* flags; without --", prefix, "-ca: the system's root CAs)"));
   flags.String(prefix + "-ca", &options->ca_file,
-               absl::StrCat("PEM CA bundle that ", peer, "' certificates must chain to"));
+               absl::StrCat("PEM CA bundle that the certificates of ", peer, " must chain to"));
   flags.String(prefix + "-cert", &options->cert_file,
                absl::StrCat("PEM client certificate chain presented to ", peer, " (mutual TLS)"));
   flags.String(prefix + "-key", &options->key_file, absl::StrCat("PEM private key of --", prefix,
                                                                  "-cert"));
   flags.String(prefix + "-server-name", &options->server_name,
-               absl::StrCat("name to check in ", peer,
-                            "' certificates instead of the address's host (e.g. for IP addresses)"));
+               absl::StrCat("name to check in the certificates of ", peer,
+                            " instead of the address's host (e.g. when dialling IP addresses)"));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
