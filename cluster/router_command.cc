@@ -31,7 +31,8 @@ int RunRouterCommand(const std::vector<std::string>& args) {
                 "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
                 "pair picked by load, with health checks, retries before the first token and load "
                 "shedding (docs/CLUSTER.md).");
-  flags.String("listen", &listen, "gRPC address to serve clients on (0.0.0.0:7000: every interface)");
+  flags.String("listen", &listen,
+               "gRPC address to serve clients on (0.0.0.0:7000: every interface)");
   flags.String("metrics-listen", &metrics_listen,
                "HTTP address for Prometheus /metrics (empty: no endpoint)");
   flags.StringList("decode", &decode, "decode nodes, host:port, comma-separated");

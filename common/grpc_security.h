@@ -24,7 +24,7 @@ namespace fluxion::serving {
 struct ServerTlsOptions {
   std::string cert_file;       // --tls-cert: PEM certificate chain the server presents
   std::string key_file;        // --tls-key: PEM private key of that certificate
-  std::string client_ca_file;  // --tls-client-ca: PEM CA bundle that client certificates must chain to
+  std::string client_ca_file;  // --tls-client-ca: PEM CA bundle client certificates must chain to
   bool require_client_cert = false;  // --tls-require-client-cert: refuse clients without one
   bool enabled() const { return !cert_file.empty(); }
 };

@@ -94,9 +94,9 @@ std::shared_ptr<grpc::Channel> CreateChannel(const std::string& target,
 
 std::shared_ptr<grpc::Channel> CreateChannel(const std::string& target, const ChannelConfig& config,
                                              const grpc::ChannelArguments& args) {
-  return grpc::CreateCustomChannel(
-      target, config.credentials != nullptr ? config.credentials : grpc::InsecureChannelCredentials(),
-      args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = config.credentials;
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
+  return grpc::CreateCustomChannel(target, credentials, args);
 }
 
 }  // namespace fluxion::serving

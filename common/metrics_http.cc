@@ -75,11 +75,9 @@ MetricsHttpServer::Limits MetricsHttpServer::DefaultLimits() {
   // A quarter of the process's descriptors at most: idle HTTP clients must never starve the gRPC
   // server and the UCX transport of descriptors (accept would fail with EMFILE there too).
   rlimit files{};
-  rlim_t budget = 1024;
-  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
-    budget = files.rlim_cur;
-  } else if (files.rlim_cur == RLIM_INFINITY) {
-    budget = 1 << 20;
+  rlim_t budget = 1024;  // the usual soft limit, when it cannot be read
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    budget = files.rlim_cur == RLIM_INFINITY ? kMaxConnections * 4 : files.rlim_cur;
   }
   Limits limits;
   limits.max_connections =
@@ -113,7 +111,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   server->daemon_ = MHD_start_daemon(
       flags, 0, nullptr, nullptr, &Handle, const_cast<Registry*>(registry), MHD_OPTION_SOCK_ADDR,
       &*addr, MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20,
-      MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned int>(absl::ToInt64Seconds(limits.idle_timeout)),
+      MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned int>(absl::ToInt64Seconds(limits.idle_timeout)),
       MHD_OPTION_CONNECTION_LIMIT, limits.max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       limits.max_connections_per_address, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {

@@ -21,7 +21,8 @@ namespace fluxion::metrics {
 
 class MetricsHttpServer {
  public:
-  // Bounds on what clients may hold (docs/METRICS.md, "The HTTP server").
+  // Bounds on what clients may hold (docs/METRICS.md, Implementation). The member defaults are
+  // an example; Start() without limits uses DefaultLimits().
   struct Limits {
     unsigned int max_connections = 1024;
     // Connections from one IP address at most; beyond that a new one is closed at once.

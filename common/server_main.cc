@@ -20,9 +20,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   *port = 0;
-  builder.AddListeningPort(
-      listen, options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
-      port);
+  std::shared_ptr<grpc::ServerCredentials> credentials = options.credentials;
+  if (credentials == nullptr) credentials = grpc::InsecureServerCredentials();
+  builder.AddListeningPort(listen, credentials, port);
   builder.RegisterService(service);
   SetServerPingPolicy(options.keepalive, &builder);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;

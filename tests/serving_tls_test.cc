@@ -25,7 +25,8 @@ struct Streamed {
   bool complete = false;
 };
 
-Streamed Generate(const std::shared_ptr<grpc::Channel>& channel, const v1::GenerateRequest& request) {
+Streamed Generate(const std::shared_ptr<grpc::Channel>& channel,
+                  const v1::GenerateRequest& request) {
   auto stub = v1::DecodeService::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
@@ -79,7 +80,8 @@ TEST_F(ServingTlsTest, DecodeReachesAPrefillNodeThatRequiresClientCertificates) 
   auto config = serving::ClientChannelConfig(pki_.Client(/*with_cert=*/false));
   ASSERT_TRUE(config.ok()) << config.status();
   auto channel = serving::CreateChannel(decode->address(), *config);
-  Streamed r = Generate(channel, GreedyRequest("tls-1", BytePrompt("the key is 42."), 4, "full", ""));
+  Streamed r =
+      Generate(channel, GreedyRequest("tls-1", BytePrompt("the key is 42."), 4, "full", ""));
   ASSERT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message() << "\n"
                              << decode->Log();
   EXPECT_TRUE(r.complete);
