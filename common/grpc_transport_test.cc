@@ -198,6 +198,8 @@ TEST(TlsFlagsTest, FlagsFillTheOptions) {
 // Keepalive
 
 // Short intervals so the test runs in seconds; the production policy differs only in scale.
+// (grpc 1.51 clients send a ping at most about once a second whatever the interval, so the
+// phases below are several seconds long.)
 KeepalivePolicy FastPolicy() {
   KeepalivePolicy policy;
   policy.ping_interval = absl::Milliseconds(100);
@@ -205,20 +207,22 @@ KeepalivePolicy FastPolicy() {
   return policy;
 }
 
-// The channel idles for 30 ping intervals, then holds a call open for 20 more: every ping the
-// client sends must be acceptable to the server, or it answers GOAWAY too_many_pings and the call
-// in flight fails UNAVAILABLE.
-void IdleThenHoldACall(grpc::Server* server, int port, TestPrefillService* service,
-                       grpc::Status* held) {
+std::shared_ptr<grpc::Channel> ConnectedChannel(int port) {
   ChannelConfig config;
   config.keepalive = FastPolicy();
   auto channel = CreateChannel("127.0.0.1:" + std::to_string(port), config);
-  ASSERT_TRUE(CallGetLoad(channel).ok());  // connected
-  absl::SleepFor(config.keepalive.ping_interval * 30);
-  service->hold = config.keepalive.ping_interval * 20;
-  *held = CallPrefill(channel);
+  EXPECT_TRUE(CallGetLoad(channel).ok());
+  EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  return channel;
 }
 
+// False when the connection went away (GOAWAY) within `window`.
+bool StaysReady(const std::shared_ptr<grpc::Channel>& channel, absl::Duration window) {
+  return !channel->WaitForStateChange(GRPC_CHANNEL_READY, absl::ToChronoTime(absl::Now() + window));
+}
+
+// Every ping the client sends, idle and with a call open, must be acceptable to the server, or it
+// answers GOAWAY too_many_pings, which kills the calls in flight with UNAVAILABLE.
 TEST(KeepaliveTest, ServerAcceptsThePingsOfItsClientsIdleOrNot) {
   TestPrefillService service;
   GrpcServerOptions options;
@@ -226,13 +230,18 @@ TEST(KeepaliveTest, ServerAcceptsThePingsOfItsClientsIdleOrNot) {
   int port = 0;
   auto server = StartGrpcServer("127.0.0.1:0", &service, &port, options);
   ASSERT_TRUE(server.ok()) << server.status();
-  grpc::Status held;
-  IdleThenHoldACall(server->get(), port, &service, &held);
+  auto channel = ConnectedChannel(port);
+  EXPECT_TRUE(StaysReady(channel, absl::Seconds(5)));  // idle: ~5 pings without calls
+  service.hold = absl::Seconds(5);                       // a call open without data: ~5 more
+  grpc::Status held = CallPrefill(channel);
   EXPECT_TRUE(held.ok()) << held.error_code() << ": " << held.error_message();
+  EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
 }
 
 // The bug, kept as a check of the test itself: a server with grpc's default ping policy (what
-// every Fluxion server had) kills the held call.
+// every Fluxion server had) sends GOAWAY and kills a call in flight. The call is held until the
+// client gives up (60 s): the server strikes out after three pings, within seconds, whether the
+// first GOAWAY comes while idle (the call then runs on a new connection) or during the call.
 TEST(KeepaliveTest, GrpcsDefaultServerPolicyKillsTheCallInFlight) {
   TestPrefillService service;
   grpc::ServerBuilder builder;
@@ -241,8 +250,10 @@ TEST(KeepaliveTest, GrpcsDefaultServerPolicyKillsTheCallInFlight) {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  grpc::Status held;
-  IdleThenHoldACall(server.get(), port, &service, &held);
+  auto channel = ConnectedChannel(port);
+  absl::SleepFor(absl::Seconds(2));
+  service.hold = absl::Seconds(120);  // ends when the call is cancelled
+  grpc::Status held = CallPrefill(channel);
   EXPECT_EQ(held.error_code(), grpc::StatusCode::UNAVAILABLE) << held.error_message();
 }
 
