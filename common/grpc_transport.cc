@@ -24,9 +24,11 @@ class UnparsableRequestInterceptor : public hooks::Interceptor {
       seen_request_ = true;
       unparsable_ = methods->GetRecvMessage() == nullptr;
     }
+    // The method never ran, so the status is grpc's own: INTERNAL from sync handlers,
+    // UNIMPLEMENTED from callback ones (both with an empty message).
     if (unparsable_ &&
         methods->QueryInterceptionHookPoint(hooks::InterceptionHookPoints::PRE_SEND_STATUS) &&
-        methods->GetSendStatus().error_code() == grpc::StatusCode::INTERNAL) {
+        !methods->GetSendStatus().ok()) {
       methods->ModifySendStatus(grpc::Status(
           grpc::StatusCode::INVALID_ARGUMENT,
           std::string("the request to ") + info_->method() +

@@ -39,9 +39,11 @@ void SetClientKeepalive(const KeepalivePolicy& policy, grpc::ChannelArguments* a
 void SetServerPingPolicy(const KeepalivePolicy& policy, grpc::ServerBuilder* builder);
 
 // A server interceptor that turns grpc's answer to a request that does not parse as the method's
-// request message (INTERNAL with an empty message: GenericDeserialize in grpc 1.51 reports
-// proto3's empty InitializationErrorString()) into INVALID_ARGUMENT naming the method. The call
-// never reaches the service either way. Unary and server-streaming methods (all of fluxion.v1).
+// request message into INVALID_ARGUMENT naming the method. grpc 1.51 answers INTERNAL with an
+// empty message from sync services (GenericDeserialize reports proto3's empty
+// InitializationErrorString()) and UNIMPLEMENTED with an empty message from callback services
+// (the router). The call never reaches the service either way. Unary and server-streaming
+// methods (all of fluxion.v1).
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
 UnparsableRequestInterceptorFactory();
 

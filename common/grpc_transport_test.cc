@@ -44,6 +44,18 @@ class TestPrefillService final : public v1::PrefillService::Service {
   }
 };
 
+// The router's kind of service: the callback API.
+class CallbackPrefillService final : public v1::PrefillService::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetLoad(grpc::CallbackServerContext* context,
+                                    const v1::GetLoadRequest*, v1::PrefillLoad* load) override {
+    load->set_running_requests(7);
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+};
+
 grpc::Status CallGetLoad(const std::shared_ptr<grpc::Channel>& channel) {
   auto stub = v1::PrefillService::NewStub(channel);
   grpc::ClientContext context;
@@ -260,40 +272,54 @@ TEST(KeepaliveTest, GrpcsDefaultServerPolicyKillsTheCallInFlight) {
 // ---------------------------------------------------------------------------------------------
 // Requests that do not parse
 
+grpc::Status GenericCall(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                         const std::string& bytes) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::Status status;
+  absl::Notification done;
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return status;
+}
+
+// Field 1, length-delimited, length 127, then 2 bytes: truncated.
+const std::string kGarbage("\x0a\x7f\x01\x02", 4);
+
 TEST(UnparsableRequestTest, GarbageBytesGetInvalidArgumentNamingTheMethod) {
   TestPrefillService service;
   int port = 0;
   auto server = StartGrpcServer("127.0.0.1:0", &service, &port);
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = CreateChannel("127.0.0.1:" + std::to_string(port), ChannelConfig());
-  grpc::GenericStub stub(channel);
-  auto call = [&](const std::string& method, const std::string& bytes) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1), response;
-    grpc::Status status;
-    absl::Notification done;
-    stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
-                   [&](grpc::Status s) {
-                     status = std::move(s);
-                     done.Notify();
-                   });
-    done.WaitForNotification();
-    return status;
-  };
-  // Field 1, length-delimited, length 127, then 2 bytes: truncated.
-  const std::string garbage("\x0a\x7f\x01\x02", 4);
   for (const char* method : {"/fluxion.v1.PrefillService/GetLoad",
                              "/fluxion.v1.PrefillService/Prefill"}) {
-    grpc::Status status = call(method, garbage);
+    grpc::Status status = GenericCall(channel, method, kGarbage);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
     EXPECT_THAT(status.error_message(), HasSubstr(method));
   }
   EXPECT_EQ(service.calls.load(), 0);
   // A valid (empty) message still reaches the service.
-  EXPECT_TRUE(call("/fluxion.v1.PrefillService/GetLoad", "").ok());
+  EXPECT_TRUE(GenericCall(channel, "/fluxion.v1.PrefillService/GetLoad", "").ok());
   EXPECT_EQ(service.calls.load(), 1);
+}
+
+TEST(UnparsableRequestTest, CallbackServicesToo) {
+  CallbackPrefillService service;
+  int port = 0;
+  auto server = StartGrpcServer("127.0.0.1:0", &service, &port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = CreateChannel("127.0.0.1:" + std::to_string(port), ChannelConfig());
+  grpc::Status status = GenericCall(channel, "/fluxion.v1.PrefillService/GetLoad", kGarbage);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("/fluxion.v1.PrefillService/GetLoad"));
+  EXPECT_TRUE(CallGetLoad(channel).ok());
 }
 
 }  // namespace
