@@ -148,7 +148,7 @@ void Backends::AddNode(const std::string& address, Role role) {
   node.state.address = address;
   node.state.role = role;
   node.state.last_error = "not checked yet";
-  node.channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  node.channel = serving::CreateChannel(address, options_.channel);
   if (role == Role::kDecode) {
     node.decode_stub = v1::DecodeService::NewStub(node.channel);
   } else {

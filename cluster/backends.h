@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_transport.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -64,6 +65,7 @@ class Backends {
     absl::Duration rpc_timeout = absl::Milliseconds(500);  // health check and GetLoad
     absl::Duration resolve_interval = absl::Seconds(5);
     bool start_poller = true;  // tests may drive PollOnce() themselves
+    serving::ChannelConfig channel;  // credentials and keepalive of the channels to the nodes
   };
 
   // INVALID_ARGUMENT for a malformed address or when no decode node is named at all. DNS names

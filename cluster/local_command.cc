@@ -250,7 +250,7 @@ int RunLocalCommand(const std::vector<std::string>& args) {
     router_address = absl::StrCat("127.0.0.1:", (*ports)[0]);
     metrics_port = (*ports)[1];
     // Ready when the router itself sees a healthy decode node.
-    auto channel = grpc::CreateChannel(router_address, grpc::InsecureChannelCredentials());
+    auto channel = serving::CreateChannel(router_address, serving::ChannelConfig());
     const absl::Time deadline = absl::Now() + startup;
     while (!HealthServing(channel, "fluxion.v1.DecodeService", absl::Milliseconds(500))) {
       if (InterruptScope::interrupted()) return fail(absl::CancelledError("interrupted"));

@@ -10,6 +10,7 @@
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
 #include "common/flag_set.h"
+#include "common/grpc_security.h"
 
 namespace fluxion::cluster {
 int RunReplayCommand(const std::vector<std::string>& args) {
@@ -62,8 +63,15 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   flags.String("plot-format", &plot_format, "png or svg");
   flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 50 points)");
   flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
+  serving::ClientTlsOptions tls;
+  serving::RegisterClientTlsFlags(flags, "tls", "the target", &tls);
   flags.Require("target");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  auto channel = serving::ClientChannelConfig(tls);
+  if (!channel.ok()) {
+    std::cerr << "error: " << channel.status().message() << "\n";
+    return 2;
+  }
   if (trace.empty() == !synthetic) {
     std::cerr << "error: give exactly one of --trace FILE and --synthetic\n";
     return 2;
@@ -111,6 +119,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
 
   ReplayOptions options;
   options.target = target;
+  options.channel = *channel;
   options.concurrency = concurrency;
   options.max_inflight = max_inflight;
   options.timeout_s = timeout_s;

@@ -180,7 +180,7 @@ void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_li
 }  // namespace
 
 absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedule) {
-  auto channel = grpc::CreateChannel(options_.target, grpc::InsecureChannelCredentials());
+  auto channel = serving::CreateChannel(options_.target, options_.channel);
   // gRPC deadlines are system_clock time points.
   auto connect_deadline = std::chrono::system_clock::now() +
                           std::chrono::milliseconds(static_cast<int64_t>(options_.connect_timeout_s * 1e3));

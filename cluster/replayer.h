@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "cluster/replay_stats.h"
 #include "cluster/trace.h"
+#include "common/grpc_transport.h"
 
 namespace fluxion::cluster {
 
@@ -40,6 +41,7 @@ struct ReplayOptions {
   double cancel_fraction = 0;
   double cancel_after_s = 0;
   uint64_t cancel_seed = 1;
+  serving::ChannelConfig channel;  // TLS and keepalive of the channel to `target`
 };
 
 class Replayer {

@@ -12,6 +12,7 @@
 #include "cluster/backends.h"
 #include "cluster/router_service.h"
 #include "common/flag_set.h"
+#include "common/grpc_security.h"
 #include "common/metrics_http.h"
 #include "common/server_main.h"
 #include "grpcpp/grpcpp.h"
@@ -20,7 +21,8 @@
 namespace fluxion::cluster {
 
 int RunRouterCommand(const std::vector<std::string>& args) {
-  std::string listen = "0.0.0.0:7000", metrics_listen = "0.0.0.0:9100", node_name;
+  std::string listen = serving::LoopbackAddress(7000), metrics_listen = "127.0.0.1:9100";
+  std::string node_name;
   std::string port_file, metrics_port_file;
   std::vector<std::string> decode, prefill, decode_dns, prefill_dns;
   int64_t poll_ms = 200, max_attempts = 3;
@@ -29,7 +31,8 @@ int RunRouterCommand(const std::vector<std::string>& args) {
                 "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
                 "pair picked by load, with health checks, retries before the first token and load "
                 "shedding (docs/CLUSTER.md).");
-  flags.String("listen", &listen, "gRPC address to serve clients on");
+  flags.String("listen", &listen,
+               "gRPC address to serve clients on (0.0.0.0:7000: every interface)");
   flags.String("metrics-listen", &metrics_listen,
                "HTTP address for Prometheus /metrics (empty: no endpoint)");
   flags.StringList("decode", &decode, "decode nodes, host:port, comma-separated");
@@ -47,7 +50,19 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
+  serving::ServerTlsOptions tls;
+  serving::RegisterServerTlsFlags(flags, &tls);
+  serving::ClientTlsOptions backend_tls;
+  serving::RegisterClientTlsFlags(flags, "backend-tls", "decode and prefill nodes", &backend_tls);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  auto server_credentials = serving::ServerCredentials(tls);
+  auto backend_channel = serving::ClientChannelConfig(backend_tls);
+  for (const absl::Status& s : {server_credentials.status(), backend_channel.status()}) {
+    if (!s.ok()) {
+      std::cerr << "error: " << s.message() << "\n";
+      return 2;
+    }
+  }
   if (node_name.empty()) {
     char host[256] = "router";
     gethostname(host, sizeof(host) - 1);
@@ -68,6 +83,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   backend_options.decode_dns = decode_dns;
   backend_options.prefill_dns = prefill_dns;
   backend_options.poll_interval = absl::Milliseconds(poll_ms);
+  backend_options.channel = *backend_channel;
   auto backends = Backends::Create(backend_options);
   if (!backends.ok()) {
     std::cerr << "error: " << backends.status().message() << "\n";
@@ -87,7 +103,9 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   }
   std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
   int port = 0;
-  auto server_started = serving::StartGrpcServer(listen, &service, &port);
+  serving::GrpcServerOptions server_options;
+  server_options.credentials = *server_credentials;
+  auto server_started = serving::StartGrpcServer(listen, &service, &port, server_options);
   if (!server_started.ok()) {
     std::cerr << "error: " << server_started.status().message() << "\n";
     return 1;

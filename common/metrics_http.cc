@@ -2,8 +2,10 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -69,19 +71,50 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
 
 }  // namespace
 
+MetricsHttpServer::Limits MetricsHttpServer::DefaultLimits() {
+  // A quarter of the process's descriptors at most: idle HTTP clients must never starve the gRPC
+  // server and the UCX transport of descriptors (accept would fail with EMFILE there too).
+  rlimit files{};
+  rlim_t budget = 1024;  // the usual soft limit, when it cannot be read
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    budget = files.rlim_cur == RLIM_INFINITY ? kMaxConnections * 4 : files.rlim_cur;
+  }
+  Limits limits;
+  limits.max_connections =
+      static_cast<unsigned int>(std::clamp<rlim_t>(budget / 4, 16, kMaxConnections));
+  // One address holds half the table at most, so a scraper from any other address always finds
+  // room, however many connections one client leaves open.
+  limits.max_connections_per_address = limits.max_connections / 2;
+  return limits;
+}
+
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, const Registry* registry) {
+  return Start(address, registry, DefaultLimits());
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& address, const Registry* registry, const Limits& limits) {
   auto addr = ParseAddress(address);
   if (!addr.ok()) return addr.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  // One internal polling thread: scrapes are rare and rendering takes microseconds. Its stack is
-  // set explicitly: static TLS of libraries in the `fluxion` binary (OpenBLAS ~60 KiB, glog ~30
-  // KiB) is carved from every thread's stack, which overflowed civetweb's fixed 100 KiB threads.
+  // One internal thread: scrapes are rare and rendering takes microseconds. Its stack is set
+  // explicitly: static TLS of libraries in the `fluxion` binary (OpenBLAS ~60 KiB, glog ~30 KiB)
+  // is carved from every thread's stack, which overflowed civetweb's fixed 100 KiB threads.
+  //
+  // epoll, and explicit connection limits: with poll() and libmicrohttpd's default limit
+  // (FD_SETSIZE - 4 = 1020 connections), 1,100 clients that connect and send nothing filled the
+  // table and a scrape waited in the listen backlog until idle ones timed out (10 s).
+  const unsigned int flags =
+      MHD_USE_INTERNAL_POLLING_THREAD |
+      (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL : MHD_USE_POLL);
   server->daemon_ = MHD_start_daemon(
-      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL, 0, nullptr, nullptr, &Handle,
-      const_cast<Registry*>(registry), MHD_OPTION_SOCK_ADDR, &*addr,
-      MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_CONNECTION_TIMEOUT,
-      static_cast<unsigned int>(10), MHD_OPTION_END);
+      flags, 0, nullptr, nullptr, &Handle, const_cast<Registry*>(registry), MHD_OPTION_SOCK_ADDR,
+      &*addr, MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20,
+      MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned int>(absl::ToInt64Seconds(limits.idle_timeout)),
+      MHD_OPTION_CONNECTION_LIMIT, limits.max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      limits.max_connections_per_address, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("metrics: cannot listen on '", address, "' (port in use?)"));

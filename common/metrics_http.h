@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
 
 struct MHD_Daemon;
@@ -20,11 +21,27 @@ namespace fluxion::metrics {
 
 class MetricsHttpServer {
  public:
-  // Starts listening on `address` ("host:port" or "port", IPv4; port 0 picks a free one).
-  // `registry` must outlive the server. UNAVAILABLE if the port cannot be bound,
+  // Bounds on what clients may hold (docs/METRICS.md, Implementation). The member defaults are
+  // an example; Start() without limits uses DefaultLimits().
+  struct Limits {
+    unsigned int max_connections = 1024;
+    // Connections from one IP address at most; beyond that a new one is closed at once.
+    unsigned int max_connections_per_address = 512;
+    // A connection that sends nothing for this long is closed (whole seconds).
+    absl::Duration idle_timeout = absl::Seconds(10);
+  };
+  static constexpr unsigned int kMaxConnections = 4096;
+  // kMaxConnections, or a quarter of RLIMIT_NOFILE when that is less; half of it per address.
+  static Limits DefaultLimits();
+
+  // Starts listening on `address` ("host:port" or "port", IPv4; port 0 picks a free one) with
+  // DefaultLimits(). `registry` must outlive the server. UNAVAILABLE if the port cannot be bound,
   // INVALID_ARGUMENT for a malformed address.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
                                                                   const Registry* registry);
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& address,
+                                                                  const Registry* registry,
+                                                                  const Limits& limits);
   // Stops listening and waits for requests in flight.
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;

@@ -1,5 +1,14 @@
 #include "common/metrics_http.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "absl/time/clock.h"
 #include "common/metrics_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -62,6 +71,93 @@ TEST_F(MetricsHttpServerTest, PromtoolRejectsABrokenExposition) {
   if (!testing::HavePromtool()) GTEST_SKIP() << "promtool not installed (Debian package prometheus)";
   // Guards the check itself: a counter without _total and without HELP must fail the lint.
   EXPECT_FALSE(testing::PromtoolCheck("# TYPE requests counter\nrequests 1\n").ok());
+}
+
+// Opens `count` TCP connections to 127.0.0.1:`port` from source address `source` that send nothing
+// (even ones) or half a request line (odd ones) and stay open: idle or slow clients, or a port scan
+// that never closes. Returns the sockets; fails when the process lacks descriptors.
+absl::StatusOr<std::vector<int>> OpenIdleConnections(int port, const char* source, int count) {
+  std::vector<int> fds;
+  for (int i = 0; i < count; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return absl::ResourceExhaustedError(absl::StrCat("socket #", i));
+    fds.push_back(fd);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    inet_pton(AF_INET, source, &from.sin_addr);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0 ||
+        connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+      return absl::UnavailableError(absl::StrCat("connection #", i, " from ", source));
+    }
+    if (i % 2 == 1) (void)!write(fd, "GET /metr", 9);
+  }
+  return fds;
+}
+
+// Every idle connection costs this process two descriptors (both ends are here).
+bool RaiseDescriptorLimit(rlim_t want) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return false;
+  if (limit.rlim_cur >= want) return true;
+  if (limit.rlim_max < want) return false;
+  limit.rlim_cur = want;
+  return setrlimit(RLIMIT_NOFILE, &limit) == 0;
+}
+
+void ExpectScrapeAnswersDespiteIdleConnections(const char* source) {
+  // The server sizes its table from RLIMIT_NOFILE (a quarter of it): 16384 gives the full 4096.
+  if (!RaiseDescriptorLimit(16384)) GTEST_SKIP() << "needs 16384 file descriptors (ulimit -Hn)";
+  Registry registry;
+  registry.AddGauge("fluxion_test_up", "Up.")->Set(1);
+  auto server = MetricsHttpServer::Start("127.0.0.1:0", &registry);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto idle = OpenIdleConnections((*server)->port(), source, 1100);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  const absl::Time start = absl::Now();
+  auto body = testing::HttpGet((*server)->port(), "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  for (int fd : *idle) close(fd);
+  ASSERT_TRUE(body.ok()) << body.status() << " after " << took;
+  EXPECT_THAT(*body, HasSubstr("fluxion_test_up 1\n"));
+  // Generous for a loaded machine: an answer takes milliseconds; before the fix it took the 10 s
+  // connection timeout (the connection table was full).
+  EXPECT_LT(took, absl::Seconds(3));
+}
+
+// The idle connections come from another address (127.0.0.2; all of 127/8 is loopback on Linux).
+TEST(MetricsHttpServerLimitsTest, IdleConnectionsFromAnotherHostDoNotStallAScrape) {
+  ExpectScrapeAnswersDespiteIdleConnections("127.0.0.2");
+}
+
+// The idle connections come from the scraper's own address.
+TEST(MetricsHttpServerLimitsTest, IdleConnectionsFromTheScrapersHostDoNotStallAScrape) {
+  ExpectScrapeAnswersDespiteIdleConnections("127.0.0.1");
+}
+
+// A client that opens more than its share of the table is refused beyond it, so a scraper from
+// another address still gets in when the table would otherwise be full.
+TEST(MetricsHttpServerLimitsTest, OneAddressCannotFillTheTable) {
+  Registry registry;
+  registry.AddGauge("fluxion_test_up", "Up.")->Set(1);
+  MetricsHttpServer::Limits limits;
+  limits.max_connections = 64;
+  limits.max_connections_per_address = 32;
+  auto server = MetricsHttpServer::Start("127.0.0.1:0", &registry, limits);
+  ASSERT_TRUE(server.ok()) << server.status();
+  // Connecting succeeds beyond the share (the kernel accepts into the backlog); the server then
+  // closes the extra ones.
+  auto idle = OpenIdleConnections((*server)->port(), "127.0.0.2", 100);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  const absl::Time start = absl::Now();
+  auto body = testing::HttpGet((*server)->port(), "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  for (int fd : *idle) close(fd);
+  ASSERT_TRUE(body.ok()) << body.status() << " after " << took;
+  EXPECT_LT(took, absl::Seconds(3));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -14,16 +15,24 @@
 namespace fluxion::serving {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string& listen,
-                                                             grpc::Service* service, int* port) {
+                                                             grpc::Service* service, int* port,
+                                                             const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   *port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), port);
+  std::shared_ptr<grpc::ServerCredentials> credentials = options.credentials;
+  if (credentials == nullptr) credentials = grpc::InsecureServerCredentials();
+  builder.AddListeningPort(listen, credentials, port);
   builder.RegisterService(service);
+  SetServerPingPolicy(options.keepalive, &builder);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(UnparsableRequestInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve on ", listen, " (port in use or bad address)"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve on ", listen, " (port in use or bad address",
+        options.credentials != nullptr ? ", or --tls-key does not match --tls-cert" : "", ")"));
   }
   return server;
 }

@@ -14,16 +14,29 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
+#include "common/grpc_transport.h"
 #include "common/metrics_http.h"
 #include "grpcpp/grpcpp.h"
 
 namespace fluxion::serving {
 
+// How a server is built besides its address and service.
+struct GrpcServerOptions {
+  std::shared_ptr<grpc::ServerCredentials> credentials;  // nullptr: insecure
+  KeepalivePolicy keepalive;  // the ping policy its clients use (grpc_transport.h)
+};
+
 // Serves `service` on `listen` ("host:port"; port 0 picks a free one, written to *port) with
-// grpc's default health service enabled (the caller sets its service name's status once ready).
-// Unavailable when the address cannot be bound.
+// grpc's default health service enabled (the caller sets its service name's status once ready),
+// the keepalive policy every Fluxion client uses, and INVALID_ARGUMENT for requests that do not
+// parse. Unavailable when the address cannot be bound or the TLS key does not match.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string& listen,
-                                                             grpc::Service* service, int* port);
+                                                             grpc::Service* service, int* port,
+                                                             const GrpcServerOptions& options = {});
+
+// The default address servers listen on: loopback, so a server started without --listen is not
+// reachable from other hosts (docs/TLS.md). Deployments pass 0.0.0.0:<port>.
+inline std::string LoopbackAddress(int port) { return "127.0.0.1:" + std::to_string(port); }
 
 // The /metrics endpoint on `listen`, or nullptr when `listen` is empty (the flag's "off").
 absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfRequested(

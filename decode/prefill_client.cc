@@ -8,18 +8,34 @@ namespace fluxion::decode {
 
 namespace v1 = ::fluxion::v1;
 
+namespace {
+
+absl::Mutex g_default_mu(absl::kConstInit);
+serving::ChannelConfig* g_default_channel ABSL_GUARDED_BY(g_default_mu) = nullptr;
+
+}  // namespace
+
+void PrefillClient::SetDefaultChannelConfig(serving::ChannelConfig channel) {
+  absl::MutexLock lock(&g_default_mu);
+  delete g_default_channel;
+  g_default_channel = new serving::ChannelConfig(std::move(channel));
+}
+
+serving::ChannelConfig PrefillClient::DefaultChannelConfig() {
+  absl::MutexLock lock(&g_default_mu);
+  return g_default_channel != nullptr ? *g_default_channel : serving::ChannelConfig();
+}
+
 std::shared_ptr<grpc::Channel> PrefillClient::ChannelFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(address);
   if (it != channels_.end()) return it->second;
-  grpc::ChannelArguments args;
-  // A dead prefill node must surface as UNAVAILABLE quickly, not after TCP's own timeouts.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Keepalive (a dead prefill node must surface as UNAVAILABLE quickly, not after TCP's own
+  // timeouts) comes from the policy the prefill server accepts (common/grpc_transport.h).
+  grpc::ChannelArguments args = serving::ChannelArguments(channel_config_);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto channel = serving::CreateChannel(address, channel_config_, args);
   channels_[address] = channel;
   return channel;
 }

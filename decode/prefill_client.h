@@ -11,11 +11,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_transport.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -31,8 +33,18 @@ struct PrefillOutcome {
 
 class PrefillClient {
  public:
-  // `abort_wait`: how long to wait for the prefill node's reply after sending Abort.
-  explicit PrefillClient(absl::Duration abort_wait) : abort_wait_(abort_wait) {}
+  // `abort_wait`: how long to wait for the prefill node's reply after sending Abort. Channels
+  // use `channel` (credentials, keepalive), or the process default.
+  explicit PrefillClient(absl::Duration abort_wait)
+      : PrefillClient(abort_wait, DefaultChannelConfig()) {}
+  PrefillClient(absl::Duration abort_wait, serving::ChannelConfig channel)
+      : abort_wait_(abort_wait), channel_config_(std::move(channel)) {}
+
+  // The process default: what `fluxion decode` builds from its --prefill-tls-* flags, set before
+  // it builds the service (DecodeServiceImpl constructs its client with the one-argument
+  // constructor). Insecure until set.
+  static void SetDefaultChannelConfig(serving::ChannelConfig channel);
+  static serving::ChannelConfig DefaultChannelConfig();
 
   // Calls Prefill at `address` until `deadline`, polling `cancelled` every 10 ms.
   PrefillOutcome Call(const std::string& address, const fluxion::v1::PrefillRequest& request,
@@ -42,6 +54,7 @@ class PrefillClient {
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
 
   const absl::Duration abort_wait_;
+  const serving::ChannelConfig channel_config_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
 };

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
+#include "common/grpc_security.h"
 #include "common/metrics_http.h"
 #include "common/server_main.h"
 #include "decode/decode_metrics.h"
@@ -37,7 +38,7 @@ constexpr char kDecodeServiceName[] = "fluxion.v1.DecodeService";
 }  // namespace
 
 int RunDecodeCommand(const std::vector<std::string>& args) {
-  std::string model_dir, listen = "0.0.0.0:7002", port_file, node_name, prefill_address;
+  std::string model_dir, listen = serving::LoopbackAddress(7002), port_file, node_name, prefill_address;
   std::string metrics_listen, metrics_port_file;
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
@@ -51,7 +52,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                 "prefill nodes write over UCX, decodes them in a continuous batch with sparse "
                 "attention, streams tokens.");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
-  flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
+  flags.String("listen", &listen,
+               "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
+               "port");
   flags.String("port-file", &port_file, "write the bound port into this file once serving");
   flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
   flags.String("metrics-listen", &metrics_listen,
@@ -94,8 +97,22 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
              "write directly: ~1.7x faster than emulated puts into our own mapping, "
              "docs/TRANSFER.md) instead of mmap with huge pages");
   ucx.Register(flags);
+  serving::ServerTlsOptions tls;
+  serving::RegisterServerTlsFlags(flags, &tls);
+  serving::ClientTlsOptions prefill_tls;
+  serving::RegisterClientTlsFlags(flags, "prefill-tls", "prefill nodes", &prefill_tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  // Certificates are read now, before the model: a bad path fails in a second, not a minute.
+  auto server_credentials = serving::ServerCredentials(tls);
+  auto prefill_channel = serving::ClientChannelConfig(prefill_tls);
+  for (const absl::Status& s : {server_credentials.status(), prefill_channel.status()}) {
+    if (!s.ok()) {
+      std::cerr << "error: " << s.message() << "\n";
+      return 2;
+    }
+  }
+  PrefillClient::SetDefaultChannelConfig(*prefill_channel);
   if (node_name.empty()) {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
@@ -228,7 +245,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     }
     std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
     int port = 0;
-    auto server_started = serving::StartGrpcServer(listen, &service, &port);
+    serving::GrpcServerOptions server_options;
+    server_options.credentials = *server_credentials;
+    auto server_started = serving::StartGrpcServer(listen, &service, &port, server_options);
     if (!server_started.ok()) {
       std::cerr << "error: " << server_started.status().message() << "\n";
       return 1;

@@ -11,12 +11,14 @@
 #include <algorithm>
 #include <thread>
 #include <cstdio>
+#include <iostream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
+#include "common/grpc_security.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -44,11 +46,17 @@ int Main(int argc, char** argv) {
   flags.Int("cancel_after_ms", &cancel_after_ms,
             "measure cancellation: cancel each request this long after sending it (-1: off)");
   flags.Bool("verbose", &verbose, "print every cancellation with the phase it hit");
+  fluxion::serving::ClientTlsOptions tls;
+  fluxion::serving::RegisterClientTlsFlags(flags, "tls", "the decode node", &tls);
   std::vector<std::string> args(argv + 1, argv + argc);
   if (int rc = fluxion::ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  auto channel = fluxion::serving::ClientChannelConfig(tls);
+  if (!channel.ok()) {
+    std::cerr << "error: " << channel.status().message() << "\n";
+    return 2;
+  }
 
-  auto stub = v1::DecodeService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = v1::DecodeService::NewStub(fluxion::serving::CreateChannel(address, *channel));
   std::mt19937 rng(7);
   std::vector<double> queue, compute, state, transfer, tail, load, prefill, ttft, release;
   auto all_free = [&] {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/flag_set.h"
+#include "common/grpc_security.h"
 #include "common/metrics_http.h"
 #include "common/server_main.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -35,7 +36,7 @@ std::string DefaultNodeName(const std::string& role) {
 }  // namespace
 
 int RunPrefillCommand(const std::vector<std::string>& args) {
-  std::string model_dir, listen = "0.0.0.0:7001", port_file, node_name;
+  std::string model_dir, listen = serving::LoopbackAddress(7001), port_file, node_name;
   std::string metrics_listen, metrics_port_file;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
   int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
@@ -45,7 +46,9 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
                 "Serves fluxion.v1.PrefillService: computes prompts and writes their KV into "
                 "decode nodes' host memory over UCX, layer by layer.");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
-  flags.String("listen", &listen, "gRPC address to serve on; port 0 picks a free port");
+  flags.String("listen", &listen,
+               "gRPC address to serve on (0.0.0.0:7001: every interface); port 0 picks a free "
+               "port");
   flags.String("port-file", &port_file, "write the bound port into this file once serving");
   flags.String("node-name", &node_name, "unique name of this process (default: host/pid/time)");
   flags.String("metrics-listen", &metrics_listen,
@@ -70,8 +73,16 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
             "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   ucx.Register(flags);
+  serving::ServerTlsOptions tls;
+  serving::RegisterServerTlsFlags(flags, &tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  // Certificates are read now, before the model: a bad path fails in a second, not a minute.
+  auto server_credentials = serving::ServerCredentials(tls);
+  if (!server_credentials.ok()) {
+    std::cerr << "error: " << server_credentials.status().message() << "\n";
+    return 2;
+  }
   if (node_name.empty()) node_name = DefaultNodeName("prefill");
 
   kernels::cpu::SetNumThreads(static_cast<int>(threads));
@@ -120,7 +131,9 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
 
   int port = 0;
-  auto server_started = serving::StartGrpcServer(listen, &service, &port);
+  serving::GrpcServerOptions server_options;
+  server_options.credentials = *server_credentials;
+  auto server_started = serving::StartGrpcServer(listen, &service, &port, server_options);
   if (!server_started.ok()) {
     std::cerr << "error: " << server_started.status().message() << "\n";
     return 1;

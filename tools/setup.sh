@@ -17,6 +17,7 @@ packages=(
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
   python3                                     # tools/eval: result tables (and their ctest)
+  openssl                                     # TLS tests: throwaway CA and certificates at run time
 )
 
 missing=()
