@@ -375,5 +375,33 @@ TEST_F(ServingInProcessTest, FullPrefillQueueIsRefusedNamingTheFlag) {
                                       decode.service().metrics().pages.total; }));
 }
 
+TEST(PrefillPeersTest, OnlyConfiguredAddressesAndTheAddressesOfConfiguredNamesAreTrusted) {
+  decode::PrefillPeers::Options o;
+  o.addresses = {"10.0.0.7:7001", "10.0.0.8:7001"};
+  o.dns = {"localhost:7101"};
+  auto peers = decode::PrefillPeers::Create(o);
+  ASSERT_TRUE(peers.ok()) << peers.status();
+  EXPECT_TRUE((*peers)->Check("10.0.0.7:7001").ok());
+  EXPECT_TRUE((*peers)->Check("127.0.0.1:7101").ok());  // an A record of localhost
+  const absl::Status other_port = (*peers)->Check("127.0.0.1:7102");
+  EXPECT_EQ(other_port.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(other_port.message(), HasSubstr("--prefill-dns"));
+  EXPECT_EQ((*peers)->Check("10.0.0.7:7001 ").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_LT((*peers)->Check(std::string(100000, 'x')).message().size(), 1000u);  // capped echo
+  // Requests naming none take the addresses in turn.
+  EXPECT_EQ(*(*peers)->Pick(), "10.0.0.7:7001");
+  EXPECT_EQ(*(*peers)->Pick(), "10.0.0.8:7001");
+  EXPECT_EQ(*(*peers)->Pick(), "10.0.0.7:7001");
+
+  o.addresses = {"no-port"};
+  EXPECT_THAT(decode::PrefillPeers::Create(o).status().message(), HasSubstr("--prefill-address"));
+  o.addresses = {};
+  o.dns = {"localhost:0"};
+  EXPECT_THAT(decode::PrefillPeers::Create(o).status().message(), HasSubstr("--prefill-dns"));
+  auto none = decode::PrefillPeers::Create(decode::PrefillPeers::Options{});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ((*none)->Pick().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace fluxion
