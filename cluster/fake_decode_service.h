@@ -1,5 +1,6 @@
 // Test-only fakes of the fluxion.v1 services on real gRPC over loopback: a decode node that streams
-// tokens on a fixed timetable (or fails on request), and a prefill node that only answers GetLoad.
+// tokens on a fixed timetable (or fails on request), gives each call an abort token and honours
+// Abort only with it, as a real one does, and a prefill node that only answers GetLoad.
 // Used by the replayer and router tests; the real services are issue 6's.
 //
 // Thread-safe: gRPC calls the handlers on its threads; the settings are guarded by a mutex.
@@ -154,7 +155,8 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     uint32_t tokens = request.sampling().has_max_tokens() ? request.sampling().max_tokens() : 4;
     auto budget_end = std::chrono::steady_clock::time_point::max();
     if (b.timeout_noticed_late_ms >= 0 && request.has_timeout_ms()) {
-      budget_end = start + std::chrono::milliseconds(request.timeout_ms() + b.timeout_noticed_late_ms);
+      budget_end =
+          start + std::chrono::milliseconds(request.timeout_ms() + b.timeout_noticed_late_ms);
     }
     v1::GenerateResponse response;
     // Sleeps `d`, or until the budget ends (then false with *timed_out set).
