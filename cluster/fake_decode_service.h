@@ -1,5 +1,6 @@
 // Test-only fakes of the fluxion.v1 services on real gRPC over loopback: a decode node that streams
-// tokens on a fixed timetable (or fails on request), and a prefill node that only answers GetLoad.
+// tokens on a fixed timetable (or fails on request), gives each call an abort token and honours
+// Abort only with it, as a real one does, and a prefill node that only answers GetLoad.
 // Used by the replayer and router tests; the real services are issue 6's.
 //
 // Thread-safe: gRPC calls the handlers on its threads; the settings are guarded by a mutex.
@@ -30,6 +31,7 @@ struct SeenRequest {
   v1::GenerateRequest request;
   std::chrono::system_clock::time_point deadline;
   bool cancelled = false;
+  std::string abort_token;  // what the fake sent in `fluxion-abort-token`
 };
 
 class FakeDecodeService final : public v1::DecodeService::Service {
@@ -42,6 +44,9 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     // >= 0: after this many tokens, send `error` and end with fail_code.
     int fail_after_tokens = -1;
     grpc::StatusCode fail_code = grpc::StatusCode::UNAVAILABLE;
+    // >= 0: honour timeout_ms like a decode node, noticing it this many ms late (a real one polls
+    // every 20 ms): end with `error { DEADLINE_EXCEEDED }` carrying usage and timing.
+    int timeout_noticed_late_ms = -1;
   };
 
   void SetBehaviour(Behaviour b) {
@@ -60,9 +65,15 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     absl::MutexLock lock(&mu_);
     return max_concurrent_;
   }
+  // Ids aborted with the right token.
   std::vector<std::string> aborted() {
     absl::MutexLock lock(&mu_);
     return std::vector<std::string>(aborted_.begin(), aborted_.end());
+  }
+  // Every Abort call's (id, token) pairs, matching or not.
+  std::vector<std::pair<std::string, std::string>> abort_calls() {
+    absl::MutexLock lock(&mu_);
+    return abort_calls_;
   }
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
@@ -72,11 +83,12 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     {
       absl::MutexLock lock(&mu_);
       b = behaviour_;
-      seen_.push_back({*request, context->deadline(), false});
-      slot = seen_.size() - 1;
+      slot = seen_.size();
+      seen_.push_back({*request, context->deadline(), false,
+                       "fake-token-" + request->request_id() + "-" + std::to_string(slot)});
       max_concurrent_ = std::max(max_concurrent_, ++concurrent_);
     }
-    grpc::Status status = Serve(context, *request, writer, b);
+    grpc::Status status = Serve(context, *request, writer, b, slot);
     absl::MutexLock lock(&mu_);
     --concurrent_;
     seen_[slot].cancelled = context->IsCancelled();
@@ -85,10 +97,20 @@ class FakeDecodeService final : public v1::DecodeService::Service {
 
   grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request,
                      v1::AbortResponse* response) override {
+    // Like a decode node: an id counts only with the token its Generate call was given.
     absl::MutexLock lock(&mu_);
-    for (const std::string& id : request->request_ids()) {
-      aborted_.insert(id);
-      response->add_aborted_request_ids(id);
+    for (int i = 0; i < request->request_ids_size(); ++i) {
+      const std::string& id = request->request_ids(i);
+      const std::string token = i < request->abort_tokens_size() ? request->abort_tokens(i) : "";
+      abort_calls_.emplace_back(id, token);
+      for (const SeenRequest& seen : seen_) {
+        if (seen.request.request_id() == id && seen.abort_token == token) {
+          aborted_.insert(id);
+          aborted_tokens_.insert(token);
+          response->add_aborted_request_ids(id);
+          break;
+        }
+      }
     }
     return grpc::Status::OK;
   }
@@ -112,22 +134,59 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     return !context->IsCancelled();
   }
 
-  bool IsAborted(const std::string& id) {
+  bool IsAborted(size_t slot) {
     absl::MutexLock lock(&mu_);
-    return aborted_.count(id) > 0;
+    return aborted_tokens_.count(seen_[slot].abort_token) > 0;
   }
 
   grpc::Status Serve(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                     grpc::ServerWriter<v1::GenerateResponse>* writer, const Behaviour& b) {
+                     grpc::ServerWriter<v1::GenerateResponse>* writer, const Behaviour& b,
+                     size_t slot) {
+    const auto start = std::chrono::steady_clock::now();
     if (b.reject) {
       grpc::Status s = b.reject(request);
       if (!s.ok()) return s;
     }
+    {
+      absl::MutexLock lock(&mu_);
+      context->AddInitialMetadata("fluxion-abort-token", seen_[slot].abort_token);
+    }
+    writer->SendInitialMetadata();
     uint32_t tokens = request.sampling().has_max_tokens() ? request.sampling().max_tokens() : 4;
-    if (!SleepUnlessCancelled(context, b.ttft)) return grpc::Status(grpc::CANCELLED, "cancelled");
+    auto budget_end = std::chrono::steady_clock::time_point::max();
+    if (b.timeout_noticed_late_ms >= 0 && request.has_timeout_ms()) {
+      budget_end =
+          start + std::chrono::milliseconds(request.timeout_ms() + b.timeout_noticed_late_ms);
+    }
     v1::GenerateResponse response;
+    // Sleeps `d`, or until the budget ends (then false with *timed_out set).
+    auto wait = [&](std::chrono::milliseconds d, bool* timed_out) {
+      const auto now = std::chrono::steady_clock::now();
+      if (budget_end != std::chrono::steady_clock::time_point::max() && now + d >= budget_end) {
+        *timed_out = true;
+        SleepUnlessCancelled(context, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          budget_end - now));
+        return false;
+      }
+      return SleepUnlessCancelled(context, d);
+    };
+    auto time_out = [&](uint32_t sent) {
+      response.mutable_error()->set_code(grpc::StatusCode::DEADLINE_EXCEEDED);
+      response.mutable_error()->set_message("fake decode: ran out of its time budget");
+      response.mutable_error()->mutable_usage()->set_prompt_tokens(request.prompt_token_ids_size());
+      response.mutable_error()->mutable_usage()->set_completion_tokens(sent);
+      response.mutable_error()->mutable_timing()->set_ttft_us(1);
+      writer->Write(response);
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "fake decode: time budget");
+    };
+    bool timed_out = false;
+    if (!wait(b.ttft, &timed_out)) {
+      if (timed_out && !context->IsCancelled()) return time_out(0);
+      return grpc::Status(grpc::CANCELLED, "cancelled");
+    }
     for (uint32_t i = 0; i < tokens; ++i) {
-      if (i > 0 && !SleepUnlessCancelled(context, b.itl)) {
+      if (i > 0 && !wait(b.itl, &timed_out)) {
+        if (timed_out && !context->IsCancelled()) return time_out(i);
         return grpc::Status(grpc::CANCELLED, "cancelled");
       }
       if (b.fail_after_tokens >= 0 && static_cast<int>(i) == b.fail_after_tokens) {
@@ -136,7 +195,7 @@ class FakeDecodeService final : public v1::DecodeService::Service {
         writer->Write(response);
         return grpc::Status(b.fail_code, "fake decode: injected failure");
       }
-      bool aborted = IsAborted(request.request_id());
+      bool aborted = IsAborted(slot);
       if (aborted) {
         response.mutable_complete()->set_finish_reason(v1::FINISH_REASON_ABORT);
         response.mutable_complete()->mutable_usage()->set_completion_tokens(i);
@@ -160,6 +219,8 @@ class FakeDecodeService final : public v1::DecodeService::Service {
   v1::DecodeLoad load_ ABSL_GUARDED_BY(mu_);
   std::vector<SeenRequest> seen_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> aborted_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> aborted_tokens_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, std::string>> abort_calls_ ABSL_GUARDED_BY(mu_);
   int concurrent_ ABSL_GUARDED_BY(mu_) = 0;
   int max_concurrent_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -224,9 +224,14 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   if (absl::Status s = start_nodes(
           "decode", decode_nodes,
           [&](int64_t i) {
+            // Every decode node trusts every prefill node (the router names any of them); the
+            // list is rotated so that the nodes' own defaults start on different ones.
+            std::vector<std::string> trusted;
+            for (size_t k = 0; k < prefill_addresses.size(); ++k) {
+              trusted.push_back(prefill_addresses[(i + k) % prefill_addresses.size()]);
+            }
             return std::vector<std::string>{"--kv-pages", std::to_string(kv_pages),
-                                            "--prefill-address",
-                                            prefill_addresses[i % prefill_addresses.size()]};
+                                            "--prefill-address", absl::StrJoin(trusted, ",")};
           },
           &decode_addresses);
       !s.ok()) {

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <iostream>
@@ -25,7 +26,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   std::string node_name;
   std::string port_file, metrics_port_file;
   std::vector<std::string> decode, prefill, decode_dns, prefill_dns;
-  int64_t poll_ms = 200, max_attempts = 3;
+  int64_t poll_ms = 200, max_attempts = 3, deadline_grace_ms = 500;
   double shed_kv_usage = 0.95;
   FlagSet flags("fluxion router",
                 "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
@@ -46,6 +47,9 @@ int RunRouterCommand(const std::vector<std::string>& args) {
                "above this fraction");
   flags.Int("max-attempts", &max_attempts,
             "tries per request, each on another decode node, only before the first token");
+  flags.Int("deadline-grace-ms", &deadline_grace_ms,
+            "each attempt's gRPC deadline is the request's budget plus this, so the decode "
+            "node's own DEADLINE_EXCEEDED message (usage, timing) reaches the client first");
   flags.String("node-name", &node_name, "name in GetLoad (default: hostname/start time)");
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
@@ -93,6 +97,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   router_options.shed_kv_usage = shed_kv_usage;
   router_options.max_attempts = static_cast<int>(max_attempts);
   router_options.node_name = node_name;
+  router_options.deadline_grace = absl::Milliseconds(std::max<int64_t>(0, deadline_grace_ms));
   metrics::Registry& registry = metrics::Registry::Default();
   RouterService service(backends->get(), router_options, &registry);
 

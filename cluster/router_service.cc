@@ -1,8 +1,12 @@
 #include "cluster/router_service.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <limits>
 #include <optional>
 #include <set>
 #include <vector>
@@ -45,6 +49,33 @@ const char* CodeName(grpc::StatusCode code) {
   }
 }
 
+// `bytes` bytes from the kernel's CSPRNG, hex-encoded (abort tokens must be unguessable).
+absl::StatusOr<std::string> RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom failed: errno ", errno));
+    got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : raw) {
+    hex.push_back(kHex[c >> 4]);
+    hex.push_back(kHex[c & 15]);
+  }
+  return hex;
+}
+
+// No early exit: the time taken says nothing about how much of a guessed token was right.
+bool TokensEqual(const std::string& a, const std::string& b) {
+  if (a.size() != b.size() || a.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
 }  // namespace
 
 // One client Generate call and its downstream attempts. Deleted when the client call is done and
@@ -53,7 +84,7 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
  public:
   Relay(RouterService* service, grpc::CallbackServerContext* context,
         const v1::GenerateRequest& request)
-      : service_(service), request_(request), arrival_(SystemClock::now()) {
+      : service_(service), context_(context), request_(request), arrival_(SystemClock::now()) {
     deadline_ = context->deadline();
     if (request_.has_timeout_ms()) {
       deadline_ = std::min(deadline_, arrival_ + std::chrono::milliseconds(request_.timeout_ms()));
@@ -83,6 +114,40 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
                  nullptr);
       return;
     }
+    if (request_.has_prefill_address()) {
+      // Never forward a client's choice of the node that gets a decode node's remote key unless
+      // it is one of ours (docs/SECURITY.md); a known one pins the request to it.
+      bool known = false;
+      for (const BackendState& node : service_->backends_->Snapshot(Role::kPrefill)) {
+        known = known || node.address == request_.prefill_address();
+      }
+      if (!known) {
+        const std::string& a = request_.prefill_address();
+        FinishOnce(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                absl::StrCat("request ", id, ": prefill_address '",
+                                             a.size() > 256 ? a.substr(0, 256) + "..." : a,
+                                             "' is not one of this router's prefill nodes "
+                                             "(--prefill, --prefill-dns); leave it unset and the "
+                                             "router picks one")),
+                   nullptr);
+        return;
+      }
+      pinned_prefill_ = request_.prefill_address();
+    }
+    absl::StatusOr<std::string> token = RandomHex(16);
+    if (!token.ok()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
+                              absl::StrCat("request ", id, ": ", token.status().message())),
+                 nullptr);
+      return;
+    }
+    entry_ = std::make_shared<LiveEntry>();
+    entry_->request_id = id;
+    entry_->abort_token = *token;
+    live_it_ = service_->AddLive(entry_);
+    // Accepted: the client gets its abort token before any work (docs/PROTOCOL.md, Abort).
+    context_->AddInitialMetadata(kAbortTokenKey, *token);
+    StartSendInitialMetadata();
     StartAttempt();
   }
 
@@ -122,7 +187,7 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   void OnDone() override {
     service_->metrics_.e2e->Observe(
         std::chrono::duration<double>(SystemClock::now() - arrival_).count());
-    service_->ClearLive(request_.request_id());
+    service_->CallDone(live_it_);
     Unref();
   }
 
@@ -151,6 +216,14 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
     void StopReading() {
       Cancel();
       RemoveHold();
+    }
+    void OnReadInitialMetadataDone(bool ok) override {
+      if (!ok) return;
+      const auto& metadata = context_.GetServerInitialMetadata();
+      auto it = metadata.find(kAbortTokenKey);
+      if (it != metadata.end()) {
+        relay_->OnDownstreamToken(decode_, std::string(it->second.data(), it->second.size()));
+      }
     }
     void OnReadDone(bool ok) override {
       if (ok) {
@@ -212,8 +285,8 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
         auto decode = PickDecode(s->backends_->Snapshot(Role::kDecode),
                                  request_.prompt_token_ids_size(), s->options_.shed_kv_usage,
                                  excluded_decodes_);
-        absl::StatusOr<std::string> prefill = std::string();
-        if (decode.ok() && s->backends_->has_prefill_nodes()) {
+        absl::StatusOr<std::string> prefill = pinned_prefill_;
+        if (decode.ok() && pinned_prefill_.empty() && s->backends_->has_prefill_nodes()) {
           prefill = PickPrefill(s->backends_->Snapshot(Role::kPrefill), excluded_prefills_);
         }
         if (decode.ok() && prefill.ok()) stub = s->backends_->DecodeStub(*decode);
@@ -237,6 +310,7 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
           }
         } else {
           forward = request_;
+          forward.clear_prefill_address();  // only ever one of ours (checked in Begin)
           if (!prefill->empty()) forward.set_prefill_address(*prefill);
           if (has_deadline) {
             // Forward what is left of the budget, so the decode node can end the stream itself
@@ -244,7 +318,11 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
             auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - now);
             forward.set_timeout_ms(static_cast<uint32_t>(
                 std::clamp<int64_t>(left.count(), 1, std::numeric_limits<uint32_t>::max())));
-            deadline = deadline_;
+            // A little later than the budget, so the decode node's own in-stream error (usage,
+            // timing) arrives before gRPC's bare DEADLINE_EXCEEDED. The client's deadline still
+            // cancels the attempt (OnCancel) when it fires.
+            deadline = deadline_ + std::chrono::duration_cast<SystemClock::duration>(
+                                       absl::ToChronoNanoseconds(s->options_.deadline_grace));
           }
           ++attempts_;
           attempts_list_.push_back(std::make_unique<Attempt>(this, *decode, *prefill));
@@ -254,7 +332,9 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
           ++refs_;
           s->backends_->NoteDispatch(*decode, request_.prompt_token_ids_size());
           if (!prefill->empty()) s->backends_->NoteDispatch(*prefill, request_.prompt_token_ids_size());
-          s->SetLive(id, *decode);
+          absl::MutexLock entry_lock(&entry_->mu);
+          entry_->decode = *decode;
+          entry_->downstream_token.clear();
         }
       }
     }
@@ -314,6 +394,18 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
         final_status = grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
       } else if (status.ok()) {
         s->metrics_.attempts_ok->Increment();
+      } else if (bool aborted = Aborted(); !relayed_tokens_ && aborted) {
+        // Aborted through the router while this attempt failed: end as an abort, do not retry.
+        final_status = grpc::Status::OK;
+        out_.Clear();
+        v1::GenerateComplete* done = out_.mutable_complete();
+        done->set_finish_reason(v1::FINISH_REASON_ABORT);
+        done->mutable_usage()->set_prompt_tokens(request_.prompt_token_ids_size());
+        {
+          absl::MutexLock entry_lock(&entry_->mu);
+          done->set_abort_reason(entry_->abort_reason);
+        }
+        final_message = &out_;
       } else if (!relayed_tokens_ && Retryable(status.error_code()) &&
                  attempts_ < s->options_.max_attempts) {
         retry = true;
@@ -355,6 +447,25 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
     }
   }
 
+  bool Aborted() {
+    absl::MutexLock lock(&entry_->mu);
+    return entry_->aborted;
+  }
+
+  // The attempt on `decode` told its abort token. An Abort that came before it goes out now.
+  void OnDownstreamToken(const std::string& decode, const std::string& token) {
+    std::string reason;
+    {
+      absl::MutexLock lock(&entry_->mu);
+      if (entry_->decode != decode) return;  // an older attempt's, late
+      entry_->downstream_token = token;
+      if (!entry_->aborted || entry_->abort_sent_to == token) return;
+      entry_->abort_sent_to = token;
+      reason = entry_->abort_reason;
+    }
+    service_->ForwardAbort(decode, {{request_.request_id(), token}}, reason, [] {});
+  }
+
   void FinishOnce(const grpc::Status& status, const v1::GenerateResponse* message) {
     {
       absl::MutexLock lock(&mu_);
@@ -374,9 +485,14 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   }
 
   RouterService* const service_;
+  grpc::CallbackServerContext* const context_;
   const v1::GenerateRequest request_;
   const SystemClock::time_point arrival_;
   SystemClock::time_point deadline_;  // max() when neither a gRPC deadline nor timeout_ms is set
+  std::string pinned_prefill_;  // the client's prefill_address, one of ours; "" = the router picks
+  // Set in Begin once accepted (before any attempt), then only read.
+  std::shared_ptr<LiveEntry> entry_;
+  std::optional<LiveMap::iterator> live_it_;
 
   absl::Mutex mu_;
   int refs_ ABSL_GUARDED_BY(mu_) = 1;
@@ -447,16 +563,47 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
   return relay;
 }
 
-void RouterService::SetLive(const std::string& request_id, const std::string& decode_address) {
+RouterService::LiveMap::iterator RouterService::AddLive(std::shared_ptr<LiveEntry> entry) {
   absl::MutexLock lock(&mu_);
-  live_[request_id] = decode_address;
+  const std::string id = entry->request_id;
+  return live_.emplace(id, std::move(entry));
 }
 
-void RouterService::ClearLive(const std::string& request_id) {
+void RouterService::CallDone(std::optional<LiveMap::iterator> entry) {
   absl::MutexLock lock(&mu_);
-  live_.erase(request_id);
+  if (entry.has_value()) live_.erase(*entry);
   --open_;
   metrics_.inflight->Set(open_);
+}
+
+void RouterService::ForwardAbort(
+    const std::string& node, const std::vector<std::pair<std::string, std::string>>& ids_and_tokens,
+    const std::string& reason, std::function<void()> done) {
+  std::shared_ptr<v1::DecodeService::Stub> stub = backends_->DecodeStub(node);
+  if (stub == nullptr) {  // the node left; its requests went with it
+    done();
+    return;
+  }
+  struct Call {
+    grpc::ClientContext context;
+    v1::AbortRequest request;
+    v1::AbortResponse response;
+    std::function<void()> done;
+  };
+  auto* call = new Call;
+  for (const auto& [id, token] : ids_and_tokens) {
+    call->request.add_request_ids(id);
+    call->request.add_abort_tokens(token);
+  }
+  call->request.set_reason(reason);
+  call->context.set_deadline(SystemClock::now() + std::chrono::seconds(5));
+  call->done = std::move(done);
+  // The callback holds the stub: the node may leave the backends meanwhile.
+  stub->async()->Abort(&call->context, &call->request, &call->response,
+                       [call, stub](grpc::Status) {
+                         call->done();
+                         delete call;
+                       });
 }
 
 int RouterService::inflight() const {
@@ -467,14 +614,29 @@ int RouterService::inflight() const {
 grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* context,
                                                const v1::AbortRequest* request,
                                                v1::AbortResponse* response) {
-  // Forward to the decode node serving each live id; ids the router does not know are ignored
-  // (Abort is idempotent).
-  std::map<std::string, std::vector<std::string>> by_node;
+  // An id counts only with the router's abort token for it; anything else is ignored like an
+  // unknown id (no oracle). Matches are forwarded to the decode node serving them with that
+  // node's token; one whose token has not come yet is aborted when it comes (OnDownstreamToken).
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> by_node;
   {
     absl::MutexLock lock(&mu_);
-    for (const std::string& id : request->request_ids()) {
-      auto it = live_.find(id);
-      if (it != live_.end()) by_node[it->second].push_back(id);
+    for (int i = 0; i < request->request_ids_size(); ++i) {
+      const std::string& id = request->request_ids(i);
+      const std::string token = i < request->abort_tokens_size() ? request->abort_tokens(i) : "";
+      bool matched = false;
+      for (auto [it, end] = live_.equal_range(id); it != end; ++it) {
+        LiveEntry& entry = *it->second;
+        if (!TokensEqual(token, entry.abort_token)) continue;
+        matched = true;
+        absl::MutexLock entry_lock(&entry.mu);
+        entry.aborted = true;
+        entry.abort_reason = request->reason();
+        if (!entry.downstream_token.empty() && entry.abort_sent_to != entry.downstream_token) {
+          entry.abort_sent_to = entry.downstream_token;
+          by_node[entry.decode].emplace_back(id, entry.downstream_token);
+        }
+      }
+      if (matched) response->add_aborted_request_ids(id);
     }
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -482,51 +644,12 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
-  struct Fanout {
-    grpc::ServerUnaryReactor* reactor;
-    v1::AbortResponse* response;
-    absl::Mutex mu;
-    int pending;
-    struct Call {
-      grpc::ClientContext context;
-      v1::AbortRequest request;
-      v1::AbortResponse response;
-    };
-    std::vector<std::unique_ptr<Call>> calls;
-  };
-  auto* fanout = new Fanout{reactor, response, {}, static_cast<int>(by_node.size()), {}};
-  std::vector<std::pair<std::shared_ptr<v1::DecodeService::Stub>, Fanout::Call*>> to_start;
-  for (auto& [node, ids] : by_node) {
-    auto call = std::make_unique<Fanout::Call>();
-    for (const std::string& id : ids) call->request.add_request_ids(id);
-    call->request.set_reason(request->reason());
-    call->context.set_deadline(SystemClock::now() + std::chrono::seconds(5));
-    to_start.emplace_back(backends_->DecodeStub(node), call.get());
-    fanout->calls.push_back(std::move(call));
-  }
-  for (auto& entry : to_start) {
-    // Plain variables, not structured bindings: C++17 lambdas cannot capture those.
-    v1::DecodeService::Stub* stub = entry.first.get();
-    Fanout::Call* call = entry.second;
-    auto done = [fanout, call](grpc::Status) {
-      bool last;
-      {
-        absl::MutexLock lock(&fanout->mu);
-        for (const std::string& id : call->response.aborted_request_ids()) {
-          fanout->response->add_aborted_request_ids(id);
-        }
-        last = --fanout->pending == 0;
-      }
-      if (last) {
-        fanout->reactor->Finish(grpc::Status::OK);
-        delete fanout;
-      }
-    };
-    if (stub == nullptr) {
-      done(grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node went away"));
-    } else {
-      stub->async()->Abort(&call->context, &call->request, &call->response, done);
-    }
+  // Answer once every decode node has (or the 5 s deadline passed), as before.
+  auto pending = std::make_shared<std::atomic<int>>(static_cast<int>(by_node.size()));
+  for (const auto& [node, ids] : by_node) {
+    ForwardAbort(node, ids, request->reason(), [reactor, pending] {
+      if (--*pending == 0) reactor->Finish(grpc::Status::OK);
+    });
   }
   return reactor;
 }

@@ -14,12 +14,17 @@
 #ifndef FLUXION_CLUSTER_ROUTER_SERVICE_H_
 #define FLUXION_CLUSTER_ROUTER_SERVICE_H_
 
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "cluster/backends.h"
 #include "common/metrics.h"
 #include "fluxion/v1/decode.grpc.pb.h"
@@ -33,6 +38,10 @@ struct RouterOptions {
   int max_attempts = 3;
   // Name reported in GetLoad's ServerInfo.
   std::string node_name = "router";
+  // Each attempt's gRPC deadline is the request's deadline plus this, so that a decode node that
+  // ends the stream itself when `timeout_ms` runs out (error with usage and timing) is heard
+  // before gRPC's own DEADLINE_EXCEEDED, which carries neither (docs/PROTOCOL.md).
+  absl::Duration deadline_grace = absl::Milliseconds(500);
 };
 
 class RouterService final : public v1::DecodeService::CallbackService {
@@ -53,6 +62,10 @@ class RouterService final : public v1::DecodeService::CallbackService {
   // Requests open now (for tests and the inflight gauge).
   int inflight() const;
 
+  // Initial-metadata entry with a Generate call's abort token (the router's own, for its
+  // clients; the decode node's, read by the router for its downstream Abort).
+  static constexpr char kAbortTokenKey[] = "fluxion-abort-token";
+
  private:
   class Relay;
   friend class Relay;
@@ -68,15 +81,32 @@ class RouterService final : public v1::DecodeService::CallbackService {
     metrics::Histogram* e2e;
   };
 
-  // Live requests: id -> decode node serving it now (for Abort).
-  void SetLive(const std::string& request_id, const std::string& decode_address);
-  void ClearLive(const std::string& request_id);
+  // One accepted request, as Abort needs it. Shared by its relay and live_.
+  struct LiveEntry {
+    std::string request_id;
+    std::string abort_token;  // the router's, handed to the client; immutable
+    absl::Mutex mu;
+    std::string decode ABSL_GUARDED_BY(mu);            // node of the current attempt
+    std::string downstream_token ABSL_GUARDED_BY(mu);  // its token; "" until its metadata came
+    bool aborted ABSL_GUARDED_BY(mu) = false;          // sticky: no retry after it
+    std::string abort_reason ABSL_GUARDED_BY(mu);
+    std::string abort_sent_to ABSL_GUARDED_BY(mu);     // downstream token Abort went out with
+  };
+  using LiveMap = std::multimap<std::string, std::shared_ptr<LiveEntry>>;
+  // Registers an accepted request (ids may repeat: entries are told apart by token).
+  LiveMap::iterator AddLive(std::shared_ptr<LiveEntry> entry);
+  // Ends a client call; `entry` is empty for a request rejected before AddLive.
+  void CallDone(std::optional<LiveMap::iterator> entry);
+  // Sends Abort for `ids_and_tokens` to the decode node `node`; `done` runs once it answered.
+  void ForwardAbort(const std::string& node,
+                    const std::vector<std::pair<std::string, std::string>>& ids_and_tokens,
+                    const std::string& reason, std::function<void()> done);
 
   Backends* const backends_;
   const RouterOptions options_;
   Metrics metrics_;
   mutable absl::Mutex mu_;
-  std::map<std::string, std::string> live_ ABSL_GUARDED_BY(mu_);
+  LiveMap live_ ABSL_GUARDED_BY(mu_);
   int open_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -80,11 +80,34 @@ class RouterTest : public ::testing::Test {
         grpc::CreateChannel(router_address_, grpc::InsecureChannelCredentials()));
   }
 
-  void TearDown() override {
+  void TearDown() override { StopRouter(); }
+
+  void StopRouter() {
     if (router_) {
       router_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
       router_->Wait();
+      router_.reset();
     }
+  }
+
+  // The abort token the server sent for `context`'s call (waits for its initial metadata).
+  static std::string AbortToken(grpc::ClientContext& context,
+                                grpc::ClientReader<v1::GenerateResponse>& reader) {
+    reader.WaitForInitialMetadata();
+    auto it = context.GetServerInitialMetadata().find("fluxion-abort-token");
+    if (it == context.GetServerInitialMetadata().end()) return "";
+    return std::string(it->second.data(), it->second.size());
+  }
+
+  v1::AbortResponse Abort(const std::string& id, const std::string& token) {
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    abort.add_request_ids(id);
+    if (!token.empty()) abort.add_abort_tokens(token);
+    abort.set_reason("test");
+    v1::AbortResponse response;
+    EXPECT_TRUE(stub_->Abort(&context, abort, &response).ok());
+    return response;
   }
 
   static v1::GenerateRequest Request(const std::string& id, uint32_t max_tokens) {
@@ -270,7 +293,9 @@ TEST_F(RouterTest, RemainingTimeBudgetAndDeadlineAreForwarded) {
   // ms of slack either way.
   EXPECT_LE(seen.request.timeout_ms(), 3100u);
   EXPECT_GT(seen.request.timeout_ms(), 2000u);
-  auto deadline_error = seen.deadline - (before + std::chrono::seconds(3));
+  // The attempt's gRPC deadline is the budget plus the grace (500 ms by default), so the decode
+  // node's own DEADLINE_EXCEEDED message would arrive first.
+  auto deadline_error = seen.deadline - (before + std::chrono::milliseconds(3500));
   EXPECT_LT(std::chrono::abs(deadline_error), std::chrono::milliseconds(500));
 }
 
@@ -290,24 +315,115 @@ TEST_F(RouterTest, DeadlineEndsTheRequestAndCancelsDownstream) {
   }));
 }
 
-TEST_F(RouterTest, AbortIsForwardedToTheServingDecodeNode) {
-  std::thread aborter([&] {
-    ASSERT_TRUE(Eventually([&] { return decode_b_.seen().size() == 1; }));
-    grpc::ClientContext context;
-    v1::AbortRequest abort;
-    abort.add_request_ids("r-13");
-    abort.add_request_ids("unknown-id");
-    abort.set_reason("test");
-    v1::AbortResponse response;
-    ASSERT_TRUE(stub_->Abort(&context, abort, &response).ok());
-    EXPECT_EQ(response.aborted_request_ids_size(), 1);
-  });
-  Result r = Generate(Request("r-13", 500));
-  aborter.join();
-  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-  ASSERT_TRUE(r.messages.back().has_complete());
-  EXPECT_EQ(r.messages.back().complete().finish_reason(), v1::FINISH_REASON_ABORT);
+TEST_F(RouterTest, TimeBudgetRunningOutRelaysTheDecodeNodesErrorWithUsage) {
+  // The decode node notices the budget 50 ms late (a real one polls every 20 ms). Its error
+  // message must reach the client: the attempt's gRPC deadline must not fire first.
+  FakeDecodeService::Behaviour slow;
+  slow.itl = std::chrono::milliseconds(100);
+  slow.timeout_noticed_late_ms = 50;
+  decode_b_.SetBehaviour(slow);
+  v1::GenerateRequest request = Request("r-budget", 500);
+  request.set_timeout_ms(600);
+  Result r = Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
+  ASSERT_FALSE(r.messages.empty());
+  ASSERT_TRUE(r.messages.back().has_error()) << "the in-stream error was lost";
+  const v1::GenerateError& e = r.messages.back().error();
+  EXPECT_EQ(e.code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(e.message(), HasSubstr("time budget"));
+  EXPECT_GT(e.usage().completion_tokens(), 0u);
+  EXPECT_EQ(e.usage().completion_tokens(), r.tokens.size());
+  EXPECT_GT(e.timing().ttft_us(), 0u);
+}
+
+TEST_F(RouterTest, AbortIsForwardedToTheServingDecodeNodeWithItsToken) {
+  grpc::ClientContext context;
+  auto reader = stub_->Generate(&context, Request("r-13", 500));
+  const std::string token = AbortToken(context, *reader);
+  ASSERT_EQ(token.size(), 32u);  // 128 random bits, hex
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));  // the attempt is on b and has told its token
+  ASSERT_TRUE(Eventually([&] { return decode_b_.seen().size() == 1; }));
+
+  // No token, a wrong one, an unknown id: all the same answer, and nothing goes downstream.
+  EXPECT_EQ(Abort("r-13", "").aborted_request_ids_size(), 0);
+  EXPECT_EQ(Abort("r-13", std::string(32, '0')).aborted_request_ids_size(), 0);
+  EXPECT_EQ(Abort("unknown-id", token).aborted_request_ids_size(), 0);
+  EXPECT_TRUE(decode_b_.abort_calls().empty());
+
+  v1::AbortResponse aborted = Abort("r-13", token);
+  ASSERT_EQ(aborted.aborted_request_ids_size(), 1);
+  EXPECT_EQ(aborted.aborted_request_ids(0), "r-13");
+  std::vector<v1::GenerateResponse> messages;
+  while (reader->Read(&response)) messages.push_back(response);
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_FALSE(messages.empty());
+  ASSERT_TRUE(messages.back().has_complete());
+  EXPECT_EQ(messages.back().complete().finish_reason(), v1::FINISH_REASON_ABORT);
+  // Forwarded with the decode node's own token, not the router's.
+  const std::string downstream = decode_b_.seen()[0].abort_token;
+  EXPECT_EQ(decode_b_.abort_calls(),
+            (std::vector<std::pair<std::string, std::string>>{{"r-13", downstream}}));
   EXPECT_EQ(decode_b_.aborted(), std::vector<std::string>{"r-13"});
+}
+
+TEST_F(RouterTest, DuplicateIdsAreIndependentAndEachAbortNeedsItsOwnToken) {
+  // Another client's id tells nothing: the same id may be live twice, and only the holder of a
+  // call's token can abort that call.
+  grpc::ClientContext c1, c2;
+  auto r1 = stub_->Generate(&c1, Request("dup", 30));
+  const std::string t1 = AbortToken(c1, *r1);
+  auto r2 = stub_->Generate(&c2, Request("dup", 30));
+  const std::string t2 = AbortToken(c2, *r2);
+  ASSERT_FALSE(t1.empty());
+  ASSERT_FALSE(t2.empty());
+  EXPECT_NE(t1, t2);
+  v1::GenerateResponse response;
+  ASSERT_TRUE(r1->Read(&response));
+  ASSERT_TRUE(r2->Read(&response));
+  EXPECT_EQ(Abort("dup", t1).aborted_request_ids_size(), 1);
+  std::vector<v1::GenerateResponse> m1, m2;
+  while (r1->Read(&response)) m1.push_back(response);
+  while (r2->Read(&response)) m2.push_back(response);
+  ASSERT_TRUE(r1->Finish().ok());
+  ASSERT_TRUE(r2->Finish().ok());
+  ASSERT_FALSE(m1.empty());
+  ASSERT_FALSE(m2.empty());
+  EXPECT_EQ(m1.back().complete().finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_EQ(m2.back().complete().finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(m2.back().complete().usage().completion_tokens(), 30u);
+}
+
+TEST_F(RouterTest, ClientChosenPrefillAddressMustBeOneOfTheRoutersOwn) {
+  v1::GenerateRequest request = Request("r-pa", 2);
+  request.set_prefill_address("10.9.9.9:7001");
+  Result r = Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("--prefill"));
+  EXPECT_TRUE(decode_a_.seen().empty() && decode_b_.seen().empty());
+
+  // One of its own pins the request to it (p2 would be picked by load).
+  request.set_prefill_address(p1_->address());
+  r = Generate(request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), p1_->address());
+}
+
+TEST_F(RouterTest, RouterWithoutPrefillNodesForwardsNoClientChosenPrefillAddress) {
+  StopRouter();
+  StartRouter({a_->address(), b_->address()}, {});
+  v1::GenerateRequest request = Request("r-pa2", 2);
+  request.set_prefill_address(p1_->address());
+  Result r = Generate(request);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("--prefill"));
+  EXPECT_TRUE(decode_a_.seen().empty() && decode_b_.seen().empty());
+  // Without the field the decode node uses its own configured prefill node.
+  r = Generate(Request("r-pa3", 2));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_FALSE(decode_b_.seen()[0].request.has_prefill_address());
 }
 
 TEST_F(RouterTest, GetLoadSumsHealthyDecodeNodes) {

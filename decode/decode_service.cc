@@ -1,6 +1,9 @@
 #include "decode/decode_service.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -47,6 +50,42 @@ uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
   return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
 }
 
+// `bytes` bytes from the kernel's CSPRNG (getrandom), hex-encoded. Abort tokens must be
+// unguessable, which absl's generators do not promise.
+absl::StatusOr<std::string> RandomHex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom failed: errno ", errno));
+    got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : raw) {
+    hex.push_back(kHex[c >> 4]);
+    hex.push_back(kHex[c & 15]);
+  }
+  return hex;
+}
+
+// Compares without an early exit, so the time taken says nothing about how much of a guessed
+// token was right.
+bool TokensEqual(const std::string& a, const std::string& b) {
+  if (a.size() != b.size() || a.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string IncarnationId() {
+  absl::StatusOr<std::string> hex = RandomHex(8);
+  // Without the kernel's generator (never seen on Linux >= 3.17), the clock still differs per
+  // start, which is all uniqueness toward prefill nodes needs.
+  return hex.ok() ? *hex : absl::StrCat(absl::ToUnixNanos(absl::Now()));
+}
+
 }  // namespace
 
 DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
@@ -63,7 +102,8 @@ DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
       arena_descriptor_(arena_descriptor),
       info_(info),
       options_(options),
-      prefill_client_(options.abort_wait) {}
+      prefill_client_(options.abort_wait),
+      incarnation_(IncarnationId()) {}
 
 grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,
@@ -129,6 +169,15 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
           config.vocab_size, ")")));
     }
   }
+  // A client may ask for at most what the context leaves after the prompt (-1 from protobufjs
+  // arrives as 4294967295): a larger number would only hold the request until the context ends.
+  if (sp.has_max_tokens() && context_limit > 0 &&
+      static_cast<int64_t>(sp.max_tokens()) > context_limit - n) {
+    return reject(absl::InvalidArgumentError(absl::StrCat(
+        "sampling.max_tokens = ", sp.max_tokens(), " is more than the ", context_limit - n,
+        " tokens the model's ", context_limit, "-token context leaves after the ", n,
+        "-token prompt; ask for at most ", context_limit - n, " (or leave it unset)")));
+  }
   const int64_t max_tokens = sp.has_max_tokens()
                                  ? static_cast<int64_t>(sp.max_tokens())
                                  : (context_limit > 0 ? context_limit - n : int64_t{1} << 30);
@@ -152,32 +201,46 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   }
   if (policy_name == "fluxion") policy->fluxion_predictor = options_.fluxion_predictor;
   policy->host_cost = options_.host_cost;
-  const std::string prefill_address =
-      request->has_prefill_address() ? request->prefill_address() : options_.prefill_address;
-  if (prefill_address.empty()) {
+  // The prefill node gets our worker address and remote key: only a trusted one may be named.
+  if (options_.prefill_peers == nullptr) {
     return reject(absl::FailedPreconditionError(
-        "no prefill node: set GenerateRequest.prefill_address or start the decode node with "
-        "--prefill-address"));
+        "no prefill node: start the decode node with --prefill-address (or --prefill-dns)"));
   }
+  absl::StatusOr<std::string> prefill_address = request->prefill_address();
+  if (request->has_prefill_address()) {
+    absl::Status trusted = options_.prefill_peers->Check(request->prefill_address());
+    if (!trusted.ok()) return reject(trusted);
+  } else {
+    prefill_address = options_.prefill_peers->Pick();
+    if (!prefill_address.ok()) return reject(prefill_address.status());
+  }
+  absl::StatusOr<std::string> abort_token = RandomHex(16);
+  if (!abort_token.ok()) return reject(abort_token.status());
+  // Unique per attempt toward the prefill node: a router retrying this id on another decode node
+  // while the prefill node still holds the first attempt (its decode node died) must not collide
+  // with it. Starts with the client's id for logs; at most 64 + 1 + 16 + 1 + 20 bytes.
+  const std::string prefill_id = absl::StrCat(id.substr(0, 64), "#", incarnation_, ".",
+                                              ++prefill_serial_);
 
   auto live = std::make_shared<Live>();
+  live->abort_token = *abort_token;
+  std::multimap<std::string, std::shared_ptr<Live>>::iterator live_entry;
   {
     absl::MutexLock lock(&mu_);
-    if (!live_.emplace(id, live).second) {
-      ++metrics_.rejected;
-      return ToGrpcStatus(absl::AlreadyExistsError(
-          absl::StrCat("request '", id, "' is already live on this decode node")));
-    }
+    live_entry = live_.emplace(id, live);
     ++metrics_.requests_started;
   }
   struct Unregister {
     DecodeServiceImpl* self;
-    const std::string& id;
+    std::multimap<std::string, std::shared_ptr<Live>>::iterator entry;
     ~Unregister() {
       absl::MutexLock lock(&self->mu_);
-      self->live_.erase(id);
+      self->live_.erase(entry);
     }
-  } unregister{this, id};
+  } unregister{this, live_entry};
+  // Accepted: the caller gets the abort token now, before any wait (docs/PROTOCOL.md, Abort).
+  context->AddInitialMetadata(kAbortTokenKey, live->abort_token);
+  writer->SendInitialMetadata();
 
   absl::Time deadline = absl::FromChrono(context->deadline());
   if (request->has_timeout_ms()) {
@@ -237,7 +300,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
 
   // 3. Prefill: the prefill node writes the KV into kv_runs and the state into state_runs.
   v1::PrefillRequest prefill;
-  prefill.set_request_id(id);
+  prefill.set_request_id(prefill_id);
   *prefill.mutable_prompt_token_ids() = request->prompt_token_ids();
   *prefill.mutable_sampling() = request->sampling();
   if (!sp.has_seed()) prefill.mutable_sampling()->set_seed(sampling->seed);
@@ -273,7 +336,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   prefill.set_protocol_version(1);
   live->prefilling = true;
   PrefillOutcome outcome = prefill_client_.Call(
-      prefill_address, prefill, std::min(deadline, absl::Now() + options_.prefill_timeout),
+      *prefill_address, prefill, std::min(deadline, absl::Now() + options_.prefill_timeout),
       cancelled);
   live->prefilling = false;
   const Clock::time_point t_prefilled = Clock::now();
@@ -523,13 +586,20 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
 grpc::Status DecodeServiceImpl::Abort(grpc::ServerContext* context,
                                       const v1::AbortRequest* request,
                                       v1::AbortResponse* response) {
+  // An id counts only with its abort token; a wrong or missing token gets the answer an unknown
+  // id gets (ignored), so Abort is no oracle for which ids are live (docs/SECURITY.md).
   absl::MutexLock lock(&mu_);
-  for (const std::string& id : request->request_ids()) {
-    auto it = live_.find(id);
-    if (it == live_.end()) continue;
-    it->second->abort_reason = request->reason();
-    it->second->aborted = true;
-    response->add_aborted_request_ids(id);
+  for (int i = 0; i < request->request_ids_size(); ++i) {
+    const std::string& id = request->request_ids(i);
+    const std::string token = i < request->abort_tokens_size() ? request->abort_tokens(i) : "";
+    bool matched = false;
+    for (auto [it, end] = live_.equal_range(id); it != end; ++it) {
+      if (!TokensEqual(token, it->second->abort_token)) continue;
+      it->second->abort_reason = request->reason();
+      it->second->aborted = true;
+      matched = true;
+    }
+    if (matched) response->add_aborted_request_ids(id);
   }
   return grpc::Status::OK;
 }

@@ -25,6 +25,7 @@
 #include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "decode/prefill_client.h"
+#include "decode/prefill_peers.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "model/model.h"
 #include "transfer/transport.h"
@@ -32,8 +33,10 @@
 namespace fluxion::decode {
 
 struct DecodeServiceOptions {
-  // Prefill node used when a request names none ("host:port").
-  std::string prefill_address;
+  // The prefill nodes this node trusts with its arena's worker address and remote key: the only
+  // ones a request may name in prefill_address, and the ones used when it names none
+  // (decode/prefill_peers.h). Null: none (every request is refused with FAILED_PRECONDITION).
+  std::shared_ptr<PrefillPeers> prefill_peers;
   // Policy and budget for requests without GenerateRequest.sparse.
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
@@ -94,6 +97,9 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
 
   DecodeMetrics metrics() const;
 
+  // Name of the initial-metadata entry that carries a Generate call's abort token.
+  static constexpr char kAbortTokenKey[] = "fluxion-abort-token";
+
   // While draining, new Generate calls are refused with UNAVAILABLE and GetLoad says so; running
   // ones finish. The serving command drains on SIGTERM before shutting down.
   void SetDraining(bool draining) { draining_ = draining; }
@@ -104,6 +110,8 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
 
  private:
   struct Live {
+    // The capability Abort must present with the id (docs/SECURITY.md); immutable once live.
+    std::string abort_token;
     std::atomic<bool> aborted{false};
     std::string abort_reason;  // guarded by the service's mu_
     std::atomic<bool> prefilling{false};
@@ -128,7 +136,13 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   std::atomic<bool> draining_{false};
 
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);
+  // By client request id. Ids need not be unique (a duplicate from another client must learn
+  // nothing), so several live requests may share one; Abort tells them apart by abort token.
+  std::multimap<std::string, std::shared_ptr<Live>> live_ ABSL_GUARDED_BY(mu_);
+  // Names this process in the ids it sends to prefill nodes (random per start) and numbers the
+  // Prefill attempts, so that no two attempts, of this process or another, share an id there.
+  const std::string incarnation_;
+  std::atomic<uint64_t> prefill_serial_{0};
   DecodeMetrics metrics_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -19,6 +19,7 @@
 #include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "decode/prefill_peers.h"
 #include "common/read_bandwidth.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/policy.h"
@@ -38,7 +39,8 @@ constexpr char kDecodeServiceName[] = "fluxion.v1.DecodeService";
 }  // namespace
 
 int RunDecodeCommand(const std::vector<std::string>& args) {
-  std::string model_dir, listen = serving::LoopbackAddress(7002), port_file, node_name, prefill_address;
+  std::string model_dir, listen = serving::LoopbackAddress(7002), port_file, node_name;
+  std::vector<std::string> prefill_addresses, prefill_dns;
   std::string metrics_listen, metrics_port_file;
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
@@ -62,8 +64,14 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                "empty: no endpoint)");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
-  flags.String("prefill-address", &prefill_address,
-               "prefill node (host:port) for requests that name none");
+  flags.StringList("prefill-address", &prefill_addresses,
+                   "prefill nodes this node trusts, host:port, comma-separated: the only ones a "
+                   "request's prefill_address may name (else PERMISSION_DENIED), used in turn "
+                   "for requests that name none");
+  flags.StringList("prefill-dns", &prefill_dns,
+                   "DNS names of trusted prefill nodes, name:port (every A record, e.g. the "
+                   "headless service the router's --prefill-dns names); re-resolved on a miss at "
+                   "most once a second");
   flags.String("default-policy", &default_policy,
                "sparse policy for requests that name none: " +
                    absl::StrJoin(sparse::PolicyNames(), ", "));
@@ -117,6 +125,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
     node_name = absl::StrCat("decode@", host, "/", getpid(), "/", absl::ToUnixMillis(absl::Now()));
+  }
+  PrefillPeers::Options peer_options;
+  peer_options.addresses = prefill_addresses;
+  peer_options.dns = prefill_dns;
+  absl::StatusOr<std::unique_ptr<PrefillPeers>> prefill_peers =
+      PrefillPeers::Create(std::move(peer_options));
+  if (!prefill_peers.ok()) {
+    std::cerr << "error: " << prefill_peers.status().message() << "\n";
+    return 2;
   }
   {
     const double b = default_policy == "full" ? 1.0 : default_budget;
@@ -214,7 +231,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     KvAdmission admission(arena.get(), admission_options);
     BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics);
     DecodeServiceOptions options;
-    options.prefill_address = prefill_address;
+    options.prefill_peers = std::move(*prefill_peers);
     options.default_policy = default_policy;
     options.default_budget = default_budget;
     options.fluxion_predictor = *predictor;

@@ -11,7 +11,7 @@ fi
 for dir in base overlays/dev overlays/gpu; do
   out=$(kubectl kustomize "$dir")
   for want in "kind: Deployment" "kind: StatefulSet" "clusterIP: None" "prometheus.io/scrape" \
-              "--decode-dns=fluxion-decode:7002" "grpc:" \
+              "--decode-dns=fluxion-decode:7002" "--prefill-dns=fluxion-prefill:7001" "grpc:" \
               "service: fluxion.v1.DecodeService" "service: fluxion.v1.PrefillService" \
               "--metrics-listen=0.0.0.0:9100"; do
     printf '%s' "$out" | grep -q -- "$want" || { echo "$dir: missing '$want'"; exit 1; }

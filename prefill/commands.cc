@@ -40,6 +40,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string metrics_listen, metrics_port_file;
   int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
   int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
+  int64_t max_queued_requests = PrefillServiceImpl::kDefaultMaxQueuedRequests;
   bool layerwise = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
@@ -70,6 +71,11 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.Int("max-batch-tokens", &max_batch_tokens,
             "queued requests run through one batched forward up to this many prompt tokens "
             "together (a larger request runs alone); 0 = one request at a time");
+  flags.Int("max-queued-requests", &max_queued_requests,
+            "Prefill calls that may wait for the compute slot; one more is refused with "
+            "RESOURCE_EXHAUSTED (the decode node frees its pages, the router retries elsewhere); "
+            "-1 = no bound. Default 64, the decode node's --max-waiting: a longer queue only "
+            "holds KV pages reserved on decode nodes for a wait a retry elsewhere beats");
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
             "on SIGTERM: refuse new requests and wait this long for running ones to finish");
   ucx.Register(flags);
@@ -119,6 +125,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   PrefillNodeMetrics node_metrics(&metrics::Registry::Default());
   PrefillServiceImpl service(&engine, transport->get(), info, &node_metrics);
   service.SetMaxBatchTokens(max_batch_tokens);
+  service.SetMaxQueuedRequests(max_queued_requests);
   node_metrics.Attach(&service);
   // Declared after everything its callbacks read, so it stops serving before they go away.
   auto metrics_started =

@@ -46,6 +46,18 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
   live->cancelled = [l = live.get(), context] { return l->aborted.load() || context->IsCancelled(); };
   {
     absl::MutexLock lock(&mu_);
+    const int64_t max_queued = max_queued_requests_.load();
+    if (max_queued >= 0) {
+      int64_t queued = 0;
+      for (const auto& [other_id, l] : live_) queued += l->running ? 0 : 1;
+      if (queued >= max_queued) {
+        ++metrics_.requests_failed;
+        return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+            "prefill queue full: ", queued, " requests already wait on prefill node ",
+            info_.node_name(), " (--max-queued-requests ", max_queued,
+            "); retry on another prefill node")));
+      }
+    }
     live->arrival = next_arrival_++;
     if (!live_.emplace(id, live).second) {
       return ToGrpcStatus(absl::AlreadyExistsError(

@@ -69,6 +69,12 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   // Up to this many prompt tokens of queued requests run through one batched forward (a request
   // larger than that still runs, alone); 0 (the default here) runs one request at a time.
   void SetMaxBatchTokens(int64_t tokens) { max_batch_tokens_ = tokens; }
+  // A Prefill call arriving while this many calls already wait for the compute slot is refused
+  // with RESOURCE_EXHAUSTED naming --max-queued-requests (the decode node frees its pages and the
+  // router retries on another pair) instead of holding a server thread and the decode node's
+  // reserved pages for an unbounded wait. < 0: no bound.
+  void SetMaxQueuedRequests(int64_t requests) { max_queued_requests_ = requests; }
+  static constexpr int64_t kDefaultMaxQueuedRequests = 64;
   int64_t live_requests() const;
 
  private:
@@ -109,6 +115,7 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   absl::CondVar batch_cv_;                  // a batch ended or a reply is ready
   uint64_t next_arrival_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> max_batch_tokens_{0};
+  std::atomic<int64_t> max_queued_requests_{kDefaultMaxQueuedRequests};
   std::thread batch_thread_;  // the running (or last) batch; touched only by busy_'s holder
   PrefillMetrics metrics_ ABSL_GUARDED_BY(mu_);
 };

@@ -117,10 +117,18 @@ DecodeClient::DecodeClient(const std::string& address)
           grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
 
 GenerateResult DecodeClient::Generate(const v1::GenerateRequest& request,
-                                      absl::Duration deadline) {
+                                      absl::Duration deadline,
+                                      const std::function<void(const std::string&)>& on_accepted) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   auto reader = stub_->Generate(&context, request);
+  if (on_accepted) {
+    reader->WaitForInitialMetadata();
+    const auto& metadata = context.GetServerInitialMetadata();
+    auto it = metadata.find("fluxion-abort-token");
+    on_accepted(it == metadata.end() ? std::string()
+                                     : std::string(it->second.data(), it->second.size()));
+  }
   GenerateResult out;
   v1::GenerateResponse msg;
   while (reader->Read(&msg)) {

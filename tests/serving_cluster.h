@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,8 +62,11 @@ struct GenerateResult {
 class DecodeClient {
  public:
   explicit DecodeClient(const std::string& address);
+  // `on_accepted` (optional) gets the call's abort token (`fluxion-abort-token` initial metadata,
+  // "" if none) as soon as the server accepted the call, while the stream is still open.
   GenerateResult Generate(const fluxion::v1::GenerateRequest& request,
-                          absl::Duration deadline = absl::Seconds(60));
+                          absl::Duration deadline = absl::Seconds(60),
+                          const std::function<void(const std::string&)>& on_accepted = nullptr);
   fluxion::v1::DecodeLoad Load();
   fluxion::v1::DecodeService::Stub& stub() { return *stub_; }
   // Polls GetLoad until the node is idle -- every KV page free and no request running, prefilling

@@ -90,13 +90,19 @@ class ServingMetricsTest : public ::testing::Test {
     pargs.insert(pargs.end(), ucx.begin(), ucx.end());
     prefill_ = ServerProcess::Start("prefill", pargs).release();
     if (prefill_ == nullptr) return;
+    decode_ = StartDecode(prefill_->address()).release();
+  }
+  // A decode node trusting the prefill nodes `prefill_addresses` (comma list): a request may name
+  // only those (docs/SECURITY.md), so tests with a prefill node of their own start their own.
+  static std::unique_ptr<ServerProcess> StartDecode(const std::string& prefill_addresses) {
     std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "288",
                                       "--headroom-tokens", "16", "--prefill-address",
-                                      prefill_->address(), "--admission-timeout-ms", "30000",
+                                      prefill_addresses, "--admission-timeout-ms", "30000",
                                       "--quarantine-ms", "1000",
                                       "--default-policy", "fluxion", "--nohuge-pages"};
+    std::vector<std::string> ucx = UcxArgs("tcp");
     dargs.insert(dargs.end(), ucx.begin(), ucx.end());
-    decode_ = ServerProcess::Start("decode", dargs).release();
+    return ServerProcess::Start("decode", dargs);
   }
   static void TearDownTestSuite() {
     delete decode_;  // kills the process
@@ -248,41 +254,44 @@ TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuaranti
   args.insert(args.end(), ucx.begin(), ucx.end());
   std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
   ASSERT_NE(slow, nullptr);
+  std::unique_ptr<ServerProcess> decode = StartDecode(prefill_->address() + "," + slow->address());
+  ASSERT_NE(decode, nullptr);
   const std::string failures = "fluxion_transfer_failures_total{cause=\"peer_unreachable\"}";
-  const double before = Sample(Scrape(*decode_), failures);
+  const double before = Sample(Scrape(*decode), failures);
   ASSERT_FALSE(std::isnan(before));
-  DecodeClient client(decode_->address());
+  DecodeClient client(decode->address());
   GenerateResult r;
   std::thread t([&] {
     r = client.Generate(
         GreedyRequest("metrics-killed", BytePrompt("hello"), 8, "full", slow->address()));
   });
-  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_prefilling",
+  EXPECT_EQ(WaitForSample(*decode, "fluxion_decode_requests_prefilling",
                           [](double v) { return v == 1; }),
             1);
   absl::SleepFor(absl::Milliseconds(400));  // a layer or two sent
   slow->Kill();
   t.join();
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
-  const std::string text = Scrape(*decode_);
+  const std::string text = Scrape(*decode);
   EXPECT_EQ(Sample(text, failures), before + 1);
   EXPECT_GE(Sample(text, "fluxion_decode_requests_total{code=\"UNAVAILABLE\"}"), 1);
   EXPECT_GE(Sample(text, "fluxion_decode_finished_total{reason=\"error\"}"), 1);
   // The reservation is quarantined for --quarantine-ms (1 s), then freed.
   EXPECT_GT(Sample(text, "fluxion_kv_pages_quarantined"), 0);
-  EXPECT_EQ(WaitForSample(*decode_, "fluxion_kv_pages_quarantined", [](double v) { return v == 0; }),
+  EXPECT_EQ(WaitForSample(*decode, "fluxion_kv_pages_quarantined", [](double v) { return v == 0; }),
             0);
 }
 
-// Runs last (gtest runs a suite's tests in order): it drains the decode node. The request goes
-// through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
+// Drains a decode node of its own. The request goes through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
 TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
   std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
   std::vector<std::string> ucx = UcxArgs("tcp");
   args.insert(args.end(), ucx.begin(), ucx.end());
   std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
   ASSERT_NE(slow, nullptr);
-  DecodeClient client(decode_->address());
+  std::unique_ptr<ServerProcess> decode = StartDecode(prefill_->address() + "," + slow->address());
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
   GenerateResult running;
   std::atomic<bool> done{false};
   std::thread t([&] {
@@ -290,14 +299,14 @@ TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
         GreedyRequest("metrics-drain", BytePrompt("hello"), 8, "full", slow->address()));
     done = true;
   });
-  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_prefilling",
+  EXPECT_EQ(WaitForSample(*decode, "fluxion_decode_requests_prefilling",
                           [](double v) { return v == 1; }),
             1);
-  decode_->Signal(SIGTERM);
+  decode->Signal(SIGTERM);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   bool serving = true;
   while (serving && absl::Now() < deadline) {
-    serving = cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.DecodeService",
+    serving = cluster::HealthServing(ChannelTo(*decode), "fluxion.v1.DecodeService",
                                      absl::Milliseconds(500));
   }
   const bool request_was_live = !done.load();  // so the process was still up, draining
@@ -308,7 +317,7 @@ TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
   t.join();
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
   EXPECT_EQ(running.tokens.size(), 8u);
-  EXPECT_TRUE(decode_->Terminate(absl::Seconds(10)));
+  EXPECT_TRUE(decode->Terminate(absl::Seconds(10)));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
@@ -212,6 +213,25 @@ class ServingFailureTest : public ::testing::Test {
   }
   void TearDown() override {
     if (pair_ != nullptr) ExpectAllPagesFree(*pair_->client);
+    if (trusting_ != nullptr) ExpectAllPagesFree(*trusting_->client);
+    trusting_.reset();
+  }
+  // A decode node like the shared one that also trusts `prefill` (its --prefill-address lists the
+  // shared prefill node first, then `prefill`), so that requests may name `prefill`: a decode node
+  // refuses prefill addresses outside its configuration (docs/SECURITY.md). One per test.
+  DecodeClient& Trusting(const ServerProcess& prefill) {
+    auto node = std::make_unique<Pair>();
+    std::vector<std::string> args = {
+        "--model", TinyModelDir(), "--kv-pages", "4096", "--prefill-address",
+        absl::StrCat(pair_->prefill->address(), ",", prefill.address()), "--quarantine-ms", "1000",
+        "--admission-timeout-ms", "500", "--nohuge-pages"};
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    args.insert(args.end(), ucx.begin(), ucx.end());
+    node->decode = ServerProcess::Start("decode", args);
+    EXPECT_NE(node->decode, nullptr) << "could not start a decode node";
+    node->client = std::make_unique<DecodeClient>(node->decode->address());
+    trusting_ = std::move(node);
+    return *trusting_->client;
   }
   // A prefill node that sleeps `delay_ms` after each of the 6 layers.
   std::unique_ptr<ServerProcess> SlowPrefill(int delay_ms, std::vector<std::string> extra = {}) {
@@ -223,6 +243,7 @@ class ServingFailureTest : public ::testing::Test {
     return ServerProcess::Start("prefill", args);
   }
   Pair* pair_ = nullptr;
+  std::unique_ptr<Pair> trusting_;
 };
 
 TEST_F(ServingFailureTest, BadArgumentsAreRejectedWithActionableMessages) {
@@ -259,6 +280,17 @@ TEST_F(ServingFailureTest, BadArgumentsAreRejectedWithActionableMessages) {
     auto r = base();
     r.mutable_sampling()->set_max_tokens(0);
     cases.push_back({"max_tokens", r, grpc::StatusCode::INVALID_ARGUMENT, "max_tokens"});
+  }
+  {
+    auto r = base();
+    r.mutable_sampling()->set_max_tokens(4294967295u);  // -1 from protobufjs
+    cases.push_back({"max_tokens -1", r, grpc::StatusCode::INVALID_ARGUMENT, "at most"});
+  }
+  {
+    auto r = base();
+    r.set_prefill_address("10.1.2.3:7001");  // not a node this decode node trusts
+    cases.push_back({"prefill_address", r, grpc::StatusCode::PERMISSION_DENIED,
+                     "--prefill-address"});
   }
   {
     auto r = base();
@@ -305,8 +337,15 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
   // admission (about 1 run in 15 aborted before the request existed).
   pair_->client->WaitAllPagesFree(absl::Seconds(5));
   GenerateResult r;
+  absl::Mutex token_mu;
+  std::string token;  // the call's abort token: Abort needs it with the id
   std::thread t([&] {
-    r = pair_->client->Generate(GreedyRequest("to-abort", BytePrompt(kPromptText), 100000, "full", ""));
+    r = pair_->client->Generate(
+        GreedyRequest("to-abort", BytePrompt(kPromptText), 20000, "full", ""), absl::Seconds(60),
+        [&](const std::string& t) {
+          absl::MutexLock lock(&token_mu);
+          token = t;
+        });
   });
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (;;) {
@@ -321,8 +360,13 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
   do {
     grpc::ClientContext context;
     v1::AbortRequest abort;
-    abort.add_request_ids("to-abort");
     abort.add_request_ids("unknown-id");
+    abort.add_request_ids("to-abort");
+    abort.add_abort_tokens("");
+    {
+      absl::MutexLock lock(&token_mu);
+      abort.add_abort_tokens(token);
+    }
     abort.set_reason("test says stop");
     response.Clear();
     ASSERT_TRUE(pair_->client->stub().Abort(&context, abort, &response).ok());
@@ -346,7 +390,7 @@ TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartial
   ASSERT_TRUE(pair_->client->Generate(GreedyRequest("budget-warm-up", BytePrompt(kPromptText), 2,
                                                     "full", ""))
                   .status.ok());
-  v1::GenerateRequest request = GreedyRequest("budget", BytePrompt(kPromptText), 100000, "full", "");
+  v1::GenerateRequest request = GreedyRequest("budget", BytePrompt(kPromptText), 20000, "full", "");
   request.set_timeout_ms(2000);
   GenerateResult r = pair_->client->Generate(request);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
@@ -377,13 +421,14 @@ grpc::Status GenerateAndCancel(DecodeClient& client, const v1::GenerateRequest& 
 TEST_F(ServingFailureTest, ClientCancelDuringPrefillStopsBothNodesWithinASecond) {
   auto slow = SlowPrefill(300);  // 6 layers x 300 ms
   ASSERT_NE(slow, nullptr);
+  DecodeClient& node = Trusting(*slow);
   absl::Time cancelled_at;
   grpc::Status s = GenerateAndCancel(
-      *pair_->client, GreedyRequest("cancel-prefill", BytePrompt(kPromptText), 8, "", slow->address()),
+      node, GreedyRequest("cancel-prefill", BytePrompt(kPromptText), 8, "", slow->address()),
       absl::Milliseconds(500), &cancelled_at);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
   // Both nodes stop and the decode node's pages come back within 1 s of the cancellation.
-  const v1::DecodeLoad load = pair_->client->WaitAllPagesFree(absl::Seconds(1));
+  const v1::DecodeLoad load = node.WaitAllPagesFree(absl::Seconds(1));
   const absl::Duration released = absl::Now() - cancelled_at;
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
   EXPECT_LT(released, absl::Seconds(1));
@@ -397,7 +442,7 @@ TEST_F(ServingFailureTest, ClientCancelDuringPrefillStopsBothNodesWithinASecond)
 TEST_F(ServingFailureTest, ClientCancelDuringDecodeReleasesWithinASecond) {
   absl::Time cancelled_at;
   grpc::Status s = GenerateAndCancel(
-      *pair_->client, GreedyRequest("cancel-decode", BytePrompt(kPromptText), 100000, "", ""),
+      *pair_->client, GreedyRequest("cancel-decode", BytePrompt(kPromptText), 20000, "", ""),
       absl::Milliseconds(400), &cancelled_at);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
   const v1::DecodeLoad load = pair_->client->WaitAllPagesFree(absl::Seconds(1));
@@ -412,10 +457,11 @@ TEST_F(ServingFailureTest, ClientCancelDuringDecodeReleasesWithinASecond) {
 TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeBack) {
   auto slow = SlowPrefill(400);
   ASSERT_NE(slow, nullptr);
+  DecodeClient& node = Trusting(*slow);
   GenerateResult r;
   const absl::Time start = absl::Now();
   std::thread t([&] {
-    r = pair_->client->Generate(
+    r = node.Generate(
         GreedyRequest("victim", BytePrompt(kPromptText), 8, "", slow->address()));
   });
   // Layers 1-2 have been sent when the process dies.
@@ -433,7 +479,7 @@ TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeB
             << " ms into the request)\n";
   // The decode node keeps serving others (through the healthy prefill node) meanwhile.
   GenerateResult other =
-      pair_->client->Generate(GreedyRequest("survivor", BytePrompt(kPromptText), 8, "full", ""));
+      node.Generate(GreedyRequest("survivor", BytePrompt(kPromptText), 8, "full", ""));
   EXPECT_TRUE(other.status.ok()) << other.status.error_message();
   EXPECT_EQ(other.tokens.size(), 8u);
   // The victim's pages were quarantined (the peer may have been writing), then came back after
@@ -443,7 +489,8 @@ TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeB
 TEST_F(ServingFailureTest, IncompatiblePrefillNodeIsRefusedNamingTheField) {
   auto other = SlowPrefill(0, {"--page-tokens", "32"});
   ASSERT_NE(other, nullptr);
-  GenerateResult r = pair_->client->Generate(
+  DecodeClient& node = Trusting(*other);
+  GenerateResult r = node.Generate(
       GreedyRequest("mismatch", BytePrompt(kPromptText), 4, "full", other->address()));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
       << r.status.error_message();
@@ -483,6 +530,7 @@ class ServingPrefillBatchTest : public ServingFailureTest {
 TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingleProcess) {
   auto slow = SlowPrefill(100);  // the first prompt computes for 6 x 100 ms; the others queue
   ASSERT_NE(slow, nullptr);
+  DecodeClient& node = Trusting(*slow);
   const std::vector<std::vector<uint32_t>> prompts = {
       BytePrompt(kPromptText), BytePrompt("x"), BytePrompt("Remember the river: it is calm."),
       BytePrompt(kPromptText + " The key to the red vault is 9902. The key to the red vault is")};
@@ -492,7 +540,7 @@ TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingl
   std::vector<std::thread> threads;
   auto start = [&](size_t i) {
     threads.emplace_back([&, i] {
-      results[i] = pair_->client->Generate(GreedyRequest("batched-" + std::to_string(i),
+      results[i] = node.Generate(GreedyRequest("batched-" + std::to_string(i),
                                                          prompts[i], kTokens, "full",
                                                          slow->address()));
     });
@@ -520,6 +568,7 @@ TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorre
   // test judges which of the two happened, not how fast the machine is.
   auto slow = SlowPrefill(150);
   ASSERT_NE(slow, nullptr);
+  DecodeClient& node = Trusting(*slow);
   const std::vector<std::vector<uint32_t>> prompts = {
       BytePrompt(kPromptText), BytePrompt("Remember the river: it is calm."),
       BytePrompt("The key to the green vault is 1234. The key to the green vault is")};
@@ -529,7 +578,7 @@ TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorre
   std::vector<std::thread> threads;
   auto start = [&](size_t i) {
     threads.emplace_back([&, i] {
-      results[i] = pair_->client->Generate(GreedyRequest("kept-" + std::to_string(i), prompts[i],
+      results[i] = node.Generate(GreedyRequest("kept-" + std::to_string(i), prompts[i],
                                                          kTokens, "full", slow->address()));
     });
   };
@@ -541,7 +590,7 @@ TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorre
   grpc::Status cancelled;
   absl::Time cancel_finished;
   std::thread cancel_thread([&] {
-    auto reader = pair_->client->stub().Generate(
+    auto reader = node.stub().Generate(
         &cancel_context, GreedyRequest("cancelled-in-batch", BytePrompt(kPromptText + " and"),
                                        kTokens, "full", slow->address()));
     v1::GenerateResponse msg;
