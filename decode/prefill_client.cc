@@ -153,7 +153,8 @@ PrefillOutcome PrefillClient::Call(const std::string& address, const v1::Prefill
   out.peer_stopped = out.hold == WriteHold::kNone;
   if (out.expired) {
     out.response = annotate(absl::DeadlineExceededError(absl::StrCat(
-        "the request's deadline passed during its prefill; aborted (",
+        "the deadline (the request's own, or --prefill-timeout-ms) passed during its prefill; "
+        "aborted (",
         out.peer_stopped ? "the prefill node confirmed it stopped writing)"
                          : "no confirmation that its writes stopped: the pages are quarantined)")));
   } else {
