@@ -192,8 +192,8 @@ void DecodeNodeMetrics::OnPrefillExpired() { prefill_expired_->Increment(); }
 void DecodeNodeMetrics::OnQuarantined(const char* reason) {
   registry_
       ->AddCounter(names::kKvQuarantinedReservationsTotal,
-                   "Reservations held for the quarantine lease because a peer may still write "
-                   "them, by why.",
+                   "Requests whose reserved pages were held for the quarantine lease because a "
+                   "peer may still write them, by why.",
                    {{"reason", reason}})
       ->Increment();
 }

@@ -76,7 +76,8 @@ class DecodeNodeMetrics {
   void OnTransferFailed(absl::StatusCode code, bool sent = true);
   // A Prefill call the decode node aborted because the request's deadline passed.
   void OnPrefillExpired();
-  // A reservation quarantined because a peer may still write it; `reason` is a WriteHoldName.
+  // A request's pages quarantined because a peer may still write them; `reason` is a
+  // WriteHoldName.
   void OnQuarantined(const char* reason);
   void OnChecksumFailure();
   void OnFinished(const FinishedRequestStats& r);
