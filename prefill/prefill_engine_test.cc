@@ -12,6 +12,7 @@
 #include "decode/kv_admission.h"
 #include "gtest/gtest.h"
 #include "model/random_model.h"
+#include "model/sparse_state.h"
 #include "proto/convert.h"
 #include "transfer/loopback_transport.h"
 
@@ -187,6 +188,30 @@ TEST_F(PrefillEngineRangesTest, PagesOutsideTheRequestsRangesAreRefusedBeforeAny
   widened.mutable_kv_target()->mutable_ranges(0)->set_length(arena_->bytes());
   EXPECT_FALSE(Run(widened).ok());
   EXPECT_TRUE(Holds(other, 0x22));
+  mine.SetPeerStopped();
+  other.SetPeerStopped();
+}
+
+TEST_F(PrefillEngineRangesTest, SparseStateRoomOutsideTheRangesIsRefusedBeforeAnyWrite) {
+  Reservation mine = Reserve();
+  Reservation other = Reserve();
+  Fill(mine, 0x11);
+  Fill(other, 0x22);
+  v1::PrefillRequest r = RequestFor("s", mine, mine);
+  v1::SparseStateTarget* st = r.mutable_sparse_target();
+  st->set_format_version(model::kSparseStateVersion);
+  st->set_base_address(reinterpret_cast<uintptr_t>(arena_->base()));
+  v1::ByteExtent* e = st->add_extents();  // the other request's pages as "my" state room
+  e->set_offset(static_cast<uint64_t>(other.runs()[0].first) * page_bytes_);
+  e->set_length(static_cast<uint64_t>(other.runs()[0].count) * page_bytes_);
+  st->set_observation_window_tokens(32);
+  st->set_score_block_tokens(1);
+  absl::StatusOr<v1::PrefillResponse> out = Run(r);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_NE(out.status().message().find("sparse_target.extents[0]"), std::string::npos)
+      << out.status();
+  EXPECT_TRUE(Holds(other, 0x22));
+  EXPECT_TRUE(Holds(mine, 0x11));
   mine.SetPeerStopped();
   other.SetPeerStopped();
 }
