@@ -30,6 +30,9 @@ inline constexpr char kDecodeStepSeconds[] = "fluxion_decode_step_seconds";
 inline constexpr char kDecodeStepCpuSecondsTotal[] = "fluxion_decode_step_cpu_seconds_total";
 inline constexpr char kDecodeStepGpuSecondsTotal[] = "fluxion_decode_step_gpu_seconds_total";
 inline constexpr char kDecodePreemptionsTotal[] = "fluxion_decode_preemptions_total";
+inline constexpr char kDecodePrefillExpiredTotal[] = "fluxion_decode_prefill_expired_total";
+inline constexpr char kKvQuarantinedReservationsTotal[] =
+    "fluxion_kv_quarantined_reservations_total";
 inline constexpr char kSparseReadFraction[] = "fluxion_sparse_read_fraction";
 inline constexpr char kSparseBudgetRatio[] = "fluxion_sparse_budget_ratio";
 inline constexpr char kSparseHeadStepsTotal[] = "fluxion_sparse_head_steps_total";

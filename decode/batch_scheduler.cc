@@ -84,8 +84,7 @@ double BatchScheduler::recent_step_ms() const {
 }
 
 void BatchScheduler::End(DecodeRequest& r, Finish finish, absl::Status error) {
-  EndRequest(r, finish, std::move(error));
-  admission_->Notify();
+  EndRequest(r, finish, std::move(error));  // the request's reservations wake the waiters
 }
 
 void BatchScheduler::Loop() {

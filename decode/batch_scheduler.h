@@ -95,7 +95,7 @@ class BatchScheduler {
 
  private:
   void Loop();
-  void End(DecodeRequest& r, Finish finish, absl::Status error);  // EndRequest + Notify
+  void End(DecodeRequest& r, Finish finish, absl::Status error);  // EndRequest
 
   const model::Model* const model_;
   KvAdmission* const admission_;

@@ -55,6 +55,10 @@ DecodeNodeMetrics::DecodeNodeMetrics(metrics::Registry* registry, const DecodeMe
                          "Wall time of one batched decode step (one token for every running "
                          "request).",
                          StepBuckets());
+  prefill_expired_ = r.AddCounter(
+      names::kDecodePrefillExpiredTotal,
+      "Prefill calls aborted by the decode node because the request's deadline passed (not "
+      "transfer failures).");
   step_cpu_ = r.AddCounter(names::kDecodeStepCpuSecondsTotal,
                            "Process CPU time (all threads) spent during decode steps.");
   r.AddCounter(names::kDecodeStepGpuSecondsTotal,
@@ -176,8 +180,21 @@ void DecodeNodeMetrics::OnPrefillLanded(uint64_t bytes, double transfer_seconds)
   transfer_seconds_->Observe(transfer_seconds);
 }
 
-void DecodeNodeMetrics::OnTransferFailed(absl::StatusCode code) {
-  registry_->AddCounter(names::kTransferFailuresTotal, "", {{"cause", TransferCause(code)}})
+void DecodeNodeMetrics::OnTransferFailed(absl::StatusCode code, bool sent) {
+  registry_
+      ->AddCounter(names::kTransferFailuresTotal, "",
+                   {{"cause", sent ? TransferCause(code) : "connect"}})
+      ->Increment();
+}
+
+void DecodeNodeMetrics::OnPrefillExpired() { prefill_expired_->Increment(); }
+
+void DecodeNodeMetrics::OnQuarantined(const char* reason) {
+  registry_
+      ->AddCounter(names::kKvQuarantinedReservationsTotal,
+                   "Requests whose reserved pages were held for the quarantine lease because a "
+                   "peer may still write them, by why.",
+                   {{"reason", reason}})
       ->Increment();
 }
 

@@ -70,8 +70,15 @@ class DecodeNodeMetrics {
   void OnRequestDone(int grpc_code);                  // a Generate call's final status
   void OnAdmitted(double queue_seconds);              // pages reserved
   void OnPrefillLanded(uint64_t bytes, double transfer_seconds);
-  // A failed Prefill call / landed KV that did not verify. Cancelled calls are not failures.
-  void OnTransferFailed(absl::StatusCode code);
+  // A failed Prefill call / landed KV that did not verify. Cancelled and expired calls are not
+  // failures. `sent` false: no connection could be made, the request never left (cause
+  // "connect").
+  void OnTransferFailed(absl::StatusCode code, bool sent = true);
+  // A Prefill call the decode node aborted because the request's deadline passed.
+  void OnPrefillExpired();
+  // A request's pages quarantined because a peer may still write them; `reason` is a
+  // WriteHoldName.
+  void OnQuarantined(const char* reason);
   void OnChecksumFailure();
   void OnFinished(const FinishedRequestStats& r);
   void OnStep(double wall_seconds, double cpu_seconds);
@@ -92,6 +99,7 @@ class DecodeNodeMetrics {
   metrics::Counter* rows_attended_;
   metrics::Counter* rows_scored_;
   metrics::Counter* rows_context_;
+  metrics::Counter* prefill_expired_;
 
   absl::Mutex mu_;
   // Series registered by Attach, removed by Detach.

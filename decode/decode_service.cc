@@ -29,18 +29,6 @@ uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
   return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
 }
 
-// The first `n` pages of `runs` and the rest, in order.
-void SplitRuns(const std::vector<PageRun>& runs, int64_t n, std::vector<PageRun>* head,
-               std::vector<PageRun>* tail) {
-  for (const PageRun& r : runs) {
-    const int64_t take = std::min<int64_t>(n, r.count);
-    if (take > 0) head->push_back({r.first, static_cast<int32_t>(take)});
-    if (take < r.count) tail->push_back({r.first + static_cast<int32_t>(take),
-                                         r.count - static_cast<int32_t>(take)});
-    n -= take;
-  }
-}
-
 // Policies that start from the prefill's sparse state (LFPS tables, Fluxion head features).
 bool PolicyNeedsState(const std::string& name) {
   return name == "lfps" || name == "lfps_paper" || name.rfind("fluxion", 0) == 0;
@@ -90,7 +78,7 @@ std::string IncarnationId() {
 
 DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
                                      KvAdmission* admission, BatchScheduler* scheduler,
-                                     const transfer::Transport* transport,
+                                     transfer::Transport* transport,
                                      const transfer::PeerDescriptor& arena_descriptor,
                                      const v1::ServerInfo& info,
                                      const DecodeServiceOptions& options)
@@ -281,7 +269,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
       needs_state ? static_cast<int64_t>((state_bytes + arena_->page_bytes() - 1) /
                                          arena_->page_bytes())
                   : 0;
-  absl::StatusOr<std::vector<PageRun>> reserved = admission_->Reserve(
+  absl::StatusOr<Reservation> reserved = admission_->Reserve(
       kv_pages + state_pages, std::min(deadline, absl::Now() + options_.admission_timeout),
       cancelled);
   if (!reserved.ok()) {
@@ -295,8 +283,21 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
     metrics_.prompt_tokens += static_cast<uint64_t>(n);
   }
   if (node_metrics != nullptr) node_metrics->OnAdmitted(timing.queue_us() * 1e-6);
-  std::vector<PageRun> kv_runs, state_runs;
-  SplitRuns(*reserved, kv_pages, &kv_runs, &state_runs);
+  // The prompt's pages and the sparse-state room are owned separately: the room goes back as
+  // soon as the state is parsed. Each run gets its own registration, so the keys sent to the
+  // prefill node reach these pages only, and only until the reservation ends (PROTOCOL.md).
+  Reservation kv_pages_held = std::move(*reserved);
+  absl::StatusOr<Reservation> state_held = kv_pages_held.SplitAfter(kv_pages);
+  absl::Status registered = state_held.status();
+  if (registered.ok()) registered = kv_pages_held.RegisterRuns(transport_);
+  if (registered.ok()) registered = state_held->RegisterRuns(transport_);
+  if (!registered.ok()) {
+    count(&DecodeMetrics::finished_error);
+    return ToGrpcStatus(absl::InternalError(absl::StrCat(
+        "registering the request's KV pages with the transport: ", registered.message())));
+  }
+  const std::vector<PageRun> kv_runs = kv_pages_held.runs();
+  const std::vector<PageRun> state_runs = state_held->runs();
 
   // 3. Prefill: the prefill node writes the KV into kv_runs and the state into state_runs.
   v1::PrefillRequest prefill;
@@ -308,7 +309,15 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   kv->set_transport(arena_descriptor_.transport);
   kv->set_peer_name(arena_descriptor_.peer_name);
   kv->set_worker_address(arena_descriptor_.worker_address);
-  kv->set_remote_key(arena_descriptor_.remote_key);
+  // No arena-wide key: one key per registered run of this reservation (KvTarget.ranges).
+  for (const Reservation* held : {&kv_pages_held, &*state_held}) {
+    for (const transfer::PeerDescriptor& d : held->ranges()) {
+      v1::RemoteRange* range = kv->add_ranges();
+      range->set_base_address(d.base_address);
+      range->set_length(d.length);
+      range->set_remote_key(d.remote_key);
+    }
+  }
   kv->set_arena_base_address(arena_descriptor_.base_address);
   kv->set_arena_bytes(arena_descriptor_.length);
   kv->set_page_bytes(arena_->page_bytes());
@@ -334,6 +343,10 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   }
   *prefill.mutable_layout() = info_.layout();
   prefill.set_protocol_version(1);
+  // From here until the prefill node's answer, a peer may write into both: if the reservations
+  // die first, they are quarantined for the lease (docs/SERVING.md has the rule per ending).
+  kv_pages_held.SetPeerMayWrite(options_.quarantine_lease);
+  state_held->SetPeerMayWrite(options_.quarantine_lease);
   live->prefilling = true;
   PrefillOutcome outcome = prefill_client_.Call(
       *prefill_address, prefill, std::min(deadline, absl::Now() + options_.prefill_timeout),
@@ -341,17 +354,26 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   live->prefilling = false;
   const Clock::time_point t_prefilled = Clock::now();
   timing.set_prefill_us(MicrosBetween(t_admitted, t_prefilled));
+  if (outcome.peer_stopped) {  // it answered, or never got the request: nobody writes any more
+    kv_pages_held.SetPeerStopped();
+    state_held->SetPeerStopped();
+  }
   if (!outcome.response.ok()) {
-    if (outcome.peer_stopped) {
-      admission_->Free(*reserved);
-    } else {
-      // The call ended without the prefill node's answer: writes may still land. Quarantine.
-      admission_->Quarantine(*reserved, absl::Now() + options_.quarantine_lease);
+    if (!outcome.peer_stopped) {
       count(&DecodeMetrics::quarantined_reservations);
+      if (node_metrics != nullptr) node_metrics->OnQuarantined(WriteHoldName(outcome.hold));
     }
-    if (cancelled()) return end_cancelled();
+    kv_pages_held.Release();  // freed, or quarantined for the lease when a write may be in flight
+    state_held->Release();
+    if (outcome.cancelled || (!outcome.expired && cancelled())) return end_cancelled();
     count(&DecodeMetrics::finished_error);
-    if (node_metrics != nullptr) node_metrics->OnTransferFailed(outcome.response.status().code());
+    if (node_metrics != nullptr) {
+      if (outcome.expired) {
+        node_metrics->OnPrefillExpired();
+      } else {
+        node_metrics->OnTransferFailed(outcome.response.status().code(), outcome.sent);
+      }
+    }
     return ToGrpcStatus(outcome.response.status());
   }
   const v1::PrefillResponse& landed = *outcome.response;
@@ -376,7 +398,6 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   };
   const size_t content = KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, pt}.page_bytes();
   if (landed.layer_checksums_size() != shape.num_layers) {
-    admission_->Free(*reserved);
     return fail(absl::DataLossError(absl::StrCat("prefill node ", landed.node_name(), " sent ",
                                                  landed.layer_checksums_size(),
                                                  " layer checksums for ", shape.num_layers,
@@ -389,7 +410,6 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
       crc = transfer::Crc32cExtend(crc, arena_->page(page_ids[i]), content);
     }
     if (crc != landed.layer_checksums(layer)) {
-      admission_->Free(*reserved);
       count(&DecodeMetrics::checksum_failures);
       if (node_metrics != nullptr) node_metrics->OnChecksumFailure();
       return fail(absl::DataLossError(absl::StrFormat(
@@ -424,23 +444,18 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
         ok = absl::DataLossError(absl::StrCat("sparse state: ", parsed.status().message()));
       }
     }
-    if (!ok.ok()) {
-      admission_->Free(*reserved);
-      return fail(ok);
-    }
-    admission_->Free(state_runs);  // parsed; the room is no longer needed
+    if (!ok.ok()) return fail(ok);  // both reservations die with the call: pages freed
   }
+  state_held->Release();  // parsed; the room is no longer needed
   const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, pt};
   absl::StatusOr<std::unique_ptr<PagedKv>> paged =
-      PagedKv::Adopt(arena_, kv_shape, kv_runs, page_ids, n);  // owns kv_runs from here on
+      PagedKv::Adopt(std::move(kv_pages_held), kv_shape, page_ids, n);  // owns the pages now
   if (!paged.ok()) {
-    admission_->Notify();
     return fail(absl::InternalError(absl::StrCat("adopting pages: ", paged.status().message())));
   }
   absl::StatusOr<std::unique_ptr<SparseAttention>> attention = SparseAttention::FromPages(
       std::move(*paged), shape, *policy, needs_state ? &state : nullptr);
   if (!attention.ok()) {
-    admission_->Notify();
     return fail(absl::InternalError(absl::StrCat("policy setup: ", attention.status().message())));
   }
   auto r = std::make_shared<DecodeRequest>();
@@ -460,8 +475,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   r->context_limit = context_limit;
   const Finish first = AcceptToken(*r, static_cast<int32_t>(landed.first_token_id()));
   if (first != Finish::kNone) {
-    EndRequest(*r, first, absl::OkStatus());
-    admission_->Notify();
+    EndRequest(*r, first, absl::OkStatus());  // its reservations wake the admission's waiters
   } else {
     scheduler_->Join(r);
   }

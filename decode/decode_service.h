@@ -4,8 +4,9 @@
 // the arena, or wait in a bounded queue until the deadline) -> Prefill on a prefill node, which
 // writes the KV into those pages over UCX -> verify per-layer checksums, load the sparse state ->
 // join the continuous batch (BatchScheduler) -> stream chunks -> complete/error. Pages come back
-// at finish, abort and failure; when the prefill node's call ends without its reply (it died, the
-// connection broke) they are quarantined for a lease instead, since writes may still land.
+// at finish, abort and failure, held by decode::Reservation; when the prefill node's call ends
+// without proof that its writes stopped (connection lost after sending, Abort unanswered, its own
+// transfer timeout) they are quarantined for a lease instead, since writes may still land.
 //
 // Thread-safe. Uses gRPC's synchronous server: a Generate call holds a server thread, which polls
 // for cancellation every 10-20 ms.
@@ -81,10 +82,11 @@ struct DecodeMetrics {
 
 class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
  public:
-  // Everything passed must outlive the service. `arena_registration` is the arena registered with
-  // `transport` (remote_write); its descriptor goes into every Prefill request.
+  // Everything passed must outlive the service. `arena_descriptor` describes the arena registered
+  // with `transport` (remote_write): its worker address and base go into every Prefill request,
+  // its key never does (each reservation registers its own runs, KvTarget.ranges).
   DecodeServiceImpl(const model::Model* model, KvArena* arena, KvAdmission* admission,
-                    BatchScheduler* scheduler, const transfer::Transport* transport,
+                    BatchScheduler* scheduler, transfer::Transport* transport,
                     const transfer::PeerDescriptor& arena_descriptor,
                     const fluxion::v1::ServerInfo& info, const DecodeServiceOptions& options);
 
@@ -127,7 +129,7 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   KvArena* const arena_;
   KvAdmission* const admission_;
   BatchScheduler* const scheduler_;
-  const transfer::Transport* const transport_;
+  transfer::Transport* const transport_;  // registers each reservation's runs
   const transfer::PeerDescriptor arena_descriptor_;
   const fluxion::v1::ServerInfo info_;
   const DecodeServiceOptions options_;

@@ -8,6 +8,8 @@
 // Pages move between three states: free -> reserved (Allocate) -> free (Free), or reserved ->
 // quarantined (Quarantine: a peer may still be writing into them) -> free (ReleaseQuarantine, once
 // the peer confirmed it stopped or is known dead). Allocation reserves everything asked or nothing.
+// The served path never calls these directly: pages are held by decode::Reservation
+// (decode/kv_admission.h), which makes these transitions when it dies.
 //
 // Thread-safe: all methods may be called concurrently.
 #ifndef FLUXION_DECODE_KV_ARENA_H_

@@ -8,7 +8,8 @@
 
 namespace fluxion::decode {
 
-absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const KvShape& shape) {
+absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const KvShape& shape,
+                                                         KvAdmission* admission) {
   if (shape.num_layers <= 0 || shape.num_kv_heads <= 0 || shape.head_dim <= 0 ||
       shape.page_tokens <= 0) {
     return absl::InvalidArgumentError("KV shape needs positive layers, heads, head_dim, page size");
@@ -18,21 +19,19 @@ absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const K
                                                    " bytes cannot hold ", shape.page_bytes(),
                                                    "-byte KV pages"));
   }
-  return std::unique_ptr<PagedKv>(new PagedKv(arena, shape));
+  return std::unique_ptr<PagedKv>(new PagedKv(arena, shape, admission));
 }
 
-absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Adopt(KvArena* arena, const KvShape& shape,
-                                                         std::vector<PageRun> runs,
+absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Adopt(Reservation reservation,
+                                                         const KvShape& shape,
                                                          absl::Span<const int32_t> pages,
                                                          int64_t tokens) {
-  auto created = Create(arena, shape);
-  if (!created.ok()) {
-    absl::Status s = arena->Free(runs);
-    (void)s;  // the caller's runs: a failure here would be its bug, reported by Free's counters
-    return created.status();
-  }
-  std::unique_ptr<PagedKv> kv = std::move(*created);
-  kv->runs_ = std::move(runs);  // owned from here on, whatever happens below
+  KvArena* const arena = reservation.arena();
+  if (arena == nullptr) return absl::InvalidArgumentError("adopting an empty reservation");
+  // On failure `reservation` dies with this call and gives its pages back.
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<PagedKv> kv,
+                           Create(arena, shape, reservation.admission()));
+  kv->reserved_.push_back(std::move(reservation));  // owned from here on, whatever happens below
   const int64_t pt = shape.page_tokens, d = shape.head_dim;
   const int64_t per_head = (tokens + pt - 1) / pt;
   if (tokens <= 0 ||
@@ -74,19 +73,18 @@ absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Adopt(KvArena* arena, const Kv
   return kv;
 }
 
-PagedKv::PagedKv(KvArena* arena, const KvShape& shape)
+PagedKv::PagedKv(KvArena* arena, const KvShape& shape, KvAdmission* admission)
     : arena_(arena),
+      admission_(admission),
       shape_(shape),
       lengths_(shape.num_layers, 0),
       pages_(shape.num_layers * shape.num_kv_heads),
       meta_(shape.num_layers * shape.num_kv_heads) {}
 
-PagedKv::~PagedKv() {
-  if (!runs_.empty()) {
-    // Our own bookkeeping: a failure here is a bug, and there is nobody to return it to.
-    absl::Status s = arena_->Free(runs_);
-    (void)s;
-  }
+int64_t PagedKv::reserved_pages() const {
+  int64_t n = 0;
+  for (const Reservation& r : reserved_) n += r.pages();
+  return n;
 }
 
 absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* v,
@@ -100,9 +98,10 @@ absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* 
   const int64_t want = (new_len + pt - 1) / pt;
   if (want > have) {
     // One reservation for every head of the layer: all or nothing.
-    FLUXION_ASSIGN_OR_RETURN(std::vector<PageRun> runs, arena_->Allocate((want - have) * heads));
+    FLUXION_ASSIGN_OR_RETURN(Reservation group,
+                             Reservation::Allocate(arena_, (want - have) * heads, admission_));
     std::vector<int32_t> ids;
-    for (const PageRun& r : runs) {
+    for (const PageRun& r : group.runs()) {
       for (int32_t id = r.first; id < r.first + r.count; ++id) ids.push_back(id);
     }
     // Head-major: each head's new pages are consecutive ids where the runs allow.
@@ -114,7 +113,7 @@ absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* 
       meta.max.resize(want * d, -INFINITY);
       meta.mean.resize(want * d, 0.0f);
     }
-    runs_.insert(runs_.end(), runs.begin(), runs.end());
+    reserved_.push_back(std::move(group));
   }
   for (int64_t h = 0; h < heads; ++h) {
     const auto& table = pages_[Index(layer, h)];

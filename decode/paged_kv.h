@@ -3,8 +3,9 @@
 //
 // Logical page i of (layer, kv_head) holds tokens [i * page_tokens, (i + 1) * page_tokens).
 // Pages are reserved from the arena all-or-nothing: for the prompt at creation, then one page per
-// (layer, KV head) whenever a layer's token count crosses a page boundary. Everything is returned
-// to the arena on destruction.
+// (layer, KV head) whenever a layer's token count crosses a page boundary. Every page is held in
+// a decode::Reservation, so everything goes back to the arena (and the admission's waiters are
+// woken) on destruction, whatever path ends the sequence.
 //
 // Thread-compatible: one request is driven by one thread at a time; different requests may run
 // concurrently (the arena is thread-safe).
@@ -18,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/half.h"
+#include "decode/kv_admission.h"
 #include "decode/kv_arena.h"
 #include "kernels/paged_attention.h"
 
@@ -35,19 +37,21 @@ struct KvShape {
 class PagedKv {
  public:
   // An empty sequence whose pages come from `arena`, which must outlive it and have pages of at
-  // least shape.page_bytes(). InvalidArgument for a mismatched arena.
-  static absl::StatusOr<std::unique_ptr<PagedKv>> Create(KvArena* arena, const KvShape& shape);
+  // least shape.page_bytes(). `admission` (may be null) is woken whenever its pages come back.
+  // InvalidArgument for a mismatched arena.
+  static absl::StatusOr<std::unique_ptr<PagedKv>> Create(KvArena* arena, const KvShape& shape,
+                                                         KvAdmission* admission = nullptr);
   // A sequence of `tokens` tokens per layer whose pages are already reserved and filled (the
   // prompt's KV written by a prefill node into pages the decode node reserved). `pages` lists
   // every page in PAGE_ORDER_LAYER_HEAD_PAGE: entry (layer * num_kv_heads + head) * P + i is
-  // logical page i of (layer, head), P = ceil(tokens / page_tokens). `runs` are the reserved runs
-  // holding them; the sequence owns them from now on and frees them on destruction, also when
-  // this call fails. Page metadata is computed from the stored keys.
-  static absl::StatusOr<std::unique_ptr<PagedKv>> Adopt(KvArena* arena, const KvShape& shape,
-                                                        std::vector<PageRun> runs,
+  // logical page i of (layer, head), P = ceil(tokens / page_tokens). `reservation` holds them;
+  // the sequence owns it from now on (also when this call fails, when it dies with the call)
+  // and grows from the same arena and admission. Page metadata is computed from the stored keys.
+  static absl::StatusOr<std::unique_ptr<PagedKv>> Adopt(Reservation reservation,
+                                                        const KvShape& shape,
                                                         absl::Span<const int32_t> pages,
                                                         int64_t tokens);
-  ~PagedKv();
+  ~PagedKv() = default;
   PagedKv(const PagedKv&) = delete;
   PagedKv& operator=(const PagedKv&) = delete;
 
@@ -75,23 +79,24 @@ class PagedKv {
   }
 
   // Pages currently reserved by this sequence.
-  int64_t reserved_pages() const { return CountPages(runs_); }
+  int64_t reserved_pages() const;
 
  private:
   struct PageMeta {
     std::vector<float> min, max, mean;  // [pages][head_dim]
   };
-  PagedKv(KvArena* arena, const KvShape& shape);
+  PagedKv(KvArena* arena, const KvShape& shape, KvAdmission* admission);
   size_t Index(int layer, int kv_head) const {
     return static_cast<size_t>(layer) * shape_.num_kv_heads + kv_head;
   }
 
   KvArena* const arena_;
+  KvAdmission* const admission_;  // woken when pages come back; may be null
   const KvShape shape_;
   std::vector<int64_t> lengths_;               // [layer]
   std::vector<std::vector<int32_t>> pages_;    // [layer * kv_heads + head] -> page ids
   std::vector<PageMeta> meta_;                 // same index
-  std::vector<PageRun> runs_;                  // everything reserved, for Free
+  std::vector<Reservation> reserved_;          // the prompt's pages, then each page group added
 };
 
 }  // namespace fluxion::decode

@@ -1,5 +1,7 @@
 #include "decode/prefill_client.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc_status.h"
@@ -26,6 +28,16 @@ serving::ChannelConfig PrefillClient::DefaultChannelConfig() {
   return g_default_channel != nullptr ? *g_default_channel : serving::ChannelConfig();
 }
 
+const char* WriteHoldName(WriteHold hold) {
+  switch (hold) {
+    case WriteHold::kNone: return "none";
+    case WriteHold::kNoReply: return "no_reply";
+    case WriteHold::kAbortUnanswered: return "abort_unanswered";
+    case WriteHold::kPeerGaveUp: return "peer_gave_up";
+  }
+  return "none";
+}
+
 std::shared_ptr<grpc::Channel> PrefillClient::ChannelFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(address);
@@ -40,12 +52,59 @@ std::shared_ptr<grpc::Channel> PrefillClient::ChannelFor(const std::string& addr
   return channel;
 }
 
+absl::Status PrefillClient::Connect(grpc::Channel& channel, const std::string& address,
+                                    absl::Time deadline, const std::function<bool()>& cancelled) {
+  const absl::Time give_up = std::min(deadline, absl::Now() + options_.connect_timeout);
+  while (true) {
+    const grpc_connectivity_state state = channel.GetState(/*try_to_connect=*/true);
+    if (state == GRPC_CHANNEL_READY) return absl::OkStatus();
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) {
+      return absl::UnavailableError(
+          "cannot connect (refused or unreachable); the request was not sent: check that the "
+          "prefill node runs at that address");
+    }
+    if (cancelled()) return absl::CancelledError("cancelled before the prefill node was reached");
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          "the request's deadline passed before the prefill node was reached; it was not sent");
+    }
+    if (now >= give_up) {
+      return absl::UnavailableError(absl::StrCat(
+          "no connection within ", absl::FormatDuration(options_.connect_timeout),
+          "; the request was not sent"));
+    }
+    channel.WaitForStateChange(state,
+                               absl::ToChronoTime(std::min(give_up, now + absl::Milliseconds(10))));
+  }
+}
+
 PrefillOutcome PrefillClient::Call(const std::string& address, const v1::PrefillRequest& request,
                                    absl::Time deadline, const std::function<bool()>& cancelled) {
+  PrefillOutcome out;
+  auto annotate = [&address](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("prefill node ", address, ": ", s.message()));
+  };
   auto channel = ChannelFor(address);
+  // 1. Connect before sending: a call that fails here never left this node, so nobody holds the
+  // pages' addresses and they are free at once.
+  if (absl::Status c = Connect(*channel, address, deadline, cancelled); !c.ok()) {
+    out.peer_stopped = true;
+    out.sent = false;
+    out.expired = absl::IsDeadlineExceeded(c);
+    out.cancelled = absl::IsCancelled(c);
+    out.response = annotate(c);
+    return out;
+  }
+  out.sent = true;
+
+  // 2. The call. Its own gRPC deadline lies past our abort window, so that at the request's
+  // deadline we abort it like a cancellation and get the prefill node's answer (CANCELLED once its
+  // writes stopped) instead of a local DEADLINE_EXCEEDED that proves nothing.
   auto stub = v1::PrefillService::NewStub(channel);
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
+  context.set_deadline(
+      absl::ToChronoTime(deadline + options_.abort_wait + absl::Seconds(1)));
   v1::PrefillResponse response;
   grpc::Status status;
   absl::Notification done;
@@ -53,55 +112,69 @@ PrefillOutcome PrefillClient::Call(const std::string& address, const v1::Prefill
     status = std::move(s);
     done.Notify();
   });
-  bool abort_sent = false, we_cancelled = false;
+  bool aborting = false, gave_up = false;
   absl::Time give_up = absl::InfiniteFuture(), next_abort = absl::InfinitePast();
   while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
-    if (!abort_sent && cancelled()) {
-      abort_sent = true;
-      give_up = absl::Now() + abort_wait_;
+    if (!aborting) {
+      if (cancelled()) {
+        aborting = out.cancelled = true;
+      } else if (absl::Now() >= deadline) {
+        aborting = out.expired = true;
+      }
+      if (aborting) give_up = absl::Now() + options_.abort_wait;
     }
     // Abort is idempotent and ignores ids the prefill node has not seen yet, so it is repeated
     // until the reply comes: an Abort that overtakes its Prefill call is not lost.
-    if (abort_sent && absl::Now() >= next_abort) {
+    if (aborting && absl::Now() >= next_abort) {
       next_abort = absl::Now() + absl::Milliseconds(50);
       grpc::ClientContext abort_context;
-      abort_context.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Milliseconds(500))));
+      abort_context.set_deadline(
+          absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Milliseconds(500))));
       v1::AbortRequest abort;
       abort.add_request_ids(request.request_id());
-      abort.set_reason("cancelled on the decode node");
+      abort.set_reason(out.expired ? "deadline passed on the decode node"
+                                   : "cancelled on the decode node");
       v1::AbortResponse ignored;
       (void)stub->Abort(&abort_context, abort, &ignored);
     }
-    if (abort_sent && absl::Now() >= give_up) {
-      we_cancelled = true;
+    if (aborting && absl::Now() >= give_up) {
+      gave_up = true;
       context.TryCancel();
       done.WaitForNotification();
       break;
     }
   }
-  PrefillOutcome out;
-  if (status.ok()) {
+  if (status.ok()) {  // also when it finished just as we aborted: its writes completed
     out.response = std::move(response);
     out.peer_stopped = true;
     return out;
   }
   const absl::Status s = FromGrpcStatus(status);
-  out.response = absl::Status(s.code(), absl::StrCat("prefill node ", address, ": ", s.message()));
-  switch (s.code()) {
-    // Answers the prefill node gives itself, after validation or after its writes stopped.
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kUnimplemented:
-      out.peer_stopped = true;
-      break;
-    case absl::StatusCode::kCancelled:
-      out.peer_stopped = !we_cancelled;  // its reply to our Abort, not our own TryCancel
-      break;
-    default:  // Unavailable, DeadlineExceeded, Internal, Unknown: nothing proven
-      out.peer_stopped = false;
+  if (gave_up) {
+    out.hold = WriteHold::kAbortUnanswered;
+  } else {
+    switch (s.code()) {
+      case absl::StatusCode::kDeadlineExceeded:  // its own wait for the writes ran out
+        out.hold = WriteHold::kPeerGaveUp;
+        break;
+      case absl::StatusCode::kUnavailable:  // the connection may have broken after sending
+      case absl::StatusCode::kInternal:
+      case absl::StatusCode::kUnknown:
+        out.hold = WriteHold::kNoReply;
+        break;
+      default:  // the prefill node's own answer (CANCELLED: to our Abort), after its writes stopped
+        out.hold = WriteHold::kNone;
+    }
+  }
+  out.peer_stopped = out.hold == WriteHold::kNone;
+  if (out.expired) {
+    out.response = annotate(absl::DeadlineExceededError(absl::StrCat(
+        "the deadline (the request's own, or --prefill-timeout-ms) passed during its prefill; "
+        "aborted (",
+        out.peer_stopped ? "the prefill node confirmed it stopped writing)"
+                         : "no confirmation that its writes stopped: the pages are quarantined)")));
+  } else {
+    out.response = annotate(s);
   }
   return out;
 }

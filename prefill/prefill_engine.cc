@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -93,6 +94,56 @@ uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
   return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
 }
 
+// One writable range of the decode node's memory and its key (KvTarget.ranges, or the legacy
+// arena-wide key).
+struct WritableRange {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  const std::string* key = nullptr;
+};
+
+// The ranges of `kv`, sorted by base; InvalidArgument naming the field for a malformed one.
+absl::StatusOr<std::vector<WritableRange>> RangesOf(const v1::KvTarget& kv, uint64_t arena_bytes,
+                                                    size_t max_ranges) {
+  std::vector<WritableRange> ranges;
+  if (kv.ranges_size() == 0) {
+    if (kv.remote_key().empty()) {
+      return absl::InvalidArgumentError(
+          "kv_target has neither ranges nor a remote_key: nothing may be written");
+    }
+    ranges.push_back({kv.arena_base_address(), arena_bytes, &kv.remote_key()});
+    return ranges;
+  }
+  if (static_cast<size_t>(kv.ranges_size()) > max_ranges) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_target.ranges has ", kv.ranges_size(), " entries for ", max_ranges,
+        " page and sparse-state extents; the decode node sends one range per reserved run"));
+  }
+  for (int i = 0; i < kv.ranges_size(); ++i) {
+    const v1::RemoteRange& r = kv.ranges(i);
+    if (r.length() == 0 || r.remote_key().empty() ||
+        r.base_address() > std::numeric_limits<uint64_t>::max() - r.length()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_target.ranges[", i, "] needs a length > 0, a remote_key and an end below 2^64"));
+    }
+    ranges.push_back({r.base_address(), r.length(), &r.remote_key()});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const WritableRange& a, const WritableRange& b) { return a.base < b.base; });
+  return ranges;
+}
+
+// Index into `ranges` (sorted by base) of a range holding [addr, addr + length), or -1.
+int RangeHolding(const std::vector<WritableRange>& ranges, uint64_t addr, uint64_t length) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                             [](uint64_t a, const WritableRange& r) { return a < r.base; });
+  if (it == ranges.begin()) return -1;
+  --it;
+  const uint64_t offset = addr - it->base;
+  if (offset > it->length || length > it->length - offset) return -1;
+  return static_cast<int>(it - ranges.begin());
+}
+
 }  // namespace
 
 PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
@@ -112,10 +163,12 @@ struct PrefillEngine::Job {
   int64_t per_head = 0, ppl = 0;
   uint64_t cb = 0, layer_bytes = 0;
   std::vector<uint64_t> page_ids;
+  // Per page and per sparse-state extent: which of `targets` (one per range used) it lies in.
+  std::vector<uint32_t> page_target, state_target;
   model::SamplingParams sampling;
   std::string who;
   bool crc = false;
-  std::unique_ptr<transfer::RemoteTarget> target;
+  std::vector<std::unique_ptr<transfer::RemoteTarget>> targets;
   std::vector<uint8_t> staging;
   std::unique_ptr<transfer::Registration> staging_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
@@ -181,6 +234,11 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
                                                       "'; this prefill node writes with '",
                                                       transport_->kind(), "'"));
   }
+  if (kv.worker_address().empty()) {
+    return absl::InvalidArgumentError(
+        "kv_target.worker_address is empty; every request must carry the decode node's worker "
+        "address");
+  }
   if (kv.page_order() != v1::PAGE_ORDER_LAYER_HEAD_PAGE) {
     return absl::InvalidArgumentError("kv_target.page_order must be PAGE_ORDER_LAYER_HEAD_PAGE");
   }
@@ -215,8 +273,36 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
       transfer::ExpandPageRuns(runs, geo.total_pages(n), arena_bytes / kv.page_bytes());
   if (!expanded.ok()) return Annotate(expanded.status(), "kv_target.extents: ");
   const std::vector<uint64_t> page_ids = std::move(*expanded);
+  if (kv.arena_base_address() > std::numeric_limits<uint64_t>::max() - arena_bytes) {
+    return absl::InvalidArgumentError("kv_target.arena_base_address + arena_bytes overflows");
+  }
+  // Every page must lie inside one range the decode node registered for this request: its key
+  // reaches nothing else, and a page outside would be a write the decode node did not allow.
+  const size_t state_extents =
+      request.has_sparse_target() ? static_cast<size_t>(request.sparse_target().extents_size()) : 0;
+  FLUXION_ASSIGN_OR_RETURN(
+      std::vector<WritableRange> ranges,
+      RangesOf(kv, arena_bytes, static_cast<size_t>(kv.extents_size()) + state_extents));
+  std::vector<int> used(ranges.size(), -1);  // range -> index into the targets, once used
+  std::vector<uint32_t> page_target(page_ids.size());
+  int targets = 0;
+  auto target_of = [&](int range) -> uint32_t {
+    if (used[range] < 0) used[range] = targets++;
+    return static_cast<uint32_t>(used[range]);
+  };
+  for (size_t i = 0; i < page_ids.size(); ++i) {
+    const uint64_t addr = kv.arena_base_address() + page_ids[i] * kv.page_bytes();
+    const int range = RangeHolding(ranges, addr, cb);
+    if (range < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_target.extents: page ", page_ids[i], " (0x", absl::Hex(addr), ", ", cb,
+          " bytes) lies outside every kv_target.ranges entry; nothing was written"));
+    }
+    page_target[i] = target_of(range);
+  }
   const bool want_state = request.has_sparse_target();
   const v1::SparseStateTarget& st = request.sparse_target();
+  std::vector<uint32_t> state_target;
   const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
   if (want_state) {
     if (st.format_version() != model::kSparseStateVersion) {
@@ -240,6 +326,13 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
         return absl::InvalidArgumentError(
             absl::StrCat("sparse_target.extents[", i, "] lies outside the arena"));
       }
+      const int range = RangeHolding(ranges, start, e.length());
+      if (range < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sparse_target.extents[", i, "] lies outside every kv_target.ranges entry; nothing "
+            "was written"));
+      }
+      state_target.push_back(target_of(range));
       room += e.length();
     }
     if (room < state_bytes) {
@@ -249,18 +342,24 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
     }
   }
 
-  // 2. Connect (cached per decode-node incarnation inside the transport).
-  transfer::PeerDescriptor peer;
-  peer.peer_name = kv.peer_name();
-  peer.transport = kv.transport();
-  peer.worker_address = kv.worker_address();
-  peer.remote_key = kv.remote_key();
-  peer.base_address = kv.arena_base_address();
-  peer.length = arena_bytes;
-  peer.compat = proto::CompatibilityOf(request.layout(), version);
+  // 2. Connect once per range used (the endpoint is cached per decode-node incarnation inside the
+  // transport; each range brings its own key).
   const std::string who = absl::StrCat("decode node ", kv.peer_name(), ": ");
-  absl::StatusOr<std::unique_ptr<transfer::RemoteTarget>> connected = transport_->Connect(peer);
-  if (!connected.ok()) return Annotate(connected.status(), who);
+  std::vector<std::unique_ptr<transfer::RemoteTarget>> connected(targets);
+  for (size_t range = 0; range < ranges.size(); ++range) {
+    if (used[range] < 0) continue;
+    transfer::PeerDescriptor peer;
+    peer.peer_name = kv.peer_name();
+    peer.transport = kv.transport();
+    peer.worker_address = kv.worker_address();
+    peer.remote_key = *ranges[range].key;
+    peer.base_address = ranges[range].base;
+    peer.length = ranges[range].length;
+    peer.compat = proto::CompatibilityOf(request.layout(), version);
+    absl::StatusOr<std::unique_ptr<transfer::RemoteTarget>> target = transport_->Connect(peer);
+    if (!target.ok()) return Annotate(target.status(), who);
+    connected[used[range]] = std::move(*target);
+  }
 
   auto job = std::make_unique<Job>();
   Job* j = job.get();
@@ -272,9 +371,11 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->per_head = per_head;
   j->cb = cb;
   j->page_ids = std::move(page_ids);
+  j->page_target = std::move(page_target);
+  j->state_target = std::move(state_target);
   j->sampling = sampling;
   j->who = who;
-  j->target = std::move(*connected);
+  j->targets = std::move(connected);
 
   // 3. Forward, sending each layer as it completes. The staging buffer holds every layer's pages
   // in PAGE_ORDER_LAYER_HEAD_PAGE order, so consecutive reserved page ids coalesce into one put.
@@ -309,20 +410,30 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
 absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const {
   const model::AttentionShape shape = model_->attention_shape();
   const v1::KvTarget& kv = j.request->kv_target();
-  std::vector<transfer::BlockCopy> copies;
-  copies.reserve((l1 - l0) * shape.num_kv_heads * (p1 - p0));
+  // One batch per range written (each range is its own target with its own key).
+  std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
   for (int64_t l = l0; l < l1; ++l) {
     for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t idx = l * j.ppl + h * j.per_head + p;
-        copies.push_back({kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
-                          j.staging.data() + idx * j.cb, j.cb});
+        copies[j.page_target[idx]].push_back(
+            {kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
+             j.staging.data() + idx * j.cb, j.cb});
       }
     }
   }
-  absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h = transport_->Write(*j.target, copies);
-  if (!h.ok()) return Annotate(h.status(), j.who);
-  j.submitted->Add(std::move(*h));
+  return WriteEach(j, copies);
+}
+
+absl::Status PrefillEngine::WriteEach(
+    Job& j, const std::vector<std::vector<transfer::BlockCopy>>& per_target) const {
+  for (size_t t = 0; t < per_target.size(); ++t) {
+    if (per_target[t].empty()) continue;
+    absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
+        transport_->Write(*j.targets[t], per_target[t]);
+    if (!h.ok()) return Annotate(h.status(), j.who);
+    j.submitted->Add(std::move(*h));
+  }
   return absl::OkStatus();
 }
 
@@ -394,21 +505,20 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
       return reg.status();
     }
     j.state_reg = std::move(*reg);
-    std::vector<transfer::BlockCopy> copies;
+    std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
     uint64_t done = 0;
-    for (const v1::ByteExtent& e : st.extents()) {
+    for (int i = 0; i < st.extents_size(); ++i) {
+      const v1::ByteExtent& e = st.extents(i);
       if (done == j.state_blob.size()) break;
       const uint64_t len = std::min<uint64_t>(e.length(), j.state_blob.size() - done);
-      copies.push_back({st.base_address() + e.offset(), j.state_blob.data() + done, len});
+      copies[j.state_target[i]].push_back(
+          {st.base_address() + e.offset(), j.state_blob.data() + done, len});
       done += len;
     }
-    absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
-        transport_->Write(*j.target, copies);
-    if (!h.ok()) {
+    if (absl::Status s = WriteEach(j, copies); !s.ok()) {
       (void)submitted.WaitAll();
-      return Annotate(h.status(), j.who);
+      return s;
     }
-    submitted.Add(std::move(*h));
     v1::SparseStateSummary* summary = response.mutable_sparse_state();
     summary->set_format_version(model::kSparseStateVersion);
     summary->set_bytes_written(j.state_blob.size());

@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "absl/types/span.h"
 
@@ -75,6 +76,8 @@ class PrefillEngine {
   absl::StatusOr<std::unique_ptr<Job>> Prepare(const fluxion::v1::PrefillRequest& request,
                                                const std::function<bool()>& cancelled) const;
   absl::Status Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const;
+  // Writes copies[t] into j.targets[t] for every t with copies, one batch each.
+  absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
   absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
 

@@ -401,6 +401,50 @@ TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartial
   EXPECT_GT(r.error.timing().ttft_us(), 0u);
 }
 
+// The attack of issue 12: requests whose deadline passes while the prefill node computes used to
+// hold their pages for the whole quarantine lease. The decode node now aborts them at the deadline
+// and the prefill node's CANCELLED answer (its writes stopped) frees the pages at once.
+TEST_F(ServingFailureTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNodeStops) {
+  auto slow = SlowPrefill(300);  // 6 layers x 300 ms: every deadline below passes mid-prefill
+  ASSERT_NE(slow, nullptr);
+  std::vector<std::thread> clients;
+  std::vector<GenerateResult> results(4);
+  for (int i = 0; i < 4; ++i) {
+    clients.emplace_back([&, i] {
+      v1::GenerateRequest r = GreedyRequest("short-" + std::to_string(i), BytePrompt(kPromptText),
+                                            8, "", slow->address());  // default policy: + state
+      r.set_timeout_ms(400);
+      results[i] = pair_->client->Generate(r);
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (const GenerateResult& r : results) {
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << r.status.error_message();
+  }
+  // At once, not after the lease (1 s here, 30 s by default).
+  const v1::DecodeLoad load = pair_->client->Load();
+  EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+}
+
+// A prefill node that cannot be reached never got the request: nothing is held.
+TEST_F(ServingFailureTest, RefusedPrefillConnectionFreesPagesAtOnce) {
+  std::string dead;
+  {
+    auto gone = SlowPrefill(0);
+    ASSERT_NE(gone, nullptr);
+    dead = gone->address();
+    gone->Kill();
+  }
+  GenerateResult r = pair_->client->Generate(
+      GreedyRequest("refused", BytePrompt(kPromptText), 4, "full", dead));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("not sent"), std::string::npos)
+      << r.status.error_message();
+  const v1::DecodeLoad load = pair_->client->Load();
+  EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+}
+
 // Cancels a Generate call after `after` and returns when its stream ended.
 grpc::Status GenerateAndCancel(DecodeClient& client, const v1::GenerateRequest& request,
                                absl::Duration after, absl::Time* cancelled_at) {
