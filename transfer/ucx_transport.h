@@ -28,6 +28,7 @@
 #ifndef FLUXION_TRANSFER_UCX_TRANSPORT_H_
 #define FLUXION_TRANSFER_UCX_TRANSPORT_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -82,6 +83,10 @@ class UcxTransport : public Transport {
   // through active messages into this transport's memory do not land, flushes towards it do not
   // complete, as with a hung peer.
   virtual void SetProgressPausedForTesting(bool paused) = 0;
+
+  // Test hook: how many Connect() round trips (probe get + flush) this transport issued. One per
+  // endpoint: further descriptors of a proved peer connect without one.
+  virtual uint64_t ConnectProbesForTesting() const = 0;
 };
 
 // Creates the context, worker and progress thread. Internal (or the UCX error) when UCX cannot
