@@ -129,10 +129,21 @@ absl::Status ValidateUcxWorkerAddress(absl::string_view blob,
 
 // The structure of a UCX 1.13 packed remote key (ucp_rkey_pack()):
 //   md_map u64 | mem_type u8 | per set bit of md_map: size u8, size bytes |
-//   optional: sys_dev u8, then 3-byte distance records
-// Refuses a key whose per-domain sizes run past the blob, an empty md map, a memory type other
-// than host (we only register host memory), and a trailer that is not 0 or 1 + 3k bytes.
+//   [sys_dev u8, 3-byte distance records: only for device memory]
+// Refuses a key whose per-domain sizes run past the blob, a memory type other than host (we only
+// register host memory) and any trailing byte (host memory has no system-device trailer). An
+// empty md map is valid: it is what UCX packs when no memory domain registered the memory (TCP
+// only), and puts are then emulated.
 absl::Status ValidateUcxRemoteKey(absl::string_view blob);
+
+// One memory domain's record of a packed remote key.
+struct UcxKeyRecord {
+  uint32_t md_index = 0;   // the peer's memory domain index (as in its worker address records)
+  absl::string_view bytes;  // the transport's packed key, pointing into the blob
+};
+
+// The per-domain records of a key that passed ValidateUcxRemoteKey.
+absl::StatusOr<std::vector<UcxKeyRecord>> ParseUcxRemoteKey(absl::string_view blob);
 
 // Extra zero bytes appended to every UCX blob we hand to UCX (not part of the blob). UCX's
 // transports read fixed-size structures out of address and key records, sized by what they pack

@@ -1,7 +1,12 @@
 #include "transfer/ucx_transport.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
+#include <sys/shm.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <ucs/algorithm/crc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +28,129 @@ namespace fluxion::transfer {
 namespace {
 
 using internal::MetricsRecorder;
+
+uint64_t ReadLe(absl::string_view bytes, size_t offset, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) {
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[offset + i])) << (8 * i);
+  }
+  return v;
+}
+
+// UCX 1.13's shared-memory components attach the peer's segment while unpacking a key (sysv:
+// shmat of the key's shmid; posix: open + mmap of the file the key names), and when that fails,
+// ucp_ep_rkey_unpack's error path crashes in ucp_rkey_destroy (uct_rkey_release on a key never
+// unpacked: UcxBlobTest.FlippedAllocatedKeysNeverCrash found it with one flipped shmid bit).
+// After a successful attach, puts are direct copies into the mapping at an offset computed from
+// the key's owner address, so a forged owner address would aim our copies anywhere in this
+// process. So before UCX sees such a key we check, as UCX's attach will, that the segment exists
+// and we may map it read-write, and that the descriptor's range lies inside it.
+// (layouts: uct_sysv_packed_rkey_t and uct_posix_packed_rkey_t, src/uct/sm/mm at v1.13.1)
+constexpr size_t kSysvKeyBytes = 12;   // int shmid, uintptr_t owner_ptr
+constexpr size_t kPosixKeyBytes = 24;  // uint64_t seg_id, uintptr_t address, size_t length
+constexpr uint64_t kPosixProcfs = uint64_t{1} << 63;
+constexpr uint64_t kPosixShmOpen = uint64_t{1} << 62;
+constexpr uint64_t kPosixPidNs = uint64_t{1} << 60;
+constexpr uint64_t kPosixFlags = uint64_t{0xf} << 60;
+
+absl::Status CheckSysvKey(const PeerDescriptor& peer, absl::string_view key) {
+  if (key.size() != kSysvKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sysv key record has ", key.size(), " bytes, expected ", kSysvKeyBytes));
+  }
+  const int shmid = static_cast<int32_t>(ReadLe(key, 0, 4));
+  const uint64_t owner = ReadLe(key, 4, 8);
+  shmid_ds ds = {};
+  if (shmctl(shmid, IPC_STAT, &ds) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "names System V segment ", shmid, ", which does not exist here or is not ours to read"));
+  }
+  if (!internal::RangeInside(peer.base_address, peer.length, owner, ds.shm_segsz)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
+        ") lies outside System V segment ", shmid, " [0x", absl::Hex(owner), ", +",
+        ds.shm_segsz, ")"));
+  }
+  void* attached = shmat(shmid, nullptr, 0);
+  if (attached == reinterpret_cast<void*>(-1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("System V segment ", shmid, " cannot be attached read-write here"));
+  }
+  shmdt(attached);
+  return absl::OkStatus();
+}
+
+absl::Status CheckPosixKey(const PeerDescriptor& peer, absl::string_view key) {
+  if (key.size() < kPosixKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("posix key record has ", key.size(),
+                                                   " bytes, at least ", kPosixKeyBytes,
+                                                   " expected"));
+  }
+  const uint64_t seg_id = ReadLe(key, 0, 8);
+  const uint64_t owner = ReadLe(key, 8, 8);
+  const uint64_t length = ReadLe(key, 16, 8);
+  const uint64_t mmid = seg_id & ~kPosixFlags;
+  if (seg_id & kPosixPidNs) {
+    return absl::InvalidArgumentError("posix key of a peer in another PID namespace (unchecked)");
+  }
+  if (length == 0 || !internal::RangeInside(peer.base_address, peer.length, owner, length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
+        ") lies outside the posix segment [0x", absl::Hex(owner), ", +", length, ")"));
+  }
+  std::string path;
+  if (seg_id & kPosixProcfs) {
+    path = absl::StrCat("/proc/", mmid & ((uint64_t{1} << 30) - 1), "/fd/", mmid >> 30);
+  } else if (seg_id & kPosixShmOpen) {
+    path = absl::StrCat("/dev/shm/ucx_shm_posix_", absl::Hex(mmid));
+  } else {
+    const absl::string_view rest = key.substr(kPosixKeyBytes);
+    const size_t nul = rest.find('\0');
+    if (nul == absl::string_view::npos) {
+      return absl::InvalidArgumentError("posix key record's directory is not terminated");
+    }
+    path = absl::StrCat(rest.substr(0, nul), "/ucx_shm_posix_", absl::Hex(mmid));
+  }
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("names posix segment ", path, ", which cannot be opened read-write here"));
+  }
+  struct stat st = {};
+  const bool big_enough = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= length;
+  close(fd);
+  if (!big_enough) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("posix segment ", path, " is smaller than the key's ", length, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// The per-domain records of `key` that UCX would attach: those whose memory domain the peer's
+// address lists with a sysv or posix transport.
+absl::Status CheckSharedMemoryKeys(const PeerDescriptor& peer, absl::string_view address,
+                                   absl::string_view key) {
+  static const uint16_t kSysv = ucs_crc16_string("sysv");
+  static const uint16_t kPosix = ucs_crc16_string("posix");
+  absl::StatusOr<std::vector<UcxAddressRecord>> transports = ParseUcxWorkerAddress(address);
+  absl::StatusOr<std::vector<UcxKeyRecord>> records = ParseUcxRemoteKey(key);
+  if (!transports.ok()) return transports.status();
+  if (!records.ok()) return records.status();
+  for (const UcxKeyRecord& r : *records) {
+    for (const UcxAddressRecord& t : *transports) {
+      if (t.md_index != r.md_index) continue;
+      absl::Status s = absl::OkStatus();
+      if (t.tl_name_checksum == kSysv) s = CheckSysvKey(peer, r.bytes);
+      if (t.tl_name_checksum == kPosix) s = CheckPosixKey(peer, r.bytes);
+      if (!s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("md ", r.md_index, " ", s.message()));
+      }
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
 
 class UcxTransportImpl;
 
@@ -569,6 +697,9 @@ absl::Status UcxTransportImpl::CheckDescriptor(const PeerDescriptor& peer, std::
     return absl::InvalidArgumentError(absl::StrCat(who, "worker_address: ", s.message()));
   }
   if (absl::Status s = ValidateUcxRemoteKey(k->payload); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
+  }
+  if (absl::Status s = CheckSharedMemoryKeys(peer, a->payload, k->payload); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
   }
   *address = std::move(a->payload);
