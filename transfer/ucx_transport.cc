@@ -137,17 +137,19 @@ absl::Status CheckSharedMemoryKeys(const PeerDescriptor& peer, absl::string_view
   if (!transports.ok()) return transports.status();
   if (!records.ok()) return records.status();
   for (const UcxKeyRecord& r : *records) {
+    // Every transport record naming this md index, not only the first: UCX picks the component
+    // that unpacks the key from the address, and a hostile address can give one md index to
+    // several transports (a flipped md index did: a 0-byte "self" key record unpacked as sysv).
+    bool sysv = false, posix = false;
     for (const UcxAddressRecord& t : *transports) {
       if (t.md_index != r.md_index) continue;
-      absl::Status s = absl::OkStatus();
-      if (t.tl_name_checksum == kSysv) s = CheckSysvKey(peer, r.bytes);
-      if (t.tl_name_checksum == kPosix) s = CheckPosixKey(peer, r.bytes);
-      if (!s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("md ", r.md_index, " ", s.message()));
-      }
-      break;
+      sysv |= t.tl_name_checksum == kSysv;
+      posix |= t.tl_name_checksum == kPosix;
     }
+    absl::Status s = absl::OkStatus();
+    if (sysv) s = CheckSysvKey(peer, r.bytes);
+    if (s.ok() && posix) s = CheckPosixKey(peer, r.bytes);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("md ", r.md_index, " ", s.message()));
   }
   return absl::OkStatus();
 }
