@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -261,6 +262,19 @@ TEST_P(UcxBlobTest, FlippedAllocatedKeysNeverCrash) {
     }
   }
   EXPECT_GT(refused, 0u);
+  // Seeded multi-byte mutations, truncations and extensions: the same, never a crash.
+  std::mt19937 rng(12);
+  for (int round = 0; round < 300; ++round) {
+    std::string key = k->payload;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) key[rng() % key.size()] = static_cast<char>(rng());
+    if (round % 10 == 0) key.resize(rng() % (key.size() + 8), '\0');
+    if (key.empty()) continue;
+    PeerDescriptor mutated = d;
+    mutated.remote_key = WrapBlob(BlobField::kRemoteKey, key, d.base_address, d.length);
+    auto t = writer_->Connect(mutated);
+    if (t.ok()) t->reset();
+  }
   // A range the segment does not hold, with the real key: refused by the segment check too.
   PeerDescriptor outside = d;
   outside.base_address += kBytes;
