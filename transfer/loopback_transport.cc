@@ -8,7 +8,9 @@
 #include <new>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "transfer/descriptor_check.h"
 
 namespace fluxion::transfer {
 namespace loopback_internal {
@@ -229,8 +231,11 @@ class LoopbackRegistration final : public Registration {
     PeerDescriptor d;
     d.peer_name = owner_->options_.node_name;
     d.transport = "loopback";
-    d.worker_address = loopback_internal::EncodeId(owner_->core_->id());
-    d.remote_key = loopback_internal::EncodeId(id_);
+    // The same envelopes as UCX's blobs (descriptor_check.h), around 8-byte ids.
+    d.worker_address =
+        WrapBlob(BlobField::kWorkerAddress, loopback_internal::EncodeId(owner_->core_->id()));
+    d.remote_key = WrapBlob(BlobField::kRemoteKey, loopback_internal::EncodeId(id_),
+                            reinterpret_cast<uintptr_t>(region_.addr), region_.length);
     d.base_address = reinterpret_cast<uintptr_t>(region_.addr);
     d.length = region_.length;
     d.compat = owner_->options_.compat;
@@ -319,16 +324,31 @@ absl::StatusOr<std::unique_ptr<RemoteTarget>> LoopbackTransport::Connect(
     const PeerDescriptor& peer) {
   if (peer.transport != kind()) {
     metrics_->AddFailure(internal::MetricsRecorder::Failure::kInvalidArgument);
-    return absl::InvalidArgumentError(absl::StrCat("descriptor of peer '", peer.peer_name,
-                                                   "' is for transport '", peer.transport,
-                                                   "', this is 'loopback'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "descriptor of peer '", absl::CHexEscape(peer.peer_name), "' is for transport '",
+        absl::CHexEscape(peer.transport.substr(0, kMaxTransportNameBytes)),
+        "', this is 'loopback'"));
+  }
+  // The same checks as UCX's Connect(), so that tests over loopback see the same refusals.
+  constexpr size_t kIdBytes = 8;
+  absl::StatusOr<UnwrappedBlob> address = absl::InvalidArgumentError("unchecked");
+  absl::StatusOr<UnwrappedBlob> key = address;
+  absl::Status valid = ValidatePeerDescriptor(peer);
+  if (valid.ok()) {
+    address = UnwrapBlob(BlobField::kWorkerAddress, peer.worker_address, kIdBytes);
+    key = UnwrapBlob(BlobField::kRemoteKey, peer.remote_key, kIdBytes);
+    valid = !address.ok() ? address.status() : !key.ok() ? key.status() : CheckKeyScope(peer, *key);
+  }
+  if (!valid.ok()) {
+    metrics_->AddFailure(internal::MetricsRecorder::Failure::kInvalidArgument);
+    return valid;
   }
   if (absl::Status s = CheckCompatible(options_.compat, peer.compat); !s.ok()) {
     metrics_->AddFailure(internal::MetricsRecorder::Failure::kIncompatible);
     return absl::Status(s.code(), absl::StrCat("peer '", peer.peer_name, "': ", s.message()));
   }
-  absl::StatusOr<uint64_t> core_id = loopback_internal::DecodeId(peer.worker_address, "address");
-  absl::StatusOr<uint64_t> reg = loopback_internal::DecodeId(peer.remote_key, "remote key");
+  absl::StatusOr<uint64_t> core_id = loopback_internal::DecodeId(address->payload, "address");
+  absl::StatusOr<uint64_t> reg = loopback_internal::DecodeId(key->payload, "remote key");
   if (!core_id.ok() || !reg.ok()) {
     metrics_->AddFailure(internal::MetricsRecorder::Failure::kInvalidArgument);
     return !core_id.ok() ? core_id.status() : reg.status();

@@ -77,10 +77,12 @@ struct PeerDescriptor {
   std::string peer_name;
   // Which transport produced it: "ucx" or "loopback". Connect() on another kind: InvalidArgument.
   std::string transport;
-  // For UCX: the ucp_worker_get_address() blob.
+  // The transport's address (UCX: the ucp_worker_get_address() blob) inside our self-checking
+  // envelope (transfer/descriptor_check.h: magic, version, field, length, CRC-32C).
   std::string worker_address;
-  // For UCX: the ucp_rkey_pack() blob of the registration. Its scope is the registration: a peer
-  // may write only into [base_address, base_address + length).
+  // The registration's key (UCX: the ucp_rkey_pack() blob) inside the same envelope, which also
+  // records the range the key was issued for. Its scope is the registration: a peer may write
+  // only into [base_address, base_address + length), which must lie inside that range.
   std::string remote_key;
   // Remote virtual address and length of the writable range, in bytes.
   uint64_t base_address = 0;
@@ -202,9 +204,12 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Registration>> Allocate(
       size_t length, const RegistrationOptions& options = {}) = 0;
 
-  // Prepares to write into the registration `peer` describes. Checks the transport kind
-  // (InvalidArgument), then compatibility (FailedPrecondition naming the field). Connections
-  // are cached per peer incarnation: many descriptors from one peer share one connection; a peer
+  // Prepares to write into the registration `peer` describes. `peer` is untrusted input (it comes
+  // in a Prefill request): before the transport library sees a byte, checks the transport kind,
+  // every field, both blob envelopes, the key's scope and the blobs' structure (InvalidArgument
+  // naming the field; docs/TRANSFER.md, "Validating peer descriptors"), then compatibility
+  // (FailedPrecondition naming the field). Connections are cached per peer incarnation: many
+  // descriptors from one peer share one connection, and only the first pays a round trip; a peer
   // known dead gives Unavailable, and a restarted peer (new worker address) gets a fresh one.
   virtual absl::StatusOr<std::unique_ptr<RemoteTarget>> Connect(const PeerDescriptor& peer) = 0;
 

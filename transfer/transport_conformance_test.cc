@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transfer/descriptor_check.h"
 #include "transfer/loopback_transport.h"
 #include "transfer/transport.h"
 #ifdef FLUXION_TRANSFER_CONFORMANCE_UCX
@@ -64,6 +65,10 @@ struct Backend {
   // Whether the death of a peer is visible to this transport (UCX: peer error handling on, which
   // UCX 1.13 supports only over TCP here).
   bool detects_peer_death = true;
+  // Whether the target refuses a write through a key whose registration was destroyed, as a NIC
+  // does for an invalidated rkey. Loopback does; UCX 1.13's emulated puts on tcp/sm do not
+  // (docs/TRANSFER.md, "Remote-key scope").
+  bool target_enforces_revocation = true;
 };
 
 #ifndef FLUXION_TRANSFER_CONFORMANCE_UCX
@@ -97,7 +102,7 @@ Backend UcxBackend(std::string name, std::vector<std::pair<std::string, std::str
                  [](Transport* t, bool paused) {
                    static_cast<UcxTransport*>(t)->SetProgressPausedForTesting(paused);
                  },
-                 peer_error_handling};
+                 peer_error_handling, /*target_enforces_revocation=*/false};
 }
 #endif
 
@@ -504,6 +509,169 @@ TEST_P(TransportConformanceTest, ConcurrentWritersFromManyThreadsAllLand) {
   for (auto& th : threads) th.join();
   for (const auto& r : results) EXPECT_TRUE(r.ok()) << r;
   EXPECT_EQ(0, std::memcmp(arena_.data(), source_.data(), kBytes));
+}
+
+// Every single-byte flip, every truncation and a few extensions of the descriptor's enveloped
+// worker address and remote key: InvalidArgument naming the field, before the transport library
+// sees a byte. (Before the envelope and the UCX structure checks, flipping byte 0 of a UCX worker
+// address aborted the process inside ucp_address_unpack.)
+TEST_P(TransportConformanceTest, CorruptedBlobsAreRefusedWithInvalidArgumentNamingTheField) {
+  struct Field {
+    const char* name;
+    std::string PeerDescriptor::*member;
+  };
+  for (const Field& f : {Field{"worker_address", &PeerDescriptor::worker_address},
+                         Field{"remote_key", &PeerDescriptor::remote_key}}) {
+    const std::string good = descriptor_.*f.member;
+    std::vector<std::string> bad;
+    for (size_t i = 0; i < good.size(); ++i) {
+      for (uint8_t bit : {0x01, 0x80}) {
+        std::string b = good;
+        b[i] = static_cast<char>(b[i] ^ bit);
+        bad.push_back(b);
+      }
+    }
+    for (size_t n = 0; n < good.size(); ++n) bad.push_back(good.substr(0, n));
+    for (size_t extra : {1, 7, 64}) bad.push_back(good + std::string(extra, '\x5a'));
+    for (const std::string& b : bad) {
+      PeerDescriptor d = descriptor_;
+      d.*f.member = b;
+      auto r = writer_->Connect(d);
+      ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+          << f.name << " of " << b.size() << " bytes: " << r.status();
+      ASSERT_THAT(r.status().message(), HasSubstr(f.name)) << r.status();
+    }
+  }
+  // Worker address and key swapped.
+  PeerDescriptor swapped = descriptor_;
+  std::swap(swapped.worker_address, swapped.remote_key);
+  EXPECT_EQ(writer_->Connect(swapped).status().code(), absl::StatusCode::kInvalidArgument);
+  // The real descriptor still connects afterwards.
+  ASSERT_NO_FATAL_FAILURE(ConnectOrDie());
+}
+
+// Base addresses no registration can have, lengths that overflow, and a range the key was not
+// issued for: refused before anything touches the peer (a base of 0x1000 made the decode node
+// segfault serving Connect's probe read).
+TEST_P(TransportConformanceTest, ImplausibleRangesAreRefusedBeforeTouchingThePeer) {
+  struct Case {
+    uint64_t base, length;
+    const char* expect;
+  };
+  const uint64_t real = descriptor_.base_address;
+  const std::vector<Case> cases = {
+      {0x1000, kPage, "base_address"},
+      {0, kPage, "base_address"},
+      {real, 0, "length is 0"},
+      {real + 3, kPage, "aligned"},
+      {0xffff800000000000ull, kPage, "user address space"},  // kernel half
+      {uint64_t{1} << 47, kPage, "user address space"},      // non-canonical
+      {real, UINT64_MAX - 8, "user address space"},          // wraps
+      {real - kPage, kPage, "remote_key was issued for"},    // just before the registration
+      {real, kBytes + 8, "remote_key was issued for"},       // one word past its end
+  };
+  for (const Case& c : cases) {
+    PeerDescriptor d = descriptor_;
+    d.base_address = c.base;
+    d.length = c.length;
+    auto r = writer_->Connect(d);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << std::hex << c.base;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.expect)) << r.status();
+  }
+  PeerDescriptor no_name = descriptor_;
+  no_name.peer_name.clear();
+  EXPECT_EQ(writer_->Connect(no_name).status().code(), absl::StatusCode::kInvalidArgument);
+  // A sub-range of the key's scope is fine (the services pass fewer bytes than registered).
+  PeerDescriptor inner = descriptor_;
+  inner.base_address += kPage;
+  inner.length = kPage;
+  auto r = writer_->Connect(inner);
+  ASSERT_TRUE(r.ok()) << r.status();
+  r->reset();
+}
+
+// Per-reservation keys: the decode node registers each page run of a reservation separately
+// inside its registered arena and sends one descriptor per run; the prefill node connects once
+// per run. All share one endpoint, and only the first Connect pays a round trip.
+TEST_P(TransportConformanceTest, ManySubRangeRegistrationsConnectCheaplyAndStayInBounds) {
+  constexpr size_t kRuns = 8;
+  constexpr size_t kRunPages = 4;
+  std::vector<std::unique_ptr<Registration>> runs;
+  std::vector<std::unique_ptr<RemoteTarget>> targets;
+  for (size_t i = 0; i < kRuns; ++i) {
+    // Runs 0, 2, 4, ... pages apart by kRunPages * 2: gaps between them belong to no run.
+    auto reg = target_->Register({arena_.data() + i * 2 * kRunPages * kPage, kRunPages * kPage});
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    auto desc = (*reg)->Describe();
+    ASSERT_TRUE(desc.ok()) << desc.status();
+    ASSERT_EQ(desc->length, kRunPages * kPage);
+    auto t = writer_->Connect(*desc);
+    ASSERT_TRUE(t.ok()) << "run " << i << ": " << t.status();
+    runs.push_back(*std::move(reg));
+    targets.push_back(*std::move(t));
+  }
+#ifdef FLUXION_TRANSFER_CONFORMANCE_UCX
+  EXPECT_EQ(static_cast<UcxTransport*>(writer_.get())->ConnectProbesForTesting(), 1u)
+      << "one round trip per endpoint, not per descriptor";
+#endif
+  for (size_t i = 0; i < kRuns; ++i) {
+    const uint64_t base = targets[i]->base_address();
+    auto h = writer_->Write(*targets[i], {{base, SourcePage(i), kRunPages * kPage}});
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_TRUE((*h)->Wait(kLongWait).ok());
+    // One byte before, one byte past, and the next run's first page: refused by the sender.
+    for (const BlockCopy& c : std::vector<BlockCopy>{{base - 1, SourcePage(0), 1},
+                                                     {base + kRunPages * kPage, SourcePage(0), 1},
+                                                     {base + kRunPages * kPage - 8, SourcePage(0),
+                                                      16}}) {
+      auto out = writer_->Write(*targets[i], {c});
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << "run " << i;
+    }
+  }
+  for (size_t i = 0; i < kRuns; ++i) {
+    const uint8_t* run = arena_.data() + i * 2 * kRunPages * kPage;
+    ASSERT_EQ(0, std::memcmp(run, SourcePage(i), kRunPages * kPage)) << "run " << i;
+    // The gap after each run was never written.
+    EXPECT_TRUE(std::all_of(run + kRunPages * kPage, run + 2 * kRunPages * kPage,
+                            [](uint8_t b) { return b == 0; }))
+        << "gap after run " << i;
+  }
+  targets.clear();
+  runs.clear();
+}
+
+// A run's registration destroyed (the reservation ended) while the peer still holds its key:
+// nothing breaks on either side, the other runs keep working, and where the target enforces
+// keys (loopback, and a NIC's rkeys) a write through the revoked key fails and lands nothing.
+TEST_P(TransportConformanceTest, RegistrationDestroyedWhilePeerHoldsItsKey) {
+  auto run_a = target_->Register({arena_.data(), 4 * kPage});
+  auto run_b = target_->Register({arena_.data() + 8 * kPage, 4 * kPage});
+  ASSERT_TRUE(run_a.ok() && run_b.ok());
+  const PeerDescriptor desc_a = *(*run_a)->Describe();
+  auto a = writer_->Connect(desc_a);
+  auto b = writer_->Connect(*(*run_b)->Describe());
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  run_a->reset();  // revoked while the writer holds `a`
+
+  auto still = writer_->Write(**b, {{(*b)->base_address(), SourcePage(2), kPage}});
+  ASSERT_TRUE(still.ok()) << still.status();
+  ASSERT_TRUE((*still)->Wait(kLongWait).ok());
+  EXPECT_EQ(0, std::memcmp(arena_.data() + 8 * kPage, SourcePage(2), kPage));
+
+  if (GetParam().target_enforces_revocation) {
+    auto h = writer_->Write(**a, {{(*a)->base_address(), SourcePage(1), kPage}});
+    absl::Status s = h.ok() ? (*h)->Wait(kLongWait) : h.status();
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(s.message(), HasSubstr("revoked")) << s;
+    EXPECT_TRUE(std::all_of(arena_.begin(), arena_.begin() + kPage,
+                            [](uint8_t x) { return x == 0; }));
+    // And a fresh Connect with the stale descriptor is refused.
+    EXPECT_FALSE(writer_->Connect(desc_a).ok());
+  }
+  a->reset();  // releasing a key whose registration is gone is fine
+  b->reset();
+  run_b->reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TransportConformanceTest, ::testing::ValuesIn(AllBackends()),

@@ -1,7 +1,12 @@
 #include "transfer/ucx_transport.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
+#include <sys/shm.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <ucs/algorithm/crc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,9 +16,11 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
+#include "transfer/descriptor_check.h"
 #include "transfer/transport_internal.h"
 #include "transfer/ucx_handles.h"
 
@@ -22,6 +29,131 @@ namespace {
 
 using internal::MetricsRecorder;
 
+uint64_t ReadLe(absl::string_view bytes, size_t offset, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) {
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[offset + i])) << (8 * i);
+  }
+  return v;
+}
+
+// UCX 1.13's shared-memory components attach the peer's segment while unpacking a key (sysv:
+// shmat of the key's shmid; posix: open + mmap of the file the key names), and when that fails,
+// ucp_ep_rkey_unpack's error path crashes in ucp_rkey_destroy (uct_rkey_release on a key never
+// unpacked: UcxBlobTest.FlippedAllocatedKeysNeverCrash found it with one flipped shmid bit).
+// After a successful attach, puts are direct copies into the mapping at an offset computed from
+// the key's owner address, so a forged owner address would aim our copies anywhere in this
+// process. So before UCX sees such a key we check, as UCX's attach will, that the segment exists
+// and we may map it read-write, and that the descriptor's range lies inside it.
+// (layouts: uct_sysv_packed_rkey_t and uct_posix_packed_rkey_t, src/uct/sm/mm at v1.13.1)
+constexpr size_t kSysvKeyBytes = 12;   // int shmid, uintptr_t owner_ptr
+constexpr size_t kPosixKeyBytes = 24;  // uint64_t seg_id, uintptr_t address, size_t length
+constexpr uint64_t kPosixProcfs = uint64_t{1} << 63;
+constexpr uint64_t kPosixShmOpen = uint64_t{1} << 62;
+constexpr uint64_t kPosixPidNs = uint64_t{1} << 60;
+constexpr uint64_t kPosixFlags = uint64_t{0xf} << 60;
+
+absl::Status CheckSysvKey(const PeerDescriptor& peer, absl::string_view key) {
+  if (key.size() != kSysvKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sysv key record has ", key.size(), " bytes, expected ", kSysvKeyBytes));
+  }
+  const int shmid = static_cast<int32_t>(ReadLe(key, 0, 4));
+  const uint64_t owner = ReadLe(key, 4, 8);
+  shmid_ds ds = {};
+  if (shmctl(shmid, IPC_STAT, &ds) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "names System V segment ", shmid, ", which does not exist here or is not ours to read"));
+  }
+  if (!internal::RangeInside(peer.base_address, peer.length, owner, ds.shm_segsz)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
+        ") lies outside System V segment ", shmid, " [0x", absl::Hex(owner), ", +",
+        ds.shm_segsz, ")"));
+  }
+  void* attached = shmat(shmid, nullptr, 0);
+  if (attached == reinterpret_cast<void*>(-1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("System V segment ", shmid, " cannot be attached read-write here"));
+  }
+  shmdt(attached);
+  return absl::OkStatus();
+}
+
+absl::Status CheckPosixKey(const PeerDescriptor& peer, absl::string_view key) {
+  if (key.size() < kPosixKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("posix key record has ", key.size(),
+                                                   " bytes, at least ", kPosixKeyBytes,
+                                                   " expected"));
+  }
+  const uint64_t seg_id = ReadLe(key, 0, 8);
+  const uint64_t owner = ReadLe(key, 8, 8);
+  const uint64_t length = ReadLe(key, 16, 8);
+  const uint64_t mmid = seg_id & ~kPosixFlags;
+  if (seg_id & kPosixPidNs) {
+    return absl::InvalidArgumentError("posix key of a peer in another PID namespace (unchecked)");
+  }
+  if (length == 0 || !internal::RangeInside(peer.base_address, peer.length, owner, length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
+        ") lies outside the posix segment [0x", absl::Hex(owner), ", +", length, ")"));
+  }
+  std::string path;
+  if (seg_id & kPosixProcfs) {
+    path = absl::StrCat("/proc/", mmid & ((uint64_t{1} << 30) - 1), "/fd/", mmid >> 30);
+  } else if (seg_id & kPosixShmOpen) {
+    path = absl::StrCat("/dev/shm/ucx_shm_posix_", absl::Hex(mmid));
+  } else {
+    const absl::string_view rest = key.substr(kPosixKeyBytes);
+    const size_t nul = rest.find('\0');
+    if (nul == absl::string_view::npos) {
+      return absl::InvalidArgumentError("posix key record's directory is not terminated");
+    }
+    path = absl::StrCat(rest.substr(0, nul), "/ucx_shm_posix_", absl::Hex(mmid));
+  }
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("names posix segment ", path, ", which cannot be opened read-write here"));
+  }
+  struct stat st = {};
+  const bool big_enough = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= length;
+  close(fd);
+  if (!big_enough) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("posix segment ", path, " is smaller than the key's ", length, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// The per-domain records of `key` that UCX would attach: those whose memory domain the peer's
+// address lists with a sysv or posix transport.
+absl::Status CheckSharedMemoryKeys(const PeerDescriptor& peer, absl::string_view address,
+                                   absl::string_view key) {
+  static const uint16_t kSysv = ucs_crc16_string("sysv");
+  static const uint16_t kPosix = ucs_crc16_string("posix");
+  absl::StatusOr<std::vector<UcxAddressRecord>> transports = ParseUcxWorkerAddress(address);
+  absl::StatusOr<std::vector<UcxKeyRecord>> records = ParseUcxRemoteKey(key);
+  if (!transports.ok()) return transports.status();
+  if (!records.ok()) return records.status();
+  for (const UcxKeyRecord& r : *records) {
+    // Every transport record naming this md index, not only the first: UCX picks the component
+    // that unpacks the key from the address, and a hostile address can give one md index to
+    // several transports (a flipped md index did: a 0-byte "self" key record unpacked as sysv).
+    bool sysv = false, posix = false;
+    for (const UcxAddressRecord& t : *transports) {
+      if (t.md_index != r.md_index) continue;
+      sysv |= t.tl_name_checksum == kSysv;
+      posix |= t.tl_name_checksum == kPosix;
+    }
+    absl::Status s = absl::OkStatus();
+    if (sysv) s = CheckSysvKey(peer, r.bytes);
+    if (s.ok() && posix) s = CheckPosixKey(peer, r.bytes);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("md ", r.md_index, " ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 class UcxTransportImpl;
 
 // One remote worker: the cached endpoint to it. Lives as long as the transport (the endpoint's
@@ -29,10 +161,14 @@ class UcxTransportImpl;
 struct Peer {
   UcxTransportImpl* owner = nullptr;
   std::string name;
-  std::string address;
+  // The validated worker address plus kUcxBlobPadding zero bytes: what ucp_ep_create read.
+  std::string padded_address;
   ucp_ep_h ep = nullptr;  // null once closed
   bool failed = false;
   absl::Status failure;
+  // Connect()'s round trip completed once on this endpoint: later descriptors of the same peer
+  // (one per reservation run) connect without another one.
+  bool proved = false;
 };
 
 // An unpacked remote key, shared by the RemoteTarget and the batches in flight with it. Its last
@@ -74,14 +210,15 @@ class UcxRemoteTarget final : public RemoteTarget {
 
 class UcxRegistration final : public Registration {
  public:
+  // `wrapped_key`: the packed rkey in our envelope (WrapBlob), scoped to `region`.
   UcxRegistration(UcxTransportImpl* owner, uint64_t id, MemoryRegion region,
-                  std::unique_ptr<ucx::MemoryHandle> memory, std::string packed_key,
+                  std::unique_ptr<ucx::MemoryHandle> memory, std::string wrapped_key,
                   bool remote_write)
       : owner_(owner),
         id_(id),
         region_(region),
         memory_(std::move(memory)),
-        packed_key_(std::move(packed_key)),
+        wrapped_key_(std::move(wrapped_key)),
         remote_write_(remote_write) {}
   ~UcxRegistration() override;
   MemoryRegion region() const override { return region_; }
@@ -92,7 +229,7 @@ class UcxRegistration final : public Registration {
   const uint64_t id_;
   const MemoryRegion region_;
   std::unique_ptr<ucx::MemoryHandle> memory_;
-  const std::string packed_key_;
+  const std::string wrapped_key_;
   const bool remote_write_;
 };
 
@@ -132,7 +269,8 @@ class UcxTransportImpl final : public UcxTransport {
   void Bury(ucp_rkey_h rkey);
   void ObjectDestroyed() { live_objects_.fetch_sub(1); }
   const UcxOptions& options() const { return options_; }
-  const std::string& worker_address() const { return worker_address_; }
+  const std::string& wrapped_worker_address() const { return wrapped_worker_address_; }
+  uint64_t ConnectProbesForTesting() const override { return probes_.load(); }
 
  private:
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -152,8 +290,12 @@ class UcxTransportImpl final : public UcxTransport {
   void CloseEndpoint(Peer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The cached peer for `peer`'s worker address, creating its endpoint if there is none.
   // Unavailable if the peer is known dead.
-  absl::StatusOr<Peer*> FindOrCreatePeer(const PeerDescriptor& peer)
+  absl::StatusOr<Peer*> FindOrCreatePeer(const PeerDescriptor& peer, const std::string& address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Everything Connect() checks before UCX sees a byte of `peer`: the fields, both envelopes, the
+  // key's scope and the structure of the UCX address and key. On success, the unwrapped blobs.
+  absl::Status CheckDescriptor(const PeerDescriptor& peer, std::string* address,
+                               std::string* key) const;
   // Frees finished close requests; destroys buried remote keys.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -169,7 +311,12 @@ class UcxTransportImpl final : public UcxTransport {
   mutable absl::Mutex mu_;
   ucx::ContextPtr context_ ABSL_GUARDED_BY(mu_);
   ucx::WorkerPtr worker_ ABSL_GUARDED_BY(mu_);
-  std::string worker_address_;  // set once in Init()
+  std::string worker_address_;          // set once in Init()
+  std::string wrapped_worker_address_;  // set once in Init(): what Describe() hands out
+  // Our own address's transport records (set once in Init()): peers' records of the same
+  // transports must be at least as long (ValidateUcxWorkerAddress).
+  std::vector<UcxAddressRecord> local_records_;
+  std::atomic<uint64_t> probes_{0};  // Connect() round trips issued
   int event_fd_ = -1;           // set once in Init(); -1: no wakeup support, poll with sleeps
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
@@ -205,8 +352,8 @@ absl::StatusOr<PeerDescriptor> UcxRegistration::Describe() const {
   PeerDescriptor d;
   d.peer_name = owner_->options().node_name;
   d.transport = "ucx";
-  d.worker_address = owner_->worker_address();
-  d.remote_key = packed_key_;
+  d.worker_address = owner_->wrapped_worker_address();
+  d.remote_key = wrapped_key_;
   d.base_address = reinterpret_cast<uintptr_t>(region_.addr);
   d.length = region_.length;
   d.compat = owner_->options().compat;
@@ -258,6 +405,19 @@ absl::Status UcxTransportImpl::Init() {
   absl::StatusOr<std::string> address = ucx::WorkerAddressBytes(worker_.get());
   if (!address.ok()) return address.status();
   worker_address_ = *std::move(address);
+  // Our own address must pass the check we apply to peers: if it does not, this UCX packs a
+  // format the validator does not know (another UCX version, UCX_UNIFIED_MODE=y), and peers'
+  // addresses could not be checked either.
+  absl::StatusOr<std::vector<UcxAddressRecord>> records = ParseUcxWorkerAddress(worker_address_);
+  if (!records.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this node's own UCX worker address does not parse as the UCX 1.13 format this build "
+        "validates peers against (UCX version ",
+        UCP_API_MAJOR, ".", UCP_API_MINOR, " headers; is UCX_UNIFIED_MODE set?): ",
+        records.status().message()));
+  }
+  local_records_ = *std::move(records);
+  wrapped_worker_address_ = WrapBlob(BlobField::kWorkerAddress, worker_address_);
   progress_thread_ = std::thread([this] { ProgressLoop(); });
   return absl::OkStatus();
 }
@@ -493,14 +653,24 @@ absl::StatusOr<std::unique_ptr<Registration>> UcxTransportImpl::MapAndRecord(
         return packed.status();
       }
       packed_key = *std::move(packed);
+      // Same reasoning as for the worker address in Init(): our own key must pass our check.
+      if (absl::Status s = ValidateUcxRemoteKey(packed_key); !s.ok()) {
+        memory.reset();
+        return absl::InternalError(
+            absl::StrCat("this node's own packed UCX key fails validation: ", s.message()));
+      }
     }
   }
   const uint64_t id = next_registration_.fetch_add(1);
   local_.Add(id, reinterpret_cast<uintptr_t>(region.addr), region.length, memory->get());
   metrics_->AddRegistration(1, static_cast<int64_t>(region.length));
   live_objects_.fetch_add(1);
+  std::string wrapped_key =
+      options.remote_write ? WrapBlob(BlobField::kRemoteKey, packed_key,
+                                      reinterpret_cast<uintptr_t>(region.addr), region.length)
+                           : std::string();
   return std::unique_ptr<Registration>(new UcxRegistration(
-      this, id, region, std::move(memory), std::move(packed_key), options.remote_write));
+      this, id, region, std::move(memory), std::move(wrapped_key), options.remote_write));
 }
 
 void UcxTransportImpl::Deregister(uint64_t id, std::unique_ptr<ucx::MemoryHandle> memory,
@@ -511,92 +681,134 @@ void UcxTransportImpl::Deregister(uint64_t id, std::unique_ptr<ucx::MemoryHandle
   memory.reset();  // ucp_mem_unmap, under the worker lock
 }
 
+absl::Status UcxTransportImpl::CheckDescriptor(const PeerDescriptor& peer, std::string* address,
+                                               std::string* key) const {
+  if (absl::Status s = ValidatePeerDescriptor(peer); !s.ok()) return s;
+  const std::string who = absl::StrCat("descriptor of peer '", absl::CHexEscape(peer.peer_name),
+                                       "': ");
+  absl::StatusOr<UnwrappedBlob> a =
+      UnwrapBlob(BlobField::kWorkerAddress, peer.worker_address, kMaxUcxWorkerAddressBytes);
+  if (!a.ok()) return absl::InvalidArgumentError(absl::StrCat(who, a.status().message()));
+  absl::StatusOr<UnwrappedBlob> k =
+      UnwrapBlob(BlobField::kRemoteKey, peer.remote_key, kMaxUcxRemoteKeyBytes);
+  if (!k.ok()) return absl::InvalidArgumentError(absl::StrCat(who, k.status().message()));
+  if (absl::Status s = CheckKeyScope(peer, *k); !s.ok()) return s;
+  // The envelope's CRC stops corruption; these stop a well-formed envelope around bytes UCX would
+  // choke on (ucp_address_unpack and ucp_ep_rkey_unpack take no length and trust the blob).
+  if (absl::Status s = ValidateUcxWorkerAddress(a->payload, local_records_); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "worker_address: ", s.message()));
+  }
+  if (absl::Status s = ValidateUcxRemoteKey(k->payload); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
+  }
+  if (absl::Status s = CheckSharedMemoryKeys(peer, a->payload, k->payload); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
+  }
+  *address = std::move(a->payload);
+  *key = std::move(k->payload);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<RemoteTarget>> UcxTransportImpl::Connect(
     const PeerDescriptor& peer) {
   if (peer.transport != kind()) {
     metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
-    return absl::InvalidArgumentError(absl::StrCat("descriptor of peer '", peer.peer_name,
-                                                   "' is for transport '", peer.transport,
-                                                   "', this is 'ucx'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "descriptor of peer '", absl::CHexEscape(peer.peer_name), "' is for transport '",
+        absl::CHexEscape(peer.transport.substr(0, kMaxTransportNameBytes)), "', this is 'ucx'"));
+  }
+  std::string address, packed_key;
+  if (absl::Status s = CheckDescriptor(peer, &address, &packed_key); !s.ok()) {
+    metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
+    return s;
   }
   if (absl::Status s = CheckCompatible(options_.compat, peer.compat); !s.ok()) {
     metrics_->AddFailure(MetricsRecorder::Failure::kIncompatible);
     return absl::Status(s.code(), absl::StrCat("peer '", peer.peer_name, "': ", s.message()));
   }
-  if (peer.worker_address.empty() || peer.remote_key.empty()) {
-    metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
-    return absl::InvalidArgumentError(
-        absl::StrCat("descriptor of peer '", peer.peer_name, "' lacks a worker address or key"));
-  }
-  // Find or create the endpoint, unpack the key, then prove the path with a round trip: a 1-byte
-  // get from the start of the range and a flush, waited for without the lock. This way an
-  // unreachable peer or a key that does not work is reported here rather than by the first write,
-  // the first write does not pay for wireup, and the peer has sent its wireup reply before we
-  // return. The last point matters on one host: UCX 1.13 aborts (an assertion, removed upstream by
-  // openucx/ucx#8175) in a process whose peer vanishes while its wireup reply is still pending.
-  std::shared_ptr<internal::CompletionState> probe =
-      std::make_shared<internal::CompletionState>(metrics_, 0, /*is_batch=*/false);
+  // UCX reads fixed-size structures out of key records; the padding keeps a short record's read
+  // inside our buffer (ValidateUcxRemoteKey checked the framing, not each transport's layout).
+  packed_key.append(kUcxBlobPadding, '\0');
+  // Find or create the endpoint and unpack the key. The first Connect() on an endpoint then
+  // proves the path with a round trip: a 1-byte get from the start of the range and a flush,
+  // waited for without the lock. This way an unreachable peer is reported here rather than by
+  // the first write, the first write does not pay for wireup, and the peer has sent its wireup
+  // reply before we return. The last point matters on one host: UCX 1.13 aborts (an assertion,
+  // removed upstream by openucx/ucx#8175) in a process whose peer vanishes while its wireup reply
+  // is still pending. Later descriptors of the same peer (one per reservation run) skip it: the
+  // endpoint is proved, and a round trip per run would cost a network RTT per run.
+  std::shared_ptr<internal::CompletionState> probe;
   std::shared_ptr<RemoteKey> key;
   Peer* p = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<Peer*> found = FindOrCreatePeer(peer);
+    absl::StatusOr<Peer*> found = FindOrCreatePeer(peer, address);
     if (!found.ok()) {
       metrics_->AddFailure(found.status());
       return found.status();
     }
     p = *found;
     ucp_rkey_h rkey = nullptr;
-    if (ucs_status_t s = ucp_ep_rkey_unpack(p->ep, peer.remote_key.data(), &rkey); s != UCS_OK) {
+    if (ucs_status_t s = ucp_ep_rkey_unpack(p->ep, packed_key.data(), &rkey); s != UCS_OK) {
       absl::Status st = absl::InvalidArgumentError(absl::StrCat(
           "remote key of peer '", peer.peer_name, "' does not unpack: ", ucs_status_string(s)));
       metrics_->AddFailure(st);
       return st;
     }
     key = std::make_shared<RemoteKey>(this, rkey);
-    auto op = std::make_unique<InflightOp>();
-    op->owner = this;
-    op->state = probe;
-    op->key = key;
-    op->peer = p;
-    op->scratch = std::make_unique<uint8_t[]>(1);
-    ucp_request_param_t get_param = {};
-    ucs_status_ptr_t get =
-        ucp_get_nbx(p->ep, op->scratch.get(), 1, peer.base_address, rkey, &get_param);
-    if (UCS_PTR_IS_ERR(get)) {
-      op->issue_error = ucx::FromUcs(UCS_PTR_STATUS(get), "probe get");
-    } else if (get != nullptr) {
-      ucp_request_free(get);
+    if (!p->proved) {
+      probe = std::make_shared<internal::CompletionState>(metrics_, 0, /*is_batch=*/false);
+      probes_.fetch_add(1);
+      auto op = std::make_unique<InflightOp>();
+      op->owner = this;
+      op->state = probe;
+      op->key = key;
+      op->peer = p;
+      op->scratch = std::make_unique<uint8_t[]>(1);
+      ucp_request_param_t get_param = {};
+      ucs_status_ptr_t get =
+          ucp_get_nbx(p->ep, op->scratch.get(), 1, peer.base_address, rkey, &get_param);
+      if (UCS_PTR_IS_ERR(get)) {
+        op->issue_error = ucx::FromUcs(UCS_PTR_STATUS(get), "probe get");
+      } else if (get != nullptr) {
+        ucp_request_free(get);
+      }
+      ucp_request_param_t param = {};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = &UcxTransportImpl::OnFlushDone;
+      param.user_data = op.get();
+      TrackFlush(std::move(op), ucp_ep_flush_nbx(p->ep, &param));
+      ucp_worker_signal(worker_.get());
     }
-    ucp_request_param_t param = {};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &UcxTransportImpl::OnFlushDone;
-    param.user_data = op.get();
-    TrackFlush(std::move(op), ucp_ep_flush_nbx(p->ep, &param));
-    ucp_worker_signal(worker_.get());
   }
-  if (absl::Status s = probe->Wait(options_.connect_timeout); !s.ok()) {
-    s = absl::Status(s.code(),
-                     absl::StrCat("connecting to peer '", peer.peer_name, "': ", s.message()));
-    metrics_->AddFailure(s);
-    return s;
+  if (probe != nullptr) {
+    if (absl::Status s = probe->Wait(options_.connect_timeout); !s.ok()) {
+      s = absl::Status(s.code(),
+                       absl::StrCat("connecting to peer '", peer.peer_name, "': ", s.message()));
+      metrics_->AddFailure(s);
+      return s;
+    }
+    absl::MutexLock lock(&mu_);
+    p->proved = true;
   }
   live_objects_.fetch_add(1);
   return std::unique_ptr<RemoteTarget>(
       new UcxRemoteTarget(this, p, std::move(key), peer.base_address, peer.length));
 }
 
-absl::StatusOr<Peer*> UcxTransportImpl::FindOrCreatePeer(const PeerDescriptor& peer) {
+absl::StatusOr<Peer*> UcxTransportImpl::FindOrCreatePeer(const PeerDescriptor& peer,
+                                                         const std::string& address) {
   if (stop_) return absl::UnavailableError("UCX transport is shutting down");
-  auto it = peers_.find(peer.worker_address);
+  auto it = peers_.find(address);
   if (it == peers_.end()) {
     auto entry = std::make_unique<Peer>();
     entry->owner = this;
     entry->name = peer.peer_name;
-    entry->address = peer.worker_address;
+    entry->padded_address = address;
+    entry->padded_address.append(kUcxBlobPadding, '\0');
     ucp_ep_params_t params = {};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-    params.address = reinterpret_cast<const ucp_address_t*>(entry->address.data());
+    params.address = reinterpret_cast<const ucp_address_t*>(entry->padded_address.data());
     if (options_.peer_error_handling) {
       params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
       params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
@@ -606,7 +818,7 @@ absl::StatusOr<Peer*> UcxTransportImpl::FindOrCreatePeer(const PeerDescriptor& p
     if (ucs_status_t s = ucp_ep_create(worker_.get(), &params, &entry->ep); s != UCS_OK) {
       return ucx::FromUcs(s, absl::StrCat("connecting to peer '", peer.peer_name, "'"));
     }
-    it = peers_.emplace(peer.worker_address, std::move(entry)).first;
+    it = peers_.emplace(address, std::move(entry)).first;
     ucp_worker_signal(worker_.get());  // wireup messages need progress
   }
   Peer* p = it->second.get();

@@ -16,8 +16,11 @@
 // peer's memory, which is what the handle reports. Endpoints are cached per peer worker address
 // with UCP_ERR_HANDLING_MODE_PEER; a peer error fails that endpoint's outstanding batches with
 // Unavailable, and the endpoint is never reused (a restarted peer has a new address and gets a
-// new endpoint, so no stale key is ever used). Connect() ends with a round trip (a 1-byte get and
-// a flush) so that an unreachable peer or a bad key fails there, not in the first write.
+// new endpoint, so no stale key is ever used). The first Connect() of an endpoint ends with a round
+// trip (a 1-byte get and a flush) so that an unreachable peer fails there, not in the first write;
+// later descriptors of the same peer (per-reservation keys) connect without one. Every byte of a
+// descriptor is checked before UCX sees it (transfer/descriptor_check.h): UCX 1.13 parses worker
+// addresses and keys without a length and asserts or crashes on malformed ones.
 //
 // On one host, puts into memory the target registered with Register() are emulated (active
 // messages, ~2 GB/s here); into memory from Allocate() (a UCX shared-memory segment) they are
@@ -28,6 +31,7 @@
 #ifndef FLUXION_TRANSFER_UCX_TRANSPORT_H_
 #define FLUXION_TRANSFER_UCX_TRANSPORT_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -82,6 +86,10 @@ class UcxTransport : public Transport {
   // through active messages into this transport's memory do not land, flushes towards it do not
   // complete, as with a hung peer.
   virtual void SetProgressPausedForTesting(bool paused) = 0;
+
+  // Test hook: how many Connect() round trips (probe get + flush) this transport issued. One per
+  // endpoint: further descriptors of a proved peer connect without one.
+  virtual uint64_t ConnectProbesForTesting() const = 0;
 };
 
 // Creates the context, worker and progress thread. Internal (or the UCX error) when UCX cannot
