@@ -97,6 +97,10 @@ absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
     }
   }
   if (!io.host_memory) ops_->CopyFromHost(io.out, out_.data(), out_.size() * sizeof(float));
+  // Every layer now caches the step's token: the sequence holds one more.
+  if (io.layer == shape_.num_layers - 1) {
+    for (int64_t i = 0; i < io.rows; ++i) ++seqs_[i]->length_;
+  }
   return absl::OkStatus();
 }
 
@@ -119,9 +123,7 @@ absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<cons
                            DecodeStepRunner::Create(*this, &ops));
   SequenceBatchAttention attention(seqs, attention_shape(), &ops);
   logits->resize(seqs.size() * config_.vocab_size);
-  FLUXION_RETURN_IF_ERROR(runner->Step(tokens, positions, attention, logits->data()));
-  for (Sequence* s : seqs) ++s->length_;
-  return absl::OkStatus();
+  return runner->Step(tokens, positions, attention, logits->data());
 }
 
 }  // namespace fluxion::model

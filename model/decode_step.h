@@ -83,8 +83,9 @@ class DecodeStepRunner {
 
 // BatchAttention over Sequences: row i attends through seqs[i]'s SequenceAttention (one token at
 // positions[i]), copying q/k/v to the host and the output back when the DenseOps's memory is not
-// host memory. Errors name the request. The per-request path the decode node runs today, behind
-// the batched seam.
+// host memory. Errors name the request. After the last layer's attention each sequence's length
+// grows by one (its caches then hold the step's token). The per-request path the decode node
+// runs today, behind the batched seam.
 class SequenceBatchAttention : public BatchAttention {
  public:
   // `seqs` and `ops` must outlive this; shape from the model.

@@ -59,6 +59,7 @@ class Sequence {
 
  private:
   friend class Model;
+  friend class SequenceBatchAttention;  // advances the length after a decode step's last layer
   std::unique_ptr<SequenceAttention> attention_;
   int64_t length_ = 0;
 };
