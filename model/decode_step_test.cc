@@ -189,11 +189,15 @@ INSTANTIATE_TEST_SUITE_P(Families, DecodeStepTest, ::testing::Values("llama", "q
 // An attention that fails at one layer, to check that the step reports it with the request.
 class FailAt : public BatchAttention {
  public:
+  explicit FailAt(int64_t q_row) : q_row_(q_row) {}
   absl::Status Attend(const LayerAttentionIo& io) override {
     if (io.layer == 2) return absl::ResourceExhaustedError("arena full");
-    std::fill(io.out, io.out + io.rows * 1, 0.0f);
+    std::fill(io.out, io.out + io.rows * q_row_, 0.0f);
     return absl::OkStatus();
   }
+
+ private:
+  int64_t q_row_;
 };
 
 class DecodeStepErrorsTest : public ::testing::Test {
@@ -231,7 +235,7 @@ TEST_F(DecodeStepErrorsTest, InvalidInputsComputeNothing) {
   CpuDenseOps ops;
   auto runner = DecodeStepRunner::Create(*model_, &ops);
   ASSERT_TRUE(runner.ok());
-  FailAt fail;
+  FailAt fail(model_->config().num_heads * model_->config().head_dim);
   std::vector<float> out(2 * model_->config().vocab_size);
   const std::vector<int64_t> positions = {0, 0};
   EXPECT_EQ((*runner)->Step(ok, {0, -1}, fail, out.data()).code(),

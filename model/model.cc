@@ -246,7 +246,9 @@ absl::Status Model::CheckBatch(absl::Span<Sequence* const> seqs,
   }
   std::set<const Sequence*> seen;
   for (size_t i = 0; i < b; ++i) {
-    if (seqs[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    if (seqs[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    }
     if (!seen.insert(seqs[i]).second) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is listed twice"));
     }
