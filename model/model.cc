@@ -8,14 +8,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
 #include "model/rope.h"
 
 namespace fluxion::model {
 namespace {
-
-namespace cpu = ::fluxion::kernels::cpu;
 
 // Prompts are processed in chunks of this many tokens: activations stay bounded (a 32K-token
 // prompt on a 0.5B model would otherwise need ~1 GiB of MLP scratch) and the math is unchanged,
@@ -65,9 +63,8 @@ class TensorReader {
   std::set<std::string> used_;
 };
 
-void Linear(const LinearWeights& w, const float* x, float* y, int64_t m, bool accumulate) {
-  cpu::MatMul(x, w.weight.data(), w.bias.empty() ? nullptr : w.bias.data(), y, m, w.out, w.in,
-              accumulate);
+LinearParams ParamsOf(const LinearWeights& w) {
+  return {w.weight.data(), w.bias.empty() ? nullptr : w.bias.data(), w.out, w.in};
 }
 
 }  // namespace
@@ -123,7 +120,67 @@ absl::StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& 
     }
   }
   m->num_parameters_ = n;
+  ModelParams& p = m->host_params_;
+  p.embed = m->embed_.data();
+  p.final_norm = m->final_norm_.data();
+  p.lm_head = m->lm_head_.empty() ? m->embed_.data() : m->lm_head_.data();
+  p.inv_freq = m->inv_freq_.data();
+  for (const LayerWeights& lw : m->layers_) {
+    p.layers.push_back({lw.input_norm.data(), ParamsOf(lw.q), ParamsOf(lw.k), ParamsOf(lw.v),
+                        ParamsOf(lw.o), lw.post_attention_norm.data(), ParamsOf(lw.gate),
+                        ParamsOf(lw.up), ParamsOf(lw.down)});
+  }
   return m;
+}
+
+absl::StatusOr<ModelParams> Model::UploadParams(DenseOps& ops) const {
+  ModelParams p;
+  p.layers = host_params_.layers;
+  if (ops.host_memory()) {
+    p.embed = host_params_.embed;
+    p.final_norm = host_params_.final_norm;
+    p.lm_head = host_params_.lm_head;
+    p.inv_freq = host_params_.inv_freq;
+    return p;
+  }
+  // Each host vector is copied once; a tied LM head shares the embedding's copy.
+  auto upload = [&](const std::vector<float>& host) -> absl::StatusOr<const float*> {
+    if (host.empty()) return nullptr;
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<OpsBuffer> buf,
+                             ops.Allocate(host.size() * sizeof(float)));
+    ops.CopyFromHost(buf->data(), host.data(), host.size() * sizeof(float));
+    const float* data = static_cast<const float*>(buf->data());
+    p.owned.push_back(std::move(buf));
+    return data;
+  };
+  auto upload_linear = [&](const LinearWeights& w, LinearParams* out) -> absl::Status {
+    FLUXION_ASSIGN_OR_RETURN(out->weight, upload(w.weight));
+    FLUXION_ASSIGN_OR_RETURN(out->bias, upload(w.bias));
+    return absl::OkStatus();
+  };
+  FLUXION_ASSIGN_OR_RETURN(p.embed, upload(embed_));
+  FLUXION_ASSIGN_OR_RETURN(p.final_norm, upload(final_norm_));
+  if (lm_head_.empty()) {
+    p.lm_head = p.embed;
+  } else {
+    FLUXION_ASSIGN_OR_RETURN(p.lm_head, upload(lm_head_));
+  }
+  FLUXION_ASSIGN_OR_RETURN(p.inv_freq, upload(inv_freq_));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerWeights& lw = layers_[i];
+    LayerParams& lp = p.layers[i];
+    FLUXION_ASSIGN_OR_RETURN(lp.input_norm, upload(lw.input_norm));
+    FLUXION_ASSIGN_OR_RETURN(lp.post_attention_norm, upload(lw.post_attention_norm));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.q, &lp.q));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.k, &lp.k));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.v, &lp.v));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.o, &lp.o));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.gate, &lp.gate));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.up, &lp.up));
+    FLUXION_RETURN_IF_ERROR(upload_linear(lw.down, &lp.down));
+  }
+  FLUXION_RETURN_IF_ERROR(ops.Sync());
+  return p;
 }
 
 AttentionShape Model::attention_shape() const {
@@ -145,10 +202,7 @@ absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens,
           absl::StrCat("token id ", t, " is outside the vocabulary [0, ", config_.vocab_size, ")"));
     }
   }
-  const int64_t h = config_.hidden_size, d = config_.head_dim, f = config_.intermediate_size;
-  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, vocab = config_.vocab_size;
-  const float eps = static_cast<float>(config_.rms_norm_eps);
-  const float* lm_head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+  const int64_t h = config_.hidden_size, vocab = config_.vocab_size;
   const int64_t total = static_cast<int64_t>(tokens.size());
   if (all_logits) {
     logits->resize(total * vocab);
@@ -156,63 +210,45 @@ absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens,
     logits->resize(vocab);
   }
 
+  CpuDenseOps ops;  // host memory, the thread settings in effect
   const int64_t chunk = std::min(total, kPrefillChunk);
-  std::vector<float> x(chunk * h), normed(chunk * h), q(chunk * hq * d), k(chunk * hkv * d),
-      v(chunk * hkv * d), attn(chunk * hq * d), gate(chunk * f), up(chunk * f);
+  FLUXION_ASSIGN_OR_RETURN(const StepBuffers buf, StepBuffers::Create(ops, config_, chunk));
   std::vector<int64_t> positions(chunk);
 
   for (int64_t c0 = 0; c0 < total; c0 += chunk) {
     const int64_t n = std::min(chunk, total - c0);
     const int64_t pos0 = seq.length_;
-    for (int64_t i = 0; i < n; ++i) {
-      std::copy_n(embed_.data() + int64_t{tokens[c0 + i]} * h, h, x.data() + i * h);
-      positions[i] = pos0 + i;
-    }
-    for (int64_t l = 0; l < config_.num_layers; ++l) {
-      const LayerWeights& lw = layers_[l];
-      cpu::RmsNorm(x.data(), lw.input_norm.data(), eps, normed.data(), n, h);
-      Linear(lw.q, normed.data(), q.data(), n, false);
-      Linear(lw.k, normed.data(), k.data(), n, false);
-      Linear(lw.v, normed.data(), v.data(), n, false);
-      cpu::ApplyRope(q.data(), positions.data(), inv_freq_.data(), n, hq, d);
-      cpu::ApplyRope(k.data(), positions.data(), inv_freq_.data(), n, hkv, d);
+    for (int64_t i = 0; i < n; ++i) positions[i] = pos0 + i;
+    EmbedRows(ops, host_params_, config_, buf, tokens.data() + c0, positions.data(), n);
+    auto attend = [&](int layer, int64_t rows) -> absl::StatusOr<int64_t> {
       FLUXION_RETURN_IF_ERROR(
-          seq.attention_->Forward(static_cast<int>(l), pos0, n, q.data(), k.data(), v.data(),
-                                  attn.data()));
-      Linear(lw.o, attn.data(), x.data(), n, /*accumulate=*/true);  // residual
-      cpu::RmsNorm(x.data(), lw.post_attention_norm.data(), eps, normed.data(), n, h);
-      Linear(lw.gate, normed.data(), gate.data(), n, false);
-      Linear(lw.up, normed.data(), up.data(), n, false);
-      cpu::SiluMul(gate.data(), up.data(), gate.data(), n * f);
-      Linear(lw.down, gate.data(), x.data(), n, /*accumulate=*/true);  // residual
-    }
+          seq.attention_->Forward(layer, pos0, rows, buf.q, buf.k, buf.v, buf.attn));
+      return rows;
+    };
+    FLUXION_RETURN_IF_ERROR(RunLayers(ops, config_, host_params_, buf, n, attend).status());
     seq.length_ += n;
     if (all_logits) {
-      cpu::RmsNorm(x.data(), final_norm_.data(), eps, normed.data(), n, h);
-      cpu::MatMul(normed.data(), lm_head, nullptr, logits->data() + c0 * vocab, n, vocab, h,
-                  false);
+      LmHead(ops, host_params_, config_, buf, buf.x, n, logits->data() + c0 * vocab);
     } else if (c0 + n == total) {
-      const float* last = x.data() + (n - 1) * h;
-      cpu::RmsNorm(last, final_norm_.data(), eps, normed.data(), 1, h);
-      cpu::MatMul(normed.data(), lm_head, nullptr, logits->data(), 1, vocab, h, false);
+      LmHead(ops, host_params_, config_, buf, buf.x + (n - 1) * h, 1, logits->data());
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
-                                 absl::Span<const absl::Span<const int32_t>> tokens,
-                                 std::vector<std::vector<float>>* logits,
-                                 std::vector<absl::Status>* statuses) const {
+absl::Status Model::CheckBatch(absl::string_view what, absl::Span<Sequence* const> seqs,
+                              absl::Span<const absl::Span<const int32_t>> tokens) const {
   const size_t b = seqs.size();
-  if (b == 0) return absl::InvalidArgumentError("ForwardBatch needs at least one sequence");
+  if (b == 0) return absl::InvalidArgumentError(absl::StrCat(what, " needs at least one sequence"));
   if (tokens.size() != b) {
-    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch got ", b, " sequences but ",
+    return absl::InvalidArgumentError(absl::StrCat(what, " got ", b, " sequences but ",
                                                    tokens.size(), " token lists"));
   }
   std::set<const Sequence*> seen;
   for (size_t i = 0; i < b; ++i) {
-    if (seqs[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    if (seqs[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    }
     if (!seen.insert(seqs[i]).second) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is listed twice"));
     }
@@ -229,10 +265,18 @@ absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
       }
     }
   }
-  const int64_t h = config_.hidden_size, d = config_.head_dim, f = config_.intermediate_size;
+  return absl::OkStatus();
+}
+
+absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
+                                 absl::Span<const absl::Span<const int32_t>> tokens,
+                                 std::vector<std::vector<float>>* logits,
+                                 std::vector<absl::Status>* statuses) const {
+  FLUXION_RETURN_IF_ERROR(CheckBatch("ForwardBatch", seqs, tokens));
+  const size_t b = seqs.size();
+  const int64_t h = config_.hidden_size, d = config_.head_dim;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, vocab = config_.vocab_size;
   const float eps = static_cast<float>(config_.rms_norm_eps);
-  const float* lm_head = lm_head_.empty() ? embed_.data() : lm_head_.data();
   logits->assign(b, {});
   statuses->assign(b, absl::OkStatus());
 
@@ -240,9 +284,10 @@ absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
   for (size_t i = 0; i < b; ++i) {
     max_rows += std::min<int64_t>(static_cast<int64_t>(tokens[i].size()), kPrefillChunk);
   }
-  std::vector<float> x(max_rows * h), normed(max_rows * h), q(max_rows * hq * d),
-      k(max_rows * hkv * d), v(max_rows * hkv * d), attn(max_rows * hq * d), gate(max_rows * f),
-      up(max_rows * f), head_logits;
+  CpuDenseOps ops;  // host memory, the thread settings in effect
+  FLUXION_ASSIGN_OR_RETURN(const StepBuffers buf, StepBuffers::Create(ops, config_, max_rows));
+  std::vector<float> head_logits;
+  std::vector<int32_t> step_tokens(max_rows);
   std::vector<int64_t> positions(max_rows);
   std::vector<int64_t> done(b, 0);  // tokens of each sequence already run
   std::vector<size_t> active(b);
@@ -261,59 +306,44 @@ absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
           std::min<int64_t>(kPrefillChunk, static_cast<int64_t>(tokens[i].size()) - done[i]);
       parts.push_back({i, rows, n, seqs[i]->length_});
       for (int64_t r = 0; r < n; ++r) {
-        std::copy_n(embed_.data() + int64_t{tokens[i][done[i] + r]} * h, h,
-                    x.data() + (rows + r) * h);
+        step_tokens[rows + r] = tokens[i][done[i] + r];
         positions[rows + r] = seqs[i]->length_ + r;
       }
       rows += n;
     }
-    for (int64_t l = 0; l < config_.num_layers && rows > 0; ++l) {
-      const LayerWeights& lw = layers_[l];
-      cpu::RmsNorm(x.data(), lw.input_norm.data(), eps, normed.data(), rows, h);
-      Linear(lw.q, normed.data(), q.data(), rows, false);
-      Linear(lw.k, normed.data(), k.data(), rows, false);
-      Linear(lw.v, normed.data(), v.data(), rows, false);
-      cpu::ApplyRope(q.data(), positions.data(), inv_freq_.data(), rows, hq, d);
-      cpu::ApplyRope(k.data(), positions.data(), inv_freq_.data(), rows, hkv, d);
+    EmbedRows(ops, host_params_, config_, buf, step_tokens.data(), positions.data(), rows);
+    // Attention per part on its own cache. An error drops that sequence: the live activations
+    // (the residual stream, the attention output and the positions) are compacted over its rows,
+    // survivors keeping their order, and the layers go on with the rest.
+    auto attend = [&](int layer, int64_t live) -> absl::StatusOr<int64_t> {
       bool dropped = false;
       for (Part& p : parts) {
         absl::Status s = seqs[p.seq]->attention_->Forward(
-            static_cast<int>(l), p.pos0, p.n, q.data() + p.row0 * hq * d,
-            k.data() + p.row0 * hkv * d, v.data() + p.row0 * hkv * d,
-            attn.data() + p.row0 * hq * d);
+            layer, p.pos0, p.n, buf.q + p.row0 * hq * d, buf.k + p.row0 * hkv * d,
+            buf.v + p.row0 * hkv * d, buf.attn + p.row0 * hq * d);
         if (!s.ok()) {
           (*statuses)[p.seq] = std::move(s);
           dropped = true;
         }
       }
-      if (dropped) {
-        // Compact the live activations (the residual stream, the attention output and the
-        // positions) over the rows of the dropped sequences; survivors keep their order.
-        std::vector<Part> kept;
-        int64_t at = 0;
-        for (const Part& p : parts) {
-          if (!(*statuses)[p.seq].ok()) continue;
-          if (at != p.row0) {
-            std::memmove(x.data() + at * h, x.data() + p.row0 * h, p.n * h * sizeof(float));
-            std::memmove(attn.data() + at * hq * d, attn.data() + p.row0 * hq * d,
-                         p.n * hq * d * sizeof(float));
-            std::memmove(positions.data() + at, positions.data() + p.row0,
-                         p.n * sizeof(int64_t));
-          }
-          kept.push_back({p.seq, at, p.n, p.pos0});
-          at += p.n;
+      if (!dropped) return live;
+      std::vector<Part> kept;
+      int64_t at = 0;
+      for (const Part& p : parts) {
+        if (!(*statuses)[p.seq].ok()) continue;
+        if (at != p.row0) {
+          ops.Copy(buf.x + at * h, buf.x + p.row0 * h, p.n * h * sizeof(float));
+          ops.Copy(buf.attn + at * hq * d, buf.attn + p.row0 * hq * d,
+                   p.n * hq * d * sizeof(float));
+          ops.Copy(buf.positions + at, buf.positions + p.row0, p.n * sizeof(int64_t));
         }
-        parts = std::move(kept);
-        rows = at;
-        if (rows == 0) break;
+        kept.push_back({p.seq, at, p.n, p.pos0});
+        at += p.n;
       }
-      Linear(lw.o, attn.data(), x.data(), rows, /*accumulate=*/true);  // residual
-      cpu::RmsNorm(x.data(), lw.post_attention_norm.data(), eps, normed.data(), rows, h);
-      Linear(lw.gate, normed.data(), gate.data(), rows, false);
-      Linear(lw.up, normed.data(), up.data(), rows, false);
-      cpu::SiluMul(gate.data(), up.data(), gate.data(), rows * f);
-      Linear(lw.down, gate.data(), x.data(), rows, /*accumulate=*/true);  // residual
-    }
+      parts = std::move(kept);
+      return at;
+    };
+    FLUXION_RETURN_IF_ERROR(RunLayers(ops, config_, host_params_, buf, rows, attend).status());
     // The LM head over the last rows of the sequences that end in this step, in one product.
     std::vector<size_t> finishing;
     int64_t m = 0;
@@ -321,15 +351,16 @@ absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
       seqs[p.seq]->length_ += p.n;
       done[p.seq] += p.n;
       if (done[p.seq] == static_cast<int64_t>(tokens[p.seq].size())) {
-        cpu::RmsNorm(x.data() + (p.row0 + p.n - 1) * h, final_norm_.data(), eps,
-                     normed.data() + m * h, 1, h);
+        ops.RmsNorm(buf.x + (p.row0 + p.n - 1) * h, host_params_.final_norm, eps,
+                    buf.normed + m * h, 1, h);
         finishing.push_back(p.seq);
         ++m;
       }
     }
     if (m > 0) {
       head_logits.resize(m * vocab);
-      cpu::MatMul(normed.data(), lm_head, nullptr, head_logits.data(), m, vocab, h, false);
+      ops.MatMul(buf.normed, host_params_.lm_head, nullptr, head_logits.data(), m, vocab, h,
+                 false);
       for (int64_t j = 0; j < m; ++j) {
         (*logits)[finishing[j]].assign(head_logits.begin() + j * vocab,
                                        head_logits.begin() + (j + 1) * vocab);

@@ -1,5 +1,7 @@
 // A Llama-family decoder-only transformer on the CPU: embeddings, RMSNorm, RoPE (default, linear,
-// llama3), GQA/MQA attention through SequenceAttention, SwiGLU MLP, final norm, LM head.
+// llama3), GQA/MQA attention through SequenceAttention, SwiGLU MLP, final norm, LM head. Every
+// path (Forward, ForwardBatch, the batched decode step of decode_step.h) runs the same layer body
+// (layer.h) over DenseOps; Forward and ForwardBatch use the CPU ones (cpu_dense_ops.h).
 // Weights are held as fp32 (converted once at load from bf16/fp16/fp32: exact), so results match a
 // float32 reference computed from the same saved weights.
 //
@@ -16,9 +18,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "model/attention.h"
 #include "model/config.h"
+#include "model/dense_ops.h"
+#include "model/layer.h"
 #include "model/safetensors.h"
 
 namespace fluxion::model {
@@ -54,6 +60,7 @@ class Sequence {
 
  private:
   friend class Model;
+  friend class SequenceBatchAttention;  // advances the length after a decode step's last layer
   std::unique_ptr<SequenceAttention> attention_;
   int64_t length_ = 0;
 };
@@ -71,6 +78,13 @@ class Model {
   // Parameters held (a tied LM head counted once); fp32 in memory, so 4 bytes each.
   int64_t num_parameters() const { return num_parameters_; }
   AttentionShape attention_shape() const;
+
+  // The weights as ModelParams borrowing this model's host memory (for DenseOps on host memory).
+  const ModelParams& host_params() const { return host_params_; }
+  // The weights in `ops`'s memory: host_params()'s pointers (no copy) when ops.host_memory(),
+  // otherwise copies allocated and uploaded through `ops` (owned by the result), for backends
+  // such as CUDA that cannot read host weights. Errors: the backend's (e.g. ResourceExhausted).
+  absl::StatusOr<ModelParams> UploadParams(DenseOps& ops) const;
 
   // A sequence with the built-in dense fp32 KV cache.
   std::unique_ptr<Sequence> NewSequence() const;
@@ -100,14 +114,30 @@ class Model {
                             std::vector<std::vector<float>>* logits,
                             std::vector<absl::Status>* statuses) const;
 
+  // One decode step of many sequences through the batched seam (decode_step.h): tokens[i] at
+  // position seqs[i]->length(), one stacked row per sequence, every matrix product once over the
+  // batch on the CPU dense ops of `pool` (null: the thread settings in effect), attention per
+  // sequence through its SequenceAttention. Writes logits [seqs.size()][vocab_size] and advances
+  // every sequence by one token. Each sequence's logits equal Forward() on it alone up to the
+  // products' blocking (a GEMM over the rows instead of one GEMV: ~1e-6 relative; bit-identical
+  // for one sequence). InvalidArgument, with nothing computed, for the inputs ForwardBatch rejects;
+  // an attention error fails the whole step (the caches and lengths are then unspecified).
+  absl::Status DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
+                          const kernels::cpu::CpuPool* pool, std::vector<float>* logits) const;
+
  private:
   Model() = default;
+  // InvalidArgument naming the sequence: the checks ForwardBatch and DecodeStep make before
+  // computing anything.
+  absl::Status CheckBatch(absl::string_view what, absl::Span<Sequence* const> seqs,
+                          absl::Span<const absl::Span<const int32_t>> tokens) const;
   ModelConfig config_;
   std::vector<float> embed_;       // [vocab][hidden]
   std::vector<LayerWeights> layers_;
   std::vector<float> final_norm_;  // [hidden]
   std::vector<float> lm_head_;     // [vocab][hidden]; empty when tied to embed_
   std::vector<float> inv_freq_;    // [head_dim / 2], RoPE frequencies after scaling
+  ModelParams host_params_;        // pointers into the vectors above
   int64_t num_parameters_ = 0;
 };
 

@@ -3,6 +3,7 @@
 #include "kernels/cpu/bf16_avx2.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/math_avx2.h"
+#include "kernels/cpu/merge_state.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
 #include <immintrin.h>
@@ -257,22 +258,7 @@ void PagedAttentionBatch(const PagedAttentionTask* tasks, int64_t num_tasks, int
 
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float la = lse_a[g], lb = lse_b[g];
-    if (lb == -INFINITY) continue;
-    float* oa = out_a + g * head_dim;
-    const float* ob = out_b + g * head_dim;
-    if (la == -INFINITY) {
-      std::copy_n(ob, head_dim, oa);
-      lse_a[g] = lb;
-      continue;
-    }
-    const float m = std::max(la, lb);
-    const float wa = std::exp(la - m), wb = std::exp(lb - m);
-    const float inv = 1.0f / (wa + wb);
-    for (int64_t t = 0; t < head_dim; ++t) oa[t] = (wa * oa[t] + wb * ob[t]) * inv;
-    lse_a[g] = m + std::log(wa + wb);
-  }
+  MergeStates(out_a, lse_a, out_b, lse_b, group, head_dim);
 }
 
 }  // namespace fluxion::kernels::cpu

@@ -48,7 +48,8 @@ struct PagedAttentionTask {
 // cores of the NUMA node that holds the arena).
 void PagedAttentionBatch(const PagedAttentionTask* tasks, int64_t num_tasks, int threads);
 
-// a := merge(a, b) by log-sum-exp (disjoint row sets). Same contract as the reference.
+// a := merge(a, b) by log-sum-exp (disjoint row sets): MergeStates (merge_state.h) over the
+// group's heads, kept under this name for its callers.
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim);
 

@@ -1,5 +1,7 @@
 #include "kernels/reference/reference_ops.h"
 
+#include "kernels/reference/merge_state.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -119,22 +121,7 @@ void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
 
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim) {
-  for (int64_t g = 0; g < group; ++g) {
-    const double la = lse_a[g], lb = lse_b[g];
-    if (lb == -INFINITY) continue;
-    if (la == -INFINITY) {
-      std::copy_n(out_b + g * head_dim, head_dim, out_a + g * head_dim);
-      lse_a[g] = lse_b[g];
-      continue;
-    }
-    const double m = std::max(la, lb);
-    const double wa = std::exp(la - m), wb = std::exp(lb - m);
-    for (int64_t t = 0; t < head_dim; ++t) {
-      out_a[g * head_dim + t] = static_cast<float>(
-          (wa * out_a[g * head_dim + t] + wb * out_b[g * head_dim + t]) / (wa + wb));
-    }
-    lse_a[g] = static_cast<float>(m + std::log(wa + wb));
-  }
+  MergeStates(out_a, lse_a, out_b, lse_b, group, head_dim);
 }
 
 }  // namespace fluxion::kernels::reference

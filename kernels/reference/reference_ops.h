@@ -40,7 +40,8 @@ void CausalAttention(const float* q, const float* k, const float* v, float* out,
 void PagedAttention(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
                     const DecodeQuery& q, const AttentionState& state);
 
-// Merges partial state b into a (disjoint row sets): a := softmax-weighted combination by lse.
+// Merges partial state b into a (disjoint row sets): MergeStates (merge_state.h, which spells out
+// the empty-state rules) over the group's heads.
 //   out_a, out_b: [group][head_dim]; lse_a, lse_b: [group] natural base.
 void MergeAttentionStates(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                           int64_t group, int64_t head_dim);

@@ -1,0 +1,45 @@
+// One CPU thread budget for a decode step, shared by the matrix products (OpenBLAS) and the
+// attention tasks. Both run on OpenMP's threads: the OpenBLAS we link is its OpenMP build
+// (docs/DEPENDENCIES.md), so a product called outside a parallel region uses `threads()` OpenMP
+// threads and one called inside a ParallelFor task runs single-threaded. The two phases of a step
+// alternate, never overlap, so at most threads() threads compute at any time.
+//
+// Without a pool OpenMP and OpenBLAS each default to every core of the machine; code that takes a
+// CpuPool never relies on those defaults. The command-line setting (--cpu-threads) that sizes the
+// process's pool is wired by the commands, not here.
+//
+// Thread-safety: immutable after construction. OpenBLAS keeps one thread count per process, so
+// two pools of different sizes used from two threads at once fight over it (results stay correct;
+// only the parallelism of the products changes). One pool per process is the intended use.
+#ifndef FLUXION_KERNELS_CPU_CPU_POOL_H_
+#define FLUXION_KERNELS_CPU_CPU_POOL_H_
+
+#include <cstdint>
+
+#include "absl/functional/function_ref.h"
+
+namespace fluxion::kernels::cpu {
+
+class CpuPool {
+ public:
+  // A pool of max(threads, 1) threads.
+  explicit CpuPool(int threads);
+
+  int threads() const { return threads_; }
+
+  // Runs fn(i) for every i in [0, n) on up to threads() threads, dynamically scheduled (tasks of
+  // a decode step differ in size: selected row counts differ between heads). fn must not throw
+  // and may be called concurrently for different i.
+  void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) const;
+
+  // Makes the matrix products called from this thread (outside a ParallelFor) use threads()
+  // threads: sets OpenBLAS's process-wide count, and OpenMP's for this thread, when they differ.
+  void ApplyToBlas() const;
+
+ private:
+  int threads_;
+};
+
+}  // namespace fluxion::kernels::cpu
+
+#endif  // FLUXION_KERNELS_CPU_CPU_POOL_H_

@@ -1,0 +1,129 @@
+#include "model/decode_step.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/cpu_dense_ops.h"
+
+namespace fluxion::model {
+
+absl::StatusOr<std::unique_ptr<DecodeStepRunner>> DecodeStepRunner::Create(const Model& model,
+                                                                           DenseOps* ops) {
+  FLUXION_ASSIGN_OR_RETURN(ModelParams params, model.UploadParams(*ops));
+  return std::unique_ptr<DecodeStepRunner>(new DecodeStepRunner(model, ops, std::move(params)));
+}
+
+absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
+                                    absl::Span<const int64_t> positions,
+                                    BatchAttention& attention, float* logits) {
+  const ModelConfig& c = model_.config();
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  if (rows == 0) return absl::InvalidArgumentError("a decode step needs at least one request");
+  if (positions.size() != tokens.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("decode step got ", rows, " tokens but ",
+                                                   positions.size(), " positions"));
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("request ", i, ": token id ", tokens[i],
+                                                     " is outside the vocabulary [0, ",
+                                                     c.vocab_size, ")"));
+    }
+    if (positions[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", i, ": position ", positions[i], " is negative"));
+    }
+  }
+  DenseOps& ops = *ops_;
+  if (buf_.capacity < rows) {
+    FLUXION_ASSIGN_OR_RETURN(buf_, StepBuffers::Create(ops, c, rows));
+    logits_.reset();
+    if (!ops.host_memory()) {
+      FLUXION_ASSIGN_OR_RETURN(logits_, ops.Allocate(rows * c.vocab_size * sizeof(float)));
+    }
+  }
+  EmbedRows(ops, params_, c, buf_, tokens.data(), positions.data(), rows);
+  auto attend = [&](int layer, int64_t live) -> absl::StatusOr<int64_t> {
+    FLUXION_RETURN_IF_ERROR(ops.Sync());  // a device error surfaces before the executor runs
+    LayerAttentionIo io;
+    io.layer = layer;
+    io.rows = live;
+    io.positions = positions.data();
+    io.q = buf_.q;
+    io.k = buf_.k;
+    io.v = buf_.v;
+    io.out = buf_.attn;
+    io.host_memory = ops.host_memory();
+    FLUXION_RETURN_IF_ERROR(attention.Attend(io));
+    return live;
+  };
+  FLUXION_RETURN_IF_ERROR(RunLayers(ops, c, params_, buf_, rows, attend).status());
+  float* out = ops.host_memory() ? logits : static_cast<float*>(logits_->data());
+  LmHead(ops, params_, c, buf_, buf_.x, rows, out);
+  if (!ops.host_memory()) ops.CopyToHost(logits, out, rows * c.vocab_size * sizeof(float));
+  return ops.Sync();
+}
+
+absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
+  if (io.rows > static_cast<int64_t>(seqs_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
+                                                   seqs_.size(), " sequences"));
+  }
+  const int64_t q_row = shape_.num_heads * shape_.head_dim;
+  const int64_t kv_row = shape_.num_kv_heads * shape_.head_dim;
+  const float *q = io.q, *k = io.k, *v = io.v;
+  float* out = io.out;
+  if (!io.host_memory) {
+    q_.resize(io.rows * q_row);
+    k_.resize(io.rows * kv_row);
+    v_.resize(io.rows * kv_row);
+    out_.resize(io.rows * q_row);
+    ops_->CopyToHost(q_.data(), io.q, q_.size() * sizeof(float));
+    ops_->CopyToHost(k_.data(), io.k, k_.size() * sizeof(float));
+    ops_->CopyToHost(v_.data(), io.v, v_.size() * sizeof(float));
+    q = q_.data();
+    k = k_.data();
+    v = v_.data();
+    out = out_.data();
+  }
+  for (int64_t i = 0; i < io.rows; ++i) {
+    absl::Status s = seqs_[i]->attention().Forward(io.layer, io.positions[i], 1, q + i * q_row,
+                                                   k + i * kv_row, v + i * kv_row,
+                                                   out + i * q_row);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("request ", i, ", layer ", io.layer, ": ",
+                                                 s.message()));
+    }
+  }
+  if (!io.host_memory) ops_->CopyFromHost(io.out, out_.data(), out_.size() * sizeof(float));
+  // Every layer now caches the step's token: the sequence holds one more.
+  if (io.layer == shape_.num_layers - 1) {
+    for (int64_t i = 0; i < io.rows; ++i) ++seqs_[i]->length_;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
+                               const kernels::cpu::CpuPool* pool,
+                               std::vector<float>* logits) const {
+  if (tokens.size() != seqs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("DecodeStep got ", seqs.size(),
+                                                   " sequences but ", tokens.size(), " tokens"));
+  }
+  std::vector<absl::Span<const int32_t>> lists;
+  std::vector<int64_t> positions;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    lists.push_back(tokens.subspan(i, 1));
+    positions.push_back(seqs[i] != nullptr ? seqs[i]->length_ : 0);
+  }
+  FLUXION_RETURN_IF_ERROR(CheckBatch("DecodeStep", seqs, lists));
+  CpuDenseOps ops(pool);
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepRunner> runner,
+                           DecodeStepRunner::Create(*this, &ops));
+  SequenceBatchAttention attention(seqs, attention_shape(), &ops);
+  logits->resize(seqs.size() * config_.vocab_size);
+  return runner->Step(tokens, positions, attention, logits->data());
+}
+
+}  // namespace fluxion::model

@@ -1,0 +1,106 @@
+// The batched decode step: the entry point a decode step executor calls once per step for all the
+// requests it runs (docs/EXECUTOR.md). One row per request, each at its own position:
+//
+//   embed the batch's tokens
+//   for each layer:  PreAttention over all rows          (DenseOps: one product per weight)
+//                    attention.Attend(layer, q, k, v)     (the executor: append K/V, select,
+//                                                          attend, merge -> out)
+//                    PostAttention over all rows          (DenseOps)
+//   final norm + LM head over all rows -> logits
+//
+// The dense halves run on a DenseOps (CPU now, CUDA later); the attention is the executor's, so
+// that a hybrid step can attend the resident part on the GPU and the selected host pages on the
+// CPU (kernels/attention_backend.h) and merge the two by log-sum-exp.
+//
+// Thread-compatible: one driver thread per runner.
+#ifndef FLUXION_MODEL_DECODE_STEP_H_
+#define FLUXION_MODEL_DECODE_STEP_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/dense_ops.h"
+#include "model/layer.h"
+#include "model/model.h"
+
+namespace fluxion::model {
+
+// What the executor sees of one layer between its dense halves. Row i is request i of the step.
+struct LayerAttentionIo {
+  int layer = 0;
+  int64_t rows = 0;
+  const int64_t* positions = nullptr;  // host [rows]: row i's token is at positions[i], so its
+                                       // context after appending is positions[i] + 1 tokens
+  // In the DenseOps's memory (host memory only when host_memory):
+  const float* q = nullptr;  // [rows][num_heads][head_dim], post-RoPE, unscaled
+  const float* k = nullptr;  // [rows][num_kv_heads][head_dim], post-RoPE
+  const float* v = nullptr;  // [rows][num_kv_heads][head_dim]
+  float* out = nullptr;      // [rows][num_heads][head_dim]: to be written, every row
+  bool host_memory = true;
+};
+
+// The executor's half of a layer. Implementations append each row's K/V to its request's cache
+// (at positions[i]) and write its attention output; they may copy q/k/v to the host (through the
+// DenseOps) to attend there. An error fails the whole step.
+class BatchAttention {
+ public:
+  virtual ~BatchAttention() = default;
+  virtual absl::Status Attend(const LayerAttentionIo& io) = 0;
+};
+
+class DecodeStepRunner {
+ public:
+  // `model` and `ops` must outlive the runner. The weights come from model.UploadParams(*ops):
+  // borrowed for host DenseOps, uploaded once otherwise.
+  static absl::StatusOr<std::unique_ptr<DecodeStepRunner>> Create(const Model& model,
+                                                                  DenseOps* ops);
+
+  // Runs one step: tokens[i] at positions[i] for every request i; writes logits
+  // [tokens.size()][vocab_size] into host memory. Buffers grow to the largest batch seen.
+  // InvalidArgument (nothing computed) for an empty batch, mismatched sizes, a token id outside
+  // the vocabulary or a negative position; otherwise the first error of `attention` or of the
+  // DenseOps.
+  absl::Status Step(absl::Span<const int32_t> tokens, absl::Span<const int64_t> positions,
+                    BatchAttention& attention, float* logits);
+
+  DenseOps& ops() { return *ops_; }
+  const ModelParams& params() const { return params_; }
+
+ private:
+  DecodeStepRunner(const Model& model, DenseOps* ops, ModelParams params)
+      : model_(model), ops_(ops), params_(std::move(params)) {}
+
+  const Model& model_;
+  DenseOps* ops_;
+  ModelParams params_;
+  StepBuffers buf_;
+  std::unique_ptr<OpsBuffer> logits_;  // [capacity][vocab] when the ops' memory is not the host's
+};
+
+// BatchAttention over Sequences: row i attends through seqs[i]'s SequenceAttention (one token at
+// positions[i]), copying q/k/v to the host and the output back when the DenseOps's memory is not
+// host memory. Errors name the request. After the last layer's attention each sequence's length
+// grows by one (its caches then hold the step's token). The per-request path the decode node
+// runs today, behind the batched seam.
+class SequenceBatchAttention : public BatchAttention {
+ public:
+  // `seqs` and `ops` must outlive this; shape from the model.
+  SequenceBatchAttention(absl::Span<Sequence* const> seqs, const AttentionShape& shape,
+                         DenseOps* ops)
+      : seqs_(seqs), shape_(shape), ops_(ops) {}
+  absl::Status Attend(const LayerAttentionIo& io) override;
+
+ private:
+  absl::Span<Sequence* const> seqs_;
+  AttentionShape shape_;
+  DenseOps* ops_;
+  std::vector<float> q_, k_, v_, out_;  // host copies when the ops' memory is not the host's
+};
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_DECODE_STEP_H_

@@ -1,0 +1,79 @@
+// The dense seam of a layer (docs/EXECUTOR.md): the few operations a transformer layer's dense
+// work is made of (matrix products, RMSNorm, RoPE, SwiGLU, row gather and copies), and the memory
+// they run on. model/layer.h composes them into the pre-attention and post-attention halves of a
+// layer once, for every backend; a backend only implements the operations. The CPU backend
+// (cpu_dense_ops.h) runs them with OpenBLAS and the AVX2 kernels on host memory; a CUDA backend
+// (cuBLAS and a handful of elementwise kernels on a stream) implements the same interface on
+// device memory, ggml's backend split kept small.
+//
+// Memory: every pointer an operation takes is in the backend's memory (Allocate), which the host
+// may dereference only when host_memory() is true. Host data crosses only through CopyFromHost /
+// CopyToHost. Weights therefore live in the backend's memory too (Model::UploadParams).
+//
+// Ordering and errors: operations may run asynchronously but in the order they were issued (one
+// CUDA stream); a CopyToHost returns once its data is on the host, a CopyFromHost once its source
+// may be reused. Operations return nothing: a device failure is recorded and Sync() returns the
+// first since the last Sync (Internal, with context), as CUDA's sticky errors work. The CPU
+// backend never fails.
+//
+// Thread-compatible: one driver thread per DenseOps.
+#ifndef FLUXION_MODEL_DENSE_OPS_H_
+#define FLUXION_MODEL_DENSE_OPS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace fluxion::model {
+
+// A block of a DenseOps's memory, freed on destruction (which must not outlive its DenseOps).
+class OpsBuffer {
+ public:
+  virtual ~OpsBuffer() = default;
+  // Backend memory: see the header comment before dereferencing.
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+};
+
+class DenseOps {
+ public:
+  virtual ~DenseOps() = default;
+  virtual absl::string_view name() const = 0;
+  // True when the memory the operations use is host memory.
+  virtual bool host_memory() const = 0;
+
+  // Memory. Allocate: ResourceExhausted when it cannot. Contents start unspecified.
+  virtual absl::StatusOr<std::unique_ptr<OpsBuffer>> Allocate(size_t bytes) = 0;
+  virtual void CopyFromHost(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
+  // Within backend memory; the ranges may overlap (memmove).
+  virtual void Copy(void* dst, const void* src, size_t bytes) = 0;
+
+  // Math, with the contracts (and shapes) of kernels/reference/reference_ops.h:
+  // y[m][n] = x[m][k] . w[n][k]^T + bias[n] (+ y when accumulate); bias may be null.
+  virtual void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m,
+                      int64_t n, int64_t k, bool accumulate) = 0;
+  // y[m][d] = x / sqrt(mean(x^2) + eps) * weight[d]; y may alias x.
+  virtual void RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m,
+                       int64_t d) = 0;
+  // Rotate-half RoPE in place on x[n][heads][head_dim], row t at positions[t].
+  virtual void ApplyRope(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
+                         int64_t heads, int64_t head_dim) = 0;
+  // out[n] = silu(gate[n]) * up[n]; out may alias gate or up.
+  virtual void SiluMul(const float* gate, const float* up, float* out, int64_t n) = 0;
+  // out[i][:] = table[ids[i]][:] for i < n, rows of `width` floats (the embedding lookup).
+  // REQUIRES: every id is a valid row (the caller checked the token ids).
+  virtual void GatherRows(const float* table, const int32_t* ids, int64_t n, int64_t width,
+                          float* out) = 0;
+
+  // Waits for every issued operation; the first error since the last Sync, or OK.
+  virtual absl::Status Sync() = 0;
+};
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_DENSE_OPS_H_
