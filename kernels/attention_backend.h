@@ -21,10 +21,10 @@
 //
 // Memory: every pointer is in the memory the backend runs on: host memory for the reference and
 // CPU backends; for a CUDA backend, device memory (kv.arena possibly mapped pinned host memory).
-// So Supports() and WorkspaceBytes() look at shapes and num_spans only, never at the arrays; the spans being
-// valid (page ids inside the arena, first_row + rows <= page_tokens, indptr monotone) is a
-// REQUIRES of Run, which the reference backend checks (InvalidArgument) and the others assert
-// only in debug builds.
+// So Supports() and WorkspaceBytes() look at shapes and num_spans only, never at the arrays. The
+// spans being valid (page ids inside the arena, first_row + rows <= page_tokens, indptr monotone)
+// is a REQUIRES of Run, which the reference backend checks (InvalidArgument) and the others
+// assert only in debug builds.
 //
 // Thread-safety: a backend is thread-compatible (Run may use internal scratch); Supports and
 // WorkspaceBytes are const and thread-safe.

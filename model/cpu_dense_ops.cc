@@ -71,7 +71,9 @@ void CpuDenseOps::SiluMul(const float* gate, const float* up, float* out, int64_
 
 void CpuDenseOps::GatherRows(const float* table, const int32_t* ids, int64_t n, int64_t width,
                              float* out) {
-  for (int64_t i = 0; i < n; ++i) std::copy_n(table + int64_t{ids[i]} * width, width, out + i * width);
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy_n(table + int64_t{ids[i]} * width, width, out + i * width);
+  }
 }
 
 }  // namespace fluxion::model

@@ -117,7 +117,7 @@ absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<cons
     lists.push_back(tokens.subspan(i, 1));
     positions.push_back(seqs[i] != nullptr ? seqs[i]->length_ : 0);
   }
-  FLUXION_RETURN_IF_ERROR(CheckBatch(seqs, lists));
+  FLUXION_RETURN_IF_ERROR(CheckBatch("DecodeStep", seqs, lists));
   CpuDenseOps ops(pool);
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepRunner> runner,
                            DecodeStepRunner::Create(*this, &ops));

@@ -236,17 +236,19 @@ absl::Status Model::Forward(Sequence& seq, absl::Span<const int32_t> tokens,
   return absl::OkStatus();
 }
 
-absl::Status Model::CheckBatch(absl::Span<Sequence* const> seqs,
+absl::Status Model::CheckBatch(absl::string_view what, absl::Span<Sequence* const> seqs,
                               absl::Span<const absl::Span<const int32_t>> tokens) const {
   const size_t b = seqs.size();
-  if (b == 0) return absl::InvalidArgumentError("ForwardBatch needs at least one sequence");
+  if (b == 0) return absl::InvalidArgumentError(absl::StrCat(what, " needs at least one sequence"));
   if (tokens.size() != b) {
-    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch got ", b, " sequences but ",
+    return absl::InvalidArgumentError(absl::StrCat(what, " got ", b, " sequences but ",
                                                    tokens.size(), " token lists"));
   }
   std::set<const Sequence*> seen;
   for (size_t i = 0; i < b; ++i) {
-    if (seqs[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    if (seqs[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is null"));
+    }
     if (!seen.insert(seqs[i]).second) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " is listed twice"));
     }
@@ -270,7 +272,7 @@ absl::Status Model::ForwardBatch(absl::Span<Sequence* const> seqs,
                                  absl::Span<const absl::Span<const int32_t>> tokens,
                                  std::vector<std::vector<float>>* logits,
                                  std::vector<absl::Status>* statuses) const {
-  FLUXION_RETURN_IF_ERROR(CheckBatch(seqs, tokens));
+  FLUXION_RETURN_IF_ERROR(CheckBatch("ForwardBatch", seqs, tokens));
   const size_t b = seqs.size();
   const int64_t h = config_.hidden_size, d = config_.head_dim;
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, vocab = config_.vocab_size;

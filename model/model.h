@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/attention.h"
@@ -128,7 +129,7 @@ class Model {
   Model() = default;
   // InvalidArgument naming the sequence: the checks ForwardBatch and DecodeStep make before
   // computing anything.
-  absl::Status CheckBatch(absl::Span<Sequence* const> seqs,
+  absl::Status CheckBatch(absl::string_view what, absl::Span<Sequence* const> seqs,
                           absl::Span<const absl::Span<const int32_t>> tokens) const;
   ModelConfig config_;
   std::vector<float> embed_;       // [vocab][hidden]
