@@ -53,12 +53,14 @@ void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
 
 BatchScheduler::BatchScheduler(const model::Model* model, KvAdmission* admission,
                                int64_t growth_pages, int64_t page_tokens,
-                               DecodeNodeMetrics* node_metrics)
+                               DecodeNodeMetrics* node_metrics, StepExecutor* executor)
     : model_(model),
       admission_(admission),
       growth_pages_(growth_pages),
       page_tokens_(page_tokens),
       node_metrics_(node_metrics),
+      owned_executor_(executor == nullptr ? NewCpuStepExecutor(model) : nullptr),
+      executor_(executor != nullptr ? executor : owned_executor_.get()),
       thread_([this] { Loop(); }) {}
 
 BatchScheduler::~BatchScheduler() {
@@ -77,6 +79,11 @@ void BatchScheduler::Join(std::shared_ptr<DecodeRequest> r) {
   joining_.push_back(std::move(r));
 }
 
+void BatchScheduler::JoinAll(std::vector<std::shared_ptr<DecodeRequest>> rs) {
+  absl::MutexLock lock(&mu_);
+  for (auto& r : rs) joining_.push_back(std::move(r));
+}
+
 double BatchScheduler::recent_step_ms() const {
   absl::MutexLock lock(&mu_);
   if (absl::Now() - last_step_ > absl::Seconds(10)) return 0;
@@ -87,8 +94,87 @@ void BatchScheduler::End(DecodeRequest& r, Finish finish, absl::Status error) {
   EndRequest(r, finish, std::move(error));  // the request's reservations wake the waiters
 }
 
+std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
+  // Every request of the step appends before any finishes, so the pages of all requests that
+  // start a page this step must be free at once, not one request's at a time.
+  std::vector<const DecodeRequest*> starting_page;
+  auto pages_needed = [&]() {
+    int64_t n = 1;  // the request being checked
+    for (const DecodeRequest* p : starting_page) n += p->seq != nullptr;
+    return n * growth_pages_;
+  };
+  for (size_t i = 0; i < running_.size(); ++i) {
+    DecodeRequest& r = *running_[i];
+    if (r.seq == nullptr) continue;  // preempted earlier in this pass
+    if (r.abort.load()) {
+      End(r, Finish::kAbort, absl::OkStatus());
+      continue;
+    }
+    if (r.seq->length() % page_tokens_ != 0) continue;
+    // The next token starts a page in every layer and head: make room by the rule.
+    while (admission_->arena()->counters().free < pages_needed()) {
+      DecodeRequest* victim = nullptr;
+      for (auto& other : running_) {
+        if (other->seq != nullptr &&
+            (victim == nullptr || other->admission_seq > victim->admission_seq)) {
+          victim = other.get();
+        }
+      }
+      if (victim == nullptr) break;
+      ++preempted_;
+      {
+        absl::MutexLock lock(&victim->mu);
+        victim->preempted = true;
+      }
+      End(*victim, Finish::kError,
+          absl::ResourceExhaustedError(absl::StrCat(
+              "preempted: the KV arena ran out of pages while ", running_.size(),
+              " requests were decoding; the youngest request is ended so that older ones "
+              "finish (docs/SERVING.md). Retry with fewer max_tokens or on another node")));
+      if (victim == &r) break;
+    }
+    if (r.seq != nullptr) starting_page.push_back(&r);
+  }
+  std::vector<DecodeRequest*> batch;
+  for (auto& r : running_) {
+    if (r->seq != nullptr) batch.push_back(r.get());
+  }
+  return batch;
+}
+
+void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
+  std::vector<model::Sequence*> seqs;
+  std::vector<int32_t> tokens;
+  for (DecodeRequest* r : batch) {
+    seqs.push_back(r->seq.get());
+    tokens.push_back(r->last_token);
+  }
+  const auto ts = std::chrono::steady_clock::now();
+  executor_->Step(seqs, tokens, &logits_, &statuses_);
+  const uint64_t step_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                               std::chrono::steady_clock::now() - ts)
+                               .count();
+  const size_t vocab = logits_.size() / batch.size();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    DecodeRequest& r = *batch[i];
+    if (!statuses_[i].ok()) {
+      End(r, Finish::kError,
+          absl::Status(statuses_[i].code(),
+                       absl::StrCat("decode step failed: ", statuses_[i].message())));
+      continue;
+    }
+    const int32_t token =
+        r.sampler->Sample(absl::MakeConstSpan(logits_.data() + i * vocab, vocab));
+    {
+      absl::MutexLock lock(&r.mu);
+      r.max_step_us = std::max(r.max_step_us, step_us);
+    }
+    const Finish finish = AcceptToken(r, token);
+    if (finish != Finish::kNone) End(r, finish, absl::OkStatus());
+  }
+}
+
 void BatchScheduler::Loop() {
-  std::vector<float> logits;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -104,56 +190,8 @@ void BatchScheduler::Loop() {
     if (running_.empty()) continue;
     const auto t0 = std::chrono::steady_clock::now();
     const double cpu0 = node_metrics_ != nullptr ? ProcessCpuSeconds() : 0.0;
-    for (size_t i = 0; i < running_.size(); ++i) {
-      DecodeRequest& r = *running_[i];
-      if (r.seq == nullptr) continue;  // preempted earlier in this step
-      if (r.abort.load()) {
-        End(r, Finish::kAbort, absl::OkStatus());
-        continue;
-      }
-      if (r.seq->length() % page_tokens_ == 0) {
-        // The next token starts a page in every layer and head: make room by the rule.
-        while (admission_->arena()->counters().free < growth_pages_) {
-          DecodeRequest* victim = nullptr;
-          for (auto& other : running_) {
-            if (other->seq != nullptr &&
-                (victim == nullptr || other->admission_seq > victim->admission_seq)) {
-              victim = other.get();
-            }
-          }
-          if (victim == nullptr) break;
-          ++preempted_;
-          {
-            absl::MutexLock lock(&victim->mu);
-            victim->preempted = true;
-          }
-          End(*victim, Finish::kError,
-              absl::ResourceExhaustedError(absl::StrCat(
-                  "preempted: the KV arena ran out of pages while ", running_.size(),
-                  " requests were decoding; the youngest request is ended so that older ones "
-                  "finish (docs/SERVING.md). Retry with fewer max_tokens or on another node")));
-          if (victim == &r) break;
-        }
-        if (r.seq == nullptr) continue;
-      }
-      const auto ts = std::chrono::steady_clock::now();
-      absl::Status s = model_->Forward(*r.seq, absl::MakeConstSpan(&r.last_token, 1), &logits);
-      if (!s.ok()) {
-        End(r, Finish::kError,
-            absl::Status(s.code(), absl::StrCat("decode step failed: ", s.message())));
-        continue;
-      }
-      const int32_t token = r.sampler->Sample(logits);
-      const uint64_t step_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::steady_clock::now() - ts)
-                                   .count();
-      {
-        absl::MutexLock lock(&r.mu);
-        r.max_step_us = std::max(r.max_step_us, step_us);
-      }
-      const Finish finish = AcceptToken(r, token);
-      if (finish != Finish::kNone) End(r, finish, absl::OkStatus());
-    }
+    const std::vector<DecodeRequest*> batch = PrepareStep();
+    if (!batch.empty()) RunStep(batch);
     running_.erase(std::remove_if(running_.begin(), running_.end(),
                                   [](const auto& r) { return r->seq == nullptr; }),
                    running_.end());

@@ -1,7 +1,9 @@
 // Continuous batching on the decode node: one scheduler thread runs decode steps over every
 // running request; requests join (after their prefill landed) and leave (finished, aborted,
-// preempted, failed) between steps. Each request decodes with its own sparse policy over its own
-// host pages (SparseAttention), so a step is one token for every running request.
+// preempted, failed) between steps. A step is one call of the step executor over the whole
+// running batch (step_executor.h: the dense work once for the batch, each request's attention
+// with its own sparse policy over its own host pages), so a step is one token for every running
+// request.
 //
 // Preemption rule (docs/SERVING.md): before a request's step needs a new page per layer and KV
 // head and the arena has too few free pages, the YOUNGEST running request (latest admitted) is
@@ -26,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "decode/kv_admission.h"
 #include "decode/sparse_attention.h"
+#include "decode/step_executor.h"
 #include "model/model.h"
 #include "model/sampler.h"
 
@@ -78,8 +81,11 @@ class BatchScheduler {
   // needs when it starts a page (num_layers * num_kv_heads).
   // `node_metrics` (may be null) gets every step's wall and CPU time; it must outlive the
   // scheduler.
+  // `executor` computes the steps (step_executor.h; must outlive the scheduler); null: the
+  // batched CPU executor over `model`.
   BatchScheduler(const model::Model* model, KvAdmission* admission, int64_t growth_pages,
-                 int64_t page_tokens, DecodeNodeMetrics* node_metrics = nullptr);
+                 int64_t page_tokens, DecodeNodeMetrics* node_metrics = nullptr,
+                 StepExecutor* executor = nullptr);
   // Ends every running request with an error (Unavailable: shutting down) and stops the thread.
   ~BatchScheduler();
   BatchScheduler(const BatchScheduler&) = delete;
@@ -87,6 +93,8 @@ class BatchScheduler {
 
   // Adds `r` to the batch from the next step on.
   void Join(std::shared_ptr<DecodeRequest> r);
+  // Adds all of `rs` to the batch from the same next step on.
+  void JoinAll(std::vector<std::shared_ptr<DecodeRequest>> rs);
 
   int64_t running() const { return running_count_.load(); }
   // Mean step time over recent steps (exponential, ~10 s horizon at busy rates), 0 when idle.
@@ -96,12 +104,21 @@ class BatchScheduler {
  private:
   void Loop();
   void End(DecodeRequest& r, Finish finish, absl::Status error);  // EndRequest
+  // Before a step: ends aborted requests and applies the preemption rule to requests whose next
+  // token starts a page. Returns the requests that take part in the step.
+  std::vector<DecodeRequest*> PrepareStep();
+  // One step of the executor over `batch`, then sampling and the finish rules per request.
+  void RunStep(const std::vector<DecodeRequest*>& batch);
 
   const model::Model* const model_;
   KvAdmission* const admission_;
   const int64_t growth_pages_;
   const int64_t page_tokens_;
   DecodeNodeMetrics* const node_metrics_;
+  std::unique_ptr<StepExecutor> owned_executor_;  // when none was given
+  StepExecutor* const executor_;
+  std::vector<float> logits_;                     // [batch][vocab], scheduler thread only
+  std::vector<absl::Status> statuses_;
 
   mutable absl::Mutex mu_;
   std::vector<std::shared_ptr<DecodeRequest>> joining_ ABSL_GUARDED_BY(mu_);
