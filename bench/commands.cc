@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "bench/attention_bench.h"
+#include "bench/decode_bench.h"
 #ifdef FLUXION_HAVE_CUDA
 #include "bench/gpu_bench.h"
 #endif
@@ -16,6 +17,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "usage: fluxion bench <what> [flags]   (fluxion bench <what> --help)\n"
       "  model      CPU prefill/decode tokens/s of the model runtime vs bandwidth and sgemm limits\n"
       "  attention  one decode step over host KV pages, dense and at read budgets, vs bandwidth\n"
+      "  decode     a batch's decode step: batched CPU executor vs the per-request loop\n"
       "  topk       radix-select top-k against std::nth_element\n"
       "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n";
   if (args.empty() || args[0] == "--help") {
@@ -25,6 +27,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "model") return RunModelBench(rest);
   if (args[0] == "attention") return RunAttentionBench(rest);
+  if (args[0] == "decode") return RunDecodeBench(rest);
   if (args[0] == "topk") return RunTopKBench(rest);
   if (args[0] == "gpu") {
 #ifdef FLUXION_HAVE_CUDA
