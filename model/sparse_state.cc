@@ -142,12 +142,16 @@ absl::StatusOr<SparseState> SparseState::Parse(absl::string_view bytes) {
     s.sink_mass = f[2];
     s.local_mass = f[3];
     s.entropy = f[4];
+    // assign, not memcpy into data(): with 0 tokens data() is null, and memcpy from or to null
+    // is undefined even for 0 bytes (UBSan, found by sparse_state_fuzz).
+    const size_t bytes_per_table = static_cast<size_t>(st.tokens) * sizeof(float);
     s.vertical.resize(st.tokens);
     s.slash.resize(st.tokens);
-    std::memcpy(s.vertical.data(), p, st.tokens * sizeof(float));
-    p += st.tokens * sizeof(float);
-    std::memcpy(s.slash.data(), p, st.tokens * sizeof(float));
-    p += st.tokens * sizeof(float);
+    if (st.tokens > 0) {
+      std::memcpy(s.vertical.data(), p, bytes_per_table);
+      std::memcpy(s.slash.data(), p + bytes_per_table, bytes_per_table);
+    }
+    p += 2 * bytes_per_table;
   }
   return st;
 }

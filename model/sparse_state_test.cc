@@ -113,6 +113,19 @@ TEST(SparseStateTest, ParseRejectsHeaderFieldsCaptureCannotProduce) {
   }
 }
 
+// Found by sparse_state_fuzz (UBSan): a state over 0 tokens memcpy'd into a null data().
+TEST(SparseStateTest, StateOverZeroTokensRoundTrips) {
+  SparseState st;
+  st.num_layers = 1;
+  st.num_kv_heads = 1;
+  st.group = 1;
+  st.heads.resize(1);
+  absl::StatusOr<SparseState> back = SparseState::Parse(st.Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->tokens, 0);
+  EXPECT_TRUE(back->heads[0].vertical.empty());
+}
+
 TEST(SparseStateTest, CheckMatchesComparesShapeAndPromptLength) {
   DenseAttention dense = Prefilled(50, 4, 3);
   const SparseState st = *CaptureSparseState(dense, kShape);
