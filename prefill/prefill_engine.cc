@@ -14,6 +14,7 @@
 #include "model/generator.h"
 #include "model/sampler.h"
 #include "model/sparse_state.h"
+#include "prefill/prefill_validation.h"
 #include "proto/convert.h"
 #include "transfer/crc32c.h"
 #include "transfer/kv_pages.h"
@@ -89,10 +90,6 @@ absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
 }
 
-uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
-  return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
-}
-
 }  // namespace
 
 PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
@@ -145,109 +142,21 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   const model::AttentionShape shape = model_->attention_shape();
   const int64_t n = request.prompt_token_ids_size();
 
-  // 1. Validate everything before touching the decode node's memory.
-  if (n == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
-  for (int64_t i = 0; i < n; ++i) {
-    if (request.prompt_token_ids(i) >= static_cast<uint64_t>(config.vocab_size)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt_token_ids[", i, "] = ", request.prompt_token_ids(i),
-                       " is outside the model's vocabulary [0, ", config.vocab_size, ")"));
-    }
-  }
-  if (config.max_position_embeddings > 0 && n >= config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt of ", n, " tokens leaves no room in the ",
-                                                   config.max_position_embeddings,
-                                                   "-token context"));
-  }
-  const uint32_t version = request.protocol_version() == 0 ? 1 : request.protocol_version();
-  if (version > transfer::kTransferProtocolVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("protocol_version ", version, " is newer than this prefill node's ",
-                     transfer::kTransferProtocolVersion));
-  }
-  FLUXION_RETURN_IF_ERROR(Annotate(
-      transfer::CheckCompatible(proto::CompatibilityOf(layout_, version),
-                                proto::CompatibilityOf(request.layout(), version)),
-      "the decode node's model/layout differs from this prefill node's (here = prefill, peer = "
-      "decode): "));
-  FLUXION_ASSIGN_OR_RETURN(model::SamplingParams sampling,
-                           proto::SamplingFromProto(request.sampling()));
-
+  // 1. Validate everything before touching the decode node's memory
+  // (prefill/prefill_validation.h).
+  FLUXION_ASSIGN_OR_RETURN(
+      ValidatedPrefill valid,
+      ValidatePrefillRequest(request, PrefillLimits{config.vocab_size,
+                                                    config.max_position_embeddings, shape,
+                                                    &layout_, std::string(transport_->kind())}));
   const v1::KvTarget& kv = request.kv_target();
-  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                     static_cast<int64_t>(layout_.page_tokens())};
-  if (kv.transport() != transport_->kind()) {
-    return absl::FailedPreconditionError(absl::StrCat("kv_target.transport is '", kv.transport(),
-                                                      "'; this prefill node writes with '",
-                                                      transport_->kind(), "'"));
-  }
-  if (kv.page_order() != v1::PAGE_ORDER_LAYER_HEAD_PAGE) {
-    return absl::InvalidArgumentError("kv_target.page_order must be PAGE_ORDER_LAYER_HEAD_PAGE");
-  }
-  if (kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_UNSPECIFIED) {
-    return absl::InvalidArgumentError("kv_target.checksum_algorithm is unspecified");
-  }
-  if (kv.checksum_algorithm() != v1::CHECKSUM_ALGORITHM_NONE &&
-      kv.checksum_algorithm() != v1::CHECKSUM_ALGORITHM_CRC32C) {
-    return absl::FailedPreconditionError(
-        "this prefill node computes only CHECKSUM_ALGORITHM_CRC32C or NONE");
-  }
-  const uint64_t cb = geo.content_bytes();
-  if (kv.page_bytes() < cb) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_target.page_bytes ", kv.page_bytes(),
-                                                   " is smaller than a page's ", cb, " bytes"));
-  }
-  const int64_t per_head = geo.pages_per_head(n);
-  if (kv.pages_per_head() != per_head) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_target.pages_per_head is ",
-                                                   kv.pages_per_head(), "; a ", n,
-                                                   "-token prompt needs ", per_head));
-  }
-  std::vector<transfer::PageIdRun> runs;
-  uint64_t max_end = 0;
-  for (const v1::PageExtent& e : kv.extents()) {
-    runs.push_back({e.first_page_id(), e.count()});
-    max_end = std::max<uint64_t>(max_end, e.first_page_id() + e.count());
-  }
-  // The remote key covers [base, base + arena_bytes); without the field, what the extents need.
-  const uint64_t arena_bytes = kv.arena_bytes() != 0 ? kv.arena_bytes() : max_end * kv.page_bytes();
-  absl::StatusOr<std::vector<uint64_t>> expanded =
-      transfer::ExpandPageRuns(runs, geo.total_pages(n), arena_bytes / kv.page_bytes());
-  if (!expanded.ok()) return Annotate(expanded.status(), "kv_target.extents: ");
-  const std::vector<uint64_t> page_ids = std::move(*expanded);
-  const bool want_state = request.has_sparse_target();
-  const v1::SparseStateTarget& st = request.sparse_target();
-  const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
-  if (want_state) {
-    if (st.format_version() != model::kSparseStateVersion) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("sparse_target.format_version ", st.format_version(),
-                       " is not produced here; this prefill node writes version ",
-                       model::kSparseStateVersion));
-    }
-    if (!st.remote_key().empty()) {
-      return absl::FailedPreconditionError(
-          "sparse_target.remote_key must be empty: this prefill node writes the sparse state "
-          "inside the KV arena only");
-    }
-    uint64_t room = 0;
-    for (int i = 0; i < st.extents_size(); ++i) {
-      const v1::ByteExtent& e = st.extents(i);
-      const uint64_t start = st.base_address() + e.offset();
-      if (e.length() == 0 || start < kv.arena_base_address() ||
-          start - kv.arena_base_address() > arena_bytes ||
-          e.length() > arena_bytes - (start - kv.arena_base_address())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sparse_target.extents[", i, "] lies outside the arena"));
-      }
-      room += e.length();
-    }
-    if (room < state_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("sparse_target.extents hold ", room,
-                                                       " bytes; the sparse state needs ",
-                                                       state_bytes));
-    }
-  }
+  const uint32_t version = valid.version;
+  const model::SamplingParams& sampling = valid.sampling;
+  const transfer::KvPageGeometry geo = valid.geo;
+  const uint64_t cb = valid.content_bytes;
+  const int64_t per_head = valid.per_head;
+  const uint64_t arena_bytes = valid.arena_bytes;
+  std::vector<uint64_t> page_ids = std::move(valid.page_ids);
 
   // 2. Connect (cached per decode-node incarnation inside the transport).
   transfer::PeerDescriptor peer;
