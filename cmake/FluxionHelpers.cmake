@@ -63,6 +63,11 @@ function(fluxion_cc_test)
   if(NOT F_LABELS)
     set(F_LABELS unit)
   endif()
+  # The `unit_tests` target (top CMakeLists.txt) builds every unit-labelled test executable: the
+  # sanitizer stage of tools/test.sh builds exactly those.
+  if("unit" IN_LIST F_LABELS)
+    set_property(GLOBAL APPEND PROPERTY FLUXION_UNIT_TEST_TARGETS ${F_NAME})
+  endif()
   # Tests find their data through FLUXION_SOURCE_DIR so they run from any working directory.
   gtest_discover_tests(${F_NAME}
     PROPERTIES LABELS "${F_LABELS}"
