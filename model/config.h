@@ -15,7 +15,7 @@
 // length_error. The limits are a few times the largest published dense models (Llama-3.1-405B:
 // hidden 16384, intermediate 53248, 126 layers, 128 heads, head_dim 128, 131072 positions;
 // Qwen2.5-72B: vocabulary 152064) so that no real config comes near them, while keeping each
-// derived size far from int64 and size_t overflow. docs/DESIGN.md ("Limits on model files").
+// derived size far from int64 and size_t overflow. docs/FUZZING.md ("Input limits").
 //
 // Thread-safe: a plain value type.
 #ifndef FLUXION_MODEL_CONFIG_H_
