@@ -31,6 +31,8 @@ function(fluxion_set_warnings target)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX,C>:-fsanitize=fuzzer-no-link,address,undefined
       -fno-sanitize-recover=all -fno-omit-frame-pointer>)
+    # So that other executables of a fuzz build (tests, the CLI) still link.
+    target_link_options(${target} PRIVATE -fsanitize=fuzzer-no-link,address,undefined)
   endif()
 endfunction()
 
