@@ -20,11 +20,11 @@ namespace {
 // that are narrowed on the way into ReplayOptions (--vocab-size 4294967298 would become 2).
 absl::Status ValidateCommandFlags(int64_t vocab_size, double temperature, double budget,
                                   const Slo& slo, double bucket_s, const std::string& plot_format) {
-  auto bad = [](absl::string_view flag, double value, absl::string_view range) {
+  auto bad = [](absl::string_view flag, auto value, absl::string_view range) {
     return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
   };
   if (vocab_size < 2 || vocab_size > int64_t{kMaxReplayVocabSize}) {
-    return bad("--vocab-size", static_cast<double>(vocab_size),
+    return bad("--vocab-size", vocab_size,
                absl::StrCat("in [2, ", kMaxReplayVocabSize, "]"));
   }
   if (!std::isfinite(temperature) || temperature < 0 || temperature > 100) {

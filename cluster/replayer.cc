@@ -180,7 +180,8 @@ void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_li
 
 bool FiniteIn(double v, double lo, double hi) { return std::isfinite(v) && v >= lo && v <= hi; }
 
-absl::Status OutOfRange(absl::string_view flag, double value, absl::string_view range) {
+template <typename T>
+absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
   return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
 }
 
@@ -194,10 +195,10 @@ absl::Status ValidateReplayOptions(const ReplayOptions& o) {
   }
   const std::string inflight_range = absl::StrCat("in [0, ", kMaxReplayInflight, "]");
   if (o.concurrency < 0 || o.concurrency > kMaxReplayInflight) {
-    return OutOfRange("--concurrency", static_cast<double>(o.concurrency), inflight_range);
+    return OutOfRange("--concurrency", o.concurrency, inflight_range);
   }
   if (o.max_inflight < 0 || o.max_inflight > kMaxReplayInflight) {
-    return OutOfRange("--max-inflight", static_cast<double>(o.max_inflight), inflight_range);
+    return OutOfRange("--max-inflight", o.max_inflight, inflight_range);
   }
   // timeout_ms travels as uint32 milliseconds (49.7 days); a week is plenty.
   if (!FiniteIn(o.timeout_s, 1e-3, kMaxReplayTimeoutS)) {

@@ -42,7 +42,8 @@ int64_t Sample(const LengthDistribution& d, std::mt19937_64& rng) {
   return std::llround(std::clamp(v, 1.0, static_cast<double>(kMaxReplayTokens)));
 }
 
-absl::Status OutOfRange(absl::string_view flag, double value, absl::string_view range) {
+template <typename T>
+absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
   return absl::InvalidArgumentError(
       absl::StrCat(flag, " must be ", range, ", got ", value));
 }
@@ -236,7 +237,7 @@ absl::StatusOr<LengthDistribution> ParseLengthDistribution(const std::string& te
 
 absl::Status ValidateSyntheticOptions(const SyntheticOptions& options) {
   if (options.num_requests < 1 || options.num_requests > kMaxReplayRequests) {
-    return OutOfRange("--num-requests", static_cast<double>(options.num_requests),
+    return OutOfRange("--num-requests", options.num_requests,
                       absl::StrCat("in [1, ", kMaxReplayRequests, "]"));
   }
   if (!FiniteIn(options.rate, 0, 1e6)) return OutOfRange("--rate", options.rate, "in [0, 1e6]");
@@ -272,14 +273,14 @@ absl::Status ValidateTraceTransform(const TraceTransform& t) {
   }
   const std::string token_range = absl::StrCat("in [0, ", kMaxReplayTokens, "] (0 = no cap)");
   if (t.max_input_tokens < 0 || t.max_input_tokens > kMaxReplayTokens) {
-    return OutOfRange("--max-input-tokens", static_cast<double>(t.max_input_tokens), token_range);
+    return OutOfRange("--max-input-tokens", t.max_input_tokens, token_range);
   }
   if (t.max_output_tokens < 0 || t.max_output_tokens > kMaxReplayTokens) {
-    return OutOfRange("--max-output-tokens", static_cast<double>(t.max_output_tokens),
+    return OutOfRange("--max-output-tokens", t.max_output_tokens,
                       token_range);
   }
   if (t.max_requests < 0 || t.max_requests > kMaxReplayRequests) {
-    return OutOfRange("--max-requests", static_cast<double>(t.max_requests),
+    return OutOfRange("--max-requests", t.max_requests,
                       absl::StrCat("in [0, ", kMaxReplayRequests, "] (0 = all)"));
   }
   const std::string time_range = absl::StrCat("in [0, ", kMaxReplayArrivalS, "] s");
@@ -318,12 +319,12 @@ absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTra
     double input = std::max(1.0, std::round(static_cast<double>(in.input_tokens) * t.length_scale));
     double output =
         std::max(1.0, std::round(static_cast<double>(in.output_tokens) * t.length_scale));
-    if (t.max_input_tokens > 0 && input > static_cast<double>(t.max_input_tokens)) {
-      input = static_cast<double>(t.max_input_tokens);
+    if (t.max_input_tokens > 0 && input > t.max_input_tokens) {
+      input = t.max_input_tokens;
       ++r.inputs_capped;
     }
-    if (t.max_output_tokens > 0 && output > static_cast<double>(t.max_output_tokens)) {
-      output = static_cast<double>(t.max_output_tokens);
+    if (t.max_output_tokens > 0 && output > t.max_output_tokens) {
+      output = t.max_output_tokens;
       ++r.outputs_capped;
     }
     const double limit = static_cast<double>(kMaxReplayTokens);
