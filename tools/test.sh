@@ -15,9 +15,9 @@
 # cores (load average ~10), cold ccache; a dedicated CI box is several times faster:
 #   stage 3  build of the 7 fuzz targets and their instrumented libraries: 1012 s (clang, cold);
 #            running them, corpus + 20 s each: 172 s
-#   stage 4  configure 10 s; build of model_io_test + model_test + cluster_replay_test: 1140 s;
-#            the whole unit_tests target: see docs/FUZZING.md ("CI"); running under ASan:
-#            model_io_test 1.3 s, model_test 110 s, cluster_replay_test 4.6 s
+#   stage 4  configure 10 s; build of the whole unit_tests target with ASan+UBSan (gcc, cold):
+#            ~3500 s at that load (1500 s for the first 31 of 132 steps, 1983 s for the rest);
+#            running the 481 unit tests under ASan+UBSan, -j2: 77 s
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./tools/setup.sh
@@ -61,10 +61,16 @@ if [[ "${FLUXION_CI_SKIP_SANITIZERS:-0}" != 1 ]]; then
     -DFLUXION_ENABLE_CUDA=OFF -DFLUXION_SANITIZE=address,undefined "${launcher[@]}" >/dev/null
   cmake --build build-asan -j"$jobs" --target unit_tests
   # Third-party libraries (gRPC, protobuf, OpenBLAS, UCX) are not instrumented: ASan still checks
-  # our accesses into their buffers, and no suppression is needed today (tools/asan.supp would hold
-  # any, each with its reason). Leak checking stays on. tools_eval and the k8s check run no C++.
+  # our accesses into their buffers. Leak checking stays on. Left out, with the reason:
+  #  - tools_eval, cluster_k8s_kustomize: Python / shell, no C++ to check.
+  #  - GrpcStatusTest.NonCanonicalGrpcCodeBecomesUnknownNamingTheNumber: it builds a grpc::Status
+  #    holding code 42 (what an odd peer can send) and gRPC's own header (grpcpp status.h:126,
+  #    Status::ok()) loads it as enum StatusCode, whose range is 0..31: UBSan reports an invalid
+  #    enum load inside the third-party header. Every accessor of the code loads the enum, so our
+  #    conversion (common/grpc_status.cc) cannot avoid it; the test passes in the normal build.
+  #    -fno-sanitize-recover makes UBSan's suppression files inapplicable, hence -E.
   ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=0" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900 -L unit \
-      -E '^(tools_eval|cluster_k8s_kustomize)$'
+      -E '^(tools_eval|cluster_k8s_kustomize|GrpcStatusTest\.NonCanonicalGrpcCodeBecomesUnknownNamingTheNumber)$'
 fi
