@@ -31,6 +31,9 @@ stage() {  # stage NAME: prints the time the previous stage took
 launcher=()
 if command -v ccache >/dev/null; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+  # Paths relative to the checkout and no working directory in the hash: a fresh clone in another
+  # folder (as CI makes) still hits the cache of the previous run for build-fuzz and build-asan.
+  export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
 fi
 
 stage "build and unit tests"
