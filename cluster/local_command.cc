@@ -126,6 +126,11 @@ int RunLocalCommand(const std::vector<std::string>& args) {
     std::cerr << "error: --ucx-tls must be tcp or sm\n";
     return 2;
   }
+  // Checked here, before the cast to the replayer's 32-bit field (4294967298 would become 2).
+  if (vocab_size < 2 || vocab_size > (int64_t{1} << 24)) {
+    std::cerr << "error: --vocab-size must be in [2, 16777216], got " << vocab_size << "\n";
+    return 2;
+  }
   if (out_dir.empty()) out_dir = absl::StrCat("/tmp/fluxion-local-", std::time(nullptr));
   const std::string logs = out_dir + "/logs";
   if (std::system(absl::StrCat("mkdir -p '", logs, "'").c_str()) != 0) {

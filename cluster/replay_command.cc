@@ -1,6 +1,8 @@
 #include "cluster/replay_command.h"
 
+#include <cmath>
 #include <iostream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,6 +15,42 @@
 #include "common/grpc_security.h"
 
 namespace fluxion::cluster {
+namespace {
+
+// The checks no library function owns: the flags only this command reads, and the int64 flags
+// that are narrowed on the way into ReplayOptions (--vocab-size 4294967298 would become 2).
+absl::Status ValidateCommandFlags(int64_t vocab_size, double temperature, double budget,
+                                  const Slo& slo, double bucket_s, const std::string& plot_format) {
+  auto bad = [](absl::string_view flag, auto value, absl::string_view range) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
+  };
+  if (vocab_size < 2 || vocab_size > int64_t{kMaxReplayVocabSize}) {
+    return bad("--vocab-size", vocab_size,
+               absl::StrCat("in [2, ", kMaxReplayVocabSize, "]"));
+  }
+  if (!std::isfinite(temperature) || temperature < 0 || temperature > 100) {
+    return bad("--temperature", temperature, "in [0, 100]");
+  }
+  if (!std::isfinite(budget) || budget < 0) {
+    return bad("--budget", budget, "finite and >= 0 (0 = the policy's default)");
+  }
+  for (const auto& [flag, value] : {std::pair<const char*, double>{"--slo-ttft-ms", slo.ttft_ms},
+                                    {"--slo-tpot-ms", slo.tpot_ms},
+                                    {"--slo-e2e-ms", slo.e2e_ms},
+                                    {"--timeline-bucket-s", bucket_s}}) {
+    if (!std::isfinite(value) || value < 0 || value > 1e12) {
+      return bad(flag, value, "in [0, 1e12] (0 = none)");
+    }
+  }
+  if (plot_format != "png" && plot_format != "svg") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--plot-format must be png or svg, got '", plot_format, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 int RunReplayCommand(const std::vector<std::string>& args) {
   std::string target, trace, json_path, out_dir, plot_format = "png", input_len = "fixed:256",
                                                  output_len = "fixed:32", policy;
@@ -77,6 +115,12 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 2;
   }
   transform.seed = static_cast<uint64_t>(seed);
+  if (absl::Status valid = ValidateCommandFlags(vocab_size, temperature, budget, slo, bucket_s,
+                                                plot_format);
+      !valid.ok()) {
+    std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
 
   RunDescription run;
   Schedule source;
@@ -93,6 +137,10 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     options.input = *in;
     options.output = *out;
     options.seed = static_cast<uint64_t>(seed);
+    if (absl::Status valid = ValidateSyntheticOptions(options); !valid.ok()) {
+      std::cerr << "error: " << valid.message() << "\n";
+      return 2;
+    }
     source = MakeSyntheticSchedule(options);
     run.config["source"] = absl::StrFormat(
         "synthetic: %d requests, %s, input %s, output %s, seed %d", num_requests,
@@ -149,6 +197,10 @@ int RunReplayCommand(const std::vector<std::string>& args) {
                                               cancel_after_s, " s");
   }
   run.config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
+  if (absl::Status valid = ValidateReplayOptions(options); !valid.ok()) {
+    std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
 
   Replayer replayer(options);
   absl::StatusOr<std::vector<RequestRecord>> records;

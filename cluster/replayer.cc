@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -177,9 +178,58 @@ void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_li
   std::fflush(stderr);
 }
 
+bool FiniteIn(double v, double lo, double hi) { return std::isfinite(v) && v >= lo && v <= hi; }
+
+template <typename T>
+absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
+  return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
+}
+
 }  // namespace
 
+absl::Status ValidateReplayOptions(const ReplayOptions& o) {
+  if (o.vocab_size < 2 || o.vocab_size > kMaxReplayVocabSize) {
+    // Token ids are drawn from [1, vocab_size): 1 left an empty range (a division by zero).
+    return OutOfRange("--vocab-size", o.vocab_size,
+                      absl::StrCat("in [2, ", kMaxReplayVocabSize, "]"));
+  }
+  const std::string inflight_range = absl::StrCat("in [0, ", kMaxReplayInflight, "]");
+  if (o.concurrency < 0 || o.concurrency > kMaxReplayInflight) {
+    return OutOfRange("--concurrency", o.concurrency, inflight_range);
+  }
+  if (o.max_inflight < 0 || o.max_inflight > kMaxReplayInflight) {
+    return OutOfRange("--max-inflight", o.max_inflight, inflight_range);
+  }
+  // timeout_ms travels as uint32 milliseconds (49.7 days); a week is plenty.
+  if (!FiniteIn(o.timeout_s, 1e-3, kMaxReplayTimeoutS)) {
+    return OutOfRange("--timeout-s", o.timeout_s, absl::StrCat("in [0.001, ", kMaxReplayTimeoutS, "]"));
+  }
+  if (!FiniteIn(o.connect_timeout_s, 1e-3, kMaxReplayTimeoutS)) {
+    return OutOfRange("connect timeout", o.connect_timeout_s,
+                      absl::StrCat("in [0.001, ", kMaxReplayTimeoutS, "]"));
+  }
+  if (o.temperature.has_value() && !FiniteIn(*o.temperature, 0, 100)) {
+    return OutOfRange("--temperature", *o.temperature, "in [0, 100]");
+  }
+  if (o.sparse_budget.has_value() && !(std::isfinite(*o.sparse_budget) && *o.sparse_budget > 0)) {
+    return OutOfRange("--budget", *o.sparse_budget, "finite and positive");
+  }
+  if (!FiniteIn(o.cancel_fraction, 0, 1)) {
+    return OutOfRange("--cancel-fraction", o.cancel_fraction, "in [0, 1]");
+  }
+  if (!FiniteIn(o.cancel_after_s, 0, kMaxReplayTimeoutS)) {
+    return OutOfRange("--cancel-after-s", o.cancel_after_s,
+                      absl::StrCat("in [0, ", kMaxReplayTimeoutS, "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedule) {
+  if (absl::Status valid = ValidateReplayOptions(options_); !valid.ok()) return valid;
+  if (schedule.block_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("schedule block_tokens ", schedule.block_tokens,
+                                                   " must be at least 1"));
+  }
   auto channel = serving::CreateChannel(options_.target, options_.channel);
   // gRPC deadlines are system_clock time points.
   auto connect_deadline = std::chrono::system_clock::now() +

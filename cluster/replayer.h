@@ -16,12 +16,18 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cluster/replay_stats.h"
 #include "cluster/trace.h"
 #include "common/grpc_transport.h"
 
 namespace fluxion::cluster {
+
+// Limits on ReplayOptions (docs/REPLAY.md, "Limits"); the trace limits are in cluster/trace.h.
+inline constexpr uint32_t kMaxReplayVocabSize = uint32_t{1} << 24;  // = model::kMaxVocabSize
+inline constexpr int64_t kMaxReplayInflight = 100000;  // one reactor and one prompt each
+inline constexpr double kMaxReplayTimeoutS = 7 * 24 * 3600.0;
 
 struct ReplayOptions {
   std::string target;            // "host:port" of the router or decode node
@@ -44,11 +50,15 @@ struct ReplayOptions {
   serving::ChannelConfig channel;  // TLS and keepalive of the channel to `target`
 };
 
+// INVALID_ARGUMENT naming the flag (--vocab-size, --timeout-s, ...) of a value outside its range.
+absl::Status ValidateReplayOptions(const ReplayOptions& options);
+
 class Replayer {
  public:
   explicit Replayer(ReplayOptions options) : options_(std::move(options)) {}
 
-  // Sends every request of `schedule` and waits for all of them. UNAVAILABLE if the target does
+  // Sends every request of `schedule` and waits for all of them. INVALID_ARGUMENT if
+  // ValidateReplayOptions fails (before connecting). UNAVAILABLE if the target does
   // not accept a connection within connect_timeout_s. After Interrupt(), stops sending, cancels the
   // requests in flight and returns the records so far (cancelled ones with status CANCELLED).
   absl::StatusOr<std::vector<RequestRecord>> Run(const Schedule& schedule);

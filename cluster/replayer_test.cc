@@ -1,11 +1,16 @@
 #include "cluster/replayer.h"
 
+#include <cmath>
 #include <fstream>
+#include <functional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "cluster/fake_decode_service.h"
 #include "cluster/replay_report.h"
 #include "common/test_temp_dir.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
@@ -13,6 +18,7 @@ namespace {
 
 using testing::FakeDecodeService;
 using testing::FakeServer;
+using ::testing::HasSubstr;
 
 Schedule Timed(int n, double gap_s, int64_t input, int64_t output) {
   Schedule s;
@@ -133,6 +139,34 @@ TEST(ReplayerTest, ChosenRequestsAreCancelledOnPurposeAndReportedApart) {
   for (size_t i = 0; i < records->size(); ++i) {
     EXPECT_EQ((*records)[i].cancelled_by_client, (*again)[i].cancelled_by_client) << i;
   }
+}
+
+// Found by an attacker: --vocab-size 1 divided by zero building the first prompt.
+TEST(ReplayerTest, OptionsOutsideTheirRangeAreInvalidArgumentNamingTheFlag) {
+  const std::vector<std::pair<std::string, std::function<void(ReplayOptions&)>>> cases = {
+      {"--vocab-size", [](ReplayOptions& o) { o.vocab_size = 1; }},
+      {"--vocab-size", [](ReplayOptions& o) { o.vocab_size = 0; }},
+      {"--concurrency", [](ReplayOptions& o) { o.concurrency = -1; }},
+      {"--max-inflight", [](ReplayOptions& o) { o.max_inflight = int64_t{1} << 40; }},
+      {"--timeout-s", [](ReplayOptions& o) { o.timeout_s = 0; }},
+      {"--timeout-s", [](ReplayOptions& o) { o.timeout_s = 1e10; }},
+      {"--temperature", [](ReplayOptions& o) { o.temperature = std::nanf(""); }},
+      {"--budget", [](ReplayOptions& o) { o.sparse_budget = -1.0f; }},
+      {"--cancel-fraction", [](ReplayOptions& o) { o.cancel_fraction = 1.5; }},
+      {"--cancel-after-s", [](ReplayOptions& o) { o.cancel_after_s = -1; }},
+  };
+  for (const auto& [flag, set] : cases) {
+    ReplayOptions o;
+    o.target = "127.0.0.1:1";
+    o.progress = false;
+    set(o);
+    EXPECT_THAT(std::string(ValidateReplayOptions(o).message()), HasSubstr(flag));
+    // Run() checks before it connects: no 10 s connect timeout, no division by zero.
+    EXPECT_EQ(Replayer(o).Run(Timed(1, 0, 1, 1)).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << flag;
+  }
+  EXPECT_TRUE(ValidateReplayOptions(ReplayOptions{}).ok());
 }
 
 TEST(ReplayerTest, UnreachableTargetIsUnavailable) {

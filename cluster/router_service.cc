@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cluster/router_policy.h"
+#include "cluster/router_validation.h"
 #include "common/metrics_names.h"
 
 namespace fluxion::cluster {
@@ -92,28 +93,15 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   }
 
   void Begin() {
+    // cluster/router_validation.h; absl and gRPC status codes have the same numbers.
+    const absl::Status valid = ValidateRouterRequest(request_);
+    if (!valid.ok()) {
+      FinishOnce(grpc::Status(static_cast<grpc::StatusCode>(valid.code()),
+                              std::string(valid.message())),
+                 nullptr);
+      return;
+    }
     const std::string& id = request_.request_id();
-    if (id.empty() || id.size() > 128) {
-      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              "request_id must be 1 to 128 bytes"),
-                 nullptr);
-      return;
-    }
-    if (request_.protocol_version() > v1::PROTOCOL_VERSION_1) {
-      FinishOnce(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                              absl::StrCat("request ", id, ": protocol_version ",
-                                           request_.protocol_version(),
-                                           " is above the router's (1); stamp the lower of yours "
-                                           "and GetLoad's server.protocol_version")),
-                 nullptr);
-      return;
-    }
-    if (request_.prompt_token_ids_size() == 0) {
-      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              absl::StrCat("request ", id, ": empty prompt")),
-                 nullptr);
-      return;
-    }
     if (request_.has_prefill_address()) {
       // Never forward a client's choice of the node that gets a decode node's remote key unless
       // it is one of ours (docs/SECURITY.md); a known one pins the request to it.

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <random>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -36,48 +37,144 @@ int64_t Sample(const LengthDistribution& d, std::mt19937_64& rng) {
       v = std::exponential_distribution<double>(1.0 / d.a)(rng);
       break;
   }
-  return std::max<int64_t>(1, std::llround(v));
+  // Clamped in double first: llround of a value beyond int64 is undefined (and returned INT64_MIN,
+  // which became a 1-token prompt). NaN cannot occur: the parameters are finite.
+  return std::llround(std::clamp(v, 1.0, static_cast<double>(kMaxReplayTokens)));
+}
+
+template <typename T>
+absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, " must be ", range, ", got ", value));
+}
+
+bool FiniteIn(double v, double lo, double hi) { return std::isfinite(v) && v >= lo && v <= hi; }
+
+// Bounds the nesting of a record: nlohmann's parser is iterative, but its dump() and comparisons
+// recurse, and a Mooncake record nests two levels (object, hash_ids).
+class DepthLimit : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return ++depth_ <= kMaxTraceJsonDepth; }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return --depth_, true; }
+  bool start_array(std::size_t) override { return ++depth_ <= kMaxTraceJsonDepth; }
+  bool end_array() override { return --depth_, true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception&) override {
+    return false;
+  }
+
+ private:
+  int depth_ = 0;
+};
+
+// A non-negative integer field of at most `limit`; `name` is the field for errors.
+absl::StatusOr<int64_t> LengthField(const nlohmann::json& j, const char* name, int64_t limit) {
+  auto it = j.find(name);
+  if (it == j.end() || !it->is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat("no integer ", name));
+  }
+  if (it->is_number_unsigned() ? it->get<uint64_t>() > static_cast<uint64_t>(limit)
+                               : it->get<int64_t>() > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " ", it->dump(), " is above the limit of ", limit));
+  }
+  const int64_t value = it->get<int64_t>();
+  if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be at least 1"));
+  return value;
 }
 
 }  // namespace
+
+absl::StatusOr<TraceRequest> ParseMooncakeRecord(absl::string_view line, absl::string_view where) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", why));
+  };
+  DepthLimit depth;
+  if (!nlohmann::json::sax_parse(line.begin(), line.end(), &depth)) {
+    return bad(absl::StrCat("not valid JSON (or nested deeper than ", kMaxTraceJsonDepth,
+                            " levels)"));
+  }
+  nlohmann::json j = nlohmann::json::parse(line.begin(), line.end(), nullptr,
+                                           /*allow_exceptions=*/false);
+  if (!j.is_object()) return bad("not a JSON object");
+  auto ts = j.find("timestamp");
+  if (ts == j.end() || !ts->is_number()) return bad("no numeric timestamp");
+  const double timestamp_ms = ts->get<double>();
+  if (!FiniteIn(timestamp_ms, 0, kMaxReplayArrivalS * 1000)) {
+    return bad(absl::StrCat("timestamp ", timestamp_ms, " must be in [0, ",
+                            kMaxReplayArrivalS * 1000, "] ms"));
+  }
+  TraceRequest r;
+  r.arrival_s = timestamp_ms / 1000.0;
+  absl::StatusOr<int64_t> input = LengthField(j, "input_length", kMaxReplayTokens);
+  if (!input.ok()) return bad(input.status().message());
+  absl::StatusOr<int64_t> output = LengthField(j, "output_length", kMaxReplayTokens);
+  if (!output.ok()) return bad(output.status().message());
+  r.input_tokens = *input;
+  r.output_tokens = *output;
+  auto ids = j.find("hash_ids");
+  if (ids != j.end()) {
+    if (!ids->is_array()) return bad("hash_ids is not an array");
+    // Each id names at least one prompt token.
+    if (ids->size() > static_cast<size_t>(r.input_tokens)) {
+      return bad(absl::StrCat("hash_ids lists ", ids->size(), " blocks for ", r.input_tokens,
+                              " input tokens"));
+    }
+    r.hash_ids.reserve(ids->size());
+    for (const auto& id : *ids) {
+      // Unsigned 64-bit: hash ids can exceed 2^32 (a truncation bug class in other replayers).
+      if (!id.is_number_integer()) return bad("hash_ids holds a non-integer");
+      if (!id.is_number_unsigned() && id.get<int64_t>() < 0) {
+        return bad("hash_ids holds a negative id");
+      }
+      r.hash_ids.push_back(id.get<uint64_t>());
+    }
+  }
+  return r;
+}
 
 absl::StatusOr<Schedule> LoadMooncakeTrace(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open trace '", path, "'"));
   Schedule schedule;
-  std::string line;
+  // getline into a bounded buffer: std::getline would grow a string to the size of a file with
+  // no newline.
+  std::vector<char> buffer(kMaxTraceLineBytes + 1);
   int64_t line_number = 0;
-  while (std::getline(in, line)) {
+  while (true) {
+    in.getline(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const std::streamsize got = in.gcount();
+    if (got == 0 && !in) break;  // end of file
     ++line_number;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    auto bad = [&](const std::string& why) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_number, ": ", why));
-    };
-    if (!j.is_object()) return bad("not a JSON object");
-    if (!j.contains("timestamp") || !j["timestamp"].is_number()) return bad("no numeric timestamp");
-    if (!j.contains("input_length") || !j["input_length"].is_number_integer()) {
-      return bad("no integer input_length");
+    if (in.fail() && !in.eof()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_number,
+                                                     ": line is longer than the limit of ",
+                                                     kMaxTraceLineBytes, " bytes"));
     }
-    if (!j.contains("output_length") || !j["output_length"].is_number_integer()) {
-      return bad("no integer output_length");
-    }
-    TraceRequest r;
-    r.arrival_s = j["timestamp"].get<double>() / 1000.0;
-    r.input_tokens = j["input_length"].get<int64_t>();
-    r.output_tokens = j["output_length"].get<int64_t>();
-    if (r.input_tokens < 1 || r.output_tokens < 1) return bad("lengths must be at least 1");
-    if (j.contains("hash_ids")) {
-      if (!j["hash_ids"].is_array()) return bad("hash_ids is not an array");
-      for (const auto& id : j["hash_ids"]) {
-        // Unsigned 64-bit: hash ids can exceed 2^32 (a truncation bug class in other replayers).
-        if (!id.is_number_integer()) return bad("hash_ids holds a non-integer");
-        r.hash_ids.push_back(id.get<uint64_t>());
+    // gcount counts the newline getline consumed; the last line (at end of file) has none.
+    const absl::string_view line(buffer.data(), static_cast<size_t>(in.eof() ? got : got - 1));
+    if (line.find_first_not_of(" \t\r") != absl::string_view::npos) {
+      if (static_cast<int64_t>(schedule.requests.size()) >= kMaxReplayRequests) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ":", line_number, ": more than ",
+                                                       kMaxReplayRequests,
+                                                       " requests in one trace"));
       }
+      absl::StatusOr<TraceRequest> r =
+          ParseMooncakeRecord(line, absl::StrCat(path, ":", line_number));
+      if (!r.ok()) return r.status();
+      r->source_index = line_number - 1;
+      schedule.requests.push_back(std::move(*r));
     }
-    r.source_index = line_number - 1;
-    schedule.requests.push_back(std::move(r));
+    if (in.eof()) break;
   }
+  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading trace '", path, "'"));
   std::stable_sort(schedule.requests.begin(), schedule.requests.end(),
                    [](const TraceRequest& a, const TraceRequest& b) {
                      return a.arrival_s < b.arrival_s;
@@ -124,11 +221,27 @@ absl::StatusOr<LengthDistribution> ParseLengthDistribution(const std::string& te
   if (!s.ok()) return s;
   d.a = args[0];
   d.b = args.size() > 1 ? args[1] : 0;
-  if (d.a < 1 || (d.kind == LengthDistribution::Kind::kUniform && d.b < d.a) ||
-      (d.kind == LengthDistribution::Kind::kNormal && d.b < 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("length '", text, "': out of range"));
+  const double max = static_cast<double>(kMaxReplayTokens);
+  // uniform_int_distribution needs integral bounds; the others take any real in range.
+  const bool integral = d.kind != LengthDistribution::Kind::kUniform ||
+                        (d.a == std::floor(d.a) && d.b == std::floor(d.b));
+  if (!FiniteIn(d.a, 1, max) || !FiniteIn(d.b, 0, max) || !integral ||
+      (d.kind == LengthDistribution::Kind::kUniform && d.b < d.a)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "length '", text, "': out of range (lengths are in [1, ", kMaxReplayTokens,
+        "], uniform bounds are integers with MIN <= MAX, STD is in [0, ", kMaxReplayTokens,
+        "])"));
   }
   return d;
+}
+
+absl::Status ValidateSyntheticOptions(const SyntheticOptions& options) {
+  if (options.num_requests < 1 || options.num_requests > kMaxReplayRequests) {
+    return OutOfRange("--num-requests", options.num_requests,
+                      absl::StrCat("in [1, ", kMaxReplayRequests, "]"));
+  }
+  if (!FiniteIn(options.rate, 0, 1e6)) return OutOfRange("--rate", options.rate, "in [0, 1e6]");
+  return absl::OkStatus();
 }
 
 Schedule MakeSyntheticSchedule(const SyntheticOptions& options) {
@@ -147,14 +260,42 @@ Schedule MakeSyntheticSchedule(const SyntheticOptions& options) {
   return schedule;
 }
 
-absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTransform& t,
-                                        TransformReport* report) {
-  if (!(t.time_scale > 0) || !(t.length_scale > 0)) {
-    return absl::InvalidArgumentError("time and length scales must be positive");
+absl::Status ValidateTraceTransform(const TraceTransform& t) {
+  const std::string scale_range = absl::StrCat("in (0, ", kMaxReplayScale, "]");
+  if (!FiniteIn(t.time_scale, 0, kMaxReplayScale) || t.time_scale == 0) {
+    return OutOfRange("--time-scale", t.time_scale, scale_range);
+  }
+  if (!FiniteIn(t.length_scale, 0, kMaxReplayScale) || t.length_scale == 0) {
+    return OutOfRange("--length-scale", t.length_scale, scale_range);
   }
   if (!(t.sample_fraction > 0 && t.sample_fraction <= 1)) {
-    return absl::InvalidArgumentError("sample fraction must be in (0, 1]");
+    return OutOfRange("--sample", t.sample_fraction, "in (0, 1]");
   }
+  const std::string token_range = absl::StrCat("in [0, ", kMaxReplayTokens, "] (0 = no cap)");
+  if (t.max_input_tokens < 0 || t.max_input_tokens > kMaxReplayTokens) {
+    return OutOfRange("--max-input-tokens", t.max_input_tokens, token_range);
+  }
+  if (t.max_output_tokens < 0 || t.max_output_tokens > kMaxReplayTokens) {
+    return OutOfRange("--max-output-tokens", t.max_output_tokens,
+                      token_range);
+  }
+  if (t.max_requests < 0 || t.max_requests > kMaxReplayRequests) {
+    return OutOfRange("--max-requests", t.max_requests,
+                      absl::StrCat("in [0, ", kMaxReplayRequests, "] (0 = all)"));
+  }
+  const std::string time_range = absl::StrCat("in [0, ", kMaxReplayArrivalS, "] s");
+  if (!FiniteIn(t.start_s, 0, kMaxReplayArrivalS)) {
+    return OutOfRange("--start-s", t.start_s, time_range);
+  }
+  if (!FiniteIn(t.duration_s, 0, kMaxReplayArrivalS)) {
+    return OutOfRange("--duration-s", t.duration_s, time_range);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTransform& t,
+                                        TransformReport* report) {
+  if (absl::Status valid = ValidateTraceTransform(t); !valid.ok()) return valid;
   TransformReport r;
   r.requests_in = schedule.requests.size();
   if (!schedule.requests.empty()) {
@@ -173,18 +314,30 @@ absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTra
     if (t.max_requests > 0 && static_cast<int64_t>(out.requests.size()) >= t.max_requests) break;
     TraceRequest req = in;
     req.arrival_s = (in.arrival_s - t.start_s) * t.time_scale;
-    req.input_tokens = std::max<int64_t>(
-        1, std::llround(static_cast<double>(in.input_tokens) * t.length_scale));
-    req.output_tokens = std::max<int64_t>(
-        1, std::llround(static_cast<double>(in.output_tokens) * t.length_scale));
-    if (t.max_input_tokens > 0 && req.input_tokens > t.max_input_tokens) {
-      req.input_tokens = t.max_input_tokens;
+    // Scaled in double and checked before rounding: llround of a value beyond int64 is undefined
+    // (it gave INT64_MIN, which became a 1-token prompt).
+    double input = std::max(1.0, std::round(static_cast<double>(in.input_tokens) * t.length_scale));
+    double output =
+        std::max(1.0, std::round(static_cast<double>(in.output_tokens) * t.length_scale));
+    if (t.max_input_tokens > 0 && input > t.max_input_tokens) {
+      input = t.max_input_tokens;
       ++r.inputs_capped;
     }
-    if (t.max_output_tokens > 0 && req.output_tokens > t.max_output_tokens) {
-      req.output_tokens = t.max_output_tokens;
+    if (t.max_output_tokens > 0 && output > t.max_output_tokens) {
+      output = t.max_output_tokens;
       ++r.outputs_capped;
     }
+    const double limit = static_cast<double>(kMaxReplayTokens);
+    if (!(input <= limit) || !(output <= limit) || !(req.arrival_s <= kMaxReplayArrivalS)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request from trace line / draw ", in.source_index + 1, ": after --length-scale ",
+          t.length_scale, " and --time-scale ", t.time_scale, " it has ", input, " input and ",
+          output, " output tokens at ", req.arrival_s, " s; the limits are ", kMaxReplayTokens,
+          " tokens (cap with --max-input-tokens / --max-output-tokens) and ", kMaxReplayArrivalS,
+          " s"));
+    }
+    req.input_tokens = static_cast<int64_t>(input);
+    req.output_tokens = static_cast<int64_t>(output);
     // Blocks past the (scaled, capped) prompt would name no tokens.
     size_t blocks = (req.input_tokens + out.block_tokens - 1) / out.block_tokens;
     if (req.hash_ids.size() > blocks) req.hash_ids.resize(blocks);
@@ -203,6 +356,9 @@ absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTra
 
 std::vector<uint32_t> BuildPrompt(const TraceRequest& request, int64_t block_tokens,
                                   uint32_t vocab_size) {
+  // The REQUIRES of the header, kept safe for a caller that ignores it: range 0 divided by zero.
+  vocab_size = std::max<uint32_t>(vocab_size, 2);
+  block_tokens = std::max<int64_t>(block_tokens, 1);
   std::vector<uint32_t> tokens;
   tokens.reserve(request.input_tokens);
   const uint32_t range = vocab_size - 1;

@@ -10,12 +10,26 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace fluxion::cluster {
 
 // Mooncake's block size: one hash id names 512 prompt tokens.
 inline constexpr int64_t kMooncakeBlockTokens = 512;
+
+// Input limits (docs/REPLAY.md, "Limits"). Everything read from a trace or the command line is
+// checked against them before anything is allocated, so a typo or a hostile trace gives
+// INVALID_ARGUMENT naming the flag or the trace line and field, never bad_alloc, a division by
+// zero or a run that never ends. Each is far above what a replay on one machine can use: the
+// Mooncake traces' longest prompt is ~128k tokens and they hold ~24k requests.
+inline constexpr int64_t kMaxReplayTokens = int64_t{1} << 20;  // input or output length
+inline constexpr int64_t kMaxReplayRequests = 1000000;          // requests in one schedule
+inline constexpr size_t kMaxTraceLineBytes = size_t{1} << 20;   // one JSONL record
+inline constexpr double kMaxReplayArrivalS = 1e8;               // ~3 years, after --time-scale
+inline constexpr double kMaxReplayScale = 1e6;                  // --time-scale, --length-scale
+inline constexpr int kMaxTraceJsonDepth = 8;                    // a record nests 2 deep
 
 // One request of a schedule.
 struct TraceRequest {
@@ -34,11 +48,17 @@ struct Schedule {
 
 // Reads a Mooncake trace: one JSON object per line with `timestamp` (ms), `input_length`,
 // `output_length` and optional `hash_ids`. Blank lines are skipped. INVALID_ARGUMENT names the
-// line of the first malformed record; NOT_FOUND if the file cannot be opened.
+// line and field of the first malformed record (and of the first value outside the limits
+// above); NOT_FOUND if the file cannot be opened.
 absl::StatusOr<Schedule> LoadMooncakeTrace(const std::string& path);
 
+// One trace record. `where` ("trace.jsonl:12") prefixes errors. For LoadMooncakeTrace and the
+// fuzz target.
+absl::StatusOr<TraceRequest> ParseMooncakeRecord(absl::string_view line, absl::string_view where);
+
 // A length distribution, parsed from "fixed:N", "uniform:MIN:MAX", "normal:MEAN:STD" or
-// "exponential:MEAN". Samples are rounded and at least 1.
+// "exponential:MEAN". N, MIN, MAX and MEAN are in [1, kMaxReplayTokens], STD in [0, that];
+// samples are rounded and clamped to [1, kMaxReplayTokens].
 struct LengthDistribution {
   enum class Kind { kFixed, kUniform, kNormal, kExponential };
   Kind kind = Kind::kFixed;
@@ -54,7 +74,10 @@ struct SyntheticOptions {
   LengthDistribution output;
   uint64_t seed = 1;
 };
+// INVALID_ARGUMENT naming the flag (--num-requests, --rate) outside the limits above.
+absl::Status ValidateSyntheticOptions(const SyntheticOptions& options);
 // Poisson arrivals (exponential gaps), lengths drawn independently; prompts share no prefix.
+// REQUIRES: ValidateSyntheticOptions(options) is OK.
 Schedule MakeSyntheticSchedule(const SyntheticOptions& options);
 
 // Changes that fit a schedule to the machine. Each is reported (TransformReport) with the run.
@@ -79,8 +102,14 @@ struct TransformReport {
   double span_out_s = 0;  // after
 };
 
+// INVALID_ARGUMENT naming the flag for a value outside its range: scales in (0, kMaxReplayScale],
+// a fraction outside (0, 1], negative or non-finite times, caps and counts outside the limits.
+absl::Status ValidateTraceTransform(const TraceTransform& transform);
+
 // Applies `transform` in this order: window (start/duration), sub-sample, max_requests, length
-// scale, caps, time scale. INVALID_ARGUMENT for non-positive scales or a fraction outside (0, 1].
+// scale, caps, time scale. INVALID_ARGUMENT if ValidateTraceTransform fails, or naming the
+// request (trace line or synthetic draw) whose scaled length exceeds kMaxReplayTokens after the
+// caps or whose scaled arrival exceeds kMaxReplayArrivalS: nothing is silently clamped.
 absl::StatusOr<Schedule> ApplyTransform(const Schedule& schedule, const TraceTransform& transform,
                                         TransformReport* report);
 

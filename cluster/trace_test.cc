@@ -1,13 +1,23 @@
 #include "cluster/trace.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "common/test_temp_dir.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
 namespace {
+
+using ::testing::HasSubstr;
 
 // Writes `text` into the running test's own temp dir (tests run as parallel processes).
 std::string WriteTemp(const ScopedTestTempDir& temp, const std::string& text) {
@@ -45,6 +55,148 @@ TEST(TraceTest, MalformedLineIsInvalidArgumentNamingTheLine) {
   EXPECT_EQ(schedule.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(schedule.status().message().find(":2:"), std::string::npos) << schedule.status();
   EXPECT_EQ(LoadMooncakeTrace("/nonexistent.jsonl").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Found by an attacker: an input_length of 10^10 passed and BuildPrompt died in bad_alloc.
+TEST(TraceTest, LengthsAboveTheLimitAreInvalidArgumentNamingLineAndField) {
+  ScopedTestTempDir temp;
+  for (const char* field : {"input_length", "output_length"}) {
+    std::string line = R"({"timestamp": 0, "input_length": 10, "output_length": 5})";
+    const std::string key = absl::StrCat("\"", field, "\": ");
+    const size_t at = line.find(key) + key.size();
+    line.replace(at, line.find_first_of(",}", at) - at, "10000000000");
+    std::string path = WriteTemp(temp, "{\"timestamp\": 0, \"input_length\": 1, "
+                                       "\"output_length\": 1}\n" + line + "\n");
+    auto schedule = LoadMooncakeTrace(path);
+    EXPECT_EQ(schedule.status().code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_THAT(std::string(schedule.status().message()), HasSubstr(":2:")) << field;
+    EXPECT_THAT(std::string(schedule.status().message()), HasSubstr(field));
+  }
+}
+
+TEST(TraceTest, RecordFieldsOutsideTheirRangeAreInvalidArgumentNamingTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"timestamp": -5, "input_length": 1, "output_length": 1})", "timestamp"},
+      {R"({"timestamp": 1e300, "input_length": 1, "output_length": 1})", "timestamp"},
+      {R"({"timestamp": 0, "input_length": 18446744073709551615, "output_length": 1})",
+       "input_length"},
+      {R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1, 2]})",
+       "hash_ids"},
+      {R"({"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [-1]})",
+       "hash_ids"},
+      {R"({"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [[[[[[[[[1]]]]]]]]]})",
+       "nested"},
+  };
+  for (const auto& [line, field] : cases) {
+    auto r = ParseMooncakeRecord(line, "t.jsonl:1");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << line;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(field)) << line;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("t.jsonl:1")) << line;
+  }
+}
+
+TEST(TraceTest, OverlongLineIsInvalidArgumentInsteadOfBeingRead) {
+  ScopedTestTempDir temp;
+  std::string path = WriteTemp(temp, std::string(kMaxTraceLineBytes + 10, ' ') + "{}\n");
+  auto schedule = LoadMooncakeTrace(path);
+  EXPECT_EQ(schedule.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(schedule.status().message()), HasSubstr("longer than the limit"));
+}
+
+TEST(TraceTest, LastLineWithoutNewlineIsRead) {
+  ScopedTestTempDir temp;
+  std::string path = WriteTemp(temp,
+                               "{\"timestamp\": 0, \"input_length\": 3, \"output_length\": 1}\n"
+                               "{\"timestamp\": 1, \"input_length\": 4, \"output_length\": 2}");
+  auto schedule = LoadMooncakeTrace(path);
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  ASSERT_EQ(schedule->requests.size(), 2u);
+  EXPECT_EQ(schedule->requests[1].input_tokens, 4);
+}
+
+// Found by an attacker: --input-len fixed:10000000000 aborted in bad_alloc.
+TEST(TraceTest, LengthDistributionsAboveTheLimitAreRejected) {
+  for (const char* text : {"fixed:10000000000", "uniform:1:10000000000", "normal:1e300:1",
+                           "exponential:inf", "fixed:nan", "uniform:1.5:3", "normal:10:1e30"}) {
+    EXPECT_EQ(ParseLengthDistribution(text).status().code(), absl::StatusCode::kInvalidArgument)
+        << text;
+  }
+  EXPECT_TRUE(ParseLengthDistribution(absl::StrCat("fixed:", kMaxReplayTokens)).ok());
+}
+
+TEST(TraceTest, SyntheticSamplesStayWithinTheLimit) {
+  SyntheticOptions o;
+  o.num_requests = 200;
+  o.input = *ParseLengthDistribution(absl::StrCat("exponential:", kMaxReplayTokens));
+  o.output = *ParseLengthDistribution(absl::StrCat("normal:1:", kMaxReplayTokens));
+  for (const TraceRequest& r : MakeSyntheticSchedule(o).requests) {
+    EXPECT_GE(r.input_tokens, 1);
+    EXPECT_LE(r.input_tokens, kMaxReplayTokens);
+    EXPECT_GE(r.output_tokens, 1);
+    EXPECT_LE(r.output_tokens, kMaxReplayTokens);
+  }
+}
+
+// Found by an attacker: --num-requests 1000000000000 generated requests until memory ran out.
+TEST(TraceTest, SyntheticOptionsOutsideTheLimitsNameTheFlag) {
+  SyntheticOptions o;
+  o.num_requests = 1000000000000;
+  EXPECT_THAT(std::string(ValidateSyntheticOptions(o).message()), HasSubstr("--num-requests"));
+  o.num_requests = 0;
+  EXPECT_THAT(std::string(ValidateSyntheticOptions(o).message()), HasSubstr("--num-requests"));
+  o.num_requests = 10;
+  o.rate = -1;
+  EXPECT_THAT(std::string(ValidateSyntheticOptions(o).message()), HasSubstr("--rate"));
+  o.rate = 5;
+  EXPECT_TRUE(ValidateSyntheticOptions(o).ok());
+}
+
+// Found by an attacker: a length scaled past int64 went through llround (undefined; INT64_MIN in
+// practice) and max(1, .) silently made it a 1-token prompt.
+TEST(TraceTest, ScaledLengthAboveTheLimitIsAnErrorNotAOneTokenPrompt) {
+  Schedule s;
+  s.requests.push_back(TraceRequest{0, 1000, 10, {}, 41});
+  TraceTransform t;
+  t.length_scale = 1e6;
+  auto out = ApplyTransform(s, t, nullptr);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("42"));
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("--max-input-tokens"));
+  // Capped, the same scale is fine.
+  t.max_input_tokens = 5000;
+  t.max_output_tokens = 100;
+  out = ApplyTransform(s, t, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->requests[0].input_tokens, 5000);
+  EXPECT_EQ(out->requests[0].output_tokens, 100);
+}
+
+TEST(TraceTest, TransformFlagsOutsideTheirRangeNameTheFlag) {
+  const std::vector<std::pair<std::string, std::function<void(TraceTransform&)>>> cases = {
+      {"--time-scale", [](TraceTransform& t) { t.time_scale = std::nan(""); }},
+      {"--time-scale", [](TraceTransform& t) { t.time_scale = 1e300; }},
+      {"--length-scale", [](TraceTransform& t) { t.length_scale = 0; }},
+      {"--sample", [](TraceTransform& t) { t.sample_fraction = 2; }},
+      {"--max-input-tokens", [](TraceTransform& t) { t.max_input_tokens = -1; }},
+      {"--max-output-tokens", [](TraceTransform& t) { t.max_output_tokens = int64_t{1} << 40; }},
+      {"--max-requests", [](TraceTransform& t) { t.max_requests = -3; }},
+      {"--start-s", [](TraceTransform& t) { t.start_s = -1; }},
+      {"--duration-s", [](TraceTransform& t) { t.duration_s = INFINITY; }},
+  };
+  for (const auto& [flag, set] : cases) {
+    TraceTransform t;
+    set(t);
+    absl::Status s = ValidateTraceTransform(t);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << flag;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(flag));
+  }
+  EXPECT_TRUE(ValidateTraceTransform(TraceTransform{}).ok());
+}
+
+TEST(TraceTest, BuildPromptWithADegenerateVocabularyDoesNotDivideByZero) {
+  TraceRequest r{0, 8, 1, {3}, 0};
+  for (uint32_t t : BuildPrompt(r, 4, 1)) EXPECT_EQ(t, 1u);
+  EXPECT_EQ(BuildPrompt(r, 0, 2).size(), 8u);
 }
 
 TEST(TraceTest, SharedTracesLoadWhenPresent) {

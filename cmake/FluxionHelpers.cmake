@@ -7,7 +7,14 @@
 #     -> executable registered with ctest through gtest_discover_tests.
 #   fluxion_fuzz_target(NAME foo_fuzz SRCS foo_fuzz.cc DEPS fluxion::foo)
 #     -> a libFuzzer executable (LLVMFuzzerTestOneInput) when FLUXION_FUZZ is on (clang only);
-#        its seed corpus is tests/fuzz/corpus/<NAME>/. Nothing is built otherwise.
+#        its seed corpus is tests/fuzz/corpus/<NAME>/ and it is registered with ctest (label
+#        "fuzz") to replay that corpus once. Nothing is built otherwise. docs/FUZZING.md.
+#
+# Sanitizers. FLUXION_SANITIZE is passed to -fsanitize= for every target made here (e.g.
+# "address,undefined"); undefined behaviour then aborts (-fno-sanitize-recover) so a test fails on
+# it instead of printing a warning. With FLUXION_FUZZ every library is also compiled with
+# -fsanitize=fuzzer-no-link,address,undefined: without the coverage instrumentation in the code
+# under test libFuzzer would only see the few lines of the target itself.
 
 function(fluxion_set_warnings target)
   target_compile_options(${target} PRIVATE
@@ -16,8 +23,16 @@ function(fluxion_set_warnings target)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
   endif()
   if(FLUXION_SANITIZE)
-    target_compile_options(${target} PRIVATE -fsanitize=${FLUXION_SANITIZE} -fno-omit-frame-pointer)
+    target_compile_options(${target} PRIVATE -fsanitize=${FLUXION_SANITIZE} -fno-omit-frame-pointer
+                                             -fno-sanitize-recover=all)
     target_link_options(${target} PRIVATE -fsanitize=${FLUXION_SANITIZE})
+  endif()
+  if(FLUXION_FUZZ)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX,C>:-fsanitize=fuzzer-no-link,address,undefined
+      -fno-sanitize-recover=all -fno-omit-frame-pointer>)
+    # So that other executables of a fuzz build (tests, the CLI) still link.
+    target_link_options(${target} PRIVATE -fsanitize=fuzzer-no-link,address,undefined)
   endif()
 endfunction()
 
@@ -50,6 +65,11 @@ function(fluxion_cc_test)
   if(NOT F_LABELS)
     set(F_LABELS unit)
   endif()
+  # The `unit_tests` target (top CMakeLists.txt) builds every unit-labelled test executable: the
+  # sanitizer stage of tools/test.sh builds exactly those.
+  if("unit" IN_LIST F_LABELS)
+    set_property(GLOBAL APPEND PROPERTY FLUXION_UNIT_TEST_TARGETS ${F_NAME})
+  endif()
   # Tests find their data through FLUXION_SOURCE_DIR so they run from any working directory.
   gtest_discover_tests(${F_NAME}
     PROPERTIES LABELS "${F_LABELS}"
@@ -65,7 +85,17 @@ function(fluxion_fuzz_target)
   add_executable(${F_NAME} ${F_SRCS})
   target_include_directories(${F_NAME} PRIVATE ${PROJECT_SOURCE_DIR})
   target_link_libraries(${F_NAME} PRIVATE ${F_DEPS})
-  target_compile_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined)
-  target_link_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined)
   fluxion_set_warnings(${F_NAME})
+  target_compile_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined
+                                           -fno-sanitize-recover=all)
+  target_link_options(${F_NAME} PRIVATE -fsanitize=fuzzer,address,undefined)
+  set(corpus ${PROJECT_SOURCE_DIR}/tests/fuzz/corpus/${F_NAME})
+  if(NOT IS_DIRECTORY ${corpus})
+    message(WARNING "fuzz target ${F_NAME} has no seed corpus in ${corpus}")
+    return()
+  endif()
+  # One pass over the committed corpus (every seed and every past crash must pass); the timed
+  # runs are tools/fuzz.sh. -runs=0 executes the given inputs and stops.
+  add_test(NAME ${F_NAME}_corpus COMMAND ${F_NAME} -runs=0 ${corpus})
+  set_tests_properties(${F_NAME}_corpus PROPERTIES LABELS fuzz)
 endfunction()

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
+#include "decode/generate_validation.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
@@ -27,11 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
   return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
-}
-
-// Policies that start from the prefill's sparse state (LFPS tables, Fluxion head features).
-bool PolicyNeedsState(const std::string& name) {
-  return name == "lfps" || name == "lfps_paper" || name.rfind("fluxion", 0) == 0;
 }
 
 uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
@@ -120,74 +116,22 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
     return reject(absl::UnavailableError(
         absl::StrCat("decode node ", info_.node_name(), " is draining; retry on another node")));
   }
-  // 1. Validate: everything a client can get wrong is INVALID_ARGUMENT naming the field.
-  const std::string& id = request->request_id();
-  if (id.empty() || id.size() > 128) {
-    return reject(absl::InvalidArgumentError(
-        absl::StrCat("request_id must be 1 to 128 bytes, got ", id.size())));
-  }
-  if (request->protocol_version() > 1) {
-    return reject(absl::FailedPreconditionError(absl::StrCat(
-        "protocol_version ", request->protocol_version(), " is newer than this server's 1")));
-  }
-  if (n == 0) return reject(absl::InvalidArgumentError("prompt_token_ids is empty"));
-  for (int64_t i = 0; i < n; ++i) {
-    if (request->prompt_token_ids(i) >= static_cast<uint64_t>(config.vocab_size)) {
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("prompt_token_ids[", i, "] = ", request->prompt_token_ids(i),
-                       " is outside the model's vocabulary [0, ", config.vocab_size, ")")));
-    }
-  }
+  // 1. Validate: everything a client can get wrong is INVALID_ARGUMENT naming the field
+  // (decode/generate_validation.h).
   const int64_t context_limit = config.max_position_embeddings;
-  if (context_limit > 0 && n >= context_limit) {
-    return reject(absl::InvalidArgumentError(
-        absl::StrCat("prompt of ", n, " tokens leaves no room in the model's ", context_limit,
-                     "-token context")));
-  }
-  absl::StatusOr<model::SamplingParams> sampling = proto::SamplingFromProto(request->sampling());
-  if (!sampling.ok()) return reject(sampling.status());
+  absl::StatusOr<ValidatedGenerate> valid = ValidateGenerateRequest(
+      *request, GenerateLimits{config.vocab_size, context_limit, options_.default_policy,
+                               options_.default_budget});
+  if (!valid.ok()) return reject(valid.status());
+  const std::string& id = request->request_id();
   const v1::SamplingParams& sp = request->sampling();
-  if (sp.has_max_tokens() && sp.max_tokens() == 0) {
-    return reject(absl::InvalidArgumentError("sampling.max_tokens must be >= 1 when set"));
+  const model::SamplingParams* const sampling = &valid->sampling;
+  const int64_t max_tokens = valid->max_tokens;
+  const std::string& policy_name = valid->policy_name;
+  sparse::PolicyConfig* const policy = &valid->policy;
+  if (sparse::TraitsOf(policy->kind).uses_predictor) {
+    policy->fluxion_predictor = options_.fluxion_predictor;
   }
-  for (uint32_t stop : sp.stop_token_ids()) {
-    if (stop >= static_cast<uint64_t>(config.vocab_size)) {
-      return reject(absl::InvalidArgumentError(absl::StrCat(
-          "sampling.stop_token_ids holds ", stop, ", outside the vocabulary [0, ",
-          config.vocab_size, ")")));
-    }
-  }
-  // A client may ask for at most what the context leaves after the prompt (-1 from protobufjs
-  // arrives as 4294967295): a larger number would only hold the request until the context ends.
-  if (sp.has_max_tokens() && context_limit > 0 &&
-      static_cast<int64_t>(sp.max_tokens()) > context_limit - n) {
-    return reject(absl::InvalidArgumentError(absl::StrCat(
-        "sampling.max_tokens = ", sp.max_tokens(), " is more than the ", context_limit - n,
-        " tokens the model's ", context_limit, "-token context leaves after the ", n,
-        "-token prompt; ask for at most ", context_limit - n, " (or leave it unset)")));
-  }
-  const int64_t max_tokens = sp.has_max_tokens()
-                                 ? static_cast<int64_t>(sp.max_tokens())
-                                 : (context_limit > 0 ? context_limit - n : int64_t{1} << 30);
-  std::string policy_name = options_.default_policy;
-  double budget = options_.default_budget;
-  if (request->has_sparse() && !request->sparse().policy().empty()) {
-    policy_name = request->sparse().policy();
-  }
-  const bool fixed_budget = policy_name == "full" || policy_name.rfind("fixed_", 0) == 0;
-  if (request->has_sparse() && request->sparse().has_budget()) {
-    if (fixed_budget) {
-      return reject(absl::InvalidArgumentError(absl::StrCat(
-          "sparse.budget must be absent for policy '", policy_name, "', whose name fixes it")));
-    }
-    budget = request->sparse().budget();
-  }
-  if (policy_name == "full") budget = 1.0;
-  absl::StatusOr<sparse::PolicyConfig> policy = sparse::ParsePolicy(policy_name, budget);
-  if (!policy.ok()) {
-    return reject(absl::InvalidArgumentError(absl::StrCat("sparse: ", policy.status().message())));
-  }
-  if (policy_name == "fluxion") policy->fluxion_predictor = options_.fluxion_predictor;
   policy->host_cost = options_.host_cost;
   // The prefill node gets our worker address and remote key: only a trusted one may be named.
   if (options_.prefill_peers == nullptr) {
@@ -263,7 +207,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
   const int64_t pt = options_.page_tokens;
   const int64_t per_head = (n + pt - 1) / pt;
   const int64_t kv_pages = shape.num_layers * shape.num_kv_heads * per_head;
-  const bool needs_state = PolicyNeedsState(policy->name);
+  const bool needs_state = sparse::TraitsOf(policy->kind).needs_sparse_state;
   const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
   const int64_t state_pages =
       needs_state ? static_cast<int64_t>((state_bytes + arena_->page_bytes() - 1) /
@@ -438,10 +382,13 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
       ok = absl::DataLossError("sparse state landed with a wrong CRC-32C; retry the request");
     } else {
       absl::StatusOr<model::SparseState> parsed = model::SparseState::Parse(blob);
-      if (parsed.ok()) {
+      // Parse checks the state against its own header only; the policy indexes it by this
+      // model's shape, so a state for another shape or prompt length must not get through.
+      absl::Status matches = parsed.ok() ? parsed->CheckMatches(shape, n) : parsed.status();
+      if (matches.ok()) {
         state = std::move(*parsed);
       } else {
-        ok = absl::DataLossError(absl::StrCat("sparse state: ", parsed.status().message()));
+        ok = absl::DataLossError(absl::StrCat("sparse state: ", matches.message()));
       }
     }
     if (!ok.ok()) return fail(ok);  // both reservations die with the call: pages freed

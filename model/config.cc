@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
+#include <initializer_list>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -26,10 +28,11 @@ absl::Status FieldError(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: '", field, "' ", problem));
 }
 
-// nlohmann reports syntax errors only through exceptions or a SAX handler. We parse with
-// exceptions disabled and, on failure, run this handler over the text to recover the position
-// and reason for the message.
-class SyntaxErrorRecorder : public nlohmann::json_sax<Json> {
+// nlohmann reports syntax errors only through exceptions or a SAX handler. This handler runs over
+// the text before the DOM parse: it recovers the position and reason of a syntax error for the
+// message, and it stops at kMaxJsonDepth, because nlohmann's dump() and comparisons recurse once
+// per level and a value nested 100,000 deep would overflow the stack (a config.json has 3 levels).
+class JsonPrescan : public nlohmann::json_sax<Json> {
  public:
   bool null() override { return true; }
   bool boolean(bool) override { return true; }
@@ -38,27 +41,40 @@ class SyntaxErrorRecorder : public nlohmann::json_sax<Json> {
   bool number_float(number_float_t, const string_t&) override { return true; }
   bool string(string_t&) override { return true; }
   bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return true; }
+  bool start_object(std::size_t) override { return Enter(); }
   bool key(string_t&) override { return true; }
-  bool end_object() override { return true; }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
+  bool end_object() override { return Leave(); }
+  bool start_array(std::size_t) override { return Enter(); }
+  bool end_array() override { return Leave(); }
   bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
     message = e.what();
     return false;
   }
 
   std::string message;
+
+ private:
+  bool Enter() {
+    if (++depth_ <= kMaxJsonDepth) return true;
+    message = absl::StrCat("nested deeper than ", kMaxJsonDepth, " levels");
+    return false;
+  }
+  bool Leave() {
+    --depth_;
+    return true;
+  }
+
+  int depth_ = 0;
 };
 
 absl::StatusOr<Json> ParseJson(absl::string_view text) {
-  Json root = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) {
-    SyntaxErrorRecorder recorder;
-    Json::sax_parse(text.begin(), text.end(), &recorder);
+  JsonPrescan scanner;
+  if (!Json::sax_parse(text.begin(), text.end(), &scanner)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config.json is not valid JSON: ", recorder.message));
+        absl::StrCat("config.json is not valid JSON: ", scanner.message));
   }
+  Json root = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) return absl::InvalidArgumentError("config.json is not valid JSON");
   return root;
 }
 
@@ -151,6 +167,39 @@ absl::Status RequirePositive(absl::string_view field, int64_t value) {
   return absl::OkStatus();
 }
 
+// 1 <= value <= limit; the limits and their reasons are in config.h.
+absl::Status RequireInRange(absl::string_view field, int64_t value, int64_t limit) {
+  FLUXION_RETURN_IF_ERROR(RequirePositive(field, value));
+  if (value > limit) {
+    return FieldError(field, absl::StrCat("is ", value, ", above the limit of ", limit));
+  }
+  return absl::OkStatus();
+}
+
+// NaN and infinities pass comparisons like `x > 0` in surprising ways; every real number in a
+// config is finite.
+absl::Status RequireFinitePositive(absl::string_view field, double value) {
+  if (!std::isfinite(value) || !(value > 0)) {
+    return FieldError(field, absl::StrCat("must be a finite positive number, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// `product` = a * b * c...; InvalidArgument naming `what` if it overflows int64 or exceeds
+// `limit`. With the per-field limits no product overflows today; the check keeps that true if a
+// limit is raised.
+absl::Status CheckProduct(absl::string_view what, std::initializer_list<int64_t> factors,
+                          int64_t limit) {
+  int64_t product = 1;
+  for (int64_t f : factors) {
+    if (__builtin_mul_overflow(product, f, &product) || product > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: ", what, " exceeds the limit of ", limit));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Architecture> ArchitectureFromName(absl::string_view field, absl::string_view name) {
   if (name == "LlamaForCausalLM" || name == "llama") return Architecture::kLlama;
   if (name == "Qwen2ForCausalLM" || name == "qwen2") return Architecture::kQwen2;
@@ -197,8 +246,7 @@ absl::Status ReadRopeScaling(const Fields& scaling, const std::string& rope_type
     rope->type = RopeType::kLinear;
     FLUXION_ASSIGN_OR_RETURN(rope->factor,
                              scaling.RequiredNumber("factor", "for rope_type 'linear'"));
-    if (!(rope->factor > 0)) return FieldError(scaling.Name("factor"), "must be positive");
-    return absl::OkStatus();
+    return RequireFinitePositive(scaling.Name("factor"), rope->factor);
   }
   if (rope_type == "llama3") {
     // transformers indexes all four fields unconditionally for llama3, so a missing one is an
@@ -216,16 +264,17 @@ absl::Status ReadRopeScaling(const Fields& scaling, const std::string& rope_type
                         absl::StrCat("is required ", why));
     }
     rope->original_max_position_embeddings = *original;
-    if (!(rope->factor > 0)) return FieldError(scaling.Name("factor"), "must be positive");
-    if (!(rope->low_freq_factor > 0)) {
-      return FieldError(scaling.Name("low_freq_factor"), "must be positive");
-    }
+    FLUXION_RETURN_IF_ERROR(RequireFinitePositive(scaling.Name("factor"), rope->factor));
+    FLUXION_RETURN_IF_ERROR(
+        RequireFinitePositive(scaling.Name("low_freq_factor"), rope->low_freq_factor));
+    FLUXION_RETURN_IF_ERROR(
+        RequireFinitePositive(scaling.Name("high_freq_factor"), rope->high_freq_factor));
     // The smoothing between the two cut-offs divides by (high - low).
     if (!(rope->high_freq_factor > rope->low_freq_factor)) {
       return FieldError(scaling.Name("high_freq_factor"), "must be greater than low_freq_factor");
     }
-    return RequirePositive(scaling.Name("original_max_position_embeddings"),
-                           rope->original_max_position_embeddings);
+    return RequireInRange(scaling.Name("original_max_position_embeddings"),
+                          rope->original_max_position_embeddings, kMaxPositionEmbeddings);
   }
   // dynamic, yarn, longrope, su, mrope, ...: each changes the math in its own way.
   return absl::InvalidArgumentError(
@@ -264,7 +313,7 @@ absl::StatusOr<RopeConfig> ReadRope(const Fields& fields) {
     if (!type.has_value()) return FieldError("rope_scaling.rope_type", "is required");
     FLUXION_RETURN_IF_ERROR(ReadRopeScaling(scaling, *type, &rope));
   }
-  if (!(rope.theta > 0)) return FieldError("rope_theta", "must be positive");
+  FLUXION_RETURN_IF_ERROR(RequireFinitePositive("rope_theta", rope.theta));
   return rope;
 }
 
@@ -273,6 +322,10 @@ absl::StatusOr<std::vector<int64_t>> ReadTokenIds(const Fields& fields, const st
   const Json* value = fields.Get(key);
   if (value == nullptr) return ids;
   if (value->is_array()) {
+    if (value->size() > static_cast<size_t>(kMaxTokenIds)) {
+      return FieldError(key, absl::StrCat("lists ", value->size(), " ids, above the limit of ",
+                                          kMaxTokenIds));
+    }
     for (size_t i = 0; i < value->size(); ++i) {
       FLUXION_ASSIGN_OR_RETURN(int64_t id,
                                Fields::ToInt((*value)[i], absl::StrCat(key, "[", i, "]")));
@@ -284,6 +337,10 @@ absl::StatusOr<std::vector<int64_t>> ReadTokenIds(const Fields& fields, const st
   }
   for (int64_t id : ids) {
     if (id < 0) return FieldError(key, absl::StrCat("must be non-negative, got ", id));
+    // Token ids travel as uint32 on the wire and int32 in the samplers.
+    if (id >= kMaxVocabSize) {
+      return FieldError(key, absl::StrCat("holds ", id, ", above the limit of ", kMaxVocabSize));
+    }
   }
   return ids;
 }
@@ -305,14 +362,15 @@ absl::Status CheckSlidingWindow(const Fields& fields, const ModelConfig& config)
 }
 
 absl::Status Validate(const ModelConfig& config, bool head_dim_given) {
-  FLUXION_RETURN_IF_ERROR(RequirePositive("vocab_size", config.vocab_size));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("hidden_size", config.hidden_size));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("intermediate_size", config.intermediate_size));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("num_hidden_layers", config.num_layers));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("num_attention_heads", config.num_heads));
-  FLUXION_RETURN_IF_ERROR(RequirePositive("num_key_value_heads", config.num_kv_heads));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("vocab_size", config.vocab_size, kMaxVocabSize));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("hidden_size", config.hidden_size, kMaxHiddenSize));
   FLUXION_RETURN_IF_ERROR(
-      RequirePositive("max_position_embeddings", config.max_position_embeddings));
+      RequireInRange("intermediate_size", config.intermediate_size, kMaxIntermediateSize));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("num_hidden_layers", config.num_layers, kMaxLayers));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("num_attention_heads", config.num_heads, kMaxHeads));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("num_key_value_heads", config.num_kv_heads, kMaxHeads));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("max_position_embeddings",
+                                         config.max_position_embeddings, kMaxPositionEmbeddings));
   if (config.num_heads % config.num_kv_heads != 0) {
     return FieldError("num_key_value_heads",
                       absl::StrCat("(", config.num_kv_heads, ") must divide num_attention_heads (",
@@ -323,12 +381,36 @@ absl::Status Validate(const ModelConfig& config, bool head_dim_given) {
                                                   ") is not divisible by num_attention_heads (",
                                                   config.num_heads, ") and no head_dim is given"));
   }
-  FLUXION_RETURN_IF_ERROR(RequirePositive("head_dim", config.head_dim));
+  FLUXION_RETURN_IF_ERROR(RequireInRange("head_dim", config.head_dim, kMaxHeadDim));
   // RoPE rotates pairs of dimensions.
   if (config.head_dim % 2 != 0) {
     return FieldError("head_dim", absl::StrCat("must be even for RoPE, got ", config.head_dim));
   }
-  if (!(config.rms_norm_eps > 0)) return FieldError("rms_norm_eps", "must be positive");
+  if (!std::isfinite(config.rms_norm_eps) || !(config.rms_norm_eps > 0)) {
+    return FieldError("rms_norm_eps", "must be a finite positive number");
+  }
+  // The sizes the model forms from the fields: projection widths, weight matrices, and the KV
+  // cache of one position across all layers. Each must be a valid element count of one buffer.
+  constexpr int64_t kMaxElements = int64_t{1} << 40;
+  FLUXION_RETURN_IF_ERROR(CheckProduct("num_attention_heads * head_dim",
+                                       {config.num_heads, config.head_dim}, kMaxElements));
+  FLUXION_RETURN_IF_ERROR(CheckProduct("num_attention_heads * head_dim * hidden_size",
+                                       {config.num_heads, config.head_dim, config.hidden_size},
+                                       kMaxElements));
+  FLUXION_RETURN_IF_ERROR(CheckProduct("vocab_size * hidden_size",
+                                       {config.vocab_size, config.hidden_size}, kMaxElements));
+  FLUXION_RETURN_IF_ERROR(CheckProduct("intermediate_size * hidden_size",
+                                       {config.intermediate_size, config.hidden_size},
+                                       kMaxElements));
+  FLUXION_RETURN_IF_ERROR(CheckProduct(
+      "num_hidden_layers * num_key_value_heads * head_dim * max_position_embeddings",
+      {config.num_layers, config.num_kv_heads, config.head_dim, config.max_position_embeddings},
+      std::numeric_limits<int64_t>::max() / 8));
+  if (config.bos_token_id >= config.vocab_size) {
+    return FieldError("bos_token_id", absl::StrCat("(", config.bos_token_id,
+                                                   ") is outside the vocabulary [0, ",
+                                                   config.vocab_size, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -349,6 +431,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
       return absl::ErrnoToStatus(error, absl::StrCat("reading ", path));
     }
     if (n == 0) break;
+    // Checked while reading, not from fstat, so a growing file or a pipe is bounded too.
+    if (contents.size() + static_cast<size_t>(n) > kMaxConfigBytes) {
+      close(fd);
+      return absl::InvalidArgumentError(absl::StrCat(path, " is larger than the limit of ",
+                                                     kMaxConfigBytes, " bytes for config.json"));
+    }
     contents.append(buffer, static_cast<size_t>(n));
   }
   close(fd);
@@ -358,6 +446,11 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
+  if (json_text.size() > kMaxConfigBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json of ", json_text.size(),
+                                                   " bytes is above the limit of ",
+                                                   kMaxConfigBytes));
+  }
   FLUXION_ASSIGN_OR_RETURN(Json root, ParseJson(json_text));
   if (!root.is_object()) {
     return absl::InvalidArgumentError(

@@ -8,6 +8,15 @@
 // window that would actually bite) is rejected with InvalidArgument naming the field, rather than
 // run with silently wrong math.
 //
+// Limits. Every size in the file is checked against the limits below, and every product the
+// runtime forms from them (heads x head_dim, layers x kv_heads x head_dim, ...) is checked for
+// int64 overflow, before anything is allocated, so that a hostile or corrupt config.json gives
+// InvalidArgument naming the field instead of an overflowed buffer size, bad_alloc or
+// length_error. The limits are a few times the largest published dense models (Llama-3.1-405B:
+// hidden 16384, intermediate 53248, 126 layers, 128 heads, head_dim 128, 131072 positions;
+// Qwen2.5-72B: vocabulary 152064) so that no real config comes near them, while keeping each
+// derived size far from int64 and size_t overflow. docs/FUZZING.md ("Input limits").
+//
 // Thread-safe: a plain value type.
 #ifndef FLUXION_MODEL_CONFIG_H_
 #define FLUXION_MODEL_CONFIG_H_
@@ -20,6 +29,17 @@
 #include "absl/strings/string_view.h"
 
 namespace fluxion::model {
+
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;          // 16.7M ids; fits int32
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;         // 131072
+inline constexpr int64_t kMaxIntermediateSize = int64_t{1} << 20;   // 1048576
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxHeads = 1024;                          // query and KV heads each
+inline constexpr int64_t kMaxHeadDim = 4096;
+inline constexpr int64_t kMaxPositionEmbeddings = int64_t{1} << 24;  // 16.7M positions
+inline constexpr int64_t kMaxTokenIds = 1024;  // entries of the eos_token_id list
+inline constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // config.json file size
+inline constexpr int kMaxJsonDepth = 64;  // nesting of config.json and safetensors headers
 
 enum class Architecture { kLlama, kQwen2 };
 

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
@@ -394,6 +395,97 @@ TEST(ModelConfigTest, MalformedJsonIsInvalidArgument) {
   config = ParseModelConfig("[1, 2]");
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Found by an attacker: 2^59 + 8 heads times head_dim 32 wraps int64 to 256 = the q_proj width of
+// a small model, so the shape check passed and RoPE overflowed its buffer.
+TEST(ModelConfigTest, HeadCountWhoseProductWithHeadDimOverflowsIsRejected) {
+  ExpectRejectedNaming(
+      SmallLlamaWith(R"("num_attention_heads": 8,
+  "num_key_value_heads": 2,)",
+                     R"("num_attention_heads": 576460752303423496,
+  "num_key_value_heads": 2, "head_dim": 32,)"),
+      "num_attention_heads");
+}
+
+// Each of these ended in an uncaught bad_alloc or length_error when the model was built.
+TEST(ModelConfigTest, SizesAboveTheLimitsAreRejectedNamingTheField) {
+  ExpectRejectedNaming(
+      SmallLlamaWith(R"("num_hidden_layers": 4)", R"("num_hidden_layers": 2147483648)"),
+      "num_hidden_layers");
+  ExpectRejectedNaming(SmallLlamaWith(R"("num_key_value_heads": 2,)",
+                                      R"("num_key_value_heads": 2, "head_dim": 1099511627776,)"),
+                       "head_dim");
+  ExpectRejectedNaming(SmallLlamaWith(R"("vocab_size": 264)", R"("vocab_size": 4294967296)"),
+                       "vocab_size");
+  ExpectRejectedNaming(SmallLlamaWith(R"("hidden_size": 256)", R"("hidden_size": 1048576)"),
+                       "hidden_size");
+  ExpectRejectedNaming(
+      SmallLlamaWith(R"("intermediate_size": 768)", R"("intermediate_size": 9007199254740992)"),
+      "intermediate_size");
+  ExpectRejectedNaming(SmallLlamaWith(R"("max_position_embeddings": 16384)",
+                                      R"("max_position_embeddings": 9223372036854775807)"),
+                       "max_position_embeddings");
+  ExpectRejectedNaming(
+      SmallLlamaWith(R"("num_key_value_heads": 2)", R"("num_key_value_heads": 4096)"),
+      "num_key_value_heads");
+}
+
+TEST(ModelConfigTest, SizesAtTheLimitsPassTheSizeChecks) {
+  // The largest published dense model is far inside the limits.
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(SmallLlamaWith(
+      R"("num_hidden_layers": 4)", absl::StrCat(R"("num_hidden_layers": )", kMaxLayers)));
+  EXPECT_TRUE(config.ok()) << config.status();
+}
+
+TEST(ModelConfigTest, NonFiniteOrHugeRopeValuesAreRejectedNamingTheField) {
+  ExpectRejectedNaming(SmallLlamaWith(R"("rope_theta": 500000.0)", R"("rope_theta": 1e400)"),
+                       "not valid JSON");
+  ExpectRejectedNaming(
+      SmallLlamaWith(R"("rope_scaling": null)",
+                     R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 9223372036854775807})"),
+      "rope_scaling.original_max_position_embeddings");
+}
+
+TEST(ModelConfigTest, TokenIdsOutsideTheLimitsAreRejectedNamingTheField) {
+  ExpectRejectedNaming(SmallLlamaWith(R"("bos_token_id": 256)", R"("bos_token_id": 264)"),
+                       "bos_token_id");
+  ExpectRejectedNaming(SmallLlamaWith(R"("eos_token_id": 257)", R"("eos_token_id": 4294967296)"),
+                       "eos_token_id");
+  std::string many = "[";
+  for (int i = 0; i <= kMaxTokenIds; ++i) absl::StrAppend(&many, i == 0 ? "" : ",", 1);
+  many += "]";
+  ExpectRejectedNaming(SmallLlamaWith(R"("eos_token_id": 257)",
+                                      absl::StrCat(R"("eos_token_id": )", many)),
+                       "eos_token_id");
+}
+
+// Found by an attacker: nesting 100,000 deep overflowed the stack in nlohmann's recursion.
+TEST(ModelConfigTest, DeeplyNestedJsonIsRejectedWithoutRecursingIntoIt) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  ExpectRejectedNaming(SmallLlamaWith(R"("rope_scaling": null)",
+                                      absl::StrCat(R"("rope_scaling": )", deep)),
+                       "nested deeper than");
+  ExpectRejectedNaming(deep, "nested deeper than");
+}
+
+TEST(ModelConfigTest, OversizedConfigIsRejectedBeforeParsing) {
+  const std::string big = SmallLlamaWith(
+      R"("model_type": "llama",)",
+      absl::StrCat(R"("model_type": "llama", "pad": ")", std::string(kMaxConfigBytes, 'x'),
+                   R"(",)"));
+  ExpectRejectedNaming(big, "above the limit");
+  ScopedTestTempDir temp;
+  const std::string path = (temp.path() / "config.json").string();
+  {
+    std::ofstream out(path);
+    out << big;
+  }
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(path);
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(config.status().message(), HasSubstr("larger than the limit"));
 }
 
 TEST(ModelConfigTest, ToJsonRoundTripsEveryField) {

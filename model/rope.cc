@@ -5,6 +5,9 @@
 namespace fluxion::model {
 
 std::vector<float> ComputeInvFreq(const RopeConfig& rope, int64_t head_dim) {
+  // ParseModelConfig bounds head_dim; a hand-built config outside the bound gets no frequencies
+  // (and the model's shape checks then fail) rather than a vector of length -1 or 2^62.
+  if (head_dim <= 0 || head_dim > kMaxHeadDim) return {};
   const int64_t half = head_dim / 2;
   std::vector<float> inv_freq(half);
   for (int64_t i = 0; i < half; ++i) {

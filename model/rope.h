@@ -13,6 +13,7 @@ namespace fluxion::model {
 //   default: theta^(-2i/d); linear: default / factor;
 //   llama3: wavelengths above original_max/low_freq_factor are divided by `factor`, those below
 //   original_max/high_freq_factor kept, and the band between interpolated smoothly.
+// Empty when head_dim is outside (0, kMaxHeadDim].
 std::vector<float> ComputeInvFreq(const RopeConfig& rope, int64_t head_dim);
 
 }  // namespace fluxion::model

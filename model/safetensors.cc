@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "common/half.h"
 #include "common/status_macros.h"
+#include "model/config.h"
 #include "nlohmann/json.hpp"
 
 // safetensors stores every value little-endian; we copy its bytes straight into host values.
@@ -61,8 +62,8 @@ bool CheckedByteSize(absl::Span<const int64_t> shape, uint64_t element_size, uin
 
 // nlohmann reports syntax errors only through exceptions or a SAX handler, and silently keeps the
 // last of duplicate keys. This handler runs over the text before the DOM parse to recover the
-// reason for a syntax error and to catch a top-level key given twice (in a header, a tensor named
-// twice, which would leave bytes nobody accounts for).
+// reason for a syntax error, to catch a top-level key given twice (in a header, a tensor named
+// twice, which would leave bytes nobody accounts for) and to bound the nesting depth.
 class JsonPrescan : public nlohmann::json_sax<Json> {
  public:
   bool null() override { return true; }
@@ -72,10 +73,7 @@ class JsonPrescan : public nlohmann::json_sax<Json> {
   bool number_float(number_float_t, const string_t&) override { return true; }
   bool string(string_t&) override { return true; }
   bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    ++depth_;
-    return true;
-  }
+  bool start_object(std::size_t) override { return Enter(); }
   bool key(string_t& key) override {
     if (depth_ == 1 && !top_level_keys_.insert(key).second && duplicate_key.empty()) {
       duplicate_key = key;
@@ -86,10 +84,7 @@ class JsonPrescan : public nlohmann::json_sax<Json> {
     --depth_;
     return true;
   }
-  bool start_array(std::size_t) override {
-    ++depth_;
-    return true;
-  }
+  bool start_array(std::size_t) override { return Enter(); }
   bool end_array() override {
     --depth_;
     return true;
@@ -103,6 +98,15 @@ class JsonPrescan : public nlohmann::json_sax<Json> {
   std::string duplicate_key;
 
  private:
+  // A header nests 3 deep (root, entry, shape). nlohmann's dump() and comparisons recurse once per
+  // level, so a shape nested 100,000 deep overflowed the stack while an error message was built:
+  // the scan stops there, before any DOM exists.
+  bool Enter() {
+    if (++depth_ <= kMaxJsonDepth) return true;
+    syntax_error = absl::StrCat("nested deeper than ", kMaxJsonDepth, " levels");
+    return false;
+  }
+
   int depth_ = 0;
   std::set<std::string> top_level_keys_;
 };
@@ -157,13 +161,20 @@ absl::Status ParseTensorEntry(const std::string& name, const Json& entry, const 
   if (shape == entry.end() || !shape->is_array()) {
     return absl::InvalidArgumentError(absl::StrCat(tensor, ": 'shape' must be a list"));
   }
+  if (shape->size() > kMaxTensorRank) {
+    return absl::InvalidArgumentError(absl::StrCat(tensor, ": shape has ", shape->size(),
+                                                   " dimensions, above the limit of ",
+                                                   kMaxTensorRank));
+  }
   view->shape.clear();
   for (size_t i = 0; i < shape->size(); ++i) {
     uint64_t dim;
     if (!ReadCount((*shape)[i], &dim)) {
-      return absl::InvalidArgumentError(absl::StrCat(tensor, ": shape[", i, "] is ",
-                                                     (*shape)[i].dump(),
-                                                     "; dimensions must be non-negative integers"));
+      // Numbers are shown; anything else only by type, so the message stays small.
+      const Json& bad = (*shape)[i];
+      return absl::InvalidArgumentError(absl::StrCat(
+          tensor, ": shape[", i, "] is ", bad.is_number() ? bad.dump() : bad.type_name(),
+          "; dimensions must be non-negative integers"));
     }
     view->shape.push_back(static_cast<int64_t>(dim));
   }
@@ -244,6 +255,10 @@ absl::Status CheckNoOverlap(const std::map<std::string, TensorView>& tensors, co
 absl::Status ParseHeader(const uint8_t* bytes, uint64_t size, const std::string& path,
                          std::map<std::string, TensorView>* tensors,
                          std::map<std::string, std::string>* metadata) {
+  if (size < 8) {
+    return absl::DataLossError(
+        absl::StrCat("truncated: ", size, " bytes is too short for the 8-byte header length"));
+  }
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
   // Compared before anything is read or allocated: the length is untrusted.
@@ -312,6 +327,11 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return absl::ErrnoToStatus(errno, absl::StrCat("reading ", path));
     if (n == 0) break;
+    // The index lists one short line per tensor; a header-sized bound is generous.
+    if (contents.size() + static_cast<size_t>(n) > kMaxSafetensorsHeaderBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " is larger than the limit of ",
+                                                     kMaxSafetensorsHeaderBytes, " bytes"));
+    }
     contents.append(buffer, static_cast<size_t>(n));
   }
   return contents;
@@ -434,6 +454,13 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       ParseHeader(static_cast<const uint8_t*>(map), size, path, &file->tensors_, &file->metadata_),
       path));
   return file;
+}
+
+absl::Status ParseSafetensorsBytes(absl::string_view file_bytes,
+                                   std::map<std::string, TensorView>* tensors,
+                                   std::map<std::string, std::string>* metadata) {
+  return ParseHeader(reinterpret_cast<const uint8_t*>(file_bytes.data()), file_bytes.size(),
+                     "<memory>", tensors, metadata);
 }
 
 SafetensorsFile::~SafetensorsFile() {

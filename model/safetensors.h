@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace fluxion::model {
@@ -44,7 +45,11 @@ struct TensorView {
 };
 
 // Headers larger than this are rejected before being read (the format's own reader caps at 100 MB).
+// model.safetensors.index.json is held to the same bound.
 inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
+// Dimensions of one tensor (real checkpoints use at most 4). JSON nesting is bounded by
+// kMaxJsonDepth (model/config.h). docs/FUZZING.md lists every input limit.
+inline constexpr size_t kMaxTensorRank = 16;
 
 class SafetensorsFile {
  public:
@@ -70,6 +75,12 @@ class SafetensorsFile {
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };
+
+// What Open() does after mapping, on bytes in memory (tests and the fuzz target): validates the
+// whole file image and fills `tensors` (views into `file_bytes`) and `metadata`. Same errors.
+absl::Status ParseSafetensorsBytes(absl::string_view file_bytes,
+                                   std::map<std::string, TensorView>* tensors,
+                                   std::map<std::string, std::string>* metadata);
 
 // A checkpoint directory: `model.safetensors`, or shards listed by `model.safetensors.index.json`
 // ({"weight_map": {tensor: shard file}}). Every shard is opened and every tensor the index names

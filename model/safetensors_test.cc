@@ -391,6 +391,45 @@ TEST(SafetensorsTest, ShapeWhoseByteSizeOverflowsIsInvalidArgument) {
   ExpectOpenFails(temp.File("f"), absl::StatusCode::kInvalidArgument, {"model.wrap"});
 }
 
+// Found by an attacker: a shape nested 100,000 deep overflowed the stack in nlohmann's recursive
+// dump() while the "dimensions must be integers" message was built.
+TEST(SafetensorsTest, DeeplyNestedShapeIsInvalidArgumentWithoutRecursingIntoIt) {
+  ScopedTestTempDir temp;
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  WriteRawSafetensors(temp.File("f"),
+                      R"({"model.deep": {"dtype": "F32", "shape": [)" + deep +
+                          R"(], "data_offsets": [0, 4]}})",
+                      4);
+  ExpectOpenFails(temp.File("f"), absl::StatusCode::kInvalidArgument, {"nested deeper than"});
+}
+
+TEST(SafetensorsTest, ShapeWithTooManyDimensionsIsInvalidArgumentNamingTheTensor) {
+  ScopedTestTempDir temp;
+  std::string shape = "[1";
+  for (size_t i = 0; i < kMaxTensorRank; ++i) shape += ",1";
+  shape += "]";
+  WriteRawSafetensors(temp.File("f"),
+                      R"({"model.rank": {"dtype": "F32", "shape": )" + shape +
+                          R"(, "data_offsets": [0, 4]}})",
+                      4);
+  ExpectOpenFails(temp.File("f"), absl::StatusCode::kInvalidArgument, {"model.rank", "dimensions"});
+}
+
+TEST(SafetensorsTest, ParseSafetensorsBytesValidatesAnImageInMemory) {
+  std::map<std::string, TensorView> tensors;
+  std::map<std::string, std::string> metadata;
+  const std::string header = R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})";
+  const std::string image = LittleEndian64(header.size()) + header + std::string(4, '\0');
+  ASSERT_TRUE(ParseSafetensorsBytes(image, &tensors, &metadata).ok());
+  ASSERT_EQ(tensors.count("w"), 1u);
+  EXPECT_EQ(tensors["w"].nbytes, 4u);
+  tensors.clear();
+  EXPECT_EQ(ParseSafetensorsBytes("1234", &tensors, &metadata).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseSafetensorsBytes(image.substr(0, image.size() - 1), &tensors, &metadata).code(),
+            absl::StatusCode::kDataLoss);
+}
+
 TEST(SafetensorsTest, EntryFieldsOfTheWrongTypeAreInvalidArgumentNamingTheTensor) {
   ScopedTestTempDir temp;
   const std::vector<std::string> bad_entries = {

@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace fluxion::model {
 namespace {
@@ -25,6 +26,44 @@ static_assert(sizeof(Header) == 72, "wire header layout");
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is little-endian");
 
 constexpr int kFeatures = 5;
+// The counts a consumer uses as int64 loop bounds and window sizes; 2^32 is far above any context.
+constexpr uint64_t kMaxCount = uint64_t{1} << 32;
+
+// The fields the size check does not cover. Policies use them as window sizes, weights and
+// divisors, so each must be in the range Capture could have produced.
+absl::Status ValidateHeaderFields(const Header& h) {
+  if (h.group < 1 || h.group > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse state group ", h.group,
+                                                   " is outside [1, 4096]"));
+  }
+  if (h.tail_rows > h.tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse state tail_rows ", h.tail_rows,
+                                                   " exceeds its ", h.tokens, " tokens"));
+  }
+  if (h.sink_tokens > kMaxCount || h.local_tokens > kMaxCount) {
+    return absl::InvalidArgumentError("sparse state sink/local token counts are implausible");
+  }
+  if (!(h.decay > 0 && h.decay <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse state decay ", h.decay,
+                                                   " is outside (0, 1]"));
+  }
+  if (!(h.coverage >= 0 && h.coverage <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse state coverage ", h.coverage,
+                                                   " is outside [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+// NaN breaks the strict weak ordering the policies' sorts and top-k selections rely on (undefined
+// behaviour, out-of-bounds reads in practice), so every value must be finite.
+bool AllFinite(const char* p, uint64_t count) {
+  for (uint64_t i = 0; i < count; ++i) {
+    float v;
+    std::memcpy(&v, p + i * sizeof(float), sizeof(float));
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -73,11 +112,16 @@ absl::StatusOr<SparseState> SparseState::Parse(absl::string_view bytes) {
   if (h.num_layers > 4096 || h.num_kv_heads > 4096 || h.tokens > (uint64_t{1} << 32)) {
     return absl::InvalidArgumentError("sparse state header has implausible sizes");
   }
+  FLUXION_RETURN_IF_ERROR(ValidateHeaderFields(h));
   const uint64_t per_head = kFeatures * sizeof(float) + 2 * h.tokens * sizeof(float);
   if (bytes.size() != sizeof(Header) + heads * per_head) {
     return absl::InvalidArgumentError(absl::StrCat("sparse state holds ", bytes.size(),
                                                    " bytes; its header describes ",
                                                    sizeof(Header) + heads * per_head));
+  }
+  const char* values = bytes.data() + sizeof(Header);
+  if (!AllFinite(values, (bytes.size() - sizeof(Header)) / sizeof(float))) {
+    return absl::InvalidArgumentError("sparse state holds a NaN or infinite value");
   }
   SparseState st;
   st.num_layers = h.num_layers;
@@ -98,14 +142,31 @@ absl::StatusOr<SparseState> SparseState::Parse(absl::string_view bytes) {
     s.sink_mass = f[2];
     s.local_mass = f[3];
     s.entropy = f[4];
+    // assign, not memcpy into data(): with 0 tokens data() is null, and memcpy from or to null
+    // is undefined even for 0 bytes (UBSan, found by sparse_state_fuzz).
+    const size_t bytes_per_table = static_cast<size_t>(st.tokens) * sizeof(float);
     s.vertical.resize(st.tokens);
     s.slash.resize(st.tokens);
-    std::memcpy(s.vertical.data(), p, st.tokens * sizeof(float));
-    p += st.tokens * sizeof(float);
-    std::memcpy(s.slash.data(), p, st.tokens * sizeof(float));
-    p += st.tokens * sizeof(float);
+    if (st.tokens > 0) {
+      std::memcpy(s.vertical.data(), p, bytes_per_table);
+      std::memcpy(s.slash.data(), p + bytes_per_table, bytes_per_table);
+    }
+    p += 2 * bytes_per_table;
   }
   return st;
+}
+
+absl::Status SparseState::CheckMatches(const AttentionShape& shape, int64_t prompt_tokens) const {
+  if (num_layers != shape.num_layers || num_kv_heads != shape.num_kv_heads ||
+      (shape.num_kv_heads > 0 && group != shape.num_heads / shape.num_kv_heads) ||
+      tokens != prompt_tokens ||
+      static_cast<int64_t>(heads.size()) != num_layers * num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse state of ", num_layers, " layers x ", num_kv_heads, " KV heads (group ", group,
+        ") over ", tokens, " tokens does not match the model's ", shape.num_layers, " x ",
+        shape.num_kv_heads, " and the ", prompt_tokens, "-token prompt"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<SparseState> CaptureSparseState(

@@ -62,6 +62,12 @@ struct SparseState {
   // InvalidArgument for a wrong magic, version or size: never trusts a length before checking it
   // against the buffer.
   static absl::StatusOr<SparseState> Parse(absl::string_view bytes);
+
+  // InvalidArgument unless this state was captured for `shape` over a `tokens`-token prompt.
+  // Parse() checks the buffer against its own header only; a consumer indexing head(layer, h) by
+  // the model's shape must call this first (a peer's state for another model would be read out
+  // of bounds).
+  absl::Status CheckMatches(const AttentionShape& shape, int64_t tokens) const;
 };
 
 // From raw prefill data: keys[layer] = [tokens][num_kv_heads][head_dim] (post-RoPE, fp32);

@@ -1,7 +1,9 @@
 #include "model/sparse_state.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <utility>
 
 #include "gtest/gtest.h"
 
@@ -81,6 +83,57 @@ TEST(SparseStateTest, ParseRejectsTruncatedForeignAndFutureBuffers) {
   auto s = SparseState::Parse(future);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("version"), std::string::npos);
+}
+
+// Header offsets of the wire format (docs/SPARSE_STATE.md): group at 16, tail_rows at 32, decay
+// at 40, coverage at 64; the first feature float right after the 72-byte header.
+template <typename T>
+std::string WithField(std::string bytes, size_t offset, T value) {
+  std::memcpy(&bytes[offset], &value, sizeof(value));
+  return bytes;
+}
+
+TEST(SparseStateTest, ParseRejectsHeaderFieldsCaptureCannotProduce) {
+  DenseAttention dense = Prefilled(50, 4, 3);
+  const std::string bytes = CaptureSparseState(dense, kShape)->Serialize();
+  ASSERT_TRUE(SparseState::Parse(bytes).ok());
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"group 0", WithField<uint32_t>(bytes, 16, 0)},
+      {"tail_rows > tokens", WithField<uint64_t>(bytes, 32, 51)},
+      {"NaN decay", WithField<double>(bytes, 40, std::nan(""))},
+      {"decay > 1", WithField<double>(bytes, 40, 2.0)},
+      {"huge sink_tokens", WithField<uint64_t>(bytes, 48, ~uint64_t{0})},
+      {"NaN coverage", WithField<double>(bytes, 64, std::nan(""))},
+      {"NaN feature", WithField<float>(bytes, 72, std::nanf(""))},
+      {"infinite table entry", WithField<float>(bytes, bytes.size() - 4, INFINITY)},
+  };
+  for (const auto& [what, bad] : cases) {
+    absl::StatusOr<SparseState> s = SparseState::Parse(bad);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << what;
+  }
+}
+
+// Found by sparse_state_fuzz (UBSan): a state over 0 tokens memcpy'd into a null data().
+TEST(SparseStateTest, StateOverZeroTokensRoundTrips) {
+  SparseState st;
+  st.num_layers = 1;
+  st.num_kv_heads = 1;
+  st.group = 1;
+  st.heads.resize(1);
+  absl::StatusOr<SparseState> back = SparseState::Parse(st.Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->tokens, 0);
+  EXPECT_TRUE(back->heads[0].vertical.empty());
+}
+
+TEST(SparseStateTest, CheckMatchesComparesShapeAndPromptLength) {
+  DenseAttention dense = Prefilled(50, 4, 3);
+  const SparseState st = *CaptureSparseState(dense, kShape);
+  EXPECT_TRUE(st.CheckMatches(kShape, 50).ok());
+  EXPECT_EQ(st.CheckMatches(kShape, 49).code(), absl::StatusCode::kInvalidArgument);
+  AttentionShape more_layers = kShape;
+  more_layers.num_layers = 3;
+  EXPECT_EQ(st.CheckMatches(more_layers, 50).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DenseAttentionTest, RecordsOnlyTheRequestedRange) {

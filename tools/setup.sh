@@ -18,6 +18,8 @@ packages=(
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
   python3                                     # tools/eval: result tables (and their ctest)
   openssl                                     # TLS tests: throwaway CA and certificates at run time
+  clang libclang-rt-14-dev                    # libFuzzer targets and their sanitizers (tools/fuzz.sh)
+  ninja-build                                 # the fuzz and sanitizer build dirs of tools/test.sh
 )
 
 missing=()
