@@ -1,6 +1,5 @@
 #include "cluster/router_service.h"
 
-#include <sys/random.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "cluster/router_policy.h"
 #include "cluster/router_validation.h"
+#include "common/secret_token.h"
 #include "common/metrics_names.h"
 
 namespace fluxion::cluster {
@@ -50,32 +50,6 @@ const char* CodeName(grpc::StatusCode code) {
   }
 }
 
-// `bytes` bytes from the kernel's CSPRNG, hex-encoded (abort tokens must be unguessable).
-absl::StatusOr<std::string> RandomHex(size_t bytes) {
-  std::string raw(bytes, '\0');
-  size_t got = 0;
-  while (got < bytes) {
-    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom failed: errno ", errno));
-    got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  for (unsigned char c : raw) {
-    hex.push_back(kHex[c >> 4]);
-    hex.push_back(kHex[c & 15]);
-  }
-  return hex;
-}
-
-// No early exit: the time taken says nothing about how much of a guessed token was right.
-bool TokensEqual(const std::string& a, const std::string& b) {
-  if (a.size() != b.size() || a.empty()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 }  // namespace
 
@@ -122,7 +96,7 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
       }
       pinned_prefill_ = request_.prefill_address();
     }
-    absl::StatusOr<std::string> token = RandomHex(16);
+    absl::StatusOr<std::string> token = RandomHexToken(16);
     if (!token.ok()) {
       FinishOnce(grpc::Status(grpc::StatusCode::INTERNAL,
                               absl::StrCat("request ", id, ": ", token.status().message())),

@@ -1,6 +1,5 @@
 #include "decode/decode_service.h"
 
-#include <sys/random.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -11,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/secret_token.h"
 #include "common/grpc_status.h"
 #include "decode/generate_validation.h"
 #include "decode/paged_kv.h"
@@ -34,37 +34,8 @@ uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens) {
   return 72 + static_cast<uint64_t>(layers * heads) * (20 + 8 * static_cast<uint64_t>(tokens));
 }
 
-// `bytes` bytes from the kernel's CSPRNG (getrandom), hex-encoded. Abort tokens must be
-// unguessable, which absl's generators do not promise.
-absl::StatusOr<std::string> RandomHex(size_t bytes) {
-  std::string raw(bytes, '\0');
-  size_t got = 0;
-  while (got < bytes) {
-    const ssize_t n = getrandom(raw.data() + got, bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom failed: errno ", errno));
-    got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  for (unsigned char c : raw) {
-    hex.push_back(kHex[c >> 4]);
-    hex.push_back(kHex[c & 15]);
-  }
-  return hex;
-}
-
-// Compares without an early exit, so the time taken says nothing about how much of a guessed
-// token was right.
-bool TokensEqual(const std::string& a, const std::string& b) {
-  if (a.size() != b.size() || a.empty()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 std::string IncarnationId() {
-  absl::StatusOr<std::string> hex = RandomHex(8);
+  absl::StatusOr<std::string> hex = RandomHexToken(8);
   // Without the kernel's generator (never seen on Linux >= 3.17), the clock still differs per
   // start, which is all uniqueness toward prefill nodes needs.
   return hex.ok() ? *hex : absl::StrCat(absl::ToUnixNanos(absl::Now()));
@@ -146,7 +117,7 @@ grpc::Status DecodeServiceImpl::GenerateCall(grpc::ServerContext* context,
     prefill_address = options_.prefill_peers->Pick();
     if (!prefill_address.ok()) return reject(prefill_address.status());
   }
-  absl::StatusOr<std::string> abort_token = RandomHex(16);
+  absl::StatusOr<std::string> abort_token = RandomHexToken(16);
   if (!abort_token.ok()) return reject(abort_token.status());
   // Unique per attempt toward the prefill node: a router retrying this id on another decode node
   // while the prefill node still holds the first attempt (its decode node died) must not collide
