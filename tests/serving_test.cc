@@ -407,6 +407,7 @@ TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartial
 TEST_F(ServingFailureTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNodeStops) {
   auto slow = SlowPrefill(300);  // 6 layers x 300 ms: every deadline below passes mid-prefill
   ASSERT_NE(slow, nullptr);
+  DecodeClient& node = Trusting(*slow);
   std::vector<std::thread> clients;
   std::vector<GenerateResult> results(4);
   for (int i = 0; i < 4; ++i) {
@@ -414,7 +415,7 @@ TEST_F(ServingFailureTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNo
       v1::GenerateRequest r = GreedyRequest("short-" + std::to_string(i), BytePrompt(kPromptText),
                                             8, "", slow->address());  // default policy: + state
       r.set_timeout_ms(400);
-      results[i] = pair_->client->Generate(r);
+      results[i] = node.Generate(r);
     });
   }
   for (auto& t : clients) t.join();
@@ -423,25 +424,27 @@ TEST_F(ServingFailureTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNo
         << r.status.error_message();
   }
   // At once, not after the lease (1 s here, 30 s by default).
-  const v1::DecodeLoad load = pair_->client->Load();
+  const v1::DecodeLoad load = node.Load();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
 }
 
 // A prefill node that cannot be reached never got the request: nothing is held.
 TEST_F(ServingFailureTest, RefusedPrefillConnectionFreesPagesAtOnce) {
   std::string dead;
+  DecodeClient* node = nullptr;
   {
     auto gone = SlowPrefill(0);
     ASSERT_NE(gone, nullptr);
+    node = &Trusting(*gone);  // trusted, then gone: the address stays in the decode node's list
     dead = gone->address();
     gone->Kill();
   }
-  GenerateResult r = pair_->client->Generate(
+  GenerateResult r = node->Generate(
       GreedyRequest("refused", BytePrompt(kPromptText), 4, "full", dead));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("not sent"), std::string::npos)
       << r.status.error_message();
-  const v1::DecodeLoad load = pair_->client->Load();
+  const v1::DecodeLoad load = node->Load();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
 }
 
