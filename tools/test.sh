@@ -72,6 +72,8 @@ if [[ "${FLUXION_CI_SKIP_SANITIZERS:-0}" != 1 ]]; then
   #    enum load inside the third-party header. Every accessor of the code loads the enum, so our
   #    conversion (common/grpc_status.cc) cannot avoid it; the test passes in the normal build.
   #    -fno-sanitize-recover makes UBSan's suppression files inapplicable, hence -E.
+  # Leak checking skips what tools/lsan.supp names (third-party allocations, each with a reason).
+  LSAN_OPTIONS="suppressions=$PWD/tools/lsan.supp:print_suppressions=0" \
   ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=0" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900 -L unit \
