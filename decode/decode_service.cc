@@ -57,7 +57,7 @@ DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
       arena_descriptor_(arena_descriptor),
       info_(info),
       options_(options),
-      prefill_client_(options.abort_wait),
+      prefill_client_(options.abort_wait, options.prefill_channel),
       incarnation_(IncarnationId()) {}
 
 grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,

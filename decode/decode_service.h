@@ -54,6 +54,8 @@ struct DecodeServiceOptions {
   // After sending Abort to a prefill node, how long to wait for its reply before giving up and
   // quarantining the pages.
   absl::Duration abort_wait = absl::Seconds(2);
+  // Credentials and keepalive of the channels to prefill nodes (--prefill-tls-*).
+  serving::ChannelConfig prefill_channel;
   // How long pages stay quarantined when a prefill node may still write into them (its call
   // ended without a reply). Must exceed the prefill node's --transfer-timeout-ms plus UCX's
   // keepalive for the guarantee to hold between hosts; on one host a dead process writes nothing.

@@ -10,24 +10,6 @@ namespace fluxion::decode {
 
 namespace v1 = ::fluxion::v1;
 
-namespace {
-
-absl::Mutex g_default_mu(absl::kConstInit);
-serving::ChannelConfig* g_default_channel ABSL_GUARDED_BY(g_default_mu) = nullptr;
-
-}  // namespace
-
-void PrefillClient::SetDefaultChannelConfig(serving::ChannelConfig channel) {
-  absl::MutexLock lock(&g_default_mu);
-  delete g_default_channel;
-  g_default_channel = new serving::ChannelConfig(std::move(channel));
-}
-
-serving::ChannelConfig PrefillClient::DefaultChannelConfig() {
-  absl::MutexLock lock(&g_default_mu);
-  return g_default_channel != nullptr ? *g_default_channel : serving::ChannelConfig();
-}
-
 const char* WriteHoldName(WriteHold hold) {
   switch (hold) {
     case WriteHold::kNone: return "none";

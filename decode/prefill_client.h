@@ -66,21 +66,13 @@ struct PrefillClientOptions {
 
 class PrefillClient {
  public:
-  // Channels use `channel` (credentials, keepalive), or the process default.
-  explicit PrefillClient(const PrefillClientOptions& options)
-      : PrefillClient(options, DefaultChannelConfig()) {}
-  explicit PrefillClient(absl::Duration abort_wait)
-      : PrefillClient(PrefillClientOptions{abort_wait}, DefaultChannelConfig()) {}
-  PrefillClient(absl::Duration abort_wait, serving::ChannelConfig channel)
-      : PrefillClient(PrefillClientOptions{abort_wait}, std::move(channel)) {}
-  PrefillClient(const PrefillClientOptions& options, serving::ChannelConfig channel)
+  // Channels use `channel` (credentials, keepalive): `fluxion decode` builds it from its
+  // --prefill-tls-* flags (DecodeServiceOptions::prefill_channel); insecure by default.
+  explicit PrefillClient(const PrefillClientOptions& options,
+                         serving::ChannelConfig channel = {})
       : options_(options), channel_config_(std::move(channel)) {}
-
-  // The process default: what `fluxion decode` builds from its --prefill-tls-* flags, set before
-  // it builds the service (DecodeServiceImpl constructs its client without a channel config).
-  // Insecure until set.
-  static void SetDefaultChannelConfig(serving::ChannelConfig channel);
-  static serving::ChannelConfig DefaultChannelConfig();
+  explicit PrefillClient(absl::Duration abort_wait, serving::ChannelConfig channel = {})
+      : PrefillClient(PrefillClientOptions{abort_wait}, std::move(channel)) {}
 
   // Calls Prefill at `address`; aborts it once `deadline` passes or `cancelled()` (polled every
   // 5 ms) returns true.

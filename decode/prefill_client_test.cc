@@ -42,7 +42,6 @@ class PrefillClientTlsTest : public ::testing::Test {
     server_ = *std::move(server);
     address_ = "localhost:" + std::to_string(port);
   }
-  void TearDown() override { PrefillClient::SetDefaultChannelConfig(serving::ChannelConfig()); }
 
   serving::ChannelConfig Config(bool with_cert) {
     auto config = serving::ClientChannelConfig(pki_.Client(with_cert));
@@ -63,11 +62,10 @@ class PrefillClientTlsTest : public ::testing::Test {
   std::string address_;
 };
 
-// DecodeServiceImpl builds its client with the one-argument constructor: `fluxion decode` hands
-// it the --prefill-tls-* configuration through the process default.
+// DecodeServiceImpl builds its client from DecodeServiceOptions::prefill_channel, which
+// `fluxion decode` fills from its --prefill-tls-* flags.
 TEST_F(PrefillClientTlsTest, DecodeToPrefillWorksOverMutualTls) {
-  PrefillClient::SetDefaultChannelConfig(Config(/*with_cert=*/true));
-  PrefillClient client(absl::Seconds(1));
+  PrefillClient client(absl::Seconds(1), Config(/*with_cert=*/true));
   PrefillOutcome outcome = Call(client);
   ASSERT_TRUE(outcome.response.ok()) << outcome.response.status();
   EXPECT_EQ(outcome.response->node_name(), "echo:r1");

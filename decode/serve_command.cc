@@ -120,7 +120,6 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       return 2;
     }
   }
-  PrefillClient::SetDefaultChannelConfig(*prefill_channel);
   if (node_name.empty()) {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
@@ -232,6 +231,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics);
     DecodeServiceOptions options;
     options.prefill_peers = std::move(*prefill_peers);
+    options.prefill_channel = *prefill_channel;
     options.default_policy = default_policy;
     options.default_budget = default_budget;
     options.fluxion_predictor = *predictor;
