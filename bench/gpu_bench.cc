@@ -225,14 +225,23 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
                              {"lm_head", kVocab, kHidden, 1}};
   const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   Row("%-8s %5s %10s %10s %8s\n", "gemm", "m", "ms", "GB/s", "% HBM");
+  // Each matrix's weights, activations and output, allocated once for every batch size.
+  struct Operands { void *w, *x, *y; };
+  std::vector<Operands> operands;
+  for (const Matrix& w : matrices) {
+    Operands op;
+    FLUXION_ASSIGN_OR_RETURN(op.w, mem.Get(w.n * w.k * 2));
+    FLUXION_ASSIGN_OR_RETURN(op.x, mem.Get(max_m * w.k * 2));
+    FLUXION_ASSIGN_OR_RETURN(op.y, mem.Get(max_m * w.n * 4));
+    BENCH_CUDA(cudaMemsetAsync(op.w, 0x3c, w.n * w.k * 2, stream));
+    BENCH_CUDA(cudaMemsetAsync(op.x, 0x3c, max_m * w.k * 2, stream));
+    operands.push_back(op);
+  }
   for (int64_t m : o.batches) {
     double step_ms = 0, step_bytes = 0;
-    for (const Matrix& w : matrices) {
-      FLUXION_ASSIGN_OR_RETURN(void* dw, mem.Get(w.n * w.k * 2));
-      FLUXION_ASSIGN_OR_RETURN(void* dx, mem.Get(max_m * w.k * 2));
-      FLUXION_ASSIGN_OR_RETURN(void* dy, mem.Get(max_m * w.n * 4));
-      BENCH_CUDA(cudaMemsetAsync(dw, 0x3c, w.n * w.k * 2, stream));
-      BENCH_CUDA(cudaMemsetAsync(dx, 0x3c, max_m * w.k * 2, stream));
+    for (size_t i = 0; i < std::size(matrices); ++i) {
+      const Matrix& w = matrices[i];
+      void *dw = operands[i].w, *dx = operands[i].x, *dy = operands[i].y;
       FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
         return gemm->MatMulBf16(static_cast<bf16*>(dx), static_cast<bf16*>(dw),
                                 static_cast<float*>(dy), m, w.n, w.k);
