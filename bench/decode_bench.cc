@@ -84,30 +84,32 @@ absl::StatusOr<Timing> TimeExecutor(decode::StepExecutor& executor, const model:
                                     int64_t context, const decode::sparse::PolicyConfig& policy,
                                     int64_t batch, int64_t steps) {
   std::vector<std::unique_ptr<model::Sequence>> owned;
-  std::vector<model::Sequence*> seqs;
+  std::vector<decode::StepRequest> requests;
+  const int64_t vocab = m.config().vocab_size;
   for (int64_t i = 0; i < batch; ++i) {
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
                              decode::SparseAttention::FromDense(arena, m.attention_shape(),
                                                                 kPageTokens, prefill, policy));
+    decode::SparseAttention* attention = a.get();
     owned.push_back(std::make_unique<model::Sequence>(std::move(a), context));
-    seqs.push_back(owned.back().get());
+    requests.push_back(
+        {owned.back().get(), attention, static_cast<int32_t>((17 * i + 3) % vocab)});
   }
-  const int64_t vocab = m.config().vocab_size;
   std::vector<int32_t> tokens(batch);
-  for (int64_t i = 0; i < batch; ++i) tokens[i] = static_cast<int32_t>((17 * i + 3) % vocab);
   std::vector<float> logits;
   std::vector<absl::Status> statuses;
   std::vector<double> ms;
   Timing t;
   for (int64_t s = 0; s <= steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    executor.Step(seqs, tokens, &logits, &statuses);
+    executor.Step(requests, &logits, &statuses);
     const double elapsed =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     for (const absl::Status& st : statuses) FLUXION_RETURN_IF_ERROR(st);
     for (int64_t i = 0; i < batch; ++i) {
       const float* row = logits.data() + i * vocab;
       tokens[i] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      requests[i].token = tokens[i];
     }
     if (s == 0) t.first_tokens = tokens;
     if (s > 0) ms.push_back(elapsed);

@@ -143,14 +143,10 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
 }
 
 void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
-  std::vector<model::Sequence*> seqs;
-  std::vector<int32_t> tokens;
-  for (DecodeRequest* r : batch) {
-    seqs.push_back(r->seq.get());
-    tokens.push_back(r->last_token);
-  }
+  step_batch_.clear();
+  for (DecodeRequest* r : batch) step_batch_.push_back({r->seq.get(), r->attention, r->last_token});
   const auto ts = std::chrono::steady_clock::now();
-  executor_->Step(seqs, tokens, &logits_, &statuses_);
+  executor_->Step(step_batch_, &logits_, &statuses_);
   const uint64_t step_us = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::steady_clock::now() - ts)
                                .count();

@@ -42,7 +42,7 @@ struct DecodeRequest {
   std::string id;
   uint64_t admission_seq = 0;             // larger = younger (the preemption victim)
   std::unique_ptr<model::Sequence> seq;   // holds the SparseAttention and its pages
-  const SparseAttention* attention = nullptr;
+  SparseAttention* attention = nullptr;   // seq's attention
   std::optional<model::Sampler> sampler;
   std::vector<int32_t> stop_ids;          // EOS (unless ignore_eos) + stop_token_ids
   int64_t max_tokens = 0;                 // completion tokens, the first one included
@@ -117,6 +117,7 @@ class BatchScheduler {
   DecodeNodeMetrics* const node_metrics_;
   std::unique_ptr<StepExecutor> owned_executor_;  // when none was given
   StepExecutor* const executor_;
+  std::vector<StepRequest> step_batch_;           // scheduler thread only
   std::vector<float> logits_;                     // [batch][vocab], scheduler thread only
   std::vector<absl::Status> statuses_;
 

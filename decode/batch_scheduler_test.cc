@@ -159,9 +159,9 @@ class FailingExecutor : public StepExecutor {
   FailingExecutor(const model::Model* model, int64_t fail)
       : inner_(NewCpuStepExecutor(model)), fail_(fail) {}
   absl::string_view name() const override { return "failing"; }
-  void Step(absl::Span<model::Sequence* const> seqs, absl::Span<const int32_t> tokens,
-            std::vector<float>* logits, std::vector<absl::Status>* statuses) override {
-    inner_->Step(seqs, tokens, logits, statuses);
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override {
+    inner_->Step(batch, logits, statuses);
     for (size_t i = 0; i < statuses->size() && first_; ++i) {
       if (fail_ < 0 || static_cast<int64_t>(i) == fail_) {
         (*statuses)[i] = absl::InternalError("injected");

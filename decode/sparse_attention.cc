@@ -79,8 +79,72 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
   return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
 }
 
+absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,
+                                          const float* k, const float* v) {
+  if (layer < 0 || layer >= shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  if (pos0 != kv_->length(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": tokens start at ", pos0,
+                                                   " but the pages hold ", kv_->length(layer)));
+  }
+  const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
+  const int64_t group = shape_.num_heads / hkv;
+  FLUXION_RETURN_IF_ERROR(kv_->Append(layer, 1, k, v, hkv * d));
+  plan_layer_ = layer;
+  plan_context_ = pos0 + 1;
+  plan_.indptr.assign(1, 0);
+  plan_.spans.clear();
+  // Policies keep per-request state: the heads select one after another. Query heads
+  // kvh*group .. kvh*group+group-1 share KV head kvh and sit next to each other.
+  for (int kvh = 0; kvh < hkv; ++kvh) {
+    policy_->Select({kv_.get(), layer, kvh, q + kvh * group * d, group, shape_.scale,
+                     plan_context_},
+                    &plan_.spans, &stats_);
+    plan_.indptr.push_back(static_cast<int64_t>(plan_.spans.size()));
+  }
+  return absl::OkStatus();
+}
+
+void SparseAttention::FinishDecode(const float* q, float* out, float* lse) {
+  const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
+  const int64_t group = shape_.num_heads / hkv;
+  rest_out_.resize(group * d);
+  rest_lse_.resize(group);
+  for (int kvh = 0; kvh < hkv; ++kvh) {
+    const sparse::SelectionInput in{kv_.get(), plan_layer_, kvh, q + kvh * group * d, group,
+                                    shape_.scale, plan_context_};
+    // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
+    if (policy_->ApproximateRest(in, rest_out_.data(), rest_lse_.data())) {
+      kernels::cpu::MergeAttentionStates(out + kvh * group * d, lse + kvh * group,
+                                         rest_out_.data(), rest_lse_.data(), group, d);
+    }
+    // Observe takes a head's spans as a vector (the history policies keep them).
+    spans_.assign(plan_.spans.begin() + plan_.indptr[kvh],
+                  plan_.spans.begin() + plan_.indptr[kvh + 1]);
+    policy_->Observe(in, spans_);
+  }
+}
+
 absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
                                       const float* k, const float* v, float* out) {
+  if (n == 1) {
+    FLUXION_RETURN_IF_ERROR(BeginDecode(layer, pos0, q, k, v));
+    const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
+    const int64_t group = shape_.num_heads / hkv;
+    const kernels::PagedKvView view = kv_->view();
+    tasks_.resize(hkv);
+    head_lse_.resize(hkv * group);
+    for (int kvh = 0; kvh < hkv; ++kvh) {
+      tasks_[kvh] = {view, plan_.spans.data() + plan_.indptr[kvh],
+                     plan_.indptr[kvh + 1] - plan_.indptr[kvh],
+                     {q + kvh * group * d, group, shape_.scale},
+                     {out + kvh * group * d, &head_lse_[kvh * group]}};
+    }
+    kernels::cpu::PagedAttentionBatch(tasks_.data(), hkv, 0);
+    FinishDecode(q, out, head_lse_.data());
+    return absl::OkStatus();
+  }
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
@@ -93,35 +157,6 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
   FLUXION_RETURN_IF_ERROR(kv_->Append(layer, n, k, v, hkv * d));
   lse_.resize(group);
   const kernels::PagedKvView view = kv_->view();
-  if (n == 1) {
-    // Decode: select per KV head (policies keep per-request state: serial), attend every head
-    // in parallel, then let the policy merge its estimates and observe (serial again).
-    const int64_t context = pos0 + 1;
-    head_spans_.resize(hkv);
-    tasks_.resize(hkv);
-    head_lse_.resize(hkv * group);
-    for (int kvh = 0; kvh < hkv; ++kvh) {
-      // Query heads kvh*group .. kvh*group+group-1 share this KV head and sit next to each other.
-      const float* qg = q + kvh * group * d;
-      head_spans_[kvh].clear();
-      policy_->Select({kv_.get(), layer, kvh, qg, group, shape_.scale, context}, &head_spans_[kvh],
-                      &stats_);
-      tasks_[kvh] = {view, head_spans_[kvh].data(), static_cast<int64_t>(head_spans_[kvh].size()),
-                     {qg, group, shape_.scale}, {out + kvh * group * d, &head_lse_[kvh * group]}};
-    }
-    kernels::cpu::PagedAttentionBatch(tasks_.data(), hkv, 0);
-    std::vector<float> rest_out(group * d), rest_lse(group);
-    for (int kvh = 0; kvh < hkv; ++kvh) {
-      const sparse::SelectionInput in{kv_.get(), layer, kvh, q + kvh * group * d, group,
-                                      shape_.scale, context};
-      if (policy_->ApproximateRest(in, rest_out.data(), rest_lse.data())) {
-        kernels::cpu::MergeAttentionStates(out + kvh * group * d, &head_lse_[kvh * group],
-                                           rest_out.data(), rest_lse.data(), group, d);
-      }
-      policy_->Observe(in, head_spans_[kvh]);
-    }
-    return absl::OkStatus();
-  }
   // More prompt (n > 1): causal full attention over the pages, row by row.
   for (int64_t i = 0; i < n; ++i) {
     const int64_t context = pos0 + i + 1;

@@ -47,8 +47,33 @@ class SparseAttention : public model::SequenceAttention {
       const sparse::PolicyConfig& policy, const model::SparseState* state);
 
   // n == 1 (decode): the policy's rows. n > 1 (more prompt): causal full attention over pages.
+  // A decode step here runs the three phases below, attending the plan with the CPU kernel on
+  // the calling thread's OpenMP team.
   absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
                        const float* v, float* out) override;
+
+  // One layer of a decode step in phases, so that a batch's attention can be one problem for an
+  // attention backend (decode/paged_batch_attention.h): the policy decides (BeginDecode), the
+  // caller attends exactly what it decided, the policy completes the step (FinishDecode).
+  //
+  // BeginDecode appends the token's K/V at pos0 (== the layer's length) and has the policy select
+  // the spans of every KV head: plan() then holds them, in the CSR form of a PagedDecodeProblem
+  // with one request (kv head h attends spans[indptr[h] .. indptr[h + 1])).
+  // q: [num_heads][head_dim], k and v: [num_kv_heads][head_dim]. InvalidArgument for a layer out
+  // of range or a position that does not continue the pages; ResourceExhausted when the arena
+  // has no page for the token (nothing appended, no plan).
+  absl::Status BeginDecode(int layer, int64_t pos0, const float* q, const float* k,
+                           const float* v);
+  struct Plan {
+    std::vector<int64_t> indptr;            // [num_kv_heads + 1]
+    std::vector<kernels::PageSpan> spans;   // every head's spans, head after head
+  };
+  const Plan& plan() const { return plan_; }
+  // After the caller attended plan() into out [num_heads][head_dim] and lse [num_heads]
+  // (natural base): merges the policy's estimate of the rows it skipped, if it gives one, and
+  // lets it observe the step. q as given to BeginDecode. REQUIRES: a successful BeginDecode
+  // since the last FinishDecode.
+  void FinishDecode(const float* q, float* out, float* lse);
 
   // Attended and scored rows summed over every decode step, layer and KV head so far.
   const sparse::SelectionStats& stats() const { return stats_; }
@@ -67,11 +92,14 @@ class SparseAttention : public model::SequenceAttention {
   std::unique_ptr<PagedKv> kv_;
   std::unique_ptr<sparse::SparsePolicy> policy_;
   sparse::SelectionStats stats_;
-  std::vector<kernels::PageSpan> spans_;  // scratch
+  // The decode step in progress (BeginDecode .. FinishDecode).
+  Plan plan_;
+  int plan_layer_ = 0;
+  int64_t plan_context_ = 0;
   // Scratch, reused across steps.
-  std::vector<float> lse_, head_lse_;
-  std::vector<std::vector<kernels::PageSpan>> head_spans_;  // [kv_head]
-  std::vector<kernels::cpu::PagedAttentionTask> tasks_;      // [kv_head]
+  std::vector<kernels::PageSpan> spans_;
+  std::vector<float> lse_, head_lse_, rest_out_, rest_lse_;
+  std::vector<kernels::cpu::PagedAttentionTask> tasks_;  // [kv_head]
 };
 
 }  // namespace fluxion::decode

@@ -2,26 +2,48 @@
 
 #include <algorithm>
 
+#include "glog/logging.h"
+#include "decode/paged_batch_attention.h"
+#include "kernels/cpu/attention_backend_cpu.h"
+
 namespace fluxion::decode {
 namespace {
 
 class CpuStepExecutor : public StepExecutor {
  public:
-  CpuStepExecutor(const model::Model* model, const kernels::cpu::CpuPool* pool)
-      : model_(model), pool_(pool) {}
+  CpuStepExecutor(const model::Model* model, const kernels::cpu::CpuPool* pool,
+                  std::unique_ptr<kernels::AttentionBackend> backend)
+      : model_(model),
+        pool_(pool),
+        backend_(std::move(backend)),
+        attention_(backend_.get(), pool, model->attention_shape()) {}
   absl::string_view name() const override { return "cpu"; }
 
-  void Step(absl::Span<model::Sequence* const> seqs, absl::Span<const int32_t> tokens,
-            std::vector<float>* logits, std::vector<absl::Status>* statuses) override {
-    // Model::DecodeStep fails as a whole: one request's attention error leaves every cache
-    // unspecified, so every request of the batch gets the error.
-    const absl::Status s = model_->DecodeStep(seqs, tokens, pool_, logits);
-    statuses->assign(seqs.size(), s);
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override {
+    seqs_.clear();
+    attentions_.clear();
+    tokens_.clear();
+    for (const StepRequest& r : batch) {
+      seqs_.push_back(r.seq);
+      attentions_.push_back(r.attention);
+      tokens_.push_back(r.token);
+    }
+    attention_.SetBatch(seqs_, attentions_);
+    // The step fails as a whole: one request's attention error leaves every cache unspecified,
+    // so every request of the batch gets the error.
+    const absl::Status s = model_->DecodeStep(seqs_, tokens_, attention_, pool_, logits);
+    statuses->assign(batch.size(), s);
   }
 
  private:
   const model::Model* const model_;
   const kernels::cpu::CpuPool* const pool_;
+  const std::unique_ptr<kernels::AttentionBackend> backend_;
+  PagedBatchAttention attention_;
+  std::vector<model::Sequence*> seqs_;
+  std::vector<SparseAttention*> attentions_;
+  std::vector<int32_t> tokens_;
 };
 
 class PerRequestStepExecutor : public StepExecutor {
@@ -29,13 +51,14 @@ class PerRequestStepExecutor : public StepExecutor {
   explicit PerRequestStepExecutor(const model::Model* model) : model_(model) {}
   absl::string_view name() const override { return "per-request"; }
 
-  void Step(absl::Span<model::Sequence* const> seqs, absl::Span<const int32_t> tokens,
-            std::vector<float>* logits, std::vector<absl::Status>* statuses) override {
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override {
     const int64_t vocab = model_->config().vocab_size;
-    logits->resize(seqs.size() * vocab);
-    statuses->assign(seqs.size(), absl::OkStatus());
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      (*statuses)[i] = model_->Forward(*seqs[i], tokens.subspan(i, 1), &one_);
+    logits->resize(batch.size() * vocab);
+    statuses->assign(batch.size(), absl::OkStatus());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      (*statuses)[i] = model_->Forward(*batch[i].seq, absl::MakeConstSpan(&batch[i].token, 1),
+                                       &one_);
       if ((*statuses)[i].ok()) std::copy(one_.begin(), one_.end(), logits->begin() + i * vocab);
     }
   }
@@ -49,7 +72,11 @@ class PerRequestStepExecutor : public StepExecutor {
 
 std::unique_ptr<StepExecutor> NewCpuStepExecutor(const model::Model* model,
                                                  const kernels::cpu::CpuPool* pool) {
-  return std::make_unique<CpuStepExecutor>(model, pool);
+  // The dispatched ISA never fails to construct (only a forced one can).
+  absl::StatusOr<std::unique_ptr<kernels::AttentionBackend>> backend =
+      kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt});
+  CHECK(backend.ok()) << backend.status();
+  return std::make_unique<CpuStepExecutor>(model, pool, std::move(*backend));
 }
 
 std::unique_ptr<StepExecutor> NewPerRequestStepExecutor(const model::Model* model) {

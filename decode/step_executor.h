@@ -4,8 +4,9 @@
 //
 //   CpuStepExecutor         the batched step on the CPU: every weight read once per step for the
 //                           whole batch (model::Model::DecodeStep: DenseOps halves over stacked
-//                           rows, attention per request through its SequenceAttention). The
-//                           serving default.
+//                           rows), and per layer ONE attention problem for the batch built from
+//                           the requests' policy plans, computed by the CPU attention backend
+//                           over the pool (paged_batch_attention.h). The serving default.
 //   PerRequestStepExecutor  one Model::Forward per request (what the decode node did before the
 //                           batched seam): kept as the baseline `fluxion bench decode` measures
 //                           against in the same run, and as a fallback switch.
@@ -22,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "decode/sparse_attention.h"
 #include "model/model.h"
 
 namespace fluxion::kernels::cpu {
@@ -30,21 +32,28 @@ class CpuPool;
 
 namespace fluxion::decode {
 
+// One request of a step: its sequence (whose length is the input token's position), that
+// sequence's attention as the decode node builds it, and the input token.
+struct StepRequest {
+  model::Sequence* seq = nullptr;
+  SparseAttention* attention = nullptr;  // &seq->attention()
+  int32_t token = 0;
+};
+
 class StepExecutor {
  public:
   virtual ~StepExecutor() = default;
   virtual absl::string_view name() const = 0;
-  // Feeds tokens[i] to seqs[i] (at position seqs[i]->length()) and writes the next-token logits
-  // of request i into row i of `logits` [seqs.size()][vocab]. (*statuses)[i] is OK when request
-  // i advanced by one token and its row is valid, else its error (its cache is then unspecified
-  // and the scheduler ends it). An executor whose step can only fail as a whole gives every
-  // request that error.
-  // REQUIRES: seqs.size() == tokens.size() > 0, no sequence listed twice.
-  virtual void Step(absl::Span<model::Sequence* const> seqs, absl::Span<const int32_t> tokens,
-                    std::vector<float>* logits, std::vector<absl::Status>* statuses) = 0;
+  // Feeds every request its token and writes the next-token logits of request i into row i of
+  // `logits` [batch.size()][vocab]. (*statuses)[i] is OK when request i advanced by one token
+  // and its row is valid, else its error (its cache is then unspecified and the scheduler ends
+  // it). An executor whose step can only fail as a whole gives every request that error.
+  // REQUIRES: batch non-empty, no sequence listed twice, attention == &seq->attention().
+  virtual void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+                    std::vector<absl::Status>* statuses) = 0;
 };
 
-// `model` (and `pool`, when not null) must outlive the executor.
+// `model` (and `pool`, when not null) must outlive the executor. Null pool: the calling thread.
 std::unique_ptr<StepExecutor> NewCpuStepExecutor(const model::Model* model,
                                                  const kernels::cpu::CpuPool* pool = nullptr);
 std::unique_ptr<StepExecutor> NewPerRequestStepExecutor(const model::Model* model);

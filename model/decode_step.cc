@@ -74,6 +74,10 @@ absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
   const int64_t kv_row = shape_.num_kv_heads * shape_.head_dim;
   const float *q = io.q, *k = io.k, *v = io.v;
   float* out = io.out;
+  if (!io.host_memory && ops_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "attention over a device DenseOps's rows needs that DenseOps to copy them");
+  }
   if (!io.host_memory) {
     q_.resize(io.rows * q_row);
     k_.resize(io.rows * kv_row);
@@ -99,13 +103,20 @@ absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
   if (!io.host_memory) ops_->CopyFromHost(io.out, out_.data(), out_.size() * sizeof(float));
   // Every layer now caches the step's token: the sequence holds one more.
   if (io.layer == shape_.num_layers - 1) {
-    for (int64_t i = 0; i < io.rows; ++i) ++seqs_[i]->length_;
+    for (int64_t i = 0; i < io.rows; ++i) seqs_[i]->AdvanceLength(1);
   }
   return absl::OkStatus();
 }
 
 absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
                                const kernels::cpu::CpuPool* pool,
+                               std::vector<float>* logits) const {
+  SequenceBatchAttention attention(seqs, attention_shape(), nullptr);
+  return DecodeStep(seqs, tokens, attention, pool, logits);
+}
+
+absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
+                               BatchAttention& attention, const kernels::cpu::CpuPool* pool,
                                std::vector<float>* logits) const {
   if (tokens.size() != seqs.size()) {
     return absl::InvalidArgumentError(absl::StrCat("DecodeStep got ", seqs.size(),
@@ -121,7 +132,6 @@ absl::Status Model::DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<cons
   CpuDenseOps ops(pool);
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepRunner> runner,
                            DecodeStepRunner::Create(*this, &ops));
-  SequenceBatchAttention attention(seqs, attention_shape(), &ops);
   logits->resize(seqs.size() * config_.vocab_size);
   return runner->Step(tokens, positions, attention, logits->data());
 }

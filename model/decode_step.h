@@ -88,7 +88,8 @@ class DecodeStepRunner {
 // runs today, behind the batched seam.
 class SequenceBatchAttention : public BatchAttention {
  public:
-  // `seqs` and `ops` must outlive this; shape from the model.
+  // `seqs` and `ops` must outlive this; shape from the model. `ops` may be null when the rows
+  // are in host memory (a host DenseOps).
   SequenceBatchAttention(absl::Span<Sequence* const> seqs, const AttentionShape& shape,
                          DenseOps* ops)
       : seqs_(seqs), shape_(shape), ops_(ops) {}

@@ -29,6 +29,8 @@
 
 namespace fluxion::model {
 
+class BatchAttention;  // decode_step.h
+
 struct LinearWeights {
   std::vector<float> weight;  // [out][in], as nn.Linear stores it
   std::vector<float> bias;    // [out] or empty
@@ -55,6 +57,10 @@ class Sequence {
   Sequence(std::unique_ptr<SequenceAttention> attention, int64_t length)
       : attention_(std::move(attention)), length_(length) {}
   int64_t length() const { return length_; }
+  // For step drivers outside Model (a BatchAttention that appends the step's K/V itself, e.g.
+  // decode/paged_batch_attention.h): records that every layer of the attention now holds `n`
+  // more tokens. REQUIRES: it does.
+  void AdvanceLength(int64_t n) { length_ += n; }
   SequenceAttention& attention() { return *attention_; }
   const SequenceAttention& attention() const { return *attention_; }
 
@@ -124,6 +130,12 @@ class Model {
   // an attention error fails the whole step (the caches and lengths are then unspecified).
   absl::Status DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
                           const kernels::cpu::CpuPool* pool, std::vector<float>* logits) const;
+  // The same step with the attention of `attention` instead of each sequence's
+  // SequenceAttention: it must append each row's K/V to seqs[i]'s cache and advance seqs[i]
+  // after the last layer (Sequence::AdvanceLength), as SequenceBatchAttention does.
+  absl::Status DecodeStep(absl::Span<Sequence* const> seqs, absl::Span<const int32_t> tokens,
+                          BatchAttention& attention, const kernels::cpu::CpuPool* pool,
+                          std::vector<float>* logits) const;
 
  private:
   Model() = default;

@@ -120,6 +120,8 @@ class SparsePolicy {
   }
 
   // Appends disjoint spans in token order covering the rows to attend, and adds to *stats.
+  // `spans` may already hold other heads' spans (a step's plan is one list): append only.
+  // A policy decides; it never attends: the step executor attends exactly these spans.
   virtual void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
                       SelectionStats* stats) = 0;
 

@@ -1,0 +1,108 @@
+#include "decode/paged_batch_attention.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace fluxion::decode {
+namespace {
+
+void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
+                    absl::FunctionRef<void(int64_t)> fn) {
+  if (pool == nullptr || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  } else {
+    pool->ParallelFor(n, fn);
+  }
+}
+
+absl::Status FirstError(absl::Span<const absl::Status> statuses, int layer) {
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    if (!statuses[i].ok()) {
+      return absl::Status(statuses[i].code(), absl::StrCat("request ", i, ", layer ", layer, ": ",
+                                                           statuses[i].message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
+  if (!io.host_memory) {
+    return absl::FailedPreconditionError(
+        "the host-page batch attention reads q/k/v in host memory; a device DenseOps needs the "
+        "hybrid executor");
+  }
+  if (io.rows != static_cast<int64_t>(attentions_.size()) || seqs_.size() != attentions_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
+                                                   attentions_.size(), " requests"));
+  }
+  const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+  const int64_t q_row = hq * d, kv_row = hkv * d;
+
+  // 1. Every policy decides (and the step's K/V land in the pages).
+  statuses_.assign(io.rows, absl::OkStatus());
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], io.q + i * q_row,
+                                               io.k + i * kv_row, io.v + i * kv_row);
+  });
+  FLUXION_RETURN_IF_ERROR(FirstError(statuses_, io.layer));
+
+  // 2. One problem for the batch, computed by the backend.
+  kernels::PagedDecodeProblem p;
+  p.q = io.q;
+  p.out = io.out;
+  FLUXION_RETURN_IF_ERROR(BuildProblem(io, &p));
+  FLUXION_RETURN_IF_ERROR(backend_->Supports(p));
+  const size_t workspace = backend_->WorkspaceBytes(p);
+  if (workspace_.size() < workspace) workspace_.resize(workspace);
+  FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
+
+  // 3. Every policy completes its step from the result.
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    attentions_[i]->FinishDecode(io.q + i * q_row, io.out + i * q_row, lse_.data() + i * hq);
+  });
+  if (io.layer == shape_.num_layers - 1) {
+    for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PagedBatchAttention::BuildProblem(const model::LayerAttentionIo& io,
+                                               kernels::PagedDecodeProblem* p) {
+  const int64_t hkv = shape_.num_kv_heads;
+  const kernels::PagedKvView view = attentions_[0]->kv().view();
+  indptr_.assign(1, 0);
+  spans_.clear();
+  last_rows_ = 0;
+  for (int64_t i = 0; i < io.rows; ++i) {
+    const kernels::PagedKvView other = attentions_[i]->kv().view();
+    if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
+        other.page_tokens != view.page_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
+          "pages of one arena"));
+    }
+    const SparseAttention::Plan& plan = attentions_[i]->plan();
+    const int64_t base = static_cast<int64_t>(spans_.size());
+    for (int64_t h = 0; h < hkv; ++h) indptr_.push_back(base + plan.indptr[h + 1]);
+    spans_.insert(spans_.end(), plan.spans.begin(), plan.spans.end());
+  }
+  for (const kernels::PageSpan& s : spans_) last_rows_ += s.rows;
+  lse_.resize(io.rows * shape_.num_heads);
+  p->kv = view;
+  p->span_indptr = indptr_.data();
+  p->spans = spans_.data();
+  p->num_spans = static_cast<int64_t>(spans_.size());
+  p->lse = lse_.data();
+  p->num_requests = io.rows;
+  p->num_qo_heads = shape_.num_heads;
+  p->num_kv_heads = hkv;
+  p->head_dim = shape_.head_dim;
+  p->sm_scale = shape_.scale;
+  return absl::OkStatus();
+}
+
+}  // namespace fluxion::decode

@@ -1,0 +1,77 @@
+// The attention of a batched decode step over the requests' host pages (docs/EXECUTOR.md): per
+// layer, every request's policy decides which spans each of its KV heads attends
+// (SparseAttention::BeginDecode), the whole batch's decisions become ONE PagedDecodeProblem that
+// an attention backend computes (kernels/attention_backend.h: the CPU backend spreads it as
+// (request, KV head, piece) tasks over the step's CpuPool), and each policy completes its step
+// from the result (SparseAttention::FinishDecode). Policies decide, the backend executes: no
+// policy calls a kernel to attend.
+//
+// The per-request phases (append + select, then merge + observe) run in parallel across requests
+// on the pool, one thread per request at a time (a policy serves one request and is
+// thread-compatible; the arena the pages come from is thread-safe).
+//
+// Thread-compatible: one scheduler thread drives it.
+#ifndef FLUXION_DECODE_PAGED_BATCH_ATTENTION_H_
+#define FLUXION_DECODE_PAGED_BATCH_ATTENTION_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "decode/sparse_attention.h"
+#include "kernels/attention_backend.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/decode_step.h"
+#include "model/model.h"
+
+namespace fluxion::decode {
+
+class PagedBatchAttention : public model::BatchAttention {
+ public:
+  // `backend` computes the problems (host memory: the reference or CPU backend); `pool` (may be
+  // null: the calling thread) runs the per-request phases. Both must outlive this.
+  PagedBatchAttention(kernels::AttentionBackend* backend, const kernels::cpu::CpuPool* pool,
+                      const model::AttentionShape& shape)
+      : backend_(backend), pool_(pool), shape_(shape) {}
+
+  // The batch of the next step: row i is seqs[i], whose attention is attentions[i]. Both must
+  // outlive the step. REQUIRES: equal sizes, attentions[i] == &seqs[i]->attention().
+  void SetBatch(absl::Span<model::Sequence* const> seqs,
+                absl::Span<SparseAttention* const> attentions) {
+    seqs_ = seqs;
+    attentions_ = attentions;
+  }
+
+  // Appends every row's K/V, selects, attends the batch as one problem, completes each policy's
+  // step; after the last layer every sequence holds one more token. Errors name the request:
+  // a request's own (BeginDecode's, e.g. ResourceExhausted for a page the arena lacks), or the
+  // backend's; FailedPrecondition for rows outside host memory or requests whose pages lie in
+  // different arenas. An error fails the step as a whole (the caches are then unspecified).
+  absl::Status Attend(const model::LayerAttentionIo& io) override;
+
+  // Rows the last problem attended, over every (request, KV head) pair.
+  int64_t last_rows_attended() const { return last_rows_; }
+
+ private:
+  // The batch's plans as one problem over io's rows.
+  absl::Status BuildProblem(const model::LayerAttentionIo& io, kernels::PagedDecodeProblem* p);
+
+  kernels::AttentionBackend* const backend_;
+  const kernels::cpu::CpuPool* const pool_;
+  const model::AttentionShape shape_;
+  absl::Span<model::Sequence* const> seqs_;
+  absl::Span<SparseAttention* const> attentions_;
+  int64_t last_rows_ = 0;
+  // Scratch, grown to the largest step seen: no allocation once the batch's shape settles.
+  std::vector<absl::Status> statuses_;
+  std::vector<int64_t> indptr_;
+  std::vector<kernels::PageSpan> spans_;
+  std::vector<float> lse_;
+  std::vector<std::byte> workspace_;
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_PAGED_BATCH_ATTENTION_H_
