@@ -6,8 +6,6 @@
 #include "common/status_macros.h"
 
 namespace fluxion::decode {
-namespace {
-
 void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
                     absl::FunctionRef<void(int64_t)> fn) {
   if (pool == nullptr || n == 1) {
@@ -17,7 +15,7 @@ void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
   }
 }
 
-absl::Status FirstError(absl::Span<const absl::Status> statuses, int layer) {
+absl::Status FirstRequestError(absl::Span<const absl::Status> statuses, int layer) {
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
       return absl::Status(statuses[i].code(), absl::StrCat("request ", i, ", layer ", layer, ": ",
@@ -26,8 +24,6 @@ absl::Status FirstError(absl::Span<const absl::Status> statuses, int layer) {
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
   if (!io.host_memory) {
@@ -48,7 +44,7 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
     statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], io.q + i * q_row,
                                                io.k + i * kv_row, io.v + i * kv_row);
   });
-  FLUXION_RETURN_IF_ERROR(FirstError(statuses_, io.layer));
+  FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
 
   // 2. One problem for the batch, computed by the backend.
   kernels::PagedDecodeProblem p;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "decode/sparse_attention.h"
@@ -27,6 +28,13 @@
 #include "model/model.h"
 
 namespace fluxion::decode {
+
+// Runs fn(i) for each request i of a step: on the pool when there is one and more than one
+// request, else on the calling thread.
+void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
+                    absl::FunctionRef<void(int64_t)> fn);
+// The first error of a per-request phase, naming the request and layer; OK when none failed.
+absl::Status FirstRequestError(absl::Span<const absl::Status> statuses, int layer);
 
 class PagedBatchAttention : public model::BatchAttention {
  public:

@@ -6,6 +6,15 @@
 
 namespace fluxion::decode {
 
+SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique_ptr<PagedKv> kv,
+                                 const sparse::PolicyConfig& config,
+                                 std::unique_ptr<sparse::SparsePolicy> policy)
+    : id_(next_id_.fetch_add(1, std::memory_order_relaxed)),
+      shape_(shape),
+      config_(config),
+      kv_(std::move(kv)),
+      policy_(std::move(policy)) {}
+
 void RunPolicyStep(sparse::SparsePolicy& policy, const sparse::SelectionInput& in,
                    std::vector<kernels::PageSpan>* spans, sparse::SelectionStats* stats,
                    float* out, float* lse) {
@@ -56,7 +65,7 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
           p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
     }
   }
-  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
+  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), policy, std::move(p)));
 }
 
 absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
@@ -76,7 +85,7 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
           p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
     }
   }
-  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), std::move(p)));
+  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), policy, std::move(p)));
 }
 
 absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,

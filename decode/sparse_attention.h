@@ -8,6 +8,8 @@
 #ifndef FLUXION_DECODE_SPARSE_ATTENTION_H_
 #define FLUXION_DECODE_SPARSE_ATTENTION_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -82,13 +84,19 @@ class SparseAttention : public model::SequenceAttention {
     return stats_.context > 0 ? static_cast<double>(stats_.rows_attended) / stats_.context : 0.0;
   }
   const PagedKv& kv() const { return *kv_; }
+  const sparse::PolicyConfig& policy_config() const { return config_; }
+  // Unique in the process for its lifetime and never reused (an executor keys per-request state
+  // by it; an address can be reused by the next request).
+  uint64_t id() const { return id_; }
 
  private:
   SparseAttention(const model::AttentionShape& shape, std::unique_ptr<PagedKv> kv,
-                  std::unique_ptr<sparse::SparsePolicy> policy)
-      : shape_(shape), kv_(std::move(kv)), policy_(std::move(policy)) {}
+                  const sparse::PolicyConfig& config, std::unique_ptr<sparse::SparsePolicy> policy);
 
+  static inline std::atomic<uint64_t> next_id_{1};
+  const uint64_t id_;
   model::AttentionShape shape_;
+  sparse::PolicyConfig config_;
   std::unique_ptr<PagedKv> kv_;
   std::unique_ptr<sparse::SparsePolicy> policy_;
   sparse::SelectionStats stats_;

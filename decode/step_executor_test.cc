@@ -1,19 +1,25 @@
-// The batched CPU executor (one attention problem per layer for the whole batch, built from the
-// policies' plans) against the per-request loop (each request's SparseAttention::Forward), for
-// every policy, over real host pages of a random tiny model: the same greedy tokens, logits equal
-// up to the products' blocking, and every policy spending exactly the same rows.
+// The step executors against each other, for every policy, over real host pages of a random tiny
+// model: the batched CPU executor (one attention problem per layer for the whole batch, built
+// from the policies' plans) against the per-request loop (each request's
+// SparseAttention::Forward), and the hybrid executor over the host stand-in of the resident
+// window against the batched one: the same greedy tokens, logits equal up to rounding, and every
+// policy spending exactly the same rows.
 #include "decode/step_executor.h"
 
+#include <array>
 #include <filesystem>
 #include <random>
 
 #include <unistd.h>
 
 #include "decode/kv_arena.h"
+#include "decode/hybrid_step_executor.h"
 #include "decode/paged_batch_attention.h"
+#include "decode/resident_window.h"
 #include "decode/sparse/policy.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
+#include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
 #include "model/random_model.h"
 
@@ -124,6 +130,47 @@ class StepExecutorTest : public ::testing::Test {
     return run;
   }
 
+  // The hybrid executor with the dense halves on the CPU and the host stand-in of the window.
+  static std::unique_ptr<HybridStepExecutor> MakeHybrid(const kernels::cpu::CpuPool* pool,
+                                                        int64_t max_requests = 8) {
+    const model::AttentionShape shape = model_->attention_shape();
+    WindowShape w;
+    w.num_layers = shape.num_layers;
+    w.num_heads = shape.num_heads;
+    w.num_kv_heads = shape.num_kv_heads;
+    w.head_dim = shape.head_dim;
+    w.scale = shape.scale;
+    w.max_requests = max_requests;
+    auto window = NewHostResidentWindow(w, kPageTokens);
+    EXPECT_TRUE(window.ok()) << window.status();
+    auto hybrid = HybridStepExecutor::Create(
+        model_, std::make_unique<model::CpuDenseOps>(pool), std::move(*window), pool);
+    EXPECT_TRUE(hybrid.ok()) << hybrid.status();
+    return std::move(*hybrid);
+  }
+
+  static void ExpectSameRun(const Run& a, const Run& b, float tolerance) {
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(a.rows_attended, b.rows_attended);
+    ASSERT_EQ(a.logits.size(), b.logits.size());
+    for (size_t s = 0; s < a.logits.size(); ++s) {
+      ASSERT_EQ(a.logits[s].size(), b.logits[s].size());
+      float worst = 0;
+      for (size_t j = 0; j < a.logits[s].size(); ++j) {
+        worst = std::max(worst, std::abs(a.logits[s][j] - b.logits[s][j]));
+      }
+      EXPECT_LT(worst, tolerance) << "step " << s;
+    }
+  }
+
+  static std::vector<std::string> AllPolicies() {
+    std::vector<std::string> names = {"fixed_32_0.3"};
+    for (const std::string& n : sparse::PolicyNames()) {
+      if (n.rfind("fixed_", 0) != 0) names.push_back(n);
+    }
+    return names;
+  }
+
   static std::string* dir_;
   static model::Model* model_;
 };
@@ -138,30 +185,106 @@ TEST_F(StepExecutorTest, EveryPolicyDecodesTheBatchAsThePerRequestLoopDoes) {
   std::vector<Prefill> prefills;
   for (int64_t n : {260, 700, 400}) prefills.push_back(MakePrefill(Prompt(n, 100 + n)));
   const kernels::cpu::CpuPool pool(2);
-  std::vector<std::string> names = {"fixed_32_0.3"};
-  for (const std::string& n : sparse::PolicyNames()) {
-    if (n.rfind("fixed_", 0) != 0) names.push_back(n);
-  }
-  for (const std::string& name : names) {
+  for (const std::string& name : AllPolicies()) {
     SCOPED_TRACE(name);
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
     std::unique_ptr<StepExecutor> loop = NewPerRequestStepExecutor(model_);
-    const Run a = Decode(*batched, policy, prefills, 6);
-    const Run b = Decode(*loop, policy, prefills, 6);
-    EXPECT_EQ(a.tokens, b.tokens);
-    EXPECT_EQ(a.rows_attended, b.rows_attended);
-    for (size_t s = 0; s < a.logits.size(); ++s) {
-      ASSERT_EQ(a.logits[s].size(), b.logits[s].size());
-      float worst = 0;
-      for (size_t j = 0; j < a.logits[s].size(); ++j) {
-        worst = std::max(worst, std::abs(a.logits[s][j] - b.logits[s][j]));
-      }
-      // A GEMM over the batch's rows instead of one GEMV per request, and split-KV's merge:
-      // float rounding only.
-      EXPECT_LT(worst, 1e-3f) << "step " << s;
-    }
+    // A GEMM over the batch's rows instead of one GEMV per request, and split-KV's merge: float
+    // rounding only.
+    ExpectSameRun(Decode(*batched, policy, prefills, 6), Decode(*loop, policy, prefills, 6),
+                  1e-3f);
   }
+}
+
+TEST_F(StepExecutorTest, TheHybridStepOverTheHostWindowGivesTheBatchedStepsResults) {
+  // Contexts past sinks + window, so the ring wraps every step; one long enough to be split.
+  std::vector<Prefill> prefills;
+  for (int64_t n : {260, 700, 400, 70}) prefills.push_back(MakePrefill(Prompt(n, 200 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  for (const std::string& name : AllPolicies()) {
+    SCOPED_TRACE(name);
+    const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+    std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
+    std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+    const Run h = Decode(*hybrid, policy, prefills, 6);
+    // The same rows in another merge order (window, host part, then the policy's estimate).
+    ExpectSameRun(h, Decode(*batched, policy, prefills, 6), 1e-3f);
+    const HybridCounters& c = hybrid->counters();
+    int64_t rows = 0;
+    for (int64_t r : h.rows_attended) rows += r;
+    EXPECT_EQ(c.resident_rows + c.host_rows, rows) << "every planned row attended exactly once";
+    EXPECT_GT(c.resident_rows, 0);
+  }
+}
+
+TEST_F(StepExecutorTest, StreamingPlansNeverReachTheHostPart) {
+  // Budget 0.01 at these contexts is below sinks + window: every plan is sinks + window only.
+  std::vector<Prefill> prefills;
+  for (int64_t n : {300, 500}) prefills.push_back(MakePrefill(Prompt(n, 300 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+  const Run h = Decode(*hybrid, *sparse::ParsePolicy("quest", 0.01), prefills, 4);
+  EXPECT_EQ(hybrid->counters().host_rows, 0);
+  EXPECT_EQ(hybrid->counters().host_pairs, 0);
+  EXPECT_GT(hybrid->counters().resident_rows, 0);
+}
+
+TEST_F(StepExecutorTest, TheHybridStepRefusesOnlyTheRequestsItCannotHold) {
+  const model::AttentionShape shape = model_->attention_shape();
+  auto arena = *KvArena::Create(
+      KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
+      4096);
+  const Prefill prefill = MakePrefill(Prompt(100, 4));
+  sparse::PolicyConfig narrow = *sparse::ParsePolicy("quest", 0.3);
+  narrow.local_tokens = 32;  // below the window's 64: its plans would miss resident rows
+  const sparse::PolicyConfig full = *sparse::ParsePolicy("full", 1.0);
+  const kernels::cpu::CpuPool pool(1);
+  std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool, /*max_requests=*/2);
+  Request a = MakeRequest(arena.get(), prefill, full);
+  Request b = MakeRequest(arena.get(), prefill, narrow);
+  Request c = MakeRequest(arena.get(), prefill, full);
+  Request d = MakeRequest(arena.get(), prefill, full);
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+  hybrid->Step({{a.seq.get(), a.attention, a.token},
+                {b.seq.get(), b.attention, b.token},
+                {c.seq.get(), c.attention, c.token},
+                {d.seq.get(), d.attention, d.token}},
+               &logits, &statuses);
+  ASSERT_EQ(statuses.size(), 4u);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kFailedPrecondition) << statuses[1];
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  EXPECT_EQ(statuses[3].code(), absl::StatusCode::kResourceExhausted) << statuses[3];
+  EXPECT_EQ(a.seq->length(), 101);
+  EXPECT_EQ(d.seq->length(), 100);
+  // a leaves: its slot goes to d in the next step.
+  hybrid->Step({{c.seq.get(), c.attention, 0}, {d.seq.get(), d.attention, d.token}}, &logits,
+               &statuses);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_TRUE(statuses[1].ok()) << statuses[1];
+  EXPECT_EQ(d.seq->length(), 101);
+}
+
+TEST(TrimSpansTest, CutsRowsOffBothEndsInsideSpans) {
+  using kernels::PageSpan;
+  const std::vector<PageSpan> spans = {{7, 0, 4}, {3, 2, 10}, {9, 0, 16}, {5, 1, 3}};  // 33 rows
+  auto trim = [&](int64_t front, int64_t back) {
+    std::vector<PageSpan> out;
+    TrimSpans(spans.data(), spans.data() + spans.size(), front, back, &out);
+    std::vector<std::array<int32_t, 3>> flat;
+    for (const PageSpan& s : out) flat.push_back({s.page, s.first_row, s.rows});
+    return flat;
+  };
+  using V = std::vector<std::array<int32_t, 3>>;
+  EXPECT_EQ(trim(0, 0), (V{{7, 0, 4}, {3, 2, 10}, {9, 0, 16}, {5, 1, 3}}));
+  EXPECT_EQ(trim(4, 3), (V{{3, 2, 10}, {9, 0, 16}}));
+  EXPECT_EQ(trim(6, 5), (V{{3, 4, 8}, {9, 0, 14}}));
+  EXPECT_EQ(trim(20, 12), (V{{9, 6, 1}}));
+  EXPECT_EQ(trim(30, 3), V{});
+  EXPECT_EQ(trim(1, 31), (V{{7, 1, 1}}));
+  EXPECT_EQ(trim(2, 31), V{});
 }
 
 TEST_F(StepExecutorTest, AFullArenaFailsTheStepWithResourceExhaustedNamingTheRequest) {

@@ -1,0 +1,147 @@
+#include "decode/hybrid_batch_attention.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "decode/paged_batch_attention.h"
+
+namespace fluxion::decode {
+
+void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front,
+               int64_t back, std::vector<kernels::PageSpan>* out) {
+  // Drop `back` rows from the end first (on a local end pointer and a cut last span).
+  kernels::PageSpan last{};
+  bool cut_last = false;
+  while (back > 0 && end > begin) {
+    const kernels::PageSpan& s = *(end - 1);
+    if (s.rows <= back) {
+      back -= s.rows;
+      --end;
+    } else {
+      last = {s.page, s.first_row, static_cast<int32_t>(s.rows - back)};
+      cut_last = true;
+      --end;
+      back = 0;
+    }
+  }
+  // Then `front` rows from the start; what remains goes out in order.
+  for (const kernels::PageSpan* s = begin; s < end; ++s) {
+    if (front >= s->rows) {
+      front -= s->rows;
+      continue;
+    }
+    out->push_back({s->page, static_cast<int32_t>(s->first_row + front),
+                    static_cast<int32_t>(s->rows - front)});
+    front = 0;
+  }
+  if (cut_last) {
+    if (front >= last.rows) return;
+    out->push_back({last.page, static_cast<int32_t>(last.first_row + front),
+                    static_cast<int32_t>(last.rows - front)});
+  }
+}
+
+absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
+  if (io.rows != static_cast<int64_t>(attentions_.size()) || seqs_.size() != attentions_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
+                                                   attentions_.size(), " requests"));
+  }
+  const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+  const int64_t q_row = hq * d, kv_row = hkv * d;
+
+  // The device half first, so that it runs while the CPU works: append to the rings and attend
+  // the resident rows of every pair, into io.out.
+  window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
+
+  // The CPU half reads q/k/v on the host.
+  const float *q = io.q, *k = io.k, *v = io.v;
+  if (!io.host_memory) {
+    q_.resize(io.rows * q_row);
+    k_.resize(io.rows * kv_row);
+    v_.resize(io.rows * kv_row);
+    ops_->CopyToHost(q_.data(), io.q, q_.size() * sizeof(float));
+    ops_->CopyToHost(k_.data(), io.k, k_.size() * sizeof(float));
+    ops_->CopyToHost(v_.data(), io.v, v_.size() * sizeof(float));
+    q = q_.data();
+    k = k_.data();
+    v = v_.data();
+  }
+  statuses_.assign(io.rows, absl::OkStatus());
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], q + i * q_row,
+                                               k + i * kv_row, v + i * kv_row);
+  });
+  FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+
+  kernels::PagedDecodeProblem p;
+  FLUXION_RETURN_IF_ERROR(BuildHostProblem(io, q, &p));
+  FLUXION_RETURN_IF_ERROR(backend_->Supports(p));
+  const size_t workspace = backend_->WorkspaceBytes(p);
+  if (workspace_.size() < workspace) workspace_.resize(workspace);
+  FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
+  // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
+  // in there (merging is associative), and it observes its whole plan.
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    attentions_[i]->FinishDecode(q + i * q_row, host_out_.data() + i * q_row,
+                                 host_lse_.data() + i * hq);
+  });
+  window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
+
+  if (io.layer == shape_.num_layers - 1) {
+    FLUXION_RETURN_IF_ERROR(window_->Sync());
+    for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HybridBatchAttention::BuildHostProblem(const model::LayerAttentionIo& io,
+                                                    const float* q,
+                                                    kernels::PagedDecodeProblem* p) {
+  const int64_t hkv = shape_.num_kv_heads;
+  const WindowShape& w = window_->shape();
+  const kernels::PagedKvView view = attentions_[0]->kv().view();
+  indptr_.assign(1, 0);
+  spans_.clear();
+  for (int64_t i = 0; i < io.rows; ++i) {
+    const kernels::PagedKvView other = attentions_[i]->kv().view();
+    if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
+        other.page_tokens != view.page_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
+          "pages of one arena"));
+    }
+    const int64_t context = io.positions[i] + 1;
+    const int64_t front = std::min(context, w.sink_tokens);
+    const int64_t back = w.resident_rows(context) - front;
+    const SparseAttention::Plan& plan = attentions_[i]->plan();
+    for (int64_t h = 0; h < hkv; ++h) {
+      const size_t before = spans_.size();
+      TrimSpans(plan.spans.data() + plan.indptr[h], plan.spans.data() + plan.indptr[h + 1], front,
+                back, &spans_);
+      indptr_.push_back(static_cast<int64_t>(spans_.size()));
+      counters_.resident_rows += front + back;
+      counters_.host_pairs += spans_.size() > before;
+      ++counters_.pairs;
+    }
+  }
+  for (const kernels::PageSpan& s : spans_) counters_.host_rows += s.rows;
+  host_out_.resize(io.rows * shape_.num_heads * shape_.head_dim);
+  host_lse_.resize(io.rows * shape_.num_heads);
+  p->q = q;
+  p->kv = view;
+  p->span_indptr = indptr_.data();
+  p->spans = spans_.data();
+  p->num_spans = static_cast<int64_t>(spans_.size());
+  p->out = host_out_.data();
+  p->lse = host_lse_.data();
+  p->num_requests = io.rows;
+  p->num_qo_heads = shape_.num_heads;
+  p->num_kv_heads = hkv;
+  p->head_dim = shape_.head_dim;
+  p->sm_scale = shape_.scale;
+  return absl::OkStatus();
+}
+
+}  // namespace fluxion::decode

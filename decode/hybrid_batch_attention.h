@@ -1,0 +1,100 @@
+// The attention of the hybrid decode step (docs/EXECUTOR.md section 7; ALGORITHMS.md §2.4): per
+// layer, the resident window (resident_window.h: sinks + a ring of recent tokens, on the device)
+// is appended to and attended densely for the whole batch, while on the CPU every request's
+// policy plans its step over the host pages (SparseAttention::BeginDecode, which also appends the
+// token's K/V to the pages), the rows of the plan that are not resident are attended as ONE
+// problem by the CPU attention backend, each policy completes its step on that partial state
+// (FinishDecode: its estimate of skipped rows merges in, it observes), and the CPU partials merge
+// into the window's output by log-sum-exp. A plan of sinks + window only (a streaming head) has
+// no CPU rows.
+//
+// Exactness: the resident rows are the first min(c, sink) and the last
+// min(window, c - sink) tokens of a context of c; every policy's plan contains them when its
+// sink_tokens >= the window's sink_tokens and its local_tokens >= window_tokens (the executor
+// checks at admission). Since a plan's spans are in token order, those rows are exactly the
+// plan's first and last rows: the CPU part is the plan with that many rows trimmed off each end,
+// no page lookup needed. The result is the plan's attention, merged in another order.
+//
+// Thread-compatible: the executor's thread drives it.
+#ifndef FLUXION_DECODE_HYBRID_BATCH_ATTENTION_H_
+#define FLUXION_DECODE_HYBRID_BATCH_ATTENTION_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "decode/resident_window.h"
+#include "decode/sparse_attention.h"
+#include "kernels/attention_backend.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/decode_step.h"
+#include "model/dense_ops.h"
+#include "model/model.h"
+
+namespace fluxion::decode {
+
+// Appends to `out` the spans of `plan` ([begin, end) of one head's spans, in token order) with
+// the first `front` and the last `back` rows removed (spans cut where needed). REQUIRES: the
+// spans hold at least front + back rows.
+void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front,
+               int64_t back, std::vector<kernels::PageSpan>* out);
+
+// What a hybrid step's attention did, summed over layers since the last ResetCounters.
+struct HybridCounters {
+  int64_t resident_rows = 0;  // rows the window attended
+  int64_t host_rows = 0;      // rows the CPU attended over host pages
+  int64_t host_pairs = 0;     // (request, KV head) pairs with any host rows
+  int64_t pairs = 0;          // all (request, KV head) pairs
+};
+
+class HybridBatchAttention : public model::BatchAttention {
+ public:
+  // `window`, `cpu_backend` (host memory), `pool` (may be null) and `ops` (the DenseOps the
+  // step's rows live in) must outlive this.
+  HybridBatchAttention(ResidentWindow* window, kernels::AttentionBackend* cpu_backend,
+                       const kernels::cpu::CpuPool* pool, model::DenseOps* ops,
+                       const model::AttentionShape& shape)
+      : window_(window), backend_(cpu_backend), pool_(pool), ops_(ops), shape_(shape) {}
+
+  // The next step's requests (row i = seqs[i], attentions[i]). The window's BeginStep must have
+  // been called with the same rows. All must outlive the step.
+  void SetBatch(absl::Span<model::Sequence* const> seqs,
+                absl::Span<SparseAttention* const> attentions) {
+    seqs_ = seqs;
+    attentions_ = attentions;
+  }
+
+  // Errors name the request: its BeginDecode's, the backend's, or the window's (checked after
+  // the last layer). An error fails the step as a whole.
+  absl::Status Attend(const model::LayerAttentionIo& io) override;
+
+  const HybridCounters& counters() const { return counters_; }
+  void ResetCounters() { counters_ = {}; }
+
+ private:
+  // The non-resident rows of every plan as one host problem over io's rows.
+  absl::Status BuildHostProblem(const model::LayerAttentionIo& io, const float* q,
+                                kernels::PagedDecodeProblem* p);
+
+  ResidentWindow* const window_;
+  kernels::AttentionBackend* const backend_;
+  const kernels::cpu::CpuPool* const pool_;
+  model::DenseOps* const ops_;
+  const model::AttentionShape shape_;
+  absl::Span<model::Sequence* const> seqs_;
+  absl::Span<SparseAttention* const> attentions_;
+  HybridCounters counters_;
+  // Scratch, grown to the largest step seen.
+  std::vector<float> q_, k_, v_;  // host copies when the rows are in device memory
+  std::vector<float> host_out_, host_lse_;
+  std::vector<absl::Status> statuses_;
+  std::vector<int64_t> indptr_;
+  std::vector<kernels::PageSpan> spans_;
+  std::vector<std::byte> workspace_;
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_HYBRID_BATCH_ATTENTION_H_

@@ -1,0 +1,132 @@
+#include "decode/hybrid_step_executor.h"
+
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/attention_backend_cpu.h"
+#include "model/decode_step.h"
+
+namespace fluxion::decode {
+
+struct HybridStepExecutor::State {
+  const model::Model* model = nullptr;
+  std::unique_ptr<model::DenseOps> ops;
+  std::unique_ptr<ResidentWindow> window;
+  std::unique_ptr<kernels::AttentionBackend> cpu_backend;
+  std::unique_ptr<model::DecodeStepRunner> runner;
+  std::unique_ptr<HybridBatchAttention> attention;
+  absl::flat_hash_map<uint64_t, int> slots;  // SparseAttention::id() -> window slot
+  // Scratch of one step.
+  std::vector<size_t> rows;  // batch index of each row that takes part
+  std::vector<model::Sequence*> seqs;
+  std::vector<SparseAttention*> attentions;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  std::vector<int> row_slots;
+  std::vector<float> logits;
+};
+
+absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
+    const model::Model* model, std::unique_ptr<model::DenseOps> ops,
+    std::unique_ptr<ResidentWindow> window, const kernels::cpu::CpuPool* pool) {
+  const model::AttentionShape shape = model->attention_shape();
+  const WindowShape& w = window->shape();
+  if (w.num_layers != shape.num_layers || w.num_heads != shape.num_heads ||
+      w.num_kv_heads != shape.num_kv_heads || w.head_dim != shape.head_dim) {
+    return absl::InvalidArgumentError("the resident window's shape is not the model's");
+  }
+  auto state = std::make_unique<State>();
+  state->model = model;
+  state->ops = std::move(ops);
+  state->window = std::move(window);
+  FLUXION_ASSIGN_OR_RETURN(state->cpu_backend,
+                           kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt}));
+  FLUXION_ASSIGN_OR_RETURN(state->runner,
+                           model::DecodeStepRunner::Create(*model, state->ops.get()));
+  state->attention = std::make_unique<HybridBatchAttention>(
+      state->window.get(), state->cpu_backend.get(), pool, state->ops.get(), shape);
+  return std::unique_ptr<HybridStepExecutor>(new HybridStepExecutor(std::move(state)));
+}
+
+HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
+    : state_(std::move(state)), attention_(state_->attention.get()) {}
+
+HybridStepExecutor::~HybridStepExecutor() = default;
+
+absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention) {
+  if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) return it->second;
+  const WindowShape& w = state_->window->shape();
+  const sparse::PolicyConfig& policy = attention.policy_config();
+  if (policy.sink_tokens < w.sink_tokens || policy.local_tokens < w.window_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy ", policy.name, " attends ", policy.sink_tokens, " sink and ",
+        policy.local_tokens, " local tokens, fewer than the ", w.sink_tokens, " + ",
+        w.window_tokens, " resident ones of the hybrid step; raise the policy's or lower the "
+        "window's"));
+  }
+  FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv()));
+  state_->slots[attention.id()] = slot;
+  return slot;
+}
+
+void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+                              std::vector<absl::Status>* statuses) {
+  State& s = *state_;
+  statuses->assign(batch.size(), absl::OkStatus());
+  // Requests that left since the last step give their slots back.
+  absl::flat_hash_set<uint64_t> present;
+  for (const StepRequest& r : batch) present.insert(r.attention->id());
+  for (auto it = s.slots.begin(); it != s.slots.end();) {
+    if (!present.contains(it->first)) {
+      s.window->Release(it->second);
+      s.slots.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  s.rows.clear();
+  s.seqs.clear();
+  s.attentions.clear();
+  s.tokens.clear();
+  s.positions.clear();
+  s.row_slots.clear();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    absl::StatusOr<int> slot = SlotOf(*batch[i].attention);
+    if (!slot.ok()) {
+      (*statuses)[i] = slot.status();
+      continue;
+    }
+    s.rows.push_back(i);
+    s.seqs.push_back(batch[i].seq);
+    s.attentions.push_back(batch[i].attention);
+    s.tokens.push_back(batch[i].token);
+    s.positions.push_back(batch[i].seq->length());
+    s.row_slots.push_back(*slot);
+  }
+  const int64_t vocab = s.model->config().vocab_size;
+  logits->resize(batch.size() * vocab);
+  if (s.rows.empty()) return;
+  absl::Status step = s.window->BeginStep(s.row_slots, s.positions);
+  if (step.ok()) {
+    s.attention->SetBatch(s.seqs, s.attentions);
+    s.logits.resize(s.rows.size() * vocab);
+    step = s.runner->Step(s.tokens, s.positions, *s.attention, s.logits.data());
+  }
+  for (size_t r = 0; r < s.rows.size(); ++r) {
+    const size_t i = s.rows[r];
+    (*statuses)[i] = step;
+    if (step.ok()) {
+      std::copy(s.logits.begin() + r * vocab, s.logits.begin() + (r + 1) * vocab,
+                logits->begin() + i * vocab);
+    } else {
+      // The request's window rows are unspecified now; the scheduler ends it.
+      s.window->Release(s.row_slots[r]);
+      s.slots.erase(batch[i].attention->id());
+    }
+  }
+}
+
+}  // namespace fluxion::decode

@@ -1,0 +1,54 @@
+// The hybrid decode step executor (docs/EXECUTOR.md section 7): the dense halves of the batch on
+// a DenseOps (CUDA in production; the CPU ones for the host stand-in), per layer the resident
+// window (sinks + recent tokens) attended where the DenseOps runs and the rest of every policy's
+// plan on the CPU over host pages, merged by log-sum-exp (hybrid_batch_attention.h).
+//
+// Requests are admitted to the window the first time a step sees them (their prompt's resident
+// rows are loaded from the host pages) and released when a step no longer lists them. A request
+// the window cannot take (every slot busy, or a policy whose sinks or local window are smaller
+// than the resident ones, so its plan would not contain the resident rows) gets its own error
+// and the step runs without it.
+//
+// Thread-compatible: the scheduler thread calls Step().
+#ifndef FLUXION_DECODE_HYBRID_STEP_EXECUTOR_H_
+#define FLUXION_DECODE_HYBRID_STEP_EXECUTOR_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "decode/hybrid_batch_attention.h"
+#include "decode/resident_window.h"
+#include "decode/step_executor.h"
+#include "model/dense_ops.h"
+
+namespace fluxion::decode {
+
+class HybridStepExecutor : public StepExecutor {
+ public:
+  // `model` and `pool` (may be null) must outlive the executor; it owns `ops` and `window`.
+  // The model's weights are uploaded to `ops` once here (errors: the backend's).
+  static absl::StatusOr<std::unique_ptr<HybridStepExecutor>> Create(
+      const model::Model* model, std::unique_ptr<model::DenseOps> ops,
+      std::unique_ptr<ResidentWindow> window, const kernels::cpu::CpuPool* pool);
+  ~HybridStepExecutor() override;
+
+  absl::string_view name() const override { return "hybrid"; }
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override;
+
+  // Rows attended resident vs on the host, since the executor was made.
+  const HybridCounters& counters() const { return attention_->counters(); }
+
+ private:
+  struct State;
+  explicit HybridStepExecutor(std::unique_ptr<State> state);
+  // The request's window slot, admitting it on first sight.
+  absl::StatusOr<int> SlotOf(const SparseAttention& attention);
+
+  std::unique_ptr<State> state_;
+  HybridBatchAttention* attention_;  // owned by state_
+};
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_HYBRID_STEP_EXECUTOR_H_

@@ -1,0 +1,99 @@
+// The device-resident part of each request's KV in the hybrid decode step (ALGORITHMS.md §2.4,
+// docs/EXECUTOR.md section 7): per (request, layer, KV head) the first `sink_tokens` tokens and a
+// ring of the last `window_tokens`. The device attends these rows densely every step while the
+// CPU attends the rest of what the policy selected over the host pages; the two partial states
+// merge by log-sum-exp. A streaming head (a plan of sinks + window only) never touches the CPU.
+//
+// Ring: token t < sink_tokens sits in row t; token t >= sink_tokens in row
+// sink_tokens + (t - sink_tokens) % window_tokens, so the last window_tokens tokens always
+// occupy distinct rows and a step's append overwrites exactly the token that left the window.
+// At context c the valid rows are [0, resident_rows(c)), resident_rows(c) =
+// min(c, sink) + min(window, max(0, c - sink)).
+//
+// Memory: q/k/v/out of AppendAndAttend are in the memory the window runs on (the DenseOps's:
+// device memory for CUDA, host memory for the host implementation); the states merged in by
+// MergeHostStates are in host memory. Operations may run asynchronously in issue order (the CUDA
+// implementation uses the DenseOps's stream); errors are sticky and returned by Sync().
+//
+// Implementations: NewHostResidentWindow (here: host memory and the CPU kernel, the stand-in on
+// which the hybrid executor's split, placement and merge are tested without a GPU) and the CUDA
+// one (decode/cuda_resident_window.h).
+//
+// Thread-compatible: the executor's thread drives it.
+#ifndef FLUXION_DECODE_RESIDENT_WINDOW_H_
+#define FLUXION_DECODE_RESIDENT_WINDOW_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "decode/paged_kv.h"
+
+namespace fluxion::decode {
+
+struct WindowShape {
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;     // query heads
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  float scale = 0.0f;        // softmax scale
+  int64_t sink_tokens = 4;
+  int64_t window_tokens = 64;
+  int64_t max_requests = 64;  // slots
+  int64_t max_rows = 64;      // rows (requests) of one step
+
+  int64_t rows_per_head() const { return sink_tokens + window_tokens; }
+  int64_t resident_rows(int64_t context) const {
+    return std::min(context, sink_tokens) +
+           std::min(window_tokens, std::max<int64_t>(0, context - sink_tokens));
+  }
+  int64_t ring_row(int64_t token) const {
+    return token < sink_tokens ? token : sink_tokens + (token - sink_tokens) % window_tokens;
+  }
+};
+
+// InvalidArgument naming the first bad field (non-positive sizes, heads not a multiple of KV
+// heads, a window of no rows).
+absl::Status ValidateWindowShape(const WindowShape& shape);
+
+class ResidentWindow {
+ public:
+  virtual ~ResidentWindow() = default;
+  virtual const WindowShape& shape() const = 0;
+
+  // Loads the resident rows of the tokens `kv` holds (every layer the same count) into a free
+  // slot and returns it. ResourceExhausted when every slot is taken; InvalidArgument for a KV of
+  // another shape or uneven layers.
+  virtual absl::StatusOr<int> Admit(const PagedKv& kv) = 0;
+  // Frees a slot (its rows are then garbage). Unknown or free slots are ignored.
+  virtual void Release(int slot) = 0;
+
+  // The rows of the next step: row i is slot slots[i], whose token is at positions[i] (so its
+  // context becomes positions[i] + 1). InvalidArgument for more than max_rows rows, a slot not
+  // admitted, or a position that does not continue the slot's tokens.
+  virtual absl::Status BeginStep(absl::Span<const int> slots,
+                                 absl::Span<const int64_t> positions) = 0;
+  // Layer `layer` of the step: appends each row's K/V to its ring and attends each (row, KV head)
+  // group over its resident rows into out [rows][num_heads][head_dim] and the window's own lse.
+  // q: [rows][num_heads][head_dim] post-RoPE, k and v: [rows][num_kv_heads][head_dim].
+  virtual void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
+                               float* out) = 0;
+  // out := merge(out, host state) by log-sum-exp, per (row, query head): host_out
+  // [rows][num_heads][head_dim], host_lse [rows][num_heads] (natural base; -inf: nothing to
+  // add), in host memory. Uses the lse AppendAndAttend left for this layer.
+  virtual void MergeHostStates(const float* host_out, const float* host_lse, float* out) = 0;
+  // Waits for issued work; the first error since the last Sync.
+  virtual absl::Status Sync() = 0;
+};
+
+// The host implementation: rows in bf16 (as the host pages store them), attended with the CPU
+// paged kernel. InvalidArgument for a bad shape or one the CPU kernel does not support.
+absl::StatusOr<std::unique_ptr<ResidentWindow>> NewHostResidentWindow(const WindowShape& shape,
+                                                                     int64_t page_tokens);
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_RESIDENT_WINDOW_H_
