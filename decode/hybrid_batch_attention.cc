@@ -51,11 +51,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
   const int64_t q_row = hq * d, kv_row = hkv * d;
 
-  // The device half first, so that it runs while the CPU works: append to the rings and attend
-  // the resident rows of every pair, into io.out.
-  window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
-
-  // The CPU half reads q/k/v on the host.
+  // The CPU half reads q/k/v on the host (the copies wait for the layer's projections).
   const float *q = io.q, *k = io.k, *v = io.v;
   if (!io.host_memory) {
     q_.resize(io.rows * q_row);
@@ -68,6 +64,9 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     k = k_.data();
     v = v_.data();
   }
+  // Then the device half, which runs while the CPU works: append to the rings and attend the
+  // resident rows of every pair, into io.out.
+  window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
     statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], q + i * q_row,

@@ -1,0 +1,26 @@
+// The CUDA ResidentWindow (resident_window.h): the rings in device memory
+// (kernels/cuda/window_ring.h), the step's slots and positions uploaded once per step from pinned
+// staging, appends and attention on the dense ops' stream so they order after the step's q/k/v,
+// and host partial states merged on the device (kernels/cuda MergeStates). Built only with CUDA.
+#ifndef FLUXION_DECODE_CUDA_RESIDENT_WINDOW_H_
+#define FLUXION_DECODE_CUDA_RESIDENT_WINDOW_H_
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "decode/resident_window.h"
+
+namespace fluxion::decode {
+
+// Everything is allocated here (rings for shape.max_requests slots, per-step arrays for
+// shape.max_rows rows). `stream` (the DenseOps's) must outlive the window. InvalidArgument for a
+// bad shape or a head_dim other than 64 / 128 or more than 256 resident rows per head;
+// ResourceExhausted when device or pinned memory runs out.
+absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
+                                                                     cudaStream_t stream);
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_CUDA_RESIDENT_WINDOW_H_
