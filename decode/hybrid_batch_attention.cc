@@ -1,6 +1,7 @@
 #include "decode/hybrid_batch_attention.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +9,22 @@
 #include "decode/paged_batch_attention.h"
 
 namespace fluxion::decode {
+namespace {
+
+// Adds the seconds since the last call (or construction) to a counter.
+class PhaseClock {
+ public:
+  void Lap(double* counter) {
+    const auto now = std::chrono::steady_clock::now();
+    *counter += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace
 
 void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front,
                int64_t back, std::vector<kernels::PageSpan>* out) {
@@ -51,6 +68,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
   const int64_t q_row = hq * d, kv_row = hkv * d;
 
+  PhaseClock clock;
   // The CPU half reads q/k/v on the host (the copies wait for the layer's projections).
   const float *q = io.q, *k = io.k, *v = io.v;
   if (!io.host_memory) {
@@ -67,12 +85,14 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   // Then the device half, which runs while the CPU works: append to the rings and attend the
   // resident rows of every pair, into io.out.
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
+  clock.Lap(&counters_.to_host_s);
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
     statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], q + i * q_row,
                                                k + i * kv_row, v + i * kv_row);
   });
   FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+  clock.Lap(&counters_.plan_s);
 
   kernels::PagedDecodeProblem p;
   FLUXION_RETURN_IF_ERROR(BuildHostProblem(io, q, &p));
@@ -80,13 +100,16 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   const size_t workspace = backend_->WorkspaceBytes(p);
   if (workspace_.size() < workspace) workspace_.resize(workspace);
   FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
+  clock.Lap(&counters_.host_s);
   // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
   // in there (merging is associative), and it observes its whole plan.
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
     attentions_[i]->FinishDecode(q + i * q_row, host_out_.data() + i * q_row,
                                  host_lse_.data() + i * hq);
   });
+  clock.Lap(&counters_.finish_s);
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
+  clock.Lap(&counters_.merge_s);
 
   if (io.layer == shape_.num_layers - 1) {
     FLUXION_RETURN_IF_ERROR(window_->Sync());

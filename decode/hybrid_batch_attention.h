@@ -47,6 +47,13 @@ struct HybridCounters {
   int64_t host_rows = 0;      // rows the CPU attended over host pages
   int64_t host_pairs = 0;     // (request, KV head) pairs with any host rows
   int64_t pairs = 0;          // all (request, KV head) pairs
+  // Wall time of the attention's phases on the driving thread, in seconds. to_host includes
+  // waiting for the layer's projections on the device (the copy waits for them).
+  double to_host_s = 0;  // q/k/v to the host
+  double plan_s = 0;     // append to host pages + policy selection (BeginDecode)
+  double host_s = 0;     // the CPU backend over the non-resident rows
+  double finish_s = 0;   // policies' estimates and observation (FinishDecode)
+  double merge_s = 0;    // CPU partials to the device and merged
 };
 
 class HybridBatchAttention : public model::BatchAttention {

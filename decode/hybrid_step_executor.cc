@@ -1,5 +1,6 @@
 #include "decode/hybrid_step_executor.h"
 
+#include <cmath>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -12,7 +13,7 @@
 namespace fluxion::decode {
 
 struct HybridStepExecutor::State {
-  const model::Model* model = nullptr;
+  int64_t vocab_size = 0;
   std::unique_ptr<model::DenseOps> ops;
   std::unique_ptr<ResidentWindow> window;
   std::unique_ptr<kernels::AttentionBackend> cpu_backend;
@@ -32,20 +33,29 @@ struct HybridStepExecutor::State {
 absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
     const model::Model* model, std::unique_ptr<model::DenseOps> ops,
     std::unique_ptr<ResidentWindow> window, const kernels::cpu::CpuPool* pool) {
-  const model::AttentionShape shape = model->attention_shape();
+  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params, model->UploadParams(*ops));
+  return Create(model->config(), std::move(ops), std::move(params), std::move(window), pool);
+}
+
+absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
+    const model::ModelConfig& config, std::unique_ptr<model::DenseOps> ops,
+    model::ModelParams params, std::unique_ptr<ResidentWindow> window,
+    const kernels::cpu::CpuPool* pool) {
   const WindowShape& w = window->shape();
-  if (w.num_layers != shape.num_layers || w.num_heads != shape.num_heads ||
-      w.num_kv_heads != shape.num_kv_heads || w.head_dim != shape.head_dim) {
+  if (w.num_layers != config.num_layers || w.num_heads != config.num_heads ||
+      w.num_kv_heads != config.num_kv_heads || w.head_dim != config.head_dim) {
     return absl::InvalidArgumentError("the resident window's shape is not the model's");
   }
+  const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
+                                    config.head_dim,
+                                    1.0f / std::sqrt(static_cast<float>(config.head_dim))};
   auto state = std::make_unique<State>();
-  state->model = model;
+  state->vocab_size = config.vocab_size;
   state->ops = std::move(ops);
   state->window = std::move(window);
   FLUXION_ASSIGN_OR_RETURN(state->cpu_backend,
                            kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt}));
-  FLUXION_ASSIGN_OR_RETURN(state->runner,
-                           model::DecodeStepRunner::Create(*model, state->ops.get()));
+  state->runner = model::DecodeStepRunner::Create(config, state->ops.get(), std::move(params));
   state->attention = std::make_unique<HybridBatchAttention>(
       state->window.get(), state->cpu_backend.get(), pool, state->ops.get(), shape);
   return std::unique_ptr<HybridStepExecutor>(new HybridStepExecutor(std::move(state)));
@@ -106,7 +116,7 @@ void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<f
     s.positions.push_back(batch[i].seq->length());
     s.row_slots.push_back(*slot);
   }
-  const int64_t vocab = s.model->config().vocab_size;
+  const int64_t vocab = s.vocab_size;
   logits->resize(batch.size() * vocab);
   if (s.rows.empty()) return;
   absl::Status step = s.window->BeginStep(s.row_slots, s.positions);

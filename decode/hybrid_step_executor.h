@@ -26,18 +26,25 @@ namespace fluxion::decode {
 class HybridStepExecutor : public StepExecutor {
  public:
   // `model` and `pool` (may be null) must outlive the executor; it owns `ops` and `window`.
-  // The model's weights are uploaded to `ops` once here (errors: the backend's).
+  // The model's weights are uploaded to `ops` once here (errors: the backend's). InvalidArgument
+  // when the window's shape is not the model's.
   static absl::StatusOr<std::unique_ptr<HybridStepExecutor>> Create(
       const model::Model* model, std::unique_ptr<model::DenseOps> ops,
       std::unique_ptr<ResidentWindow> window, const kernels::cpu::CpuPool* pool);
+  // Over weights already in `ops`'s memory (model/random_params.h for shapes with no host copy).
+  static absl::StatusOr<std::unique_ptr<HybridStepExecutor>> Create(
+      const model::ModelConfig& config, std::unique_ptr<model::DenseOps> ops,
+      model::ModelParams params, std::unique_ptr<ResidentWindow> window,
+      const kernels::cpu::CpuPool* pool);
   ~HybridStepExecutor() override;
 
   absl::string_view name() const override { return "hybrid"; }
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;
 
-  // Rows attended resident vs on the host, since the executor was made.
+  // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }
+  void ResetCounters() { attention_->ResetCounters(); }
 
  private:
   struct State;

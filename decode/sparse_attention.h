@@ -84,6 +84,9 @@ class SparseAttention : public model::SequenceAttention {
     return stats_.context > 0 ? static_cast<double>(stats_.rows_attended) / stats_.context : 0.0;
   }
   const PagedKv& kv() const { return *kv_; }
+  // Gives the pages back to the caller (e.g. a benchmark decoding the same context under several
+  // policies); the attention must not be used afterwards.
+  std::unique_ptr<PagedKv> TakeKv() { return std::move(kv_); }
   const sparse::PolicyConfig& policy_config() const { return config_; }
   // Unique in the process for its lifetime and never reused (an executor keys per-request state
   // by it; an address can be reused by the next request).

@@ -11,13 +11,18 @@ namespace fluxion::model {
 absl::StatusOr<std::unique_ptr<DecodeStepRunner>> DecodeStepRunner::Create(const Model& model,
                                                                            DenseOps* ops) {
   FLUXION_ASSIGN_OR_RETURN(ModelParams params, model.UploadParams(*ops));
-  return std::unique_ptr<DecodeStepRunner>(new DecodeStepRunner(model, ops, std::move(params)));
+  return Create(model.config(), ops, std::move(params));
+}
+
+std::unique_ptr<DecodeStepRunner> DecodeStepRunner::Create(const ModelConfig& config,
+                                                           DenseOps* ops, ModelParams params) {
+  return std::unique_ptr<DecodeStepRunner>(new DecodeStepRunner(config, ops, std::move(params)));
 }
 
 absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
                                     absl::Span<const int64_t> positions,
                                     BatchAttention& attention, float* logits) {
-  const ModelConfig& c = model_.config();
+  const ModelConfig& c = config_;
   const int64_t rows = static_cast<int64_t>(tokens.size());
   if (rows == 0) return absl::InvalidArgumentError("a decode step needs at least one request");
   if (positions.size() != tokens.size()) {

@@ -58,6 +58,10 @@ class DecodeStepRunner {
   // borrowed for host DenseOps, uploaded once otherwise.
   static absl::StatusOr<std::unique_ptr<DecodeStepRunner>> Create(const Model& model,
                                                                   DenseOps* ops);
+  // A runner over weights already in `ops`'s memory (e.g. random_params.h's, for shapes whose
+  // host copy would not fit). REQUIRES: `params` match `config`.
+  static std::unique_ptr<DecodeStepRunner> Create(const ModelConfig& config, DenseOps* ops,
+                                                  ModelParams params);
 
   // Runs one step: tokens[i] at positions[i] for every request i; writes logits
   // [tokens.size()][vocab_size] into host memory. Buffers grow to the largest batch seen.
@@ -71,10 +75,10 @@ class DecodeStepRunner {
   const ModelParams& params() const { return params_; }
 
  private:
-  DecodeStepRunner(const Model& model, DenseOps* ops, ModelParams params)
-      : model_(model), ops_(ops), params_(std::move(params)) {}
+  DecodeStepRunner(const ModelConfig& config, DenseOps* ops, ModelParams params)
+      : config_(config), ops_(ops), params_(std::move(params)) {}
 
-  const Model& model_;
+  const ModelConfig config_;
   DenseOps* ops_;
   ModelParams params_;
   StepBuffers buf_;

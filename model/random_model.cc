@@ -42,7 +42,9 @@ TensorToWrite RandomTensor(const std::string& name, std::vector<int64_t> shape, 
 
 }  // namespace
 
-std::vector<std::string> PresetNames() { return {"tiny", "qwen2.5-0.5b"}; }
+std::vector<std::string> PresetNames() {
+  return {"tiny", "qwen2.5-0.5b", "llama3.1-8b", "qwen2.5-7b"};
+}
 
 absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
   ModelConfig c;
@@ -76,6 +78,39 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& preset) {
     c.tie_word_embeddings = true;
     c.qkv_bias = true;
     c.eos_token_ids = {151643};
+    c.bos_token_id = 151643;
+    c.torch_dtype = "bfloat16";
+  } else if (preset == "llama3.1-8b") {
+    // Meta-Llama-3.1-8B's config.json.
+    c.architecture = Architecture::kLlama;
+    c.vocab_size = 128256;
+    c.hidden_size = 4096;
+    c.intermediate_size = 14336;
+    c.num_layers = 32;
+    c.num_heads = 32;
+    c.num_kv_heads = 8;
+    c.head_dim = 128;
+    c.rms_norm_eps = 1e-5;
+    c.max_position_embeddings = 131072;
+    c.rope = RopeConfig{RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
+    c.eos_token_ids = {128001, 128008, 128009};
+    c.bos_token_id = 128000;
+    c.torch_dtype = "bfloat16";
+  } else if (preset == "qwen2.5-7b") {
+    // Qwen2.5-7B's config.json (its 128K mode is YaRN on top; the shapes are these).
+    c.architecture = Architecture::kQwen2;
+    c.vocab_size = 152064;
+    c.hidden_size = 3584;
+    c.intermediate_size = 18944;
+    c.num_layers = 28;
+    c.num_heads = 28;
+    c.num_kv_heads = 4;
+    c.head_dim = 128;
+    c.rms_norm_eps = 1e-6;
+    c.max_position_embeddings = 131072;
+    c.rope = RopeConfig{RopeType::kDefault, 1000000.0};
+    c.qkv_bias = true;
+    c.eos_token_ids = {151643, 151645};
     c.bos_token_id = 151643;
     c.torch_dtype = "bfloat16";
   } else {
