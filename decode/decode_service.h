@@ -63,6 +63,9 @@ struct DecodeServiceOptions {
   absl::Duration quarantine_lease = absl::Seconds(30);
   // Prometheus metrics (decode/decode_metrics.h); null = none. Must outlive the service.
   DecodeNodeMetrics* node_metrics = nullptr;
+  // The process's one CPU pool (--cpu-threads), which the BatchScheduler's step executor computes
+  // on; null = the executor's own default. Must outlive the service and the scheduler.
+  const kernels::cpu::CpuPool* cpu_pool = nullptr;
 };
 
 // Counters of the service, a plain snapshot (decode/decode_metrics.h exports them).
