@@ -20,12 +20,14 @@
 #include "bench/attention_quality.h"
 #include "bench/bench_util.h"
 #include "bench/synthetic_heads.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/cpu/process_cpu.h"
 #include "kernels/reference/reference_ops.h"
 #include "kernels/reference/compare.h"
 
@@ -54,7 +56,7 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.DoubleList("budget", &budgets, "read budgets for the sparse policies");
   flags.StringList("policy", &policies,
                    "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
-  flags.IntList("threads", &threads_list, "thread counts; 0 = all cores");
+  CpuThreadsListFlag cpu_threads(flags, threads_list);
   flags.Int("head-dim", &head_dim, "head dimension");
   flags.Int("group", &group, "query heads per KV head (GQA)");
   flags.Int("page-tokens", &page_tokens, "tokens per page");
@@ -63,6 +65,14 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.Double("pool-gib", &pool_gib, "KV bytes the steps rotate through (defeats the caches)");
   flags.String("json", &json_path, "also write results to this file");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  {
+    absl::StatusOr<std::vector<int64_t>> sweep = kernels::cpu::SetUpProcessCpuSweep(cpu_threads);
+    if (!sweep.ok()) {
+      std::cerr << "error: " << sweep.status().message() << "\n";
+      return 2;
+    }
+    threads_list = *std::move(sweep);
+  }
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, page_tokens)) {
     std::cerr << "error: head_dim " << head_dim << ", group " << group << ", page_tokens "
               << page_tokens << " is not supported by the CPU kernel\n";

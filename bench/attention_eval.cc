@@ -17,11 +17,13 @@
 #include "bench/bench_util.h"
 #include "bench/captured_attention_eval.h"
 #include "bench/synthetic_heads.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse_attention.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/cpu/process_cpu.h"
 #include "kernels/cpu/topk.h"
 
 namespace fluxion::bench {
@@ -54,7 +56,13 @@ int RunAttentionEval(const std::vector<std::string>& args) {
                "with --capture: write Fluxion's predictor training table (features + e_h(b) "
                "labels per step, layer and KV head; tools/fluxion_predictor/README.md) to this "
                "CSV; policies are then evaluated only when --policy is given");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+      !pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   const bool policy_given = std::any_of(args.begin(), args.end(), [](const std::string& a) {
     return a.rfind("--policy", 0) == 0;
   });

@@ -9,6 +9,8 @@
 #endif
 #include "bench/model_bench.h"
 #include "bench/topk_bench.h"
+#include "common/cpu_threads.h"
+#include "kernels/cpu/process_cpu.h"
 
 namespace fluxion::bench {
 
@@ -27,7 +29,12 @@ int RunBenchCommand(const std::vector<std::string>& args) {
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "model") return RunModelBench(rest);
   if (args[0] == "attention") return RunAttentionBench(rest);
-  if (args[0] == "decode") return RunDecodeBench(rest);
+  if (args[0] == "decode") {
+    // Its sweep points size their own pools (its --cpu-threads list); until then the process
+    // holds every CPU it may use, set before any compute (kernels/cpu/process_cpu.h).
+    kernels::cpu::SetUpProcessCpu(AvailableCpus());
+    return RunDecodeBench(rest);
+  }
   if (args[0] == "topk") return RunTopKBench(rest);
   if (args[0] == "gpu") {
 #ifdef FLUXION_HAVE_CUDA

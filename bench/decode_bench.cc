@@ -214,7 +214,7 @@ int RunDecodeBench(const std::vector<std::string>& args) {
   flags.String("preset", &o.preset, "random-weight shape when --model is not given");
   flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
   flags.IntList("batch", &o.batches, "batch sizes");
-  flags.IntList("threads", &o.threads, "CPU threads (one pool for BLAS and attention)");
+  flags.IntList("cpu-threads", &o.threads, "CPU threads (one pool for BLAS and attention)");
   flags.StringList("policy", &o.policies,
                    "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
   flags.DoubleList("budget", &o.budgets, "read budgets for the sparse policies");

@@ -14,9 +14,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "common/half.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/process_cpu.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
@@ -348,7 +350,13 @@ int RunGpuBench(const std::vector<std::string>& args) {
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
   flags.String("json", &json_path, "also write results to this file");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+      !pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   if (!cuda::DeviceAvailable()) {
     std::cerr << "error: no CUDA device\n";
     return 1;

@@ -12,8 +12,10 @@
 
 #include "bench/bench_util.h"
 #include "bench/model_bench.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
 #include "model/random_model.h"
 #include "model/sampler.h"
@@ -56,11 +58,19 @@ int RunModelBench(const std::vector<std::string>& args) {
   flags.String("preset", &preset, "random model shape when --model is empty");
   flags.IntList("prompt-tokens", &prompt_tokens, "prompt lengths to measure");
   flags.Int("decode-tokens", &decode_tokens, "decode steps timed after each prompt");
-  flags.IntList("threads", &threads_list, "thread counts to measure; 0 = all cores");
+  CpuThreadsListFlag cpu_threads(flags, threads_list);
   flags.Int("repeats", &repeats, "repeats per point (median reported)");
   flags.Int("seed", &seed, "seed for prompts and the random model");
   flags.String("json", &json_path, "also write results to this file");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  {
+    absl::StatusOr<std::vector<int64_t>> sweep = kernels::cpu::SetUpProcessCpuSweep(cpu_threads);
+    if (!sweep.ok()) {
+      std::cerr << "error: " << sweep.status().message() << "\n";
+      return 2;
+    }
+    threads_list = *std::move(sweep);
+  }
   std::string made_dir;
   if (model_dir.empty()) {
     auto config = model::PresetConfig(preset);

@@ -9,7 +9,9 @@
 
 #include "bench/bench_util.h"
 #include "bench/topk_bench.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
+#include "kernels/cpu/process_cpu.h"
 #include "kernels/cpu/topk.h"
 
 namespace fluxion::bench {
@@ -26,7 +28,13 @@ int RunTopKBench(const std::vector<std::string>& args) {
   flags.Int("repeats", &repeats, "timed calls per point (median reported)");
   flags.Int("seed", &seed, "random seed");
   flags.String("json", &json_path, "also write results to this file");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+      !pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   std::mt19937 rng(seed);
   nlohmann::json results = nlohmann::json::array();
   std::printf("%8s %7s | %12s %12s %8s\n", "n", "k", "radix us", "nth us", "speedup");

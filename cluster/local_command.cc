@@ -17,6 +17,7 @@
 #include "cluster/replay_run.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "grpcpp/grpcpp.h"
 
@@ -77,7 +78,8 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   std::string model = root + "/models/fluxion-tiny-retrieval";
   std::string trace = root + "/cluster/traces/mooncake_conversation_30s.jsonl";
   std::string out_dir, json_path, policy, ucx_tls = "tcp", plot_format = "png";
-  int64_t decode_nodes = 1, prefill_nodes = 1, threads = 1, kv_pages = 16384, vocab_size = 256;
+  int64_t decode_nodes = 1, prefill_nodes = 1, cpu_threads = 1, threads = 1, kv_pages = 16384;
+  int64_t vocab_size = 256;
   double startup_timeout_s = 120, timeout_s = 120;
   TraceTransform transform;
   transform.max_requests = 24;
@@ -95,7 +97,12 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.String("trace", &trace, "Mooncake JSONL trace to replay");
   flags.Int("decode-nodes", &decode_nodes, "decode processes");
   flags.Int("prefill-nodes", &prefill_nodes, "prefill processes");
-  flags.Int("threads", &threads, "CPU threads per prefill/decode process");
+  // 1 by default, not each node's own default (the CPUs minus one): the nodes and the router share
+  // this machine, and two nodes each taking all but one core would fight over them.
+  flags.Int("cpu-threads", &cpu_threads,
+            "--cpu-threads of each prefill/decode process (its one CPU pool); 0 = each node's "
+            "own default (the CPUs it may use minus one)");
+  flags.Int("threads", &threads, "deprecated alias of --cpu-threads");
   flags.Int("kv-pages", &kv_pages, "KV pages per decode node");
   flags.String("ucx-tls", &ucx_tls, "UCX transports between the nodes: tcp (over lo) or sm");
   flags.String("policy", &policy, "sparse attention policy (empty: the decode nodes' default)");
@@ -118,6 +125,21 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.String("json", &json_path, "also write the summary JSON here");
   flags.String("plot-format", &plot_format, "png or svg");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (flags.WasSet("threads")) {
+    if (flags.WasSet("cpu-threads") && threads != cpu_threads) {
+      std::cerr << "error: --threads is the deprecated alias of --cpu-threads; give --cpu-threads "
+                   "only\n";
+      return 2;
+    }
+    std::cerr << "warning: --threads is deprecated and goes in the next release; use "
+                 "--cpu-threads\n";
+    cpu_threads = threads;
+  }
+  if (cpu_threads < 0 || cpu_threads > kMaxCpuThreads) {
+    std::cerr << "error: --cpu-threads must be in [0, " << kMaxCpuThreads << "], got "
+              << cpu_threads << "\n";
+    return 2;
+  }
   if (decode_nodes < 1 || prefill_nodes < 1) {
     std::cerr << "error: need at least one decode and one prefill node\n";
     return 2;
@@ -201,8 +223,8 @@ int RunLocalCommand(const std::vector<std::string>& args) {
       std::string metrics_file = absl::StrCat(logs, "/", name, ".metrics-port");
       std::vector<std::string> a = {"--model", model, "--listen", "127.0.0.1:0", "--port-file",
                                     port_file, "--metrics-listen", "127.0.0.1:0",
-                                    "--metrics-port-file", metrics_file, "--threads",
-                                    std::to_string(threads)};
+                                    "--metrics-port-file", metrics_file, "--cpu-threads",
+                                    std::to_string(cpu_threads)};
       std::vector<std::string> more = node_args(i);
       a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), ucx.begin(), ucx.end());

@@ -53,13 +53,14 @@ void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
 
 BatchScheduler::BatchScheduler(const model::Model* model, KvAdmission* admission,
                                int64_t growth_pages, int64_t page_tokens,
-                               DecodeNodeMetrics* node_metrics, StepExecutor* executor)
+                               DecodeNodeMetrics* node_metrics, StepExecutor* executor,
+                               const kernels::cpu::CpuPool* cpu_pool)
     : model_(model),
       admission_(admission),
       growth_pages_(growth_pages),
       page_tokens_(page_tokens),
       node_metrics_(node_metrics),
-      owned_executor_(executor == nullptr ? NewCpuStepExecutor(model) : nullptr),
+      owned_executor_(executor == nullptr ? NewCpuStepExecutor(model, cpu_pool) : nullptr),
       executor_(executor != nullptr ? executor : owned_executor_.get()),
       thread_([this] { Loop(); }) {}
 

@@ -82,10 +82,12 @@ class BatchScheduler {
   // `node_metrics` (may be null) gets every step's wall and CPU time; it must outlive the
   // scheduler.
   // `executor` computes the steps (step_executor.h; must outlive the scheduler); null: the
-  // batched CPU executor over `model`.
+  // batched CPU executor over `model`, on `cpu_pool` (the process's --cpu-threads pool; must
+  // outlive the scheduler; null: the executor's default).
   BatchScheduler(const model::Model* model, KvAdmission* admission, int64_t growth_pages,
                  int64_t page_tokens, DecodeNodeMetrics* node_metrics = nullptr,
-                 StepExecutor* executor = nullptr);
+                 StepExecutor* executor = nullptr,
+                 const kernels::cpu::CpuPool* cpu_pool = nullptr);
   // Ends every running request with an error (Unavailable: shutting down) and stops the thread.
   ~BatchScheduler();
   BatchScheduler(const BatchScheduler&) = delete;

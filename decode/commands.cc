@@ -4,12 +4,13 @@
 #include <iostream>
 
 #include "absl/strings/str_join.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "decode/kv_arena.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/generator.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
@@ -20,7 +21,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   std::string model_dir;
   std::vector<int64_t> prompt_ids;
   std::vector<int64_t> stop_ids;
-  int64_t max_tokens = 16, top_k = 0, seed = 0, threads = 0;
+  int64_t max_tokens = 16, top_k = 0, seed = 0;
   double temperature = 0.0, top_p = 1.0;
   bool ignore_eos = false, json = false;
   std::string policy = "full";
@@ -38,7 +39,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.IntList("stop-ids", &stop_ids, "extra token ids that end generation");
   flags.Bool("ignore-eos", &ignore_eos, "keep generating past the model's EOS token");
   flags.Bool("json", &json, "print one JSON object instead of text");
-  flags.Int("threads", &threads, "CPU threads; 0 = all cores");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   flags.String("policy", &policy,
                "decode attention: full (the model's own fp32 cache) or a sparse policy over bf16 "
                "host pages: " + absl::StrJoin(sparse::PolicyNames(), ", "));
@@ -52,6 +53,11 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.Require("model");
   flags.Require("prompt-ids");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+  if (!pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
 
   auto policy_config = sparse::ParsePolicy(policy, budget);
   if (!policy_config.ok()) {
@@ -66,7 +72,6 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     }
     policy_config->fluxion_predictor = *predictor;
   }
-  kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";

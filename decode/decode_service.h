@@ -1,9 +1,10 @@
 // fluxion.v1.DecodeService on the decode node: Generate (server streaming), Abort, GetLoad.
 //
-// Request lifecycle (docs/SERVING.md): validate -> admit (reserve prompt + sparse-state pages in
-// the arena, or wait in a bounded queue until the deadline) -> Prefill on a prefill node, which
-// writes the KV into those pages over UCX -> verify per-layer checksums, load the sparse state ->
-// join the continuous batch (BatchScheduler) -> stream chunks -> complete/error. Pages come back
+// Request lifecycle (docs/SERVING.md; one phase each in decode/generate_call.h): validate ->
+// admit (reserve prompt + sparse-state pages in the arena, or wait in a bounded queue until the
+// deadline) -> Prefill on a prefill node, which writes the KV into those pages over UCX -> verify
+// per-layer checksums, load the sparse state -> join the continuous batch (BatchScheduler) ->
+// stream chunks -> complete/error. Pages come back
 // at finish, abort and failure, held by decode::Reservation; when the prefill node's call ends
 // without proof that its writes stopped (connection lost after sending, Abort unanswered, its own
 // transfer timeout) they are quarantined for a lease instead, since writes may still land.
@@ -62,6 +63,9 @@ struct DecodeServiceOptions {
   absl::Duration quarantine_lease = absl::Seconds(30);
   // Prometheus metrics (decode/decode_metrics.h); null = none. Must outlive the service.
   DecodeNodeMetrics* node_metrics = nullptr;
+  // The process's one CPU pool (--cpu-threads), which the BatchScheduler's step executor computes
+  // on; null = the executor's own default. Must outlive the service and the scheduler.
+  const kernels::cpu::CpuPool* cpu_pool = nullptr;
 };
 
 // Counters of the service, a plain snapshot (decode/decode_metrics.h exports them).
@@ -121,8 +125,8 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
     std::atomic<bool> prefilling{false};
     std::shared_ptr<DecodeRequest> request;  // once it joined the batch
   };
-  class Call;  // one Generate call's state machine (decode_service.cc)
-  // Generate without the final-status metric.
+  class Call;  // one Generate call as its phases (decode/generate_call.h)
+  // Generate without the final-status metric: the sequence of the Call's phases.
   grpc::Status GenerateCall(grpc::ServerContext* context,
                             const fluxion::v1::GenerateRequest* request,
                             grpc::ServerWriter<fluxion::v1::GenerateResponse>* writer);

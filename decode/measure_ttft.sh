@@ -23,14 +23,14 @@ stop() { kill "$(cat "$dir/$1.pid")" 2>/dev/null; wait "$(cat "$dir/$1.pid")" 2>
   echo "# cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)  cores: $(nproc)  load: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "# model: $model, max_tokens 1; policy fluxion: the sparse state is captured and travels too;"
   echo "# policy full: KV only. state_ms = sparse-state capture on the prefill node (after compute)"
-  echo "# $requests requests per row after one warm-up, medians in ms; prefill and decode with --threads 1 each"
+  echo "# $requests requests per row after one warm-up, medians in ms; prefill and decode with --cpu-threads 1 each"
   printf "%-28s %7s %9s %11s %9s %11s %10s %9s %10s %9s %8s\n" "config" "prompt" "admit_ms" \
     "compute_ms" "state_ms" "transfer_ms" "tail_ms" "load_ms" "prefill_ms" "ttft_ms" "tail/ttft"
   for tls in tcp sm; do
     if [ "$tls" = sm ]; then ucx="--ucx-tls sm,self --noucx-peer-error-handling"; else ucx="--ucx-tls tcp --ucx-net-devices lo"; fi
     for layerwise in --layerwise --nolayerwise; do
-      start prefill prefill --model $model --threads 1 $layerwise $ucx || exit 1
-      start decode decode --model $model --threads 1 --kv-pages 65536 --nohuge-pages \
+      start prefill prefill --model $model --cpu-threads 1 $layerwise $ucx || exit 1
+      start decode decode --model $model --cpu-threads 1 --kv-pages 65536 --nohuge-pages \
         --prefill-address 127.0.0.1:$(cat "$dir/prefill.port") $ucx || exit 1
       for policy in $policies; do
         for n in $lengths; do

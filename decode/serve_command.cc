@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
 #include "common/metrics_http.h"
@@ -25,7 +26,7 @@
 #include "decode/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
 #include "proto/convert.h"
 #include "transfer/ucx_flags.h"
@@ -44,7 +45,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   std::string metrics_listen, metrics_port_file;
   std::string default_policy = "fluxion";
   double default_budget = 0.1;
-  int64_t threads = 0, page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
+  int64_t page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
   int64_t admission_timeout_ms = 10000, prefill_timeout_ms = 120000, abort_wait_ms = 2000;
   int64_t quarantine_ms = 30000, drain_timeout_ms = 30000;
   bool huge_pages = true, arena_from_transport = false;
@@ -85,7 +86,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Double("host-read-gbps", &host_read_gbps,
                "one core's read bandwidth (GB/s) for the `fluxion` granularity cost model; "
                "0 = measure at start-up (a 64 MiB read probe, ~0.1 s)");
-  flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kServing);
   flags.Int("page-tokens", &page_tokens, "tokens per KV page");
   flags.Int("kv-pages", &kv_pages, "pages in the host KV arena (each layer x KV head x page)");
   flags.Int("headroom-tokens", &headroom_tokens,
@@ -111,6 +112,13 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   serving::RegisterClientTlsFlags(flags, "prefill-tls", "prefill nodes", &prefill_tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  // Before anything else (it may restart the process): the batch scheduler's thread, gRPC's and
+  // the read probe's all start with the pool's size (kernels/cpu/process_cpu.h).
+  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+  if (!pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   // Certificates are read now, before the model: a bad path fails in a second, not a minute.
   auto server_credentials = serving::ServerCredentials(tls);
   auto prefill_channel = serving::ClientChannelConfig(prefill_tls);
@@ -158,7 +166,6 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     return 1;
   }
 
-  kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
@@ -228,8 +235,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     metrics_config.default_budget = default_policy == "full" ? 1.0 : default_budget;
     DecodeNodeMetrics node_metrics(&metrics::Registry::Default(), metrics_config);
     KvAdmission admission(arena.get(), admission_options);
-    BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics);
     DecodeServiceOptions options;
+    options.cpu_pool = &*pool;
+    BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics,
+                             /*executor=*/nullptr, options.cpu_pool);
     options.prefill_peers = std::move(*prefill_peers);
     options.prefill_channel = *prefill_channel;
     options.default_policy = default_policy;
@@ -278,7 +287,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
               << "; fluxion policy: "
               << (*predictor != nullptr ? "trained head-property predictor" : "rule-based fallback")
-              << ", host read " << absl::StrFormat("%.1f", host_read_gbps) << " GB/s per core\n";
+              << ", host read " << absl::StrFormat("%.1f", host_read_gbps) << " GB/s per core"
+              << ", " << pool->threads() << " CPU thread(s)\n";
     serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
     serving::WaitForStopSignal();
     // Drain: NOT_SERVING, UNAVAILABLE for new requests, running ones may finish.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
 #include "common/metrics_http.h"
@@ -14,7 +15,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
 #include "prefill/prefill_engine.h"
 #include "prefill/prefill_service.h"
@@ -38,7 +39,7 @@ std::string DefaultNodeName(const std::string& role) {
 int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = serving::LoopbackAddress(7001), port_file, node_name;
   std::string metrics_listen, metrics_port_file;
-  int64_t threads = 0, page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
+  int64_t page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
   int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
   int64_t max_queued_requests = PrefillServiceImpl::kDefaultMaxQueuedRequests;
   bool layerwise = true;
@@ -57,7 +58,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
                "empty: no endpoint)");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
-  flags.Int("threads", &threads, "CPU threads for the model; 0 = all cores");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kServing);
   flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
   flags.Bool("layerwise", &layerwise,
              "send each layer's KV as soon as it is computed (off: after the last layer)");
@@ -83,6 +84,13 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   serving::RegisterServerTlsFlags(flags, &tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  // Before anything else (it may restart the process): the threads the forward runs on (a
+  // handler's, the batch thread) start later and get the pool's size (kernels/cpu/process_cpu.h).
+  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+  if (!pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   // Certificates are read now, before the model: a bad path fails in a second, not a minute.
   auto server_credentials = serving::ServerCredentials(tls);
   if (!server_credentials.ok()) {
@@ -91,7 +99,6 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   }
   if (node_name.empty()) node_name = DefaultNodeName("prefill");
 
-  kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
@@ -150,7 +157,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, true);
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
-            << "\n";
+            << ", " << pool->threads() << " CPU thread(s)\n";
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   serving::WaitForStopSignal();
   serving::DrainAndShutdown(

@@ -90,8 +90,8 @@ class ClusterE2eTest : public ::testing::Test {
   static void SetUpTestSuite() {
     char tmpl[] = "/tmp/fluxion-e2e-XXXXXX";
     dir_ = new std::string(mkdtemp(tmpl));
-    const std::vector<std::string> node = {"--model", ModelDir(), "--threads", "1", "--ucx-tls",
-                                           "tcp", "--ucx-net-devices", "lo"};
+    const std::vector<std::string> node = {"--model", ModelDir(), "--cpu-threads", "1",
+                                           "--ucx-tls", "tcp", "--ucx-net-devices", "lo"};
     prefill_ = new Node(StartNode(*dir_, "prefill", "prefill", node));
     if (prefill_->address.empty()) return;
     decodes_ = new std::vector<Node>();

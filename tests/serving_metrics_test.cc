@@ -12,6 +12,7 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +131,21 @@ TEST_F(ServingMetricsTest, NamedServicesReportServingThroughGrpcHealth) {
                                       absl::Seconds(2)));
   EXPECT_FALSE(cluster::HealthServing(ChannelTo(*prefill_), "fluxion.v1.DecodeService",
                                       absl::Seconds(2)));
+}
+
+// Started with --cpu-threads 1 (ServerProcess): each node says so, and runs with
+// OMP_NUM_THREADS=1 in its environment, so the threads it computes on (started after the setup:
+// the decode scheduler, the prefill batch and handler threads) get one thread too
+// (kernels/cpu/process_cpu.h).
+TEST_F(ServingMetricsTest, BothNodesRunOnAPoolOfTheirCpuThreads) {
+  for (const ServerProcess* node : {prefill_, decode_}) {
+    EXPECT_NE(node->Log().find(", 1 CPU thread(s)"), std::string::npos) << node->Log();
+    std::ifstream environ("/proc/" + std::to_string(node->pid()) + "/environ");
+    std::string entry;
+    bool one = false;
+    while (std::getline(environ, entry, '\0')) one = one || entry == "OMP_NUM_THREADS=1";
+    EXPECT_TRUE(one) << "pid " << node->pid();
+  }
 }
 
 TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {

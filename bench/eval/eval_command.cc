@@ -13,9 +13,11 @@
 #include "bench/eval/task_eval.h"
 #include "bench/eval/tasks.h"
 #include "bench/attention_eval.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
 
@@ -102,8 +104,8 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   std::vector<std::string> policies = {"full"};
   std::vector<double> budgets = {0.05};
   std::vector<int64_t> contexts = {1024, 4096};
-  int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), threads = 0,
-          max_new_tokens = 0, capture_kv_max = 8192;
+  int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), max_new_tokens = 0,
+          capture_kv_max = 8192;
   bool show = false, calibration = false;
   FlagSet flags("fluxion eval tasks",
                 "Runs the long-context tasks of docs/TASKS.md through the CPU engine: one "
@@ -118,7 +120,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                    "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
   flags.DoubleList("budget", &budgets,
                    "read budgets (fraction of context rows) for each sparse policy");
-  flags.Int("threads", &threads, "CPU threads; 0 = all cores");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   flags.Int("max-new-tokens", &max_new_tokens,
             "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
   flags.String("json", &json_path, "also write results to this file (docs/BENCHMARKS.md format)");
@@ -141,6 +143,11 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   const bool seed_given = absl::c_any_of(
       args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+      !pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
   if (calibration && !seed_given) seed = static_cast<int64_t>(kFirstCalibrationSeed);
 
   TaskEvalOptions options;
@@ -196,7 +203,6 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   std::cerr << "fluxion policy: "
             << (*predictor ? "trained head-property predictor" : "rule-based fallback") << "\n";
 
-  kernels::cpu::SetNumThreads(static_cast<int>(threads));
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";

@@ -11,6 +11,7 @@
 #include "cluster/local_command.h"
 #include "cluster/replay_command.h"
 #include "cluster/router_command.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/commands.h"
 #ifdef FLUXION_HAVE_SERVICES
 #include "decode/serve_command.h"
@@ -31,7 +32,8 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::decode::RunGenerateCommand},
       {"make-model", "write a random-weight model in Hugging Face layout",
        fluxion::model::RunMakeModelCommand},
-      {"bench", "measurements: `fluxion bench model|attention|topk`", fluxion::bench::RunBenchCommand},
+      {"bench", "measurements: `fluxion bench model|attention|decode|topk|gpu`",
+       fluxion::bench::RunBenchCommand},
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
       {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
        fluxion::cluster::RunReplayCommand},
@@ -60,6 +62,9 @@ void PrintUsage(std::ostream& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A computing command sets its CPU pool up first thing and may restart the process to do so
+  // (kernels/cpu/process_cpu.h): it needs the arguments as given.
+  fluxion::kernels::cpu::SetProcessArgv(argv);
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
     PrintUsage(argc < 2 ? std::cerr : std::cout);
     return argc < 2 ? 2 : 0;

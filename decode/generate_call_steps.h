@@ -1,0 +1,98 @@
+// The parts of a Generate call's phases (decode/generate_call.h) that need neither the service
+// nor gRPC: what the prefill node is asked to write where, checking and loading what it wrote,
+// and turning the loaded prompt into a request of the running batch. Apart so that each can be
+// tested alone in process (decode/generate_call_steps_test.cc).
+//
+// Thread-compatible: free functions over the objects they are given.
+#ifndef FLUXION_DECODE_GENERATE_CALL_STEPS_H_
+#define FLUXION_DECODE_GENERATE_CALL_STEPS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "decode/batch_scheduler.h"
+#include "decode/generate_validation.h"
+#include "decode/kv_admission.h"
+#include "decode/kv_arena.h"
+#include "decode/sparse_attention.h"
+#include "fluxion/v1/decode.pb.h"
+#include "fluxion/v1/prefill.pb.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "transfer/transport.h"
+
+namespace fluxion::decode {
+
+// Bytes of the sparse state (model/sparse_state.h) the prefill node writes for a prompt of
+// `tokens` tokens: the room a request reserves next to its KV pages.
+uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens);
+
+// Where the prefill node is to write one request's prompt.
+struct PrefillTarget {
+  const transfer::PeerDescriptor* arena = nullptr;  // the arena's registration (no key is sent)
+  size_t page_bytes = 0;
+  const Reservation* kv_pages = nullptr;  // runs registered (RegisterRuns)
+  // Registered; empty when the policy needs no sparse state (then no sparse_target is asked for).
+  const Reservation* state_room = nullptr;
+  bool needs_state = false;
+  int64_t pages_per_head = 0;  // ceil(prompt / page_tokens)
+  const fluxion::v1::ModelLayout* layout = nullptr;
+};
+
+// The Prefill call for `request` under the attempt's id: the prompt and sampling (with
+// `sampling.seed` when the client gave none, so both nodes draw from one stream), one
+// KvTarget.ranges entry per registered run of both reservations (never the arena-wide key), the
+// KV pages as extents in PAGE_ORDER_LAYER_HEAD_PAGE with CRC-32C per layer, the sparse-state room
+// as byte extents, and this node's layout.
+fluxion::v1::PrefillRequest BuildPrefillRequest(const std::string& prefill_id,
+                                                const fluxion::v1::GenerateRequest& request,
+                                                const model::SamplingParams& sampling,
+                                                const PrefillTarget& target);
+
+// What a request's prompt landed as, for its attention.
+struct LandingInput {
+  const KvArena* arena = nullptr;
+  model::AttentionShape shape;
+  int64_t page_tokens = 16;
+  int64_t prompt_tokens = 0;
+  const fluxion::v1::PrefillResponse* landed = nullptr;  // the prefill node's OK answer
+  const sparse::PolicyConfig* policy = nullptr;
+  bool needs_state = false;
+};
+
+// Checks what the prefill node wrote and hands the pages to the request's attention: recomputes
+// CRC-32C over each layer's pages and compares with landed->layer_checksums, reads the sparse
+// state out of its room (its own CRC-32C, SparseState::Parse, CheckMatches against this model and
+// prompt), frees the room, adopts the KV pages into a PagedKv and sets up the policy over it.
+// DATA_LOSS (the request was not decoded: retry it) for a wrong number of layer checksums, a
+// layer or state checksum mismatch (`*checksum_failed` set: counted apart), a state larger than
+// its room or one that does not parse or match; INTERNAL when adopting or the policy setup fails.
+// Both reservations are the callee's: on any error their pages are given back before it returns.
+// REQUIRES: the prefill node stopped writing (SetPeerStopped).
+absl::StatusOr<std::unique_ptr<SparseAttention>> LandPrompt(const LandingInput& in,
+                                                            Reservation kv_pages,
+                                                            Reservation state_room,
+                                                            bool* checksum_failed);
+
+// The request as the running batch decodes it: `attention` over its `prompt_tokens` landed
+// tokens, its sampler at draw 1 (draw 0 sampled the first token on the prefill node, PROTOCOL.md,
+// so a seeded request gives the tokens of single-process generation), stop ids (the request's
+// and the model's EOS unless ignore_eos), max_tokens and the model's context limit.
+std::shared_ptr<DecodeRequest> NewDecodeRequest(const fluxion::v1::GenerateRequest& request,
+                                                const ValidatedGenerate& valid,
+                                                const model::ModelConfig& config,
+                                                uint64_t admission_seq,
+                                                std::unique_ptr<SparseAttention> attention,
+                                                int64_t prompt_tokens);
+
+// Takes the prefill node's first token into `r`: when it already ends the request (a stop token,
+// max_tokens 1, the context full) the request ends here (pages freed, finish published) and never
+// joins; otherwise it joins `scheduler`'s batch. Returns how it ended (kNone: joined).
+Finish StartDecoding(const std::shared_ptr<DecodeRequest>& r, int32_t first_token,
+                     BatchScheduler* scheduler);
+
+}  // namespace fluxion::decode
+
+#endif  // FLUXION_DECODE_GENERATE_CALL_STEPS_H_
