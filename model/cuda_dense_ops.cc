@@ -191,7 +191,11 @@ class CudaDenseOps : public DenseOps {
   // step at a batch size, later steps at that size allocate nothing.
   absl::Status Grow(std::unique_ptr<OpsBuffer>* buf, size_t bytes, absl::string_view what) {
     if (*buf != nullptr && (*buf)->size() >= bytes) return absl::OkStatus();
-    buf->reset();  // cudaFree waits for the device, so no queued kernel still reads it
+    // No queued operation may still use the old buffer when it is freed.
+    if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+      return CudaStatus(e, absl::StrCat("CudaDenseOps ", what));
+    }
+    buf->reset();
     absl::StatusOr<std::unique_ptr<OpsBuffer>> b = Allocate(bytes);
     if (!b.ok()) {
       return absl::Status(b.status().code(),

@@ -145,7 +145,9 @@ TEST_F(CudaDenseOpsTest, UploadWeightRoundsToBf16AcrossChunksAndGatherRowsReadsI
   }
 }
 
-// The elementwise ops against the CPU backend on the same inputs.
+// The elementwise ops against the CPU backend on the same inputs; RoPE against the reference,
+// whose angle is computed in double as the CUDA kernel's is (the CPU backend rounds the angle to
+// fp32 as transformers does, ~4e-3 rad apart at position 131071; docs/GPU.md).
 TEST_F(CudaDenseOpsTest, NormRopeSiluMatchTheCpuOps) {
   CpuDenseOps cpu;
   const int64_t m = 6, d = 896, heads = 14, head_dim = 64, f = 4864;
@@ -158,7 +160,8 @@ TEST_F(CudaDenseOpsTest, NormRopeSiluMatchTheCpuOps) {
   std::vector<float> want_norm(m * d), want_silu(m * f), want_q = q;
   cpu.RmsNorm(x.data(), g.data(), 1e-6f, want_norm.data(), m, d);
   cpu.SiluMul(gate.data(), up.data(), want_silu.data(), m * f);
-  cpu.ApplyRope(want_q.data(), positions.data(), inv_freq.data(), m, heads, head_dim);
+  kernels::reference::ApplyRope(want_q.data(), positions.data(), inv_freq.data(), m, heads,
+                                head_dim);
 
   float* dx = ToDevice(x);
   ops_->RmsNorm(dx, ToDevice(g), 1e-6f, dx, m, d);  // in place, as the contract allows
