@@ -34,6 +34,7 @@
 #include "model/cpu_dense_ops.h"
 #include "model/decode_step.h"
 #include "model/dense_attention.h"
+#include "model/generator.h"
 #include "model/model.h"
 #include "model/random_model.h"
 
@@ -317,6 +318,24 @@ TEST_P(CudaDecodeStepTest, SixteenStepsOfFourRequestsMatchTheCpu) {
   }
   std::cout << GetParam() << ": worst logits difference " << worst << " of the largest logit"
             << " (tolerance " << kStepTol << "), " << near_ties << " near-tie argmaxes\n";
+}
+
+// What `fluxion generate --device cuda` runs: greedy generation with the decode steps' dense half
+// on the GPU gives the CPU's tokens (free-running, so a bf16 near-tie would fork the sequences:
+// the teacher-forced test above is the one that tells a near-tie from a divergence).
+TEST_P(CudaDecodeStepTest, GreedyGenerationOnTheGpuGivesTheCpuTokens) {
+  GenerationOptions opts;
+  opts.max_tokens = 16;
+  opts.ignore_eos = true;
+  std::mt19937 rng(7);
+  std::vector<int32_t> prompt(21);
+  for (auto& t : prompt) t = static_cast<int32_t>(rng() % model_->config().vocab_size);
+  auto cpu = Generate(*model_, prompt, opts);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  opts.decode_ops = gpu_.get();
+  auto gpu = Generate(*model_, prompt, opts);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ(gpu->tokens, cpu->tokens);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaDecodeStepTest, ::testing::Values("llama", "qwen2"));
