@@ -1,7 +1,8 @@
 // The CUDA DenseOps (cuda_dense_ops.h): each operation against the CPU ops or kernels/reference,
 // then a whole batched decode step (DecodeStepRunner, attention on the host through
-// SequenceBatchAttention) on CUDA against the same step on the CPU. Every test but the first skips
-// without a device; the first runs only without one (the factory's error).
+// SequenceBatchAttention) on CUDA against the same step on the CPU. The CUDA tests skip without a
+// device; the factory's error is checked only without one; the whole-step tests also run (in CI)
+// on a CPU emulation of the CUDA backend's rounding (Bf16InputCpuOps), which checks the tolerance.
 //
 // Tolerance of the whole step. The random models' weights are bf16 in the checkpoint, so the CPU
 // model (fp32 copies of them) and the GPU (bf16 in HBM) multiply the same weights exactly: the CPU
@@ -9,17 +10,19 @@
 // bf16 (relative error <= 2^-9 per element, RMS 2^-9/sqrt(3) ~ 1.1e-3): 4 distinct inputs per layer
 // (normed for q/k/v, attn for o, normed for gate/up, silu*up for down) x 4 layers + the LM head's
 // = 17 roundings. Independent errors add in quadrature, ~sqrt(17) x 1.1e-3 ~ 5e-3 relative to the
-// RMS logit. We compare max |gpu - cpu| / max(1, max |cpu|) per request and step against 2e-2 (the
-// largest logit is several times the RMS, so this leaves headroom); cached K/V likewise. Greedy
-// tokens: both runs are fed the CPU's token each step (so one near-tie does not fork the
-// sequences), and the GPU's argmax must equal the CPU's whenever the CPU's top-2 margin is wider
-// than twice the tolerance; closer margins are bf16 near-ties, counted and printed (none expected).
+// RMS logit. We compare max |gpu - cpu| / max(1, max |cpu|) per request and step against 2e-2
+// (~3.5x what the CPU emulation of that rounding below measures: 5.7e-3 llama, 2.5e-3 qwen2);
+// cached K/V likewise. Greedy tokens: both runs are fed the CPU's token each step (so one near-tie
+// does not fork the sequences), and the GPU's argmax must equal the CPU's unless the CPU's top-2
+// margin is within twice that row's largest difference (a bf16 near-tie: counted and printed; the
+// emulation meets one in 64 argmaxes for llama, none for qwen2).
 #include "model/cuda_dense_ops.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -206,15 +209,39 @@ TEST_F(CudaDenseOpsTest, ErrorsAreReturnedBySyncOnce) {
   EXPECT_TRUE(ops_->Sync().ok());
 }
 
-// A whole decode step on CUDA vs the CPU: see the header for the tolerance.
+// The CPU ops with the CUDA backend's rounding: every GEMM input rounded to bf16 first (the
+// weights of the random models already are bf16). The whole-step tests run on it too, so CI
+// checks the tolerance derivation in the header against the rounding it models, without a GPU.
+class Bf16InputCpuOps : public CpuDenseOps {
+ public:
+  absl::string_view name() const override { return "cpu-bf16-inputs"; }
+  void MatMul(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
+              int64_t k, bool accumulate) override {
+    rounded_.assign(x, x + m * k);
+    for (float& v : rounded_) v = RoundToBf16(v);
+    CpuDenseOps::MatMul(rounded_.data(), w, bias, y, m, n, k, accumulate);
+  }
+
+ private:
+  std::vector<float> rounded_;
+};
+
+// A whole decode step on CUDA (or its CPU emulation) vs the CPU: see the header for the tolerance.
+// Parameter: "<family>/<backend>", backend cuda or emulation.
 class CudaDecodeStepTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    auto ops = NewCudaDenseOps(0);
-    if (!ops.ok()) GTEST_SKIP() << ops.status();
-    gpu_ = std::move(*ops);
+    const std::string param = GetParam();
+    const std::string family = param.substr(0, param.find('_'));
+    if (param.find("_cuda") != std::string::npos) {
+      auto ops = NewCudaDenseOps(0);
+      if (!ops.ok()) GTEST_SKIP() << ops.status();
+      gpu_ = std::move(*ops);
+    } else {
+      gpu_ = std::make_unique<Bf16InputCpuOps>();
+    }
     ModelConfig c = PresetConfig("tiny").value();  // Llama: llama3 RoPE scaling, GQA 8:2
-    if (GetParam() == "qwen2") {  // q/k/v bias, tied embeddings, GQA 8:1, default RoPE
+    if (family == "qwen2") {  // q/k/v bias, tied embeddings, GQA 8:1, default RoPE
       c.architecture = Architecture::kQwen2;
       c.qkv_bias = true;
       c.tie_word_embeddings = true;
@@ -295,11 +322,14 @@ TEST_P(CudaDecodeStepTest, SixteenStepsOfFourRequestsMatchTheCpu) {
       const double diff = RelDiff(g, want, vocab);
       worst = std::max(worst, diff);
       EXPECT_LE(diff, kStepTol) << "request " << i << " step " << step;
-      double scale = 1;
-      for (int64_t v = 0; v < vocab; ++v) scale = std::max(scale, std::abs(double(want[v])));
-      if (TopTwoMargin(want, vocab) > 2 * kStepTol * scale) {
-        EXPECT_EQ(Argmax(g, vocab), Argmax(want, vocab)) << "request " << i << " step " << step;
-      } else {
+      // A flip is excused only where this row's own error could cause it: the CPU's top-2 margin
+      // within twice the largest difference of the row.
+      double row_diff = 0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        row_diff = std::max(row_diff, std::abs(double(g[v]) - want[v]));
+      }
+      if (Argmax(g, vocab) != Argmax(want, vocab)) {
+        EXPECT_LE(TopTwoMargin(want, vocab), 2 * row_diff) << "request " << i << " step " << step;
         ++near_ties;
       }
       next[i] = Argmax(want, vocab);
@@ -338,7 +368,10 @@ TEST_P(CudaDecodeStepTest, GreedyGenerationOnTheGpuGivesTheCpuTokens) {
   EXPECT_EQ(gpu->tokens, cpu->tokens);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, CudaDecodeStepTest, ::testing::Values("llama", "qwen2"));
+INSTANTIATE_TEST_SUITE_P(Families, CudaDecodeStepTest,
+                         ::testing::Values("llama_cuda", "qwen2_cuda", "llama_emulation",
+                                           "qwen2_emulation"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace
 }  // namespace fluxion::model
