@@ -40,10 +40,10 @@ struct LayerParams {
 // Every weight of a model, in one DenseOps's memory: the matrices in its format (WeightRef), the
 // vectors fp32. Move-only: it may own the uploaded copies.
 struct ModelParams {
-  WeightRef embed;                     // [vocab][hidden]
+  WeightRef embed;                    // [vocab][hidden]
   std::vector<LayerParams> layers;
   const float* final_norm = nullptr;  // [hidden]
-  WeightRef lm_head;                   // [vocab][hidden] (the embedding's handle when tied)
+  WeightRef lm_head;                  // [vocab][hidden] (the embedding's handle when tied)
   const float* inv_freq = nullptr;    // [head_dim / 2], RoPE frequencies after scaling
   std::vector<std::unique_ptr<OpsBuffer>> owned;  // empty when the pointers borrow host weights
 };
