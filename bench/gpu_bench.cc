@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <iostream>
@@ -23,6 +24,9 @@
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/paged_decode.h"
+#include "model/cuda_dense_ops.h"
+#include "model/layer.h"
+#include "model/rope.h"
 
 namespace fluxion::bench {
 namespace {
@@ -90,6 +94,7 @@ struct Options {
   std::vector<double> fractions = {0.05, 0.02};
   int64_t chunk_rows = 0, span_tokens = 32, repeats = 20;  // chunk_rows 0: ChooseChunkRows
   double host_gib = 8.0;
+  bool dense_step = true;
 };
 
 // One launch plan: items (B x KV heads), each split into chunks of spans, and the merge.
@@ -332,6 +337,130 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   return absl::OkStatus();
 }
 
+// Llama-3.1-8B as a ModelConfig (llama3 RoPE scaling), for the whole-model dense step.
+model::ModelConfig Llama8bConfig() {
+  model::ModelConfig c;
+  c.vocab_size = kVocab;
+  c.hidden_size = kHidden;
+  c.intermediate_size = kFfn;
+  c.num_layers = kLayers;
+  c.num_heads = kKvHeads * kGroup;
+  c.num_kv_heads = kKvHeads;
+  c.head_dim = kHeadDim;
+  c.rms_norm_eps = 1e-5;
+  c.max_position_embeddings = 131072;
+  c.rope = model::RopeConfig{model::RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192};
+  return c;
+}
+
+// The weights of `c` made on the device through `ops` (16 GB of bf16 matrices for 8B: no host
+// copy): matrices FillRandomBf16 with std 0.02, norm gains 1, no biases.
+absl::StatusOr<model::ModelParams> RandomDeviceParams(model::DenseOps& ops,
+                                                      const model::ModelConfig& c) {
+  model::ModelParams p;
+  uint64_t seed = 1;
+  auto matrix = [&](int64_t rows, int64_t cols) -> absl::StatusOr<model::WeightRef> {
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::OpsBuffer> b,
+                             ops.Allocate(static_cast<size_t>(rows * cols) * sizeof(bf16)));
+    BENCH_CUDA(cuda::FillRandomBf16(static_cast<bf16*>(b->data()), rows * cols, seed++, 0.0f,
+                                    0.02f, nullptr));
+    const void* data = b->data();
+    p.owned.push_back(std::move(b));
+    return model::WeightRef{data, model::WeightDType::kBF16};
+  };
+  auto vector = [&](const std::vector<float>& host) -> absl::StatusOr<const float*> {
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::OpsBuffer> b,
+                             ops.Allocate(host.size() * sizeof(float)));
+    ops.CopyFromHost(b->data(), host.data(), host.size() * sizeof(float));
+    const float* data = static_cast<const float*>(b->data());
+    p.owned.push_back(std::move(b));
+    return data;
+  };
+  auto linear = [&](int64_t out, int64_t in) -> absl::StatusOr<model::LinearParams> {
+    model::LinearParams l;
+    FLUXION_ASSIGN_OR_RETURN(l.weight, matrix(out, in));
+    l.out = out;
+    l.in = in;
+    return l;
+  };
+  const int64_t h = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const std::vector<float> ones(h, 1.0f);
+  FLUXION_ASSIGN_OR_RETURN(p.embed, matrix(c.vocab_size, h));
+  FLUXION_ASSIGN_OR_RETURN(p.lm_head, matrix(c.vocab_size, h));
+  FLUXION_ASSIGN_OR_RETURN(p.final_norm, vector(ones));
+  FLUXION_ASSIGN_OR_RETURN(p.inv_freq, vector(model::ComputeInvFreq(c.rope, c.head_dim)));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    model::LayerParams lp;
+    FLUXION_ASSIGN_OR_RETURN(lp.input_norm, vector(ones));
+    FLUXION_ASSIGN_OR_RETURN(lp.post_attention_norm, vector(ones));
+    FLUXION_ASSIGN_OR_RETURN(lp.q, linear(q, h));
+    FLUXION_ASSIGN_OR_RETURN(lp.k, linear(kv, h));
+    FLUXION_ASSIGN_OR_RETURN(lp.v, linear(kv, h));
+    FLUXION_ASSIGN_OR_RETURN(lp.o, linear(h, q));
+    FLUXION_ASSIGN_OR_RETURN(lp.gate, linear(c.intermediate_size, h));
+    FLUXION_ASSIGN_OR_RETURN(lp.up, linear(c.intermediate_size, h));
+    FLUXION_ASSIGN_OR_RETURN(lp.down, linear(h, c.intermediate_size));
+    p.layers.push_back(lp);
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());  // the fills ran on the default stream
+  FLUXION_RETURN_IF_ERROR(ops.Sync());
+  return p;
+}
+
+// The dense half of a whole decode step at 8B shapes through CudaDenseOps and model/layer.h, the
+// code `fluxion generate --device cuda` runs: embed, 32 x (PreAttention, PostAttention), final
+// norm + LM head; attention left out (the attention output buffer is held at zero). Timed on the
+// host around the step and a Sync, so kernel-launch overhead (~15 launches a layer, no CUDA graph
+// yet) counts: against the weight bytes a step reads and the HBM probe.
+absl::Status RunDenseStep(const Options& o, double hbm_gbps, nlohmann::json* results) {
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
+  const model::ModelConfig c = Llama8bConfig();
+  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params, RandomDeviceParams(*ops, c));
+  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
+  FLUXION_ASSIGN_OR_RETURN(model::StepBuffers buf, model::StepBuffers::Create(*ops, c, max_m));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::OpsBuffer> logits,
+                           ops->Allocate(max_m * c.vocab_size * sizeof(float)));
+  const int64_t q_row = c.num_heads * c.head_dim;
+  const std::vector<float> zeros(max_m * q_row, 0.0f);
+  ops->CopyFromHost(buf.attn, zeros.data(), zeros.size() * sizeof(float));
+  const int64_t h = c.hidden_size, q = q_row, kv = c.num_kv_heads * c.head_dim;
+  const double weight_bytes =
+      2.0 * (c.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size) +
+             c.vocab_size * h);
+  Row("\n%-24s %5s %10s %10s %8s\n", "dense step (CudaDenseOps)", "B", "ms", "GB/s", "% HBM");
+  for (int64_t m : o.batches) {
+    std::vector<int32_t> tokens(m);
+    std::vector<int64_t> positions(m);
+    for (int64_t i = 0; i < m; ++i) {
+      tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+      positions[i] = 32768 + 1000 * i;
+    }
+    auto step = [&]() -> absl::Status {
+      model::EmbedRows(*ops, params, c, buf, tokens.data(), positions.data(), m);
+      auto attend = [](int, int64_t rows) -> absl::StatusOr<int64_t> { return rows; };
+      FLUXION_RETURN_IF_ERROR(model::RunLayers(*ops, c, params, buf, m, attend).status());
+      model::LmHead(*ops, params, c, buf, buf.x, m, static_cast<float*>(logits->data()));
+      return ops->Sync();
+    };
+    std::vector<double> samples;
+    for (int64_t r = 0; r < o.repeats + 2; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      FLUXION_RETURN_IF_ERROR(step());
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (r >= 2) samples.push_back(ms);
+    }
+    const Stats t = Summarize(samples);
+    const double gbps = weight_bytes / (t.median * 1e-3) / 1e9;
+    Row("%-24s %5ld %10.3f %10.0f %7.0f%%\n", "embed+32 layers+lm_head", m, t.median, gbps,
+        100 * gbps / hbm_gbps);
+    results->push_back({{"kind", "dense_step"}, {"batch", m}, {"ms", t.median}, {"p10_ms", t.p10},
+                        {"p90_ms", t.p90}, {"weight_gib", weight_bytes / (1 << 30)},
+                        {"gbps", gbps}});
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int RunGpuBench(const std::vector<std::string>& args) {
@@ -349,6 +478,9 @@ int RunGpuBench(const std::vector<std::string>& args) {
   flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
+  flags.Bool("dense-step", &o.dense_step,
+             "also time the whole-model dense step (CudaDenseOps, random bf16 weights made on "
+             "the device: 16 GB of HBM; --dense-step=false skips it)");
   flags.String("json", &json_path, "also write results to this file");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
@@ -392,6 +524,13 @@ int RunGpuBench(const std::vector<std::string>& args) {
   if (absl::Status s = Run(o, prop.multiProcessorCount, &results, &limits); !s.ok()) {
     std::cerr << "error: " << s << "\n";
     return 1;
+  }
+  if (o.dense_step) {
+    const double hbm_gbps = limits["hbm_copy_gbps_read_plus_write"].get<double>();
+    if (absl::Status s = RunDenseStep(o, hbm_gbps, &results); !s.ok()) {
+      std::cerr << "error: dense step: " << s << "\n";
+      return 1;
+    }
   }
   limits["device"] = prop.name;
   if (!json_path.empty()) {

@@ -11,6 +11,7 @@
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/process_cpu.h"
+#include "model/cuda_dense_ops.h"
 #include "model/generator.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
@@ -27,8 +28,10 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   std::string policy = "full";
   double budget = 0.05;
   int64_t page_tokens = 16;
+  std::string device = "cpu";
   FlagSet flags("fluxion generate",
-                "Generates tokens from a prompt of token ids with the CPU model runtime.");
+                "Generates tokens from a prompt of token ids (dense decode steps on the CPU, or "
+                "with --device cuda on the GPU).");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
   flags.IntList("prompt-ids", &prompt_ids, "prompt token ids, comma-separated");
   flags.Int("max-tokens", &max_tokens, "tokens to generate at most");
@@ -40,6 +43,9 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.Bool("ignore-eos", &ignore_eos, "keep generating past the model's EOS token");
   flags.Bool("json", &json, "print one JSON object instead of text");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
+  flags.String("device", &device,
+               "where decode steps run their dense half: cpu, or cuda (bf16 weights on GPU 0; "
+               "attention and the prompt's prefill stay on the CPU)");
   flags.String("policy", &policy,
                "decode attention: full (the model's own fp32 cache) or a sparse policy over bf16 "
                "host pages: " + absl::StrJoin(sparse::PolicyNames(), ", "));
@@ -72,6 +78,18 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     }
     policy_config->fluxion_predictor = *predictor;
   }
+  std::unique_ptr<model::DenseOps> decode_ops;
+  if (device == "cuda") {
+    auto ops = model::NewCudaDenseOps(0);
+    if (!ops.ok()) {
+      std::cerr << "error: --device cuda: " << ops.status().message() << "\n";
+      return 1;
+    }
+    decode_ops = std::move(*ops);
+  } else if (device != "cpu") {
+    std::cerr << "error: --device must be cpu or cuda, got '" << device << "'\n";
+    return 2;
+  }
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
@@ -83,6 +101,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   options.max_tokens = max_tokens;
   options.stop_token_ids.assign(stop_ids.begin(), stop_ids.end());
   options.ignore_eos = ignore_eos;
+  options.decode_ops = decode_ops.get();  // null on the CPU: Model::Forward as always
   // Sparse policies decode over host pages from an arena sized for this one request.
   std::unique_ptr<KvArena> arena;
   SparseAttention* sparse_attention = nullptr;
@@ -123,6 +142,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
         {"ttft_ms", result->prefill_seconds * 1e3},
         {"decode_tokens_per_s", decode_tps},
         {"policy", policy},
+        {"device", device},
         {"budget_spent", sparse_attention ? sparse_attention->attended_fraction() : 1.0},
     };
     std::cout << out.dump() << "\n";

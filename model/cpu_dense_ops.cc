@@ -5,6 +5,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace fluxion::model {
@@ -46,10 +47,24 @@ void CpuDenseOps::Copy(void* dst, const void* src, size_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
 }
 
-void CpuDenseOps::MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m,
+absl::StatusOr<UploadedWeight> CpuDenseOps::UploadWeight(const float* host, int64_t rows,
+                                                         int64_t cols) {
+  UploadedWeight w;
+  if (host_memory()) {
+    w.ref.data = host;
+    return w;
+  }
+  const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(float);
+  FLUXION_ASSIGN_OR_RETURN(w.owner, Allocate(bytes));
+  CopyFromHost(w.owner->data(), host, bytes);
+  w.ref.data = w.owner->data();
+  return w;
+}
+
+void CpuDenseOps::MatMul(const float* x, WeightRef w, const float* bias, float* y, int64_t m,
                          int64_t n, int64_t k, bool accumulate) {
   UsePool();
-  cpu::MatMul(x, w, bias, y, m, n, k, accumulate);
+  cpu::MatMul(x, static_cast<const float*>(w.data), bias, y, m, n, k, accumulate);
 }
 
 void CpuDenseOps::RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m,
@@ -69,10 +84,11 @@ void CpuDenseOps::SiluMul(const float* gate, const float* up, float* out, int64_
   cpu::SiluMul(gate, up, out, n);
 }
 
-void CpuDenseOps::GatherRows(const float* table, const int32_t* ids, int64_t n, int64_t width,
+void CpuDenseOps::GatherRows(WeightRef table, const int32_t* ids, int64_t n, int64_t width,
                              float* out) {
+  const float* rows = static_cast<const float*>(table.data);
   for (int64_t i = 0; i < n; ++i) {
-    std::copy_n(table + int64_t{ids[i]} * width, width, out + i * width);
+    std::copy_n(rows + int64_t{ids[i]} * width, width, out + i * width);
   }
 }
 

@@ -24,15 +24,19 @@ class CpuDenseOps : public DenseOps {
   void CopyFromHost(void* dst, const void* host_src, size_t bytes) override;
   void CopyToHost(void* host_dst, const void* src, size_t bytes) override;
   void Copy(void* dst, const void* src, size_t bytes) override;
+  // fp32: borrows `host` when host_memory() (no copy, as the model has always run), otherwise
+  // copies it into an allocation (a subclass that stands in for a device, as the tests' fakes).
+  absl::StatusOr<UploadedWeight> UploadWeight(const float* host, int64_t rows,
+                                              int64_t cols) override;
 
-  void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+  void MatMul(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
               int64_t k, bool accumulate) override;
   void RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m,
                int64_t d) override;
   void ApplyRope(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim) override;
   void SiluMul(const float* gate, const float* up, float* out, int64_t n) override;
-  void GatherRows(const float* table, const int32_t* ids, int64_t n, int64_t width,
+  void GatherRows(WeightRef table, const int32_t* ids, int64_t n, int64_t width,
                   float* out) override;
 
   absl::Status Sync() override { return absl::OkStatus(); }

@@ -8,7 +8,11 @@
 //
 // Memory: every pointer an operation takes is in the backend's memory (Allocate), which the host
 // may dereference only when host_memory() is true. Host data crosses only through CopyFromHost /
-// CopyToHost. Weights therefore live in the backend's memory too (Model::UploadParams).
+// CopyToHost. Weights therefore live in the backend's memory too (Model::UploadParams), and the
+// weight matrices (the projections, the embedding table, the LM head) in a format the backend
+// chooses: UploadWeight turns the model's fp32 host matrix into a WeightRef (the CPU backend
+// borrows the host matrix; the CUDA backend keeps bf16 in HBM, half the bytes a step reads).
+// Norm gains, biases and RoPE frequencies stay fp32 and cross through Allocate + CopyFromHost.
 //
 // Ordering and errors: operations may run asynchronously but in the order they were issued (one
 // CUDA stream); a CopyToHost returns once its data is on the host, a CopyFromHost once its source
@@ -39,6 +43,23 @@ class OpsBuffer {
   virtual size_t size() const = 0;
 };
 
+// The storage format of a weight matrix, chosen by the backend that uploaded it.
+enum class WeightDType { kF32, kBF16 };
+
+// A weight matrix [rows][cols], row-major, in a DenseOps's memory and format. Only the DenseOps
+// whose UploadWeight made it may use it.
+struct WeightRef {
+  const void* data = nullptr;
+  WeightDType dtype = WeightDType::kF32;
+};
+
+// UploadWeight's result: the handle, and the buffer it points into (null when the backend borrows
+// the host matrix, which must then outlive the handle).
+struct UploadedWeight {
+  WeightRef ref;
+  std::unique_ptr<OpsBuffer> owner;
+};
+
 class DenseOps {
  public:
   virtual ~DenseOps() = default;
@@ -52,10 +73,17 @@ class DenseOps {
   virtual void CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
   // Within backend memory; the ranges may overlap (memmove).
   virtual void Copy(void* dst, const void* src, size_t bytes) = 0;
+  // The weight matrix host[rows][cols] (fp32, host memory) in this backend's memory and format.
+  // ResourceExhausted when it cannot allocate; may be asynchronous (the host matrix must stay
+  // valid and unchanged until the next Sync).
+  virtual absl::StatusOr<UploadedWeight> UploadWeight(const float* host, int64_t rows,
+                                                      int64_t cols) = 0;
 
   // Math, with the contracts (and shapes) of kernels/reference/reference_ops.h:
-  // y[m][n] = x[m][k] . w[n][k]^T + bias[n] (+ y when accumulate); bias may be null.
-  virtual void MatMul(const float* x, const float* w, const float* bias, float* y, int64_t m,
+  // y[m][n] = x[m][k] . w[n][k]^T + bias[n] (+ y when accumulate); bias may be null. A backend
+  // whose weights are narrower than fp32 rounds x to the weights' type for the product and
+  // accumulates in fp32.
+  virtual void MatMul(const float* x, WeightRef w, const float* bias, float* y, int64_t m,
                       int64_t n, int64_t k, bool accumulate) = 0;
   // y[m][d] = x / sqrt(mean(x^2) + eps) * weight[d]; y may alias x.
   virtual void RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m,
@@ -65,9 +93,9 @@ class DenseOps {
                          int64_t heads, int64_t head_dim) = 0;
   // out[n] = silu(gate[n]) * up[n]; out may alias gate or up.
   virtual void SiluMul(const float* gate, const float* up, float* out, int64_t n) = 0;
-  // out[i][:] = table[ids[i]][:] for i < n, rows of `width` floats (the embedding lookup).
+  // out[i][:] = float(table[ids[i]][:]) for i < n, rows of `width` (the embedding lookup).
   // REQUIRES: every id is a valid row (the caller checked the token ids).
-  virtual void GatherRows(const float* table, const int32_t* ids, int64_t n, int64_t width,
+  virtual void GatherRows(WeightRef table, const int32_t* ids, int64_t n, int64_t width,
                           float* out) = 0;
 
   // Waits for every issued operation; the first error since the last Sync, or OK.

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "model/decode_step.h"
 
 namespace fluxion::model {
 namespace {
@@ -44,6 +45,10 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
     for (int64_t id : config.eos_token_ids) stop_ids.push_back(static_cast<int32_t>(id));
   }
 
+  std::unique_ptr<DecodeStepRunner> runner;
+  if (options.decode_ops != nullptr) {
+    FLUXION_ASSIGN_OR_RETURN(runner, DecodeStepRunner::Create(model, options.decode_ops));
+  }
   GenerationResult result;
   Sampler sampler(options.sampling);
   auto dense = std::make_unique<DenseAttention>(model.attention_shape());
@@ -75,7 +80,18 @@ absl::StatusOr<GenerationResult> Generate(const Model& model, absl::Span<const i
       result.finish_reason = FinishReason::kLength;
       break;
     }
-    FLUXION_RETURN_IF_ERROR(model.Forward(*seq, absl::MakeConstSpan(&token, 1), &logits));
+    if (runner != nullptr) {
+      Sequence* row = seq.get();
+      SequenceBatchAttention attention(absl::MakeConstSpan(&row, 1), model.attention_shape(),
+                                       options.decode_ops);
+      const int64_t position = seq->length();
+      logits.resize(config.vocab_size);
+      FLUXION_RETURN_IF_ERROR(runner->Step(absl::MakeConstSpan(&token, 1),
+                                           absl::MakeConstSpan(&position, 1), attention,
+                                           logits.data()));
+    } else {
+      FLUXION_RETURN_IF_ERROR(model.Forward(*seq, absl::MakeConstSpan(&token, 1), &logits));
+    }
     token = sampler.Sample(logits);
   }
   result.decode_seconds = SecondsSince(t0);

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "model/dense_attention.h"
+#include "model/dense_ops.h"
 #include "model/model.h"
 #include "model/sampler.h"
 
@@ -30,6 +31,10 @@ struct GenerationOptions {
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool ignore_eos = false;              // keep going past EOS (not past stop_token_ids)
   DecodeAttentionFactory decode_attention;  // empty: decode continues on the prefill's cache
+  // Decode steps through the batched seam (decode_step.h) on these dense ops, e.g. CUDA's, with
+  // the attention on the host; the weights are uploaded once per Generate, before the prefill's
+  // timer starts. Null: Model::Forward on the CPU. The prompt is prefilled on the CPU either way.
+  DenseOps* decode_ops = nullptr;
 };
 
 enum class FinishReason { kStop, kLength };

@@ -24,7 +24,7 @@
 namespace fluxion::model {
 
 struct LinearParams {
-  const float* weight = nullptr;  // [out][in]
+  WeightRef weight;               // [out][in], in the backend's format (DenseOps::UploadWeight)
   const float* bias = nullptr;    // [out] or null
   int64_t out = 0;
   int64_t in = 0;
@@ -37,12 +37,13 @@ struct LayerParams {
   LinearParams gate, up, down;
 };
 
-// Every weight of a model, in one DenseOps's memory. Move-only: it may own the uploaded copies.
+// Every weight of a model, in one DenseOps's memory: the matrices in its format (WeightRef), the
+// vectors fp32. Move-only: it may own the uploaded copies.
 struct ModelParams {
-  const float* embed = nullptr;  // [vocab][hidden]
+  WeightRef embed;                    // [vocab][hidden]
   std::vector<LayerParams> layers;
   const float* final_norm = nullptr;  // [hidden]
-  const float* lm_head = nullptr;     // [vocab][hidden] (the embedding when tied)
+  WeightRef lm_head;                  // [vocab][hidden] (the embedding's handle when tied)
   const float* inv_freq = nullptr;    // [head_dim / 2], RoPE frequencies after scaling
   std::vector<std::unique_ptr<OpsBuffer>> owned;  // empty when the pointers borrow host weights
 };

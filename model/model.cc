@@ -64,7 +64,8 @@ class TensorReader {
 };
 
 LinearParams ParamsOf(const LinearWeights& w) {
-  return {w.weight.data(), w.bias.empty() ? nullptr : w.bias.data(), w.out, w.in};
+  return {WeightRef{w.weight.data(), WeightDType::kF32}, w.bias.empty() ? nullptr : w.bias.data(),
+          w.out, w.in};
 }
 
 }  // namespace
@@ -121,9 +122,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& 
   }
   m->num_parameters_ = n;
   ModelParams& p = m->host_params_;
-  p.embed = m->embed_.data();
+  p.embed = WeightRef{m->embed_.data(), WeightDType::kF32};
   p.final_norm = m->final_norm_.data();
-  p.lm_head = m->lm_head_.empty() ? m->embed_.data() : m->lm_head_.data();
+  p.lm_head = m->lm_head_.empty() ? p.embed : WeightRef{m->lm_head_.data(), WeightDType::kF32};
   p.inv_freq = m->inv_freq_.data();
   for (const LayerWeights& lw : m->layers_) {
     p.layers.push_back({lw.input_norm.data(), ParamsOf(lw.q), ParamsOf(lw.k), ParamsOf(lw.v),
@@ -136,16 +137,17 @@ absl::StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& 
 absl::StatusOr<ModelParams> Model::UploadParams(DenseOps& ops) const {
   ModelParams p;
   p.layers = host_params_.layers;
-  if (ops.host_memory()) {
-    p.embed = host_params_.embed;
-    p.final_norm = host_params_.final_norm;
-    p.lm_head = host_params_.lm_head;
-    p.inv_freq = host_params_.inv_freq;
-    return p;
-  }
-  // Each host vector is copied once; a tied LM head shares the embedding's copy.
+  // Matrices go through the backend's UploadWeight (its format; the CPU backend borrows). Vectors
+  // stay fp32: borrowed on host memory, otherwise copied once each.
+  auto upload_matrix = [&](const std::vector<float>& host, int64_t rows,
+                           int64_t cols) -> absl::StatusOr<WeightRef> {
+    FLUXION_ASSIGN_OR_RETURN(UploadedWeight w, ops.UploadWeight(host.data(), rows, cols));
+    if (w.owner != nullptr) p.owned.push_back(std::move(w.owner));
+    return w.ref;
+  };
   auto upload = [&](const std::vector<float>& host) -> absl::StatusOr<const float*> {
     if (host.empty()) return nullptr;
+    if (ops.host_memory()) return host.data();
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<OpsBuffer> buf,
                              ops.Allocate(host.size() * sizeof(float)));
     ops.CopyFromHost(buf->data(), host.data(), host.size() * sizeof(float));
@@ -154,16 +156,17 @@ absl::StatusOr<ModelParams> Model::UploadParams(DenseOps& ops) const {
     return data;
   };
   auto upload_linear = [&](const LinearWeights& w, LinearParams* out) -> absl::Status {
-    FLUXION_ASSIGN_OR_RETURN(out->weight, upload(w.weight));
+    FLUXION_ASSIGN_OR_RETURN(out->weight, upload_matrix(w.weight, w.out, w.in));
     FLUXION_ASSIGN_OR_RETURN(out->bias, upload(w.bias));
     return absl::OkStatus();
   };
-  FLUXION_ASSIGN_OR_RETURN(p.embed, upload(embed_));
+  const int64_t vocab = config_.vocab_size, h = config_.hidden_size;
+  FLUXION_ASSIGN_OR_RETURN(p.embed, upload_matrix(embed_, vocab, h));
   FLUXION_ASSIGN_OR_RETURN(p.final_norm, upload(final_norm_));
   if (lm_head_.empty()) {
-    p.lm_head = p.embed;
+    p.lm_head = p.embed;  // tied: one copy serves both
   } else {
-    FLUXION_ASSIGN_OR_RETURN(p.lm_head, upload(lm_head_));
+    FLUXION_ASSIGN_OR_RETURN(p.lm_head, upload_matrix(lm_head_, vocab, h));
   }
   FLUXION_ASSIGN_OR_RETURN(p.inv_freq, upload(inv_freq_));
   for (size_t i = 0; i < layers_.size(); ++i) {

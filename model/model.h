@@ -87,9 +87,10 @@ class Model {
 
   // The weights as ModelParams borrowing this model's host memory (for DenseOps on host memory).
   const ModelParams& host_params() const { return host_params_; }
-  // The weights in `ops`'s memory: host_params()'s pointers (no copy) when ops.host_memory(),
-  // otherwise copies allocated and uploaded through `ops` (owned by the result), for backends
-  // such as CUDA that cannot read host weights. Errors: the backend's (e.g. ResourceExhausted).
+  // The weights in `ops`'s memory: every matrix through ops.UploadWeight (in the backend's
+  // format: the CPU backend borrows the host matrix, CUDA keeps a bf16 copy in HBM); the fp32
+  // vectors (norms, biases, RoPE frequencies) borrowed when ops.host_memory(), otherwise copied.
+  // The result owns whatever was copied. Errors: the backend's (e.g. ResourceExhausted).
   absl::StatusOr<ModelParams> UploadParams(DenseOps& ops) const;
 
   // A sequence with the built-in dense fp32 KV cache.

@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
+#include "model/cpu_dense_ops.h"
 #include "model/generator.h"
 #include "model/random_model.h"
 #include "model/rope.h"
@@ -195,6 +196,23 @@ TEST_P(ModelTest, GenerationStopsAtStopTokenAndIncludesIt) {
   // Stops at the first occurrence of the stop token, which may come before index 3.
   ASSERT_LE(stopped->tokens.size(), 4u);
   EXPECT_EQ(stopped->tokens.back(), free_run->tokens[3]);
+}
+
+// GenerationOptions::decode_ops (what `fluxion generate --device` sets): decode steps through the
+// batched seam. With one row the step issues the calls Forward issues, so on the CPU ops the
+// tokens are the same.
+TEST_P(ModelTest, GenerationThroughTheDecodeStepSeamGivesForwardsTokens) {
+  GenerationOptions opts;
+  opts.max_tokens = 12;
+  opts.ignore_eos = true;
+  auto prompt = RandomTokens(9, model_->config().vocab_size, 11);
+  auto forward = Generate(*model_, prompt, opts);
+  CpuDenseOps ops;
+  opts.decode_ops = &ops;
+  auto seam = Generate(*model_, prompt, opts);
+  ASSERT_TRUE(forward.ok() && seam.ok());
+  EXPECT_EQ(seam->tokens, forward->tokens);
+  EXPECT_EQ(seam->sequence->length(), forward->sequence->length());
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelTest, ::testing::Values("llama", "qwen2"));

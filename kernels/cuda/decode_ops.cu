@@ -51,6 +51,31 @@ __global__ void AddKernel(float* y, const float* x, int64_t n) {
   }
 }
 
+__global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m * n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    y[i] += bias[i % n];
+  }
+}
+
+// splitmix64's finaliser: a well-mixed 64-bit hash of the element's counter.
+__host__ __device__ __forceinline__ uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void FillRandomKernel(bf16* w, int64_t n, uint64_t seed, float mean, float std_dev) {
+  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(w);
+  const uint64_t key = Mix64(seed + 0x9e3779b97f4a7c15ull);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    // The top 24 bits as a uniform on [0, 1), then centred and scaled to unit variance.
+    const float u = static_cast<float>(Mix64(key ^ static_cast<uint64_t>(i)) >> 40) * 0x1p-24f;
+    out[i] = __float2bfloat16_rn(mean + std_dev * (u - 0.5f) * 3.46410161514f);
+  }
+}
+
 __global__ void CastKernel(const float* x, bf16* y, int64_t n) {
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(y);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -215,6 +240,19 @@ cudaError_t ApplyRope(float* x, const int64_t* positions, const float* inv_freq,
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   AddKernel<<<GridFor(n), kThreads, 0, stream>>>(y, x, n);
+  return cudaGetLastError();
+}
+
+cudaError_t AddBiasRows(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t stream) {
+  if (m == 0 || n == 0) return cudaSuccess;
+  AddBiasKernel<<<GridFor(m * n), kThreads, 0, stream>>>(y, bias, m, n);
+  return cudaGetLastError();
+}
+
+cudaError_t FillRandomBf16(bf16* w, int64_t n, uint64_t seed, float mean, float std_dev,
+                           cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  FillRandomKernel<<<GridFor(n), kThreads, 0, stream>>>(w, n, seed, mean, std_dev);
   return cudaGetLastError();
 }
 

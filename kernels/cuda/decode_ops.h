@@ -32,6 +32,15 @@ cudaError_t ApplyRope(float* x, const int64_t* positions, const float* inv_freq,
 // y[i] += x[i] for i < n.
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream);
 
+// y[i][j] += bias[j] for i < m, j < n: the bias of a linear layer after its GEMM.
+cudaError_t AddBiasRows(float* y, const float* bias, int64_t m, int64_t n, cudaStream_t stream);
+
+// w[i] = bf16(mean + std_dev * u_i) for i < n, u_i uniform on [-sqrt(3), sqrt(3)) (unit variance)
+// from a counter-based hash of (seed, i): the same values for the same seed on any launch shape.
+// Random weights made in device memory for benchmarks at shapes whose host copy would not fit.
+cudaError_t FillRandomBf16(bf16* w, int64_t n, uint64_t seed, float mean, float std_dev,
+                           cudaStream_t stream);
+
 // y[i] = bf16(x[i]) (round to nearest even), the activations fed to the bf16 GEMMs.
 cudaError_t CastToBf16(const float* x, bf16* y, int64_t n, cudaStream_t stream);
 

@@ -116,6 +116,51 @@ TEST_F(DecodeOpsTest, AddCastAndArgmax) {
   EXPECT_EQ(want[1], 77);
 }
 
+// The bias epilogue of CudaDenseOps::MatMul: every row gets the same bias vector (fp32 adds, so
+// exact against the host's).
+TEST_F(DecodeOpsTest, AddBiasRowsAddsTheBiasToEveryRow) {
+  const int64_t m = 7, n = 1000;
+  const std::vector<float> y = Random(m * n, 11), bias = Random(n, 12);
+  float* dy = dev_.ToDevice(y);
+  ASSERT_CUDA_OK(AddBiasRows(dy, dev_.ToDevice(bias), m, n, nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = DeviceBuffers::ToHost(dy, y.size());
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) ASSERT_EQ(got[i * n + j], y[i * n + j] + bias[j]) << i << j;
+  }
+}
+
+// Random device weights: the same seed gives the same values, another seed others; mean and
+// standard deviation as asked (uniform, so |w - mean| <= sqrt(3) std_dev).
+TEST_F(DecodeOpsTest, FillRandomBf16IsSeededWithTheAskedMoments) {
+  const int64_t n = 1 << 20;
+  const float sd = 0.02f;
+  std::vector<bf16*> w;
+  for (int i = 0; i < 4; ++i) w.push_back(dev_.ToDevice(std::vector<bf16>(n)));
+  ASSERT_CUDA_OK(FillRandomBf16(w[0], n, 7, 0.0f, sd, nullptr));
+  ASSERT_CUDA_OK(FillRandomBf16(w[1], n, 7, 0.0f, sd, nullptr));
+  ASSERT_CUDA_OK(FillRandomBf16(w[2], n, 8, 0.0f, sd, nullptr));
+  ASSERT_CUDA_OK(FillRandomBf16(w[3], n, 9, 1.0f, sd, nullptr));  // norm gains
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<std::vector<bf16>> h;
+  for (bf16* d : w) h.push_back(DeviceBuffers::ToHost(d, n));
+  double sum = 0, sq = 0, sum_gain = 0;
+  int64_t same_as_other_seed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(h[0][i].bits, h[1][i].bits) << i;
+    same_as_other_seed += h[0][i].bits == h[2][i].bits;
+    const double v = Bf16ToFloat(h[0][i]);
+    ASSERT_LE(std::abs(v), 1.7321 * sd * 1.01) << i;
+    sum += v;
+    sq += v * v;
+    sum_gain += Bf16ToFloat(h[3][i]);
+  }
+  EXPECT_NEAR(sum / n, 0.0, 1e-4);
+  EXPECT_NEAR(std::sqrt(sq / n), sd, 0.01 * sd);
+  EXPECT_NEAR(sum_gain / n, 1.0, 1e-3);
+  EXPECT_LT(same_as_other_seed, n / 50);  // ~600 bf16 values in range: a few repeat by chance
+}
+
 // Window attention against reference::PagedAttention over the same rows laid out as one page
 // (K then V, page_tokens = rows), for several problems at once, with an empty window among them.
 TEST_F(DecodeOpsTest, WindowAttentionMatchesReferenceWithLse) {
