@@ -1,9 +1,11 @@
 #include "bench/commands.h"
 
+#include <algorithm>
 #include <iostream>
 
 #include "bench/attention_bench.h"
 #include "bench/decode_bench.h"
+#include "bench/hybrid_bench.h"
 #ifdef FLUXION_HAVE_CUDA
 #include "bench/gpu_bench.h"
 #endif
@@ -19,7 +21,8 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "usage: fluxion bench <what> [flags]   (fluxion bench <what> --help)\n"
       "  model      CPU prefill/decode tokens/s of the model runtime vs bandwidth and sgemm limits\n"
       "  attention  one decode step over host KV pages, dense and at read budgets, vs bandwidth\n"
-      "  decode     a batch's decode step: batched CPU executor vs the per-request loop\n"
+      "  decode     a batch's decode step: batched CPU executor vs the per-request loop;\n"
+      "             with --device cpu|cuda the hybrid step at real shapes (random weights)\n"
       "  topk       radix-select top-k against std::nth_element\n"
       "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n";
   if (args.empty() || args[0] == "--help") {
@@ -29,6 +32,12 @@ int RunBenchCommand(const std::vector<std::string>& args) {
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "model") return RunModelBench(rest);
   if (args[0] == "attention") return RunAttentionBench(rest);
+  if (args[0] == "decode" &&
+      std::any_of(rest.begin(), rest.end(), [](const std::string& a) {
+        return a == "--device" || a.rfind("--device=", 0) == 0;
+      })) {
+    return RunHybridBench(rest);  // sets its process up from its own --cpu-threads
+  }
   if (args[0] == "decode") {
     // Its sweep points size their own pools (its --cpu-threads list); until then the process
     // holds every CPU it may use, set before any compute (kernels/cpu/process_cpu.h).

@@ -39,6 +39,7 @@ class HybridStepExecutor : public StepExecutor {
   ~HybridStepExecutor() override;
 
   absl::string_view name() const override { return "hybrid"; }
+  // As StepExecutor::Step; an empty batch is allowed here and only gives every slot back.
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;
 

@@ -178,6 +178,8 @@ class CudaDenseOps : public DenseOps {
     return s;
   }
 
+  void* native_stream() const override { return stream_; }
+
  private:
   void Record(cudaError_t e, absl::string_view what) {
     if (e != cudaSuccess) {

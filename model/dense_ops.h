@@ -100,6 +100,11 @@ class DenseOps {
 
   // Waits for every issued operation; the first error since the last Sync, or OK.
   virtual absl::Status Sync() = 0;
+
+  // The backend's native queue (a cudaStream_t for CUDA), for work that must run in order with
+  // the operations (the hybrid step's resident window, decode/cuda_resident_window.h); null for
+  // backends that run synchronously on the host.
+  virtual void* native_stream() const { return nullptr; }
 };
 
 }  // namespace fluxion::model

@@ -1,0 +1,362 @@
+#include "bench/hybrid_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "bench/bench_util.h"
+#include "common/cpu_threads.h"
+#include "common/flag_set.h"
+#include "common/status_macros.h"
+#include "decode/hybrid_step_executor.h"
+#include "decode/kv_arena.h"
+#include "decode/paged_kv.h"
+#include "decode/resident_window.h"
+#include "decode/sparse/policy.h"
+#include "decode/sparse_attention.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "kernels/cpu/process_cpu.h"
+#include "model/cpu_dense_ops.h"
+#include "model/cuda_dense_ops.h"
+#include "model/random_model.h"
+#include "model/random_params.h"
+#ifdef FLUXION_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "decode/cuda_resident_window.h"
+#endif
+
+namespace fluxion::bench {
+namespace {
+
+constexpr int64_t kPageTokens = 16;
+constexpr int64_t kFillChunk = 256;  // tokens of random K/V rows appended at a time
+
+struct Options {
+  std::string preset = "llama3.1-8b", device = "cuda";
+  std::vector<int64_t> contexts = {32768, 65536, 131072}, batches = {1, 4, 8, 16};
+  std::vector<std::string> policies = {"full", "fixed_32_0.05", "fixed_32_0.02", "fixed_16_0.05"};
+  std::vector<double> budgets = {0.05};
+  int64_t steps = 5;
+  double host_memory_gib = 0;  // 0: 80% of MemAvailable
+};
+
+struct Device {
+  std::unique_ptr<model::DenseOps> ops;
+  std::unique_ptr<decode::ResidentWindow> window;
+};
+
+absl::StatusOr<Device> MakeDevice(const std::string& name, const decode::WindowShape& shape,
+                                  const kernels::cpu::CpuPool* pool) {
+  Device d;
+  if (name == "cpu") {
+    // The stand-in: the dense halves on the CPU pool, the window on the host.
+    d.ops = std::make_unique<model::CpuDenseOps>(pool);
+    FLUXION_ASSIGN_OR_RETURN(d.window, decode::NewHostResidentWindow(shape, kPageTokens));
+    return d;
+  }
+  if (name != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--device must be cpu or cuda, not ", name));
+  }
+  FLUXION_ASSIGN_OR_RETURN(d.ops, model::NewCudaDenseOps(0));
+#ifdef FLUXION_HAVE_CUDA
+  FLUXION_ASSIGN_OR_RETURN(
+      d.window, decode::NewCudaResidentWindow(
+                    shape, static_cast<cudaStream_t>(d.ops->native_stream())));
+  return d;
+#else
+  return absl::FailedPreconditionError("this binary was built without CUDA");
+#endif
+}
+
+double MemAvailableGib() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  while (in >> key >> kb) {
+    if (key == "MemAvailable:") return kb / (1024.0 * 1024.0);
+    in.ignore(256, '\n');
+  }
+  return 0;
+}
+
+// Host bytes one token of one request holds: K and V rows of every (layer, KV head) plus the
+// pages' selection metadata (min, max and mean key, fp32, per page).
+double BytesPerToken(const model::ModelConfig& c) {
+  const double per_head = 2.0 * c.head_dim * 2 + 3.0 * c.head_dim * 4 / kPageTokens;
+  return per_head * c.num_layers * c.num_kv_heads;
+}
+
+// `count` requests of `context` tokens each, their K/V random rows (a chunk of kFillChunk tokens
+// repeated: a step's cost depends on how many rows it reads, not on their values), filled in
+// parallel over requests.
+absl::StatusOr<std::vector<std::unique_ptr<decode::PagedKv>>> FillKv(
+    decode::KvArena* arena, const decode::KvShape& shape, int64_t count, int64_t context,
+    const kernels::cpu::CpuPool& pool) {
+  const int64_t row = shape.num_kv_heads * shape.head_dim;
+  std::vector<float> k(kFillChunk * row), v(kFillChunk * row);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  std::vector<std::unique_ptr<decode::PagedKv>> kvs(count);
+  std::vector<absl::Status> statuses(count);
+  pool.ParallelFor(count, [&](int64_t i) {
+    auto kv = decode::PagedKv::Create(arena, shape);
+    if (!kv.ok()) {
+      statuses[i] = kv.status();
+      return;
+    }
+    for (int layer = 0; layer < shape.num_layers && statuses[i].ok(); ++layer) {
+      for (int64_t t = 0; t < context && statuses[i].ok(); t += kFillChunk) {
+        statuses[i] = (*kv)->Append(layer, std::min(kFillChunk, context - t), k.data(), v.data(),
+                                    row);
+      }
+    }
+    kvs[i] = std::move(*kv);
+  });
+  for (const absl::Status& s : statuses) FLUXION_RETURN_IF_ERROR(s);
+  return kvs;
+}
+
+struct Point {
+  double median_ms = 0;
+  decode::HybridCounters per_step;  // counters divided by the timed steps
+};
+
+// One warm-up and `steps` timed steps of `executor` over the first `batch` of `kvs` under
+// `policy`; the pages come back to `kvs` afterwards.
+absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
+                                std::vector<std::unique_ptr<decode::PagedKv>>& kvs, int64_t batch,
+                                const decode::sparse::PolicyConfig& policy,
+                                const model::AttentionShape& shape, int64_t vocab,
+                                int64_t steps) {
+  std::vector<std::unique_ptr<model::Sequence>> seqs;
+  std::vector<decode::SparseAttention*> attentions;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t length = kvs[i]->length(0);
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
+                             decode::SparseAttention::FromPages(std::move(kvs[i]), shape, policy,
+                                                                nullptr));
+    attentions.push_back(a.get());
+    seqs.push_back(std::make_unique<model::Sequence>(std::move(a), length));
+  }
+  std::vector<decode::StepRequest> requests;
+  for (int64_t i = 0; i < batch; ++i) {
+    requests.push_back({seqs[i].get(), attentions[i], static_cast<int32_t>((31 * i + 7) % vocab)});
+  }
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+  std::vector<double> ms;
+  absl::Status failed;
+  for (int64_t s = 0; s <= steps && failed.ok(); ++s) {
+    if (s == 1) executor.ResetCounters();  // the warm-up admits the requests to the window
+    const auto t0 = std::chrono::steady_clock::now();
+    executor.Step(requests, &logits, &statuses);
+    const double elapsed =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (const absl::Status& st : statuses) {
+      if (!st.ok() && failed.ok()) failed = st;
+    }
+    for (int64_t i = 0; i < batch; ++i) {
+      const float* row = logits.data() + i * vocab;
+      requests[i].token = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+    if (s > 0) ms.push_back(elapsed);
+  }
+  // The pages go back whatever happened, so the next point can use them.
+  for (int64_t i = 0; i < batch; ++i) kvs[i] = attentions[i]->TakeKv();
+  executor.Step({}, &logits, &statuses);  // releases the window's slots
+  FLUXION_RETURN_IF_ERROR(failed);
+  Point p;
+  p.median_ms = Summarize(ms).median;
+  p.per_step = executor.counters();
+  const double n = static_cast<double>(steps);
+  for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.host_s,
+                    &p.per_step.finish_s, &p.per_step.merge_s}) {
+    *x /= n;
+  }
+  p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
+  p.per_step.resident_rows = static_cast<int64_t>(p.per_step.resident_rows / n);
+  return p;
+}
+
+absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results) {
+  FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
+  const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
+                                    config.head_dim,
+                                    1.0f / std::sqrt(static_cast<float>(config.head_dim))};
+  FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
+                           decode::sparse::ExpandPolicies(o.policies, o.budgets));
+  for (const auto& p : policies) {
+    if (decode::sparse::TraitsOf(p.kind).needs_sparse_state) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy ", p.name, " decides from the prefill's sparse state, which random weights do "
+          "not have (docs/EXECUTOR.md section 7: time it under a decision profile)"));
+    }
+  }
+  // Every plan resident (a budget below sinks + window): the GPU-only step.
+  FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig resident_only,
+                           decode::sparse::ParsePolicy("quest", 1e-6));
+  const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  decode::WindowShape window_shape;
+  window_shape.num_layers = config.num_layers;
+  window_shape.num_heads = config.num_heads;
+  window_shape.num_kv_heads = config.num_kv_heads;
+  window_shape.head_dim = config.head_dim;
+  window_shape.scale = shape.scale;
+  window_shape.max_requests = max_batch;
+  window_shape.max_rows = max_batch;
+  FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
+  const auto w0 = std::chrono::steady_clock::now();
+  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
+                           model::RandomParams(config, *device.ops, 1, &pool));
+  FLUXION_RETURN_IF_ERROR(device.ops->Sync());
+  const double weights_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::HybridStepExecutor> executor,
+      decode::HybridStepExecutor::Create(config, std::move(device.ops), std::move(params),
+                                         std::move(device.window), &pool));
+  const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
+  std::printf("preset %s on %s, %d CPU threads, weights made in %.1f s, host KV limit %.0f GiB "
+              "(%.0f KiB per token)\n",
+              o.preset.c_str(), o.device.c_str(), pool.threads(), weights_s, limit_gib,
+              BytesPerToken(config) / 1024);
+  std::printf("%8s %5s %-16s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
+              "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
+              "cpu att", "finish", "merge", "idle");
+  const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
+                                 kPageTokens};
+  const int64_t step_tokens = (o.steps + 2) * (static_cast<int64_t>(policies.size()) + 1) *
+                              static_cast<int64_t>(o.batches.size());
+  for (int64_t context : o.contexts) {
+    const double per_request_gib = BytesPerToken(config) * (context + step_tokens) / (1 << 30);
+    int64_t fits = std::min<int64_t>(max_batch, static_cast<int64_t>(limit_gib / per_request_gib));
+    if (fits < 1) {
+      std::printf("%8lld: skipped (one request's KV, %.1f GiB, exceeds the %.0f GiB limit)\n",
+                  static_cast<long long>(context), per_request_gib, limit_gib);
+      continue;
+    }
+    // Every batch point of this context uses the first `batch` of the same requests.
+    const int64_t pages =
+        fits * config.num_layers * config.num_kv_heads * ((context + step_tokens) / kPageTokens + 2);
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::KvArena> arena,
+                             decode::KvArena::Create(kv_shape.page_bytes(), pages));
+    const auto f0 = std::chrono::steady_clock::now();
+    FLUXION_ASSIGN_OR_RETURN(auto kvs, FillKv(arena.get(), kv_shape, fits, context, pool));
+    std::printf("%8lld: %lld requests' KV filled in %.1f s\n", static_cast<long long>(context),
+                static_cast<long long>(fits),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
+    for (int64_t batch : o.batches) {
+      if (batch > fits) {
+        std::printf("%8lld %5lld skipped: %lld requests' KV (%.0f GiB) exceed the limit\n",
+                    static_cast<long long>(context), static_cast<long long>(batch),
+                    static_cast<long long>(batch), batch * per_request_gib);
+        results->push_back({{"context", context}, {"batch", batch}, {"skipped", true}});
+        continue;
+      }
+      FLUXION_ASSIGN_OR_RETURN(Point gpu_only, TimePoint(*executor, kvs, batch, resident_only,
+                                                         shape, config.vocab_size, o.steps));
+      std::vector<std::pair<std::string, Point>> points = {{"resident-only", gpu_only}};
+      for (const auto& policy : policies) {
+        FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
+                                                    config.vocab_size, o.steps));
+        points.push_back({decode::sparse::PolicyLabel(policy), p});
+      }
+      for (const auto& [label, p] : points) {
+        const decode::HybridCounters& c = p.per_step;
+        // The device is busy at most the resident-only step's time; the rest of a step it waits.
+        const double idle = std::max(0.0, 1.0 - gpu_only.median_ms / p.median_ms);
+        std::printf("%8lld %5lld %-16s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
+                    "%7.2f | %5.0f%%\n",
+                    static_cast<long long>(context), static_cast<long long>(batch), label.c_str(),
+                    p.median_ms, 1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
+                    static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
+                    1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 100 * idle);
+        std::fflush(stdout);
+        results->push_back({{"preset", o.preset},
+                            {"device", o.device},
+                            {"context", context},
+                            {"batch", batch},
+                            {"policy", label},
+                            {"step_ms", p.median_ms},
+                            {"tokens_per_s", 1e3 * batch / p.median_ms},
+                            {"host_rows_per_step", c.host_rows},
+                            {"resident_rows_per_step", c.resident_rows},
+                            {"to_host_ms", 1e3 * c.to_host_s},
+                            {"plan_ms", 1e3 * c.plan_s},
+                            {"cpu_attention_ms", 1e3 * c.host_s},
+                            {"finish_ms", 1e3 * c.finish_s},
+                            {"merge_ms", 1e3 * c.merge_s},
+                            {"gpu_idle_estimate", idle}});
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunHybridBench(const std::vector<std::string>& args) {
+  Options o;
+  std::string json_path;
+  FlagSet flags("fluxion bench decode --device cpu|cuda",
+                "Times the hybrid decode step (dense halves and the resident window on --device, "
+                "the rest of each policy's plan on the CPU over host pages) at real model shapes "
+                "with random weights, per context, batch and policy, with the GPU-only step of "
+                "the same run.");
+  flags.String("device", &o.device, "cuda, or cpu (the host stand-in of the device half)");
+  flags.String("preset", &o.preset,
+               "model shape: " + absl::StrJoin(model::PresetNames(), ", "));
+  flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
+  flags.IntList("batch", &o.batches, "batch sizes");
+  flags.StringList("policy", &o.policies,
+                   "policies without prefill state: full, quest, exact_topk, fixed_<block>_<b>");
+  flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk");
+  flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
+  flags.Double("host-memory-gib", &o.host_memory_gib,
+               "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
+               "MemAvailable");
+  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
+  flags.String("json", &json_path, "also write results to this file");
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+  if (!pool.ok()) {
+    std::cerr << "error: " << pool.status().message() << "\n";
+    return 2;
+  }
+  auto positive = [](const std::vector<int64_t>& v, int64_t max) {
+    return !v.empty() && std::all_of(v.begin(), v.end(),
+                                     [max](int64_t x) { return x >= 1 && x <= max; });
+  };
+  if (!positive(o.contexts, 1 << 21) || !positive(o.batches, 256) || o.steps < 1 ||
+      o.steps > 1000) {
+    std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000]\n";
+    return 2;
+  }
+  nlohmann::json results = nlohmann::json::array();
+  pool->ApplyToBlas();
+  if (absl::Status s = Run(o, *pool, &results); !s.ok()) {
+    std::cerr << "error: " << s << "\n";
+    return 1;
+  }
+  if (!json_path.empty()) {
+    absl::Status s = WriteJson(
+        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
+    if (!s.ok()) {
+      std::cerr << "error: " << s << "\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace fluxion::bench
