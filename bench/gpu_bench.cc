@@ -17,6 +17,8 @@
 #include "common/flag_set.h"
 #include "common/half.h"
 #include "common/status_macros.h"
+#include "kernels/attention_backend.h"
+#include "kernels/cuda/attention_backend_cuda.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
@@ -185,6 +187,52 @@ absl::Status RunPlan(const AttentionPlan& plan, const uint8_t* arena, cudaStream
   return absl::OkStatus();
 }
 
+// Full attention over `pages` of `items` x ceil(ctx / page_tokens) whole pages, through
+// CudaAttentionBackend (the device-side chunk plan + the paged kernel + MergeChunks): what the step
+// executor pays, next to RunPlan's host-planned launch.
+absl::StatusOr<Stats> TimeBackend(cuda::PagedKernel kernel, int64_t items, int64_t ctx,
+                                  int64_t page_tokens, const uint8_t* arena, const float* d_q,
+                                  int num_sms, int64_t repeats, cudaStream_t stream) {
+  DeviceMemory mem;
+  const int64_t pages = (ctx + page_tokens - 1) / page_tokens;
+  std::vector<PageSpan> spans;
+  std::vector<int64_t> indptr = {0};
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t k = 0; k < pages; ++k) {
+      spans.push_back({static_cast<int32_t>(i * pages + k), 0, static_cast<int32_t>(page_tokens)});
+    }
+    indptr.push_back(static_cast<int64_t>(spans.size()));
+  }
+  FLUXION_ASSIGN_OR_RETURN(void* ds, mem.Get(spans.size() * sizeof(PageSpan)));
+  FLUXION_ASSIGN_OR_RETURN(void* di, mem.Get(indptr.size() * sizeof(int64_t)));
+  FLUXION_ASSIGN_OR_RETURN(void* out, mem.Get(items * kGroup * kHeadDim * sizeof(float)));
+  FLUXION_ASSIGN_OR_RETURN(void* lse, mem.Get(items * kGroup * sizeof(float)));
+  BENCH_CUDA(cudaMemcpy(ds, spans.data(), spans.size() * sizeof(PageSpan),
+                        cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(di, indptr.data(), indptr.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice));
+  kernels::PagedDecodeProblem p;
+  p.q = d_q;
+  p.kv = {arena, static_cast<size_t>(PageBytes(page_tokens)), page_tokens, kHeadDim};
+  p.span_indptr = static_cast<const int64_t*>(di);
+  p.spans = static_cast<const PageSpan*>(ds);
+  p.num_spans = static_cast<int64_t>(spans.size());
+  p.out = static_cast<float*>(out);
+  p.lse = static_cast<float*>(lse);
+  p.num_requests = items / kKvHeads;
+  p.num_qo_heads = kKvHeads * kGroup;
+  p.num_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<cuda::CudaAttentionBackend> backend,
+                           cuda::CudaAttentionBackend::Create({stream, kernel, num_sms}));
+  FLUXION_RETURN_IF_ERROR(backend->Supports(p));
+  const size_t ws_bytes = backend->WorkspaceBytes(p);
+  FLUXION_ASSIGN_OR_RETURN(void* ws, mem.Get(std::max<size_t>(1, ws_bytes)));
+  const absl::Span<std::byte> workspace(static_cast<std::byte*>(ws), ws_bytes);
+  return TimeMs(stream, repeats, [&] { return backend->Run(p, workspace); });
+}
+
 void Row(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void Row(const char* fmt, ...) {
   va_list ap;
@@ -320,6 +368,22 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
                               {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
                               {"gbps", gbps}, {"ratio_to_hbm_copy", gbps / hbm_gbps},
                               {"chunks", plan.chunks.size()}, {"chunk_rows", plan.chunk_rows}});
+          // The same pages through the attention seam (device-planned chunks).
+          FLUXION_ASSIGN_OR_RETURN(
+              Stats tb, TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
+                                    static_cast<float*>(dq), num_sms, o.repeats, stream));
+          const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
+          const std::string backend_label =
+              absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
+          Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
+              page_tokens, batch, ctx, "1", tb.median, backend_gbps,
+              100 * backend_gbps / hbm_gbps);
+          results->push_back({{"kind", "attention_hbm_full_backend"},
+                              {"kernel", cuda::PagedKernelName(kernel)},
+                              {"page_tokens", page_tokens}, {"batch", batch}, {"context", ctx},
+                              {"ms", tb.median}, {"p10_ms", tb.p10}, {"p90_ms", tb.p90},
+                              {"gbps", backend_gbps},
+                              {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
         }
         // Sparse selection read straight from pinned host memory.
         const int64_t host_pages = host_bytes / page_bytes;
