@@ -128,11 +128,10 @@ absl::Status CudaAttentionBackend::Supports(const PagedDecodeProblem& p) const {
   return absl::OkStatus();
 }
 
-int64_t CudaAttentionBackend::SpansPerChunk(const PagedDecodeProblem& p) const {
-  // The same aim as ChoosePagedChunkRows(kV4), in spans: one wave of blocks (two per SM), each
-  // pair cut into floor(slots / pairs) chunks, at least kMinV4ChunkRows rows of full spans each.
+int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int num_sms) {
+  // The same aim as ChoosePagedChunkRows(kV4), in spans.
   const int64_t pairs = std::max<int64_t>(1, p.num_pairs());
-  const int64_t slots = 2 * static_cast<int64_t>(std::max(1, options_.num_sms));
+  const int64_t slots = 2 * static_cast<int64_t>(std::max(1, num_sms));
   const int64_t per_pair = std::max<int64_t>(1, slots / pairs);
   const int64_t spans_per_pair = (p.num_spans + pairs - 1) / pairs;
   const int64_t min_spans =
@@ -141,17 +140,21 @@ int64_t CudaAttentionBackend::SpansPerChunk(const PagedDecodeProblem& p) const {
   return std::max<int64_t>({1, min_spans, (spans_per_pair + per_pair - 1) / per_pair});
 }
 
-size_t CudaAttentionBackend::WorkspaceBytes(const PagedDecodeProblem& p) const {
+size_t CudaAttentionWorkspaceBytes(const PagedDecodeProblem& p, int64_t spans_per_chunk) {
   if (p.num_requests <= 0) return 0;
-  const int64_t max_chunks = p.num_spans / SpansPerChunk(p) + p.num_pairs();
+  const int64_t max_chunks = p.num_spans / std::max<int64_t>(1, spans_per_chunk) + p.num_pairs();
   return LayoutFor(p.num_pairs(), max_chunks, p.group(), p.head_dim).total;
+}
+
+size_t CudaAttentionBackend::WorkspaceBytes(const PagedDecodeProblem& p) const {
+  return CudaAttentionWorkspaceBytes(p, CudaAttentionSpansPerChunk(p, options_.num_sms));
 }
 
 absl::Status CudaAttentionBackend::Run(const PagedDecodeProblem& p,
                                        absl::Span<std::byte> workspace) {
   if (p.num_requests == 0) return absl::OkStatus();
   const int64_t pairs = p.num_pairs(), group = p.group();
-  const int64_t per_chunk = SpansPerChunk(p);
+  const int64_t per_chunk = CudaAttentionSpansPerChunk(p, options_.num_sms);
   const int64_t max_chunks = p.num_spans / per_chunk + pairs;
   const Layout l = LayoutFor(pairs, max_chunks, group, p.head_dim);
   if (workspace.size() < l.total) {

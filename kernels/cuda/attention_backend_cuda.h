@@ -38,6 +38,15 @@ struct CudaAttentionBackendOptions {
   int num_sms = 0;  // the chunk plan aims at one wave on this many SMs; 0: the current device's
 };
 
+// The cut CudaAttentionBackend makes: spans per chunk for p on `num_sms` SMs, from the shapes and
+// num_spans only. One wave of blocks (two per SM): each pair cut into floor(2 * num_sms / pairs)
+// chunks (at least one) of at least kMinV4ChunkRows rows of whole pages; at least one span.
+int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int num_sms);
+
+// Workspace bytes for p with chunks of `spans_per_chunk` spans (at most
+// num_spans / spans_per_chunk + num_pairs chunks): chunk offsets, items, chunk states.
+size_t CudaAttentionWorkspaceBytes(const PagedDecodeProblem& p, int64_t spans_per_chunk);
+
 class CudaAttentionBackend final : public AttentionBackend {
  public:
   // FailedPrecondition without a usable CUDA device.
@@ -53,8 +62,6 @@ class CudaAttentionBackend final : public AttentionBackend {
   // REQUIRES: as AttentionBackend::Run; `workspace` in device memory, 256-byte aligned.
   absl::Status Run(const PagedDecodeProblem& p, absl::Span<std::byte> workspace) override;
 
-  // The cut Run makes for p: spans per chunk, at least one. Exposed for tests.
-  int64_t SpansPerChunk(const PagedDecodeProblem& p) const;
 
  private:
   explicit CudaAttentionBackend(const CudaAttentionBackendOptions& options)

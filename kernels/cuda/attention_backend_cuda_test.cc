@@ -175,9 +175,8 @@ TEST_F(CudaAttentionBackendTest, SupportsNamesWhatItLacks) {
   EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(CudaAttentionBackendTest, ChunkPlanFillsOneWaveAndBoundsTheWorkspace) {
-  auto backend = CudaAttentionBackend::Create({nullptr, PagedKernel::kV4, 132});
-  ASSERT_TRUE(backend.ok());
+// Host-only: runs without a device too.
+TEST(CudaAttentionPlanTest, ChunkPlanFillsOneWaveAndBoundsTheWorkspace) {
   PagedDecodeProblem p;
   p.num_requests = 1;
   p.num_qo_heads = 32;
@@ -186,14 +185,35 @@ TEST_F(CudaAttentionBackendTest, ChunkPlanFillsOneWaveAndBoundsTheWorkspace) {
   p.kv.page_tokens = 16;
   p.num_spans = 8 * 2048;  // 32K tokens per KV head
   // 264 slots over 8 pairs: 33 chunks per pair of 2048 spans -> 63 spans (1008 rows) each.
-  EXPECT_EQ((*backend)->SpansPerChunk(p), 63);
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 63);
   p.num_requests = 64;  // 512 pairs: one chunk each, at least 256 rows
   p.num_spans = 512 * 10;
-  EXPECT_EQ((*backend)->SpansPerChunk(p), 16);
-  EXPECT_GE((*backend)->WorkspaceBytes(p),
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 16);
+  EXPECT_GE(CudaAttentionWorkspaceBytes(p, 16),
             (p.num_spans / 16 + p.num_pairs()) * 4 * (128 + 1) * sizeof(float));
+  p.kv.page_tokens = 64;  // 256 rows = 4 spans at least
+  p.num_spans = 512;
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 4);
+  p.num_spans = 0;
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 4);
   p.num_requests = 0;
-  EXPECT_EQ((*backend)->WorkspaceBytes(p), 0u);
+  EXPECT_EQ(CudaAttentionWorkspaceBytes(p, 4), 0u);
+}
+
+// The bound on chunks holds for every split of the spans over the pairs: sum over pairs of
+// ceil(n / K) <= num_spans / K + pairs.
+TEST(CudaAttentionPlanTest, ChunkBoundHoldsForUnevenPairs) {
+  for (int64_t k : {1, 3, 16, 63}) {
+    for (const std::vector<int64_t>& counts :
+         {std::vector<int64_t>{0, 0, 0}, {1, 1, 1}, {62, 1, 0, 127}, {5000, 0, 1}, {63, 63}}) {
+      int64_t spans = 0, chunks = 0;
+      for (int64_t n : counts) {
+        spans += n;
+        chunks += (n + k - 1) / k;
+      }
+      EXPECT_LE(chunks, spans / k + static_cast<int64_t>(counts.size()));
+    }
+  }
 }
 
 TEST_F(CudaAttentionBackendTest, WorkspaceTooSmallIsAnError) {
