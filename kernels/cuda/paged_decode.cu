@@ -223,6 +223,17 @@ __global__ void __launch_bounds__(128)
 // rows in registers and uses the same rows for the value pass, so scores never touch memory.
 constexpr int kV4Warps = 4, kV4Threads = 32 * kV4Warps, kV4UnitRows = 16, kV4Stages = 3;
 
+// 8 bf16 (one 16-byte load, taken by value so that it is one 128-bit shared load) to fp32: a
+// bf16 is the high half of the fp32 with the same value, so two bit operations per pair.
+__device__ __forceinline__ void Bf16x8ToFloat(const uint4 raw, float out[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;  // 0: write 16 zero bytes, read nothing
@@ -351,7 +362,7 @@ __global__ void __launch_bounds__(kV4Threads, 2)
     for (int i = 0; i < S::kPasses; ++i) {
       const int t = i * S::kRowsPerPass + row_in_pass;
       float k[8];
-      UnpackBf16x8(*reinterpret_cast<const uint4*>(ks + t * kHeadDim + dg * 8), k);
+      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(ks + t * kHeadDim + dg * 8), k);
       const bool valid = (mask >> t) & 1u;
 #pragma unroll
       for (int h = 0; h < kG; ++h) {
@@ -396,7 +407,7 @@ __global__ void __launch_bounds__(kV4Threads, 2)
     for (int i = 0; i < S::kPasses; ++i) {
       const int t = i * S::kRowsPerPass + row_in_pass;
       float v[8];
-      UnpackBf16x8(*reinterpret_cast<const uint4*>(vs + t * kHeadDim + dg * 8), v);
+      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(vs + t * kHeadDim + dg * 8), v);
 #pragma unroll
       for (int h = 0; h < kG; ++h) {
 #pragma unroll
