@@ -343,14 +343,15 @@ __global__ void __launch_bounds__(kV4Threads, 2)
       CpAsync16(ks + t * kHeadDim + col * 8, row, valid);
       CpAsync16(ks + S::kUnitElems + t * kHeadDim + col * 8, row + kValueOffset, valid);
     }
-    if (lane == 0) {
-      uint32_t mask = 0;
+    // Valid slots: the first rows - row0 slots of each span's share of the unit.
+    constexpr int kSlotsPerSpan = kV4UnitRows / S::kSpansPerUnit;
+    uint32_t mask = 0;
 #pragma unroll
-      for (int t = 0; t < kV4UnitRows; ++t) {
-        if (slot_row(u, t) < us.s[slot_span(t)].rows) mask |= 1u << t;
-      }
-      valid_masks[warp][stage] = mask;
+    for (int j = 0; j < S::kSpansPerUnit; ++j) {
+      const int n = min(max(us.s[j].rows - slot_row(u, j * kSlotsPerSpan), 0), kSlotsPerSpan);
+      mask |= ((1u << n) - 1u) << (j * kSlotsPerSpan);
     }
+    if (lane == 0) valid_masks[warp][stage] = mask;
   };
 
   auto compute = [&](int stage) {
