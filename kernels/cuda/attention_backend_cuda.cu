@@ -97,7 +97,19 @@ absl::StatusOr<std::unique_ptr<CudaAttentionBackend>> CudaAttentionBackend::Crea
 }
 
 absl::string_view CudaAttentionBackend::name() const {
-  return options_.kernel == PagedKernel::kV3 ? "cuda-v3" : "cuda";
+  switch (options_.kernel) {
+    case PagedKernel::kV3:
+      return "cuda-v3";
+    case PagedKernel::kV4:
+      return "cuda";
+    case PagedKernel::kV4TwoStage:
+      return "cuda-v4s2";
+  }
+  return "cuda";
+}
+
+int64_t CudaAttentionBackend::BlockSlots() const {
+  return static_cast<int64_t>(options_.num_sms) * PagedBlocksPerSm(options_.kernel);
 }
 
 absl::Status CudaAttentionBackend::Supports(const PagedDecodeProblem& p) const {
@@ -116,10 +128,10 @@ absl::Status CudaAttentionBackend::Supports(const PagedDecodeProblem& p) const {
   if (p.num_spans == 0) return absl::OkStatus();  // the arena is never read
   const int64_t pt = p.kv.page_tokens;
   const bool pt_ok =
-      pt == 8 || pt == 16 || pt == 32 || (pt == 64 && options_.kernel == PagedKernel::kV4);
+      pt == 8 || pt == 16 || pt == 32 || (pt == 64 && options_.kernel != PagedKernel::kV3);
   if (!pt_ok) {
     return lacks("CUDA attention: page_tokens ", pt, " (", PagedKernelName(options_.kernel),
-                 " supports 8, 16, 32", options_.kernel == PagedKernel::kV4 ? ", 64)" : ")");
+                 " supports 8, 16, 32", options_.kernel != PagedKernel::kV3 ? ", 64)" : ")");
   }
   if (p.kv.page_bytes % 16 != 0 || reinterpret_cast<uintptr_t>(p.kv.arena) % 16 != 0) {
     return lacks("CUDA attention: kv.page_bytes ", p.kv.page_bytes,
@@ -128,10 +140,10 @@ absl::Status CudaAttentionBackend::Supports(const PagedDecodeProblem& p) const {
   return absl::OkStatus();
 }
 
-int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int num_sms) {
-  // The same aim as ChoosePagedChunkRows(kV4), in spans.
+int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int64_t block_slots) {
+  // The same aim as ChoosePagedChunkRows, in spans.
   const int64_t pairs = std::max<int64_t>(1, p.num_pairs());
-  const int64_t slots = 2 * static_cast<int64_t>(std::max(1, num_sms));
+  const int64_t slots = std::max<int64_t>(1, block_slots);
   const int64_t per_pair = std::max<int64_t>(1, slots / pairs);
   const int64_t spans_per_pair = (p.num_spans + pairs - 1) / pairs;
   const int64_t min_spans =
@@ -147,14 +159,14 @@ size_t CudaAttentionWorkspaceBytes(const PagedDecodeProblem& p, int64_t spans_pe
 }
 
 size_t CudaAttentionBackend::WorkspaceBytes(const PagedDecodeProblem& p) const {
-  return CudaAttentionWorkspaceBytes(p, CudaAttentionSpansPerChunk(p, options_.num_sms));
+  return CudaAttentionWorkspaceBytes(p, CudaAttentionSpansPerChunk(p, BlockSlots()));
 }
 
 absl::Status CudaAttentionBackend::Run(const PagedDecodeProblem& p,
                                        absl::Span<std::byte> workspace) {
   if (p.num_requests == 0) return absl::OkStatus();
   const int64_t pairs = p.num_pairs(), group = p.group();
-  const int64_t per_chunk = CudaAttentionSpansPerChunk(p, options_.num_sms);
+  const int64_t per_chunk = CudaAttentionSpansPerChunk(p, BlockSlots());
   const int64_t max_chunks = p.num_spans / per_chunk + pairs;
   const Layout l = LayoutFor(pairs, max_chunks, group, p.head_dim);
   if (workspace.size() < l.total) {

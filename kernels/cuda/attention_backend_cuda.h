@@ -38,10 +38,11 @@ struct CudaAttentionBackendOptions {
   int num_sms = 0;  // the chunk plan aims at one wave on this many SMs; 0: the current device's
 };
 
-// The cut CudaAttentionBackend makes: spans per chunk for p on `num_sms` SMs, from the shapes and
-// num_spans only. One wave of blocks (two per SM): each pair cut into floor(2 * num_sms / pairs)
-// chunks (at least one) of at least kMinV4ChunkRows rows of whole pages; at least one span.
-int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int num_sms);
+// The cut CudaAttentionBackend makes: spans per chunk for p when `block_slots` blocks run at once
+// (SMs x PagedBlocksPerSm), from the shapes and num_spans only. One wave of blocks: each pair cut
+// into floor(block_slots / pairs) chunks (at least one) of at least kMinV4ChunkRows rows of whole
+// pages; at least one span.
+int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int64_t block_slots);
 
 // Workspace bytes for p with chunks of `spans_per_chunk` spans (at most
 // num_spans / spans_per_chunk + num_pairs chunks): chunk offsets, items, chunk states.
@@ -55,7 +56,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   absl::string_view name() const override;
   // Beyond ValidatePagedDecodeProblem, Unimplemented for: head_dim other than 64/128, a group
-  // above kMaxPagedGroup, page_tokens other than 8/16/32 (64 too for kV4), page_bytes or the
+  // above kMaxPagedGroup, page_tokens other than 8/16/32 (64 too for v4), page_bytes or the
   // arena not 16-byte aligned, num_spans or num_pairs beyond int32.
   absl::Status Supports(const PagedDecodeProblem& p) const override;
   size_t WorkspaceBytes(const PagedDecodeProblem& p) const override;
@@ -66,6 +67,7 @@ class CudaAttentionBackend final : public AttentionBackend {
  private:
   explicit CudaAttentionBackend(const CudaAttentionBackendOptions& options)
       : options_(options) {}
+  int64_t BlockSlots() const;  // num_sms x PagedBlocksPerSm(kernel)
   CudaAttentionBackendOptions options_;
 };
 

@@ -128,7 +128,8 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, CudaAttentionBackendConformance,
-    ::testing::Combine(::testing::Values(PagedKernel::kV4, PagedKernel::kV3),
+    ::testing::Combine(::testing::Values(PagedKernel::kV4, PagedKernel::kV4TwoStage,
+                                         PagedKernel::kV3),
                        ::testing::Values(Arena::kDevice, Arena::kMappedHost),
                        ::testing::ValuesIn(backend_testing::ConformanceBatches()),
                        ::testing::ValuesIn(backend_testing::ConformanceHeads()),
@@ -185,17 +186,17 @@ TEST(CudaAttentionPlanTest, ChunkPlanFillsOneWaveAndBoundsTheWorkspace) {
   p.kv.page_tokens = 16;
   p.num_spans = 8 * 2048;  // 32K tokens per KV head
   // 264 slots over 8 pairs: 33 chunks per pair of 2048 spans -> 63 spans (1008 rows) each.
-  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 63);
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 264), 63);
   p.num_requests = 64;  // 512 pairs: one chunk each, at least 256 rows
   p.num_spans = 512 * 10;
-  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 16);
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 264), 16);
   EXPECT_GE(CudaAttentionWorkspaceBytes(p, 16),
             (p.num_spans / 16 + p.num_pairs()) * 4 * (128 + 1) * sizeof(float));
   p.kv.page_tokens = 64;  // 256 rows = 4 spans at least
   p.num_spans = 512;
-  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 4);
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 264), 4);
   p.num_spans = 0;
-  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 132), 4);
+  EXPECT_EQ(CudaAttentionSpansPerChunk(p, 264), 4);
   p.num_requests = 0;
   EXPECT_EQ(CudaAttentionWorkspaceBytes(p, 4), 0u);
 }

@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(128)
 //     its own online softmax, so no block barrier is crossed until the final merge of the four
 //     warp states;
 //   - a unit's K and V rows (8 KiB at head_dim 128) go global -> shared with 16-byte cp.async
-//     (L1 bypassed), kV4Stages units per warp in a ring: while a warp computes unit k, units
-//     k+1 .. k+kV4Stages-1 are in flight (2 blocks x 4 warps x 2 units x 8 KiB = 128 KiB per SM,
+//     (L1 bypassed), kStages units per warp in a ring: while a warp computes unit k, units
+//     k+1 .. k+kStages-1 are in flight (2 blocks x 4 warps x 2 units x 8 KiB = 128 KiB per SM,
 //     several times what Little's law asks of HBM3e, and enough for PCIe latency too);
 //   - the spans of the unit issued next are read one unit ahead, so the cp.async issue never waits
 //     on a dependent span load;
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(128)
 // Lane layout (head_dim 128; 64 halves the lanes per row): lane = (row-in-pass, dim group dg) with
 // 16 lanes x 8 dims per row, 2 rows per pass, 8 passes per unit; a lane keeps the scores of its
 // rows in registers and uses the same rows for the value pass, so scores never touch memory.
-constexpr int kV4Warps = 4, kV4Threads = 32 * kV4Warps, kV4UnitRows = 16, kV4Stages = 3;
+constexpr int kV4Warps = 4, kV4Threads = 32 * kV4Warps, kV4UnitRows = 16;
 
 // 8 bf16 (one 16-byte load, taken by value so that it is one 128-bit shared load) to fp32: a
 // bf16 is the high half of the fp32 with the same value, so two bit operations per pair.
@@ -249,8 +249,12 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-template <int kHeadDim, int kG, int kPageTokens>
+// kStages 3: two units in flight per warp while it computes one, 2 blocks per SM (96 KiB each at
+// d128). kStages 2 (PagedKernel::kV4TwoStage): one unit in flight, but 64 KiB and at most 168
+// registers at group <= 4, so 3 blocks (12 warps) per SM hide more of the math's latency.
+template <int kHeadDim, int kG, int kPageTokens, int kStages>
 struct V4Shape {
+  static constexpr int kMinBlocksPerSm = kStages >= 3 || kG > 4 ? 2 : 3;
   static constexpr int kLanesPerRow = kHeadDim / 8;         // 16-byte chunks per row
   static constexpr int kRowsPerPass = 32 / kLanesPerRow;     // 2 (d128) or 4 (d64)
   static constexpr int kPasses = kV4UnitRows / kRowsPerPass;  // 8 or 4
@@ -258,7 +262,7 @@ struct V4Shape {
   static constexpr int kSpansPerUnit = kPageTokens >= kV4UnitRows ? 1 : kV4UnitRows / kPageTokens;
   static constexpr int kUnitElems = kV4UnitRows * kHeadDim;  // bf16 per matrix per unit
   static constexpr int kStageElems = 2 * kUnitElems;         // K then V
-  static constexpr int kWarpElems = kV4Stages * kStageElems;
+  static constexpr int kWarpElems = kStages * kStageElems;
   static constexpr size_t kSmemBytes = sizeof(bf16) * kV4Warps * kWarpElems;
   static_assert(kPageTokens % kV4UnitRows == 0 || kV4UnitRows % kPageTokens == 0);
   static_assert(static_cast<size_t>(kG) * (kHeadDim + 2) * sizeof(float) <=
@@ -271,13 +275,14 @@ struct UnitSpans {
   PageSpan s[kSpansPerUnit];
 };
 
-template <int kHeadDim, int kG, int kPageTokens>
-__global__ void __launch_bounds__(kV4Threads, 2)
+template <int kHeadDim, int kG, int kPageTokens, int kStages>
+__global__ void __launch_bounds__(kV4Threads,
+                                  (V4Shape<kHeadDim, kG, kPageTokens, kStages>::kMinBlocksPerSm))
     PagedDecodeKernelV4(const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
                         const PagedItem* items, int group, float scale_log2) {
-  using S = V4Shape<kHeadDim, kG, kPageTokens>;
+  using S = V4Shape<kHeadDim, kG, kPageTokens, kStages>;
   extern __shared__ uint4 v4_smem[];
-  __shared__ uint32_t valid_masks[kV4Warps][kV4Stages];
+  __shared__ uint32_t valid_masks[kV4Warps][kStages];
 
   const PagedItem item = items[blockIdx.x];
   if (item.out == nullptr) return;  // a padding item of a device-side plan
@@ -392,11 +397,13 @@ __global__ void __launch_bounds__(kV4Threads, 2)
         for (int i = 0; i < S::kPasses; ++i) s[i][h] = 0.0f;
         continue;
       }
-      const float c = exp2f(m[h] - m_new);  // 0 when m was -inf
-      m[h] = m_new;
-      l[h] *= c;
+      if (m_new != m[h]) {  // warp-uniform; once the maximum settles most units skip this
+        const float c = exp2f(m[h] - m_new);  // 0 when m was -inf
+        m[h] = m_new;
+        l[h] *= c;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[h][j] *= c;
+        for (int j = 0; j < 8; ++j) acc[h][j] *= c;
+      }
 #pragma unroll
       for (int i = 0; i < S::kPasses; ++i) {
         const float p = exp2f(s[i][h] - m_new);  // 0 for an invalid slot
@@ -417,23 +424,23 @@ __global__ void __launch_bounds__(kV4Threads, 2)
     }
   };
 
-  // The ring: unit k of this warp is u = warp + k * kV4Warps, in stage k % kV4Stages. One commit
+  // The ring: unit k of this warp is u = warp + k * kV4Warps, in stage k % kStages. One commit
   // group per unit (empty past the end) keeps wait_group's count uniform.
   auto unit_of = [warp](int k) { return warp + k * kV4Warps; };
 #pragma unroll
-  for (int k = 0; k < kV4Stages - 1; ++k) {
+  for (int k = 0; k < kStages - 1; ++k) {
     issue(unit_of(k), k, load_spans(unit_of(k)));
     CpAsyncCommit();
   }
-  UnitSpans<S::kSpansPerUnit> next = load_spans(unit_of(kV4Stages - 1));
+  UnitSpans<S::kSpansPerUnit> next = load_spans(unit_of(kStages - 1));
   const int my_units = units > warp ? (units - warp + kV4Warps - 1) / kV4Warps : 0;
   for (int k = 0; k < my_units; ++k) {
-    issue(unit_of(k + kV4Stages - 1), (k + kV4Stages - 1) % kV4Stages, next);
+    issue(unit_of(k + kStages - 1), (k + kStages - 1) % kStages, next);
     CpAsyncCommit();
-    next = load_spans(unit_of(k + kV4Stages));
-    CpAsyncWait<kV4Stages - 1>();  // unit k has landed (this lane's copies)
+    next = load_spans(unit_of(k + kStages));
+    CpAsyncWait<kStages - 1>();  // unit k has landed (this lane's copies)
     __syncwarp();                  // ... and every lane's
-    compute(k % kV4Stages);
+    compute(k % kStages);
     __syncwarp();  // the stage is free before the next iteration refills it
   }
   CpAsyncWait<0>();
@@ -492,12 +499,12 @@ __global__ void __launch_bounds__(kV4Threads, 2)
   }
 }
 
-template <int kHeadDim, int kG, int kPageTokens>
+template <int kHeadDim, int kG, int kPageTokens, int kStages>
 cudaError_t LaunchV4(unsigned blocks, cudaStream_t stream, const uint8_t* arena,
                      size_t page_bytes, const PageSpan* spans, const PagedItem* items, int group,
                      float scale) {
-  using S = V4Shape<kHeadDim, kG, kPageTokens>;
-  auto* kernel = &PagedDecodeKernelV4<kHeadDim, kG, kPageTokens>;
+  using S = V4Shape<kHeadDim, kG, kPageTokens, kStages>;
+  auto* kernel = &PagedDecodeKernelV4<kHeadDim, kG, kPageTokens, kStages>;
   // Above 48 KiB of dynamic shared memory must be asked for (per device: so on every launch; it
   // is a host-side attribute write, no stream work).
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -510,46 +517,44 @@ cudaError_t LaunchV4(unsigned blocks, cudaStream_t stream, const uint8_t* arena,
   return cudaGetLastError();
 }
 
-template <int kHeadDim, int kG>
-cudaError_t LaunchV4ForPageTokens(int64_t page_tokens, unsigned blocks, cudaStream_t stream,
-                                  const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
-                                  const PagedItem* items, int group, float scale) {
+// The arguments every v4 launch passes through the dispatch below.
+struct V4Args {
+  unsigned blocks;
+  cudaStream_t stream;
+  const uint8_t* arena;
+  size_t page_bytes;
+  const PageSpan* spans;
+  const PagedItem* items;
+  int group;
+  float scale;
+};
+
+template <int kHeadDim, int kG, int kStages>
+cudaError_t LaunchV4ForPageTokens(int64_t page_tokens, const V4Args& a) {
   switch (page_tokens) {
     case 8:
-      return LaunchV4<kHeadDim, kG, 8>(blocks, stream, arena, page_bytes, spans, items, group,
-                                       scale);
+      return LaunchV4<kHeadDim, kG, 8, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
+                                                a.spans, a.items, a.group, a.scale);
     case 16:
-      return LaunchV4<kHeadDim, kG, 16>(blocks, stream, arena, page_bytes, spans, items, group,
-                                        scale);
+      return LaunchV4<kHeadDim, kG, 16, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
+                                                 a.spans, a.items, a.group, a.scale);
     case 32:
-      return LaunchV4<kHeadDim, kG, 32>(blocks, stream, arena, page_bytes, spans, items, group,
-                                        scale);
+      return LaunchV4<kHeadDim, kG, 32, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
+                                                 a.spans, a.items, a.group, a.scale);
     case 64:
-      return LaunchV4<kHeadDim, kG, 64>(blocks, stream, arena, page_bytes, spans, items, group,
-                                        scale);
+      return LaunchV4<kHeadDim, kG, 64, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
+                                                 a.spans, a.items, a.group, a.scale);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-template <int kHeadDim>
-cudaError_t LaunchV4ForGroup(int64_t page_tokens, unsigned blocks, cudaStream_t stream,
-                             const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
-                             const PagedItem* items, int group, float scale) {
-  if (group == 1) {
-    return LaunchV4ForPageTokens<kHeadDim, 1>(page_tokens, blocks, stream, arena, page_bytes,
-                                              spans, items, group, scale);
-  }
-  if (group == 2) {
-    return LaunchV4ForPageTokens<kHeadDim, 2>(page_tokens, blocks, stream, arena, page_bytes,
-                                              spans, items, group, scale);
-  }
-  if (group <= 4) {
-    return LaunchV4ForPageTokens<kHeadDim, 4>(page_tokens, blocks, stream, arena, page_bytes,
-                                              spans, items, group, scale);
-  }
-  return LaunchV4ForPageTokens<kHeadDim, 8>(page_tokens, blocks, stream, arena, page_bytes,
-                                            spans, items, group, scale);
+template <int kHeadDim, int kStages>
+cudaError_t LaunchV4ForGroup(int64_t page_tokens, const V4Args& a) {
+  if (a.group == 1) return LaunchV4ForPageTokens<kHeadDim, 1, kStages>(page_tokens, a);
+  if (a.group == 2) return LaunchV4ForPageTokens<kHeadDim, 2, kStages>(page_tokens, a);
+  if (a.group <= 4) return LaunchV4ForPageTokens<kHeadDim, 4, kStages>(page_tokens, a);
+  return LaunchV4ForPageTokens<kHeadDim, 8, kStages>(page_tokens, a);
 }
 
 template <int kHeadDim>
@@ -594,14 +599,14 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
   }
   const unsigned blocks = static_cast<unsigned>(num_items);
   const int g = static_cast<int>(group);
-  if (kernel == PagedKernel::kV4) {
+  if (kernel != PagedKernel::kV3) {
+    const V4Args args{blocks, stream, arena, page_bytes, spans, items, g, scale};
     switch (head_dim) {
-      case 64:
-        return LaunchV4ForGroup<64>(page_tokens, blocks, stream, arena, page_bytes, spans, items,
-                                    g, scale);
+      case 64:  // kV4TwoStage is instantiated for head_dim 128 only; 64 runs kV4
+        return LaunchV4ForGroup<64, 3>(page_tokens, args);
       case 128:
-        return LaunchV4ForGroup<128>(page_tokens, blocks, stream, arena, page_bytes, spans,
-                                     items, g, scale);
+        return kernel == PagedKernel::kV4TwoStage ? LaunchV4ForGroup<128, 2>(page_tokens, args)
+                                                  : LaunchV4ForGroup<128, 3>(page_tokens, args);
       default:
         return cudaErrorInvalidValue;
     }
@@ -619,15 +624,35 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
 }
 
 const char* PagedKernelName(PagedKernel kernel) {
-  return kernel == PagedKernel::kV3 ? "v3" : "v4";
+  switch (kernel) {
+    case PagedKernel::kV3:
+      return "v3";
+    case PagedKernel::kV4:
+      return "v4";
+    case PagedKernel::kV4TwoStage:
+      return "v4s2";
+  }
+  return "unknown";
+}
+
+int PagedBlocksPerSm(PagedKernel kernel) {
+  switch (kernel) {
+    case PagedKernel::kV3:
+      return 4;
+    case PagedKernel::kV4:
+      return 2;
+    case PagedKernel::kV4TwoStage:
+      return 3;
+  }
+  return 2;
 }
 
 int64_t ChoosePagedChunkRows(PagedKernel kernel, int64_t total_rows, int64_t items,
                              int num_sms) {
   if (kernel == PagedKernel::kV3) return ChooseChunkRows(total_rows, num_sms);
-  // One wave of v4 blocks (two per SM): each item gets floor(slots / items) chunks (at least
-  // one), so the grid fills the GPU once with equal chunks and leaves no tail wave.
-  const int64_t slots = 2 * static_cast<int64_t>(std::max(1, num_sms));
+  // One wave of v4 blocks: each item gets floor(slots / items) chunks (at least one), so the grid
+  // fills the GPU once with equal chunks and leaves no tail wave.
+  const int64_t slots = PagedBlocksPerSm(kernel) * static_cast<int64_t>(std::max(1, num_sms));
   const int64_t n = std::max<int64_t>(1, items);
   const int64_t per_item = std::max<int64_t>(1, slots / n);
   const int64_t rows_per_item = (std::max<int64_t>(0, total_rows) + n - 1) / n;

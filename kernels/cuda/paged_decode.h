@@ -30,9 +30,14 @@ inline constexpr int64_t kMaxPagedGroup = 8;
 //   kV3: one kernel for every group, block-wide tiles of 128 row slots (session 7: 19-25% of
 //        HBM bandwidth over HBM-resident pages); page_tokens 8/16/32.
 //   kV4: one instantiation per (head_dim, group in {1,2,4,8}, page_tokens), each warp streaming
-//        its own 16-row units through a cp.async ring in shared memory; page_tokens 8/16/32/64.
-enum class PagedKernel { kV3, kV4 };
-const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4"
+//        its own 16-row units through a 3-stage cp.async ring in shared memory (2 blocks per
+//        SM); page_tokens 8/16/32/64.
+//   kV4TwoStage: kV4 with 2-stage rings and 3 blocks per SM at group <= 4 (more warps, fewer
+//        bytes in flight each), to compare on the device; head_dim 64 runs kV4.
+enum class PagedKernel { kV3, kV4, kV4TwoStage };
+const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2"
+// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3).
+int PagedBlocksPerSm(PagedKernel kernel);
 
 // Smallest chunk ChoosePagedChunkRows gives v4: four 16-row units per warp.
 inline constexpr int64_t kMinV4ChunkRows = 256;

@@ -191,7 +191,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{128, 4}, Case{128, 1}, Case{64, 8}, Case{128, 7}, Case{128, 2},
                       Case{64, 3}, Case{128, 4, 8}, Case{128, 4, 32}, Case{128, 4, 64},
                       Case{64, 8, 64}, Case{128, 5, 32}, Case{128, 4, 16, PagedKernel::kV3},
-                      Case{128, 7, 16, PagedKernel::kV3}, Case{64, 8, 32, PagedKernel::kV3}),
+                      Case{128, 7, 16, PagedKernel::kV3}, Case{64, 8, 32, PagedKernel::kV3},
+                      Case{128, 4, 16, PagedKernel::kV4TwoStage},
+                      Case{128, 4, 64, PagedKernel::kV4TwoStage},
+                      Case{128, 8, 8, PagedKernel::kV4TwoStage},
+                      Case{128, 1, 32, PagedKernel::kV4TwoStage},
+                      Case{64, 4, 16, PagedKernel::kV4TwoStage}),
     [](const auto& info) {
       return std::string(PagedKernelName(info.param.kernel)) + "_d" +
              std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group) +
@@ -223,6 +228,8 @@ TEST(ChoosePagedChunkRowsTest, V4FillsOneWave) {
   EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 0, 0, 0), kMinV4ChunkRows);
   EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV3, 8 * 32768, 8, 132),
             ChooseChunkRows(8 * 32768, 132));
+  // v4s2 aims at three blocks per SM: 396 slots, 49 chunks per item of 669 -> 672 rows.
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4TwoStage, 8 * 32768, 8, 132), 672);
 }
 
 TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
