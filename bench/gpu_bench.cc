@@ -407,7 +407,9 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
             }));
             const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
             const double gbps = bytes / (t.median * 1e-3) / 1e9;
-            const std::string label = absl::StrCat("zero-copy host, ", o.span_tokens, "-tok, ",
+            // A span is at least one page.
+            const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
+            const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
                                                    cuda::PagedKernelName(kernel));
             Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
                 page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
@@ -415,7 +417,7 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
             results->push_back(
                 {{"kind", "attention_host_zero_copy"}, {"kernel", cuda::PagedKernelName(kernel)},
                  {"page_tokens", page_tokens}, {"batch", batch}, {"context", ctx},
-                 {"read_fraction", f}, {"span_tokens", o.span_tokens}, {"ms", t.median},
+                 {"read_fraction", f}, {"span_tokens", span_tokens}, {"ms", t.median},
                  {"p10_ms", t.p10}, {"p90_ms", t.p90}, {"gbps", gbps},
                  {"ratio_to_h2d_copy", gbps / h2d_gbps}, {"chunks", plan.chunks.size()},
                  {"chunk_rows", plan.chunk_rows}});
