@@ -104,6 +104,8 @@ absl::string_view CudaAttentionBackend::name() const {
       return "cuda";
     case PagedKernel::kV4TwoStage:
       return "cuda-v4s2";
+    case PagedKernel::kV4Scatter:
+      return "cuda-v4t";
   }
   return "cuda";
 }

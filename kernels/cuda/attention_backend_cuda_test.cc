@@ -129,7 +129,7 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(
     Grid, CudaAttentionBackendConformance,
     ::testing::Combine(::testing::Values(PagedKernel::kV4, PagedKernel::kV4TwoStage,
-                                         PagedKernel::kV3),
+                                         PagedKernel::kV4Scatter, PagedKernel::kV3),
                        ::testing::Values(Arena::kDevice, Arena::kMappedHost),
                        ::testing::ValuesIn(backend_testing::ConformanceBatches()),
                        ::testing::ValuesIn(backend_testing::ConformanceHeads()),

@@ -249,6 +249,56 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// kScatter (PagedKernel::kV4Scatter): the score reduction over a row's lanes is a reduce-scatter
+// across heads (a lane halves the heads it carries at each of the first log2(group) shuffle
+// steps), so a lane ends with the full score of one head: 5 shuffles + 5 adds per row pass at
+// group 4 instead of 16 + 16, and a quarter of the exponentials; the value pass then gathers the
+// group's weights of its row with one shuffle per head. HeadOfLane / LaneOfHead give that layout.
+template <int kG, int kLanes>
+__device__ __forceinline__ int HeadOfLane(int lane) {
+  int h = 0;
+#pragma unroll
+  for (int half = kG / 2, o = kLanes / 2; half > 0; half /= 2, o /= 2) {
+    if (lane & o) h += half;
+  }
+  return h;
+}
+template <int kG, int kLanes>
+__device__ __forceinline__ int LaneOfHead(int h) {
+  int lane = 0;
+#pragma unroll
+  for (int half = kG / 2, o = kLanes / 2; half > 0; half /= 2, o /= 2) {
+    if (h & half) lane += o;
+  }
+  return lane;
+}
+// v[0..kG) partial dot products of this lane's dims -> the full score of head HeadOfLane(lane)
+// over the kLanes lanes of its row (the xor offsets stay inside a row's lanes).
+template <int kG, int kLanes>
+__device__ __forceinline__ float ReduceScatter(float (&v)[kG], int lane) {
+  static_assert(kG <= kLanes, "one head per lane at least");
+  int count = kG;
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o /= 2) {
+    if (count > 1) {
+      const int half = count / 2;
+      const bool upper = (lane & o) != 0;
+#pragma unroll
+      for (int i = 0; i < kG / 2; ++i) {
+        if (i < half) {
+          const float send = upper ? v[i] : v[i + half];
+          const float keep = upper ? v[i + half] : v[i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+      }
+      count = half;
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    }
+  }
+  return v[0];
+}
+
 // kStages 3: two units in flight per warp while it computes one, 2 blocks per SM (96 KiB each at
 // d128). kStages 2 (PagedKernel::kV4TwoStage): one unit in flight, but 64 KiB and at most 168
 // registers at group <= 4, so 3 blocks (12 warps) per SM hide more of the math's latency.
@@ -275,7 +325,7 @@ struct UnitSpans {
   PageSpan s[kSpansPerUnit];
 };
 
-template <int kHeadDim, int kG, int kPageTokens, int kStages>
+template <int kHeadDim, int kG, int kPageTokens, int kStages, bool kScatter>
 __global__ void __launch_bounds__(kV4Threads,
                                   (V4Shape<kHeadDim, kG, kPageTokens, kStages>::kMinBlocksPerSm))
     PagedDecodeKernelV4(const uint8_t* arena, size_t page_bytes, const PageSpan* spans,
@@ -312,6 +362,11 @@ __global__ void __launch_bounds__(kV4Threads,
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[h][j] = 0.0f;
   }
+  // kScatter: this lane's head, its running max and sum over the lane's rows, and the lanes (in
+  // this lane's row) holding each head's score.
+  const int my_head = HeadOfLane<kG, S::kLanesPerRow>(dg);
+  float m_mine = -INFINITY, l_mine = 0.0f;
+  const int row_base = row_in_pass * S::kLanesPerRow;
 
   auto load_spans = [&](int u) {
     UnitSpans<S::kSpansPerUnit> us;
@@ -363,63 +418,130 @@ __global__ void __launch_bounds__(kV4Threads,
     const bf16* ks = ring + stage * S::kStageElems;
     const bf16* vs = ks + S::kUnitElems;
     const uint32_t mask = valid_masks[warp][stage];
-    float s[S::kPasses][kG];
+    if constexpr (kScatter) {
+      float s[S::kPasses];  // the score (then weight) of head my_head for each of the lane's rows
 #pragma unroll
-    for (int i = 0; i < S::kPasses; ++i) {
-      const int t = i * S::kRowsPerPass + row_in_pass;
-      float k[8];
-      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(ks + t * kHeadDim + dg * 8), k);
-      const bool valid = (mask >> t) & 1u;
+      for (int i = 0; i < S::kPasses; ++i) {
+        const int t = i * S::kRowsPerPass + row_in_pass;
+        float k[8];
+        Bf16x8ToFloat(*reinterpret_cast<const uint4*>(ks + t * kHeadDim + dg * 8), k);
+        float v[kG];
 #pragma unroll
-      for (int h = 0; h < kG; ++h) {
-        float v = 0.0f;
+        for (int h = 0; h < kG; ++h) {
+          v[h] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v = fmaf(q[h][j], k[j], v);
-#pragma unroll
-        for (int offset = S::kLanesPerRow / 2; offset > 0; offset >>= 1) {
-          v += __shfl_xor_sync(0xffffffffu, v, offset);
+          for (int j = 0; j < 8; ++j) v[h] = fmaf(q[h][j], k[j], v[h]);
         }
-        s[i][h] = valid ? v : -INFINITY;
+        const float score = ReduceScatter<kG, S::kLanesPerRow>(v, dg);
+        s[i] = (mask >> t) & 1u ? score : -INFINITY;
       }
-    }
+      float mx = s[0];
 #pragma unroll
-    for (int h = 0; h < kG; ++h) {
-      float mx = s[0][h];
-#pragma unroll
-      for (int i = 1; i < S::kPasses; ++i) mx = fmaxf(mx, s[i][h]);
+      for (int i = 1; i < S::kPasses; ++i) mx = fmaxf(mx, s[i]);
 #pragma unroll
       for (int offset = S::kLanesPerRow; offset < 32; offset <<= 1) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
       }
-      const float m_new = fmaxf(m[h], mx);
-      if (m_new == -INFINITY) {  // nothing valid yet: the state stays empty
+      // Every lane tracks every head's maximum (warp-uniform) for the accumulator rescale.
 #pragma unroll
-        for (int i = 0; i < S::kPasses; ++i) s[i][h] = 0.0f;
-        continue;
+      for (int h = 0; h < kG; ++h) {
+        const float head_max =
+            __shfl_sync(0xffffffffu, mx, LaneOfHead<kG, S::kLanesPerRow>(h));
+        const float m_new = fmaxf(m[h], head_max);
+        if (m_new != m[h] && m_new != -INFINITY) {
+          const float c = exp2f(m[h] - m_new);  // 0 when m was -inf
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[h][j] *= c;
+          m[h] = m_new;
+        }
       }
-      if (m_new != m[h]) {  // warp-uniform; once the maximum settles most units skip this
-        const float c = exp2f(m[h] - m_new);  // 0 when m was -inf
-        m[h] = m_new;
-        l[h] *= c;
+      const float m_new = fmaxf(m_mine, mx);
+      if (m_new != -INFINITY) {
+        if (m_new != m_mine) {
+          l_mine *= exp2f(m_mine - m_new);
+          m_mine = m_new;
+        }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[h][j] *= c;
+        for (int i = 0; i < S::kPasses; ++i) {
+          s[i] = exp2f(s[i] - m_new);  // 0 for an invalid slot
+          l_mine += s[i];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < S::kPasses; ++i) s[i] = 0.0f;
       }
 #pragma unroll
       for (int i = 0; i < S::kPasses; ++i) {
-        const float p = exp2f(s[i][h] - m_new);  // 0 for an invalid slot
-        s[i][h] = p;
-        l[h] += p;
-      }
-    }
+        const int t = i * S::kRowsPerPass + row_in_pass;
+        float v[8];
+        Bf16x8ToFloat(*reinterpret_cast<const uint4*>(vs + t * kHeadDim + dg * 8), v);
 #pragma unroll
-    for (int i = 0; i < S::kPasses; ++i) {
-      const int t = i * S::kRowsPerPass + row_in_pass;
-      float v[8];
-      Bf16x8ToFloat(*reinterpret_cast<const uint4*>(vs + t * kHeadDim + dg * 8), v);
+        for (int h = 0; h < kG; ++h) {
+          const float p =
+              __shfl_sync(0xffffffffu, s[i], row_base + LaneOfHead<kG, S::kLanesPerRow>(h));
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(p, v[j], acc[h][j]);
+        }
+      }
+    } else {
+      float s[S::kPasses][kG];
+#pragma unroll
+      for (int i = 0; i < S::kPasses; ++i) {
+        const int t = i * S::kRowsPerPass + row_in_pass;
+        float k[8];
+        Bf16x8ToFloat(*reinterpret_cast<const uint4*>(ks + t * kHeadDim + dg * 8), k);
+        const bool valid = (mask >> t) & 1u;
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+          float v = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v = fmaf(q[h][j], k[j], v);
+#pragma unroll
+          for (int offset = S::kLanesPerRow / 2; offset > 0; offset >>= 1) {
+            v += __shfl_xor_sync(0xffffffffu, v, offset);
+          }
+          s[i][h] = valid ? v : -INFINITY;
+        }
+      }
 #pragma unroll
       for (int h = 0; h < kG; ++h) {
+        float mx = s[0][h];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(s[i][h], v[j], acc[h][j]);
+        for (int i = 1; i < S::kPasses; ++i) mx = fmaxf(mx, s[i][h]);
+#pragma unroll
+        for (int offset = S::kLanesPerRow; offset < 32; offset <<= 1) {
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+        }
+        const float m_new = fmaxf(m[h], mx);
+        if (m_new == -INFINITY) {  // nothing valid yet: the state stays empty
+#pragma unroll
+          for (int i = 0; i < S::kPasses; ++i) s[i][h] = 0.0f;
+          continue;
+        }
+        if (m_new != m[h]) {  // warp-uniform; once the maximum settles most units skip this
+          const float c = exp2f(m[h] - m_new);  // 0 when m was -inf
+          m[h] = m_new;
+          l[h] *= c;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[h][j] *= c;
+        }
+#pragma unroll
+        for (int i = 0; i < S::kPasses; ++i) {
+          const float p = exp2f(s[i][h] - m_new);  // 0 for an invalid slot
+          s[i][h] = p;
+          l[h] += p;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < S::kPasses; ++i) {
+        const int t = i * S::kRowsPerPass + row_in_pass;
+        float v[8];
+        Bf16x8ToFloat(*reinterpret_cast<const uint4*>(vs + t * kHeadDim + dg * 8), v);
+#pragma unroll
+        for (int h = 0; h < kG; ++h) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(s[i][h], v[j], acc[h][j]);
+        }
       }
     }
   };
@@ -446,6 +568,12 @@ __global__ void __launch_bounds__(kV4Threads,
   CpAsyncWait<0>();
   __syncwarp();
 
+  if constexpr (kScatter) {  // every head's sum from a lane of this row holding it
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+      l[h] = __shfl_sync(0xffffffffu, l_mine, row_base + LaneOfHead<kG, S::kLanesPerRow>(h));
+    }
+  }
   // Sum the warp's row groups (lanes with the same dg hold disjoint rows).
 #pragma unroll
   for (int h = 0; h < kG; ++h) {
@@ -499,24 +627,6 @@ __global__ void __launch_bounds__(kV4Threads,
   }
 }
 
-template <int kHeadDim, int kG, int kPageTokens, int kStages>
-cudaError_t LaunchV4(unsigned blocks, cudaStream_t stream, const uint8_t* arena,
-                     size_t page_bytes, const PageSpan* spans, const PagedItem* items, int group,
-                     float scale) {
-  using S = V4Shape<kHeadDim, kG, kPageTokens, kStages>;
-  auto* kernel = &PagedDecodeKernelV4<kHeadDim, kG, kPageTokens, kStages>;
-  // Above 48 KiB of dynamic shared memory must be asked for (per device: so on every launch; it
-  // is a host-side attribute write, no stream work).
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(S::kSmemBytes));
-      e != cudaSuccess) {
-    return e;
-  }
-  kernel<<<blocks, kV4Threads, S::kSmemBytes, stream>>>(arena, page_bytes, spans, items, group,
-                                                        scale * 1.4426950408889634f);
-  return cudaGetLastError();
-}
-
 // The arguments every v4 launch passes through the dispatch below.
 struct V4Args {
   unsigned blocks;
@@ -529,32 +639,44 @@ struct V4Args {
   float scale;
 };
 
-template <int kHeadDim, int kG, int kStages>
+template <int kHeadDim, int kG, int kPageTokens, int kStages, bool kScatter>
+cudaError_t LaunchV4(const V4Args& a) {
+  using S = V4Shape<kHeadDim, kG, kPageTokens, kStages>;
+  auto* kernel = &PagedDecodeKernelV4<kHeadDim, kG, kPageTokens, kStages, kScatter>;
+  // Above 48 KiB of dynamic shared memory must be asked for (per device: so on every launch; it
+  // is a host-side attribute write, no stream work).
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(S::kSmemBytes));
+      e != cudaSuccess) {
+    return e;
+  }
+  kernel<<<a.blocks, kV4Threads, S::kSmemBytes, a.stream>>>(
+      a.arena, a.page_bytes, a.spans, a.items, a.group, a.scale * 1.4426950408889634f);
+  return cudaGetLastError();
+}
+
+template <int kHeadDim, int kG, int kStages, bool kScatter>
 cudaError_t LaunchV4ForPageTokens(int64_t page_tokens, const V4Args& a) {
   switch (page_tokens) {
     case 8:
-      return LaunchV4<kHeadDim, kG, 8, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
-                                                a.spans, a.items, a.group, a.scale);
+      return LaunchV4<kHeadDim, kG, 8, kStages, kScatter>(a);
     case 16:
-      return LaunchV4<kHeadDim, kG, 16, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
-                                                 a.spans, a.items, a.group, a.scale);
+      return LaunchV4<kHeadDim, kG, 16, kStages, kScatter>(a);
     case 32:
-      return LaunchV4<kHeadDim, kG, 32, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
-                                                 a.spans, a.items, a.group, a.scale);
+      return LaunchV4<kHeadDim, kG, 32, kStages, kScatter>(a);
     case 64:
-      return LaunchV4<kHeadDim, kG, 64, kStages>(a.blocks, a.stream, a.arena, a.page_bytes,
-                                                 a.spans, a.items, a.group, a.scale);
+      return LaunchV4<kHeadDim, kG, 64, kStages, kScatter>(a);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-template <int kHeadDim, int kStages>
+template <int kHeadDim, int kStages, bool kScatter>
 cudaError_t LaunchV4ForGroup(int64_t page_tokens, const V4Args& a) {
-  if (a.group == 1) return LaunchV4ForPageTokens<kHeadDim, 1, kStages>(page_tokens, a);
-  if (a.group == 2) return LaunchV4ForPageTokens<kHeadDim, 2, kStages>(page_tokens, a);
-  if (a.group <= 4) return LaunchV4ForPageTokens<kHeadDim, 4, kStages>(page_tokens, a);
-  return LaunchV4ForPageTokens<kHeadDim, 8, kStages>(page_tokens, a);
+  if (a.group == 1) return LaunchV4ForPageTokens<kHeadDim, 1, kStages, kScatter>(page_tokens, a);
+  if (a.group == 2) return LaunchV4ForPageTokens<kHeadDim, 2, kStages, kScatter>(page_tokens, a);
+  if (a.group <= 4) return LaunchV4ForPageTokens<kHeadDim, 4, kStages, kScatter>(page_tokens, a);
+  return LaunchV4ForPageTokens<kHeadDim, 8, kStages, kScatter>(page_tokens, a);
 }
 
 template <int kHeadDim>
@@ -602,11 +724,17 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
   if (kernel != PagedKernel::kV3) {
     const V4Args args{blocks, stream, arena, page_bytes, spans, items, g, scale};
     switch (head_dim) {
-      case 64:  // kV4TwoStage is instantiated for head_dim 128 only; 64 runs kV4
-        return LaunchV4ForGroup<64, 3>(page_tokens, args);
+      case 64:  // the variants are instantiated for head_dim 128 only; 64 runs kV4
+        return LaunchV4ForGroup<64, 3, false>(page_tokens, args);
       case 128:
-        return kernel == PagedKernel::kV4TwoStage ? LaunchV4ForGroup<128, 2>(page_tokens, args)
-                                                  : LaunchV4ForGroup<128, 3>(page_tokens, args);
+        switch (kernel) {
+          case PagedKernel::kV4TwoStage:
+            return LaunchV4ForGroup<128, 2, false>(page_tokens, args);
+          case PagedKernel::kV4Scatter:
+            return LaunchV4ForGroup<128, 3, true>(page_tokens, args);
+          default:
+            return LaunchV4ForGroup<128, 3, false>(page_tokens, args);
+        }
       default:
         return cudaErrorInvalidValue;
     }
@@ -631,6 +759,8 @@ const char* PagedKernelName(PagedKernel kernel) {
       return "v4";
     case PagedKernel::kV4TwoStage:
       return "v4s2";
+    case PagedKernel::kV4Scatter:
+      return "v4t";
   }
   return "unknown";
 }
@@ -643,6 +773,8 @@ int PagedBlocksPerSm(PagedKernel kernel) {
       return 2;
     case PagedKernel::kV4TwoStage:
       return 3;
+    case PagedKernel::kV4Scatter:
+      return 2;
   }
   return 2;
 }

@@ -34,9 +34,11 @@ inline constexpr int64_t kMaxPagedGroup = 8;
 //        SM); page_tokens 8/16/32/64.
 //   kV4TwoStage: kV4 with 2-stage rings and 3 blocks per SM at group <= 4 (more warps, fewer
 //        bytes in flight each), to compare on the device; head_dim 64 runs kV4.
-enum class PagedKernel { kV3, kV4, kV4TwoStage };
-const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2"
-// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3).
+//   kV4Scatter: kV4 with the scores reduced by a reduce-scatter across heads (fewer shuffles,
+//        adds and exponentials per row), to compare on the device; head_dim 64 runs kV4.
+enum class PagedKernel { kV3, kV4, kV4TwoStage, kV4Scatter };
+const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2", "v4t"
+// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3, v4t 2).
 int PagedBlocksPerSm(PagedKernel kernel);
 
 // Smallest chunk ChoosePagedChunkRows gives v4: four 16-row units per warp.

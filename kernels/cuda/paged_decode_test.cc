@@ -196,7 +196,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{128, 4, 64, PagedKernel::kV4TwoStage},
                       Case{128, 8, 8, PagedKernel::kV4TwoStage},
                       Case{128, 1, 32, PagedKernel::kV4TwoStage},
-                      Case{64, 4, 16, PagedKernel::kV4TwoStage}),
+                      Case{64, 4, 16, PagedKernel::kV4TwoStage},
+                      Case{128, 4, 16, PagedKernel::kV4Scatter},
+                      Case{128, 4, 64, PagedKernel::kV4Scatter},
+                      Case{128, 8, 8, PagedKernel::kV4Scatter},
+                      Case{128, 3, 32, PagedKernel::kV4Scatter},
+                      Case{128, 2, 16, PagedKernel::kV4Scatter},
+                      Case{128, 1, 16, PagedKernel::kV4Scatter}),
     [](const auto& info) {
       return std::string(PagedKernelName(info.param.kernel)) + "_d" +
              std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group) +
