@@ -51,7 +51,7 @@ struct Problem {
 // Builds a batch of `batch` requests with contexts of different lengths; each (request, KV head)
 // pair owns its own pages, placed at shuffled positions in one arena.
 inline std::unique_ptr<Problem> MakeProblem(int64_t batch, int64_t hq, int64_t hkv, int64_t d,
-                                     Layout layout, uint32_t seed) {
+                                            Layout layout, uint32_t seed) {
   auto pr = std::make_unique<Problem>();
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -63,10 +63,8 @@ class CudaAttentionBackend final : public AttentionBackend {
   // REQUIRES: as AttentionBackend::Run; `workspace` in device memory, 256-byte aligned.
   absl::Status Run(const PagedDecodeProblem& p, absl::Span<std::byte> workspace) override;
 
-
  private:
-  explicit CudaAttentionBackend(const CudaAttentionBackendOptions& options)
-      : options_(options) {}
+  explicit CudaAttentionBackend(const CudaAttentionBackendOptions& options) : options_(options) {}
   int64_t BlockSlots() const;  // num_sms x PagedBlocksPerSm(kernel)
   CudaAttentionBackendOptions options_;
 };

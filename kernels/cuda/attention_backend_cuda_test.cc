@@ -80,8 +80,7 @@ class OnDevice {
 };
 
 // (kernel, arena memory, batch, (hq, hkv), head_dim, layout)
-using Param =
-    std::tuple<PagedKernel, Arena, int64_t, std::pair<int64_t, int64_t>, int64_t, Layout>;
+using Param = std::tuple<PagedKernel, Arena, int64_t, std::pair<int64_t, int64_t>, int64_t, Layout>;
 
 class CudaAttentionBackendConformance : public ::testing::TestWithParam<Param> {
  protected:

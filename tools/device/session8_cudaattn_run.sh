@@ -14,7 +14,7 @@ tar -C /tmp/dev -xJf .device.tar.xz
 source /tmp/dev/.device/env.sh
 bin=/tmp/dev/.device/bin
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
-args=${BENCH_ARGS:---batch 1,4,16 --contexts 32768,65536,131072 --read-fraction 0.05,0.02 --page-tokens 16,32,64 --paged-kernels v3,v4,v4s2 --repeats 20}
+args=${BENCH_ARGS:---batch 1,4,16 --contexts 32768,65536,131072 --read-fraction 0.05,0.02 --page-tokens 16,32,64 --paged-kernels v3,v4,v4s2,v4t --repeats 20}
 {
   echo "== kernels_cuda_test"; "$bin/kernels_cuda_test" 2>&1 | grep -v '^\[ *\(RUN\|OK\) ' | tail -60
   echo "== kernels_cuda_attention_test"
