@@ -25,8 +25,8 @@ namespace fluxion::kernels::cuda {
 // Largest GQA group (query heads per KV head) the kernel is compiled for.
 inline constexpr int64_t kMaxPagedGroup = 8;
 
-// Which kernel runs (both compute the same thing; the old one stays selectable so that one
-// benchmark run compares them, `fluxion bench gpu --paged-kernels`):
+// Which kernel runs (all compute the same thing; the old one and the v4 variants stay selectable
+// so that one benchmark run compares them, `fluxion bench gpu --paged-kernels`):
 //   kV3: one kernel for every group, block-wide tiles of 128 row slots (session 7: 19-25% of
 //        HBM bandwidth over HBM-resident pages); page_tokens 8/16/32.
 //   kV4: one instantiation per (head_dim, group in {1,2,4,8}, page_tokens), each warp streaming
@@ -58,7 +58,7 @@ struct PagedItem {
 
 // All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
 // [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
-// page_tokens 8, 16, 32 (and 64 for kV4); arena and page_bytes 16-byte aligned and
+// page_tokens 8, 16, 32 (and 64 for the v4 kernels); arena and page_bytes 16-byte aligned and
 // page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise. One block per
 // item: split long items into chunks (SplitByRows) to fill the GPU.
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
@@ -71,8 +71,9 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
 int64_t ChooseChunkRows(int64_t total_rows, int num_sms);
 
 // Rows per chunk for `kernel` over `items` items of `total_rows` rows in all (about equal rows
-// each). kV3: ChooseChunkRows. kV4: one wave of blocks (two per SM), floor(2 * num_sms / items)
-// chunks per item (at least one), a multiple of 16, at least kMinV4ChunkRows.
+// each). kV3: ChooseChunkRows. v4 kernels: one wave of blocks (slots = PagedBlocksPerSm x
+// num_sms), floor(slots / items) chunks per item (at least one), a multiple of 16, at least
+// kMinV4ChunkRows.
 int64_t ChoosePagedChunkRows(PagedKernel kernel, int64_t total_rows, int64_t items, int num_sms);
 
 // Host-side planning for flash-decoding: cuts spans[begin, end) into consecutive chunks of at
