@@ -216,6 +216,28 @@ TEST(CudaAttentionPlanTest, ChunkBoundHoldsForUnevenPairs) {
   }
 }
 
+// More pairs than the plan kernel has threads (1024): each thread plans several pairs.
+TEST_F(CudaAttentionBackendTest, ManyPairsMatchTheReference) {
+  auto pr = backend_testing::MakeProblem(300, 8, 4, 64, Layout::kSomeEmpty, 11);
+  ASSERT_GT(pr->p.num_pairs(), 1024);
+  std::vector<float> want_out(300 * 8 * 64, NAN), want_lse(300 * 8, NAN);
+  PagedDecodeProblem host = pr->p;
+  host.out = want_out.data();
+  host.lse = want_lse.data();
+  ASSERT_TRUE(NewReferenceAttentionBackend()->Run(host, {}).ok());
+  for (PagedKernel kernel : {PagedKernel::kV4, PagedKernel::kV3}) {
+    auto backend = CudaAttentionBackend::Create({nullptr, kernel, 0});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    OnDevice dev(*pr, Arena::kDevice);
+    const absl::Status ran =
+        (*backend)->Run(dev.problem(), dev.Workspace((*backend)->WorkspaceBytes(dev.problem())));
+    ASSERT_TRUE(ran.ok()) << ran;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    backend_testing::ExpectMatchesReference(*pr, want_out, want_lse, dev.Out(), dev.Lse(),
+                                            kCudaTolerance);
+  }
+}
+
 TEST_F(CudaAttentionBackendTest, WorkspaceTooSmallIsAnError) {
   auto pr = backend_testing::MakeProblem(2, 4, 2, 64, Layout::kWhole, 5);
   auto backend = CudaAttentionBackend::Create({});
