@@ -102,44 +102,41 @@ void ExpectStateNear(const std::vector<float>& out, const std::vector<float>& ls
   }
 }
 
-TEST_P(PagedDecodeTest, MatchesReferenceFromDeviceAndPinnedHostMemory) {
-  const auto [head_dim, group, page_tokens, kernel] = GetParam();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const Problem p = MakeProblem(head_dim, group, page_tokens, {1, 0, 5, 40, 300}, 3);
+// Runs every item of the problem over `arena` (device memory or mapped pinned host memory, holding
+// p.arena) and compares each with the reference.
+void ExpectItemsMatchReference(const Problem& p, const uint8_t* arena, const Case& c,
+                               const std::string& what) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   DeviceBuffers dev;
-  const uint8_t* device_arena = reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena));
-  // Pinned host copy, mapped into the device's address space.
-  std::vector<bf16> host_arena = p.arena;
-  ASSERT_EQ(cudaHostRegister(host_arena.data(), host_arena.size() * sizeof(bf16),
-                             cudaHostRegisterMapped | cudaHostRegisterReadOnly),
-            cudaSuccess);
-  void* mapped = nullptr;
-  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host_arena.data(), 0), cudaSuccess);
   const PageSpan* spans = dev.ToDevice(p.spans);
   const size_t items = p.q.size();
-  for (const uint8_t* arena : {device_arena, static_cast<const uint8_t*>(mapped)}) {
-    std::vector<PagedItem> host_items(items);
-    std::vector<float*> outs(items), lses(items);
-    for (size_t i = 0; i < items; ++i) {
-      host_items[i] = {dev.ToDevice(p.q[i]), p.item_begin[i], p.item_begin[i + 1],
-                       outs[i] = dev.ToDevice(std::vector<float>(group * head_dim, NAN)),
-                       lses[i] = dev.ToDevice(std::vector<float>(group, NAN))};
-    }
-    ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, page_tokens, head_dim, spans,
-                                   dev.ToDevice(host_items), items, group, scale, nullptr,
-                                   kernel),
-              cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (size_t i = 0; i < items; ++i) {
-      std::vector<float> want_out, want_lse;
-      Reference(p, head_dim, group, scale, i, &want_out, &want_lse);
-      ExpectStateNear(DeviceBuffers::ToHost(outs[i], group * head_dim),
-                      DeviceBuffers::ToHost(lses[i], group), want_out, want_lse,
-                      (arena == device_arena ? "device item " : "pinned item ") +
-                          std::to_string(i));
-    }
+  std::vector<PagedItem> host_items(items);
+  std::vector<float*> outs(items), lses(items);
+  for (size_t i = 0; i < items; ++i) {
+    host_items[i] = {dev.ToDevice(p.q[i]), p.item_begin[i], p.item_begin[i + 1],
+                     outs[i] = dev.ToDevice(std::vector<float>(c.group * c.head_dim, NAN)),
+                     lses[i] = dev.ToDevice(std::vector<float>(c.group, NAN))};
   }
-  ASSERT_EQ(cudaHostUnregister(host_arena.data()), cudaSuccess);
+  ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, c.page_tokens, c.head_dim, spans,
+                                 dev.ToDevice(host_items), items, c.group, scale, nullptr,
+                                 c.kernel),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < items; ++i) {
+    std::vector<float> want_out, want_lse;
+    Reference(p, c.head_dim, c.group, scale, i, &want_out, &want_lse);
+    ExpectStateNear(DeviceBuffers::ToHost(outs[i], c.group * c.head_dim),
+                    DeviceBuffers::ToHost(lses[i], c.group), want_out, want_lse,
+                    what + " item " + std::to_string(i));
+  }
+}
+
+TEST_P(PagedDecodeTest, MatchesReferenceFromDeviceMemory) {
+  const Case c = GetParam();
+  const Problem p = MakeProblem(c.head_dim, c.group, c.page_tokens, {1, 0, 5, 40, 300}, 3);
+  DeviceBuffers dev;
+  ExpectItemsMatchReference(p, reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena)), c,
+                            "device");
 }
 
 TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
@@ -184,6 +181,22 @@ TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
                   DeviceBuffers::ToHost(lses, group), want_out, want_lse, "merged chunks");
   ExpectStateNear(DeviceBuffers::ToHost(merged_out, group * head_dim),
                   DeviceBuffers::ToHost(merged_lse, group), want_out, want_lse, "MergeChunks");
+}
+
+// Defined last: gtest runs a suite's tests in definition order, so every device-memory case has
+// run before the first read over PCIe (a fault there would poison the context for what follows).
+TEST_P(PagedDecodeTest, MatchesReferenceFromPinnedHostMemory) {
+  const Case c = GetParam();
+  const Problem p = MakeProblem(c.head_dim, c.group, c.page_tokens, {1, 0, 5, 40, 300}, 3);
+  // Pinned host copy, mapped into the device's address space.
+  std::vector<bf16> host_arena = p.arena;
+  ASSERT_EQ(cudaHostRegister(host_arena.data(), host_arena.size() * sizeof(bf16),
+                             cudaHostRegisterMapped | cudaHostRegisterReadOnly),
+            cudaSuccess);
+  void* mapped = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host_arena.data(), 0), cudaSuccess);
+  ExpectItemsMatchReference(p, static_cast<const uint8_t*>(mapped), c, "pinned");
+  ASSERT_EQ(cudaHostUnregister(host_arena.data()), cudaSuccess);
 }
 
 INSTANTIATE_TEST_SUITE_P(
