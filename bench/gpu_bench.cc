@@ -330,98 +330,123 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   }
   Row("\n%-30s %3s %5s %8s %9s %10s %9s %8s %7s\n", "attention (one layer)", "P", "B", "context",
       "read", "ms", "GB/s", "% limit", "chunks");
-  for (int64_t batch : o.batches) {
-    for (int64_t ctx : o.contexts) {
-      for (int64_t page_tokens : o.page_tokens) {
-        const int64_t page_bytes = PageBytes(page_tokens);
-        const int64_t items = batch * kKvHeads;
-        const int64_t pages = items * ((ctx + page_tokens - 1) / page_tokens);
-        // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
-        size_t free_bytes = 0, total = 0;
-        BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
-        void* arena = nullptr;
-        if (static_cast<size_t>(pages) * page_bytes + (size_t{1} << 30) < free_bytes) {
-          BENCH_CUDA(cudaMalloc(&arena, pages * page_bytes));
-          BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * page_bytes, stream));
-        } else {
-          Row("%-30s %3ld %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
-              "full, KV in HBM", page_tokens, batch, ctx, "1", pages * page_bytes >> 20);
-        }
-        std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
-        for (cuda::PagedKernel kernel : kernels) {
-          if (arena == nullptr) break;
-          if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;  // v3: 8/16/32
-          AttentionPlan plan;
-          DeviceMemory plan_mem;
-          FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true, o.span_tokens,
-                                            page_tokens, kernel, pages, o.chunk_rows, num_sms,
-                                            static_cast<float*>(dq), &plan, rng));
-          FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-            return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
-          }));
-          const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-          const double gbps = bytes / (t.median * 1e-3) / 1e9;
-          const std::string label =
-              absl::StrCat("full, KV in HBM, ", cuda::PagedKernelName(kernel));
-          Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%% %7zu\n", label.c_str(), page_tokens,
-              batch, ctx, "1", t.median, gbps, 100 * gbps / hbm_gbps, plan.chunks.size());
-          results->push_back({{"kind", "attention_hbm_full"},
-                              {"kernel", cuda::PagedKernelName(kernel)},
-                              {"page_tokens", page_tokens}, {"batch", batch}, {"context", ctx},
-                              {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                              {"gbps", gbps}, {"ratio_to_hbm_copy", gbps / hbm_gbps},
-                              {"chunks", plan.chunks.size()}, {"chunk_rows", plan.chunk_rows}});
-          // The same pages through the attention seam (device-planned chunks).
-          FLUXION_ASSIGN_OR_RETURN(
-              Stats tb, TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
-                                    static_cast<float*>(dq), num_sms, o.repeats, stream));
-          const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
-          const std::string backend_label =
-              absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
-          Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
-              page_tokens, batch, ctx, "1", tb.median, backend_gbps,
-              100 * backend_gbps / hbm_gbps);
-          results->push_back({{"kind", "attention_hbm_full_backend"},
-                              {"kernel", cuda::PagedKernelName(kernel)},
-                              {"page_tokens", page_tokens}, {"batch", batch}, {"context", ctx},
-                              {"ms", tb.median}, {"p10_ms", tb.p10}, {"p90_ms", tb.p90},
-                              {"gbps", backend_gbps},
-                              {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
-        }
-        // Sparse selection read straight from pinned host memory.
-        const int64_t host_pages = host_bytes / page_bytes;
-        void* mapped = nullptr;
-        BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
-        const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
-        for (double f : o.fractions) {
-          for (cuda::PagedKernel kernel : kernels) {
-            if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;
-            const int64_t rows = std::max<int64_t>(page_tokens, static_cast<int64_t>(f * ctx));
-            AttentionPlan plan;
-            DeviceMemory plan_mem;
-            FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, rows, /*dense=*/false,
-                                              o.span_tokens, page_tokens, kernel, host_pages,
-                                              o.chunk_rows, num_sms, static_cast<float*>(dq),
-                                              &plan, rng));
-            FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-              return RunPlan(plan, host_arena, stream);
-            }));
-            const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-            const double gbps = bytes / (t.median * 1e-3) / 1e9;
-            // A span is at least one page.
-            const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
-            const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
-                                                   cuda::PagedKernelName(kernel));
-            Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
-                page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
-                plan.chunks.size());
-            results->push_back(
-                {{"kind", "attention_host_zero_copy"}, {"kernel", cuda::PagedKernelName(kernel)},
-                 {"page_tokens", page_tokens}, {"batch", batch}, {"context", ctx},
-                 {"read_fraction", f}, {"span_tokens", span_tokens}, {"ms", t.median},
-                 {"p10_ms", t.p10}, {"p90_ms", t.p90}, {"gbps", gbps},
-                 {"ratio_to_h2d_copy", gbps / h2d_gbps}, {"chunks", plan.chunks.size()},
-                 {"chunk_rows", plan.chunk_rows}});
+  // Two passes: every HBM point first, then the zero-copy reads over PCIe, so that the HBM table is
+  // complete even if a kernel fails on mapped host memory.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t batch : o.batches) {
+      for (int64_t ctx : o.contexts) {
+        for (int64_t page_tokens : o.page_tokens) {
+          const int64_t page_bytes = PageBytes(page_tokens);
+          const int64_t items = batch * kKvHeads;
+          const int64_t pages = items * ((ctx + page_tokens - 1) / page_tokens);
+          if (pass == 0) {
+            // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
+            size_t free_bytes = 0, total = 0;
+            BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
+            void* arena = nullptr;
+            if (static_cast<size_t>(pages) * page_bytes + (size_t{1} << 30) < free_bytes) {
+              BENCH_CUDA(cudaMalloc(&arena, pages * page_bytes));
+              BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * page_bytes, stream));
+            } else {
+              Row("%-30s %3ld %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
+                  "full, KV in HBM", page_tokens, batch, ctx, "1", pages * page_bytes >> 20);
+            }
+            std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
+            for (cuda::PagedKernel kernel : kernels) {
+              if (arena == nullptr) break;
+              if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;  // v3: 8/16/32
+              AttentionPlan plan;
+              DeviceMemory plan_mem;
+              FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true, o.span_tokens,
+                                                page_tokens, kernel, pages, o.chunk_rows, num_sms,
+                                                static_cast<float*>(dq), &plan, rng));
+              FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                                         return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
+                                       }));
+              const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+              const double gbps = bytes / (t.median * 1e-3) / 1e9;
+              const std::string label =
+                  absl::StrCat("full, KV in HBM, ", cuda::PagedKernelName(kernel));
+              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%% %7zu\n", label.c_str(),
+                  page_tokens, batch, ctx, "1", t.median, gbps, 100 * gbps / hbm_gbps,
+                  plan.chunks.size());
+              results->push_back({{"kind", "attention_hbm_full"},
+                                  {"kernel", cuda::PagedKernelName(kernel)},
+                                  {"page_tokens", page_tokens},
+                                  {"batch", batch},
+                                  {"context", ctx},
+                                  {"ms", t.median},
+                                  {"p10_ms", t.p10},
+                                  {"p90_ms", t.p90},
+                                  {"gbps", gbps},
+                                  {"ratio_to_hbm_copy", gbps / hbm_gbps},
+                                  {"chunks", plan.chunks.size()},
+                                  {"chunk_rows", plan.chunk_rows}});
+              // The same pages through the attention seam (device-planned chunks).
+              FLUXION_ASSIGN_OR_RETURN(
+                  Stats tb,
+                  TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
+                              static_cast<float*>(dq), num_sms, o.repeats, stream));
+              const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
+              const std::string backend_label =
+                  absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
+              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
+                  page_tokens, batch, ctx, "1", tb.median, backend_gbps,
+                  100 * backend_gbps / hbm_gbps);
+              results->push_back({{"kind", "attention_hbm_full_backend"},
+                                  {"kernel", cuda::PagedKernelName(kernel)},
+                                  {"page_tokens", page_tokens},
+                                  {"batch", batch},
+                                  {"context", ctx},
+                                  {"ms", tb.median},
+                                  {"p10_ms", tb.p10},
+                                  {"p90_ms", tb.p90},
+                                  {"gbps", backend_gbps},
+                                  {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
+            }
+          } else {
+            // Sparse selection read straight from pinned host memory.
+            const int64_t host_pages = host_bytes / page_bytes;
+            void* mapped = nullptr;
+            BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
+            const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
+            for (double f : o.fractions) {
+              for (cuda::PagedKernel kernel : kernels) {
+                if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;
+                const int64_t rows = std::max<int64_t>(page_tokens, static_cast<int64_t>(f * ctx));
+                AttentionPlan plan;
+                DeviceMemory plan_mem;
+                FLUXION_RETURN_IF_ERROR(BuildPlan(
+                    plan_mem, items, rows, /*dense=*/false, o.span_tokens, page_tokens, kernel,
+                    host_pages, o.chunk_rows, num_sms, static_cast<float*>(dq), &plan, rng));
+                FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                                           return RunPlan(plan, host_arena, stream);
+                                         }));
+                const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+                const double gbps = bytes / (t.median * 1e-3) / 1e9;
+                // A span is at least one page.
+                const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
+                const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
+                                                       cuda::PagedKernelName(kernel));
+                Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
+                    page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
+                    plan.chunks.size());
+                results->push_back({{"kind", "attention_host_zero_copy"},
+                                    {"kernel", cuda::PagedKernelName(kernel)},
+                                    {"page_tokens", page_tokens},
+                                    {"batch", batch},
+                                    {"context", ctx},
+                                    {"read_fraction", f},
+                                    {"span_tokens", span_tokens},
+                                    {"ms", t.median},
+                                    {"p10_ms", t.p10},
+                                    {"p90_ms", t.p90},
+                                    {"gbps", gbps},
+                                    {"ratio_to_h2d_copy", gbps / h2d_gbps},
+                                    {"chunks", plan.chunks.size()},
+                                    {"chunk_rows", plan.chunk_rows}});
+              }
+            }
           }
         }
       }
