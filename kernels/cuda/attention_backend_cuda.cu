@@ -177,6 +177,9 @@ absl::Status CudaAttentionBackend::Run(const PagedDecodeProblem& p,
                                                    " needed (WorkspaceBytes)"));
   }
   std::byte* base = workspace.data();
+  if (reinterpret_cast<uintptr_t>(base) % alignof(PagedItem) != 0) {
+    return absl::InvalidArgumentError("CUDA attention: workspace not 8-byte aligned");
+  }
   auto* chunk_begin = reinterpret_cast<int32_t*>(base + l.chunk_begin);
   auto* items = reinterpret_cast<PagedItem*>(base + l.items);
   auto* chunk_lse = reinterpret_cast<float*>(base + l.chunk_lse);

@@ -60,7 +60,8 @@ class CudaAttentionBackend final : public AttentionBackend {
   // arena not 16-byte aligned, num_spans or num_pairs beyond int32.
   absl::Status Supports(const PagedDecodeProblem& p) const override;
   size_t WorkspaceBytes(const PagedDecodeProblem& p) const override;
-  // REQUIRES: as AttentionBackend::Run; `workspace` in device memory, 256-byte aligned.
+  // REQUIRES: as AttentionBackend::Run; `workspace` in device memory. InvalidArgument when it
+  // is smaller than WorkspaceBytes(p) or not 8-byte aligned (cudaMalloc's 256 always is).
   absl::Status Run(const PagedDecodeProblem& p, absl::Span<std::byte> workspace) override;
 
  private:
