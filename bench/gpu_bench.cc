@@ -20,6 +20,8 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/process_cpu.h"
+#include "kernels/attention_backend.h"
+#include "kernels/cuda/attention_backend_cuda.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
@@ -37,7 +39,8 @@ namespace cuda = kernels::cuda;
 // Llama-3.1-8B: hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab 128256.
 constexpr int64_t kHidden = 4096, kLayers = 32, kKvHeads = 8, kGroup = 4, kHeadDim = 128;
 constexpr int64_t kFfn = 14336, kVocab = 128256, kPageTokens = 16;
-constexpr int64_t kPageBytes = 2 * kPageTokens * kHeadDim * 2;
+constexpr int64_t kPageBytes = 2 * kPageTokens * kHeadDim * 2;  // the pinned probe's unit
+constexpr int64_t PageBytes(int64_t page_tokens) { return 2 * page_tokens * kHeadDim * 2; }
 
 absl::Status Check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -92,9 +95,11 @@ struct Options {
   std::vector<int64_t> batches = {1, 4, 16};
   std::vector<int64_t> contexts = {32768, 65536, 131072};
   std::vector<double> fractions = {0.05, 0.02};
-  int64_t chunk_rows = 0, span_tokens = 32, repeats = 20;  // chunk_rows 0: ChooseChunkRows
+  int64_t chunk_rows = 0, span_tokens = 32, repeats = 20;  // chunk_rows 0: ChoosePagedChunkRows
   double host_gib = 8.0;
   bool dense_step = true;
+  std::vector<int64_t> page_tokens = {16};
+  std::vector<std::string> paged_kernels = {"v3", "v4", "v4s2", "v4t"};
 };
 
 // One launch plan: items (B x KV heads), each split into chunks of spans, and the merge.
@@ -106,32 +111,37 @@ struct AttentionPlan {
   cuda::PagedItem* d_chunks = nullptr;
   int32_t* d_chunk_begin = nullptr;
   float *d_chunk_out = nullptr, *d_chunk_lse = nullptr, *d_out = nullptr, *d_lse = nullptr;
-  int64_t items = 0, rows = 0, chunk_rows = 0;
+  int64_t items = 0, rows = 0, chunk_rows = 0, page_tokens = kPageTokens;
+  cuda::PagedKernel kernel = cuda::PagedKernel::kV4;
 };
 
 // Items of `rows_per_item` rows each: dense (every page of a contiguous range, full attention) or
-// random spans of `span_tokens` over `arena_pages` pages (a sparse selection).
+// random spans of `span_tokens` over `arena_pages` pages (a sparse selection), pages of
+// `page_tokens` tokens, chunked for `kernel`.
 absl::Status BuildPlan(DeviceMemory& mem, int64_t items, int64_t rows_per_item, bool dense,
-                       int64_t span_tokens, int64_t arena_pages, int64_t chunk_rows,
-                       int num_sms, const float* d_q, AttentionPlan* plan,
-                       std::mt19937_64& rng) {
+                       int64_t span_tokens, int64_t page_tokens, cuda::PagedKernel kernel,
+                       int64_t arena_pages, int64_t chunk_rows, int num_sms, const float* d_q,
+                       AttentionPlan* plan, std::mt19937_64& rng) {
   *plan = AttentionPlan{};
   plan->items = items;
+  plan->page_tokens = page_tokens;
+  plan->kernel = kernel;
   std::vector<int32_t> item_spans = {0};
-  const int64_t span_pages = std::max<int64_t>(1, span_tokens / kPageTokens);
+  const int64_t span_pages = std::max<int64_t>(1, span_tokens / page_tokens);
   std::uniform_int_distribution<int64_t> pick(0, arena_pages / span_pages - 1);
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t pages = (rows_per_item + kPageTokens - 1) / kPageTokens;
+    const int64_t pages = (rows_per_item + page_tokens - 1) / page_tokens;
     for (int64_t p = 0; p < pages; p += (dense ? 1 : span_pages)) {
       const int64_t first = dense ? i * pages + p : pick(rng) * span_pages;
       for (int64_t k = 0; k < (dense ? 1 : span_pages) && p + k < pages; ++k) {
-        plan->spans.push_back({static_cast<int32_t>(first + k), 0, kPageTokens});
+        plan->spans.push_back(
+            {static_cast<int32_t>(first + k), 0, static_cast<int32_t>(page_tokens)});
       }
     }
     item_spans.push_back(plan->spans.size());
   }
-  plan->rows = static_cast<int64_t>(plan->spans.size()) * kPageTokens;
-  if (chunk_rows == 0) chunk_rows = cuda::ChooseChunkRows(plan->rows, num_sms);
+  plan->rows = static_cast<int64_t>(plan->spans.size()) * page_tokens;
+  if (chunk_rows == 0) chunk_rows = cuda::ChoosePagedChunkRows(kernel, plan->rows, items, num_sms);
   plan->chunk_rows = chunk_rows;
   int64_t chunk_count = 0;
   plan->chunk_begin.push_back(0);
@@ -176,11 +186,58 @@ absl::Status BuildPlan(DeviceMemory& mem, int64_t items, int64_t rows_per_item, 
 
 absl::Status RunPlan(const AttentionPlan& plan, const uint8_t* arena, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  BENCH_CUDA(cuda::PagedDecodeAttention(arena, kPageBytes, kPageTokens, kHeadDim, plan.d_spans,
-                                        plan.d_chunks, plan.chunks.size(), kGroup, scale, stream));
+  BENCH_CUDA(cuda::PagedDecodeAttention(arena, PageBytes(plan.page_tokens), plan.page_tokens,
+                                        kHeadDim, plan.d_spans, plan.d_chunks, plan.chunks.size(),
+                                        kGroup, scale, stream, plan.kernel));
   BENCH_CUDA(cuda::MergeChunks(plan.d_chunk_out, plan.d_chunk_lse, plan.d_chunk_begin, plan.items,
                                kGroup, kHeadDim, plan.d_out, plan.d_lse, stream));
   return absl::OkStatus();
+}
+
+// Full attention over `pages` of `items` x ceil(ctx / page_tokens) whole pages, through
+// CudaAttentionBackend (the device-side chunk plan + the paged kernel + MergeChunks): what the step
+// executor pays, next to RunPlan's host-planned launch.
+absl::StatusOr<Stats> TimeBackend(cuda::PagedKernel kernel, int64_t items, int64_t ctx,
+                                  int64_t page_tokens, const uint8_t* arena, const float* d_q,
+                                  int num_sms, int64_t repeats, cudaStream_t stream) {
+  DeviceMemory mem;
+  const int64_t pages = (ctx + page_tokens - 1) / page_tokens;
+  std::vector<PageSpan> spans;
+  std::vector<int64_t> indptr = {0};
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t k = 0; k < pages; ++k) {
+      spans.push_back({static_cast<int32_t>(i * pages + k), 0, static_cast<int32_t>(page_tokens)});
+    }
+    indptr.push_back(static_cast<int64_t>(spans.size()));
+  }
+  FLUXION_ASSIGN_OR_RETURN(void* ds, mem.Get(spans.size() * sizeof(PageSpan)));
+  FLUXION_ASSIGN_OR_RETURN(void* di, mem.Get(indptr.size() * sizeof(int64_t)));
+  FLUXION_ASSIGN_OR_RETURN(void* out, mem.Get(items * kGroup * kHeadDim * sizeof(float)));
+  FLUXION_ASSIGN_OR_RETURN(void* lse, mem.Get(items * kGroup * sizeof(float)));
+  BENCH_CUDA(cudaMemcpy(ds, spans.data(), spans.size() * sizeof(PageSpan),
+                        cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(di, indptr.data(), indptr.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice));
+  kernels::PagedDecodeProblem p;
+  p.q = d_q;
+  p.kv = {arena, static_cast<size_t>(PageBytes(page_tokens)), page_tokens, kHeadDim};
+  p.span_indptr = static_cast<const int64_t*>(di);
+  p.spans = static_cast<const PageSpan*>(ds);
+  p.num_spans = static_cast<int64_t>(spans.size());
+  p.out = static_cast<float*>(out);
+  p.lse = static_cast<float*>(lse);
+  p.num_requests = items / kKvHeads;
+  p.num_qo_heads = kKvHeads * kGroup;
+  p.num_kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<cuda::CudaAttentionBackend> backend,
+                           cuda::CudaAttentionBackend::Create({stream, kernel, num_sms}));
+  FLUXION_RETURN_IF_ERROR(backend->Supports(p));
+  const size_t ws_bytes = backend->WorkspaceBytes(p);
+  FLUXION_ASSIGN_OR_RETURN(void* ws, mem.Get(std::max<size_t>(1, ws_bytes)));
+  const absl::Span<std::byte> workspace(static_cast<std::byte*>(ws), ws_bytes);
+  return TimeMs(stream, repeats, [&] { return backend->Run(p, workspace); });
 }
 
 void Row(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -267,68 +324,138 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
                         {"weight_gib", step_bytes / (1 << 30)}});
   }
 
-  // Attention of one layer over every KV head of the batch.
+  // Attention of one layer over every KV head of the batch, for each paged kernel and page size
+  // (the same pages and plan shape for every kernel, so rows compare kernel against kernel).
   FLUXION_ASSIGN_OR_RETURN(void* dq, mem.Get(max_m * kKvHeads * kGroup * kHeadDim * 4));
   BENCH_CUDA(cudaMemsetAsync(dq, 0, max_m * kKvHeads * kGroup * kHeadDim * 4, stream));
-  Row("\n%-22s %5s %8s %9s %10s %9s %8s\n", "attention (one layer)", "B", "context", "read",
-      "ms", "GB/s", "% limit");
-  for (int64_t batch : o.batches) {
-    for (int64_t ctx : o.contexts) {
-      const int64_t items = batch * kKvHeads;
-      const int64_t pages = items * ((ctx + kPageTokens - 1) / kPageTokens);
-      // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
-      size_t free_bytes = 0, total = 0;
-      BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
-      if (static_cast<size_t>(pages) * kPageBytes + (size_t{1} << 30) < free_bytes) {
-        void* arena = nullptr;
-        BENCH_CUDA(cudaMalloc(&arena, pages * kPageBytes));
-        std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
-        BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * kPageBytes, stream));
-        AttentionPlan plan;
-        DeviceMemory plan_mem;
-        FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true,
-                                                o.span_tokens, pages, o.chunk_rows, num_sms,
+  std::vector<cuda::PagedKernel> kernels;
+  for (const std::string& k : o.paged_kernels) {
+    kernels.push_back(k == "v3"     ? cuda::PagedKernel::kV3
+                      : k == "v4s2" ? cuda::PagedKernel::kV4TwoStage
+                      : k == "v4t"  ? cuda::PagedKernel::kV4Scatter
+                                    : cuda::PagedKernel::kV4);
+  }
+  Row("\n%-30s %3s %5s %8s %9s %10s %9s %8s %7s\n", "attention (one layer)", "P", "B", "context",
+      "read", "ms", "GB/s", "% limit", "chunks");
+  // Two passes: every HBM point first, then the zero-copy reads over PCIe, so that the HBM table is
+  // complete even if a kernel fails on mapped host memory.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t batch : o.batches) {
+      for (int64_t ctx : o.contexts) {
+        for (int64_t page_tokens : o.page_tokens) {
+          const int64_t page_bytes = PageBytes(page_tokens);
+          const int64_t items = batch * kKvHeads;
+          const int64_t pages = items * ((ctx + page_tokens - 1) / page_tokens);
+          if (pass == 0) {
+            // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
+            size_t free_bytes = 0, total = 0;
+            BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
+            void* arena = nullptr;
+            if (static_cast<size_t>(pages) * page_bytes + (size_t{1} << 30) < free_bytes) {
+              BENCH_CUDA(cudaMalloc(&arena, pages * page_bytes));
+              BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * page_bytes, stream));
+            } else {
+              Row("%-30s %3ld %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
+                  "full, KV in HBM", page_tokens, batch, ctx, "1", pages * page_bytes >> 20);
+            }
+            std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
+            for (cuda::PagedKernel kernel : kernels) {
+              if (arena == nullptr) break;
+              if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;  // v3: 8/16/32
+              AttentionPlan plan;
+              DeviceMemory plan_mem;
+              FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true, o.span_tokens,
+                                                page_tokens, kernel, pages, o.chunk_rows, num_sms,
                                                 static_cast<float*>(dq), &plan, rng));
-        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-          return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
-        }));
-        const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-        const double gbps = bytes / (t.median * 1e-3) / 1e9;
-        Row("%-22s %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", "full, KV in HBM", batch, ctx, "1",
-            t.median, gbps, 100 * gbps / hbm_gbps);
-        results->push_back({{"kind", "attention_hbm_full"}, {"batch", batch}, {"context", ctx},
-                            {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                            {"gbps", gbps}, {"chunks", plan.chunks.size()},
-                            {"chunk_rows", plan.chunk_rows}});
-      } else {
-        Row("%-22s %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
-            "full, KV in HBM", batch, ctx, "1", pages * kPageBytes >> 20);
-      }
-      // Sparse selection read straight from pinned host memory.
-      const int64_t host_pages = host_bytes / kPageBytes;
-      void* mapped = nullptr;
-      BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
-      const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
-      for (double f : o.fractions) {
-        const int64_t rows = std::max<int64_t>(kPageTokens, static_cast<int64_t>(f * ctx));
-        AttentionPlan plan;
-        DeviceMemory plan_mem;
-        FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, rows, /*dense=*/false,
-                                                o.span_tokens, host_pages, o.chunk_rows, num_sms,
-                                                static_cast<float*>(dq), &plan, rng));
-        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-          return RunPlan(plan, host_arena, stream);
-        }));
-        const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-        const double gbps = bytes / (t.median * 1e-3) / 1e9;
-        const std::string label = absl::StrCat("zero-copy host, ", o.span_tokens, "-tok spans");
-        Row("%-22s %5ld %8ld %9.3f %10.4f %9.1f %7.0f%%\n", label.c_str(), batch, ctx, f, t.median,
-            gbps, 100 * gbps / h2d_gbps);
-        results->push_back({{"kind", "attention_host_zero_copy"}, {"batch", batch},
-                            {"context", ctx}, {"read_fraction", f}, {"span_tokens", o.span_tokens},
-                            {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                            {"gbps", gbps}, {"chunks", plan.chunks.size()},
-                            {"chunk_rows", plan.chunk_rows}});
+              FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                                         return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
+                                       }));
+              const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+              const double gbps = bytes / (t.median * 1e-3) / 1e9;
+              const std::string label =
+                  absl::StrCat("full, KV in HBM, ", cuda::PagedKernelName(kernel));
+              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%% %7zu\n", label.c_str(),
+                  page_tokens, batch, ctx, "1", t.median, gbps, 100 * gbps / hbm_gbps,
+                  plan.chunks.size());
+              results->push_back({{"kind", "attention_hbm_full"},
+                                  {"kernel", cuda::PagedKernelName(kernel)},
+                                  {"page_tokens", page_tokens},
+                                  {"batch", batch},
+                                  {"context", ctx},
+                                  {"ms", t.median},
+                                  {"p10_ms", t.p10},
+                                  {"p90_ms", t.p90},
+                                  {"gbps", gbps},
+                                  {"ratio_to_hbm_copy", gbps / hbm_gbps},
+                                  {"chunks", plan.chunks.size()},
+                                  {"chunk_rows", plan.chunk_rows}});
+              // The same pages through the attention seam (device-planned chunks).
+              FLUXION_ASSIGN_OR_RETURN(
+                  Stats tb,
+                  TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
+                              static_cast<float*>(dq), num_sms, o.repeats, stream));
+              const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
+              const std::string backend_label =
+                  absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
+              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
+                  page_tokens, batch, ctx, "1", tb.median, backend_gbps,
+                  100 * backend_gbps / hbm_gbps);
+              results->push_back({{"kind", "attention_hbm_full_backend"},
+                                  {"kernel", cuda::PagedKernelName(kernel)},
+                                  {"page_tokens", page_tokens},
+                                  {"batch", batch},
+                                  {"context", ctx},
+                                  {"ms", tb.median},
+                                  {"p10_ms", tb.p10},
+                                  {"p90_ms", tb.p90},
+                                  {"gbps", backend_gbps},
+                                  {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
+            }
+          } else {
+            // Sparse selection read straight from pinned host memory.
+            const int64_t host_pages = host_bytes / page_bytes;
+            void* mapped = nullptr;
+            BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
+            const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
+            for (double f : o.fractions) {
+              for (cuda::PagedKernel kernel : kernels) {
+                if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;
+                const int64_t rows = std::max<int64_t>(page_tokens, static_cast<int64_t>(f * ctx));
+                AttentionPlan plan;
+                DeviceMemory plan_mem;
+                FLUXION_RETURN_IF_ERROR(BuildPlan(
+                    plan_mem, items, rows, /*dense=*/false, o.span_tokens, page_tokens, kernel,
+                    host_pages, o.chunk_rows, num_sms, static_cast<float*>(dq), &plan, rng));
+                FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                                           return RunPlan(plan, host_arena, stream);
+                                         }));
+                const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+                const double gbps = bytes / (t.median * 1e-3) / 1e9;
+                // A span is at least one page.
+                const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
+                const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
+                                                       cuda::PagedKernelName(kernel));
+                Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
+                    page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
+                    plan.chunks.size());
+                results->push_back({{"kind", "attention_host_zero_copy"},
+                                    {"kernel", cuda::PagedKernelName(kernel)},
+                                    {"page_tokens", page_tokens},
+                                    {"batch", batch},
+                                    {"context", ctx},
+                                    {"read_fraction", f},
+                                    {"span_tokens", span_tokens},
+                                    {"ms", t.median},
+                                    {"p10_ms", t.p10},
+                                    {"p90_ms", t.p90},
+                                    {"gbps", gbps},
+                                    {"ratio_to_h2d_copy", gbps / h2d_gbps},
+                                    {"chunks", plan.chunks.size()},
+                                    {"chunk_rows", plan.chunk_rows}});
+              }
+            }
+          }
+        }
       }
     }
   }
@@ -474,7 +601,12 @@ int RunGpuBench(const std::vector<std::string>& args) {
   flags.IntList("contexts", &o.contexts, "context lengths in tokens");
   flags.DoubleList("read-fraction", &o.fractions, "share of the context a sparse step reads");
   flags.Int("chunk-rows", &o.chunk_rows,
-            "rows per flash-decoding chunk; 0 = about four blocks per SM (ChooseChunkRows)");
+            "rows per flash-decoding chunk; 0 = each kernel's own (ChoosePagedChunkRows)");
+  flags.IntList("page-tokens", &o.page_tokens,
+                "tokens per KV page of the attention rows: 8, 16, 32, 64 (v3 skips 64)");
+  flags.StringList("paged-kernels", &o.paged_kernels,
+                   "paged attention kernels to time side by side: v3 (old), v4, v4s2 (v4 with "
+                   "2-stage rings, 3 blocks per SM), v4t (v4 with reduce-scatter scores)");
   flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
@@ -498,6 +630,22 @@ int RunGpuBench(const std::vector<std::string>& args) {
     std::cerr << "error: --span-tokens must be a positive multiple of 16, --chunk-rows >= 0, "
                  "--repeats positive, --host-gib in (0, 64]\n";
     return 2;
+  }
+  for (const std::string& k : o.paged_kernels) {
+    if (k != "v3" && k != "v4" && k != "v4s2" && k != "v4t") {
+      std::cerr << "error: --paged-kernels values must be v3, v4, v4s2 or v4t\n";
+      return 2;
+    }
+  }
+  for (int64_t p : o.page_tokens) {
+    if (p != 8 && p != 16 && p != 32 && p != 64) {
+      std::cerr << "error: --page-tokens values must be 8, 16, 32 or 64\n";
+      return 2;
+    }
+    if (o.span_tokens % p != 0 && p <= o.span_tokens) {
+      std::cerr << "error: --span-tokens must be a multiple of every --page-tokens value\n";
+      return 2;
+    }
   }
   for (int64_t b : o.batches) {
     if (b <= 0 || b > 256) {

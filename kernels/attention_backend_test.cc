@@ -11,7 +11,8 @@
 // 5e-2 (its own suite in kernels/cpu bounds it tightly). Empty pairs must give exactly lse = -inf
 // and out = 0. Outputs start as NaN so that an unwritten one fails.
 //
-// A CUDA backend joins by adding a Factory entry that skips when there is no device.
+// The CUDA backend runs the same grid (attention_backend_testing.h) from device memory in
+// kernels/cuda/attention_backend_cuda_test.cc, skipping without a device.
 #include "kernels/attention_backend.h"
 
 #include <cmath>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/attention_backend_testing.h"
 #include "kernels/cpu/attention_backend_cpu.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "kernels/cpu/paged_attention_impl.h"
@@ -33,104 +35,16 @@
 namespace fluxion::kernels {
 namespace {
 
-enum class Layout { kWhole, kSparse, kSomeEmpty, kAllEmpty, kLong };
-
-std::string LayoutName(Layout l) {
-  switch (l) {
-    case Layout::kWhole:
-      return "Whole";
-    case Layout::kSparse:
-      return "Sparse";
-    case Layout::kSomeEmpty:
-      return "SomeEmpty";
-    case Layout::kAllEmpty:
-      return "AllEmpty";
-    case Layout::kLong:
-      return "Long";
-  }
-  return "Unknown";
-}
-
-struct Problem {
-  std::vector<uint8_t> arena;
-  std::vector<float> q;
-  std::vector<int64_t> indptr;
-  std::vector<PageSpan> spans;
-  PagedDecodeProblem p;
-};
-
-// Builds a batch of `batch` requests with contexts of different lengths; each (request, KV head)
-// pair owns its own pages, placed at shuffled positions in one arena.
-std::unique_ptr<Problem> MakeProblem(int64_t batch, int64_t hq, int64_t hkv, int64_t d,
-                                     Layout layout, uint32_t seed) {
-  auto pr = std::make_unique<Problem>();
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const int64_t page_tokens = layout == Layout::kLong ? 64 : 16;
-  std::vector<int64_t> contexts(batch);
-  for (int64_t r = 0; r < batch; ++r) {
-    contexts[r] = layout == Layout::kLong ? 1500 + 97 * r : 1 + (37 * r + 53) % 200;
-  }
-  std::vector<int64_t> pages_of(batch * hkv);
-  int64_t total_pages = 0;
-  for (int64_t pair = 0; pair < batch * hkv; ++pair) {
-    pages_of[pair] = (contexts[pair / hkv] + page_tokens - 1) / page_tokens;
-    total_pages += pages_of[pair];
-  }
-  const int64_t arena_pages = total_pages + 5;
-  std::vector<int32_t> ids(arena_pages);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  PagedKvView kv;
-  kv.page_tokens = page_tokens;
-  kv.head_dim = d;
-  kv.page_bytes = 2 * page_tokens * d * sizeof(bf16) + 64;
-  pr->arena.resize(arena_pages * kv.page_bytes);
-  for (size_t i = 0; i < pr->arena.size() / sizeof(bf16); ++i) {
-    reinterpret_cast<bf16*>(pr->arena.data())[i] = FloatToBf16(normal(rng));
-  }
-  kv.arena = pr->arena.data();
-  pr->q.resize(batch * hq * d);
-  for (float& x : pr->q) x = normal(rng) * 1.5f;
-
-  std::bernoulli_distribution keep(0.4), single(0.2), empty_pair(0.4);
-  pr->indptr.push_back(0);
-  int64_t next_id = 0;
-  for (int64_t pair = 0; pair < batch * hkv; ++pair) {
-    const int64_t ctx = contexts[pair / hkv];
-    const bool empty = layout == Layout::kAllEmpty ||
-                       (layout == Layout::kSomeEmpty && (pair == 0 || empty_pair(rng)));
-    for (int64_t i = 0; i < pages_of[pair]; ++i) {
-      const int32_t page = ids[next_id++];
-      const int32_t rows = static_cast<int32_t>(std::min(page_tokens, ctx - i * page_tokens));
-      if (empty) continue;
-      if (layout == Layout::kSparse || layout == Layout::kSomeEmpty) {
-        if (!keep(rng) && i + 1 < pages_of[pair]) continue;  // the newest page always kept
-        if (single(rng)) {
-          pr->spans.push_back({page, static_cast<int32_t>(rng() % rows), 1});
-          continue;
-        }
-        const int32_t first = static_cast<int32_t>(rng() % rows);
-        pr->spans.push_back({page, first, rows - first});
-        continue;
-      }
-      pr->spans.push_back({page, 0, rows});
-    }
-    pr->indptr.push_back(static_cast<int64_t>(pr->spans.size()));
-  }
-  PagedDecodeProblem& p = pr->p;
-  p.q = pr->q.data();
-  p.kv = kv;
-  p.span_indptr = pr->indptr.data();
-  p.spans = pr->spans.data();
-  p.num_spans = static_cast<int64_t>(pr->spans.size());
-  p.num_requests = batch;
-  p.num_qo_heads = hq;
-  p.num_kv_heads = hkv;
-  p.head_dim = d;
-  p.sm_scale = 1.0f / std::sqrt(static_cast<float>(d));
-  return pr;
-}
+using backend_testing::ConformanceBatches;
+using backend_testing::ConformanceHeadDims;
+using backend_testing::ConformanceHeads;
+using backend_testing::ConformanceLayouts;
+using backend_testing::ConformanceSeed;
+using backend_testing::Layout;
+using backend_testing::LayoutName;
+using backend_testing::MakeProblem;
+using backend_testing::Problem;
+using backend_testing::Tolerance;
 
 struct Outputs {
   std::vector<float> out, lse;
@@ -152,9 +66,6 @@ Outputs RunOn(AttentionBackend& backend, const PagedDecodeProblem& base) {
   return o;
 }
 
-struct Tolerance {
-  double out_rel_l2, lse_abs;
-};
 constexpr Tolerance kFp32Tolerance{5e-6, 2e-5};
 constexpr Tolerance kBf16QueryTolerance{1e-2, 5e-2};
 
@@ -206,32 +117,13 @@ TEST_P(AttentionBackendConformance, MatchesReference) {
   std::unique_ptr<AttentionBackend> backend = factory.make(&why_not);
   if (backend == nullptr) GTEST_SKIP() << why_not;
   const auto [hq, hkv] = heads;
-  auto pr = MakeProblem(batch, hq, hkv, d, layout, 1000 + 7 * batch + hq + d);
+  auto pr = MakeProblem(batch, hq, hkv, d, layout, ConformanceSeed(batch, hq, d));
   const PagedDecodeProblem& p = pr->p;
   std::unique_ptr<AttentionBackend> reference = NewReferenceAttentionBackend();
   const Outputs want = RunOn(*reference, p);
   const Outputs got = RunOn(*backend, p);
-  const int64_t group = hq / hkv;
-  for (int64_t pair = 0; pair < p.num_pairs(); ++pair) {
-    const int64_t r = pair / hkv, h = pair % hkv;
-    const int64_t head0 = r * hq + h * group;
-    const bool empty = pr->indptr[pair] == pr->indptr[pair + 1];
-    const absl::Span<const float> got_out(got.out.data() + head0 * d, group * d);
-    const absl::Span<const float> want_out(want.out.data() + head0 * d, group * d);
-    if (empty) {
-      for (int64_t g = 0; g < group; ++g) {
-        EXPECT_EQ(got.lse[head0 + g], -INFINITY) << "request " << r << " kv head " << h;
-      }
-      for (float x : got_out) ASSERT_EQ(x, 0.0f) << "request " << r << " kv head " << h;
-      continue;
-    }
-    EXPECT_LE(reference::RelativeL2Error(got_out, want_out), factory.tolerance.out_rel_l2)
-        << "request " << r << " kv head " << h;
-    for (int64_t g = 0; g < group; ++g) {
-      EXPECT_NEAR(got.lse[head0 + g], want.lse[head0 + g], factory.tolerance.lse_abs)
-          << "request " << r << " query head " << h * group + g;
-    }
-  }
+  backend_testing::ExpectMatchesReference(*pr, want.out, want.lse, got.out, got.lse,
+                                          factory.tolerance);
 }
 
 std::string ParamName(const testing::TestParamInfo<Param>& info) {
@@ -243,14 +135,10 @@ std::string ParamName(const testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, AttentionBackendConformance,
-    testing::Combine(testing::Range(0, 5), testing::Values<int64_t>(1, 3, 8),
-                     testing::Values(std::pair<int64_t, int64_t>{2, 2},
-                                     std::pair<int64_t, int64_t>{4, 2},
-                                     std::pair<int64_t, int64_t>{14, 2},
-                                     std::pair<int64_t, int64_t>{8, 1}),
-                     testing::Values<int64_t>(64, 128),
-                     testing::Values(Layout::kWhole, Layout::kSparse, Layout::kSomeEmpty,
-                                     Layout::kAllEmpty, Layout::kLong)),
+    testing::Combine(testing::Range(0, 5), testing::ValuesIn(ConformanceBatches()),
+                     testing::ValuesIn(ConformanceHeads()),
+                     testing::ValuesIn(ConformanceHeadDims()),
+                     testing::ValuesIn(ConformanceLayouts())),
     ParamName);
 
 TEST(CpuAttentionBackendTest, SameResultsForAnyPoolSize) {

@@ -25,9 +25,29 @@ namespace fluxion::kernels::cuda {
 // Largest GQA group (query heads per KV head) the kernel is compiled for.
 inline constexpr int64_t kMaxPagedGroup = 8;
 
+// Which kernel runs (all compute the same thing; the old one and the v4 variants stay selectable
+// so that one benchmark run compares them, `fluxion bench gpu --paged-kernels`):
+//   kV3: one kernel for every group, block-wide tiles of 128 row slots (session 7: 19-25% of
+//        HBM bandwidth over HBM-resident pages); page_tokens 8/16/32.
+//   kV4: one instantiation per (head_dim, group in {1,2,4,8}, page_tokens), each warp streaming
+//        its own 16-row units through a 3-stage cp.async ring in shared memory (2 blocks per
+//        SM); page_tokens 8/16/32/64.
+//   kV4TwoStage: kV4 with 2-stage rings and 3 blocks per SM at group <= 4 (more warps, fewer
+//        bytes in flight each), to compare on the device; head_dim 64 runs kV4.
+//   kV4Scatter: kV4 with the scores reduced by a reduce-scatter across heads (fewer shuffles,
+//        adds and exponentials per row), to compare on the device; head_dim 64 runs kV4.
+enum class PagedKernel { kV3, kV4, kV4TwoStage, kV4Scatter };
+const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2", "v4t"
+// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3, v4t 2).
+int PagedBlocksPerSm(PagedKernel kernel);
+
+// Smallest chunk ChoosePagedChunkRows gives v4: four 16-row units per warp.
+inline constexpr int64_t kMinV4ChunkRows = 256;
+
 // The `group` query heads of one (request, KV head) over the rows of spans[span_begin, span_end).
 // q: [group][head_dim] fp32 post-RoPE, unscaled; out: [group][head_dim]; lse: [group] natural
-// base of the scaled scores (-inf, out 0 when the spans hold no rows).
+// base of the scaled scores (-inf, out 0 when the spans hold no rows). An item with
+// out == nullptr is skipped: a planner on the device may launch an upper bound of items.
 struct PagedItem {
   const float* q = nullptr;
   int32_t span_begin = 0;
@@ -38,22 +58,28 @@ struct PagedItem {
 
 // All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
 // [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
-// page_tokens 8, 16 or 32; arena and page_bytes 16-byte aligned and
-// page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise.
+// page_tokens 8, 16, 32 (and 64 for the v4 kernels); arena and page_bytes 16-byte aligned and
+// page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise. One block per
+// item: split long items into chunks (SplitByRows) to fill the GPU.
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
                                  int64_t head_dim, const PageSpan* spans, const PagedItem* items,
                                  int64_t num_items, int64_t group, float scale,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, PagedKernel kernel = PagedKernel::kV4);
 
-// Rows per chunk so that `total_rows` (all items of a launch) make about four blocks per SM:
-// enough blocks in flight to hide memory latency (over PCIe above all), a multiple of 128 rows
-// (one tile of full 16-token pages), between 128 and 8192.
+// v3's chunking: rows per chunk so that `total_rows` (all items of a launch) make about four
+// blocks per SM, a multiple of 128 rows (one tile of full 16-token pages), between 128 and 8192.
 int64_t ChooseChunkRows(int64_t total_rows, int num_sms);
+
+// Rows per chunk for `kernel` over `items` items of `total_rows` rows in all (about equal rows
+// each). kV3: ChooseChunkRows. v4 kernels: one wave of blocks (slots = PagedBlocksPerSm x
+// num_sms), floor(slots / items) chunks per item (at least one), a multiple of 16, at least
+// kMinV4ChunkRows.
+int64_t ChoosePagedChunkRows(PagedKernel kernel, int64_t total_rows, int64_t items, int num_sms);
 
 // Host-side planning for flash-decoding: cuts spans[begin, end) into consecutive chunks of at
 // most `max_rows` rows each. A span is never cut, so a chunk holds more than max_rows rows only
-// when one span alone does. Returns the chunk boundaries as span indices: {begin, b1, ..., end}; {begin, end} when
-// everything fits one chunk; {begin} when begin == end.
+// when one span alone does. Returns the chunk boundaries as span indices: {begin, b1, ..., end};
+// {begin, end} when everything fits one chunk; {begin} when begin == end.
 std::vector<int32_t> SplitByRows(const PageSpan* spans, int32_t begin, int32_t end,
                                  int64_t max_rows);
 

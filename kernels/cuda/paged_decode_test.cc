@@ -1,6 +1,6 @@
-// GPU paged decode attention against reference::PagedAttention, over an arena in device memory
-// and over pinned host memory read in place (zero-copy), whole and split into chunks merged by
-// log-sum-exp.
+// GPU paged decode attention (both kernels, every page size) against reference::PagedAttention,
+// over an arena in device memory and over pinned host memory read in place (zero-copy), whole and
+// split into chunks merged by log-sum-exp.
 #include "kernels/cuda/paged_decode.h"
 
 #include <cmath>
@@ -21,6 +21,8 @@ namespace {
 struct Case {
   int64_t head_dim;
   int64_t group;
+  int64_t page_tokens = 16;
+  PagedKernel kernel = PagedKernel::kV4;
 };
 
 class PagedDecodeTest : public ::testing::TestWithParam<Case> {
@@ -30,7 +32,6 @@ class PagedDecodeTest : public ::testing::TestWithParam<Case> {
   }
 };
 
-constexpr int64_t kPageTokens = 16;
 constexpr int32_t kPages = 400;
 
 // Random pages, and per item a random list of spans over random pages (partial spans included).
@@ -40,25 +41,27 @@ struct Problem {
   std::vector<PageSpan> spans;
   std::vector<int32_t> item_begin;  // [items + 1]
   std::vector<std::vector<float>> q;
+  int64_t page_tokens = 16;
 };
 
-Problem MakeProblem(int64_t head_dim, int64_t group, const std::vector<int>& spans_per_item,
-                    uint32_t seed) {
+Problem MakeProblem(int64_t head_dim, int64_t group, int64_t page_tokens,
+                    const std::vector<int>& spans_per_item, uint32_t seed) {
   Problem p;
+  p.page_tokens = page_tokens;
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.0f, 1.5f);
-  const int64_t page_elems = 2 * kPageTokens * head_dim + 32;  // padding: page_bytes > content
+  const int64_t page_elems = 2 * page_tokens * head_dim + 32;  // padding: page_bytes > content
   p.page_bytes = page_elems * sizeof(bf16);
   p.arena.resize(kPages * page_elems);
   for (bf16& x : p.arena) x = FloatToBf16(dist(rng));
-  std::uniform_int_distribution<int32_t> page(0, kPages - 1), row(0, kPageTokens - 1);
+  std::uniform_int_distribution<int32_t> page(0, kPages - 1), row(0, page_tokens - 1);
   for (int count : spans_per_item) {
     p.item_begin.push_back(p.spans.size());
     for (int s = 0; s < count; ++s) {
       const int32_t first = s % 3 == 0 ? row(rng) : 0;
       const int32_t rows = s % 3 == 0 ? std::uniform_int_distribution<int32_t>(
-                                            1, kPageTokens - first)(rng)
-                                      : kPageTokens;
+                                            1, page_tokens - first)(rng)
+                                      : page_tokens;
       p.spans.push_back({page(rng), first, rows});
     }
     std::vector<float> q(group * head_dim);
@@ -73,7 +76,7 @@ void Reference(const Problem& p, int64_t head_dim, int64_t group, float scale, s
                std::vector<float>* out, std::vector<float>* lse) {
   out->assign(group * head_dim, 0.0f);
   lse->assign(group, 0.0f);
-  PagedKvView view{reinterpret_cast<const uint8_t*>(p.arena.data()), p.page_bytes, kPageTokens,
+  PagedKvView view{reinterpret_cast<const uint8_t*>(p.arena.data()), p.page_bytes, p.page_tokens,
                    head_dim};
   reference::PagedAttention(view, p.spans.data() + p.item_begin[item],
                             p.item_begin[item + 1] - p.item_begin[item],
@@ -99,50 +102,49 @@ void ExpectStateNear(const std::vector<float>& out, const std::vector<float>& ls
   }
 }
 
-TEST_P(PagedDecodeTest, MatchesReferenceFromDeviceAndPinnedHostMemory) {
-  const auto [head_dim, group] = GetParam();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const Problem p = MakeProblem(head_dim, group, {1, 0, 5, 40, 300}, 3);
+// Runs every item of the problem over `arena` (device memory or mapped pinned host memory, holding
+// p.arena) and compares each with the reference.
+void ExpectItemsMatchReference(const Problem& p, const uint8_t* arena, const Case& c,
+                               const std::string& what) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   DeviceBuffers dev;
-  const uint8_t* device_arena = reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena));
-  // Pinned host copy, mapped into the device's address space.
-  std::vector<bf16> host_arena = p.arena;
-  ASSERT_EQ(cudaHostRegister(host_arena.data(), host_arena.size() * sizeof(bf16),
-                             cudaHostRegisterMapped | cudaHostRegisterReadOnly),
-            cudaSuccess);
-  void* mapped = nullptr;
-  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host_arena.data(), 0), cudaSuccess);
   const PageSpan* spans = dev.ToDevice(p.spans);
   const size_t items = p.q.size();
-  for (const uint8_t* arena : {device_arena, static_cast<const uint8_t*>(mapped)}) {
-    std::vector<PagedItem> host_items(items);
-    std::vector<float*> outs(items), lses(items);
-    for (size_t i = 0; i < items; ++i) {
-      host_items[i] = {dev.ToDevice(p.q[i]), p.item_begin[i], p.item_begin[i + 1],
-                       outs[i] = dev.ToDevice(std::vector<float>(group * head_dim, NAN)),
-                       lses[i] = dev.ToDevice(std::vector<float>(group, NAN))};
-    }
-    ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, kPageTokens, head_dim, spans,
-                                   dev.ToDevice(host_items), items, group, scale, nullptr),
-              cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (size_t i = 0; i < items; ++i) {
-      std::vector<float> want_out, want_lse;
-      Reference(p, head_dim, group, scale, i, &want_out, &want_lse);
-      ExpectStateNear(DeviceBuffers::ToHost(outs[i], group * head_dim),
-                      DeviceBuffers::ToHost(lses[i], group), want_out, want_lse,
-                      (arena == device_arena ? "device item " : "pinned item ") +
-                          std::to_string(i));
-    }
+  std::vector<PagedItem> host_items(items);
+  std::vector<float*> outs(items), lses(items);
+  for (size_t i = 0; i < items; ++i) {
+    host_items[i] = {dev.ToDevice(p.q[i]), p.item_begin[i], p.item_begin[i + 1],
+                     outs[i] = dev.ToDevice(std::vector<float>(c.group * c.head_dim, NAN)),
+                     lses[i] = dev.ToDevice(std::vector<float>(c.group, NAN))};
   }
-  ASSERT_EQ(cudaHostUnregister(host_arena.data()), cudaSuccess);
+  ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, c.page_tokens, c.head_dim, spans,
+                                 dev.ToDevice(host_items), items, c.group, scale, nullptr,
+                                 c.kernel),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < items; ++i) {
+    std::vector<float> want_out, want_lse;
+    Reference(p, c.head_dim, c.group, scale, i, &want_out, &want_lse);
+    ExpectStateNear(DeviceBuffers::ToHost(outs[i], c.group * c.head_dim),
+                    DeviceBuffers::ToHost(lses[i], c.group), want_out, want_lse,
+                    what + " item " + std::to_string(i));
+  }
+}
+
+TEST_P(PagedDecodeTest, MatchesReferenceFromDeviceMemory) {
+  const Case c = GetParam();
+  const Problem p = MakeProblem(c.head_dim, c.group, c.page_tokens, {1, 0, 5, 40, 300}, 3);
+  DeviceBuffers dev;
+  ExpectItemsMatchReference(p, reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena)), c,
+                            "device");
 }
 
 TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
-  const auto [head_dim, group] = GetParam();
+  const auto [head_dim, group, page_tokens, kernel] = GetParam();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const Problem p = MakeProblem(head_dim, group, {500}, 9);
-  const std::vector<int32_t> bounds = SplitByRows(p.spans.data(), 0, p.spans.size(), 700);
+  const Problem p = MakeProblem(head_dim, group, page_tokens, {500}, 9);
+  const std::vector<int32_t> bounds =
+      SplitByRows(p.spans.data(), 0, p.spans.size(), 700 * page_tokens / 16);
   ASSERT_GT(bounds.size(), 3u);
   DeviceBuffers dev;
   const uint8_t* arena = reinterpret_cast<const uint8_t*>(dev.ToDevice(p.arena));
@@ -154,9 +156,11 @@ TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
   for (size_t c = 0; c < chunks; ++c) {
     items.push_back({q, bounds[c], bounds[c + 1], outs + c * group * head_dim, lses + c * group});
   }
-  ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, kPageTokens, head_dim,
-                                 dev.ToDevice(p.spans), dev.ToDevice(items), chunks, group, scale,
-                                 nullptr),
+  // A padding item (out == nullptr) among them is skipped.
+  items.push_back({q, 0, static_cast<int32_t>(p.spans.size()), nullptr, nullptr});
+  ASSERT_EQ(PagedDecodeAttention(arena, p.page_bytes, page_tokens, head_dim,
+                                 dev.ToDevice(p.spans), dev.ToDevice(items), items.size(), group,
+                                 scale, nullptr, kernel),
             cudaSuccess);
   // One pass over all chunks (MergeChunks) into separate outputs, then the pairwise fold below.
   float* merged_out = dev.ToDevice(std::vector<float>(group * head_dim, NAN));
@@ -179,12 +183,44 @@ TEST_P(PagedDecodeTest, ChunksMergedByLseEqualTheWholeItem) {
                   DeviceBuffers::ToHost(merged_lse, group), want_out, want_lse, "MergeChunks");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeTest,
-                         ::testing::Values(Case{128, 4}, Case{128, 1}, Case{64, 8}, Case{128, 7}),
-                         [](const auto& info) {
-                           return "d" + std::to_string(info.param.head_dim) + "_g" +
-                                  std::to_string(info.param.group);
-                         });
+// Defined last: gtest runs a suite's tests in definition order, so every device-memory case has
+// run before the first read over PCIe (a fault there would poison the context for what follows).
+TEST_P(PagedDecodeTest, MatchesReferenceFromPinnedHostMemory) {
+  const Case c = GetParam();
+  const Problem p = MakeProblem(c.head_dim, c.group, c.page_tokens, {1, 0, 5, 40, 300}, 3);
+  // Pinned host copy, mapped into the device's address space.
+  std::vector<bf16> host_arena = p.arena;
+  ASSERT_EQ(cudaHostRegister(host_arena.data(), host_arena.size() * sizeof(bf16),
+                             cudaHostRegisterMapped | cudaHostRegisterReadOnly),
+            cudaSuccess);
+  void* mapped = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&mapped, host_arena.data(), 0), cudaSuccess);
+  ExpectItemsMatchReference(p, static_cast<const uint8_t*>(mapped), c, "pinned");
+  ASSERT_EQ(cudaHostUnregister(host_arena.data()), cudaSuccess);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, PagedDecodeTest,
+    ::testing::Values(Case{128, 4}, Case{128, 1}, Case{64, 8}, Case{128, 7}, Case{128, 2},
+                      Case{64, 3}, Case{128, 4, 8}, Case{128, 4, 32}, Case{128, 4, 64},
+                      Case{64, 8, 64}, Case{128, 5, 32}, Case{128, 4, 16, PagedKernel::kV3},
+                      Case{128, 7, 16, PagedKernel::kV3}, Case{64, 8, 32, PagedKernel::kV3},
+                      Case{128, 4, 16, PagedKernel::kV4TwoStage},
+                      Case{128, 4, 64, PagedKernel::kV4TwoStage},
+                      Case{128, 8, 8, PagedKernel::kV4TwoStage},
+                      Case{128, 1, 32, PagedKernel::kV4TwoStage},
+                      Case{64, 4, 16, PagedKernel::kV4TwoStage},
+                      Case{128, 4, 16, PagedKernel::kV4Scatter},
+                      Case{128, 4, 64, PagedKernel::kV4Scatter},
+                      Case{128, 8, 8, PagedKernel::kV4Scatter},
+                      Case{128, 3, 32, PagedKernel::kV4Scatter},
+                      Case{128, 2, 16, PagedKernel::kV4Scatter},
+                      Case{128, 1, 16, PagedKernel::kV4Scatter}),
+    [](const auto& info) {
+      return std::string(PagedKernelName(info.param.kernel)) + "_d" +
+             std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group) +
+             "_p" + std::to_string(info.param.page_tokens);
+    });
 
 TEST(ChooseChunkRowsTest, AimsAtFourBlocksPerSmWithinBounds) {
   EXPECT_EQ(ChooseChunkRows(8 * 32768, 132), 512);  // B=1, 8 KV heads at 32K: 512 blocks
@@ -201,6 +237,20 @@ TEST(SplitByRowsTest, CutsBetweenSpansOnly) {
   EXPECT_EQ(SplitByRows(spans.data(), 4, 5, 8), (std::vector<int32_t>{4, 5}));
 }
 
+TEST(ChoosePagedChunkRowsTest, V4FillsOneWave) {
+  // B=1 at 32K, 8 KV heads, 132 SMs: 264 slots, 33 chunks per item of 993 -> 1008 rows.
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 8 * 32768, 8, 132), 1008);
+  // B=16 at 128K: 128 items, 2 chunks each.
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 128 * 131072, 128, 132), 65536);
+  // More items than slots: one chunk each, never below the minimum.
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 1000 * 100, 1000, 132), kMinV4ChunkRows);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 0, 0, 0), kMinV4ChunkRows);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV3, 8 * 32768, 8, 132),
+            ChooseChunkRows(8 * 32768, 132));
+  // v4s2 aims at three blocks per SM: 396 slots, 49 chunks per item of 669 -> 672 rows.
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4TwoStage, 8 * 32768, 8, 132), 672);
+}
+
 TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
   PagedItem item;
   EXPECT_EQ(PagedDecodeAttention(nullptr, 4096, 16, 96, nullptr, &item, 1, 4, 1.0f, nullptr),
@@ -213,6 +263,11 @@ TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
             cudaErrorInvalidValue);  // odd page_tokens
   EXPECT_EQ(PagedDecodeAttention(nullptr, 8200, 16, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
             cudaErrorInvalidValue);  // page_bytes not 16-byte aligned
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 32768, 64, 128, nullptr, &item, 1, 4, 1.0f, nullptr,
+                                 PagedKernel::kV3),
+            cudaErrorInvalidValue);  // v3 has no 64-token pages
+  EXPECT_EQ(PagedDecodeAttention(nullptr, 32768, 24, 128, nullptr, &item, 1, 4, 1.0f, nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
