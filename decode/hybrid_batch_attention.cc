@@ -88,10 +88,15 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   clock.Lap(&counters_.to_host_s);
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
-    statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], q + i * q_row,
-                                               k + i * kv_row, v + i * kv_row);
+    statuses_[i] = attentions_[i]->AppendToken(io.layer, io.positions[i], k + i * kv_row,
+                                               v + i * kv_row);
   });
   FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+  ListUnits(attentions_, &units_);
+  ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
+    const RequestUnit& u = units_[j];
+    attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row);
+  });
   clock.Lap(&counters_.plan_s);
 
   kernels::PagedDecodeProblem p;
@@ -103,9 +108,11 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   clock.Lap(&counters_.host_s);
   // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
   // in there (merging is associative), and it observes its whole plan.
-  ForEachRequest(pool_, io.rows, [&](int64_t i) {
-    attentions_[i]->FinishDecode(q + i * q_row, host_out_.data() + i * q_row,
-                                 host_lse_.data() + i * hq);
+  ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
+    const RequestUnit& u = units_[j];
+    attentions_[u.request]->FinishUnit(u.unit, q + u.request * q_row,
+                                       host_out_.data() + u.request * q_row,
+                                       host_lse_.data() + u.request * hq);
   });
   clock.Lap(&counters_.finish_s);
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
@@ -137,11 +144,10 @@ absl::Status HybridBatchAttention::BuildHostProblem(const model::LayerAttentionI
     const int64_t context = io.positions[i] + 1;
     const int64_t front = std::min(context, w.sink_tokens);
     const int64_t back = w.resident_rows(context) - front;
-    const SparseAttention::Plan& plan = attentions_[i]->plan();
     for (int64_t h = 0; h < hkv; ++h) {
       const size_t before = spans_.size();
-      TrimSpans(plan.spans.data() + plan.indptr[h], plan.spans.data() + plan.indptr[h + 1], front,
-                back, &spans_);
+      const std::vector<kernels::PageSpan>& head = attentions_[i]->head_spans(h);
+      TrimSpans(head.data(), head.data() + head.size(), front, back, &spans_);
       indptr_.push_back(static_cast<int64_t>(spans_.size()));
       counters_.resident_rows += front + back;
       counters_.host_pairs += spans_.size() > before;

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "decode/paged_batch_attention.h"
 #include "decode/resident_window.h"
 #include "decode/sparse_attention.h"
 #include "kernels/attention_backend.h"
@@ -97,6 +98,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<float> q_, k_, v_;  // host copies when the rows are in device memory
   std::vector<float> host_out_, host_lse_;
   std::vector<absl::Status> statuses_;
+  std::vector<RequestUnit> units_;
   std::vector<int64_t> indptr_;
   std::vector<kernels::PageSpan> spans_;
   std::vector<std::byte> workspace_;

@@ -15,6 +15,15 @@ void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
   }
 }
 
+void ListUnits(absl::Span<SparseAttention* const> attentions, std::vector<RequestUnit>* units) {
+  units->clear();
+  for (size_t i = 0; i < attentions.size(); ++i) {
+    for (int u = 0; u < attentions[i]->units(); ++u) {
+      units->push_back({static_cast<int32_t>(i), u});
+    }
+  }
+}
+
 absl::Status FirstRequestError(absl::Span<const absl::Status> statuses, int layer) {
   for (size_t i = 0; i < statuses.size(); ++i) {
     if (!statuses[i].ok()) {
@@ -38,13 +47,18 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
   const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
   const int64_t q_row = hq * d, kv_row = hkv * d;
 
-  // 1. Every policy decides (and the step's K/V land in the pages).
+  // 1. The step's K/V land in the pages, then every policy decides.
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
-    statuses_[i] = attentions_[i]->BeginDecode(io.layer, io.positions[i], io.q + i * q_row,
-                                               io.k + i * kv_row, io.v + i * kv_row);
+    statuses_[i] = attentions_[i]->AppendToken(io.layer, io.positions[i], io.k + i * kv_row,
+                                               io.v + i * kv_row);
   });
   FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+  ListUnits(attentions_, &units_);
+  ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
+    const RequestUnit& u = units_[j];
+    attentions_[u.request]->SelectUnit(u.unit, io.q + u.request * q_row);
+  });
 
   // 2. One problem for the batch, computed by the backend.
   kernels::PagedDecodeProblem p;
@@ -57,8 +71,10 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
   FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
 
   // 3. Every policy completes its step from the result.
-  ForEachRequest(pool_, io.rows, [&](int64_t i) {
-    attentions_[i]->FinishDecode(io.q + i * q_row, io.out + i * q_row, lse_.data() + i * hq);
+  ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
+    const RequestUnit& u = units_[j];
+    attentions_[u.request]->FinishUnit(u.unit, io.q + u.request * q_row,
+                                       io.out + u.request * q_row, lse_.data() + u.request * hq);
   });
   if (io.layer == shape_.num_layers - 1) {
     for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
@@ -81,10 +97,11 @@ absl::Status PagedBatchAttention::BuildProblem(const model::LayerAttentionIo& io
           "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
           "pages of one arena"));
     }
-    const SparseAttention::Plan& plan = attentions_[i]->plan();
-    const int64_t base = static_cast<int64_t>(spans_.size());
-    for (int64_t h = 0; h < hkv; ++h) indptr_.push_back(base + plan.indptr[h + 1]);
-    spans_.insert(spans_.end(), plan.spans.begin(), plan.spans.end());
+    for (int64_t h = 0; h < hkv; ++h) {
+      const std::vector<kernels::PageSpan>& head = attentions_[i]->head_spans(h);
+      spans_.insert(spans_.end(), head.begin(), head.end());
+      indptr_.push_back(static_cast<int64_t>(spans_.size()));
+    }
   }
   for (const kernels::PageSpan& s : spans_) last_rows_ += s.rows;
   lse_.resize(io.rows * shape_.num_heads);

@@ -6,9 +6,10 @@
 // from the result (SparseAttention::FinishDecode). Policies decide, the backend executes: no
 // policy calls a kernel to attend.
 //
-// The per-request phases (append + select, then merge + observe) run in parallel across requests
-// on the pool, one thread per request at a time (a policy serves one request and is
-// thread-compatible; the arena the pages come from is thread-safe).
+// The per-request phases run in parallel on the pool: the K/V appends across requests (the arena
+// the pages come from is thread-safe), selection and completion across selection units (a KV
+// head for policies whose heads are independent, else a whole request: a policy object is
+// thread-compatible).
 //
 // Thread-compatible: one scheduler thread drives it.
 #ifndef FLUXION_DECODE_PAGED_BATCH_ATTENTION_H_
@@ -35,6 +36,15 @@ void ForEachRequest(const kernels::cpu::CpuPool* pool, int64_t n,
                     absl::FunctionRef<void(int64_t)> fn);
 // The first error of a per-request phase, naming the request and layer; OK when none failed.
 absl::Status FirstRequestError(absl::Span<const absl::Status> statuses, int layer);
+
+// A step's selection units (request, unit): SparseAttention::units() of each request, so that
+// selection and completion spread over the pool across requests and, for policies whose heads
+// are independent, across one request's KV heads.
+struct RequestUnit {
+  int32_t request = 0;
+  int32_t unit = 0;
+};
+void ListUnits(absl::Span<SparseAttention* const> attentions, std::vector<RequestUnit>* units);
 
 class PagedBatchAttention : public model::BatchAttention {
  public:
@@ -74,6 +84,7 @@ class PagedBatchAttention : public model::BatchAttention {
   int64_t last_rows_ = 0;
   // Scratch, grown to the largest step seen: no allocation once the batch's shape settles.
   std::vector<absl::Status> statuses_;
+  std::vector<RequestUnit> units_;
   std::vector<int64_t> indptr_;
   std::vector<kernels::PageSpan> spans_;
   std::vector<float> lse_;

@@ -8,12 +8,31 @@ namespace fluxion::decode {
 
 SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique_ptr<PagedKv> kv,
                                  const sparse::PolicyConfig& config,
-                                 std::unique_ptr<sparse::SparsePolicy> policy)
+                                 std::vector<std::unique_ptr<sparse::SparsePolicy>> policies)
     : id_(next_id_.fetch_add(1, std::memory_order_relaxed)),
       shape_(shape),
       config_(config),
       kv_(std::move(kv)),
-      policy_(std::move(policy)) {}
+      policies_(std::move(policies)),
+      head_stats_(shape.num_kv_heads),
+      head_spans_(shape.num_kv_heads),
+      rest_out_(policies_.size()),
+      rest_lse_(policies_.size()) {}
+
+absl::StatusOr<std::vector<std::unique_ptr<sparse::SparsePolicy>>> SparseAttention::MakePolicies(
+    const PagedKv& kv, const model::AttentionShape& shape, const sparse::PolicyConfig& config,
+    const model::SparseState* state) {
+  const bool per_head = sparse::TraitsOf(config.kind).heads_independent;
+  std::vector<std::unique_ptr<sparse::SparsePolicy>> policies(per_head ? shape.num_kv_heads : 1);
+  for (auto& p : policies) p = sparse::MakePolicy(config);
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    for (int h = 0; h < shape.num_kv_heads; ++h) {
+      FLUXION_RETURN_IF_ERROR(policies[per_head ? h : 0]->Prepare(
+          kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
+    }
+  }
+  return policies;
+}
 
 void RunPolicyStep(sparse::SparsePolicy& policy, const sparse::SelectionInput& in,
                    std::vector<kernels::PageSpan>* spans, sparse::SelectionStats* stats,
@@ -49,7 +68,6 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
     FLUXION_RETURN_IF_ERROR(kv->Append(layer, prefilled.length(layer), prefilled.keys(layer),
                                        prefilled.values(layer), row));
   }
-  std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
   model::SparseState captured;
   const bool needs_state = sparse::TraitsOf(policy.kind).needs_sparse_state;
   if (state == nullptr && needs_state && !prefilled.recorded_positions(0).empty()) {
@@ -59,13 +77,9 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromDense(
     FLUXION_ASSIGN_OR_RETURN(captured, model::CaptureSparseState(prefilled, shape, params));
     state = &captured;
   }
-  for (int layer = 0; layer < shape.num_layers; ++layer) {
-    for (int h = 0; h < shape.num_kv_heads; ++h) {
-      FLUXION_RETURN_IF_ERROR(
-          p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
-    }
-  }
-  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), policy, std::move(p)));
+  FLUXION_ASSIGN_OR_RETURN(auto policies, MakePolicies(*kv, shape, policy, state));
+  return std::unique_ptr<SparseAttention>(
+      new SparseAttention(shape, std::move(kv), policy, std::move(policies)));
 }
 
 absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
@@ -78,18 +92,13 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::FromPages(
         absl::StrCat("the CPU paged kernel does not support head_dim ", shape.head_dim,
                      ", GQA group ", group, ", page_tokens ", page_tokens));
   }
-  std::unique_ptr<sparse::SparsePolicy> p = sparse::MakePolicy(policy);
-  for (int layer = 0; layer < shape.num_layers; ++layer) {
-    for (int h = 0; h < shape.num_kv_heads; ++h) {
-      FLUXION_RETURN_IF_ERROR(
-          p->Prepare(*kv, layer, h, state != nullptr ? &state->head(layer, h) : nullptr));
-    }
-  }
-  return std::unique_ptr<SparseAttention>(new SparseAttention(shape, std::move(kv), policy, std::move(p)));
+  FLUXION_ASSIGN_OR_RETURN(auto policies, MakePolicies(*kv, shape, policy, state));
+  return std::unique_ptr<SparseAttention>(
+      new SparseAttention(shape, std::move(kv), policy, std::move(policies)));
 }
 
-absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,
-                                          const float* k, const float* v) {
+absl::Status SparseAttention::AppendToken(int layer, int64_t pos0, const float* k,
+                                          const float* v) {
   if (layer < 0 || layer >= shape_.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
@@ -97,42 +106,69 @@ absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* 
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": tokens start at ", pos0,
                                                    " but the pages hold ", kv_->length(layer)));
   }
-  const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
-  const int64_t group = shape_.num_heads / hkv;
-  FLUXION_RETURN_IF_ERROR(kv_->Append(layer, 1, k, v, hkv * d));
-  plan_layer_ = layer;
-  plan_context_ = pos0 + 1;
-  plan_.indptr.assign(1, 0);
-  plan_.spans.clear();
-  // Policies keep per-request state: the heads select one after another. Query heads
-  // kvh*group .. kvh*group+group-1 share KV head kvh and sit next to each other.
-  for (int kvh = 0; kvh < hkv; ++kvh) {
-    policy_->Select({kv_.get(), layer, kvh, q + kvh * group * d, group, shape_.scale,
-                     plan_context_},
-                    &plan_.spans, &stats_);
-    plan_.indptr.push_back(static_cast<int64_t>(plan_.spans.size()));
+  FLUXION_RETURN_IF_ERROR(kv_->Append(layer, 1, k, v, shape_.num_kv_heads * shape_.head_dim));
+  step_layer_ = layer;
+  step_context_ = pos0 + 1;
+  return absl::OkStatus();
+}
+
+sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const {
+  const int64_t group = shape_.num_heads / shape_.num_kv_heads;
+  // Query heads kv_head*group .. kv_head*group+group-1 share the KV head and sit together.
+  return {kv_.get(), step_layer_, kv_head, q + kv_head * group * shape_.head_dim, group,
+          shape_.scale, step_context_};
+}
+
+void SparseAttention::SelectUnit(int unit, const float* q) {
+  const auto [first, end] = UnitHeads(unit);
+  sparse::SparsePolicy& policy = *policies_[unit];
+  for (int h = first; h < end; ++h) {
+    head_spans_[h].clear();
+    policy.Select(Input(h, q), &head_spans_[h], &head_stats_[h]);
   }
+}
+
+void SparseAttention::FinishUnit(int unit, const float* q, float* out, float* lse) {
+  const auto [first, end] = UnitHeads(unit);
+  const int64_t d = shape_.head_dim, group = shape_.num_heads / shape_.num_kv_heads;
+  sparse::SparsePolicy& policy = *policies_[unit];
+  std::vector<float>& rest_out = rest_out_[unit];
+  std::vector<float>& rest_lse = rest_lse_[unit];
+  rest_out.resize(group * d);
+  rest_lse.resize(group);
+  for (int h = first; h < end; ++h) {
+    const sparse::SelectionInput in = Input(h, q);
+    // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
+    if (policy.ApproximateRest(in, rest_out.data(), rest_lse.data())) {
+      kernels::cpu::MergeAttentionStates(out + h * group * d, lse + h * group, rest_out.data(),
+                                         rest_lse.data(), group, d);
+    }
+    policy.Observe(in, head_spans_[h]);
+  }
+}
+
+absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,
+                                          const float* k, const float* v) {
+  FLUXION_RETURN_IF_ERROR(AppendToken(layer, pos0, k, v));
+  for (int u = 0; u < units(); ++u) SelectUnit(u, q);
   return absl::OkStatus();
 }
 
 void SparseAttention::FinishDecode(const float* q, float* out, float* lse) {
-  const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
-  const int64_t group = shape_.num_heads / hkv;
-  rest_out_.resize(group * d);
-  rest_lse_.resize(group);
-  for (int kvh = 0; kvh < hkv; ++kvh) {
-    const sparse::SelectionInput in{kv_.get(), plan_layer_, kvh, q + kvh * group * d, group,
-                                    shape_.scale, plan_context_};
-    // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
-    if (policy_->ApproximateRest(in, rest_out_.data(), rest_lse_.data())) {
-      kernels::cpu::MergeAttentionStates(out + kvh * group * d, lse + kvh * group,
-                                         rest_out_.data(), rest_lse_.data(), group, d);
-    }
-    // Observe takes a head's spans as a vector (the history policies keep them).
-    spans_.assign(plan_.spans.begin() + plan_.indptr[kvh],
-                  plan_.spans.begin() + plan_.indptr[kvh + 1]);
-    policy_->Observe(in, spans_);
+  for (int u = 0; u < units(); ++u) FinishUnit(u, q, out, lse);
+}
+
+sparse::SelectionStats SparseAttention::stats() const {
+  sparse::SelectionStats sum;
+  for (const sparse::SelectionStats& s : head_stats_) {
+    sum.rows_attended += s.rows_attended;
+    sum.k_rows_scored += s.k_rows_scored;
+    sum.metadata_bytes += s.metadata_bytes;
+    sum.selections += s.selections;
+    sum.bypassed += s.bypassed;
+    sum.context += s.context;
   }
+  return sum;
 }
 
 absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
@@ -145,8 +181,7 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
     tasks_.resize(hkv);
     head_lse_.resize(hkv * group);
     for (int kvh = 0; kvh < hkv; ++kvh) {
-      tasks_[kvh] = {view, plan_.spans.data() + plan_.indptr[kvh],
-                     plan_.indptr[kvh + 1] - plan_.indptr[kvh],
+      tasks_[kvh] = {view, head_spans_[kvh].data(), static_cast<int64_t>(head_spans_[kvh].size()),
                      {q + kvh * group * d, group, shape_.scale},
                      {out + kvh * group * d, &head_lse_[kvh * group]}};
     }

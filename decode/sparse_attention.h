@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -55,33 +56,43 @@ class SparseAttention : public model::SequenceAttention {
                        const float* v, float* out) override;
 
   // One layer of a decode step in phases, so that a batch's attention can be one problem for an
-  // attention backend (decode/paged_batch_attention.h): the policy decides (BeginDecode), the
-  // caller attends exactly what it decided, the policy completes the step (FinishDecode).
+  // attention backend (decode/paged_batch_attention.h): the policy decides (Select), the caller
+  // attends exactly what it decided, the policy completes the step (Finish).
   //
-  // BeginDecode appends the token's K/V at pos0 (== the layer's length) and has the policy select
-  // the spans of every KV head: plan() then holds them, in the CSR form of a PagedDecodeProblem
-  // with one request (kv head h attends spans[indptr[h] .. indptr[h + 1])).
-  // q: [num_heads][head_dim], k and v: [num_kv_heads][head_dim]. InvalidArgument for a layer out
-  // of range or a position that does not continue the pages; ResourceExhausted when the arena
-  // has no page for the token (nothing appended, no plan).
+  //   AppendToken(layer, pos0, k, v)   the token's K/V into the pages (pos0 == the layer's length)
+  //   SelectUnit(u, q) for every unit  the policy's spans of each KV head: head_spans(h)
+  //   (the caller attends head_spans(h) into out/lse of head h's query group)
+  //   FinishUnit(u, q, out, lse)       the policy's estimate of the skipped rows merged in, and
+  //                                    the policy observes the step
+  //
+  // A unit is a KV head when the policy's heads are independent (PolicyTraits::
+  // heads_independent: one policy object per KV head), else the whole request (one object for
+  // every head). Different units of one request may run in parallel; the phases of a unit run in
+  // that order, one step at a time.
+  //
+  // q: [num_heads][head_dim], k and v: [num_kv_heads][head_dim]; out [num_heads][head_dim] and
+  // lse [num_heads] (natural base) of the whole request (a unit touches its heads' rows only).
+  // AppendToken: InvalidArgument for a layer out of range or a position that does not continue
+  // the pages; ResourceExhausted when the arena has no page for the token (nothing appended).
+  absl::Status AppendToken(int layer, int64_t pos0, const float* k, const float* v);
+  int units() const { return static_cast<int>(policies_.size()); }
+  void SelectUnit(int unit, const float* q);
+  const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
+    return head_spans_[kv_head];
+  }
+  void FinishUnit(int unit, const float* q, float* out, float* lse);
+
+  // AppendToken and every SelectUnit; every FinishUnit (one thread).
   absl::Status BeginDecode(int layer, int64_t pos0, const float* q, const float* k,
                            const float* v);
-  struct Plan {
-    std::vector<int64_t> indptr;            // [num_kv_heads + 1]
-    std::vector<kernels::PageSpan> spans;   // every head's spans, head after head
-  };
-  const Plan& plan() const { return plan_; }
-  // After the caller attended plan() into out [num_heads][head_dim] and lse [num_heads]
-  // (natural base): merges the policy's estimate of the rows it skipped, if it gives one, and
-  // lets it observe the step. q as given to BeginDecode. REQUIRES: a successful BeginDecode
-  // since the last FinishDecode.
   void FinishDecode(const float* q, float* out, float* lse);
 
   // Attended and scored rows summed over every decode step, layer and KV head so far.
-  const sparse::SelectionStats& stats() const { return stats_; }
+  sparse::SelectionStats stats() const;
   // Fraction of available context rows attended by decode steps (the budget actually spent).
   double attended_fraction() const {
-    return stats_.context > 0 ? static_cast<double>(stats_.rows_attended) / stats_.context : 0.0;
+    const sparse::SelectionStats s = stats();
+    return s.context > 0 ? static_cast<double>(s.rows_attended) / s.context : 0.0;
   }
   const PagedKv& kv() const { return *kv_; }
   // Gives the pages back to the caller (e.g. a benchmark decoding the same context under several
@@ -94,22 +105,36 @@ class SparseAttention : public model::SequenceAttention {
 
  private:
   SparseAttention(const model::AttentionShape& shape, std::unique_ptr<PagedKv> kv,
-                  const sparse::PolicyConfig& config, std::unique_ptr<sparse::SparsePolicy> policy);
+                  const sparse::PolicyConfig& config,
+                  std::vector<std::unique_ptr<sparse::SparsePolicy>> policies);
+  // The policies for `config` (one, or one per KV head), each prepared for its heads of every
+  // layer from `state` (may be null).
+  static absl::StatusOr<std::vector<std::unique_ptr<sparse::SparsePolicy>>> MakePolicies(
+      const PagedKv& kv, const model::AttentionShape& shape, const sparse::PolicyConfig& config,
+      const model::SparseState* state);
+  // The KV heads of `unit`: [first, end).
+  std::pair<int, int> UnitHeads(int unit) const {
+    return policies_.size() == 1 ? std::pair<int, int>{0, static_cast<int>(shape_.num_kv_heads)}
+                                 : std::pair<int, int>{unit, unit + 1};
+  }
+  sparse::SelectionInput Input(int kv_head, const float* q) const;
 
   static inline std::atomic<uint64_t> next_id_{1};
   const uint64_t id_;
   model::AttentionShape shape_;
   sparse::PolicyConfig config_;
   std::unique_ptr<PagedKv> kv_;
-  std::unique_ptr<sparse::SparsePolicy> policy_;
-  sparse::SelectionStats stats_;
-  // The decode step in progress (BeginDecode .. FinishDecode).
-  Plan plan_;
-  int plan_layer_ = 0;
-  int64_t plan_context_ = 0;
-  // Scratch, reused across steps.
+  std::vector<std::unique_ptr<sparse::SparsePolicy>> policies_;  // [1] or [num_kv_heads]
+  std::vector<sparse::SelectionStats> head_stats_;               // [num_kv_heads]
+  // The decode step in progress.
+  std::vector<std::vector<kernels::PageSpan>> head_spans_;  // [num_kv_heads]
+  int step_layer_ = 0;
+  int64_t step_context_ = 0;
+  // Scratch per unit (units may run in parallel), reused across steps.
+  std::vector<std::vector<float>> rest_out_, rest_lse_;  // [unit]
+  // Scratch of Forward (one thread).
   std::vector<kernels::PageSpan> spans_;
-  std::vector<float> lse_, head_lse_, rest_out_, rest_lse_;
+  std::vector<float> lse_, head_lse_;
   std::vector<kernels::cpu::PagedAttentionTask> tasks_;  // [kv_head]
 };
 

@@ -117,14 +117,14 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false}},
-    {PolicyKind::kQuest, {"quest", false, false, false}},
-    {PolicyKind::kLfps, {"lfps", false, true, false}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false}},
-    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false}},
+    {PolicyKind::kFull, {"full", true, false, false, true}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false}},
+    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";

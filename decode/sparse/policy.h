@@ -46,6 +46,10 @@ struct PolicyTraits {
   bool budget_from_name;     // the budget is not a separate argument (full, fixed_*)
   bool needs_sparse_state;   // starts from the prefill node's captured sparse state
   bool uses_predictor;       // reads PolicyConfig::fluxion_predictor
+  // Its state is independent per (layer, KV head): one object per KV head is the same policy,
+  // so a step may select different heads of one request in parallel. False for Fluxion, whose
+  // budget allocation spans every head of the request.
+  bool heads_independent;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);

@@ -11,12 +11,15 @@ CpuPool::CpuPool(int threads) : threads_(std::max(threads, 1)) {}
 
 void CpuPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) const {
   if (n <= 0) return;
-  const int threads = static_cast<int>(std::min<int64_t>(threads_, n));
-  if (threads <= 1) {
+  if (threads_ <= 1 || n == 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  // Always the whole team, even for fewer tasks than threads (the idle ones find no work):
+  // libgomp retires the threads a smaller team leaves out and creates them again for the next
+  // larger one, so alternating team sizes (4 requests' selection, then 32 attention tasks, per
+  // layer) cost ~1.7 ms per layer in thread creation on the H200 host (bench/results, session 8).
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) fn(i);
 }
 
