@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include "decode/cuda_resident_window.h"
+#include "decode/hbm_full_attention.h"
 #endif
 
 namespace fluxion::bench {
@@ -188,6 +189,56 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   return p;
 }
 
+#ifdef FLUXION_HAVE_CUDA
+// The HBM-resident reference: the same dense halves with the whole KV (random) in HBM and full
+// attention through the CUDA backend. Unavailable (skipped, with the reason) when the KV does not
+// fit in the device memory left.
+absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
+                                   const model::ModelConfig& config, int64_t context,
+                                   int64_t batch, int64_t steps) {
+  decode::HbmKvShape shape;
+  shape.num_layers = config.num_layers;
+  shape.num_heads = config.num_heads;
+  shape.num_kv_heads = config.num_kv_heads;
+  shape.head_dim = config.head_dim;
+  shape.scale = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  shape.max_requests = batch;
+  shape.max_tokens = context + steps + 2;
+  size_t free_bytes = 0, total = 0;
+  cudaMemGetInfo(&free_bytes, &total);
+  const size_t need = shape.num_layers * shape.layer_bytes();
+  if (need + (size_t{4} << 30) > free_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("the KV (", need >> 30, " GiB) does not fit "
+                                                     "the ", free_bytes >> 30, " GiB free"));
+  }
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::HbmFullAttention> hbm,
+      decode::HbmFullAttention::Create(
+          shape, static_cast<cudaStream_t>(executor.ops().native_stream()),
+          kernels::cuda::PagedKernel::kV4));
+  std::vector<int> slots(batch);
+  std::vector<int64_t> positions(batch, context);
+  std::vector<int32_t> tokens(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    slots[i] = static_cast<int>(i);
+    tokens[i] = static_cast<int32_t>((31 * i + 7) % config.vocab_size);
+    FLUXION_RETURN_IF_ERROR(hbm->FillRandom(static_cast<int>(i), context, 100 + i));
+  }
+  std::vector<float> logits(batch * config.vocab_size);
+  std::vector<double> ms;
+  for (int64_t s = 0; s <= steps; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    FLUXION_RETURN_IF_ERROR(hbm->BeginStep(slots, positions));
+    FLUXION_RETURN_IF_ERROR(executor.runner().Step(tokens, positions, *hbm, logits.data()));
+    const double elapsed =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0) ms.push_back(elapsed);
+    for (int64_t& p : positions) ++p;
+  }
+  return Summarize(ms).median;
+}
+#endif
+
 absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results) {
   FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
   const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
@@ -271,6 +322,24 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                                                     config.vocab_size, o.steps));
         points.push_back({decode::sparse::PolicyLabel(policy), p});
       }
+#ifdef FLUXION_HAVE_CUDA
+      if (o.device == "cuda") {
+        absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
+        if (hbm.ok()) {
+          std::printf("%8lld %5lld %-16s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
+                      "GPU)\n",
+                      static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
+                      *hbm, 1e3 * batch / *hbm);
+          results->push_back({{"preset", o.preset}, {"device", o.device}, {"context", context},
+                              {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
+                              {"tokens_per_s", 1e3 * batch / *hbm}});
+        } else {
+          std::printf("%8lld %5lld %-16s | skipped: %s\n", static_cast<long long>(context),
+                      static_cast<long long>(batch), "hbm-full",
+                      std::string(hbm.status().message()).c_str());
+        }
+      }
+#endif
       for (const auto& [label, p] : points) {
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.

@@ -6,7 +6,10 @@
 
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <random>
 
@@ -14,6 +17,13 @@
 #include "decode/paged_kv.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/device_buffers_testing.h"
+#include "decode/hbm_full_attention.h"
+#include "decode/hybrid_step_executor.h"
+#include "decode/sparse/policy.h"
+#include "decode/sparse_attention.h"
+#include "model/cuda_dense_ops.h"
+#include "model/dense_attention.h"
+#include "model/random_model.h"
 
 namespace fluxion::decode {
 namespace {
@@ -135,6 +145,215 @@ TEST(CudaResidentWindowShapeTest, RefusesWhatItCannotHold) {
   shape.window_tokens = 300;
   EXPECT_EQ(NewCudaResidentWindow(shape, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// HBM full attention: a whole decode step on the CUDA dense ops with the KV in HBM against the
+// same dense ops with attention on the host over bf16 pages (SparseAttention `full`): the same
+// bf16 K/V rows and fp32 math on both sides, so logits agree tightly and greedy tokens match.
+
+TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  model::ModelConfig c = *model::PresetConfig("tiny");
+  c.head_dim = 64;  // the CUDA attention kernels take 64 and 128
+  const std::string dir = ::testing::TempDir() + "/hbm_full_test_" + std::to_string(getpid());
+  ASSERT_TRUE(model::WriteRandomModel(c, 21, dir).ok());
+  std::unique_ptr<model::Model> m = std::move(*model::Model::Load(dir));
+  std::filesystem::remove_all(dir);
+  const model::AttentionShape shape = m->attention_shape();
+  const std::vector<int64_t> lengths = {40, 75};
+  const int64_t steps = 8, page_tokens = 16;
+
+  // CPU prefills; their caches feed both sides.
+  std::vector<model::DenseAttention> prefills;
+  std::vector<int32_t> first;
+  std::mt19937 rng(5);
+  for (int64_t n : lengths) {
+    std::vector<int32_t> prompt(n);
+    for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
+    auto dense = std::make_unique<model::DenseAttention>(shape);
+    model::DenseAttention* raw = dense.get();
+    model::Sequence seq(std::move(dense));
+    std::vector<float> logits;
+    ASSERT_TRUE(m->Forward(seq, prompt, &logits).ok());
+    prefills.push_back(*raw);
+    first.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                         logits.begin()));
+  }
+
+  auto ops = model::NewCudaDenseOps(0);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  auto runner = model::DecodeStepRunner::Create(*m, ops->get());
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  const int64_t vocab = c.vocab_size, rows = static_cast<int64_t>(lengths.size());
+
+  // Host side: full attention over bf16 pages, q/k/v copied from the device each layer.
+  auto arena = *KvArena::Create(
+      KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
+      1024);
+  std::vector<std::unique_ptr<model::Sequence>> seqs;
+  std::vector<model::Sequence*> ptrs;
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    auto a = SparseAttention::FromDense(arena.get(), shape, page_tokens, prefills[i],
+                                        *sparse::ParsePolicy("full", 1.0));
+    ASSERT_TRUE(a.ok()) << a.status();
+    seqs.push_back(std::make_unique<model::Sequence>(std::move(*a), lengths[i]));
+    ptrs.push_back(seqs.back().get());
+  }
+  model::SequenceBatchAttention host(ptrs, shape, ops->get());
+
+  // Device side.
+  HbmKvShape hs;
+  hs.num_layers = shape.num_layers;
+  hs.num_heads = shape.num_heads;
+  hs.num_kv_heads = shape.num_kv_heads;
+  hs.head_dim = shape.head_dim;
+  hs.scale = shape.scale;
+  hs.page_tokens = page_tokens;
+  hs.max_requests = rows;
+  hs.max_tokens = 128;
+  auto hbm = HbmFullAttention::Create(
+      hs, static_cast<cudaStream_t>((*ops)->native_stream()), kernels::cuda::PagedKernel::kV4);
+  ASSERT_TRUE(hbm.ok()) << hbm.status();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      ASSERT_TRUE((*hbm)->LoadTokens(static_cast<int>(i), layer, lengths[i],
+                                     prefills[i].keys(layer), prefills[i].values(layer))
+                      .ok());
+    }
+  }
+
+  std::vector<int32_t> host_tokens = first, hbm_tokens = first;
+  std::vector<int64_t> positions = lengths;
+  const std::vector<int> slots = {0, 1};
+  std::vector<float> host_logits(rows * vocab), hbm_logits(rows * vocab);
+  for (int64_t s = 0; s < steps; ++s) {
+    ASSERT_TRUE((*runner)->Step(host_tokens, positions, host, host_logits.data()).ok());
+    ASSERT_TRUE((*hbm)->BeginStep(slots, positions).ok());
+    ASSERT_TRUE((*runner)->Step(hbm_tokens, positions, **hbm, hbm_logits.data()).ok());
+    float worst = 0, scale = 0;
+    for (int64_t j = 0; j < rows * vocab; ++j) {
+      worst = std::max(worst, std::abs(host_logits[j] - hbm_logits[j]));
+      scale = std::max(scale, std::abs(host_logits[j]));
+    }
+    EXPECT_LT(worst, 1e-3f * std::max(scale, 1.0f)) << "step " << s;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* h = host_logits.data() + i * vocab;
+      const float* g = hbm_logits.data() + i * vocab;
+      host_tokens[i] = static_cast<int32_t>(std::max_element(h, h + vocab) - h);
+      hbm_tokens[i] = static_cast<int32_t>(std::max_element(g, g + vocab) - g);
+      EXPECT_EQ(host_tokens[i], hbm_tokens[i]) << "request " << i << " step " << s;
+      ++positions[i];
+    }
+  }
+}
+
+
+// The hybrid step on the GPU (CUDA dense ops + the CUDA resident window + the CPU over host
+// pages) against the same dense ops with each request's attention on the host
+// (SequenceBatchAttention over SparseAttention): the same plans attended in another merge order.
+TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  model::ModelConfig c = *model::PresetConfig("tiny");
+  c.head_dim = 64;
+  const std::string dir = ::testing::TempDir() + "/hybrid_cuda_test_" + std::to_string(getpid());
+  ASSERT_TRUE(model::WriteRandomModel(c, 23, dir).ok());
+  std::unique_ptr<model::Model> m = std::move(*model::Model::Load(dir));
+  std::filesystem::remove_all(dir);
+  const model::AttentionShape shape = m->attention_shape();
+  const std::vector<int64_t> lengths = {300, 150, 90};
+  const int64_t steps = 8, page_tokens = 16, vocab = c.vocab_size;
+  std::vector<model::DenseAttention> prefills;
+  std::vector<int32_t> first;
+  std::mt19937 rng(9);
+  for (int64_t n : lengths) {
+    std::vector<int32_t> prompt(n);
+    for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
+    auto dense = std::make_unique<model::DenseAttention>(shape);
+    model::DenseAttention* raw = dense.get();
+    model::Sequence seq(std::move(dense));
+    std::vector<float> logits;
+    ASSERT_TRUE(m->Forward(seq, prompt, &logits).ok());
+    prefills.push_back(*raw);
+    first.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                         logits.begin()));
+  }
+  for (const char* name : {"full", "quest"}) {
+    SCOPED_TRACE(name);
+    const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+    auto arena = *KvArena::Create(
+        KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
+        4096);
+    auto make = [&](std::vector<std::unique_ptr<model::Sequence>>* seqs,
+                    std::vector<SparseAttention*>* attentions) {
+      for (size_t i = 0; i < prefills.size(); ++i) {
+        auto a = SparseAttention::FromDense(arena.get(), shape, page_tokens, prefills[i], policy);
+        ASSERT_TRUE(a.ok()) << a.status();
+        attentions->push_back(a->get());
+        seqs->push_back(std::make_unique<model::Sequence>(std::move(*a), lengths[i]));
+      }
+    };
+    // Reference: CUDA dense ops, attention per request on the host.
+    std::vector<std::unique_ptr<model::Sequence>> ref_seqs;
+    std::vector<SparseAttention*> ref_attn;
+    make(&ref_seqs, &ref_attn);
+    std::vector<model::Sequence*> ref_ptrs;
+    for (auto& q : ref_seqs) ref_ptrs.push_back(q.get());
+    auto ref_ops = model::NewCudaDenseOps(0);
+    ASSERT_TRUE(ref_ops.ok()) << ref_ops.status();
+    auto ref_runner = model::DecodeStepRunner::Create(*m, ref_ops->get());
+    ASSERT_TRUE(ref_runner.ok());
+    model::SequenceBatchAttention host(ref_ptrs, shape, ref_ops->get());
+    // The hybrid executor on the GPU.
+    std::vector<std::unique_ptr<model::Sequence>> seqs;
+    std::vector<SparseAttention*> attentions;
+    make(&seqs, &attentions);
+    auto ops = model::NewCudaDenseOps(0);
+    ASSERT_TRUE(ops.ok());
+    WindowShape w;
+    w.num_layers = shape.num_layers;
+    w.num_heads = shape.num_heads;
+    w.num_kv_heads = shape.num_kv_heads;
+    w.head_dim = shape.head_dim;
+    w.scale = shape.scale;
+    w.max_requests = 4;
+    w.max_rows = 4;
+    auto window = NewCudaResidentWindow(w, static_cast<cudaStream_t>((*ops)->native_stream()));
+    ASSERT_TRUE(window.ok()) << window.status();
+    auto hybrid = HybridStepExecutor::Create(m.get(), std::move(*ops), std::move(*window), nullptr);
+    ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+
+    std::vector<int32_t> ref_tokens = first;
+    std::vector<StepRequest> batch;
+    for (size_t i = 0; i < seqs.size(); ++i) batch.push_back({seqs[i].get(), attentions[i], first[i]});
+    std::vector<float> ref_logits(lengths.size() * vocab), logits;
+    std::vector<absl::Status> statuses;
+    for (int64_t s = 0; s < steps; ++s) {
+      std::vector<int64_t> positions;
+      for (auto* q : ref_ptrs) positions.push_back(q->length());
+      ASSERT_TRUE((*ref_runner)->Step(ref_tokens, positions, host, ref_logits.data()).ok());
+      (*hybrid)->Step(batch, &logits, &statuses);
+      for (const absl::Status& st : statuses) ASSERT_TRUE(st.ok()) << st;
+      float worst = 0, scale = 0;
+      for (size_t j = 0; j < ref_logits.size(); ++j) {
+        worst = std::max(worst, std::abs(ref_logits[j] - logits[j]));
+        scale = std::max(scale, std::abs(ref_logits[j]));
+      }
+      EXPECT_LT(worst, 1e-3f * std::max(scale, 1.0f)) << "step " << s;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const float* r = ref_logits.data() + i * vocab;
+        const float* g = logits.data() + i * vocab;
+        ref_tokens[i] = static_cast<int32_t>(std::max_element(r, r + vocab) - r);
+        batch[i].token = static_cast<int32_t>(std::max_element(g, g + vocab) - g);
+        EXPECT_EQ(ref_tokens[i], batch[i].token) << "request " << i << " step " << s;
+      }
+    }
+    EXPECT_GT((*hybrid)->counters().host_rows, 0);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(attentions[i]->stats().rows_attended, ref_attn[i]->stats().rows_attended);
+    }
+  }
 }
 
 }  // namespace

@@ -66,6 +66,9 @@ HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
 
 HybridStepExecutor::~HybridStepExecutor() = default;
 
+model::DecodeStepRunner& HybridStepExecutor::runner() { return *state_->runner; }
+model::DenseOps& HybridStepExecutor::ops() { return *state_->ops; }
+
 absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention) {
   if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) return it->second;
   const WindowShape& w = state_->window->shape();

@@ -43,6 +43,11 @@ class HybridStepExecutor : public StepExecutor {
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;
 
+  // The dense halves (and the weights in the DenseOps's memory), e.g. to run the same model with
+  // another attention in the same run (the HBM-resident reference of `fluxion bench decode`).
+  model::DecodeStepRunner& runner();
+  model::DenseOps& ops();
+
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }
   void ResetCounters() { attention_->ResetCounters(); }

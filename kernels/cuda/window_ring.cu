@@ -87,7 +87,37 @@ __global__ void RingAttentionKernel(RingLayout r, int layer, const float* q, int
   if (tid == 0) lse[i * num_heads + j] = rows > 0 ? m + logf(l) : -INFINITY;
 }
 
+__global__ void HbmPageAppendKernel(bf16* base, int64_t page_tokens, int64_t max_pages,
+                                    int64_t num_kv_heads, int64_t head_dim, const float* k,
+                                    const float* v, const int32_t* slots,
+                                    const int64_t* positions) {
+  const int64_t i = blockIdx.x / num_kv_heads, h = blockIdx.x % num_kv_heads;
+  const int64_t t = positions[i];
+  const int64_t page = (static_cast<int64_t>(slots[i]) * num_kv_heads + h) * max_pages +
+                       t / page_tokens;
+  auto* dst_k = reinterpret_cast<__nv_bfloat16*>(base) + page * 2 * page_tokens * head_dim +
+                (t % page_tokens) * head_dim;
+  auto* dst_v = dst_k + page_tokens * head_dim;
+  const int64_t src = (i * num_kv_heads + h) * head_dim;
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    dst_k[d] = __float2bfloat16_rn(k[src + d]);
+    dst_v[d] = __float2bfloat16_rn(v[src + d]);
+  }
+}
+
 }  // namespace
+
+cudaError_t HbmPageAppend(bf16* layer_base, int64_t page_tokens, int64_t max_pages,
+                          int64_t num_kv_heads, int64_t head_dim, const float* k, const float* v,
+                          const int32_t* slots, const int64_t* positions, int64_t rows,
+                          cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (rows * num_kv_heads > 2147483647 || head_dim <= 0) return cudaErrorInvalidValue;
+  const int threads = head_dim < 128 ? static_cast<int>(head_dim) : 128;
+  HbmPageAppendKernel<<<static_cast<unsigned>(rows * num_kv_heads), threads, 0, stream>>>(
+      layer_base, page_tokens, max_pages, num_kv_heads, head_dim, k, v, slots, positions);
+  return cudaGetLastError();
+}
 
 cudaError_t RingAppend(const RingLayout& ring, int layer, const float* k, const float* v,
                        const int32_t* slots, const int64_t* positions, int64_t rows,

@@ -44,6 +44,16 @@ cudaError_t RingAttention(const RingLayout& ring, int layer, const float* q, int
                           float scale, const int32_t* slots, const int64_t* positions,
                           int64_t rows, float* out, float* lse, cudaStream_t stream);
 
+// The full-attention KV in HBM (decode/hbm_full_attention.h): for one layer, page p of the layer's
+// arena `layer_base` holds K then V of `page_tokens` tokens ([page_tokens][head_dim] bf16 each);
+// (slot, KV head) owns pages [(slot * num_kv_heads + head) * max_pages, ... + max_pages), token t
+// in page t / page_tokens, row t % page_tokens. Writes row i's K/V (k, v: [rows][num_kv_heads]
+// [head_dim] fp32, rounded to bf16) at positions[i] of slots[i].
+cudaError_t HbmPageAppend(bf16* layer_base, int64_t page_tokens, int64_t max_pages,
+                          int64_t num_kv_heads, int64_t head_dim, const float* k, const float* v,
+                          const int32_t* slots, const int64_t* positions, int64_t rows,
+                          cudaStream_t stream);
+
 }  // namespace fluxion::kernels::cuda
 
 #endif  // FLUXION_KERNELS_CUDA_WINDOW_RING_H_
