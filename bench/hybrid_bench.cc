@@ -215,7 +215,7 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
       std::unique_ptr<decode::HbmFullAttention> hbm,
       decode::HbmFullAttention::Create(
           shape, static_cast<cudaStream_t>(executor.ops().native_stream()),
-          kernels::cuda::PagedKernel::kV4));
+          kernels::cuda::PagedKernel::kV4TwoStage));
   std::vector<int> slots(batch);
   std::vector<int64_t> positions(batch, context);
   std::vector<int32_t> tokens(batch);

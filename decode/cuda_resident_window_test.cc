@@ -56,6 +56,27 @@ void ExpectNear(const std::vector<float>& a, const std::vector<float>& b, float 
   EXPECT_LT(worst, tol) << what;
 }
 
+// Logits of two runs whose attention differs only in fp32 summation order: the CUDA dense ops
+// round every product's input rows to bf16, so a 1e-6 difference in an attention output moves the
+// logits by up to bf16's resolution (measured on the H200: up to 3.9e-3 of the largest logit over
+// 8 steps). 1e-2 of the largest logit leaves 2.5x margin and still catches a wrong row or merge
+// (those move logits by whole units).
+constexpr float kBf16StepTolerance = 1e-2f;
+
+// True when row `ref` has its top two logits within `margin` (a near-tie a bf16 rounding may flip).
+bool NearTie(const float* ref, int64_t vocab, float margin) {
+  float first = -INFINITY, second = -INFINITY;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (ref[j] > first) {
+      second = first;
+      first = ref[j];
+    } else if (ref[j] > second) {
+      second = ref[j];
+    }
+  }
+  return first - second < margin;
+}
+
 class CudaResidentWindowTest : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(CudaResidentWindowTest, MatchesTheHostWindowStepByStep) {
@@ -214,7 +235,8 @@ TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
   hs.max_requests = rows;
   hs.max_tokens = 128;
   auto hbm = HbmFullAttention::Create(
-      hs, static_cast<cudaStream_t>((*ops)->native_stream()), kernels::cuda::PagedKernel::kV4);
+      hs, static_cast<cudaStream_t>((*ops)->native_stream()),
+      kernels::cuda::PagedKernel::kV4TwoStage);
   ASSERT_TRUE(hbm.ok()) << hbm.status();
   for (int64_t i = 0; i < rows; ++i) {
     for (int layer = 0; layer < shape.num_layers; ++layer) {
@@ -237,13 +259,16 @@ TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
       worst = std::max(worst, std::abs(host_logits[j] - hbm_logits[j]));
       scale = std::max(scale, std::abs(host_logits[j]));
     }
-    EXPECT_LT(worst, 1e-3f * std::max(scale, 1.0f)) << "step " << s;
+    EXPECT_LT(worst, kBf16StepTolerance * std::max(scale, 1.0f)) << "step " << s;
     for (int64_t i = 0; i < rows; ++i) {
       const float* h = host_logits.data() + i * vocab;
       const float* g = hbm_logits.data() + i * vocab;
       host_tokens[i] = static_cast<int32_t>(std::max_element(h, h + vocab) - h);
       hbm_tokens[i] = static_cast<int32_t>(std::max_element(g, g + vocab) - g);
-      EXPECT_EQ(host_tokens[i], hbm_tokens[i]) << "request " << i << " step " << s;
+      if (!NearTie(h, vocab, 2 * worst)) {
+        EXPECT_EQ(host_tokens[i], hbm_tokens[i]) << "request " << i << " step " << s;
+      }
+      hbm_tokens[i] = host_tokens[i];  // both sides continue from the same token
       ++positions[i];
     }
   }
@@ -340,13 +365,16 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
         worst = std::max(worst, std::abs(ref_logits[j] - logits[j]));
         scale = std::max(scale, std::abs(ref_logits[j]));
       }
-      EXPECT_LT(worst, 1e-3f * std::max(scale, 1.0f)) << "step " << s;
+      EXPECT_LT(worst, kBf16StepTolerance * std::max(scale, 1.0f)) << "step " << s;
       for (size_t i = 0; i < batch.size(); ++i) {
         const float* r = ref_logits.data() + i * vocab;
         const float* g = logits.data() + i * vocab;
         ref_tokens[i] = static_cast<int32_t>(std::max_element(r, r + vocab) - r);
         batch[i].token = static_cast<int32_t>(std::max_element(g, g + vocab) - g);
-        EXPECT_EQ(ref_tokens[i], batch[i].token) << "request " << i << " step " << s;
+        if (!NearTie(r, vocab, 2 * worst)) {
+          EXPECT_EQ(ref_tokens[i], batch[i].token) << "request " << i << " step " << s;
+        }
+        batch[i].token = ref_tokens[i];  // both sides continue from the same token
       }
     }
     EXPECT_GT((*hybrid)->counters().host_rows, 0);

@@ -34,7 +34,10 @@ namespace fluxion::kernels::cuda {
 
 struct CudaAttentionBackendOptions {
   cudaStream_t stream = nullptr;  // the caller's; must outlive the backend. Null: legacy default
-  PagedKernel kernel = PagedKernel::kV4;
+  // kV4TwoStage: 88-91% of the HBM copy probe on the H200 at 8B shapes (v4 72-74%, v3 24%);
+  // for arenas in pinned host memory kV3 reads best (90-95% of the H2D probe; v4s2 ~60%),
+  // bench/results session 8.
+  PagedKernel kernel = PagedKernel::kV4TwoStage;
   int num_sms = 0;  // the chunk plan aims at one wave on this many SMs; 0: the current device's
 };
 
