@@ -106,6 +106,9 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.Int("kv-pages", &kv_pages, "KV pages per decode node");
   flags.String("ucx-tls", &ucx_tls, "UCX transports between the nodes: tcp (over lo) or sm");
   flags.String("policy", &policy, "sparse attention policy (empty: the decode nodes' default)");
+  std::string decode_device = "cpu";
+  flags.String("decode-device", &decode_device,
+               "--device of each decode node: cpu, or cuda (the hybrid CPU-GPU step)");
   flags.Int("vocab-size", &vocab_size,
             "prompt token ids are drawn from [1, vocab-size) (256: the byte-level tiny model)");
   flags.Int("max-requests", &transform.max_requests, "replay the first N requests of the trace");
@@ -258,7 +261,8 @@ int RunLocalCommand(const std::vector<std::string>& args) {
               trusted.push_back(prefill_addresses[(i + k) % prefill_addresses.size()]);
             }
             return std::vector<std::string>{"--kv-pages", std::to_string(kv_pages),
-                                            "--prefill-address", absl::StrJoin(trusted, ",")};
+                                            "--prefill-address", absl::StrJoin(trusted, ","),
+                                            "--device", decode_device};
           },
           &decode_addresses);
       !s.ok()) {

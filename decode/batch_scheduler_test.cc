@@ -11,9 +11,12 @@
 
 #include "absl/synchronization/notification.h"
 #include "decode/kv_admission.h"
+#include "decode/hybrid_step_executor.h"
 #include "decode/kv_arena.h"
+#include "decode/resident_window.h"
 #include "decode/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
 #include "model/random_model.h"
 
@@ -77,6 +80,11 @@ class BatchSchedulerTest : public ::testing::Test {
   static void RunToEnd(BatchScheduler& scheduler,
                        const std::vector<std::shared_ptr<DecodeRequest>>& requests) {
     scheduler.JoinAll(requests);
+    WaitForEnd(requests);
+  }
+
+  // Waits (up to a minute: a loaded CI box) until every request has finished.
+  static void WaitForEnd(const std::vector<std::shared_ptr<DecodeRequest>>& requests) {
     const absl::Time deadline = absl::Now() + absl::Minutes(1);
     for (auto& r : requests) {
       absl::MutexLock lock(&r->mu);
@@ -125,6 +133,52 @@ TEST_F(BatchSchedulerTest, BatchedStepGivesThePerRequestLoopsGreedyTokens) {
   }
   EXPECT_EQ(tokens[0], tokens[1]);
   for (const auto& t : tokens[1]) EXPECT_EQ(t.size(), 20u);
+}
+
+TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTokens) {
+  // The serving loop over the hybrid executor (here with its device half's host stand-in: CPU
+  // dense ops and the host resident window; on a GPU `fluxion decode --device cuda` runs the same
+  // executor over CUDA), with requests joining mid-stream and prompts past sinks + window.
+  const std::vector<int64_t> lengths = {150, 90, 260};
+  std::vector<std::vector<int32_t>> tokens[2];
+  for (int hybrid = 0; hybrid < 2; ++hybrid) {
+    MakeArena(growth_pages_ * 128);
+    std::unique_ptr<StepExecutor> executor;
+    if (hybrid) {
+      WindowShape w;
+      w.num_layers = shape_.num_layers;
+      w.num_heads = shape_.num_heads;
+      w.num_kv_heads = shape_.num_kv_heads;
+      w.head_dim = shape_.head_dim;
+      w.scale = shape_.scale;
+      w.max_requests = 4;
+      w.max_rows = 4;
+      auto made = HybridStepExecutor::Create(model_.get(), std::make_unique<model::CpuDenseOps>(),
+                                             *NewHostResidentWindow(w, kPageTokens), nullptr);
+      ASSERT_TRUE(made.ok()) << made.status();
+      executor = std::move(*made);
+    } else {
+      executor = NewPerRequestStepExecutor(model_.get());
+    }
+    std::vector<std::shared_ptr<DecodeRequest>> requests;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      requests.push_back(MakeRequest(Prompt(lengths[i], 40 + i), 12 + 4 * i, i));
+    }
+    {
+      BatchScheduler scheduler(model_.get(), admission_.get(), growth_pages_, kPageTokens,
+                               nullptr, executor.get());
+      scheduler.Join(requests[0]);
+      RunToEnd(scheduler, {requests[1], requests[2]});
+      WaitForEnd({requests[0]});
+    }
+    for (auto& r : requests) {
+      absl::MutexLock lock(&r->mu);
+      EXPECT_EQ(r->finish, Finish::kLength) << r->id << ": " << r->error;
+      tokens[hybrid].push_back(r->pending);
+    }
+    EXPECT_EQ(arena_->counters().reserved, 0);
+  }
+  EXPECT_EQ(tokens[0], tokens[1]);
 }
 
 TEST_F(BatchSchedulerTest, RequestsStartingAPageInOneStepPreemptTheYoungestFirst) {

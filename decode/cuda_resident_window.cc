@@ -5,7 +5,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "decode/hybrid_step_executor.h"
+#include "decode/sparse/policy.h"
 #include "kernels/cuda/decode_ops.h"
+#include "model/cuda_dense_ops.h"
 #include "kernels/cuda/window_ring.h"
 
 namespace fluxion::decode {
@@ -226,9 +230,9 @@ class CudaResidentWindow : public ResidentWindow {
 absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
                                                                      cudaStream_t stream) {
   if (absl::Status s = ValidateWindowShape(shape); !s.ok()) return s;
-  if (shape.head_dim != 64 && shape.head_dim != 128) {
+  if (shape.head_dim != 32 && shape.head_dim != 64 && shape.head_dim != 128) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the CUDA resident window supports head_dim 64 and 128, not ", shape.head_dim));
+        "the CUDA resident window supports head_dim 32, 64 and 128, not ", shape.head_dim));
   }
   if (shape.rows_per_head() > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -237,6 +241,30 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
   auto window = std::make_unique<CudaResidentWindow>(shape, stream);
   if (absl::Status s = window->Init(); !s.ok()) return s;
   return std::unique_ptr<ResidentWindow>(std::move(window));
+}
+
+absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
+    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests) {
+  const model::AttentionShape shape = model->attention_shape();
+  const sparse::PolicyConfig defaults;  // every policy's sinks and window are at least these
+  WindowShape w;
+  w.num_layers = shape.num_layers;
+  w.num_heads = shape.num_heads;
+  w.num_kv_heads = shape.num_kv_heads;
+  w.head_dim = shape.head_dim;
+  w.scale = shape.scale;
+  w.sink_tokens = defaults.sink_tokens;
+  w.window_tokens = defaults.local_tokens;
+  w.max_requests = max_requests;
+  w.max_rows = max_requests;
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<ResidentWindow> window,
+      NewCudaResidentWindow(w, static_cast<cudaStream_t>(ops->native_stream())));
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<HybridStepExecutor> executor,
+      HybridStepExecutor::Create(model, std::move(ops), std::move(window), pool));
+  return std::unique_ptr<StepExecutor>(std::move(executor));
 }
 
 }  // namespace fluxion::decode

@@ -11,6 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "decode/resident_window.h"
+#include "decode/step_executor.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/model.h"
 
 namespace fluxion::decode {
 
@@ -20,6 +23,13 @@ namespace fluxion::decode {
 // ResourceExhausted when device or pinned memory runs out.
 absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
                                                                      cudaStream_t stream);
+
+// The hybrid step executor on CUDA device 0 for `model` (decode/hybrid_step_executor.h): its
+// weights uploaded to CudaDenseOps in bf16, a CUDA resident window of `max_requests` slots (sinks
+// and window of the default policy config), the host part on `pool`. What `fluxion decode
+// --device cuda` serves with. FailedPrecondition without a device; the factories' errors.
+absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
+    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests);
 
 }  // namespace fluxion::decode
 

@@ -151,14 +151,14 @@ TEST_P(CudaResidentWindowTest, MatchesTheHostWindowStepByStep) {
   cudaStreamDestroy(stream);
 }
 
-INSTANTIATE_TEST_SUITE_P(HeadDims, CudaResidentWindowTest, ::testing::Values(64, 128));
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaResidentWindowTest, ::testing::Values(32, 64, 128));
 
 TEST(CudaResidentWindowShapeTest, RefusesWhatItCannotHold) {
   WindowShape shape;
   shape.num_layers = 1;
   shape.num_heads = 4;
   shape.num_kv_heads = 1;
-  shape.head_dim = 96;
+  shape.head_dim = 96;  // not 32, 64 or 128
   shape.scale = 0.1f;
   EXPECT_EQ(NewCudaResidentWindow(shape, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);

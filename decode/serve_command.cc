@@ -1,5 +1,9 @@
 #include "decode/serve_command.h"
 
+#ifdef FLUXION_HAVE_CUDA
+#include "decode/cuda_resident_window.h"
+#endif
+
 #include <unistd.h>
 
 #include <iostream>
@@ -55,6 +59,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                 "prefill nodes write over UCX, decodes them in a continuous batch with sparse "
                 "attention, streams tokens.");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
+  std::string device = "cpu";
+  int64_t device_max_requests = 128;
+  flags.String("device", &device,
+               "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
+               "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
+               "of every policy's plan on the CPU over the host pages; docs/EXECUTOR.md section 7)");
+  flags.Int("device-max-requests", &device_max_requests,
+            "with --device cuda: requests the GPU's resident window holds at once (a request "
+            "beyond them fails its step with RESOURCE_EXHAUSTED)");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
@@ -237,8 +250,27 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     KvAdmission admission(arena.get(), admission_options);
     DecodeServiceOptions options;
     options.cpu_pool = &*pool;
+    std::unique_ptr<StepExecutor> executor;
+    if (device == "cuda") {
+#ifdef FLUXION_HAVE_CUDA
+      auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool, device_max_requests);
+      if (!hybrid.ok()) {
+        std::cerr << "error: --device cuda: " << hybrid.status() << "\n";
+        return 1;
+      }
+      executor = std::move(*hybrid);
+#else
+      std::cerr << "error: --device cuda: this binary was built without CUDA; use --device cpu\n";
+      return 1;
+#endif
+    } else if (device != "cpu") {
+      std::cerr << "error: --device must be cpu or cuda, got '" << device << "'\n";
+      return 2;
+    } else {
+      executor = NewCpuStepExecutor(model->get(), options.cpu_pool);
+    }
     BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics,
-                             /*executor=*/nullptr, options.cpu_pool);
+                             executor.get(), options.cpu_pool);
     options.prefill_peers = std::move(*prefill_peers);
     options.prefill_channel = *prefill_channel;
     options.default_policy = default_policy;
