@@ -320,7 +320,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << "; fluxion policy: "
               << (*predictor != nullptr ? "trained head-property predictor" : "rule-based fallback")
               << ", host read " << absl::StrFormat("%.1f", host_read_gbps) << " GB/s per core"
-              << ", " << pool->threads() << " CPU thread(s)\n";
+              << ", " << pool->threads() << " CPU thread(s), decode steps: " << executor->name()
+              << (device == "cuda" ? " (CUDA dense halves and resident window)" : "") << "\n";
     serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
     serving::WaitForStopSignal();
     // Drain: NOT_SERVING, UNAVAILABLE for new requests, running ones may finish.
