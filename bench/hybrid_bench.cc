@@ -257,14 +257,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig resident_only,
                            decode::sparse::ParsePolicy("quest", 1e-6));
   const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
-  decode::WindowShape window_shape;
-  window_shape.num_layers = config.num_layers;
-  window_shape.num_heads = config.num_heads;
-  window_shape.num_kv_heads = config.num_kv_heads;
-  window_shape.head_dim = config.head_dim;
-  window_shape.scale = shape.scale;
-  window_shape.max_requests = max_batch;
-  window_shape.max_rows = max_batch;
+  const decode::WindowShape window_shape = decode::WindowShapeFor(shape, max_batch);
   FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
   const auto w0 = std::chrono::steady_clock::now();
   FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,

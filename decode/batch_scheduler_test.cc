@@ -145,14 +145,7 @@ TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTo
     MakeArena(growth_pages_ * 128);
     std::unique_ptr<StepExecutor> executor;
     if (hybrid) {
-      WindowShape w;
-      w.num_layers = shape_.num_layers;
-      w.num_heads = shape_.num_heads;
-      w.num_kv_heads = shape_.num_kv_heads;
-      w.head_dim = shape_.head_dim;
-      w.scale = shape_.scale;
-      w.max_requests = 4;
-      w.max_rows = 4;
+      const WindowShape w = WindowShapeFor(shape_, 4);
       auto made = HybridStepExecutor::Create(model_.get(), std::make_unique<model::CpuDenseOps>(),
                                              *NewHostResidentWindow(w, kPageTokens), nullptr);
       ASSERT_TRUE(made.ok()) << made.status();

@@ -32,7 +32,7 @@ struct PinnedMemory {
 class CudaResidentWindow : public ResidentWindow {
  public:
   CudaResidentWindow(const WindowShape& shape, cudaStream_t stream)
-      : shape_(shape), stream_(stream), tokens_(shape.max_requests, -1) {}
+      : shape_(shape), stream_(stream), slots_(shape) {}
 
   absl::Status Init() {
     const int64_t per_slot =
@@ -75,26 +75,8 @@ class CudaResidentWindow : public ResidentWindow {
   const WindowShape& shape() const override { return shape_; }
 
   absl::StatusOr<int> Admit(const PagedKv& kv) override {
+    FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv));
     const KvShape& k = kv.shape();
-    if (k.num_layers != shape_.num_layers || k.num_kv_heads != shape_.num_kv_heads ||
-        k.head_dim != shape_.head_dim) {
-      return absl::InvalidArgumentError("the request's KV shape is not the window's");
-    }
-    const int64_t n = kv.length(0);
-    for (int layer = 1; layer < k.num_layers; ++layer) {
-      if (kv.length(layer) != n) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " holds ",
-                                                       kv.length(layer), " tokens, layer 0 ", n));
-      }
-    }
-    int slot = -1;
-    for (int s = 0; s < shape_.max_requests && slot < 0; ++s) {
-      if (tokens_[s] < 0) slot = s;
-    }
-    if (slot < 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the resident window holds ", shape_.max_requests, " requests already"));
-    }
     // Gather the resident rows of every (layer, head) from the host pages into the slot's layout,
     // then one copy per K and V. Admission is off the step's hot path (once per request).
     const int64_t d = shape_.head_dim, rows = shape_.rows_per_head(), kpt = k.page_tokens;
@@ -110,12 +92,10 @@ class CudaResidentWindow : public ResidentWindow {
           std::memcpy(&gather_k_[at], src.keys(page) + (t % kpt) * d, d * sizeof(bf16));
           std::memcpy(&gather_v_[at], src.values(page) + (t % kpt) * d, d * sizeof(bf16));
         };
-        for (int64_t t = 0; t < std::min(n, shape_.sink_tokens); ++t) copy_token(t);
-        for (int64_t t = std::max(shape_.sink_tokens, n - shape_.window_tokens); t < n; ++t) {
-          copy_token(t);
-        }
+        ForEachResidentToken(shape_, n, copy_token);
       }
     }
+    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n));
     const size_t bytes = per_slot_ * sizeof(bf16);
     Record(cudaMemcpyAsync(ring_.k + slot * per_slot_, gather_k_.data(), bytes,
                            cudaMemcpyHostToDevice, stream_),
@@ -123,33 +103,18 @@ class CudaResidentWindow : public ResidentWindow {
     Record(cudaMemcpyAsync(ring_.v + slot * per_slot_, gather_v_.data(), bytes,
                            cudaMemcpyHostToDevice, stream_),
            "admit: copy V");
-    if (absl::Status s = Sync(); !s.ok()) return s;  // the gather buffers are reused next time
-    tokens_[slot] = n;
+    if (absl::Status s = Sync(); !s.ok()) {  // the gather buffers are reused next time
+      slots_.Release(slot);
+      return s;
+    }
     return slot;
   }
 
-  void Release(int slot) override {
-    if (slot >= 0 && slot < shape_.max_requests) tokens_[slot] = -1;
-  }
+  void Release(int slot) override { slots_.Release(slot); }
 
   absl::Status BeginStep(absl::Span<const int> slots,
                          absl::Span<const int64_t> positions) override {
-    if (static_cast<int64_t>(slots.size()) > shape_.max_rows || slots.size() != positions.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("a step of ", slots.size(), " rows and ",
-                                                     positions.size(), " positions (at most ",
-                                                     shape_.max_rows, " rows)"));
-    }
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const int s = slots[i];
-      if (s < 0 || s >= shape_.max_requests || tokens_[s] < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("row ", i, ": slot ", s, " not admitted"));
-      }
-      if (positions[i] != tokens_[s]) {
-        return absl::InvalidArgumentError(absl::StrCat("row ", i, ": position ", positions[i],
-                                                       " but the slot holds ", tokens_[s],
-                                                       " tokens"));
-      }
-    }
+    if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     // The staging is pinned and reused every step: the previous step's copy has run by now,
     // since every step ends by copying its logits to the host on the same stream.
     int32_t* staged_slots = static_cast<int32_t*>(staging_.p);
@@ -158,8 +123,8 @@ class CudaResidentWindow : public ResidentWindow {
     for (size_t i = 0; i < slots.size(); ++i) {
       staged_slots[i] = slots[i];
       staged_positions[i] = positions[i];
-      ++tokens_[slots[i]];
     }
+    slots_.Advance(slots);
     rows_ = static_cast<int64_t>(slots.size());
     Record(cudaMemcpyAsync(slots_dev_.p, staged_slots, rows_ * sizeof(int32_t),
                            cudaMemcpyHostToDevice, stream_),
@@ -219,7 +184,7 @@ class CudaResidentWindow : public ResidentWindow {
   int64_t per_slot_ = 0;  // bf16 elements of one slot's K (or V)
   DeviceMemory k_, v_, slots_dev_, positions_dev_, lse_, host_out_dev_, host_lse_dev_;
   PinnedMemory staging_;
-  std::vector<int64_t> tokens_;  // [slot]: tokens held, -1 when free
+  WindowSlots slots_;
   std::vector<bf16> gather_k_, gather_v_;
   int64_t rows_ = 0;
   absl::Status error_;
@@ -245,18 +210,7 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests) {
-  const model::AttentionShape shape = model->attention_shape();
-  const sparse::PolicyConfig defaults;  // every policy's sinks and window are at least these
-  WindowShape w;
-  w.num_layers = shape.num_layers;
-  w.num_heads = shape.num_heads;
-  w.num_kv_heads = shape.num_kv_heads;
-  w.head_dim = shape.head_dim;
-  w.scale = shape.scale;
-  w.sink_tokens = defaults.sink_tokens;
-  w.window_tokens = defaults.local_tokens;
-  w.max_requests = max_requests;
-  w.max_rows = max_requests;
+  const WindowShape w = WindowShapeFor(model->attention_shape(), max_requests);
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<ResidentWindow> window,

@@ -336,14 +336,7 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     make(&seqs, &attentions);
     auto ops = model::NewCudaDenseOps(0);
     ASSERT_TRUE(ops.ok());
-    WindowShape w;
-    w.num_layers = shape.num_layers;
-    w.num_heads = shape.num_heads;
-    w.num_kv_heads = shape.num_kv_heads;
-    w.head_dim = shape.head_dim;
-    w.scale = shape.scale;
-    w.max_requests = 4;
-    w.max_rows = 4;
+    const WindowShape w = WindowShapeFor(shape, 4);
     auto window = NewCudaResidentWindow(w, static_cast<cudaStream_t>((*ops)->native_stream()));
     ASSERT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(m.get(), std::move(*ops), std::move(*window), nullptr);

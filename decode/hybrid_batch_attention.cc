@@ -128,47 +128,28 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
 absl::Status HybridBatchAttention::BuildHostProblem(const model::LayerAttentionIo& io,
                                                     const float* q,
                                                     kernels::PagedDecodeProblem* p) {
-  const int64_t hkv = shape_.num_kv_heads;
   const WindowShape& w = window_->shape();
-  const kernels::PagedKvView view = attentions_[0]->kv().view();
-  indptr_.assign(1, 0);
-  spans_.clear();
-  for (int64_t i = 0; i < io.rows; ++i) {
-    const kernels::PagedKvView other = attentions_[i]->kv().view();
-    if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
-        other.page_tokens != view.page_tokens) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
-          "pages of one arena"));
-    }
-    const int64_t context = io.positions[i] + 1;
-    const int64_t front = std::min(context, w.sink_tokens);
-    const int64_t back = w.resident_rows(context) - front;
-    for (int64_t h = 0; h < hkv; ++h) {
-      const size_t before = spans_.size();
-      const std::vector<kernels::PageSpan>& head = attentions_[i]->head_spans(h);
-      TrimSpans(head.data(), head.data() + head.size(), front, back, &spans_);
-      indptr_.push_back(static_cast<int64_t>(spans_.size()));
-      counters_.resident_rows += front + back;
-      counters_.host_pairs += spans_.size() > before;
-      ++counters_.pairs;
-    }
-  }
+  FLUXION_RETURN_IF_ERROR(BuildBatchProblem(
+      attentions_, shape_,
+      [&](int64_t i, int64_t, const std::vector<kernels::PageSpan>& plan,
+          std::vector<kernels::PageSpan>* out) {
+        // The resident rows are the plan's first and last ones (see the header).
+        const int64_t context = io.positions[i] + 1;
+        const int64_t front = std::min(context, w.sink_tokens);
+        const int64_t back = w.resident_rows(context) - front;
+        const size_t before = out->size();
+        TrimSpans(plan.data(), plan.data() + plan.size(), front, back, out);
+        counters_.resident_rows += front + back;
+        counters_.host_pairs += out->size() > before;
+        ++counters_.pairs;
+      },
+      &indptr_, &spans_, p));
   for (const kernels::PageSpan& s : spans_) counters_.host_rows += s.rows;
   host_out_.resize(io.rows * shape_.num_heads * shape_.head_dim);
   host_lse_.resize(io.rows * shape_.num_heads);
   p->q = q;
-  p->kv = view;
-  p->span_indptr = indptr_.data();
-  p->spans = spans_.data();
-  p->num_spans = static_cast<int64_t>(spans_.size());
   p->out = host_out_.data();
   p->lse = host_lse_.data();
-  p->num_requests = io.rows;
-  p->num_qo_heads = shape_.num_heads;
-  p->num_kv_heads = hkv;
-  p->head_dim = shape_.head_dim;
-  p->sm_scale = shape_.scale;
   return absl::OkStatus();
 }
 

@@ -82,39 +82,49 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
   return absl::OkStatus();
 }
 
-absl::Status PagedBatchAttention::BuildProblem(const model::LayerAttentionIo& io,
-                                               kernels::PagedDecodeProblem* p) {
-  const int64_t hkv = shape_.num_kv_heads;
-  const kernels::PagedKvView view = attentions_[0]->kv().view();
-  indptr_.assign(1, 0);
-  spans_.clear();
-  last_rows_ = 0;
-  for (int64_t i = 0; i < io.rows; ++i) {
-    const kernels::PagedKvView other = attentions_[i]->kv().view();
+absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
+                               const model::AttentionShape& shape, AppendPairSpans append,
+                               std::vector<int64_t>* indptr, std::vector<kernels::PageSpan>* spans,
+                               kernels::PagedDecodeProblem* p) {
+  const kernels::PagedKvView view = attentions[0]->kv().view();
+  indptr->assign(1, 0);
+  spans->clear();
+  for (size_t i = 0; i < attentions.size(); ++i) {
+    const kernels::PagedKvView other = attentions[i]->kv().view();
     if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
         other.page_tokens != view.page_tokens) {
       return absl::FailedPreconditionError(absl::StrCat(
           "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
           "pages of one arena"));
     }
-    for (int64_t h = 0; h < hkv; ++h) {
-      const std::vector<kernels::PageSpan>& head = attentions_[i]->head_spans(h);
-      spans_.insert(spans_.end(), head.begin(), head.end());
-      indptr_.push_back(static_cast<int64_t>(spans_.size()));
+    for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+      append(static_cast<int64_t>(i), h, attentions[i]->head_spans(h), spans);
+      indptr->push_back(static_cast<int64_t>(spans->size()));
     }
   }
+  p->kv = view;
+  p->span_indptr = indptr->data();
+  p->spans = spans->data();
+  p->num_spans = static_cast<int64_t>(spans->size());
+  p->num_requests = static_cast<int64_t>(attentions.size());
+  p->num_qo_heads = shape.num_heads;
+  p->num_kv_heads = shape.num_kv_heads;
+  p->head_dim = shape.head_dim;
+  p->sm_scale = shape.scale;
+  return absl::OkStatus();
+}
+
+absl::Status PagedBatchAttention::BuildProblem(const model::LayerAttentionIo& io,
+                                               kernels::PagedDecodeProblem* p) {
+  FLUXION_RETURN_IF_ERROR(BuildBatchProblem(
+      attentions_, shape_,
+      [](int64_t, int64_t, const std::vector<kernels::PageSpan>& plan,
+         std::vector<kernels::PageSpan>* out) { out->insert(out->end(), plan.begin(), plan.end()); },
+      &indptr_, &spans_, p));
+  last_rows_ = 0;
   for (const kernels::PageSpan& s : spans_) last_rows_ += s.rows;
   lse_.resize(io.rows * shape_.num_heads);
-  p->kv = view;
-  p->span_indptr = indptr_.data();
-  p->spans = spans_.data();
-  p->num_spans = static_cast<int64_t>(spans_.size());
   p->lse = lse_.data();
-  p->num_requests = io.rows;
-  p->num_qo_heads = shape_.num_heads;
-  p->num_kv_heads = hkv;
-  p->head_dim = shape_.head_dim;
-  p->sm_scale = shape_.scale;
   return absl::OkStatus();
 }
 

@@ -46,6 +46,19 @@ struct RequestUnit {
 };
 void ListUnits(absl::Span<SparseAttention* const> attentions, std::vector<RequestUnit>* units);
 
+// The batch's plans as one problem's CSR: for every (request i, KV head h) in order,
+// append(i, h, plan, out) adds to `out` what pair (i, h) attends: its plan's spans, or a part of
+// them. Sets p's kv, span_indptr, spans, num_spans and shape fields (not q, out or lse), pointing
+// into `indptr` and `spans`. FailedPrecondition when the requests' pages lie in different arenas
+// (one problem reads one arena).
+using AppendPairSpans = absl::FunctionRef<void(
+    int64_t request, int64_t kv_head, const std::vector<kernels::PageSpan>& plan,
+    std::vector<kernels::PageSpan>* out)>;
+absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
+                               const model::AttentionShape& shape, AppendPairSpans append,
+                               std::vector<int64_t>* indptr, std::vector<kernels::PageSpan>* spans,
+                               kernels::PagedDecodeProblem* p);
+
 class PagedBatchAttention : public model::BatchAttention {
  public:
   // `backend` computes the problems (host memory: the reference or CPU backend); `pool` (may be

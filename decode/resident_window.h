@@ -26,11 +26,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "absl/functional/function_ref.h"
 #include "decode/paged_kv.h"
+#include "model/attention.h"
 
 namespace fluxion::decode {
 
@@ -58,6 +61,35 @@ struct WindowShape {
 // InvalidArgument naming the first bad field (non-positive sizes, heads not a multiple of KV
 // heads, a window of no rows).
 absl::Status ValidateWindowShape(const WindowShape& shape);
+
+// The window for a model's attention with `max_requests` slots (and rows per step), resident
+// sinks and window of the default policy config (every policy attends at least those).
+WindowShape WindowShapeFor(const model::AttentionShape& attention, int64_t max_requests);
+
+// Calls fn(t) for every resident token of a context of `tokens` tokens: the sinks, then the
+// window.
+void ForEachResidentToken(const WindowShape& shape, int64_t tokens,
+                          absl::FunctionRef<void(int64_t)> fn);
+
+// The slot bookkeeping both implementations share: which slots hold a request, how many tokens
+// each holds, and the checks of Admit and BeginStep (their errors as the interface states).
+class WindowSlots {
+ public:
+  explicit WindowSlots(const WindowShape& shape)
+      : shape_(shape), tokens_(shape.max_requests, -1) {}
+  // The tokens `kv` holds, after checking it has the window's shape and even layers.
+  absl::StatusOr<int64_t> CheckAdmit(const PagedKv& kv) const;
+  // A free slot, now holding `tokens`; ResourceExhausted when none is free.
+  absl::StatusOr<int> Take(int64_t tokens);
+  void Release(int slot);
+  absl::Status CheckStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) const;
+  // Every slot of the step holds one more token (every layer takes the step's).
+  void Advance(absl::Span<const int> slots);
+
+ private:
+  const WindowShape shape_;
+  std::vector<int64_t> tokens_;  // [slot]: tokens held, -1 when free
+};
 
 class ResidentWindow {
  public:

@@ -133,14 +133,7 @@ class StepExecutorTest : public ::testing::Test {
   // The hybrid executor with the dense halves on the CPU and the host stand-in of the window.
   static std::unique_ptr<HybridStepExecutor> MakeHybrid(const kernels::cpu::CpuPool* pool,
                                                         int64_t max_requests = 8) {
-    const model::AttentionShape shape = model_->attention_shape();
-    WindowShape w;
-    w.num_layers = shape.num_layers;
-    w.num_heads = shape.num_heads;
-    w.num_kv_heads = shape.num_kv_heads;
-    w.head_dim = shape.head_dim;
-    w.scale = shape.scale;
-    w.max_requests = max_requests;
+    const WindowShape w = WindowShapeFor(model_->attention_shape(), max_requests);
     auto window = NewHostResidentWindow(w, kPageTokens);
     EXPECT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(

@@ -1,0 +1,111 @@
+#include "decode/resident_window.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "decode/sparse/policy.h"
+
+namespace fluxion::decode {
+
+absl::Status ValidateWindowShape(const WindowShape& s) {
+  const std::pair<const char*, int64_t> positive[] = {
+      {"num_layers", s.num_layers},       {"num_heads", s.num_heads},
+      {"num_kv_heads", s.num_kv_heads},   {"head_dim", s.head_dim},
+      {"window_tokens", s.window_tokens}, {"max_requests", s.max_requests},
+      {"max_rows", s.max_rows}};
+  for (const auto& [name, value] : positive) {
+    if (value <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("window shape: ", name, " must be positive, "
+                                                     "not ", value));
+    }
+  }
+  if (s.sink_tokens < 0) return absl::InvalidArgumentError("window shape: negative sink_tokens");
+  if (s.num_heads % s.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("window shape: ", s.num_heads,
+                                                   " query heads are not a multiple of ",
+                                                   s.num_kv_heads, " KV heads"));
+  }
+  if (!(s.scale > 0.0f)) return absl::InvalidArgumentError("window shape: scale must be > 0");
+  return absl::OkStatus();
+}
+
+WindowShape WindowShapeFor(const model::AttentionShape& attention, int64_t max_requests) {
+  const sparse::PolicyConfig defaults;
+  WindowShape w;
+  w.num_layers = attention.num_layers;
+  w.num_heads = attention.num_heads;
+  w.num_kv_heads = attention.num_kv_heads;
+  w.head_dim = attention.head_dim;
+  w.scale = attention.scale;
+  w.sink_tokens = defaults.sink_tokens;
+  w.window_tokens = defaults.local_tokens;
+  w.max_requests = max_requests;
+  w.max_rows = max_requests;
+  return w;
+}
+
+void ForEachResidentToken(const WindowShape& shape, int64_t tokens,
+                          absl::FunctionRef<void(int64_t)> fn) {
+  for (int64_t t = 0; t < std::min(tokens, shape.sink_tokens); ++t) fn(t);
+  for (int64_t t = std::max(shape.sink_tokens, tokens - shape.window_tokens); t < tokens; ++t) {
+    fn(t);
+  }
+}
+
+absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv) const {
+  const KvShape& k = kv.shape();
+  if (k.num_layers != shape_.num_layers || k.num_kv_heads != shape_.num_kv_heads ||
+      k.head_dim != shape_.head_dim) {
+    return absl::InvalidArgumentError("the request's KV shape is not the window's");
+  }
+  const int64_t n = kv.length(0);
+  for (int layer = 1; layer < k.num_layers; ++layer) {
+    if (kv.length(layer) != n) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " holds ", kv.length(layer),
+                                                     " tokens, layer 0 ", n));
+    }
+  }
+  return n;
+}
+
+absl::StatusOr<int> WindowSlots::Take(int64_t tokens) {
+  for (int s = 0; s < shape_.max_requests; ++s) {
+    if (tokens_[s] < 0) {
+      tokens_[s] = tokens;
+      return s;
+    }
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the resident window holds ", shape_.max_requests, " requests already"));
+}
+
+void WindowSlots::Release(int slot) {
+  if (slot >= 0 && slot < shape_.max_requests) tokens_[slot] = -1;
+}
+
+absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
+                                    absl::Span<const int64_t> positions) const {
+  if (static_cast<int64_t>(slots.size()) > shape_.max_rows || slots.size() != positions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("a step of ", slots.size(), " rows and ",
+                                                   positions.size(), " positions (at most ",
+                                                   shape_.max_rows, " rows)"));
+  }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int s = slots[i];
+    if (s < 0 || s >= shape_.max_requests || tokens_[s] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", i, ": slot ", s, " not admitted"));
+    }
+    if (positions[i] != tokens_[s]) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", i, ": position ", positions[i],
+                                                     " but the slot holds ", tokens_[s],
+                                                     " tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void WindowSlots::Advance(absl::Span<const int> slots) {
+  for (int s : slots) ++tokens_[s];
+}
+
+}  // namespace fluxion::decode
