@@ -174,6 +174,25 @@ TEST(CudaResidentWindowShapeTest, RefusesWhatItCannotHold) {
 // same dense ops with attention on the host over bf16 pages (SparseAttention `full`): the same
 // bf16 K/V rows and fp32 math on both sides, so logits agree tightly and greedy tokens match.
 
+// Random prompts of `lengths` prefilled on the CPU's dense cache: the caches and each prompt's
+// greedy first token.
+void Prefill(const model::Model& m, const std::vector<int64_t>& lengths, uint32_t seed,
+             std::vector<model::DenseAttention>* caches, std::vector<int32_t>* first) {
+  std::mt19937 rng(seed);
+  for (int64_t n : lengths) {
+    std::vector<int32_t> prompt(n);
+    for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
+    auto dense = std::make_unique<model::DenseAttention>(m.attention_shape());
+    model::DenseAttention* raw = dense.get();
+    model::Sequence seq(std::move(dense));
+    std::vector<float> logits;
+    ASSERT_TRUE(m.Forward(seq, prompt, &logits).ok());
+    caches->push_back(*raw);
+    first->push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                          logits.begin()));
+  }
+}
+
 TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
   model::ModelConfig c = *model::PresetConfig("tiny");
@@ -189,19 +208,7 @@ TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
   // CPU prefills; their caches feed both sides.
   std::vector<model::DenseAttention> prefills;
   std::vector<int32_t> first;
-  std::mt19937 rng(5);
-  for (int64_t n : lengths) {
-    std::vector<int32_t> prompt(n);
-    for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
-    auto dense = std::make_unique<model::DenseAttention>(shape);
-    model::DenseAttention* raw = dense.get();
-    model::Sequence seq(std::move(dense));
-    std::vector<float> logits;
-    ASSERT_TRUE(m->Forward(seq, prompt, &logits).ok());
-    prefills.push_back(*raw);
-    first.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                         logits.begin()));
-  }
+  Prefill(*m, lengths, 5, &prefills, &first);
 
   auto ops = model::NewCudaDenseOps(0);
   ASSERT_TRUE(ops.ok()) << ops.status();
@@ -291,19 +298,7 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
   const int64_t steps = 8, page_tokens = 16, vocab = c.vocab_size;
   std::vector<model::DenseAttention> prefills;
   std::vector<int32_t> first;
-  std::mt19937 rng(9);
-  for (int64_t n : lengths) {
-    std::vector<int32_t> prompt(n);
-    for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
-    auto dense = std::make_unique<model::DenseAttention>(shape);
-    model::DenseAttention* raw = dense.get();
-    model::Sequence seq(std::move(dense));
-    std::vector<float> logits;
-    ASSERT_TRUE(m->Forward(seq, prompt, &logits).ok());
-    prefills.push_back(*raw);
-    first.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                         logits.begin()));
-  }
+  Prefill(*m, lengths, 9, &prefills, &first);
   for (const char* name : {"full", "quest"}) {
     SCOPED_TRACE(name);
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);

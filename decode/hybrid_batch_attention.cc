@@ -70,18 +70,8 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
 
   PhaseClock clock;
   // The CPU half reads q/k/v on the host (the copies wait for the layer's projections).
-  const float *q = io.q, *k = io.k, *v = io.v;
-  if (!io.host_memory) {
-    q_.resize(io.rows * q_row);
-    k_.resize(io.rows * kv_row);
-    v_.resize(io.rows * kv_row);
-    ops_->CopyToHost(q_.data(), io.q, q_.size() * sizeof(float));
-    ops_->CopyToHost(k_.data(), io.k, k_.size() * sizeof(float));
-    ops_->CopyToHost(v_.data(), io.v, v_.size() * sizeof(float));
-    q = q_.data();
-    k = k_.data();
-    v = v_.data();
-  }
+  const model::HostRows rows = model::RowsOnHost(io, shape_, ops_, &q_, &k_, &v_);
+  const float *q = rows.q, *k = rows.k, *v = rows.v;
   // Then the device half, which runs while the CPU works: append to the rings and attend the
   // resident rows of every pair, into io.out.
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);

@@ -72,6 +72,18 @@ absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
   return ops.Sync();
 }
 
+HostRows RowsOnHost(const LayerAttentionIo& io, const AttentionShape& shape, DenseOps* ops,
+                    std::vector<float>* q, std::vector<float>* k, std::vector<float>* v) {
+  if (io.host_memory) return {io.q, io.k, io.v};
+  q->resize(io.rows * shape.num_heads * shape.head_dim);
+  k->resize(io.rows * shape.num_kv_heads * shape.head_dim);
+  v->resize(k->size());
+  ops->CopyToHost(q->data(), io.q, q->size() * sizeof(float));
+  ops->CopyToHost(k->data(), io.k, k->size() * sizeof(float));
+  ops->CopyToHost(v->data(), io.v, v->size() * sizeof(float));
+  return {q->data(), k->data(), v->data()};
+}
+
 absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
   if (io.rows > static_cast<int64_t>(seqs_.size())) {
     return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
@@ -86,16 +98,11 @@ absl::Status SequenceBatchAttention::Attend(const LayerAttentionIo& io) {
         "attention over a device DenseOps's rows needs that DenseOps to copy them");
   }
   if (!io.host_memory) {
-    q_.resize(io.rows * q_row);
-    k_.resize(io.rows * kv_row);
-    v_.resize(io.rows * kv_row);
+    const HostRows rows = RowsOnHost(io, shape_, ops_, &q_, &k_, &v_);
+    q = rows.q;
+    k = rows.k;
+    v = rows.v;
     out_.resize(io.rows * q_row);
-    ops_->CopyToHost(q_.data(), io.q, q_.size() * sizeof(float));
-    ops_->CopyToHost(k_.data(), io.k, k_.size() * sizeof(float));
-    ops_->CopyToHost(v_.data(), io.v, v_.size() * sizeof(float));
-    q = q_.data();
-    k = k_.data();
-    v = v_.data();
     out = out_.data();
   }
   for (int64_t i = 0; i < io.rows; ++i) {

@@ -43,6 +43,17 @@ struct LayerAttentionIo {
   bool host_memory = true;
 };
 
+// The layer's q/k/v rows readable on the host: io's own pointers when io.host_memory, else copies
+// made through `ops` into the three vectors (grown as needed; the copies wait for the device).
+// REQUIRES: ops non-null when !io.host_memory.
+struct HostRows {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+HostRows RowsOnHost(const LayerAttentionIo& io, const AttentionShape& shape, DenseOps* ops,
+                    std::vector<float>* q, std::vector<float>* k, std::vector<float>* v);
+
 // The executor's half of a layer. Implementations append each row's K/V to its request's cache
 // (at positions[i]) and write its attention output; they may copy q/k/v to the host (through the
 // DenseOps) to attend there. An error fails the whole step.

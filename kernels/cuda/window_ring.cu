@@ -140,6 +140,10 @@ cudaError_t RingAttention(const RingLayout& ring, int layer, const float* q, int
   }
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(num_heads));
   switch (ring.head_dim) {
+    case 32:
+      RingAttentionKernel<32><<<grid, 128, 0, stream>>>(ring, layer, q, num_heads, scale, slots,
+                                                        positions, out, lse);
+      break;
     case 64:
       RingAttentionKernel<64><<<grid, 128, 0, stream>>>(ring, layer, q, num_heads, scale, slots,
                                                         positions, out, lse);

@@ -39,7 +39,7 @@ cudaError_t RingAppend(const RingLayout& ring, int layer, const float* k, const 
 // For every row i and query head j: attention of q[i][j] over the valid rows of (slots[i],
 // layer, KV head j / group) at context positions[i] + 1: out [rows][num_heads][head_dim] and
 // natural-base lse [rows][num_heads] of the scaled scores. q: [rows][num_heads][head_dim] fp32
-// post-RoPE. head_dim 64 or 128, sink + window <= 256 (cudaErrorInvalidValue otherwise).
+// post-RoPE. head_dim 32, 64 or 128, sink + window <= 256 (cudaErrorInvalidValue otherwise).
 cudaError_t RingAttention(const RingLayout& ring, int layer, const float* q, int64_t num_heads,
                           float scale, const int32_t* slots, const int64_t* positions,
                           int64_t rows, float* out, float* lse, cudaStream_t stream);
