@@ -20,7 +20,8 @@ struct HybridStepExecutor::State {
   std::unique_ptr<model::DecodeStepRunner> runner;
   std::unique_ptr<HybridBatchAttention> attention;
   absl::flat_hash_map<uint64_t, int> slots;  // SparseAttention::id() -> window slot
-  // Scratch of one step.
+  // Scratch of one step (kept so that a step allocates nothing once the batch settles).
+  absl::flat_hash_set<uint64_t> present;  // ids in this step's batch
   std::vector<size_t> rows;  // batch index of each row that takes part
   std::vector<model::Sequence*> seqs;
   std::vector<SparseAttention*> attentions;
@@ -90,7 +91,8 @@ void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<f
   State& s = *state_;
   statuses->assign(batch.size(), absl::OkStatus());
   // Requests that left since the last step give their slots back.
-  absl::flat_hash_set<uint64_t> present;
+  absl::flat_hash_set<uint64_t>& present = s.present;
+  present.clear();
   for (const StepRequest& r : batch) present.insert(r.attention->id());
   for (auto it = s.slots.begin(); it != s.slots.end();) {
     if (!present.contains(it->first)) {

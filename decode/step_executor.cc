@@ -5,6 +5,8 @@
 #include "glog/logging.h"
 #include "decode/paged_batch_attention.h"
 #include "kernels/cpu/attention_backend_cpu.h"
+#include "model/cpu_dense_ops.h"
+#include "model/decode_step.h"
 
 namespace fluxion::decode {
 namespace {
@@ -14,7 +16,7 @@ class CpuStepExecutor : public StepExecutor {
   CpuStepExecutor(const model::Model* model, const kernels::cpu::CpuPool* pool,
                   std::unique_ptr<kernels::AttentionBackend> backend)
       : model_(model),
-        pool_(pool),
+        ops_(pool),
         backend_(std::move(backend)),
         attention_(backend_.get(), pool, model->attention_shape()) {}
   absl::string_view name() const override { return "cpu"; }
@@ -24,25 +26,42 @@ class CpuStepExecutor : public StepExecutor {
     seqs_.clear();
     attentions_.clear();
     tokens_.clear();
+    positions_.clear();
     for (const StepRequest& r : batch) {
       seqs_.push_back(r.seq);
       attentions_.push_back(r.attention);
       tokens_.push_back(r.token);
+      positions_.push_back(r.seq->length());
     }
     attention_.SetBatch(seqs_, attentions_);
     // The step fails as a whole: one request's attention error leaves every cache unspecified,
     // so every request of the batch gets the error.
-    const absl::Status s = model_->DecodeStep(seqs_, tokens_, attention_, pool_, logits);
-    statuses->assign(batch.size(), s);
+    statuses->assign(batch.size(), RunStep(logits));
   }
 
  private:
+  // One runner for the executor's life: its step buffers grow to the largest batch and are then
+  // reused (Model::DecodeStep would make them again every step). The host DenseOps borrows the
+  // model's weights, so making it copies no weight.
+  absl::Status RunStep(std::vector<float>* logits) {
+    if (runner_ == nullptr) {
+      absl::StatusOr<std::unique_ptr<model::DecodeStepRunner>> runner =
+          model::DecodeStepRunner::Create(*model_, &ops_);
+      if (!runner.ok()) return runner.status();
+      runner_ = std::move(*runner);
+    }
+    logits->resize(tokens_.size() * model_->config().vocab_size);
+    return runner_->Step(tokens_, positions_, attention_, logits->data());
+  }
+
   const model::Model* const model_;
-  const kernels::cpu::CpuPool* const pool_;
+  model::CpuDenseOps ops_;
   const std::unique_ptr<kernels::AttentionBackend> backend_;
   PagedBatchAttention attention_;
+  std::unique_ptr<model::DecodeStepRunner> runner_;
   std::vector<model::Sequence*> seqs_;
   std::vector<SparseAttention*> attentions_;
+  std::vector<int64_t> positions_;
   std::vector<int32_t> tokens_;
 };
 
