@@ -46,6 +46,9 @@ struct Options {
   std::vector<std::string> policies = {"full", "fixed_32_0.05", "fixed_32_0.02", "fixed_16_0.05"};
   std::vector<double> budgets = {0.05};
   int64_t steps = 5;
+  // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
+  // or the CPU's scan of the host bounds; each value a row.
+  std::vector<std::string> block_scores = {"device"};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
 };
 
@@ -257,7 +260,21 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig resident_only,
                            decode::sparse::ParsePolicy("quest", 1e-6));
   const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
-  const decode::WindowShape window_shape = decode::WindowShapeFor(shape, max_batch);
+  // Tokens every request gains over the run (each point appends steps + 1 to the same pages).
+  const int64_t step_tokens =
+      (o.steps + 2) *
+      (static_cast<int64_t>(policies.size() * o.block_scores.size()) + 1) *
+      static_cast<int64_t>(o.batches.size());
+  for (const std::string& b : o.block_scores) {
+    if (b != "device" && b != "cpu") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--block-scores takes device and cpu, not ", b));
+    }
+  }
+  decode::WindowShape window_shape = decode::WindowShapeFor(shape, max_batch);
+  window_shape.page_tokens = kPageTokens;
+  window_shape.max_context_tokens =
+      *std::max_element(o.contexts.begin(), o.contexts.end()) + step_tokens + kPageTokens;
   FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
   const auto w0 = std::chrono::steady_clock::now();
   FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
@@ -274,13 +291,11 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               "(%.0f KiB per token)\n",
               o.preset.c_str(), o.device.c_str(), pool.threads(), weights_s, limit_gib,
               BytesPerToken(config) / 1024);
-  std::printf("%8s %5s %-16s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
+  std::printf("%8s %5s %-22s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
               "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
               "cpu att", "finish", "merge", "idle");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
                                  kPageTokens};
-  const int64_t step_tokens = (o.steps + 2) * (static_cast<int64_t>(policies.size()) + 1) *
-                              static_cast<int64_t>(o.batches.size());
   for (int64_t context : o.contexts) {
     const double per_request_gib = BytesPerToken(config) * (context + step_tokens) / (1 << 30);
     int64_t fits = std::min<int64_t>(max_batch, static_cast<int64_t>(limit_gib / per_request_gib));
@@ -311,15 +326,22 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                                                          shape, config.vocab_size, o.steps));
       std::vector<std::pair<std::string, Point>> points = {{"resident-only", gpu_only}};
       for (const auto& policy : policies) {
-        FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
-                                                    config.vocab_size, o.steps));
-        points.push_back({decode::sparse::PolicyLabel(policy), p});
+        const bool scored = decode::sparse::TraitsOf(policy.kind).ranks_page_bounds;
+        for (const std::string& where : o.block_scores) {
+          executor->set_window_block_scores(where == "device");
+          FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
+                                                      config.vocab_size, o.steps));
+          const std::string label = decode::sparse::PolicyLabel(policy);
+          points.push_back({scored && o.block_scores.size() > 1 ? label + "/" + where : label, p});
+          if (!scored) break;  // one row: nothing to score
+        }
       }
+      executor->set_window_block_scores(true);
 #ifdef FLUXION_HAVE_CUDA
       if (o.device == "cuda") {
         absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
         if (hbm.ok()) {
-          std::printf("%8lld %5lld %-16s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
+          std::printf("%8lld %5lld %-22s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
                       "GPU)\n",
                       static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
                       *hbm, 1e3 * batch / *hbm);
@@ -327,7 +349,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                               {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
                               {"tokens_per_s", 1e3 * batch / *hbm}});
         } else {
-          std::printf("%8lld %5lld %-16s | skipped: %s\n", static_cast<long long>(context),
+          std::printf("%8lld %5lld %-22s | skipped: %s\n", static_cast<long long>(context),
                       static_cast<long long>(batch), "hbm-full",
                       std::string(hbm.status().message()).c_str());
         }
@@ -337,7 +359,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
         const double idle = std::max(0.0, 1.0 - gpu_only.median_ms / p.median_ms);
-        std::printf("%8lld %5lld %-16s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
+        std::printf("%8lld %5lld %-22s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
                     "%7.2f | %5.0f%%\n",
                     static_cast<long long>(context), static_cast<long long>(batch), label.c_str(),
                     p.median_ms, 1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
@@ -384,6 +406,10 @@ int RunHybridBench(const std::vector<std::string>& args) {
                    "policies without prefill state: full, quest, exact_topk, fixed_<block>_<b>");
   flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk");
   flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
+  flags.StringList("block-scores", &o.block_scores,
+                   "where quest's and fixed_*'s block scores come from: device (the window's "
+                   "page bounds next to the dense halves) and/or cpu (the CPU scans the host "
+                   "pages' bounds); with both, each is a row");
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");

@@ -1,5 +1,6 @@
 #include "decode/cuda_resident_window.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "decode/sparse/policy.h"
 #include "kernels/cuda/decode_ops.h"
 #include "model/cuda_dense_ops.h"
+#include "kernels/cuda/block_scores.h"
 #include "kernels/cuda/window_ring.h"
 
 namespace fluxion::decode {
@@ -56,10 +58,13 @@ class CudaResidentWindow : public ResidentWindow {
             absl::StrCat("resident window: cannot allocate ", w.bytes, " bytes of device memory"));
       }
     }
-    if (cudaMallocHost(&staging_.p, shape_.max_rows * (sizeof(int32_t) + sizeof(int64_t))) !=
+    if (cudaMallocHost(&staging_.p, shape_.max_rows * 2 * (sizeof(int32_t) + sizeof(int64_t))) !=
         cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError("resident window: cannot allocate pinned staging");
+    }
+    if (shape_.max_context_tokens > 0) {
+      if (absl::Status s = InitMetadata(); !s.ok()) return s;
     }
     ring_.num_layers = shape_.num_layers;
     ring_.num_kv_heads = shape_.num_kv_heads;
@@ -72,10 +77,60 @@ class CudaResidentWindow : public ResidentWindow {
     return absl::OkStatus();
   }
 
+  // The page bounds of max_context_tokens per slot, the per-step score arrays and their pinned
+  // host copy.
+  absl::Status InitMetadata() {
+    const size_t bounds = static_cast<size_t>(shape_.max_requests * shape_.num_layers *
+                                              shape_.num_kv_heads * shape_.max_pages() *
+                                              shape_.head_dim) *
+                          sizeof(bf16);
+    const size_t scores = static_cast<size_t>(shape_.max_rows * shape_.num_kv_heads *
+                                              shape_.max_pages()) *
+                          sizeof(float);
+    struct Want {
+      DeviceMemory* m;
+      size_t bytes;
+    } wants[] = {{&bounds_min_, bounds},
+                 {&bounds_max_, bounds},
+                 {&block_dev_, shape_.max_rows * sizeof(int32_t)},
+                 {&offset_dev_, shape_.max_rows * sizeof(int64_t)},
+                 {&scores_dev_, scores}};
+    for (const Want& w : wants) {
+      if (cudaMalloc(&w.m->p, w.bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "resident window: cannot allocate ", w.bytes, " bytes of device memory for the page "
+            "bounds of ", shape_.max_requests, " requests of up to ", shape_.max_context_tokens,
+            " tokens; lower the device's max context or max requests"));
+      }
+    }
+    if (cudaMallocHost(&scores_host_.p, scores) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError("resident window: cannot allocate pinned block scores");
+    }
+    if (cudaEventCreateWithFlags(&scores_ready_, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      scores_ready_ = nullptr;
+      return absl::InternalError("resident window: cannot create an event");
+    }
+    bounds_.num_layers = shape_.num_layers;
+    bounds_.num_kv_heads = shape_.num_kv_heads;
+    bounds_.head_dim = shape_.head_dim;
+    bounds_.page_tokens = shape_.page_tokens;
+    bounds_.max_pages = shape_.max_pages();
+    bounds_.min = static_cast<bf16*>(bounds_min_.p);
+    bounds_.max = static_cast<bf16*>(bounds_max_.p);
+    return absl::OkStatus();
+  }
+
+  ~CudaResidentWindow() override {
+    if (scores_ready_ != nullptr) cudaEventDestroy(scores_ready_);
+  }
+
   const WindowShape& shape() const override { return shape_; }
 
-  absl::StatusOr<int> Admit(const PagedKv& kv) override {
-    FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv));
+  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) override {
+    FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv, score_block_tokens));
     const KvShape& k = kv.shape();
     // Gather the resident rows of every (layer, head) from the host pages into the slot's layout,
     // then one copy per K and V. Admission is off the step's hot path (once per request).
@@ -95,7 +150,8 @@ class CudaResidentWindow : public ResidentWindow {
         ForEachResidentToken(shape_, n, copy_token);
       }
     }
-    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n));
+    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens));
+    if (slots_.score_block(slot) > 0) UploadBounds(kv, slot);
     const size_t bytes = per_slot_ * sizeof(bf16);
     Record(cudaMemcpyAsync(ring_.k + slot * per_slot_, gather_k_.data(), bytes,
                            cudaMemcpyHostToDevice, stream_),
@@ -110,6 +166,36 @@ class CudaResidentWindow : public ResidentWindow {
     return slot;
   }
 
+  // The slot's page bounds from the host pages' metadata, rounded to bf16 without loss (they
+  // are bounds of bf16 keys), one strided copy per array. Runs before Admit's Sync.
+  void UploadBounds(const PagedKv& kv, int slot) {
+    const int64_t d = shape_.head_dim, heads = shape_.num_layers * shape_.num_kv_heads;
+    const int64_t pages = (kv.length(0) + shape_.page_tokens - 1) / shape_.page_tokens;
+    if (pages == 0) return;
+    gather_min_.resize(heads * pages * d);
+    gather_max_.resize(heads * pages * d);
+    for (int layer = 0; layer < shape_.num_layers; ++layer) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        const int64_t at = (static_cast<int64_t>(layer) * shape_.num_kv_heads + h) * pages * d;
+        const float* mn = kv.key_min(layer, h);
+        const float* mx = kv.key_max(layer, h);
+        for (int64_t j = 0; j < pages * d; ++j) {
+          gather_min_[at + j] = FloatToBf16(mn[j]);
+          gather_max_[at + j] = FloatToBf16(mx[j]);
+        }
+      }
+    }
+    const size_t width = pages * d * sizeof(bf16);
+    const size_t pitch = shape_.max_pages() * d * sizeof(bf16);
+    const int64_t first = kernels::cuda::BoundsOffset(bounds_, slot, 0, 0);
+    Record(cudaMemcpy2DAsync(bounds_.min + first, pitch, gather_min_.data(), width, width, heads,
+                             cudaMemcpyHostToDevice, stream_),
+           "admit: copy page bounds");
+    Record(cudaMemcpy2DAsync(bounds_.max + first, pitch, gather_max_.data(), width, width, heads,
+                             cudaMemcpyHostToDevice, stream_),
+           "admit: copy page bounds");
+  }
+
   void Release(int slot) override { slots_.Release(slot); }
 
   absl::Status BeginStep(absl::Span<const int> slots,
@@ -117,14 +203,16 @@ class CudaResidentWindow : public ResidentWindow {
     if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     // The staging is pinned and reused every step: the previous step's copy has run by now,
     // since every step ends by copying its logits to the host on the same stream.
-    int32_t* staged_slots = static_cast<int32_t*>(staging_.p);
-    int64_t* staged_positions = reinterpret_cast<int64_t*>(
-        static_cast<char*>(staging_.p) + shape_.max_rows * sizeof(int32_t));
+    // Staging: positions and score offsets (int64), then slots and score blocks (int32).
+    int64_t* staged_positions = static_cast<int64_t*>(staging_.p);
+    int64_t* staged_offset = staged_positions + shape_.max_rows;
+    int32_t* staged_slots = reinterpret_cast<int32_t*>(staged_offset + shape_.max_rows);
+    int32_t* staged_block = staged_slots + shape_.max_rows;
     for (size_t i = 0; i < slots.size(); ++i) {
       staged_slots[i] = slots[i];
       staged_positions[i] = positions[i];
     }
-    slots_.Advance(slots);
+    slots_.Advance(slots, &plan_);
     rows_ = static_cast<int64_t>(slots.size());
     Record(cudaMemcpyAsync(slots_dev_.p, staged_slots, rows_ * sizeof(int32_t),
                            cudaMemcpyHostToDevice, stream_),
@@ -132,7 +220,49 @@ class CudaResidentWindow : public ResidentWindow {
     Record(cudaMemcpyAsync(positions_dev_.p, staged_positions, rows_ * sizeof(int64_t),
                            cudaMemcpyHostToDevice, stream_),
            "step: copy positions");
+    if (plan_.total > 0) {
+      std::copy(plan_.block.begin(), plan_.block.end(), staged_block);
+      std::copy(plan_.offset.begin(), plan_.offset.end(), staged_offset);
+      Record(cudaMemcpyAsync(block_dev_.p, staged_block, rows_ * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_),
+             "step: copy score blocks");
+      Record(cudaMemcpyAsync(offset_dev_.p, staged_offset, rows_ * sizeof(int64_t),
+                             cudaMemcpyHostToDevice, stream_),
+             "step: copy score offsets");
+    }
     return absl::OkStatus();
+  }
+
+  void ScoreBlocks(int layer, const float* q, const float* k) override {
+    if (plan_.total == 0) return;
+    const auto* slots = static_cast<const int32_t*>(slots_dev_.p);
+    const auto* positions = static_cast<const int64_t*>(positions_dev_.p);
+    const auto* block = static_cast<const int32_t*>(block_dev_.p);
+    Record(kernels::cuda::PageBoundsAppend(bounds_, layer, k, slots, positions, block, rows_,
+                                           stream_),
+           "PageBoundsAppend");
+    Record(kernels::cuda::QuestBlockScores(bounds_, layer, q, shape_.num_heads, slots, positions,
+                                           block, static_cast<const int64_t*>(offset_dev_.p),
+                                           rows_, plan_.max_blocks,
+                                           static_cast<float*>(scores_dev_.p), stream_),
+           "QuestBlockScores");
+    Record(cudaMemcpyAsync(scores_host_.p, scores_dev_.p, plan_.total * sizeof(float),
+                           cudaMemcpyDeviceToHost, stream_),
+           "copy block scores");
+    Record(cudaEventRecord(scores_ready_, stream_), "record block scores");
+  }
+
+  absl::Status WaitBlockScores() override {
+    if (plan_.total > 0) Record(cudaEventSynchronize(scores_ready_), "wait for block scores");
+    absl::Status s = error_;
+    error_ = absl::OkStatus();
+    return s;
+  }
+
+  sparse::ScoredBlocks block_scores(int row) const override {
+    if (plan_.block[row] == 0) return {};
+    return {static_cast<const float*>(scores_host_.p) + plan_.offset[row], plan_.blocks[row],
+            plan_.block[row]};
   }
 
   void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
@@ -183,9 +313,16 @@ class CudaResidentWindow : public ResidentWindow {
   kernels::cuda::RingLayout ring_;
   int64_t per_slot_ = 0;  // bf16 elements of one slot's K (or V)
   DeviceMemory k_, v_, slots_dev_, positions_dev_, lse_, host_out_dev_, host_lse_dev_;
-  PinnedMemory staging_;
+  PinnedMemory staging_;  // the step's slots, positions, score blocks and offsets
   WindowSlots slots_;
   std::vector<bf16> gather_k_, gather_v_;
+  // Selection metadata (when shape_.max_context_tokens > 0).
+  kernels::cuda::PageBoundsLayout bounds_;
+  DeviceMemory bounds_min_, bounds_max_, block_dev_, offset_dev_, scores_dev_;
+  PinnedMemory scores_host_;
+  cudaEvent_t scores_ready_ = nullptr;
+  std::vector<bf16> gather_min_, gather_max_;
+  StepScorePlan plan_;
   int64_t rows_ = 0;
   absl::Status error_;
 };
@@ -209,8 +346,11 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
 }
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests) {
-  const WindowShape w = WindowShapeFor(model->attention_shape(), max_requests);
+    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests,
+    int64_t max_context_tokens, int64_t page_tokens) {
+  WindowShape w = WindowShapeFor(model->attention_shape(), max_requests);
+  w.page_tokens = page_tokens;
+  w.max_context_tokens = max_context_tokens;
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<ResidentWindow> window,

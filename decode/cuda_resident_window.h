@@ -26,10 +26,13 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
 
 // The hybrid step executor on CUDA device 0 for `model` (decode/hybrid_step_executor.h): its
 // weights uploaded to CudaDenseOps in bf16, a CUDA resident window of `max_requests` slots (sinks
-// and window of the default policy config), the host part on `pool`. What `fluxion decode
-// --device cuda` serves with. FailedPrecondition without a device; the factories' errors.
+// and window of the default policy config, page bounds of up to `max_context_tokens` per request
+// for quest's / fixed_*'s block scores: 0 scores on the CPU), the host part on `pool`. What
+// `fluxion decode --device cuda` serves with. FailedPrecondition without a device; the
+// factories' errors.
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests);
+    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests,
+    int64_t max_context_tokens, int64_t page_tokens);
 
 }  // namespace fluxion::decode
 

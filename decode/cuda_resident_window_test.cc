@@ -116,8 +116,8 @@ TEST_P(CudaResidentWindowTest, MatchesTheHostWindowStepByStep) {
   ASSERT_TRUE(cuda.ok()) << cuda.status();
   std::vector<int> host_slots, cuda_slots;
   for (const auto& kv : kvs) {
-    host_slots.push_back(*host->Admit(*kv));
-    auto slot = (*cuda)->Admit(*kv);
+    host_slots.push_back(*host->Admit(*kv, 0));
+    auto slot = (*cuda)->Admit(*kv, 0);
     ASSERT_TRUE(slot.ok()) << slot.status();
     cuda_slots.push_back(*slot);
   }
@@ -152,6 +152,89 @@ TEST_P(CudaResidentWindowTest, MatchesTheHostWindowStepByStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaResidentWindowTest, ::testing::Values(32, 64, 128));
+
+// The device's page bounds and block scores against the host window's (which equal the CPU
+// policy's scan bit for bit: resident_window_test.cc) over 80 steps of appends, for blocks of 1, 2
+// and 4 pages, GQA groups of 4 and 7, and a row that outgrows the metadata mid-run.
+class CudaBlockScoresTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(CudaBlockScoresTest, MatchTheHostWindowsScores) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto [d, group] = GetParam();
+  WindowShape shape;
+  shape.num_layers = 2;
+  shape.num_kv_heads = 2;
+  shape.num_heads = 2 * group;
+  shape.head_dim = d;
+  shape.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  shape.max_requests = 4;
+  shape.max_rows = 4;
+  shape.page_tokens = 16;
+  shape.max_context_tokens = 512;
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, d, shape.page_tokens};
+  auto arena = *KvArena::Create(kv_shape.page_bytes(), 1024);
+  std::mt19937 rng(11);
+  const std::vector<int64_t> lengths = {40, 150, 480}, blocks = {16, 32, 64};
+  std::vector<std::unique_ptr<PagedKv>> kvs;
+  const int64_t kv_row = shape.num_kv_heads * d, q_row = shape.num_heads * d;
+  for (int64_t n : lengths) {
+    auto kv = *PagedKv::Create(arena.get(), kv_shape);
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      const std::vector<float> k = Random(n * kv_row, rng), v = Random(n * kv_row, rng);
+      ASSERT_TRUE(kv->Append(layer, n, k.data(), v.data(), kv_row).ok());
+    }
+    kvs.push_back(std::move(kv));
+  }
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto host = *NewHostResidentWindow(shape, shape.page_tokens);
+  auto cuda = NewCudaResidentWindow(shape, stream);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  std::vector<int> host_slots, cuda_slots;
+  for (size_t i = 0; i < kvs.size(); ++i) {
+    host_slots.push_back(*host->Admit(*kvs[i], blocks[i]));
+    auto slot = (*cuda)->Admit(*kvs[i], blocks[i]);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    cuda_slots.push_back(*slot);
+  }
+  std::vector<int64_t> positions = lengths;
+  const int64_t rows = 3;
+  DeviceBuffers dev;
+  int64_t compared = 0;
+  for (int step = 0; step < 80; ++step) {
+    ASSERT_TRUE(host->BeginStep(host_slots, positions).ok());
+    ASSERT_TRUE((*cuda)->BeginStep(cuda_slots, positions).ok());
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      const std::vector<float> q = Random(rows * q_row, rng), k = Random(rows * kv_row, rng);
+      host->ScoreBlocks(layer, q.data(), k.data());
+      (*cuda)->ScoreBlocks(layer, dev.ToDevice(q), dev.ToDevice(k));
+      ASSERT_TRUE(host->WaitBlockScores().ok());
+      ASSERT_TRUE((*cuda)->WaitBlockScores().ok());
+      for (int row = 0; row < rows; ++row) {
+        const sparse::ScoredBlocks h = host->block_scores(row), g = (*cuda)->block_scores(row);
+        ASSERT_EQ(h.data == nullptr, g.data == nullptr) << "row " << row << " step " << step;
+        if (h.data == nullptr) continue;
+        ASSERT_EQ(h.head_stride, g.head_stride);
+        ASSERT_EQ(h.block_tokens, g.block_tokens);
+        for (int64_t j = 0; j < shape.num_kv_heads * h.head_stride; ++j) {
+          ASSERT_NEAR(g.data[j], h.data[j], 1e-4f * (1.0f + std::abs(h.data[j])))
+              << "row " << row << " step " << step << " layer " << layer << " score " << j;
+          ++compared;
+        }
+      }
+    }
+    for (int64_t& p : positions) ++p;
+  }
+  EXPECT_GT(compared, 0);
+  // 480 + 32 tokens fill the metadata: the third row was scored, then was not.
+  EXPECT_EQ(host->block_scores(2).data, nullptr);
+  cuda->reset();
+  cudaStreamDestroy(stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDimsAndGroups, CudaBlockScoresTest,
+                         ::testing::Combine(::testing::Values(32, 64, 128),
+                                            ::testing::Values(4, 7)));
 
 TEST(CudaResidentWindowShapeTest, RefusesWhatItCannotHold) {
   WindowShape shape;
@@ -299,8 +382,12 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
   std::vector<model::DenseAttention> prefills;
   std::vector<int32_t> first;
   Prefill(*m, lengths, 9, &prefills, &first);
-  for (const char* name : {"full", "quest"}) {
-    SCOPED_TRACE(name);
+  // max_context > 0: the window also keeps page bounds and scores quest's / fixed_*'s blocks on
+  // the device (near-equal scores may pick other blocks of equal count: near-ties are excused).
+  const std::pair<const char*, int64_t> cases[] = {
+      {"full", 0}, {"quest", 0}, {"quest", 512}, {"fixed_32_0.3", 512}};
+  for (const auto& [name, max_context] : cases) {
+    SCOPED_TRACE(std::string(name) + " max_context " + std::to_string(max_context));
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     auto arena = *KvArena::Create(
         KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
@@ -331,7 +418,9 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     make(&seqs, &attentions);
     auto ops = model::NewCudaDenseOps(0);
     ASSERT_TRUE(ops.ok());
-    const WindowShape w = WindowShapeFor(shape, 4);
+    WindowShape w = WindowShapeFor(shape, 4);
+    w.page_tokens = page_tokens;
+    w.max_context_tokens = max_context;
     auto window = NewCudaResidentWindow(w, static_cast<cudaStream_t>((*ops)->native_stream()));
     ASSERT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(m.get(), std::move(*ops), std::move(*window), nullptr);
@@ -368,6 +457,10 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     EXPECT_GT((*hybrid)->counters().host_rows, 0);
     for (size_t i = 0; i < seqs.size(); ++i) {
       EXPECT_EQ(attentions[i]->stats().rows_attended, ref_attn[i]->stats().rows_attended);
+      if (max_context > 0 && std::string(name) != "full") {
+        EXPECT_GT(attentions[i]->stats().blocks_scored_elsewhere, 0) << "request " << i;
+        EXPECT_EQ(attentions[i]->stats().metadata_bytes, 0) << "request " << i;
+      }
     }
   }
 }

@@ -2,6 +2,7 @@
 // pages of a private bf16 page arena in the host KV layout, so that the CPU paged kernel attends
 // the resident rows exactly as it attends host pages (same bf16 rows, same kernel): the hybrid
 // step over this window must then give the plain batched step's results up to the merge order.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -12,6 +13,7 @@
 #include "decode/resident_window.h"
 #include "kernels/cpu/merge_state.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/cpu/selection.h"
 
 namespace fluxion::decode {
 
@@ -28,15 +30,18 @@ class HostResidentWindow : public ResidentWindow {
                                    pages_per_head_) *
                page_bytes_),
         slots_(shape),
-        lse_(shape.max_rows * shape.num_heads) {}
+        lse_(shape.max_rows * shape.num_heads),
+        bounds_min_(shape.max_requests),
+        bounds_max_(shape.max_requests) {}
 
   const WindowShape& shape() const override { return shape_; }
 
-  absl::StatusOr<int> Admit(const PagedKv& kv) override {
-    absl::StatusOr<int64_t> n = slots_.CheckAdmit(kv);
+  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) override {
+    absl::StatusOr<int64_t> n = slots_.CheckAdmit(kv, score_block_tokens);
     if (!n.ok()) return n.status();
-    absl::StatusOr<int> slot = slots_.Take(*n);
+    absl::StatusOr<int> slot = slots_.Take(*n, score_block_tokens);
     if (!slot.ok()) return slot.status();
+    if (slots_.score_block(*slot) > 0) LoadBounds(kv, *slot);
     const kernels::PagedKvView src = kv.view();
     const int64_t d = shape_.head_dim, kpt = kv.shape().page_tokens;
     for (int layer = 0; layer < shape_.num_layers; ++layer) {
@@ -61,8 +66,41 @@ class HostResidentWindow : public ResidentWindow {
     if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     step_slots_.assign(slots.begin(), slots.end());
     positions_.assign(positions.begin(), positions.end());
-    slots_.Advance(slots);
+    slots_.Advance(slots, &plan_);
     return absl::OkStatus();
+  }
+
+  void ScoreBlocks(int layer, const float* q, const float* k) override {
+    const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+    const int64_t group = hq / hkv, pt = shape_.page_tokens;
+    scores_.resize(plan_.total);
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      if (plan_.block[i] == 0) continue;
+      const int64_t page = positions_[i] / pt;
+      const bool first = positions_[i] % pt == 0;
+      for (int h = 0; h < hkv; ++h) {
+        float* mn = BoundsMin(step_slots_[i], layer, h);
+        float* mx = BoundsMax(step_slots_[i], layer, h);
+        const float* kr = k + (i * hkv + h) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          // As PagedKv: the bounds describe the stored (bf16) key.
+          const float key = RoundToBf16(kr[j]);
+          mn[page * d + j] = first ? key : std::min(mn[page * d + j], key);
+          mx[page * d + j] = first ? key : std::max(mx[page * d + j], key);
+        }
+        // The CPU policy's own kernel over the same bounds: the same scores, bit for bit.
+        kernels::cpu::QuestBlockBounds(mn, mx, d, 0, plan_.blocks[i], plan_.block[i] / pt,
+                                       q + (i * hq + h * group) * d, group,
+                                       scores_.data() + plan_.offset[i] + h * plan_.blocks[i]);
+      }
+    }
+  }
+
+  absl::Status WaitBlockScores() override { return absl::OkStatus(); }
+
+  sparse::ScoredBlocks block_scores(int row) const override {
+    if (plan_.block[row] == 0) return {};
+    return {scores_.data() + plan_.offset[row], plan_.blocks[row], plan_.block[row]};
   }
 
   void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
@@ -120,6 +158,34 @@ class HostResidentWindow : public ResidentWindow {
     return Key(slot, layer, head, row) + page_tokens_ * shape_.head_dim;
   }
 
+  // The slot's page bounds from the host pages' metadata ([layer][head][max_pages][head_dim]).
+  void LoadBounds(const PagedKv& kv, int slot) {
+    const int64_t d = shape_.head_dim, pages = (kv.length(0) + shape_.page_tokens - 1) /
+                                                  shape_.page_tokens;
+    bounds_min_[slot].assign(BoundsPerSlot(), INFINITY);
+    bounds_max_[slot].assign(BoundsPerSlot(), -INFINITY);
+    for (int layer = 0; layer < shape_.num_layers; ++layer) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        std::copy_n(kv.key_min(layer, h), pages * d, BoundsMin(slot, layer, h));
+        std::copy_n(kv.key_max(layer, h), pages * d, BoundsMax(slot, layer, h));
+      }
+    }
+  }
+  size_t BoundsPerSlot() const {
+    return static_cast<size_t>(shape_.num_layers * shape_.num_kv_heads * shape_.max_pages() *
+                               shape_.head_dim);
+  }
+  int64_t BoundsOffset(int layer, int head) const {
+    return (static_cast<int64_t>(layer) * shape_.num_kv_heads + head) * shape_.max_pages() *
+           shape_.head_dim;
+  }
+  float* BoundsMin(int slot, int layer, int head) {
+    return bounds_min_[slot].data() + BoundsOffset(layer, head);
+  }
+  float* BoundsMax(int slot, int layer, int head) {
+    return bounds_max_[slot].data() + BoundsOffset(layer, head);
+  }
+
   const WindowShape shape_;
   const int64_t page_tokens_;
   const int64_t pages_per_head_;
@@ -130,6 +196,10 @@ class HostResidentWindow : public ResidentWindow {
   std::vector<int64_t> positions_;
   std::vector<float> lse_;       // [max_rows][num_heads]: the last AppendAndAttend's
   std::vector<kernels::PageSpan> spans_;
+  // Selection metadata: [slot] -> [layer][head][max_pages][head_dim] (allocated when scored).
+  std::vector<std::vector<float>> bounds_min_, bounds_max_;
+  StepScorePlan plan_;
+  std::vector<float> scores_;
 };
 
 }  // namespace

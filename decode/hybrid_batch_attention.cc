@@ -72,8 +72,9 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   // The CPU half reads q/k/v on the host (the copies wait for the layer's projections).
   const model::HostRows rows = model::RowsOnHost(io, shape_, ops_, &q_, &k_, &v_);
   const float *q = rows.q, *k = rows.k, *v = rows.v;
-  // Then the device half, which runs while the CPU works: append to the rings and attend the
-  // resident rows of every pair, into io.out.
+  // Then the device half, which runs while the CPU works: block scores for the policies that
+  // rank page bounds, the rings' append and the resident rows of every pair, into io.out.
+  window_->ScoreBlocks(io.layer, io.q, io.k);
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   clock.Lap(&counters_.to_host_s);
   statuses_.assign(io.rows, absl::OkStatus());
@@ -82,10 +83,12 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
                                                v + i * kv_row);
   });
   FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+  FLUXION_RETURN_IF_ERROR(window_->WaitBlockScores());
   ListUnits(attentions_, &units_);
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
     const RequestUnit& u = units_[j];
-    attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row);
+    attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row,
+                                       window_->block_scores(static_cast<int>(u.request)));
   });
   clock.Lap(&counters_.plan_s);
 

@@ -1,5 +1,6 @@
 #include "decode/hybrid_step_executor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -81,7 +82,12 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
         w.window_tokens, " resident ones of the hybrid step; raise the policy's or lower the "
         "window's"));
   }
-  FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv()));
+  // Policies that rank page bounds have their blocks scored where the window's bounds live.
+  const int64_t page_tokens = attention.kv().shape().page_tokens;
+  const int64_t score_block = window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
+                                  ? std::max(policy.block_tokens, page_tokens)
+                                  : 0;
+  FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv(), score_block));
   state_->slots[attention.id()] = slot;
   return slot;
 }

@@ -48,6 +48,11 @@ class HybridStepExecutor : public StepExecutor {
   model::DecodeStepRunner& runner();
   model::DenseOps& ops();
 
+  // Whether requests admitted from now on have their blocks scored by the window (when their
+  // policy ranks page bounds and the window keeps metadata); default true. False: the CPU scans
+  // the bounds, e.g. to measure both in one run.
+  void set_window_block_scores(bool on) { window_block_scores_ = on; }
+
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }
   void ResetCounters() { attention_->ResetCounters(); }
@@ -60,6 +65,7 @@ class HybridStepExecutor : public StepExecutor {
 
   std::unique_ptr<State> state_;
   HybridBatchAttention* attention_;  // owned by state_
+  bool window_block_scores_ = true;
 };
 
 }  // namespace fluxion::decode

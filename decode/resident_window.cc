@@ -1,5 +1,6 @@
 #include "decode/resident_window.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,7 +13,7 @@ absl::Status ValidateWindowShape(const WindowShape& s) {
       {"num_layers", s.num_layers},       {"num_heads", s.num_heads},
       {"num_kv_heads", s.num_kv_heads},   {"head_dim", s.head_dim},
       {"window_tokens", s.window_tokens}, {"max_requests", s.max_requests},
-      {"max_rows", s.max_rows}};
+      {"max_rows", s.max_rows},           {"page_tokens", s.page_tokens}};
   for (const auto& [name, value] : positive) {
     if (value <= 0) {
       return absl::InvalidArgumentError(absl::StrCat("window shape: ", name, " must be positive, "
@@ -20,6 +21,9 @@ absl::Status ValidateWindowShape(const WindowShape& s) {
     }
   }
   if (s.sink_tokens < 0) return absl::InvalidArgumentError("window shape: negative sink_tokens");
+  if (s.max_context_tokens < 0) {
+    return absl::InvalidArgumentError("window shape: negative max_context_tokens");
+  }
   if (s.num_heads % s.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("window shape: ", s.num_heads,
                                                    " query heads are not a multiple of ",
@@ -52,11 +56,23 @@ void ForEachResidentToken(const WindowShape& shape, int64_t tokens,
   }
 }
 
-absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv) const {
+absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv,
+                                                 int64_t score_block_tokens) const {
   const KvShape& k = kv.shape();
   if (k.num_layers != shape_.num_layers || k.num_kv_heads != shape_.num_kv_heads ||
       k.head_dim != shape_.head_dim) {
     return absl::InvalidArgumentError("the request's KV shape is not the window's");
+  }
+  if (score_block_tokens < 0 ||
+      (score_block_tokens > 0 && score_block_tokens % shape_.page_tokens != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("score block of ", score_block_tokens,
+                                                   " tokens: not a multiple of the window's ",
+                                                   shape_.page_tokens, "-token pages"));
+  }
+  if (score_block_tokens > 0 && k.page_tokens != shape_.page_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("the request's pages hold ", k.page_tokens,
+                                                   " tokens, the window's metadata ",
+                                                   shape_.page_tokens));
   }
   const int64_t n = kv.length(0);
   for (int layer = 1; layer < k.num_layers; ++layer) {
@@ -68,10 +84,12 @@ absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv) const {
   return n;
 }
 
-absl::StatusOr<int> WindowSlots::Take(int64_t tokens) {
+absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens) {
   for (int s = 0; s < shape_.max_requests; ++s) {
     if (tokens_[s] < 0) {
       tokens_[s] = tokens;
+      // A context that does not fit the metadata now never will (contexts only grow).
+      score_block_[s] = tokens < shape_.max_context_tokens ? score_block_tokens : 0;
       return s;
     }
   }
@@ -80,7 +98,10 @@ absl::StatusOr<int> WindowSlots::Take(int64_t tokens) {
 }
 
 void WindowSlots::Release(int slot) {
-  if (slot >= 0 && slot < shape_.max_requests) tokens_[slot] = -1;
+  if (slot >= 0 && slot < shape_.max_requests) {
+    tokens_[slot] = -1;
+    score_block_[slot] = 0;
+  }
 }
 
 absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
@@ -104,8 +125,25 @@ absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
   return absl::OkStatus();
 }
 
-void WindowSlots::Advance(absl::Span<const int> slots) {
-  for (int s : slots) ++tokens_[s];
+void WindowSlots::Advance(absl::Span<const int> slots, StepScorePlan* plan) {
+  const size_t rows = slots.size();
+  plan->block.assign(rows, 0);
+  plan->blocks.assign(rows, 0);
+  plan->offset.assign(rows, 0);
+  plan->total = 0;
+  plan->max_blocks = 0;
+  for (size_t i = 0; i < rows; ++i) {
+    const int s = slots[i];
+    const int64_t context = ++tokens_[s];  // the step's token included
+    if (context > shape_.max_context_tokens) score_block_[s] = 0;
+    const int64_t block = score_block_[s];
+    if (block == 0) continue;
+    plan->block[i] = static_cast<int32_t>(block);
+    plan->blocks[i] = (context + block - 1) / block;
+    plan->offset[i] = plan->total;
+    plan->total += shape_.num_kv_heads * plan->blocks[i];
+    plan->max_blocks = std::max(plan->max_blocks, plan->blocks[i]);
+  }
 }
 
 }  // namespace fluxion::decode

@@ -15,6 +15,12 @@
 // MergeHostStates are in host memory. Operations may run asynchronously in issue order (the CUDA
 // implementation uses the DenseOps's stream); errors are sticky and returned by Sync().
 //
+// Selection metadata: for policies that rank blocks by Quest's page bounds (quest, fixed_*), the
+// window also keeps each slot's page bounds and scores every block per step where the bounds
+// live, so the CPU reads one score per block instead of 2 x head_dim bounds per page (at 8B shapes
+// and 128K tokens the CPU scan read 2.1 GB per step, 2/3 of the hybrid step: bench/results,
+// session 8). The policy still picks its top blocks on the CPU from those scores.
+//
 // Implementations: NewHostResidentWindow (here: host memory and the CPU kernel, the stand-in on
 // which the hybrid executor's split, placement and merge are tested without a GPU) and the CUDA
 // one (decode/cuda_resident_window.h).
@@ -33,6 +39,7 @@
 #include "absl/types/span.h"
 #include "absl/functional/function_ref.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/policy.h"
 #include "model/attention.h"
 
 namespace fluxion::decode {
@@ -47,6 +54,12 @@ struct WindowShape {
   int64_t window_tokens = 64;
   int64_t max_requests = 64;  // slots
   int64_t max_rows = 64;      // rows (requests) of one step
+  // Selection metadata (ResidentWindow::ScoreBlocks): the host KV's page size, and the longest
+  // context whose page bounds a slot keeps (0: none, so no row is ever scored here).
+  int64_t page_tokens = 16;
+  int64_t max_context_tokens = 0;
+
+  int64_t max_pages() const { return (max_context_tokens + page_tokens - 1) / page_tokens; }
 
   int64_t rows_per_head() const { return sink_tokens + window_tokens; }
   int64_t resident_rows(int64_t context) const {
@@ -71,24 +84,43 @@ WindowShape WindowShapeFor(const model::AttentionShape& attention, int64_t max_r
 void ForEachResidentToken(const WindowShape& shape, int64_t tokens,
                           absl::FunctionRef<void(int64_t)> fn);
 
+// Where a step's block scores go (ResidentWindow::ScoreBlocks): row i is scored in blocks of
+// block[i] tokens (0: not scored), its [num_kv_heads][blocks[i]] scores at offset[i] of one
+// array of `total` floats.
+struct StepScorePlan {
+  std::vector<int32_t> block;
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> offset;
+  int64_t total = 0;
+  int64_t max_blocks = 0;  // the largest blocks[i]
+};
+
 // The slot bookkeeping both implementations share: which slots hold a request, how many tokens
-// each holds, and the checks of Admit and BeginStep (their errors as the interface states).
+// each holds and the block size its rows are scored at, and the checks of Admit and BeginStep
+// (their errors as the interface states).
 class WindowSlots {
  public:
   explicit WindowSlots(const WindowShape& shape)
-      : shape_(shape), tokens_(shape.max_requests, -1) {}
-  // The tokens `kv` holds, after checking it has the window's shape and even layers.
-  absl::StatusOr<int64_t> CheckAdmit(const PagedKv& kv) const;
-  // A free slot, now holding `tokens`; ResourceExhausted when none is free.
-  absl::StatusOr<int> Take(int64_t tokens);
+      : shape_(shape), tokens_(shape.max_requests, -1), score_block_(shape.max_requests, 0) {}
+  // The tokens `kv` holds, after checking it has the window's shape and even layers, and that a
+  // score block size is a positive multiple of the window's page size (0: none).
+  absl::StatusOr<int64_t> CheckAdmit(const PagedKv& kv, int64_t score_block_tokens) const;
+  // A free slot, now holding `tokens`, scored at `score_block_tokens` when the window keeps
+  // metadata for that many tokens (else 0); ResourceExhausted when none is free.
+  absl::StatusOr<int> Take(int64_t tokens, int64_t score_block_tokens);
   void Release(int slot);
+  // The block size slot `slot`'s rows are scored at now (0: not scored).
+  int64_t score_block(int slot) const { return score_block_[slot]; }
   absl::Status CheckStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) const;
-  // Every slot of the step holds one more token (every layer takes the step's).
-  void Advance(absl::Span<const int> slots);
+  // Every slot of the step holds one more token (every layer takes the step's), and the step's
+  // score plan: a slot whose context outgrows max_context_tokens stops being scored for good
+  // (its bounds could not follow).
+  void Advance(absl::Span<const int> slots, StepScorePlan* plan);
 
  private:
   const WindowShape shape_;
-  std::vector<int64_t> tokens_;  // [slot]: tokens held, -1 when free
+  std::vector<int64_t> tokens_;       // [slot]: tokens held, -1 when free
+  std::vector<int64_t> score_block_;  // [slot]: 0 when not scored
 };
 
 class ResidentWindow {
@@ -97,9 +129,13 @@ class ResidentWindow {
   virtual const WindowShape& shape() const = 0;
 
   // Loads the resident rows of the tokens `kv` holds (every layer the same count) into a free
-  // slot and returns it. ResourceExhausted when every slot is taken; InvalidArgument for a KV of
-  // another shape or uneven layers.
-  virtual absl::StatusOr<int> Admit(const PagedKv& kv) = 0;
+  // slot and returns it. With `score_block_tokens` > 0 (a multiple of shape().page_tokens) the
+  // slot also keeps the page bounds of every page of `kv` (its key_min / key_max) and its rows
+  // are scored in blocks of that many tokens by ScoreBlocks, while the context fits
+  // max_context_tokens (longer: never scored, and the policy scores on the CPU as without a
+  // window). ResourceExhausted when every slot is taken; InvalidArgument for a KV of another
+  // shape or page size, uneven layers, or a bad block size.
+  virtual absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) = 0;
   // Frees a slot (its rows are then garbage). Unknown or free slots are ignored.
   virtual void Release(int slot) = 0;
 
@@ -113,6 +149,17 @@ class ResidentWindow {
   // q: [rows][num_heads][head_dim] post-RoPE, k and v: [rows][num_kv_heads][head_dim].
   virtual void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
                                float* out) = 0;
+  // Selection metadata, layer `layer` of the step, issued before AppendAndAttend with the same
+  // q and k: folds each scored row's K into its page's bounds, then scores every block of the
+  // row's context for every KV head (Quest's bound, max over the group: the formula of
+  // kernels::cpu::QuestBlockBounds). Asynchronous: WaitBlockScores() makes them readable.
+  virtual void ScoreBlocks(int layer, const float* q, const float* k) = 0;
+  // Waits for the last ScoreBlocks; the first error since the last wait or Sync.
+  virtual absl::Status WaitBlockScores() = 0;
+  // Row i's scores from the last ScoreBlocks, in host memory (valid until the next one):
+  // data == nullptr when the row is not scored.
+  virtual sparse::ScoredBlocks block_scores(int row) const = 0;
+
   // out := merge(out, host state) by log-sum-exp, per (row, query head): host_out
   // [rows][num_heads][head_dim], host_lse [rows][num_heads] (natural base; -inf: nothing to
   // add), in host memory. Uses the lse AppendAndAttend left for this layer.

@@ -60,7 +60,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                 "attention, streams tokens.");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
   std::string device = "cpu";
-  int64_t device_max_requests = 128;
+  int64_t device_max_requests = 128, device_max_context = 32768;
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -68,6 +68,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Int("device-max-requests", &device_max_requests,
             "with --device cuda: requests the GPU's resident window holds at once (a request "
             "beyond them fails its step with RESOURCE_EXHAUSTED)");
+  flags.Int("device-max-context", &device_max_context,
+            "with --device cuda: tokens per request whose page bounds the GPU keeps to score "
+            "quest's and fixed_*'s blocks (device memory: device-max-requests x this x "
+            "layers x kv_heads x head_dim x 4 bytes / page-tokens); longer requests, and 0, "
+            "score on the CPU");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
@@ -253,7 +258,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::unique_ptr<StepExecutor> executor;
     if (device == "cuda") {
 #ifdef FLUXION_HAVE_CUDA
-      auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool, device_max_requests);
+      auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool,
+                                              device_max_requests, device_max_context,
+                                              page_tokens);
       if (!hybrid.ok()) {
         std::cerr << "error: --device cuda: " << hybrid.status() << "\n";
         return 1;

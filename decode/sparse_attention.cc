@@ -119,12 +119,17 @@ sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const
           shape_.scale, step_context_};
 }
 
-void SparseAttention::SelectUnit(int unit, const float* q) {
+void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored) {
   const auto [first, end] = UnitHeads(unit);
   sparse::SparsePolicy& policy = *policies_[unit];
   for (int h = first; h < end; ++h) {
     head_spans_[h].clear();
-    policy.Select(Input(h, q), &head_spans_[h], &head_stats_[h]);
+    sparse::SelectionInput in = Input(h, q);
+    if (scored.data != nullptr) {
+      in.block_scores = scored.data + h * scored.head_stride;
+      in.block_score_tokens = scored.block_tokens;
+    }
+    policy.Select(in, &head_spans_[h], &head_stats_[h]);
   }
 }
 
@@ -164,6 +169,7 @@ sparse::SelectionStats SparseAttention::stats() const {
     sum.rows_attended += s.rows_attended;
     sum.k_rows_scored += s.k_rows_scored;
     sum.metadata_bytes += s.metadata_bytes;
+    sum.blocks_scored_elsewhere += s.blocks_scored_elsewhere;
     sum.selections += s.selections;
     sum.bypassed += s.bypassed;
     sum.context += s.context;

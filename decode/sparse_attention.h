@@ -76,7 +76,9 @@ class SparseAttention : public model::SequenceAttention {
   // the pages; ResourceExhausted when the arena has no page for the token (nothing appended).
   absl::Status AppendToken(int layer, int64_t pos0, const float* k, const float* v);
   int units() const { return static_cast<int>(policies_.size()); }
-  void SelectUnit(int unit, const float* q);
+  // `scored`: this layer's block scores of the request when computed elsewhere (the hybrid
+  // step's device); policies that rank page bounds at that block size use them.
+  void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {});
   const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
     return head_spans_[kv_head];
   }

@@ -95,6 +95,7 @@ class StepExecutorTest : public ::testing::Test {
     std::vector<std::vector<int32_t>> tokens;  // [request][step]
     std::vector<std::vector<float>> logits;    // [step][batch * vocab]
     std::vector<int64_t> rows_attended;        // [request]
+    std::vector<sparse::SelectionStats> stats;  // [request]
   };
 
   // `steps` greedy steps of `executor` over requests from `prefills` under `policy`.
@@ -126,14 +127,20 @@ class StepExecutorTest : public ::testing::Test {
     for (const Request& r : requests) {
       EXPECT_EQ(r.seq->length(), prefills[&r - requests.data()].cache->length(0) + steps);
       run.rows_attended.push_back(r.attention->stats().rows_attended);
+      run.stats.push_back(r.attention->stats());
     }
     return run;
   }
 
   // The hybrid executor with the dense halves on the CPU and the host stand-in of the window.
+  // With max_context_tokens > 0 the window keeps page bounds and scores blocks for quest and
+  // fixed_* (ResidentWindow::ScoreBlocks).
   static std::unique_ptr<HybridStepExecutor> MakeHybrid(const kernels::cpu::CpuPool* pool,
-                                                        int64_t max_requests = 8) {
-    const WindowShape w = WindowShapeFor(model_->attention_shape(), max_requests);
+                                                        int64_t max_requests = 8,
+                                                        int64_t max_context_tokens = 0) {
+    WindowShape w = WindowShapeFor(model_->attention_shape(), max_requests);
+    w.page_tokens = kPageTokens;
+    w.max_context_tokens = max_context_tokens;
     auto window = NewHostResidentWindow(w, kPageTokens);
     EXPECT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(
@@ -208,6 +215,33 @@ TEST_F(StepExecutorTest, TheHybridStepOverTheHostWindowGivesTheBatchedStepsResul
     for (int64_t r : h.rows_attended) rows += r;
     EXPECT_EQ(c.resident_rows + c.host_rows, rows) << "every planned row attended exactly once";
     EXPECT_GT(c.resident_rows, 0);
+  }
+}
+
+TEST_F(StepExecutorTest, BlockScoresFromTheWindowSelectWhatTheCpuScanSelects) {
+  // The window scores blocks from its own page bounds (loaded at admission, then folded from
+  // each step's K) with the CPU policy's kernel: the same picks, tokens and rows attended, and
+  // the CPU reads no page bounds. The 700-token request outgrows the window's 704-token metadata
+  // mid-decode and goes on with CPU scoring (as a request that never fit does).
+  std::vector<Prefill> prefills;
+  // Every request's budget leaves its policy whole blocks to pick (0.3 x 400 - 68 > 32).
+  for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 500 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  for (const std::string& name : {"quest", "fixed_32_0.3", "fixed_64_0.5"}) {
+    SCOPED_TRACE(name);
+    const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+    std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
+    std::unique_ptr<HybridStepExecutor> hybrid =
+        MakeHybrid(&pool, /*max_requests=*/8, /*max_context_tokens=*/704);
+    const Run h = Decode(*hybrid, policy, prefills, 6);
+    ExpectSameRun(h, Decode(*batched, policy, prefills, 6), 1e-3f);
+    EXPECT_GT(h.stats[0].blocks_scored_elsewhere, 0);
+    EXPECT_EQ(h.stats[0].metadata_bytes, 0) << "no bounds read on the CPU";
+    EXPECT_GT(h.stats[2].blocks_scored_elsewhere, 0);
+    EXPECT_EQ(h.stats[2].metadata_bytes, 0);
+    // 700 + 4 steps fit; the fifth step's context (705) does not.
+    EXPECT_GT(h.stats[1].blocks_scored_elsewhere, 0);
+    EXPECT_GT(h.stats[1].metadata_bytes, 0);
   }
 }
 

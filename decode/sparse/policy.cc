@@ -83,12 +83,19 @@ class QuestPolicy : public SparsePolicy {
     const int64_t nblocks = end_block - first_block;
     const int64_t want = r.middle_rows_budget / block;
     if (want > 0 && nblocks > 0) {
-      scores_.resize(nblocks);
-      kernels::cpu::QuestBlockBounds(in.kv->key_min(in.layer, in.kv_head),
-                                     in.kv->key_max(in.layer, in.kv_head), d, first_block,
-                                     nblocks, pages_per_block, in.q, in.group, scores_.data());
-      stats->metadata_bytes += nblocks * pages_per_block * 2 * d * int64_t{sizeof(float)};
-      kernels::cpu::TopKIndices(scores_.data(), nblocks, want, &picked_);
+      const float* scores;
+      if (in.block_scores != nullptr && in.block_score_tokens == block) {
+        scores = in.block_scores + first_block;  // scored where the bounds are (the device)
+        stats->blocks_scored_elsewhere += nblocks;
+      } else {
+        scores_.resize(nblocks);
+        kernels::cpu::QuestBlockBounds(in.kv->key_min(in.layer, in.kv_head),
+                                       in.kv->key_max(in.layer, in.kv_head), d, first_block,
+                                       nblocks, pages_per_block, in.q, in.group, scores_.data());
+        stats->metadata_bytes += nblocks * pages_per_block * 2 * d * int64_t{sizeof(float)};
+        scores = scores_.data();
+      }
+      kernels::cpu::TopKIndices(scores, nblocks, want, &picked_);
       std::sort(picked_.begin(), picked_.end());
       for (int32_t b : picked_) {
         // Blocks straddling the sinks or the window contribute only their middle part.
@@ -117,14 +124,14 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false, true}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true}},
-    {PolicyKind::kQuest, {"quest", false, false, false, true}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false}},
-    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true}},
+    {PolicyKind::kFull, {"full", true, false, false, true, false}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true, true}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, false}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, false}},
+    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true, true}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";

@@ -50,6 +50,10 @@ struct PolicyTraits {
   // so a step may select different heads of one request in parallel. False for Fluxion, whose
   // budget allocation spans every head of the request.
   bool heads_independent;
+  // It ranks blocks by Quest's page-bound scores (PagedKv's key_min / key_max) at block size
+  // max(block_tokens, page_tokens): the hybrid step's device may compute those scores instead
+  // (SelectionInput::block_scores).
+  bool ranks_page_bounds;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
@@ -91,6 +95,16 @@ absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::
 // `full`, `fixed_32_0.05`, or `<name>@<budget>` (e.g. `quest@0.05`): how results name a config.
 std::string PolicyLabel(const PolicyConfig& config);
 
+// One request's Quest block scores for one layer, computed elsewhere (the hybrid step's device
+// keeps every page's bounds: decode/resident_window.h, ScoreBlocks): for KV head h,
+// data[h * head_stride + b] is block b's score at `block_tokens` tokens per block, for blocks
+// [0, head_stride), head_stride = ceil(context / block_tokens).
+struct ScoredBlocks {
+  const float* data = nullptr;  // null: none
+  int64_t head_stride = 0;
+  int64_t block_tokens = 0;
+};
+
 // What a policy sees at one decode step for one (layer, KV head).
 struct SelectionInput {
   const PagedKv* kv = nullptr;
@@ -100,12 +114,18 @@ struct SelectionInput {
   int64_t group = 1;
   float scale = 0.0f;
   int64_t context = 0;  // tokens stored for this layer, the current one included
+  // This head's block scores when computed elsewhere: [ceil(context / block_score_tokens)], or
+  // null. A policy that ranks page bounds at that block size reads them instead of scanning the
+  // bounds; any other ignores them.
+  const float* block_scores = nullptr;
+  int64_t block_score_tokens = 0;
 };
 
 struct SelectionStats {
   int64_t rows_attended = 0;  // K/V rows the attention kernel reads
   int64_t k_rows_scored = 0;  // extra K rows read only to score (exact top-k)
-  int64_t metadata_bytes = 0; // page metadata read to score (Quest's fp32 min/max bounds)
+  int64_t metadata_bytes = 0; // page metadata read on the CPU to score (Quest's fp32 bounds)
+  int64_t blocks_scored_elsewhere = 0;  // blocks whose scores came in SelectionInput
   int64_t selections = 0;     // (step, KV head) selections a history policy made
   int64_t bypassed = 0;       // of those, how many bypassed to sinks + window (LFPS)
   int64_t context = 0;        // tokens available
