@@ -49,6 +49,8 @@ struct Options {
   // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
   // or the CPU's scan of the host bounds; each value a row.
   std::vector<std::string> block_scores = {"device"};
+  // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
+  std::vector<double> device_read_shares = {0};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
 };
 
@@ -188,6 +190,7 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
     *x /= n;
   }
   p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
+  p.per_step.mapped_rows = static_cast<int64_t>(p.per_step.mapped_rows / n);
   p.per_step.resident_rows = static_cast<int64_t>(p.per_step.resident_rows / n);
   return p;
 }
@@ -263,7 +266,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   // Tokens every request gains over the run (each point appends steps + 1 to the same pages).
   const int64_t step_tokens =
       (o.steps + 2) *
-      (static_cast<int64_t>(policies.size() * o.block_scores.size()) + 1) *
+      (static_cast<int64_t>(policies.size() * o.block_scores.size() *
+                            o.device_read_shares.size()) +
+       1) *
       static_cast<int64_t>(o.batches.size());
   for (const std::string& b : o.block_scores) {
     if (b != "device" && b != "cpu") {
@@ -309,6 +314,20 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         fits * config.num_layers * config.num_kv_heads * ((context + step_tokens) / kPageTokens + 2);
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::KvArena> arena,
                              decode::KvArena::Create(kv_shape.page_bytes(), pages));
+#ifdef FLUXION_HAVE_CUDA
+    if (o.device == "cuda") {
+      // Pinned, so the GPU can read host pages zero-copy (--device-read-share).
+      const auto p0 = std::chrono::steady_clock::now();
+      if (absl::Status pinned = decode::PinArenaForCuda(arena.get()); !pinned.ok()) {
+        std::printf("%8lld: arena not pinned (%s): the CPU reads every host row\n",
+                    static_cast<long long>(context), std::string(pinned.message()).c_str());
+      } else {
+        std::printf("%8lld: %.1f GiB arena pinned in %.1f s\n", static_cast<long long>(context),
+                    arena->bytes() / double(1 << 30),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
+      }
+    }
+#endif
     const auto f0 = std::chrono::steady_clock::now();
     FLUXION_ASSIGN_OR_RETURN(auto kvs, FillKv(arena.get(), kv_shape, fits, context, pool));
     std::printf("%8lld: %lld requests' KV filled in %.1f s\n", static_cast<long long>(context),
@@ -328,15 +347,23 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       for (const auto& policy : policies) {
         const bool scored = decode::sparse::TraitsOf(policy.kind).ranks_page_bounds;
         for (const std::string& where : o.block_scores) {
-          executor->set_window_block_scores(where == "device");
-          FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
-                                                      config.vocab_size, o.steps));
-          const std::string label = decode::sparse::PolicyLabel(policy);
-          points.push_back({scored && o.block_scores.size() > 1 ? label + "/" + where : label, p});
-          if (!scored) break;  // one row: nothing to score
+          for (double share : o.device_read_shares) {
+            executor->set_window_block_scores(where == "device");
+            executor->set_device_read_share(share);
+            FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
+                                                        config.vocab_size, o.steps));
+            std::string label = decode::sparse::PolicyLabel(policy);
+            if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
+            if (o.device_read_shares.size() > 1 || share > 0) {
+              absl::StrAppend(&label, "/zc", share);
+            }
+            points.push_back({label, p});
+          }
+          if (!scored) break;  // one set of rows: nothing to score
         }
       }
       executor->set_window_block_scores(true);
+      executor->set_device_read_share(0);
 #ifdef FLUXION_HAVE_CUDA
       if (o.device == "cuda") {
         absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
@@ -374,6 +401,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"step_ms", p.median_ms},
                             {"tokens_per_s", 1e3 * batch / p.median_ms},
                             {"host_rows_per_step", c.host_rows},
+                            {"device_read_rows_per_step", c.mapped_rows},
                             {"resident_rows_per_step", c.resident_rows},
                             {"to_host_ms", 1e3 * c.to_host_s},
                             {"plan_ms", 1e3 * c.plan_s},
@@ -406,6 +434,9 @@ int RunHybridBench(const std::vector<std::string>& args) {
                    "policies without prefill state: full, quest, exact_topk, fixed_<block>_<b>");
   flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk");
   flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
+  flags.DoubleList("device-read-share", &o.device_read_shares,
+                   "shares of every (request, KV head)'s host rows the GPU reads itself from "
+                   "pinned host pages while the CPU reads the rest; each value a row");
   flags.StringList("block-scores", &o.block_scores,
                    "where quest's and fixed_*'s block scores come from: device (the window's "
                    "page bounds next to the dense halves) and/or cpu (the CPU scans the host "

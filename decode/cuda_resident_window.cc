@@ -11,6 +11,7 @@
 #include "decode/sparse/policy.h"
 #include "kernels/cuda/decode_ops.h"
 #include "model/cuda_dense_ops.h"
+#include "kernels/cuda/attention_backend_cuda.h"
 #include "kernels/cuda/block_scores.h"
 #include "kernels/cuda/window_ring.h"
 
@@ -29,6 +30,62 @@ struct PinnedMemory {
   ~PinnedMemory() {
     if (p != nullptr) cudaFreeHost(p);
   }
+};
+
+// Device (or pinned host) memory that grows to the largest size asked. Growing frees and
+// reallocates, which synchronises the device, so it happens only while step sizes still grow.
+class GrowingBuffer {
+ public:
+  explicit GrowingBuffer(bool pinned) : pinned_(pinned) {}
+  ~GrowingBuffer() { Free(); }
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= capacity_) return absl::OkStatus();
+    Free();
+    bytes = std::max(bytes, 2 * capacity_);
+    const cudaError_t e = pinned_ ? cudaMallocHost(&p_, bytes) : cudaMalloc(&p_, bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      p_ = nullptr;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "resident window: cannot allocate ", bytes, pinned_ ? " pinned" : " device", " bytes"));
+    }
+    capacity_ = bytes;
+    return absl::OkStatus();
+  }
+  void* get() const { return p_; }
+
+ private:
+  void Free() {
+    if (p_ != nullptr) pinned_ ? cudaFreeHost(p_) : cudaFree(p_);
+    p_ = nullptr;
+    capacity_ = 0;
+  }
+  const bool pinned_;
+  void* p_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Scratch of AttendMappedSpans: the span lists (pinned staging and device copy), the device
+// partial states and the backend's workspace.
+class MappedScratch {
+ public:
+  absl::Status Reserve(size_t list_bytes, int64_t states, int64_t head_dim) {
+    FLUXION_RETURN_IF_ERROR(staging_.Reserve(list_bytes));
+    FLUXION_RETURN_IF_ERROR(lists_.Reserve(list_bytes));
+    FLUXION_RETURN_IF_ERROR(out_.Reserve(states * head_dim * sizeof(float)));
+    return lse_.Reserve(states * sizeof(float));
+  }
+  absl::Status ReserveWorkspace(size_t bytes) { return workspace_.Reserve(bytes); }
+  void* staging() const { return staging_.get(); }
+  void* lists() const { return lists_.get(); }
+  float* out() const { return static_cast<float*>(out_.get()); }
+  float* lse() const { return static_cast<float*>(lse_.get()); }
+  absl::Span<std::byte> workspace(size_t bytes) const {
+    return {static_cast<std::byte*>(workspace_.get()), bytes};
+  }
+
+ private:
+  GrowingBuffer staging_{true}, lists_{false}, out_{false}, lse_{false}, workspace_{false};
 };
 
 class CudaResidentWindow : public ResidentWindow {
@@ -66,6 +123,11 @@ class CudaResidentWindow : public ResidentWindow {
     if (shape_.max_context_tokens > 0) {
       if (absl::Status s = InitMetadata(); !s.ok()) return s;
     }
+    kernels::cuda::CudaAttentionBackendOptions zero_copy;
+    zero_copy.stream = stream_;
+    zero_copy.kernel = kernels::cuda::PagedKernel::kV3;  // the best reader of pinned host pages
+    FLUXION_ASSIGN_OR_RETURN(mapped_backend_,
+                             kernels::cuda::CudaAttentionBackend::Create(zero_copy));
     ring_.num_layers = shape_.num_layers;
     ring_.num_kv_heads = shape_.num_kv_heads;
     ring_.head_dim = shape_.head_dim;
@@ -277,6 +339,70 @@ class CudaResidentWindow : public ResidentWindow {
            "RingAttention");
   }
 
+  absl::StatusOr<kernels::PagedKvView> MappedView(const kernels::PagedKvView& host) override {
+    // Asked every time (a driver lookup): an arena freed and another mapped at the same address
+    // may be registered differently or not at all.
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, const_cast<uint8_t*>(host.arena), 0) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::FailedPreconditionError(
+          "the host KV arena is not pinned for the device (PinArenaForCuda)");
+    }
+    kernels::PagedKvView view = host;
+    view.arena = static_cast<const uint8_t*>(device);
+    return view;
+  }
+
+  void AttendMappedSpans(const kernels::PagedKvView& kv, const int64_t* indptr,
+                         const kernels::PageSpan* spans, int64_t num_spans, const float* q,
+                         float* out) override {
+    const int64_t pairs = rows_ * shape_.num_kv_heads, states = rows_ * shape_.num_heads;
+    kernels::PagedDecodeProblem p;
+    p.q = q;
+    p.kv = kv;
+    p.num_spans = num_spans;
+    p.num_requests = rows_;
+    p.num_qo_heads = shape_.num_heads;
+    p.num_kv_heads = shape_.num_kv_heads;
+    p.head_dim = shape_.head_dim;
+    p.sm_scale = shape_.scale;
+    // Device copies of the span lists from pinned staging (reused per layer: the layer before
+    // finished with them when the step's q/k/v reached the host).
+    const size_t indptr_bytes = (pairs + 1) * sizeof(int64_t);
+    const size_t span_bytes = num_spans * sizeof(kernels::PageSpan);
+    if (absl::Status s = mapped_.Reserve(indptr_bytes + span_bytes, states, shape_.head_dim);
+        !s.ok()) {
+      if (error_.ok()) error_ = s;
+      return;
+    }
+    std::memcpy(mapped_.staging(), indptr, indptr_bytes);
+    std::memcpy(static_cast<char*>(mapped_.staging()) + indptr_bytes, spans, span_bytes);
+    Record(cudaMemcpyAsync(mapped_.lists(), mapped_.staging(), indptr_bytes + span_bytes,
+                           cudaMemcpyHostToDevice, stream_),
+           "zero-copy: copy span lists");
+    p.span_indptr = static_cast<const int64_t*>(mapped_.lists());
+    p.spans = reinterpret_cast<const kernels::PageSpan*>(
+        static_cast<const char*>(mapped_.lists()) + indptr_bytes);
+    p.out = mapped_.out();
+    p.lse = mapped_.lse();
+    if (absl::Status s = mapped_backend_->Supports(p); !s.ok()) {
+      if (error_.ok()) error_ = s;
+      return;
+    }
+    const size_t workspace = mapped_backend_->WorkspaceBytes(p);
+    if (absl::Status s = mapped_.ReserveWorkspace(workspace); !s.ok()) {
+      if (error_.ok()) error_ = s;
+      return;
+    }
+    if (absl::Status s = mapped_backend_->Run(p, mapped_.workspace(workspace)); !s.ok()) {
+      if (error_.ok()) error_ = s;
+      return;
+    }
+    Record(kernels::cuda::MergeStates(out, static_cast<float*>(lse_.p), mapped_.out(),
+                                      mapped_.lse(), states, shape_.head_dim, stream_),
+           "zero-copy: MergeStates");
+  }
+
   void MergeHostStates(const float* host_out, const float* host_lse, float* out) override {
     const int64_t states = rows_ * shape_.num_heads;
     // From pageable memory: the copy has read the host arrays when the call returns.
@@ -323,11 +449,37 @@ class CudaResidentWindow : public ResidentWindow {
   cudaEvent_t scores_ready_ = nullptr;
   std::vector<bf16> gather_min_, gather_max_;
   StepScorePlan plan_;
+  // Zero-copy reads of host pages.
+  std::unique_ptr<kernels::cuda::CudaAttentionBackend> mapped_backend_;
+  MappedScratch mapped_;
   int64_t rows_ = 0;
   absl::Status error_;
 };
 
+// The arena's memory registered with CUDA (page-locked, mapped) until the arena dies.
+class CudaPin : public ArenaAttachment {
+ public:
+  explicit CudaPin(void* base) : base_(base) {}
+  ~CudaPin() override { cudaHostUnregister(base_); }
+
+ private:
+  void* const base_;
+};
+
 }  // namespace
+
+absl::Status PinArenaForCuda(KvArena* arena) {
+  const cudaError_t e = cudaHostRegister(arena->base(), arena->bytes(),
+                                         cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot pin the ", arena->bytes() >> 20, " MiB KV arena for the GPU: ",
+        cudaGetErrorString(e), " (raise the memlock limit, ulimit -l, or lower --kv-pages)"));
+  }
+  arena->Attach(std::make_unique<CudaPin>(arena->base()));
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
                                                                      cudaStream_t stream) {
@@ -346,11 +498,11 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
 }
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests,
-    int64_t max_context_tokens, int64_t page_tokens) {
-  WindowShape w = WindowShapeFor(model->attention_shape(), max_requests);
-  w.page_tokens = page_tokens;
-  w.max_context_tokens = max_context_tokens;
+    const model::Model* model, const kernels::cpu::CpuPool* pool,
+    const CudaHybridOptions& options) {
+  WindowShape w = WindowShapeFor(model->attention_shape(), options.max_requests);
+  w.page_tokens = options.page_tokens;
+  w.max_context_tokens = options.max_context_tokens;
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<ResidentWindow> window,
@@ -358,6 +510,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<HybridStepExecutor> executor,
       HybridStepExecutor::Create(model, std::move(ops), std::move(window), pool));
+  executor->set_device_read_share(options.device_read_share);
   return std::unique_ptr<StepExecutor>(std::move(executor));
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "decode/kv_arena.h"
 #include "decode/resident_window.h"
 #include "decode/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -24,15 +25,24 @@ namespace fluxion::decode {
 absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
                                                                      cudaStream_t stream);
 
+// Pins `arena`'s memory for the GPU (cudaHostRegister, mapped) until the arena dies, so the
+// window can read host pages zero-copy (ResidentWindow::MappedView) and copies from it run at
+// full PCIe speed. ResourceExhausted (with the likely cause) when the memory cannot be locked.
+absl::Status PinArenaForCuda(KvArena* arena);
+
 // The hybrid step executor on CUDA device 0 for `model` (decode/hybrid_step_executor.h): its
 // weights uploaded to CudaDenseOps in bf16, a CUDA resident window of `max_requests` slots (sinks
-// and window of the default policy config, page bounds of up to `max_context_tokens` per request
-// for quest's / fixed_*'s block scores: 0 scores on the CPU), the host part on `pool`. What
-// `fluxion decode --device cuda` serves with. FailedPrecondition without a device; the
-// factories' errors.
+// and window of the default policy config), the host part on `pool`. What `fluxion decode
+// --device cuda` serves with. FailedPrecondition without a device; the factories' errors.
+struct CudaHybridOptions {
+  int64_t max_requests = 128;      // window slots
+  int64_t max_context_tokens = 0;  // page bounds per slot for block scores (0: the CPU scores)
+  int64_t page_tokens = 16;        // of the host KV pages
+  double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
+};
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool, int64_t max_requests,
-    int64_t max_context_tokens, int64_t page_tokens);
+    const model::Model* model, const kernels::cpu::CpuPool* pool,
+    const CudaHybridOptions& options);
 
 }  // namespace fluxion::decode
 

@@ -384,14 +384,23 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
   Prefill(*m, lengths, 9, &prefills, &first);
   // max_context > 0: the window also keeps page bounds and scores quest's / fixed_*'s blocks on
   // the device (near-equal scores may pick other blocks of equal count: near-ties are excused).
-  const std::pair<const char*, int64_t> cases[] = {
-      {"full", 0}, {"quest", 0}, {"quest", 512}, {"fixed_32_0.3", 512}};
-  for (const auto& [name, max_context] : cases) {
-    SCOPED_TRACE(std::string(name) + " max_context " + std::to_string(max_context));
+  // share > 0: the GPU reads that share of every pair's host rows from the pinned arena.
+  struct Case {
+    const char* name;
+    int64_t max_context;
+    double share;
+  };
+  const Case cases[] = {{"full", 0, 0},         {"quest", 0, 0},       {"quest", 512, 0},
+                        {"fixed_32_0.3", 512, 0}, {"full", 0, 0.5},    {"quest", 512, 0.4},
+                        {"fixed_32_0.3", 512, 1.0}};
+  for (const auto& [name, max_context, share] : cases) {
+    SCOPED_TRACE(std::string(name) + " max_context " + std::to_string(max_context) + " share " +
+                 std::to_string(share));
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     auto arena = *KvArena::Create(
         KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
         4096);
+    if (share > 0) ASSERT_TRUE(PinArenaForCuda(arena.get()).ok());
     auto make = [&](std::vector<std::unique_ptr<model::Sequence>>* seqs,
                     std::vector<SparseAttention*>* attentions) {
       for (size_t i = 0; i < prefills.size(); ++i) {
@@ -425,6 +434,7 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     ASSERT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(m.get(), std::move(*ops), std::move(*window), nullptr);
     ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+    (*hybrid)->set_device_read_share(share);
 
     std::vector<int32_t> ref_tokens = first;
     std::vector<StepRequest> batch;
@@ -454,7 +464,9 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
         batch[i].token = ref_tokens[i];  // both sides continue from the same token
       }
     }
-    EXPECT_GT((*hybrid)->counters().host_rows, 0);
+    if (share < 1.0) EXPECT_GT((*hybrid)->counters().host_rows, 0);
+    if (share > 0) EXPECT_GT((*hybrid)->counters().mapped_rows, 0);
+    if (share == 1.0) EXPECT_EQ((*hybrid)->counters().host_rows, 0);
     for (size_t i = 0; i < seqs.size(); ++i) {
       EXPECT_EQ(attentions[i]->stats().rows_attended, ref_attn[i]->stats().rows_attended);
       if (max_context > 0 && std::string(name) != "full") {

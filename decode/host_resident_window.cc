@@ -134,6 +134,31 @@ class HostResidentWindow : public ResidentWindow {
     }
   }
 
+  absl::StatusOr<kernels::PagedKvView> MappedView(const kernels::PagedKvView& host) override {
+    return host;  // the stand-in's "device" is the host
+  }
+
+  void AttendMappedSpans(const kernels::PagedKvView& kv, const int64_t* indptr,
+                         const kernels::PageSpan* spans, int64_t num_spans, const float* q,
+                         float* out) override {
+    const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+    const int64_t group = hq / hkv;
+    mapped_out_.resize(group * d);
+    mapped_lse_.resize(group);
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t pair = static_cast<int64_t>(i) * hkv + h;
+        if (indptr[pair + 1] == indptr[pair]) continue;
+        const int64_t h0 = i * hq + h * group;
+        kernels::cpu::PagedAttention(kv, spans + indptr[pair], indptr[pair + 1] - indptr[pair],
+                                     {q + h0 * d, group, shape_.scale},
+                                     {mapped_out_.data(), mapped_lse_.data()});
+        kernels::cpu::MergeStates(out + h0 * d, lse_.data() + h0, mapped_out_.data(),
+                                  mapped_lse_.data(), group, d);
+      }
+    }
+  }
+
   void MergeHostStates(const float* host_out, const float* host_lse, float* out) override {
     kernels::cpu::MergeStates(out, lse_.data(), host_out, host_lse,
                               static_cast<int64_t>(step_slots_.size()) * shape_.num_heads,
@@ -200,6 +225,7 @@ class HostResidentWindow : public ResidentWindow {
   std::vector<std::vector<float>> bounds_min_, bounds_max_;
   StepScorePlan plan_;
   std::vector<float> scores_;
+  std::vector<float> mapped_out_, mapped_lse_;  // one pair's state of AttendMappedSpans
 };
 
 }  // namespace

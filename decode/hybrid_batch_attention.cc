@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -60,6 +61,28 @@ void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int
   }
 }
 
+void SplitSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front_rows,
+                std::vector<kernels::PageSpan>* front, std::vector<kernels::PageSpan>* rest) {
+  for (const kernels::PageSpan* s = begin; s < end; ++s) {
+    if (front_rows >= s->rows) {
+      front->push_back(*s);
+      front_rows -= s->rows;
+    } else if (front_rows > 0) {
+      const int32_t cut = static_cast<int32_t>(front_rows);
+      front->push_back({s->page, s->first_row, cut});
+      rest->push_back({s->page, s->first_row + cut, s->rows - cut});
+      front_rows = 0;
+    } else {
+      rest->push_back(*s);
+    }
+  }
+}
+
+int64_t DeviceRows(int64_t host_rows, double device_share) {
+  return std::clamp<int64_t>(std::llround(device_share * static_cast<double>(host_rows)), 0,
+                             host_rows);
+}
+
 absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   if (io.rows != static_cast<int64_t>(attentions_.size()) || seqs_.size() != attentions_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
@@ -94,6 +117,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
 
   kernels::PagedDecodeProblem p;
   FLUXION_RETURN_IF_ERROR(BuildHostProblem(io, q, &p));
+  SendShareToDevice(io, &p);
   FLUXION_RETURN_IF_ERROR(backend_->Supports(p));
   const size_t workspace = backend_->WorkspaceBytes(p);
   if (workspace_.size() < workspace) workspace_.resize(workspace);
@@ -116,6 +140,36 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
   }
   return absl::OkStatus();
+}
+
+void HybridBatchAttention::SendShareToDevice(const model::LayerAttentionIo& io,
+                                             kernels::PagedDecodeProblem* p) {
+  if (device_share_ <= 0 || p->num_spans == 0) return;
+  const absl::StatusOr<kernels::PagedKvView> mapped = window_->MappedView(p->kv);
+  if (!mapped.ok()) return;  // not pinned, or a shape the device kernel lacks: the CPU reads all
+  const int64_t pairs = p->num_pairs();
+  device_indptr_.assign(1, 0);
+  cpu_indptr_.assign(1, 0);
+  device_spans_.clear();
+  cpu_spans_.clear();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const kernels::PageSpan* begin = p->spans + p->span_indptr[pair];
+    const kernels::PageSpan* end = p->spans + p->span_indptr[pair + 1];
+    int64_t rows = 0;
+    for (const kernels::PageSpan* s = begin; s < end; ++s) rows += s->rows;
+    const int64_t device_rows = DeviceRows(rows, device_share_);
+    SplitSpans(begin, end, device_rows, &device_spans_, &cpu_spans_);
+    counters_.mapped_rows += device_rows;
+    counters_.host_rows -= device_rows;
+    device_indptr_.push_back(static_cast<int64_t>(device_spans_.size()));
+    cpu_indptr_.push_back(static_cast<int64_t>(cpu_spans_.size()));
+  }
+  // The device starts now, while the CPU attends its part.
+  window_->AttendMappedSpans(*mapped, device_indptr_.data(), device_spans_.data(),
+                             static_cast<int64_t>(device_spans_.size()), io.q, io.out);
+  p->span_indptr = cpu_indptr_.data();
+  p->spans = cpu_spans_.data();
+  p->num_spans = static_cast<int64_t>(cpu_spans_.size());
 }
 
 absl::Status HybridBatchAttention::BuildHostProblem(const model::LayerAttentionIo& io,

@@ -42,10 +42,20 @@ namespace fluxion::decode {
 void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front,
                int64_t back, std::vector<kernels::PageSpan>* out);
 
+// Appends the first `front_rows` rows of spans [begin, end) to `front` and the rest to `rest`
+// (a span cut where needed), both in token order.
+void SplitSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front_rows,
+                std::vector<kernels::PageSpan>* front, std::vector<kernels::PageSpan>* rest);
+
+// The share of each (request, KV head) pair's host rows the device reads itself (zero-copy),
+// rounded to whole rows: the pair's first rows.
+int64_t DeviceRows(int64_t host_rows, double device_share);
+
 // What a hybrid step's attention did, summed over layers since the last ResetCounters.
 struct HybridCounters {
   int64_t resident_rows = 0;  // rows the window attended
   int64_t host_rows = 0;      // rows the CPU attended over host pages
+  int64_t mapped_rows = 0;    // host rows the device read itself (zero-copy)
   int64_t host_pairs = 0;     // (request, KV head) pairs with any host rows
   int64_t pairs = 0;          // all (request, KV head) pairs
   // Wall time of the attention's phases on the driving thread, in seconds. to_host includes
@@ -78,6 +88,11 @@ class HybridBatchAttention : public model::BatchAttention {
   // the last layer). An error fails the step as a whole.
   absl::Status Attend(const model::LayerAttentionIo& io) override;
 
+  // The share of each pair's host rows the device reads from pinned host pages while the CPU
+  // reads the rest (0: the CPU reads all); used when the window maps the pages
+  // (ResidentWindow::MappedView), else the CPU reads all.
+  void set_device_read_share(double share) { device_share_ = share; }
+
   const HybridCounters& counters() const { return counters_; }
   void ResetCounters() { counters_ = {}; }
 
@@ -85,6 +100,9 @@ class HybridBatchAttention : public model::BatchAttention {
   // The non-resident rows of every plan as one host problem over io's rows.
   absl::Status BuildHostProblem(const model::LayerAttentionIo& io, const float* q,
                                 kernels::PagedDecodeProblem* p);
+  // Moves device_share_ of every pair's rows of p to the device, which starts on them at once;
+  // p keeps the CPU's rest. Without a mapped view, p stays whole.
+  void SendShareToDevice(const model::LayerAttentionIo& io, kernels::PagedDecodeProblem* p);
 
   ResidentWindow* const window_;
   kernels::AttentionBackend* const backend_;
@@ -101,6 +119,9 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<RequestUnit> units_;
   std::vector<int64_t> indptr_;
   std::vector<kernels::PageSpan> spans_;
+  std::vector<int64_t> device_indptr_, cpu_indptr_;
+  std::vector<kernels::PageSpan> device_spans_, cpu_spans_;
+  double device_share_ = 0;
   std::vector<std::byte> workspace_;
 };
 

@@ -52,6 +52,10 @@ class HybridStepExecutor : public StepExecutor {
   // policy ranks page bounds and the window keeps metadata); default true. False: the CPU scans
   // the bounds, e.g. to measure both in one run.
   void set_window_block_scores(bool on) { window_block_scores_ = on; }
+  // The share of every (request, KV head)'s host rows the device reads itself from pinned host
+  // pages, while the CPU reads the rest (HybridBatchAttention::set_device_read_share); 0 (the
+  // default): the CPU reads all.
+  void set_device_read_share(double share) { attention_->set_device_read_share(share); }
 
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }

@@ -100,7 +100,16 @@ KvArena::KvArena(uint8_t* base, size_t bytes, size_t page_bytes, int64_t num_pag
 }
 
 KvArena::~KvArena() {
+  {
+    absl::MutexLock lock(&mu_);
+    while (!attachments_.empty()) attachments_.pop_back();  // latest first
+  }
   if (owned_) munmap(base_, bytes_);
+}
+
+void KvArena::Attach(std::unique_ptr<ArenaAttachment> a) {
+  absl::MutexLock lock(&mu_);
+  attachments_.push_back(std::move(a));
 }
 
 void KvArena::AddFreeExtent(int32_t first, int32_t count) {

@@ -45,6 +45,13 @@ struct KvArenaOptions {
   bool populate = false;
 };
 
+// Something tied to the arena's memory that must end before the memory goes: a registration of
+// it with a device (decode/cuda_resident_window.h, PinArenaForCuda). The arena owns it.
+class ArenaAttachment {
+ public:
+  virtual ~ArenaAttachment() = default;
+};
+
 struct KvArenaCounters {
   int64_t total = 0;
   int64_t free = 0;
@@ -74,6 +81,8 @@ class KvArena {
   int64_t num_pages() const { return num_pages_; }
   // True when the mapping is backed by explicit huge pages (MAP_HUGETLB).
   bool explicit_huge_pages() const { return explicit_huge_pages_; }
+  // Keeps `a` until the arena dies; attachments end (latest first) before the memory is unmapped.
+  void Attach(std::unique_ptr<ArenaAttachment> a);
   // REQUIRES: 0 <= id < num_pages().
   uint8_t* page(int32_t id) const { return base_ + static_cast<size_t>(id) * page_bytes_; }
 
@@ -109,6 +118,7 @@ class KvArena {
   const int64_t num_pages_;
   const bool explicit_huge_pages_;
   const bool owned_;  // unmapped on destruction
+  std::vector<std::unique_ptr<ArenaAttachment>> attachments_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<State> state_ ABSL_GUARDED_BY(mu_);

@@ -66,6 +66,7 @@ class PagedKv {
   const std::vector<int32_t>& pages(int layer, int kv_head) const {
     return pages_[Index(layer, kv_head)];
   }
+  const KvArena& arena() const { return *arena_; }
   kernels::PagedKvView view() const {
     return {arena_->base(), arena_->page_bytes(), shape_.page_tokens, shape_.head_dim};
   }

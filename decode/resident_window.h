@@ -160,6 +160,20 @@ class ResidentWindow {
   // data == nullptr when the row is not scored.
   virtual sparse::ScoredBlocks block_scores(int row) const = 0;
 
+  // Zero-copy reads (ALGORITHMS.md §2.4.6 item 3): the device attends part of the selected host
+  // rows itself, reading host pages over PCIe while the CPU reads the rest, so both paths to host
+  // memory run at once. MappedView gives the view of `host` pages the device reads (CUDA: the
+  // arena pinned by PinArenaForCuda, at its device address), or FailedPrecondition (not pinned)
+  // / Unimplemented (a shape the device kernel lacks); the host stand-in reads host memory as is.
+  virtual absl::StatusOr<kernels::PagedKvView> MappedView(const kernels::PagedKvView& host) = 0;
+  // Layer `layer` of the step, after AppendAndAttend and before MergeHostStates: attends each
+  // (row, KV head) pair's spans [indptr[pair], indptr[pair + 1]) of `kv` (a MappedView; indptr
+  // [rows * num_kv_heads + 1] and spans in host memory, read before the call returns) with q (as
+  // AppendAndAttend's), merged into out by log-sum-exp. Asynchronous like AppendAndAttend.
+  virtual void AttendMappedSpans(const kernels::PagedKvView& kv, const int64_t* indptr,
+                                 const kernels::PageSpan* spans, int64_t num_spans,
+                                 const float* q, float* out) = 0;
+
   // out := merge(out, host state) by log-sum-exp, per (row, query head): host_out
   // [rows][num_heads][head_dim], host_lse [rows][num_heads] (natural base; -inf: nothing to
   // add), in host memory. Uses the lse AppendAndAttend left for this layer.

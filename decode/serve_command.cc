@@ -61,6 +61,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
   std::string device = "cpu";
   int64_t device_max_requests = 128, device_max_context = 32768;
+  double device_read_share = 0;
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -73,6 +74,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "quest's and fixed_*'s blocks (device memory: device-max-requests x this x "
             "layers x kv_heads x head_dim x 4 bytes / page-tokens); longer requests, and 0, "
             "score on the CPU");
+  flags.Double("device-read-share", &device_read_share,
+               "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
+               "GPU reads itself from the pinned arena while the CPU reads the rest");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
@@ -258,9 +262,22 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::unique_ptr<StepExecutor> executor;
     if (device == "cuda") {
 #ifdef FLUXION_HAVE_CUDA
-      auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool,
-                                              device_max_requests, device_max_context,
-                                              page_tokens);
+      if (!(device_read_share >= 0 && device_read_share <= 1)) {
+        std::cerr << "error: --device-read-share must be in [0, 1], got " << device_read_share
+                  << "\n";
+        return 2;
+      }
+      if (absl::Status pinned = PinArenaForCuda(arena.get()); !pinned.ok()) {
+        // Still serves: copies go through staging and the CPU reads every host row.
+        std::cerr << "warning: " << pinned << "\n";
+        device_read_share = 0;
+      }
+      CudaHybridOptions cuda_options;
+      cuda_options.max_requests = device_max_requests;
+      cuda_options.max_context_tokens = device_max_context;
+      cuda_options.page_tokens = page_tokens;
+      cuda_options.device_read_share = device_read_share;
+      auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool, cuda_options);
       if (!hybrid.ok()) {
         std::cerr << "error: --device cuda: " << hybrid.status() << "\n";
         return 1;

@@ -245,6 +245,57 @@ TEST_F(StepExecutorTest, BlockScoresFromTheWindowSelectWhatTheCpuScanSelects) {
   }
 }
 
+TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoResult) {
+  // The device (here the host stand-in) attends the first share of every pair's host rows
+  // straight from the pages while the CPU attends the rest: the same plans, merged in another
+  // order.
+  std::vector<Prefill> prefills;
+  for (int64_t n : {260, 700, 400}) prefills.push_back(MakePrefill(Prompt(n, 600 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  for (const std::string& name : {"full", "quest", "lfps"}) {
+    for (double share : {0.4, 1.0}) {
+      SCOPED_TRACE(name + " share " + std::to_string(share));
+      const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+      std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
+      std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+      hybrid->set_device_read_share(share);
+      const Run h = Decode(*hybrid, policy, prefills, 6);
+      ExpectSameRun(h, Decode(*batched, policy, prefills, 6), 1e-3f);
+      const HybridCounters& c = hybrid->counters();
+      int64_t rows = 0;
+      for (int64_t r : h.rows_attended) rows += r;
+      EXPECT_EQ(c.resident_rows + c.host_rows + c.mapped_rows, rows);
+      EXPECT_GT(c.mapped_rows, 0);
+      if (share == 1.0) EXPECT_EQ(c.host_rows, 0);
+      if (share < 1.0) EXPECT_GT(c.host_rows, 0);
+    }
+  }
+}
+
+std::tuple<int32_t, int32_t, int32_t> Fields(const kernels::PageSpan& s) {
+  return {s.page, s.first_row, s.rows};
+}
+
+TEST(SplitSpansTest, CutsAtTheRowAndKeepsTokenOrder) {
+  const std::vector<kernels::PageSpan> spans = {{3, 0, 16}, {7, 0, 16}, {9, 2, 5}};
+  std::vector<kernels::PageSpan> front, rest;
+  SplitSpans(spans.data(), spans.data() + spans.size(), 20, &front, &rest);
+  ASSERT_EQ(front.size(), 2u);
+  EXPECT_EQ(Fields(front[0]), std::make_tuple(3, 0, 16));
+  EXPECT_EQ(Fields(front[1]), std::make_tuple(7, 0, 4));
+  ASSERT_EQ(rest.size(), 2u);
+  EXPECT_EQ(Fields(rest[0]), std::make_tuple(7, 4, 12));
+  EXPECT_EQ(Fields(rest[1]), std::make_tuple(9, 2, 5));
+  front.clear();
+  rest.clear();
+  SplitSpans(spans.data(), spans.data() + spans.size(), 0, &front, &rest);
+  EXPECT_TRUE(front.empty());
+  EXPECT_EQ(rest.size(), 3u);
+  EXPECT_EQ(DeviceRows(37, 0.5), 19);
+  EXPECT_EQ(DeviceRows(37, 0.0), 0);
+  EXPECT_EQ(DeviceRows(37, 1.0), 37);
+}
+
 TEST_F(StepExecutorTest, StreamingPlansNeverReachTheHostPart) {
   // Budget 0.01 at these contexts is below sinks + window: every plan is sinks + window only.
   std::vector<Prefill> prefills;
