@@ -368,7 +368,7 @@ TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
 // The hybrid step on the GPU (CUDA dense ops + the CUDA resident window + the CPU over host
 // pages) against the same dense ops with each request's attention on the host
 // (SequenceBatchAttention over SparseAttention): the same plans attended in another merge order.
-TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
+TEST(HybridOnCudaTest, StepsMatchHostAttentionForEveryScoringAndReadSplit) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
   model::ModelConfig c = *model::PresetConfig("tiny");
   c.head_dim = 64;
@@ -390,9 +390,10 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     int64_t max_context;
     double share;
   };
+  // (fixed_32_0.5: at 0.3 a 300-token context leaves fewer middle rows than one 32-token block.)
   const Case cases[] = {{"full", 0, 0},         {"quest", 0, 0},       {"quest", 512, 0},
-                        {"fixed_32_0.3", 512, 0}, {"full", 0, 0.5},    {"quest", 512, 0.4},
-                        {"fixed_32_0.3", 512, 1.0}};
+                        {"fixed_32_0.5", 512, 0}, {"full", 0, 0.5},    {"quest", 512, 0.4},
+                        {"fixed_32_0.5", 512, 1.0}};
   for (const auto& [name, max_context, share] : cases) {
     SCOPED_TRACE(std::string(name) + " max_context " + std::to_string(max_context) + " share " +
                  std::to_string(share));
@@ -467,13 +468,15 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForFullAndQuest) {
     if (share < 1.0) EXPECT_GT((*hybrid)->counters().host_rows, 0);
     if (share > 0) EXPECT_GT((*hybrid)->counters().mapped_rows, 0);
     if (share == 1.0) EXPECT_EQ((*hybrid)->counters().host_rows, 0);
+    int64_t scored_elsewhere = 0;
     for (size_t i = 0; i < seqs.size(); ++i) {
       EXPECT_EQ(attentions[i]->stats().rows_attended, ref_attn[i]->stats().rows_attended);
-      if (max_context > 0 && std::string(name) != "full") {
-        EXPECT_GT(attentions[i]->stats().blocks_scored_elsewhere, 0) << "request " << i;
-        EXPECT_EQ(attentions[i]->stats().metadata_bytes, 0) << "request " << i;
-      }
+      scored_elsewhere += attentions[i]->stats().blocks_scored_elsewhere;
+      // Shorter contexts leave no middle block to pick (nothing scored at all), so per request
+      // only this holds: nothing scanned on the CPU.
+      if (max_context > 0) EXPECT_EQ(attentions[i]->stats().metadata_bytes, 0) << "request " << i;
     }
+    if (max_context > 0) EXPECT_GT(scored_elsewhere, 0);
   }
 }
 
