@@ -260,8 +260,8 @@ class CudaResidentWindow : public ResidentWindow {
 
   void Release(int slot) override { slots_.Release(slot); }
 
-  absl::Status BeginStep(absl::Span<const int> slots,
-                         absl::Span<const int64_t> positions) override {
+  absl::Status BeginStep(absl::Span<const int> slots, absl::Span<const int64_t> positions,
+                         absl::Span<const uint8_t> score) override {
     if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     // The staging is pinned and reused every step: the previous step's copy has run by now,
     // since every step ends by copying its logits to the host on the same stream.
@@ -274,7 +274,7 @@ class CudaResidentWindow : public ResidentWindow {
       staged_slots[i] = slots[i];
       staged_positions[i] = positions[i];
     }
-    slots_.Advance(slots, &plan_);
+    slots_.Advance(slots, score, &plan_);
     rows_ = static_cast<int64_t>(slots.size());
     Record(cudaMemcpyAsync(slots_dev_.p, staged_slots, rows_ * sizeof(int32_t),
                            cudaMemcpyHostToDevice, stream_),
@@ -282,7 +282,9 @@ class CudaResidentWindow : public ResidentWindow {
     Record(cudaMemcpyAsync(positions_dev_.p, staged_positions, rows_ * sizeof(int64_t),
                            cudaMemcpyHostToDevice, stream_),
            "step: copy positions");
-    if (plan_.total > 0) {
+    keeps_bounds_ = std::any_of(plan_.block.begin(), plan_.block.end(),
+                                [](int32_t b) { return b > 0; });
+    if (keeps_bounds_) {
       std::copy(plan_.block.begin(), plan_.block.end(), staged_block);
       std::copy(plan_.offset.begin(), plan_.offset.end(), staged_offset);
       Record(cudaMemcpyAsync(block_dev_.p, staged_block, rows_ * sizeof(int32_t),
@@ -296,13 +298,14 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   void ScoreBlocks(int layer, const float* q, const float* k) override {
-    if (plan_.total == 0) return;
+    if (!keeps_bounds_) return;
     const auto* slots = static_cast<const int32_t*>(slots_dev_.p);
     const auto* positions = static_cast<const int64_t*>(positions_dev_.p);
     const auto* block = static_cast<const int32_t*>(block_dev_.p);
     Record(kernels::cuda::PageBoundsAppend(bounds_, layer, k, slots, positions, block, rows_,
                                            stream_),
            "PageBoundsAppend");
+    if (plan_.total == 0) return;  // bounds kept; no row wants scores this step
     Record(kernels::cuda::QuestBlockScores(bounds_, layer, q, shape_.num_heads, slots, positions,
                                            block, static_cast<const int64_t*>(offset_dev_.p),
                                            rows_, plan_.max_blocks,
@@ -322,7 +325,7 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   sparse::ScoredBlocks block_scores(int row) const override {
-    if (plan_.block[row] == 0) return {};
+    if (plan_.blocks[row] == 0) return {};
     return {static_cast<const float*>(scores_host_.p) + plan_.offset[row], plan_.blocks[row],
             plan_.block[row]};
   }
@@ -449,6 +452,7 @@ class CudaResidentWindow : public ResidentWindow {
   cudaEvent_t scores_ready_ = nullptr;
   std::vector<bf16> gather_min_, gather_max_;
   StepScorePlan plan_;
+  bool keeps_bounds_ = false;  // some row of the step keeps page bounds
   // Zero-copy reads of host pages.
   std::unique_ptr<kernels::cuda::CudaAttentionBackend> mapped_backend_;
   MappedScratch mapped_;

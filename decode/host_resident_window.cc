@@ -61,12 +61,12 @@ class HostResidentWindow : public ResidentWindow {
 
   void Release(int slot) override { slots_.Release(slot); }
 
-  absl::Status BeginStep(absl::Span<const int> slots,
-                         absl::Span<const int64_t> positions) override {
+  absl::Status BeginStep(absl::Span<const int> slots, absl::Span<const int64_t> positions,
+                         absl::Span<const uint8_t> score) override {
     if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     step_slots_.assign(slots.begin(), slots.end());
     positions_.assign(positions.begin(), positions.end());
-    slots_.Advance(slots, &plan_);
+    slots_.Advance(slots, score, &plan_);
     return absl::OkStatus();
   }
 
@@ -88,6 +88,7 @@ class HostResidentWindow : public ResidentWindow {
           mn[page * d + j] = first ? key : std::min(mn[page * d + j], key);
           mx[page * d + j] = first ? key : std::max(mx[page * d + j], key);
         }
+        if (plan_.blocks[i] == 0) continue;  // bounds kept, no scores this step
         // The CPU policy's own kernel over the same bounds: the same scores, bit for bit.
         kernels::cpu::QuestBlockBounds(mn, mx, d, 0, plan_.blocks[i], plan_.block[i] / pt,
                                        q + (i * hq + h * group) * d, group,
@@ -99,7 +100,7 @@ class HostResidentWindow : public ResidentWindow {
   absl::Status WaitBlockScores() override { return absl::OkStatus(); }
 
   sparse::ScoredBlocks block_scores(int row) const override {
-    if (plan_.block[row] == 0) return {};
+    if (plan_.blocks[row] == 0) return {};
     return {scores_.data() + plan_.offset[row], plan_.blocks[row], plan_.block[row]};
   }
 

@@ -29,6 +29,7 @@ struct HybridStepExecutor::State {
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
   std::vector<int> row_slots;
+  std::vector<uint8_t> score_rows;  // whether each row's policy picks blocks this step
   std::vector<float> logits;
 };
 
@@ -84,9 +85,10 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   }
   // Policies that rank page bounds have their blocks scored where the window's bounds live.
   const int64_t page_tokens = attention.kv().shape().page_tokens;
-  const int64_t score_block = window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
-                                  ? std::max(policy.block_tokens, page_tokens)
-                                  : 0;
+  const int64_t score_block =
+      window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
+          ? sparse::RankedBlockTokens(policy, page_tokens)
+          : 0;
   FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv(), score_block));
   state_->slots[attention.id()] = slot;
   return slot;
@@ -130,7 +132,15 @@ void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<f
   const int64_t vocab = s.vocab_size;
   logits->resize(batch.size() * vocab);
   if (s.rows.empty()) return;
-  absl::Status step = s.window->BeginStep(s.row_slots, s.positions);
+  // Rows whose policy picks no block at this context need no scores (their bounds are kept).
+  s.score_rows.resize(s.rows.size());
+  for (size_t r = 0; r < s.rows.size(); ++r) {
+    const sparse::PolicyConfig& policy = s.attentions[r]->policy_config();
+    s.score_rows[r] = sparse::TraitsOf(policy.kind).ranks_page_bounds &&
+                      sparse::RankedBlocksWanted(policy, s.positions[r] + 1,
+                                                 s.attentions[r]->kv().shape().page_tokens) > 0;
+  }
+  absl::Status step = s.window->BeginStep(s.row_slots, s.positions, s.score_rows);
   if (step.ok()) {
     s.attention->SetBatch(s.seqs, s.attentions);
     s.logits.resize(s.rows.size() * vocab);

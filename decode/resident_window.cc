@@ -125,11 +125,12 @@ absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
   return absl::OkStatus();
 }
 
-void WindowSlots::Advance(absl::Span<const int> slots, StepScorePlan* plan) {
+void WindowSlots::Advance(absl::Span<const int> slots, absl::Span<const uint8_t> score,
+                          StepScorePlan* plan) {
   const size_t rows = slots.size();
   plan->block.assign(rows, 0);
   plan->blocks.assign(rows, 0);
-  plan->offset.assign(rows, 0);
+  plan->offset.assign(rows, -1);
   plan->total = 0;
   plan->max_blocks = 0;
   for (size_t i = 0; i < rows; ++i) {
@@ -139,6 +140,7 @@ void WindowSlots::Advance(absl::Span<const int> slots, StepScorePlan* plan) {
     const int64_t block = score_block_[s];
     if (block == 0) continue;
     plan->block[i] = static_cast<int32_t>(block);
+    if (!score.empty() && !score[i]) continue;
     plan->blocks[i] = (context + block - 1) / block;
     plan->offset[i] = plan->total;
     plan->total += shape_.num_kv_heads * plan->blocks[i];

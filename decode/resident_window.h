@@ -84,9 +84,10 @@ WindowShape WindowShapeFor(const model::AttentionShape& attention, int64_t max_r
 void ForEachResidentToken(const WindowShape& shape, int64_t tokens,
                           absl::FunctionRef<void(int64_t)> fn);
 
-// Where a step's block scores go (ResidentWindow::ScoreBlocks): row i is scored in blocks of
-// block[i] tokens (0: not scored), its [num_kv_heads][blocks[i]] scores at offset[i] of one
-// array of `total` floats.
+// Where a step's block scores go (ResidentWindow::ScoreBlocks): row i keeps page bounds for
+// blocks of block[i] tokens (0: none), and when scored this step (blocks[i] > 0) its
+// [num_kv_heads][blocks[i]] scores sit at offset[i] of one array of `total` floats (offset -1:
+// not scored).
 struct StepScorePlan {
   std::vector<int32_t> block;
   std::vector<int64_t> blocks;
@@ -113,9 +114,11 @@ class WindowSlots {
   int64_t score_block(int slot) const { return score_block_[slot]; }
   absl::Status CheckStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) const;
   // Every slot of the step holds one more token (every layer takes the step's), and the step's
-  // score plan: a slot whose context outgrows max_context_tokens stops being scored for good
+  // score plan (rows with score[i] false, or all when `score` is empty, keep their bounds but get
+  // no scores): a slot whose context outgrows max_context_tokens stops being scored for good
   // (its bounds could not follow).
-  void Advance(absl::Span<const int> slots, StepScorePlan* plan);
+  void Advance(absl::Span<const int> slots, absl::Span<const uint8_t> score,
+               StepScorePlan* plan);
 
  private:
   const WindowShape shape_;
@@ -140,10 +143,15 @@ class ResidentWindow {
   virtual void Release(int slot) = 0;
 
   // The rows of the next step: row i is slot slots[i], whose token is at positions[i] (so its
-  // context becomes positions[i] + 1). InvalidArgument for more than max_rows rows, a slot not
-  // admitted, or a position that does not continue the slot's tokens.
-  virtual absl::Status BeginStep(absl::Span<const int> slots,
-                                 absl::Span<const int64_t> positions) = 0;
+  // context becomes positions[i] + 1). score[i] false: row i needs no block scores this step
+  // (its policy picks no block yet; its bounds are still kept); empty: every scored slot's row.
+  // InvalidArgument for more than max_rows rows, a slot not admitted, or a position that does not
+  // continue the slot's tokens.
+  virtual absl::Status BeginStep(absl::Span<const int> slots, absl::Span<const int64_t> positions,
+                                 absl::Span<const uint8_t> score) = 0;
+  absl::Status BeginStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) {
+    return BeginStep(slots, positions, {});
+  }
   // Layer `layer` of the step: appends each row's K/V to its ring and attends each (row, KV head)
   // group over its resident rows into out [rows][num_heads][head_dim] and the window's own lse.
   // q: [rows][num_heads][head_dim] post-RoPE, k and v: [rows][num_kv_heads][head_dim].

@@ -1,8 +1,9 @@
 // The host ResidentWindow's selection metadata: the block scores it gives each step equal, bit for
 // bit, the CPU policy's scan over the request's own page metadata after the same appends
 // (kernels::cpu::QuestBlockBounds over PagedKv::key_min / key_max), for decodes long enough that
-// every page folded from step K is scored many times; a request whose context outgrows the
-// window's metadata stops being scored; bad block sizes are refused.
+// every page folded from step K is scored many times, also after steps that asked for no scores;
+// a request whose context outgrows the window's metadata stops being scored; bad block sizes are
+// refused.
 #include "decode/resident_window.h"
 
 #include <random>
@@ -73,7 +74,9 @@ TEST(HostResidentWindowTest, BlockScoresEqualTheCpuScanOfThePagesAfterEveryAppen
   for (int step = 0; step < 100; ++step) {
     std::vector<int64_t> positions;
     for (const auto& kv : f.kvs) positions.push_back(kv->length(0));
-    ASSERT_TRUE(window->BeginStep(slots, positions).ok());
+    // Row 0 asks for scores on even steps only: its bounds must follow on the others too.
+    const std::vector<uint8_t> score = {static_cast<uint8_t>(step % 2 == 0), 1, 1};
+    ASSERT_TRUE(window->BeginStep(slots, positions, score).ok());
     for (int layer = 0; layer < w.num_layers; ++layer) {
       const std::vector<float> q = Random(rows * w.num_heads * d, rng);
       const std::vector<float> k = Random(rows * kv_row, rng), v = Random(rows * kv_row, rng);
@@ -84,7 +87,7 @@ TEST(HostResidentWindowTest, BlockScoresEqualTheCpuScanOfThePagesAfterEveryAppen
         ASSERT_TRUE(kv.Append(layer, 1, k.data() + i * kv_row, v.data() + i * kv_row, kv_row).ok());
         const sparse::ScoredBlocks got = window->block_scores(static_cast<int>(i));
         const int64_t context = positions[i] + 1;
-        if (context > w.max_context_tokens) {
+        if (context > w.max_context_tokens || !score[i]) {
           EXPECT_EQ(got.data, nullptr) << "row " << i << " step " << step;
           continue;
         }

@@ -77,11 +77,11 @@ class QuestPolicy : public SparsePolicy {
     const Regions r = SplitContext(config_, in.context);
     std::vector<PageSpan> middle;
     const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
-    const int64_t block = std::max(config_.block_tokens, pt);
+    const int64_t block = RankedBlockTokens(config_, pt);
     const int64_t pages_per_block = block / pt;
     const int64_t first_block = r.sink_end / block, end_block = (r.local_begin + block - 1) / block;
     const int64_t nblocks = end_block - first_block;
-    const int64_t want = r.middle_rows_budget / block;
+    const int64_t want = RankedBlocksWanted(config_, in.context, pt);
     if (want > 0 && nblocks > 0) {
       const float* scores;
       if (in.block_scores != nullptr && in.block_score_tokens == block) {
@@ -222,6 +222,15 @@ std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
       return std::make_unique<FluxionPolicy>(config, nullptr);
   }
   LOG(FATAL) << "PolicyKind " << static_cast<int>(config.kind) << " has no factory";
+}
+
+int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens) {
+  return std::max(config.block_tokens, page_tokens);
+}
+
+int64_t RankedBlocksWanted(const PolicyConfig& config, int64_t context, int64_t page_tokens) {
+  return SplitContext(config, context).middle_rows_budget /
+         RankedBlockTokens(config, page_tokens);
 }
 
 Regions SplitContext(const PolicyConfig& c, int64_t context) {

@@ -161,6 +161,12 @@ class SparsePolicy {
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);
 
+// For a policy that ranks page bounds (PolicyTraits::ranks_page_bounds): its block size over
+// pages of `page_tokens`, and how many blocks it picks at `context` tokens (0: sinks + window
+// cover the budget, nothing is scored).
+int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens);
+int64_t RankedBlocksWanted(const PolicyConfig& config, int64_t context, int64_t page_tokens);
+
 // Appends spans covering tokens [begin, end) of (layer, kv_head), split at page boundaries.
 void AppendTokenRange(const PagedKv& kv, int layer, int kv_head, int64_t begin, int64_t end,
                       std::vector<kernels::PageSpan>* spans);

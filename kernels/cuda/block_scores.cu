@@ -39,8 +39,29 @@ __global__ void PageBoundsAppendKernel(PageBoundsLayout b, int layer, const floa
   }
 }
 
+// kN consecutive bf16 values (kN * 2 bytes, aligned to that) as floats, in one load.
+template <int kN>
+__device__ __forceinline__ void LoadBf16(const bf16* p, float* out) {
+  if constexpr (kN == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    out[0] = a.x;
+    out[1] = a.y;
+    out[2] = b.x;
+    out[3] = b.y;
+  } else if constexpr (kN == 2) {
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+    out[0] = a.x;
+    out[1] = a.y;
+  } else {
+    out[0] = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+  }
+}
+
 // grid (ceil(max_blocks / (kWarpsPerBlock * kBlocksPerWarp)), num_kv_heads, rows); each warp
-// scores kBlocksPerWarp consecutive blocks, each lane kHeadDim / 32 elements of the head.
+// scores kBlocksPerWarp consecutive blocks, each lane kHeadDim / 32 consecutive elements of the
+// head (one vector load per page and bound).
 template <int kHeadDim>
 __global__ void QuestBlockScoresKernel(PageBoundsLayout b, int layer, const float* q,
                                        int64_t num_heads, const int32_t* slots,
@@ -49,7 +70,7 @@ __global__ void QuestBlockScoresKernel(PageBoundsLayout b, int layer, const floa
   constexpr int kPerLane = kHeadDim / 32;
   const int64_t i = blockIdx.z, h = blockIdx.y;
   const int64_t block = block_tokens[i];
-  if (block <= 0) return;
+  if (block <= 0 || offsets[i] < 0) return;
   const int64_t context = positions[i] + 1;
   const int64_t nb = (context + block - 1) / block;
   const int64_t pages = (context + b.page_tokens - 1) / b.page_tokens;
@@ -63,7 +84,8 @@ __global__ void QuestBlockScoresKernel(PageBoundsLayout b, int layer, const floa
   float qv[kMaxGroup][kPerLane];
   for (int g = 0; g < kMaxGroup; ++g) {
     for (int e = 0; e < kPerLane; ++e) {
-      qv[g][e] = g < group ? q[(i * num_heads + h * group + g) * kHeadDim + e * 32 + lane] : 0.f;
+      qv[g][e] =
+          g < group ? q[(i * num_heads + h * group + g) * kHeadDim + lane * kPerLane + e] : 0.f;
     }
   }
   const int64_t base = BoundsOffset(b, slots[i], layer, h);
@@ -76,10 +98,13 @@ __global__ void QuestBlockScoresKernel(PageBoundsLayout b, int layer, const floa
     }
     const int64_t p_end = min((blk + 1) * ppb, pages);
     for (int64_t p = blk * ppb; p < p_end; ++p) {
-      const int64_t at = base + p * kHeadDim;
+      const int64_t at = base + p * kHeadDim + lane * kPerLane;
+      float mn[kPerLane], mx[kPerLane];
+      LoadBf16<kPerLane>(b.min + at, mn);
+      LoadBf16<kPerLane>(b.max + at, mx);
       for (int e = 0; e < kPerLane; ++e) {
-        lo[e] = fminf(lo[e], __bfloat162float(Bf(b.min)[at + e * 32 + lane]));
-        hi[e] = fmaxf(hi[e], __bfloat162float(Bf(b.max)[at + e * 32 + lane]));
+        lo[e] = fminf(lo[e], mn[e]);
+        hi[e] = fmaxf(hi[e], mx[e]);
       }
     }
     float best = -INFINITY;

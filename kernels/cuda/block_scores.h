@@ -50,7 +50,8 @@ cudaError_t PageBoundsAppend(const PageBoundsLayout& bounds, int layer, const fl
                              const int32_t* slots, const int64_t* positions,
                              const int32_t* block_tokens, int64_t rows, cudaStream_t stream);
 
-// For every row i with block_tokens[i] > 0, at context positions[i] + 1: the scores of its
+// For every row i with block_tokens[i] > 0 and offsets[i] >= 0, at context positions[i] + 1: the
+// scores of its
 // nb_i = ceil(context / block_tokens[i]) blocks for every KV head h at
 // scores[offsets[i] + h * nb_i + b]. q: [rows][num_heads][head_dim] fp32 post-RoPE (unscaled).
 // `max_blocks` >= every nb_i (sizes the grid). head_dim 32, 64 or 128 and a GQA group of at most
