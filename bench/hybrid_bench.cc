@@ -185,7 +185,8 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   p.median_ms = Summarize(ms).median;
   p.per_step = executor.counters();
   const double n = static_cast<double>(steps);
-  for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.host_s,
+  for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
+                    &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
                     &p.per_step.finish_s, &p.per_step.merge_s}) {
     *x /= n;
   }
@@ -405,6 +406,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"resident_rows_per_step", c.resident_rows},
                             {"to_host_ms", 1e3 * c.to_host_s},
                             {"plan_ms", 1e3 * c.plan_s},
+                            {"append_ms", 1e3 * c.append_s},
+                            {"scores_wait_ms", 1e3 * c.scores_s},
+                            {"select_ms", 1e3 * c.select_s},
                             {"cpu_attention_ms", 1e3 * c.host_s},
                             {"finish_ms", 1e3 * c.finish_s},
                             {"merge_ms", 1e3 * c.merge_s},

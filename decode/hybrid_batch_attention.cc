@@ -100,19 +100,23 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   window_->ScoreBlocks(io.layer, io.q, io.k);
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   clock.Lap(&counters_.to_host_s);
+  PhaseClock plan_parts;  // the three parts of plan_s
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
     statuses_[i] = attentions_[i]->AppendToken(io.layer, io.positions[i], k + i * kv_row,
                                                v + i * kv_row);
   });
   FLUXION_RETURN_IF_ERROR(FirstRequestError(statuses_, io.layer));
+  plan_parts.Lap(&counters_.append_s);
   FLUXION_RETURN_IF_ERROR(window_->WaitBlockScores());
+  plan_parts.Lap(&counters_.scores_s);
   ListUnits(attentions_, &units_);
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
     const RequestUnit& u = units_[j];
     attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row,
                                        window_->block_scores(static_cast<int>(u.request)));
   });
+  plan_parts.Lap(&counters_.select_s);
   clock.Lap(&counters_.plan_s);
 
   kernels::PagedDecodeProblem p;

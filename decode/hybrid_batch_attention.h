@@ -61,7 +61,10 @@ struct HybridCounters {
   // Wall time of the attention's phases on the driving thread, in seconds. to_host includes
   // waiting for the layer's projections on the device (the copy waits for them).
   double to_host_s = 0;  // q/k/v to the host
-  double plan_s = 0;     // append to host pages + policy selection (BeginDecode)
+  double plan_s = 0;     // append to host pages + policy selection: the three below
+  double append_s = 0;   //   the token's K/V into the host pages (AppendToken)
+  double scores_s = 0;   //   waiting for the device's block scores
+  double select_s = 0;   //   the policies' selection (SelectUnit)
   double host_s = 0;     // the CPU backend over the non-resident rows
   double finish_s = 0;   // policies' estimates and observation (FinishDecode)
   double merge_s = 0;    // CPU partials to the device and merged
