@@ -172,6 +172,7 @@ void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
 }
 
 void BatchScheduler::Loop() {
+  std::vector<std::shared_ptr<DecodeRequest>> aborted_waiting;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -180,9 +181,24 @@ void BatchScheduler::Loop() {
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
       if (stop_) return;
-      for (auto& r : joining_) running_.push_back(std::move(r));
-      joining_.clear();
+      // Joiners beyond what a step can take (the hybrid executor's window slots) wait, in order;
+      // one aborted while waiting ends here.
+      const int64_t cap = executor_->max_batch();
+      size_t taken = 0;
+      for (; taken < joining_.size(); ++taken) {
+        if (cap > 0 && static_cast<int64_t>(running_.size()) >= cap) break;
+        running_.push_back(std::move(joining_[taken]));
+      }
+      joining_.erase(joining_.begin(), joining_.begin() + taken);
+      auto aborted = std::stable_partition(joining_.begin(), joining_.end(),
+                                           [](const auto& r) { return !r->abort.load(); });
+      aborted_waiting.assign(std::make_move_iterator(aborted),
+                             std::make_move_iterator(joining_.end()));
+      joining_.erase(aborted, joining_.end());
     }
+    // Ended outside the lock: freeing pages wakes admission, whose waiters may Join().
+    for (auto& r : aborted_waiting) End(*r, Finish::kAbort, absl::OkStatus());
+    aborted_waiting.clear();
     running_count_ = static_cast<int64_t>(running_.size());
     if (running_.empty()) continue;
     const auto t0 = std::chrono::steady_clock::now();

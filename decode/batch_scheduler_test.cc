@@ -139,13 +139,16 @@ TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTo
   // The serving loop over the hybrid executor (here with its device half's host stand-in: CPU
   // dense ops and the host resident window; on a GPU `fluxion decode --device cuda` runs the same
   // executor over CUDA), with requests joining mid-stream and prompts past sinks + window.
+  // With a window of 2 slots the third request waits for a slot (the scheduler keeps the batch
+  // within the executor's max_batch) instead of failing.
   const std::vector<int64_t> lengths = {150, 90, 260};
-  std::vector<std::vector<int32_t>> tokens[2];
-  for (int hybrid = 0; hybrid < 2; ++hybrid) {
+  std::vector<std::vector<int32_t>> tokens[3];
+  for (int hybrid = 0; hybrid < 3; ++hybrid) {
+    SCOPED_TRACE(hybrid);
     MakeArena(growth_pages_ * 128);
     std::unique_ptr<StepExecutor> executor;
     if (hybrid) {
-      const WindowShape w = WindowShapeFor(shape_, 4);
+      const WindowShape w = WindowShapeFor(shape_, hybrid == 1 ? 4 : 2);
       auto made = HybridStepExecutor::Create(model_.get(), std::make_unique<model::CpuDenseOps>(),
                                              *NewHostResidentWindow(w, kPageTokens), nullptr);
       ASSERT_TRUE(made.ok()) << made.status();
@@ -172,6 +175,54 @@ TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTo
     EXPECT_EQ(arena_->counters().reserved, 0);
   }
   EXPECT_EQ(tokens[0], tokens[1]);
+  EXPECT_EQ(tokens[0], tokens[2]);
+}
+
+// The inner executor, whose first step waits until the test opens the gate.
+class GatedExecutor : public StepExecutor {
+ public:
+  explicit GatedExecutor(StepExecutor* inner) : inner_(inner) {}
+  absl::string_view name() const override { return "gated"; }
+  int64_t max_batch() const override { return inner_->max_batch(); }
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override {
+    if (!entered_.HasBeenNotified()) entered_.Notify();
+    open_.WaitForNotification();
+    inner_->Step(batch, logits, statuses);
+  }
+  absl::Notification entered_, open_;
+
+ private:
+  StepExecutor* const inner_;
+};
+
+TEST_F(BatchSchedulerTest, ARequestWaitingForAWindowSlotWaitsAndCanBeAborted) {
+  MakeArena(growth_pages_ * 128);
+  const WindowShape w = WindowShapeFor(shape_, 1);
+  auto made = HybridStepExecutor::Create(model_.get(), std::make_unique<model::CpuDenseOps>(),
+                                         *NewHostResidentWindow(w, kPageTokens), nullptr);
+  ASSERT_TRUE(made.ok()) << made.status();
+  GatedExecutor gated(made->get());
+  auto running = MakeRequest(Prompt(90, 7), 6, 1);
+  auto waiting = MakeRequest(Prompt(90, 8), 6, 2);
+  {
+    BatchScheduler scheduler(model_.get(), admission_.get(), growth_pages_, kPageTokens,
+                             nullptr, &gated);
+    scheduler.JoinAll({running, waiting});
+    // The first step holds the one slot; the other request waits for it instead of failing.
+    gated.entered_.WaitForNotification();
+    EXPECT_EQ(scheduler.running(), 1);
+    waiting->abort = true;
+    gated.open_.Notify();
+    WaitForEnd({running, waiting});
+  }
+  {
+    absl::MutexLock lock(&running->mu);
+    EXPECT_EQ(running->finish, Finish::kLength) << running->error;
+  }
+  absl::MutexLock lock(&waiting->mu);
+  EXPECT_EQ(waiting->finish, Finish::kAbort) << waiting->error;
+  EXPECT_EQ(arena_->counters().reserved, 0);
 }
 
 TEST_F(BatchSchedulerTest, RequestsStartingAPageInOneStepPreemptTheYoungestFirst) {

@@ -69,6 +69,11 @@ HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
 
 HybridStepExecutor::~HybridStepExecutor() = default;
 
+int64_t HybridStepExecutor::max_batch() const {
+  const WindowShape& w = state_->window->shape();
+  return std::min(w.max_requests, w.max_rows);
+}
+
 model::DecodeStepRunner& HybridStepExecutor::runner() { return *state_->runner; }
 model::DenseOps& HybridStepExecutor::ops() { return *state_->ops; }
 

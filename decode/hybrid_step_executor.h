@@ -39,6 +39,8 @@ class HybridStepExecutor : public StepExecutor {
   ~HybridStepExecutor() override;
 
   absl::string_view name() const override { return "hybrid"; }
+  // The window's slots (a request holds one from its first step to its last).
+  int64_t max_batch() const override;
   // As StepExecutor::Step; an empty batch is allowed here and only gives every slot back.
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;

@@ -68,7 +68,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                "of every policy's plan on the CPU over the host pages; docs/EXECUTOR.md section 7)");
   flags.Int("device-max-requests", &device_max_requests,
             "with --device cuda: requests the GPU's resident window holds at once (a request "
-            "beyond them fails its step with RESOURCE_EXHAUSTED)");
+            "beyond them waits for a slot)");
   flags.Int("device-max-context", &device_max_context,
             "with --device cuda: tokens per request whose page bounds the GPU keeps to score "
             "quest's and fixed_*'s blocks (device memory: device-max-requests x this x "

@@ -44,6 +44,8 @@ class StepExecutor {
  public:
   virtual ~StepExecutor() = default;
   virtual absl::string_view name() const = 0;
+  // The most requests one step can take (0: no limit). The scheduler keeps the rest waiting.
+  virtual int64_t max_batch() const { return 0; }
   // Feeds every request its token and writes the next-token logits of request i into row i of
   // `logits` [batch.size()][vocab]. (*statuses)[i] is OK when request i advanced by one token
   // and its row is valid, else its error (its cache is then unspecified and the scheduler ends
