@@ -160,9 +160,9 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
           capture_kv_max = 8192;
   bool show = false, calibration = false;
   FlagSet flags("fluxion eval tasks",
-                "Runs the long-context tasks of docs/TASKS.md through the CPU engine: one "
-                "full-attention prefill per sample, a greedy decode per attention policy, exact-"
-                "match accuracy with 95% Wilson intervals.");
+                "Runs the long-context tasks of docs/TASKS.md: one full-attention prefill per "
+                "sample on the CPU engine, a greedy decode per attention policy (on the --device), "
+                "exact-match accuracy with 95% Wilson intervals.");
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
   flags.StringList("tasks", &tasks, "tasks to run");
   flags.IntList("contexts", &contexts, "prompt lengths in tokens (each prompt is 0.9-1.0 of it)");
