@@ -13,6 +13,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/flag_set.h"
 
@@ -245,6 +246,28 @@ absl::StatusOr<EvalRun> ParseEvalRun(const json& doc, const std::string& name) {
   return run;
 }
 
+absl::StatusOr<EvalRun> MergeEvalRuns(const std::vector<EvalRun>& parts) {
+  EvalRun merged;
+  if (parts.empty()) return merged;
+  merged.device = parts[0].device;
+  absl::flat_hash_map<SampleKey, bool, KeyHash> seen;
+  for (const EvalRun& part : parts) {
+    if (part.device != merged.device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the files of one side ran on different devices (", merged.device, " and ",
+          part.device, ")"));
+    }
+    for (const SampleRecord& r : part.samples) {
+      if (!seen.emplace(r.key, true).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sample ", KeyText(r.key), " is in two files of one side"));
+      }
+      merged.samples.push_back(r);
+    }
+  }
+  return merged;
+}
+
 EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b,
                                const CompareOptions& options) {
   EvalComparison c;
@@ -339,7 +362,8 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
   double near_tie = CompareOptions().near_tie_relative;
   FlagSet flags("fluxion eval compare A.json B.json",
                 "Compares two `fluxion eval tasks --json` runs over the same seeds sample by "
-                "sample (A is the reference, e.g. --device cpu): identical outputs, near-ties "
+                "sample (A is the reference, e.g. --device cpu; each side may be a comma-separated "
+                "list of files): identical outputs, near-ties "
                 "(the first differing token was a near-tie in A) and divergences. Exit 0 when "
                 "nothing diverges, 1 when something does.");
   flags.String("json", &json_path, "also write the comparison to this file");
@@ -358,14 +382,24 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
   }
   EvalRun runs[2];
   for (int i = 0; i < 2; ++i) {
-    absl::StatusOr<json> doc = ReadJsonFile(files[i]);
-    absl::StatusOr<EvalRun> run =
-        doc.ok() ? ParseEvalRun(*doc, files[i]) : absl::StatusOr<EvalRun>(doc.status());
-    if (!run.ok()) {
-      std::cerr << "error: " << run.status().message() << "\n";
+    std::vector<EvalRun> parts;
+    for (absl::string_view path : absl::StrSplit(files[i], ',', absl::SkipEmpty())) {
+      const std::string name(path);
+      absl::StatusOr<json> doc = ReadJsonFile(name);
+      absl::StatusOr<EvalRun> run =
+          doc.ok() ? ParseEvalRun(*doc, name) : absl::StatusOr<EvalRun>(doc.status());
+      if (!run.ok()) {
+        std::cerr << "error: " << run.status().message() << "\n";
+        return 1;
+      }
+      parts.push_back(*std::move(run));
+    }
+    absl::StatusOr<EvalRun> merged = MergeEvalRuns(parts);
+    if (!merged.ok()) {
+      std::cerr << "error: " << (i == 0 ? "A" : "B") << ": " << merged.status().message() << "\n";
       return 1;
     }
-    runs[i] = *std::move(run);
+    runs[i] = *std::move(merged);
   }
   CompareOptions options;
   options.near_tie_relative = near_tie;

@@ -60,6 +60,10 @@ struct EvalRun {
 // the token count, or a sample listed twice.
 absl::StatusOr<EvalRun> ParseEvalRun(const nlohmann::json& doc, const std::string& name);
 
+// One side made of several runs (e.g. one file per context or task group, to keep each run short):
+// their samples in order. InvalidArgument when the runs' devices differ or a sample is in two.
+absl::StatusOr<EvalRun> MergeEvalRuns(const std::vector<EvalRun>& parts);
+
 enum class Verdict { kIdentical, kNearTie, kDivergence };
 const char* VerdictName(Verdict v);
 
@@ -102,8 +106,9 @@ EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b, const Compare
 // The comparison as the --json output writes it (every count, and each differing sample).
 nlohmann::json ComparisonJson(const EvalComparison& c);
 
-// `fluxion eval compare A.json B.json [--json OUT] [--near-tie R]` (args exclude "compare"):
-// exit 0 when no sample diverges, 1 when one does (or a file cannot be read), 2 for usage.
+// `fluxion eval compare A.json B.json [--json OUT] [--near-tie R]` (args exclude "compare"); each
+// side may be a comma-separated list of files (MergeEvalRuns). Exit 0 when no sample diverges, 1
+// when one does (or a file cannot be read), 2 for usage.
 int RunEvalCompareCommand(const std::vector<std::string>& args);
 
 }  // namespace fluxion::eval

@@ -190,6 +190,19 @@ TEST(EvalCompareTest, MalformedRunsAreRefusedNamingTheFileAndSample) {
   EXPECT_EQ(r->device, "cpu");
 }
 
+TEST(EvalCompareTest, ASideMadeOfSeveralRunsIsTheirSamplesTogether) {
+  auto run = [](const json& doc) { return *ParseEvalRun(doc, "x.json"); };
+  const EvalRun k1 = run(Doc("cuda", {Sample("vt", 7, "full", {'1'}, {1}, {1}, true)}));
+  const EvalRun k4 = run(Doc("cuda", {Sample("vt", 8, "full", {'1'}, {1}, {1}, true)}));
+  absl::StatusOr<EvalRun> merged = MergeEvalRuns({k1, k4});
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->device, "cuda");
+  EXPECT_EQ(merged->samples.size(), 2u);
+  EXPECT_THAT(MergeEvalRuns({k1, k1}).status().message(), HasSubstr("in two files"));
+  const EvalRun cpu = run(Doc("cpu", {Sample("vt", 9, "full", {'1'}, {1}, {1}, true)}));
+  EXPECT_THAT(MergeEvalRuns({k1, cpu}).status().message(), HasSubstr("different devices"));
+}
+
 TEST(EvalCompareTest, TheCommandExitsOneOnADivergenceAndWritesItsJson) {
   const std::string dir = ::testing::TempDir() + "/eval_compare_test_" + std::to_string(getpid());
   ASSERT_EQ(system(("mkdir -p " + dir).c_str()), 0);
@@ -213,6 +226,9 @@ TEST(EvalCompareTest, TheCommandExitsOneOnADivergenceAndWritesItsJson) {
   ASSERT_EQ(written["differing"].size(), 1u);
   EXPECT_EQ(written["differing"][0]["verdict"], "divergence");
   EXPECT_EQ(written["differing"][0]["first_diff_step"], 1);
+  // A side split over two files (one of them holding nothing of the other side) pairs the same.
+  const std::string empty = write("empty.json", Doc("cuda", {}));
+  EXPECT_EQ(RunEvalCompareCommand({a, same + "," + empty}), 0);
   EXPECT_EQ(RunEvalCompareCommand({a}), 2);                              // one file
   EXPECT_EQ(RunEvalCompareCommand({a, dir + "/missing.json"}), 1);       // unreadable
   EXPECT_EQ(RunEvalCompareCommand({a, same, "--near-tie", "-1"}), 2);    // bad flag value
