@@ -8,12 +8,13 @@
 // bf16 too): what differs is fp32 rounding (DecodeStepRunner vs Model::Forward, the window's part
 // merged with the host part by log-sum-exp instead of one pass), compounded through the K/V each
 // step appends. Measured on these samples: the top logit and the top-2 margin agree to <= 1e-3 of
-// max(1, |top logit|) for the sparse policies. `full` differs more on purpose: the CPU path keeps
-// the prefill's fp32 K/V, the hybrid path has only the `full` sparse policy over bf16 pages
-// (measured <= 4.2e-2). The test bounds each policy's measured noise (eval_compare.h) by a stated
-// tolerance (5x / 2x those measurements) and requires every sample whose tokens differ to be a
-// near-tie at twice that tolerance: a near-tie that rounding can flip is allowed, a divergence
-// is not.
+// max(1, |top logit|) for the sparse policies (<= 2.8e-3 over full-length answers at 1K and 4K,
+// budget 0.05: docs/TASKS.md). `full` differs more on purpose: the CPU path keeps the prefill's
+// fp32 K/V, the hybrid path has only the `full` sparse policy over bf16 pages (measured <= 4.2e-2).
+// The test bounds each policy's measured noise (eval_compare.h) by a stated tolerance (5e-3 and
+// 0.1) and requires every sample whose tokens differ to be a near-tie at twice that tolerance: a
+// near-tie that rounding can flip is allowed, a divergence is not. (With the host partials left
+// unmerged, every policy's noise is ~0.7 and most samples diverge: the test sees a broken split.)
 #include <cstdlib>
 #include <fstream>
 #include <map>
