@@ -16,13 +16,13 @@
 // near-tie that rounding can flip is allowed, a divergence is not. (With the host partials left
 // unmerged, every policy that has a host part here shows noise ~0.7 and 13-14 of 14 samples
 // diverge: the test sees a broken split. fixed_32_0.05 at 1K is sinks + window only.)
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "bench/eval/eval_command.h"
 #include "bench/eval/eval_compare.h"
@@ -99,7 +99,10 @@ class EvalDeviceTest : public ::testing::Test {
         EvalRun& run = runs[p.policy];
         run.device = device;
         run.samples.push_back({{o.sample.task, o.sample.context, o.sample.seed, p.policy},
-                               p.tokens, p.correct, p.margins, p.top_logits});
+                               p.tokens,
+                               p.correct,
+                               p.margins,
+                               p.top_logits});
       }
     };
     auto results = RunTaskEval(*model_, options, callbacks);
@@ -143,8 +146,8 @@ TEST_F(EvalDeviceTest, TheHostHybridPathGivesTheCpuPathsOutcomes) {
     EXPECT_EQ(c.divergences, 0);
     for (const SampleComparison& s : c.samples) {
       EXPECT_TRUE(s.verdict != Verdict::kDivergence)
-          << "divergence: " << s.key.task << " seed " << s.key.seed << ": step " << s.first_diff_step
-          << " margin " << s.margin_a << " > " << s.threshold;
+          << "divergence: " << s.key.task << " seed " << s.key.seed << ": step "
+          << s.first_diff_step << " margin " << s.margin_a << " > " << s.threshold;
     }
     std::cout << policy << ": " << c.identical << " identical, " << c.near_ties
               << " near-ties; noise top logit " << c.noise[0].top_logit << ", margin "
@@ -159,8 +162,8 @@ TEST_F(EvalDeviceTest, APolicyNarrowerThanTheResidentWindowIsRefused) {
   shape.window_tokens = 128;
   auto window = decode::NewHostResidentWindow(shape, 16);
   ASSERT_TRUE(window.ok()) << window.status();
-  auto executor = decode::HybridStepExecutor::Create(
-      model_, std::make_unique<model::CpuDenseOps>(), std::move(*window), nullptr);
+  auto executor = decode::HybridStepExecutor::Create(model_, std::make_unique<model::CpuDenseOps>(),
+                                                     std::move(*window), nullptr);
   ASSERT_TRUE(executor.ok()) << executor.status();
   TaskEvalOptions options;
   options.tasks = {"niah_single"};
@@ -185,9 +188,9 @@ TEST_F(EvalDeviceTest, TheCommandsRecordSamplesThatCompareReads) {
   ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
   for (const std::string device : {"cpu", "host-hybrid"}) {
     EXPECT_EQ(RunEvalTasksCommand({"--model", ModelDir(), "--tasks", "niah_single", "--contexts",
-                                   "1024", "--samples", "1", "--policy", "full,quest",
-                                   "--budget", "0.2", "--cpu-threads", "1", "--device", device,
-                                   "--json", dir + "/" + device + ".json"}),
+                                   "1024", "--samples", "1", "--policy", "full,quest", "--budget",
+                                   "0.2", "--cpu-threads", "1", "--device", device, "--json",
+                                   dir + "/" + device + ".json"}),
               0);
   }
   std::ifstream in(dir + "/host-hybrid.json");
@@ -202,13 +205,13 @@ TEST_F(EvalDeviceTest, TheCommandsRecordSamplesThatCompareReads) {
   EXPECT_EQ(full["min_margin"].get<float>(),
             *std::min_element(full["margins"].begin(), full["margins"].end()));
   EXPECT_EQ(doc["results"][0]["device"], "host-hybrid");
-  EXPECT_EQ(RunEvalCompareCommand({dir + "/cpu.json", dir + "/host-hybrid.json", "--near-tie",
-                                   "0.2"}),
-            0);
+  EXPECT_EQ(
+      RunEvalCompareCommand({dir + "/cpu.json", dir + "/host-hybrid.json", "--near-tie", "0.2"}),
+      0);
   // Usage errors: an unknown device, capture off the cpu device.
   EXPECT_EQ(RunEvalTasksCommand({"--model", ModelDir(), "--device", "tpu"}), 2);
-  EXPECT_EQ(RunEvalTasksCommand({"--model", ModelDir(), "--device", "host-hybrid",
-                                 "--capture-dir", dir + "/capture"}),
+  EXPECT_EQ(RunEvalTasksCommand({"--model", ModelDir(), "--device", "host-hybrid", "--capture-dir",
+                                 dir + "/capture"}),
             2);
   ASSERT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
 }

@@ -44,9 +44,9 @@ absl::Status NumberArray(const json& entry, const char* field, const std::string
   out->reserve(it->size());
   for (const json& v : *it) {
     if (std::is_integral_v<T> ? !v.is_number_integer() : !v.is_number()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": \"", field, "\" holds a non-",
-                       std::is_integral_v<T> ? "integer" : "number", " value"));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": \"", field, "\" holds a non-",
+                                                     std::is_integral_v<T> ? "integer" : "number",
+                                                     " value"));
     }
     out->push_back(v.get<T>());
   }
@@ -99,8 +99,7 @@ void AddNoise(const SampleRecord& a, const SampleRecord& b, PolicyNoise* noise) 
     const double scale = std::max(1.0f, std::abs(a.top_logits[i]));
     noise->top_logit =
         std::max(noise->top_logit, std::abs(double(a.top_logits[i]) - b.top_logits[i]) / scale);
-    noise->margin =
-        std::max(noise->margin, std::abs(double(a.margins[i]) - b.margins[i]) / scale);
+    noise->margin = std::max(noise->margin, std::abs(double(a.margins[i]) - b.margins[i]) / scale);
     ++noise->steps;
   }
 }
@@ -160,11 +159,13 @@ void PrintComparison(const EvalComparison& c, const std::string& path_a,
       c.samples.size(), static_cast<long long>(c.identical),
       static_cast<long long>(c.near_ties + c.divergences), static_cast<long long>(c.near_ties),
       static_cast<long long>(c.divergences), static_cast<long long>(c.correct_flips));
-  std::printf("near-tie: A's top-2 margin at the first differing step <= %.3g x max(1, |top "
-              "logit|)\n",
-              c.near_tie_relative);
-  std::printf("measured noise where both runs were fed the same tokens (max difference / max(1, "
-              "|top logit|)):\n");
+  std::printf(
+      "near-tie: A's top-2 margin at the first differing step <= %.3g x max(1, |top "
+      "logit|)\n",
+      c.near_tie_relative);
+  std::printf(
+      "measured noise where both runs were fed the same tokens (max difference / max(1, "
+      "|top logit|)):\n");
   for (const PolicyNoise& n : c.noise) {
     std::printf("  %-18s %7lld steps   top logit %.2e   margin %.2e\n", n.policy.c_str(),
                 static_cast<long long>(n.steps), n.top_logit, n.margin);
@@ -180,14 +181,13 @@ void PrintComparison(const EvalComparison& c, const std::string& path_a,
               "margin B", "verdict");
   for (const SampleComparison& s : c.samples) {
     if (s.verdict == Verdict::kIdentical) continue;
-    std::printf("%-16s %7lld %9llu  %-18s %-7s %-7s %5lld %7s %7s %9s %9s %9s  %s\n",
-                s.key.task.c_str(), static_cast<long long>(s.key.context),
-                static_cast<unsigned long long>(s.key.seed), s.key.policy.c_str(),
-                s.correct_a ? "ok" : "wrong", s.correct_b ? "ok" : "wrong",
-                static_cast<long long>(s.first_diff_step), TokenText(s.token_a).c_str(),
-                TokenText(s.token_b).c_str(), FormatFloat(s.margin_a).c_str(),
-                FormatFloat(s.threshold).c_str(), FormatFloat(s.margin_b).c_str(),
-                VerdictName(s.verdict));
+    std::printf(
+        "%-16s %7lld %9llu  %-18s %-7s %-7s %5lld %7s %7s %9s %9s %9s  %s\n", s.key.task.c_str(),
+        static_cast<long long>(s.key.context), static_cast<unsigned long long>(s.key.seed),
+        s.key.policy.c_str(), s.correct_a ? "ok" : "wrong", s.correct_b ? "ok" : "wrong",
+        static_cast<long long>(s.first_diff_step), TokenText(s.token_a).c_str(),
+        TokenText(s.token_b).c_str(), FormatFloat(s.margin_a).c_str(),
+        FormatFloat(s.threshold).c_str(), FormatFloat(s.margin_b).c_str(), VerdictName(s.verdict));
   }
 }
 
@@ -222,9 +222,10 @@ absl::StatusOr<EvalRun> ParseEvalRun(const json& doc, const std::string& name) {
   if (!doc.is_object()) return absl::InvalidArgumentError(name + ": not a JSON object");
   auto samples = doc.find("samples");
   if (samples == doc.end() || !samples->is_array()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " has no per-sample records (\"samples\"); write it with `fluxion eval tasks "
-              "--json` of this version"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name,
+                     " has no per-sample records (\"samples\"); write it with `fluxion eval tasks "
+                     "--json` of this version"));
   }
   EvalRun run;
   run.device = "cpu";
@@ -234,8 +235,7 @@ absl::StatusOr<EvalRun> ParseEvalRun(const json& doc, const std::string& name) {
   }
   absl::flat_hash_map<SampleKey, size_t, KeyHash> seen;
   for (size_t i = 0; i < samples->size(); ++i) {
-    absl::StatusOr<SampleRecord> r =
-        ParseSample((*samples)[i], absl::StrCat(name, " sample ", i));
+    absl::StatusOr<SampleRecord> r = ParseSample((*samples)[i], absl::StrCat(name, " sample ", i));
     if (!r.ok()) return r.status();
     if (!seen.emplace(r->key, i).second) {
       return absl::InvalidArgumentError(
@@ -253,9 +253,9 @@ absl::StatusOr<EvalRun> MergeEvalRuns(const std::vector<EvalRun>& parts) {
   absl::flat_hash_map<SampleKey, bool, KeyHash> seen;
   for (const EvalRun& part : parts) {
     if (part.device != merged.device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the files of one side ran on different devices (", merged.device, " and ",
-          part.device, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the files of one side ran on different devices (", merged.device, " and ",
+                       part.device, ")"));
     }
     for (const SampleRecord& r : part.samples) {
       if (!seen.emplace(r.key, true).second) {
@@ -268,8 +268,7 @@ absl::StatusOr<EvalRun> MergeEvalRuns(const std::vector<EvalRun>& parts) {
   return merged;
 }
 
-EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b,
-                               const CompareOptions& options) {
+EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b, const CompareOptions& options) {
   EvalComparison c;
   c.device_a = a.device;
   c.device_b = b.device;
@@ -308,8 +307,8 @@ json ComparisonJson(const EvalComparison& c) {
   auto keys = [](const std::vector<SampleKey>& list) {
     json out = json::array();
     for (const SampleKey& k : list) {
-      out.push_back({{"task", k.task}, {"context", k.context}, {"seed", k.seed},
-                     {"policy", k.policy}});
+      out.push_back(
+          {{"task", k.task}, {"context", k.context}, {"seed", k.seed}, {"policy", k.policy}});
     }
     return out;
   };
@@ -372,8 +371,7 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
                "this times max(1, |A's top logit|)");
   if (int rc = ParseFlagsOrExit(flags, rest); rc >= 0) return rc;
   if (files.size() != 2) {
-    std::cerr << "error: give two eval JSON files (fluxion eval tasks --json)\n"
-              << flags.Usage();
+    std::cerr << "error: give two eval JSON files (fluxion eval tasks --json)\n" << flags.Usage();
     return 2;
   }
   if (!(near_tie >= 0)) {

@@ -82,9 +82,9 @@ struct SampleComparison {
 // How far two runs' logits differ where they were fed the same tokens (see above).
 struct PolicyNoise {
   std::string policy;
-  int64_t steps = 0;        // shared decode steps measured (the prefill's token excluded)
-  double top_logit = 0;     // max |top_a - top_b| / max(1, |top_a|)
-  double margin = 0;        // max |margin_a - margin_b| / max(1, |top_a|)
+  int64_t steps = 0;     // shared decode steps measured (the prefill's token excluded)
+  double top_logit = 0;  // max |top_a - top_b| / max(1, |top_a|)
+  double margin = 0;     // max |margin_a - margin_b| / max(1, |top_a|)
 };
 
 struct EvalComparison {

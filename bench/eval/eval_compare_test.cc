@@ -2,13 +2,13 @@
 // near-tie, divergence), the measured noise, the pairing, and the refusal of malformed files.
 #include "bench/eval/eval_compare.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -20,11 +20,16 @@ using ::nlohmann::json;
 using ::testing::HasSubstr;
 
 json Sample(const std::string& task, uint64_t seed, const std::string& policy,
-            std::vector<int32_t> tokens, std::vector<float> margins,
-            std::vector<float> top_logits, bool correct) {
-  return {{"task", task},       {"context", 1024},     {"seed", seed},
-          {"policy", policy},   {"tokens", tokens},    {"margins", margins},
-          {"top_logits", top_logits}, {"correct", correct}};
+            std::vector<int32_t> tokens, std::vector<float> margins, std::vector<float> top_logits,
+            bool correct) {
+  return {{"task", task},
+          {"context", 1024},
+          {"seed", seed},
+          {"policy", policy},
+          {"tokens", tokens},
+          {"margins", margins},
+          {"top_logits", top_logits},
+          {"correct", correct}};
 }
 
 json Doc(const std::string& device, std::vector<json> samples) {
@@ -44,10 +49,11 @@ EvalComparison Compare(const json& a, const json& b, double relative = 0.04) {
 }
 
 TEST(EvalCompareTest, SameTokensAreIdenticalWhateverTheMargins) {
-  const json a = Doc("cpu", {Sample("vt", 1000000, "full", {'4', '2', '\n'}, {5, 0.01f, 3},
-                                    {10, 10, 10}, true)});
-  const json b = Doc("cuda", {Sample("vt", 1000000, "full", {'4', '2', '\n'}, {5, 0.02f, 3},
-                                     {10.1f, 10, 10}, true)});
+  const json a = Doc(
+      "cpu", {Sample("vt", 1000000, "full", {'4', '2', '\n'}, {5, 0.01f, 3}, {10, 10, 10}, true)});
+  const json b =
+      Doc("cuda",
+          {Sample("vt", 1000000, "full", {'4', '2', '\n'}, {5, 0.02f, 3}, {10.1f, 10, 10}, true)});
   const EvalComparison c = Compare(a, b);
   EXPECT_EQ(c.device_a, "cpu");
   EXPECT_EQ(c.device_b, "cuda");
@@ -60,10 +66,10 @@ TEST(EvalCompareTest, SameTokensAreIdenticalWhateverTheMargins) {
 TEST(EvalCompareTest, AFirstDifferenceAtASmallMarginIsANearTie) {
   // Step 2 differs; A chose '2' there by 0.05 over its runner-up at a top logit of 10: within
   // 0.04 x 10 = 0.4. The answer's score flipped too, which the near-tie excuses.
-  const json a = Doc("cpu", {Sample("vt", 7, "quest@0.05", {'4', '1', '2', '\n'},
-                                    {5, 4, 0.05f, 3}, {10, 10, 10, 10}, true)});
-  const json b = Doc("cuda", {Sample("vt", 7, "quest@0.05", {'4', '1', '3', '\n'},
-                                     {5, 4, 0.02f, 3}, {10, 10, 10, 10}, false)});
+  const json a = Doc("cpu", {Sample("vt", 7, "quest@0.05", {'4', '1', '2', '\n'}, {5, 4, 0.05f, 3},
+                                    {10, 10, 10, 10}, true)});
+  const json b = Doc("cuda", {Sample("vt", 7, "quest@0.05", {'4', '1', '3', '\n'}, {5, 4, 0.02f, 3},
+                                     {10, 10, 10, 10}, false)});
   const EvalComparison c = Compare(a, b);
   ASSERT_EQ(c.samples.size(), 1u);
   const SampleComparison& s = c.samples[0];
@@ -80,10 +86,11 @@ TEST(EvalCompareTest, AFirstDifferenceAtASmallMarginIsANearTie) {
 }
 
 TEST(EvalCompareTest, AFirstDifferenceAtAClearMarginIsADivergence) {
-  const json a = Doc("cpu", {Sample("niah_single", 7, "lfps@0.05", {'4', '1', '\n'}, {5, 3, 3},
-                                    {10, 10, 10}, true)});
-  const json b = Doc("cuda", {Sample("niah_single", 7, "lfps@0.05", {'4', '9', '\n'},
-                                     {5, 1, 3}, {10, 10, 10}, false)});
+  const json a =
+      Doc("cpu",
+          {Sample("niah_single", 7, "lfps@0.05", {'4', '1', '\n'}, {5, 3, 3}, {10, 10, 10}, true)});
+  const json b = Doc("cuda", {Sample("niah_single", 7, "lfps@0.05", {'4', '9', '\n'}, {5, 1, 3},
+                                     {10, 10, 10}, false)});
   const EvalComparison c = Compare(a, b);
   ASSERT_EQ(c.samples.size(), 1u);
   EXPECT_EQ(c.samples[0].verdict, Verdict::kDivergence);
@@ -96,10 +103,8 @@ TEST(EvalCompareTest, AFirstDifferenceAtAClearMarginIsADivergence) {
 TEST(EvalCompareTest, TheThresholdScalesWithTheTopLogitButNeverBelowOne) {
   // Top logit 0.2: the scale is max(1, 0.2) = 1, so the threshold is 0.04 and 0.03 is a near-tie
   // (a purely relative threshold, 0.008, would call it a divergence).
-  const json a = Doc("cpu", {Sample("vt", 7, "full", {'1', '2'}, {5, 0.03f}, {0.2f, 0.2f},
-                                    false)});
-  const json b = Doc("cpu", {Sample("vt", 7, "full", {'1', '3'}, {5, 0.01f}, {0.2f, 0.2f},
-                                    false)});
+  const json a = Doc("cpu", {Sample("vt", 7, "full", {'1', '2'}, {5, 0.03f}, {0.2f, 0.2f}, false)});
+  const json b = Doc("cpu", {Sample("vt", 7, "full", {'1', '3'}, {5, 0.01f}, {0.2f, 0.2f}, false)});
   const SampleComparison s = Compare(a, b).samples[0];
   EXPECT_FLOAT_EQ(s.threshold, 0.04f);
   EXPECT_EQ(s.verdict, Verdict::kNearTie);
@@ -108,10 +113,11 @@ TEST(EvalCompareTest, TheThresholdScalesWithTheTopLogitButNeverBelowOne) {
 TEST(EvalCompareTest, ARunThatStopsEarlierIsJudgedAtTheStepWhereTheOtherGoesOn) {
   // B chose the terminator at step 2 where A chose '7' by a clear margin: a divergence at step
   // 2; A's list is the longer one so B's token there is '\n'.
-  const json a = Doc("cpu", {Sample("vt", 7, "full", {'1', '2', '7', '\n'}, {5, 5, 4, 5},
-                                    {10, 10, 10, 10}, false)});
-  const json b = Doc("cpu", {Sample("vt", 7, "full", {'1', '2', '\n'}, {5, 5, 1}, {10, 10, 10},
-                                    true)});
+  const json a =
+      Doc("cpu",
+          {Sample("vt", 7, "full", {'1', '2', '7', '\n'}, {5, 5, 4, 5}, {10, 10, 10, 10}, false)});
+  const json b =
+      Doc("cpu", {Sample("vt", 7, "full", {'1', '2', '\n'}, {5, 5, 1}, {10, 10, 10}, true)});
   const SampleComparison s = Compare(a, b).samples[0];
   EXPECT_EQ(s.first_diff_step, 2);
   EXPECT_EQ(s.token_b, '\n');
@@ -136,8 +142,8 @@ TEST(EvalCompareTest, NoiseIsMeasuredOnlyOverTheDecodeStepsBothRunsShare) {
   ASSERT_EQ(c.noise.size(), 1u);
   EXPECT_EQ(c.noise[0].policy, "full");
   EXPECT_EQ(c.noise[0].steps, 2);
-  EXPECT_NEAR(c.noise[0].top_logit, 0.05, 1e-6);  // |10 - 10.5| / 10
-  EXPECT_NEAR(c.noise[0].margin, 0.02, 1e-6);     // |1.0 - 1.2| / 10
+  EXPECT_NEAR(c.noise[0].top_logit, 0.05, 1e-6);       // |10 - 10.5| / 10
+  EXPECT_NEAR(c.noise[0].margin, 0.02, 1e-6);          // |1.0 - 1.2| / 10
   EXPECT_EQ(c.samples[0].verdict, Verdict::kNearTie);  // 0.02 <= 0.04 x 10
 }
 
@@ -210,12 +216,12 @@ TEST(EvalCompareTest, TheCommandExitsOneOnADivergenceAndWritesItsJson) {
     std::ofstream(dir + "/" + name) << doc.dump();
     return dir + "/" + name;
   };
-  const std::string a = write("a.json", Doc("cpu", {Sample("vt", 7, "full", {'1', '2'}, {5, 3},
-                                                           {10, 10}, true)}));
-  const std::string same = write("same.json", Doc("cuda", {Sample("vt", 7, "full", {'1', '2'},
-                                                                  {5, 3}, {10, 10}, true)}));
-  const std::string other = write("other.json", Doc("cuda", {Sample("vt", 7, "full", {'1', '3'},
-                                                                    {5, 1}, {10, 10}, false)}));
+  const std::string a =
+      write("a.json", Doc("cpu", {Sample("vt", 7, "full", {'1', '2'}, {5, 3}, {10, 10}, true)}));
+  const std::string same = write(
+      "same.json", Doc("cuda", {Sample("vt", 7, "full", {'1', '2'}, {5, 3}, {10, 10}, true)}));
+  const std::string other = write(
+      "other.json", Doc("cuda", {Sample("vt", 7, "full", {'1', '3'}, {5, 1}, {10, 10}, false)}));
   EXPECT_EQ(RunEvalCompareCommand({a, same}), 0);
   const std::string out = dir + "/cmp.json";
   EXPECT_EQ(RunEvalCompareCommand({a, other, "--json", out}), 1);
@@ -229,9 +235,9 @@ TEST(EvalCompareTest, TheCommandExitsOneOnADivergenceAndWritesItsJson) {
   // A side split over two files (one of them holding nothing of the other side) pairs the same.
   const std::string empty = write("empty.json", Doc("cuda", {}));
   EXPECT_EQ(RunEvalCompareCommand({a, same + "," + empty}), 0);
-  EXPECT_EQ(RunEvalCompareCommand({a}), 2);                              // one file
-  EXPECT_EQ(RunEvalCompareCommand({a, dir + "/missing.json"}), 1);       // unreadable
-  EXPECT_EQ(RunEvalCompareCommand({a, same, "--near-tie", "-1"}), 2);    // bad flag value
+  EXPECT_EQ(RunEvalCompareCommand({a}), 2);                            // one file
+  EXPECT_EQ(RunEvalCompareCommand({a, dir + "/missing.json"}), 1);     // unreadable
+  EXPECT_EQ(RunEvalCompareCommand({a, same, "--near-tie", "-1"}), 2);  // bad flag value
   ASSERT_EQ(system(("rm -rf " + dir).c_str()), 0);
 }
 
