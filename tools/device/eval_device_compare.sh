@@ -29,6 +29,6 @@ for device in cpu cuda; do
 done
 wait
 echo "both runs: $(( $(date +%s) - start )) s"
-tail -3 "$out/eval_cpu.txt" "$out/eval_cuda.txt"
+for f in "$out"/eval_cpu.txt "$out"/eval_cuda.txt; do echo "== $f"; tail -n 3 "$f"; done
 "$bin/fluxion" eval compare "$out/eval_cpu.json" "$out/eval_cuda.json" \
   --json "$out/eval_compare.json" 2>&1 | tee "$out/eval_compare.txt"
