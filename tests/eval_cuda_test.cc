@@ -1,10 +1,10 @@
 // `fluxion eval tasks --device cuda` on the device (skips without one): the trained tiny model's
-// task samples decoded through the CUDA hybrid executor (NewCudaHybridStepExecutor, as the command
-// builds it) against the CPU path, compared by eval_compare.h. The full comparison the issue asks
-// for is the command's (docs/TASKS.md, "Decode path"); this is its smoke test with bounds loose
-// enough for bf16: the CUDA dense halves round every GEMM input to bf16 (whole-step logits within
-// 2e-2 of the largest, model/cuda_dense_ops_test.cc), and `full` here also reads bf16 pages where
-// the CPU path keeps fp32 K/V. The measured noise is printed for the log.
+// task samples decoded through the CUDA hybrid executor (NewCudaHybridEvalExecutor, what the
+// command decodes with) against the CPU path, compared by eval_compare.h. The full comparison the
+// issue asks for is the command's (docs/TASKS.md, "Decode path"); this is its smoke test with
+// bounds loose enough for bf16: the CUDA dense halves round every GEMM input to bf16 (whole-step
+// logits within 2e-2 of the largest, model/cuda_dense_ops_test.cc), and `full` here also reads bf16
+// pages where the CPU path keeps fp32 K/V. The measured noise is printed for the log.
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/eval/cuda_eval_executor.h"
 #include "bench/eval/eval_compare.h"
 #include "bench/eval/task_eval.h"
 #include "bench/eval/tasks.h"
-#include "decode/cuda_resident_window.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -61,7 +61,7 @@ TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {
   auto model = model::Model::Load(ModelDir());
   ASSERT_TRUE(model.ok()) << model.status();
   const kernels::cpu::CpuPool pool(4);
-  auto executor = decode::NewCudaHybridStepExecutor(model->get(), &pool, /*max_requests=*/1);
+  auto executor = NewCudaHybridEvalExecutor(model->get(), &pool);
   ASSERT_TRUE(executor.ok()) << executor.status();
 
   TaskEvalOptions options;

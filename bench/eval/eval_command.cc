@@ -23,7 +23,7 @@
 #include "nlohmann/json.hpp"
 
 #ifdef FLUXION_HAVE_CUDA
-#include "decode/cuda_resident_window.h"
+#include "bench/eval/cuda_eval_executor.h"
 #endif
 
 namespace fluxion::eval {
@@ -76,8 +76,7 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> MakeExecutor(
   if (device == "cpu") return std::unique_ptr<decode::StepExecutor>();
   if (device == "host-hybrid") return NewHostHybridEvalExecutor(model, pool);
 #ifdef FLUXION_HAVE_CUDA
-  // One slot: one request per step (B=1), as the harness decodes.
-  return decode::NewCudaHybridStepExecutor(model, pool, /*max_requests=*/1);
+  return NewCudaHybridEvalExecutor(model, pool);
 #else
   return absl::FailedPreconditionError(
       "this binary was built without CUDA; use --device cpu or host-hybrid");
