@@ -150,7 +150,7 @@ int RunEvalCommand(const std::vector<std::string>& args) {
 }
 
 int RunEvalTasksCommand(const std::vector<std::string>& args) {
-  std::string model_dir, json_path, capture_dir, predictor_flag, device = "cpu";
+  std::string model_dir, json_path, capture_dir, predictor_flag;
   std::vector<std::string> tasks = TaskNames();
   std::vector<std::string> policies = {"full"};
   std::vector<double> budgets = {0.05};
@@ -158,6 +158,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), max_new_tokens = 0,
           capture_kv_max = 8192;
   bool show = false, calibration = false;
+  std::string device = "cpu";
   FlagSet flags("fluxion eval tasks",
                 "Runs the long-context tasks of docs/TASKS.md: one full-attention prefill per "
                 "sample on the CPU engine, a greedy decode per attention policy (on the --device), "
@@ -294,8 +295,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
       std::fflush(stderr);
     }
   };
-  callbacks.on_sample_done = [tty, show, &sample_rows, &device](const SampleOutcome& o) {
-    for (const PolicyOutcome& p : o.policies) sample_rows.push_back(SampleJson(o, p, device));
+  callbacks.on_sample_done = [tty, show](const SampleOutcome& o) {
     if (tty) {
       std::fprintf(stderr, "\r\033[K");
     } else {
@@ -311,6 +311,13 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     }
     std::fflush(stderr);
     if (show) PrintSample(o);
+  };
+  // Every sample's records for --json, then the progress line.
+  callbacks.on_sample_done = [&sample_rows, &device,
+                              progress = std::move(callbacks.on_sample_done)](
+                                 const SampleOutcome& o) {
+    for (const PolicyOutcome& p : o.policies) sample_rows.push_back(SampleJson(o, p, device));
+    progress(o);
   };
   auto results = RunTaskEval(**model, options, callbacks);
   if (tty) std::fprintf(stderr, "\r\033[K");

@@ -109,6 +109,11 @@ struct TaskEvalOptions {
   uint64_t first_seed = kFirstEvalSeed;   // sample i of every cell uses first_seed + i
   std::vector<std::string> policies = {"full"};
   int64_t max_new_tokens = 0;  // > 0 overrides DefaultMaxNewTokens(answer)
+  // Null: the decode steps run on the CPU engine (Model::Forward per token). Otherwise every
+  // generated step is one Step() of this executor with a batch of one request, over the
+  // policy's host pages (`full` as the `full` sparse policy: see MakePagedPolicyAttention). The
+  // prefill stays on the CPU either way. Not owned; incompatible with capture_dir.
+  decode::StepExecutor* executor = nullptr;
   // Capture (off when capture_dir is empty): see WriteCapture in task_eval.cc for the layout.
   std::string capture_dir;
   int64_t capture_kv_max = 8192;    // prompt K/V are written only for prompts up to this length
@@ -116,11 +121,6 @@ struct TaskEvalOptions {
   std::string model_name;            // recorded in the capture index
   // For the `fluxion` policy: its trained predictor; null -> the rule-based fallback.
   std::shared_ptr<const decode::sparse::FluxionPredictor> fluxion_predictor;
-  // Null: the decode steps run on the CPU engine (Model::Forward per token). Otherwise every
-  // generated step is one Step() of this executor with a batch of one request, over the
-  // policy's host pages (`full` as the `full` sparse policy: see MakePagedPolicyAttention). The
-  // prefill stays on the CPU either way. Not owned; incompatible with capture_dir.
-  decode::StepExecutor* executor = nullptr;
 };
 
 // `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
@@ -138,17 +138,17 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
 struct PolicyOutcome {
   std::string policy;
   std::vector<int32_t> tokens;  // everything generated, the terminator included
+  // Per generated token (tokens.size() entries; entry 0 from the prefill's logits): the logits'
+  // TopTwoMargin and largest logit at the step that chose it. Where two runs' tokens first
+  // differ, the reference's margin there tells a near-tie from a divergence (eval_compare.h).
+  std::vector<float> margins;
+  std::vector<float> top_logits;
   std::string answer;           // AnswerText(tokens)
   bool correct = false;
   int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
   double decode_seconds = 0;
   double attended_fraction = 1;  // context rows the decode steps read (the budget spent)
   double bypassed_fraction = 0;  // head-steps a history policy bypassed to sinks + window
-  // Per generated token (tokens.size() entries; entry 0 from the prefill's logits): the logits'
-  // TopTwoMargin and largest logit at the step that chose it. Where two runs' tokens first
-  // differ, the reference's margin there tells a near-tie from a divergence (eval_compare.h).
-  std::vector<float> margins;
-  std::vector<float> top_logits;
 };
 
 struct SampleOutcome {
