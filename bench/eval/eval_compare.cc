@@ -118,9 +118,10 @@ SampleComparison CompareSample(const SampleRecord& a, const SampleRecord& b, dou
   c.token_a = step < a.tokens.size() ? a.tokens[step] : -1;
   c.token_b = step < b.tokens.size() ? b.tokens[step] : -1;
   c.margin_b = step < b.margins.size() ? b.margins[step] : std::numeric_limits<float>::quiet_NaN();
-  if (step >= a.tokens.size()) {
-    // A stopped where B went on with the same tokens: the runs had different token limits, so
-    // no greedy choice tells them apart.
+  if (step >= a.tokens.size() || step >= b.tokens.size()) {
+    // One run stopped where the other went on with the same tokens. A list ends after its
+    // terminator, which the other run then chose too, so this one stopped at its token limit:
+    // the runs had different limits (--max-new-tokens) and no greedy choice tells them apart.
     c.margin_a = std::numeric_limits<float>::quiet_NaN();
     c.verdict = Verdict::kDivergence;
     return c;
@@ -128,8 +129,6 @@ SampleComparison CompareSample(const SampleRecord& a, const SampleRecord& b, dou
   c.margin_a = a.margins[step];
   c.top_logit_a = a.top_logits[step];
   c.threshold = static_cast<float>(relative * std::max(1.0f, std::abs(c.top_logit_a)));
-  // B stopping early at a step where A chose a token is judged the same way: B chose a
-  // terminator there (its own list ended because that token ended the answer).
   c.verdict = c.margin_a <= c.threshold ? Verdict::kNearTie : Verdict::kDivergence;
   return c;
 }

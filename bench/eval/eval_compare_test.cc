@@ -129,6 +129,13 @@ TEST(EvalCompareTest, ARunThatStopsEarlierIsJudgedAtTheStepWhereTheOtherGoesOn) 
   EXPECT_EQ(t.token_a, -1);
   EXPECT_TRUE(std::isnan(t.margin_a));
   EXPECT_EQ(t.verdict, Verdict::kDivergence);
+  // Either way round.
+  const SampleComparison u = Compare(a, cut).samples[0];
+  EXPECT_EQ(u.first_diff_step, 2);
+  EXPECT_EQ(u.token_a, '7');
+  EXPECT_EQ(u.token_b, -1);
+  EXPECT_TRUE(std::isnan(u.margin_a));
+  EXPECT_EQ(u.verdict, Verdict::kDivergence);
 }
 
 TEST(EvalCompareTest, NoiseIsMeasuredOnlyOverTheDecodeStepsBothRunsShare) {
