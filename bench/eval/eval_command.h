@@ -1,5 +1,6 @@
 // `fluxion eval <what>`: quality evaluations of the engine. `tasks` runs the long-context tasks of
-// docs/TASKS.md (task_eval.h) and prints accuracy per task, context and attention policy.
+// docs/TASKS.md (task_eval.h) and prints accuracy per task, context and attention policy;
+// `compare` pairs two `tasks --json` runs sample by sample (eval_compare.h).
 #ifndef FLUXION_BENCH_EVAL_EVAL_COMMAND_H_
 #define FLUXION_BENCH_EVAL_EVAL_COMMAND_H_
 

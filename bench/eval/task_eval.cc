@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <system_error>
 #include <utility>
 
@@ -16,8 +17,11 @@
 #include "bench/eval/capturing_attention.h"
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
+#include "decode/hybrid_step_executor.h"
+#include "decode/resident_window.h"
 #include "decode/sparse_attention.h"
 #include "model/byte_tokenizer.h"
+#include "model/cpu_dense_ops.h"
 #include "model/generator.h"
 #include "model/sampler.h"
 #include "nlohmann/json.hpp"
@@ -211,21 +215,49 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
   return labels;
 }
 
-absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
+absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor) {
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
   config.fluxion_predictor = std::move(predictor);
+  return decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config, state);
+}
+
+absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
+    const std::string& label, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor) {
+  FLUXION_RETURN_IF_ERROR(ValidatePolicy(label));
   if (label == "full") {
     // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
     return std::unique_ptr<model::SequenceAttention>(
         std::make_unique<model::DenseAttention>(prefilled));
   }
-  FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<decode::SparseAttention> sparse,
-      decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config, state));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> sparse,
+                           MakePagedPolicyAttention(label, prefilled, shape, arena, state,
+                                                    std::move(predictor)));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
+}
+
+std::string FullPolicyAttention(const std::string& device) {
+  return device == "cpu" ? "fp32 dense cache (the prefill's)"
+                         : "full sparse policy over bf16 host pages (not the fp32 dense path)";
+}
+
+absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
+    const model::Model* model, const kernels::cpu::CpuPool* pool) {
+  // One slot: the harness decodes one request at a time, and the executor gives a request's
+  // slot back at the first step that no longer lists it.
+  const decode::WindowShape window_shape =
+      decode::WindowShapeFor(model->attention_shape(), /*max_requests=*/1);
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::ResidentWindow> window,
+                           decode::NewHostResidentWindow(window_shape, kPageTokens));
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::HybridStepExecutor> hybrid,
+      decode::HybridStepExecutor::Create(model, std::make_unique<model::CpuDenseOps>(pool),
+                                         std::move(window), pool));
+  return std::unique_ptr<decode::StepExecutor>(std::move(hybrid));
 }
 
 // The sparse attention under a decode's attention (through a capture wrapper), or null for full
@@ -247,6 +279,20 @@ double BypassedFraction(const model::SequenceAttention& attention) {
   const decode::SparseAttention* sparse = SparseUnder(attention);
   if (sparse == nullptr || sparse->stats().selections == 0) return 0.0;
   return static_cast<double>(sparse->stats().bypassed) / sparse->stats().selections;
+}
+
+float TopTwoMargin(absl::Span<const float> logits) {
+  if (logits.size() < 2) return 0.0f;
+  float first = -std::numeric_limits<float>::infinity(), second = first;
+  for (float x : logits) {
+    if (x > first) {
+      second = first;
+      first = x;
+    } else if (x > second) {
+      second = x;  // a tie with `first` lands here: margin 0
+    }
+  }
+  return first - second;
 }
 
 bool IsAnswerTerminator(int32_t token) { return token == '\n' || token == ByteTokenizer::kEos; }
@@ -279,6 +325,29 @@ Interval Wilson95(int64_t successes, int64_t n) {
   return {std::max(0.0, center - half), std::min(1.0, center + half)};
 }
 
+namespace {
+
+// The greedy choice of one logits row, with its margin, appended to `po`.
+void RecordChoice(absl::Span<const float> logits, PolicyOutcome* po) {
+  po->tokens.push_back(model::ArgMax(logits));
+  po->margins.push_back(TopTwoMargin(logits));
+  po->top_logits.push_back(logits.empty() ? 0.0f
+                                          : *std::max_element(logits.begin(), logits.end()));
+}
+
+// Feeds `token` to `decode` and leaves the next-token logits in `logits`: on the CPU engine, or
+// as a step of one request through `executor` (then `paged` is the sequence's attention).
+absl::Status DecodeStep(const model::Model& model, decode::StepExecutor* executor,
+                        model::Sequence& decode, decode::SparseAttention* paged, int32_t token,
+                        std::vector<float>* logits, std::vector<absl::Status>* statuses) {
+  if (executor == nullptr) return model.Forward(decode, absl::MakeConstSpan(&token, 1), logits);
+  const decode::StepRequest request{&decode, paged, token};
+  executor->Step(absl::MakeConstSpan(&request, 1), logits, statuses);
+  return (*statuses)[0];
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
                                                     const TaskEvalOptions& options,
                                                     const TaskEvalCallbacks& callbacks) {
@@ -290,6 +359,11 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
     return absl::InvalidArgumentError("at least one context and one policy are needed");
   }
   for (const std::string& p : options.policies) FLUXION_RETURN_IF_ERROR(ValidatePolicy(p));
+  if (options.executor != nullptr && !options.capture_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "capture records the CPU engine's decode; it cannot run through a step executor "
+        "(use the cpu device)");
+  }
   // Fail before any model time is spent: every (task, context) must produce a prompt.
   for (const std::string& task : tasks) {
     for (int64_t context : options.contexts) {
@@ -327,6 +401,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
   const int64_t total = tasks.size() * options.contexts.size() * options.samples;
   int64_t index = 0;
   std::vector<float> logits;
+  std::vector<absl::Status> statuses;
 
   for (size_t ti = 0; ti < tasks.size(); ++ti) {
     for (size_t ci = 0; ci < options.contexts.size(); ++ci) {
@@ -360,7 +435,8 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         model::Sequence prefill(std::move(attention));
         auto t0 = std::chrono::steady_clock::now();
         FLUXION_RETURN_IF_ERROR(model.Forward(prefill, sample.prompt_ids, &logits));
-        const int32_t first = model::ArgMax(logits);
+        PolicyOutcome from_prefill;  // the first token, every policy's
+        RecordChoice(logits, &from_prefill);
         outcome.prefill_seconds = SecondsSince(t0);
         if (capture) {
           FLUXION_RETURN_IF_ERROR(writer->BeginSample(sample, *prefilled, *prompt_capture));
@@ -374,13 +450,24 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         const int64_t max_new = options.max_new_tokens > 0 ? options.max_new_tokens
                                                            : DefaultMaxNewTokens(sample.answer);
         for (int64_t pi = 0; pi < num_policies; ++pi) {
-          PolicyOutcome po;
+          PolicyOutcome po = from_prefill;
           po.policy = options.policies[pi];
-          FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> decode_attention,
-                                   MakePolicyAttention(po.policy, *prefilled, shape, arena.get(),
-                                                       needs_sparse_state ? &sparse_state
-                                                                          : nullptr,
-                                                       options.fluxion_predictor));
+          const model::SparseState* state = needs_sparse_state ? &sparse_state : nullptr;
+          std::unique_ptr<model::SequenceAttention> decode_attention;
+          decode::SparseAttention* paged = nullptr;  // the executor's view of the request
+          if (options.executor != nullptr) {
+            FLUXION_ASSIGN_OR_RETURN(
+                std::unique_ptr<decode::SparseAttention> sparse,
+                MakePagedPolicyAttention(po.policy, *prefilled, shape, arena.get(), state,
+                                         options.fluxion_predictor));
+            paged = sparse.get();
+            decode_attention = std::move(sparse);
+          } else {
+            FLUXION_ASSIGN_OR_RETURN(decode_attention,
+                                     MakePolicyAttention(po.policy, *prefilled, shape,
+                                                         arena.get(), state,
+                                                         options.fluxion_predictor));
+          }
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
             CaptureOptions c;
@@ -393,13 +480,18 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           // Greedy decode continuing from the prefill's copy; the first token is the prefill's.
           const model::SequenceAttention* decode_view = decode_attention.get();
           model::Sequence decode(std::move(decode_attention), prompt_len);
-          po.tokens.push_back(first);
           t0 = std::chrono::steady_clock::now();
           while (!IsAnswerTerminator(po.tokens.back()) &&
                  static_cast<int64_t>(po.tokens.size()) < max_new) {
-            FLUXION_RETURN_IF_ERROR(
-                model.Forward(decode, absl::MakeConstSpan(&po.tokens.back(), 1), &logits));
-            po.tokens.push_back(model::ArgMax(logits));
+            if (absl::Status s = DecodeStep(model, options.executor, decode, paged,
+                                            po.tokens.back(), &logits, &statuses);
+                !s.ok()) {
+              return absl::Status(
+                  s.code(), absl::StrCat("policy ", po.policy, ", ", sample.task, " ",
+                                         sample.context, " seed ", sample.seed, ", decode step ",
+                                         po.decode_steps, ": ", s.message()));
+            }
+            RecordChoice(logits, &po);
             ++po.decode_steps;
           }
           po.decode_seconds = SecondsSince(t0);

@@ -7,6 +7,12 @@
 // sparse policy only changes decode. Optionally the run is captured to disk (queries, keys,
 // values and attention statistics) for calibrating sparse policies.
 //
+// The decode steps run on the CPU engine (model::Model::Forward per token over the policy's
+// attention: the reference path) or, given a decode::StepExecutor, through it one request per
+// step (B=1): how `--device cuda|host-hybrid` decodes through the hybrid executor of issue 14 with
+// the same prompts, seeds and prefill, so the two paths' per-sample outcomes can be compared
+// (eval_compare.h).
+//
 // Thread-compatible: one RunTaskEval at a time per Model is the intended use (the engine's kernels
 // are multi-threaded inside).
 #ifndef FLUXION_BENCH_EVAL_TASK_EVAL_H_
@@ -24,6 +30,9 @@
 #include "bench/eval/tasks.h"
 #include "decode/kv_arena.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse_attention.h"
+#include "decode/step_executor.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "model/attention.h"
 #include "model/dense_attention.h"
 #include "model/model.h"
@@ -58,6 +67,15 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const model::SparseState* state = nullptr,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr);
 
+// The same over the host pages whatever the label: `full` becomes the `full` sparse policy (every
+// row, bf16 pages), which is what a decode through a StepExecutor needs (its requests are
+// SparseAttentions).
+absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttention(
+    const std::string& label, const model::DenseAttention& prefilled,
+    const model::AttentionShape& shape, decode::KvArena* arena,
+    const model::SparseState* state = nullptr,
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr);
+
 // Fraction of context rows a decode attention read (1 for `full`).
 double AttendedFraction(const model::SequenceAttention& attention);
 
@@ -71,6 +89,10 @@ std::string AnswerText(absl::Span<const int32_t> generated);
 
 // Tokens to generate at most for `answer`: len(answer) + 16.
 int64_t DefaultMaxNewTokens(const std::string& answer);
+
+// Greedy decision margin of one logits row: the largest logit minus the second largest (0 on a
+// tie; 0 for fewer than two logits). How close a greedy step was to choosing another token.
+float TopTwoMargin(absl::Span<const float> logits);
 
 struct Interval {
   double low = 0, high = 0;
@@ -87,6 +109,11 @@ struct TaskEvalOptions {
   uint64_t first_seed = kFirstEvalSeed;   // sample i of every cell uses first_seed + i
   std::vector<std::string> policies = {"full"};
   int64_t max_new_tokens = 0;  // > 0 overrides DefaultMaxNewTokens(answer)
+  // Null: the decode steps run on the CPU engine (Model::Forward per token). Otherwise every
+  // generated step is one Step() of this executor with a batch of one request, over the
+  // policy's host pages (`full` as the `full` sparse policy: see MakePagedPolicyAttention). The
+  // prefill stays on the CPU either way. Not owned; incompatible with capture_dir.
+  decode::StepExecutor* executor = nullptr;
   // Capture (off when capture_dir is empty): see WriteCapture in task_eval.cc for the layout.
   std::string capture_dir;
   int64_t capture_kv_max = 8192;    // prompt K/V are written only for prompts up to this length
@@ -96,9 +123,26 @@ struct TaskEvalOptions {
   std::shared_ptr<const decode::sparse::FluxionPredictor> fluxion_predictor;
 };
 
+// `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
+// executor over its host stand-in: CpuDenseOps and the host resident window, runnable anywhere),
+// "cuda" (the hybrid executor on CUDA device 0: NewCudaHybridStepExecutor).
+// What a sample's `full` policy attends in a run on `device` (recorded beside its outcome).
+std::string FullPolicyAttention(const std::string& device);
+
+// The hybrid step executor over the host stand-in of the device half: the dense halves on
+// model::CpuDenseOps over `pool`, a host resident window of one slot (B=1, sinks and window of the
+// default policy config). `model` and `pool` (may be null) must outlive it.
+absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
+    const model::Model* model, const kernels::cpu::CpuPool* pool);
+
 struct PolicyOutcome {
   std::string policy;
   std::vector<int32_t> tokens;  // everything generated, the terminator included
+  // Per generated token (tokens.size() entries; entry 0 from the prefill's logits): the logits'
+  // TopTwoMargin and largest logit at the step that chose it. Where two runs' tokens first
+  // differ, the reference's margin there tells a near-tie from a divergence (eval_compare.h).
+  std::vector<float> margins;
+  std::vector<float> top_logits;
   std::string answer;           // AnswerText(tokens)
   bool correct = false;
   int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
@@ -145,8 +189,11 @@ struct TaskEvalCallbacks {
 };
 
 // Runs the evaluation; results in (task, context, policy) order. InvalidArgument for an unknown
-// task or policy, a bad seed, a context too short for a task, samples < 1; FailedPrecondition for a
-// model whose vocabulary cannot hold the byte tokenizer's ids; Internal for capture write failures.
+// task or policy, a bad seed, a context too short for a task, samples < 1, an executor with
+// capture; FailedPrecondition for a model whose vocabulary cannot hold the byte tokenizer's ids;
+// Internal for capture write failures; an executor's step error (e.g. FailedPrecondition for a
+// policy whose sinks or local window are smaller than the hybrid window's resident ones) with
+// the policy and sample named.
 absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
                                                     const TaskEvalOptions& options,
                                                     const TaskEvalCallbacks& callbacks = {});

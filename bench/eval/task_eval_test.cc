@@ -99,5 +99,28 @@ TEST(TaskEvalTest, FullPolicyStartsFromAnIndependentCopyOfThePrefill) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(TaskEvalTest, TopTwoMarginIsTheGreedyChoicesLeadOverTheRunnerUp) {
+  const std::vector<float> logits = {1.0f, 4.5f, -2.0f, 4.0f};
+  EXPECT_FLOAT_EQ(TopTwoMargin(logits), 0.5f);
+  EXPECT_FLOAT_EQ(TopTwoMargin(std::vector<float>{3.0f, 3.0f, 1.0f}), 0.0f);  // a tie
+  EXPECT_FLOAT_EQ(TopTwoMargin(std::vector<float>{-1.0f, -3.0f}), 2.0f);
+  EXPECT_FLOAT_EQ(TopTwoMargin(std::vector<float>{7.0f}), 0.0f);
+}
+
+TEST(TaskEvalTest, PagedFullIsTheFullSparsePolicyOverPages) {
+  const model::AttentionShape shape = {1, 2, 1, 32, 0.5f};
+  model::DenseAttention prefilled(shape);
+  std::vector<float> q(2 * 32, 0.1f), kv(32, 0.2f), out(2 * 32);
+  ASSERT_TRUE(prefilled.Forward(0, 0, 1, q.data(), kv.data(), kv.data(), out.data()).ok());
+  auto arena = decode::KvArena::Create(decode::KvShape{1, 1, 32, 16}.page_bytes(), 8);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto paged = MakePagedPolicyAttention("full", prefilled, shape, arena->get());
+  ASSERT_TRUE(paged.ok()) << paged.status();
+  EXPECT_EQ((*paged)->policy_config().name, "full");
+  EXPECT_EQ((*paged)->kv().length(0), 1);  // the prefilled row, copied into a page
+  EXPECT_THAT(FullPolicyAttention("cuda"), HasSubstr("not the fp32 dense path"));
+  EXPECT_THAT(FullPolicyAttention("cpu"), HasSubstr("fp32"));
+}
+
 }  // namespace
 }  // namespace fluxion::eval

@@ -113,6 +113,27 @@ class PairedTableTest(unittest.TestCase):
         self.assertNotEqual(dup.returncode, 0)
         self.assertIn("overlap", dup.stderr)
 
+    def test_merge_runs_concatenates_per_sample_records_of_one_device(self):
+        paths = []
+        for seed, device in ((7, "cuda"), (8, "cuda"), (9, "cpu")):
+            path = os.path.join(self.dir.name, f"dev{seed}.json")
+            with open(path, "w") as f:
+                json.dump({"device": device, "results": [row("full", seed, 1, 1)],
+                           "samples": [{"task": "niah_single", "seed": seed}]}, f)
+            paths.append(path)
+        out_json = os.path.join(self.dir.name, "merged.json")
+        out = subprocess.run([sys.executable, MERGE, out_json, *paths[:2]], capture_output=True,
+                             text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        with open(out_json) as f:
+            doc = json.load(f)
+        self.assertEqual(doc["device"], "cuda")
+        self.assertEqual([s["seed"] for s in doc["samples"]], [7, 8])
+        mixed = subprocess.run([sys.executable, MERGE, out_json, *paths], capture_output=True,
+                               text=True)
+        self.assertNotEqual(mixed.returncode, 0)
+        self.assertIn("device cpu", mixed.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -7,7 +7,9 @@ correct, samples and paired lost/gained add up; accuracy and its Wilson interval
 difference and its interval are recomputed (the rules `fluxion eval tasks` prints); read,
 prefill and tpot are sample-weighted means. Rows with a gap between their seeds stay separate
 (paired_table.py pools them). Overlapping seeds are refused. The header is the first file's, with
-`merged_runs` (how many files) and the per-sample command as `unit_command`. With --log, the
+`merged_runs` (how many files) and the per-sample command as `unit_command`; the runs' per-sample
+records (`samples`, what `fluxion eval compare` reads) are concatenated, and runs of different
+`device`s are refused. With --log, the
 per-sample lines of the runs' .txt logs (same path, .txt for .json) are written there, sorted by
 (context, task, seed), for pair_policies.py.
 
@@ -64,7 +66,7 @@ def main():
     ap.add_argument("--log", help="also write the runs' per-sample log lines here")
     ap.add_argument("--command", help="the command that produced the runs (header `command`)")
     args = ap.parse_args()
-    header, rows, lines = None, [], []
+    header, rows, lines, samples = None, [], [], []
     for path in args.runs:
         try:
             with open(path) as f:
@@ -73,7 +75,12 @@ def main():
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"error: {path}: not a `fluxion eval tasks --json` file ({e})")
         if header is None:
-            header = {k: v for k, v in doc.items() if k != "results"}
+            header = {k: v for k, v in doc.items() if k not in ("results", "samples")}
+        # Files written before --device have no device: the cpu path.
+        if doc.get("device", "cpu") != header.get("device", "cpu"):
+            sys.exit(f"error: {path}: device {doc.get('device', 'cpu')}, but the first run's is "
+                     f"{header.get('device', 'cpu')}")
+        samples.extend(doc.get("samples", []))
         if args.log:
             log = os.path.splitext(path)[0] + ".txt"
             try:
@@ -86,6 +93,8 @@ def main():
         header["command"] = args.command
     header["merged_runs"] = len(args.runs)
     header["results"] = merge_rows(rows)
+    if samples:
+        header["samples"] = samples
     with open(args.out, "w") as f:
         json.dump(header, f, indent=1, sort_keys=True)
         f.write("\n")
