@@ -13,9 +13,9 @@
 namespace fluxion::eval {
 
 // The model's weights in bf16 on CudaDenseOps, a CUDA resident window of one slot (sinks and
-// window of the default policy config), the host part of every plan on `pool`: the executor
-// `fluxion decode --device cuda` serves with, in its default configuration (the CPU scores the
-// pages' blocks and reads every non-resident row). `model` and `pool` must outlive it.
+// window of the default policy config, block scores from its page bounds), the host part of
+// every plan on `pool`: the executor `fluxion decode --device cuda` serves with (the CPU reads
+// every non-resident row). `model` and `pool` must outlive it.
 // FailedPrecondition without a device; the factories' errors.
 absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewCudaHybridEvalExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool);

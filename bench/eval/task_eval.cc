@@ -30,7 +30,7 @@ namespace fluxion::eval {
 namespace {
 
 // Host page size for the sparse policies (DESIGN.md: 16 tokens of one layer and KV head).
-constexpr int64_t kPageTokens = 16;
+constexpr int64_t kPageTokens = kEvalPageTokens;
 
 using ::fluxion::model::ByteTokenizer;
 
@@ -249,8 +249,11 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool) {
   // One slot: the harness decodes one request at a time, and the executor gives a request's
   // slot back at the first step that no longer lists it.
-  const decode::WindowShape window_shape =
+  // The served configuration: quest's and fixed_*'s blocks scored by the window.
+  decode::WindowShape window_shape =
       decode::WindowShapeFor(model->attention_shape(), /*max_requests=*/1);
+  window_shape.page_tokens = kPageTokens;
+  window_shape.max_context_tokens = kEvalMaxContextTokens;
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::ResidentWindow> window,
                            decode::NewHostResidentWindow(window_shape, kPageTokens));
   FLUXION_ASSIGN_OR_RETURN(

@@ -129,9 +129,15 @@ struct TaskEvalOptions {
 // What a sample's `full` policy attends in a run on `device` (recorded beside its outcome).
 std::string FullPolicyAttention(const std::string& device);
 
+// The longest context whose page bounds the eval's hybrid windows keep (quest's and fixed_*'s
+// block scores come from the window, as served; longer contexts score on the CPU).
+inline constexpr int64_t kEvalMaxContextTokens = 1 << 17;
+inline constexpr int64_t kEvalPageTokens = 16;  // the host pages' size in the eval
+
 // The hybrid step executor over the host stand-in of the device half: the dense halves on
 // model::CpuDenseOps over `pool`, a host resident window of one slot (B=1, sinks and window of the
-// default policy config). `model` and `pool` (may be null) must outlive it.
+// default policy config, block scores from its page bounds). `model` and `pool` (may be null)
+// must outlive it.
 absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool);
 
