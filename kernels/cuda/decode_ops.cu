@@ -44,6 +44,42 @@ __global__ void RopeKernel(float* x, const int64_t* positions, const float* inv_
   }
 }
 
+// One thread per pair (f, f + half) of a head of a row: q and k heads rotate, v heads copy.
+__global__ void SplitQkvRopeKernel(const float* qkv, const float* bias, const int64_t* positions,
+                                   const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                                   int64_t heads, int64_t kv_heads, int64_t half) {
+  const int64_t all_heads = heads + 2 * kv_heads;
+  const int64_t pairs = m * all_heads * half;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < pairs;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t f = i % half;
+    const int64_t head_row = i / half;  // t * all_heads + h
+    const int64_t t = head_row / all_heads, h = head_row % all_heads;
+    const float* src = qkv + head_row * 2 * half;
+    float a = src[f], b = src[f + half];
+    if (bias != nullptr) {
+      a += bias[h * 2 * half + f];
+      b += bias[h * 2 * half + f + half];
+    }
+    float* dst;
+    if (h < heads) {
+      dst = q + (t * heads + h) * 2 * half;
+    } else if (h < heads + kv_heads) {
+      dst = k + (t * kv_heads + h - heads) * 2 * half;
+    } else {
+      dst = v + (t * kv_heads + h - heads - kv_heads) * 2 * half;
+      dst[f] = a;
+      dst[f + half] = b;
+      continue;
+    }
+    double sn, cs;
+    sincos(static_cast<double>(positions[t]) * static_cast<double>(inv_freq[f]), &sn, &cs);
+    const double da = a, db = b;
+    dst[f] = static_cast<float>(da * cs - db * sn);
+    dst[f + half] = static_cast<float>(db * cs + da * sn);
+  }
+}
+
 __global__ void AddKernel(float* y, const float* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -234,6 +270,17 @@ cudaError_t ApplyRope(float* x, const int64_t* positions, const float* inv_freq,
   if (pairs == 0) return cudaSuccess;
   RopeKernel<<<GridFor(pairs), kThreads, 0, stream>>>(x, positions, inv_freq, n, heads,
                                                       head_dim / 2);
+  return cudaGetLastError();
+}
+
+cudaError_t SplitQkvRope(const float* qkv, const float* bias, const int64_t* positions,
+                         const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
+  if (head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const int64_t pairs = m * (heads + 2 * kv_heads) * (head_dim / 2);
+  if (pairs == 0) return cudaSuccess;
+  SplitQkvRopeKernel<<<GridFor(pairs), kThreads, 0, stream>>>(qkv, bias, positions, inv_freq, q, k,
+                                                              v, m, heads, kv_heads, head_dim / 2);
   return cudaGetLastError();
 }
 
