@@ -8,9 +8,15 @@
 // without CUDA the same library holds a stub whose factory says so, so callers (the CLI) need no
 // #ifdef.
 //
+// It offers both optional capabilities of dense_ops.h: fused operations whose GEMM input is bf16
+// (RMSNorm and SiLU * up write it, one split + bias + RoPE kernel after the stacked q/k/v
+// product), and CUDA graphs recorded from its stream (thread-local capture mode).
+//
 // Hot path: nothing is allocated once a step at a batch size has run (the bf16 input scratch grows
-// to the largest m * k seen; the cuBLAS workspace is allocated at creation). CopyFromHost and
-// CopyToHost wait for their copy (the DenseOps contract), so each costs a stream synchronisation.
+// to the largest m * k seen, which bumps generation(); the cuBLAS workspace is allocated at
+// creation; a GEMM shape's first product tunes its algorithm, kernels/cuda/gemm.h). CopyFromHost
+// and CopyToHost wait for their copy (the DenseOps contract), so each costs a stream
+// synchronisation.
 //
 // Thread-compatible: create and drive it from one thread (Create makes `device` current there).
 #ifndef FLUXION_MODEL_CUDA_DENSE_OPS_H_
