@@ -11,8 +11,7 @@
 // logit, as decode_step_test.cc's batch-vs-alone. Graphs vs no graphs replay the same operations
 // on the same data, but two runs of OpenBLAS / OpenMP on a loaded machine may split (and so sum)
 // differently (seen once in ~20 runs on the 2-core devbox): 1e-5 as above, far below what a stale
-// pointer, a wrong row count or a skipped segment gives (O(1)). The device test compares bit for
-// bit.
+// pointer, a wrong row count or a skipped segment gives (O(1)).
 #include <cmath>
 #include <cstring>
 #include <filesystem>

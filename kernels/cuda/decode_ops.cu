@@ -27,6 +27,17 @@ __global__ void EmbedRowsKernel(const bf16* table, const int32_t* ids, float* ou
   }
 }
 
+// One RoPE rotation of the pair (a, b) into r[f], r[f + half], the angle and its sine/cosine in
+// double. Shared by RopeKernel and SplitQkvRopeKernel so the two compile to the same arithmetic.
+__device__ __forceinline__ void Rotate(float* r, int64_t f, int64_t half, float a, float b,
+                                       int64_t position, float inv_freq) {
+  double s, c;
+  sincos(static_cast<double>(position) * static_cast<double>(inv_freq), &s, &c);
+  const double da = a, db = b;
+  r[f] = static_cast<float>(da * c - db * s);
+  r[f + half] = static_cast<float>(db * c + da * s);
+}
+
 __global__ void RopeKernel(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
                            int64_t heads, int64_t half) {
   const int64_t pairs = n * heads * half;
@@ -36,11 +47,7 @@ __global__ void RopeKernel(float* x, const int64_t* positions, const float* inv_
     const int64_t row = i / half;  // t * heads + h
     const int64_t t = row / heads;
     float* r = x + row * 2 * half;
-    double s, c;
-    sincos(static_cast<double>(positions[t]) * static_cast<double>(inv_freq[f]), &s, &c);
-    const double a = r[f], b = r[f + half];
-    r[f] = static_cast<float>(a * c - b * s);
-    r[f + half] = static_cast<float>(b * c + a * s);
+    Rotate(r, f, half, r[f], r[f + half], positions[t], inv_freq[f]);
   }
 }
 
@@ -72,11 +79,7 @@ __global__ void SplitQkvRopeKernel(const float* qkv, const float* bias, const in
       dst[f + half] = b;
       continue;
     }
-    double sn, cs;
-    sincos(static_cast<double>(positions[t]) * static_cast<double>(inv_freq[f]), &sn, &cs);
-    const double da = a, db = b;
-    dst[f] = static_cast<float>(da * cs - db * sn);
-    dst[f + half] = static_cast<float>(db * cs + da * sn);
+    Rotate(dst, f, half, a, b, positions[t], inv_freq[f]);
   }
 }
 
