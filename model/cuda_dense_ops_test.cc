@@ -450,8 +450,8 @@ TEST_P(CudaDecodeStepTest, GreedyGenerationOnTheGpuGivesTheCpuTokens) {
 }
 
 // The step with CUDA graphs (the default where the ops offer them: dense segments recorded at the
-// second step of a batch size, replayed after) gives the eager step's logits, and the graphs did
-// run. Two runners over the same ops and model, one with graphs off; attention on the
+// second step of a batch size, replayed after) gives the eager step's logits bit for bit, and the
+// graphs did run. Two runners over the same ops and model, one with graphs off; attention on the
 // host between the segments.
 TEST_P(CudaDecodeStepTest, StepsWithGraphsEqualStepsWithout) {
   const ModelConfig& c = model_->config();
@@ -489,11 +489,8 @@ TEST_P(CudaDecodeStepTest, StepsWithGraphsEqualStepsWithout) {
     ASSERT_TRUE(s.ok()) << s;
     s = (*graphed)->Step(tokens, positions, graph_attention, got.data());
     ASSERT_TRUE(s.ok()) << s;
-    // The GPU work is the same either way; the attention between the segments runs on the CPU,
-    // whose OpenBLAS/OpenMP sums were once seen to differ between two runs on a loaded machine
-    // (fused_step_test.cc), so not memcmp: 1e-6 of the largest logit, far below what a stale or
-    // skipped segment gives.
-    EXPECT_LE(RelDiff(got.data(), want.data(), want.size()), 1e-6) << "step " << step;
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+        << "step " << step;
   }
   EXPECT_TRUE((*graphed)->graph_status().ok()) << (*graphed)->graph_status();
   if (gpu_->graphs() != nullptr) {

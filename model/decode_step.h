@@ -123,7 +123,7 @@ class DecodeStepRunner {
   ModelParams params_;
   bool params_fused_ = false;  // FuseParams has run (at the first step)
   StepBuffers buf_;
-  std::unique_ptr<OpsBuffer> logits_;  // [capacity][vocab] when the ops' memory is not the host's
+  std::unique_ptr<OpsBuffer> logits_;  // [capacity][vocab] unless the LM head writes the caller's
 
   struct SizeGraphs {
     bool warmed = false;  // a step at this size has run eagerly
