@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cuda/gemv.h"
 
 namespace fluxion::kernels::cuda {
 namespace {
@@ -75,7 +76,7 @@ void Gemm::Destroy(Plan* p) {
   }
   p->op = nullptr;
   p->a = p->b = p->c = nullptr;
-  p->lt = false;
+  p->kind = Kind::kDefault;
 }
 
 cublasStatus_t Gemm::RunDefault(const bf16* x, const bf16* w, float* y, const Shape& s) {
@@ -92,7 +93,13 @@ cublasStatus_t Gemm::RunDefault(const bf16* x, const bf16* w, float* y, const Sh
 
 cublasStatus_t Gemm::RunPlan(const Plan& p, const bf16* x, const bf16* w, float* y,
                              const Shape& s) {
-  if (!p.lt || !Aligned(x, w, y)) return RunDefault(x, w, y, s);
+  if (p.kind == Kind::kDefault || !Aligned(x, w, y)) return RunDefault(x, w, y, s);
+  if (p.kind == Kind::kGemv) {
+    const auto [m, n, k, accumulate] = s;
+    return GemvBf16(x, w, y, m, n, k, accumulate, stream_) == cudaSuccess
+               ? CUBLAS_STATUS_SUCCESS
+               : CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   const float alpha = 1.0f, beta = std::get<3>(s) ? 1.0f : 0.0f;
   // The same column-major product as RunDefault: A = w (k x n, transposed), B = x (k x m), C = D
   // = y (n x m), in place.
@@ -160,7 +167,7 @@ Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape&
   for (float v : want) scale = std::max(scale, std::abs(double(v)));
 
   Plan lt;
-  lt.lt = true;
+  lt.kind = Kind::kLt;
   cublasLtMatmulPreference_t pref = nullptr;
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   uint64_t workspace = workspace_bytes_;
@@ -200,7 +207,32 @@ Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape&
       best_index = i;
     }
   }
+  // Our GEMV kernel, for the smallest batches.
+  float gemv_ms = -1;
+  if (m <= kMaxGemvRows && k % 8 == 0) {
+    Plan gemv;
+    gemv.kind = Kind::kGemv;
+    const float ms = time([&](float* c) { return RunPlan(gemv, x, w, c, s); });
+    if (ms >= 0 && to_host(out, &got)) {
+      double diff = 0;
+      for (int64_t j = 0; j < m * n; ++j) {
+        diff = std::max(diff, std::abs(double(got[j]) - want[j]));
+      }
+      if (diff / scale <= kCandidateTolerance) gemv_ms = ms;
+    }
+    cudaGetLastError();
+  }
   release();
+  if (gemv_ms >= 0 && gemv_ms < best_ms) {
+    Destroy(&lt);
+    Plan gemv;
+    gemv.kind = Kind::kGemv;
+    gemv.what = absl::StrFormat("GEMV kernel %.1f us (default %.1f us, best cuBLASLt %s)",
+                                1e3 * gemv_ms, 1e3 * default_ms,
+                                best_index < 0 ? "slower than the default"
+                                               : absl::StrFormat("%.1f us", 1e3 * best_ms));
+    return gemv;
+  }
   if (best_index < 0) {
     Destroy(&lt);
     best.what = absl::StrFormat("cublasGemmEx default %.1f us (%d cuBLASLt candidates slower)",
@@ -246,8 +278,10 @@ absl::Status Gemm::MatMulBf16(const bf16* x, const bf16* w, float* y, int64_t m,
     it = plans_.emplace(shape, Tune(x, w, y, shape)).first;
   }
   if (cublasStatus_t s = RunPlan(it->second, x, w, y, shape); s != CUBLAS_STATUS_SUCCESS) {
-    return CublasError(s, it->second.lt ? "cublasLtMatmul (bf16 x bf16 -> fp32)"
-                                        : "cublasGemmEx (bf16 x bf16 -> fp32)");
+    const Kind kind = it->second.kind;
+    return CublasError(s, kind == Kind::kLt     ? "cublasLtMatmul (bf16 x bf16 -> fp32)"
+                          : kind == Kind::kGemv ? "GEMV kernel (bf16 x bf16 -> fp32)"
+                                                : "cublasGemmEx (bf16 x bf16 -> fp32)");
   }
   return absl::OkStatus();
 }

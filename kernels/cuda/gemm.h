@@ -6,9 +6,9 @@
 // rows): cublasGemmEx's default heuristic is tuned for no workspace and large m, and at m <= 16
 // the small products (q/k/v, o: 16-50 MB) read the weights at 34-45% of HBM bandwidth (session
 // 7). So with `tune` the first product of each (m, n, k, accumulate) -- run eagerly, never while
-// a stream is being captured into a graph -- times cublasGemmEx's default and up to
+// a stream is being captured into a graph -- times cublasGemmEx's default, up to
 // kTuneCandidates cuBLASLt heuristic algorithms with the whole workspace allowed (split-K
-// variants among them), each on the real operands with L2 flushed between runs (a 32 MB weight
+// variants among them) and, for m <= 8, our GEMV kernel (gemv.h), each on the real operands with L2 flushed between runs (a 32 MB weight
 // would otherwise be timed from the 60 MB L2), checks each against the default's result (a
 // candidate more than 1e-3 away, relative, is dropped), and keeps the fastest. The choice is
 // fixed after that, so results are deterministic for the Gemm's lifetime (cuBLAS is
@@ -62,9 +62,11 @@ class Gemm {
 
  private:
   using Shape = std::tuple<int64_t, int64_t, int64_t, bool>;  // m, n, k, accumulate
-  // A tuned shape's choice: cuBLASLt's descriptors and algorithm, or (lt false) cublasGemmEx.
+  // A tuned shape's choice: cublasGemmEx's default, cuBLASLt's descriptors and algorithm, or the
+  // GEMV kernel (gemv.h).
+  enum class Kind { kDefault, kLt, kGemv };
   struct Plan {
-    bool lt = false;
+    Kind kind = Kind::kDefault;
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};

@@ -1,5 +1,6 @@
 // cuBLAS bf16 GEMM against the fp32 reference on the same bf16-rounded operands.
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemv.h"
 
 #include <iostream>
 #include <random>
@@ -41,6 +42,42 @@ TEST(GemmTest, Bf16ProductsMatchTheReferenceOnRoundedOperands) {
   }
   EXPECT_EQ((*gemm)->MatMulBf16(nullptr, nullptr, nullptr, 0, 1, 1).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The GEMV kernel (a tuner candidate) against the reference on the same bf16 operands, for every
+// row count it takes, with and without accumulation, at a column count that is no multiple of its
+// 8 columns a block and a k that is no multiple of its 4 x 32 x 8 elements a pass; and its
+// refusals.
+TEST(GemvTest, MatchesTheReferenceForEveryRowCount) {
+  if (!DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffers dev;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const int64_t n = 1003, k = 4096 + 264;
+  std::vector<bf16> w(n * k);
+  std::vector<float> wf(n * k);
+  for (size_t i = 0; i < w.size(); ++i) wf[i] = Bf16ToFloat(w[i] = FloatToBf16(dist(rng)));
+  const bf16* dw = dev.ToDevice(w);
+  for (int64_t m = 1; m <= kMaxGemvRows; ++m) {
+    std::vector<bf16> x(m * k);
+    std::vector<float> xf(m * k);
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = Bf16ToFloat(x[i] = FloatToBf16(dist(rng)));
+    const bf16* dx = dev.ToDevice(x);
+    for (bool accumulate : {false, true}) {
+      std::vector<float> want(m * n, 0.5f);
+      reference::MatMul(xf.data(), wf.data(), nullptr, want.data(), m, n, k, accumulate);
+      float* y = dev.ToDevice(std::vector<float>(m * n, 0.5f));
+      ASSERT_EQ(GemvBf16(dx, dw, y, m, n, k, accumulate, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_LT(reference::RelativeL2Error(DeviceBuffers::ToHost(y, m * n), want), 1e-5)
+          << "m " << m << " accumulate " << accumulate;
+    }
+  }
+  float* y = dev.ToDevice(std::vector<float>(16));
+  EXPECT_EQ(GemvBf16(nullptr, dw, y, kMaxGemvRows + 1, n, k, false, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(GemvBf16(nullptr, dw, y, 1, n, 12, false, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // refused before any launch
 }
 
 // The tuned choice (gemm.h: cuBLASLt candidates timed against cublasGemmEx's default at the first
