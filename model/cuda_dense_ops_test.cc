@@ -252,8 +252,9 @@ TEST_F(CudaDenseOpsTest, FusedOpsMatchThePlainOps) {
   fused->MatMulGemmInput(xg, down, nullptr, fy, m, h, f, true);
   ASSERT_TRUE(ops_->Sync().ok());
 
-  for (auto [got, want, n, tol] : {std::tuple{fq, q, m * qw, 1e-5}, std::tuple{fk, k, m * kw, 1e-5},
-                                   std::tuple{fv, v, m * kw, 1e-5}, std::tuple{fy, y, m * h, 1e-3}}) {
+  for (auto [got, want, n, tol] :
+       {std::tuple{fq, q, m * qw, 1e-5}, std::tuple{fk, k, m * kw, 1e-5},
+        std::tuple{fv, v, m * kw, 1e-5}, std::tuple{fy, y, m * h, 1e-3}}) {
     const std::vector<float> g = ToHost(got, n), w = ToHost(want, n);
     for (int64_t i = 0; i < n; ++i) ASSERT_FALSE(std::isnan(g[i])) << i;  // every value written
     EXPECT_LE(RelDiff(g.data(), w.data(), n), tol);

@@ -18,9 +18,8 @@ size_t ElementBytes(WeightDType t) { return t == WeightDType::kBF16 ? 2 : 4; }
 // Frees the buffer `params` owns at `data`, if it owns one there (a borrowed host pointer is not).
 void Release(ModelParams* params, const void* data) {
   auto& owned = params->owned;
-  owned.erase(std::remove_if(owned.begin(), owned.end(),
-                             [&](const std::unique_ptr<OpsBuffer>& b) { return b->data() == data; }),
-              owned.end());
+  auto at_data = [&](const std::unique_ptr<OpsBuffer>& b) { return b->data() == data; };
+  owned.erase(std::remove_if(owned.begin(), owned.end(), at_data), owned.end());
 }
 
 // One LinearParams whose rows are `parts`' rows in order (same `in`, same dtype, every part with a

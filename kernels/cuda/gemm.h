@@ -3,17 +3,18 @@
 // products are bound by reading the weights, so the weights' dtype is what sets the step time.
 //
 // Algorithm choice (the decode shapes, m = 1..16 rows against n x k weights of 4096 to 128256
-// rows): cublasGemmEx's default heuristic is tuned for no workspace and large m, and at m <= 16
-// the small products (q/k/v, o: 16-50 MB) read the weights at 34-45% of HBM bandwidth (session
-// 7). So with `tune` the first product of each (m, n, k, accumulate) -- run eagerly, never while
-// a stream is being captured into a graph -- times cublasGemmEx's default, up to
+// rows): with cublasGemmEx's default choice the small products (q/k/v, o: 16-50 MB) read their
+// weights at 34-45% of HBM bandwidth at these m (session 7), and which algorithm is fastest for
+// such a pass over the weights is not something its heuristic promises. So with `tune` the first
+// product of each (m, n, k, accumulate) -- run eagerly, never while a stream is being captured
+// into a graph, and only on 256-byte aligned operands -- times cublasGemmEx's default, up to
 // kTuneCandidates cuBLASLt heuristic algorithms with the whole workspace allowed (split-K
-// variants among them) and, for m <= 8, our GEMV kernel (gemv.h), each on the real operands with L2 flushed between runs (a 32 MB weight
-// would otherwise be timed from the 60 MB L2), checks each against the default's result (a
-// candidate more than 1e-3 away, relative, is dropped), and keeps the fastest. The choice is
-// fixed after that, so results are deterministic for the Gemm's lifetime (cuBLAS is
-// deterministic for a given algorithm; no atomics mode is enabled). A shape first met while
-// capturing, or with tuning off, runs the default.
+// variants among them) and, for m <= 8, our GEMV kernel (gemv.h), each on the real operands with
+// L2 flushed between runs (a 32 MB weight would otherwise be timed from the 60 MB L2); checks
+// each against the default's result (a candidate more than 1e-3 away, relative, is dropped); and
+// keeps the fastest. The choice is fixed after that, so results are deterministic for the Gemm's
+// lifetime (cuBLAS is deterministic for a given algorithm; no atomics mode is enabled). A shape
+// first met while capturing, or with tuning off, runs the default.
 //
 // Thread-compatible: one Gemm per stream (cuBLAS handles must not be shared across threads that
 // launch concurrently).
