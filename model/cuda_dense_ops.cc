@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,10 @@ namespace kc = ::fluxion::kernels::cuda;
 // bf16 there: the host side stays a plain copy of the model's fp32 vectors, and the largest
 // matrix (a 128K-vocabulary LM head, 2 GiB in fp32) needs no fp32 device copy.
 constexpr int64_t kStagingFloats = int64_t{16} << 20;
+
+// CopyFromHost stages copies of at most kSmallCopyBytes through kPinnedBytes of pinned memory.
+constexpr size_t kSmallCopyBytes = size_t{64} << 10;
+constexpr size_t kPinnedBytes = size_t{1} << 20;
 
 absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), " (",
@@ -53,10 +58,12 @@ class CudaGraph : public OpsGraph {
 // The dense seam, its fused operations (GEMM input = bf16) and graph capture on one stream.
 class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
  public:
-  CudaDenseOps(int device, cudaStream_t stream, std::unique_ptr<kc::Gemm> gemm)
-      : device_(device), stream_(stream), gemm_(std::move(gemm)) {}
+  // `pinned` (kPinnedBytes of page-locked host memory, or null: every copy then waits) is owned.
+  CudaDenseOps(int device, cudaStream_t stream, std::unique_ptr<kc::Gemm> gemm, void* pinned)
+      : device_(device), stream_(stream), gemm_(std::move(gemm)), pinned_(pinned) {}
   ~CudaDenseOps() override {
     cudaStreamSynchronize(stream_);
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
     gemm_.reset();  // its handle is bound to the stream
     x_bf16_.reset();
     scratch_.reset();
@@ -80,15 +87,37 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
 
   void CopyFromHost(void* dst, const void* host_src, size_t bytes) override {
     if (bytes == 0) return;
+    if (capturing_) {
+      // A graph would record the staging slot, not the caller's data: not recordable.
+      RecordStatus(absl::FailedPreconditionError(
+          "CudaDenseOps::CopyFromHost cannot be recorded into a graph"));
+      return;
+    }
+    if (bytes <= kSmallCopyBytes && pinned_ != nullptr) {
+      // Small copies (a step's tokens and positions, a layer's attention rows) go through pinned
+      // staging, so the caller's source is free at once and the stream need not be waited for.
+      // A slot is reused only after a synchronisation, when every copy from it has run.
+      if (pinned_used_ + bytes > kPinnedBytes) {
+        Record(cudaStreamSynchronize(stream_), "CopyFromHost (staging wait)");
+        pinned_used_ = 0;
+      }
+      char* slot = static_cast<char*>(pinned_) + pinned_used_;
+      std::memcpy(slot, host_src, bytes);
+      pinned_used_ += (bytes + 255) / 256 * 256;
+      Record(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream_), "CopyFromHost");
+      return;
+    }
     Record(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_),
            "CopyFromHost");
     Record(cudaStreamSynchronize(stream_), "CopyFromHost (wait)");  // the source may be reused
+    pinned_used_ = 0;  // the stream is drained: every staged copy has run
   }
 
   void CopyToHost(void* host_dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
     Record(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "CopyToHost");
     Record(cudaStreamSynchronize(stream_), "CopyToHost (wait)");
+    pinned_used_ = 0;
   }
 
   void Copy(void* dst, const void* src, size_t bytes) override {
@@ -177,6 +206,7 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
 
   absl::Status Sync() override {
     Record(cudaStreamSynchronize(stream_), "Sync");
+    pinned_used_ = 0;
     absl::Status s = std::move(status_);
     status_ = absl::OkStatus();
     return s;
@@ -325,6 +355,8 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
   bool capturing_ = false;
   absl::Status capture_status_;         // the first error since BeginCapture
   uint64_t generation_ = 0;             // bumped when scratch is reallocated
+  void* pinned_;                        // staging of small CopyFromHost calls
+  size_t pinned_used_ = 0;              // bytes of it that queued copies may still read
 };
 
 }  // namespace
@@ -354,7 +386,14 @@ absl::StatusOr<std::unique_ptr<DenseOps>> NewCudaDenseOps(int device) {
     cudaStreamDestroy(stream);
     return gemm.status();
   }
-  return std::unique_ptr<DenseOps>(new CudaDenseOps(device, stream, std::move(*gemm)));
+  // Without pinned staging (cudaMallocHost refused) small copies wait, as large ones do.
+  void* pinned = nullptr;
+  if (cudaMallocHost(&pinned, kPinnedBytes) != cudaSuccess) {
+    cudaGetLastError();
+    pinned = nullptr;
+  }
+  return std::unique_ptr<DenseOps>(
+      new CudaDenseOps(device, stream, std::move(*gemm), pinned));
 }
 
 }  // namespace fluxion::model
