@@ -261,6 +261,25 @@ TEST_F(CudaDenseOpsTest, FusedOpsMatchThePlainOps) {
   }
 }
 
+// Small copies from the host are staged (pinned) and return before they run: the caller's buffer
+// is reused at once, many times past the staging's 1 MiB (so it wraps), and every destination
+// still holds what was copied at its call.
+TEST_F(CudaDenseOpsTest, SmallCopiesFromTheHostMayReuseTheSourceAtOnce) {
+  const int64_t copies = 100, n = 4000;  // 16 KB each, 1.6 MB in all
+  auto dst = ops_->Allocate(copies * n * sizeof(int32_t));
+  ASSERT_TRUE(dst.ok()) << dst.status();
+  int32_t* d = static_cast<int32_t*>((*dst)->data());
+  std::vector<int32_t> src(n);
+  for (int64_t c = 0; c < copies; ++c) {
+    for (int64_t i = 0; i < n; ++i) src[i] = static_cast<int32_t>(c * n + i);
+    ops_->CopyFromHost(d + c * n, src.data(), n * sizeof(int32_t));
+  }
+  std::fill(src.begin(), src.end(), -1);
+  const std::vector<int32_t> got = ToHost(d, copies * n);
+  ASSERT_TRUE(ops_->Sync().ok());
+  for (int64_t i = 0; i < copies * n; ++i) ASSERT_EQ(got[i], i) << i;
+}
+
 // Copy is memmove: overlapping moves in both directions (a batch compaction moves rows down).
 TEST_F(CudaDenseOpsTest, CopyHandlesOverlappingRanges) {
   std::vector<int32_t> v(1000);
