@@ -537,12 +537,15 @@ absl::StatusOr<model::ModelParams> RandomDeviceParams(model::DenseOps& ops,
 // The dense half of a whole decode step at 8B shapes through CudaDenseOps and model/layer.h, the
 // code `fluxion generate --device cuda` runs: embed, 32 x (PreAttention, PostAttention), final
 // norm + LM head; attention left out (the attention output buffer is held at zero). Timed on the
-// host around the step and a Sync, so kernel-launch overhead (~15 launches a layer, no CUDA graph
-// yet) counts: against the weight bytes a step reads and the HBM probe.
+// host around the step and a Sync, so kernel-launch overhead counts: against the weight bytes a
+// step reads and the HBM probe. The weights are stacked (FuseParams) so the layers run fused, as
+// a DecodeStepRunner's do; "graph" rows replay the layers + LM head as one CUDA graph (embed and
+// the Sync outside it).
 absl::Status RunDenseStep(const Options& o, double hbm_gbps, nlohmann::json* results) {
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
   const model::ModelConfig c = Llama8bConfig();
   FLUXION_ASSIGN_OR_RETURN(model::ModelParams params, RandomDeviceParams(*ops, c));
+  FLUXION_RETURN_IF_ERROR(model::FuseParams(*ops, &params));
   const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   FLUXION_ASSIGN_OR_RETURN(model::StepBuffers buf, model::StepBuffers::Create(*ops, c, max_m));
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::OpsBuffer> logits,
@@ -562,28 +565,50 @@ absl::Status RunDenseStep(const Options& o, double hbm_gbps, nlohmann::json* res
       tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
       positions[i] = 32768 + 1000 * i;
     }
-    auto step = [&]() -> absl::Status {
-      model::EmbedRows(*ops, params, c, buf, tokens.data(), positions.data(), m);
+    auto dense = [&]() -> absl::Status {
       auto attend = [](int, int64_t rows) -> absl::StatusOr<int64_t> { return rows; };
       FLUXION_RETURN_IF_ERROR(model::RunLayers(*ops, c, params, buf, m, attend).status());
       model::LmHead(*ops, params, c, buf, buf.x, m, static_cast<float*>(logits->data()));
+      return absl::OkStatus();
+    };
+    std::unique_ptr<model::OpsGraph> graph;
+    auto step = [&]() -> absl::Status {
+      model::EmbedRows(*ops, params, c, buf, tokens.data(), positions.data(), m);
+      if (graph != nullptr) {
+        ops->graphs()->Replay(*graph);
+      } else {
+        FLUXION_RETURN_IF_ERROR(dense());
+      }
       return ops->Sync();
     };
-    std::vector<double> samples;
-    for (int64_t r = 0; r < o.repeats + 2; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
-      FLUXION_RETURN_IF_ERROR(step());
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      if (r >= 2) samples.push_back(ms);
+    for (const bool graphed : {false, true}) {
+      if (graphed) {
+        // Recorded after the eager runs above (the GEMM choices and scratch have settled).
+        model::OpsGraphs* g = ops->graphs();
+        if (g == nullptr) break;
+        FLUXION_RETURN_IF_ERROR(g->BeginCapture());
+        FLUXION_RETURN_IF_ERROR(dense());
+        FLUXION_ASSIGN_OR_RETURN(graph, g->EndCapture());
+      }
+      std::vector<double> samples;
+      for (int64_t r = 0; r < o.repeats + 2; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        FLUXION_RETURN_IF_ERROR(step());
+        const double ms = std::chrono::duration<double, std::milli>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+        if (r >= 2) samples.push_back(ms);
+      }
+      const Stats t = Summarize(samples);
+      const double gbps = weight_bytes / (t.median * 1e-3) / 1e9;
+      Row("%-24s %5ld %10.3f %10.0f %7.0f%%\n",
+          graphed ? "fused, one graph" : "embed+32 layers+lm_head", m, t.median, gbps,
+          100 * gbps / hbm_gbps);
+      results->push_back({{"kind", graphed ? "dense_step_graph" : "dense_step"}, {"batch", m},
+                          {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
+                          {"weight_gib", weight_bytes / (1 << 30)}, {"gbps", gbps}});
     }
-    const Stats t = Summarize(samples);
-    const double gbps = weight_bytes / (t.median * 1e-3) / 1e9;
-    Row("%-24s %5ld %10.3f %10.0f %7.0f%%\n", "embed+32 layers+lm_head", m, t.median, gbps,
-        100 * gbps / hbm_gbps);
-    results->push_back({{"kind", "dense_step"}, {"batch", m}, {"ms", t.median}, {"p10_ms", t.p10},
-                        {"p90_ms", t.p90}, {"weight_gib", weight_bytes / (1 << 30)},
-                        {"gbps", gbps}});
+    graph.reset();
   }
   return absl::OkStatus();
 }

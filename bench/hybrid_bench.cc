@@ -369,13 +369,19 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       if (o.device == "cuda") {
         absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
         if (hbm.ok()) {
+          // Whether the dense segments ran from CUDA graphs (docs/GPU.md, session 9).
+          const model::DecodeStepRunner& runner = executor->runner();
+          const std::string graphs =
+              runner.graph_status().ok()
+                  ? absl::StrCat(runner.graph_replays(), " graph replays so far")
+                  : std::string(runner.graph_status().message());
           std::printf("%8lld %5lld %-22s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
-                      "GPU)\n",
+                      "GPU; %s)\n",
                       static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
-                      *hbm, 1e3 * batch / *hbm);
+                      *hbm, 1e3 * batch / *hbm, graphs.c_str());
           results->push_back({{"preset", o.preset}, {"device", o.device}, {"context", context},
                               {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
-                              {"tokens_per_s", 1e3 * batch / *hbm}});
+                              {"tokens_per_s", 1e3 * batch / *hbm}, {"graphs", graphs}});
         } else {
           std::printf("%8lld %5lld %-22s | skipped: %s\n", static_cast<long long>(context),
                       static_cast<long long>(batch), "hbm-full",

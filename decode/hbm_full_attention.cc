@@ -6,6 +6,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/decode_ops.h"
+#include "kernels/cuda/page_spans.h"
 #include "kernels/cuda/window_ring.h"
 
 namespace fluxion::decode {
@@ -37,7 +38,9 @@ absl::StatusOr<std::unique_ptr<HbmFullAttention>> HbmFullAttention::Create(
                    AlignUp((rows * shape.num_kv_heads + 1) * sizeof(int64_t)) +
                    AlignUp(max_spans * sizeof(kernels::PageSpan));
   FLUXION_RETURN_IF_ERROR(a->Check(cudaMalloc(&a->step_, a->step_bytes_), "step arrays"));
-  FLUXION_RETURN_IF_ERROR(a->Check(cudaMallocHost(&a->staging_, a->step_bytes_), "staging"));
+  // The spans are written on the device (FillPageSpans): staging holds the arrays before them.
+  const size_t staged = a->step_bytes_ - AlignUp(max_spans * sizeof(kernels::PageSpan));
+  FLUXION_RETURN_IF_ERROR(a->Check(cudaMallocHost(&a->staging_, staged), "staging"));
   FLUXION_RETURN_IF_ERROR(
       a->Check(cudaMalloc(&a->lse_, rows * shape.num_heads * sizeof(float)), "lse"));
   char* p = static_cast<char*>(a->step_);
@@ -129,8 +132,8 @@ absl::Status HbmFullAttention::BeginStep(absl::Span<const int> slots,
                                                          static_cast<char*>(step_)));
   auto* indptr_h = reinterpret_cast<int64_t*>(base + (reinterpret_cast<char*>(indptr_dev_) -
                                                       static_cast<char*>(step_)));
-  auto* spans_h = reinterpret_cast<kernels::PageSpan*>(
-      base + (reinterpret_cast<char*>(spans_dev_) - static_cast<char*>(step_)));
+  // Per (row, KV head) only the offsets of its spans; FillPageSpans writes the spans themselves on
+  // the device, so this loop and the upload stay O(rows x KV heads) whatever the contexts.
   int64_t n = 0;
   indptr_h[0] = 0;
   for (int64_t i = 0; i < rows; ++i) {
@@ -140,21 +143,21 @@ absl::Status HbmFullAttention::BeginStep(absl::Span<const int> slots,
     }
     slots_h[i] = slots[i];
     positions_h[i] = positions[i];
-    const int64_t context = positions[i] + 1;
+    const int64_t pages = (positions[i] + 1 + pt - 1) / pt;  // <= max_pages: position < max_tokens
     for (int64_t h = 0; h < hkv; ++h) {
-      const int64_t first = (slots[i] * hkv + h) * max_pages;
-      for (int64_t t = 0; t < context; t += pt) {
-        spans_h[n++] = {static_cast<int32_t>(first + t / pt), 0,
-                        static_cast<int32_t>(std::min(pt, context - t))};
-      }
+      n += pages;
       indptr_h[i * hkv + h + 1] = n;
     }
   }
   rows_ = rows;
   num_spans_ = n;
-  const size_t used = reinterpret_cast<char*>(spans_h + n) - base;
+  const size_t used = reinterpret_cast<char*>(indptr_h + rows * hkv + 1) - base;
   FLUXION_RETURN_IF_ERROR(
       Check(cudaMemcpyAsync(step_, staging_, used, cudaMemcpyHostToDevice, stream_), "upload"));
+  FLUXION_RETURN_IF_ERROR(Check(kernels::cuda::FillPageSpans(slots_dev_, positions_dev_,
+                                                             indptr_dev_, rows, hkv, max_pages, pt,
+                                                             spans_dev_, stream_),
+                                "spans"));
   // The workspace for this problem's size (grows only while the contexts do).
   kernels::PagedDecodeProblem p;
   p.kv = {static_cast<const uint8_t*>(kv_), shape_.page_bytes(), pt, shape_.head_dim};

@@ -3,8 +3,11 @@
 // model::BatchAttention for a DecodeStepRunner on CUDA dense ops: per layer the step's K/V are
 // appended to device pages (kernels/cuda/window_ring.h HbmPageAppend) and every (row, KV head)
 // attends all its tokens through the CUDA attention backend (kernels/cuda/attention_backend_cuda.h)
-// into io.out. Layers have arenas of the same layout, so one span list per step serves every layer
-// (uploaded once per step from pinned staging).
+// into io.out. Layers have arenas of the same layout, so one span list per step serves every layer:
+// BeginStep uploads the rows' slots, positions and span offsets (rows x KV heads + 1) from pinned
+// staging and the spans are written on the device (kernels/cuda/page_spans.h), so the host's
+// per-step work does not grow with the contexts. Attend only launches (append, plan, attention,
+// merge): no host work, synchronisation or allocation per layer.
 //
 // Thread-compatible; CUDA builds only.
 #ifndef FLUXION_DECODE_HBM_FULL_ATTENTION_H_

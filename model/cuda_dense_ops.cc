@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,10 @@ namespace kc = ::fluxion::kernels::cuda;
 // matrix (a 128K-vocabulary LM head, 2 GiB in fp32) needs no fp32 device copy.
 constexpr int64_t kStagingFloats = int64_t{16} << 20;
 
+// CopyFromHost stages copies of at most kSmallCopyBytes through kPinnedBytes of pinned memory.
+constexpr size_t kSmallCopyBytes = size_t{64} << 10;
+constexpr size_t kPinnedBytes = size_t{1} << 20;
+
 absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), " (",
                                           cudaGetErrorString(e), ")"));
@@ -40,12 +45,25 @@ class DeviceBuffer : public OpsBuffer {
   size_t size_;
 };
 
-class CudaDenseOps : public DenseOps {
+class CudaGraph : public OpsGraph {
  public:
-  CudaDenseOps(int device, cudaStream_t stream, std::unique_ptr<kc::Gemm> gemm)
-      : device_(device), stream_(stream), gemm_(std::move(gemm)) {}
+  explicit CudaGraph(cudaGraphExec_t exec) : exec_(exec) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  cudaGraphExec_t exec() const { return exec_; }
+
+ private:
+  cudaGraphExec_t exec_;
+};
+
+// The dense seam, its fused operations (GEMM input = bf16) and graph capture on one stream.
+class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
+ public:
+  // `pinned` (kPinnedBytes of page-locked host memory, or null: every copy then waits) is owned.
+  CudaDenseOps(int device, cudaStream_t stream, std::unique_ptr<kc::Gemm> gemm, void* pinned)
+      : device_(device), stream_(stream), gemm_(std::move(gemm)), pinned_(pinned) {}
   ~CudaDenseOps() override {
     cudaStreamSynchronize(stream_);
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
     gemm_.reset();  // its handle is bound to the stream
     x_bf16_.reset();
     scratch_.reset();
@@ -69,15 +87,37 @@ class CudaDenseOps : public DenseOps {
 
   void CopyFromHost(void* dst, const void* host_src, size_t bytes) override {
     if (bytes == 0) return;
+    if (capturing_) {
+      // A graph would record the staging slot, not the caller's data: not recordable.
+      RecordStatus(absl::FailedPreconditionError(
+          "CudaDenseOps::CopyFromHost cannot be recorded into a graph"));
+      return;
+    }
+    if (bytes <= kSmallCopyBytes && pinned_ != nullptr) {
+      // Small copies (a step's tokens and positions, a layer's attention rows) go through pinned
+      // staging, so the caller's source is free at once and the stream need not be waited for.
+      // A slot is reused only after a synchronisation, when every copy from it has run.
+      if (pinned_used_ + bytes > kPinnedBytes) {
+        Record(cudaStreamSynchronize(stream_), "CopyFromHost (staging wait)");
+        pinned_used_ = 0;
+      }
+      char* slot = static_cast<char*>(pinned_) + pinned_used_;
+      std::memcpy(slot, host_src, bytes);
+      pinned_used_ += (bytes + 255) / 256 * 256;
+      Record(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream_), "CopyFromHost");
+      return;
+    }
     Record(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_),
            "CopyFromHost");
     Record(cudaStreamSynchronize(stream_), "CopyFromHost (wait)");  // the source may be reused
+    pinned_used_ = 0;  // the stream is drained: every staged copy has run
   }
 
   void CopyToHost(void* host_dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
     Record(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "CopyToHost");
     Record(cudaStreamSynchronize(stream_), "CopyToHost (wait)");
+    pinned_used_ = 0;
   }
 
   void Copy(void* dst, const void* src, size_t bytes) override {
@@ -136,14 +176,7 @@ class CudaDenseOps : public DenseOps {
     }
     bf16* xb = static_cast<bf16*>(x_bf16_->data());
     Record(kc::CastToBf16(x, xb, m * k, stream_), "MatMul cast");
-    if (absl::Status s = gemm_->MatMulBf16(xb, static_cast<const bf16*>(w.data), y, m, n, k,
-                                           accumulate);
-        !s.ok()) {
-      RecordStatus(absl::Status(s.code(), absl::StrCat("CudaDenseOps::MatMul (m=", m, " n=", n,
-                                                       " k=", k, "): ", s.message())));
-      return;
-    }
-    if (bias != nullptr) Record(kc::AddBiasRows(y, bias, m, n, stream_), "MatMul bias");
+    Product(xb, w, bias, y, m, n, k, accumulate);
   }
 
   void RmsNorm(const float* x, const float* weight, float eps, float* y, int64_t m,
@@ -173,26 +206,131 @@ class CudaDenseOps : public DenseOps {
 
   absl::Status Sync() override {
     Record(cudaStreamSynchronize(stream_), "Sync");
+    pinned_used_ = 0;
     absl::Status s = std::move(status_);
     status_ = absl::OkStatus();
     return s;
   }
 
   void* native_stream() const override { return stream_; }
+  FusedDenseOps* fused() override { return this; }
+  OpsGraphs* graphs() override { return this; }
+
+  // FusedDenseOps: activations go to the products as bf16, written by the operation before.
+  size_t GemmInputBytes(int64_t n) const override { return static_cast<size_t>(n) * sizeof(bf16); }
+
+  void RmsNormToGemmInput(const float* x, const float* weight, float eps, void* xg, int64_t m,
+                          int64_t d) override {
+    Record(kc::RmsNormBf16(x, weight, eps, static_cast<bf16*>(xg), m, d, stream_),
+           "RmsNormToGemmInput");
+  }
+
+  void ToGemmInput(const float* x, void* xg, int64_t n) override {
+    Record(kc::CastToBf16(x, static_cast<bf16*>(xg), n, stream_), "ToGemmInput");
+  }
+
+  void MatMulGemmInput(const void* xg, WeightRef w, const float* bias, float* y, int64_t m,
+                       int64_t n, int64_t k, bool accumulate) override {
+    if (m == 0) return;
+    if (w.dtype != WeightDType::kBF16) {
+      RecordStatus(absl::InternalError(
+          "CudaDenseOps::MatMulGemmInput got a weight it did not upload (not bf16)"));
+      return;
+    }
+    Product(static_cast<const bf16*>(xg), w, bias, y, m, n, k, accumulate);
+  }
+
+  void SplitQkvRope(const float* qkv, const float* bias, const int64_t* positions,
+                    const float* inv_freq, float* q, float* k, float* v, int64_t m, int64_t heads,
+                    int64_t kv_heads, int64_t head_dim) override {
+    Record(kc::SplitQkvRope(qkv, bias, positions, inv_freq, q, k, v, m, heads, kv_heads, head_dim,
+                            stream_),
+           "SplitQkvRope");
+  }
+
+  void SiluMulToGemmInput(const float* gate_up, void* outg, int64_t m, int64_t f) override {
+    Record(kc::SiluMulRowsBf16(gate_up, static_cast<bf16*>(outg), m, f, stream_),
+           "SiluMulToGemmInput");
+  }
+
+  // OpsGraphs. Thread-local capture mode: only this thread's unsafe calls (a synchronisation, an
+  // allocation) break the capture, not another thread's CUDA work (the hybrid step's).
+  absl::Status BeginCapture() override {
+    if (capturing_) return absl::FailedPreconditionError("CudaDenseOps: already capturing");
+    if (cudaError_t e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+        e != cudaSuccess) {
+      cudaGetLastError();
+      return CudaStatus(e, "CudaDenseOps::BeginCapture");
+    }
+    capturing_ = true;
+    capture_status_ = absl::OkStatus();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<OpsGraph>> EndCapture() override {
+    if (!capturing_) return absl::FailedPreconditionError("CudaDenseOps: not capturing");
+    capturing_ = false;
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    absl::Status s = std::move(capture_status_);
+    capture_status_ = absl::OkStatus();
+    if (end != cudaSuccess) {
+      cudaGetLastError();  // an invalidated capture is not sticky
+      if (s.ok()) s = CudaStatus(end, "CudaDenseOps::EndCapture");
+    }
+    if (!s.ok()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      return s;
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (inst != cudaSuccess) {
+      cudaGetLastError();
+      return CudaStatus(inst, "CudaDenseOps::EndCapture (instantiate)");
+    }
+    return std::unique_ptr<OpsGraph>(new CudaGraph(exec));
+  }
+
+  void Replay(OpsGraph& graph) override {
+    Record(cudaGraphLaunch(static_cast<CudaGraph&>(graph).exec(), stream_), "Replay");
+  }
+
+  uint64_t generation() const override { return generation_; }
 
  private:
+  // y = xb . w^T (+ y) (+ bias) with xb already bf16.
+  void Product(const bf16* xb, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
+               int64_t k, bool accumulate) {
+    if (absl::Status s = gemm_->MatMulBf16(xb, static_cast<const bf16*>(w.data), y, m, n, k,
+                                           accumulate);
+        !s.ok()) {
+      RecordStatus(absl::Status(s.code(), absl::StrCat("CudaDenseOps::MatMul (m=", m, " n=", n,
+                                                       " k=", k, "): ", s.message())));
+      return;
+    }
+    if (bias != nullptr) Record(kc::AddBiasRows(y, bias, m, n, stream_), "MatMul bias");
+  }
+
   void Record(cudaError_t e, absl::string_view what) {
     if (e != cudaSuccess) {
       RecordStatus(CudaStatus(e, absl::StrCat("CudaDenseOps::", what, " on device ", device_)));
     }
   }
+  // While capturing, errors belong to the capture (EndCapture returns them), not to Sync.
   void RecordStatus(absl::Status s) {
-    if (status_.ok()) status_ = std::move(s);
+    absl::Status& first = capturing_ ? capture_status_ : status_;
+    if (first.ok()) first = std::move(s);
   }
   // Makes *buf hold at least `bytes` (ResourceExhausted when it cannot). Grows only: after a
   // step at a batch size, later steps at that size allocate nothing.
   absl::Status Grow(std::unique_ptr<OpsBuffer>* buf, size_t bytes, absl::string_view what) {
     if (*buf != nullptr && (*buf)->size() >= bytes) return absl::OkStatus();
+    if (capturing_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "CudaDenseOps ", what, ": scratch would have to grow while recording a graph"));
+    }
+    ++generation_;  // graphs recorded over the old buffer must not replay
     // No queued operation may still use the old buffer when it is freed.
     if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
       return CudaStatus(e, absl::StrCat("CudaDenseOps ", what));
@@ -214,6 +352,11 @@ class CudaDenseOps : public DenseOps {
   std::unique_ptr<OpsBuffer> scratch_;  // Copy between overlapping ranges
   std::unique_ptr<OpsBuffer> staging_;  // UploadWeight's fp32 chunks
   absl::Status status_;                 // the first error since the last Sync
+  bool capturing_ = false;
+  absl::Status capture_status_;         // the first error since BeginCapture
+  uint64_t generation_ = 0;             // bumped when scratch is reallocated
+  void* pinned_;                        // staging of small CopyFromHost calls
+  size_t pinned_used_ = 0;              // bytes of it that queued copies may still read
 };
 
 }  // namespace
@@ -243,7 +386,14 @@ absl::StatusOr<std::unique_ptr<DenseOps>> NewCudaDenseOps(int device) {
     cudaStreamDestroy(stream);
     return gemm.status();
   }
-  return std::unique_ptr<DenseOps>(new CudaDenseOps(device, stream, std::move(*gemm)));
+  // Without pinned staging (cudaMallocHost refused) small copies wait, as large ones do.
+  void* pinned = nullptr;
+  if (cudaMallocHost(&pinned, kPinnedBytes) != cudaSuccess) {
+    cudaGetLastError();
+    pinned = nullptr;
+  }
+  return std::unique_ptr<DenseOps>(
+      new CudaDenseOps(device, stream, std::move(*gemm), pinned));
 }
 
 }  // namespace fluxion::model

@@ -8,9 +8,17 @@
 // without CUDA the same library holds a stub whose factory says so, so callers (the CLI) need no
 // #ifdef.
 //
+// It offers both optional capabilities of dense_ops.h: fused operations whose GEMM input is bf16
+// (RMSNorm and SiLU * up write it, one split + bias + RoPE kernel after the stacked q/k/v
+// product), and CUDA graphs recorded from its stream (thread-local capture mode).
+//
 // Hot path: nothing is allocated once a step at a batch size has run (the bf16 input scratch grows
-// to the largest m * k seen; the cuBLAS workspace is allocated at creation). CopyFromHost and
-// CopyToHost wait for their copy (the DenseOps contract), so each costs a stream synchronisation.
+// to the largest m * k seen, which bumps generation(); the cuBLAS workspace is allocated at
+// creation; a GEMM shape's first product tunes its algorithm, kernels/cuda/gemm.h). CopyToHost
+// and a CopyFromHost of more than 64 KiB wait for their copy (the DenseOps contract: the host
+// buffer may be reused on return), so each costs a stream synchronisation; a smaller
+// CopyFromHost (a step's tokens and positions) is staged through 1 MiB of pinned memory and
+// returns at once, waiting only when that staging is full.
 //
 // Thread-compatible: create and drive it from one thread (Create makes `device` current there).
 #ifndef FLUXION_MODEL_CUDA_DENSE_OPS_H_

@@ -27,6 +27,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <unistd.h>
@@ -177,6 +178,106 @@ TEST_F(CudaDenseOpsTest, NormRopeSiluMatchTheCpuOps) {
   EXPECT_LE(RelDiff(ToHost(dx, m * d).data(), want_norm.data(), m * d), 1e-5);
   EXPECT_LE(RelDiff(ToHost(dgate, m * f).data(), want_silu.data(), m * f), 1e-5);
   EXPECT_LE(RelDiff(ToHost(dq, q.size()).data(), want_q.data(), q.size()), 1e-5);
+}
+
+// The fused operations (FusedDenseOps) against the plain ones on the same device and inputs: the
+// q/k/v half (RMSNorm to bf16, one product over the stacked q/k/v rows, split + bias + RoPE) and
+// the MLP half (RMSNorm to bf16, one gate/up product, SiLU * up to bf16, down with the residual).
+// Both round the same fp32 values to bf16 before each product, so only the products' blocking
+// differs (cuBLAS may choose another algorithm for the stacked shape): 1e-5 of the largest value
+// for q/k/v; the MLP's bf16 rounding of silu * up can flip on such a difference, one bf16 ulp
+// (2^-8) on a few down inputs: 1e-3.
+TEST_F(CudaDenseOpsTest, FusedOpsMatchThePlainOps) {
+  FusedDenseOps* fused = ops_->fused();
+  ASSERT_NE(fused, nullptr);
+  const int64_t m = 5, h = 512, heads = 8, kv = 2, hd = 64, f = 1024;
+  const int64_t qw = heads * hd, kw = kv * hd, all = qw + 2 * kw;
+  const std::vector<float> x = Random(m * h, 11), norm = Random(h, 12);
+  const std::vector<float> wqkv = RoundedToBf16(Random(all * h, 13, 0.05f)),
+                           bias = Random(all, 14);
+  const std::vector<float> wgu = RoundedToBf16(Random(2 * f * h, 15, 0.05f)),
+                           wdown = RoundedToBf16(Random(h * f, 16, 0.03f));
+  const std::vector<int64_t> positions = {0, 5, 77, 4097, 131071};
+  std::vector<float> inv_freq(hd / 2);
+  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(5e5, -2.0 * i / hd);
+  auto rows = [&](const std::vector<float>& w, int64_t first, int64_t n) {
+    return std::vector<float>(w.begin() + first * h, w.begin() + (first + n) * h);
+  };
+  auto part = [&](const std::vector<float>& v, int64_t first, int64_t n) {
+    return std::vector<float>(v.begin() + first, v.begin() + first + n);
+  };
+  const float* dx = ToDevice(x);
+  const float* dnorm = ToDevice(norm);
+  const int64_t* dpos = ToDevice(positions);
+  const float* dfreq = ToDevice(inv_freq);
+
+  // Plain: the layer body's unfused calls.
+  float* normed = ToDevice(std::vector<float>(m * h, NAN));
+  float* q = ToDevice(std::vector<float>(m * qw, NAN));
+  float* k = ToDevice(std::vector<float>(m * kw, NAN));
+  float* v = ToDevice(std::vector<float>(m * kw, NAN));
+  ops_->RmsNorm(dx, dnorm, 1e-5f, normed, m, h);
+  ops_->MatMul(normed, Upload(rows(wqkv, 0, qw), qw, h), ToDevice(part(bias, 0, qw)), q, m, qw, h,
+               false);
+  ops_->MatMul(normed, Upload(rows(wqkv, qw, kw), kw, h), ToDevice(part(bias, qw, kw)), k, m, kw,
+               h, false);
+  ops_->MatMul(normed, Upload(rows(wqkv, qw + kw, kw), kw, h), ToDevice(part(bias, qw + kw, kw)),
+               v, m, kw, h, false);
+  ops_->ApplyRope(q, dpos, dfreq, m, heads, hd);
+  ops_->ApplyRope(k, dpos, dfreq, m, kv, hd);
+  float* gate = ToDevice(std::vector<float>(m * f, NAN));
+  float* up = ToDevice(std::vector<float>(m * f, NAN));
+  float* y = ToDevice(x);
+  ops_->MatMul(normed, Upload(rows(wgu, 0, f), f, h), nullptr, gate, m, f, h, false);
+  ops_->MatMul(normed, Upload(rows(wgu, f, f), f, h), nullptr, up, m, f, h, false);
+  ops_->SiluMul(gate, up, gate, m * f);
+  const WeightRef down = Upload(wdown, h, f);
+  ops_->MatMul(gate, down, nullptr, y, m, h, f, true);
+
+  // Fused.
+  auto scratch = ops_->Allocate(fused->GemmInputBytes(m * f));
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  void* xg = (*scratch)->data();
+  float* qkv = ToDevice(std::vector<float>(m * all, NAN));
+  float* fq = ToDevice(std::vector<float>(m * qw, NAN));
+  float* fk = ToDevice(std::vector<float>(m * kw, NAN));
+  float* fv = ToDevice(std::vector<float>(m * kw, NAN));
+  fused->RmsNormToGemmInput(dx, dnorm, 1e-5f, xg, m, h);
+  fused->MatMulGemmInput(xg, Upload(wqkv, all, h), nullptr, qkv, m, all, h, false);
+  fused->SplitQkvRope(qkv, ToDevice(bias), dpos, dfreq, fq, fk, fv, m, heads, kv, hd);
+  float* gu = ToDevice(std::vector<float>(m * 2 * f, NAN));
+  float* fy = ToDevice(x);
+  fused->MatMulGemmInput(xg, Upload(wgu, 2 * f, h), nullptr, gu, m, 2 * f, h, false);
+  fused->SiluMulToGemmInput(gu, xg, m, f);
+  fused->MatMulGemmInput(xg, down, nullptr, fy, m, h, f, true);
+  ASSERT_TRUE(ops_->Sync().ok());
+
+  for (auto [got, want, n, tol] :
+       {std::tuple{fq, q, m * qw, 1e-5}, std::tuple{fk, k, m * kw, 1e-5},
+        std::tuple{fv, v, m * kw, 1e-5}, std::tuple{fy, y, m * h, 1e-3}}) {
+    const std::vector<float> g = ToHost(got, n), w = ToHost(want, n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_FALSE(std::isnan(g[i])) << i;  // every value written
+    EXPECT_LE(RelDiff(g.data(), w.data(), n), tol);
+  }
+}
+
+// Small copies from the host are staged (pinned) and return before they run: the caller's buffer
+// is reused at once, many times past the staging's 1 MiB (so it wraps), and every destination
+// still holds what was copied at its call.
+TEST_F(CudaDenseOpsTest, SmallCopiesFromTheHostMayReuseTheSourceAtOnce) {
+  const int64_t copies = 100, n = 4000;  // 16 KB each, 1.6 MB in all
+  auto dst = ops_->Allocate(copies * n * sizeof(int32_t));
+  ASSERT_TRUE(dst.ok()) << dst.status();
+  int32_t* d = static_cast<int32_t*>((*dst)->data());
+  std::vector<int32_t> src(n);
+  for (int64_t c = 0; c < copies; ++c) {
+    for (int64_t i = 0; i < n; ++i) src[i] = static_cast<int32_t>(c * n + i);
+    ops_->CopyFromHost(d + c * n, src.data(), n * sizeof(int32_t));
+  }
+  std::fill(src.begin(), src.end(), -1);
+  const std::vector<int32_t> got = ToHost(d, copies * n);
+  ASSERT_TRUE(ops_->Sync().ok());
+  for (int64_t i = 0; i < copies * n; ++i) ASSERT_EQ(got[i], i) << i;
 }
 
 // Copy is memmove: overlapping moves in both directions (a batch compaction moves rows down).
@@ -366,6 +467,57 @@ TEST_P(CudaDecodeStepTest, GreedyGenerationOnTheGpuGivesTheCpuTokens) {
   auto gpu = Generate(*model_, prompt, opts);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ(gpu->tokens, cpu->tokens);
+}
+
+// The step with CUDA graphs (the default where the ops offer them: dense segments recorded at the
+// second step of a batch size, replayed after) gives the eager step's logits bit for bit, and the
+// graphs did run. Two runners over the same ops and model, one with graphs off; attention on the
+// host between the segments.
+TEST_P(CudaDecodeStepTest, StepsWithGraphsEqualStepsWithout) {
+  const ModelConfig& c = model_->config();
+  const int64_t vocab = c.vocab_size, b = 3;
+  std::vector<std::unique_ptr<Sequence>> eager_seqs, graph_seqs;
+  std::vector<float> scratch;
+  for (int64_t i = 0; i < b; ++i) {
+    std::vector<int32_t> prompt(5 + 7 * i, static_cast<int32_t>(11 * i + 2));
+    for (auto* seqs : {&eager_seqs, &graph_seqs}) {
+      seqs->push_back(model_->NewSequence());
+      ASSERT_TRUE(model_->Forward(*seqs->back(), prompt, &scratch).ok());
+    }
+  }
+  auto eager = DecodeStepRunner::Create(*model_, gpu_.get());
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  (*eager)->set_use_graphs(false);
+  auto graphed = DecodeStepRunner::Create(*model_, gpu_.get());
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  std::vector<Sequence*> ep, gp;
+  for (int64_t i = 0; i < b; ++i) {
+    ep.push_back(eager_seqs[i].get());
+    gp.push_back(graph_seqs[i].get());
+  }
+  SequenceBatchAttention eager_attention(ep, model_->attention_shape(), gpu_.get());
+  SequenceBatchAttention graph_attention(gp, model_->attention_shape(), gpu_.get());
+  std::vector<float> want(b * vocab), got(b * vocab);
+  for (int step = 0; step < 5; ++step) {
+    std::vector<int32_t> tokens;
+    std::vector<int64_t> positions;
+    for (int64_t i = 0; i < b; ++i) {
+      tokens.push_back(static_cast<int32_t>((13 * step + 5 * i) % vocab));
+      positions.push_back(eager_seqs[i]->length());
+    }
+    absl::Status s = (*eager)->Step(tokens, positions, eager_attention, want.data());
+    ASSERT_TRUE(s.ok()) << s;
+    s = (*graphed)->Step(tokens, positions, graph_attention, got.data());
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0)
+        << "step " << step;
+  }
+  EXPECT_TRUE((*graphed)->graph_status().ok()) << (*graphed)->graph_status();
+  if (gpu_->graphs() != nullptr) {
+    // Steps 1 (recorded and replayed) to 4 (replayed): num_layers + 1 segments each.
+    EXPECT_EQ((*graphed)->graph_replays(), 4 * (c.num_layers + 1));
+  }
+  EXPECT_EQ((*eager)->graph_replays(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaDecodeStepTest,

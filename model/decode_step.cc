@@ -41,21 +41,32 @@ absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
     }
   }
   DenseOps& ops = *ops_;
+  if (!params_fused_) {
+    FLUXION_RETURN_IF_ERROR(FuseParams(ops, &params_));
+    params_fused_ = true;
+  }
+  // The LM head writes into the runner's own buffer when the ops' memory is not the host's, or
+  // when the ops may record it into a graph (which must not keep the caller's pointer).
+  const bool own_logits = !ops.host_memory() || ops.graphs() != nullptr;
   if (buf_.capacity < rows) {
+    graphs_.clear();  // they record the old buffers' addresses
     FLUXION_ASSIGN_OR_RETURN(buf_, StepBuffers::Create(ops, c, rows));
     logits_.reset();
-    if (!ops.host_memory()) {
+    if (own_logits) {
       FLUXION_ASSIGN_OR_RETURN(logits_, ops.Allocate(rows * c.vocab_size * sizeof(float)));
     }
   }
+  float* out = own_logits ? static_cast<float*>(logits_->data()) : logits;
   EmbedRows(ops, params_, c, buf_, tokens.data(), positions.data(), rows);
-  auto attend = [&](int layer, int64_t live) -> absl::StatusOr<int64_t> {
+  for (int64_t l = 0; l <= c.num_layers; ++l) {
+    RunSegment(l, rows, out);
+    if (l == c.num_layers) break;
     // No Sync here: an attention on the device keeps the stream full (a per-layer wait cost the
     // HBM step ~20% on the H200); one on the host waits in its CopyToHost. Device errors are
     // sticky and surface at the step's last Sync.
     LayerAttentionIo io;
-    io.layer = layer;
-    io.rows = live;
+    io.layer = static_cast<int>(l);
+    io.rows = rows;
     io.positions = positions.data();
     io.q = buf_.q;
     io.k = buf_.k;
@@ -63,13 +74,54 @@ absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
     io.out = buf_.attn;
     io.host_memory = ops.host_memory();
     FLUXION_RETURN_IF_ERROR(attention.Attend(io));
-    return live;
-  };
-  FLUXION_RETURN_IF_ERROR(RunLayers(ops, c, params_, buf_, rows, attend).status());
-  float* out = ops.host_memory() ? logits : static_cast<float*>(logits_->data());
-  LmHead(ops, params_, c, buf_, buf_.x, rows, out);
-  if (!ops.host_memory()) ops.CopyToHost(logits, out, rows * c.vocab_size * sizeof(float));
-  return ops.Sync();
+  }
+  if (own_logits) ops.CopyToHost(logits, out, rows * c.vocab_size * sizeof(float));
+  FLUXION_RETURN_IF_ERROR(ops.Sync());
+  if (use_graphs_ && ops.graphs() != nullptr && graph_status_.ok()) graphs_[rows].warmed = true;
+  return absl::OkStatus();
+}
+
+void DecodeStepRunner::DenseSegment(int64_t s, int64_t rows, float* logits) {
+  if (s > 0) PostAttention(*ops_, config_, params_.layers[s - 1], buf_, rows);
+  if (s < config_.num_layers) {
+    PreAttention(*ops_, config_, params_.layers[s], params_.inv_freq, buf_, rows);
+  } else {
+    LmHead(*ops_, params_, config_, buf_, buf_.x, rows, logits);
+  }
+}
+
+void DecodeStepRunner::RunSegment(int64_t s, int64_t rows, float* logits) {
+  OpsGraphs* g = ops_->graphs();
+  if (!use_graphs_ || g == nullptr || !graph_status_.ok()) return DenseSegment(s, rows, logits);
+  if (g->generation() != graph_generation_) {
+    graphs_.clear();  // the backend reallocated scratch a graph may have recorded
+    graph_generation_ = g->generation();
+  }
+  auto it = graphs_.find(rows);
+  if (it == graphs_.end() || !it->second.warmed) return DenseSegment(s, rows, logits);
+  std::vector<std::unique_ptr<OpsGraph>>& segments = it->second.segments;
+  if (static_cast<int64_t>(segments.size()) > s) {
+    g->Replay(*segments[s]);
+    ++graph_replays_;
+    return;
+  }
+  // Segments are recorded in order within a step, so this one is next.
+  absl::Status status = g->BeginCapture();
+  if (status.ok()) {
+    DenseSegment(s, rows, logits);
+    absl::StatusOr<std::unique_ptr<OpsGraph>> graph = g->EndCapture();
+    if (graph.ok()) {
+      g->Replay(**graph);  // recording ran nothing
+      segments.push_back(std::move(*graph));
+      ++graph_replays_;
+      return;
+    }
+    status = graph.status();
+  }
+  graph_status_ = absl::Status(status.code(),
+                               absl::StrCat("CUDA graphs off for this runner: ", status.message()));
+  graphs_.clear();
+  DenseSegment(s, rows, logits);
 }
 
 HostRows RowsOnHost(const LayerAttentionIo& io, const AttentionShape& shape, DenseOps* ops,

@@ -8,15 +8,28 @@
 //                    PostAttention over all rows          (DenseOps)
 //   final norm + LM head over all rows -> logits
 //
-// The dense halves run on a DenseOps (CPU now, CUDA later); the attention is the executor's, so
-// that a hybrid step can attend the resident part on the GPU and the selected host pages on the
-// CPU (kernels/attention_backend.h) and merge the two by log-sum-exp.
+// The dense halves run on a DenseOps (CPU or CUDA); the attention is the executor's, so that a
+// hybrid step can attend the resident part on the GPU and the selected host pages on the CPU
+// (kernels/attention_backend.h) and merge the two by log-sum-exp.
+//
+// On a DenseOps that offers fused operations (dense_ops.h FusedDenseOps) the runner stacks the
+// weights at its first step (FuseParams) and the layers run fused. On one that offers graphs
+// (OpsGraphs) the dense work between two attentions -- PostAttention(l - 1) + PreAttention(l), the
+// first PreAttention, the last PostAttention + LM head: num_layers + 1 segments -- is recorded as
+// one graph per segment and batch size and replayed; the attention between them stays the
+// executor's, launched as before (its launch sizes change as the contexts grow, which a graph
+// could not follow). The first step at a batch size runs eagerly (the backend's scratch and its
+// GEMM choices settle), the second records, later ones replay. A graph is invalidated when the
+// step buffers are reallocated (a larger batch than any before) or the backend reallocates its
+// scratch (OpsGraphs::generation); a failed capture turns graphs off for the runner
+// (graph_status) and the step runs eagerly.
 //
 // Thread-compatible: one driver thread per runner.
 #ifndef FLUXION_MODEL_DECODE_STEP_H_
 #define FLUXION_MODEL_DECODE_STEP_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -85,15 +98,42 @@ class DecodeStepRunner {
   DenseOps& ops() { return *ops_; }
   const ModelParams& params() const { return params_; }
 
+  // Graphs on (the default, where the ops offer them) or off: the same results either way.
+  void set_use_graphs(bool on) {
+    use_graphs_ = on;
+    graphs_.clear();
+  }
+  // Why graphs were turned off (a failed capture); OK otherwise.
+  const absl::Status& graph_status() const { return graph_status_; }
+  // Dense segments run from graphs so far (recorded and replayed, or replayed).
+  int64_t graph_replays() const { return graph_replays_; }
+
  private:
   DecodeStepRunner(const ModelConfig& config, DenseOps* ops, ModelParams params)
       : config_(config), ops_(ops), params_(std::move(params)) {}
 
+  // Segment s of a step's dense work over `rows` rows: PostAttention(s - 1) when s > 0, then
+  // PreAttention(s) when s < num_layers, else the LM head into `logits` (backend memory).
+  void DenseSegment(int64_t s, int64_t rows, float* logits);
+  // DenseSegment from a graph when one can serve (recording it first when due), else eagerly.
+  void RunSegment(int64_t s, int64_t rows, float* logits);
+
   const ModelConfig config_;
   DenseOps* ops_;
   ModelParams params_;
+  bool params_fused_ = false;  // FuseParams has run (at the first step)
   StepBuffers buf_;
-  std::unique_ptr<OpsBuffer> logits_;  // [capacity][vocab] when the ops' memory is not the host's
+  std::unique_ptr<OpsBuffer> logits_;  // [capacity][vocab] unless the LM head writes the caller's
+
+  struct SizeGraphs {
+    bool warmed = false;  // a step at this size has run eagerly
+    std::vector<std::unique_ptr<OpsGraph>> segments;  // recorded so far, in segment order
+  };
+  bool use_graphs_ = true;
+  absl::Status graph_status_;
+  uint64_t graph_generation_ = 0;            // the ops' generation the graphs were recorded at
+  std::map<int64_t, SizeGraphs> graphs_;     // by batch size
+  int64_t graph_replays_ = 0;
 };
 
 // BatchAttention over Sequences: row i attends through seqs[i]'s SequenceAttention (one token at

@@ -20,6 +20,10 @@
 // first since the last Sync (Internal, with context), as CUDA's sticky errors work. The CPU
 // backend never fails.
 //
+// Optional capabilities (FusedDenseOps, OpsGraphs below): a backend offers them through fused() /
+// graphs(); the layer body (layer.h) and the step runner (decode_step.h) use them when offered, so
+// a backend without them (the CPU's) runs its plain operations unchanged.
+//
 // Thread-compatible: one driver thread per DenseOps.
 #ifndef FLUXION_MODEL_DENSE_OPS_H_
 #define FLUXION_MODEL_DENSE_OPS_H_
@@ -59,6 +63,9 @@ struct UploadedWeight {
   WeightRef ref;
   std::unique_ptr<OpsBuffer> owner;
 };
+
+class FusedDenseOps;
+class OpsGraphs;
 
 class DenseOps {
  public:
@@ -105,6 +112,67 @@ class DenseOps {
   // the operations (the hybrid step's resident window, decode/cuda_resident_window.h); null for
   // backends that run synchronously on the host.
   virtual void* native_stream() const { return nullptr; }
+
+  // The optional capabilities, or null when the backend has none (the default).
+  virtual FusedDenseOps* fused() { return nullptr; }
+  virtual OpsGraphs* graphs() { return nullptr; }
+};
+
+// Fused forms of the layer's operations, for a backend where each launch and each pass over the
+// activations costs (CUDA): one product for q/k/v and one for gate/up over stacked weights
+// (FuseParams in layer.h stacks them), their epilogues (bias split, RoPE, SiLU * up) in one
+// operation each, and activations handed to the products already in the format the products read
+// ("GEMM input": bf16 on CUDA), so no separate cast runs before each product.
+//
+// GEMM-input memory is backend memory of GemmInputBytes(n) bytes for n values, written and read
+// only by the operations below. Ordering and errors as DenseOps's (same queue, sticky errors).
+class FusedDenseOps {
+ public:
+  virtual ~FusedDenseOps() = default;
+  virtual size_t GemmInputBytes(int64_t n) const = 0;
+  // xg[m][d] = RMSNorm(x)[m][d] (DenseOps::RmsNorm's math) in GEMM-input format.
+  virtual void RmsNormToGemmInput(const float* x, const float* weight, float eps, void* xg,
+                                  int64_t m, int64_t d) = 0;
+  // xg[n] = x[n] in GEMM-input format.
+  virtual void ToGemmInput(const float* x, void* xg, int64_t n) = 0;
+  // DenseOps::MatMul's contract with the input already in GEMM-input format.
+  virtual void MatMulGemmInput(const void* xg, WeightRef w, const float* bias, float* y, int64_t m,
+                               int64_t n, int64_t k, bool accumulate) = 0;
+  // Row t of qkv [m][(heads + 2 kv_heads) * head_dim] (plus bias, [(heads + 2 kv_heads) *
+  // head_dim] or null) splits into q [m][heads][head_dim], k and v [m][kv_heads][head_dim], with
+  // ApplyRope's rotation on q and k at positions[t]. Outputs do not alias qkv.
+  virtual void SplitQkvRope(const float* qkv, const float* bias, const int64_t* positions,
+                            const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim) = 0;
+  // outg[t][j] = silu(gate_up[t][j]) * gate_up[t][f + j] for t < m, j < f (gate rows then up
+  // rows of the stacked product), in GEMM-input format.
+  virtual void SiluMulToGemmInput(const float* gate_up, void* outg, int64_t m, int64_t f) = 0;
+};
+
+// A recorded run of operations (a CUDA graph), replayed as one launch.
+class OpsGraph {
+ public:
+  virtual ~OpsGraph() = default;
+};
+
+// Recording the operations issued between BeginCapture and EndCapture into an OpsGraph instead of
+// running them; Replay runs a graph as recorded: the same operations on the same pointers and
+// sizes, reading the memory's contents at replay time. So a graph stays valid only while every
+// buffer it touches stays allocated at the same address (the caller's, the weights, and the
+// backend's own scratch: a capture that would have to grow scratch fails instead).
+//
+// EndCapture returns the graph, or the first error since BeginCapture (an operation that cannot
+// be recorded, e.g. a copy that waits for the host); either way capture has ended, and on error
+// nothing captured ran. Replay's errors are recorded as the operations' (DenseOps::Sync).
+class OpsGraphs {
+ public:
+  virtual ~OpsGraphs() = default;
+  virtual absl::Status BeginCapture() = 0;
+  virtual absl::StatusOr<std::unique_ptr<OpsGraph>> EndCapture() = 0;
+  virtual void Replay(OpsGraph& graph) = 0;
+  // Changes whenever the backend reallocates memory a graph may have recorded (its scratch):
+  // graphs recorded at another generation must not be replayed.
+  virtual uint64_t generation() const = 0;
 };
 
 }  // namespace fluxion::model

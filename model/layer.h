@@ -8,6 +8,13 @@
 //   (attention: the caller's, between the halves: q/k/v -> attn, one row per query token)
 //   PostAttention: x += o_proj(attn); x += down(silu(gate(RMSNorm(x))) * up(RMSNorm(x)))
 //
+// A backend that offers FusedDenseOps (dense_ops.h) runs each half with its fused operations once
+// the layer's weights are stacked (FuseParams): PreAttention is RMSNorm -> one q/k/v product ->
+// split + bias + RoPE, PostAttention o -> RMSNorm -> one gate/up product -> SiLU * up -> down,
+// each activation written in the products' input format by the operation before. layer.cc's
+// FusedFor is the one place that decides; the CPU backend offers no fused ops and runs the plain
+// halves unchanged.
+//
 // All pointers below are in the memory of the DenseOps that runs them.
 #ifndef FLUXION_MODEL_LAYER_H_
 #define FLUXION_MODEL_LAYER_H_
@@ -35,6 +42,10 @@ struct LayerParams {
   LinearParams q, k, v, o;
   const float* post_attention_norm = nullptr;  // [hidden]
   LinearParams gate, up, down;
+  // The stacked forms FuseParams makes: qkv [q.out + k.out + v.out][hidden] (q rows, then k, then
+  // v; bias likewise or null) and gate_up [gate.out + up.out][hidden]. Empty (null weight) until
+  // then; once made, q/k/v/gate/up view their rows of these, so the plain path still works.
+  LinearParams qkv, gate_up;
 };
 
 // Every weight of a model, in one DenseOps's memory: the matrices in its format (WeightRef), the
@@ -47,6 +58,13 @@ struct ModelParams {
   const float* inv_freq = nullptr;    // [head_dim / 2], RoPE frequencies after scaling
   std::vector<std::unique_ptr<OpsBuffer>> owned;  // empty when the pointers borrow host weights
 };
+
+// Stacks every layer's q/k/v and gate/up weights (and biases) into one matrix each when `ops`
+// offers fused operations; a no-op otherwise (and for a layer whose q/k/v have biases on some
+// projections only). The separate copies the params own are freed as each layer is stacked (the
+// stacked copy is made on the device, so memory peaks one layer above the model's).
+// ResourceExhausted when the stacked copy cannot be allocated.
+absl::Status FuseParams(DenseOps& ops, ModelParams* params);
 
 // The activations of up to `capacity` stacked rows, in a DenseOps's memory.
 class StepBuffers {
@@ -66,6 +84,10 @@ class StepBuffers {
   float* up = nullptr;         // [rows][intermediate]
   int64_t* positions = nullptr;  // [rows]
   int32_t* tokens = nullptr;     // [rows]
+  // Only when the ops offer FusedDenseOps (null otherwise):
+  void* gemm_input = nullptr;    // [rows][max(hidden, q width, intermediate)], GEMM-input format
+  float* qkv = nullptr;          // [rows][(num_heads + 2 num_kv_heads) * head_dim]
+  float* gate_up = nullptr;      // [rows][2 * intermediate]
 
  private:
   std::vector<std::unique_ptr<OpsBuffer>> owned_;

@@ -129,7 +129,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& 
   for (const LayerWeights& lw : m->layers_) {
     p.layers.push_back({lw.input_norm.data(), ParamsOf(lw.q), ParamsOf(lw.k), ParamsOf(lw.v),
                         ParamsOf(lw.o), lw.post_attention_norm.data(), ParamsOf(lw.gate),
-                        ParamsOf(lw.up), ParamsOf(lw.down)});
+                        ParamsOf(lw.up), ParamsOf(lw.down), LinearParams{}, LinearParams{}});
   }
   return m;
 }

@@ -27,6 +27,17 @@ __global__ void EmbedRowsKernel(const bf16* table, const int32_t* ids, float* ou
   }
 }
 
+// One RoPE rotation of the pair (a, b) into r[f], r[f + half], the angle and its sine/cosine in
+// double. Shared by RopeKernel and SplitQkvRopeKernel so the two compile to the same arithmetic.
+__device__ __forceinline__ void Rotate(float* r, int64_t f, int64_t half, float a, float b,
+                                       int64_t position, float inv_freq) {
+  double s, c;
+  sincos(static_cast<double>(position) * static_cast<double>(inv_freq), &s, &c);
+  const double da = a, db = b;
+  r[f] = static_cast<float>(da * c - db * s);
+  r[f + half] = static_cast<float>(db * c + da * s);
+}
+
 __global__ void RopeKernel(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
                            int64_t heads, int64_t half) {
   const int64_t pairs = n * heads * half;
@@ -36,11 +47,39 @@ __global__ void RopeKernel(float* x, const int64_t* positions, const float* inv_
     const int64_t row = i / half;  // t * heads + h
     const int64_t t = row / heads;
     float* r = x + row * 2 * half;
-    double s, c;
-    sincos(static_cast<double>(positions[t]) * static_cast<double>(inv_freq[f]), &s, &c);
-    const double a = r[f], b = r[f + half];
-    r[f] = static_cast<float>(a * c - b * s);
-    r[f + half] = static_cast<float>(b * c + a * s);
+    Rotate(r, f, half, r[f], r[f + half], positions[t], inv_freq[f]);
+  }
+}
+
+// One thread per pair (f, f + half) of a head of a row: q and k heads rotate, v heads copy.
+__global__ void SplitQkvRopeKernel(const float* qkv, const float* bias, const int64_t* positions,
+                                   const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                                   int64_t heads, int64_t kv_heads, int64_t half) {
+  const int64_t all_heads = heads + 2 * kv_heads;
+  const int64_t pairs = m * all_heads * half;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < pairs;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t f = i % half;
+    const int64_t head_row = i / half;  // t * all_heads + h
+    const int64_t t = head_row / all_heads, h = head_row % all_heads;
+    const float* src = qkv + head_row * 2 * half;
+    float a = src[f], b = src[f + half];
+    if (bias != nullptr) {
+      a += bias[h * 2 * half + f];
+      b += bias[h * 2 * half + f + half];
+    }
+    float* dst;
+    if (h < heads) {
+      dst = q + (t * heads + h) * 2 * half;
+    } else if (h < heads + kv_heads) {
+      dst = k + (t * kv_heads + h - heads) * 2 * half;
+    } else {
+      dst = v + (t * kv_heads + h - heads - kv_heads) * 2 * half;
+      dst[f] = a;
+      dst[f + half] = b;
+      continue;
+    }
+    Rotate(dst, f, half, a, b, positions[t], inv_freq[f]);
   }
 }
 
@@ -234,6 +273,17 @@ cudaError_t ApplyRope(float* x, const int64_t* positions, const float* inv_freq,
   if (pairs == 0) return cudaSuccess;
   RopeKernel<<<GridFor(pairs), kThreads, 0, stream>>>(x, positions, inv_freq, n, heads,
                                                       head_dim / 2);
+  return cudaGetLastError();
+}
+
+cudaError_t SplitQkvRope(const float* qkv, const float* bias, const int64_t* positions,
+                         const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
+  if (head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const int64_t pairs = m * (heads + 2 * kv_heads) * (head_dim / 2);
+  if (pairs == 0) return cudaSuccess;
+  SplitQkvRopeKernel<<<GridFor(pairs), kThreads, 0, stream>>>(qkv, bias, positions, inv_freq, q, k,
+                                                              v, m, heads, kv_heads, head_dim / 2);
   return cudaGetLastError();
 }
 

@@ -29,6 +29,16 @@ cudaError_t EmbedRows(const bf16* table, const int32_t* ids, float* out, int64_t
 cudaError_t ApplyRope(float* x, const int64_t* positions, const float* inv_freq, int64_t n,
                       int64_t heads, int64_t head_dim, cudaStream_t stream);
 
+// The epilogue of the stacked q/k/v product: row t of qkv [m][(heads + 2 kv_heads) * head_dim]
+// (q heads, then k heads, then v heads), plus bias [(heads + 2 kv_heads) * head_dim] when not
+// null, goes to q [m][heads][head_dim], k and v [m][kv_heads][head_dim], q and k rotated as
+// ApplyRope does (the same double-precision angle, so the result equals AddBiasRows + ApplyRope
+// on the separate products bit for bit). One launch instead of a bias add per projection and a
+// RoPE per q/k. The outputs must not alias qkv.
+cudaError_t SplitQkvRope(const float* qkv, const float* bias, const int64_t* positions,
+                         const float* inv_freq, float* q, float* k, float* v, int64_t m,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
+
 // y[i] += x[i] for i < n.
 cudaError_t AddInPlace(float* y, const float* x, int64_t n, cudaStream_t stream);
 
