@@ -349,7 +349,7 @@ absl::StatusOr<DecisionProfile> DecisionRecorder::Build(const std::string& name,
       retrieval += n;
     }
     for (const auto& [choice, n] : bins) {
-      d.retrieval.push_back({choice.first, choice.second * 1e-3,
+      d.retrieval.push_back({choice.first, static_cast<double>(choice.second) / 1000.0,
                              static_cast<double>(n) / static_cast<double>(retrieval)});
     }
     p.policies_.push_back(std::move(d));
