@@ -324,7 +324,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               "(%.0f KiB per token)\n",
               o.preset.c_str(), o.device.c_str(), pool.threads(), weights_s, limit_gib,
               BytesPerToken(config) / 1024);
-  std::printf("%8s %5s %-28s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
+  std::printf("%8s %5s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
               "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
               "cpu att", "finish", "merge", "idle");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
@@ -381,7 +381,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       if (o.device == "cuda") {
         absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
         if (hbm.ok()) {
-          std::printf("%8lld %5lld %-28s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
+          std::printf("%8lld %5lld %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
                       "GPU)\n",
                       static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
                       *hbm, 1e3 * batch / *hbm);
@@ -389,7 +389,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                               {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
                               {"tokens_per_s", 1e3 * batch / *hbm}});
         } else {
-          std::printf("%8lld %5lld %-28s | skipped: %s\n", static_cast<long long>(context),
+          std::printf("%8lld %5lld %-34s | skipped: %s\n", static_cast<long long>(context),
                       static_cast<long long>(batch), "hbm-full",
                       std::string(hbm.status().message()).c_str());
         }
@@ -401,7 +401,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
         const double idle = std::max(0.0, 1.0 - gpu_only.median_ms / p.median_ms);
-        std::printf("%8lld %5lld %-28s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
+        std::printf("%8lld %5lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
                     "%7.2f | %5.0f%%\n",
                     static_cast<long long>(context), static_cast<long long>(batch), label.c_str(),
                     p.median_ms, 1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
