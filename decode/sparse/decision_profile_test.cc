@@ -1,6 +1,7 @@
 #include "decode/sparse/decision_profile.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -95,6 +96,21 @@ TEST(DecisionProfileTest, MalformedFilesGiveClearErrors) {
   }
   EXPECT_EQ(DecisionProfile::Load("/nonexistent/profile.json").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// The committed profiles stay loadable by this build (bench/profiles/README.md).
+TEST(DecisionProfileTest, CommittedProfilesLoad) {
+  const char* dir = std::getenv("FLUXION_SOURCE_DIR");
+  const std::string path =
+      std::string(dir != nullptr ? dir : ".") + "/bench/profiles/tiny-retrieval-4k.json";
+  absl::StatusOr<std::shared_ptr<const DecisionProfile>> p = DecisionProfile::Resolve(path);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->name(), "tiny-retrieval-4k");
+  for (const std::string name : {"lfps", "fluxion"}) {
+    for (double budget : {0.05, 0.02}) {
+      EXPECT_TRUE((*p)->For(*ParsePolicy(name, budget)).ok()) << name << "@" << budget;
+    }
+  }
 }
 
 TEST(DecisionProfileTest, ForNamesTheBudgetsAProfileHas) {
