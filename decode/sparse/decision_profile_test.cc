@@ -101,14 +101,17 @@ TEST(DecisionProfileTest, MalformedFilesGiveClearErrors) {
 // The committed profiles stay loadable by this build (bench/profiles/README.md).
 TEST(DecisionProfileTest, CommittedProfilesLoad) {
   const char* dir = std::getenv("FLUXION_SOURCE_DIR");
-  const std::string path =
-      std::string(dir != nullptr ? dir : ".") + "/bench/profiles/tiny-retrieval-4k.json";
-  absl::StatusOr<std::shared_ptr<const DecisionProfile>> p = DecisionProfile::Resolve(path);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ((*p)->name(), "tiny-retrieval-4k");
-  for (const std::string name : {"lfps", "fluxion"}) {
-    for (double budget : {0.05, 0.02}) {
-      EXPECT_TRUE((*p)->For(*ParsePolicy(name, budget)).ok()) << name << "@" << budget;
+  for (const std::string stem : {"tiny-retrieval-4k", "tiny-retrieval-16k"}) {
+    const std::string path =
+        std::string(dir != nullptr ? dir : ".") + "/bench/profiles/" + stem + ".json";
+    absl::StatusOr<std::shared_ptr<const DecisionProfile>> p = DecisionProfile::Resolve(path);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ((*p)->name(), stem);
+    for (const std::string name : {"lfps", "fluxion"}) {
+      for (double budget : {0.05, 0.02}) {
+        EXPECT_TRUE((*p)->For(*ParsePolicy(name, budget)).ok()) << stem << " " << name << "@"
+                                                                 << budget;
+      }
     }
   }
 }
