@@ -156,8 +156,8 @@ absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
   }
   std::vector<Timed> timed;
   for (const auto& p : policies) {
-    const bool replayable =
-        p.kind == decode::sparse::PolicyKind::kLfps || p.kind == decode::sparse::PolicyKind::kFluxion;
+    const bool replayable = p.kind == decode::sparse::PolicyKind::kLfps ||
+                            p.kind == decode::sparse::PolicyKind::kFluxion;
     if (!replayable && decode::sparse::TraitsOf(p.kind).needs_sparse_state) {
       return absl::InvalidArgumentError(absl::StrCat(
           "policy ", p.name, " decides from the prefill's sparse state, which random weights do "

@@ -27,7 +27,7 @@ std::string SourceDir() {
 
 // The eval's summed SelectionStats per policy label.
 std::map<std::string, SelectionStats> RunEval(const model::Model& model, TaskEvalOptions options,
-                                          DecisionRecorder* recorder) {
+                                              DecisionRecorder* recorder) {
   std::map<std::string, SelectionStats> stats;
   TaskEvalCallbacks callbacks;
   callbacks.on_sample_done = [&](const SampleOutcome& o) {

@@ -95,9 +95,9 @@ absl::StatusOr<PolicyDecisions> ParseDecisions(const json& p, const std::string&
   // Weights are budgets over the uniform middle budget at the recorded context: it must exist.
   const int64_t window = d.sink_tokens + d.local_tokens;
   if (std::ceil(d.policy_budget * d.context) <= window) {
-    return Bad(absl::StrCat(where, "at context ", d.context, " and policy_budget ",
-                            d.policy_budget, " the budget leaves nothing beyond sinks + window ",
-                            "(", window, " tokens): record at a longer context"));
+    return Bad(absl::StrCat(where, "at context ", d.context, " and policy_budget ", d.policy_budget,
+                            " the budget leaves nothing beyond sinks + window ", "(", window,
+                            " tokens): record at a longer context"));
   }
   if (!p.contains("retrieval") || !p["retrieval"].is_array()) {
     return Bad(absl::StrCat(where, "retrieval must be an array"));
@@ -110,8 +110,8 @@ absl::StatusOr<PolicyDecisions> ParseDecisions(const json& p, const std::string&
     RetrievalChoice c;
     FLUXION_ASSIGN_OR_RETURN(c.block_tokens, Integer(r, "block_tokens", at, 1, 1 << 20));
     if (!SupportedBlock(d.policy, c.block_tokens)) {
-      return Bad(absl::StrCat(at, "block_tokens is ", c.block_tokens, "; ", d.policy,
-                              " supports ", BlocksOf(d.policy)));
+      return Bad(absl::StrCat(at, "block_tokens is ", c.block_tokens, "; ", d.policy, " supports ",
+                              BlocksOf(d.policy)));
     }
     FLUXION_ASSIGN_OR_RETURN(c.budget, Budget(r, "budget", at));
     FLUXION_ASSIGN_OR_RETURN(c.share, Share(r, "share", at));
@@ -178,8 +178,7 @@ absl::StatusOr<DecisionProfile> DecisionProfile::Parse(absl::string_view json_te
     return Bad(absl::StrCat("format must be \"", kDecisionProfileFormat, "\""));
   }
   DecisionProfile p;
-  if (!doc.contains("name") || !doc["name"].is_string() ||
-      doc["name"].get<std::string>().empty()) {
+  if (!doc.contains("name") || !doc["name"].is_string() || doc["name"].get<std::string>().empty()) {
     return Bad("name must be a non-empty string");
   }
   p.name_ = doc["name"].get<std::string>();
@@ -198,8 +197,8 @@ absl::StatusOr<DecisionProfile> DecisionProfile::Parse(absl::string_view json_te
     return Bad("policies must be a non-empty array");
   }
   for (size_t i = 0; i < doc["policies"].size(); ++i) {
-    FLUXION_ASSIGN_OR_RETURN(PolicyDecisions d,
-                             ParseDecisions(doc["policies"][i], absl::StrCat("policies[", i, "].")));
+    FLUXION_ASSIGN_OR_RETURN(
+        PolicyDecisions d, ParseDecisions(doc["policies"][i], absl::StrCat("policies[", i, "].")));
     for (const PolicyDecisions& e : p.policies_) {
       if (e.policy == d.policy && e.policy_budget == d.policy_budget) {
         return Bad(absl::StrCat("policies[", i, "] repeats ", d.policy, " at policy_budget ",
@@ -214,8 +213,8 @@ absl::StatusOr<DecisionProfile> DecisionProfile::Parse(absl::string_view json_te
 absl::StatusOr<DecisionProfile> DecisionProfile::Load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot open decision profile ", path,
-                                            " (or pass --profile conservative)"));
+    return absl::NotFoundError(
+        absl::StrCat("cannot open decision profile ", path, " (or pass --profile conservative)"));
   }
   std::stringstream text;
   text << in.rdbuf();
@@ -240,8 +239,11 @@ std::string DecisionProfile::Serialize() const {
   for (const PolicyDecisions& d : policies_) policies.push_back(DecisionsToJson(d));
   json source = json::parse(source_json_, nullptr, /*allow_exceptions=*/false);
   if (source.is_discarded()) source = json::object();
-  const json doc = {{"format", kDecisionProfileFormat}, {"name", name_},   {"seed", seed_},
-                    {"source", source},                 {"policies", policies}};
+  const json doc = {{"format", kDecisionProfileFormat},
+                    {"name", name_},
+                    {"seed", seed_},
+                    {"source", source},
+                    {"policies", policies}};
   return doc.dump(1) + "\n";
 }
 
@@ -250,8 +252,8 @@ absl::StatusOr<PolicyDecisions> DecisionProfile::For(const PolicyConfig& config)
   if (config.kind == PolicyKind::kLfps) policy = "lfps";
   if (config.kind == PolicyKind::kFluxion) policy = "fluxion";
   if (policy.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "decision profiles replay lfps and fluxion; ", config.name, " decides without one"));
+    return absl::InvalidArgumentError(absl::StrCat("decision profiles replay lfps and fluxion; ",
+                                                   config.name, " decides without one"));
   }
   if (conservative_) {
     PolicyDecisions d;

@@ -65,9 +65,9 @@ struct RetrievalChoice {
 };
 
 struct PolicyDecisions {
-  std::string policy;          // "lfps" or "fluxion"
-  double policy_budget = 0;    // the policy's configured budget when recorded
-  int64_t context = 0;         // mean context of the recorded head-steps (tokens); 0: built in
+  std::string policy;        // "lfps" or "fluxion"
+  double policy_budget = 0;  // the policy's configured budget when recorded
+  int64_t context = 0;       // mean context of the recorded head-steps (tokens); 0: built in
   int64_t sink_tokens = 4, local_tokens = 64;
   int64_t head_steps = 0;      // how many head-steps the shares come from (0: built in)
   double streaming_share = 0;  // of all head-steps: heads with no middle budget

@@ -109,8 +109,8 @@ TEST(DecisionProfileTest, CommittedProfilesLoad) {
     EXPECT_EQ((*p)->name(), stem);
     for (const std::string name : {"lfps", "fluxion"}) {
       for (double budget : {0.05, 0.02}) {
-        EXPECT_TRUE((*p)->For(*ParsePolicy(name, budget)).ok()) << stem << " " << name << "@"
-                                                                 << budget;
+        EXPECT_TRUE((*p)->For(*ParsePolicy(name, budget)).ok())
+            << stem << " " << name << "@" << budget;
       }
     }
   }
@@ -121,8 +121,7 @@ TEST(DecisionProfileTest, ForNamesTheBudgetsAProfileHas) {
   EXPECT_TRUE(p.For(*ParsePolicy("fluxion", 0.05)).ok());
   absl::StatusOr<PolicyDecisions> missing = p.For(*ParsePolicy("fluxion", 0.02));
   ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find("it has 0.05"), std::string::npos)
-      << missing.status();
+  EXPECT_NE(missing.status().message().find("it has 0.05"), std::string::npos) << missing.status();
   EXPECT_FALSE(p.For(*ParsePolicy("quest", 0.05)).ok());
   EXPECT_FALSE(DecisionProfile::Conservative().For(*ParsePolicy("fixed_32_0.05", 1)).ok());
 }
@@ -165,8 +164,7 @@ TEST(DecisionProfileTest, DrawsConvergeToTheProfileShares) {
 struct RandomRequest {
   RandomRequest(int layers, int heads, int64_t tokens, int64_t steps)
       : shape{layers, heads, 32, 16},
-        arena(*KvArena::Create(shape.page_bytes(),
-                               layers * heads * ((tokens + steps) / 16 + 2))),
+        arena(*KvArena::Create(shape.page_bytes(), layers * heads * ((tokens + steps) / 16 + 2))),
         kv(*PagedKv::Create(arena.get(), shape)) {
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0, 1);
@@ -175,7 +173,8 @@ struct RandomRequest {
     v.resize(k.size());
     for (float& x : k) x = normal(rng);
     for (float& x : v) x = normal(rng);
-    for (int l = 0; l < layers; ++l) EXPECT_TRUE(kv->Append(l, tokens, k.data(), v.data(), row).ok());
+    for (int l = 0; l < layers; ++l)
+      EXPECT_TRUE(kv->Append(l, tokens, k.data(), v.data(), row).ok());
     const model::AttentionShape attn{layers, heads, heads, 32, 1.0f / std::sqrt(32.0f)};
     state = *model::SynthesizeSparseState(attn, tokens);
   }
@@ -217,7 +216,8 @@ SelectionStats Decode(RandomRequest& r, const PolicyConfig& config, int64_t step
 // The conservative profile: every head-step of LFPS and Fluxion a retrieval step at the
 // configured budget, attending exactly ceil(budget x context) rows; Fluxion at 16-token blocks.
 TEST(DecisionProfileTest, ConservativeProfileSpendsTheFullBudgetOnEveryHead) {
-  const auto conservative = std::make_shared<const DecisionProfile>(DecisionProfile::Conservative());
+  const auto conservative =
+      std::make_shared<const DecisionProfile>(DecisionProfile::Conservative());
   for (const std::string name : {"lfps", "fluxion"}) {
     RandomRequest r(4, 4, 2048, 8);
     PolicyConfig config = *ParsePolicy(name, 0.05);
@@ -235,7 +235,8 @@ TEST(DecisionProfileTest, ConservativeProfileSpendsTheFullBudgetOnEveryHead) {
     }
     EXPECT_EQ(retrieval, stats.selections) << name;
     int64_t want = 0;
-    for (int64_t s = 0; s < 8; ++s) want += 4 * 4 * static_cast<int64_t>(std::ceil(0.05 * (2049 + s)));
+    for (int64_t s = 0; s < 8; ++s)
+      want += 4 * 4 * static_cast<int64_t>(std::ceil(0.05 * (2049 + s)));
     EXPECT_EQ(stats.rows_attended, want) << name;
   }
 }
