@@ -19,6 +19,7 @@
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
 #include "decode/resident_window.h"
+#include "decode/sparse/decision_profile.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -27,6 +28,7 @@
 #include "model/cuda_dense_ops.h"
 #include "model/random_model.h"
 #include "model/random_params.h"
+#include "model/sparse_state.h"
 #ifdef FLUXION_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -45,6 +47,9 @@ struct Options {
   std::vector<int64_t> contexts = {32768, 65536, 131072}, batches = {1, 4, 8, 16};
   std::vector<std::string> policies = {"full", "fixed_32_0.05", "fixed_32_0.02", "fixed_16_0.05"};
   std::vector<double> budgets = {0.05};
+  // Decision profiles lfps and fluxion are timed under (each under every one): `conservative`
+  // or a profile file (decode/sparse/decision_profile.h).
+  std::vector<std::string> profiles = {"conservative"};
   int64_t steps = 5;
   // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
   // or the CPU's scan of the host bounds; each value a row.
@@ -137,11 +142,59 @@ struct Point {
   decode::HybridCounters per_step;  // counters divided by the timed steps
 };
 
+// One timed configuration: a policy, and for lfps / fluxion the decision profile it replays.
+struct Timed {
+  decode::sparse::PolicyConfig policy;
+  std::string label;    // PolicyLabel, plus "/<profile>" under a profile
+  std::string profile;  // empty: profile-free (fixed hybrids, dense paths)
+};
+
+// The policies x profiles to time. lfps and fluxion run once per profile; every other policy
+// that needs the prefill's sparse state is refused (random weights give it no meaning).
+absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
+  FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
+                           decode::sparse::ExpandPolicies(o.policies, o.budgets));
+  std::vector<std::shared_ptr<const decode::sparse::DecisionProfile>> profiles;
+  for (const std::string& flag : o.profiles) {
+    FLUXION_ASSIGN_OR_RETURN(auto p, decode::sparse::DecisionProfile::Resolve(flag));
+    profiles.push_back(std::move(p));
+  }
+  std::vector<Timed> timed;
+  for (const auto& p : policies) {
+    const bool replayable = p.kind == decode::sparse::PolicyKind::kLfps ||
+                            p.kind == decode::sparse::PolicyKind::kFluxion;
+    if (!replayable && decode::sparse::TraitsOf(p.kind).needs_sparse_state) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy ", p.name, " decides from the prefill's sparse state, which random weights do "
+          "not have; lfps and fluxion are timed under --profile (docs/SPARSE.md, \"Decision "
+          "profiles\")"));
+    }
+    if (!replayable) {
+      timed.push_back({p, decode::sparse::PolicyLabel(p), ""});
+      continue;
+    }
+    if (profiles.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy ", p.name, " needs a --profile (conservative or a file)"));
+    }
+    for (const auto& profile : profiles) {
+      FLUXION_RETURN_IF_ERROR(profile->For(p).status());
+      Timed t{p, absl::StrCat(decode::sparse::PolicyLabel(p), "/", profile->name()),
+              profile->name()};
+      t.policy.decision_profile = profile;
+      timed.push_back(std::move(t));
+    }
+  }
+  return timed;
+}
+
 // One warm-up and `steps` timed steps of `executor` over the first `batch` of `kvs` under
-// `policy`; the pages come back to `kvs` afterwards.
+// `policy`; the pages come back to `kvs` afterwards. `state`: the sparse state policies that
+// need one start from (null for the others).
 absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
                                 std::vector<std::unique_ptr<decode::PagedKv>>& kvs, int64_t batch,
                                 const decode::sparse::PolicyConfig& policy,
+                                const model::SparseState* state,
                                 const model::AttentionShape& shape, int64_t vocab,
                                 int64_t steps) {
   std::vector<std::unique_ptr<model::Sequence>> seqs;
@@ -149,8 +202,11 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t length = kvs[i]->length(0);
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
-                             decode::SparseAttention::FromPages(std::move(kvs[i]), shape, policy,
-                                                                nullptr));
+                             decode::SparseAttention::FromPages(
+                                 std::move(kvs[i]), shape, policy,
+                                 decode::sparse::TraitsOf(policy.kind).needs_sparse_state
+                                     ? state
+                                     : nullptr));
     attentions.push_back(a.get());
     seqs.push_back(std::make_unique<model::Sequence>(std::move(a), length));
   }
@@ -251,15 +307,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
                                     config.head_dim,
                                     1.0f / std::sqrt(static_cast<float>(config.head_dim))};
-  FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
-                           decode::sparse::ExpandPolicies(o.policies, o.budgets));
-  for (const auto& p : policies) {
-    if (decode::sparse::TraitsOf(p.kind).needs_sparse_state) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy ", p.name, " decides from the prefill's sparse state, which random weights do "
-          "not have (docs/EXECUTOR.md section 7: time it under a decision profile)"));
-    }
-  }
+  FLUXION_ASSIGN_OR_RETURN(std::vector<Timed> policies, TimedConfigs(o));
+  const bool any_profiled = std::any_of(policies.begin(), policies.end(),
+                                        [](const Timed& t) { return !t.profile.empty(); });
   // Every plan resident (a budget below sinks + window): the GPU-only step.
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig resident_only,
                            decode::sparse::ParsePolicy("quest", 1e-6));
@@ -297,7 +347,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               "(%.0f KiB per token)\n",
               o.preset.c_str(), o.device.c_str(), pool.threads(), weights_s, limit_gib,
               BytesPerToken(config) / 1024);
-  std::printf("%8s %5s %-22s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
+  std::printf("%8s %5s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
               "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
               "cpu att", "finish", "merge", "idle");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
@@ -334,6 +384,13 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
     std::printf("%8lld: %lld requests' KV filled in %.1f s\n", static_cast<long long>(context),
                 static_cast<long long>(fits),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
+    // lfps and fluxion start from a prefill's sparse state; random KV had no prefill, so one is
+    // synthesized (model/sparse_state.h says why its contents do not decide the timing under a
+    // profile). One per context, shared by every request, as a real prefill's would be per request.
+    model::SparseState state;
+    if (any_profiled) {
+      FLUXION_ASSIGN_OR_RETURN(state, model::SynthesizeSparseState(shape, context));
+    }
     for (int64_t batch : o.batches) {
       if (batch > fits) {
         std::printf("%8lld %5lld skipped: %lld requests' KV (%.0f GiB) exceed the limit\n",
@@ -342,23 +399,28 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         results->push_back({{"context", context}, {"batch", batch}, {"skipped", true}});
         continue;
       }
-      FLUXION_ASSIGN_OR_RETURN(Point gpu_only, TimePoint(*executor, kvs, batch, resident_only,
-                                                         shape, config.vocab_size, o.steps));
-      std::vector<std::pair<std::string, Point>> points = {{"resident-only", gpu_only}};
-      for (const auto& policy : policies) {
-        const bool scored = decode::sparse::TraitsOf(policy.kind).ranks_page_bounds;
+      FLUXION_ASSIGN_OR_RETURN(Point gpu_only,
+                               TimePoint(*executor, kvs, batch, resident_only, nullptr, shape,
+                                         config.vocab_size, o.steps));
+      struct Row {
+        std::string label, profile;
+        Point point;
+      };
+      std::vector<Row> points = {{"resident-only", "", gpu_only}};
+      for (const Timed& t : policies) {
+        const bool scored = decode::sparse::TraitsOf(t.policy.kind).ranks_page_bounds;
         for (const std::string& where : o.block_scores) {
           for (double share : o.device_read_shares) {
             executor->set_window_block_scores(where == "device");
             executor->set_device_read_share(share);
-            FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, policy, shape,
-                                                        config.vocab_size, o.steps));
-            std::string label = decode::sparse::PolicyLabel(policy);
+            FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, t.policy, &state,
+                                                        shape, config.vocab_size, o.steps));
+            std::string label = t.label;
             if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
             if (o.device_read_shares.size() > 1 || share > 0) {
               absl::StrAppend(&label, "/zc", share);
             }
-            points.push_back({label, p});
+            points.push_back({label, t.profile, p});
           }
           if (!scored) break;  // one set of rows: nothing to score
         }
@@ -375,7 +437,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               runner.graph_status().ok()
                   ? absl::StrCat(runner.graph_replays(), " graph replays so far")
                   : std::string(runner.graph_status().message());
-          std::printf("%8lld %5lld %-22s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
+          std::printf("%8lld %5lld %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
                       "GPU; %s)\n",
                       static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
                       *hbm, 1e3 * batch / *hbm, graphs.c_str());
@@ -383,17 +445,19 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                               {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
                               {"tokens_per_s", 1e3 * batch / *hbm}, {"graphs", graphs}});
         } else {
-          std::printf("%8lld %5lld %-22s | skipped: %s\n", static_cast<long long>(context),
+          std::printf("%8lld %5lld %-34s | skipped: %s\n", static_cast<long long>(context),
                       static_cast<long long>(batch), "hbm-full",
                       std::string(hbm.status().message()).c_str());
         }
       }
 #endif
-      for (const auto& [label, p] : points) {
+      for (const Row& row : points) {
+        const std::string& label = row.label;
+        const Point& p = row.point;
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
         const double idle = std::max(0.0, 1.0 - gpu_only.median_ms / p.median_ms);
-        std::printf("%8lld %5lld %-22s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
+        std::printf("%8lld %5lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
                     "%7.2f | %5.0f%%\n",
                     static_cast<long long>(context), static_cast<long long>(batch), label.c_str(),
                     p.median_ms, 1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
@@ -405,6 +469,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"context", context},
                             {"batch", batch},
                             {"policy", label},
+                            // null: the path decides nothing data-driven (profile-free)
+                            {"profile", row.profile.empty() ? nlohmann::json(nullptr)
+                                                            : nlohmann::json(row.profile)},
                             {"step_ms", p.median_ms},
                             {"tokens_per_s", 1e3 * batch / p.median_ms},
                             {"host_rows_per_step", c.host_rows},
@@ -441,8 +508,13 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
   flags.IntList("batch", &o.batches, "batch sizes");
   flags.StringList("policy", &o.policies,
-                   "policies without prefill state: full, quest, exact_topk, fixed_<block>_<b>");
-  flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk");
+                   "policies: full, quest, exact_topk, fixed_<block>_<b>, and lfps / fluxion "
+                   "under each --profile");
+  flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk / lfps / fluxion");
+  flags.StringList("profile", &o.profiles,
+                   "decision profiles lfps and fluxion replay (each policy once per profile): "
+                   "conservative (every head a retrieval head at the full budget) or a profile "
+                   "file from fluxion eval tasks --record-profile (bench/profiles/)");
   flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
   flags.DoubleList("device-read-share", &o.device_read_shares,
                    "shares of every (request, KV head)'s host rows the GPU reads itself from "

@@ -165,15 +165,7 @@ void SparseAttention::FinishDecode(const float* q, float* out, float* lse) {
 
 sparse::SelectionStats SparseAttention::stats() const {
   sparse::SelectionStats sum;
-  for (const sparse::SelectionStats& s : head_stats_) {
-    sum.rows_attended += s.rows_attended;
-    sum.k_rows_scored += s.k_rows_scored;
-    sum.metadata_bytes += s.metadata_bytes;
-    sum.blocks_scored_elsewhere += s.blocks_scored_elsewhere;
-    sum.selections += s.selections;
-    sum.bypassed += s.bypassed;
-    sum.context += s.context;
-  }
+  for (const sparse::SelectionStats& s : head_stats_) sum.Add(s);
   return sum;
 }
 

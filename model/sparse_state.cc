@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -288,6 +289,38 @@ absl::StatusOr<SparseState> CaptureSparseState(const DenseAttention& prefilled,
     tail_positions.push_back(prefilled.recorded_positions(l));
   }
   return CaptureSparseState(keys, tokens, tail_q, tail_positions, shape, params);
+}
+
+absl::StatusOr<SparseState> SynthesizeSparseState(const AttentionShape& shape, int64_t tokens,
+                                                   uint64_t seed, const SparseStateParams& params) {
+  if (tokens < 1 || static_cast<uint64_t>(tokens) > kMaxCount) {
+    return absl::InvalidArgumentError(absl::StrCat("a synthesized sparse state needs 1 to ",
+                                                   kMaxCount, " tokens, not ", tokens));
+  }
+  SparseState s;
+  s.num_layers = shape.num_layers;
+  s.num_kv_heads = shape.num_kv_heads;
+  s.group = shape.num_heads / shape.num_kv_heads;
+  s.tokens = tokens;
+  s.tail_rows = 0;  // no rows were captured
+  s.params = params;
+  // One draw of 2 x tokens values, rotated per head: a head's tables differ from its neighbours'
+  // without 2 x tokens draws per head (at 128K and 256 heads that would be 67M draws).
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> pool(2 * tokens);
+  for (float& x : pool) x = 1e-4f * std::exp(normal(rng));
+  const int64_t heads = shape.num_layers * shape.num_kv_heads;
+  s.heads.resize(heads);
+  for (int64_t h = 0; h < heads; ++h) {
+    HeadSparseState& hs = s.heads[h];
+    const int64_t shift = (h * 7919) % (2 * tokens);
+    std::vector<float> tables(2 * tokens);
+    std::rotate_copy(pool.begin(), pool.begin() + shift, pool.end(), tables.begin());
+    hs.vertical.assign(tables.begin(), tables.begin() + tokens);
+    hs.slash.assign(tables.begin() + tokens, tables.end());
+  }
+  return s;
 }
 
 }  // namespace fluxion::model

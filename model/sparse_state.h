@@ -85,6 +85,23 @@ absl::StatusOr<SparseState> CaptureSparseState(const DenseAttention& prefilled,
                                                const AttentionShape& shape,
                                                const SparseStateParams& params = {});
 
+// A stand-in state for a prompt of `tokens` tokens of `shape` that no model prefilled (the decode
+// bench: random weights and random KV), so that LFPS and Fluxion can run their decode mechanics
+// there. Only meaningful under a decision profile (decode/sparse/decision_profile.h): the profile,
+// not these contents, decides which heads stream, bypass, and at which budget and block. What the
+// contents still shape is how much work LFPS's candidate selection does, through how many table
+// entries there are and how many pass its threshold; so both tables are dense (an entry at every
+// position, about half of them above the 1e-4 floor LFPS keeps) and heavy-tailed (log-normal, sigma
+// 2): few entries pass the kurtosis threshold and the selection takes its floor of the 2k largest
+// entries per table, the middle of its range (the cap is 0.1 of the context), after scanning half
+// the context's entries per step, as on the trained model's diffuse heads (docs/SPARSE.md: the scan
+// covers most of the context there). Features: middle share and need fraction 1 (no evidence for
+// streaming or a small need; replay ignores them anyway). Deterministic in `seed`. InvalidArgument
+// for tokens < 1.
+absl::StatusOr<SparseState> SynthesizeSparseState(const AttentionShape& shape, int64_t tokens,
+                                                   uint64_t seed = 1,
+                                                   const SparseStateParams& params = {});
+
 }  // namespace fluxion::model
 
 #endif  // FLUXION_MODEL_SPARSE_STATE_H_

@@ -1,5 +1,6 @@
 #include "model/sparse_state.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -134,6 +135,33 @@ TEST(SparseStateTest, CheckMatchesComparesShapeAndPromptLength) {
   AttentionShape more_layers = kShape;
   more_layers.num_layers = 3;
   EXPECT_EQ(st.CheckMatches(more_layers, 50).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The bench's stand-in state (decision profiles): the model's shape, dense heavy-tailed tables
+// with about half the entries above LFPS's 1e-4 floor, through the wire format unchanged, the same
+// for the same seed.
+TEST(SparseStateTest, SynthesizedStateMatchesTheShapeAndIsDenseAndHeavyTailed) {
+  absl::StatusOr<SparseState> st = SynthesizeSparseState(kShape, 1000, 3);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->CheckMatches(kShape, 1000).ok());
+  int64_t above = 0, total = 0;
+  float largest = 0;
+  for (const HeadSparseState& h : st->heads) {
+    ASSERT_EQ(h.vertical.size(), 1000u);
+    ASSERT_EQ(h.slash.size(), 1000u);
+    for (float x : h.vertical) {
+      above += x >= 1e-4f;
+      ++total;
+      largest = std::max(largest, x);
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(above) / total, 0.5, 0.05);
+  EXPECT_GT(largest, 1e-2f);  // a heavy tail: exp(2 sigma x 3) over the median
+  absl::StatusOr<SparseState> back = SparseState::Parse(st->Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->heads[1].vertical, st->heads[1].vertical);
+  EXPECT_EQ(SynthesizeSparseState(kShape, 1000, 3)->heads[0].slash, st->heads[0].slash);
+  EXPECT_EQ(SynthesizeSparseState(kShape, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DenseAttentionTest, RecordsOnlyTheRequestedRange) {

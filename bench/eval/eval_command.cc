@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include "absl/algorithm/container.h"
@@ -16,6 +18,7 @@
 #include "bench/attention_eval.h"
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
+#include "decode/sparse/decision_profile.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/process_cpu.h"
@@ -150,7 +153,7 @@ int RunEvalCommand(const std::vector<std::string>& args) {
 }
 
 int RunEvalTasksCommand(const std::vector<std::string>& args) {
-  std::string model_dir, json_path, capture_dir, predictor_flag;
+  std::string model_dir, json_path, capture_dir, predictor_flag, record_profile;
   std::vector<std::string> tasks = TaskNames();
   std::vector<std::string> policies = {"full"};
   std::vector<double> budgets = {0.05};
@@ -197,6 +200,10 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                "index.json) for sparse-policy calibration");
   flags.Int("capture-kv-max", &capture_kv_max,
             "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
+  flags.String("record-profile", &record_profile,
+               "write the decision profile of what lfps / fluxion decided over the run (shares of "
+               "streaming and bypassed head-steps, per-head budgets and blocks) to this JSON file, "
+               "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
   flags.Require("model");
   const bool seed_given = absl::c_any_of(
       args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
@@ -252,6 +259,14 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
       if (usage_error.empty() && !s.ok()) usage_error = std::string(s.message());
     }
   }
+  const bool records_anything = absl::c_any_of(options.policies, [](const std::string& p) {
+    auto config = PolicyConfigOf(p);
+    return config.ok() && (config->kind == decode::sparse::PolicyKind::kLfps ||
+                           config->kind == decode::sparse::PolicyKind::kFluxion);
+  });
+  if (usage_error.empty() && !record_profile.empty() && !records_anything) {
+    usage_error = "--record-profile records lfps and fluxion: add one of them to --policy";
+  }
   if (!usage_error.empty()) {
     std::cerr << "error: " << usage_error << "\n";
     return 2;
@@ -295,7 +310,12 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
       std::fflush(stderr);
     }
   };
-  callbacks.on_sample_done = [tty, show](const SampleOutcome& o) {
+  decode::sparse::DecisionRecorder recorder;
+  callbacks.on_sample_done = [tty, show, &recorder](const SampleOutcome& o) {
+    for (const PolicyOutcome& p : o.policies) {
+      // Labels were validated above.
+      if (auto config = PolicyConfigOf(p.policy); config.ok()) recorder.Add(*config, p.selection);
+    }
     if (tty) {
       std::fprintf(stderr, "\r\033[K");
     } else {
@@ -326,6 +346,30 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     return 1;
   }
   PrintTable(*results);
+  if (!record_profile.empty()) {
+    const nlohmann::json source = {
+        {"command", bench::JoinCommand("fluxion eval tasks", args)},
+        {"model", model_dir},
+        {"tasks", tasks},
+        {"contexts", contexts},
+        {"samples", samples},
+        {"seed", seed},
+        {"fluxion_predictor", *predictor != nullptr}};
+    absl::StatusOr<decode::sparse::DecisionProfile> profile =
+        recorder.Build(std::filesystem::path(record_profile).stem().string(), source.dump());
+    if (!profile.ok()) {
+      std::cerr << "error: " << profile.status().message() << "\n";
+      return 1;
+    }
+    std::ofstream out(record_profile, std::ios::trunc);
+    out << profile->Serialize();
+    out.close();
+    if (!out) {
+      std::cerr << "error: cannot write " << record_profile << "\n";
+      return 1;
+    }
+    std::cerr << "wrote decision profile " << record_profile << "\n";
+  }
 
   if (!json_path.empty()) {
     nlohmann::json rows = nlohmann::json::array();

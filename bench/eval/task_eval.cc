@@ -200,6 +200,10 @@ absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& label
 
 absl::Status ValidatePolicy(const std::string& label) { return ParseLabel(label).status(); }
 
+absl::StatusOr<decode::sparse::PolicyConfig> PolicyConfigOf(const std::string& label) {
+  return ParseLabel(label);
+}
+
 std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
                                       const std::vector<double>& budgets) {
   std::vector<std::string> labels;
@@ -218,16 +222,23 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
-    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor) {
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor,
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile) {
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
   config.fluxion_predictor = std::move(predictor);
+  if (profile != nullptr && (config.kind == decode::sparse::PolicyKind::kLfps ||
+                             config.kind == decode::sparse::PolicyKind::kFluxion)) {
+    FLUXION_RETURN_IF_ERROR(profile->For(config).status());
+    config.decision_profile = std::move(profile);
+  }
   return decode::SparseAttention::FromDense(arena, shape, kPageTokens, prefilled, config, state);
 }
 
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
-    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor) {
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor,
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile) {
   FLUXION_RETURN_IF_ERROR(ValidatePolicy(label));
   if (label == "full") {
     // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
@@ -236,7 +247,7 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
   }
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> sparse,
                            MakePagedPolicyAttention(label, prefilled, shape, arena, state,
-                                                    std::move(predictor)));
+                                                    std::move(predictor), std::move(profile)));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
 }
 
@@ -462,14 +473,15 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
             FLUXION_ASSIGN_OR_RETURN(
                 std::unique_ptr<decode::SparseAttention> sparse,
                 MakePagedPolicyAttention(po.policy, *prefilled, shape, arena.get(), state,
-                                         options.fluxion_predictor));
+                                         options.fluxion_predictor, options.decision_profile));
             paged = sparse.get();
             decode_attention = std::move(sparse);
           } else {
             FLUXION_ASSIGN_OR_RETURN(decode_attention,
                                      MakePolicyAttention(po.policy, *prefilled, shape,
                                                          arena.get(), state,
-                                                         options.fluxion_predictor));
+                                                         options.fluxion_predictor,
+                                                         options.decision_profile));
           }
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
@@ -500,6 +512,9 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           po.decode_seconds = SecondsSince(t0);
           po.attended_fraction = AttendedFraction(*decode_view);
           po.bypassed_fraction = BypassedFraction(*decode_view);
+          if (const decode::SparseAttention* sparse = SparseUnder(*decode_view)) {
+            po.selection = sparse->stats();
+          }
           po.answer = AnswerText(po.tokens);
           po.correct = po.answer == sample.answer;
           if (capture) FLUXION_RETURN_IF_ERROR(writer->AddPolicy(po, *decode_capture));

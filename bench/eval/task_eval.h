@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "bench/eval/tasks.h"
 #include "decode/kv_arena.h"
+#include "decode/sparse/decision_profile.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse_attention.h"
 #include "decode/step_executor.h"
@@ -65,7 +66,11 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena,
     const model::SparseState* state = nullptr,
-    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr);
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr,
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr);
+
+// The policy config a label denotes (InvalidArgument as ValidatePolicy).
+absl::StatusOr<decode::sparse::PolicyConfig> PolicyConfigOf(const std::string& label);
 
 // The same over the host pages whatever the label: `full` becomes the `full` sparse policy (every
 // row, bf16 pages), which is what a decode through a StepExecutor needs (its requests are
@@ -74,7 +79,8 @@ absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttentio
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena,
     const model::SparseState* state = nullptr,
-    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr);
+    std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr,
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr);
 
 // Fraction of context rows a decode attention read (1 for `full`).
 double AttendedFraction(const model::SequenceAttention& attention);
@@ -121,6 +127,9 @@ struct TaskEvalOptions {
   std::string model_name;            // recorded in the capture index
   // For the `fluxion` policy: its trained predictor; null -> the rule-based fallback.
   std::shared_ptr<const decode::sparse::FluxionPredictor> fluxion_predictor;
+  // lfps / fluxion replay this profile's decisions instead of deciding (decision_profile.h);
+  // null: they decide. Every lfps / fluxion label must have an entry in it.
+  std::shared_ptr<const decode::sparse::DecisionProfile> decision_profile;
 };
 
 // `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
@@ -155,6 +164,9 @@ struct PolicyOutcome {
   double decode_seconds = 0;
   double attended_fraction = 1;  // context rows the decode steps read (the budget spent)
   double bypassed_fraction = 0;  // head-steps a history policy bypassed to sinks + window
+  // What a sparse policy decided over the decode (zero for `full`): decision profiles are
+  // recorded from it (decode/sparse/decision_profile.h).
+  decode::sparse::SelectionStats selection;
 };
 
 struct SampleOutcome {

@@ -93,10 +93,14 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
   // Granularity for this head (§2.4.4): chosen at the first step, again when the context grew by
   // more than 25% (the cost terms scale with it; the coverage comes from the prefill).
   if (h.bounds == nullptr || in.context * 4 > h.chosen_at_context * 5) {
-    const GranularityChoice c = ChooseGranularity(config_.host_cost, shape, h.coverage(k),
-                                                  kCoverageTolerance);
-    if (h.bounds == nullptr || h.bounds->block_tokens() != c.block) {
-      h.bounds = std::make_unique<BlockBounds>(c.block);
+    // Under a decision profile the block is the profile's; the bounds at it are still built and
+    // scanned as the policy does.
+    const int64_t chosen =
+        replaying() ? Replay(in.layer, in.kv_head).block_tokens
+                    : ChooseGranularity(config_.host_cost, shape, h.coverage(k), kCoverageTolerance)
+                          .block;
+    if (h.bounds == nullptr || h.bounds->block_tokens() != chosen) {
+      h.bounds = std::make_unique<BlockBounds>(chosen);
     }
     h.chosen_at_context = in.context;
   }
@@ -129,6 +133,13 @@ std::vector<double> FluxionPolicy::HeadScan::coverage(int64_t k) const {
     out.push_back(i < block_mass.size() ? BlockCoverage(block_mass[i], b, rows) : 1.0);
   }
   return out;
+}
+
+int64_t FluxionPolicy::RetrievalBlock(int layer, int kv_head) {
+  // A refresh step before the head's first scan has no block yet: the one it will choose.
+  const int64_t block = HeadBlock(layer, kv_head);
+  if (block > 0) return block;
+  return replaying() ? Replay(layer, kv_head).block_tokens : kFluxionBlocks[0];
 }
 
 int64_t FluxionPolicy::HeadBlock(int layer, int kv_head) {

@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "decode/sparse/policy_util.h"
+#include "glog/logging.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
@@ -26,6 +27,22 @@ LfpsPolicy::LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, boo
     : config_(config), params_(params), paper_bypass_(paper_bypass) {
   // As published: bypass at rho >= 0.85 [SEED]. Ours keeps LfpsParams' calibrated 0.95.
   if (paper_bypass_) params_.bypass_rho = kPaperBypassRho;
+  if (config.decision_profile != nullptr) {
+    absl::StatusOr<PolicyDecisions> d = config.decision_profile->For(config);
+    CHECK(d.ok()) << "PolicyConfig::decision_profile without an entry for the policy: "
+                  << d.status();
+    replay_ = *std::move(d);
+    profile_ = config.decision_profile;
+  }
+}
+
+const HeadReplay& LfpsPolicy::Replay(int layer, int kv_head) {
+  HeadState& s = State(layer, kv_head);
+  if (!s.replay_drawn) {
+    s.replay = profile_->DrawHead(replay_, layer, kv_head);
+    s.replay_drawn = true;
+  }
+  return s.replay;
 }
 
 void LfpsPolicy::HeadState::NoteMiddleShare(double share) {
@@ -115,12 +132,21 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                         SelectionStats* stats) {
   HeadState& s = State(in.layer, in.kv_head);
   Regions r = SplitContext(config_, in.context);
-  r.middle_rows_budget = MiddleBudget(in.layer, in.kv_head, r, in.context);
+  if (replaying()) {
+    // The profile's weight on the uniform middle budget, as Fluxion's MiddleBudget applies its
+    // own (a weight of 1 is LFPS's budget).
+    const double w = Replay(in.layer, in.kv_head).weight;
+    r.middle_rows_budget = std::clamp<int64_t>(std::llround(w * r.middle_rows_budget), 0,
+                                               r.local_begin - r.sink_end);
+  } else {
+    r.middle_rows_budget = MiddleBudget(in.layer, in.kv_head, r, in.context);
+  }
   const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
   s.bypassed = false;
   std::vector<PageSpan> middle;
   ++stats->selections;
   if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
+    ++stats->streaming;
     AssembleSpans(in, r, middle, spans, stats);
     return;
   }
@@ -169,7 +195,13 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   }
   // Re-measure every refresh period: a head may turn from streaming to retrieval.
   const bool measured_recently = s.steps_since_measured < params_.refresh_every;
-  if (all_streaming && measured_recently && s.MiddleShare() <= 1.0 - params_.bypass_rho) {
+  // Under a profile the estimate above is still computed (it is the policy's work every
+  // retrieval head-step), but the profile decides.
+  const bool bypass =
+      replaying() ? profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context)
+                  : all_streaming && measured_recently &&
+                        s.MiddleShare() <= 1.0 - params_.bypass_rho;
+  if (bypass) {
     s.bypassed = true;
     ++s.steps_since_measured;
     ++stats->bypassed;
@@ -235,6 +267,11 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   std::sort(picked_.begin(), picked_.end());
   AppendPositions(*in.kv, in.layer, in.kv_head, picked_, &middle);
   AssembleSpans(in, r, middle, spans, stats);
+  // The decision, for decision profiles: the budget the head-step was given (not what its
+  // candidates let it spend), sinks and window included.
+  const int64_t decided = r.middle_rows_budget + r.sink_end + (in.context - r.local_begin);
+  const int64_t units = std::llround(static_cast<double>(decided) / (kBudgetUnit * in.context));
+  ++stats->retrieval[{RetrievalBlock(in.layer, in.kv_head), std::max<int64_t>(units, 1)}];
 }
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {

@@ -19,9 +19,11 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "decode/sparse/decision_profile.h"
 #include "decode/sparse/lfps_tables.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse/policy_util.h"
@@ -87,9 +89,18 @@ class LfpsPolicy : public SparsePolicy {
     // (1 when unknown). Fluxion sizes per-head budgets from it.
     double need_fraction = 1.0;
     std::vector<double> global_log_mass;  // [group], log of the estimated global partition
+    // Under a decision profile: this head's drawn class, block and weight (drawn at first use).
+    bool replay_drawn = false;
+    HeadReplay replay;
   };
 
   HeadState& State(int layer, int kv_head);
+  // Under a decision profile (replaying() true): what the profile decided for the head.
+  bool replaying() const { return profile_ != nullptr; }
+  const HeadReplay& Replay(int layer, int kv_head);
+  // The block size a retrieval head-step of (layer, kv_head) selects at, as decision profiles
+  // record it: LFPS selects tokens (kTokenLevelBlock).
+  virtual int64_t RetrievalBlock(int layer, int kv_head) { return kTokenLevelBlock; }
   // Rows of the middle region this step may attend for (layer, kv_head); LFPS: the policy
   // budget's share (SplitContext). Fluxion overrides it with per-head budgets.
   virtual int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context);
@@ -109,6 +120,8 @@ class LfpsPolicy : public SparsePolicy {
   LfpsParams params_;
   bool paper_bypass_;
   std::map<std::pair<int, int>, HeadState> states_;
+  std::shared_ptr<const DecisionProfile> profile_;  // null: decisions from the data
+  PolicyDecisions replay_;                          // profile_'s entry for this policy
 
  private:
   std::vector<kernels::PageSpan> scratch_spans_;

@@ -12,8 +12,10 @@
 #define FLUXION_DECODE_SPARSE_POLICY_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,6 +28,7 @@
 namespace fluxion::decode::sparse {
 
 class FluxionPredictor;  // decode/sparse/fluxion_predictor.h
+class DecisionProfile;   // decode/sparse/decision_profile.h
 
 // Which policy a config runs. A name is parsed into a kind once (ParsePolicy); everything that
 // depends on the policy's identity asks the kind's traits instead of comparing names, so two
@@ -73,6 +76,11 @@ struct PolicyConfig {
   std::shared_ptr<const FluxionPredictor> fluxion_predictor;
   // `fluxion` / `fluxion_rules`: the host costs its granularity choice is calibrated with.
   HostCostModel host_cost;
+  // `lfps` / `fluxion` only: when set, head classification, budget and block choice and the
+  // bypass come from this profile's deterministic draws instead of the data (for timing at
+  // shapes without a trained model; decision_profile.h). Shared, immutable. REQUIRES: the
+  // profile has an entry for this policy at `budget` (DecisionProfile::For is OK).
+  std::shared_ptr<const DecisionProfile> decision_profile;
 };
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
@@ -128,7 +136,24 @@ struct SelectionStats {
   int64_t blocks_scored_elsewhere = 0;  // blocks whose scores came in SelectionInput
   int64_t selections = 0;     // (step, KV head) selections a history policy made
   int64_t bypassed = 0;       // of those, how many bypassed to sinks + window (LFPS)
+  int64_t streaming = 0;      // of those, how many had no middle budget (Fluxion's streaming heads)
   int64_t context = 0;        // tokens available
+  // Of `selections`, the ones that read the middle region, by (block tokens, decided budget in
+  // units of kBudgetUnit of the context, sinks and window included): what a decision profile
+  // records (decision_profile.h). Block 1: token-level selection (LFPS).
+  std::map<std::pair<int64_t, int64_t>, int64_t> retrieval;
+
+  void Add(const SelectionStats& o) {
+    rows_attended += o.rows_attended;
+    k_rows_scored += o.k_rows_scored;
+    metadata_bytes += o.metadata_bytes;
+    blocks_scored_elsewhere += o.blocks_scored_elsewhere;
+    selections += o.selections;
+    bypassed += o.bypassed;
+    streaming += o.streaming;
+    context += o.context;
+    for (const auto& [key, n] : o.retrieval) retrieval[key] += n;
+  }
 };
 
 class SparsePolicy {
