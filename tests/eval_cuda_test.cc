@@ -78,8 +78,11 @@ TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {
 
   for (const std::string& policy : options.policies) {
     SCOPED_TRACE(policy);
-    // Not yet measured on the device: 5x the whole-step tolerance, 7.5x for `full`.
-    const double tolerance = policy == "full" ? 0.15 : 0.1;
+    // Measured on the H200 (session 9, call 2): margin noise 0.035 for `full`, 0.005-0.009 for
+    // lfps / fluxion, 0.07-0.11 for quest / fixed_32 (their top blocks follow q, which the CUDA
+    // dense ops round to bf16: a near-tied block can flip and move logits further). About 2x.
+    const bool ranks_blocks = policy.rfind("quest", 0) == 0 || policy.rfind("fixed_", 0) == 0;
+    const double tolerance = policy == "full" ? 0.1 : ranks_blocks ? 0.25 : 0.05;
     CompareOptions compare;
     compare.near_tie_relative = 2 * tolerance;
     const EvalComparison c = CompareEvalRuns(cpu.at(policy), cuda.at(policy), compare);
