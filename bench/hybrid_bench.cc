@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -218,8 +219,11 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   std::vector<absl::Status> statuses;
   std::vector<double> ms;
   absl::Status failed;
-  for (int64_t s = 0; s <= steps && failed.ok(); ++s) {
-    if (s == 1) executor.ResetCounters();  // the warm-up admits the requests to the window
+  // Two warm-up steps: the first admits the requests to the window (and, at a new batch size,
+  // tunes the GEMMs), the second records the dense segments' CUDA graphs (model/decode_step.h).
+  constexpr int64_t kWarmup = 2;
+  for (int64_t s = 0; s < kWarmup + steps && failed.ok(); ++s) {
+    if (s == kWarmup) executor.ResetCounters();
     const auto t0 = std::chrono::steady_clock::now();
     executor.Step(requests, &logits, &statuses);
     const double elapsed =
@@ -231,7 +235,7 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
       const float* row = logits.data() + i * vocab;
       requests[i].token = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
     }
-    if (s > 0) ms.push_back(elapsed);
+    if (s >= kWarmup) ms.push_back(elapsed);
   }
   // The pages go back whatever happened, so the next point can use them.
   for (int64_t i = 0; i < batch; ++i) kvs[i] = attentions[i]->TakeKv();
@@ -302,7 +306,10 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
 }
 #endif
 
-absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results) {
+// `flush` is called after every (context, batch) point, so a run cut short by a time limit
+// keeps what it measured.
+absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results,
+                 const std::function<void()>& flush) {
   FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
   const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
                                     config.head_dim,
@@ -316,7 +323,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
   // Tokens every request gains over the run (each point appends steps + 1 to the same pages).
   const int64_t step_tokens =
-      (o.steps + 2) *
+      (o.steps + 3) *
       (static_cast<int64_t>(policies.size() * o.block_scores.size() *
                             o.device_read_shares.size()) +
        1) *
@@ -487,6 +494,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"merge_ms", 1e3 * c.merge_s},
                             {"gpu_idle_estimate", idle}});
       }
+      flush();
     }
   }
   return absl::OkStatus();
@@ -545,17 +553,21 @@ int RunHybridBench(const std::vector<std::string>& args) {
   }
   nlohmann::json results = nlohmann::json::array();
   pool->ApplyToBlas();
-  if (absl::Status s = Run(o, *pool, &results); !s.ok()) {
+  absl::Status written;
+  auto write = [&] {
+    if (json_path.empty() || !written.ok()) return;
+    written = WriteJson(
+        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
+  };
+  if (absl::Status s = Run(o, *pool, &results, write); !s.ok()) {
     std::cerr << "error: " << s << "\n";
+    write();  // what was measured before the error
     return 1;
   }
-  if (!json_path.empty()) {
-    absl::Status s = WriteJson(
-        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
-    if (!s.ok()) {
-      std::cerr << "error: " << s << "\n";
-      return 1;
-    }
+  write();
+  if (!written.ok()) {
+    std::cerr << "error: " << written << "\n";
+    return 1;
   }
   return 0;
 }
