@@ -141,7 +141,22 @@ absl::StatusOr<std::vector<std::unique_ptr<decode::PagedKv>>> FillKv(
 struct Point {
   double median_ms = 0;
   decode::HybridCounters per_step;  // counters divided by the timed steps
+  // The policies' own reads per timed step, summed over the batch: K rows read only to score
+  // (exact rescoring: exact_topk, LFPS / Fluxion candidates) and page bounds scanned on the CPU.
+  double k_rows_scored = 0;
+  double metadata_bytes = 0;
 };
+
+// The batch's selection stats summed (k rows scored, metadata bytes).
+std::pair<int64_t, int64_t> PolicyReads(const std::vector<decode::SparseAttention*>& attentions) {
+  int64_t k_rows = 0, metadata = 0;
+  for (const decode::SparseAttention* a : attentions) {
+    const decode::sparse::SelectionStats st = a->stats();
+    k_rows += st.k_rows_scored;
+    metadata += st.metadata_bytes;
+  }
+  return {k_rows, metadata};
+}
 
 // One timed configuration: a policy, and for lfps / fluxion the decision profile it replays.
 struct Timed {
@@ -222,8 +237,12 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   // Two warm-up steps: the first admits the requests to the window (and, at a new batch size,
   // tunes the GEMMs), the second records the dense segments' CUDA graphs (model/decode_step.h).
   constexpr int64_t kWarmup = 2;
+  std::pair<int64_t, int64_t> reads_before, reads_after;
   for (int64_t s = 0; s < kWarmup + steps && failed.ok(); ++s) {
-    if (s == kWarmup) executor.ResetCounters();
+    if (s == kWarmup) {
+      executor.ResetCounters();
+      reads_before = PolicyReads(attentions);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     executor.Step(requests, &logits, &statuses);
     const double elapsed =
@@ -237,6 +256,7 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
     }
     if (s >= kWarmup) ms.push_back(elapsed);
   }
+  reads_after = PolicyReads(attentions);
   // The pages go back whatever happened, so the next point can use them.
   for (int64_t i = 0; i < batch; ++i) kvs[i] = attentions[i]->TakeKv();
   executor.Step({}, &logits, &statuses);  // releases the window's slots
@@ -252,6 +272,8 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   }
   p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
   p.per_step.mapped_rows = static_cast<int64_t>(p.per_step.mapped_rows / n);
+  p.k_rows_scored = (reads_after.first - reads_before.first) / n;
+  p.metadata_bytes = (reads_after.second - reads_before.second) / n;
   p.per_step.resident_rows = static_cast<int64_t>(p.per_step.resident_rows / n);
   return p;
 }
@@ -483,6 +505,8 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"tokens_per_s", 1e3 * batch / p.median_ms},
                             {"host_rows_per_step", c.host_rows},
                             {"device_read_rows_per_step", c.mapped_rows},
+                            {"k_rows_scored_per_step", p.k_rows_scored},
+                            {"cpu_metadata_bytes_per_step", p.metadata_bytes},
                             {"resident_rows_per_step", c.resident_rows},
                             {"to_host_ms", 1e3 * c.to_host_s},
                             {"plan_ms", 1e3 * c.plan_s},
