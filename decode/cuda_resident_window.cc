@@ -353,6 +353,18 @@ class CudaResidentWindow : public ResidentWindow {
     }
     kernels::PagedKvView view = host;
     view.arena = static_cast<const uint8_t*>(device);
+    // The zero-copy kernel's limits (head_dim, group, page size, alignment), asked of the backend
+    // with a shapes-only problem (no requests: nothing is read; one span: the arena's checks
+    // apply). A refusal keeps the rows on the CPU instead of failing the step in
+    // AttendMappedSpans (the trained tiny model's head_dim 32 has no CUDA paged kernel).
+    kernels::PagedDecodeProblem probe;
+    probe.kv = view;
+    probe.num_spans = 1;
+    probe.num_qo_heads = shape_.num_heads;
+    probe.num_kv_heads = shape_.num_kv_heads;
+    probe.head_dim = shape_.head_dim;
+    probe.sm_scale = shape_.scale;
+    FLUXION_RETURN_IF_ERROR(mapped_backend_->Supports(probe));
     return view;
   }
 
