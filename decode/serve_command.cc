@@ -269,6 +269,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                   << "\n";
         return 2;
       }
+      // Locking a large arena takes a while (64 GiB: 18-32 s on the H200 host): say so.
+      std::cerr << "pinning the " << (arena->bytes() >> 20) << " MiB KV arena for the GPU\n";
       if (absl::Status pinned = PinArenaForCuda(arena.get()); !pinned.ok()) {
         // Still serves: copies go through staging and the CPU reads every host row.
         std::cerr << "warning: " << pinned << "\n";

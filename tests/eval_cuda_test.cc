@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/model.h"
+#include "tests/eval_runs_testing.h"
 
 namespace fluxion::eval {
 namespace {
@@ -33,27 +34,6 @@ bool HaveDevice() {
 std::string ModelDir() {
   const char* dir = std::getenv("FLUXION_SOURCE_DIR");
   return std::string(dir != nullptr ? dir : ".") + "/models/fluxion-tiny-retrieval";
-}
-
-std::map<std::string, EvalRun> RunByPolicy(const model::Model& model,
-                                           const TaskEvalOptions& options,
-                                           const std::string& device) {
-  std::map<std::string, EvalRun> runs;
-  TaskEvalCallbacks callbacks;
-  callbacks.on_sample_done = [&](const SampleOutcome& o) {
-    for (const PolicyOutcome& p : o.policies) {
-      EvalRun& run = runs[p.policy];
-      run.device = device;
-      run.samples.push_back({{o.sample.task, o.sample.context, o.sample.seed, p.policy},
-                             p.tokens,
-                             p.correct,
-                             p.margins,
-                             p.top_logits});
-    }
-  };
-  auto results = RunTaskEval(model, options, callbacks);
-  EXPECT_TRUE(results.ok()) << results.status();
-  return runs;
 }
 
 TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {

@@ -37,6 +37,7 @@
 #include "kernels/cpu/process_cpu.h"
 #include "model/cpu_dense_ops.h"
 #include "model/model.h"
+#include "tests/eval_runs_testing.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::eval {
@@ -92,22 +93,7 @@ class EvalDeviceTest : public ::testing::Test {
   // Every sample's outcome per policy, as `--json` would record it.
   static std::map<std::string, EvalRun> Run(const TaskEvalOptions& options,
                                             const std::string& device) {
-    std::map<std::string, EvalRun> runs;
-    TaskEvalCallbacks callbacks;
-    callbacks.on_sample_done = [&](const SampleOutcome& o) {
-      for (const PolicyOutcome& p : o.policies) {
-        EvalRun& run = runs[p.policy];
-        run.device = device;
-        run.samples.push_back({{o.sample.task, o.sample.context, o.sample.seed, p.policy},
-                               p.tokens,
-                               p.correct,
-                               p.margins,
-                               p.top_logits});
-      }
-    };
-    auto results = RunTaskEval(*model_, options, callbacks);
-    EXPECT_TRUE(results.ok()) << results.status();
-    return runs;
+    return RunByPolicy(*model_, options, device);
   }
 
   static model::Model* model_;
