@@ -58,6 +58,10 @@ struct Options {
   // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
   std::vector<double> device_read_shares = {0};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
+  // The preset's first `layers` layers only (0: all). A truncated model's step is not the
+  // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold
+  // the whole model (the per-layer work is the same at every layer).
+  int64_t layers = 0;
 };
 
 struct Device {
@@ -333,6 +337,7 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
 absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results,
                  const std::function<void()>& flush) {
   FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
+  if (o.layers > 0) config.num_layers = std::min<int>(config.num_layers, o.layers);
   const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
                                     config.head_dim,
                                     1.0f / std::sqrt(static_cast<float>(config.head_dim))};
@@ -372,9 +377,10 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       decode::HybridStepExecutor::Create(config, std::move(device.ops), std::move(params),
                                          std::move(device.window), &pool));
   const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
-  std::printf("preset %s on %s, %d CPU threads, weights made in %.1f s, host KV limit %.0f GiB "
-              "(%.0f KiB per token)\n",
-              o.preset.c_str(), o.device.c_str(), pool.threads(), weights_s, limit_gib,
+  std::printf("preset %s (%d layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
+              "limit %.0f GiB (%.0f KiB per token)\n",
+              o.preset.c_str(), config.num_layers, o.device.c_str(), pool.threads(), weights_s,
+              limit_gib,
               BytesPerToken(config) / 1024);
   std::printf("%8s %5s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
               "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
@@ -494,6 +500,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                     1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 100 * idle);
         std::fflush(stdout);
         results->push_back({{"preset", o.preset},
+                            {"layers", config.num_layers},
                             {"device", o.device},
                             {"context", context},
                             {"batch", batch},
@@ -558,6 +565,9 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");
+  flags.Int("layers", &o.layers,
+            "run only the preset's first N layers (0: all): to profile the CPU half at real head "
+            "shapes where the whole model does not fit; not the model's step time");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   flags.String("json", &json_path, "also write results to this file");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
@@ -571,8 +581,9 @@ int RunHybridBench(const std::vector<std::string>& args) {
                                      [max](int64_t x) { return x >= 1 && x <= max; });
   };
   if (!positive(o.contexts, 1 << 21) || !positive(o.batches, 256) || o.steps < 1 ||
-      o.steps > 1000) {
-    std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000]\n";
+      o.steps > 1000 || o.layers < 0) {
+    std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000], "
+                 "--layers >= 0\n";
     return 2;
   }
   nlohmann::json results = nlohmann::json::array();

@@ -16,8 +16,8 @@ SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique
       policies_(std::move(policies)),
       head_stats_(shape.num_kv_heads),
       head_spans_(shape.num_kv_heads),
-      rest_out_(policies_.size()),
-      rest_lse_(policies_.size()) {}
+      rest_out_(shape.num_kv_heads),
+      rest_lse_(shape.num_kv_heads) {}
 
 absl::StatusOr<std::vector<std::unique_ptr<sparse::SparsePolicy>>> SparseAttention::MakePolicies(
     const PagedKv& kv, const model::AttentionShape& shape, const sparse::PolicyConfig& config,
@@ -120,36 +120,31 @@ sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const
 }
 
 void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored) {
-  const auto [first, end] = UnitHeads(unit);
-  sparse::SparsePolicy& policy = *policies_[unit];
-  for (int h = first; h < end; ++h) {
-    head_spans_[h].clear();
-    sparse::SelectionInput in = Input(h, q);
-    if (scored.data != nullptr) {
-      in.block_scores = scored.data + h * scored.head_stride;
-      in.block_score_tokens = scored.block_tokens;
-    }
-    policy.Select(in, &head_spans_[h], &head_stats_[h]);
+  const int h = unit;
+  head_spans_[h].clear();
+  sparse::SelectionInput in = Input(h, q);
+  if (scored.data != nullptr) {
+    in.block_scores = scored.data + h * scored.head_stride;
+    in.block_score_tokens = scored.block_tokens;
   }
+  PolicyOf(unit).Select(in, &head_spans_[h], &head_stats_[h]);
 }
 
 void SparseAttention::FinishUnit(int unit, const float* q, float* out, float* lse) {
-  const auto [first, end] = UnitHeads(unit);
+  const int h = unit;
   const int64_t d = shape_.head_dim, group = shape_.num_heads / shape_.num_kv_heads;
-  sparse::SparsePolicy& policy = *policies_[unit];
+  sparse::SparsePolicy& policy = PolicyOf(unit);
   std::vector<float>& rest_out = rest_out_[unit];
   std::vector<float>& rest_lse = rest_lse_[unit];
   rest_out.resize(group * d);
   rest_lse.resize(group);
-  for (int h = first; h < end; ++h) {
-    const sparse::SelectionInput in = Input(h, q);
-    // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
-    if (policy.ApproximateRest(in, rest_out.data(), rest_lse.data())) {
-      kernels::cpu::MergeAttentionStates(out + h * group * d, lse + h * group, rest_out.data(),
-                                         rest_lse.data(), group, d);
-    }
-    policy.Observe(in, head_spans_[h]);
+  const sparse::SelectionInput in = Input(h, q);
+  // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
+  if (policy.ApproximateRest(in, rest_out.data(), rest_lse.data())) {
+    kernels::cpu::MergeAttentionStates(out + h * group * d, lse + h * group, rest_out.data(),
+                                       rest_lse.data(), group, d);
   }
+  policy.Observe(in, head_spans_[h]);
 }
 
 absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,

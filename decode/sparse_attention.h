@@ -65,17 +65,17 @@ class SparseAttention : public model::SequenceAttention {
   //   FinishUnit(u, q, out, lse)       the policy's estimate of the skipped rows merged in, and
   //                                    the policy observes the step
   //
-  // A unit is a KV head when the policy's heads are independent (PolicyTraits::
-  // heads_independent: one policy object per KV head), else the whole request (one object for
-  // every head). Different units of one request may run in parallel; the phases of a unit run in
-  // that order, one step at a time.
+  // A unit is a KV head: one policy object per KV head when the policy's heads are independent
+  // (PolicyTraits::heads_independent), else one object for every head, which supports
+  // concurrent units. Different units of one request may run in parallel; the phases of a unit
+  // run in that order, one step at a time.
   //
   // q: [num_heads][head_dim], k and v: [num_kv_heads][head_dim]; out [num_heads][head_dim] and
   // lse [num_heads] (natural base) of the whole request (a unit touches its heads' rows only).
   // AppendToken: InvalidArgument for a layer out of range or a position that does not continue
   // the pages; ResourceExhausted when the arena has no page for the token (nothing appended).
   absl::Status AppendToken(int layer, int64_t pos0, const float* k, const float* v);
-  int units() const { return static_cast<int>(policies_.size()); }
+  int units() const { return static_cast<int>(shape_.num_kv_heads); }
   // `scored`: this layer's block scores of the request when computed elsewhere (the hybrid
   // step's device); policies that rank page bounds at that block size use them.
   void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {});
@@ -114,10 +114,9 @@ class SparseAttention : public model::SequenceAttention {
   static absl::StatusOr<std::vector<std::unique_ptr<sparse::SparsePolicy>>> MakePolicies(
       const PagedKv& kv, const model::AttentionShape& shape, const sparse::PolicyConfig& config,
       const model::SparseState* state);
-  // The KV heads of `unit`: [first, end).
-  std::pair<int, int> UnitHeads(int unit) const {
-    return policies_.size() == 1 ? std::pair<int, int>{0, static_cast<int>(shape_.num_kv_heads)}
-                                 : std::pair<int, int>{unit, unit + 1};
+  // The policy object of `unit` (its KV head).
+  sparse::SparsePolicy& PolicyOf(int unit) const {
+    return *policies_[policies_.size() == 1 ? 0 : unit];
   }
   sparse::SelectionInput Input(int kv_head, const float* q) const;
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "decode/sparse/policy_util.h"
+#include "glog/logging.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
@@ -30,9 +31,11 @@ absl::Status FluxionPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
     const Regions r = SplitContext(config_, n);
     std::vector<double> mass(state->vertical.begin() + r.sink_end,
                              state->vertical.begin() + std::max(r.sink_end, r.local_begin));
-    HeadScan& h = Scan(layer, kv_head);
+    HeadScan& h = scans_[{layer, kv_head}];
     h.block_mass.clear();
     for (int64_t b : kFluxionBlocks) h.block_mass.push_back(BlockMass(mass, r.sink_end, b));
+  } else {
+    scans_.try_emplace({layer, kv_head});  // every head has its entry before the first step
   }
   return LfpsPolicy::Prepare(kv, layer, kv_head, state);
 }
@@ -63,11 +66,11 @@ void FluxionPolicy::Allocate() {
   // v1's uniform split.
   const double all_streaming = predictor_ != nullptr ? 0.0 : 1.0;
   for (auto& [key, w] : weight_) w = total > 0 ? w * heads / total : all_streaming;
-  allocated_ = true;
 }
 
 double FluxionPolicy::HeadWeight(int layer, int kv_head) {
-  if (!allocated_) Allocate();
+  // Heads select in parallel: the first to ask allocates, the others wait for it.
+  absl::call_once(allocated_, &FluxionPolicy::Allocate, this);
   auto it = weight_.find({layer, kv_head});
   return it == weight_.end() ? 1.0 : it->second;
 }
@@ -82,43 +85,72 @@ int64_t FluxionPolicy::MiddleBudget(int layer, int kv_head, const Regions& r, in
 }
 
 FluxionPolicy::HeadScan& FluxionPolicy::Scan(int layer, int kv_head) {
-  return scans_[{layer, kv_head}];
+  // find, not operator[]: heads look up their entries concurrently, and operator[] may insert.
+  auto it = scans_.find({layer, kv_head});
+  if (it == scans_.end()) it = scans_.try_emplace({layer, kv_head}).first;  // not prepared
+  return it->second;
+}
+
+const FluxionPolicy::HeadScan* FluxionPolicy::FindScan(int layer, int kv_head) const {
+  auto it = scans_.find({layer, kv_head});
+  return it == scans_.end() ? nullptr : &it->second;
+}
+
+const float* FluxionPolicy::PageScores(const SelectionInput& in, int64_t first_page,
+                                       int64_t end_page, SelectionStats* stats) {
+  const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
+  const int64_t pages = end_page - first_page;
+  if (in.block_scores != nullptr && in.block_score_tokens == pt) {
+    stats->blocks_scored_elsewhere += pages;
+    return in.block_scores + first_page;
+  }
+  std::vector<float>& out = ScratchOf(in.kv_head).page_scores;
+  out.resize(pages);
+  kernels::cpu::QuestBlockBounds(in.kv->key_min(in.layer, in.kv_head),
+                                 in.kv->key_max(in.layer, in.kv_head), d, first_page, pages,
+                                 /*pages_per_block=*/1, in.q, in.group, out.data());
+  stats->metadata_bytes += pages * 2 * d * int64_t{sizeof(float)};
+  return out.data();
 }
 
 void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
                                   std::vector<int32_t>* candidates, SelectionStats* stats) {
   HeadScan& h = Scan(in.layer, in.kv_head);
+  Scratch& x = ScratchOf(in.kv_head);
   const int64_t middle = r.local_begin - r.sink_end;
   const StepShape shape{middle, k, in.kv->shape().head_dim, kScanOver, kScanMinBlocks};
   // Granularity for this head (§2.4.4): chosen at the first step, again when the context grew by
-  // more than 25% (the cost terms scale with it; the coverage comes from the prefill).
-  if (h.bounds == nullptr || in.context * 4 > h.chosen_at_context * 5) {
-    // Under a decision profile the block is the profile's; the bounds at it are still built and
-    // scanned as the policy does.
-    const int64_t chosen =
-        replaying() ? Replay(in.layer, in.kv_head).block_tokens
-                    : ChooseGranularity(config_.host_cost, shape, h.coverage(k), kCoverageTolerance)
-                          .block;
-    if (h.bounds == nullptr || h.bounds->block_tokens() != chosen) {
-      h.bounds = std::make_unique<BlockBounds>(chosen);
-    }
+  // more than 25% (the cost terms scale with it; the coverage comes from the prefill). Under a
+  // decision profile the block is the profile's.
+  if (h.block == 0 || in.context * 4 > h.chosen_at_context * 5) {
+    h.block = replaying() ? Replay(in.layer, in.kv_head).block_tokens
+                          : ChooseGranularity(config_.host_cost, shape, h.coverage(k),
+                                              kCoverageTolerance)
+                                .block;
     h.chosen_at_context = in.context;
   }
-  const int64_t block = h.bounds->block_tokens();
-  h.bounds->Update(*in.kv, in.layer, in.kv_head);
+  // Blocks align to absolute positions and hold whole pages (a block below the page size scans
+  // at the page).
+  const int64_t pt = in.kv->shape().page_tokens;
+  const int64_t block = std::max(h.block, pt);
+  const int64_t ppb = block / pt;
   const int64_t first_block = r.sink_end / block;
-  const int64_t end_block = std::min((r.local_begin + block - 1) / block, h.bounds->num_blocks());
+  const int64_t end_block = (r.local_begin + block - 1) / block;
   const int64_t nblocks = end_block - first_block;
   const int64_t want = std::min(nblocks, ScanBlocks(shape, block));
   if (want <= 0) return;
-  const int64_t d = in.kv->shape().head_dim;
-  block_scores_.resize(nblocks);
-  kernels::cpu::QuestBlockBounds(h.bounds->key_min(), h.bounds->key_max(), d, first_block,
-                                 nblocks, /*pages_per_block=*/1, in.q, in.group,
-                                 block_scores_.data());
-  stats->metadata_bytes += nblocks * 2 * d * int64_t{sizeof(float)};
-  kernels::cpu::TopKIndices(block_scores_.data(), nblocks, want, &top_blocks_);
-  for (int32_t b : top_blocks_) {
+  const int64_t pages = (in.context + pt - 1) / pt;
+  const int64_t first_page = first_block * ppb;
+  const int64_t end_page = std::min(end_block * ppb, pages);
+  const float* page_scores = PageScores(in, first_page, end_page, stats);
+  // A block scores as its best page.
+  x.block_scores.assign(nblocks, -INFINITY);
+  for (int64_t p = first_page; p < end_page; ++p) {
+    float& b = x.block_scores[(p - first_page) / ppb];
+    b = std::max(b, page_scores[p - first_page]);
+  }
+  kernels::cpu::TopKIndices(x.block_scores.data(), nblocks, want, &x.top_blocks);
+  for (int32_t b : x.top_blocks) {
     const int64_t begin = std::max((first_block + b) * block, r.sink_end);
     const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
     for (int64_t p = begin; p < end; ++p) candidates->push_back(static_cast<int32_t>(p));
@@ -143,9 +175,8 @@ int64_t FluxionPolicy::RetrievalBlock(int layer, int kv_head) {
 }
 
 int64_t FluxionPolicy::HeadBlock(int layer, int kv_head) {
-  auto it = scans_.find({layer, kv_head});
-  return it == scans_.end() || it->second.bounds == nullptr ? 0
-                                                            : it->second.bounds->block_tokens();
+  const HeadScan* h = FindScan(layer, kv_head);
+  return h == nullptr ? 0 : h->block;
 }
 
 }  // namespace fluxion::decode::sparse

@@ -13,15 +13,22 @@
 // the middle (the predictor's case; the rules then keep the uniform budget, as v1 did).
 //
 // Selection within a head's budget k: LFPS's history candidates (tables -> expansion) plus the rows
-// of the query-aware top blocks (Quest bounds at the head's block size; blocks holding 2k rows, at
-// least 16), rescored exactly; the top k rows are attended. The block size per head comes from the
-// granularity selector (granularity.h: host cost model + prefill coverage). ALGORITHMS.md §2.4.5
+// of the query-aware top blocks (blocks holding 2k rows, at least 16), rescored exactly; the top k
+// rows are attended. The block size per head comes from the granularity selector (granularity.h:
+// host cost model + prefill coverage). A block's score is the largest Quest bound of its pages
+// (sum_d max(q_d min_d, q_d max_d) over a page's keys, max over the group): an upper bound on q.k
+// over the block at least as tight as the bound of the block's merged min/max, and one score per
+// page whatever the block size, so the hybrid step's device, which scores every page next to the
+// window (SelectionInput::block_scores), serves every head; without those scores the CPU scores
+// the pages (PolicyTraits::ranks_page_bounds). ALGORITHMS.md §2.4.5
 // proposes the reverse (score only LFPS's candidate blocks); on our model LFPS's candidates held
 // 0.2-0.95 of the top-k mass per head (docs/SPARSE.md), so restricting the scan to them would cap
 // quality at LFPS's, and the coarse bound scan costs 3-12% of the K/V bytes. The bypass is LFPS's
 // at epsilon = 0.95.
 //
-// Thread-compatible (one request).
+// One object serves every KV head of a request (the allocation spans them); once every head is
+// prepared, Select and Observe for different KV heads may run concurrently (the allocation runs
+// once, on the first head that needs it), so a step's selection spreads over the pool per head.
 #ifndef FLUXION_DECODE_SPARSE_FLUXION_POLICY_H_
 #define FLUXION_DECODE_SPARSE_FLUXION_POLICY_H_
 
@@ -29,7 +36,7 @@
 #include <memory>
 #include <utility>
 
-#include "decode/sparse/block_bounds.h"
+#include "absl/base/call_once.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/granularity.h"
 #include "decode/sparse/lfps_policy.h"
@@ -68,24 +75,28 @@ class FluxionPolicy : public LfpsPolicy {
 
  private:
   void Allocate();
+  // The page scores of the middle's pages [first_page, end_page) of in's head: in.block_scores
+  // when they are page scores, else computed here from the page bounds. Returns them.
+  const float* PageScores(const SelectionInput& in, int64_t first_page, int64_t end_page,
+                          SelectionStats* stats);
   std::shared_ptr<const FluxionPredictor> predictor_;
   // Features of the heads prepared with a sparse state (the predictor needs num_layers, known
   // only once every head is prepared).
   std::map<std::pair<int, int>, model::HeadSparseState> features_;
-  std::map<std::pair<int, int>, double> weight_;
-  bool allocated_ = false;
+  std::map<std::pair<int, int>, double> weight_;  // written once, by Allocate
+  absl::once_flag allocated_;
 
-  // The query-aware scan of one head: its granularity and the bounds at that granularity.
+  // The query-aware scan of one head: its granularity (0 before its first scan).
   struct HeadScan {
     std::vector<std::vector<double>> block_mass;  // per kFluxionBlocks entry; empty: no capture
     int64_t chosen_at_context = 0;
-    std::unique_ptr<BlockBounds> bounds;
+    int64_t block = 0;
     std::vector<double> coverage(int64_t k) const;  // per kFluxionBlocks entry
   };
+  // Creates the entry of a head that was not prepared (not safe with heads in parallel).
   HeadScan& Scan(int layer, int kv_head);
+  const HeadScan* FindScan(int layer, int kv_head) const;
   std::map<std::pair<int, int>, HeadScan> scans_;
-  std::vector<float> block_scores_;
-  std::vector<int32_t> top_blocks_;
 };
 
 }  // namespace fluxion::decode::sparse

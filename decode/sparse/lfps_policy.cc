@@ -107,6 +107,7 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
 
 absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
                                  const model::HeadSparseState* state) {
+  ScratchOf(kv_head);  // every head's scratch exists before the first (parallel) step
   HeadState& s = State(layer, kv_head);
   if (state == nullptr) return absl::OkStatus();  // no capture: the first step refreshes exactly
   const int64_t n = std::min<int64_t>(state->vertical.size(), kv.length(layer));
@@ -131,6 +132,7 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
 void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                         SelectionStats* stats) {
   HeadState& s = State(in.layer, in.kv_head);
+  Scratch& x = ScratchOf(in.kv_head);
   Regions r = SplitContext(config_, in.context);
   if (replaying()) {
     // The profile's weight on the uniform middle budget, as Fluxion's MiddleBudget applies its
@@ -143,6 +145,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   }
   const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
   s.bypassed = false;
+  x.logits_valid = false;  // until this step's logits of what it attends are all known
   std::vector<PageSpan> middle;
   ++stats->selections;
   if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
@@ -154,19 +157,24 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
 
   // Head sparsity (§1.3.8): exact mass of sinks + window against a log-normal estimate of the
   // global region's, for every query head of the group.
-  scratch_spans_.clear();
-  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, &scratch_spans_);
-  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, &scratch_spans_);
+  x.spans.clear();
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, 0, r.sink_end, &x.spans);
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.local_begin, in.context, &x.spans);
   bool all_streaming = s.count > 0;
   s.global_log_mass.assign(in.group, -INFINITY);
-  GroupLogits(*in.kv, scratch_spans_, in.q, in.group, in.scale, &scores_);
-  const int64_t exact_rows = static_cast<int64_t>(scores_.size()) / in.group;
+  GroupLogits(*in.kv, x.spans, in.q, in.group, in.scale, &x.edge_logits);
+  x.sink_rows = r.sink_end;
+  const int64_t exact_rows = static_cast<int64_t>(x.edge_logits.size()) / in.group;
   for (int64_t g = 0; g < in.group; ++g) {
     const float* q = in.q + g * d;
     double m = -INFINITY;
-    for (int64_t j = 0; j < exact_rows; ++j) m = std::max<double>(m, scores_[j * in.group + g]);
+    for (int64_t j = 0; j < exact_rows; ++j) {
+      m = std::max<double>(m, x.edge_logits[j * in.group + g]);
+    }
     double z_exact = 0;
-    for (int64_t j = 0; j < exact_rows; ++j) z_exact += std::exp(scores_[j * in.group + g] - m);
+    for (int64_t j = 0; j < exact_rows; ++j) {
+      z_exact += std::exp(x.edge_logits[j * in.group + g] - m);
+    }
     if (s.count == 0) continue;
     const double n = static_cast<double>(s.count);
     // var = q^T (E[k k^T] - E[k] E[k]^T) q = (q^T K q) / n - mu^2 with K the summed outer
@@ -176,8 +184,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     double mu = 0;
     for (int64_t i = 0; i < d; ++i) mu += q[i] * s.key_sum[i];
     mu /= n;
-    kq_.assign(d, 0.0);
-    double* y = kq_.data();
+    x.kq.assign(d, 0.0);
+    double* y = x.kq.data();
     for (int64_t i = 0; i < d; ++i) {
       const double qi = q[i];
       const double* row = s.key_outer.data() + i * d;
@@ -202,6 +210,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                   : all_streaming && measured_recently &&
                         s.MiddleShare() <= 1.0 - params_.bypass_rho;
   if (bypass) {
+    x.picked_logits.clear();
+    x.logits_valid = true;
     s.bypassed = true;
     ++s.steps_since_measured;
     ++stats->bypassed;
@@ -212,17 +222,17 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   const int64_t n_middle = r.local_begin - r.sink_end;
   const bool refresh = s.steps_since_refresh >= params_.refresh_every ||
                        s.tables.vertical().moments().count == 0;
-  picked_.clear();
+  x.picked.clear();
   if (refresh) {
     // Safety valve: an exact top-k over the whole middle region.
-    scratch_spans_.clear();
-    AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scratch_spans_);
-    scores_.resize(n_middle);
-    kernels::cpu::MaxGroupScores(in.kv->view(), scratch_spans_.data(), scratch_spans_.size(),
-                                 in.q, in.group, scores_.data());
+    x.spans.clear();
+    AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &x.spans);
+    x.scores.resize(n_middle);
+    kernels::cpu::MaxGroupScores(in.kv->view(), x.spans.data(), x.spans.size(),
+                                 in.q, in.group, x.scores.data());
     stats->k_rows_scored += n_middle;
-    kernels::cpu::TopKIndices(scores_.data(), n_middle, r.middle_rows_budget, &picked_);
-    for (int32_t& i : picked_) i += static_cast<int32_t>(r.sink_end);
+    kernels::cpu::TopKIndices(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
+    for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
     s.steps_since_refresh = 0;
   } else {
     // Candidates from the history tables, expanded, restricted to the middle region.
@@ -238,7 +248,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                                  t - r.sink_end + 3, &slash);
     // Expanded candidates collected directly and sorted: O(c log c) for c candidates instead of
     // clearing and scanning a mark array over the whole context every step.
-    std::vector<int32_t>& candidates = candidates_;
+    std::vector<int32_t>& candidates = x.candidates;
     candidates.clear();
     auto mark = [&](int64_t p) {
       for (int e : kExpand) {
@@ -249,23 +259,41 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     for (int64_t p : vertical) mark(p);
     for (int64_t dist : slash) mark(t - dist);
     AddCandidates(in, r, k, &candidates, stats);
-    SortUniqueWithin(r.sink_end, r.local_begin, &candidates, &candidate_bits_);
+    SortUniqueWithin(r.sink_end, r.local_begin, &candidates, &x.candidate_bits);
     if (static_cast<int64_t>(candidates.size()) <= k) {
-      picked_ = candidates;
+      x.picked = candidates;
     } else {
-      scratch_spans_.clear();
-      AppendPositions(*in.kv, in.layer, in.kv_head, candidates, &scratch_spans_);
-      scores_.resize(candidates.size());
-      kernels::cpu::MaxGroupScores(in.kv->view(), scratch_spans_.data(), scratch_spans_.size(),
-                                   in.q, in.group, scores_.data());
-      kernels::cpu::TopKIndices(scores_.data(), candidates.size(), k, &scratch_picked_);
-      for (int32_t i : scratch_picked_) picked_.push_back(candidates[i]);
+      x.spans.clear();
+      AppendPositions(*in.kv, in.layer, in.kv_head, candidates, &x.spans);
+      // Every query head's logits in one walk (GroupScores; their max is MaxGroupScores'
+      // value, bit for bit: one kernel): the picked rows' logits are kept for Observe, which
+      // would otherwise read those K rows again.
+      const int64_t n = static_cast<int64_t>(candidates.size()), group = in.group;
+      x.group_scores.resize(n * group);
+      kernels::cpu::GroupScores(in.kv->view(), x.spans.data(), x.spans.size(), in.q, group,
+                                x.group_scores.data());
+      x.scores.resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = x.group_scores.data() + i * group;
+        x.scores[i] = *std::max_element(row, row + group);
+      }
+      kernels::cpu::TopKIndices(x.scores.data(), n, k, &x.picked_local);
+      std::sort(x.picked_local.begin(), x.picked_local.end());  // candidates are sorted
+      x.picked_logits.resize(x.picked_local.size() * group);
+      for (size_t j = 0; j < x.picked_local.size(); ++j) {
+        const int32_t i = x.picked_local[j];
+        x.picked.push_back(candidates[i]);
+        for (int64_t g = 0; g < group; ++g) {
+          x.picked_logits[j * group + g] = x.group_scores[i * group + g] * in.scale;
+        }
+      }
+      x.logits_valid = true;
     }
     stats->k_rows_scored += static_cast<int64_t>(candidates.size());
     ++s.steps_since_refresh;
   }
-  std::sort(picked_.begin(), picked_.end());
-  AppendPositions(*in.kv, in.layer, in.kv_head, picked_, &middle);
+  std::sort(x.picked.begin(), x.picked.end());
+  AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
   AssembleSpans(in, r, middle, spans, stats);
   // The decision, for decision profiles: the budget the head-step was given (not what its
   // candidates let it spend), sinks and window included.
@@ -276,6 +304,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {
   HeadState& s = State(in.layer, in.kv_head);
+  Scratch& x = ScratchOf(in.kv_head);
   const int64_t pt = in.kv->shape().page_tokens;
   const int64_t t = in.context - 1;
   const Regions r = SplitContext(config_, in.context);
@@ -297,8 +326,22 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   std::sort(positions.begin(), positions.end());
   s.tables.Step();
   if (positions.empty()) return;
-  scratch_spans_.clear();
-  AppendPositions(*in.kv, in.layer, in.kv_head, positions, &scratch_spans_);
+  // The logits of what the step attended: from Select when it computed them all (sinks and
+  // window, then the picked middle rows, in position order), else from the K rows.
+  const size_t edge_rows = x.edge_logits.size() / in.group;
+  const size_t picked_rows = x.picked_logits.size() / in.group;
+  if (x.logits_valid && edge_rows + picked_rows == positions.size() &&
+      x.sink_rows <= static_cast<int64_t>(edge_rows)) {
+    const int64_t g = in.group;
+    x.scores.clear();
+    x.scores.insert(x.scores.end(), x.edge_logits.begin(), x.edge_logits.begin() + x.sink_rows * g);
+    x.scores.insert(x.scores.end(), x.picked_logits.begin(), x.picked_logits.end());
+    x.scores.insert(x.scores.end(), x.edge_logits.begin() + x.sink_rows * g, x.edge_logits.end());
+  } else {
+    x.spans.clear();
+    AppendPositions(*in.kv, in.layer, in.kv_head, positions, &x.spans);
+    GroupLogits(*in.kv, x.spans, in.q, in.group, in.scale, &x.scores);
+  }
   // Per head: the softmax over the attended rows gives the middle region's share of the
   // attended mass (a lower bound on its share of the full mass: re-measured whenever the head is
   // not bypassed); the softmax over the attended rows minus the sinks gives the half-normalised
@@ -306,10 +349,9 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   // information). Both are maxed over the group (§1.3.7).
   std::vector<float> best(positions.size(), 0.0f);
   double middle_share = 0;
-  GroupLogits(*in.kv, scratch_spans_, in.q, in.group, in.scale, &scores_);
   const int64_t group = in.group;
   for (int64_t g = 0; g < group; ++g) {
-    auto score = [&](size_t j) { return scores_[j * group + g]; };
+    auto score = [&](size_t j) { return x.scores[j * group + g]; };
     float m = -INFINITY, m_all = -INFINITY;
     for (size_t j = 0; j < positions.size(); ++j) {
       m_all = std::max(m_all, score(j));

@@ -12,7 +12,10 @@
 //      by {-1, 0, +1, +2}, scored exactly, top rows within the budget; every `refresh_every`
 //      steps an exact top-k over the whole middle region instead (the safety valve).
 //
-// Thread-compatible (one request).
+// Thread-compatible (one request), with one exception a shared object relies on (Fluxion:
+// PolicyTraits::heads_independent false): once every (layer, KV head) is prepared, Select and
+// Observe for different KV heads may run concurrently. Per-head state and scratch live per KV
+// head; the maps are only read after Prepare.
 #ifndef FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 #define FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 
@@ -94,7 +97,33 @@ class LfpsPolicy : public SparsePolicy {
     HeadReplay replay;
   };
 
+  // Scratch of one KV head's step (heads of a shared object may run in parallel), reused
+  // across steps and layers.
+  struct Scratch {
+    std::vector<kernels::PageSpan> spans;
+    std::vector<float> scores;
+    std::vector<int32_t> picked, picked_local;
+    std::vector<int32_t> candidates;        // this step's expanded candidates, sorted
+    std::vector<uint64_t> candidate_bits;   // SortUniqueWithin's bitmap
+    std::vector<double> kq;                 // [head_dim]: summed key outer products times q
+    std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
+    std::vector<int32_t> top_blocks;
+    std::vector<float> group_scores;  // [candidate][group] unscaled
+    // This step's scaled logits [row][group] of the sinks then the window (edge_logits; the
+    // first sink_rows rows are the sinks) and of the picked middle rows in position order
+    // (picked_logits), when Select computed all of them (logits_valid): Observe reuses them.
+    std::vector<float> edge_logits, picked_logits;
+    int64_t sink_rows = 0;
+    bool logits_valid = false;
+  };
+
+  // Both create the head's entry on first use. Heads of a shared object selected in parallel
+  // must have been prepared (creating an entry is not safe concurrently).
   HeadState& State(int layer, int kv_head);
+  Scratch& ScratchOf(int kv_head) {
+    if (kv_head >= static_cast<int>(scratch_.size())) scratch_.resize(kv_head + 1);
+    return scratch_[kv_head];
+  }
   // Under a decision profile (replaying() true): what the profile decided for the head.
   bool replaying() const { return profile_ != nullptr; }
   const HeadReplay& Replay(int layer, int kv_head);
@@ -113,8 +142,8 @@ class LfpsPolicy : public SparsePolicy {
                   HeadState* s);
   // Scaled logits of every query head of the group over `spans`' rows, in span order:
   // (*out)[row * group + g]. One walk over the keys for the whole group.
-  void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
-                   const float* q, int64_t group, float scale, std::vector<float>* out);
+  static void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
+                          const float* q, int64_t group, float scale, std::vector<float>* out);
 
   PolicyConfig config_;
   LfpsParams params_;
@@ -124,12 +153,7 @@ class LfpsPolicy : public SparsePolicy {
   PolicyDecisions replay_;                          // profile_'s entry for this policy
 
  private:
-  std::vector<kernels::PageSpan> scratch_spans_;
-  std::vector<float> scores_, scratch_;
-  std::vector<int32_t> picked_, scratch_picked_;
-  std::vector<int32_t> candidates_;  // this step's expanded LFPS candidates, sorted
-  std::vector<uint64_t> candidate_bits_;  // SortUniqueWithin's bitmap, kept between steps
-  std::vector<double> kq_;  // [head_dim]: summed key outer products times q (bypass estimate)
+  std::vector<Scratch> scratch_;  // [kv_head], sized by Prepare
 };
 
 }  // namespace fluxion::decode::sparse

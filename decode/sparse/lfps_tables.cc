@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/topk.h"
+
 namespace fluxion::decode::sparse {
 
 DecayedTable::DecayedTable(double decay, int64_t rescale_every)
@@ -75,32 +77,52 @@ TableMoments DecayedTable::moments() const {
 void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, int64_t lo,
                                int64_t hi, std::vector<int64_t>* out) const {
   const TableMoments m = moments();
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, size());
   if (m.count == 0 || hi <= lo) return;
   const double threshold_psi = (m.mean + a * std::sqrt(m.kurtosis) * m.stddev) * g_;
-  // Only the non-zero entries are visited (the tables are sparse: a dense scan of a 128K-entry
-  // table per step was most of LFPS's step at long contexts).
   std::vector<int64_t>& eligible = scratch_;
+  std::vector<float>& values = scratch_values_;
   eligible.clear();
-  std::vector<int64_t> picked;
-  for (int64_t i : nonzero_index_) {
-    if (i < lo || i >= hi) continue;
+  values.clear();
+  int64_t above = 0;
+  auto visit = [&](int64_t i) {
+    const double p = psi_[i];
     eligible.push_back(i);
-    if (psi_[i] >= threshold_psi) picked.push_back(i);
-  }
-  const int64_t want_min = std::min<int64_t>(min_count, eligible.size());
-  if (static_cast<int64_t>(picked.size()) > max_count ||
-      static_cast<int64_t>(picked.size()) < want_min) {
-    // Re-select the k largest eligible entries instead.
-    const int64_t k = static_cast<int64_t>(picked.size()) > max_count ? max_count : want_min;
-    picked.clear();
-    if (k > 0) {
-      std::nth_element(eligible.begin(), eligible.begin() + (k - 1), eligible.end(),
-                       [&](int64_t x, int64_t y) { return psi_[x] > psi_[y]; });
-      picked.assign(eligible.begin(), eligible.begin() + k);
+    values.push_back(static_cast<float>(p));
+    above += p >= threshold_psi;
+  };
+  // A sparse table is walked through its non-zero index (a dense scan of a 128K-entry table per
+  // step was most of LFPS's step at long contexts); a table whose range is mostly non-zero (as
+  // after many steps of diffuse attention) is scanned in index order, which reads it
+  // sequentially instead of at random.
+  if (nonzero_ * 4 >= hi - lo) {
+    for (int64_t i = lo; i < hi; ++i) {
+      if (psi_[i] != 0.0) visit(i);
+    }
+  } else {
+    for (int64_t i : nonzero_index_) {
+      if (i >= lo && i < hi) visit(i);
     }
   }
-  std::sort(picked.begin(), picked.end());
-  out->insert(out->end(), picked.begin(), picked.end());
+  const int64_t n = static_cast<int64_t>(eligible.size());
+  const int64_t want_min = std::min<int64_t>(min_count, n);
+  const size_t first = out->size();
+  if (above > max_count || above < want_min) {
+    // Re-select the k largest eligible entries instead: a radix select over their values (fp32
+    // images of Psi: order-preserving up to ties the rounding creates, which the clamp breaks
+    // toward lower indices).
+    const int64_t k = above > max_count ? max_count : want_min;
+    if (k > 0) {
+      kernels::cpu::TopKIndices(values.data(), n, k, &top_);
+      for (int32_t j : top_) out->push_back(eligible[j]);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      if (psi_[eligible[j]] >= threshold_psi) out->push_back(eligible[j]);
+    }
+  }
+  std::sort(out->begin() + first, out->end());
 }
 
 }  // namespace fluxion::decode::sparse

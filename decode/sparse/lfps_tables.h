@@ -65,7 +65,10 @@ class DecayedTable {
   double g_ = 1.0;               // Psi = Phi * g
   std::vector<double> psi_;
   std::vector<int64_t> nonzero_index_;  // indices of the non-zero entries, in insertion order
-  mutable std::vector<int64_t> scratch_;  // SelectAbove's eligible entries (no allocation per step)
+  // SelectAbove's eligible entries, their values and the clamp's picks (no allocation per step).
+  mutable std::vector<int64_t> scratch_;
+  mutable std::vector<float> scratch_values_;
+  mutable std::vector<int32_t> top_;
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };

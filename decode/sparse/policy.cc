@@ -129,8 +129,8 @@ constexpr KindEntry kKinds[] = {
     {PolicyKind::kQuest, {"quest", false, false, false, true, true}},
     {PolicyKind::kLfps, {"lfps", false, true, false, true, false}},
     {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, false}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true}},
     {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true, true}},
 };
 
@@ -225,6 +225,10 @@ std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
 }
 
 int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens) {
+  // Fluxion scores pages and ranks its per-head blocks by their best page (fluxion_policy.h).
+  if (config.kind == PolicyKind::kFluxion || config.kind == PolicyKind::kFluxionRules) {
+    return page_tokens;
+  }
   return std::max(config.block_tokens, page_tokens);
 }
 

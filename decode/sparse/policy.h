@@ -49,13 +49,15 @@ struct PolicyTraits {
   bool budget_from_name;     // the budget is not a separate argument (full, fixed_*)
   bool needs_sparse_state;   // starts from the prefill node's captured sparse state
   bool uses_predictor;       // reads PolicyConfig::fluxion_predictor
-  // Its state is independent per (layer, KV head): one object per KV head is the same policy,
-  // so a step may select different heads of one request in parallel. False for Fluxion, whose
-  // budget allocation spans every head of the request.
+  // Its state is independent per (layer, KV head): one object per KV head is the same policy.
+  // False for Fluxion, whose budget allocation spans every head of the request: one object serves
+  // them all. Either way a step selects (and completes) different KV heads of one request in
+  // parallel: a shared object supports that once every head is prepared.
   bool heads_independent;
   // It ranks blocks by Quest's page-bound scores (PagedKv's key_min / key_max) at block size
-  // max(block_tokens, page_tokens): the hybrid step's device may compute those scores instead
-  // (SelectionInput::block_scores).
+  // RankedBlockTokens(): the hybrid step's device may compute those scores instead
+  // (SelectionInput::block_scores). Fluxion ranks its blocks (16-64 tokens per head) by their
+  // pages' scores, so its scores are per page.
   bool ranks_page_bounds;
 };
 
@@ -186,9 +188,9 @@ class SparsePolicy {
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);
 
-// For a policy that ranks page bounds (PolicyTraits::ranks_page_bounds): its block size over
-// pages of `page_tokens`, and how many blocks it picks at `context` tokens (0: sinks + window
-// cover the budget, nothing is scored).
+// For a policy that ranks page bounds (PolicyTraits::ranks_page_bounds): the block size its
+// scores are computed at over pages of `page_tokens`, and how many such blocks its uniform budget
+// holds at `context` tokens (0: sinks + window cover the budget, nothing is scored).
 int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens);
 int64_t RankedBlocksWanted(const PolicyConfig& config, int64_t context, int64_t page_tokens);
 
