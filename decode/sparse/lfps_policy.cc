@@ -237,14 +237,21 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   } else {
     // Candidates from the history tables, expanded, restricted to the middle region.
     const int64_t k = r.middle_rows_budget;
-    const int64_t cap = std::max<int64_t>(2 * k, static_cast<int64_t>(params_.candidate_cap * in.context));
+    // The clamps of ALGORITHMS.md §1.3.4 hold for |V| + |D| together: at least 2k entries (the
+    // final top-k twice), at most candidate_cap x t; each table gets half of each. (Before
+    // session 10 each table had both clamps on its own, which doubled the candidates: at 8B
+    // shapes and budget 0.05 the rescoring then read 55% of the context's K rows every step,
+    // bench/results session 10.)
+    const int64_t table_min = k;
+    const int64_t table_cap = std::max<int64_t>(
+        table_min, static_cast<int64_t>(params_.candidate_cap * in.context) / 2);
     std::vector<int64_t> vertical, slash;
     // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
     // just outside it still reaches in through the expansion offsets, so the ranges are widened
     // by them.
-    s.tables.vertical().SelectAbove(params_.threshold_a, 2 * k, cap, r.sink_end - 2,
+    s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap, r.sink_end - 2,
                                     r.local_begin + 1, &vertical);
-    s.tables.slash().SelectAbove(params_.threshold_a, 2 * k, cap, t - r.local_begin,
+    s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap, t - r.local_begin,
                                  t - r.sink_end + 3, &slash);
     // Expanded candidates collected directly and sorted: O(c log c) for c candidates instead of
     // clearing and scanning a mark array over the whole context every step.
