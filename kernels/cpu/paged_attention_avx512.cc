@@ -17,6 +17,7 @@
 #include "kernels/cpu/bf16_avx512.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
+#include "kernels/cpu/span_rows.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -172,26 +173,16 @@ void Attend(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, con
     running_sum[g] = 0.0f;
   }
 
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const PageSpan& span = spans[s];
-    const int64_t rows = span.rows;
-    if (rows <= 0) continue;
-    if (s + 1 < num_spans) {
-      // As in the AVX2 kernel: start the next (usually non-adjacent) page's K and V streams.
-      const PageSpan& next = spans[s + 1];
-      _mm_prefetch(reinterpret_cast<const char*>(kv.keys(next.page) + next.first_row * d),
-                   _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(kv.values(next.page) + next.first_row * d),
-                   _MM_HINT_T0);
-    }
-    const bf16* k_rows = kv.keys(span.page) + span.first_row * d;
-    const bf16* v_rows = kv.values(span.page) + span.first_row * d;
+  internal::SpanRows span_rows(kv, spans, num_spans);
+  internal::RowBatch batch;
+  while (span_rows.Next(&batch)) {
+    const int64_t rows = batch.rows;
 
     // Scores: each K row is loaded once per block of four heads.
     for (int64_t hb = 0; hb < padded; hb += kHeadBlock) {
       for (int64_t r = 0; r < rows; ++r) {
         alignas(16) float four[4];
-        _mm_store_ps(four, ScoreFour(k_rows + r * d, pq, hb, d));
+        _mm_store_ps(four, ScoreFour(batch.k[r], pq, hb, d));
         for (int64_t j = 0; j < kHeadBlock; ++j) scores[hb + j][r] = four[j];
       }
     }
@@ -222,7 +213,7 @@ void Attend(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, con
         __m512 e3 = _mm512_mul_ps(_mm512_load_ps(a + 3 * d), c3);
         __m512 o3 = _mm512_mul_ps(_mm512_load_ps(a + 3 * d + 16), c3);
         for (int64_t r = 0; r < rows; ++r) {
-          const Bf16Pair512 vv = LoadBf16x32(v_rows + r * d + c * kChunk512);
+          const Bf16Pair512 vv = LoadBf16x32(batch.v[r] + c * kChunk512);
           __m512 p = _mm512_set1_ps(scores[hb][r]);
           e0 = _mm512_fmadd_ps(p, vv.even, e0);
           o0 = _mm512_fmadd_ps(p, vv.odd, o0);

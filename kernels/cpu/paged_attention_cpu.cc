@@ -5,6 +5,7 @@
 #include "kernels/cpu/math_avx2.h"
 #include "kernels/cpu/merge_state.h"
 #include "kernels/cpu/paged_attention_impl.h"
+#include "kernels/cpu/span_rows.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -39,28 +40,16 @@ void PagedAttentionAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t nu
   std::fill(running_max, running_max + padded, -INFINITY);
   std::fill(running_sum, running_sum + padded, 0.0f);
 
-  for (int64_t s = 0; s < num_spans; ++s) {
-    const PageSpan& span = spans[s];
-    const int64_t rows = span.rows;
-    if (rows <= 0) continue;
-    if (s + 1 < num_spans) {
-      // The next span is usually a different, non-adjacent page: touch its first K and V lines
-      // so the hardware prefetcher is already streaming it when we get there. (Prefetching every
-      // line of the next page measured slower: it competes with the current page's loads.)
-      const PageSpan& next = spans[s + 1];
-      _mm_prefetch(reinterpret_cast<const char*>(kv.keys(next.page) + next.first_row * d),
-                   _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(kv.values(next.page) + next.first_row * d),
-                   _MM_HINT_T0);
-    }
-    const bf16* k_rows = kv.keys(span.page) + span.first_row * d;
-    const bf16* v_rows = kv.values(span.page) + span.first_row * d;
+  SpanRows span_rows(kv, spans, num_spans);
+  RowBatch batch;
+  while (span_rows.Next(&batch)) {
+    const int64_t rows = batch.rows;
 
     // Scores: each K row is loaded and converted once per block of four heads.
     for (int64_t hb = 0; hb < padded; hb += kHeadBlock) {
       const float* q0 = qd + hb * d;
       for (int64_t r = 0; r < rows; ++r) {
-        const bf16* k = k_rows + r * d;
+        const bf16* k = batch.k[r];
         alignas(16) float four[4];
         _mm_store_ps(four, ScoreFourHeads(k, q0, d));
         for (int64_t j = 0; j < kHeadBlock; ++j) scores[hb + j][r] = four[j];
@@ -95,7 +84,7 @@ void PagedAttentionAvx2(const PagedKvView& kv, const PageSpan* spans, int64_t nu
         __m256 e3 = _mm256_mul_ps(_mm256_load_ps(a + 3 * d), c3);
         __m256 o3 = _mm256_mul_ps(_mm256_load_ps(a + 3 * d + 8), c3);
         for (int64_t r = 0; r < rows; ++r) {
-          const Bf16Pair vv = LoadBf16x16(v_rows + r * d + c * kChunk);
+          const Bf16Pair vv = LoadBf16x16(batch.v[r] + c * kChunk);
           __m256 p = _mm256_broadcast_ss(&scores[hb][r]);
           e0 = _mm256_fmadd_ps(p, vv.even, e0);
           o0 = _mm256_fmadd_ps(p, vv.odd, o0);

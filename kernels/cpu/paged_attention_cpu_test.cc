@@ -23,6 +23,7 @@
 #include "kernels/cpu/impl_testing.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/paged_attention_impl.h"
+#include "kernels/cpu/span_rows.h"
 #include "kernels/reference/reference_ops.h"
 #include "kernels/reference/compare.h"
 
@@ -279,6 +280,39 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The public function runs exactly the active table's kernel where the head_dim allows, and the
 // AVX2 kernel elsewhere (bit-for-bit: the kernels are deterministic).
+// The kernels attend rows in batches gathered across spans: every row once, in span order, no
+// batch above kRowBatch rows, empty spans skipped and long spans cut.
+TEST(SpanRowsTest, BatchesEveryRowOnceInOrder) {
+  constexpr int64_t kHeadDim = 32, kPageTokens = 16;
+  const int64_t page_bytes = 2 * kPageTokens * kHeadDim * int64_t{sizeof(bf16)};
+  std::vector<uint8_t> arena(8 * page_bytes);
+  const PagedKvView kv{arena.data(), static_cast<size_t>(page_bytes), kPageTokens, kHeadDim};
+  const std::vector<PageSpan> spans = {{3, 5, 1}, {1, 0, 0}, {0, 2, 3}, {6, 0, 16},
+                                       {2, 15, 1}, {5, 4, 12}, {7, 9, 1}};
+  std::vector<const bf16*> want_k, want_v;
+  for (const PageSpan& sp : spans) {
+    for (int32_t r = 0; r < sp.rows; ++r) {
+      want_k.push_back(kv.keys(sp.page) + (sp.first_row + r) * kHeadDim);
+      want_v.push_back(kv.values(sp.page) + (sp.first_row + r) * kHeadDim);
+    }
+  }
+  cpu::internal::SpanRows rows(kv, spans.data(), static_cast<int64_t>(spans.size()));
+  cpu::internal::RowBatch batch;
+  std::vector<const bf16*> got_k, got_v;
+  int batches = 0;
+  while (rows.Next(&batch)) {
+    ++batches;
+    ASSERT_GT(batch.rows, 0);
+    ASSERT_LE(batch.rows, cpu::internal::kRowBatch);
+    got_k.insert(got_k.end(), batch.k, batch.k + batch.rows);
+    got_v.insert(got_v.end(), batch.v, batch.v + batch.rows);
+  }
+  EXPECT_EQ(got_k, want_k);
+  EXPECT_EQ(got_v, want_v);
+  EXPECT_EQ(batches, (static_cast<int64_t>(want_k.size()) + cpu::internal::kRowBatch - 1) /
+                         cpu::internal::kRowBatch);
+}
+
 TEST(PagedAttentionDispatchTest, RunsTheActiveKernelOrAvx2ForOtherHeadDims) {
   const cpu::internal::CpuKernels& active = cpu::internal::ActiveKernels();
   for (int64_t head_dim : {128, 80}) {

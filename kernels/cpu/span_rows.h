@@ -1,0 +1,90 @@
+// Internal to kernels/cpu: the K/V rows of a span list in batches of up to kRowBatch rows,
+// whatever the spans' lengths. The attention kernels run one online-softmax update (a rescale of
+// every accumulator) per batch, so a plan of one-row spans (token-level policies: LFPS, exact
+// top-k) costs what a plan of whole pages costs; per span it made LFPS's attention 3-5x slower
+// than a block policy's over as many rows (bench/results, session 10).
+//
+// Thread-compatible: one per kernel call.
+#ifndef FLUXION_KERNELS_CPU_SPAN_ROWS_H_
+#define FLUXION_KERNELS_CPU_SPAN_ROWS_H_
+
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/paged_attention.h"
+
+namespace fluxion::kernels::cpu::internal {
+
+// Rows per batch (one online-softmax update): a 16-token page's worth. Batches of 32 and 64 rows
+// measured slower over whole pages (full attention, one core: the V loop walks the batch chunk
+// by chunk, touching a line of every row at a time, and more rows than a page's outrun what the
+// L1 and its prefetchers keep streaming), while 16 already turns one-row spans into 16x fewer
+// updates.
+inline constexpr int64_t kRowBatch = 16;
+static_assert(kRowBatch <= kMaxSpanRows, "the kernels' score scratch holds kMaxSpanRows rows");
+
+struct RowBatch {
+  const bf16* k[kMaxSpanRows];
+  const bf16* v[kMaxSpanRows];
+  int64_t rows = 0;
+};
+
+class SpanRows {
+ public:
+  SpanRows(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans)
+      : kv_(kv), spans_(spans), num_spans_(num_spans) {}
+
+  // The next batch of rows in span order (a span may be cut between two batches); false when
+  // none are left. Touches the first K and V line of every span piece it gathers, so the loads of
+  // scattered rows overlap instead of waiting one after another.
+  bool Next(RowBatch* b) {
+    const int64_t d = kv_.head_dim;
+    b->rows = 0;
+    while (b->rows < kRowBatch && span_ < num_spans_) {
+      const PageSpan& s = spans_[span_];
+      const int64_t take = std::min<int64_t>(s.rows - row_, kRowBatch - b->rows);
+      if (take <= 0) {
+        ++span_;
+        row_ = 0;
+        continue;
+      }
+      const bf16* k = kv_.keys(s.page) + (s.first_row + row_) * d;
+      const bf16* v = kv_.values(s.page) + (s.first_row + row_) * d;
+      _mm_prefetch(reinterpret_cast<const char*>(k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v), _MM_HINT_T0);
+      for (int64_t r = 0; r < take; ++r) {
+        b->k[b->rows + r] = k + r * d;
+        b->v[b->rows + r] = v + r * d;
+      }
+      b->rows += take;
+      row_ += take;
+      if (row_ >= s.rows) {
+        ++span_;
+        row_ = 0;
+      }
+    }
+    if (span_ < num_spans_) {
+      // Look one span piece ahead, as the per-span kernels did: its page is usually not adjacent,
+      // so the hardware prefetcher starts on it only if touched before the loads arrive.
+      const PageSpan& s = spans_[span_];
+      _mm_prefetch(reinterpret_cast<const char*>(kv_.keys(s.page) + (s.first_row + row_) * d),
+                   _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(kv_.values(s.page) + (s.first_row + row_) * d),
+                   _MM_HINT_T0);
+    }
+    return b->rows > 0;
+  }
+
+ private:
+  const PagedKvView& kv_;
+  const PageSpan* spans_;
+  int64_t num_spans_;
+  int64_t span_ = 0, row_ = 0;
+};
+
+}  // namespace fluxion::kernels::cpu::internal
+
+#endif  // FLUXION_KERNELS_CPU_SPAN_ROWS_H_
