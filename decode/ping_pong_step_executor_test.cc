@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -400,6 +401,36 @@ TEST_F(PingPongTest, BorrowedParamsPointAtTheOwnersWeights) {
   ASSERT_EQ(view.layers.size(), owner->layers.size());
   EXPECT_EQ(view.layers[0].q.weight.data, owner->layers[0].q.weight.data);
   EXPECT_EQ(view.layers.back().down.weight.data, owner->layers.back().down.weight.data);
+}
+
+TEST_F(PingPongTest, TheHybridAttentionsCpuPhaseWaitsForTheLane) {
+  // A step cannot finish while another holder has the lane (its CPU phase needs it); released,
+  // the step completes with its usual result. (On a correct executor `done` is false whenever
+  // it is read below; the sleep only gives a wrong one time to show itself.)
+  const kernels::cpu::CpuPool pool(1);
+  auto arena = MakeArena();
+  const Prefill prefill = MakePrefill(200, 5);
+  Request r = MakeRequest(arena.get(), prefill, *sparse::ParsePolicy("full", 1.0));
+  std::unique_ptr<HybridStepExecutor> hybrid = MakeSingle(&pool);
+  CpuLane lane;
+  hybrid->set_cpu_lane(&lane);
+  lane.Acquire();
+  std::atomic<bool> done{false};
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+  std::thread step([&] {
+    hybrid->Step({{r.seq.get(), r.attention, r.token}}, &logits, &statuses);
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(done.load());
+  lane.Release();
+  step.join();
+  EXPECT_TRUE(done.load());
+  ASSERT_EQ(statuses.size(), 1u);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(r.seq->length(), 201);
+  EXPECT_GT(hybrid->counters().lane_wait_s, 0);
 }
 
 TEST(CpuLaneTest, HoldersNeverOverlap) {
