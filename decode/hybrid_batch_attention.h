@@ -20,7 +20,8 @@
 // host" and "CPU partials merged" -- runs while holding the lane, so that two attentions driven
 // from two threads (the ping-pong executor's micro-batches, ping_pong_step_executor.h) never run
 // their CPU phases at once (each would get half the cores and half the host-memory bandwidth),
-// while the device work each issued before taking the lane proceeds.
+// while the device work each issued before taking the lane proceeds. The wait for the device's
+// block scores then comes before the lane (without a lane it overlaps the host append).
 //
 // Thread-compatible: the executor's thread drives it (the lane is the only state shared with
 // another attention).
