@@ -19,6 +19,7 @@
 #include "decode/hybrid_step_executor.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "decode/ping_pong_step_executor.h"
 #include "decode/resident_window.h"
 #include "decode/sparse/decision_profile.h"
 #include "decode/sparse/policy.h"
@@ -57,6 +58,9 @@ struct Options {
   std::vector<std::string> block_scores = {"device"};
   // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
   std::vector<double> device_read_shares = {0};
+  // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
+  // each value a row.
+  std::vector<int64_t> micro_batches = {1, 2};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
   // The preset's first `layers` layers only (0: all). A truncated model's step is not the
   // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold
@@ -211,7 +215,8 @@ absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
 // One warm-up and `steps` timed steps of `executor` over the first `batch` of `kvs` under
 // `policy`; the pages come back to `kvs` afterwards. `state`: the sparse state policies that
 // need one start from (null for the others).
-absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
+template <typename Executor>  // HybridStepExecutor or PingPongStepExecutor
+absl::StatusOr<Point> TimePoint(Executor& executor,
                                 std::vector<std::unique_ptr<decode::PagedKv>>& kvs, int64_t batch,
                                 const decode::sparse::PolicyConfig& policy,
                                 const model::SparseState* state,
@@ -271,7 +276,7 @@ absl::StatusOr<Point> TimePoint(decode::HybridStepExecutor& executor,
   const double n = static_cast<double>(steps);
   for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
                     &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
-                    &p.per_step.finish_s, &p.per_step.merge_s}) {
+                    &p.per_step.finish_s, &p.per_step.merge_s, &p.per_step.lane_wait_s}) {
     *x /= n;
   }
   p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
@@ -354,7 +359,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       (static_cast<int64_t>(policies.size() * o.block_scores.size() *
                             o.device_read_shares.size()) +
        1) *
-      static_cast<int64_t>(o.batches.size());
+      static_cast<int64_t>(o.batches.size() * o.micro_batches.size());
   for (const std::string& b : o.block_scores) {
     if (b != "device" && b != "cpu") {
       return absl::InvalidArgumentError(
@@ -372,19 +377,46 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   FLUXION_RETURN_IF_ERROR(device.ops->Sync());
   const double weights_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
-  FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<decode::HybridStepExecutor> executor,
-      decode::HybridStepExecutor::Create(config, std::move(device.ops), std::move(params),
-                                         std::move(device.window), &pool));
+  // The one-pipeline rows step pipeline A of the ping-pong executor alone when both are timed,
+  // so the weights are made (and on CUDA uploaded) once.
+  const bool ping_pong_rows =
+      std::find(o.micro_batches.begin(), o.micro_batches.end(), 2) != o.micro_batches.end();
+  std::unique_ptr<decode::PingPongStepExecutor> ping_pong;
+  std::unique_ptr<decode::HybridStepExecutor> single_owned;
+  decode::HybridStepExecutor* executor = nullptr;  // one pipeline
+  if (ping_pong_rows) {
+    // A holds every request in the one-pipeline rows and the larger half in the ping-pong ones;
+    // B the smaller half.
+    decode::WindowShape b_shape = window_shape;
+    b_shape.max_requests = b_shape.max_rows = std::max<int64_t>(1, max_batch / 2);
+    FLUXION_ASSIGN_OR_RETURN(Device second, MakeDevice(o.device, b_shape, &pool));
+    decode::PingPongStepExecutor::Options options;
+#ifdef FLUXION_HAVE_CUDA
+    if (o.device == "cuda") options = decode::CudaPingPongOptions(0);
+#endif
+    FLUXION_ASSIGN_OR_RETURN(
+        ping_pong, decode::PingPongStepExecutor::Create(
+                       config, std::move(params), {std::move(device.ops), std::move(device.window)},
+                       {std::move(second.ops), std::move(second.window)}, &pool, options));
+    executor = &ping_pong->pipeline(0);
+  } else {
+    FLUXION_ASSIGN_OR_RETURN(
+        single_owned,
+        decode::HybridStepExecutor::Create(config, std::move(device.ops), std::move(params),
+                                           std::move(device.window), &pool));
+    executor = single_owned.get();
+  }
   const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
   std::printf("preset %s (%d layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
               "limit %.0f GiB (%.0f KiB per token)\n",
               o.preset.c_str(), config.num_layers, o.device.c_str(), pool.threads(), weights_s,
               limit_gib,
               BytesPerToken(config) / 1024);
-  std::printf("%8s %5s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s | %6s\n", "context",
-              "batch", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host", "plan",
-              "cpu att", "finish", "merge", "idle");
+  // mb: micro-batches (1: one pipeline, 2: ping-pong). With 2 the phase times (to_host ...
+  // lane) are summed over both halves, each on its own thread, so they may exceed the step.
+  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s\n",
+              "context", "batch", "mb", "policy", "step ms", "tok/s", "host rows", "res rows",
+              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
                                  kPageTokens};
   for (int64_t context : o.contexts) {
@@ -434,34 +466,44 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         results->push_back({{"context", context}, {"batch", batch}, {"skipped", true}});
         continue;
       }
-      FLUXION_ASSIGN_OR_RETURN(Point gpu_only,
-                               TimePoint(*executor, kvs, batch, resident_only, nullptr, shape,
-                                         config.vocab_size, o.steps));
       struct Row {
         std::string label, profile;
+        int64_t micro_batches = 1;
         Point point;
+        double gpu_only_ms = 0;  // the resident-only step of the same micro-batching
       };
-      std::vector<Row> points = {{"resident-only", "", gpu_only}};
-      for (const Timed& t : policies) {
-        const bool scored = decode::sparse::TraitsOf(t.policy.kind).ranks_page_bounds;
-        for (const std::string& where : o.block_scores) {
-          for (double share : o.device_read_shares) {
-            executor->set_window_block_scores(where == "device");
-            executor->set_device_read_share(share);
-            FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(*executor, kvs, batch, t.policy, &state,
-                                                        shape, config.vocab_size, o.steps));
-            std::string label = t.label;
-            if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
-            if (o.device_read_shares.size() > 1 || share > 0) {
-              absl::StrAppend(&label, "/zc", share);
+      std::vector<Row> points;
+      // Every row of one micro-batching: the resident-only step first, then each policy.
+      auto time_rows = [&](auto& stepper, int64_t mb) -> absl::Status {
+        FLUXION_ASSIGN_OR_RETURN(Point gpu_only,
+                                 TimePoint(stepper, kvs, batch, resident_only, nullptr, shape,
+                                           config.vocab_size, o.steps));
+        points.push_back({"resident-only", "", mb, gpu_only, gpu_only.median_ms});
+        for (const Timed& t : policies) {
+          const bool scored = decode::sparse::TraitsOf(t.policy.kind).ranks_page_bounds;
+          for (const std::string& where : o.block_scores) {
+            for (double share : o.device_read_shares) {
+              stepper.set_window_block_scores(where == "device");
+              stepper.set_device_read_share(share);
+              FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(stepper, kvs, batch, t.policy, &state,
+                                                          shape, config.vocab_size, o.steps));
+              std::string label = t.label;
+              if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
+              if (o.device_read_shares.size() > 1 || share > 0) {
+                absl::StrAppend(&label, "/zc", share);
+              }
+              points.push_back({label, t.profile, mb, p, gpu_only.median_ms});
             }
-            points.push_back({label, t.profile, p});
+            if (!scored) break;  // one set of rows: nothing to score
           }
-          if (!scored) break;  // one set of rows: nothing to score
         }
+        stepper.set_window_block_scores(true);
+        stepper.set_device_read_share(0);
+        return absl::OkStatus();
+      };
+      for (int64_t mb : o.micro_batches) {
+        FLUXION_RETURN_IF_ERROR(mb == 2 ? time_rows(*ping_pong, mb) : time_rows(*executor, mb));
       }
-      executor->set_window_block_scores(true);
-      executor->set_device_read_share(0);
 #ifdef FLUXION_HAVE_CUDA
       if (o.device == "cuda") {
         absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
@@ -472,16 +514,17 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               runner.graph_status().ok()
                   ? absl::StrCat(runner.graph_replays(), " graph replays so far")
                   : std::string(runner.graph_status().message());
-          std::printf("%8lld %5lld %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on the "
-                      "GPU; %s)\n",
-                      static_cast<long long>(context), static_cast<long long>(batch), "hbm-full",
+          std::printf("%8lld %5lld %2s %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on "
+                      "the GPU; %s)\n",
+                      static_cast<long long>(context), static_cast<long long>(batch), "1",
+                      "hbm-full",
                       *hbm, 1e3 * batch / *hbm, graphs.c_str());
           results->push_back({{"preset", o.preset}, {"device", o.device}, {"context", context},
                               {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
                               {"tokens_per_s", 1e3 * batch / *hbm}, {"graphs", graphs}});
         } else {
-          std::printf("%8lld %5lld %-34s | skipped: %s\n", static_cast<long long>(context),
-                      static_cast<long long>(batch), "hbm-full",
+          std::printf("%8lld %5lld %2s %-34s | skipped: %s\n", static_cast<long long>(context),
+                      static_cast<long long>(batch), "1", "hbm-full",
                       std::string(hbm.status().message()).c_str());
         }
       }
@@ -491,19 +534,22 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         const Point& p = row.point;
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
-        const double idle = std::max(0.0, 1.0 - gpu_only.median_ms / p.median_ms);
-        std::printf("%8lld %5lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f %7.2f "
-                    "%7.2f | %5.0f%%\n",
-                    static_cast<long long>(context), static_cast<long long>(batch), label.c_str(),
-                    p.median_ms, 1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
+        const double idle = std::max(0.0, 1.0 - row.gpu_only_ms / p.median_ms);
+        std::printf("%8lld %5lld %2lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f "
+                    "%7.2f %7.2f %7.2f | %5.0f%%\n",
+                    static_cast<long long>(context), static_cast<long long>(batch),
+                    static_cast<long long>(row.micro_batches), label.c_str(), p.median_ms,
+                    1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
                     static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
-                    1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 100 * idle);
+                    1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s,
+                    100 * idle);
         std::fflush(stdout);
         results->push_back({{"preset", o.preset},
                             {"layers", config.num_layers},
                             {"device", o.device},
                             {"context", context},
                             {"batch", batch},
+                            {"micro_batches", row.micro_batches},
                             {"policy", label},
                             // null: the path decides nothing data-driven (profile-free)
                             {"profile", row.profile.empty() ? nlohmann::json(nullptr)
@@ -523,6 +569,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"cpu_attention_ms", 1e3 * c.host_s},
                             {"finish_ms", 1e3 * c.finish_s},
                             {"merge_ms", 1e3 * c.merge_s},
+                            {"lane_wait_ms", 1e3 * c.lane_wait_s},
                             {"gpu_idle_estimate", idle}});
       }
       flush();
@@ -558,6 +605,10 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.DoubleList("device-read-share", &o.device_read_shares,
                    "shares of every (request, KV head)'s host rows the GPU reads itself from "
                    "pinned host pages while the CPU reads the rest; each value a row");
+  flags.IntList("micro-batches", &o.micro_batches,
+                "1 (one hybrid pipeline) and/or 2 (the ping-pong executor: the batch in two "
+                "halves, one's GPU work overlapping the other's CPU attention); each value a "
+                "row");
   flags.StringList("block-scores", &o.block_scores,
                    "where quest's and fixed_*'s block scores come from: device (the window's "
                    "page bounds next to the dense halves) and/or cpu (the CPU scans the host "
@@ -584,6 +635,10 @@ int RunHybridBench(const std::vector<std::string>& args) {
       o.steps > 1000 || o.layers < 0) {
     std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000], "
                  "--layers >= 0\n";
+    return 2;
+  }
+  if (!positive(o.micro_batches, 2)) {
+    std::cerr << "error: --micro-batches takes 1 and/or 2\n";
     return 2;
   }
   nlohmann::json results = nlohmann::json::array();

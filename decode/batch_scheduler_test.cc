@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "decode/kv_admission.h"
 #include "decode/hybrid_step_executor.h"
+#include "decode/ping_pong_step_executor.h"
 #include "decode/kv_arena.h"
 #include "decode/resident_window.h"
 #include "decode/sparse/policy.h"
@@ -142,12 +143,23 @@ TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTo
   // With a window of 2 slots the third request waits for a slot (the scheduler keeps the batch
   // within the executor's max_batch) instead of failing.
   const std::vector<int64_t> lengths = {150, 90, 260};
-  std::vector<std::vector<int32_t>> tokens[3];
-  for (int hybrid = 0; hybrid < 3; ++hybrid) {
+  // hybrid 3: the ping-pong executor over two such pipelines of one slot each (the third request
+  // waits for a slot there too).
+  std::vector<std::vector<int32_t>> tokens[4];
+  for (int hybrid = 0; hybrid < 4; ++hybrid) {
     SCOPED_TRACE(hybrid);
     MakeArena(growth_pages_ * 128);
     std::unique_ptr<StepExecutor> executor;
-    if (hybrid) {
+    if (hybrid == 3) {
+      const WindowShape w = WindowShapeFor(shape_, 1);
+      auto made = PingPongStepExecutor::Create(
+          model_.get(),
+          {std::make_unique<model::CpuDenseOps>(), *NewHostResidentWindow(w, kPageTokens)},
+          {std::make_unique<model::CpuDenseOps>(), *NewHostResidentWindow(w, kPageTokens)},
+          nullptr);
+      ASSERT_TRUE(made.ok()) << made.status();
+      executor = std::move(*made);
+    } else if (hybrid) {
       const WindowShape w = WindowShapeFor(shape_, hybrid == 1 ? 4 : 2);
       auto made = HybridStepExecutor::Create(model_.get(), std::make_unique<model::CpuDenseOps>(),
                                              *NewHostResidentWindow(w, kPageTokens), nullptr);
@@ -176,6 +188,7 @@ TEST_F(BatchSchedulerTest, TheHybridStepInTheLoopGivesThePerRequestLoopsGreedyTo
   }
   EXPECT_EQ(tokens[0], tokens[1]);
   EXPECT_EQ(tokens[0], tokens[2]);
+  EXPECT_EQ(tokens[0], tokens[3]);
 }
 
 // The inner executor, whose first step waits until the test opens the gate.

@@ -513,19 +513,65 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
   return std::unique_ptr<ResidentWindow>(std::move(window));
 }
 
+absl::StatusOr<PingPongStepExecutor::Pipeline> NewCudaPipeline(const WindowShape& shape,
+                                                               int device) {
+  PingPongStepExecutor::Pipeline p;
+  FLUXION_ASSIGN_OR_RETURN(p.ops, model::NewCudaDenseOps(device));
+  FLUXION_ASSIGN_OR_RETURN(
+      p.window, NewCudaResidentWindow(shape, static_cast<cudaStream_t>(p.ops->native_stream())));
+  return p;
+}
+
+PingPongStepExecutor::Options CudaPingPongOptions(int device) {
+  PingPongStepExecutor::Options o;
+  o.thread_init = [device]() -> absl::Status {
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(
+          absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
+    }
+    return absl::OkStatus();
+  };
+  return o;
+}
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool,
     const CudaHybridOptions& options) {
-  WindowShape w = WindowShapeFor(model->attention_shape(), options.max_requests);
-  w.page_tokens = options.page_tokens;
-  w.max_context_tokens = options.max_context_tokens;
-  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
+  const int micro_batches =
+      options.micro_batches != 0 ? options.micro_batches : (options.max_requests >= 2 ? 2 : 1);
+  if (micro_batches != 1 && micro_batches != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro-batches must be 1 or 2, not ", options.micro_batches));
+  }
+  if (micro_batches == 2 && options.max_requests < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "two micro-batches need at least 2 window slots (one each), not ", options.max_requests,
+        ": raise the slots or use one micro-batch"));
+  }
+  auto shape_for = [&](int64_t slots) {
+    WindowShape w = WindowShapeFor(model->attention_shape(), slots);
+    w.page_tokens = options.page_tokens;
+    w.max_context_tokens = options.max_context_tokens;
+    return w;
+  };
+  if (micro_batches == 1) {
+    FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline p,
+                             NewCudaPipeline(shape_for(options.max_requests), 0));
+    FLUXION_ASSIGN_OR_RETURN(
+        std::unique_ptr<HybridStepExecutor> executor,
+        HybridStepExecutor::Create(model, std::move(p.ops), std::move(p.window), pool));
+    executor->set_device_read_share(options.device_read_share);
+    return std::unique_ptr<StepExecutor>(std::move(executor));
+  }
+  FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline a,
+                           NewCudaPipeline(shape_for((options.max_requests + 1) / 2), 0));
+  FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline b,
+                           NewCudaPipeline(shape_for(options.max_requests / 2), 0));
   FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<ResidentWindow> window,
-      NewCudaResidentWindow(w, static_cast<cudaStream_t>(ops->native_stream())));
-  FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<HybridStepExecutor> executor,
-      HybridStepExecutor::Create(model, std::move(ops), std::move(window), pool));
+      std::unique_ptr<PingPongStepExecutor> executor,
+      PingPongStepExecutor::Create(model, std::move(a), std::move(b), pool,
+                                   CudaPingPongOptions(0)));
   executor->set_device_read_share(options.device_read_share);
   return std::unique_ptr<StepExecutor>(std::move(executor));
 }

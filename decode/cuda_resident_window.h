@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode/kv_arena.h"
+#include "decode/ping_pong_step_executor.h"
 #include "decode/resident_window.h"
 #include "decode/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -32,14 +33,26 @@ absl::Status PinArenaForCuda(KvArena* arena);
 
 // The hybrid step executor on CUDA device 0 for `model` (decode/hybrid_step_executor.h): its
 // weights uploaded to CudaDenseOps in bf16, a CUDA resident window of `max_requests` slots (sinks
-// and window of the default policy config), the host part on `pool`. What `fluxion decode
-// --device cuda` serves with. FailedPrecondition without a device; the factories' errors.
+// and window of the default policy config), the host part on `pool`. With two micro-batches, the
+// ping-pong executor (decode/ping_pong_step_executor.h) over two such pipelines on device 0, each
+// with its own CudaDenseOps (stream, scratch, graphs) and half the slots (A ceil, B floor of
+// max_requests / 2), the weights uploaded once. What `fluxion decode --device cuda` serves with.
+// FailedPrecondition without a device; InvalidArgument for micro_batches other than 0, 1, 2 or
+// two micro-batches of fewer than 2 slots; the factories' errors.
 struct CudaHybridOptions {
-  int64_t max_requests = 128;      // window slots
+  int64_t max_requests = 128;      // window slots (both micro-batches' together)
   int64_t max_context_tokens = 0;  // page bounds per slot for block scores (0: the CPU scores)
   int64_t page_tokens = 16;        // of the host KV pages
   double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
+  int micro_batches = 0;           // 1 or 2; 0: 2 when max_requests >= 2, else 1
 };
+// One ping-pong pipeline on CUDA device `device`: a CudaDenseOps and a CUDA resident window of
+// `shape` on its stream. The factories' errors.
+absl::StatusOr<PingPongStepExecutor::Pipeline> NewCudaPipeline(const WindowShape& shape,
+                                                               int device);
+// The ping-pong executor's options for CUDA device `device`: each driver thread makes it current.
+PingPongStepExecutor::Options CudaPingPongOptions(int device);
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool,
     const CudaHybridOptions& options);

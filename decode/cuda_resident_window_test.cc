@@ -21,6 +21,7 @@
 #include "decode/hybrid_step_executor.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "model/cuda_dense_ops.h"
 #include "model/dense_attention.h"
 #include "model/random_model.h"
@@ -479,6 +480,101 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForEveryScoringAndReadSplit) {
       if (max_context > 0) EXPECT_EQ(attentions[i]->stats().metadata_bytes, 0) << "request " << i;
     }
     if (max_context > 0) EXPECT_GT(scored_elsewhere, 0);
+  }
+}
+
+// The ping-pong executor on the GPU (two pipelines on two streams, one copy of the weights, two
+// driver threads) against the single-pipeline CUDA executor on the same batch: the same plans, the
+// halves' dense products over fewer rows (cuBLAS may pick another algorithm per row count), so
+// within the bf16 step tolerance, and the same greedy tokens unless a near-tie.
+TEST(HybridOnCudaTest, PingPongMatchesTheSinglePipeline) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  model::ModelConfig c = *model::PresetConfig("tiny");
+  c.head_dim = 64;
+  const std::string dir = ::testing::TempDir() + "/ping_pong_cuda_test_" + std::to_string(getpid());
+  ASSERT_TRUE(model::WriteRandomModel(c, 29, dir).ok());
+  std::unique_ptr<model::Model> m = std::move(*model::Model::Load(dir));
+  std::filesystem::remove_all(dir);
+  const model::AttentionShape shape = m->attention_shape();
+  const std::vector<int64_t> lengths = {300, 150, 90, 220, 400};
+  const int64_t steps = 6, page_tokens = 16, vocab = c.vocab_size;
+  std::vector<model::DenseAttention> prefills;
+  std::vector<int32_t> first;
+  Prefill(*m, lengths, 13, &prefills, &first);
+  const kernels::cpu::CpuPool pool(2);
+  for (const char* name : {"full", "quest", "fixed_32_0.5"}) {
+    for (double share : {0.0, 0.5}) {
+      SCOPED_TRACE(std::string(name) + " share " + std::to_string(share));
+      const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+      auto arena = *KvArena::Create(
+          KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, page_tokens}.page_bytes(),
+          8192);
+      if (share > 0) {
+        ASSERT_TRUE(PinArenaForCuda(arena.get()).ok());
+      }
+      auto make = [&](std::vector<std::unique_ptr<model::Sequence>>* seqs,
+                      std::vector<StepRequest>* batch) {
+        for (size_t i = 0; i < prefills.size(); ++i) {
+          auto a = SparseAttention::FromDense(arena.get(), shape, page_tokens, prefills[i], policy);
+          ASSERT_TRUE(a.ok()) << a.status();
+          SparseAttention* raw = a->get();
+          seqs->push_back(std::make_unique<model::Sequence>(std::move(*a), lengths[i]));
+          batch->push_back({seqs->back().get(), raw, first[i]});
+        }
+      };
+      CudaHybridOptions options;
+      options.max_requests = 8;
+      options.max_context_tokens = 1024;
+      options.page_tokens = page_tokens;
+      options.device_read_share = share;
+      options.micro_batches = 1;
+      auto single = NewCudaHybridStepExecutor(m.get(), &pool, options);
+      ASSERT_TRUE(single.ok()) << single.status();
+      options.micro_batches = 2;
+      auto ping_pong = NewCudaHybridStepExecutor(m.get(), &pool, options);
+      ASSERT_TRUE(ping_pong.ok()) << ping_pong.status();
+      EXPECT_EQ((*ping_pong)->name(), "ping-pong");
+      EXPECT_EQ((*ping_pong)->max_batch(), 8);
+      std::vector<std::unique_ptr<model::Sequence>> ref_seqs, seqs;
+      std::vector<StepRequest> ref_batch, batch;
+      make(&ref_seqs, &ref_batch);
+      make(&seqs, &batch);
+      std::vector<float> ref_logits, logits;
+      std::vector<absl::Status> statuses;
+      for (int64_t s = 0; s < steps; ++s) {
+        // A request leaves after step 2 (its micro-batch goes on with one fewer).
+        if (s == 3) {
+          ref_batch.pop_back();
+          batch.pop_back();
+        }
+        (*single)->Step(ref_batch, &ref_logits, &statuses);
+        for (const absl::Status& st : statuses) ASSERT_TRUE(st.ok()) << st;
+        (*ping_pong)->Step(batch, &logits, &statuses);
+        for (const absl::Status& st : statuses) ASSERT_TRUE(st.ok()) << st;
+        ASSERT_EQ(logits.size(), ref_logits.size());
+        float worst = 0, scale = 0;
+        for (size_t j = 0; j < ref_logits.size(); ++j) {
+          worst = std::max(worst, std::abs(ref_logits[j] - logits[j]));
+          scale = std::max(scale, std::abs(ref_logits[j]));
+        }
+        EXPECT_LT(worst, kBf16StepTolerance * std::max(scale, 1.0f)) << "step " << s;
+        for (size_t i = 0; i < batch.size(); ++i) {
+          const float* r = ref_logits.data() + i * vocab;
+          const float* g = logits.data() + i * vocab;
+          const int32_t ref_token = static_cast<int32_t>(std::max_element(r, r + vocab) - r);
+          const int32_t token = static_cast<int32_t>(std::max_element(g, g + vocab) - g);
+          if (!NearTie(r, vocab, 2 * worst)) {
+            EXPECT_EQ(ref_token, token) << "request " << i << " step " << s;
+          }
+          ref_batch[i].token = batch[i].token = ref_token;  // both continue from the same token
+        }
+      }
+      for (size_t i = 0; i < batch.size(); ++i) {
+        EXPECT_EQ(batch[i].attention->stats().rows_attended,
+                  ref_batch[i].attention->stats().rows_attended)
+            << "request " << i;
+      }
+    }
   }
 }
 

@@ -15,7 +15,16 @@
 // plan's first and last rows: the CPU part is the plan with that many rows trimmed off each end,
 // no page lookup needed. The result is the plan's attention, merged in another order.
 //
-// Thread-compatible: the executor's thread drives it.
+// CPU lane: with a CpuLane (set_cpu_lane), the CPU phase of every layer -- from the host K/V
+// append to the policies' FinishUnit, everything that runs on the pool between "q/k/v on the
+// host" and "CPU partials merged" -- runs while holding the lane, so that two attentions driven
+// from two threads (the ping-pong executor's micro-batches, ping_pong_step_executor.h) never run
+// their CPU phases at once (each would get half the cores and half the host-memory bandwidth),
+// while the device work each issued before taking the lane proceeds. The wait for the device's
+// block scores then comes before the lane (without a lane it overlaps the host append).
+//
+// Thread-compatible: the executor's thread drives it (the lane is the only state shared with
+// another attention).
 #ifndef FLUXION_DECODE_HYBRID_BATCH_ATTENTION_H_
 #define FLUXION_DECODE_HYBRID_BATCH_ATTENTION_H_
 
@@ -23,7 +32,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "decode/paged_batch_attention.h"
 #include "decode/resident_window.h"
@@ -68,6 +79,25 @@ struct HybridCounters {
   double host_s = 0;     // the CPU backend over the non-resident rows
   double finish_s = 0;   // policies' estimates and observation (FinishDecode)
   double merge_s = 0;    // CPU partials to the device and merged
+  double lane_wait_s = 0;  // waiting for the CPU lane (another micro-batch's CPU phase)
+};
+
+// to += from, field by field (the ping-pong executor's two pipelines as one step's counters).
+void AddCounters(const HybridCounters& from, HybridCounters* to);
+
+// A FIFO lock over the CPU phase of hybrid attentions on different threads (see the header
+// comment): tickets are served in the order Acquire was called, so neither micro-batch starves.
+// Thread-safe.
+class CpuLane {
+ public:
+  // Blocks until every earlier Acquire has been released.
+  void Acquire();
+  void Release();
+
+ private:
+  absl::Mutex mu_;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t serving_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class HybridBatchAttention : public model::BatchAttention {
@@ -95,6 +125,9 @@ class HybridBatchAttention : public model::BatchAttention {
   // reads the rest (0: the CPU reads all); used when the window maps the pages
   // (ResidentWindow::MappedView), else the CPU reads all.
   void set_device_read_share(double share) { device_share_ = share; }
+
+  // The lane the CPU phase of every layer takes (must outlive this); null (the default): none.
+  void set_cpu_lane(CpuLane* lane) { lane_ = lane; }
 
   const HybridCounters& counters() const { return counters_; }
   void ResetCounters() { counters_ = {}; }
@@ -125,6 +158,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<int64_t> device_indptr_, cpu_indptr_;
   std::vector<kernels::PageSpan> device_spans_, cpu_spans_;
   double device_share_ = 0;
+  CpuLane* lane_ = nullptr;
   std::vector<std::byte> workspace_;
 };
 

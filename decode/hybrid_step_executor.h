@@ -58,6 +58,9 @@ class HybridStepExecutor : public StepExecutor {
   // pages, while the CPU reads the rest (HybridBatchAttention::set_device_read_share); 0 (the
   // default): the CPU reads all.
   void set_device_read_share(double share) { attention_->set_device_read_share(share); }
+  // The lane the attention's CPU phase takes (HybridBatchAttention::set_cpu_lane; must outlive
+  // this); null (the default): none. The ping-pong executor's two pipelines share one.
+  void set_cpu_lane(CpuLane* lane) { attention_->set_cpu_lane(lane); }
 
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }

@@ -64,6 +64,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   // 0.5: faster than 0 at every 8B point measured (bench/results session 9: e.g. 1 x 128K 30.7 ->
   // 26.7 ms, 4 x 32K 45.2 -> 29.2 ms); shapes the zero-copy kernel lacks read on the CPU anyway.
   double device_read_share = 0.5;
+  // 2: the ping-pong step (decode/ping_pong_step_executor.h), the GPU's dense work of one
+  // micro-batch overlapping the CPU's sparse attention of the other.
+  int64_t micro_batches = 2;
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -79,6 +82,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Double("device-read-share", &device_read_share,
                "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
                "GPU reads itself from the pinned arena while the CPU reads the rest");
+  flags.Int("micro-batches", &micro_batches,
+            "with --device cuda: 2 (ping-pong: the batch split in two halves whose GPU and CPU "
+            "work overlap, each half holding half of --device-max-requests; docs/EXECUTOR.md "
+            "section 8) or 1 (one pipeline)");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
@@ -269,6 +276,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                   << "\n";
         return 2;
       }
+      if (micro_batches != 1 && micro_batches != 2) {
+        std::cerr << "error: --micro-batches must be 1 or 2, got " << micro_batches << "\n";
+        return 2;
+      }
+      if (micro_batches == 2 && device_max_requests < 2) {
+        std::cerr << "error: --micro-batches 2 needs --device-max-requests >= 2 (one slot per "
+                     "half), got " << device_max_requests << "; use --micro-batches 1\n";
+        return 2;
+      }
       // Locking a large arena takes a while (64 GiB: 18-32 s on the H200 host): say so.
       std::cerr << "pinning the " << (arena->bytes() >> 20) << " MiB KV arena for the GPU\n";
       if (absl::Status pinned = PinArenaForCuda(arena.get()); !pinned.ok()) {
@@ -281,6 +297,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       cuda_options.max_context_tokens = device_max_context;
       cuda_options.page_tokens = page_tokens;
       cuda_options.device_read_share = device_read_share;
+      cuda_options.micro_batches = static_cast<int>(micro_batches);
       auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool, cuda_options);
       if (!hybrid.ok()) {
         std::cerr << "error: --device cuda: " << hybrid.status() << "\n";

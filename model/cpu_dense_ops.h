@@ -40,6 +40,10 @@ class CpuDenseOps : public DenseOps {
                   float* out) override;
 
   absl::Status Sync() override { return absl::OkStatus(); }
+  // Host weights are plain host memory: any host DenseOps may read them.
+  bool CanUseWeightsOf(const DenseOps& owner) const override {
+    return &owner == this || (host_memory() && owner.host_memory());
+  }
 
  private:
   void UsePool() const {

@@ -73,6 +73,12 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
 
   absl::string_view name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
+  // Device pointers are valid on every stream of the device's context: another CudaDenseOps on
+  // the same device reads this one's weights (each on its own stream, with its own scratch).
+  bool CanUseWeightsOf(const DenseOps& owner) const override {
+    const auto* cuda = dynamic_cast<const CudaDenseOps*>(&owner);
+    return cuda != nullptr && cuda->device_ == device_;
+  }
 
   absl::StatusOr<std::unique_ptr<OpsBuffer>> Allocate(size_t bytes) override {
     void* p = nullptr;

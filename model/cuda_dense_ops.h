@@ -20,7 +20,13 @@
 // CopyFromHost (a step's tokens and positions) is staged through 1 MiB of pinned memory and
 // returns at once, waiting only when that staging is full.
 //
-// Thread-compatible: create and drive it from one thread (Create makes `device` current there).
+// Weight sharing (DenseOps::CanUseWeightsOf): two CudaDenseOps on the same device may run over
+// one copy of the weights (uploaded by one, borrowed by the other: layer.h BorrowParams), each on
+// its own stream with its own scratch and graphs; the owner must outlive the borrower.
+//
+// Thread-compatible: create and drive it from one thread (Create makes `device` current there);
+// a thread that drives it after another created it must make `device` current first
+// (cudaSetDevice).
 #ifndef FLUXION_MODEL_CUDA_DENSE_OPS_H_
 #define FLUXION_MODEL_CUDA_DENSE_OPS_H_
 

@@ -108,6 +108,16 @@ class DenseOps {
   // Waits for every issued operation; the first error since the last Sync, or OK.
   virtual absl::Status Sync() = 0;
 
+  // Weight sharing: whether this DenseOps may run over ModelParams whose weights `owner` uploaded
+  // (BorrowParams in layer.h), so that two DenseOps (two streams, two sets of scratch: the
+  // ping-pong executor's micro-batches) read one copy of the weights. True for two CPU DenseOps
+  // on host memory and for two CUDA DenseOps on the same device; by default only for itself.
+  // The rule that comes with it: the owner (and the ModelParams that own the buffers) must
+  // outlive every DenseOps that borrows them, and its uploads must be complete (owner.Sync())
+  // before another DenseOps reads them; a borrower never writes them (FuseParams runs on the
+  // owner, before the params are borrowed).
+  virtual bool CanUseWeightsOf(const DenseOps& owner) const { return &owner == this; }
+
   // The backend's native queue (a cudaStream_t for CUDA), for work that must run in order with
   // the operations (the hybrid step's resident window, decode/cuda_resident_window.h); null for
   // backends that run synchronously on the host.

@@ -114,6 +114,16 @@ absl::Status FuseParams(DenseOps& ops, ModelParams* params) {
   return ops.Sync();
 }
 
+ModelParams BorrowParams(const ModelParams& owner) {
+  ModelParams view;
+  view.embed = owner.embed;
+  view.layers = owner.layers;
+  view.final_norm = owner.final_norm;
+  view.lm_head = owner.lm_head;
+  view.inv_freq = owner.inv_freq;
+  return view;
+}
+
 absl::StatusOr<StepBuffers> StepBuffers::Create(DenseOps& ops, const ModelConfig& c,
                                                 int64_t capacity) {
   StepBuffers b;

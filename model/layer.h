@@ -66,6 +66,11 @@ struct ModelParams {
 // ResourceExhausted when the stacked copy cannot be allocated.
 absl::Status FuseParams(DenseOps& ops, ModelParams* params);
 
+// A second ModelParams over the same weights, owning nothing (for a DenseOps that may read them:
+// DenseOps::CanUseWeightsOf). Every pointer stays valid while `owner`'s buffers live. Run
+// FuseParams on the owner first: stacking frees the separate copies a borrow would point to.
+ModelParams BorrowParams(const ModelParams& owner);
+
 // The activations of up to `capacity` stacked rows, in a DenseOps's memory.
 class StepBuffers {
  public:
