@@ -166,17 +166,17 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
   absl::Status step = s.window->BeginStep(s.row_slots, s.positions, s.score_rows);
   if (step.ok()) {
     s.attention->SetBatch(s.seqs, s.attentions);
-    s.logits.resize(s.rows.size() * vocab);
-    // Sampling leaves the logits where the LM head wrote them (SampleRows moves what it needs).
+    if (tokens == nullptr) s.logits.resize(s.rows.size() * vocab);
+    // Sampling leaves the logits where the LM head wrote them (DrawTokens moves what it needs).
     step = s.runner->Step(s.tokens, s.positions, *s.attention,
                           tokens != nullptr ? nullptr : s.logits.data());
-    if (step.ok() && tokens != nullptr) step = SampleRows(batch, tokens, logits);
+    if (step.ok() && tokens != nullptr) step = DrawTokens(batch, tokens, logits);
   }
   for (size_t r = 0; r < s.rows.size(); ++r) {
     const size_t i = s.rows[r];
     (*statuses)[i] = step;
     if (!step.ok() && tokens != nullptr) (*tokens)[i] = -1;
-    if (step.ok() && tokens != nullptr) continue;  // SampleRows placed the row
+    if (step.ok() && tokens != nullptr) continue;  // DrawTokens placed the row
     if (step.ok()) {
       std::copy(s.logits.begin() + r * vocab, s.logits.begin() + (r + 1) * vocab,
                 logits->begin() + i * vocab);
@@ -188,7 +188,7 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
   }
 }
 
-absl::Status HybridStepExecutor::SampleRows(absl::Span<const StepRequest> batch,
+absl::Status HybridStepExecutor::DrawTokens(absl::Span<const StepRequest> batch,
                                             std::vector<int32_t>* tokens,
                                             std::vector<float>* logits) {
   State& s = *state_;

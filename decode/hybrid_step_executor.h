@@ -90,7 +90,7 @@ class HybridStepExecutor : public StepExecutor {
            std::vector<float>* logits, std::vector<absl::Status>* statuses);
   // StepAndSample's end: rows r of the step (batch index rows[r]) from the logits the runner
   // left in the DenseOps's memory. Errors: the DenseOps's.
-  absl::Status SampleRows(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+  absl::Status DrawTokens(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                           std::vector<float>* logits);
 
   std::unique_ptr<State> state_;
