@@ -12,6 +12,12 @@ constexpr int kThreads = 1024;
 constexpr int kBins = 256;
 constexpr int kUnroll = 8;
 constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
+// The fast path's first digit: the key's top 12 bits (sign, exponent, 3 mantissa bits: bins of an
+// eighth of an octave), and how many keys at or above its chosen bin it can hold and sort.
+constexpr int kTopShift = 20;
+constexpr int kTopBins = 1 << (32 - kTopShift);
+constexpr int kFastCap = 4096;
+static_assert(kTopBins == 4 * kThreads, "each thread owns 4 bins of the first digit");
 
 // Order-preserving key of a float: a larger float has a larger key. -0 is folded onto +0 so the
 // two tie, as they do in the sampler's comparisons.
@@ -57,6 +63,42 @@ __device__ __forceinline__ void ChooseDigit(const uint32_t* hist, uint32_t prefi
   }
 }
 
+// Bitonic sort, descending, of keys[0..n) padded to a power of two with zeros (which sort last:
+// no real entry is 0, as that would be a NaN at id 2^32 - 1). REQUIRES: the padded size fits
+// kFastCap; every thread of the block calls it.
+__device__ void SortDescending(unsigned long long* keys, int n) {
+  int size_all = 1;
+  while (size_all < n) size_all <<= 1;
+  for (int i = n + threadIdx.x; i < size_all; i += kThreads) keys[i] = 0;
+  __syncthreads();
+  for (int size = 2; size <= size_all; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < size_all; i += kThreads) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long a = keys[i], b = keys[j];
+          const bool descending = (i & size) == 0;
+          if (descending ? a < b : a > b) {
+            keys[i] = b;
+            keys[j] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The first k sorted entries as ids and the logits themselves (a -0 stays -0).
+__device__ void WriteRow(const unsigned long long* keys, const float* x, int k, int32_t* ids,
+                         float* values) {
+  for (int p = threadIdx.x; p < k; p += kThreads) {
+    const uint32_t id = 0xFFFFFFFFu - static_cast<uint32_t>(keys[p] & 0xFFFFFFFFull);
+    ids[p] = static_cast<int32_t>(id);
+    values[p] = x[id];
+  }
+}
+
 // One block per row; see sampling.h for the method. Each pass reads the row in chunks of kUnroll
 // coalesced loads per thread, issued together: one load at a time left the passes latency-bound.
 __global__ void __launch_bounds__(kThreads)
@@ -69,16 +111,114 @@ __global__ void __launch_bounds__(kThreads)
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } temp;
+  // The fast path's histogram, then the keys it sorts (or the general path's winners).
+  __shared__ union {
+    uint32_t top_hist[kTopBins];
+    unsigned long long cand[kFastCap];
+  } u;
+  unsigned long long* cand = u.cand;
   __shared__ uint32_t hist[kBins];
-  __shared__ unsigned long long cand[kMaxTopCandidates];
   __shared__ uint32_t s_prefix, s_max_key;
-  __shared__ int s_remaining, s_count, s_eq_seen;
+  __shared__ int s_remaining, s_count, s_eq_seen, s_top_bin, s_top_taken;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int64_t row = blockIdx.x;
   const float* __restrict__ x = logits + row * vocab;
+  const double t = temperatures != nullptr ? temperatures[row] : 0.0;
   if (tid == 0) s_max_key = 0;
+
+  // Fast path: one pass histograms the top 12 bits (and finds the max); if every key in or above
+  // the bin holding the k-th largest fits in shared memory, a second pass gathers them (and sums
+  // the normaliser) and a sort finishes: two reads of the row instead of five. Rows where that
+  // bin is crowded (many equal or near-equal logits) take the general path below.
+  for (int b = tid; b < kTopBins; b += kThreads) u.top_hist[b] = 0;
+  __syncthreads();
+  {
+    uint32_t max_key = 0;
+    for (int64_t base = 0; base < vocab; base += kChunk) {
+      float v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t i = base + j * kThreads + tid;
+        v[j] = i < vocab ? x[i] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (base + j * kThreads + tid < vocab) {
+          const uint32_t key = OrderKey(v[j]);
+          max_key = max(max_key, key);
+          atomicAdd(&u.top_hist[key >> kTopShift], 1u);
+        }
+      }
+    }
+    max_key = __reduce_max_sync(0xFFFFFFFFu, max_key);
+    if (lane == 0) atomicMax(&s_max_key, max_key);
+  }
+  __syncthreads();
+  {
+    // Thread t owns bins 4095 - 4t down to 4092 - 4t, so a scan in thread order runs from the
+    // largest keys down; the thread whose range holds the k-th largest publishes its bin.
+    int c[4], own = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = static_cast<int>(u.top_hist[kTopBins - 1 - 4 * tid - j]);
+      own += c[j];
+    }
+    int above = 0, total = 0;
+    Scan(temp.scan).ExclusiveSum(own, above, total);
+    if (above < k && k <= above + own) {
+      int j = 0;
+      for (; j < 3; ++j) {
+        if (above + c[j] >= k) break;
+        above += c[j];
+      }
+      s_top_bin = kTopBins - 1 - 4 * tid - j;
+      s_top_taken = above + c[j];  // every key in or above the bin
+      s_count = 0;
+    }
+  }
+  __syncthreads();
+  const double max_value = FromKey(s_max_key);
+  if (s_top_taken <= kFastCap) {
+    const uint32_t top_bin = static_cast<uint32_t>(s_top_bin);
+    double sum = 0.0;
+    for (int64_t base = 0; base < vocab; base += kChunk) {
+      float v[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t i = base + j * kThreads + tid;
+        v[j] = i < vocab ? x[i] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int64_t i = base + j * kThreads + tid;
+        const bool valid = i < vocab;
+        const uint32_t key = OrderKey(v[j]);
+        if (valid && t > 0.0) sum += exp((static_cast<double>(v[j]) - max_value) / t);
+        const bool take = valid && (key >> kTopShift) >= top_bin;
+        // One shared atomic per warp for the warp's takers.
+        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, take);
+        int slot = 0;
+        if (lane == 0 && ballot != 0) slot = atomicAdd(&s_count, __popc(ballot));
+        slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
+        if (take) {
+          cand[slot + __popc(ballot & ((1u << lane) - 1u))] =
+              (static_cast<unsigned long long>(key) << 32) |
+              (0xFFFFFFFFu - static_cast<uint32_t>(i));
+        }
+      }
+    }
+    __syncthreads();
+    SortDescending(cand, s_top_taken);
+    WriteRow(cand, x, k, ids + row * k, values + row * k);
+    if (normalisers != nullptr) {
+      const double total = Reduce(temp.reduce).Sum(sum);
+      if (tid == 0) normalisers[row] = t > 0.0 ? total : 0.0;
+    }
+    return;
+  }
+  __syncthreads();
 
   // Radix select: after the pass at `shift`, `prefix` holds the top digits of the k-th largest
   // key and `remaining` how many of the keys sharing them are still to be taken (k - the count
@@ -126,8 +266,6 @@ __global__ void __launch_bounds__(kThreads)
   // Gather every key above the threshold and the `remaining` lowest-id keys equal to it; sum the
   // normaliser on the way.
   const uint32_t threshold = prefix;
-  const double max_value = FromKey(s_max_key);
-  const double t = temperatures != nullptr ? temperatures[row] : 0.0;
   if (tid == 0) {
     s_count = 0;
     s_eq_seen = 0;
@@ -168,33 +306,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Bitonic sort, descending, of the k winners padded to a power of two with zeros (which sort
-  // last: no real entry is 0, as that would be a NaN at id 2^32 - 1).
-  int n = 1;
-  while (n < k) n <<= 1;
-  for (int i = k + tid; i < n; i += kThreads) cand[i] = 0;
-  __syncthreads();
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = tid; i < n; i += kThreads) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const unsigned long long a = cand[i], b = cand[j];
-          const bool descending = (i & size) == 0;
-          if (descending ? a < b : a > b) {
-            cand[i] = b;
-            cand[j] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  for (int p = tid; p < k; p += kThreads) {
-    const uint32_t id = 0xFFFFFFFFu - static_cast<uint32_t>(cand[p] & 0xFFFFFFFFull);
-    ids[row * k + p] = static_cast<int32_t>(id);
-    values[row * k + p] = x[id];  // the logit itself (a -0 stays -0)
-  }
+  SortDescending(cand, k);
+  WriteRow(cand, x, k, ids + row * k, values + row * k);
   if (normalisers != nullptr) {
     const double total = Reduce(temp.reduce).Sum(sum);
     if (tid == 0) normalisers[row] = t > 0.0 ? total : 0.0;

@@ -3,14 +3,21 @@
 // instead of the whole row (512 KB at Llama-3's 128K vocabulary) and the host sampler draws from
 // them (model/sampler.h SampleCandidates).
 //
-// Method: an exact radix select on the fp32 bit pattern, then a gather and a sort of the k
-// winners. The floats map to order-preserving 32-bit keys (-0 folded onto +0, as the sampler's
-// comparisons treat them equal); four passes over the row, one per 8-bit digit from the top, each
-// a 256-bin histogram of the keys still matching the digits chosen so far, pin the k-th largest
-// key exactly. A fifth pass gathers every key above it plus the lowest-id ties at it (the
-// sampler's tie rule) and sums the row's normaliser; a bitonic sort of the <= 1024 winners in
-// shared memory orders them. No sort of the vocabulary: five coalesced reads of the row (the
-// second to fifth mostly from L2: 16 rows of 128K are 8 MB), one thread block per row.
+// Method: an exact radix select on the fp32 bit pattern, then a sort of the few keys it leaves.
+// The floats map to order-preserving 32-bit keys (-0 folded onto +0, as the sampler's comparisons
+// treat them equal). One thread block per row:
+//   fast path  pass 1 histograms the keys' top 12 bits (sign, exponent, 3 mantissa bits: 4096
+//              bins of an eighth of an octave) and finds the max; a block scan picks the bin that
+//              holds the k-th largest key. When every key in or above that bin fits in shared
+//              memory (<= 4096 of them: the case for an LM head's logits, whose top is sparse),
+//              pass 2 gathers them (and sums the normaliser) and a bitonic sort of (key, id) as
+//              one 64-bit number orders them: two reads of the row.
+//   general    otherwise (a crowded bin: many equal or near-equal logits) four passes, one per
+//              8-bit digit from the top, pin the k-th largest key exactly; a fifth gathers every
+//              key above it plus the lowest-id ties at it (a block scan ranks ties in id order)
+//              and sums the normaliser; a bitonic sort of the <= 1024 winners orders them.
+// No sort of the vocabulary either way; every pass is a coalesced read with 8 loads in flight per
+// thread, the later ones mostly from L2 (16 rows of 128K are 8 MB).
 //
 // NaN logits are out of contract (a model that makes them is broken): they sort above +inf
 // (positive NaN) or below -inf (negative), where the host's comparisons are unordered.

@@ -121,14 +121,26 @@ TEST_F(SamplingKernelTest, MatchesTheReferenceOnTiesInfinitiesAndOddVocabularies
   }
 }
 
+// Rows whose top bin is crowded (more than the fast path's 4096 keys) take the general path.
 TEST_F(SamplingKernelTest, RowsOfEqualValuesGiveTheLowestIds) {
-  const int64_t rows = 3, vocab = 3000;
+  const int64_t rows = 3, vocab = 10000;
   std::vector<float> x(rows * vocab, 1.5f);
   std::fill(x.begin() + vocab, x.begin() + 2 * vocab, -kInf);  // a row of -inf: ties as well
   std::fill(x.begin() + 2 * vocab, x.end(), 0.0f);
-  x[2 * vocab + 2999] = -0.0f;  // ties +0
+  x[2 * vocab + 9999] = -0.0f;  // ties +0
   for (int64_t k : {int64_t{1}, int64_t{37}, kMaxTopCandidates}) {
     Check(x, rows, vocab, k, "equal k " + std::to_string(k));
+  }
+}
+
+TEST_F(SamplingKernelTest, CrowdedRowsOfDistinctValuesTakeTheGeneralPathExactly) {
+  const int64_t rows = 3, vocab = 50000;
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> near_one(1.0f, 1.06f);  // one bin of the fast path
+  std::vector<float> x(rows * vocab);
+  for (float& v : x) v = near_one(rng);
+  for (int64_t k : {int64_t{1}, int64_t{37}, kMaxTopCandidates}) {
+    Check(x, rows, vocab, k, "crowded k " + std::to_string(k));
   }
 }
 
