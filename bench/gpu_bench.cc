@@ -26,6 +26,7 @@
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/paged_decode.h"
+#include "kernels/cuda/sampling.h"
 #include "model/cuda_dense_ops.h"
 #include "model/layer.h"
 #include "model/rope.h"
@@ -322,6 +323,56 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
         "step", m, step_ms, step_bytes / (step_ms * 1e-3) / 1e9);
     results->push_back({{"kind", "gemm_step"}, {"m", m}, {"ms", step_ms},
                         {"weight_gib", step_bytes / (1 << 30)}});
+  }
+
+  // Sampling's device half: the candidate kernel over the LM head's logits [B][128256] against
+  // the D2H copy of those logits it replaces (into pageable memory, as the step did, and pinned).
+  {
+    Row("\n%-10s %5s %6s %12s %12s %12s\n", "sampling", "B", "k", "cand ms", "D2H pageable",
+        "D2H pinned");
+    std::vector<float> host_logits(max_m * kVocab);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    for (float& v : host_logits) v = normal(rng);
+    FLUXION_ASSIGN_OR_RETURN(void* d_logits, mem.Get(host_logits.size() * sizeof(float)));
+    BENCH_CUDA(cudaMemcpy(d_logits, host_logits.data(), host_logits.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    FLUXION_ASSIGN_OR_RETURN(void* d_temps, mem.Get(max_m * sizeof(double)));
+    FLUXION_ASSIGN_OR_RETURN(void* d_norms, mem.Get(max_m * sizeof(double)));
+    FLUXION_ASSIGN_OR_RETURN(void* d_ids, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
+    FLUXION_ASSIGN_OR_RETURN(void* d_values, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
+    const std::vector<double> temps(max_m, 0.8);
+    BENCH_CUDA(cudaMemcpy(d_temps, temps.data(), max_m * sizeof(double), cudaMemcpyHostToDevice));
+    void* pinned_logits = nullptr;
+    BENCH_CUDA(cudaMallocHost(&pinned_logits, host_logits.size() * sizeof(float)));
+    std::unique_ptr<void, void (*)(void*)> pinned_owner(pinned_logits,
+                                                        [](void* p) { cudaFreeHost(p); });
+    for (int64_t m : o.batches) {
+      const size_t bytes = m * kVocab * sizeof(float);
+      FLUXION_ASSIGN_OR_RETURN(Stats pageable, TimeMs(stream, o.repeats, [&] {
+        return Check(cudaMemcpyAsync(host_logits.data(), d_logits, bytes, cudaMemcpyDeviceToHost,
+                                     stream), "d2h pageable");
+      }));
+      FLUXION_ASSIGN_OR_RETURN(Stats pinned, TimeMs(stream, o.repeats, [&] {
+        return Check(cudaMemcpyAsync(pinned_logits, d_logits, bytes, cudaMemcpyDeviceToHost,
+                                     stream), "d2h pinned");
+      }));
+      for (int64_t k : {int64_t{1}, int64_t{50}, cuda::kMaxTopCandidates}) {
+        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+          return Check(cuda::TopCandidates(static_cast<const float*>(d_logits), m, kVocab, k,
+                                           static_cast<const double*>(d_temps),
+                                           static_cast<int32_t*>(d_ids),
+                                           static_cast<float*>(d_values),
+                                           static_cast<double*>(d_norms), stream),
+                       "TopCandidates");
+        }));
+        Row("%-10s %5ld %6ld %12.4f %12.4f %12.4f\n", "sampling", m, k, t.median,
+            pageable.median, pinned.median);
+        results->push_back({{"kind", "sampling_candidates"}, {"batch", m}, {"vocab", kVocab},
+                            {"k", k}, {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
+                            {"full_d2h_pageable_ms", pageable.median},
+                            {"full_d2h_pinned_ms", pinned.median}});
+      }
+    }
   }
 
   // Attention of one layer over every KV head of the batch, for each paged kernel and page size

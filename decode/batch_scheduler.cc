@@ -145,13 +145,16 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
 
 void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
   step_batch_.clear();
-  for (DecodeRequest* r : batch) step_batch_.push_back({r->seq.get(), r->attention, r->last_token});
+  for (DecodeRequest* r : batch) {
+    model::Sampler* sampler = r->sampler.has_value() ? &*r->sampler : nullptr;
+    step_batch_.push_back({r->seq.get(), r->attention, r->last_token, sampler});
+  }
   const auto ts = std::chrono::steady_clock::now();
-  executor_->Step(step_batch_, &logits_, &statuses_);
+  // The executor samples: it may bring only the sampler's candidates to the host, not the logits.
+  executor_->StepAndSample(step_batch_, &tokens_, &logits_, &statuses_);
   const uint64_t step_us = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::steady_clock::now() - ts)
                                .count();
-  const size_t vocab = logits_.size() / batch.size();
   for (size_t i = 0; i < batch.size(); ++i) {
     DecodeRequest& r = *batch[i];
     if (!statuses_[i].ok()) {
@@ -160,8 +163,11 @@ void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
                        absl::StrCat("decode step failed: ", statuses_[i].message())));
       continue;
     }
-    const int32_t token =
-        r.sampler->Sample(absl::MakeConstSpan(logits_.data() + i * vocab, vocab));
+    const int32_t token = tokens_[i];
+    if (token < 0) {  // a request joins with its sampler; one without is the node's bug
+      End(r, Finish::kError, absl::InternalError("decode step: the request has no sampler"));
+      continue;
+    }
     {
       absl::MutexLock lock(&r.mu);
       r.max_step_us = std::max(r.max_step_us, step_us);

@@ -109,7 +109,8 @@ class BatchScheduler {
   // Before a step: ends aborted requests and applies the preemption rule to requests whose next
   // token starts a page. Returns the requests that take part in the step.
   std::vector<DecodeRequest*> PrepareStep();
-  // One step of the executor over `batch`, then sampling and the finish rules per request.
+  // One step of the executor over `batch` (which samples each request's token with its sampler),
+  // then the finish rules per request.
   void RunStep(const std::vector<DecodeRequest*>& batch);
 
   const model::Model* const model_;
@@ -120,6 +121,7 @@ class BatchScheduler {
   std::unique_ptr<StepExecutor> owned_executor_;  // when none was given
   StepExecutor* const executor_;
   std::vector<StepRequest> step_batch_;           // scheduler thread only
+  std::vector<int32_t> tokens_;                   // each request's next token, scheduler thread
   std::vector<float> logits_;                     // [batch][vocab], scheduler thread only
   std::vector<absl::Status> statuses_;
 

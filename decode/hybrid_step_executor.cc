@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/attention_backend_cpu.h"
 #include "model/decode_step.h"
+#include "model/sampler.h"
 
 namespace fluxion::decode {
 
@@ -31,6 +32,11 @@ struct HybridStepExecutor::State {
   std::vector<int> row_slots;
   std::vector<uint8_t> score_rows;  // whether each row's policy picks blocks this step
   std::vector<float> logits;
+  // Sampling's (StepAndSample), per row of the step.
+  std::vector<int64_t> needed;  // candidates the row's draw needs (0: its full logits)
+  std::vector<double> temperatures, normalisers;
+  std::vector<int32_t> candidate_ids;
+  std::vector<float> candidate_logits;
 };
 
 absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
@@ -101,7 +107,19 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
 
 void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
                               std::vector<absl::Status>* statuses) {
+  Run(batch, nullptr, logits, statuses);
+}
+
+void HybridStepExecutor::StepAndSample(absl::Span<const StepRequest> batch,
+                                       std::vector<int32_t>* tokens, std::vector<float>* logits,
+                                       std::vector<absl::Status>* statuses) {
+  Run(batch, tokens, logits, statuses);
+}
+
+void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                             std::vector<float>* logits, std::vector<absl::Status>* statuses) {
   State& s = *state_;
+  if (tokens != nullptr) tokens->assign(batch.size(), -1);
   statuses->assign(batch.size(), absl::OkStatus());
   // Requests that left since the last step give their slots back.
   absl::flat_hash_set<uint64_t>& present = s.present;
@@ -148,12 +166,17 @@ void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<f
   absl::Status step = s.window->BeginStep(s.row_slots, s.positions, s.score_rows);
   if (step.ok()) {
     s.attention->SetBatch(s.seqs, s.attentions);
-    s.logits.resize(s.rows.size() * vocab);
-    step = s.runner->Step(s.tokens, s.positions, *s.attention, s.logits.data());
+    if (tokens == nullptr) s.logits.resize(s.rows.size() * vocab);
+    // Sampling leaves the logits where the LM head wrote them (DrawTokens moves what it needs).
+    step = s.runner->Step(s.tokens, s.positions, *s.attention,
+                          tokens != nullptr ? nullptr : s.logits.data());
+    if (step.ok() && tokens != nullptr) step = DrawTokens(batch, tokens, logits);
   }
   for (size_t r = 0; r < s.rows.size(); ++r) {
     const size_t i = s.rows[r];
     (*statuses)[i] = step;
+    if (!step.ok() && tokens != nullptr) (*tokens)[i] = -1;
+    if (step.ok() && tokens != nullptr) continue;  // DrawTokens placed the row
     if (step.ok()) {
       std::copy(s.logits.begin() + r * vocab, s.logits.begin() + (r + 1) * vocab,
                 logits->begin() + i * vocab);
@@ -163,6 +186,68 @@ void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<f
       s.slots.erase(batch[i].attention->id());
     }
   }
+}
+
+absl::Status HybridStepExecutor::DrawTokens(absl::Span<const StepRequest> batch,
+                                            std::vector<int32_t>* tokens,
+                                            std::vector<float>* logits) {
+  State& s = *state_;
+  model::DenseOps& ops = *s.ops;
+  const int64_t vocab = s.vocab_size;
+  const int64_t rows = static_cast<int64_t>(s.rows.size());
+  const float* in_ops = s.runner->ops_logits();  // [rows][vocab], the ops' memory
+  // One candidate count for the whole step: the most any row's draw needs (0: none can use them).
+  const int64_t max_candidates = std::min(max_candidates_, model::CandidateOps::kMaxCandidates);
+  model::CandidateOps* candidate_ops = ops.candidates();
+  s.needed.assign(rows, 0);
+  int64_t k = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const model::Sampler* sampler = batch[s.rows[r]].sampler;
+    if (sampler == nullptr || candidate_ops == nullptr) continue;
+    s.needed[r] = model::CandidatesNeeded(sampler->params(), vocab, max_candidates);
+    k = std::max(k, s.needed[r]);
+  }
+  const int64_t n = std::min(k, vocab);
+  if (k > 0) {
+    s.temperatures.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const model::Sampler* sampler = batch[s.rows[r]].sampler;
+      s.temperatures[r] = sampler != nullptr && model::NeedsNormaliser(sampler->params())
+                              ? sampler->params().temperature
+                              : 0.0;
+    }
+    s.candidate_ids.resize(rows * n);
+    s.candidate_logits.resize(rows * n);
+    s.normalisers.resize(rows);
+    candidate_ops->TopCandidates(in_ops, rows, vocab, k, s.temperatures.data(),
+                                 s.candidate_ids.data(), s.candidate_logits.data(),
+                                 s.normalisers.data());
+    FLUXION_RETURN_IF_ERROR(ops.Sync());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const size_t i = s.rows[r];
+    model::Sampler* sampler = batch[i].sampler;
+    if (sampler != nullptr && s.needed[r] > 0) {
+      model::Candidates c;
+      c.ids = absl::MakeConstSpan(s.candidate_ids.data() + r * n, n);
+      c.logits = absl::MakeConstSpan(s.candidate_logits.data() + r * n, n);
+      c.vocab = vocab;
+      c.normaliser = s.normalisers[r];
+      if (std::optional<int32_t> token = sampler->SampleCandidates(c)) {
+        (*tokens)[i] = *token;
+        ++sampling_counters_.candidate_rows;
+        continue;
+      }
+    }
+    // The row crosses whole: no sampler, no candidates, or the sampler declined them (its stream
+    // has not advanced).
+    float* row = logits->data() + i * vocab;
+    ops.CopyToHost(row, in_ops + r * vocab, vocab * sizeof(float));
+    FLUXION_RETURN_IF_ERROR(ops.Sync());
+    ++sampling_counters_.full_rows;
+    if (sampler != nullptr) (*tokens)[i] = sampler->Sample(absl::MakeConstSpan(row, vocab));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace fluxion::decode

@@ -44,6 +44,23 @@ class HybridStepExecutor : public StepExecutor {
   // As StepExecutor::Step; an empty batch is allowed here and only gives every slot back.
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;
+  // As StepExecutor::StepAndSample. The logits stay in the DenseOps's memory; when its
+  // CandidateOps exist and some row's sampler can draw from candidates, they run over every row
+  // and only the candidates cross to the host; a row whose sampler declines them (temperature
+  // alone, top-p whose mass the candidates do not reach) and a row without a sampler copy their
+  // full logits.
+  void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                     std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
+
+  // Rows sampled from candidates vs rows whose full logits crossed to the host, since creation.
+  struct SamplingCounters {
+    int64_t candidate_rows = 0;
+    int64_t full_rows = 0;
+  };
+  const SamplingCounters& sampling_counters() const { return sampling_counters_; }
+  // The most candidates a row may ask for (default and ceiling CandidateOps::kMaxCandidates);
+  // lower it to make rows fall back to full logits (tests).
+  void set_max_candidates(int64_t n) { max_candidates_ = n; }
 
   // The dense halves (and the weights in the DenseOps's memory), e.g. to run the same model with
   // another attention in the same run (the HBM-resident reference of `fluxion bench decode`).
@@ -71,10 +88,19 @@ class HybridStepExecutor : public StepExecutor {
   explicit HybridStepExecutor(std::unique_ptr<State> state);
   // The request's window slot, admitting it on first sight.
   absl::StatusOr<int> SlotOf(const SparseAttention& attention);
+  // Step (tokens null: every row's logits to the host) or StepAndSample.
+  void Run(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+           std::vector<float>* logits, std::vector<absl::Status>* statuses);
+  // StepAndSample's end: rows r of the step (batch index rows[r]) from the logits the runner
+  // left in the DenseOps's memory. Errors: the DenseOps's.
+  absl::Status DrawTokens(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                          std::vector<float>* logits);
 
   std::unique_ptr<State> state_;
   HybridBatchAttention* attention_;  // owned by state_
   bool window_block_scores_ = true;
+  SamplingCounters sampling_counters_;
+  int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;
 };
 
 }  // namespace fluxion::decode

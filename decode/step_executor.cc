@@ -89,6 +89,24 @@ class PerRequestStepExecutor : public StepExecutor {
 
 }  // namespace
 
+void SampleRows(absl::Span<const StepRequest> batch, absl::Span<const float> logits,
+                absl::Span<const absl::Status> statuses, std::vector<int32_t>* tokens) {
+  tokens->assign(batch.size(), -1);
+  if (batch.empty()) return;
+  const size_t vocab = logits.size() / batch.size();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (batch[i].sampler == nullptr || !statuses[i].ok()) continue;
+    (*tokens)[i] = batch[i].sampler->Sample(logits.subspan(i * vocab, vocab));
+  }
+}
+
+void StepExecutor::StepAndSample(absl::Span<const StepRequest> batch,
+                                 std::vector<int32_t>* tokens, std::vector<float>* logits,
+                                 std::vector<absl::Status>* statuses) {
+  Step(batch, logits, statuses);
+  SampleRows(batch, *logits, *statuses, tokens);
+}
+
 std::unique_ptr<StepExecutor> NewCpuStepExecutor(const model::Model* model,
                                                  const kernels::cpu::CpuPool* pool) {
   // The dispatched ISA never fails to construct (only a forced one can).

@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "decode/sparse_attention.h"
 #include "model/model.h"
+#include "model/sampler.h"
 
 namespace fluxion::kernels::cpu {
 class CpuPool;
@@ -33,11 +34,14 @@ class CpuPool;
 namespace fluxion::decode {
 
 // One request of a step: its sequence (whose length is the input token's position), that
-// sequence's attention as the decode node builds it, and the input token.
+// sequence's attention as the decode node builds it, the input token, and the request's sampler.
 struct StepRequest {
   model::Sequence* seq = nullptr;
   SparseAttention* attention = nullptr;  // &seq->attention()
   int32_t token = 0;
+  // Draws the next token in StepAndSample; null: the caller wants the row's logits (tests,
+  // `fluxion eval`). Step ignores it.
+  model::Sampler* sampler = nullptr;
 };
 
 class StepExecutor {
@@ -53,7 +57,20 @@ class StepExecutor {
   // REQUIRES: batch non-empty, no sequence listed twice, attention == &seq->attention().
   virtual void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
                     std::vector<absl::Status>* statuses) = 0;
+  // The step that samples (the scheduler's): as Step, and for every request i with a sampler
+  // whose status is OK, (*tokens)[i] is the token batch[i].sampler drew from its next-token
+  // distribution (-1 for the others). Row i of `logits` [batch.size()][vocab] is valid for every
+  // request without a sampler; the other rows are unspecified (an executor need not bring them
+  // to the host). The default runs Step and samples each row on the host; the hybrid executor
+  // copies only the sampler's candidates when their parameters allow (docs/EXECUTOR.md).
+  virtual void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                             std::vector<float>* logits, std::vector<absl::Status>* statuses);
 };
+
+// For every request i with a sampler and an OK status, (*tokens)[i] = its sampler's draw from row
+// i of logits [batch.size()][vocab]; -1 for the others. (StepAndSample's default.)
+void SampleRows(absl::Span<const StepRequest> batch, absl::Span<const float> logits,
+                absl::Span<const absl::Status> statuses, std::vector<int32_t>* tokens);
 
 // `model` (and `pool`, when not null) must outlive the executor. Null pool: the calling thread.
 std::unique_ptr<StepExecutor> NewCpuStepExecutor(const model::Model* model,

@@ -272,6 +272,105 @@ TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoRes
   }
 }
 
+// One request per entry of SampledParams: greedy, top-k, top-p (without top-k: the normaliser's
+// path), seeded temperature + top-k, top-p + top-k, and temperature alone (every token needed).
+std::vector<model::SamplingParams> SampledParams() {
+  return {{0.0, 0, 1.0, 0},  {0.8, 40, 1.0, 11}, {0.3, 0, 0.9, 12},
+          {1.0, 20, 1.0, 13}, {0.7, 50, 0.8, 14}, {1.0, 0, 1.0, 15}};
+}
+
+// `steps` steps over requests from `prefills`, request i drawing with SampledParams()[i]: through
+// StepAndSample, or (host_sampling) through Step and each sampler over its full row.
+std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, model::Model* model,
+                                                const sparse::PolicyConfig& policy,
+                                                const std::vector<model::DenseAttention*>& caches,
+                                                const std::vector<int32_t>& first_tokens,
+                                                int steps, bool host_sampling) {
+  const model::AttentionShape shape = model->attention_shape();
+  auto arena = *KvArena::Create(
+      KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
+      4096);
+  const std::vector<model::SamplingParams> params = SampledParams();
+  std::vector<std::unique_ptr<model::Sequence>> seqs;
+  std::vector<SparseAttention*> attentions;
+  std::vector<model::Sampler> samplers;
+  std::vector<int32_t> next = first_tokens;
+  for (size_t i = 0; i < caches.size(); ++i) {
+    auto attention = SparseAttention::FromDense(arena.get(), shape, kPageTokens, *caches[i], policy);
+    EXPECT_TRUE(attention.ok()) << attention.status();
+    attentions.push_back(attention->get());
+    seqs.push_back(std::make_unique<model::Sequence>(std::move(*attention), caches[i]->length(0)));
+    samplers.emplace_back(params[i % params.size()]);
+  }
+  std::vector<std::vector<int32_t>> tokens(caches.size());
+  const int64_t vocab = model->config().vocab_size;
+  std::vector<int32_t> drawn;
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<StepRequest> batch;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      batch.push_back({seqs[i].get(), attentions[i], next[i], &samplers[i]});
+    }
+    if (host_sampling) {
+      executor.Step(batch, &logits, &statuses);
+      drawn.clear();
+      for (size_t i = 0; i < batch.size(); ++i) {
+        drawn.push_back(samplers[i].Sample(absl::MakeConstSpan(logits.data() + i * vocab, vocab)));
+      }
+    } else {
+      executor.StepAndSample(batch, &drawn, &logits, &statuses);
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      EXPECT_TRUE(statuses[i].ok()) << statuses[i];
+      EXPECT_GE(drawn[i], 0) << "request " << i << " step " << s;
+      next[i] = drawn[i];
+      tokens[i].push_back(drawn[i]);
+    }
+  }
+  return tokens;
+}
+
+TEST_F(StepExecutorTest, TheHybridStepSamplesFromCandidatesTheTokensTheCpuStepSamples) {
+  std::vector<Prefill> prefills;
+  for (int64_t n : {260, 700, 400, 70, 130, 90}) prefills.push_back(MakePrefill(Prompt(n, 800 + n)));
+  std::vector<model::DenseAttention*> caches;
+  std::vector<int32_t> first;
+  for (const Prefill& p : prefills) {
+    caches.push_back(p.cache.get());
+    first.push_back(p.first_token);
+  }
+  const kernels::cpu::CpuPool pool(2);
+  const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
+  constexpr int kSteps = 8;
+  std::unique_ptr<StepExecutor> cpu = NewCpuStepExecutor(model_, &pool);
+  const auto want = DecodeSampled(*cpu, model_, policy, caches, first, kSteps, false);
+  // The hybrid step's own logits sampled on the host: the reference for its candidate path.
+  std::unique_ptr<HybridStepExecutor> full = MakeHybrid(&pool);
+  EXPECT_EQ(DecodeSampled(*full, model_, policy, caches, first, kSteps, true), want);
+  // Every candidate count: the whole 512-token row (1024), a partial list (64: top-p without
+  // top-k draws against the device-style normaliser or falls back), and too few for top-k 20+
+  // (8: those rows and temperature alone fall back to their full logits).
+  for (int64_t max_candidates : {int64_t{1024}, int64_t{64}, int64_t{8}}) {
+    SCOPED_TRACE(max_candidates);
+    std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+    hybrid->set_max_candidates(max_candidates);
+    EXPECT_EQ(DecodeSampled(*hybrid, model_, policy, caches, first, kSteps, false), want);
+    const HybridStepExecutor::SamplingCounters& c = hybrid->sampling_counters();
+    EXPECT_EQ(c.candidate_rows + c.full_rows, kSteps * 6);
+    // Greedy always draws from candidates; temperature alone never does from a partial list.
+    EXPECT_GE(c.candidate_rows, kSteps);
+    if (max_candidates == 1024) {
+      EXPECT_EQ(c.full_rows, 0);
+    } else if (max_candidates == 64) {
+      // This model's top-p rows reach their mass within 64 tokens: only temperature alone crosses.
+      EXPECT_EQ(c.full_rows, kSteps);
+    } else {
+      EXPECT_GE(c.full_rows, 4 * kSteps);  // top_k 20, 40, 50 and temperature alone
+    }
+  }
+}
+
 std::tuple<int32_t, int32_t, int32_t> Fields(const kernels::PageSpan& s) {
   return {s.page, s.first_row, s.rows};
 }

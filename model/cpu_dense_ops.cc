@@ -1,8 +1,10 @@
 #include "model/cpu_dense_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <new>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -89,6 +91,31 @@ void CpuDenseOps::GatherRows(WeightRef table, const int32_t* ids, int64_t n, int
   const float* rows = static_cast<const float*>(table.data);
   for (int64_t i = 0; i < n; ++i) {
     std::copy_n(rows + int64_t{ids[i]} * width, width, out + i * width);
+  }
+}
+
+void CpuDenseOps::TopCandidates(const float* logits, int64_t rows, int64_t vocab, int64_t k,
+                                const double* temperatures, int32_t* ids, float* values,
+                                double* normalisers) {
+  const int64_t n = std::min(k, vocab);
+  order_.resize(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * vocab;
+    std::iota(order_.begin(), order_.end(), 0);
+    std::partial_sort(order_.begin(), order_.begin() + n, order_.end(), [x](int32_t a, int32_t b) {
+      return x[a] > x[b] || (x[a] == x[b] && a < b);
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      ids[r * n + i] = order_[i];
+      values[r * n + i] = x[order_[i]];
+    }
+    const double t = temperatures[r];
+    double sum = 0.0;
+    if (t > 0.0) {
+      const double max = values[r * n];
+      for (int64_t i = 0; i < vocab; ++i) sum += std::exp((x[i] - max) / t);
+    }
+    normalisers[r] = sum;
   }
 }
 

@@ -7,12 +7,14 @@
 #ifndef FLUXION_MODEL_CPU_DENSE_OPS_H_
 #define FLUXION_MODEL_CPU_DENSE_OPS_H_
 
+#include <vector>
+
 #include "kernels/cpu/cpu_pool.h"
 #include "model/dense_ops.h"
 
 namespace fluxion::model {
 
-class CpuDenseOps : public DenseOps {
+class CpuDenseOps : public DenseOps, public CandidateOps {
  public:
   // `pool` (may be null, see above) must outlive this.
   explicit CpuDenseOps(const kernels::cpu::CpuPool* pool = nullptr) : pool_(pool) {}
@@ -45,11 +47,19 @@ class CpuDenseOps : public DenseOps {
     return &owner == this || (host_memory() && owner.host_memory());
   }
 
+  // CandidateOps on the host: a partial sort of each row (the kernel's radix select would buy
+  // nothing here), the normaliser summed in id order as the device sums it.
+  CandidateOps* candidates() override { return this; }
+  void TopCandidates(const float* logits, int64_t rows, int64_t vocab, int64_t k,
+                     const double* temperatures, int32_t* ids, float* values,
+                     double* normalisers) override;
+
  private:
   void UsePool() const {
     if (pool_ != nullptr) pool_->ApplyToBlas();
   }
   const kernels::cpu::CpuPool* pool_;
+  std::vector<int32_t> order_;  // TopCandidates scratch
 };
 
 }  // namespace fluxion::model

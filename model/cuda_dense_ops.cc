@@ -13,6 +13,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/decode_ops.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/sampling.h"
 
 namespace fluxion::model {
 namespace {
@@ -55,8 +56,9 @@ class CudaGraph : public OpsGraph {
   cudaGraphExec_t exec_;
 };
 
-// The dense seam, its fused operations (GEMM input = bf16) and graph capture on one stream.
-class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
+// The dense seam, its fused operations (GEMM input = bf16), graph capture and the sampler's
+// candidates, on one stream.
+class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs, public CandidateOps {
  public:
   // `pinned` (kPinnedBytes of page-locked host memory, or null: every copy then waits) is owned.
   CudaDenseOps(int device, cudaStream_t stream, std::unique_ptr<kc::Gemm> gemm, void* pinned)
@@ -67,6 +69,7 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
     gemm_.reset();  // its handle is bound to the stream
     x_bf16_.reset();
     scratch_.reset();
+    candidates_.reset();
     staging_.reset();
     cudaStreamDestroy(stream_);
   }
@@ -221,6 +224,42 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
   void* native_stream() const override { return stream_; }
   FusedDenseOps* fused() override { return this; }
   OpsGraphs* graphs() override { return this; }
+  CandidateOps* candidates() override { return this; }
+
+  // CandidateOps: the kernel over the logits where they are; only its results cross (8 bytes per
+  // candidate and 16 per row), into the caller's host arrays.
+  void TopCandidates(const float* logits, int64_t rows, int64_t vocab, int64_t k,
+                     const double* temperatures, int32_t* ids, float* values,
+                     double* normalisers) override {
+    const int64_t n = std::min(k, vocab);
+    // Scratch: temperatures and normalisers [rows] (double), then ids and values [rows][n].
+    const size_t row_bytes = static_cast<size_t>(rows) * sizeof(double);
+    const size_t list_bytes = static_cast<size_t>(rows * n) * sizeof(int32_t);
+    if (absl::Status g = Grow(&candidates_, 2 * row_bytes + 2 * list_bytes, "TopCandidates",
+                              /*recordable=*/false);
+        !g.ok()) {
+      RecordStatus(std::move(g));
+      return;
+    }
+    char* base = static_cast<char*>(candidates_->data());
+    double* d_temperatures = reinterpret_cast<double*>(base);
+    double* d_normalisers = d_temperatures + rows;
+    int32_t* d_ids = reinterpret_cast<int32_t*>(base + 2 * row_bytes);
+    float* d_values = reinterpret_cast<float*>(base + 2 * row_bytes + list_bytes);
+    CopyFromHost(d_temperatures, temperatures, row_bytes);
+    Record(kc::TopCandidates(logits, rows, vocab, k, d_temperatures, d_ids, d_values,
+                             d_normalisers, stream_),
+           "TopCandidates");
+    Record(cudaMemcpyAsync(ids, d_ids, list_bytes, cudaMemcpyDeviceToHost, stream_),
+           "TopCandidates (ids)");
+    Record(cudaMemcpyAsync(values, d_values, list_bytes, cudaMemcpyDeviceToHost, stream_),
+           "TopCandidates (values)");
+    Record(cudaMemcpyAsync(normalisers, d_normalisers, row_bytes, cudaMemcpyDeviceToHost,
+                           stream_),
+           "TopCandidates (normalisers)");
+    Record(cudaStreamSynchronize(stream_), "TopCandidates (wait)");
+    pinned_used_ = 0;
+  }
 
   // FusedDenseOps: activations go to the products as bf16, written by the operation before.
   size_t GemmInputBytes(int64_t n) const override { return static_cast<size_t>(n) * sizeof(bf16); }
@@ -329,14 +368,16 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
     if (first.ok()) first = std::move(s);
   }
   // Makes *buf hold at least `bytes` (ResourceExhausted when it cannot). Grows only: after a
-  // step at a batch size, later steps at that size allocate nothing.
-  absl::Status Grow(std::unique_ptr<OpsBuffer>* buf, size_t bytes, absl::string_view what) {
+  // step at a batch size, later steps at that size allocate nothing. A buffer no graph can record
+  // (`recordable` false: the candidates' scratch) leaves the graphs valid.
+  absl::Status Grow(std::unique_ptr<OpsBuffer>* buf, size_t bytes, absl::string_view what,
+                    bool recordable = true) {
     if (*buf != nullptr && (*buf)->size() >= bytes) return absl::OkStatus();
     if (capturing_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "CudaDenseOps ", what, ": scratch would have to grow while recording a graph"));
     }
-    ++generation_;  // graphs recorded over the old buffer must not replay
+    if (recordable) ++generation_;  // graphs recorded over the old buffer must not replay
     // No queued operation may still use the old buffer when it is freed.
     if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
       return CudaStatus(e, absl::StrCat("CudaDenseOps ", what));
@@ -357,6 +398,7 @@ class CudaDenseOps : public DenseOps, public FusedDenseOps, public OpsGraphs {
   std::unique_ptr<OpsBuffer> x_bf16_;   // MatMul's input cast to bf16 [m][k]
   std::unique_ptr<OpsBuffer> scratch_;  // Copy between overlapping ranges
   std::unique_ptr<OpsBuffer> staging_;  // UploadWeight's fp32 chunks
+  std::unique_ptr<OpsBuffer> candidates_;  // TopCandidates's inputs and results
   absl::Status status_;                 // the first error since the last Sync
   bool capturing_ = false;
   absl::Status capture_status_;         // the first error since BeginCapture

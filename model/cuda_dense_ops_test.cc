@@ -295,6 +295,36 @@ TEST_F(CudaDenseOpsTest, CopyHandlesOverlappingRanges) {
   EXPECT_TRUE(ops_->Sync().ok());
 }
 
+// The sampler's candidates on the device equal the CPU ops' host computation of them: ids and
+// logits exactly (both are the exact top-k in the sampler's order), normalisers to double
+// rounding (summed in another order). Two calls with different row counts exercise the scratch.
+TEST_F(CudaDenseOpsTest, TopCandidatesMatchTheCpuOps) {
+  ASSERT_NE(ops_->candidates(), nullptr);
+  CpuDenseOps cpu;
+  for (const auto& [rows, vocab, k] :
+       {std::tuple<int64_t, int64_t, int64_t>{3, 5001, 40}, {16, 128256, 1024}, {2, 700, 1024}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(vocab) + " k " + std::to_string(k));
+    std::vector<float> x = Random(rows * vocab, static_cast<uint32_t>(vocab), 3.0f);
+    for (size_t i = 0; i < x.size(); i += 7) x[i] = std::round(x[i]);  // ties
+    std::vector<double> temps(rows);
+    for (int64_t r = 0; r < rows; ++r) temps[r] = r % 2 ? 0.0 : 0.7;
+    const int64_t n = std::min(k, vocab);
+    std::vector<int32_t> ids(rows * n), want_ids(rows * n);
+    std::vector<float> values(rows * n), want_values(rows * n);
+    std::vector<double> norms(rows), want_norms(rows);
+    ops_->candidates()->TopCandidates(ToDevice(x), rows, vocab, k, temps.data(), ids.data(),
+                                      values.data(), norms.data());
+    ASSERT_TRUE(ops_->Sync().ok());
+    cpu.TopCandidates(x.data(), rows, vocab, k, temps.data(), want_ids.data(), want_values.data(),
+                      want_norms.data());
+    EXPECT_EQ(ids, want_ids);
+    EXPECT_EQ(values, want_values);
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_NEAR(norms[r], want_norms[r], 1e-10 * std::max(1.0, want_norms[r])) << "row " << r;
+    }
+  }
+}
+
 // Errors: an allocation too large is ResourceExhausted at once; a failed operation is recorded
 // and returned by the next Sync (once: the Sync after it is OK again).
 TEST_F(CudaDenseOpsTest, ErrorsAreReturnedBySyncOnce) {

@@ -45,16 +45,18 @@ absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
     FLUXION_RETURN_IF_ERROR(FuseParams(ops, &params_));
     params_fused_ = true;
   }
-  // The LM head writes into the runner's own buffer when the ops' memory is not the host's, or
-  // when the ops may record it into a graph (which must not keep the caller's pointer).
-  const bool own_logits = !ops.host_memory() || ops.graphs() != nullptr;
+  // The LM head writes into the runner's own buffer when the ops' memory is not the host's, when
+  // the ops may record it into a graph (which must not keep the caller's pointer), or when the
+  // caller leaves the logits in the ops' memory (no host buffer: the hybrid step's sampling).
+  const bool own_logits = !ops.host_memory() || ops.graphs() != nullptr || logits == nullptr;
   if (buf_.capacity < rows) {
     graphs_.clear();  // they record the old buffers' addresses
     FLUXION_ASSIGN_OR_RETURN(buf_, StepBuffers::Create(ops, c, rows));
     logits_.reset();
-    if (own_logits) {
-      FLUXION_ASSIGN_OR_RETURN(logits_, ops.Allocate(rows * c.vocab_size * sizeof(float)));
-    }
+  }
+  if (own_logits && logits_ == nullptr) {
+    FLUXION_ASSIGN_OR_RETURN(logits_,
+                             ops.Allocate(buf_.capacity * c.vocab_size * sizeof(float)));
   }
   float* out = own_logits ? static_cast<float*>(logits_->data()) : logits;
   EmbedRows(ops, params_, c, buf_, tokens.data(), positions.data(), rows);
@@ -75,7 +77,9 @@ absl::Status DecodeStepRunner::Step(absl::Span<const int32_t> tokens,
     io.host_memory = ops.host_memory();
     FLUXION_RETURN_IF_ERROR(attention.Attend(io));
   }
-  if (own_logits) ops.CopyToHost(logits, out, rows * c.vocab_size * sizeof(float));
+  if (own_logits && logits != nullptr) {
+    ops.CopyToHost(logits, out, rows * c.vocab_size * sizeof(float));
+  }
   FLUXION_RETURN_IF_ERROR(ops.Sync());
   if (use_graphs_ && ops.graphs() != nullptr && graph_status_.ok()) graphs_[rows].warmed = true;
   return absl::OkStatus();

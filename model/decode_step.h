@@ -88,7 +88,8 @@ class DecodeStepRunner {
                                                   ModelParams params);
 
   // Runs one step: tokens[i] at positions[i] for every request i; writes logits
-  // [tokens.size()][vocab_size] into host memory. Buffers grow to the largest batch seen.
+  // [tokens.size()][vocab_size] into host memory, or, when `logits` is null, leaves them in the
+  // ops' memory (ops_logits()). Buffers grow to the largest batch seen.
   // InvalidArgument (nothing computed) for an empty batch, mismatched sizes, a token id outside
   // the vocabulary or a negative position; otherwise the first error of `attention` or of the
   // DenseOps.
@@ -96,6 +97,11 @@ class DecodeStepRunner {
                     BatchAttention& attention, float* logits);
 
   DenseOps& ops() { return *ops_; }
+  // The last Step's logits [rows][vocab_size] in the ops' memory, when that Step was given no host
+  // buffer (null before any); valid until the next Step.
+  const float* ops_logits() const {
+    return logits_ != nullptr ? static_cast<const float*>(logits_->data()) : nullptr;
+  }
   const ModelParams& params() const { return params_; }
 
   // Graphs on (the default, where the ops offer them) or off: the same results either way.

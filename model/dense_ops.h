@@ -20,9 +20,10 @@
 // first since the last Sync (Internal, with context), as CUDA's sticky errors work. The CPU
 // backend never fails.
 //
-// Optional capabilities (FusedDenseOps, OpsGraphs below): a backend offers them through fused() /
-// graphs(); the layer body (layer.h) and the step runner (decode_step.h) use them when offered, so
-// a backend without them (the CPU's) runs its plain operations unchanged.
+// Optional capabilities (FusedDenseOps, OpsGraphs, CandidateOps below): a backend offers them
+// through fused() / graphs() / candidates(); the layer body (layer.h), the step runner
+// (decode_step.h) and the hybrid executor's sampling use them when offered, so a backend without
+// them (the CPU's has no fused ops or graphs) runs its plain operations unchanged.
 //
 // Thread-compatible: one driver thread per DenseOps.
 #ifndef FLUXION_MODEL_DENSE_OPS_H_
@@ -66,6 +67,7 @@ struct UploadedWeight {
 
 class FusedDenseOps;
 class OpsGraphs;
+class CandidateOps;
 
 class DenseOps {
  public:
@@ -126,6 +128,7 @@ class DenseOps {
   // The optional capabilities, or null when the backend has none (the default).
   virtual FusedDenseOps* fused() { return nullptr; }
   virtual OpsGraphs* graphs() { return nullptr; }
+  virtual CandidateOps* candidates() { return nullptr; }
 };
 
 // Fused forms of the layer's operations, for a backend where each launch and each pass over the
@@ -183,6 +186,29 @@ class OpsGraphs {
   // Changes whenever the backend reallocates memory a graph may have recorded (its scratch):
   // graphs recorded at another generation must not be replayed.
   virtual uint64_t generation() const = 0;
+};
+
+// The best tokens of each row of a logits matrix in the backend's memory, in model::Sampler's order
+// (descending logit, ties by lower id), and each row's normaliser: what the sampler needs to draw
+// from a row without the row (model/sampler.h SampleCandidates), so a step copies a few KB per row
+// to the host instead of [vocab] floats. CUDA: kernels/cuda/sampling.h; the CPU backend computes
+// the same on the host, so the host stand-in of the hybrid step runs the same path.
+// Ordering and errors as DenseOps's (same queue, sticky errors).
+class CandidateOps {
+ public:
+  // The most candidates a row may ask for.
+  static constexpr int64_t kMaxCandidates = 1024;
+
+  virtual ~CandidateOps() = default;
+  // For each row r < rows of logits [rows][vocab] (backend memory), with n = min(k, vocab):
+  // ids[r][0..n) and values[r][0..n) its n largest logits in the sampler's order, and
+  // normalisers[r] the sum over the whole row of exp((x - max) / temperatures[r]) in double
+  // (max = values[r][0]; 0 where temperatures[r] <= 0). ids, values [rows][n], temperatures and
+  // normalisers [rows] are host memory. Returns once the results are on the host (as
+  // CopyToHost). REQUIRES: rows >= 1, vocab >= 1, 1 <= k <= kMaxCandidates.
+  virtual void TopCandidates(const float* logits, int64_t rows, int64_t vocab, int64_t k,
+                             const double* temperatures, int32_t* ids, float* values,
+                             double* normalisers) = 0;
 };
 
 }  // namespace fluxion::model

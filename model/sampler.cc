@@ -7,6 +7,11 @@
 #include "absl/strings/str_cat.h"
 
 namespace fluxion::model {
+namespace {
+
+bool Greedy(const SamplingParams& p) { return p.temperature <= 0.0 || p.top_k == 1; }
+
+}  // namespace
 
 absl::Status ValidateSamplingParams(const SamplingParams& p) {
   if (!(p.temperature >= 0.0) || !std::isfinite(p.temperature)) {
@@ -22,6 +27,23 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   return absl::OkStatus();
 }
 
+int64_t CandidatesNeeded(const SamplingParams& p, int64_t vocab, int64_t max_candidates) {
+  int64_t needed = vocab;  // temperature alone: every token
+  if (Greedy(p)) {
+    needed = 1;
+  } else if (p.top_k > 0) {
+    needed = p.top_k;
+  } else if (p.top_p < 1.0) {
+    needed = max_candidates;
+  }
+  needed = std::min(needed, vocab);
+  return needed <= max_candidates ? needed : 0;
+}
+
+bool NeedsNormaliser(const SamplingParams& p) {
+  return !Greedy(p) && p.top_k == 0 && p.top_p < 1.0;
+}
+
 int32_t ArgMax(absl::Span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
@@ -29,7 +51,7 @@ int32_t ArgMax(absl::Span<const float> logits) {
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
 
 int32_t Sampler::Sample(absl::Span<const float> logits) {
-  if (params_.temperature <= 0.0 || params_.top_k == 1) return ArgMax(logits);
+  if (Greedy(params_)) return ArgMax(logits);
   const int64_t vocab = static_cast<int64_t>(logits.size());
   const int64_t k = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
   order_.resize(vocab);
@@ -39,21 +61,61 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
   };
   std::partial_sort(order_.begin(), order_.begin() + k, order_.end(), by_logit);
-  probs_.resize(k);
-  const double max_logit = logits[order_[0]];
-  double total = 0.0;
-  for (int64_t i = 0; i < k; ++i) {
-    probs_[i] = std::exp((logits[order_[i]] - max_logit) / params_.temperature);
-    total += probs_[i];
+  values_.resize(k);
+  for (int64_t i = 0; i < k; ++i) values_[i] = logits[order_[i]];
+  // top_k candidates, or the whole row: a list that always suffices (its own sum normalises).
+  Candidates c;
+  c.ids = absl::MakeConstSpan(order_.data(), k);
+  c.logits = values_;
+  c.vocab = vocab;
+  return *Draw(c);
+}
+
+std::optional<int32_t> Sampler::SampleCandidates(const Candidates& c) { return Draw(c); }
+
+std::optional<int32_t> Sampler::Draw(const Candidates& c) {
+  const int64_t n = static_cast<int64_t>(std::min(c.ids.size(), c.logits.size()));
+  if (n == 0 || c.vocab <= 0) return std::nullopt;
+  if (Greedy(params_)) return c.ids[0];
+  const bool whole = n >= c.vocab;
+  int64_t k = n;
+  if (params_.top_k > 0) {
+    k = std::min(params_.top_k, c.vocab);
+    if (n < k) return std::nullopt;
+  } else if (!whole && !(params_.top_p < 1.0)) {
+    return std::nullopt;  // temperature alone draws from every token
   }
+  probs_.resize(k);
+  const double max_logit = c.logits[0];
+  double list_total = 0.0;
+  for (int64_t i = 0; i < k; ++i) {
+    probs_[i] = std::exp((c.logits[i] - max_logit) / params_.temperature);
+    list_total += probs_[i];
+  }
+  // The list's own sum normalises when it holds every token the draw may pick (top_k, or the
+  // whole row); top-p over a partial list needs the whole row's.
+  const bool own_total = params_.top_k > 0 || whole;
+  const double total = own_total ? list_total : c.normaliser;
+  if (!own_total && !(std::isfinite(total) && total > 0.0)) return std::nullopt;
   int64_t keep = k;
   if (params_.top_p < 1.0) {
-    double cumulative = 0.0;
+    double cumulative = 0.0, before = 0.0;
+    bool cut = false;
     for (int64_t i = 0; i < k; ++i) {
+      before = cumulative;
       cumulative += probs_[i] / total;
       if (cumulative >= params_.top_p) {
         keep = i + 1;
+        cut = true;
         break;
+      }
+    }
+    if (!own_total) {
+      if (!cut) return std::nullopt;  // the candidates' mass is below top_p
+      // A normaliser summed in another order could move the cut by one token here.
+      if (cumulative < params_.top_p * (1.0 + kNormaliserBand) ||
+          before >= params_.top_p * (1.0 - kNormaliserBand)) {
+        return std::nullopt;
       }
     }
   }
@@ -62,9 +124,9 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
   double cumulative = 0.0;
   for (int64_t i = 0; i < keep; ++i) {
     cumulative += probs_[i];
-    if (r < cumulative) return order_[i];
+    if (r < cumulative) return c.ids[i];
   }
-  return order_[keep - 1];
+  return c.ids[keep - 1];
 }
 
 }  // namespace fluxion::model
