@@ -138,6 +138,19 @@ int PingPongStepExecutor::ChooseHalf() const {
 
 void PingPongStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
                                 std::vector<absl::Status>* statuses) {
+  Run(batch, /*tokens=*/nullptr, logits, statuses);
+}
+
+void PingPongStepExecutor::StepAndSample(absl::Span<const StepRequest> batch,
+                                         std::vector<int32_t>* tokens, std::vector<float>* logits,
+                                         std::vector<absl::Status>* statuses) {
+  Run(batch, tokens, logits, statuses);
+}
+
+void PingPongStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                               std::vector<float>* logits, std::vector<absl::Status>* statuses) {
+  sampling_ = tokens != nullptr;
+  if (sampling_) tokens->assign(batch.size(), -1);
   statuses->assign(batch.size(), absl::OkStatus());
   logits->resize(batch.size() * vocab_);
   // Requests that left since the last step leave their micro-batch (its pipeline gives their
@@ -188,7 +201,10 @@ void PingPongStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector
     for (size_t r = 0; r < p.rows.size(); ++r) {
       const size_t i = p.rows[r];
       (*statuses)[i] = p.statuses[r];
-      if (p.statuses[r].ok()) {
+      if (!p.statuses[r].ok()) continue;
+      if (sampling_) (*tokens)[i] = p.tokens[r];
+      // When sampling, only rows without a sampler are promised (StepExecutor::StepAndSample).
+      if (!sampling_ || p.batch[r].sampler == nullptr) {
         std::copy(p.logits.begin() + r * vocab_, p.logits.begin() + (r + 1) * vocab_,
                   logits->begin() + i * vocab_);
       }
@@ -205,7 +221,12 @@ void PingPongStepExecutor::RunPart(int h, const absl::Status& init) {
                                                              init.message())));
     return;
   }
-  pipelines_[h]->Step(p.batch, &p.logits, &p.statuses);
+  if (sampling_) {
+    // Each half samples where its logits are (its DenseOps): only candidates cross.
+    pipelines_[h]->StepAndSample(p.batch, &p.tokens, &p.logits, &p.statuses);
+  } else {
+    pipelines_[h]->Step(p.batch, &p.logits, &p.statuses);
+  }
 }
 
 void PingPongStepExecutor::set_window_block_scores(bool on) {

@@ -77,6 +77,10 @@ class PingPongStepExecutor : public StepExecutor {
   // neither window can take gets ResourceExhausted; a pipeline's errors are its requests' only.
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
             std::vector<absl::Status>* statuses) override;
+  // As Step, each half sampling its rows where its logits are (HybridStepExecutor's
+  // StepAndSample: candidates, not full rows, cross when the samplers allow).
+  void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+                     std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
 
   // Pipeline 0 (A, which owns the weights) or 1 (B). Use one directly only between steps (no
   // driver runs then), e.g. for the single-pipeline rows of `fluxion bench decode`; give its
@@ -101,8 +105,12 @@ class PingPongStepExecutor : public StepExecutor {
     std::vector<StepRequest> batch;
     std::vector<size_t> rows;  // the caller's row of each
     std::vector<float> logits;
+    std::vector<int32_t> tokens;  // when sampling
     std::vector<absl::Status> statuses;
   };
+  // Step (tokens null) or StepAndSample.
+  void Run(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
+           std::vector<float>* logits, std::vector<absl::Status>* statuses);
 
   PingPongStepExecutor(int64_t vocab, std::unique_ptr<CpuLane> lane,
                        std::unique_ptr<HybridStepExecutor> a,
@@ -123,6 +131,7 @@ class PingPongStepExecutor : public StepExecutor {
   // Scratch of one step.
   absl::flat_hash_set<uint64_t> present_;
   std::array<Part, 2> parts_;
+  bool sampling_ = false;  // this step samples (read by the drivers while it runs)
 };
 
 }  // namespace fluxion::decode

@@ -20,6 +20,7 @@
 #include "decode/resident_window.h"
 #include "decode/sparse/policy.h"
 #include "gtest/gtest.h"
+#include "model/sampler.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
@@ -250,6 +251,59 @@ TEST_F(PingPongTest, GivesTheLogitsOfTwoSinglePipelinesSteppingTheSameHalves) {
                                    single[1]->counters().resident_rows);
     EXPECT_EQ(c.host_rows, single[0]->counters().host_rows + single[1]->counters().host_rows);
   }
+}
+
+// StepAndSample: each half samples where its logits are (candidates, not rows, when the samplers
+// allow), drawing the tokens the host draws from the whole rows with the same samplers.
+TEST_F(PingPongTest, SamplesTheTokensTheHostDrawsFromItsLogits) {
+  const std::vector<int64_t> lengths = {260, 700, 400, 150};
+  std::vector<Prefill> prefills;
+  for (size_t i = 0; i < lengths.size(); ++i) prefills.push_back(MakePrefill(lengths[i], 70 + i));
+  const kernels::cpu::CpuPool pool(2);
+  const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
+  std::unique_ptr<PingPongStepExecutor> sampling = MakePingPong(&pool), host = MakePingPong(&pool);
+  auto arena_s = MakeArena(), arena_h = MakeArena();
+  std::vector<Request> mine, ref;
+  std::vector<std::unique_ptr<model::Sampler>> mine_samplers, ref_samplers;
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    mine.push_back(MakeRequest(arena_s.get(), prefills[i], policy));
+    ref.push_back(MakeRequest(arena_h.get(), prefills[i], policy));
+    // Greedy, top-k, top-p and top-k + top-p, seeded.
+    model::SamplingParams params;
+    params.temperature = i == 0 ? 0.0 : 0.8;
+    params.top_k = i == 1 || i == 3 ? 20 : 0;
+    params.top_p = i >= 2 ? 0.9 : 1.0;
+    params.seed = 1000 + i;
+    mine_samplers.push_back(std::make_unique<model::Sampler>(params));
+    ref_samplers.push_back(std::make_unique<model::Sampler>(params));
+  }
+  const int64_t vocab = model_->config().vocab_size;
+  std::vector<int32_t> tokens;
+  std::vector<float> logits, ref_logits;
+  std::vector<absl::Status> statuses, ref_statuses;
+  for (int step = 0; step < 6; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<StepRequest> batch, ref_batch;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      batch.push_back({mine[i].seq.get(), mine[i].attention, mine[i].token,
+                       mine_samplers[i].get()});
+      ref_batch.push_back({ref[i].seq.get(), ref[i].attention, ref[i].token});
+    }
+    sampling->StepAndSample(batch, &tokens, &logits, &statuses);
+    host->Step(ref_batch, &ref_logits, &ref_statuses);
+    for (size_t i = 0; i < mine.size(); ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << statuses[i];
+      ASSERT_TRUE(ref_statuses[i].ok()) << ref_statuses[i];
+      const int32_t want = ref_samplers[i]->Sample(
+          absl::MakeConstSpan(ref_logits.data() + i * vocab, vocab));
+      EXPECT_EQ(tokens[i], want) << "request " << i;
+      mine[i].token = tokens[i];
+      ref[i].token = want;
+    }
+  }
+  // The halves drew from candidates (not from rows copied to the host and sampled there).
+  EXPECT_GT(sampling->pipeline(0).sampling_counters().candidate_rows, 0);
+  EXPECT_GT(sampling->pipeline(1).sampling_counters().candidate_rows, 0);
 }
 
 TEST_F(PingPongTest, ARequestsErrorFailsOnlyThatRequest) {
