@@ -30,6 +30,7 @@
 #include "model/cuda_dense_ops.h"
 #include "model/random_model.h"
 #include "model/random_params.h"
+#include "model/sampler.h"
 #include "model/sparse_state.h"
 #ifdef FLUXION_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -235,10 +236,17 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
     attentions.push_back(a.get());
     seqs.push_back(std::make_unique<model::Sequence>(std::move(a), length));
   }
+  // Greedy samplers, as a served request without sampling parameters has: the step samples where
+  // the logits are (only each row's best candidate crosses; docs/EXECUTOR.md section 9), so the
+  // timed step is the serving loop's.
+  std::vector<std::unique_ptr<model::Sampler>> samplers;
   std::vector<decode::StepRequest> requests;
   for (int64_t i = 0; i < batch; ++i) {
-    requests.push_back({seqs[i].get(), attentions[i], static_cast<int32_t>((31 * i + 7) % vocab)});
+    samplers.push_back(std::make_unique<model::Sampler>(model::SamplingParams{}));
+    requests.push_back({seqs[i].get(), attentions[i], static_cast<int32_t>((31 * i + 7) % vocab),
+                        samplers.back().get()});
   }
+  std::vector<int32_t> next;
   std::vector<float> logits;
   std::vector<absl::Status> statuses;
   std::vector<double> ms;
@@ -253,15 +261,14 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
       reads_before = PolicyReads(attentions);
     }
     const auto t0 = std::chrono::steady_clock::now();
-    executor.Step(requests, &logits, &statuses);
+    executor.StepAndSample(requests, &next, &logits, &statuses);
     const double elapsed =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     for (const absl::Status& st : statuses) {
       if (!st.ok() && failed.ok()) failed = st;
     }
     for (int64_t i = 0; i < batch; ++i) {
-      const float* row = logits.data() + i * vocab;
-      requests[i].token = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      if (next[i] >= 0) requests[i].token = next[i];
     }
     if (s >= kWarmup) ms.push_back(elapsed);
   }
