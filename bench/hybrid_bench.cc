@@ -61,7 +61,7 @@ struct Options {
   std::vector<double> device_read_shares = {0};
   // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
   // each value a row.
-  std::vector<int64_t> micro_batches = {1, 2};
+  std::vector<int64_t> micro_batches = {1};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
   // The preset's first `layers` layers only (0: all). A truncated model's step is not the
   // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold

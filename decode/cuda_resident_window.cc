@@ -538,8 +538,7 @@ PingPongStepExecutor::Options CudaPingPongOptions(int device) {
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool,
     const CudaHybridOptions& options) {
-  const int micro_batches =
-      options.micro_batches != 0 ? options.micro_batches : (options.max_requests >= 2 ? 2 : 1);
+  const int micro_batches = options.micro_batches;
   if (micro_batches != 1 && micro_batches != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("micro-batches must be 1 or 2, not ", options.micro_batches));

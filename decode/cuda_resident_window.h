@@ -37,14 +37,14 @@ absl::Status PinArenaForCuda(KvArena* arena);
 // ping-pong executor (decode/ping_pong_step_executor.h) over two such pipelines on device 0, each
 // with its own CudaDenseOps (stream, scratch, graphs) and half the slots (A ceil, B floor of
 // max_requests / 2), the weights uploaded once. What `fluxion decode --device cuda` serves with.
-// FailedPrecondition without a device; InvalidArgument for micro_batches other than 0, 1, 2 or
+// FailedPrecondition without a device; InvalidArgument for micro_batches other than 1 or 2 or
 // two micro-batches of fewer than 2 slots; the factories' errors.
 struct CudaHybridOptions {
   int64_t max_requests = 128;      // window slots (both micro-batches' together)
   int64_t max_context_tokens = 0;  // page bounds per slot for block scores (0: the CPU scores)
   int64_t page_tokens = 16;        // of the host KV pages
   double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
-  int micro_batches = 0;           // 1 or 2; 0: 2 when max_requests >= 2, else 1
+  int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
 };
 // One ping-pong pipeline on CUDA device `device`: a CudaDenseOps and a CUDA resident window of
 // `shape` on its stream. The factories' errors.

@@ -66,7 +66,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   double device_read_share = 0.5;
   // 2: the ping-pong step (decode/ping_pong_step_executor.h), the GPU's dense work of one
   // micro-batch overlapping the CPU's sparse attention of the other.
-  int64_t micro_batches = 2;
+  // One pipeline by default: two micro-batches measured slower at every 8B point tried (batch
+  // 4-8 x 32K, 4 x 128K: each half reads every weight, so the GPU's dense work doubles, and it
+  // delays the other half's block scores; bench/results, session 10).
+  int64_t micro_batches = 1;
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -83,9 +86,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
                "GPU reads itself from the pinned arena while the CPU reads the rest");
   flags.Int("micro-batches", &micro_batches,
-            "with --device cuda: 2 (ping-pong: the batch split in two halves whose GPU and CPU "
-            "work overlap, each half holding half of --device-max-requests; docs/EXECUTOR.md "
-            "section 8) or 1 (one pipeline)");
+            "with --device cuda: 1 (one pipeline) or 2 (ping-pong: the batch split in two "
+            "halves whose GPU and CPU work overlap, each half holding half of "
+            "--device-max-requests; docs/EXECUTOR.md section 8; measured slower at batch <= 8 "
+            "at 8B shapes)");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
