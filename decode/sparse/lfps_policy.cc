@@ -237,14 +237,15 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   } else {
     // Candidates from the history tables, expanded, restricted to the middle region.
     const int64_t k = r.middle_rows_budget;
-    // The clamps of ALGORITHMS.md §1.3.4 hold for |V| + |D| together: at least 2k entries (the
-    // final top-k twice), at most candidate_cap x t; each table gets half of each. (Before
-    // session 10 each table had both clamps on its own, which doubled the candidates: at 8B
-    // shapes and budget 0.05 the rescoring then read 55% of the context's K rows every step,
-    // bench/results session 10.)
-    const int64_t table_min = k;
+    // Each table has both clamps on its own: at least 2k entries, at most max(2k, candidate_cap
+    // x t). ALGORITHMS.md §1.3.4 clamps |V| + |D| together (half of each per table), which halves
+    // the rows rescored at 8B shapes but measured worse on the trained model: 4K, passage /
+    // aggregate / niah_multivalue x 12 seeds, budgets 0.02 and 0.05, 72 paired samples: 7 lost,
+    // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost; bench/results,
+    // session 10). The quality tables (docs/SPARSE.md) are these clamps'.
+    const int64_t table_min = 2 * k;
     const int64_t table_cap = std::max<int64_t>(
-        table_min, static_cast<int64_t>(params_.candidate_cap * in.context) / 2);
+        table_min, static_cast<int64_t>(params_.candidate_cap * in.context));
     std::vector<int64_t> vertical, slash;
     // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
     // just outside it still reaches in through the expansion offsets, so the ranges are widened

@@ -7,7 +7,6 @@
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
 #include "gtest/gtest.h"
-#include "model/sparse_state.h"
 
 namespace fluxion::decode::sparse {
 namespace {
@@ -113,50 +112,6 @@ TEST(LfpsPolicyTest, HeadWithAnEmptyMiddleIsBypassed) {
   int bypassed = 0;
   for (const StepResult& s : steps) bypassed += s.bypassed;
   EXPECT_GE(bypassed, kSteps / 2);
-}
-
-// A diffuse head whose tables hold every position at a random weight: the thresholds pass a
-// fifth of the table, so the clamps decide how many candidates are rescored. ALGORITHMS.md §1.3.4
-// clamps |V| + |D| together to at most 0.1 t (each expanded by four offsets: at most 0.4 t rows);
-// with the clamps applied to each table on its own (before session 10) the same head rescored
-// ~0.6 t rows a step.
-TEST(LfpsPolicyTest, TheCandidateClampsBoundBothTablesTogether) {
-  constexpr int64_t kContext = 4096, kHeadDim = 64;
-  const KvShape shape{1, 1, kHeadDim, 16};
-  auto arena = *KvArena::Create(shape.page_bytes(), kContext / 16 + 2);
-  auto kv = *PagedKv::Create(arena.get(), shape);
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> k(kContext * kHeadDim), v(kContext * kHeadDim), q(kHeadDim);
-  for (float& x : k) x = normal(rng);
-  for (float& x : v) x = normal(rng);
-  for (float& x : q) x = normal(rng);
-  const int64_t prompt = kContext - 8;
-  ASSERT_TRUE(kv->Append(0, prompt, k.data(), v.data(), kHeadDim).ok());
-  // Scattered weights (a flat table's clamp would pick contiguous runs, which the expansion
-  // barely widens).
-  model::HeadSparseState state;
-  std::exponential_distribution<float> weight(1.0f);
-  for (int64_t i = 0; i < prompt; ++i) state.vertical.push_back(weight(rng) / prompt);
-  for (int64_t i = 0; i < prompt; ++i) state.slash.push_back(weight(rng) / prompt);
-  state.middle_share = 0.9f;
-  auto policy = MakePolicy(*ParsePolicy("lfps", 0.05));
-  ASSERT_TRUE(policy->Prepare(*kv, 0, 0, &state).ok());
-  for (int64_t step = 0; step < 6; ++step) {
-    const int64_t context = prompt + step + 1;
-    ASSERT_TRUE(kv->Append(0, 1, k.data() + (context - 1) * kHeadDim,
-                           v.data() + (context - 1) * kHeadDim, kHeadDim)
-                    .ok());
-    const SelectionInput in{kv.get(), 0, 0, q.data(), 1, 0.125f, context};
-    std::vector<kernels::PageSpan> spans;
-    SelectionStats stats;
-    policy->Select(in, &spans, &stats);
-    EXPECT_EQ(stats.bypassed, 0) << "step " << step;
-    EXPECT_LE(stats.k_rows_scored, 4 * context / 10) << "step " << step;
-    // The clamps' floor: at least the 2k entries (each table's k) reach the rescoring.
-    EXPECT_GE(stats.k_rows_scored, 2 * (stats.rows_attended - 4 - 64)) << "step " << step;
-    policy->Observe(in, spans);
-  }
 }
 
 }  // namespace
