@@ -67,6 +67,7 @@ struct Options {
   // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold
   // the whole model (the per-layer work is the same at every layer).
   int64_t layers = 0;
+  bool degrade_on_stall = false;  // every row with the stall guard (fluxion decode's flag)
 };
 
 struct Device {
@@ -154,7 +155,22 @@ struct Point {
   // (exact rescoring: exact_topk, LFPS / Fluxion candidates) and page bounds scanned on the CPU.
   double k_rows_scored = 0;
   double metadata_bytes = 0;
+  // With --degrade-on-stall: the share of the middle budget the guard left the last step, the
+  // smallest over the pipelines (1: never degraded).
+  double budget_scale_end = 1;
 };
+
+// Dynamic degradation (decode/stall_guard.h) on every pipeline of a stepper, restarting it.
+void SetStallGuard(decode::HybridStepExecutor& e, const decode::StallGuardOptions& o) {
+  e.set_stall_guard(o);
+}
+void SetStallGuard(decode::PingPongStepExecutor& e, const decode::StallGuardOptions& o) {
+  for (int h = 0; h < 2; ++h) e.pipeline(h).set_stall_guard(o);
+}
+double GuardScale(decode::HybridStepExecutor& e) { return e.stall_guard().scale(); }
+double GuardScale(decode::PingPongStepExecutor& e) {
+  return std::min(e.pipeline(0).stall_guard().scale(), e.pipeline(1).stall_guard().scale());
+}
 
 // The batch's selection stats summed (k rows scored, metadata bytes).
 std::pair<int64_t, int64_t> PolicyReads(const std::vector<decode::SparseAttention*>& attentions) {
@@ -280,6 +296,7 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   Point p;
   p.median_ms = Summarize(ms).median;
   p.per_step = executor.counters();
+  p.budget_scale_end = GuardScale(executor);
   const double n = static_cast<double>(steps);
   for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
                     &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
@@ -481,7 +498,10 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
       };
       std::vector<Row> points;
       // Every row of one micro-batching: the resident-only step first, then each policy.
+      decode::StallGuardOptions guard;
+      guard.enabled = o.degrade_on_stall;
       auto time_rows = [&](auto& stepper, int64_t mb) -> absl::Status {
+        SetStallGuard(stepper, decode::StallGuardOptions{});  // the GPU-only row: never degraded
         FLUXION_ASSIGN_OR_RETURN(Point gpu_only,
                                  TimePoint(stepper, kvs, batch, resident_only, nullptr, shape,
                                            config.vocab_size, o.steps));
@@ -492,6 +512,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
             for (double share : o.device_read_shares) {
               stepper.set_window_block_scores(where == "device");
               stepper.set_device_read_share(share);
+              SetStallGuard(stepper, guard);  // each row starts undegraded
               FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(stepper, kvs, batch, t.policy, &state,
                                                           shape, config.vocab_size, o.steps));
               std::string label = t.label;
@@ -557,6 +578,8 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"context", context},
                             {"batch", batch},
                             {"micro_batches", row.micro_batches},
+                            {"degrade_on_stall", o.degrade_on_stall},
+                            {"budget_scale_end", p.budget_scale_end},
                             {"policy", label},
                             // null: the path decides nothing data-driven (profile-free)
                             {"profile", row.profile.empty() ? nlohmann::json(nullptr)
@@ -623,6 +646,10 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");
+  flags.Bool("degrade-on-stall", &o.degrade_on_stall,
+             "every row with dynamic degradation on (fluxion decode --degrade-on-stall: the "
+             "budget shrinks while the CPU phase outlasts the GPU's work); the JSON records the "
+             "budget share the last step ran at");
   flags.Int("layers", &o.layers,
             "run only the preset's first N layers (0: all): to profile the CPU half at real head "
             "shapes where the whole model does not fit; not the model's step time");

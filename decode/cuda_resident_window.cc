@@ -543,6 +543,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     return absl::InvalidArgumentError(
         absl::StrCat("micro-batches must be 1 or 2, not ", options.micro_batches));
   }
+  FLUXION_RETURN_IF_ERROR(ValidateStallGuardOptions(options.stall_guard));
   if (micro_batches == 2 && options.max_requests < 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "two micro-batches need at least 2 window slots (one each), not ", options.max_requests,
@@ -561,6 +562,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
         std::unique_ptr<HybridStepExecutor> executor,
         HybridStepExecutor::Create(model, std::move(p.ops), std::move(p.window), pool));
     executor->set_device_read_share(options.device_read_share);
+    executor->set_stall_guard(options.stall_guard);
     return std::unique_ptr<StepExecutor>(std::move(executor));
   }
   FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline a,
@@ -572,6 +574,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
       PingPongStepExecutor::Create(model, std::move(a), std::move(b), pool,
                                    CudaPingPongOptions(0)));
   executor->set_device_read_share(options.device_read_share);
+  for (int h = 0; h < 2; ++h) executor->pipeline(h).set_stall_guard(options.stall_guard);
   return std::unique_ptr<StepExecutor>(std::move(executor));
 }
 

@@ -13,6 +13,7 @@
 #include "decode/kv_arena.h"
 #include "decode/ping_pong_step_executor.h"
 #include "decode/resident_window.h"
+#include "decode/stall_guard.h"
 #include "decode/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/model.h"
@@ -45,6 +46,7 @@ struct CudaHybridOptions {
   int64_t page_tokens = 16;        // of the host KV pages
   double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
   int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
+  StallGuardOptions stall_guard;   // dynamic degradation (decode/stall_guard.h); off by default
 };
 // One ping-pong pipeline on CUDA device `device`: a CudaDenseOps and a CUDA resident window of
 // `shape` on its stream. The factories' errors.

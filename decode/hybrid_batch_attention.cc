@@ -175,7 +175,8 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
     const RequestUnit& u = units_[j];
     attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row,
-                                       window_->block_scores(static_cast<int>(u.request)));
+                                       window_->block_scores(static_cast<int>(u.request)),
+                                       budget_scale_);
   });
   plan_parts.Lap(&counters_.select_s);
   clock.Lap(&counters_.plan_s);

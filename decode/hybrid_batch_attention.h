@@ -128,6 +128,9 @@ class HybridBatchAttention : public model::BatchAttention {
 
   // The lane the CPU phase of every layer takes (must outlive this); null (the default): none.
   void set_cpu_lane(CpuLane* lane) { lane_ = lane; }
+  // The share of every policy's middle budget the next steps spend (SelectionInput::
+  // budget_scale; the stall guard's, decode/stall_guard.h). Default 1.
+  void set_budget_scale(double scale) { budget_scale_ = scale; }
 
   const HybridCounters& counters() const { return counters_; }
   void ResetCounters() { counters_ = {}; }
@@ -158,6 +161,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<int64_t> device_indptr_, cpu_indptr_;
   std::vector<kernels::PageSpan> device_spans_, cpu_spans_;
   double device_share_ = 0;
+  double budget_scale_ = 1.0;
   CpuLane* lane_ = nullptr;
   std::vector<std::byte> workspace_;
 };

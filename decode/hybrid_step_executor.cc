@@ -171,6 +171,7 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
     step = s.runner->Step(s.tokens, s.positions, *s.attention,
                           tokens != nullptr ? nullptr : s.logits.data());
     if (step.ok() && tokens != nullptr) step = DrawTokens(batch, tokens, logits);
+    if (step.ok()) ObserveStall();
   }
   for (size_t r = 0; r < s.rows.size(); ++r) {
     const size_t i = s.rows[r];
@@ -186,6 +187,28 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
       s.slots.erase(batch[i].attention->id());
     }
   }
+}
+
+void HybridStepExecutor::set_stall_guard(const StallGuardOptions& options) {
+  guard_ = StallGuard(options);
+  attention_->set_budget_scale(guard_.scale());
+  since_guard_ = attention_->counters();
+}
+
+void HybridStepExecutor::ResetCounters() {
+  attention_->ResetCounters();
+  since_guard_ = {};
+}
+
+void HybridStepExecutor::ObserveStall() {
+  // This step's phases: the counters' growth since the last step.
+  const HybridCounters& now = attention_->counters();
+  const double cpu = (now.plan_s - since_guard_.plan_s) + (now.host_s - since_guard_.host_s) +
+                     (now.finish_s - since_guard_.finish_s);
+  const double gpu = (now.to_host_s - since_guard_.to_host_s) + (now.merge_s - since_guard_.merge_s);
+  since_guard_ = now;
+  guard_.Observe(cpu, gpu);
+  attention_->set_budget_scale(guard_.scale());
 }
 
 absl::Status HybridStepExecutor::DrawTokens(absl::Span<const StepRequest> batch,

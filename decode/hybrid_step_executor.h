@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "decode/hybrid_batch_attention.h"
 #include "decode/resident_window.h"
+#include "decode/stall_guard.h"
 #include "decode/step_executor.h"
 #include "model/dense_ops.h"
 
@@ -81,7 +82,13 @@ class HybridStepExecutor : public StepExecutor {
 
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }
-  void ResetCounters() { attention_->ResetCounters(); }
+  void ResetCounters();
+
+  // Dynamic degradation (decode/stall_guard.h): after every step the guard compares the CPU
+  // phase with the waits for the device and sets the share of their middle budget the next
+  // step's policies spend. Disabled (the default): always 1. REQUIRES: options validated.
+  void set_stall_guard(const StallGuardOptions& options);
+  const StallGuard& stall_guard() const { return guard_; }
 
  private:
   struct State;
@@ -101,6 +108,10 @@ class HybridStepExecutor : public StepExecutor {
   bool window_block_scores_ = true;
   SamplingCounters sampling_counters_;
   int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;
+  // The step's phase times feed the guard: the counters when it last looked.
+  void ObserveStall();
+  StallGuard guard_{StallGuardOptions{}};
+  HybridCounters since_guard_;
 };
 
 }  // namespace fluxion::decode

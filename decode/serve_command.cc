@@ -70,6 +70,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   // 4-8 x 32K, 4 x 128K: each half reads every weight, so the GPU's dense work doubles, and it
   // delays the other half's block scores; bench/results, session 10).
   int64_t micro_batches = 1;
+  // Dynamic degradation is opt-in: it spends less than the requested budget (decode/stall_guard.h).
+  bool degrade_on_stall = false;
+  double degrade_slack = 0.2, degrade_floor = 0.4;
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -90,6 +93,16 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "halves whose GPU and CPU work overlap, each half holding half of "
             "--device-max-requests; docs/EXECUTOR.md section 8; measured slower at batch <= 8 "
             "at 8B shapes)");
+  flags.Bool("degrade-on-stall", &degrade_on_stall,
+             "with --device cuda: when a step's CPU phase outlasts the GPU's work by more than "
+             "--degrade-slack, the next steps' policies spend a smaller share (down to "
+             "--degrade-floor) of their middle budget, recovering when the CPU is early again "
+             "(trades attention quality for time per token; off by default)");
+  flags.Double("degrade-slack", &degrade_slack,
+               "with --degrade-on-stall: how much longer than the GPU's work the CPU phase may "
+               "take before the budget shrinks (0.2: 20%)");
+  flags.Double("degrade-floor", &degrade_floor,
+               "with --degrade-on-stall: the smallest share of the middle budget, in (0, 1]");
   flags.String("listen", &listen,
                "gRPC address to serve on (0.0.0.0:7002: every interface); port 0 picks a free "
                "port");
@@ -302,6 +315,13 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       cuda_options.page_tokens = page_tokens;
       cuda_options.device_read_share = device_read_share;
       cuda_options.micro_batches = static_cast<int>(micro_batches);
+      cuda_options.stall_guard.enabled = degrade_on_stall;
+      cuda_options.stall_guard.slack = degrade_slack;
+      cuda_options.stall_guard.min_scale = degrade_floor;
+      if (absl::Status valid = ValidateStallGuardOptions(cuda_options.stall_guard); !valid.ok()) {
+        std::cerr << "error: --degrade-*: " << valid.message() << "\n";
+        return 2;
+      }
       auto hybrid = NewCudaHybridStepExecutor(model->get(), options.cpu_pool, cuda_options);
       if (!hybrid.ok()) {
         std::cerr << "error: --device cuda: " << hybrid.status() << "\n";

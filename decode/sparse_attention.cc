@@ -119,10 +119,12 @@ sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const
           shape_.scale, step_context_};
 }
 
-void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored) {
+void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored,
+                                 double budget_scale) {
   const int h = unit;
   head_spans_[h].clear();
   sparse::SelectionInput in = Input(h, q);
+  in.budget_scale = budget_scale;
   if (scored.data != nullptr) {
     in.block_scores = scored.data + h * scored.head_stride;
     in.block_score_tokens = scored.block_tokens;

@@ -78,7 +78,10 @@ class SparseAttention : public model::SequenceAttention {
   int units() const { return static_cast<int>(shape_.num_kv_heads); }
   // `scored`: this layer's block scores of the request when computed elsewhere (the hybrid
   // step's device); policies that rank page bounds at that block size use them.
-  void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {});
+  // `budget_scale`: SelectionInput::budget_scale (the hybrid step's stall guard; 1: the policy's
+  // budget).
+  void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {},
+                  double budget_scale = 1.0);
   const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
     return head_spans_[kv_head];
   }

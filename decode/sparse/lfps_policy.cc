@@ -133,7 +133,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                         SelectionStats* stats) {
   HeadState& s = State(in.layer, in.kv_head);
   Scratch& x = ScratchOf(in.kv_head);
-  Regions r = SplitContext(config_, in.context);
+  Regions r = SplitStep(config_, in);
   if (replaying()) {
     // The profile's weight on the uniform middle budget, as Fluxion's MiddleBudget applies its
     // own (a weight of 1 is LFPS's budget).

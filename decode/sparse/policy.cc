@@ -41,7 +41,7 @@ class ExactTopKPolicy : public SparsePolicy {
 
   void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
               SelectionStats* stats) override {
-    const Regions r = SplitContext(config_, in.context);
+    const Regions r = SplitStep(config_, in);
     std::vector<PageSpan> middle;
     const int64_t n = r.local_begin - r.sink_end;
     if (r.middle_rows_budget > 0 && n > 0) {
@@ -74,14 +74,14 @@ class QuestPolicy : public SparsePolicy {
 
   void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
               SelectionStats* stats) override {
-    const Regions r = SplitContext(config_, in.context);
+    const Regions r = SplitStep(config_, in);
     std::vector<PageSpan> middle;
     const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
     const int64_t block = RankedBlockTokens(config_, pt);
     const int64_t pages_per_block = block / pt;
     const int64_t first_block = r.sink_end / block, end_block = (r.local_begin + block - 1) / block;
     const int64_t nblocks = end_block - first_block;
-    const int64_t want = RankedBlocksWanted(config_, in.context, pt);
+    const int64_t want = r.middle_rows_budget / block;  // RankedBlocksWanted at this step's scale
     if (want > 0 && nblocks > 0) {
       const float* scores;
       if (in.block_scores != nullptr && in.block_score_tokens == block) {
@@ -244,6 +244,16 @@ Regions SplitContext(const PolicyConfig& c, int64_t context) {
   const int64_t budget_rows = static_cast<int64_t>(std::ceil(c.budget * context));
   r.middle_rows_budget = std::clamp<int64_t>(budget_rows - r.sink_end - (context - r.local_begin),
                                              0, r.local_begin - r.sink_end);
+  return r;
+}
+
+Regions SplitStep(const PolicyConfig& c, const SelectionInput& in) {
+  Regions r = SplitContext(c, in.context);
+  if (in.budget_scale < 1.0) {
+    r.middle_rows_budget = std::clamp<int64_t>(
+        std::llround(std::max(0.0, in.budget_scale) * static_cast<double>(r.middle_rows_budget)),
+        0, r.middle_rows_budget);
+  }
   return r;
 }
 

@@ -129,6 +129,10 @@ struct SelectionInput {
   // bounds; any other ignores them.
   const float* block_scores = nullptr;
   int64_t block_score_tokens = 0;
+  // The share of the middle-region budget (what remains after sinks and the window) this step
+  // may spend, in (0, 1]: below 1 when the hybrid step degrades itself because the CPU would
+  // stall the GPU (decode/stall_guard.h). Every policy that reads the middle applies it.
+  double budget_scale = 1.0;
 };
 
 struct SelectionStats {

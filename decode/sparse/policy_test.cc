@@ -2,9 +2,12 @@
 // identity is answered by the kind's traits.
 #include "decode/sparse/policy.h"
 
+#include <random>
 #include <set>
 #include <string>
 
+#include "decode/kv_arena.h"
+#include "decode/paged_kv.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::decode::sparse {
@@ -55,6 +58,40 @@ TEST(PolicyKindTest, BudgetFreePoliciesExpandOnceAndLabelWithoutBudget) {
   EXPECT_EQ((*configs)[1].block_tokens, 32);
   EXPECT_EQ(PolicyLabel((*configs)[2]), "quest@0.02");
   EXPECT_EQ(PolicyLabel(PolicyConfig{}), "full");
+}
+
+// SelectionInput::budget_scale (the hybrid step's stall guard) shrinks what every policy that
+// reads the middle region reads there, sinks and window untouched.
+TEST(PolicyBudgetScaleTest, EveryMiddleReadingPolicySpendsTheScaledShare) {
+  constexpr int64_t kContext = 4096, kHeadDim = 32, kGroup = 2;
+  const KvShape shape{1, 1, kHeadDim, 16};
+  auto arena = *KvArena::Create(shape.page_bytes(), kContext / 16 + 2);
+  auto kv = *PagedKv::Create(arena.get(), shape);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> k(kContext * kHeadDim), v(kContext * kHeadDim), q(kGroup * kHeadDim);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  for (float& x : q) x = normal(rng);
+  ASSERT_TRUE(kv->Append(0, kContext, k.data(), v.data(), kHeadDim).ok());
+  for (const char* name : {"exact_topk", "quest", "fixed_16_0.2", "lfps", "fluxion_rules"}) {
+    SCOPED_TRACE(name);
+    const PolicyConfig config = *ParsePolicy(name, 0.2);
+    auto middle_rows = [&](double scale) {
+      auto policy = MakePolicy(config);
+      EXPECT_TRUE(policy->Prepare(*kv, 0, 0, nullptr).ok());
+      SelectionInput in{kv.get(), 0, 0, q.data(), kGroup, 0.125f, kContext};
+      in.budget_scale = scale;
+      std::vector<kernels::PageSpan> spans;
+      SelectionStats stats;
+      policy->Select(in, &spans, &stats);
+      return stats.rows_attended - config.sink_tokens - config.local_tokens;
+    };
+    const int64_t whole = middle_rows(1.0), half = middle_rows(0.5);
+    EXPECT_GT(whole, 600) << "the budget's middle: 0.2 x 4096 - 68 = 751";
+    // Half the rows, up to one block of the policy's granularity.
+    EXPECT_NEAR(static_cast<double>(half), whole / 2.0, 16.0);
+  }
 }
 
 }  // namespace

@@ -15,6 +15,9 @@ struct Regions {
   int64_t sink_end = 0, local_begin = 0, middle_rows_budget = 0;
 };
 Regions SplitContext(const PolicyConfig& c, int64_t context);
+// SplitContext at the step's context, with the middle budget scaled by in.budget_scale (the
+// hybrid step's stall guard, decode/stall_guard.h; 1 unless it degrades the step).
+Regions SplitStep(const PolicyConfig& c, const SelectionInput& in);
 
 // Sinks + the chosen middle spans + the local window, in token order; counts rows in *stats.
 void AssembleSpans(const SelectionInput& in, const Regions& r,
