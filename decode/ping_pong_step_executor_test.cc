@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -25,76 +24,36 @@
 #include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
 #include "model/layer.h"
-#include "model/random_model.h"
+#include "decode/step_testing.h"
 
 namespace fluxion::decode {
 namespace {
 
-constexpr int64_t kPageTokens = 16;
-constexpr int64_t kTailQueries = 32;  // what LFPS captures from the prefill
+using step_testing::kPageTokens;
 
 class PingPongTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(::testing::TempDir() + "/ping_pong_test_" + std::to_string(getpid()));
-    ASSERT_TRUE(model::WriteRandomModel(*model::PresetConfig("tiny"), 7, *dir_).ok());
-    model_ = model::Model::Load(*dir_)->release();
+    tiny_ = new step_testing::TinyModel("ping_pong_test", 7);
+    model_ = tiny_->get();
   }
   static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete model_;
-    delete dir_;
+    delete tiny_;
+    model_ = nullptr;
   }
 
-  struct Prefill {
-    std::unique_ptr<model::DenseAttention> cache;
-    int32_t first_token = 0;
-  };
-  struct Request {
-    std::unique_ptr<model::Sequence> seq;
-    SparseAttention* attention = nullptr;
-    int32_t token = 0;
-  };
-
+  using Prefill = step_testing::Prefill;
+  using Request = step_testing::Request;
   static std::vector<int32_t> Prompt(int64_t n, uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::vector<int32_t> p(n);
-    for (auto& t : p) t = static_cast<int32_t>(rng() % 256);
-    return p;
+    return step_testing::Prompt(n, seed);
   }
-
   static Prefill MakePrefill(int64_t n, uint32_t seed) {
-    const std::vector<int32_t> prompt = Prompt(n, seed);
-    Prefill p;
-    auto dense = std::make_unique<model::DenseAttention>(model_->attention_shape());
-    dense->RecordQueries(std::max<int64_t>(0, n - kTailQueries), n);
-    model::DenseAttention* raw = dense.get();
-    model::Sequence seq(std::move(dense));
-    std::vector<float> logits;
-    EXPECT_TRUE(model_->Forward(seq, prompt, &logits).ok());
-    p.cache = std::make_unique<model::DenseAttention>(*raw);
-    p.first_token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                         logits.begin());
-    return p;
+    return step_testing::MakePrefill(*model_, Prompt(n, seed));
   }
-
-  static std::unique_ptr<KvArena> MakeArena() {
-    const model::AttentionShape shape = model_->attention_shape();
-    return *KvArena::Create(
-        KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
-        8192);
-  }
-
+  static std::unique_ptr<KvArena> MakeArena() { return step_testing::MakeArena(*model_); }
   static Request MakeRequest(KvArena* arena, const Prefill& prefill,
                              const sparse::PolicyConfig& policy) {
-    auto attention = SparseAttention::FromDense(arena, model_->attention_shape(), kPageTokens,
-                                                *prefill.cache, policy);
-    EXPECT_TRUE(attention.ok()) << attention.status();
-    Request r;
-    r.attention = attention->get();
-    r.seq = std::make_unique<model::Sequence>(std::move(*attention), prefill.cache->length(0));
-    r.token = prefill.first_token;
-    return r;
+    return step_testing::MakeRequest(*model_, arena, prefill, policy);
   }
 
   static std::unique_ptr<ResidentWindow> MakeWindow(int64_t slots) {
@@ -163,12 +122,12 @@ class PingPongTest : public ::testing::Test {
     EXPECT_EQ(differ, 0) << what << ": largest difference " << worst;
   }
 
-  static std::string* dir_;
-  static model::Model* model_;
+  static step_testing::TinyModel* tiny_;
+  static const model::Model* model_;
 };
 
-std::string* PingPongTest::dir_ = nullptr;
-model::Model* PingPongTest::model_ = nullptr;
+step_testing::TinyModel* PingPongTest::tiny_ = nullptr;
+const model::Model* PingPongTest::model_ = nullptr;
 
 TEST_F(PingPongTest, GivesTheLogitsOfTwoSinglePipelinesSteppingTheSameHalves) {
   // Contexts past sinks + window (the rings wrap) and one past the CPU backend's 512-row piece.

@@ -7,7 +7,6 @@
 #include "decode/step_executor.h"
 
 #include <array>
-#include <filesystem>
 #include <random>
 
 #include <unistd.h>
@@ -21,74 +20,35 @@
 #include "kernels/cpu/cpu_pool.h"
 #include "model/cpu_dense_ops.h"
 #include "model/dense_attention.h"
-#include "model/random_model.h"
+#include "decode/step_testing.h"
 
 namespace fluxion::decode {
 namespace {
 
-constexpr int64_t kPageTokens = 16;
-constexpr int64_t kTailQueries = 32;  // what LFPS / Fluxion capture from the prefill
+using step_testing::kPageTokens;
 
 class StepExecutorTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(::testing::TempDir() + "/step_executor_test_" +
-                           std::to_string(getpid()));
-    ASSERT_TRUE(model::WriteRandomModel(*model::PresetConfig("tiny"), 5, *dir_).ok());
-    model_ = model::Model::Load(*dir_)->release();
+    tiny_ = new step_testing::TinyModel("step_executor_test", 5);
+    model_ = tiny_->get();
   }
   static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete model_;
-    delete dir_;
+    delete tiny_;
+    model_ = nullptr;
   }
 
-  struct Request {
-    std::unique_ptr<model::Sequence> seq;
-    SparseAttention* attention = nullptr;
-    int32_t token = 0;
-  };
-
-  struct Prefill {
-    std::unique_ptr<model::DenseAttention> cache;
-    int32_t first_token = 0;
-  };
-
-  // The prompt prefilled on the dense cache, recording its tail queries; its first token greedy.
+  using Prefill = step_testing::Prefill;
+  using Request = step_testing::Request;
   static Prefill MakePrefill(const std::vector<int32_t>& prompt) {
-    Prefill p;
-    auto dense = std::make_unique<model::DenseAttention>(model_->attention_shape());
-    const int64_t n = static_cast<int64_t>(prompt.size());
-    dense->RecordQueries(std::max<int64_t>(0, n - kTailQueries), n);
-    model::DenseAttention* raw = dense.get();
-    model::Sequence seq(std::move(dense));
-    std::vector<float> logits;
-    EXPECT_TRUE(model_->Forward(seq, prompt, &logits).ok());
-    p.cache = std::make_unique<model::DenseAttention>(*raw);
-    p.first_token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                         logits.begin());
-    return p;
+    return step_testing::MakePrefill(*model_, prompt);
   }
-
-  // `prefill` moved into pages of `arena` under `policy`.
   static Request MakeRequest(KvArena* arena, const Prefill& prefill,
                              const sparse::PolicyConfig& policy) {
-    const model::AttentionShape shape = model_->attention_shape();
-    auto attention =
-        SparseAttention::FromDense(arena, shape, kPageTokens, *prefill.cache, policy);
-    EXPECT_TRUE(attention.ok()) << attention.status();
-    Request r;
-    r.attention = attention->get();
-    r.seq = std::make_unique<model::Sequence>(std::move(*attention), prefill.cache->length(0));
-    r.token = prefill.first_token;
-    return r;
+    return step_testing::MakeRequest(*model_, arena, prefill, policy);
   }
-
   static std::vector<int32_t> Prompt(int64_t n, uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::vector<int32_t> p(n);
-    for (auto& t : p) t = static_cast<int32_t>(rng() % 256);
-    return p;
+    return step_testing::Prompt(n, seed);
   }
 
   struct Run {
@@ -171,12 +131,12 @@ class StepExecutorTest : public ::testing::Test {
     return names;
   }
 
-  static std::string* dir_;
-  static model::Model* model_;
+  static step_testing::TinyModel* tiny_;
+  static const model::Model* model_;
 };
 
-std::string* StepExecutorTest::dir_ = nullptr;
-model::Model* StepExecutorTest::model_ = nullptr;
+step_testing::TinyModel* StepExecutorTest::tiny_ = nullptr;
+const model::Model* StepExecutorTest::model_ = nullptr;
 
 TEST_F(StepExecutorTest, EveryPolicyDecodesTheBatchAsThePerRequestLoopDoes) {
   // 700 rows exceed the CPU backend's piece size (512): the long request is split and merged.
@@ -281,7 +241,7 @@ std::vector<model::SamplingParams> SampledParams() {
 
 // `steps` steps over requests from `prefills`, request i drawing with SampledParams()[i]: through
 // StepAndSample, or (host_sampling) through Step and each sampler over its full row.
-std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, model::Model* model,
+std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, const model::Model* model,
                                                 const sparse::PolicyConfig& policy,
                                                 const std::vector<model::DenseAttention*>& caches,
                                                 const std::vector<int32_t>& first_tokens,
