@@ -5,13 +5,7 @@
 # strongest fixed hybrid and full at 32K and 128K, batch 1-16, zero-copy share 0.5).
 # Bundle: /work/shared/device/bundle.sh .device build/fluxion build/decode/cuda_resident_window_test
 #   build/model/model_cuda_test; tar -cf - .device | xz -T2 -3 > .device.tar.xz (carry it).
-set -uo pipefail
-out=${OUT:-/tmp/out}
-mkdir -p "$out" /tmp/dev
-[[ -d /tmp/dev/.device ]] || tar -C /tmp/dev -xJf .device.tar.xz
-source /tmp/dev/.device/env.sh
-bin=/tmp/dev/.device/bin
-export OPENBLAS_CORETYPE=SKYLAKEX FLUXION_SOURCE_DIR=$PWD
+source "$(dirname "$0")/prologue.sh"
 for t in model_cuda_test cuda_resident_window_test; do
   echo "== $t"
   timeout 150 "$bin/$t" 2>&1 | grep -E "^\[ +(FAILED|PASSED|SKIPPED|OK) |^\[==========\]|Failure|Expected|Which is" | tail -60

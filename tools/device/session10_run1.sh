@@ -4,19 +4,14 @@
 # radix select; Observe reusing Select's logits), beside the fixed hybrids in the same run.
 # Bundle: /work/shared/device/bundle.sh .device build/fluxion; tar -cf - .device | xz -T2 -3 >
 #   .device.tar.xz (carry it).
-set -uo pipefail
-out=${OUT:-/tmp/out}
-mkdir -p "$out" /tmp/dev
-[[ -d /tmp/dev/.device ]] || tar -C /tmp/dev -xJf .device.tar.xz
-source /tmp/dev/.device/env.sh
-export OPENBLAS_CORETYPE=SKYLAKEX
-bin=/tmp/dev/.device/bin/fluxion
-timeout 260 "$bin" bench decode --device cuda --preset llama3.1-8b \
+source "$(dirname "$0")/prologue.sh"
+fluxion="$bin/fluxion"
+timeout 260 "$fluxion" bench decode --device cuda --preset llama3.1-8b \
   --contexts 32768 --batch 1,4,16 --policy fixed_32_0.05,fixed_32_0.02,lfps,fluxion \
   --budget 0.05,0.02 --profile conservative,bench/profiles/tiny-retrieval-16k.json \
   --device-read-share 0.5 --steps 3 --cpu-threads 16 \
   --json "$out/hybrid-8b-32k.json" 2>&1 | tee "$out/hybrid-8b-32k.log"
-timeout 290 "$bin" bench decode --device cuda --preset llama3.1-8b \
+timeout 290 "$fluxion" bench decode --device cuda --preset llama3.1-8b \
   --contexts 131072 --batch 1,4 --policy fixed_32_0.05,fixed_32_0.02,lfps,fluxion \
   --budget 0.05,0.02 --profile conservative --device-read-share 0.5 --steps 3 --cpu-threads 16 \
   --json "$out/hybrid-8b-128k.json" 2>&1 | tee "$out/hybrid-8b-128k.log"

@@ -9,13 +9,7 @@
 # Bundle: /work/shared/device/bundle.sh .device build/fluxion build/decode/cuda_resident_window_test
 #   build/kernels/cuda/kernels_cuda_test build/model/model_cuda_test; tar -cf - .device |
 #   xz -T2 -3 > .device.tar.xz (carry it).
-set -uo pipefail
-out=${OUT:-/tmp/out}
-mkdir -p "$out" /tmp/dev
-[[ -d /tmp/dev/.device ]] || tar -C /tmp/dev -xJf .device.tar.xz
-source /tmp/dev/.device/env.sh
-bin=/tmp/dev/.device/bin
-export OPENBLAS_CORETYPE=SKYLAKEX FLUXION_SOURCE_DIR=$PWD
+source "$(dirname "$0")/prologue.sh"
 summary='^\[ +(FAILED|PASSED|SKIPPED|OK) |^\[==========\]|Failure|Expected|Which is'
 {
   echo "== cuda_resident_window_test"
