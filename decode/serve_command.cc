@@ -336,6 +336,12 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       std::cerr << "error: --device must be cpu or cuda, got '" << device << "'\n";
       return 2;
     } else {
+      // The hybrid step's settings mean nothing to the CPU step: say so instead of ignoring them.
+      if (micro_batches != 1 || degrade_on_stall) {
+        std::cerr << "error: --micro-batches and --degrade-on-stall take effect with --device "
+                     "cuda only (the hybrid step); drop them or add --device cuda\n";
+        return 2;
+      }
       executor = NewCpuStepExecutor(model->get(), options.cpu_pool);
     }
     BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics,
