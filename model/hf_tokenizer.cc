@@ -245,10 +245,20 @@ class HfTokenizer::Regex {
     }
     // The JIT is several times faster; without it (unsupported CPU) the interpreter still works.
     pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
-    return std::unique_ptr<Regex>(new Regex(code));
+    // A hostile pattern can backtrack exponentially; HF's patterns take a few steps per match.
+    pcre2_match_context* context = pcre2_match_context_create(nullptr);
+    if (context == nullptr) {
+      pcre2_code_free(code);
+      return absl::ResourceExhaustedError("pre-tokenizer: out of memory");
+    }
+    pcre2_set_match_limit(context, kMatchLimit);
+    return std::unique_ptr<Regex>(new Regex(code, context));
   }
 
-  ~Regex() { pcre2_code_free(code_); }
+  ~Regex() {
+    pcre2_match_context_free(context_);
+    pcre2_code_free(code_);
+  }
 
   // Appends the pieces of `text` (valid UTF-8) to `out`.
   absl::Status Split(absl::string_view text, std::vector<absl::string_view>* out) const {
@@ -260,7 +270,10 @@ class HfTokenizer::Regex {
   }
 
  private:
-  explicit Regex(pcre2_code* code) : code_(code) {}
+  static constexpr uint32_t kMatchLimit = 1'000'000;
+
+  // The context is only read by pcre2_match, so concurrent Splits may share it.
+  Regex(pcre2_code* code, pcre2_match_context* context) : code_(code), context_(context) {}
 
   absl::Status SplitWith(absl::string_view text, pcre2_match_data* match,
                          std::vector<absl::string_view>* out) const {
@@ -269,10 +282,10 @@ class HfTokenizer::Regex {
     size_t last = 0;  // end of the previous piece
     while (offset <= text.size()) {
       int rc = pcre2_match(code_, subject, text.size(), offset, PCRE2_NO_UTF_CHECK, match,
-                           nullptr);
+                           context_);
       if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {  // a very long run: the interpreter uses the heap
         rc = pcre2_match(code_, subject, text.size(), offset, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
-                         match, nullptr);
+                         match, context_);
       }
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
@@ -303,6 +316,7 @@ class HfTokenizer::Regex {
   }
 
   pcre2_code* code_;
+  pcre2_match_context* context_;
 };
 
 // Builds an HfTokenizer from a parsed tokenizer.json, checking every field before use.

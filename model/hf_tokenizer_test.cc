@@ -244,6 +244,26 @@ TEST(LoadTokenizerTest, PicksTokenizerJsonThenOurByteModelElseExplains) {
   EXPECT_THAT(foreign.status().message(), HasSubstr("copy the model's tokenizer.json"));
 }
 
+// The fuzz target's seeds (tests/fuzz/corpus/hf_tokenizer_fuzz/) load, so mutation starts from
+// accepted files: NFC, a Split regex with lookahead, ByteLevel's own GPT-2 regex, ignore_merges.
+TEST(HfTokenizerTest, FuzzSeedsLoadAndEncode) {
+  const char* src = std::getenv("FLUXION_SOURCE_DIR");
+  const std::string corpus = std::string(src ? src : ".") + "/tests/fuzz/corpus/hf_tokenizer_fuzz/";
+  for (const char* name : {"mini_bytelevel.json", "mini_gpt2_regex.json", "qwen2_small.json"}) {
+    SCOPED_TRACE(name);
+    auto t = HfTokenizer::FromFile(corpus + name);
+    ASSERT_TRUE(t.ok()) << t.status();
+    auto ids = (*t)->Encode("abc  abc<|endoftext|>x");
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ((*t)->Decode(*ids, false), "abc  abc<|endoftext|>x");
+  }
+  auto mini = HfTokenizer::FromFile(corpus + "mini_bytelevel.json");
+  ASSERT_TRUE(mini.ok());
+  // "   x": \s+(?!\S) takes two spaces (not the third, which a non-space follows), \s+ the
+  // third, then "x"; the two-space pre-token is in the vocab and comes out whole.
+  EXPECT_THAT(*(*mini)->Encode("   x"), ElementsAre(258, ' ', 'x'));
+}
+
 TEST(Utf8Test, LossyConversionReplacesMaximalSubparts) {
   auto lossy = [](absl::string_view bytes) {
     std::string out;
