@@ -188,8 +188,43 @@ absl::Status CheckSpelling(absl::string_view spelling, const std::string& field)
   return absl::OkStatus();
 }
 
-bool IsAsciiSpace(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+// Unicode White_Space (Rust's char::is_whitespace, which HF's \s* around added tokens means).
+bool IsWhiteSpace(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
+}
+
+// The code point at `pos` of valid UTF-8 `text` and its length.
+uint32_t CodePointAt(absl::string_view text, size_t pos, size_t* length) {
+  const auto b0 = static_cast<unsigned char>(text[pos]);
+  const size_t n = b0 < 0x80 ? 1 : b0 < 0xE0 ? 2 : b0 < 0xF0 ? 3 : 4;
+  uint32_t cp = n == 1 ? b0 : n == 2 ? (b0 & 0x1F) : n == 3 ? (b0 & 0x0F) : (b0 & 0x07);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[pos + k]) & 0x3F);
+  *length = n;
+  return cp;
+}
+
+// Bytes of whitespace at the start / end of valid UTF-8 `text`.
+size_t LeadingWhitespace(absl::string_view text) {
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t n = 0;
+    if (!IsWhiteSpace(CodePointAt(text, pos, &n))) break;
+    pos += n;
+  }
+  return pos;
+}
+size_t TrailingWhitespace(absl::string_view text) {
+  size_t end = text.size();
+  while (end > 0) {
+    size_t start = end - 1;
+    while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+    size_t n = 0;
+    if (!IsWhiteSpace(CodePointAt(text, start, &n))) break;
+    end = start;
+  }
+  return text.size() - end;
 }
 
 bool IsAscii(absl::string_view text) {
@@ -330,8 +365,8 @@ class HfTokenizerLoader {
     std::unique_ptr<HfTokenizer> t(new HfTokenizer());
     FLUXION_ASSIGN_OR_RETURN(const Json* model, RequiredObject(root, "model", "model"));
     FLUXION_RETURN_IF_ERROR(LoadModel(*model, t.get()));
+    FLUXION_RETURN_IF_ERROR(LoadNormalizer(root, t.get()));  // before the added tokens: NFC
     FLUXION_RETURN_IF_ERROR(LoadAdded(root, t.get()));
-    FLUXION_RETURN_IF_ERROR(LoadNormalizer(root, t.get()));
     FLUXION_RETURN_IF_ERROR(LoadPreTokenizer(root, t.get()));
     FLUXION_RETURN_IF_ERROR(LoadDecoder(root));
     return t;
@@ -504,6 +539,28 @@ class HfTokenizerLoader {
       if (single_word) {
         return FieldError(absl::StrCat(prefix, "single_word"), "is true, which is not supported");
       }
+      // HF gives a token already in the model vocab that token's id (and warns when the file says
+      // otherwise); a file that disagrees with itself is refused rather than guessed at.
+      if (auto known = t->spelling_to_id_.find(token.content); known != t->spelling_to_id_.end()) {
+        const HfTokenizer::Token& other = t->tokens_[known->second];
+        if (other.added) {
+          return FieldError(absl::StrCat(prefix, "content"),
+                            absl::StrCat("('", token.content, "') repeats an earlier added token"));
+        }
+        if (known->second != token.id) {
+          return FieldError(absl::StrCat(prefix, "id"),
+                            absl::StrCat("(", token.id, ") disagrees with model.vocab, which gives '",
+                                         token.content, "' id ", known->second));
+        }
+      }
+      // A normalized token matches, and decodes, as its normalized form (HF's normalized_cache).
+      token.match_content = token.content;
+      if (token.normalized && t->nfc_ && !IsAscii(token.content)) {
+        FLUXION_ASSIGN_OR_RETURN(token.match_content, Nfc(token.content));
+        if (token.match_content.empty()) {
+          return FieldError(absl::StrCat(prefix, "content"), "normalizes to nothing");
+        }
+      }
       if (static_cast<size_t>(token.id) >= t->tokens_.size()) {
         t->tokens_.resize(static_cast<size_t>(token.id) + 1);
       }
@@ -511,35 +568,38 @@ class HfTokenizerLoader {
       // vocabulary first, so its spelling wins here too.
       HfTokenizer::Token& entry_token = t->tokens_[token.id];
       entry_token.present = true;
+      entry_token.added = true;
       entry_token.special = token.special;
       entry_token.spelling = token.content;
-      entry_token.bytes = ByteLevelDecode(token.content);
+      entry_token.bytes = ByteLevelDecode(token.match_content);
       t->spelling_to_id_.insert_or_assign(token.content, token.id);
       t->added_.push_back(std::move(token));
     }
-    return absl::OkStatus();  // the matchers are built once the normalizer is known
+    BuildMatcher(*t, /*normalized=*/false, &t->raw_added_);
+    BuildMatcher(*t, /*normalized=*/true, &t->normalized_added_);
+    return absl::OkStatus();
   }
 
   static void BuildMatcher(const HfTokenizer& t, bool normalized,
                            HfTokenizer::AddedMatcher* matcher) {
     for (size_t i = 0; i < t.added_.size(); ++i) {
-      // With no normalizer the two passes see the same text: all tokens match in the first.
-      const bool in_normalized_pass = t.nfc_ && t.added_[i].normalized;
-      if (in_normalized_pass != normalized) continue;
-      matcher->by_first_byte[static_cast<unsigned char>(t.added_[i].content[0])].push_back(
+      // Two passes even without a normalizer, as HF: the first cuts out the normalized=false
+      // tokens, the second finds the others in what is left (an overlap can differ from one pass).
+      if (t.added_[i].normalized != normalized) continue;
+      matcher->by_first_byte[static_cast<unsigned char>(t.added_[i].match_content[0])].push_back(
           static_cast<int>(i));
       matcher->empty = false;
     }
     for (auto& bucket : matcher->by_first_byte) {
       std::stable_sort(bucket.begin(), bucket.end(), [&t](int a, int b) {
-        return t.added_[a].content.size() > t.added_[b].content.size();
+        return t.added_[a].match_content.size() > t.added_[b].match_content.size();
       });
     }
   }
 
   static absl::Status LoadNormalizer(const Json& root, HfTokenizer* t) {
     const Json* normalizer = Find(root, "normalizer");
-    if (normalizer == nullptr) return RebuildMatchers(t);
+    if (normalizer == nullptr) return absl::OkStatus();
     if (!normalizer->is_object()) {
       return FieldError("normalizer",
                         absl::StrCat("must be an object or null, got ", normalizer->type_name()));
@@ -566,15 +626,6 @@ class HfTokenizerLoader {
       return FieldError("normalizer.type",
                         absl::StrCat("is '", type, "'; only null and NFC are supported"));
     }
-    return RebuildMatchers(t);
-  }
-
-  // Which pass an added token matches in depends on the normalizer, read after the tokens.
-  static absl::Status RebuildMatchers(HfTokenizer* t) {
-    t->raw_added_ = HfTokenizer::AddedMatcher();
-    t->normalized_added_ = HfTokenizer::AddedMatcher();
-    BuildMatcher(*t, false, &t->raw_added_);
-    BuildMatcher(*t, true, &t->normalized_added_);
     return absl::OkStatus();
   }
 
@@ -730,7 +781,7 @@ void HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatcher& match
     const AddedToken* found = nullptr;
     for (int index : matcher.by_first_byte[static_cast<unsigned char>(text[i])]) {
       const AddedToken& candidate = added_[index];
-      if (text.substr(i, candidate.content.size()) == candidate.content) {
+      if (text.substr(i, candidate.match_content.size()) == candidate.match_content) {
         found = &candidate;  // the bucket is longest first
         break;
       }
@@ -740,13 +791,12 @@ void HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatcher& match
       continue;
     }
     size_t start = i;
-    size_t end = i + found->content.size();
+    size_t end = i + found->match_content.size();
     if (found->lstrip) {
-      while (start > last && IsAsciiSpace(text[start - 1])) --start;
+      // Whitespace before it, but not what the previous match already took.
+      start = std::max(last, start - TrailingWhitespace(text.substr(0, start)));
     }
-    if (found->rstrip) {
-      while (end < text.size() && IsAsciiSpace(text[end])) ++end;
-    }
+    if (found->rstrip) end += LeadingWhitespace(text.substr(end));
     if (start > last) out->push_back({text.substr(last, start - last), -1});
     out->push_back({text.substr(start, end - start), found->id});
     last = end;

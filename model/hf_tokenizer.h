@@ -60,6 +60,7 @@ class HfTokenizer final : public Tokenizer {
 
   struct AddedToken {
     std::string content;
+    std::string match_content;  // NFC of `content` when normalized and the normalizer is NFC
     int32_t id = 0;
     bool special = false;
     bool lstrip = false;
@@ -73,6 +74,7 @@ class HfTokenizer final : public Tokenizer {
     std::string spelling;  // as in the vocabulary / added token ("Ġthe")
     std::string bytes;     // what it decodes to (" the")
     bool present = false;
+    bool added = false;  // from added_tokens (else the model vocab only)
     bool special = false;
   };
   struct Merge {

@@ -133,6 +133,34 @@ TEST(HfTokenizerTest, AddedTokenStripsWhitespaceWhenAsked) {
   EXPECT_THAT(*(*t)->Encode("a  <s>  b"), ElementsAre('a', 300, 'b'));
 }
 
+// HF's two passes: normalized=false tokens are cut out first, normalized=true ones are looked for
+// in what is left, after normalizing it and matching their normalized form.
+TEST(HfTokenizerTest, AddedTokensMatchInTwoPassesNormalizedLast) {
+  Json j = MiniTokenizer();
+  j["added_tokens"] = Json::array(
+      {{{"id", 300}, {"content", "xy"}, {"special", false}, {"normalized", true}},
+       {{"id", 301}, {"content", "yz"}, {"special", false}, {"normalized", false}},
+       // "e" + combining acute: NFC makes it U+00E9, which is what the text will hold.
+       {{"id", 302}, {"content", "<e\u0301>"}, {"special", false}, {"normalized", true}},
+       {{"id", 303}, {"content", "<s>"}, {"special", true}, {"normalized", false},
+        {"lstrip", true}}});
+  j["normalizer"] = {{"type", "NFC"}};
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  // One leftmost-longest pass would take "xy"; HF takes "yz" first.
+  EXPECT_THAT(*(*t)->Encode("xyz"), ElementsAre('x', 301));
+  EXPECT_THAT(*(*t)->Encode("xyx"), ElementsAre(300, 'x'));
+  EXPECT_THAT(*(*t)->Encode("x<e\u0301>"), ElementsAre('x', 302));  // decomposed in the text
+  EXPECT_THAT(*(*t)->Encode("x<\u00e9>"), ElementsAre('x', 302));   // composed in the text
+  // It decodes as its normalized form through the ByteLevel decoder, as HF's does: U+00E9 is
+  // also the byte map's character for byte 0xE9, so "<\u00e9>" becomes 3C E9 3E, and the lone
+  // 0xE9 is U+FFFD. (HF's quirk for Latin-1 added tokens; ASCII ones, all real specials, are
+  // unaffected.)
+  EXPECT_EQ((*t)->Decode({302}, false), "<\xEF\xBF\xBD>");
+  // lstrip takes Unicode whitespace (U+3000 ideographic space), as HF's \s does.
+  EXPECT_THAT(*(*t)->Encode("x\u3000 <s>"), ElementsAre('x', 303));
+}
+
 void ExpectInvalid(const std::string& json, const std::string& message_part) {
   auto t = HfTokenizer::FromJson(json);
   ASSERT_FALSE(t.ok()) << "accepted: " << json.substr(0, 200);
@@ -170,6 +198,10 @@ TEST(HfTokenizerTest, MalformedFilesAreInvalidArgumentNamingTheField) {
   ExpectInvalid(with([](Json& j) { j["model"]["dropout"] = 0.1; }), "model.dropout");
   ExpectInvalid(with([](Json& j) { j["model"]["unk_token"] = "<unk>"; }), "model.unk_token");
   ExpectInvalid(with([](Json& j) { j["added_tokens"] = Json::object(); }), "added_tokens");
+  ExpectInvalid(with([](Json& j) { j["added_tokens"][0]["content"] = "ab"; }),
+                "disagrees with model.vocab");
+  ExpectInvalid(with([](Json& j) { j["added_tokens"][1]["content"] = "<s>"; }),
+                "repeats an earlier added token");
   ExpectInvalid(with([](Json& j) { j["added_tokens"][0].erase("id"); }), "added_tokens[0].id");
   ExpectInvalid(with([](Json& j) { j["added_tokens"][1]["content"] = ""; }),
                 "added_tokens[1].content");
