@@ -863,7 +863,7 @@ void HfTokenizer::EncodePreToken(absl::string_view bytes, std::vector<int32_t>* 
       return;
     }
   }
-  const bool cacheable = bytes.size() <= kMaxCachedPreTokenBytes;
+  const bool cacheable = cache_capacity_ > 0 && bytes.size() <= kMaxCachedPreTokenBytes;
   if (cacheable) {
     absl::ReaderMutexLock lock(&cache_mu_);
     auto it = cache_.find(bytes);
@@ -877,7 +877,7 @@ void HfTokenizer::EncodePreToken(absl::string_view bytes, std::vector<int32_t>* 
   if (cacheable) {
     absl::MutexLock lock(&cache_mu_);
     // Full: new pre-tokens are not cached (HF's cache does the same); the common ones came first.
-    if (cache_.size() < kCacheCapacity) {
+    if (cache_.size() < cache_capacity_) {
       cache_.emplace(std::string(bytes), std::vector<int32_t>(ids->begin() + first, ids->end()));
     }
   }

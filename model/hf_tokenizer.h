@@ -57,6 +57,10 @@ class HfTokenizer final : public Tokenizer {
 
   // Entries in the pre-token cache (for tests and the bench).
   size_t cache_size() const;
+  // Bounds the cache (default kDefaultCacheCapacity entries; 0: off, every pre-token is merged).
+  // For the bench; call before sharing the tokenizer between threads.
+  void set_cache_capacity(size_t entries) { cache_capacity_ = entries; }
+  static constexpr size_t kDefaultCacheCapacity = 1 << 15;
 
   struct AddedToken {
     std::string content;
@@ -116,7 +120,7 @@ class HfTokenizer final : public Tokenizer {
   AddedMatcher normalized_added_;
   std::vector<std::unique_ptr<Regex>> splits_;  // applied in order, each on every piece
 
-  static constexpr size_t kCacheCapacity = 1 << 15;
+  size_t cache_capacity_ = kDefaultCacheCapacity;
   static constexpr size_t kMaxCachedPreTokenBytes = 256;
   mutable absl::Mutex cache_mu_;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache_

@@ -38,6 +38,9 @@ class HfReferenceTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(HfReferenceTest, MatchesHfTokenizersExactly) {
   auto tokenizer = HfTokenizer::FromFile(DataDir(GetParam()) + "/tokenizer.json");
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  auto uncached = HfTokenizer::FromFile(DataDir(GetParam()) + "/tokenizer.json");
+  ASSERT_TRUE(uncached.ok()) << uncached.status();
+  (*uncached)->set_cache_capacity(0);
   const Json refs = Json::parse(ReadText(DataDir(GetParam()) + "/references.json"));
   ASSERT_GE(refs["cases"].size(), 20u);
   for (const Json& c : refs["cases"]) {
@@ -54,8 +57,10 @@ TEST_P(HfReferenceTest, MatchesHfTokenizersExactly) {
     auto again = (*tokenizer)->Encode(text);
     ASSERT_TRUE(again.ok());
     EXPECT_EQ(*again, want);
+    EXPECT_EQ(*(*uncached)->Encode(text), want);
   }
   EXPECT_GT((*tokenizer)->cache_size(), 0u);
+  EXPECT_EQ((*uncached)->cache_size(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Folders, HfReferenceTest, ::testing::Values("llama3", "qwen2"));
