@@ -61,7 +61,9 @@ const ByteLevelMap& ByteMap() {
 
 // HF's ByteLevel decoder on one token: its characters mapped back to bytes when every one is in
 // the map, else the token's own UTF-8 (an added token such as "<think> " that is not byte-level).
-std::string ByteLevelDecode(absl::string_view spelling) {
+// `mapped` (optional) tells which.
+std::string ByteLevelDecode(absl::string_view spelling, bool* mapped = nullptr) {
+  if (mapped != nullptr) *mapped = false;
   const ByteLevelMap& map = ByteMap();
   std::string bytes;
   size_t i = 0;
@@ -82,6 +84,7 @@ std::string ByteLevelDecode(absl::string_view spelling) {
     }
     bytes.push_back(static_cast<char>(map.char_to_byte[cp]));
   }
+  if (mapped != nullptr) *mapped = true;
   return bytes;
 }
 
@@ -269,7 +272,8 @@ class HfTokenizer::Regex {
     }
     int error = 0;
     PCRE2_SIZE offset = 0;
-    uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    // PCRE2_LITERAL allows no UCP (nothing in a literal is a class).
+    const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
     pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()),
                                      pattern.size(), options, &error, &offset, nullptr);
     if (code == nullptr) {
@@ -437,9 +441,12 @@ class HfTokenizerLoader {
       }
       token.present = true;
       token.spelling = it.key();
-      token.bytes = ByteLevelDecode(token.spelling);
+      bool mapped = false;
+      token.bytes = ByteLevelDecode(token.spelling, &mapped);
       t->spelling_to_id_.emplace(token.spelling, id);
-      t->bytes_to_id_.emplace(token.bytes, id);
+      // ignore_merges looks pre-tokens up by their byte-level spelling, which only a fully
+      // mapped token has.
+      if (mapped) t->bytes_to_id_.emplace(token.bytes, id);
     }
     t->byte_id_.fill(-1);
     const ByteLevelMap& map = ByteMap();

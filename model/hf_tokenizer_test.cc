@@ -129,6 +129,19 @@ TEST(HfTokenizerTest, MergeFormsIgnoreMergesAndLongestAddedToken) {
   EXPECT_THAT(*(*t)->Encode("bc"), ElementsAre('b', 'c'));
 }
 
+// ignore_merges looks a pre-token up by its byte-level spelling: a vocab entry that is not
+// byte-level ("x y" with a raw space) is never what a pre-token " " spells ("xĠy").
+TEST(HfTokenizerTest, IgnoreMergesMatchesOnlyByteLevelSpellings) {
+  Json j = MiniTokenizer();
+  j["model"]["ignore_merges"] = true;
+  j["model"]["vocab"]["x y"] = 259;
+  j["pre_tokenizer"]["use_regex"] = false;  // the whole text is one pre-token
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(*(*t)->Encode("x y"), ElementsAre('x', ' ', 'y'));
+  EXPECT_THAT(*(*t)->Encode("abc"), ElementsAre(257));
+}
+
 TEST(HfTokenizerTest, AddedTokenStripsWhitespaceWhenAsked) {
   Json j = MiniTokenizer();
   j["added_tokens"][0]["lstrip"] = true;
@@ -164,6 +177,24 @@ TEST(HfTokenizerTest, AddedTokensMatchInTwoPassesNormalizedLast) {
   EXPECT_EQ((*t)->Decode({302}, false), "<\xEF\xBF\xBD>");
   // lstrip takes Unicode whitespace (U+3000 ideographic space), as HF's \s does.
   EXPECT_THAT(*(*t)->Encode("x\u3000 <s>"), ElementsAre('x', 303));
+}
+
+// A Split whose pattern is a literal String; both Split and ByteLevel's own regex apply in turn.
+TEST(HfTokenizerTest, SplitOnLiteralStringThenByteLevelRegex) {
+  Json j = MiniTokenizer();
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       Json::array({{{"type", "Split"},
+                     {"pattern", {{"String", "c"}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}})}};
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  // "c" is cut out before merging, so "ab"+"c" never meets; " ab" is one GPT-2 pre-token.
+  EXPECT_THAT(*(*t)->Encode("abc"), ElementsAre(256, 'c'));
+  EXPECT_THAT(*(*t)->Encode("x ab"), ElementsAre('x', ' ', 256));
 }
 
 void ExpectInvalid(const std::string& json, const std::string& message_part) {
