@@ -1,9 +1,11 @@
 #include "model/hf_tokenizer.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/test_temp_dir.h"
@@ -64,6 +66,28 @@ TEST_P(HfReferenceTest, MatchesHfTokenizersExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Folders, HfReferenceTest, ::testing::Values("llama3", "qwen2"));
+
+// Encode is const and shared by request threads: concurrent calls (filling the cache together)
+// give the same ids as one thread.
+TEST(HfTokenizerTest, ConcurrentEncodesAgree) {
+  auto t = HfTokenizer::FromFile(DataDir("qwen2") + "/tokenizer.json");
+  ASSERT_TRUE(t.ok()) << t.status();
+  const Json refs = Json::parse(ReadText(DataDir("qwen2") + "/references.json"));
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&] {
+      for (int round = 0; round < 20; ++round) {
+        for (const Json& c : refs["cases"]) {
+          auto ids = (*t)->Encode(c["text"].get<std::string>());
+          if (!ids.ok() || *ids != c["ids"].get<std::vector<int32_t>>()) ++mismatches;
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches.load(), 0);
+}
 
 TEST(HfTokenizerTest, LookupsAndSpecials) {
   auto t = HfTokenizer::FromFile(DataDir("llama3") + "/tokenizer.json");
