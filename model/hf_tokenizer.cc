@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <deque>
 #include <queue>
 #include <utility>
 
@@ -665,11 +666,9 @@ class HfTokenizerLoader {
 
   static absl::Status LoadByteLevel(const Json& byte_level, const std::string& prefix,
                                     HfTokenizer* t) {
-    FLUXION_ASSIGN_OR_RETURN(bool prefix_space,
+    FLUXION_ASSIGN_OR_RETURN(t->add_prefix_space_,
                              OptionalBool(byte_level, "add_prefix_space", true, prefix));
-    if (prefix_space) {
-      return FieldError(absl::StrCat(prefix, "add_prefix_space"), "is true; not supported");
-    }
+    t->byte_level_step_ = t->splits_.size();
     FLUXION_ASSIGN_OR_RETURN(bool use_regex, OptionalBool(byte_level, "use_regex", true, prefix));
     if (use_regex) {
       FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<HfTokenizer::Regex> gpt2,
@@ -838,23 +837,35 @@ absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t
   std::vector<Piece> pieces;
   SplitOnAdded(normalized, normalized_added_, &pieces);
   std::vector<absl::string_view> pre_tokens;
+  std::deque<std::string> prefixed;  // pieces with ByteLevel's prefix space
   for (const Piece& piece : pieces) {
     if (piece.added_id >= 0) {
       ids->push_back(piece.added_id);
       continue;
     }
     pre_tokens.clear();
-    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text, &pre_tokens));
+    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text, &pre_tokens, &prefixed));
     for (absl::string_view pre_token : pre_tokens) EncodePreToken(pre_token, ids);
   }
   return absl::OkStatus();
 }
 
-absl::Status HfTokenizer::PreTokenize(absl::string_view text,
-                                      std::vector<absl::string_view>* out) const {
+absl::Status HfTokenizer::PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
+                                      std::deque<std::string>* storage) const {
   out->push_back(text);
   std::vector<absl::string_view> next;
-  for (const auto& split : splits_) {
+  for (size_t step = 0; step <= splits_.size(); ++step) {
+    // ByteLevel's add_prefix_space: every piece reaching it gets a leading space if it has none
+    // (after each earlier Split, so possibly several per text, as HF does).
+    if (step == byte_level_step_ && add_prefix_space_) {
+      for (absl::string_view& piece : *out) {
+        if (piece.empty() || piece[0] == ' ') continue;
+        storage->push_back(absl::StrCat(" ", piece));
+        piece = storage->back();
+      }
+    }
+    if (step == splits_.size()) break;
+    const auto& split = splits_[step];
     next.clear();
     for (absl::string_view piece : *out) FLUXION_RETURN_IF_ERROR(split->Split(piece, &next));
     out->swap(next);

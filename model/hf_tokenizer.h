@@ -14,6 +14,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -102,7 +103,10 @@ class HfTokenizer final : public Tokenizer {
   void SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
                     std::vector<Piece>* out) const;
   absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids) const;
-  absl::Status PreTokenize(absl::string_view text, std::vector<absl::string_view>* out) const;
+  // Appends the pre-tokens of `text` to `out`; pieces that are not substrings of `text` (with
+  // a prefix space) live in `storage`.
+  absl::Status PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
+                           std::deque<std::string>* storage) const;
   void EncodePreToken(absl::string_view bytes, std::vector<int32_t>* ids) const;
   void MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids) const;
 
@@ -119,6 +123,8 @@ class HfTokenizer final : public Tokenizer {
   AddedMatcher raw_added_;
   AddedMatcher normalized_added_;
   std::vector<std::unique_ptr<Regex>> splits_;  // applied in order, each on every piece
+  size_t byte_level_step_ = 0;     // splits_[byte_level_step_..] are ByteLevel's own regex
+  bool add_prefix_space_ = false;  // ByteLevel's: a space before every piece lacking one
 
   size_t cache_capacity_ = kDefaultCacheCapacity;
   static constexpr size_t kMaxCachedPreTokenBytes = 256;

@@ -166,6 +166,19 @@ TEST(HfTokenizerTest, IgnoreMergesMatchesOnlyByteLevelSpellings) {
   EXPECT_THAT(*(*t)->Encode("abc"), ElementsAre(257));
 }
 
+// ByteLevel's add_prefix_space: each piece left after the added tokens (and earlier Splits) that
+// does not start with a space gets one, as HF's ByteLevel pre-tokenizer does; Decode keeps it.
+TEST(HfTokenizerTest, ByteLevelAddPrefixSpace) {
+  Json j = MiniTokenizer();
+  j["pre_tokenizer"]["add_prefix_space"] = true;
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(*(*t)->Encode("ab"), ElementsAre(' ', 256));
+  EXPECT_THAT(*(*t)->Encode(" ab"), ElementsAre(' ', 256));
+  EXPECT_THAT(*(*t)->Encode("ab<s>ab"), ElementsAre(' ', 256, 300, ' ', 256));
+  EXPECT_EQ((*t)->Decode(*(*t)->Encode("ab"), false), " ab");
+}
+
 TEST(HfTokenizerTest, AddedTokenStripsWhitespaceWhenAsked) {
   Json j = MiniTokenizer();
   j["added_tokens"][0]["lstrip"] = true;
