@@ -115,8 +115,8 @@ int RunTokenizerBench(const std::vector<std::string>& args) {
     decode.push_back(Seconds(t4 - t3) * 1e9 / n);
     stream.push_back(Seconds(t5 - t4) * 1e9 / n);
   }
-  const Stats l = Summarize(load), c = Summarize(cold), w = Summarize(warm),
-              d = Summarize(decode), s = Summarize(stream);
+  const Stats l = Summarize(load), c = Summarize(cold), w = Summarize(warm), d = Summarize(decode),
+              s = Summarize(stream);
   std::printf("tokenizer %s: %zu bytes -> %zu tokens (%.2f bytes/token), load %.1f ms\n",
               model_dir.c_str(), text.size(), ids.size(),
               static_cast<double>(text.size()) / static_cast<double>(ids.size()), l.median);
@@ -124,8 +124,7 @@ int RunTokenizerBench(const std::vector<std::string>& args) {
   std::printf("%-28s %10.1f %10.1f %10.1f\n", "encode, cache off", c.median, c.p10, c.p90);
   std::printf("%-28s %10.1f %10.1f %10.1f\n", "encode, warm cache", w.median, w.p10, w.p90);
   std::printf("%-28s %10.1f %10.1f %10.1f\n", "decode (whole text)", d.median, d.p10, d.p90);
-  std::printf("%-28s %10.1f %10.1f %10.1f\n", "stream detokenize (per id)", s.median, s.p10,
-              s.p90);
+  std::printf("%-28s %10.1f %10.1f %10.1f\n", "stream detokenize (per id)", s.median, s.p10, s.p90);
   if (!json_path.empty()) {
     nlohmann::json results = nlohmann::json::array();
     auto row = [&](const char* what, const Stats& st) {

@@ -1,12 +1,11 @@
 #include "model/hf_tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <fcntl.h>
 #include <pcre2.h>
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
 #include <unicode/stringpiece.h>
-
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -164,8 +163,7 @@ absl::StatusOr<std::optional<std::string>> OptionalString(const Json& object, co
 }
 
 absl::StatusOr<std::string> RequiredType(const Json& object, const std::string& prefix) {
-  FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> type,
-                           OptionalString(object, "type", prefix));
+  FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> type, OptionalString(object, "type", prefix));
   if (!type.has_value()) return FieldError(absl::StrCat(prefix, "type"), "is required");
   return *type;
 }
@@ -174,11 +172,11 @@ absl::StatusOr<int32_t> TokenId(const Json& value, const std::string& field) {
   if (!value.is_number_integer()) {
     return FieldError(field, absl::StrCat("must be an integer id, got ", value.type_name()));
   }
-  if (value.is_number_unsigned() ? value.get<uint64_t>() >= uint64_t{kMaxTokenizerVocab}
-                                 : (value.get<int64_t>() < 0 ||
-                                    value.get<int64_t>() >= kMaxTokenizerVocab)) {
-    return FieldError(field, absl::StrCat("(", value.dump(), ") is outside [0, ",
-                                          kMaxTokenizerVocab, ")"));
+  if (value.is_number_unsigned()
+          ? value.get<uint64_t>() >= uint64_t{kMaxTokenizerVocab}
+          : (value.get<int64_t>() < 0 || value.get<int64_t>() >= kMaxTokenizerVocab)) {
+    return FieldError(
+        field, absl::StrCat("(", value.dump(), ") is outside [0, ", kMaxTokenizerVocab, ")"));
   }
   return static_cast<int32_t>(value.get<int64_t>());
 }
@@ -204,7 +202,9 @@ uint32_t CodePointAt(absl::string_view text, size_t pos, size_t* length) {
   const auto b0 = static_cast<unsigned char>(text[pos]);
   const size_t n = b0 < 0x80 ? 1 : b0 < 0xE0 ? 2 : b0 < 0xF0 ? 3 : 4;
   uint32_t cp = n == 1 ? b0 : n == 2 ? (b0 & 0x1F) : n == 3 ? (b0 & 0x0F) : (b0 & 0x07);
-  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[pos + k]) & 0x3F);
+  for (size_t k = 1; k < n; ++k) {
+    cp = (cp << 6) | (static_cast<unsigned char>(text[pos + k]) & 0x3F);
+  }
   *length = n;
   return cp;
 }
@@ -267,16 +267,16 @@ class HfTokenizer::Regex {
                                                         const std::string& field) {
     if (pattern.empty()) return FieldError(field, "is an empty pattern");
     if (pattern.size() > kMaxPreTokenizerPatternBytes) {
-      return FieldError(field, absl::StrCat("is a pattern of ", pattern.size(),
-                                            " bytes, above the limit of ",
-                                            kMaxPreTokenizerPatternBytes));
+      return FieldError(
+          field, absl::StrCat("is a pattern of ", pattern.size(), " bytes, above the limit of ",
+                              kMaxPreTokenizerPatternBytes));
     }
     int error = 0;
     PCRE2_SIZE offset = 0;
     // PCRE2_LITERAL allows no UCP (nothing in a literal is a class).
     const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()),
-                                     pattern.size(), options, &error, &offset, nullptr);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                     options, &error, &offset, nullptr);
     if (code == nullptr) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(error, message, sizeof(message));
@@ -321,8 +321,8 @@ class HfTokenizer::Regex {
     size_t offset = 0;
     size_t last = 0;  // end of the previous piece
     while (offset <= text.size()) {
-      int rc = pcre2_match(code_, subject, text.size(), offset, PCRE2_NO_UTF_CHECK, match,
-                           context_);
+      int rc =
+          pcre2_match(code_, subject, text.size(), offset, PCRE2_NO_UTF_CHECK, match, context_);
       if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {  // a very long run: the interpreter uses the heap
         rc = pcre2_match(code_, subject, text.size(), offset, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
                          match, context_);
@@ -331,9 +331,9 @@ class HfTokenizer::Regex {
       if (rc < 0) {
         PCRE2_UCHAR message[256];
         pcre2_get_error_message(rc, message, sizeof(message));
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "pre-tokenizer regex failed on a text of ", text.size(),
-            " bytes: ", reinterpret_cast<const char*>(message)));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("pre-tokenizer regex failed on a text of ", text.size(),
+                         " bytes: ", reinterpret_cast<const char*>(message)));
       }
       const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match);
       const size_t start = ovector[0];
@@ -419,9 +419,9 @@ class HfTokenizerLoader {
   static absl::Status LoadVocab(const Json& model, HfTokenizer* t) {
     FLUXION_ASSIGN_OR_RETURN(const Json* vocab, RequiredObject(model, "vocab", "model.vocab"));
     if (vocab->size() > static_cast<size_t>(kMaxTokenizerVocab)) {
-      return FieldError("model.vocab", absl::StrCat("has ", vocab->size(),
-                                                    " tokens, above the limit of ",
-                                                    kMaxTokenizerVocab));
+      return FieldError(
+          "model.vocab",
+          absl::StrCat("has ", vocab->size(), " tokens, above the limit of ", kMaxTokenizerVocab));
     }
     int32_t max_id = -1;
     for (auto it = vocab->begin(); it != vocab->end(); ++it) {
@@ -461,7 +461,7 @@ class HfTokenizerLoader {
   // One merge's two parts: "a b" (split at the one space; byte-level tokens hold no space) or
   // ["a", "b"] (tokenizers >= 0.20).
   static absl::StatusOr<std::pair<std::string, std::string>> MergeParts(const Json& merge,
-                                                                         const std::string& f) {
+                                                                        const std::string& f) {
     if (merge.is_string()) {
       const std::string& s = merge.get_ref<const std::string&>();
       const size_t space = s.find(' ');
@@ -485,9 +485,9 @@ class HfTokenizerLoader {
                         absl::StrCat("must be an array, got ", merges->type_name()));
     }
     if (merges->size() > static_cast<size_t>(kMaxTokenizerMerges)) {
-      return FieldError("model.merges", absl::StrCat("has ", merges->size(),
-                                                     " entries, above the limit of ",
-                                                     kMaxTokenizerMerges));
+      return FieldError("model.merges",
+                        absl::StrCat("has ", merges->size(), " entries, above the limit of ",
+                                     kMaxTokenizerMerges));
     }
     t->merges_.reserve(merges->size());
     for (size_t i = 0; i < merges->size(); ++i) {
@@ -502,8 +502,8 @@ class HfTokenizerLoader {
                                               parts.second.substr(0, 64),
                                               "') names a token missing from model.vocab"));
       }
-      const uint64_t key = (static_cast<uint64_t>(left->second) << 32) |
-                           static_cast<uint32_t>(right->second);
+      const uint64_t key =
+          (static_cast<uint64_t>(left->second) << 32) | static_cast<uint32_t>(right->second);
       // A repeated pair keeps its last rank, as HF's map built from the list does.
       t->merges_.insert_or_assign(key, HfTokenizer::Merge{static_cast<int32_t>(i), merged->second});
     }
@@ -517,9 +517,9 @@ class HfTokenizerLoader {
       return FieldError("added_tokens", absl::StrCat("must be an array, got ", added->type_name()));
     }
     if (added->size() > static_cast<size_t>(kMaxTokenizerVocab)) {
-      return FieldError("added_tokens", absl::StrCat("has ", added->size(),
-                                                     " entries, above the limit of ",
-                                                     kMaxTokenizerVocab));
+      return FieldError(
+          "added_tokens",
+          absl::StrCat("has ", added->size(), " entries, above the limit of ", kMaxTokenizerVocab));
     }
     for (size_t i = 0; i < added->size(); ++i) {
       const std::string prefix = absl::StrCat("added_tokens[", i, "].");
@@ -542,8 +542,7 @@ class HfTokenizerLoader {
       FLUXION_ASSIGN_OR_RETURN(token.rstrip, OptionalBool(entry, "rstrip", false, prefix));
       FLUXION_ASSIGN_OR_RETURN(token.normalized,
                                OptionalBool(entry, "normalized", !token.special, prefix));
-      FLUXION_ASSIGN_OR_RETURN(bool single_word,
-                               OptionalBool(entry, "single_word", false, prefix));
+      FLUXION_ASSIGN_OR_RETURN(bool single_word, OptionalBool(entry, "single_word", false, prefix));
       if (single_word) {
         return FieldError(absl::StrCat(prefix, "single_word"), "is true, which is not supported");
       }
@@ -557,8 +556,8 @@ class HfTokenizerLoader {
         }
         if (known->second != token.id) {
           return FieldError(absl::StrCat(prefix, "id"),
-                            absl::StrCat("(", token.id, ") disagrees with model.vocab, which gives '",
-                                         token.content, "' id ", known->second));
+                            absl::StrCat("(", token.id, ") disagrees with model.vocab, which ",
+                                         "gives '", token.content, "' id ", known->second));
         }
       }
       // A normalized token matches, and decodes, as its normalized form (HF's normalized_cache).
@@ -650,9 +649,9 @@ class HfTokenizerLoader {
     FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> behavior,
                              OptionalString(split, "behavior", prefix));
     if (behavior.value_or("") != "Isolated") {
-      return FieldError(absl::StrCat(prefix, "behavior"),
-                        absl::StrCat("is '", behavior.value_or(""),
-                                     "'; only Isolated is supported"));
+      return FieldError(
+          absl::StrCat(prefix, "behavior"),
+          absl::StrCat("is '", behavior.value_or(""), "'; only Isolated is supported"));
     }
     FLUXION_ASSIGN_OR_RETURN(bool invert, OptionalBool(split, "invert", false, prefix));
     if (invert) return FieldError(absl::StrCat(prefix, "invert"), "is true; not supported");
@@ -685,8 +684,9 @@ class HfTokenizerLoader {
     if (type == "ByteLevel") return LoadByteLevel(*pre, "pre_tokenizer.", t);
     if (type != "Sequence") {
       return FieldError("pre_tokenizer.type",
-                        absl::StrCat("is '", type, "'; only ByteLevel or a Sequence of Split "
-                                                   "and a final ByteLevel is supported"));
+                        absl::StrCat("is '", type,
+                                     "'; only ByteLevel or a Sequence of Split "
+                                     "and a final ByteLevel is supported"));
     }
     const Json* list = Find(*pre, "pretokenizers");
     if (list == nullptr || !list->is_array() || list->empty()) {
@@ -761,8 +761,8 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromFile(const std::st
     // Checked while reading, not from fstat, so a growing file or a pipe is bounded too.
     if (contents.size() + static_cast<size_t>(n) > kMaxTokenizerJsonBytes) {
       close(fd);
-      return absl::InvalidArgumentError(absl::StrCat(path, " is larger than the limit of ",
-                                                     kMaxTokenizerJsonBytes, " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is larger than the limit of ", kMaxTokenizerJsonBytes, " bytes"));
     }
     contents.append(buffer.data(), static_cast<size_t>(n));
   }
@@ -948,8 +948,8 @@ void HfTokenizer::MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids)
     Symbol& left = symbols[top.pos];
     if (!left.alive || left.next < 0) continue;
     // Stale when either side changed since the pair was queued (HF checks the merged id).
-    const uint64_t key = (static_cast<uint64_t>(left.id) << 32) |
-                         static_cast<uint32_t>(symbols[left.next].id);
+    const uint64_t key =
+        (static_cast<uint64_t>(left.id) << 32) | static_cast<uint32_t>(symbols[left.next].id);
     auto it = merges_.find(key);
     if (it == merges_.end() || it->second.merged != top.merged) continue;
     Symbol& right = symbols[left.next];

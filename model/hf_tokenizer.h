@@ -32,9 +32,9 @@ namespace fluxion::model {
 // Bounds on what a tokenizer.json may hold (the real ones: Llama-3 128,256 tokens, 280,147 merges,
 // 9 MB; Qwen2.5 151,665 tokens, 151,387 merges, 7 MB).
 inline constexpr size_t kMaxTokenizerJsonBytes = size_t{128} << 20;
-inline constexpr int64_t kMaxTokenizerVocab = int64_t{1} << 21;   // ids, vocab and added tokens
+inline constexpr int64_t kMaxTokenizerVocab = int64_t{1} << 21;  // ids, vocab and added tokens
 inline constexpr int64_t kMaxTokenizerMerges = int64_t{1} << 22;
-inline constexpr size_t kMaxTokenBytes = 1024;                    // one token's spelling
+inline constexpr size_t kMaxTokenBytes = 1024;  // one token's spelling
 inline constexpr size_t kMaxPreTokenizerPatternBytes = 4096;
 inline constexpr int kMaxTokenizerJsonDepth = 64;
 
@@ -110,7 +110,7 @@ class HfTokenizer final : public Tokenizer {
   void EncodePreToken(absl::string_view bytes, std::vector<int32_t>* ids) const;
   void MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids) const;
 
-  std::vector<Token> tokens_;  // by id
+  std::vector<Token> tokens_;                                 // by id
   absl::flat_hash_map<std::string, int32_t> spelling_to_id_;  // vocab, then added tokens
   absl::flat_hash_map<std::string, int32_t> bytes_to_id_;     // model vocab, by decoded bytes
   absl::flat_hash_map<uint64_t, Merge> merges_;               // (left id << 32 | right id)
@@ -129,8 +129,7 @@ class HfTokenizer final : public Tokenizer {
   size_t cache_capacity_ = kDefaultCacheCapacity;
   static constexpr size_t kMaxCachedPreTokenBytes = 256;
   mutable absl::Mutex cache_mu_;
-  mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache_
-      ABSL_GUARDED_BY(cache_mu_);
+  mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache_ ABSL_GUARDED_BY(cache_mu_);
 };
 
 }  // namespace fluxion::model

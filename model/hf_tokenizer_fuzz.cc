@@ -24,8 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (id < 0 || id >= (*tokenizer)->vocab_size()) __builtin_trap();
   }
   const std::string decoded = (*tokenizer)->Decode(*ids, /*skip_special=*/false);
-  auto stream = fluxion::model::StreamDetokenizer::Create(
-      tokenizer->get(), {/*skip_special=*/false, /*stop=*/{}});
+  auto stream = fluxion::model::StreamDetokenizer::Create(tokenizer->get(),
+                                                          {/*skip_special=*/false, /*stop=*/{}});
   if (!stream.ok()) __builtin_trap();
   std::string streamed;
   for (int32_t id : *ids) streamed += stream->Add(id);

@@ -125,13 +125,14 @@ Json MiniTokenizer() {
   vocab["abc"] = 257;
   vocab["bc"] = 258;
   Json j;
-  j["model"] = {{"type", "BPE"}, {"vocab", vocab},
+  j["model"] = {{"type", "BPE"},
+                {"vocab", vocab},
                 {"merges", Json::array({"a b", Json::array({"ab", "c"})})}};
   j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
   j["decoder"] = {{"type", "ByteLevel"}};
-  j["added_tokens"] = Json::array(
-      {{{"id", 300}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
-       {{"id", 301}, {"content", "<s>x"}, {"special", false}, {"normalized", false}}});
+  j["added_tokens"] =
+      Json::array({{{"id", 300}, {"content", "<s>"}, {"special", true}, {"normalized", false}},
+                   {{"id", 301}, {"content", "<s>x"}, {"special", false}, {"normalized", false}}});
   return j;
 }
 
@@ -197,7 +198,10 @@ TEST(HfTokenizerTest, AddedTokensMatchInTwoPassesNormalizedLast) {
        {{"id", 301}, {"content", "yz"}, {"special", false}, {"normalized", false}},
        // "e" + combining acute: NFC makes it U+00E9, which is what the text will hold.
        {{"id", 302}, {"content", "<e\u0301>"}, {"special", false}, {"normalized", true}},
-       {{"id", 303}, {"content", "<s>"}, {"special", true}, {"normalized", false},
+       {{"id", 303},
+        {"content", "<s>"},
+        {"special", true},
+        {"normalized", false},
         {"lstrip", true}}});
   j["normalizer"] = {{"type", "NFC"}};
   auto t = HfTokenizer::FromJson(j.dump());
@@ -263,7 +267,9 @@ TEST(HfTokenizerTest, MalformedFilesAreInvalidArgumentNamingTheField) {
                 "above the limit");
   ExpectInvalid(with([](Json& j) { j["model"]["merges"] = "a b"; }), "model.merges");
   ExpectInvalid(with([](Json& j) { j["model"]["merges"].push_back("abc"); }), "model.merges[2]");
-  ExpectInvalid(with([](Json& j) { j["model"]["merges"].push_back(Json::array({"a", 3})); }),
+  ExpectInvalid(with([](Json& j) {
+                  j["model"]["merges"].push_back(Json::array({"a", 3}));
+                }),
                 "model.merges[2]");
   ExpectInvalid(with([](Json& j) { j["model"]["merges"].push_back("c a"); }),
                 "missing from model.vocab");
@@ -280,31 +286,35 @@ TEST(HfTokenizerTest, MalformedFilesAreInvalidArgumentNamingTheField) {
                 "added_tokens[1].content");
   ExpectInvalid(with([](Json& j) { j["added_tokens"][0]["special"] = "yes"; }),
                 "added_tokens[0].special");
-  ExpectInvalid(with([](Json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }),
+  ExpectInvalid(with([](Json& j) {
+                  j["normalizer"] = {{"type", "Lowercase"}};
+                }),
                 "normalizer.type");
-  ExpectInvalid(with([](Json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }),
+  ExpectInvalid(with([](Json& j) {
+                  j["pre_tokenizer"] = {{"type", "Whitespace"}};
+                }),
                 "pre_tokenizer.type");
   ExpectInvalid(with([](Json& j) { j.erase("pre_tokenizer"); }), "pre_tokenizer");
-  ExpectInvalid(with([](Json& j) {
-                  j["pre_tokenizer"] = {
-                      {"type", "Sequence"},
-                      {"pretokenizers",
-                       Json::array({{{"type", "Split"},
-                                     {"pattern", {{"Regex", "(unclosed"}}},
-                                     {"behavior", "Isolated"}},
-                                    {{"type", "ByteLevel"}, {"add_prefix_space", false}}})}};
-                }),
-                "pre_tokenizer.pretokenizers[0].pattern.Regex");
-  ExpectInvalid(with([](Json& j) {
-                  j["pre_tokenizer"] = {
-                      {"type", "Sequence"},
-                      {"pretokenizers",
-                       Json::array({{{"type", "Split"},
-                                     {"pattern", {{"Regex", "a"}}},
-                                     {"behavior", "Removed"}},
-                                    {{"type", "ByteLevel"}, {"add_prefix_space", false}}})}};
-                }),
-                "behavior");
+  ExpectInvalid(
+      with([](Json& j) {
+        j["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers", Json::array({{{"type", "Split"},
+                                            {"pattern", {{"Regex", "(unclosed"}}},
+                                            {"behavior", "Isolated"}},
+                                           {{"type", "ByteLevel"}, {"add_prefix_space", false}}})}};
+      }),
+      "pre_tokenizer.pretokenizers[0].pattern.Regex");
+  ExpectInvalid(
+      with([](Json& j) {
+        j["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers",
+             Json::array(
+                 {{{"type", "Split"}, {"pattern", {{"Regex", "a"}}}, {"behavior", "Removed"}},
+                  {{"type", "ByteLevel"}, {"add_prefix_space", false}}})}};
+      }),
+      "behavior");
   ExpectInvalid(with([](Json& j) { j["decoder"] = {{"type", "WordPiece"}}; }), "decoder.type");
 }
 
@@ -377,10 +387,10 @@ TEST(Utf8Test, LossyConversionReplacesMaximalSubparts) {
   };
   const std::string r = "\xEF\xBF\xBD";
   EXPECT_EQ(lossy("a\x80z"), "a" + r + "z");
-  EXPECT_EQ(lossy("\xE2\x82z"), r + "z");         // truncated 3-byte sequence: one U+FFFD
-  EXPECT_EQ(lossy("\xF0\x9F\x99"), r);             // incomplete at the end
-  EXPECT_EQ(lossy("\xED\xA0\x80"), r + r + r);     // a surrogate: three maximal subparts
-  EXPECT_EQ(lossy("\xC0\xAF"), r + r);             // overlong
+  EXPECT_EQ(lossy("\xE2\x82z"), r + "z");               // truncated 3-byte sequence: one U+FFFD
+  EXPECT_EQ(lossy("\xF0\x9F\x99"), r);                  // incomplete at the end
+  EXPECT_EQ(lossy("\xED\xA0\x80"), r + r + r);          // a surrogate: three maximal subparts
+  EXPECT_EQ(lossy("\xC0\xAF"), r + r);                  // overlong
   EXPECT_EQ(lossy("\xF4\x90\x80\x80"), r + r + r + r);  // above U+10FFFF
   std::string held;
   EXPECT_EQ(AppendUtf8Lossy("ok\xF0\x9F\x99", /*final=*/false, &held), 2u);

@@ -11,9 +11,8 @@ namespace fluxion::model {
 absl::StatusOr<StreamDetokenizer> StreamDetokenizer::Create(const Tokenizer* tokenizer,
                                                             StreamDetokenizerOptions options) {
   if (options.stop.size() > kMaxStopStrings) {
-    return absl::InvalidArgumentError(absl::StrCat(options.stop.size(),
-                                                   " stop strings, above the limit of ",
-                                                   kMaxStopStrings));
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.stop.size(), " stop strings, above the limit of ", kMaxStopStrings));
   }
   for (size_t i = 0; i < options.stop.size(); ++i) {
     const std::string& stop = options.stop[i];
@@ -21,9 +20,8 @@ absl::StatusOr<StreamDetokenizer> StreamDetokenizer::Create(const Tokenizer* tok
       return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is empty"));
     }
     if (stop.size() > kMaxStopStringBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] has ", stop.size(),
-                                                     " bytes, above the limit of ",
-                                                     kMaxStopStringBytes));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stop[", i, "] has ", stop.size(), " bytes, above the limit of ", kMaxStopStringBytes));
     }
     if (!IsValidUtf8(stop)) {
       return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is not valid UTF-8"));

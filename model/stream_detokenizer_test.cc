@@ -39,7 +39,8 @@ TEST(StreamDetokenizerTest, EqualsFullDecodeAtEveryPrefix) {
     auto t = LoadReference(name);
     ASSERT_NE(t, nullptr);
     for (const std::string text :
-         {"日本語の文章 中文句子 한국어 문장", "emoji 🙂🚀 👩‍💻 family 👨‍👩‍👧‍👦 flag 🇩🇪 skin 👍🏽",
+         {"日本語の文章 中文句子 한국어 문장",
+          "emoji 🙂🚀 👩‍💻 family 👨‍👩‍👧‍👦 flag 🇩🇪 skin 👍🏽",
           "naïve café — «quoted» “curly”", "<|im_start|>user\nhi 🙂<|im_end|>"}) {
       SCOPED_TRACE(name + ": " + text);
       auto ids = t->Encode(text);

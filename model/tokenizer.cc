@@ -76,9 +76,7 @@ class ByteTokenizerAdapter final : public Tokenizer {
     const int32_t one[] = {id};
     return ByteTokenizer::Decode(one);
   }
-  bool IsSpecial(int32_t id) const override {
-    return id >= 256 && id < ByteTokenizer::kVocabSize;
-  }
+  bool IsSpecial(int32_t id) const override { return id >= 256 && id < ByteTokenizer::kVocabSize; }
   int32_t vocab_size() const override { return ByteTokenizer::kVocabSize; }
 };
 
