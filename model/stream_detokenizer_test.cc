@@ -1,6 +1,7 @@
 #include "model/stream_detokenizer.h"
 
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -100,8 +101,10 @@ std::string Feed(StreamDetokenizer* stream, const std::vector<int32_t>& ids,
   return out;
 }
 
-std::vector<int32_t> Bytes(absl::string_view text) {
-  return std::vector<int32_t>(text.begin(), text.end());
+std::vector<int32_t> Bytes(absl::string_view text) {  // the byte tokenizer's ids
+  std::vector<int32_t> ids;
+  for (char c : text) ids.push_back(static_cast<unsigned char>(c));
+  return ids;
 }
 
 TEST(StreamDetokenizerTest, StopStringSpanningTokensEndsTheText) {
@@ -157,6 +160,48 @@ TEST(StreamDetokenizerTest, FirstCompletedStopWinsAndSpecialsAreSkipped) {
   EXPECT_EQ(longer.matched_stop(), "bcd");
   StreamDetokenizer shown = MakeStream(bytes.get(), {"b<eos>c"}, /*skip_special=*/false);
   EXPECT_EQ(Feed(&shown, ids) + shown.Finish(), "a");
+}
+
+// Property, on 2,000 random texts over a small alphabet (with 2- and 4-byte characters) and
+// random stop strings, fed one byte-token at a time: the streamed text is the whole text cut
+// where the first stop string to complete starts (the longest of those ending there), or the
+// whole text when none occurs; and it is valid UTF-8 after every id.
+TEST(StreamDetokenizerTest, StopsMatchTheWholeTextRuleOnRandomTexts) {
+  std::unique_ptr<Tokenizer> bytes = NewByteTokenizer();
+  std::mt19937 rng(12345);
+  const std::vector<std::string> alphabet = {"a", "b", "\xC3\xA9", "\xF0\x9F\x99\x82"};
+  auto random_string = [&](int max_chars) {
+    std::string out;
+    const int n = 1 + static_cast<int>(rng() % max_chars);
+    for (int i = 0; i < n; ++i) out += alphabet[rng() % alphabet.size()];
+    return out;
+  };
+  for (int trial = 0; trial < 2000; ++trial) {
+    const std::string text = random_string(24);
+    std::vector<std::string> stops;
+    const int n_stops = static_cast<int>(rng() % 4);
+    for (int i = 0; i < n_stops; ++i) stops.push_back(random_string(4));
+    size_t best_end = std::string::npos, best_start = std::string::npos;
+    for (const std::string& stop : stops) {
+      const size_t at = text.find(stop);
+      if (at == std::string::npos) continue;
+      const size_t end = at + stop.size();
+      if (end < best_end || (end == best_end && at < best_start)) {
+        best_end = end;
+        best_start = at;
+      }
+    }
+    const std::string want = best_start == std::string::npos ? text : text.substr(0, best_start);
+    StreamDetokenizer stream = MakeStream(bytes.get(), stops);
+    std::string got;
+    for (int32_t id : Bytes(text)) {
+      got += stream.Add(id);
+      ASSERT_TRUE(IsValidUtf8(got));
+    }
+    got += stream.Finish();
+    ASSERT_EQ(got, want) << "trial " << trial << " text " << text;
+    EXPECT_EQ(stream.stopped(), best_start != std::string::npos);
+  }
 }
 
 TEST(StreamDetokenizerTest, BadStopStringsAreInvalidArgument) {
