@@ -10,6 +10,7 @@
 #include "bench/gpu_bench.h"
 #endif
 #include "bench/model_bench.h"
+#include "bench/tokenizer_bench.h"
 #include "bench/topk_bench.h"
 #include "common/cpu_threads.h"
 #include "kernels/cpu/process_cpu.h"
@@ -24,7 +25,8 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "  decode     a batch's decode step: batched CPU executor vs the per-request loop;\n"
       "             with --device cpu|cuda the hybrid step at real shapes (random weights)\n"
       "  topk       radix-select top-k against std::nth_element\n"
-      "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n";
+      "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n"
+      "  tokenizer  encode / decode / streaming detokenization cost per token\n";
   if (args.empty() || args[0] == "--help") {
     std::cout << usage;
     return args.empty() ? 2 : 0;
@@ -45,6 +47,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
     return RunDecodeBench(rest);
   }
   if (args[0] == "topk") return RunTopKBench(rest);
+  if (args[0] == "tokenizer") return RunTokenizerBench(rest);
   if (args[0] == "gpu") {
 #ifdef FLUXION_HAVE_CUDA
     return RunGpuBench(rest);

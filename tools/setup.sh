@@ -14,6 +14,8 @@ packages=(
   libopenblas-openmp-dev                      # CPU GEMM/GEMV, OpenMP build so it shares our thread pool
   nlohmann-json3-dev                          # config.json, safetensors headers, --json output
   libmicrohttpd-dev                           # HTTP /metrics endpoints (common/metrics_http)
+  libpcre2-dev                                # HF tokenizer.json pre-tokenizer regexes (lookahead)
+  libicu-dev                                  # NFC normalization of HF tokenizers (Qwen2)
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
   python3                                     # tools/eval: result tables (and their ctest)
