@@ -32,7 +32,7 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::decode::RunGenerateCommand},
       {"make-model", "write a random-weight model in Hugging Face layout",
        fluxion::model::RunMakeModelCommand},
-      {"bench", "measurements: `fluxion bench model|attention|decode|topk|gpu`",
+      {"bench", "measurements: `fluxion bench model|attention|decode|topk|gpu|tokenizer`",
        fluxion::bench::RunBenchCommand},
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
       {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
