@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "model/json_text.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::model {
@@ -28,54 +29,8 @@ absl::Status FieldError(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: '", field, "' ", problem));
 }
 
-// nlohmann reports syntax errors only through exceptions or a SAX handler. This handler runs over
-// the text before the DOM parse: it recovers the position and reason of a syntax error for the
-// message, and it stops at kMaxJsonDepth, because nlohmann's dump() and comparisons recurse once
-// per level and a value nested 100,000 deep would overflow the stack (a config.json has 3 levels).
-class JsonPrescan : public nlohmann::json_sax<Json> {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return Enter(); }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return Leave(); }
-  bool start_array(std::size_t) override { return Enter(); }
-  bool end_array() override { return Leave(); }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
-    message = e.what();
-    return false;
-  }
-
-  std::string message;
-
- private:
-  bool Enter() {
-    if (++depth_ <= kMaxJsonDepth) return true;
-    message = absl::StrCat("nested deeper than ", kMaxJsonDepth, " levels");
-    return false;
-  }
-  bool Leave() {
-    --depth_;
-    return true;
-  }
-
-  int depth_ = 0;
-};
-
 absl::StatusOr<Json> ParseJson(absl::string_view text) {
-  JsonPrescan scanner;
-  if (!Json::sax_parse(text.begin(), text.end(), &scanner)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json is not valid JSON: ", scanner.message));
-  }
-  Json root = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return absl::InvalidArgumentError("config.json is not valid JSON");
-  return root;
+  return ParseJsonText(text, "config.json", {kMaxJsonDepth, false});
 }
 
 // Typed, non-throwing access to the fields of one JSON object. `prefix` is prepended to field

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "model/json_text.h"
 #include "nlohmann/json.hpp"
 
 namespace fluxion::model {
@@ -88,40 +89,6 @@ std::string ByteLevelDecode(absl::string_view spelling, bool* mapped = nullptr) 
   return bytes;
 }
 
-// The same JSON syntax pre-scan as config.json's (model/config.cc): it names the syntax error and
-// bounds nesting, which nlohmann's recursive DOM code would otherwise pay for on the stack.
-class JsonPrescan : public nlohmann::json_sax<Json> {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return Enter(); }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return Leave(); }
-  bool start_array(std::size_t) override { return Enter(); }
-  bool end_array() override { return Leave(); }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
-    message = e.what();
-    return false;
-  }
-  std::string message;
-
- private:
-  bool Enter() {
-    if (++depth_ <= kMaxTokenizerJsonDepth) return true;
-    message = absl::StrCat("nested deeper than ", kMaxTokenizerJsonDepth, " levels");
-    return false;
-  }
-  bool Leave() {
-    --depth_;
-    return true;
-  }
-  int depth_ = 0;
-};
 
 // Absent and null read alike ("not given"), as HF's serde defaults do.
 const Json* Find(const Json& object, const char* key) {
@@ -731,13 +698,8 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(absl::string_
                                                    " bytes is above the limit of ",
                                                    kMaxTokenizerJsonBytes));
   }
-  JsonPrescan scanner;
-  if (!Json::sax_parse(json.begin(), json.end(), &scanner)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer.json is not valid JSON: ", scanner.message));
-  }
-  Json root = Json::parse(json.begin(), json.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return absl::InvalidArgumentError("tokenizer.json is not valid JSON");
+  FLUXION_ASSIGN_OR_RETURN(Json root,
+                           ParseJsonText(json, "tokenizer.json", {kMaxTokenizerJsonDepth, false}));
   return HfTokenizerLoader::Load(root);
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "model/json_text.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/half.h"
@@ -60,71 +61,10 @@ bool CheckedByteSize(absl::Span<const int64_t> shape, uint64_t element_size, uin
   return true;
 }
 
-// nlohmann reports syntax errors only through exceptions or a SAX handler, and silently keeps the
-// last of duplicate keys. This handler runs over the text before the DOM parse to recover the
-// reason for a syntax error, to catch a top-level key given twice (in a header, a tensor named
-// twice, which would leave bytes nobody accounts for) and to bound the nesting depth.
-class JsonPrescan : public nlohmann::json_sax<Json> {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return Enter(); }
-  bool key(string_t& key) override {
-    if (depth_ == 1 && !top_level_keys_.insert(key).second && duplicate_key.empty()) {
-      duplicate_key = key;
-    }
-    return true;
-  }
-  bool end_object() override {
-    --depth_;
-    return true;
-  }
-  bool start_array(std::size_t) override { return Enter(); }
-  bool end_array() override {
-    --depth_;
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
-    syntax_error = e.what();
-    return false;
-  }
-
-  std::string syntax_error;
-  std::string duplicate_key;
-
- private:
-  // A header nests 3 deep (root, entry, shape). nlohmann's dump() and comparisons recurse once per
-  // level, so a shape nested 100,000 deep overflowed the stack while an error message was built:
-  // the scan stops there, before any DOM exists.
-  bool Enter() {
-    if (++depth_ <= kMaxJsonDepth) return true;
-    syntax_error = absl::StrCat("nested deeper than ", kMaxJsonDepth, " levels");
-    return false;
-  }
-
-  int depth_ = 0;
-  std::set<std::string> top_level_keys_;
-};
-
+// A header nests 3 deep (root, entry, shape); a top-level key given twice (a tensor named twice)
+// would leave bytes nobody accounts for, so it is refused.
 absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view what) {
-  JsonPrescan scanner;
-  if (!Json::sax_parse(text.begin(), text.end(), &scanner)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " is not valid JSON: ", scanner.syntax_error));
-  }
-  if (!scanner.duplicate_key.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " names '", scanner.duplicate_key, "' twice"));
-  }
-  Json root = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " is not valid JSON"));
-  }
+  FLUXION_ASSIGN_OR_RETURN(Json root, ParseJsonText(text, what, {kMaxJsonDepth, true}));
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not a JSON object (got ", root.type_name(), ")"));

@@ -1,0 +1,31 @@
+// Parsing untrusted JSON text (config.json, safetensors headers and indexes, tokenizer.json) into
+// nlohmann::json without exceptions. nlohmann reports syntax errors only through exceptions or a
+// SAX handler and silently keeps the last of duplicate keys, so a SAX pre-scan runs over the text
+// before the DOM parse: it recovers the reason for a syntax error, optionally catches a
+// top-level key given twice, and stops past `max_depth` levels, because nlohmann's dump() and
+// comparisons recurse once per level and a value nested 100,000 deep would overflow the stack.
+//
+// Thread-safe: a pure function.
+#ifndef FLUXION_MODEL_JSON_TEXT_H_
+#define FLUXION_MODEL_JSON_TEXT_H_
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::model {
+
+struct JsonTextOptions {
+  int max_depth = 64;
+  bool reject_duplicate_top_level_keys = false;
+};
+
+// The parsed document. InvalidArgument, naming `what`: "<what> is not valid JSON: <reason>"
+// (syntax, or nested deeper than max_depth), "<what> names '<key>' twice" (with
+// reject_duplicate_top_level_keys).
+absl::StatusOr<nlohmann::json> ParseJsonText(absl::string_view text, absl::string_view what,
+                                             const JsonTextOptions& options);
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_JSON_TEXT_H_
