@@ -431,9 +431,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
     executor = single_owned.get();
   }
   const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
-  std::printf("preset %s (%d layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
+  std::printf("preset %s (%lld layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
               "limit %.0f GiB (%.0f KiB per token)\n",
-              o.preset.c_str(), config.num_layers, o.device.c_str(), pool.threads(), weights_s,
+              o.preset.c_str(), static_cast<long long>(config.num_layers), o.device.c_str(), pool.threads(), weights_s,
               limit_gib,
               BytesPerToken(config) / 1024);
   // mb: micro-batches (1: one pipeline, 2: ping-pong). With 2 the phase times (to_host ...
