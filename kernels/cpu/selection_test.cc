@@ -22,6 +22,20 @@ namespace {
 using impl_testing::Impl;
 using impl_testing::ImplName;
 
+// `pages` pages of `pt` tokens of random bf16 K/V rows (head_dim d) and the view over them.
+struct RandomPages {
+  RandomPages(int64_t pages, int64_t pt, int64_t d, std::mt19937& rng)
+      : page_bytes(2 * pt * d * sizeof(bf16)), arena(pages * page_bytes) {
+    std::normal_distribution<float> normal(0, 1);
+    auto* all = reinterpret_cast<bf16*>(arena.data());
+    for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
+    kv = PagedKvView{arena.data(), page_bytes, pt, d};
+  }
+  size_t page_bytes;
+  std::vector<uint8_t> arena;
+  PagedKvView kv;
+};
+
 class SelectionTest : public ::testing::TestWithParam<Impl> {
  protected:
   void SetUp() override {
@@ -67,14 +81,10 @@ TEST_P(SelectionTest, GroupScoresAndTheirMaximumMatchScalarDotProducts) {
   for (int64_t d : {64, 96, 80}) {
     if (!Takes(d)) continue;
     for (int64_t group : {1, 3, 4, 7}) {
-      const int64_t pt = 16, pages = 6;
       std::mt19937 rng(group);
       std::normal_distribution<float> normal(0, 1);
-      const size_t page_bytes = 2 * pt * d * sizeof(bf16);
-      std::vector<uint8_t> arena(pages * page_bytes);
-      auto* all = reinterpret_cast<bf16*>(arena.data());
-      for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
-      PagedKvView kv{arena.data(), page_bytes, pt, d};
+      const RandomPages pages(/*pages=*/6, /*pt=*/16, d, rng);
+      const PagedKvView& kv = pages.kv;
       std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
       std::vector<float> q(group * d);
       for (float& x : q) x = normal(rng);
@@ -109,11 +119,8 @@ TEST(SelectionTasksTest, ScoresInTasksEqualOneWalkBitForBit) {
   const int64_t d = 128, group = 4, pt = 16, pages = 40;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0, 1);
-  const size_t page_bytes = 2 * pt * d * sizeof(bf16);
-  std::vector<uint8_t> arena(pages * page_bytes);
-  auto* all = reinterpret_cast<bf16*>(arena.data());
-  for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
-  PagedKvView kv{arena.data(), page_bytes, pt, d};
+  const RandomPages random_pages(pages, pt, d, rng);
+  const PagedKvView& kv = random_pages.kv;
   std::vector<PageSpan> spans;
   int64_t rows = 0;
   for (int32_t p = 0; p < pages; ++p) {  // spans of 1..16 rows, pages out of order
