@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/status_macros.h"
+#include "model/config.h"
 #include "model/json_text.h"
 #include "nlohmann/json.hpp"
 
@@ -151,8 +152,8 @@ size_t CodePointAt(absl::string_view text, size_t i, char32_t* cp) {
 // Python's str.isspace (Unicode White_Space plus the separators \x1c-\x1f).
 bool IsPythonSpace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
-         c == 0x202F || c == 0x205F || c == 0x3000;
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+         c == 0x205F || c == 0x3000;
 }
 
 absl::Status CheckMessages(absl::Span<const ChatMessage> messages) {
@@ -232,9 +233,10 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTemplateText(absl::string_view te
     t.default_system_ = ChatMlDefaultSystem(template_text);
     return t;
   }
-  const char* found = llama_markers    ? "Llama-3 marker tokens with a turn layout we do not reproduce"
-                      : chatml_markers ? "ChatML marker tokens with a turn layout we do not reproduce"
-                                       : "neither Llama-3 nor ChatML marker tokens";
+  const char* found = llama_markers ? "Llama-3 marker tokens with a turn layout we do not reproduce"
+                      : chatml_markers
+                          ? "ChatML marker tokens with a turn layout we do not reproduce"
+                          : "neither Llama-3 nor ChatML marker tokens";
   return absl::FailedPreconditionError(
       absl::StrCat(what, ": its chat_template (", template_text.size(), " bytes) has ", found,
                    "; Fluxion renders only Llama-3 and ChatML templates (docs/CHAT.md)"));
@@ -261,7 +263,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::Load(const std::string& model_dir) {
   }
   // No template: choose by config.json.
   const std::string config_path = model_dir + "/config.json";
-  FLUXION_ASSIGN_OR_RETURN(std::optional<Json> config, ReadJsonFile(config_path, size_t{16} << 20));
+  FLUXION_ASSIGN_OR_RETURN(std::optional<Json> config, ReadJsonFile(config_path, kMaxConfigBytes));
   if (!config.has_value()) {
     return absl::FailedPreconditionError(
         absl::StrCat(model_dir, " has no tokenizer_config.json chat_template and no config.json"));
@@ -284,12 +286,12 @@ absl::StatusOr<ChatTemplate> ChatTemplate::Load(const std::string& model_dir) {
     if (!bos.empty()) t.bos_ = bos;
     return t;
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      model_dir, " has no chat_template in tokenizer_config.json",
-      tc.has_value() ? "" : " (no tokenizer_config.json)", " and config.json's model_type '",
-      model_type,
-      "' is neither qwen2 nor llama with a Llama-3 vocabulary; copy the model's "
-      "tokenizer_config.json in (docs/CHAT.md)"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(model_dir, " has no chat_template in tokenizer_config.json",
+                   tc.has_value() ? "" : " (no tokenizer_config.json)",
+                   " and config.json's model_type '", model_type,
+                   "' is neither qwen2 nor llama with a Llama-3 vocabulary; copy the model's "
+                   "tokenizer_config.json in (docs/CHAT.md)"));
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(absl::Span<const ChatMessage> messages,

@@ -33,9 +33,9 @@ struct ChatMessage {
 class ChatTemplate {
  public:
   enum class Kind {
-    kLlama3,   // Llama-3 / 3.1 / 3.2 / 3.3 Instruct: <|start_header_id|>role<|end_header_id|>
-    kChatMl,   // ChatML (Qwen2, Qwen2.5, ...): <|im_start|>role\n...<|im_end|>\n
-    kPlain,    // Fluxion's own byte-level models: "role: content\n" (docs/CHAT.md)
+    kLlama3,  // Llama-3 / 3.1 / 3.2 / 3.3 Instruct: <|start_header_id|>role<|end_header_id|>
+    kChatMl,  // ChatML (Qwen2, Qwen2.5, ...): <|im_start|>role\n...<|im_end|>\n
+    kPlain,   // Fluxion's own byte-level models: "role: content\n" (docs/CHAT.md)
   };
 
   // From the model directory (tokenizer_config.json's chat_template, config.json's model_type).
@@ -77,10 +77,10 @@ class ChatTemplate {
 
   Kind kind_ = Kind::kChatMl;
   std::string name_;
-  std::string bos_;                 // Llama-3: written first
-  bool date_preamble_ = false;      // Llama-3.1 style default system turn
-  std::string today_;               // Today Date: ...
-  std::string default_system_;      // ChatML: system turn when the first message is not one
+  std::string bos_;             // Llama-3: written first
+  bool date_preamble_ = false;  // Llama-3.1 style default system turn
+  std::string today_;           // Today Date: ...
+  std::string default_system_;  // ChatML: system turn when the first message is not one
 };
 
 // Python's str.strip() (Jinja2's `trim` filter): removes leading and trailing characters that

@@ -34,11 +34,11 @@ void WriteFile(const std::string& path, const std::string& text) {
 // templates as transformers does, render_reference.py) is reproduced exactly.
 TEST(ChatTemplateReferenceTest, MatchesJinja2Renderings) {
   const nlohmann::json refs = nlohmann::json::parse(ReadAll(DataDir("references.json")));
-  ASSERT_EQ(refs.size(), 2u);
+  ASSERT_EQ(refs.size(), 4u);
   for (const auto& [model, cases] : refs.items()) {
     absl::StatusOr<ChatTemplate> t = ChatTemplate::Load(DataDir(model));
     ASSERT_TRUE(t.ok()) << t.status();
-    EXPECT_EQ(t->name(), model == "llama3.1" ? "llama3.1" : "chatml");
+    EXPECT_EQ(t->name(), model == "qwen2.5" ? "chatml" : model);
     ASSERT_GE(cases.size(), 10u);
     for (const auto& c : cases) {
       std::vector<ChatMessage> messages;
@@ -118,8 +118,9 @@ TEST(ChatTemplateTest, UncoveredModelIsFailedPreconditionNamingTheDir) {
   EXPECT_NE(t.status().message().find("'mistral'"), std::string::npos) << t.status();
 
   // Marker tokens alone are not enough: a different turn layout is refused, not guessed.
-  WriteFile(d + "/tokenizer_config.json",
-            R"({"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"})");
+  WriteFile(
+      d + "/tokenizer_config.json",
+      R"({"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"})");
   t = ChatTemplate::Load(d);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(t.status().message().find("ChatML marker tokens"), std::string::npos) << t.status();
@@ -134,8 +135,8 @@ TEST(ChatTemplateTest, UncoveredModelIsFailedPreconditionNamingTheDir) {
 }
 
 TEST(ChatTemplateTest, Llama32StyleUsesTodaysDate) {
-  std::string tmpl = nlohmann::json::parse(ReadAll(DataDir("llama3.1/tokenizer_config.json")))
-                         ["chat_template"];
+  std::string tmpl =
+      nlohmann::json::parse(ReadAll(DataDir("llama3.1/tokenizer_config.json")))["chat_template"];
   tmpl = "{%- set date_string = strftime_now(\"%d %b %Y\") %}" + tmpl;
   absl::StatusOr<ChatTemplate> t = ChatTemplate::FromTemplateText(tmpl, "<|begin_of_text|>", "x");
   ASSERT_TRUE(t.ok());
@@ -145,7 +146,10 @@ TEST(ChatTemplateTest, Llama32StyleUsesTodaysDate) {
 
 TEST(PythonStripTest, StripsPythonWhitespace) {
   EXPECT_EQ(PythonStrip(" \t\n\x1c a b \xc2\xa0\xe3\x80\x80"), "a b");
-  EXPECT_EQ(PythonStrip("\xe2\x80\x8b" "a"), "\xe2\x80\x8b" "a");  // U+200B is not whitespace
+  EXPECT_EQ(PythonStrip("\xe2\x80\x8b"
+                        "a"),
+            "\xe2\x80\x8b"
+            "a");  // U+200B is not whitespace
   EXPECT_EQ(PythonStrip("   "), "");
   EXPECT_EQ(PythonStrip(""), "");
 }

@@ -31,7 +31,7 @@ def raise_exception(message):
 env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 env.globals["raise_exception"] = raise_exception
 out = {}
-for model in ["llama3.1", "qwen2.5"]:
+for model in ["llama3.1", "qwen2.5", "llama3", "chatml"]:
     cfg = json.load(open(f"{model}/tokenizer_config.json"))
     tmpl = env.from_string(cfg["chat_template"])
     for name, messages in CASES:
