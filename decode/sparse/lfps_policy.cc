@@ -324,7 +324,8 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   const int64_t t = in.context - 1;
   const Regions r = SplitContext(config_, in.context);
   const auto& pages = in.kv->pages(in.layer, in.kv_head);
-  std::vector<int32_t> positions;
+  std::vector<int32_t>& positions = x.positions;
+  positions.clear();
   // Spans come in position order (sinks, middle, window), so each page is searched for from the
   // previous span's page on: O(pages + spans) per step instead of O(pages x spans), which at 128K
   // (8192 pages of 16 tokens) was a visible part of the step.
@@ -361,37 +362,57 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   // attended mass (a lower bound on its share of the full mass: re-measured whenever the head is
   // not bypassed); the softmax over the attended rows minus the sinks gives the half-normalised
   // weights that feed the tables (§1.3.1: the sinks' forced, large mass carries no indexing
-  // information). Both are maxed over the group (§1.3.7).
-  std::vector<float> best(positions.size(), 0.0f);
-  double middle_share = 0;
+  // information). Both are maxed over the group (§1.3.7). Each query head is a task (its
+  // exponentials were most of Observe at long contexts); the max over the group is taken after,
+  // which is the same value whatever order the heads ran in.
   const int64_t group = in.group;
-  for (int64_t g = 0; g < group; ++g) {
+  const size_t n = positions.size();
+  x.head_weights.resize(group * n);
+  x.head_middle_share.assign(group, 0.0);
+  kernels::cpu::RunAsTasks(group, [&](int64_t g) {
     auto score = [&](size_t j) { return x.scores[j * group + g]; };
     float m = -INFINITY, m_all = -INFINITY;
-    for (size_t j = 0; j < positions.size(); ++j) {
+    for (size_t j = 0; j < n; ++j) {
       m_all = std::max(m_all, score(j));
       if (positions[j] >= config_.sink_tokens) m = std::max(m, score(j));
     }
     double z = 0, z_all = 0, z_middle = 0;
-    for (size_t j = 0; j < positions.size(); ++j) {
+    for (size_t j = 0; j < n; ++j) {
       const double e_all = std::exp(score(j) - m_all);
       z_all += e_all;
       if (positions[j] >= r.sink_end && positions[j] < r.local_begin) z_middle += e_all;
       if (positions[j] >= config_.sink_tokens) z += std::exp(score(j) - m);
     }
-    middle_share = std::max(middle_share, z_middle / z_all);
-    for (size_t j = 0; j < positions.size(); ++j) {
-      if (positions[j] < config_.sink_tokens) continue;
-      best[j] = std::max(best[j], static_cast<float>(std::exp(score(j) - m) / z));
+    x.head_middle_share[g] = z_middle / z_all;
+    float* w = x.head_weights.data() + g * n;
+    for (size_t j = 0; j < n; ++j) {
+      w[j] = positions[j] < config_.sink_tokens
+                 ? 0.0f
+                 : static_cast<float>(std::exp(score(j) - m) / z);
     }
+  });
+  std::vector<float> best(n, 0.0f);
+  double middle_share = 0;
+  for (int64_t g = 0; g < group; ++g) {
+    middle_share = std::max(middle_share, x.head_middle_share[g]);
+    const float* w = x.head_weights.data() + g * n;
+    for (size_t j = 0; j < n; ++j) best[j] = std::max(best[j], w[j]);
   }
   if (!s.bypassed) {
     s.NoteMiddleShare(middle_share);
     s.steps_since_measured = 0;
   }
-  for (size_t j = 0; j < positions.size(); ++j) {
-    if (best[j] >= params_.min_weight) s.tables.Add(positions[j], t, best[j]);
-  }
+  // The two tables take the same weights independently: one task each.
+  kernels::cpu::RunAsTasks(2, [&](int64_t table) {
+    for (size_t j = 0; j < n; ++j) {
+      if (best[j] < params_.min_weight) continue;
+      if (table == 0) {
+        s.tables.AddVertical(positions[j], best[j]);
+      } else {
+        s.tables.AddSlash(t - positions[j], best[j]);
+      }
+    }
+  });
 }
 
 bool LfpsPolicy::ApproximateRest(const SelectionInput& in, float* out, float* lse) {

@@ -115,6 +115,11 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<float> edge_logits, picked_logits;
     int64_t sink_rows = 0;
     bool logits_valid = false;
+    // Observe: the attended positions, and per query head of the group its half-normalised
+    // weights [group][row] and its middle share (each head a task: RunAsTasks).
+    std::vector<int32_t> positions;
+    std::vector<float> head_weights;
+    std::vector<double> head_middle_share;
   };
 
   // Both create the head's entry on first use. Heads of a shared object selected in parallel
