@@ -158,6 +158,10 @@ struct Point {
   // With --degrade-on-stall: the share of the middle budget the guard left the last step, the
   // smallest over the pipelines (1: never degraded).
   double budget_scale_end = 1;
+  // Admission into the window (inside the first warm-up step, which every other request of a
+  // served batch would wait for): mean ms per request, and that whole first step.
+  double admit_ms = 0;
+  double first_step_ms = 0;
 };
 
 // Dynamic degradation (decode/stall_guard.h) on every pipeline of a stepper, restarting it.
@@ -170,6 +174,19 @@ void SetStallGuard(decode::PingPongStepExecutor& e, const decode::StallGuardOpti
 double GuardScale(decode::HybridStepExecutor& e) { return e.stall_guard().scale(); }
 double GuardScale(decode::PingPongStepExecutor& e) {
   return std::min(e.pipeline(0).stall_guard().scale(), e.pipeline(1).stall_guard().scale());
+}
+
+// Requests admitted and the seconds that took, over the stepper's pipelines.
+decode::HybridStepExecutor::AdmissionCounters Admissions(decode::HybridStepExecutor& e) {
+  return e.admission_counters();
+}
+decode::HybridStepExecutor::AdmissionCounters Admissions(decode::PingPongStepExecutor& e) {
+  decode::HybridStepExecutor::AdmissionCounters sum;
+  for (int h = 0; h < 2; ++h) {
+    sum.requests += e.pipeline(h).admission_counters().requests;
+    sum.seconds += e.pipeline(h).admission_counters().seconds;
+  }
+  return sum;
 }
 
 // The batch's selection stats summed (k rows scored, metadata bytes).
@@ -271,6 +288,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   // tunes the GEMMs), the second records the dense segments' CUDA graphs (model/decode_step.h).
   constexpr int64_t kWarmup = 2;
   std::pair<int64_t, int64_t> reads_before, reads_after;
+  const decode::HybridStepExecutor::AdmissionCounters admitted_before = Admissions(executor);
+  double admit_ms = 0, first_step_ms = 0;
   for (int64_t s = 0; s < kWarmup + steps && failed.ok(); ++s) {
     if (s == kWarmup) {
       executor.ResetCounters();
@@ -287,6 +306,12 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
       if (next[i] >= 0) requests[i].token = next[i];
     }
     if (s >= kWarmup) ms.push_back(elapsed);
+    if (s == 0) {
+      const decode::HybridStepExecutor::AdmissionCounters a = Admissions(executor);
+      const int64_t n = a.requests - admitted_before.requests;
+      if (n > 0) admit_ms = 1e3 * (a.seconds - admitted_before.seconds) / n;
+      first_step_ms = elapsed;
+    }
   }
   reads_after = PolicyReads(attentions);
   // The pages go back whatever happened, so the next point can use them.
@@ -297,6 +322,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   p.median_ms = Summarize(ms).median;
   p.per_step = executor.counters();
   p.budget_scale_end = GuardScale(executor);
+  p.admit_ms = admit_ms;
+  p.first_step_ms = first_step_ms;
   const double n = static_cast<double>(steps);
   for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
                     &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
@@ -431,16 +458,17 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
     executor = single_owned.get();
   }
   const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
-  std::printf("preset %s (%d layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
+  std::printf("preset %s (%lld layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
               "limit %.0f GiB (%.0f KiB per token)\n",
-              o.preset.c_str(), config.num_layers, o.device.c_str(), pool.threads(), weights_s,
+              o.preset.c_str(), static_cast<long long>(config.num_layers), o.device.c_str(), pool.threads(), weights_s,
               limit_gib,
               BytesPerToken(config) / 1024);
   // mb: micro-batches (1: one pipeline, 2: ping-pong). With 2 the phase times (to_host ...
   // lane) are summed over both halves, each on its own thread, so they may exceed the step.
-  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s\n",
+  // admit: ms per request to enter the window (in the first warm-up step; a served batch waits).
+  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s | %8s\n",
               "context", "batch", "mb", "policy", "step ms", "tok/s", "host rows", "res rows",
-              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle");
+              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle", "admit");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
                                  kPageTokens};
   for (int64_t context : o.contexts) {
@@ -564,13 +592,13 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
         const double idle = std::max(0.0, 1.0 - row.gpu_only_ms / p.median_ms);
         std::printf("%8lld %5lld %2lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f "
-                    "%7.2f %7.2f %7.2f | %5.0f%%\n",
+                    "%7.2f %7.2f %7.2f | %5.0f%% | %8.2f\n",
                     static_cast<long long>(context), static_cast<long long>(batch),
                     static_cast<long long>(row.micro_batches), label.c_str(), p.median_ms,
                     1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
                     static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
                     1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s,
-                    100 * idle);
+                    100 * idle, p.admit_ms);
         std::fflush(stdout);
         results->push_back({{"preset", o.preset},
                             {"layers", config.num_layers},
@@ -580,6 +608,8 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"micro_batches", row.micro_batches},
                             {"degrade_on_stall", o.degrade_on_stall},
                             {"budget_scale_end", p.budget_scale_end},
+                            {"admit_ms_per_request", p.admit_ms},
+                            {"first_step_ms", p.first_step_ms},
                             {"policy", label},
                             // null: the path decides nothing data-driven (profile-free)
                             {"profile", row.profile.empty() ? nlohmann::json(nullptr)

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
@@ -90,8 +91,11 @@ class MappedScratch {
 
 class CudaResidentWindow : public ResidentWindow {
  public:
-  CudaResidentWindow(const WindowShape& shape, cudaStream_t stream)
-      : shape_(shape), stream_(stream), slots_(shape) {}
+  CudaResidentWindow(const WindowShape& shape, cudaStream_t stream, int64_t bounds_chunk_bytes)
+      : shape_(shape),
+        stream_(stream),
+        slots_(shape),
+        bounds_chunk_bytes_(std::max<int64_t>(bounds_chunk_bytes, 1)) {}
 
   absl::Status Init() {
     const int64_t per_slot =
@@ -170,10 +174,12 @@ class CudaResidentWindow : public ResidentWindow {
       cudaGetLastError();
       return absl::ResourceExhaustedError("resident window: cannot allocate pinned block scores");
     }
-    if (cudaEventCreateWithFlags(&scores_ready_, cudaEventDisableTiming) != cudaSuccess) {
-      cudaGetLastError();
-      scores_ready_ = nullptr;
-      return absl::InternalError("resident window: cannot create an event");
+    for (cudaEvent_t* e : {&scores_ready_, &bounds_copied_[0], &bounds_copied_[1]}) {
+      if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        *e = nullptr;
+        return absl::InternalError("resident window: cannot create an event");
+      }
     }
     bounds_.num_layers = shape_.num_layers;
     bounds_.num_kv_heads = shape_.num_kv_heads;
@@ -186,7 +192,9 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   ~CudaResidentWindow() override {
-    if (scores_ready_ != nullptr) cudaEventDestroy(scores_ready_);
+    for (cudaEvent_t e : {scores_ready_, bounds_copied_[0], bounds_copied_[1]}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   }
 
   const WindowShape& shape() const override { return shape_; }
@@ -200,20 +208,23 @@ class CudaResidentWindow : public ResidentWindow {
     gather_k_.assign(per_slot_, bf16{});
     gather_v_.assign(per_slot_, bf16{});
     const kernels::PagedKvView src = kv.view();
-    for (int layer = 0; layer < shape_.num_layers; ++layer) {
-      for (int h = 0; h < shape_.num_kv_heads; ++h) {
-        const int64_t base = (static_cast<int64_t>(layer) * shape_.num_kv_heads + h) * rows * d;
-        auto copy_token = [&](int64_t t) {
-          const int32_t page = kv.pages(layer, h)[t / kpt];
-          const int64_t at = base + shape_.ring_row(t) * d;
-          std::memcpy(&gather_k_[at], src.keys(page) + (t % kpt) * d, d * sizeof(bf16));
-          std::memcpy(&gather_v_[at], src.values(page) + (t % kpt) * d, d * sizeof(bf16));
-        };
-        ForEachResidentToken(shape_, n, copy_token);
+    ForEachHead([&](int layer, int h) {
+      const int64_t base = (static_cast<int64_t>(layer) * shape_.num_kv_heads + h) * rows * d;
+      auto copy_token = [&](int64_t t) {
+        const int32_t page = kv.pages(layer, h)[t / kpt];
+        const int64_t at = base + shape_.ring_row(t) * d;
+        std::memcpy(&gather_k_[at], src.keys(page) + (t % kpt) * d, d * sizeof(bf16));
+        std::memcpy(&gather_v_[at], src.values(page) + (t % kpt) * d, d * sizeof(bf16));
+      };
+      ForEachResidentToken(shape_, n, copy_token);
+    });
+    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens));
+    if (slots_.score_block(slot) > 0) {
+      if (absl::Status s = UploadBounds(kv, slot); !s.ok()) {
+        slots_.Release(slot);
+        return s;
       }
     }
-    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens));
-    if (slots_.score_block(slot) > 0) UploadBounds(kv, slot);
     const size_t bytes = per_slot_ * sizeof(bf16);
     Record(cudaMemcpyAsync(ring_.k + slot * per_slot_, gather_k_.data(), bytes,
                            cudaMemcpyHostToDevice, stream_),
@@ -229,33 +240,67 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   // The slot's page bounds from the host pages' metadata, rounded to bf16 without loss (they
-  // are bounds of bf16 keys), one strided copy per array. Runs before Admit's Sync.
-  void UploadBounds(const PagedKv& kv, int slot) {
+  // are bounds of bf16 keys). At 128K that is 2 x 256 heads x 8,192 pages x 128 values, ~1 GiB
+  // of bf16, so it streams through two pinned chunks: the pool converts chunk c + 1 while the copy
+  // engine moves chunk c (pageable memory copied at a fraction of pinned speed, and converting
+  // it all on one thread first took most of a 128K admission). Runs before Admit's Sync.
+  // ResourceExhausted when the pinned staging cannot be had; copy errors surface at Sync.
+  absl::Status UploadBounds(const PagedKv& kv, int slot) {
     const int64_t d = shape_.head_dim, heads = shape_.num_layers * shape_.num_kv_heads;
     const int64_t pages = (kv.length(0) + shape_.page_tokens - 1) / shape_.page_tokens;
-    if (pages == 0) return;
-    gather_min_.resize(heads * pages * d);
-    gather_max_.resize(heads * pages * d);
-    for (int layer = 0; layer < shape_.num_layers; ++layer) {
-      for (int h = 0; h < shape_.num_kv_heads; ++h) {
-        const int64_t at = (static_cast<int64_t>(layer) * shape_.num_kv_heads + h) * pages * d;
-        const float* mn = kv.key_min(layer, h);
-        const float* mx = kv.key_max(layer, h);
-        for (int64_t j = 0; j < pages * d; ++j) {
-          gather_min_[at + j] = FloatToBf16(mn[j]);
-          gather_max_[at + j] = FloatToBf16(mx[j]);
-        }
-      }
-    }
-    const size_t width = pages * d * sizeof(bf16);
+    if (pages == 0) return absl::OkStatus();
+    const int64_t head_elems = pages * d;  // one head's bounds of one array
+    const int64_t per_chunk = std::clamp<int64_t>(
+        bounds_chunk_bytes_ / (2 * head_elems * static_cast<int64_t>(sizeof(bf16))), 1, heads);
+    const size_t chunk_bytes = 2 * per_chunk * head_elems * sizeof(bf16);  // min, then max
+    for (GrowingBuffer& b : bounds_stage_) FLUXION_RETURN_IF_ERROR(b.Reserve(chunk_bytes));
+    const size_t width = head_elems * sizeof(bf16);
     const size_t pitch = shape_.max_pages() * d * sizeof(bf16);
     const int64_t first = kernels::cuda::BoundsOffset(bounds_, slot, 0, 0);
-    Record(cudaMemcpy2DAsync(bounds_.min + first, pitch, gather_min_.data(), width, width, heads,
-                             cudaMemcpyHostToDevice, stream_),
-           "admit: copy page bounds");
-    Record(cudaMemcpy2DAsync(bounds_.max + first, pitch, gather_max_.data(), width, width, heads,
-                             cudaMemcpyHostToDevice, stream_),
-           "admit: copy page bounds");
+    const int64_t row = shape_.max_pages() * d;  // elements between heads on the device
+    for (int64_t c = 0, h0 = 0; h0 < heads; ++c, h0 += per_chunk) {
+      const int b = static_cast<int>(c % 2);
+      // The copy out of this buffer two chunks ago must be done before it is overwritten.
+      if (c >= 2) Record(cudaEventSynchronize(bounds_copied_[b]), "admit: wait for a bounds copy");
+      const int64_t n = std::min(per_chunk, heads - h0);
+      bf16* mn_out = static_cast<bf16*>(bounds_stage_[b].get());
+      bf16* mx_out = mn_out + per_chunk * head_elems;
+      RunOnPool(n, [&](int64_t i) {
+        const int layer = static_cast<int>((h0 + i) / shape_.num_kv_heads);
+        const int h = static_cast<int>((h0 + i) % shape_.num_kv_heads);
+        const float* mn = kv.key_min(layer, h);
+        const float* mx = kv.key_max(layer, h);
+        for (int64_t j = 0; j < head_elems; ++j) {
+          mn_out[i * head_elems + j] = FloatToBf16(mn[j]);
+          mx_out[i * head_elems + j] = FloatToBf16(mx[j]);
+        }
+      });
+      Record(cudaMemcpy2DAsync(bounds_.min + first + h0 * row, pitch, mn_out, width, width, n,
+                               cudaMemcpyHostToDevice, stream_),
+             "admit: copy page bounds");
+      Record(cudaMemcpy2DAsync(bounds_.max + first + h0 * row, pitch, mx_out, width, width, n,
+                               cudaMemcpyHostToDevice, stream_),
+             "admit: copy page bounds");
+      Record(cudaEventRecord(bounds_copied_[b], stream_), "admit: record a bounds copy");
+    }
+    return absl::OkStatus();
+  }
+
+  void set_cpu_pool(const kernels::cpu::CpuPool* pool) override { pool_ = pool; }
+
+  // fn(i) for i in [0, n) on the pool's threads (the calling thread without one).
+  void RunOnPool(int64_t n, absl::FunctionRef<void(int64_t)> fn) const {
+    if (pool_ != nullptr) {
+      pool_->ParallelFor(n, fn);
+    } else {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+    }
+  }
+  // fn(layer, kv_head) for every head of the model, on the pool.
+  void ForEachHead(absl::FunctionRef<void(int, int)> fn) const {
+    RunOnPool(static_cast<int64_t>(shape_.num_layers) * shape_.num_kv_heads, [&](int64_t i) {
+      fn(static_cast<int>(i / shape_.num_kv_heads), static_cast<int>(i % shape_.num_kv_heads));
+    });
   }
 
   void Release(int slot) override { slots_.Release(slot); }
@@ -462,7 +507,11 @@ class CudaResidentWindow : public ResidentWindow {
   DeviceMemory bounds_min_, bounds_max_, block_dev_, offset_dev_, scores_dev_;
   PinnedMemory scores_host_;
   cudaEvent_t scores_ready_ = nullptr;
-  std::vector<bf16> gather_min_, gather_max_;
+  // Admission's page bounds in flight: two pinned chunks and the copy out of each.
+  const int64_t bounds_chunk_bytes_;
+  GrowingBuffer bounds_stage_[2] = {GrowingBuffer(true), GrowingBuffer(true)};
+  cudaEvent_t bounds_copied_[2] = {nullptr, nullptr};
+  const kernels::cpu::CpuPool* pool_ = nullptr;  // Admit's host threads (null: this thread)
   StepScorePlan plan_;
   bool keeps_bounds_ = false;  // some row of the step keeps page bounds
   // Zero-copy reads of host pages.
@@ -497,8 +546,8 @@ absl::Status PinArenaForCuda(KvArena* arena) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
-                                                                     cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(
+    const WindowShape& shape, cudaStream_t stream, int64_t bounds_chunk_bytes) {
   if (absl::Status s = ValidateWindowShape(shape); !s.ok()) return s;
   if (shape.head_dim != 32 && shape.head_dim != 64 && shape.head_dim != 128) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -508,7 +557,7 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const Wind
     return absl::InvalidArgumentError(absl::StrCat(
         "the CUDA resident window holds at most 256 rows per head, not ", shape.rows_per_head()));
   }
-  auto window = std::make_unique<CudaResidentWindow>(shape, stream);
+  auto window = std::make_unique<CudaResidentWindow>(shape, stream, bounds_chunk_bytes);
   if (absl::Status s = window->Init(); !s.ok()) return s;
   return std::unique_ptr<ResidentWindow>(std::move(window));
 }

@@ -24,8 +24,14 @@ namespace fluxion::decode {
 // shape.max_rows rows). `stream` (the DenseOps's) must outlive the window. InvalidArgument for a
 // bad shape or a head_dim other than 64 / 128 or more than 256 resident rows per head;
 // ResourceExhausted when device or pinned memory runs out.
-absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(const WindowShape& shape,
-                                                                     cudaStream_t stream);
+//
+// Admission streams a request's page bounds to the device through two pinned chunks of
+// `bounds_chunk_bytes` (at least one head's bounds each); tests pass a small size to exercise
+// the chunking.
+inline constexpr int64_t kDefaultBoundsChunkBytes = int64_t{32} << 20;
+absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(
+    const WindowShape& shape, cudaStream_t stream,
+    int64_t bounds_chunk_bytes = kDefaultBoundsChunkBytes);
 
 // Pins `arena`'s memory for the GPU (cudaHostRegister, mapped) until the arena dies, so the
 // window can read host pages zero-copy (ResidentWindow::MappedView) and copies from it run at

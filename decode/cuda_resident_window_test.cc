@@ -189,8 +189,12 @@ TEST_P(CudaBlockScoresTest, MatchTheHostWindowsScores) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   auto host = *NewHostResidentWindow(shape, shape.page_tokens);
-  auto cuda = NewCudaResidentWindow(shape, stream);
+  // Admission's bounds upload: one chunk (head_dim 32) or one head per chunk (the rest: the two
+  // pinned chunks reused many times), converted on a pool of 3 threads.
+  const kernels::cpu::CpuPool pool(3);  // outlives the window
+  auto cuda = NewCudaResidentWindow(shape, stream, d == 32 ? kDefaultBoundsChunkBytes : 1);
   ASSERT_TRUE(cuda.ok()) << cuda.status();
+  (*cuda)->set_cpu_pool(&pool);
   std::vector<int> host_slots, cuda_slots;
   for (size_t i = 0; i < kvs.size(); ++i) {
     host_slots.push_back(*host->Admit(*kvs[i], blocks[i]));

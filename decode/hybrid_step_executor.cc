@@ -1,6 +1,7 @@
 #include "decode/hybrid_step_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <utility>
 
@@ -62,6 +63,7 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
   state->vocab_size = config.vocab_size;
   state->ops = std::move(ops);
   state->window = std::move(window);
+  state->window->set_cpu_pool(pool);
   FLUXION_ASSIGN_OR_RETURN(state->cpu_backend,
                            kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt}));
   state->runner = model::DecodeStepRunner::Create(config, state->ops.get(), std::move(params));
@@ -100,7 +102,11 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
       window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
           ? sparse::RankedBlockTokens(policy, page_tokens)
           : 0;
+  const auto start = std::chrono::steady_clock::now();
   FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv(), score_block));
+  ++admission_counters_.requests;
+  admission_counters_.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   state_->slots[attention.id()] = slot;
   return slot;
 }

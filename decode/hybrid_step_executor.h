@@ -59,6 +59,13 @@ class HybridStepExecutor : public StepExecutor {
     int64_t full_rows = 0;
   };
   const SamplingCounters& sampling_counters() const { return sampling_counters_; }
+  // Requests admitted to the window (their resident rows and page bounds gathered and uploaded,
+  // inside the step that first holds them) and the wall time that took, since creation.
+  struct AdmissionCounters {
+    int64_t requests = 0;
+    double seconds = 0;
+  };
+  const AdmissionCounters& admission_counters() const { return admission_counters_; }
   // The most candidates a row may ask for (default and ceiling CandidateOps::kMaxCandidates);
   // lower it to make rows fall back to full logits (tests).
   void set_max_candidates(int64_t n) { max_candidates_ = n; }
@@ -107,6 +114,7 @@ class HybridStepExecutor : public StepExecutor {
   HybridBatchAttention* attention_;  // owned by state_
   bool window_block_scores_ = true;
   SamplingCounters sampling_counters_;
+  AdmissionCounters admission_counters_;
   int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;
   // The step's phase times feed the guard: the counters when it last looked.
   void ObserveStall();

@@ -40,6 +40,7 @@
 #include "absl/functional/function_ref.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "model/attention.h"
 
 namespace fluxion::decode {
@@ -139,6 +140,10 @@ class ResidentWindow {
   // window). ResourceExhausted when every slot is taken; InvalidArgument for a KV of another
   // shape or page size, uneven layers, or a bad block size.
   virtual absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) = 0;
+  // The threads Admit may use for its host-side gathering and conversion (null, the default:
+  // the calling thread). Admission runs inside the step that first holds the request, so every
+  // other request of that step waits for it. `pool` must outlive the window.
+  virtual void set_cpu_pool(const kernels::cpu::CpuPool* pool) {}
   // Frees a slot (its rows are then garbage). Unknown or free slots are ignored.
   virtual void Release(int slot) = 0;
 

@@ -7,6 +7,7 @@
 #include "decode/sparse/policy_util.h"
 #include "glog/logging.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
@@ -228,8 +229,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     x.spans.clear();
     AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &x.spans);
     x.scores.resize(n_middle);
-    kernels::cpu::MaxGroupScores(in.kv->view(), x.spans.data(), x.spans.size(),
-                                 in.q, in.group, x.scores.data());
+    kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
+                                        in.group, x.scores.data());
     stats->k_rows_scored += n_middle;
     kernels::cpu::TopKIndices(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
     for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
@@ -250,10 +251,16 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
     // just outside it still reaches in through the expansion offsets, so the ranges are widened
     // by them.
-    s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap, r.sink_end - 2,
-                                    r.local_begin + 1, &vertical);
-    s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap, t - r.local_begin,
-                                 t - r.sink_end + 3, &slash);
+    // The two tables select concurrently (idle threads of the step take one: RunAsTasks).
+    kernels::cpu::RunAsTasks(2, [&](int64_t table) {
+      if (table == 0) {
+        s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap,
+                                        r.sink_end - 2, r.local_begin + 1, &vertical);
+      } else {
+        s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap, t - r.local_begin,
+                                     t - r.sink_end + 3, &slash);
+      }
+    });
     // Expanded candidates collected directly and sorted: O(c log c) for c candidates instead of
     // clearing and scanning a mark array over the whole context every step.
     std::vector<int32_t>& candidates = x.candidates;
@@ -278,8 +285,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
       // would otherwise read those K rows again.
       const int64_t n = static_cast<int64_t>(candidates.size()), group = in.group;
       x.group_scores.resize(n * group);
-      kernels::cpu::GroupScores(in.kv->view(), x.spans.data(), x.spans.size(), in.q, group,
-                                x.group_scores.data());
+      kernels::cpu::GroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
+                                       group, x.group_scores.data());
       x.scores.resize(n);
       for (int64_t i = 0; i < n; ++i) {
         const float* row = x.group_scores.data() + i * group;

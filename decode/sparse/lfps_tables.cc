@@ -96,7 +96,8 @@ void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, i
   // step was most of LFPS's step at long contexts); a table whose range is mostly non-zero (as
   // after many steps of diffuse attention) is scanned in index order, which reads it
   // sequentially instead of at random.
-  if (nonzero_ * 4 >= hi - lo) {
+  const bool dense = nonzero_ * 4 >= hi - lo;
+  if (dense) {
     for (int64_t i = lo; i < hi; ++i) {
       if (psi_[i] != 0.0) visit(i);
     }
@@ -115,12 +116,26 @@ void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, i
     const int64_t k = above > max_count ? max_count : want_min;
     if (k > 0) {
       kernels::cpu::TopKIndices(values.data(), n, k, &top_);
+      if (dense) {
+        // `eligible` is in index order: marking the picks and reading the marks back in order
+        // sorts them in O(n / 64 + k) (a std::sort of the k indices was ~10% of LFPS's
+        // selection at 128K, perf).
+        picked_bits_.assign(static_cast<size_t>((n + 63) / 64), 0);
+        for (int32_t j : top_) picked_bits_[j >> 6] |= uint64_t{1} << (j & 63);
+        for (size_t w = 0; w < picked_bits_.size(); ++w) {
+          for (uint64_t bits = picked_bits_[w]; bits != 0; bits &= bits - 1) {
+            out->push_back(eligible[w * 64 + __builtin_ctzll(bits)]);
+          }
+        }
+        return;
+      }
       for (int32_t j : top_) out->push_back(eligible[j]);
     }
   } else {
     for (int64_t j = 0; j < n; ++j) {
       if (psi_[eligible[j]] >= threshold_psi) out->push_back(eligible[j]);
     }
+    if (dense) return;  // already in index order
   }
   std::sort(out->begin() + first, out->end());
 }

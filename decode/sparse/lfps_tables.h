@@ -69,6 +69,7 @@ class DecayedTable {
   mutable std::vector<int64_t> scratch_;
   mutable std::vector<float> scratch_values_;
   mutable std::vector<int32_t> top_;
+  mutable std::vector<uint64_t> picked_bits_;  // the clamp's picks, one bit per eligible entry
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };

@@ -48,8 +48,8 @@ class ExactTopKPolicy : public SparsePolicy {
       scan_.clear();
       AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scan_);
       scores_.resize(n);
-      kernels::cpu::MaxGroupScores(in.kv->view(), scan_.data(), scan_.size(), in.q, in.group,
-                                   scores_.data());
+      kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), scan_.data(), scan_.size(), in.q,
+                                          in.group, scores_.data());
       stats->k_rows_scored += n;
       kernels::cpu::TopKIndices(scores_.data(), n, r.middle_rows_budget, &picked_);
       std::sort(picked_.begin(), picked_.end());

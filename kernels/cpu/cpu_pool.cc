@@ -23,6 +23,18 @@ void CpuPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) const 
   for (int64_t i = 0; i < n; ++i) fn(i);
 }
 
+void RunAsTasks(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+  if (n <= 0) return;
+  if (n == 1 || !omp_in_parallel()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  // One task per item (the callers size items at tens of microseconds or more); the taskloop's
+  // implicit taskgroup is the wait.
+#pragma omp taskloop grainsize(1) shared(fn)
+  for (int64_t i = 0; i < n; ++i) fn(i);
+}
+
 void CpuPool::ApplyToBlas() const {
   // Both setters are cheap, but OpenBLAS's also walks its buffer table: skip it when unchanged.
   if (openblas_get_num_threads() != threads_) openblas_set_num_threads(threads_);

@@ -40,6 +40,16 @@ class CpuPool {
   int threads_;
 };
 
+// Runs fn(i) for every i in [0, n) as OpenMP tasks and returns when all have run. Called from a
+// ParallelFor task, it lets the team's idle threads share that task's work: a decode step's CPU
+// phase is one task per (request, KV head), and at small batches there are fewer of those than
+// threads (8 KV heads a layer at batch 1 on 16 threads), so one head's long selection kept its
+// thread busy while the rest waited at the loop's barrier. Threads waiting at a barrier run
+// queued tasks, and so does the caller while it waits for its own. Outside a parallel region fn
+// runs on the calling thread, in order. fn must not throw; calls for different i may run
+// concurrently and must write disjoint data.
+void RunAsTasks(int64_t n, absl::FunctionRef<void(int64_t)> fn);
+
 }  // namespace fluxion::kernels::cpu
 
 #endif  // FLUXION_KERNELS_CPU_CPU_POOL_H_

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/bf16_avx2.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "kernels/cpu/math_avx2.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/paged_attention_impl.h"
@@ -86,6 +88,50 @@ void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
 void GroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
                  int64_t group, float* scores) {
   ScoreRows(kv, spans, num_spans, q, group, /*all_heads=*/true, scores);
+}
+
+namespace {
+
+// Walks the spans in chunks of >= rows_per_task rows (the last may be shorter) and scores each
+// chunk as one task; `per_row` is the number of scores a row writes.
+void ScoreInTasks(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
+                  int64_t group, bool all_heads, float* scores, int64_t rows_per_task) {
+  struct Chunk {
+    int64_t first_span, first_row;
+  };
+  // The chunk list of this thread's call: reused, so a step allocates nothing here once warm.
+  thread_local std::vector<Chunk> chunks;
+  chunks.clear();
+  int64_t rows = 0, in_chunk = rows_per_task;
+  for (int64_t i = 0; i < num_spans; ++i) {
+    if (in_chunk >= rows_per_task) {
+      chunks.push_back({i, rows});
+      in_chunk = 0;
+    }
+    rows += spans[i].rows;
+    in_chunk += spans[i].rows;
+  }
+  chunks.push_back({num_spans, rows});  // the end
+  const std::vector<Chunk>& c = chunks;
+  const int64_t per_row = all_heads ? group : 1;
+  RunAsTasks(static_cast<int64_t>(c.size()) - 1, [&](int64_t j) {
+    ScoreRows(kv, spans + c[j].first_span, c[j + 1].first_span - c[j].first_span, q, group,
+              all_heads, scores + c[j].first_row * per_row);
+  });
+}
+
+}  // namespace
+
+void GroupScoresInTasks(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                        const float* q, int64_t group, float* scores, int64_t rows_per_task) {
+  ScoreInTasks(kv, spans, num_spans, q, group, /*all_heads=*/true, scores,
+               std::max<int64_t>(rows_per_task, 1));
+}
+
+void MaxGroupScoresInTasks(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                           const float* q, int64_t group, float* scores, int64_t rows_per_task) {
+  ScoreInTasks(kv, spans, num_spans, q, group, /*all_heads=*/false, scores,
+               std::max<int64_t>(rows_per_task, 1));
 }
 
 void QuestBlockBounds(const float* key_min, const float* key_max, int64_t head_dim,

@@ -23,6 +23,18 @@ void MaxGroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_sp
 void GroupScores(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans, const float* q,
                  int64_t group, float* scores);
 
+// GroupScores / MaxGroupScores split into chunks of about `rows_per_task` rows (whole spans) run
+// as OpenMP tasks (RunAsTasks, cpu_pool.h): for one (request, KV head) task of a step's CPU phase
+// that rescores tens of thousands of rows while other threads of the team are idle. The scores
+// equal the one-walk functions' bit for bit (each row's dot products are computed the same way).
+inline constexpr int64_t kScoreRowsPerTask = 2048;
+void GroupScoresInTasks(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                        const float* q, int64_t group, float* scores,
+                        int64_t rows_per_task = kScoreRowsPerTask);
+void MaxGroupScoresInTasks(const PagedKvView& kv, const PageSpan* spans, int64_t num_spans,
+                           const float* q, int64_t group, float* scores,
+                           int64_t rows_per_task = kScoreRowsPerTask);
+
 // Quest upper bounds of q.k over blocks of `pages_per_block` consecutive logical pages:
 //   out[b] = max_g sum_d max(q_g[d] * min_d, q_g[d] * max_d),
 // where min/max are taken over the block's pages. key_min/key_max: [pages][head_dim] fp32 page

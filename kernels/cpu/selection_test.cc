@@ -4,6 +4,7 @@
 #include "kernels/cpu/selection.h"
 
 #include <cmath>
+#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/impl_testing.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "kernels/cpu/paged_attention_impl.h"
 
 namespace fluxion::kernels::cpu {
@@ -19,6 +21,20 @@ namespace {
 
 using impl_testing::Impl;
 using impl_testing::ImplName;
+
+// `pages` pages of `pt` tokens of random bf16 K/V rows (head_dim d) and the view over them.
+struct RandomPages {
+  RandomPages(int64_t pages, int64_t pt, int64_t d, std::mt19937& rng)
+      : page_bytes(2 * pt * d * sizeof(bf16)), arena(pages * page_bytes) {
+    std::normal_distribution<float> normal(0, 1);
+    auto* all = reinterpret_cast<bf16*>(arena.data());
+    for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
+    kv = PagedKvView{arena.data(), page_bytes, pt, d};
+  }
+  size_t page_bytes;
+  std::vector<uint8_t> arena;
+  PagedKvView kv;
+};
 
 class SelectionTest : public ::testing::TestWithParam<Impl> {
  protected:
@@ -65,14 +81,10 @@ TEST_P(SelectionTest, GroupScoresAndTheirMaximumMatchScalarDotProducts) {
   for (int64_t d : {64, 96, 80}) {
     if (!Takes(d)) continue;
     for (int64_t group : {1, 3, 4, 7}) {
-      const int64_t pt = 16, pages = 6;
       std::mt19937 rng(group);
       std::normal_distribution<float> normal(0, 1);
-      const size_t page_bytes = 2 * pt * d * sizeof(bf16);
-      std::vector<uint8_t> arena(pages * page_bytes);
-      auto* all = reinterpret_cast<bf16*>(arena.data());
-      for (size_t i = 0; i < arena.size() / 2; ++i) all[i] = FloatToBf16(normal(rng));
-      PagedKvView kv{arena.data(), page_bytes, pt, d};
+      const RandomPages pages(/*pages=*/6, /*pt=*/16, d, rng);
+      const PagedKvView& kv = pages.kv;
       std::vector<PageSpan> spans = {{4, 0, 16}, {1, 3, 9}, {5, 15, 1}};
       std::vector<float> q(group * d);
       for (float& x : q) x = normal(rng);
@@ -96,6 +108,51 @@ TEST_P(SelectionTest, GroupScoresAndTheirMaximumMatchScalarDotProducts) {
               << "d " << d << " group " << group;
         }
       }
+    }
+  }
+}
+
+// The task-split scorers (a head-step's rescoring shared with the step's idle threads) equal the
+// one-walk ones bit for bit, with chunks smaller than, equal to and larger than the spans, inside
+// a parallel region (where the chunks become tasks) and outside it.
+TEST(SelectionTasksTest, ScoresInTasksEqualOneWalkBitForBit) {
+  const int64_t d = 128, group = 4, pt = 16, pages = 40;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0, 1);
+  const RandomPages random_pages(pages, pt, d, rng);
+  const PagedKvView& kv = random_pages.kv;
+  std::vector<PageSpan> spans;
+  int64_t rows = 0;
+  for (int32_t p = 0; p < pages; ++p) {  // spans of 1..16 rows, pages out of order
+    const int32_t first = p % 5, n = 1 + (p * 7) % (16 - first);
+    spans.push_back({static_cast<int32_t>((p * 17) % pages), first, n});
+    rows += n;
+  }
+  std::vector<float> q(group * d);
+  for (float& x : q) x = normal(rng);
+  std::vector<float> each(rows * group), best(rows);
+  GroupScores(kv, spans.data(), spans.size(), q.data(), group, each.data());
+  MaxGroupScores(kv, spans.data(), spans.size(), q.data(), group, best.data());
+  for (int64_t per_task : {1, 7, 16, 50, 10000}) {
+    for (bool in_parallel : {false, true}) {
+      std::vector<float> each_t(rows * group, NAN), best_t(rows, NAN);
+      auto run = [&] {
+        GroupScoresInTasks(kv, spans.data(), spans.size(), q.data(), group, each_t.data(),
+                           per_task);
+        MaxGroupScoresInTasks(kv, spans.data(), spans.size(), q.data(), group, best_t.data(),
+                              per_task);
+      };
+      if (in_parallel) {
+        CpuPool(2).ParallelFor(2, [&](int64_t i) {
+          if (i == 0) run();
+        });
+      } else {
+        run();
+      }
+      EXPECT_EQ(0, std::memcmp(each.data(), each_t.data(), each.size() * sizeof(float)))
+          << per_task << " rows a task, in a parallel region: " << in_parallel;
+      EXPECT_EQ(0, std::memcmp(best.data(), best_t.data(), best.size() * sizeof(float)))
+          << per_task << " rows a task, in a parallel region: " << in_parallel;
     }
   }
 }
