@@ -72,16 +72,16 @@ absl::StatusOr<std::vector<int>> WaitForPorts(std::vector<ChildProcess*> childre
   return ports;
 }
 
-// One request through the HTTP API, to show text in and text out end to end. Informational: a
+// One chat request through the HTTP API, to show text in and text out end to end. Informational: a
 // failure is printed, not fatal (the replay above is the run's result).
 void ShowOneAnswer(int http_port, const std::string& model_dir) {
   std::string name = model_dir;
   while (name.size() > 1 && name.back() == '/') name.pop_back();
   name = name.substr(name.rfind('/') + 1);
-  const std::string question = "The secret key is 7391. What is the secret key? The key is";
-  auto answer = openai::AskOnce(http_port, name, question, /*chat=*/false, 24, absl::Seconds(60));
-  std::cout << "one completion through the HTTP API (POST /v1/completions, greedy):\n  prompt: "
-            << question << "\n  answer: "
+  const std::string question = "The secret key is 7391. What is the secret key?";
+  auto answer = openai::AskOnce(http_port, name, question, /*chat=*/true, 24, absl::Seconds(60));
+  std::cout << "one chat request through the HTTP API (POST /v1/chat/completions, greedy):\n"
+            << "  user: " << question << "\n  assistant: "
             << (answer.ok() ? *answer : absl::StrCat("(failed: ", answer.status().message(), ")"))
             << "\n";
 }

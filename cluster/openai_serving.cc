@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/server_main.h"
+#include "model/chat_template.h"
 
 namespace fluxion::cluster {
 
@@ -42,7 +43,29 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
                         absl::StrCat("--model-dir: ", tokenizer.status().message()));
   }
   serving->tokenizer_ = std::move(*tokenizer);
-  openai::ChatRenderer chat;  // chat templates: model/chat_template.h, wired when it lands
+  // The model's chat template (model/chat_template.h). Without one the API still serves
+  // completions, and chat requests get 400 saying why.
+  openai::ChatRenderer chat;
+  std::string chat_name;
+  auto chat_template = model::ChatTemplate::Load(flags.model_dir);
+  if (chat_template.ok()) {
+    auto shared = std::make_shared<const model::ChatTemplate>(std::move(*chat_template));
+    chat_name = shared->name();
+    chat = [shared](const std::vector<openai::Message>& messages)
+        -> absl::StatusOr<std::string> {
+      std::vector<model::ChatMessage> converted;
+      converted.reserve(messages.size());
+      for (const openai::Message& m : messages) converted.push_back({m.role, m.content});
+      return shared->Render(converted, /*add_generation_prompt=*/true);
+    };
+  } else {
+    const std::string why(chat_template.status().message());
+    chat_name = "none: " + why;
+    chat = [why](const std::vector<openai::Message>&) -> absl::StatusOr<std::string> {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chat completions are not available for this model: ", why));
+    };
+  }
   openai::HttpServerOptions options;
   std::string name = flags.served_model_name;
   if (name.empty()) {
@@ -60,7 +83,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   serving->server_ = std::move(*started);
   serving::WritePortFile(flags.http_port_file, serving->server_->port());
   std::cout << "router: OpenAI-compatible HTTP API on port " << serving->server_->port()
-            << " (model \"" << name << "\")" << std::endl;
+            << " (model \"" << name << "\", chat template " << chat_name << ")" << std::endl;
   return serving;
 }
 

@@ -37,8 +37,7 @@ class OpenAiServing {
       const OpenAiFlags&, grpc::Server*, std::function<bool()>);
   OpenAiServing() = default;
   std::unique_ptr<model::Tokenizer> tokenizer_;
-  std::shared_ptr<void> chat_template_;  // the renderer's state, whatever its type
-  std::unique_ptr<openai::HttpServer> server_;  // destroyed first: it uses the two above
+  std::unique_ptr<openai::HttpServer> server_;  // destroyed first: it uses the tokenizer
 };
 
 // nullptr when --http-listen is empty. Prints the address. `ready`: a healthy decode node.
