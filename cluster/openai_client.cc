@@ -52,8 +52,7 @@ absl::StatusOr<std::string> PostJsonToLoopback(int port, const std::string& path
   }
   const std::string body = answer.substr(header_end + 4);
   if (answer.compare(9, 3, "200") != 0) {
-    return absl::UnknownError(
-        absl::StrCat(answer.substr(0, answer.find("\r\n")), ": ", body));
+    return absl::UnknownError(absl::StrCat(answer.substr(0, answer.find("\r\n")), ": ", body));
   }
   return body;
 }

@@ -10,12 +10,16 @@ namespace {
 
 std::string FinishReasonText(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_STOP: return "stop";
-    case v1::FINISH_REASON_LENGTH: return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
     // Aborted through the router's Abort RPC by someone holding the request's abort token;
     // OpenAI has no such reason, vLLM reports "abort" too.
-    case v1::FINISH_REASON_ABORT: return "abort";
-    default: return "stop";
+    case v1::FINISH_REASON_ABORT:
+      return "abort";
+    default:
+      return "stop";
   }
 }
 

@@ -91,11 +91,11 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   std::function<void()> wake_ ABSL_GUARDED_BY(mu_);
   bool suspended_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool started_ ABSL_GUARDED_BY(mu_) = false;  // a chunk came: streaming answers 200
-  bool done_ ABSL_GUARDED_BY(mu_) = false;     // no more output
+  bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came: streaming answers 200
+  bool done_ ABSL_GUARDED_BY(mu_) = false;              // no more output
   std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // failure before any output
-  std::string text_ ABSL_GUARDED_BY(mu_);      // not streaming: the answer so far
-  std::string pending_ ABSL_GUARDED_BY(mu_);   // streaming: SSE bytes not yet handed out
+  std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
+  std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
   std::string finish_reason_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;

@@ -10,10 +10,10 @@ absl::Status CheckIds(const std::vector<uint32_t>& ids, const model::Tokenizer& 
   const auto vocab = static_cast<uint32_t>(tokenizer.vocab_size());
   for (uint32_t id : ids) {
     if (id >= vocab) {
-      return WithParam(absl::InvalidArgumentError(absl::StrCat(
-                           param, " holds token id ", id, ", outside the vocabulary [0, ", vocab,
-                           ")")),
-                       param);
+      return WithParam(
+          absl::InvalidArgumentError(absl::StrCat(param, " holds token id ", id,
+                                                  ", outside the vocabulary [0, ", vocab, ")")),
+          param);
     }
   }
   return absl::OkStatus();
@@ -39,10 +39,10 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   std::vector<uint32_t> prompt;
   if (request.endpoint == Endpoint::kChatCompletions) {
     if (!chat) {
-      return WithParam(absl::InvalidArgumentError(
-                           "chat completions are not available: the router has no chat "
-                           "template for this model (use /v1/completions)"),
-                       "messages");
+      return WithParam(
+          absl::InvalidArgumentError("chat completions are not available: the router has no chat "
+                                     "template for this model (use /v1/completions)"),
+          "messages");
     }
     auto text = chat(request.messages);
     if (!text.ok()) return WithParam(text.status(), "messages");
@@ -69,8 +69,7 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   s->set_top_k(request.top_k);
   if (request.seed) s->set_seed(*request.seed);
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
-  s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(),
-                                      request.stop_token_ids.end());
+  s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());
   g.set_protocol_version(v1::PROTOCOL_VERSION_1);
   return g;
 }

@@ -99,8 +99,8 @@ void FreeStream(void* cls) { delete static_cast<StreamState*>(cls); }
 
 class HttpServer::Impl {
  public:
-  Impl(std::shared_ptr<grpc::Channel> channel, const model::Tokenizer* tokenizer,
-       ChatRenderer chat, HttpServerOptions options)
+  Impl(std::shared_ptr<grpc::Channel> channel, const model::Tokenizer* tokenizer, ChatRenderer chat,
+       HttpServerOptions options)
       : stub_(v1::DecodeService::NewStub(channel)),
         tokenizer_(tokenizer),
         chat_(std::move(chat)),
@@ -136,20 +136,20 @@ class HttpServer::Impl {
     }
     if (call->exchange == nullptr) {
       if (call->too_large) {
-        return ReplyError(connection, MHD_HTTP_PAYLOAD_TOO_LARGE, "invalid_request_error",
-                          absl::StrCat("the request body exceeds ", options_.max_body_bytes,
-                                       " bytes"));
+        return ReplyError(
+            connection, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error",
+            absl::StrCat("the request body exceeds ", options_.max_body_bytes, " bytes"));
       }
       if (absl::Status s = StartExchange(call); !s.ok()) return ReplyError(connection, s);
     }
     std::optional<Exchange::Head> head =
         call->exchange->HeadOrSuspend([connection] { MHD_suspend_connection(connection); });
     if (!head) return MHD_YES;  // resumed by the exchange when the head is decided
-    if (!head->streaming) return Reply(connection, head->http_status, head->body,
-                                       head->retry_after_s);
-    MHD_Response* response = MHD_create_response_from_callback(
-        MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream, new StreamState{call->exchange, connection},
-        &FreeStream);
+    if (!head->streaming)
+      return Reply(connection, head->http_status, head->body, head->retry_after_s);
+    MHD_Response* response =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream,
+                                          new StreamState{call->exchange, connection}, &FreeStream);
     if (response == nullptr) return MHD_NO;
     MHD_add_response_header(response, "Content-Type", "text/event-stream");
     MHD_add_response_header(response, "Cache-Control", "no-cache");
@@ -201,6 +201,16 @@ class HttpServer::Impl {
         return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error",
                           absl::StrCat(url, " takes POST"));
       }
+      // A declared length over the limit is refused before the body is read.
+      const char* length =
+          MHD_lookup_connection_value(connection, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+      uint64_t declared = 0;
+      if (length != nullptr && absl::SimpleAtoi(length, &declared) &&
+          declared > options_.max_body_bytes) {
+        return ReplyError(connection, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error",
+                          absl::StrCat("the request body (", declared, " bytes) exceeds ",
+                                       options_.max_body_bytes, " bytes"));
+      }
       auto* call = new Call;
       call->connection = connection;
       call->endpoint = *endpoint;
@@ -243,8 +253,7 @@ class HttpServer::Impl {
     detokenizer_options.stop = request->stop;
     auto detokenizer = model::StreamDetokenizer::Create(tokenizer_, detokenizer_options);
     if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
-    ResponseMeta meta{call->endpoint, id, static_cast<int64_t>(std::time(nullptr)),
-                      request->model};
+    ResponseMeta meta{call->endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
     MHD_Connection* connection = call->connection;
     call->exchange = Exchange::Start(stub_.get(), tokenizer_, std::move(*generate), *request,
                                      std::move(meta), std::move(*detokenizer),
@@ -269,15 +278,14 @@ class HttpServer::Impl {
 
 namespace {
 
-MHD_Result HandleRequest(void* cls, MHD_Connection* connection, const char* url,
-                         const char* method, const char*, const char* upload_data,
-                         size_t* upload_data_size, void** per_request) {
+MHD_Result HandleRequest(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                         const char*, const char* upload_data, size_t* upload_data_size,
+                         void** per_request) {
   return static_cast<HttpServer::Impl*>(cls)->Handle(connection, url, method, upload_data,
                                                      upload_data_size, per_request);
 }
 
-void RequestCompleted(void* cls, MHD_Connection*, void** per_request,
-                      MHD_RequestTerminationCode) {
+void RequestCompleted(void* cls, MHD_Connection*, void** per_request, MHD_RequestTerminationCode) {
   static_cast<HttpServer::Impl*>(cls)->Completed(per_request);
 }
 
@@ -291,8 +299,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   auto addr = ParseAddress(address);
   if (!addr.ok()) return addr.status();
   const unsigned int max_connections = options.max_connections;
-  std::unique_ptr<HttpServer> server(new HttpServer(std::make_unique<Impl>(
-      std::move(channel), tokenizer, std::move(chat), std::move(options))));
+  std::unique_ptr<HttpServer> server(new HttpServer(
+      std::make_unique<Impl>(std::move(channel), tokenizer, std::move(chat), std::move(options))));
   // One polling thread for every connection (epoll); a connection waiting for tokens is
   // suspended, so streams hold no thread. The stack size is explicit for the reason
   // common/metrics_http.cc gives (static TLS of the binary's libraries).
@@ -300,11 +308,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_ALLOW_SUSPEND_RESUME |
       (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL : MHD_USE_POLL);
   server->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &HandleRequest, server->impl_.get(), MHD_OPTION_SOCK_ADDR,
-      &*addr, MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20,
-      MHD_OPTION_NOTIFY_COMPLETED, &RequestCompleted, server->impl_.get(),
-      MHD_OPTION_CONNECTION_TIMEOUT, 60u, MHD_OPTION_CONNECTION_LIMIT, max_connections,
-      MHD_OPTION_END);
+      flags, 0, nullptr, nullptr, &HandleRequest, server->impl_.get(), MHD_OPTION_SOCK_ADDR, &*addr,
+      MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_NOTIFY_COMPLETED,
+      &RequestCompleted, server->impl_.get(), MHD_OPTION_CONNECTION_TIMEOUT, 60u,
+      MHD_OPTION_CONNECTION_LIMIT, max_connections, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("http: cannot listen on '", address, "' (port in use?)"));

@@ -88,8 +88,7 @@ absl::StatusOr<std::vector<std::string>> StopStrings(const Json& v) {
   return stop;
 }
 
-absl::StatusOr<std::vector<uint32_t>> TokenIds(const std::string& name, const Json& v,
-                                              size_t max) {
+absl::StatusOr<std::vector<uint32_t>> TokenIds(const std::string& name, const Json& v, size_t max) {
   std::vector<uint32_t> ids;
   if (!v.is_array()) return Invalid(name, absl::StrCat(name, " must be an array of token ids"));
   if (v.size() > max) {
@@ -146,9 +145,9 @@ absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
         for (const Json& part : v) {
           if (!part.is_object() || part.size() != 2 || !part.contains("type") ||
               part["type"] != "text" || !part.contains("text") || !part["text"].is_string()) {
-            return Invalid("messages",
-                           absl::StrCat(where, ".content: only {\"type\": \"text\", \"text\": "
-                                               "...} parts are supported"));
+            return Invalid("messages", absl::StrCat(where,
+                                                    ".content: only {\"type\": \"text\", \"text\": "
+                                                    "...} parts are supported"));
           }
           out.content += part["text"].get<std::string>();
         }
@@ -265,8 +264,7 @@ std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& 
     if (!v.is_object()) return Invalid("stream_options", "stream_options must be an object");
     for (const auto& [key, x] : v.items()) {
       if (key != "include_usage") {
-        return Invalid("stream_options",
-                       absl::StrCat("stream_options.", key, " is not supported"));
+        return Invalid("stream_options", absl::StrCat("stream_options.", key, " is not supported"));
       }
       if (!x.is_boolean()) {
         return Invalid("stream_options", "stream_options.include_usage must be a boolean");
@@ -311,8 +309,7 @@ std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& 
     f["messages"] = [limits](const Json& v, Request* r) { return ParseMessages(v, limits, r); };
     f["max_completion_tokens"] = [max_completion_tokens](const Json& v, Request*) {
       if (v.is_null()) return absl::OkStatus();
-      auto x =
-          UnsignedField("max_completion_tokens", v, 1, std::numeric_limits<uint32_t>::max());
+      auto x = UnsignedField("max_completion_tokens", v, 1, std::numeric_limits<uint32_t>::max());
       if (!x.ok()) return x.status();
       *max_completion_tokens = static_cast<uint32_t>(*x);
       return absl::OkStatus();
@@ -351,7 +348,8 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
   options.reject_duplicate_top_level_keys = true;
   auto json = model::ParseJsonText(body, "the request body", options);
   if (!json.ok()) return json.status();
-  if (!json->is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
+  if (!json->is_object())
+    return absl::InvalidArgumentError("the request body must be a JSON object");
   Request r;
   r.endpoint = endpoint;
   std::optional<uint32_t> max_completion_tokens;

@@ -54,9 +54,9 @@ struct Request {
 
 // Bounds on what a body may hold, checked while parsing (the body's size is the HTTP layer's).
 struct ParseLimits {
-  int max_depth = 16;                 // JSON nesting; deeper bodies are refused before the DOM
-  size_t max_messages = 4096;         // chat messages
-  size_t max_prompt_ids = 1u << 20;   // token ids of a prompt given as ids
+  int max_depth = 16;                // JSON nesting; deeper bodies are refused before the DOM
+  size_t max_messages = 4096;        // chat messages
+  size_t max_prompt_ids = 1u << 20;  // token ids of a prompt given as ids
   size_t max_stop_token_ids = 256;
 };
 

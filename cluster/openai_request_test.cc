@@ -81,17 +81,18 @@ TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":0.5})"),
                 "presence_penalty", "penalties");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-      "logprobs":true})"), "logprobs", "log-probabilities");
+      "logprobs":true})"),
+                "logprobs", "log-probabilities");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-      "tools":[]})"), "tools", "Unrecognized");
+      "tools":[]})"),
+                "tools", "Unrecognized");
   // A chat-only field on completions.
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","messages":[]})"), "messages",
                 "Unrecognized");
 }
 
 TEST(OpenAiRequestTest, ValuesOutOfRange) {
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":0})"), "max_tokens",
-                "[1, ");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":0})"), "max_tokens", "[1, ");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":"5"})"), "max_tokens",
                 "integer");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","temperature":-1})"), "temperature",
@@ -100,15 +101,17 @@ TEST(OpenAiRequestTest, ValuesOutOfRange) {
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","seed":-3})"), "seed", "[0, ");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","stop":[""]})"), "stop", "empty");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","stop":[1]})"), "stop", "strings");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","stream_options":{"include_usage":true}})"),
-                "stream_options", "only allowed when stream");
+  ExpectRefused(
+      Completions(R"({"model":"m","prompt":"p","stream_options":{"include_usage":true}})"),
+      "stream_options", "only allowed when stream");
   ExpectRefused(Completions(R"({"prompt":"p"})"), "model", "required");
   ExpectRefused(Completions(R"({"model":"m"})"), "prompt", "required");
 }
 
 TEST(OpenAiRequestTest, BadBodies) {
-  for (const std::string& body : std::vector<std::string>{"", "[1]", "{\"model\":", "{\"model\":\"m\",\"model\":\"n\"}",
-                                 std::string(100, '[') + std::string(100, ']')}) {
+  for (const std::string& body :
+       std::vector<std::string>{"", "[1]", "{\"model\":", "{\"model\":\"m\",\"model\":\"n\"}",
+                                std::string(100, '[') + std::string(100, ']')}) {
     auto r = Completions(body);
     EXPECT_FALSE(r.ok()) << body;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
@@ -132,14 +135,15 @@ TEST(OpenAiRequestTest, ChatMessages) {
   ASSERT_TRUE(unlimited.ok());
   EXPECT_FALSE(unlimited->max_tokens.has_value());  // the context's room, not 16
   ExpectRefused(Chat(R"({"model":"m","messages":[]})"), "messages", "non-empty");
-  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user"}]})"), "messages",
-                "no content");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user"}]})"), "messages", "no content");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x","tool_calls":[]}]})"),
                 "messages", "tool_calls is not supported");
-  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]})"),
-                "messages", "text");
+  ExpectRefused(
+      Chat(R"({"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]})"),
+      "messages", "text");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":3,
-      "max_completion_tokens":4})"), "max_completion_tokens", "differ");
+      "max_completion_tokens":4})"),
+                "max_completion_tokens", "differ");
 }
 
 TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {

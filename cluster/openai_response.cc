@@ -10,9 +10,7 @@ using Json = nlohmann::json;
 
 // Text from the detokenizer is valid UTF-8; client-supplied strings echoed back (the model name)
 // may not be, so dump replaces rather than throws.
-std::string Dump(const Json& j) {
-  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
-}
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 Json NullIfEmpty(const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); }
 
@@ -24,11 +22,11 @@ Json UsageJson(const TokenUsage& u) {
 
 Json Envelope(const ResponseMeta& meta, bool chunk) {
   const bool chat = meta.endpoint == Endpoint::kChatCompletions;
-  return {{"id", meta.id},
-          {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion")
-                          : "text_completion"},
-          {"created", meta.created},
-          {"model", meta.model}};
+  return {
+      {"id", meta.id},
+      {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+      {"created", meta.created},
+      {"model", meta.model}};
 }
 
 }  // namespace
@@ -98,8 +96,8 @@ std::string ErrorJson(const ApiError& error) {
 std::string CompletionJson(const ResponseMeta& meta, absl::string_view text,
                            absl::string_view finish_reason, const TokenUsage& usage) {
   Json j = Envelope(meta, /*chunk=*/false);
-  Json choice = {{"index", 0}, {"finish_reason", std::string(finish_reason)},
-                 {"logprobs", nullptr}};
+  Json choice = {
+      {"index", 0}, {"finish_reason", std::string(finish_reason)}, {"logprobs", nullptr}};
   if (meta.endpoint == Endpoint::kChatCompletions) {
     choice["message"] = {{"role", "assistant"}, {"content", std::string(text)}};
   } else {
@@ -115,7 +113,8 @@ std::string SseEvent(absl::string_view json) { return absl::StrCat("data: ", jso
 std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
                       std::optional<absl::string_view> finish_reason, bool include_usage) {
   Json j = Envelope(meta, /*chunk=*/true);
-  Json choice = {{"index", 0}, {"logprobs", nullptr},
+  Json choice = {{"index", 0},
+                 {"logprobs", nullptr},
                  {"finish_reason", finish_reason ? Json(std::string(*finish_reason)) : Json()}};
   if (meta.endpoint == Endpoint::kChatCompletions) {
     Json delta = Json::object();

@@ -36,7 +36,7 @@ std::string ErrorJson(const ApiError& error);
 // What every body of one response shares.
 struct ResponseMeta {
   Endpoint endpoint = Endpoint::kCompletions;
-  std::string id;  // "cmpl-..." or "chatcmpl-..."
+  std::string id;       // "cmpl-..." or "chatcmpl-..."
   int64_t created = 0;  // Unix seconds
   std::string model;
 };

@@ -51,8 +51,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   if (chat_template.ok()) {
     auto shared = std::make_shared<const model::ChatTemplate>(std::move(*chat_template));
     chat_name = shared->name();
-    chat = [shared](const std::vector<openai::Message>& messages)
-        -> absl::StatusOr<std::string> {
+    chat = [shared](const std::vector<openai::Message>& messages) -> absl::StatusOr<std::string> {
       std::vector<model::ChatMessage> converted;
       converted.reserve(messages.size());
       for (const openai::Message& m : messages) converted.push_back({m.role, m.content});

@@ -33,8 +33,9 @@ class OpenAiServing {
   int port() const;
 
  private:
-  friend absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(
-      const OpenAiFlags&, grpc::Server*, std::function<bool()>);
+  friend absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags&,
+                                                                        grpc::Server*,
+                                                                        std::function<bool()>);
   OpenAiServing() = default;
   std::unique_ptr<model::Tokenizer> tokenizer_;
   std::unique_ptr<openai::HttpServer> server_;  // destroyed first: it uses the tokenizer

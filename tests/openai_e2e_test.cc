@@ -45,9 +45,10 @@ Node StartNode(const std::string& dir, const std::string& name, const std::strin
   const std::string port_file = dir + "/" + name + ".port";
   const std::string http_file = dir + "/" + name + ".http-port";
   const std::string metrics_file = dir + "/" + name + ".metrics-port";
-  std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
-                                   "--port-file", port_file, "--metrics-listen", "127.0.0.1:0",
-                                   "--metrics-port-file", metrics_file};
+  std::vector<std::string> argv = {FLUXION_BINARY,     command,       "--listen",
+                                   "127.0.0.1:0",      "--port-file", port_file,
+                                   "--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                                   metrics_file};
   if (http) {
     argv.insert(argv.end(), {"--http-listen", "127.0.0.1:0", "--http-port-file", http_file,
                              "--model-dir", ModelDir()});
@@ -83,13 +84,12 @@ TEST(OpenAiE2eTest, OpenAiSdkAgainstTheRouter) {
                      {"--kv-pages", "4096", "--prefill-address", prefill.address});
   Node decode = StartNode(dir, "decode", "decode", decode_args, false);
   ASSERT_FALSE(decode.address.empty()) << "decode did not start; logs in " << dir;
-  Node router = StartNode(dir, "router", "router",
-                          {"--decode", decode.address, "--prefill", prefill.address,
-                           "--poll-ms", "100"},
-                          true);
+  Node router = StartNode(
+      dir, "router", "router",
+      {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms", "100"}, true);
   Node shedding = StartNode(dir, "router-shed", "router",
-                            {"--decode", decode.address, "--prefill", prefill.address,
-                             "--poll-ms", "100", "--shed-kv-usage", "0"},
+                            {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms",
+                             "100", "--shed-kv-usage", "0"},
                             true);
   // Port 1 on loopback: nothing listens, so the router never has a healthy decode node.
   Node down = StartNode(dir, "router-down", "router", {"--decode", "127.0.0.1:1"}, true);
@@ -98,19 +98,19 @@ TEST(OpenAiE2eTest, OpenAiSdkAgainstTheRouter) {
   }
   // The serving routers must have seen the decode node healthy (the first poll) before the
   // script's first request: wait on their /health, with a deadline.
-  const std::string wait_ready = absl::StrCat(
-      "for i in $(seq 1 200); do curl -sf http://127.0.0.1:", router.http_port,
-      "/health >/dev/null && curl -sf http://127.0.0.1:", shedding.http_port,
-      "/health >/dev/null && exit 0; sleep 0.05; done; exit 1");
+  const std::string wait_ready =
+      absl::StrCat("for i in $(seq 1 200); do curl -sf http://127.0.0.1:", router.http_port,
+                   "/health >/dev/null && curl -sf http://127.0.0.1:", shedding.http_port,
+                   "/health >/dev/null && exit 0; sleep 0.05; done; exit 1");
   ASSERT_EQ(std::system(wait_ready.c_str()), 0) << "routers not ready; logs in " << dir;
 
-  const std::string command = absl::StrCat(
-      "cd '", FLUXION_JS_DIR, "' && FLUXION_HTTP=http://127.0.0.1:", router.http_port,
-      "/v1 FLUXION_SHED_HTTP=http://127.0.0.1:", shedding.http_port,
-      "/v1 FLUXION_DOWN_HTTP=http://127.0.0.1:", down.http_port,
-      "/v1 FLUXION_DECODE_METRICS=http://127.0.0.1:", decode.metrics_port,
-      "/metrics FLUXION_MODEL=fluxion-tiny-retrieval FLUXION_CHAT=", FLUXION_E2E_CHAT,
-      " timeout 50 node openai_e2e.mjs 2>&1");
+  const std::string command =
+      absl::StrCat("cd '", FLUXION_JS_DIR, "' && FLUXION_HTTP=http://127.0.0.1:", router.http_port,
+                   "/v1 FLUXION_SHED_HTTP=http://127.0.0.1:", shedding.http_port,
+                   "/v1 FLUXION_DOWN_HTTP=http://127.0.0.1:", down.http_port,
+                   "/v1 FLUXION_DECODE_METRICS=http://127.0.0.1:", decode.metrics_port,
+                   "/metrics FLUXION_MODEL=fluxion-tiny-retrieval FLUXION_CHAT=", FLUXION_E2E_CHAT,
+                   " timeout 50 node openai_e2e.mjs 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   std::string output;

@@ -99,6 +99,26 @@ check('a bad field is 400 naming it', async () => {
                        (e) => e instanceof OpenAI.NotFoundError);
 });
 
+check('HTTP-level refusals: bad JSON, bad UTF-8, too large, unknown path, wrong method',
+      async () => {
+  const base = env('FLUXION_HTTP');  // ends in /v1
+  const post = (path, body) => fetch(base + path, { method: 'POST', body,
+                                                    headers: { 'content-type': 'application/json' } });
+  const bad = await post('/completions', '{"model":');
+  assert.equal(bad.status, 400);
+  assert.equal((await bad.json()).error.type, 'invalid_request_error');
+  const utf8 = await post('/completions',
+                          Buffer.concat([Buffer.from(`{"model":"${model}","prompt":"`),
+                                         Buffer.from([0xff, 0xfe]), Buffer.from('"}')]));
+  assert.equal(utf8.status, 400);
+  const big = await post('/completions', JSON.stringify({ model, prompt: 'x'.repeat(2 << 20) }));
+  assert.equal(big.status, 413);
+  assert.equal((await fetch(base + '/nothing')).status, 404);
+  assert.equal((await fetch(base + '/completions')).status, 405);
+  const health = await fetch(base.replace(/\/v1$/, '') + '/health');
+  assert.equal(health.status, 200);
+});
+
 check('overload: 429 and 503 with Retry-After', async () => {
   const shed = new OpenAI({ baseURL: env('FLUXION_SHED_HTTP'), apiKey: 'x', maxRetries: 0 });
   await assert.rejects(shed.completions.create({ model, prompt, max_tokens: 4 }),
