@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "cluster/backends.h"
 #include "cluster/child_process.h"
+#include "cluster/openai_client.h"
 #include "cluster/replay_run.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
@@ -69,6 +70,20 @@ absl::StatusOr<std::vector<int>> WaitForPorts(std::vector<ChildProcess*> childre
     }
   }
   return ports;
+}
+
+// One chat request through the HTTP API, to show text in and text out end to end. Informational: a
+// failure is printed, not fatal (the replay above is the run's result).
+void ShowOneAnswer(int http_port, const std::string& model_dir) {
+  std::string name = model_dir;
+  while (name.size() > 1 && name.back() == '/') name.pop_back();
+  name = name.substr(name.rfind('/') + 1);
+  const std::string question = "The secret key is 7391. What is the secret key?";
+  auto answer = openai::AskOnce(http_port, name, question, /*chat=*/true, 24, absl::Seconds(60));
+  std::cout << "one chat request through the HTTP API (POST /v1/chat/completions, greedy):\n"
+            << "  user: " << question << "\n  assistant: "
+            << (answer.ok() ? *answer : absl::StrCat("(failed: ", answer.status().message(), ")"))
+            << "\n";
 }
 
 }  // namespace
@@ -269,22 +284,27 @@ int RunLocalCommand(const std::vector<std::string>& args) {
     return fail(s);
   }
   std::string router_address;
-  int metrics_port = 0;
+  int metrics_port = 0, http_port = 0;
   {
     const std::string port_file = logs + "/router.port", metrics_file = logs + "/router.metrics-port";
+    const std::string http_file = logs + "/router.http-port";
     if (absl::Status s = start("router", "router",
                                {"--listen", "127.0.0.1:0", "--port-file", port_file,
                                 "--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
                                 metrics_file, "--decode", absl::StrJoin(decode_addresses, ","),
-                                "--prefill", absl::StrJoin(prefill_addresses, ",")});
+                                "--prefill", absl::StrJoin(prefill_addresses, ","),
+                                "--http-listen", "127.0.0.1:0", "--http-port-file", http_file,
+                                "--model-dir", model});
         !s.ok()) {
       return fail(s);
     }
     ChildProcess* router = children.back().get();
-    auto ports = WaitForPorts({router, router}, {port_file, metrics_file}, startup);
+    auto ports = WaitForPorts({router, router, router}, {http_file, port_file, metrics_file},
+                              startup);
     if (!ports.ok()) return fail(ports.status());
-    router_address = absl::StrCat("127.0.0.1:", (*ports)[0]);
-    metrics_port = (*ports)[1];
+    http_port = (*ports)[0];
+    router_address = absl::StrCat("127.0.0.1:", (*ports)[1]);
+    metrics_port = (*ports)[2];
     // Ready when the router itself sees a healthy decode node.
     auto channel = serving::CreateChannel(router_address, serving::ChannelConfig());
     const absl::Time deadline = absl::Now() + startup;
@@ -305,6 +325,7 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   std::cout << "cluster ready: router " << router_address << ", prefill "
             << absl::StrJoin(prefill_addresses, ",") << ", decode "
             << absl::StrJoin(decode_addresses, ",") << "\n"
+            << "OpenAI-compatible HTTP API: http://127.0.0.1:" << http_port << "/v1\n"
             << "metrics (Prometheus text, while the cluster runs):\n  "
             << absl::StrJoin(metrics_urls, "\n  ") << "\n"
             << "replaying " << schedule->requests.size() << " requests of " << trace << "\n"
@@ -337,6 +358,7 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   outputs.plot_format = plot_format;
   std::cout << "cluster: " << run.config["cluster"].get<std::string>() << "\n";
   ReportResult result = ReportRun(*records, run, slo, outputs);
+  ShowOneAnswer(http_port, model);
   std::cout << "logs: " << logs << "/\nshutting down:\n";
   shutdown();
   if (InterruptScope::interrupted()) return 130;

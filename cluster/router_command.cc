@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cluster/backends.h"
+#include "cluster/openai_serving.h"
 #include "cluster/router_service.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
@@ -54,6 +55,8 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
+  OpenAiFlags openai_flags;
+  RegisterOpenAiFlags(flags, &openai_flags);
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
   serving::ClientTlsOptions backend_tls;
@@ -117,6 +120,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   }
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
   auto* health = server->GetHealthCheckService();
+  // The OpenAI HTTP API, a client of this server's own DecodeService (docs/PROTOCOL.md).
+  auto openai = StartOpenAiHttp(openai_flags, server.get(), [&backends] {
+    return (*backends)->HealthyCount(Role::kDecode) > 0;
+  });
+  if (!openai.ok()) {
+    std::cerr << "error: " << openai.status().message() << "\n";
+    return 1;
+  }
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   std::cout << "router: serving fluxion.v1.DecodeService on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
@@ -145,6 +156,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   }
   std::cout << "router: shutting down (open requests get 10 s)" << std::endl;
   health->SetServingStatus(false);
+  openai->reset();  // its calls are cancelled before the gRPC server goes
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
   server->Wait();
   return 0;

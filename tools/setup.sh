@@ -22,12 +22,16 @@ packages=(
   openssl                                     # TLS tests: throwaway CA and certificates at run time
   clang libclang-rt-14-dev                    # libFuzzer targets and their sanitizers (tools/fuzz.sh)
   ninja-build                                 # the fuzz and sanitizer build dirs of tools/test.sh
+  nodejs                                      # tests/js: the openai npm SDK against the HTTP API
 )
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm (tests/js's `npm ci`): Debian's package, unless a Node.js that bundles npm (NodeSource's
+# nodejs, which conflicts with Debian's npm) already provides it.
+command -v npm > /dev/null || missing+=(npm)
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} packages already installed"
   exit 0

@@ -1,0 +1,219 @@
+#include "cluster/openai_exchange.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+std::string FinishReasonText(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    // Aborted through the router's Abort RPC by someone holding the request's abort token;
+    // OpenAI has no such reason, vLLM reports "abort" too.
+    case v1::FINISH_REASON_ABORT:
+      return "abort";
+    default:
+      return "stop";
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Exchange> Exchange::Start(v1::DecodeService::Stub* stub,
+                                          const model::Tokenizer* tokenizer,
+                                          v1::GenerateRequest generate, const Request& request,
+                                          ResponseMeta meta, model::StreamDetokenizer detokenizer,
+                                          std::function<void()> wake) {
+  std::shared_ptr<Exchange> exchange(
+      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)));
+  exchange->generate_ = std::move(generate);
+  exchange->prompt_tokens_ = static_cast<uint32_t>(exchange->generate_.prompt_token_ids_size());
+  exchange->self_ = exchange;
+  stub->async()->Generate(&exchange->context_, &exchange->generate_, exchange.get());
+  exchange->StartRead(&exchange->message_);
+  exchange->StartCall();
+  return exchange;
+}
+
+Exchange::Exchange(const model::Tokenizer* tokenizer, const Request& request, ResponseMeta meta,
+                   model::StreamDetokenizer detokenizer, std::function<void()> wake)
+    : tokenizer_(tokenizer),
+      stream_(request.stream),
+      include_usage_(request.include_usage),
+      meta_(std::move(meta)),
+      detokenizer_(std::move(detokenizer)),
+      wake_(std::move(wake)) {}
+
+void Exchange::OnReadDone(bool ok) {
+  if (!ok) return;  // the stream ended: OnDone follows
+  bool more;
+  {
+    absl::MutexLock lock(&mu_);
+    more = Handle(message_);
+  }
+  if (more) {
+    StartRead(&message_);
+  } else {
+    // A stop string matched: nothing after it may be sent, so the generation is cancelled (the
+    // router cancels the decode node's stream, which frees the request's pages at once).
+    context_.TryCancel();
+  }
+}
+
+void Exchange::OnDone(const grpc::Status& status) {
+  std::shared_ptr<Exchange> keep;  // released after the lock, possibly the last owner
+  {
+    absl::MutexLock lock(&mu_);
+    if (!done_) {
+      if (cancelled_) {
+        done_ = true;
+      } else if (status.ok()) {
+        Fail(absl::InternalError("the router's stream ended without a terminal message"));
+      } else {
+        Fail(absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          status.error_message()));
+      }
+    }
+    keep = std::move(self_);
+  }
+}
+
+bool Exchange::Handle(const v1::GenerateResponse& message) {
+  if (done_) return false;
+  switch (message.kind_case()) {
+    case v1::GenerateResponse::kChunk: {
+      started_ = true;
+      if (stream_ && first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions) {
+        pending_ += SseEvent(ChunkJson(meta_, "", /*first=*/true, std::nullopt, include_usage_));
+      }
+      first_chunk_ = false;
+      for (uint32_t id : message.chunk().token_ids()) {
+        ++completion_tokens_;
+        AppendText(detokenizer_.Add(static_cast<int32_t>(id)));
+        if (detokenizer_.stopped()) {
+          Finish("stop");
+          return false;
+        }
+      }
+      WakeLocked();
+      return true;
+    }
+    case v1::GenerateResponse::kComplete: {
+      const v1::GenerateComplete& c = message.complete();
+      AppendText(detokenizer_.Finish());
+      if (c.has_usage()) completion_tokens_ = c.usage().completion_tokens();
+      Finish(FinishReasonText(c.finish_reason()));
+      return true;  // read on: the status follows
+    }
+    case v1::GenerateResponse::kError: {
+      const v1::GenerateError& e = message.error();
+      Fail(absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
+      return true;
+    }
+    default:
+      Fail(absl::InternalError("the router sent an empty GenerateResponse"));
+      return true;
+  }
+}
+
+void Exchange::AppendText(const std::string& text) {
+  if (text.empty()) return;
+  if (stream_) {
+    pending_ += SseEvent(ChunkJson(meta_, text, /*first=*/false, std::nullopt, include_usage_));
+  } else {
+    text_ += text;
+  }
+}
+
+void Exchange::Finish(const std::string& finish_reason) {
+  finish_reason_ = finish_reason;
+  done_ = true;
+  if (stream_) {
+    started_ = true;
+    const bool first = first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions;
+    first_chunk_ = false;
+    pending_ += SseEvent(ChunkJson(meta_, "", first, finish_reason, include_usage_));
+    if (include_usage_) {
+      pending_ += SseEvent(UsageChunkJson(meta_, {prompt_tokens_, completion_tokens_}));
+    }
+    pending_ += kSseDone;
+  }
+  WakeLocked();
+}
+
+void Exchange::Fail(const absl::Status& status) {
+  done_ = true;
+  ApiError error = ErrorFromStatus(status);
+  if (stream_ && started_) {
+    // The 200 and earlier text are out: the error goes in the stream, as vLLM sends it.
+    pending_ += StreamErrorEvent(error);
+    pending_ += kSseDone;
+  } else {
+    error_ = std::move(error);
+  }
+  WakeLocked();
+}
+
+void Exchange::WakeLocked() {
+  if (suspended_ && wake_ && !cancelled_) {
+    suspended_ = false;
+    wake_();
+  }
+}
+
+bool Exchange::HeadReadyLocked() const {
+  return error_.has_value() || done_ || (stream_ && started_);
+}
+
+std::optional<Exchange::Head> Exchange::HeadOrSuspend(const std::function<void()>& suspend) {
+  absl::MutexLock lock(&mu_);
+  if (!HeadReadyLocked()) {
+    suspend();
+    suspended_ = true;
+    return std::nullopt;
+  }
+  Head head;
+  if (error_) {
+    head.http_status = error_->http_status;
+    head.body = ErrorJson(*error_);
+    head.retry_after_s = error_->retry_after_s;
+  } else if (stream_) {
+    head.streaming = true;
+  } else {
+    head.body = CompletionJson(meta_, text_, finish_reason_, {prompt_tokens_, completion_tokens_});
+  }
+  return head;
+}
+
+long Exchange::ReadOrSuspend(char* buf, size_t max, const std::function<void()>& suspend) {
+  absl::MutexLock lock(&mu_);
+  if (!pending_.empty()) {
+    const size_t n = std::min(max, pending_.size());
+    std::memcpy(buf, pending_.data(), n);
+    pending_.erase(0, n);
+    return static_cast<long>(n);
+  }
+  if (done_) return -1;
+  suspend();
+  suspended_ = true;
+  return 0;
+}
+
+void Exchange::Cancel() {
+  bool running;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    wake_ = nullptr;
+    running = !done_;
+  }
+  if (running) context_.TryCancel();
+}
+
+}  // namespace fluxion::cluster::openai

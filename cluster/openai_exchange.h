@@ -1,0 +1,107 @@
+// One OpenAI HTTP request in flight: the Generate call to the router's own DecodeService (over
+// the gRPC server's in-process channel, so routing, retries, shedding, deadlines and
+// cancellation are the router's one implementation), the streaming detokenizer with the
+// request's stop strings, and the bytes the HTTP side has yet to send.
+//
+// The HTTP side never blocks: it asks for the reply head (status and, unless streaming, the whole
+// body) or for stream bytes, and when there is nothing yet it hands a `suspend` function that is
+// run under the exchange's lock; the exchange runs `wake` (the HTTP side's resume) as soon as
+// there is news. So a wake can never be lost between the check and the suspend.
+//
+// Thread-safe. Owned by shared_ptr: by the HTTP connection, and by itself while its call runs.
+#ifndef FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
+#define FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "cluster/openai_request.h"
+#include "cluster/openai_response.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "model/stream_detokenizer.h"
+#include "model/tokenizer.h"
+
+namespace fluxion::cluster::openai {
+
+class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
+                 public std::enable_shared_from_this<Exchange> {
+ public:
+  // Starts the call. `stub` and `tokenizer` must outlive the exchange; `wake` is called (from a
+  // gRPC thread, under the exchange's lock, so it must not call back in) after a `suspend`.
+  static std::shared_ptr<Exchange> Start(v1::DecodeService::Stub* stub,
+                                         const model::Tokenizer* tokenizer,
+                                         v1::GenerateRequest generate, const Request& request,
+                                         ResponseMeta meta, model::StreamDetokenizer detokenizer,
+                                         std::function<void()> wake);
+
+  // The reply's status line and headers are decided: a failure before any output, the whole
+  // body once the call ended (not streaming), or 200 once the first chunk came (streaming).
+  struct Head {
+    int http_status = 200;
+    bool streaming = false;
+    std::string body;  // not streaming: the whole body
+    int retry_after_s = 0;
+  };
+  // The head when decided; otherwise runs `suspend` and returns nullopt (wake follows).
+  std::optional<Head> HeadOrSuspend(const std::function<void()>& suspend);
+
+  // Streaming: copies up to `max` pending bytes into `buf` and returns how many; -1 at the end of
+  // the stream; 0 after running `suspend` when nothing is pending yet (wake follows).
+  long ReadOrSuspend(char* buf, size_t max, const std::function<void()>& suspend);
+
+  // The client went away (or the server stops): cancels the call, which the router relays to the
+  // decode node; no wake after this.
+  void Cancel();
+  // Server shutdown: cancels the call but still wakes the connection, which then answers with
+  // the error (and completes, so the server can stop).
+  void Abandon() { context_.TryCancel(); }
+
+  // grpc::ClientReadReactor
+  void OnReadDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  Exchange(const model::Tokenizer* tokenizer, const Request& request, ResponseMeta meta,
+           model::StreamDetokenizer detokenizer, std::function<void()> wake);
+  // Handles one message; false when no more should be read (a stop string matched).
+  bool Handle(const v1::GenerateResponse& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AppendText(const std::string& text) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Finish(const std::string& finish_reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Fail(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool HeadReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const model::Tokenizer* const tokenizer_;
+  const bool stream_;
+  const bool include_usage_;
+  const ResponseMeta meta_;
+  uint32_t prompt_tokens_ = 0;  // set once by Start, before the call starts
+  grpc::ClientContext context_;
+  v1::GenerateRequest generate_;
+  v1::GenerateResponse message_;  // the read in flight; touched by gRPC callbacks only
+
+  absl::Mutex mu_;
+  model::StreamDetokenizer detokenizer_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> wake_ ABSL_GUARDED_BY(mu_);
+  bool suspended_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came: streaming answers 200
+  bool done_ ABSL_GUARDED_BY(mu_) = false;              // no more output
+  std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // failure before any output
+  std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
+  std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
+  std::string finish_reason_ ABSL_GUARDED_BY(mu_);
+  uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;
+  std::shared_ptr<Exchange> self_;  // keeps the exchange alive until OnDone
+};
+
+}  // namespace fluxion::cluster::openai
+
+#endif  // FLUXION_CLUSTER_OPENAI_EXCHANGE_H_

@@ -1,0 +1,170 @@
+// The HTTP server and the Generate bridge in one process, against a fake DecodeService that
+// streams fixed byte-tokenizer ids one per chunk: SSE framing of a stream whose characters and
+// stop string span tokens, the cancellation a stop string causes, and a refusal before the first
+// token becoming 429 with Retry-After.
+#include "cluster/openai_http.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "cluster/openai_client.h"
+#include "fluxion/v1/decode.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "model/tokenizer.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Streams `ids` one per chunk (or refuses with `reject`), and records whether the client
+// cancelled.
+class FakeDecode final : public v1::DecodeService::Service {
+ public:
+  std::vector<uint32_t> ids;
+  grpc::Status reject = grpc::Status::OK;
+  bool wait_for_cancel = false;  // after the ids, wait (bounded) for the client to cancel
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    if (!reject.ok()) return reject;
+    uint32_t sent = 0;
+    for (uint32_t id : ids) {
+      v1::GenerateResponse r;
+      r.mutable_chunk()->add_token_ids(id);
+      r.mutable_chunk()->set_completion_tokens(++sent);
+      if (!writer->Write(r)) break;
+    }
+    // Wait (bounded) for a cancellation that a stop string causes, before completing.
+    for (int i = 0; wait_for_cancel && i < 400 && !context->IsCancelled(); ++i) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    if (context->IsCancelled()) {
+      absl::MutexLock lock(&mu);
+      ++cancelled;
+      return grpc::Status::CANCELLED;
+    }
+    v1::GenerateResponse done;
+    done.mutable_complete()->set_finish_reason(v1::FINISH_REASON_LENGTH);
+    done.mutable_complete()->mutable_usage()->set_completion_tokens(sent);
+    writer->Write(done);
+    return grpc::Status::OK;
+  }
+
+  int Cancelled() {
+    absl::MutexLock lock(&mu);
+    return cancelled;
+  }
+
+ private:
+  absl::Mutex mu;
+  int cancelled ABSL_GUARDED_BY(mu) = 0;
+};
+
+class OpenAiHttpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    HttpServerOptions options;
+    options.model_name = "m";
+    auto http =
+        HttpServer::Start("127.0.0.1:0", server_->InProcessChannel(grpc::ChannelArguments()),
+                          tokenizer_.get(), nullptr, options);
+    ASSERT_TRUE(http.ok()) << http.status();
+    http_ = std::move(*http);
+  }
+  void TearDown() override {
+    http_.reset();
+    server_->Shutdown();
+  }
+  void StreamBytes(const std::string& text) {
+    fake_.ids.clear();
+    for (unsigned char c : text) fake_.ids.push_back(c);
+  }
+  // The events of an SSE body, "data: " stripped.
+  static std::vector<std::string> Events(const std::string& body) {
+    std::vector<std::string> events;
+    for (absl::string_view e : absl::StrSplit(body, "\n\n", absl::SkipEmpty())) {
+      EXPECT_EQ(e.substr(0, 6), "data: ") << e;
+      events.emplace_back(e.substr(6));
+    }
+    return events;
+  }
+
+  FakeDecode fake_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<model::Tokenizer> tokenizer_ = model::NewByteTokenizer();
+  std::unique_ptr<HttpServer> http_;
+};
+
+TEST_F(OpenAiHttpTest, StreamSplitsNoCharacterAndStopsBeforeTheStopString) {
+  // "é" and "😀" arrive one byte per chunk; the stop string "END" spans three chunks.
+  StreamBytes("caf\xc3\xa9 \xf0\x9f\x98\x80 ok END never sent");
+  fake_.wait_for_cancel = true;
+  auto body =
+      PostJsonToLoopback(http_->port(), "/v1/completions",
+                         R"({"model":"m","prompt":"x","max_tokens":64,"stream":true,"stop":"END",
+          "stream_options":{"include_usage":true}})",
+                         absl::Seconds(10));
+  ASSERT_TRUE(body.ok()) << body.status();
+  std::vector<std::string> events = Events(*body);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text, finish;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    auto j = nlohmann::json::parse(events[i]);  // throws (fails the test) on broken UTF-8
+    if (j.contains("usage") && !j["usage"].is_null()) {
+      EXPECT_TRUE(j["choices"].empty());
+      EXPECT_EQ(j["usage"]["completion_tokens"], 17);  // bytes up to and including the "D"
+      continue;
+    }
+    const auto& choice = j["choices"][0];
+    const std::string piece = choice["text"];
+    EXPECT_TRUE(model::IsValidUtf8(piece));
+    text += piece;
+    if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+  }
+  EXPECT_EQ(text, "caf\xc3\xa9 \xf0\x9f\x98\x80 ok ");
+  EXPECT_EQ(finish, "stop");
+  // The stop string cancelled the generation (bounded wait: the cancel travels asynchronously).
+  for (int i = 0; i < 400 && fake_.Cancelled() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(fake_.Cancelled(), 1);
+}
+
+TEST_F(OpenAiHttpTest, WholeAnswerWithoutStop) {
+  StreamBytes("hello");
+  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
+                                 R"({"model":"m","prompt":"x","max_tokens":5})", absl::Seconds(10));
+  ASSERT_TRUE(body.ok()) << body.status();
+  auto j = nlohmann::json::parse(*body);
+  EXPECT_EQ(j["choices"][0]["text"], "hello");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 1);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+}
+
+TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
+  fake_.reject = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "all nodes full");
+  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
+                                 R"({"model":"m","prompt":"x","stream":true})", absl::Seconds(10));
+  ASSERT_FALSE(body.ok());
+  EXPECT_THAT(body.status().message(), HasSubstr("429"));
+  EXPECT_THAT(body.status().message(), HasSubstr("all nodes full"));
+  fake_.reject = grpc::Status(grpc::StatusCode::UNAVAILABLE, "no decode node");
+  body = PostJsonToLoopback(http_->port(), "/v1/completions", R"({"model":"m","prompt":"x"})",
+                            absl::Seconds(10));
+  ASSERT_FALSE(body.ok());
+  EXPECT_THAT(body.status().message(), HasSubstr("503"));
+}
+
+}  // namespace
+}  // namespace fluxion::cluster::openai

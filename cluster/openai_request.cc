@@ -1,0 +1,388 @@
+#include "cluster/openai_request.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "model/json_text.h"
+#include "model/stream_detokenizer.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr char kParamPayload[] = "type.fluxion.dev/openai.param";
+
+absl::Status Invalid(absl::string_view param, absl::string_view message) {
+  return WithParam(absl::InvalidArgumentError(message), param);
+}
+
+// Names of the JSON types, for messages ("max_tokens must be an integer, got string").
+std::string TypeName(const Json& v) { return v.type_name(); }
+
+absl::StatusOr<uint64_t> UnsignedField(const std::string& name, const Json& v, uint64_t min,
+                                       uint64_t max) {
+  if (!v.is_number_integer()) {
+    return Invalid(name, absl::StrCat(name, " must be an integer, got ", TypeName(v)));
+  }
+  if (v.is_number_unsigned()) {
+    uint64_t x = v.get<uint64_t>();
+    if (x >= min && x <= max) return x;
+  } else {
+    int64_t x = v.get<int64_t>();
+    if (x >= 0 && static_cast<uint64_t>(x) >= min && static_cast<uint64_t>(x) <= max) {
+      return static_cast<uint64_t>(x);
+    }
+  }
+  return Invalid(name, absl::StrCat(name, " must be in [", min, ", ", max, "], got ", v.dump()));
+}
+
+absl::StatusOr<float> NumberField(const std::string& name, const Json& v) {
+  if (!v.is_number()) {
+    return Invalid(name, absl::StrCat(name, " must be a number, got ", TypeName(v)));
+  }
+  double x = v.get<double>();
+  if (!std::isfinite(x)) return Invalid(name, absl::StrCat(name, " must be finite"));
+  return static_cast<float>(x);
+}
+
+// A field that Fluxion cannot honour except at the value that means "off": accepted there,
+// refused otherwise with why.
+absl::Status OnlyDefault(const std::string& name, const Json& v, bool is_default,
+                         absl::string_view why) {
+  if (v.is_null() || is_default) return absl::OkStatus();
+  return WithParam(absl::InvalidArgumentError(absl::StrCat(name, " is not supported: ", why)),
+                   name);
+}
+
+absl::StatusOr<std::vector<std::string>> StopStrings(const Json& v) {
+  std::vector<std::string> stop;
+  if (v.is_null()) return stop;
+  if (v.is_string()) {
+    stop.push_back(v.get<std::string>());
+  } else if (v.is_array()) {
+    for (const Json& s : v) {
+      if (!s.is_string()) return Invalid("stop", "stop must be a string or an array of strings");
+      stop.push_back(s.get<std::string>());
+    }
+  } else {
+    return Invalid("stop", "stop must be a string or an array of strings");
+  }
+  if (stop.size() > model::kMaxStopStrings) {
+    return Invalid("stop", absl::StrCat("stop holds ", stop.size(), " strings; at most ",
+                                        model::kMaxStopStrings));
+  }
+  for (const std::string& s : stop) {
+    if (s.empty()) return Invalid("stop", "stop strings must not be empty");
+    if (s.size() > model::kMaxStopStringBytes) {
+      return Invalid("stop", absl::StrCat("a stop string is ", s.size(), " bytes; at most ",
+                                          model::kMaxStopStringBytes));
+    }
+  }
+  return stop;
+}
+
+absl::StatusOr<std::vector<uint32_t>> TokenIds(const std::string& name, const Json& v, size_t max) {
+  std::vector<uint32_t> ids;
+  if (!v.is_array()) return Invalid(name, absl::StrCat(name, " must be an array of token ids"));
+  if (v.size() > max) {
+    return Invalid(name, absl::StrCat(name, " holds ", v.size(), " ids; at most ", max));
+  }
+  ids.reserve(v.size());
+  for (const Json& id : v) {
+    auto x = UnsignedField(name, id, 0, std::numeric_limits<uint32_t>::max());
+    if (!x.ok()) return x.status();
+    ids.push_back(static_cast<uint32_t>(*x));
+  }
+  return ids;
+}
+
+// "prompt": a string, an array of one string, an array of ids, or an array of one array of ids.
+// Several prompts would be several requests: refused (one sequence per request, as n = 1).
+absl::Status ParsePrompt(const Json& v, const ParseLimits& limits, Request* r) {
+  const Json* p = &v;
+  if (v.is_array() && v.size() == 1 && (v[0].is_string() || v[0].is_array())) p = &v[0];
+  if (p->is_string()) {
+    r->prompt_text = p->get<std::string>();
+    if (r->prompt_text->empty()) return Invalid("prompt", "prompt must not be empty");
+    return absl::OkStatus();
+  }
+  if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
+    auto ids = TokenIds("prompt", *p, limits.max_prompt_ids);
+    if (!ids.ok()) return ids.status();
+    r->prompt_ids = std::move(*ids);
+    return absl::OkStatus();
+  }
+  if (p->is_array() && p->size() > 1) {
+    return Invalid("prompt",
+                   "only one prompt per request is supported (send one request per prompt)");
+  }
+  return Invalid("prompt", "prompt must be a non-empty string or an array of token ids");
+}
+
+absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
+  const std::string where = absl::StrCat("messages[", index, "]");
+  if (!m.is_object()) return Invalid("messages", absl::StrCat(where, " must be an object"));
+  Message out;
+  bool has_role = false, has_content = false;
+  for (const auto& [key, v] : m.items()) {
+    if (key == "role") {
+      if (!v.is_string()) return Invalid("messages", absl::StrCat(where, ".role must be a string"));
+      out.role = v.get<std::string>();
+      has_role = true;
+    } else if (key == "content") {
+      has_content = true;
+      if (v.is_string()) {
+        out.content = v.get<std::string>();
+      } else if (v.is_array()) {
+        // Content parts: text only (no images or audio in a text model).
+        for (const Json& part : v) {
+          if (!part.is_object() || part.size() != 2 || !part.contains("type") ||
+              part["type"] != "text" || !part.contains("text") || !part["text"].is_string()) {
+            return Invalid("messages", absl::StrCat(where,
+                                                    ".content: only {\"type\": \"text\", \"text\": "
+                                                    "...} parts are supported"));
+          }
+          out.content += part["text"].get<std::string>();
+        }
+      } else {
+        return Invalid("messages",
+                       absl::StrCat(where, ".content must be a string or an array of text parts"));
+      }
+    } else if (key == "name" && v.is_null()) {
+      // null is the absent value the SDKs may send
+    } else {
+      return Invalid("messages", absl::StrCat(where, ".", key, " is not supported"));
+    }
+  }
+  if (!has_role) return Invalid("messages", absl::StrCat(where, " has no role"));
+  if (!has_content) return Invalid("messages", absl::StrCat(where, " has no content"));
+  return out;
+}
+
+absl::Status ParseMessages(const Json& v, const ParseLimits& limits, Request* r) {
+  if (!v.is_array() || v.empty()) {
+    return Invalid("messages", "messages must be a non-empty array");
+  }
+  if (v.size() > limits.max_messages) {
+    return Invalid("messages", absl::StrCat("messages holds ", v.size(), " entries; at most ",
+                                            limits.max_messages));
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    auto m = ParseMessage(v[i], i);
+    if (!m.ok()) return m.status();
+    r->messages.push_back(std::move(*m));
+  }
+  return absl::OkStatus();
+}
+
+constexpr char kNoLogprobs[] =
+    "the engine returns no log-probabilities (fluxion.v1 streams token ids only)";
+
+using FieldParser = std::function<absl::Status(const Json&, Request*)>;
+
+// The fields of one endpoint: name -> parser. Fields not in the table are refused.
+std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& limits,
+                                          std::optional<uint32_t>* max_completion_tokens) {
+  std::map<std::string, FieldParser> f;
+  f["model"] = [](const Json& v, Request* r) {
+    if (!v.is_string()) return Invalid("model", "model must be a string");
+    r->model = v.get<std::string>();
+    return absl::OkStatus();
+  };
+  f["max_tokens"] = [](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("max_tokens", v, 1, std::numeric_limits<uint32_t>::max());
+    if (!x.ok()) return x.status();
+    r->max_tokens = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
+  };
+  f["temperature"] = [](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = NumberField("temperature", v);
+    if (!x.ok()) return x.status();
+    if (*x < 0) return Invalid("temperature", "temperature must be >= 0");
+    r->temperature = *x;
+    return absl::OkStatus();
+  };
+  f["top_p"] = [](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = NumberField("top_p", v);
+    if (!x.ok()) return x.status();
+    if (!(*x > 0 && *x <= 1)) return Invalid("top_p", "top_p must be in (0, 1]");
+    r->top_p = *x;
+    return absl::OkStatus();
+  };
+  f["top_k"] = [](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    // -1 is vLLM's spelling of "off", as 0 is ours.
+    if (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() == -1) {
+      return absl::OkStatus();
+    }
+    auto x = UnsignedField("top_k", v, 0, std::numeric_limits<uint32_t>::max());
+    if (!x.ok()) return x.status();
+    r->top_k = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
+  };
+  f["seed"] = [](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("seed", v, 0, std::numeric_limits<uint64_t>::max());
+    if (!x.ok()) return x.status();
+    r->seed = *x;
+    return absl::OkStatus();
+  };
+  f["stop"] = [](const Json& v, Request* r) -> absl::Status {
+    auto stop = StopStrings(v);
+    if (!stop.ok()) return stop.status();
+    r->stop = std::move(*stop);
+    return absl::OkStatus();
+  };
+  f["stop_token_ids"] = [limits](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto ids = TokenIds("stop_token_ids", v, limits.max_stop_token_ids);
+    if (!ids.ok()) return ids.status();
+    r->stop_token_ids = std::move(*ids);
+    return absl::OkStatus();
+  };
+  f["n"] = [](const Json& v, Request*) {
+    return OnlyDefault("n", v, v == 1, "one choice per request (send n requests for n choices)");
+  };
+  f["stream"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    if (!v.is_boolean()) return Invalid("stream", "stream must be a boolean");
+    r->stream = v.get<bool>();
+    return absl::OkStatus();
+  };
+  f["stream_options"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    if (!v.is_object()) return Invalid("stream_options", "stream_options must be an object");
+    for (const auto& [key, x] : v.items()) {
+      if (key != "include_usage") {
+        return Invalid("stream_options", absl::StrCat("stream_options.", key, " is not supported"));
+      }
+      if (!x.is_boolean()) {
+        return Invalid("stream_options", "stream_options.include_usage must be a boolean");
+      }
+      r->include_usage = x.get<bool>();
+    }
+    return absl::OkStatus();
+  };
+  // Accepted and deliberately ignored: OpenAI uses it for abuse monitoring, which has no
+  // counterpart here; refusing it would break clients that always send it.
+  f["user"] = [](const Json& v, Request*) {
+    if (!v.is_null() && !v.is_string()) return Invalid("user", "user must be a string");
+    return absl::OkStatus();
+  };
+  f["frequency_penalty"] = [](const Json& v, Request*) {
+    return OnlyDefault("frequency_penalty", v, v.is_number() && v.get<double>() == 0,
+                       "the sampler has no repetition penalties");
+  };
+  f["presence_penalty"] = [](const Json& v, Request*) {
+    return OnlyDefault("presence_penalty", v, v.is_number() && v.get<double>() == 0,
+                       "the sampler has no repetition penalties");
+  };
+  f["logit_bias"] = [](const Json& v, Request*) {
+    return OnlyDefault("logit_bias", v, v.is_object() && v.empty(),
+                       "the sampler takes no logit biases");
+  };
+  if (endpoint == Endpoint::kCompletions) {
+    f["prompt"] = [limits](const Json& v, Request* r) { return ParsePrompt(v, limits, r); };
+    f["logprobs"] = [](const Json& v, Request*) {
+      return OnlyDefault("logprobs", v, v == 0, kNoLogprobs);
+    };
+    f["echo"] = [](const Json& v, Request*) {
+      return OnlyDefault("echo", v, v == false, "the prompt is not echoed");
+    };
+    f["best_of"] = [](const Json& v, Request*) {
+      return OnlyDefault("best_of", v, v == 1, "one sequence per request");
+    };
+    f["suffix"] = [](const Json& v, Request*) {
+      return OnlyDefault("suffix", v, false, "no insertion (fill-in-the-middle) mode");
+    };
+  } else {
+    f["messages"] = [limits](const Json& v, Request* r) { return ParseMessages(v, limits, r); };
+    f["max_completion_tokens"] = [max_completion_tokens](const Json& v, Request*) {
+      if (v.is_null()) return absl::OkStatus();
+      auto x = UnsignedField("max_completion_tokens", v, 1, std::numeric_limits<uint32_t>::max());
+      if (!x.ok()) return x.status();
+      *max_completion_tokens = static_cast<uint32_t>(*x);
+      return absl::OkStatus();
+    };
+    f["logprobs"] = [](const Json& v, Request*) {
+      return OnlyDefault("logprobs", v, v == false, kNoLogprobs);
+    };
+    f["top_logprobs"] = [](const Json& v, Request*) {
+      return OnlyDefault("top_logprobs", v, v == 0, kNoLogprobs);
+    };
+    f["response_format"] = [](const Json& v, Request*) {
+      return OnlyDefault("response_format", v,
+                         v.is_object() && v.size() == 1 && v.value("type", "") == "text",
+                         "only {\"type\": \"text\"} (no constrained decoding)");
+    };
+  }
+  return f;
+}
+
+}  // namespace
+
+absl::Status WithParam(absl::Status status, absl::string_view param) {
+  if (!param.empty()) status.SetPayload(kParamPayload, absl::Cord(param));
+  return status;
+}
+
+std::string ErrorParam(const absl::Status& status) {
+  auto param = status.GetPayload(kParamPayload);
+  return param ? std::string(*param) : std::string();
+}
+
+absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
+                                     const ParseLimits& limits) {
+  model::JsonTextOptions options;
+  options.max_depth = limits.max_depth;
+  options.reject_duplicate_top_level_keys = true;
+  auto json = model::ParseJsonText(body, "the request body", options);
+  if (!json.ok()) return json.status();
+  if (!json->is_object())
+    return absl::InvalidArgumentError("the request body must be a JSON object");
+  Request r;
+  r.endpoint = endpoint;
+  std::optional<uint32_t> max_completion_tokens;
+  const auto fields = Fields(endpoint, limits, &max_completion_tokens);
+  for (const auto& [key, value] : json->items()) {
+    auto it = fields.find(key);
+    if (it == fields.end()) {
+      return Invalid(key, absl::StrCat("Unrecognized request argument supplied: ", key,
+                                       " (Fluxion refuses fields it would otherwise ignore)"));
+    }
+    if (absl::Status s = it->second(value, &r); !s.ok()) return s;
+  }
+  if (!json->contains("model")) return Invalid("model", "model is required");
+  if (endpoint == Endpoint::kCompletions && !json->contains("prompt")) {
+    return Invalid("prompt", "prompt is required");
+  }
+  if (endpoint == Endpoint::kChatCompletions && !json->contains("messages")) {
+    return Invalid("messages", "messages is required");
+  }
+  if (max_completion_tokens) {
+    if (r.max_tokens && *r.max_tokens != *max_completion_tokens) {
+      return Invalid("max_completion_tokens",
+                     "max_tokens and max_completion_tokens differ; give one of them");
+    }
+    r.max_tokens = max_completion_tokens;
+  }
+  if (endpoint == Endpoint::kCompletions && !r.max_tokens) {
+    r.max_tokens = kDefaultCompletionMaxTokens;
+  }
+  if (json->contains("stream_options") && !(*json)["stream_options"].is_null() && !r.stream) {
+    return Invalid("stream_options", "stream_options is only allowed when stream is true");
+  }
+  return r;
+}
+
+}  // namespace fluxion::cluster::openai

@@ -1,0 +1,78 @@
+// The OpenAI-compatible HTTP API's request bodies (docs/PROTOCOL.md, "OpenAI-compatible HTTP
+// API"): POST /v1/completions and /v1/chat/completions parsed and validated into one Request.
+// Every field the API defines is either mapped onto fluxion.v1, accepted because it changes
+// nothing (its default value, or `user`), or refused with InvalidArgument naming it: a field that
+// would be silently ignored makes a client believe it got behaviour it did not get.
+//
+// Errors carry the offending field's name as a payload (ErrorParam) so that the HTTP layer can
+// fill OpenAI's `error.param`.
+//
+// Thread-safe: pure functions.
+#ifndef FLUXION_CLUSTER_OPENAI_REQUEST_H_
+#define FLUXION_CLUSTER_OPENAI_REQUEST_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace fluxion::cluster::openai {
+
+enum class Endpoint { kCompletions, kChatCompletions };
+
+// One chat message: its role and its text (text parts of an array content joined).
+struct Message {
+  std::string role;
+  std::string content;
+};
+
+struct Request {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string model;
+  // Completions: the prompt as text, or as token ids (exactly one of the two is set).
+  std::optional<std::string> prompt_text;
+  std::vector<uint32_t> prompt_ids;
+  // Chat: the conversation, at least one message.
+  std::vector<Message> messages;
+  // max_tokens (or max_completion_tokens). Absent: completions default to 16 (OpenAI's
+  // documented default); chat to the room the context leaves.
+  std::optional<uint32_t> max_tokens;
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  uint32_t top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;         // stop strings, not included in the output
+  std::vector<uint32_t> stop_token_ids;  // vLLM's extension: stop after any of these tokens
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+};
+
+// Bounds on what a body may hold, checked while parsing (the body's size is the HTTP layer's).
+struct ParseLimits {
+  int max_depth = 16;                // JSON nesting; deeper bodies are refused before the DOM
+  size_t max_messages = 4096;        // chat messages
+  size_t max_prompt_ids = 1u << 20;  // token ids of a prompt given as ids
+  size_t max_stop_token_ids = 256;
+};
+
+// Completions' default max_tokens (https://platform.openai.com/docs/api-reference/completions).
+inline constexpr uint32_t kDefaultCompletionMaxTokens = 16;
+
+// Parses and validates `body`. InvalidArgument with a message a user can act on; the field it is
+// about (when one) is in ErrorParam(status). The body must be an object without duplicate keys.
+absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
+                                     const ParseLimits& limits = {});
+
+// The field an error names, for OpenAI's `error.param`; empty when none.
+std::string ErrorParam(const absl::Status& status);
+// `status` with `param` attached (what ErrorParam returns).
+absl::Status WithParam(absl::Status status, absl::string_view param);
+
+}  // namespace fluxion::cluster::openai
+
+#endif  // FLUXION_CLUSTER_OPENAI_REQUEST_H_

@@ -1,0 +1,191 @@
+#include "cluster/openai_request.h"
+
+#include <string>
+#include <vector>
+
+#include "cluster/openai_generate.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/tokenizer.h"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+absl::StatusOr<Request> Completions(const std::string& body) {
+  return ParseRequest(Endpoint::kCompletions, body);
+}
+absl::StatusOr<Request> Chat(const std::string& body) {
+  return ParseRequest(Endpoint::kChatCompletions, body);
+}
+
+// The field an error names and its message, checked together.
+void ExpectRefused(const absl::StatusOr<Request>& r, const std::string& param,
+                   const std::string& message_part) {
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ErrorParam(r.status()), param);
+  EXPECT_THAT(r.status().message(), HasSubstr(message_part));
+}
+
+TEST(OpenAiRequestTest, CompletionFieldsMapOneToOne) {
+  auto r = Completions(R"({"model":"m","prompt":"hi","max_tokens":7,"temperature":0.5,
+      "top_p":0.9,"top_k":40,"seed":12,"stop":["a","bc"],"stop_token_ids":[257],"stream":true,
+      "stream_options":{"include_usage":true},"user":"u1","n":1,"logprobs":null,
+      "frequency_penalty":0,"presence_penalty":0})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model, "m");
+  EXPECT_EQ(*r->prompt_text, "hi");
+  EXPECT_EQ(*r->max_tokens, 7u);
+  EXPECT_FLOAT_EQ(*r->temperature, 0.5f);
+  EXPECT_FLOAT_EQ(*r->top_p, 0.9f);
+  EXPECT_EQ(r->top_k, 40u);
+  EXPECT_EQ(*r->seed, 12u);
+  EXPECT_THAT(r->stop, ElementsAre("a", "bc"));
+  EXPECT_THAT(r->stop_token_ids, ElementsAre(257u));
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+}
+
+TEST(OpenAiRequestTest, CompletionDefaults) {
+  auto r = Completions(R"({"model":"m","prompt":"hi","stop":"x"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r->max_tokens, kDefaultCompletionMaxTokens);
+  EXPECT_FALSE(r->temperature.has_value());
+  EXPECT_FALSE(r->stream);
+  EXPECT_THAT(r->stop, ElementsAre("x"));
+}
+
+TEST(OpenAiRequestTest, PromptAsTokenIds) {
+  auto r = Completions(R"({"model":"m","prompt":[1,2,3]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->prompt_text.has_value());
+  EXPECT_THAT(r->prompt_ids, ElementsAre(1u, 2u, 3u));
+  auto nested = Completions(R"({"model":"m","prompt":[[4,5]]})");
+  ASSERT_TRUE(nested.ok()) << nested.status();
+  EXPECT_THAT(nested->prompt_ids, ElementsAre(4u, 5u));
+  ExpectRefused(Completions(R"({"model":"m","prompt":["a","b"]})"), "prompt", "one prompt");
+  ExpectRefused(Completions(R"({"model":"m","prompt":[1,-2]})"), "prompt", "[0, 4294967295]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":""})"), "prompt", "empty");
+}
+
+TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","bogus":1})"), "bogus",
+                "Unrecognized request argument supplied: bogus");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","logprobs":2})"), "logprobs",
+                "log-probabilities");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","n":2})"), "n", "one choice");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","echo":true})"), "echo", "echoed");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":0.5})"),
+                "presence_penalty", "penalties");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "logprobs":true})"),
+                "logprobs", "log-probabilities");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "tools":[]})"),
+                "tools", "Unrecognized");
+  // A chat-only field on completions.
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","messages":[]})"), "messages",
+                "Unrecognized");
+}
+
+TEST(OpenAiRequestTest, ValuesOutOfRange) {
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":0})"), "max_tokens", "[1, ");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":"5"})"), "max_tokens",
+                "integer");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","temperature":-1})"), "temperature",
+                ">= 0");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","top_p":0})"), "top_p", "(0, 1]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","seed":-3})"), "seed", "[0, ");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","stop":[""]})"), "stop", "empty");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","stop":[1]})"), "stop", "strings");
+  ExpectRefused(
+      Completions(R"({"model":"m","prompt":"p","stream_options":{"include_usage":true}})"),
+      "stream_options", "only allowed when stream");
+  ExpectRefused(Completions(R"({"prompt":"p"})"), "model", "required");
+  ExpectRefused(Completions(R"({"model":"m"})"), "prompt", "required");
+}
+
+TEST(OpenAiRequestTest, BadBodies) {
+  for (const std::string& body :
+       std::vector<std::string>{"", "[1]", "{\"model\":", "{\"model\":\"m\",\"model\":\"n\"}",
+                                std::string(100, '[') + std::string(100, ']')}) {
+    auto r = Completions(body);
+    EXPECT_FALSE(r.ok()) << body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
+  }
+  // Not UTF-8 inside a string.
+  auto r = Completions("{\"model\":\"m\",\"prompt\":\"\xff\xfe\"}");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(OpenAiRequestTest, ChatMessages) {
+  auto r = Chat(R"({"model":"m","messages":[{"role":"system","content":"be brief"},
+      {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+      "max_completion_tokens":9})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->messages.size(), 2u);
+  EXPECT_EQ(r->messages[0].role, "system");
+  EXPECT_EQ(r->messages[1].content, "ab");
+  EXPECT_EQ(*r->max_tokens, 9u);
+  auto unlimited = Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
+  ASSERT_TRUE(unlimited.ok());
+  EXPECT_FALSE(unlimited->max_tokens.has_value());  // the context's room, not 16
+  ExpectRefused(Chat(R"({"model":"m","messages":[]})"), "messages", "non-empty");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user"}]})"), "messages", "no content");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x","tool_calls":[]}]})"),
+                "messages", "tool_calls is not supported");
+  ExpectRefused(
+      Chat(R"({"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]})"),
+      "messages", "text");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":3,
+      "max_completion_tokens":4})"),
+                "max_completion_tokens", "differ");
+}
+
+TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {
+  auto tokenizer = model::NewByteTokenizer();
+  auto r = Completions(R"({"model":"m","prompt":"ab","max_tokens":5,"temperature":0,
+      "seed":3,"stop_token_ids":[257]})");
+  ASSERT_TRUE(r.ok());
+  auto g = PrepareGenerate(*r, *tokenizer, nullptr, "cmpl-1");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->request_id(), "cmpl-1");
+  EXPECT_THAT(g->prompt_token_ids(), ElementsAre('a', 'b'));
+  EXPECT_EQ(g->sampling().max_tokens(), 5u);
+  EXPECT_EQ(g->sampling().temperature(), 0.f);
+  EXPECT_TRUE(g->sampling().has_temperature());
+  EXPECT_FALSE(g->sampling().has_top_p());
+  EXPECT_EQ(g->sampling().seed(), 3u);
+  EXPECT_THAT(g->sampling().stop_token_ids(), ElementsAre(257u));
+}
+
+TEST(OpenAiGenerateTest, RefusesIdsOutsideTheVocabularyAndChatWithoutTemplate) {
+  auto tokenizer = model::NewByteTokenizer();
+  auto ids = Completions(R"({"model":"m","prompt":[1,100000]})");
+  ASSERT_TRUE(ids.ok());
+  auto g = PrepareGenerate(*ids, *tokenizer, nullptr, "x");
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(ErrorParam(g.status()), "prompt");
+  auto stop = Completions(R"({"model":"m","prompt":"a","stop_token_ids":[999999]})");
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(ErrorParam(PrepareGenerate(*stop, *tokenizer, nullptr, "x").status()),
+            "stop_token_ids");
+  auto chat = Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
+  ASSERT_TRUE(chat.ok());
+  auto none = PrepareGenerate(*chat, *tokenizer, nullptr, "x");
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(none.status().message(), HasSubstr("no chat template"));
+  ChatRenderer render = [](const std::vector<Message>& m) -> absl::StatusOr<std::string> {
+    return "<" + m[0].role + ">" + m[0].content;
+  };
+  auto rendered = PrepareGenerate(*chat, *tokenizer, render, "x");
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  EXPECT_EQ(rendered->prompt_token_ids_size(), 7);  // "<user>x"
+}
+
+}  // namespace
+}  // namespace fluxion::cluster::openai

@@ -1,0 +1,150 @@
+#include "cluster/openai_response.h"
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+using Json = nlohmann::json;
+
+// Text from the detokenizer is valid UTF-8; client-supplied strings echoed back (the model name)
+// may not be, so dump replaces rather than throws.
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+Json NullIfEmpty(const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); }
+
+Json UsageJson(const TokenUsage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+}
+
+Json Envelope(const ResponseMeta& meta, bool chunk) {
+  const bool chat = meta.endpoint == Endpoint::kChatCompletions;
+  return {
+      {"id", meta.id},
+      {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+      {"created", meta.created},
+      {"model", meta.model}};
+}
+
+}  // namespace
+
+ApiError ErrorFromStatus(const absl::Status& status) {
+  ApiError e;
+  e.message = std::string(status.message());
+  e.param = ErrorParam(status);
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kFailedPrecondition:
+      e.http_status = 400;
+      e.type = "invalid_request_error";
+      break;
+    case absl::StatusCode::kNotFound:
+      e.http_status = 404;
+      e.type = "invalid_request_error";
+      e.code = "model_not_found";
+      break;
+    case absl::StatusCode::kUnauthenticated:
+      e.http_status = 401;
+      e.type = "authentication_error";
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      e.http_status = 403;
+      e.type = "permission_error";
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.http_status = 429;
+      e.type = "rate_limit_error";
+      e.code = "overloaded";
+      e.retry_after_s = 1;
+      break;
+    case absl::StatusCode::kUnavailable:
+      e.http_status = 503;
+      e.type = "server_error";
+      e.code = "unavailable";
+      e.retry_after_s = 1;
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      e.http_status = 504;
+      e.type = "server_error";
+      e.code = "timeout";
+      break;
+    case absl::StatusCode::kUnimplemented:
+      e.http_status = 501;
+      e.type = "invalid_request_error";
+      break;
+    default:
+      e.http_status = 500;
+      e.type = "server_error";
+      break;
+  }
+  return e;
+}
+
+std::string ErrorJson(const ApiError& error) {
+  Json j = {{"error",
+             {{"message", error.message},
+              {"type", error.type},
+              {"param", NullIfEmpty(error.param)},
+              {"code", NullIfEmpty(error.code)}}}};
+  return Dump(j);
+}
+
+std::string CompletionJson(const ResponseMeta& meta, absl::string_view text,
+                           absl::string_view finish_reason, const TokenUsage& usage) {
+  Json j = Envelope(meta, /*chunk=*/false);
+  Json choice = {
+      {"index", 0}, {"finish_reason", std::string(finish_reason)}, {"logprobs", nullptr}};
+  if (meta.endpoint == Endpoint::kChatCompletions) {
+    choice["message"] = {{"role", "assistant"}, {"content", std::string(text)}};
+  } else {
+    choice["text"] = std::string(text);
+  }
+  j["choices"] = Json::array({choice});
+  j["usage"] = UsageJson(usage);
+  return Dump(j);
+}
+
+std::string SseEvent(absl::string_view json) { return absl::StrCat("data: ", json, "\n\n"); }
+
+std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
+                      std::optional<absl::string_view> finish_reason, bool include_usage) {
+  Json j = Envelope(meta, /*chunk=*/true);
+  Json choice = {{"index", 0},
+                 {"logprobs", nullptr},
+                 {"finish_reason", finish_reason ? Json(std::string(*finish_reason)) : Json()}};
+  if (meta.endpoint == Endpoint::kChatCompletions) {
+    Json delta = Json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || first) delta["content"] = std::string(text);
+    choice["delta"] = delta;
+  } else {
+    choice["text"] = std::string(text);
+  }
+  j["choices"] = Json::array({choice});
+  if (include_usage) j["usage"] = nullptr;
+  return Dump(j);
+}
+
+std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage) {
+  Json j = Envelope(meta, /*chunk=*/true);
+  j["choices"] = Json::array();
+  j["usage"] = UsageJson(usage);
+  return Dump(j);
+}
+
+std::string StreamErrorEvent(const ApiError& error) { return SseEvent(ErrorJson(error)); }
+
+std::string ModelsJson(absl::string_view model, int64_t created) {
+  Json j = {{"object", "list"},
+            {"data", Json::array({{{"id", std::string(model)},
+                                   {"object", "model"},
+                                   {"created", created},
+                                   {"owned_by", "fluxion"}}})}};
+  return Dump(j);
+}
+
+}  // namespace fluxion::cluster::openai

@@ -1,0 +1,84 @@
+#include "cluster/openai_response.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace fluxion::cluster::openai {
+namespace {
+
+using Json = nlohmann::json;
+
+// The JSON of one "data: ...\n\n" event.
+Json EventJson(const std::string& event) {
+  EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
+  EXPECT_EQ(event.substr(event.size() - 2), "\n\n") << event;
+  return Json::parse(event.substr(6, event.size() - 8));
+}
+
+TEST(OpenAiResponseTest, ErrorShapeAndHttpStatus) {
+  ApiError e = ErrorFromStatus(WithParam(absl::InvalidArgumentError("bad n"), "n"));
+  EXPECT_EQ(e.http_status, 400);
+  Json j = Json::parse(ErrorJson(e));
+  EXPECT_EQ(j["error"]["message"], "bad n");
+  EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(j["error"]["param"], "n");
+  EXPECT_TRUE(j["error"]["code"].is_null());
+  EXPECT_EQ(ErrorFromStatus(absl::ResourceExhaustedError("full")).http_status, 429);
+  EXPECT_EQ(ErrorFromStatus(absl::ResourceExhaustedError("full")).retry_after_s, 1);
+  EXPECT_EQ(ErrorFromStatus(absl::UnavailableError("none")).http_status, 503);
+  EXPECT_EQ(ErrorFromStatus(absl::UnavailableError("none")).retry_after_s, 1);
+  EXPECT_EQ(ErrorFromStatus(absl::DeadlineExceededError("slow")).http_status, 504);
+  EXPECT_EQ(ErrorFromStatus(absl::InternalError("bug")).http_status, 500);
+  EXPECT_TRUE(Json::parse(ErrorJson(ErrorFromStatus(absl::InternalError("x"))))["error"]["param"]
+                  .is_null());
+}
+
+TEST(OpenAiResponseTest, WholeCompletionAndChat) {
+  ResponseMeta meta{Endpoint::kCompletions, "cmpl-1", 100, "m"};
+  Json c = Json::parse(CompletionJson(meta, "héllo", "length", {3, 4}));
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["text"], "héllo");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c["usage"]["total_tokens"], 7);
+  meta.endpoint = Endpoint::kChatCompletions;
+  Json chat = Json::parse(CompletionJson(meta, "hi", "stop", {1, 1}));
+  EXPECT_EQ(chat["object"], "chat.completion");
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], "hi");
+}
+
+TEST(OpenAiResponseTest, SseFraming) {
+  EXPECT_EQ(SseEvent("{}"), "data: {}\n\n");
+  EXPECT_EQ(std::string(kSseDone), "data: [DONE]\n\n");
+  ResponseMeta meta{Endpoint::kChatCompletions, "chatcmpl-1", 5, "m"};
+  Json first = EventJson(SseEvent(ChunkJson(meta, "", true, std::nullopt, true)));
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  EXPECT_TRUE(first.contains("usage") && first["usage"].is_null());
+  Json last = EventJson(SseEvent(ChunkJson(meta, "", false, "stop", false)));
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(last["choices"][0]["delta"].empty());
+  EXPECT_FALSE(last.contains("usage"));
+  Json usage = EventJson(SseEvent(UsageChunkJson(meta, {2, 3})));
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
+  meta.endpoint = Endpoint::kCompletions;
+  Json text = EventJson(SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)));
+  EXPECT_EQ(text["choices"][0]["text"], "a\nb");  // a newline in text never splits the event
+  EXPECT_EQ(SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)).find("\n"),
+            SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)).size() - 2);
+}
+
+TEST(OpenAiResponseTest, ModelsList) {
+  Json j = Json::parse(ModelsJson("tiny", 9));
+  EXPECT_EQ(j["object"], "list");
+  EXPECT_EQ(j["data"][0]["id"], "tiny");
+  EXPECT_EQ(j["data"][0]["object"], "model");
+}
+
+}  // namespace
+}  // namespace fluxion::cluster::openai

@@ -1,0 +1,89 @@
+#include "cluster/openai_serving.h"
+
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "common/server_main.h"
+#include "model/chat_template.h"
+
+namespace fluxion::cluster {
+
+void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
+  flags.String("http-listen", &out->http_listen,
+               "address of the OpenAI-compatible HTTP API, host:port (port 0 picks a free one; "
+               "empty: off). Needs --model-dir (docs/PROTOCOL.md)");
+  flags.String("http-port-file", &out->http_port_file,
+               "write the bound HTTP API port into this file once serving");
+  flags.String("model-dir", &out->model_dir,
+               "model directory whose tokenizer (and chat template) the HTTP API uses");
+  flags.String("served-model-name", &out->served_model_name,
+               "model id the HTTP API answers to (default: the model directory's name)");
+  flags.Int("http-max-body-bytes", &out->max_body_bytes,
+            "largest HTTP request body accepted (413 beyond)");
+}
+
+OpenAiServing::~OpenAiServing() { server_.reset(); }
+
+int OpenAiServing::port() const { return server_->port(); }
+
+absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags& flags,
+                                                               grpc::Server* server,
+                                                               std::function<bool()> ready) {
+  if (flags.http_listen.empty()) return nullptr;
+  if (flags.model_dir.empty()) {
+    return absl::InvalidArgumentError("--http-listen needs --model-dir (the tokenizer's model)");
+  }
+  if (flags.max_body_bytes < 1024 || flags.max_body_bytes > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError("--http-max-body-bytes must be in [1024, 1073741824]");
+  }
+  std::unique_ptr<OpenAiServing> serving(new OpenAiServing());
+  auto tokenizer = model::LoadTokenizer(flags.model_dir);
+  if (!tokenizer.ok()) {
+    return absl::Status(tokenizer.status().code(),
+                        absl::StrCat("--model-dir: ", tokenizer.status().message()));
+  }
+  serving->tokenizer_ = std::move(*tokenizer);
+  // The model's chat template (model/chat_template.h). Without one the API still serves
+  // completions, and chat requests get 400 saying why.
+  openai::ChatRenderer chat;
+  std::string chat_name;
+  auto chat_template = model::ChatTemplate::Load(flags.model_dir);
+  if (chat_template.ok()) {
+    auto shared = std::make_shared<const model::ChatTemplate>(std::move(*chat_template));
+    chat_name = shared->name();
+    chat = [shared](const std::vector<openai::Message>& messages) -> absl::StatusOr<std::string> {
+      std::vector<model::ChatMessage> converted;
+      converted.reserve(messages.size());
+      for (const openai::Message& m : messages) converted.push_back({m.role, m.content});
+      return shared->Render(converted, /*add_generation_prompt=*/true);
+    };
+  } else {
+    const std::string why(chat_template.status().message());
+    chat_name = "none: " + why;
+    chat = [why](const std::vector<openai::Message>&) -> absl::StatusOr<std::string> {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chat completions are not available for this model: ", why));
+    };
+  }
+  openai::HttpServerOptions options;
+  std::string name = flags.served_model_name;
+  if (name.empty()) {
+    std::string dir = flags.model_dir;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    name = dir.substr(dir.rfind('/') + 1);
+  }
+  options.model_name = name;
+  options.max_body_bytes = static_cast<size_t>(flags.max_body_bytes);
+  options.ready = std::move(ready);
+  auto started = openai::HttpServer::Start(flags.http_listen,
+                                           server->InProcessChannel(grpc::ChannelArguments()),
+                                           serving->tokenizer_.get(), chat, options);
+  if (!started.ok()) return started.status();
+  serving->server_ = std::move(*started);
+  serving::WritePortFile(flags.http_port_file, serving->server_->port());
+  std::cout << "router: OpenAI-compatible HTTP API on port " << serving->server_->port()
+            << " (model \"" << name << "\", chat template " << chat_name << ")" << std::endl;
+  return serving;
+}
+
+}  // namespace fluxion::cluster

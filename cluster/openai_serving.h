@@ -1,0 +1,51 @@
+// `fluxion router`'s OpenAI HTTP API switch: its flags, and starting the server with the model's
+// tokenizer and chat template next to the router's gRPC server. Kept apart from router_command.cc
+// so that the command stays one list of steps.
+#ifndef FLUXION_CLUSTER_OPENAI_SERVING_H_
+#define FLUXION_CLUSTER_OPENAI_SERVING_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "cluster/openai_http.h"
+#include "common/flag_set.h"
+#include "grpcpp/grpcpp.h"
+#include "model/tokenizer.h"
+
+namespace fluxion::cluster {
+
+struct OpenAiFlags {
+  std::string http_listen;  // empty: no HTTP API
+  std::string http_port_file;
+  std::string model_dir;
+  std::string served_model_name;
+  int64_t max_body_bytes = 1 << 20;
+};
+
+void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out);
+
+// The running API and what it borrows (tokenizer, chat template).
+class OpenAiServing {
+ public:
+  ~OpenAiServing();
+  int port() const;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags&,
+                                                                        grpc::Server*,
+                                                                        std::function<bool()>);
+  OpenAiServing() = default;
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unique_ptr<openai::HttpServer> server_;  // destroyed first: it uses the tokenizer
+};
+
+// nullptr when --http-listen is empty. Prints the address. `ready`: a healthy decode node.
+absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags& flags,
+                                                               grpc::Server* server,
+                                                               std::function<bool()> ready);
+
+}  // namespace fluxion::cluster
+
+#endif  // FLUXION_CLUSTER_OPENAI_SERVING_H_

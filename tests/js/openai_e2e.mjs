@@ -1,0 +1,187 @@
+// The official `openai` npm SDK against Fluxion's OpenAI-compatible HTTP API (docs/PROTOCOL.md),
+// unchanged: completions and chat, streaming and not, a stop string, a cancelled stream whose KV
+// pages come back, a bad field -> 400, overload -> 429 and 503. Run by tests/openai_e2e_test.cc,
+// which starts the processes and passes their addresses:
+//   FLUXION_HTTP        the router's HTTP API, e.g. http://127.0.0.1:8000/v1
+//   FLUXION_SHED_HTTP   a router that sheds every request (RESOURCE_EXHAUSTED -> 429)
+//   FLUXION_DOWN_HTTP   a router with no healthy decode node (UNAVAILABLE -> 503)
+//   FLUXION_DECODE_METRICS  the decode node's /metrics URL
+//   FLUXION_MODEL       the served model name
+//   FLUXION_CHAT        "1" when the router has a chat template
+// Exits 0 when every check passed; prints each failure.
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+
+const env = (name) => {
+  const v = process.env[name];
+  if (!v) throw new Error(`${name} is not set`);
+  return v;
+};
+const model = env('FLUXION_MODEL');
+const client = new OpenAI({ baseURL: env('FLUXION_HTTP'), apiKey: 'unused', maxRetries: 0,
+                            timeout: 30000 });
+const prompt = 'The key is 42. Remember the key. The key is';
+
+async function metric(series) {
+  const text = await (await fetch(env('FLUXION_DECODE_METRICS'))).text();
+  for (const line of text.split('\n')) {
+    if (line.startsWith(series + ' ')) return Number(line.slice(series.length + 1));
+  }
+  return 0;  // a labelled counter not yet incremented is absent
+}
+
+async function streamText(params) {
+  const stream = await client.completions.create({ ...params, stream: true,
+                                                    stream_options: { include_usage: true } });
+  let text = '', finish = null, usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      text += c.text;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  return { text, finish, usage };
+}
+
+const checks = [];
+const check = (name, fn) => checks.push({ name, fn });
+
+let greedy;  // the greedy answer of `prompt`, 48 tokens, reused by later checks
+check('models lists the served model', async () => {
+  const models = await client.models.list();
+  assert.deepEqual(models.data.map((m) => m.id), [model]);
+});
+
+check('completion, not streamed', async () => {
+  const r = await client.completions.create({ model, prompt, max_tokens: 48, temperature: 0 });
+  assert.equal(r.object, 'text_completion');
+  assert.equal(r.choices.length, 1);
+  // 48 tokens of the byte-level model without EOS: the cancelled-stream check relies on it.
+  assert.equal(r.choices[0].finish_reason, 'length', 'pick a prompt the tiny model does not end');
+  assert.equal(r.usage.completion_tokens, 48);
+  assert.equal(r.usage.prompt_tokens, Buffer.byteLength(prompt));
+  greedy = r.choices[0].text;
+  assert.ok(greedy.length > 8, `answer too short: ${JSON.stringify(greedy)}`);
+});
+
+check('completion, streamed, equals the whole one', async () => {
+  const s = await streamText({ model, prompt, max_tokens: 48, temperature: 0 });
+  assert.equal(s.text, greedy);
+  assert.equal(s.finish, 'length');
+  assert.equal(s.usage.completion_tokens, 48);
+});
+
+check('prompt as token ids', async () => {
+  const ids = [...Buffer.from(prompt)];
+  const r = await client.completions.create({ model, prompt: ids, max_tokens: 48, temperature: 0 });
+  assert.equal(r.choices[0].text, greedy);
+});
+
+check('stop string: the text before it, nothing after, both modes', async () => {
+  const stop = greedy.slice(4, 7);
+  const want = greedy.slice(0, greedy.indexOf(stop));
+  const r = await client.completions.create({ model, prompt, max_tokens: 48, temperature: 0, stop });
+  assert.equal(r.choices[0].text, want);
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  const s = await streamText({ model, prompt, max_tokens: 48, temperature: 0, stop: [stop] });
+  assert.equal(s.text, want);
+  assert.equal(s.finish, 'stop');
+});
+
+check('a bad field is 400 naming it', async () => {
+  await assert.rejects(
+    client.completions.create({ model, prompt, max_tokens: 4, bogus_field: 1 }),
+    (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'bogus_field');
+  await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4, logprobs: 3 }),
+                       (e) => e.status === 400 && e.param === 'logprobs');
+  await assert.rejects(client.completions.create({ model: 'nope', prompt, max_tokens: 4 }),
+                       (e) => e instanceof OpenAI.NotFoundError);
+});
+
+check('HTTP-level refusals: bad JSON, bad UTF-8, too large, unknown path, wrong method',
+      async () => {
+  const base = env('FLUXION_HTTP');  // ends in /v1
+  const post = (path, body) => fetch(base + path, { method: 'POST', body,
+                                                    headers: { 'content-type': 'application/json' } });
+  const bad = await post('/completions', '{"model":');
+  assert.equal(bad.status, 400);
+  assert.equal((await bad.json()).error.type, 'invalid_request_error');
+  const utf8 = await post('/completions',
+                          Buffer.concat([Buffer.from(`{"model":"${model}","prompt":"`),
+                                         Buffer.from([0xff, 0xfe]), Buffer.from('"}')]));
+  assert.equal(utf8.status, 400);
+  const big = await post('/completions', JSON.stringify({ model, prompt: 'x'.repeat(2 << 20) }));
+  assert.equal(big.status, 413);
+  assert.equal((await fetch(base + '/nothing')).status, 404);
+  assert.equal((await fetch(base + '/completions')).status, 405);
+  const health = await fetch(base.replace(/\/v1$/, '') + '/health');
+  assert.equal(health.status, 200);
+});
+
+check('overload: 429 and 503 with Retry-After', async () => {
+  const shed = new OpenAI({ baseURL: env('FLUXION_SHED_HTTP'), apiKey: 'x', maxRetries: 0 });
+  await assert.rejects(shed.completions.create({ model, prompt, max_tokens: 4 }),
+                       (e) => e instanceof OpenAI.RateLimitError &&
+                              e.headers.get('retry-after') === '1');
+  const down = new OpenAI({ baseURL: env('FLUXION_DOWN_HTTP'), apiKey: 'x', maxRetries: 0 });
+  await assert.rejects(down.completions.create({ model, prompt, max_tokens: 4, stream: true }),
+                       (e) => e instanceof OpenAI.InternalServerError && e.status === 503 &&
+                              e.headers.get('retry-after') === '1');
+});
+
+check('a cancelled stream ends on the decode node and its pages come back', async () => {
+  const total = await metric('fluxion_kv_pages_capacity');
+  const naturalEnds = async () => (await metric('fluxion_decode_finished_total{reason="stop"}')) +
+                                  (await metric('fluxion_decode_finished_total{reason="length"}'));
+  const endedBefore = await naturalEnds();
+  const stream = await client.completions.create({ model, prompt, max_tokens: 20000,
+                                                   temperature: 0, stream: true });
+  let chunks = 0;
+  for await (const chunk of stream) {
+    if (++chunks === 2) break;  // leaving the loop aborts the HTTP request
+  }
+  // Bounded wait for the cancellation to travel router -> decode node.
+  const deadline = Date.now() + 20000;
+  while (await metric('fluxion_kv_pages_free') !== total && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.equal(await metric('fluxion_kv_pages_free'), total, 'pages still held');
+  assert.equal(await naturalEnds(), endedBefore,
+               'the request ended by itself (stop/length), not by the cancellation');
+});
+
+if (process.env.FLUXION_CHAT === '1') {
+  const messages = [{ role: 'user', content: 'What is the key? The key is 42.' }];
+  check('chat, not streamed and streamed', async () => {
+    const r = await client.chat.completions.create({ model, messages, max_completion_tokens: 24,
+                                                     temperature: 0 });
+    assert.equal(r.object, 'chat.completion');
+    assert.equal(r.choices[0].message.role, 'assistant');
+    const whole = r.choices[0].message.content;
+    const stream = await client.chat.completions.create({ model, messages, max_tokens: 24,
+                                                          temperature: 0, stream: true });
+    let text = '', role = null;
+    for await (const chunk of stream) {
+      for (const c of chunk.choices) {
+        if (c.delta.role) role = c.delta.role;
+        text += c.delta.content ?? '';
+      }
+    }
+    assert.equal(role, 'assistant');
+    assert.equal(text, whole);
+  });
+}
+
+let failed = 0;
+for (const { name, fn } of checks) {
+  try {
+    await fn();
+    console.log(`ok   ${name}`);
+  } catch (e) {
+    failed++;
+    console.log(`FAIL ${name}: ${e?.stack ?? e}`);
+  }
+}
+console.log(`${checks.length - failed}/${checks.length} passed`);
+process.exit(failed ? 1 : 0);
