@@ -192,13 +192,17 @@ TEST_F(ClusterE2eTest, ClientCancellationThroughTheRouterReleasesDecodePages) {
   synthetic.num_requests = 8;
   synthetic.rate = 20;
   synthetic.input = *ParseLengthDistribution("fixed:96");
-  synthetic.output = *ParseLengthDistribution("fixed:400");
+  // Every request is cancelled 0.4 s after it was sent, long before it could end by itself:
+  // 1,500 tokens take >= 0.75 s at the fastest the tiny model's decode step runs (~0.5 ms),
+  // so the count below does not depend on how fast the machine is (with 400 tokens and 1.5 s,
+  // an idle machine finished some requests before their cancel).
+  synthetic.output = *ParseLengthDistribution("fixed:1500");
   ReplayOptions options;
   options.target = router_->address;
   options.progress = false;
   options.vocab_size = 256;
-  options.cancel_fraction = 1.0;  // every request, 1.5 s after it was sent
-  options.cancel_after_s = 1.5;
+  options.cancel_fraction = 1.0;
+  options.cancel_after_s = 0.4;
   auto records = Replayer(options).Run(MakeSyntheticSchedule(synthetic));
   ASSERT_TRUE(records.ok()) << records.status();
   ReplayStats stats = ComputeStats(*records, Slo{});
