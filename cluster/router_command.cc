@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "cluster/backends.h"
 #include "cluster/router_service.h"
+#include "cluster/vllm_engine_command.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
 #include "common/metrics_http.h"
@@ -54,6 +55,8 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
+  VllmEngineFlags vllm_flags;
+  RegisterVllmEngineFlags(flags, &vllm_flags);
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
   serving::ClientTlsOptions backend_tls;
@@ -100,6 +103,13 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   router_options.deadline_grace = absl::Milliseconds(std::max<int64_t>(0, deadline_grace_ms));
   metrics::Registry& registry = metrics::Registry::Default();
   RouterService service(backends->get(), router_options, &registry);
+  Backends* backends_ptr = backends->get();
+  auto vllm_service = MakeVllmEngineService(
+      vllm_flags, [backends_ptr] { return backends_ptr->HealthyCount(Role::kDecode) > 0; });
+  if (!vllm_service.ok()) {
+    std::cerr << "error: " << vllm_service.status().message() << "\n";
+    return 2;
+  }
 
   auto metrics_started = serving::StartMetricsIfRequested(metrics_listen, &registry);
   if (!metrics_started.ok()) {
@@ -110,12 +120,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   int port = 0;
   serving::GrpcServerOptions server_options;
   server_options.credentials = *server_credentials;
+  server_options.more_services.push_back((*vllm_service)->service());
   auto server_started = serving::StartGrpcServer(listen, &service, &port, server_options);
   if (!server_started.ok()) {
     std::cerr << "error: " << server_started.status().message() << "\n";
     return 1;
   }
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
+  (*vllm_service)->Connect(server.get());
   auto* health = server->GetHealthCheckService();
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   std::cout << "router: serving fluxion.v1.DecodeService on port " << port
@@ -132,10 +144,12 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   timespec tick{0, 200 * 1000 * 1000};
   bool serving = false;
   health->SetServingStatus("fluxion.v1.DecodeService", false);
+  health->SetServingStatus(kVllmEngineServiceName, false);
   while (true) {
     bool now_serving = (*backends)->HealthyCount(Role::kDecode) > 0;
     if (now_serving != serving) {
       health->SetServingStatus("fluxion.v1.DecodeService", now_serving);
+      health->SetServingStatus(kVllmEngineServiceName, now_serving);
       std::cout << "router: " << (now_serving ? "ready" : "no healthy decode node, not ready")
                 << std::endl;
       serving = now_serving;
