@@ -112,8 +112,13 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (started_) downstream_.context.TryCancel();
+    bool started;
+    {
+      absl::MutexLock lock(&mu_);
+      started = started_;
+    }
+    // Outside the lock: cancelling may run the downstream call's reactions inline.
+    if (started) downstream_.context.TryCancel();
   }
 
   void OnDone() override {
@@ -148,14 +153,14 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
     v1::GenerateResponse response;
   };
 
-  void OnToken(std::string token) {
+  void OnToken(const std::string& token) {
     bool send = false;
     {
       absl::MutexLock lock(&mu_);
-      token_ = std::move(token);
+      token_ = token;
       send = abort_requested_;  // an Abort came before the token: send it now
     }
-    if (send) service_->SendAbort(request_.request_id(), token_);
+    if (send) service_->SendAbort(request_.request_id(), token);
   }
 
   // One downstream message, read into downstream_.response. Either writes to the client (whose
