@@ -19,7 +19,6 @@ void UnsupportedSampling(const ve::SamplingParams& s, std::vector<std::string>* 
   if (s.presence_penalty() != 0) add("presence_penalty");
   if (s.repetition_penalty() != 0 && s.repetition_penalty() != 1) add("repetition_penalty");
   if (s.min_tokens() != 0) add("min_tokens");
-  if (s.stop_size() > 0) add("stop (stop strings; stop_token_ids are supported)");
   if (s.n() > 1) add("n (one sequence per request)");
   if (s.has_logprobs()) add("logprobs");
   if (s.has_prompt_logprobs()) add("prompt_logprobs");

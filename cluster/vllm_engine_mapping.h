@@ -20,8 +20,8 @@
 namespace fluxion::cluster {
 
 // INVALID_ARGUMENT naming every field of `request` that is set to a value Fluxion cannot honour
-// (penalties, logprobs, constraints, multimodal inputs, KV-transfer parameters, n > 1, stop
-// strings, ...), or when it has no input; OK otherwise. Values that mean "default" in vLLM's
+// (penalties, logprobs, constraints, multimodal inputs, KV-transfer parameters, n > 1, ...), or
+// when it has no input; stop strings are the service's (they need the tokenizer); OK otherwise. Values that mean "default" in vLLM's
 // servicer (repetition_penalty 0 or 1, n 0 or 1, data_parallel_rank 0) are accepted, so SMG's
 // requests, which always set them, pass.
 absl::Status ValidateVllmRequest(const vllm::grpc::engine::GenerateRequest& request);

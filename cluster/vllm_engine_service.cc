@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "cluster/router_service.h"
 #include "cluster/vllm_engine_mapping.h"
+#include "model/stream_detokenizer.h"
 
 namespace fluxion::cluster {
 namespace {
@@ -70,6 +71,7 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
       }
       prompt.assign(ids->begin(), ids->end());  // ids from Encode are never negative
     }
+    if (absl::Status s = StartStopStrings(); !s.ok()) return FinishWith(s);
     prompt_tokens_ = static_cast<uint32_t>(prompt.size());
     v1::DecodeService::Stub* stub = service_->stub();
     if (stub == nullptr) {
@@ -167,9 +169,13 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
   // OnWriteDone asks for the next) or asks for the next itself.
   void OnMessage() {
     const v1::GenerateResponse& in = downstream_.response;
-    if (in.has_chunk()) {
-      const auto& ids = in.chunk().token_ids();
+    if (in.has_chunk() && stopped_) {
+      // Past a stop string: what the router still sends before our Abort lands is dropped.
+    } else if (in.has_chunk()) {
+      google::protobuf::RepeatedField<uint32_t> ids = in.chunk().token_ids();
+      if (detokenizer_.has_value()) CutAtStopString(&ids);
       if (request_.stream()) {
+        sent_tokens_ += static_cast<uint32_t>(ids.size());
         last_chunk_.assign(ids.begin(), ids.end());
         out_.Clear();
         ve::GenerateStreamChunk* chunk = out_.mutable_chunk();
@@ -179,6 +185,7 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
         StartWrite(&out_);
         return;
       }
+      sent_tokens_ += static_cast<uint32_t>(ids.size());
       all_ids_.insert(all_ids_.end(), ids.begin(), ids.end());
     } else if (in.has_complete()) {
       complete_ = in.complete();
@@ -187,7 +194,62 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
     downstream_.StartRead(&downstream_.response);
   }
 
+  // Sets up stop-string matching when the request has stop strings (they need the tokenizer).
+  absl::Status StartStopStrings() {
+    const auto& stop = request_.sampling_params().stop();
+    if (stop.empty()) return absl::OkStatus();
+    const std::string id = request_.request_id().substr(0, 128);
+    if (service_->options_.tokenizer == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", id, ": sampling_params.stop needs the router's tokenizer: start the router "
+          "with --model-dir, or use stop_token_ids"));
+    }
+    model::StreamDetokenizerOptions options;
+    options.skip_special = request_.sampling_params().skip_special_tokens();
+    options.stop.assign(stop.begin(), stop.end());
+    auto detokenizer = model::StreamDetokenizer::Create(service_->options_.tokenizer, options);
+    if (!detokenizer.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", id, ": sampling_params.stop: ", detokenizer.status().message()));
+    }
+    detokenizer_.emplace(std::move(*detokenizer));
+    return absl::OkStatus();
+  }
+
+  // Keeps the ids up to the one that completed a stop string (vLLM's rule: the text is cut there,
+  // the tokens are not) and, when one did, aborts the rest through the router.
+  void CutAtStopString(google::protobuf::RepeatedField<uint32_t>* ids) {
+    for (int i = 0; i < ids->size(); ++i) {
+      detokenizer_->Add(static_cast<int32_t>(ids->Get(i)));
+      if (!detokenizer_->stopped()) continue;
+      ids->Truncate(i + 1);
+      stopped_ = true;
+      std::string token;
+      {
+        absl::MutexLock lock(&mu_);
+        abort_requested_ = true;  // no second Abort from the Abort RPC
+        token = token_;
+      }
+      // The token came in the initial metadata, before any message.
+      if (!token.empty()) service_->SendAbort(request_.request_id(), token);
+      return;
+    }
+  }
+
   void OnDownstreamDone(const grpc::Status& status) {
+    if (stopped_) {
+      // Whatever ended the router's stream after the stop string (our Abort, or the request's own
+      // end), the request stopped at the string.
+      out_.Clear();
+      ve::GenerateComplete* c = out_.mutable_complete();
+      for (uint32_t t : request_.stream() ? last_chunk_ : all_ids_) c->add_output_ids(t);
+      c->set_finish_reason("stop");
+      c->set_matched_stop_str(*detokenizer_->matched_stop());
+      c->set_prompt_tokens(prompt_tokens_);
+      c->set_completion_tokens(sent_tokens_);
+      StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+      return;
+    }
     if (!status.ok()) {
       Finish(status);
       return;
@@ -226,6 +288,10 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
   ve::GenerateResponse out_;
   std::vector<uint32_t> last_chunk_, all_ids_;
   std::optional<v1::GenerateComplete> complete_;
+  // Stop strings (sampling_params.stop): matched on the detokenized output.
+  std::optional<model::StreamDetokenizer> detokenizer_;
+  bool stopped_ = false;  // a stop string completed; later chunks are dropped
+  uint32_t sent_tokens_ = 0;
   absl::Mutex mu_;
   int refs_ ABSL_GUARDED_BY(mu_) = 1;
   bool started_ ABSL_GUARDED_BY(mu_) = false;

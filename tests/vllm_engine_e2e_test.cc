@@ -2,7 +2,7 @@
 // decode node and a router, as `fluxion local` runs them: real gRPC, KV over real UCX), driven by
 // a real gateway-side client: @grpc/grpc-js with @grpc/proto-loader loading our committed proto
 // (tests/js/vllm/vllm_engine_client.cjs): HealthCheck, GetModelInfo, GetServerInfo, Generate from
-// token ids (streaming and not) and from text, an unsupported field, Abort mid-stream, a
+// token ids (streaming and not), with a stop string and from text, an unsupported field, Abort mid-stream, a
 // cancelled call, GetLoads.
 #include <cstdlib>
 #include <memory>

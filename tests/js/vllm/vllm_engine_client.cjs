@@ -104,6 +104,25 @@ async function main() {
   assert.deepEqual(whole.complete.output_ids, ids);
   console.log('ok Generate non-streaming');
 
+  // A stop string, matched by the router on the detokenized output (byte tokenizer: an id below
+  // 128 is that ASCII character): the output ends with the token that completed it.
+  assert.ok(ids.every((t) => t < 128), `greedy output not ASCII: ${ids}`);
+  const stop = String.fromCharCode(ids[2], ids[3]);
+  let seen = '';
+  let cut = 0;
+  while (!seen.includes(stop)) seen += String.fromCharCode(ids[cut++]);
+  for (const stream of [true, false]) {
+    const r = await generate({ ...greedy(`js-stop-${stream}`, 12), stream,
+      sampling_params: { ...greedy('x', 12).sampling_params, stop: [stop] } });
+    assert.equal(r.status.code, grpc.status.OK, JSON.stringify(r.status));
+    const got = stream ? r.chunks.flatMap((c) => c.token_ids) : r.complete.output_ids;
+    assert.deepEqual(got, ids.slice(0, cut), `stop ${JSON.stringify(stop)}`);
+    assert.equal(r.complete.finish_reason, 'stop');
+    assert.equal(r.complete.matched_stop_str, stop);
+    assert.equal(r.complete.completion_tokens, cut);
+  }
+  console.log('ok stop string', JSON.stringify(stop), 'after', cut, 'tokens');
+
   // Text input through the router's tokenizer (--model-dir): 11 bytes, 11 byte tokens.
   const text = await generate({ request_id: 'js-text', text: 'hello world',
                                 sampling_params: { temperature: 0, max_tokens: 4 } });
