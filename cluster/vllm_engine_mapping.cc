@@ -25,13 +25,26 @@ void UnsupportedSampling(const ve::SamplingParams& s, std::vector<std::string>* 
   if (!s.logit_bias().empty()) add("logit_bias");
   if (s.has_truncate_prompt_tokens()) add("truncate_prompt_tokens");
   switch (s.constraint_case()) {
-    case ve::SamplingParams::kJsonSchema: add("json_schema"); break;
-    case ve::SamplingParams::kRegex: add("regex"); break;
-    case ve::SamplingParams::kGrammar: add("grammar"); break;
-    case ve::SamplingParams::kStructuralTag: add("structural_tag"); break;
-    case ve::SamplingParams::kJsonObject: add("json_object"); break;
-    case ve::SamplingParams::kChoice: add("choice"); break;
-    case ve::SamplingParams::CONSTRAINT_NOT_SET: break;
+    case ve::SamplingParams::kJsonSchema:
+      add("json_schema");
+      break;
+    case ve::SamplingParams::kRegex:
+      add("regex");
+      break;
+    case ve::SamplingParams::kGrammar:
+      add("grammar");
+      break;
+    case ve::SamplingParams::kStructuralTag:
+      add("structural_tag");
+      break;
+    case ve::SamplingParams::kJsonObject:
+      add("json_object");
+      break;
+    case ve::SamplingParams::kChoice:
+      add("choice");
+      break;
+    case ve::SamplingParams::CONSTRAINT_NOT_SET:
+      break;
   }
 }
 
@@ -58,14 +71,14 @@ absl::Status ValidateVllmRequest(const ve::GenerateRequest& request) {
         absl::StrJoin(bad, ", "), " (leave them unset; docs/PROTOCOL.md, \"VllmEngine\")"));
   }
   if (request.input_case() == ve::GenerateRequest::INPUT_NOT_SET) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request ", request.request_id().substr(0, 128), ": no input (set tokenized or text)"));
+    return absl::InvalidArgumentError(absl::StrCat("request ", request.request_id().substr(0, 128),
+                                                   ": no input (set tokenized or text)"));
   }
   return absl::OkStatus();
 }
 
 v1::GenerateRequest ToFluxionRequest(const ve::GenerateRequest& request,
-                                                     const std::vector<uint32_t>& prompt_ids) {
+                                     const std::vector<uint32_t>& prompt_ids) {
   v1::GenerateRequest out;
   out.set_request_id(request.request_id());
   out.mutable_prompt_token_ids()->Reserve(static_cast<int>(prompt_ids.size()));
@@ -85,10 +98,14 @@ v1::GenerateRequest ToFluxionRequest(const ve::GenerateRequest& request,
 
 std::string FinishReasonName(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_STOP: return "stop";
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_ABORT: return "abort";
-    default: return "error";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_ABORT:
+      return "abort";
+    default:
+      return "error";
   }
 }
 
@@ -99,8 +116,7 @@ ve::GenerateComplete ToVllmComplete(const v1::GenerateComplete& complete, uint32
   out.set_finish_reason(FinishReasonName(complete.finish_reason()));
   out.set_prompt_tokens(complete.has_usage() ? complete.usage().prompt_tokens() : prompt_tokens);
   out.set_completion_tokens(complete.usage().completion_tokens());
-  if (complete.finish_reason() == v1::FINISH_REASON_STOP &&
-      complete.has_matched_stop_token_id()) {
+  if (complete.finish_reason() == v1::FINISH_REASON_STOP && complete.has_matched_stop_token_id()) {
     out.set_matched_token_id(complete.matched_stop_token_id());
   }
   return out;

@@ -21,15 +21,15 @@ namespace fluxion::cluster {
 
 // INVALID_ARGUMENT naming every field of `request` that is set to a value Fluxion cannot honour
 // (penalties, logprobs, constraints, multimodal inputs, KV-transfer parameters, n > 1, ...), or
-// when it has no input; stop strings are the service's (they need the tokenizer); OK otherwise. Values that mean "default" in vLLM's
-// servicer (repetition_penalty 0 or 1, n 0 or 1, data_parallel_rank 0) are accepted, so SMG's
-// requests, which always set them, pass.
+// when it has no input; stop strings are the service's (they need the tokenizer); OK otherwise.
+// Values that mean "default" in vLLM's servicer (repetition_penalty 0 or 1, n 0 or 1,
+// data_parallel_rank 0) are accepted, so SMG's requests, which always set them, pass.
 absl::Status ValidateVllmRequest(const vllm::grpc::engine::GenerateRequest& request);
 
 // The fluxion.v1 request for a validated `request` whose prompt is `prompt_ids` (its tokenized
 // input, or its text tokenized by the caller).
-v1::GenerateRequest ToFluxionRequest(
-    const vllm::grpc::engine::GenerateRequest& request, const std::vector<uint32_t>& prompt_ids);
+v1::GenerateRequest ToFluxionRequest(const vllm::grpc::engine::GenerateRequest& request,
+                                     const std::vector<uint32_t>& prompt_ids);
 
 // "stop", "length" or "abort" (vLLM's spellings).
 std::string FinishReasonName(v1::FinishReason reason);

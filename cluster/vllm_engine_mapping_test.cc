@@ -53,9 +53,9 @@ TEST(VllmEngineMapping, NamesEveryUnsupportedField) {
   ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   for (const char* name :
        {"sampling_params.min_p", "sampling_params.frequency_penalty",
-        "sampling_params.repetition_penalty", "sampling_params.n",
-        "sampling_params.logprobs", "sampling_params.logit_bias", "sampling_params.regex",
-        "kv_transfer_params", "mm_inputs", "data_parallel_rank", "request r1"}) {
+        "sampling_params.repetition_penalty", "sampling_params.n", "sampling_params.logprobs",
+        "sampling_params.logit_bias", "sampling_params.regex", "kv_transfer_params", "mm_inputs",
+        "data_parallel_rank", "request r1"}) {
     EXPECT_THAT(std::string(st.message()), HasSubstr(name));
   }
   EXPECT_THAT(std::string(st.message()), ::testing::Not(HasSubstr("presence_penalty")));
@@ -65,15 +65,27 @@ TEST(VllmEngineMapping, EachConstraintIsNamed) {
   for (int i = 0; i < 6; ++i) {
     ve::GenerateRequest r = TokenRequest();
     ve::SamplingParams* s = r.mutable_sampling_params();
-    const char* names[] = {"json_schema", "regex", "grammar", "structural_tag", "json_object",
-                           "choice"};
+    const char* names[] = {"json_schema",    "regex",       "grammar",
+                           "structural_tag", "json_object", "choice"};
     switch (i) {
-      case 0: s->set_json_schema("{}"); break;
-      case 1: s->set_regex("x"); break;
-      case 2: s->set_grammar("g"); break;
-      case 3: s->set_structural_tag("t"); break;
-      case 4: s->set_json_object(true); break;
-      case 5: s->mutable_choice()->add_choices("a"); break;
+      case 0:
+        s->set_json_schema("{}");
+        break;
+      case 1:
+        s->set_regex("x");
+        break;
+      case 2:
+        s->set_grammar("g");
+        break;
+      case 3:
+        s->set_structural_tag("t");
+        break;
+      case 4:
+        s->set_json_object(true);
+        break;
+      case 5:
+        s->mutable_choice()->add_choices("a");
+        break;
     }
     const absl::Status st = ValidateVllmRequest(r);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);

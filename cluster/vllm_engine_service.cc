@@ -31,10 +31,14 @@ void SetDeadline(grpc::CallbackServerContext* server, grpc::ClientContext* clien
 
 const char* DTypeName(v1::DType dtype) {
   switch (dtype) {
-    case v1::DTYPE_BF16: return "bfloat16";
-    case v1::DTYPE_FP16: return "float16";
-    case v1::DTYPE_FP32: return "float32";
-    default: return "";
+    case v1::DTYPE_BF16:
+      return "bfloat16";
+    case v1::DTYPE_FP16:
+      return "float16";
+    case v1::DTYPE_FP32:
+      return "float32";
+    default:
+      return "";
   }
 }
 
@@ -200,9 +204,10 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
     if (stop.empty()) return absl::OkStatus();
     const std::string id = request_.request_id().substr(0, 128);
     if (service_->options_.tokenizer == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "request ", id, ": sampling_params.stop needs the router's tokenizer: start the router "
-          "with --model-dir, or use stop_token_ids"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("request ", id,
+                       ": sampling_params.stop needs the router's tokenizer: start the router "
+                       "with --model-dir, or use stop_token_ids"));
     }
     model::StreamDetokenizerOptions options;
     options.skip_special = request_.sampling_params().skip_special_tokens();
@@ -266,8 +271,8 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
   }
 
   void FinishWith(const absl::Status& status) {
-    Finish(grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                        std::string(status.message())));
+    Finish(
+        grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message())));
   }
 
   void Unref() {
@@ -417,9 +422,9 @@ grpc::ServerUnaryReactor* VllmEngineService::GetLoads(grpc::CallbackServerContex
                                                       ve::GetLoadsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->has_dp_rank() && request->dp_rank() != 0) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                 absl::StrCat("dp_rank ", request->dp_rank(),
-                                              ": the router is one data-parallel rank, 0")));
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("dp_rank ", request->dp_rank(), ": the router is one data-parallel rank, 0")));
     return reactor;
   }
   FetchLoad(context, [reactor, response](const grpc::Status& status, const v1::DecodeLoad& load) {
@@ -433,36 +438,37 @@ grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(grpc::CallbackServerCo
                                                           const ve::GetModelInfoRequest*,
                                                           ve::GetModelInfoResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  FetchLoad(context, [this, reactor, response](const grpc::Status& status,
-                                               const v1::DecodeLoad& load) {
-    if (!status.ok()) {
-      reactor->Finish(status);
-      return;
-    }
-    const v1::ServerInfo& server = load.server();
-    response->set_model_path(options_.model_dir.empty() ? server.layout().model_id()
-                                                        : options_.model_dir);
-    response->set_served_model_name(server.layout().model_id());
-    response->set_is_generation(true);
-    response->set_max_context_length(server.max_context_tokens());
-    // A prompt must leave room for at least one generated token (docs/PROTOCOL.md).
-    response->set_max_req_input_len(
-        static_cast<int32_t>(std::max<uint32_t>(server.max_context_tokens(), 1) - 1));
-    if (options_.tokenizer != nullptr) {
-      response->set_tokenizer_path(options_.model_dir);
-      response->set_vocab_size(static_cast<uint32_t>(options_.tokenizer->vocab_size()));
-    }
-    if (options_.config.has_value()) {
-      const model::ModelConfig& c = *options_.config;
-      const bool qwen = c.architecture == model::Architecture::kQwen2;
-      response->set_model_type(qwen ? "qwen2" : "llama");
-      response->add_architectures(qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM");
-      if (options_.tokenizer == nullptr) response->set_vocab_size(static_cast<uint32_t>(c.vocab_size));
-      for (int64_t id : c.eos_token_ids) response->add_eos_token_ids(static_cast<int32_t>(id));
-      response->set_bos_token_id(static_cast<int32_t>(std::max<int64_t>(c.bos_token_id, 0)));
-    }
-    reactor->Finish(grpc::Status::OK);
-  });
+  FetchLoad(
+      context, [this, reactor, response](const grpc::Status& status, const v1::DecodeLoad& load) {
+        if (!status.ok()) {
+          reactor->Finish(status);
+          return;
+        }
+        const v1::ServerInfo& server = load.server();
+        response->set_model_path(options_.model_dir.empty() ? server.layout().model_id()
+                                                            : options_.model_dir);
+        response->set_served_model_name(server.layout().model_id());
+        response->set_is_generation(true);
+        response->set_max_context_length(server.max_context_tokens());
+        // A prompt must leave room for at least one generated token (docs/PROTOCOL.md).
+        response->set_max_req_input_len(
+            static_cast<int32_t>(std::max<uint32_t>(server.max_context_tokens(), 1) - 1));
+        if (options_.tokenizer != nullptr) {
+          response->set_tokenizer_path(options_.model_dir);
+          response->set_vocab_size(static_cast<uint32_t>(options_.tokenizer->vocab_size()));
+        }
+        if (options_.config.has_value()) {
+          const model::ModelConfig& c = *options_.config;
+          const bool qwen = c.architecture == model::Architecture::kQwen2;
+          response->set_model_type(qwen ? "qwen2" : "llama");
+          response->add_architectures(qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM");
+          if (options_.tokenizer == nullptr)
+            response->set_vocab_size(static_cast<uint32_t>(c.vocab_size));
+          for (int64_t id : c.eos_token_ids) response->add_eos_token_ids(static_cast<int32_t>(id));
+          response->set_bos_token_id(static_cast<int32_t>(std::max<int64_t>(c.bos_token_id, 0)));
+        }
+        reactor->Finish(grpc::Status::OK);
+      });
   return reactor;
 }
 
@@ -470,28 +476,31 @@ grpc::ServerUnaryReactor* VllmEngineService::GetServerInfo(grpc::CallbackServerC
                                                            const ve::GetServerInfoRequest*,
                                                            ve::GetServerInfoResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  FetchLoad(context, [this, reactor, response](const grpc::Status& status,
-                                               const v1::DecodeLoad& load) {
-    if (!status.ok()) {
-      reactor->Finish(status);
-      return;
-    }
-    response->set_active_requests(load.running_requests() + load.prefilling_requests() +
-                                  load.waiting_requests());
-    response->set_is_paused(load.draining());
-    {
-      absl::MutexLock lock(&mu_);
-      response->set_last_receive_timestamp(absl::ToDoubleSeconds(last_receive_ - absl::UnixEpoch()));
-    }
-    response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
-    response->set_server_type("fluxion-router");
-    // The router pairs prefill and decode nodes itself: to a gateway it is one whole engine.
-    response->set_data_parallel_size(1);
-    response->set_kv_cache_dtype(DTypeName(load.server().layout().kv_dtype()));
-    response->set_block_size(static_cast<int32_t>(load.page_tokens()));
-    if (options_.config.has_value()) response->set_model_dtype(options_.config->torch_dtype);
-    reactor->Finish(grpc::Status::OK);
-  });
+  FetchLoad(context,
+            [this, reactor, response](const grpc::Status& status, const v1::DecodeLoad& load) {
+              if (!status.ok()) {
+                reactor->Finish(status);
+                return;
+              }
+              response->set_active_requests(load.running_requests() + load.prefilling_requests() +
+                                            load.waiting_requests());
+              response->set_is_paused(load.draining());
+              {
+                absl::MutexLock lock(&mu_);
+                response->set_last_receive_timestamp(
+                    absl::ToDoubleSeconds(last_receive_ - absl::UnixEpoch()));
+              }
+              response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+              response->set_server_type("fluxion-router");
+              // The router pairs prefill and decode nodes itself: to a gateway it is one whole
+              // engine.
+              response->set_data_parallel_size(1);
+              response->set_kv_cache_dtype(DTypeName(load.server().layout().kv_dtype()));
+              response->set_block_size(static_cast<int32_t>(load.page_tokens()));
+              if (options_.config.has_value())
+                response->set_model_dtype(options_.config->torch_dtype);
+              reactor->Finish(grpc::Status::OK);
+            });
   return reactor;
 }
 

@@ -32,7 +32,7 @@ struct VllmEngineOptions {
   // The router's model directory (--model-dir): its tokenizer turns text input into ids and its
   // config.json answers GetModelInfo. Both absent: token ids only.
   std::string model_dir;
-  const model::Tokenizer* tokenizer = nullptr;        // must outlive the service
+  const model::Tokenizer* tokenizer = nullptr;  // must outlive the service
   std::optional<model::ModelConfig> config;
   // HealthCheck's answer: whether the router can serve now (a healthy decode node).
   std::function<bool()> healthy;
@@ -61,8 +61,7 @@ class VllmEngineService final : public vllm::grpc::engine::VllmEngine::CallbackS
       grpc::CallbackServerContext* context, const vllm::grpc::engine::GetModelInfoRequest* request,
       vllm::grpc::engine::GetModelInfoResponse* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(
-      grpc::CallbackServerContext* context,
-      const vllm::grpc::engine::GetServerInfoRequest* request,
+      grpc::CallbackServerContext* context, const vllm::grpc::engine::GetServerInfoRequest* request,
       vllm::grpc::engine::GetServerInfoResponse* response) override;
   grpc::ServerUnaryReactor* GetLoads(grpc::CallbackServerContext* context,
                                      const vllm::grpc::engine::GetLoadsRequest* request,

@@ -2,8 +2,8 @@
 // decode node and a router, as `fluxion local` runs them: real gRPC, KV over real UCX), driven by
 // a real gateway-side client: @grpc/grpc-js with @grpc/proto-loader loading our committed proto
 // (tests/js/vllm/vllm_engine_client.cjs): HealthCheck, GetModelInfo, GetServerInfo, Generate from
-// token ids (streaming and not), with a stop string and from text, an unsupported field, Abort mid-stream, a
-// cancelled call, GetLoads.
+// token ids (streaming and not), with a stop string and from text, an unsupported field, Abort
+// mid-stream, a cancelled call, GetLoads.
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -32,8 +32,8 @@ Node StartNode(const std::string& dir, const std::string& name, const std::strin
                std::vector<std::string> args) {
   Node node;
   const std::string port_file = dir + "/" + name + ".port";
-  std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
-                                   "--port-file", port_file, "--metrics-listen", ""};
+  std::vector<std::string> argv = {FLUXION_BINARY, command,   "--listen",         "127.0.0.1:0",
+                                   "--port-file",  port_file, "--metrics-listen", ""};
   argv.insert(argv.end(), args.begin(), args.end());
   auto child = ChildProcess::Start(name, argv, dir + "/" + name + ".log");
   if (!child.ok()) return node;
@@ -47,7 +47,7 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
   char tmpl[] = "/tmp/fluxion-vllm-e2e-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   const std::string model = SourceDir() + "/models/fluxion-tiny-retrieval";
-  const std::vector<std::string> node = {"--model", model, "--cpu-threads", "1",
+  const std::vector<std::string> node = {"--model",   model, "--cpu-threads",     "1",
                                          "--ucx-tls", "tcp", "--ucx-net-devices", "lo"};
   Node prefill = StartNode(dir, "prefill", "prefill", node);
   ASSERT_FALSE(prefill.address.empty()) << "logs in " << dir;
@@ -57,18 +57,18 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
   Node decode = StartNode(dir, "decode", "decode", decode_args);
   ASSERT_FALSE(decode.address.empty()) << "logs in " << dir;
   Node router = StartNode(dir, "router", "router",
-                          {"--decode", decode.address, "--prefill", prefill.address,
-                           "--poll-ms", "100", "--model-dir", model});
+                          {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms",
+                           "100", "--model-dir", model});
   ASSERT_FALSE(router.address.empty()) << "logs in " << dir;
 
   // NODE_PATH: the packages `npm ci` installed into the build tree from tests/js/vllm's lock.
   setenv("NODE_PATH", FLUXION_VLLM_JS_MODULES, 1);
   const std::string log = dir + "/node.log";
-  auto client = ChildProcess::Start(
-      "node",
-      {FLUXION_NODE, SourceDir() + "/tests/js/vllm/vllm_engine_client.cjs", router.address,
-       SourceDir() + "/proto"},
-      log);
+  auto client =
+      ChildProcess::Start("node",
+                          {FLUXION_NODE, SourceDir() + "/tests/js/vllm/vllm_engine_client.cjs",
+                           router.address, SourceDir() + "/proto"},
+                          log);
   ASSERT_TRUE(client.ok()) << client.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(45);
   while ((*client)->Running() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));

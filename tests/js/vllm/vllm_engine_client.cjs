@@ -17,7 +17,8 @@ const client = new VllmEngine(address, grpc.credentials.createInsecure());
 
 const deadline = (s) => new Date(Date.now() + s * 1000);
 const unary = (method, request) => new Promise((resolve, reject) => {
-  client[method](request, { deadline: deadline(30) }, (err, res) => (err ? reject(err) : resolve(res)));
+  client[method](request, { deadline: deadline(30) },
+    (err, res) => (err ? reject(err) : resolve(res)));
 });
 
 // Reads a Generate stream to its end: chunks, the complete message and the final status.
