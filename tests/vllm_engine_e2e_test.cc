@@ -60,6 +60,10 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
                           {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms",
                            "100", "--model-dir", model});
   ASSERT_FALSE(router.address.empty()) << "logs in " << dir;
+  // Without --model-dir: token ids only; text input must name the flag.
+  Node bare_router = StartNode(dir, "router-bare", "router",
+                               {"--decode", decode.address, "--prefill", prefill.address});
+  ASSERT_FALSE(bare_router.address.empty()) << "logs in " << dir;
 
   // NODE_PATH: the packages `npm ci` installed into the build tree from tests/js/vllm's lock.
   setenv("NODE_PATH", FLUXION_VLLM_JS_MODULES, 1);
@@ -67,7 +71,7 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
   auto client =
       ChildProcess::Start("node",
                           {FLUXION_NODE, SourceDir() + "/tests/js/vllm/vllm_engine_client.cjs",
-                           router.address, SourceDir() + "/proto"},
+                           router.address, SourceDir() + "/proto", bare_router.address},
                           log);
   ASSERT_TRUE(client.ok()) << client.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(45);

@@ -1,19 +1,22 @@
 // A VllmEngine client as SMG-style gateways are: the real @grpc/grpc-js and @grpc/proto-loader
 // loading our committed proto/vllm/grpc/engine/vllm_engine.proto, against the Fluxion router.
-// Driven by tests/vllm_engine_e2e_test.cc: node vllm_engine_client.cjs ROUTER_ADDRESS PROTO_ROOT
+// Driven by tests/vllm_engine_e2e_test.cc:
+//   node vllm_engine_client.cjs ROUTER_ADDRESS PROTO_ROOT BARE_ROUTER_ADDRESS
+// (the bare router runs without --model-dir).
 // Prints one line per check and exits non-zero on the first failure.
 'use strict';
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
-const [address, protoRoot] = process.argv.slice(2);
+const [address, protoRoot, bareAddress] = process.argv.slice(2);
 const definition = protoLoader.loadSync('vllm/grpc/engine/vllm_engine.proto', {
   includeDirs: [protoRoot], keepCase: true, longs: String, enums: String, defaults: true,
   oneofs: true,
 });
 const { VllmEngine } = grpc.loadPackageDefinition(definition).vllm.grpc.engine;
 const client = new VllmEngine(address, grpc.credentials.createInsecure());
+const bare = new VllmEngine(bareAddress, grpc.credentials.createInsecure());
 
 const deadline = (s) => new Date(Date.now() + s * 1000);
 const unary = (method, request) => new Promise((resolve, reject) => {
@@ -23,9 +26,9 @@ const unary = (method, request) => new Promise((resolve, reject) => {
 
 // Reads a Generate stream to its end: chunks, the complete message and the final status.
 // `onChunk(call, chunk, index)` may act mid-stream.
-function generate(request, onChunk) {
+function generate(request, onChunk, on = client) {
   return new Promise((resolve) => {
-    const call = client.Generate(request, { deadline: deadline(60) });
+    const call = on.Generate(request, { deadline: deadline(60) });
     const result = { chunks: [], complete: null, status: null };
     call.on('data', (msg) => {
       if (msg.response === 'chunk') {
@@ -132,6 +135,13 @@ async function main() {
   assert.ok(text.complete.output_ids.length >= 1 && text.complete.output_ids.length <= 4);
   console.log('ok Generate text', JSON.stringify(text.complete.output_ids));
 
+  // A router without --model-dir has no tokenizer: text is FAILED_PRECONDITION naming the flag.
+  const noTokenizer = await generate({ request_id: 'js-bare', text: 'hello',
+                                       sampling_params: { max_tokens: 2 } }, null, bare);
+  assert.equal(noTokenizer.status.code, grpc.status.FAILED_PRECONDITION);
+  assert.match(noTokenizer.status.details, /--model-dir/);
+  console.log('ok text without a tokenizer:', noTokenizer.status.details);
+
   // An unsupported field is INVALID_ARGUMENT naming it, never silently dropped.
   const bad = await generate({ ...greedy('js-bad', 4),
     sampling_params: { ...greedy('x', 4).sampling_params, min_p: 0.5, logprobs: 2 } });
@@ -173,6 +183,7 @@ async function main() {
   assert.ok(loads.timestamp.length > 0);
   console.log('ok GetLoads', JSON.stringify(idle));
   client.close();
+  bare.close();
 }
 
 main().then(() => { console.log('all VllmEngine checks passed'); },
