@@ -125,6 +125,11 @@ TEST_F(VllmEngineServiceTest, StreamsChunksAndCompleteWithTotals) {
   ASSERT_TRUE(s.has_complete);
   EXPECT_EQ(s.complete.completion_tokens(), 5u);
   EXPECT_EQ(s.complete.prompt_tokens(), 2u);
+  // The server's side of the call ends just after the client's (OnDone): its entry for Abort
+  // goes then.
+  for (int i = 0; i < 500 && vllm_->open_calls() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(vllm_->open_calls(), 0);
 }
 
