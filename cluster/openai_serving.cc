@@ -14,8 +14,6 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "empty: off). Needs --model-dir (docs/PROTOCOL.md)");
   flags.String("http-port-file", &out->http_port_file,
                "write the bound HTTP API port into this file once serving");
-  flags.String("model-dir", &out->model_dir,
-               "model directory whose tokenizer (and chat template) the HTTP API uses");
   flags.String("served-model-name", &out->served_model_name,
                "model id the HTTP API answers to (default: the model directory's name)");
   flags.Int("http-max-body-bytes", &out->max_body_bytes,

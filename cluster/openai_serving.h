@@ -19,7 +19,7 @@ namespace fluxion::cluster {
 struct OpenAiFlags {
   std::string http_listen;  // empty: no HTTP API
   std::string http_port_file;
-  std::string model_dir;
+  std::string model_dir;  // the router's --model-dir (router_command.cc registers it once)
   std::string served_model_name;
   int64_t max_body_bytes = 1 << 20;
 };

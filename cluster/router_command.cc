@@ -13,6 +13,7 @@
 #include "cluster/backends.h"
 #include "cluster/openai_serving.h"
 #include "cluster/router_service.h"
+#include "cluster/vllm_engine_command.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
 #include "common/metrics_http.h"
@@ -55,13 +56,21 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
+  // One model directory for both text front ends (each loads its tokenizer from it).
+  std::string model_dir;
+  flags.String("model-dir", &model_dir,
+               "model directory whose tokenizer.json / chat template / config.json the router "
+               "reads for text in and out: the OpenAI HTTP API (needed with --http-listen) and "
+               "vllm.grpc.engine.VllmEngine text input and GetModelInfo (empty: token ids only)");
   OpenAiFlags openai_flags;
   RegisterOpenAiFlags(flags, &openai_flags);
+  VllmEngineFlags vllm_flags;
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
   serving::ClientTlsOptions backend_tls;
   serving::RegisterClientTlsFlags(flags, "backend-tls", "decode and prefill nodes", &backend_tls);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  openai_flags.model_dir = vllm_flags.model_dir = model_dir;
   auto server_credentials = serving::ServerCredentials(tls);
   auto backend_channel = serving::ClientChannelConfig(backend_tls);
   for (const absl::Status& s : {server_credentials.status(), backend_channel.status()}) {
@@ -103,6 +112,13 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   router_options.deadline_grace = absl::Milliseconds(std::max<int64_t>(0, deadline_grace_ms));
   metrics::Registry& registry = metrics::Registry::Default();
   RouterService service(backends->get(), router_options, &registry);
+  Backends* backends_ptr = backends->get();
+  auto vllm_service = MakeVllmEngineService(
+      vllm_flags, [backends_ptr] { return backends_ptr->HealthyCount(Role::kDecode) > 0; });
+  if (!vllm_service.ok()) {
+    std::cerr << "error: " << vllm_service.status().message() << "\n";
+    return 2;
+  }
 
   auto metrics_started = serving::StartMetricsIfRequested(metrics_listen, &registry);
   if (!metrics_started.ok()) {
@@ -113,12 +129,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   int port = 0;
   serving::GrpcServerOptions server_options;
   server_options.credentials = *server_credentials;
+  server_options.more_services.push_back((*vllm_service)->service());
   auto server_started = serving::StartGrpcServer(listen, &service, &port, server_options);
   if (!server_started.ok()) {
     std::cerr << "error: " << server_started.status().message() << "\n";
     return 1;
   }
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
+  (*vllm_service)->Connect(server.get());
   auto* health = server->GetHealthCheckService();
   // The OpenAI HTTP API, a client of this server's own DecodeService (docs/PROTOCOL.md).
   auto openai = StartOpenAiHttp(openai_flags, server.get(), [&backends] {
@@ -143,10 +161,12 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   timespec tick{0, 200 * 1000 * 1000};
   bool serving = false;
   health->SetServingStatus("fluxion.v1.DecodeService", false);
+  health->SetServingStatus(kVllmEngineServiceName, false);
   while (true) {
     bool now_serving = (*backends)->HealthyCount(Role::kDecode) > 0;
     if (now_serving != serving) {
       health->SetServingStatus("fluxion.v1.DecodeService", now_serving);
+      health->SetServingStatus(kVllmEngineServiceName, now_serving);
       std::cout << "router: " << (now_serving ? "ready" : "no healthy decode node, not ready")
                 << std::endl;
       serving = now_serving;

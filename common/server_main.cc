@@ -24,6 +24,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
   if (credentials == nullptr) credentials = grpc::InsecureServerCredentials();
   builder.AddListeningPort(listen, credentials, port);
   builder.RegisterService(service);
+  for (grpc::Service* more : options.more_services) builder.RegisterService(more);
   SetServerPingPolicy(options.keepalive, &builder);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(UnparsableRequestInterceptorFactory());

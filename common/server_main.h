@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -24,6 +25,8 @@ namespace fluxion::serving {
 struct GrpcServerOptions {
   std::shared_ptr<grpc::ServerCredentials> credentials;  // nullptr: insecure
   KeepalivePolicy keepalive;  // the ping policy its clients use (grpc_transport.h)
+  // More services on the same port (the router's VllmEngine); must outlive the server.
+  std::vector<grpc::Service*> more_services;
 };
 
 // Serves `service` on `listen` ("host:port"; port 0 picks a free one, written to *port) with

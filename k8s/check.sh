@@ -13,7 +13,9 @@ for dir in base overlays/dev overlays/gpu; do
   for want in "kind: Deployment" "kind: StatefulSet" "clusterIP: None" "prometheus.io/scrape" \
               "--decode-dns=fluxion-decode:7002" "--prefill-dns=fluxion-prefill:7001" "grpc:" \
               "service: fluxion.v1.DecodeService" "service: fluxion.v1.PrefillService" \
-              "--metrics-listen=0.0.0.0:9100"; do
+              "--metrics-listen=0.0.0.0:9100" "llm-d.ai/engine-type: fluxion$" \
+              "llm-d.ai/engine-type: fluxion-prefill" \
+              "llm-d.ai/role: decode" "llm-d.ai/role: prefill"; do
     printf '%s' "$out" | grep -q -- "$want" || { echo "$dir: missing '$want'"; exit 1; }
   done
   n=$(printf '%s\n' "$out" | grep -c '^kind:')
