@@ -23,39 +23,9 @@ namespace {
 
 using Json = nlohmann::json;
 
-// The whole file, or NotFound when absent; InvalidArgument past `limit` bytes (checked while
-// reading, so a growing file or a pipe is bounded too).
-absl::StatusOr<std::string> ReadBounded(const std::string& path, size_t limit) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
-    return absl::ErrnoToStatus(errno, absl::StrCat("opening ", path));
-  }
-  std::string contents;
-  std::string buffer(1 << 16, '\0');
-  while (true) {
-    const ssize_t n = read(fd, buffer.data(), buffer.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      close(fd);
-      return absl::ErrnoToStatus(error, absl::StrCat("reading ", path));
-    }
-    if (n == 0) break;
-    if (contents.size() + static_cast<size_t>(n) > limit) {
-      close(fd);
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, " is larger than the limit of ", limit, " bytes"));
-    }
-    contents.append(buffer.data(), static_cast<size_t>(n));
-  }
-  close(fd);
-  return contents;
-}
-
 // The parsed file, std::nullopt when absent.
 absl::StatusOr<std::optional<Json>> ReadJsonFile(const std::string& path, size_t limit) {
-  absl::StatusOr<std::string> text = ReadBounded(path, limit);
+  absl::StatusOr<std::string> text = ReadFileBounded(path, limit);
   if (absl::IsNotFound(text.status())) return std::optional<Json>();
   if (!text.ok()) return text.status();
   FLUXION_ASSIGN_OR_RETURN(Json json, ParseJsonText(*text, path, {64, false}));

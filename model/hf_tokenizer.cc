@@ -704,31 +704,8 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(absl::string_
 }
 
 absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromFile(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
-    return absl::ErrnoToStatus(errno, absl::StrCat("opening ", path));
-  }
-  std::string contents;
-  std::string buffer(1 << 16, '\0');
-  while (true) {
-    const ssize_t n = read(fd, buffer.data(), buffer.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      close(fd);
-      return absl::ErrnoToStatus(error, absl::StrCat("reading ", path));
-    }
-    if (n == 0) break;
-    // Checked while reading, not from fstat, so a growing file or a pipe is bounded too.
-    if (contents.size() + static_cast<size_t>(n) > kMaxTokenizerJsonBytes) {
-      close(fd);
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, " is larger than the limit of ", kMaxTokenizerJsonBytes, " bytes"));
-    }
-    contents.append(buffer.data(), static_cast<size_t>(n));
-  }
-  close(fd);
+  FLUXION_ASSIGN_OR_RETURN(const std::string contents,
+                           ReadFileBounded(path, kMaxTokenizerJsonBytes));
   absl::StatusOr<std::unique_ptr<HfTokenizer>> tokenizer = FromJson(contents);
   if (!tokenizer.ok()) {
     return absl::Status(tokenizer.status().code(),

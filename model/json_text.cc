@@ -1,5 +1,10 @@
 #include "model/json_text.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include <set>
 #include <string>
 
@@ -75,6 +80,33 @@ absl::StatusOr<Json> ParseJsonText(absl::string_view text, absl::string_view wha
     return absl::InvalidArgumentError(absl::StrCat(what, " is not valid JSON"));
   }
   return root;
+}
+
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, size_t limit) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
+    return absl::ErrnoToStatus(errno, absl::StrCat("opening ", path));
+  }
+  // The descriptor closes on every return below.
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  std::string contents;
+  std::string buffer(1 << 16, '\0');
+  while (true) {
+    const ssize_t n = read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::ErrnoToStatus(errno, absl::StrCat("reading ", path));
+    if (n == 0) break;
+    if (contents.size() + static_cast<size_t>(n) > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is larger than the limit of ", limit, " bytes"));
+    }
+    contents.append(buffer.data(), static_cast<size_t>(n));
+  }
+  return contents;
 }
 
 }  // namespace fluxion::model

@@ -9,6 +9,9 @@
 #ifndef FLUXION_MODEL_JSON_TEXT_H_
 #define FLUXION_MODEL_JSON_TEXT_H_
 
+#include <cstddef>
+#include <string>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
@@ -25,6 +28,11 @@ struct JsonTextOptions {
 // reject_duplicate_top_level_keys).
 absl::StatusOr<nlohmann::json> ParseJsonText(absl::string_view text, absl::string_view what,
                                              const JsonTextOptions& options);
+
+// The whole file at `path` (the JSON files above, read before parsing): NotFound when it does not
+// exist, InvalidArgument past `limit` bytes (checked while reading, not from fstat, so a growing
+// file or a pipe is bounded too), the errno's status for other failures; messages name the path.
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, size_t limit);
 
 }  // namespace fluxion::model
 
