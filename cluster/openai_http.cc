@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/ipv4_address.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -63,20 +64,7 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
         absl::StrCat("http: '", address, "' is not host:port (e.g. 0.0.0.0:8000)"));
   }
   const std::string host = address.substr(0, colon);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    addrinfo* result = nullptr;
-    if (getaddrinfo(host.c_str(), nullptr, &hints, &result) != 0 || result == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("http: cannot resolve '", host, "'"));
-    }
-    addr.sin_addr = reinterpret_cast<sockaddr_in*>(result->ai_addr)->sin_addr;
-    freeaddrinfo(result);
-  }
-  return addr;
+  return ResolveIpv4(host, port, "http");
 }
 
 // A streamed body's reader state; owned by the MHD response (freed by FreeStream).

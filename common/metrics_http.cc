@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/ipv4_address.h"
 #include "microhttpd.h"
 
 namespace fluxion::metrics {
@@ -53,20 +54,7 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics: '", address, "' is not host:port (e.g. 0.0.0.0:9100)"));
   }
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    addrinfo* result = nullptr;
-    if (getaddrinfo(host.c_str(), nullptr, &hints, &result) != 0 || result == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("metrics: cannot resolve '", host, "'"));
-    }
-    addr.sin_addr = reinterpret_cast<sockaddr_in*>(result->ai_addr)->sin_addr;
-    freeaddrinfo(result);
-  }
-  return addr;
+  return ResolveIpv4(host, port, "metrics");
 }
 
 }  // namespace
