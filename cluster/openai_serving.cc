@@ -34,13 +34,11 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   if (flags.max_body_bytes < 1024 || flags.max_body_bytes > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError("--http-max-body-bytes must be in [1024, 1073741824]");
   }
-  std::unique_ptr<OpenAiServing> serving(new OpenAiServing());
-  auto tokenizer = model::LoadTokenizer(flags.model_dir);
-  if (!tokenizer.ok()) {
-    return absl::Status(tokenizer.status().code(),
-                        absl::StrCat("--model-dir: ", tokenizer.status().message()));
+  if (flags.tokenizer == nullptr) {
+    return absl::InvalidArgumentError("--http-listen needs --model-dir's tokenizer");
   }
-  serving->tokenizer_ = std::move(*tokenizer);
+  std::unique_ptr<OpenAiServing> serving(new OpenAiServing());
+  serving->tokenizer_ = flags.tokenizer;
   // The model's chat template (model/chat_template.h). Without one the API still serves
   // completions, and chat requests get 400 saying why.
   openai::ChatRenderer chat;

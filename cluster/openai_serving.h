@@ -20,6 +20,9 @@ struct OpenAiFlags {
   std::string http_listen;  // empty: no HTTP API
   std::string http_port_file;
   std::string model_dir;  // the router's --model-dir (router_command.cc registers it once)
+  // Its tokenizer, loaded once by the router for both text front ends; required with
+  // http_listen.
+  std::shared_ptr<const model::Tokenizer> tokenizer;
   std::string served_model_name;
   int64_t max_body_bytes = 1 << 20;
 };
@@ -37,7 +40,7 @@ class OpenAiServing {
                                                                         grpc::Server*,
                                                                         std::function<bool()>);
   OpenAiServing() = default;
-  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
   std::unique_ptr<openai::HttpServer> server_;  // destroyed first: it uses the tokenizer
 };
 

@@ -20,6 +20,7 @@
 #include "common/server_main.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "model/tokenizer.h"
 
 namespace fluxion::cluster {
 
@@ -71,6 +72,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   serving::RegisterClientTlsFlags(flags, "backend-tls", "decode and prefill nodes", &backend_tls);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   openai_flags.model_dir = vllm_flags.model_dir = model_dir;
+  if (!model_dir.empty()) {
+    auto tokenizer = model::LoadTokenizer(model_dir);
+    if (!tokenizer.ok()) {
+      std::cerr << "error: --model-dir: " << tokenizer.status().message() << "\n";
+      return 2;
+    }
+    openai_flags.tokenizer = vllm_flags.tokenizer = std::move(*tokenizer);
+  }
   auto server_credentials = serving::ServerCredentials(tls);
   auto backend_channel = serving::ClientChannelConfig(backend_tls);
   for (const absl::Status& s : {server_credentials.status(), backend_channel.status()}) {

@@ -16,12 +16,10 @@ absl::StatusOr<std::unique_ptr<VllmEngineSetup>> MakeVllmEngineService(
   VllmEngineOptions options;
   options.healthy = std::move(healthy);
   if (!flags.model_dir.empty()) {
-    auto tokenizer = model::LoadTokenizer(flags.model_dir);
-    if (!tokenizer.ok()) {
-      return absl::Status(tokenizer.status().code(),
-                          absl::StrCat("--model-dir: ", tokenizer.status().message()));
+    if (flags.tokenizer == nullptr) {
+      return absl::InvalidArgumentError("--model-dir given without its tokenizer loaded");
     }
-    setup->tokenizer_ = std::move(*tokenizer);
+    setup->tokenizer_ = flags.tokenizer;
     auto config = model::LoadModelConfig(flags.model_dir + "/config.json");
     if (!config.ok()) {
       return absl::Status(config.status().code(),

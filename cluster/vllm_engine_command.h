@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "cluster/vllm_engine_service.h"
+#include "model/tokenizer.h"
 #include "common/flag_set.h"
 #include "grpcpp/grpcpp.h"
 
@@ -18,6 +19,8 @@ inline constexpr char kVllmEngineServiceName[] = "vllm.grpc.engine.VllmEngine";
 
 struct VllmEngineFlags {
   std::string model_dir;  // the router's --model-dir (router_command.cc registers it once)
+  // Its tokenizer, loaded once by the router for both text front ends (null without model_dir).
+  std::shared_ptr<const model::Tokenizer> tokenizer;
 };
 
 class VllmEngineSetup {
@@ -29,11 +32,12 @@ class VllmEngineSetup {
  private:
   friend absl::StatusOr<std::unique_ptr<VllmEngineSetup>> MakeVllmEngineService(
       const VllmEngineFlags&, std::function<bool()>);
-  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
   std::unique_ptr<VllmEngineService> service_;
 };
 
-// Loads --model-dir's tokenizer and config.json when the flag is set (errors name the flag).
+// Loads --model-dir's config.json when the flag is set (errors name the flag); REQUIRES the
+// flags' tokenizer then.
 // `healthy` answers HealthCheck.
 absl::StatusOr<std::unique_ptr<VllmEngineSetup>> MakeVllmEngineService(
     const VllmEngineFlags& flags, std::function<bool()> healthy);
