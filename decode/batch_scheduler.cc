@@ -6,6 +6,7 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "decode/decode_metrics.h"
 
 namespace fluxion::decode {
@@ -92,6 +93,8 @@ double BatchScheduler::recent_step_ms() const {
 }
 
 void BatchScheduler::End(DecodeRequest& r, Finish finish, absl::Status error) {
+  // Before its pages go: an off-step preparation may still be reading them.
+  if (r.attention != nullptr) executor_->Forget(*r.attention);
   EndRequest(r, finish, std::move(error));  // the request's reservations wake the waiters
 }
 
@@ -111,6 +114,7 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
       End(r, Finish::kAbort, absl::OkStatus());
       continue;
     }
+    if (r.attention != nullptr && !executor_->Prepared(*r.attention)) continue;  // not stepped
     if (r.seq->length() % page_tokens_ != 0) continue;
     // The next token starts a page in every layer and head: make room by the rule.
     while (admission_->arena()->counters().free < pages_needed()) {
@@ -138,7 +142,7 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
   }
   std::vector<DecodeRequest*> batch;
   for (auto& r : running_) {
-    if (r->seq != nullptr) batch.push_back(r.get());
+    if (r->seq != nullptr && executor_->Prepared(*r->attention)) batch.push_back(r.get());
   }
   return batch;
 }
@@ -193,6 +197,8 @@ void BatchScheduler::Loop() {
       size_t taken = 0;
       for (; taken < joining_.size(); ++taken) {
         if (cap > 0 && static_cast<int64_t>(running_.size()) >= cap) break;
+        // Its preparation (the hybrid executor's window admission) runs while steps go on.
+        if (joining_[taken]->attention != nullptr) executor_->Prepare(*joining_[taken]->attention);
         running_.push_back(std::move(joining_[taken]));
       }
       joining_.erase(joining_.begin(), joining_.begin() + taken);
@@ -210,7 +216,12 @@ void BatchScheduler::Loop() {
     const auto t0 = std::chrono::steady_clock::now();
     const double cpu0 = node_metrics_ != nullptr ? ProcessCpuSeconds() : 0.0;
     const std::vector<DecodeRequest*> batch = PrepareStep();
-    if (!batch.empty()) RunStep(batch);
+    if (!batch.empty()) {
+      RunStep(batch);
+    } else {
+      // Every running request is still being prepared: poll instead of spinning.
+      absl::SleepFor(absl::Milliseconds(1));
+    }
     running_.erase(std::remove_if(running_.begin(), running_.end(),
                                   [](const auto& r) { return r->seq == nullptr; }),
                    running_.end());

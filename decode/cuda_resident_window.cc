@@ -7,6 +7,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
 #include "decode/sparse/policy.h"
@@ -14,6 +15,7 @@
 #include "model/cuda_dense_ops.h"
 #include "kernels/cuda/attention_backend_cuda.h"
 #include "kernels/cuda/block_scores.h"
+#include "kernels/cuda/top_blocks.h"
 #include "kernels/cuda/window_ring.h"
 
 namespace fluxion::decode {
@@ -89,6 +91,17 @@ class MappedScratch {
   GrowingBuffer staging_{true}, lists_{false}, out_{false}, lse_{false}, workspace_{false};
 };
 
+// The first error of one admission (Admit has its own: the step's errors are another thread's).
+struct AdmitErrors {
+  absl::Status status;
+  void Record(cudaError_t e, const char* what) {
+    if (e != cudaSuccess && status.ok()) {
+      status = absl::InternalError(
+          absl::StrCat("resident window: ", what, ": ", cudaGetErrorString(e)));
+    }
+  }
+};
+
 class CudaResidentWindow : public ResidentWindow {
  public:
   CudaResidentWindow(const WindowShape& shape, cudaStream_t stream, int64_t bounds_chunk_bytes)
@@ -118,6 +131,11 @@ class CudaResidentWindow : public ResidentWindow {
         return absl::ResourceExhaustedError(
             absl::StrCat("resident window: cannot allocate ", w.bytes, " bytes of device memory"));
       }
+    }
+    if (cudaStreamCreateWithFlags(&admit_stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      cudaGetLastError();
+      admit_stream_ = nullptr;
+      return absl::InternalError("resident window: cannot create the admission stream");
     }
     if (cudaMallocHost(&staging_.p, shape_.max_rows * 2 * (sizeof(int32_t) + sizeof(int64_t))) !=
         cudaSuccess) {
@@ -160,7 +178,9 @@ class CudaResidentWindow : public ResidentWindow {
                  {&bounds_max_, bounds},
                  {&block_dev_, shape_.max_rows * sizeof(int32_t)},
                  {&offset_dev_, shape_.max_rows * sizeof(int64_t)},
-                 {&scores_dev_, scores}};
+                 {&scores_dev_, scores},
+                 {&top_dev_, scores / sizeof(float) * sizeof(int32_t)},
+                 {&ranges_dev_, shape_.max_rows * sizeof(kernels::cuda::TopBlocksRange)}};
     for (const Want& w : wants) {
       if (cudaMalloc(&w.m->p, w.bytes) != cudaSuccess) {
         cudaGetLastError();
@@ -170,7 +190,10 @@ class CudaResidentWindow : public ResidentWindow {
             " tokens; lower the device's max context or max requests"));
       }
     }
-    if (cudaMallocHost(&scores_host_.p, scores) != cudaSuccess) {
+    if (cudaMallocHost(&scores_host_.p, scores) != cudaSuccess ||
+        cudaMallocHost(&top_host_.p, scores / sizeof(float) * sizeof(int32_t)) != cudaSuccess ||
+        cudaMallocHost(&ranges_stage_.p,
+                       shape_.max_rows * sizeof(kernels::cuda::TopBlocksRange)) != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError("resident window: cannot allocate pinned block scores");
     }
@@ -195,11 +218,17 @@ class CudaResidentWindow : public ResidentWindow {
     for (cudaEvent_t e : {scores_ready_, bounds_copied_[0], bounds_copied_[1]}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
+    if (admit_stream_ != nullptr) cudaStreamDestroy(admit_stream_);
   }
 
   const WindowShape& shape() const override { return shape_; }
 
+  // Admissions run one at a time, on their own stream with their own errors, so that one may run
+  // on another thread (decode/window_admitter.h) while steps go on over other slots: the step's
+  // stream never queues behind an admission's copies, and the slot's rows are complete (the
+  // admission stream synchronised) before Admit returns it.
   absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) override {
+    absl::MutexLock lock(&admit_mu_);
     FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv, score_block_tokens));
     const KvShape& k = kv.shape();
     // Gather the resident rows of every (layer, head) from the host pages into the slot's layout,
@@ -219,22 +248,26 @@ class CudaResidentWindow : public ResidentWindow {
       ForEachResidentToken(shape_, n, copy_token);
     });
     FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens));
+    AdmitErrors errors;
     if (slots_.score_block(slot) > 0) {
-      if (absl::Status s = UploadBounds(kv, slot); !s.ok()) {
+      if (absl::Status s = UploadBounds(kv, slot, &errors); !s.ok()) {
+        errors.Record(cudaStreamSynchronize(admit_stream_), "admit: wait");
         slots_.Release(slot);
         return s;
       }
     }
     const size_t bytes = per_slot_ * sizeof(bf16);
-    Record(cudaMemcpyAsync(ring_.k + slot * per_slot_, gather_k_.data(), bytes,
-                           cudaMemcpyHostToDevice, stream_),
-           "admit: copy K");
-    Record(cudaMemcpyAsync(ring_.v + slot * per_slot_, gather_v_.data(), bytes,
-                           cudaMemcpyHostToDevice, stream_),
-           "admit: copy V");
-    if (absl::Status s = Sync(); !s.ok()) {  // the gather buffers are reused next time
+    errors.Record(cudaMemcpyAsync(ring_.k + slot * per_slot_, gather_k_.data(), bytes,
+                                  cudaMemcpyHostToDevice, admit_stream_),
+                  "admit: copy K");
+    errors.Record(cudaMemcpyAsync(ring_.v + slot * per_slot_, gather_v_.data(), bytes,
+                                  cudaMemcpyHostToDevice, admit_stream_),
+                  "admit: copy V");
+    // The gather buffers are reused next time, and the slot's rows must be there before a step.
+    errors.Record(cudaStreamSynchronize(admit_stream_), "admit: wait for the copies");
+    if (!errors.status.ok()) {
       slots_.Release(slot);
-      return s;
+      return errors.status;
     }
     return slot;
   }
@@ -245,7 +278,7 @@ class CudaResidentWindow : public ResidentWindow {
   // engine moves chunk c (pageable memory copied at a fraction of pinned speed, and converting
   // it all on one thread first took most of a 128K admission). Runs before Admit's Sync.
   // ResourceExhausted when the pinned staging cannot be had; copy errors surface at Sync.
-  absl::Status UploadBounds(const PagedKv& kv, int slot) {
+  absl::Status UploadBounds(const PagedKv& kv, int slot, AdmitErrors* errors) {
     const int64_t d = shape_.head_dim, heads = shape_.num_layers * shape_.num_kv_heads;
     const int64_t pages = (kv.length(0) + shape_.page_tokens - 1) / shape_.page_tokens;
     if (pages == 0) return absl::OkStatus();
@@ -261,7 +294,9 @@ class CudaResidentWindow : public ResidentWindow {
     for (int64_t c = 0, h0 = 0; h0 < heads; ++c, h0 += per_chunk) {
       const int b = static_cast<int>(c % 2);
       // The copy out of this buffer two chunks ago must be done before it is overwritten.
-      if (c >= 2) Record(cudaEventSynchronize(bounds_copied_[b]), "admit: wait for a bounds copy");
+      if (c >= 2) {
+        errors->Record(cudaEventSynchronize(bounds_copied_[b]), "admit: wait for a bounds copy");
+      }
       const int64_t n = std::min(per_chunk, heads - h0);
       bf16* mn_out = static_cast<bf16*>(bounds_stage_[b].get());
       bf16* mx_out = mn_out + per_chunk * head_elems;
@@ -275,13 +310,14 @@ class CudaResidentWindow : public ResidentWindow {
           mx_out[i * head_elems + j] = FloatToBf16(mx[j]);
         }
       });
-      Record(cudaMemcpy2DAsync(bounds_.min + first + h0 * row, pitch, mn_out, width, width, n,
-                               cudaMemcpyHostToDevice, stream_),
-             "admit: copy page bounds");
-      Record(cudaMemcpy2DAsync(bounds_.max + first + h0 * row, pitch, mx_out, width, width, n,
-                               cudaMemcpyHostToDevice, stream_),
-             "admit: copy page bounds");
-      Record(cudaEventRecord(bounds_copied_[b], stream_), "admit: record a bounds copy");
+      errors->Record(cudaMemcpy2DAsync(bounds_.min + first + h0 * row, pitch, mn_out, width,
+                                       width, n, cudaMemcpyHostToDevice, admit_stream_),
+                     "admit: copy page bounds");
+      errors->Record(cudaMemcpy2DAsync(bounds_.max + first + h0 * row, pitch, mx_out, width,
+                                       width, n, cudaMemcpyHostToDevice, admit_stream_),
+                     "admit: copy page bounds");
+      errors->Record(cudaEventRecord(bounds_copied_[b], admit_stream_),
+                     "admit: record a bounds copy");
     }
     return absl::OkStatus();
   }
@@ -321,6 +357,8 @@ class CudaResidentWindow : public ResidentWindow {
     }
     slots_.Advance(slots, score, &plan_);
     rows_ = static_cast<int64_t>(slots.size());
+    ranges_.clear();
+    ranks_ = false;
     Record(cudaMemcpyAsync(slots_dev_.p, staged_slots, rows_ * sizeof(int32_t),
                            cudaMemcpyHostToDevice, stream_),
            "step: copy slots");
@@ -342,6 +380,25 @@ class CudaResidentWindow : public ResidentWindow {
     return absl::OkStatus();
   }
 
+  void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) override {
+    if (!keeps_bounds_) return;
+    ranges_.assign(ranges.begin(), ranges.end());
+    ranges_.resize(rows_);
+    // The pinned staging is reused every step, safely for the reason BeginStep's is.
+    auto* staged = static_cast<kernels::cuda::TopBlocksRange*>(ranges_stage_.p);
+    for (int64_t i = 0; i < rows_; ++i) {
+      sparse::ScoredBlocks::Range& r = ranges_[i];
+      r.end = std::min(r.end, plan_.blocks[i]);
+      r.want = std::clamp<int64_t>(r.want, 0, std::max<int64_t>(r.end - r.first, 0));
+      staged[i] = {r.first, r.end, r.want};
+      ranks_ = ranks_ || r.want > 0;
+    }
+    if (!ranks_) return;
+    Record(cudaMemcpyAsync(ranges_dev_.p, staged, rows_ * sizeof(kernels::cuda::TopBlocksRange),
+                           cudaMemcpyHostToDevice, stream_),
+           "step: copy block ranges");
+  }
+
   void ScoreBlocks(int layer, const float* q, const float* k) override {
     if (!keeps_bounds_) return;
     const auto* slots = static_cast<const int32_t*>(slots_dev_.p);
@@ -359,6 +416,18 @@ class CudaResidentWindow : public ResidentWindow {
     Record(cudaMemcpyAsync(scores_host_.p, scores_dev_.p, plan_.total * sizeof(float),
                            cudaMemcpyDeviceToHost, stream_),
            "copy block scores");
+    if (ranks_) {
+      Record(kernels::cuda::TopBlocks(static_cast<const float*>(scores_dev_.p), block,
+                                      positions, static_cast<const int64_t*>(offset_dev_.p),
+                                      static_cast<const kernels::cuda::TopBlocksRange*>(
+                                          ranges_dev_.p),
+                                      rows_, shape_.num_kv_heads,
+                                      static_cast<int32_t*>(top_dev_.p), stream_),
+             "TopBlocks");
+      Record(cudaMemcpyAsync(top_host_.p, top_dev_.p, plan_.total * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, stream_),
+             "copy top blocks");
+    }
     Record(cudaEventRecord(scores_ready_, stream_), "record block scores");
   }
 
@@ -371,8 +440,13 @@ class CudaResidentWindow : public ResidentWindow {
 
   sparse::ScoredBlocks block_scores(int row) const override {
     if (plan_.blocks[row] == 0) return {};
-    return {static_cast<const float*>(scores_host_.p) + plan_.offset[row], plan_.blocks[row],
-            plan_.block[row]};
+    sparse::ScoredBlocks scored{static_cast<const float*>(scores_host_.p) + plan_.offset[row],
+                                plan_.blocks[row], plan_.block[row]};
+    if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
+      scored.top = static_cast<const int32_t*>(top_host_.p) + plan_.offset[row];
+      scored.range = ranges_[row];
+    }
+    return scored;
   }
 
   void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
@@ -506,7 +580,15 @@ class CudaResidentWindow : public ResidentWindow {
   kernels::cuda::PageBoundsLayout bounds_;
   DeviceMemory bounds_min_, bounds_max_, block_dev_, offset_dev_, scores_dev_;
   PinnedMemory scores_host_;
+  // The step's block rankings (RankBlocks): ranges (host copy, pinned staging, device) and picks.
+  std::vector<sparse::ScoredBlocks::Range> ranges_;
+  PinnedMemory ranges_stage_, top_host_;
+  DeviceMemory ranges_dev_, top_dev_;
+  bool ranks_ = false;  // some row of the step is ranked
   cudaEvent_t scores_ready_ = nullptr;
+  // Admission (Admit): one at a time, on its own stream.
+  absl::Mutex admit_mu_;
+  cudaStream_t admit_stream_ = nullptr;
   // Admission's page bounds in flight: two pinned chunks and the copy out of each.
   const int64_t bounds_chunk_bytes_;
   GrowingBuffer bounds_stage_[2] = {GrowingBuffer(true), GrowingBuffer(true)};

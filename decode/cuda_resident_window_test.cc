@@ -16,6 +16,7 @@
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/topk.h"
 #include "kernels/cuda/device_buffers_testing.h"
 #include "decode/hbm_full_attention.h"
 #include "decode/hybrid_step_executor.h"
@@ -205,12 +206,17 @@ TEST_P(CudaBlockScoresTest, MatchTheHostWindowsScores) {
   std::vector<int64_t> positions = lengths;
   const int64_t rows = 3;
   DeviceBuffers dev;
-  int64_t compared = 0;
+  int64_t compared = 0, ranked = 0;
   for (int step = 0; step < 80; ++step) {
     // Row 0 asks for scores every third step only: its bounds must follow in between.
     const std::vector<uint8_t> score = {static_cast<uint8_t>(step % 3 == 0), 1, 1};
     ASSERT_TRUE(host->BeginStep(host_slots, positions, score).ok());
     ASSERT_TRUE((*cuda)->BeginStep(cuda_slots, positions, score).ok());
+    // Rows 1 and 2 are also ranked (row 2's range runs past its blocks: clamped); row 0 not.
+    const std::vector<sparse::ScoredBlocks::Range> ranges = {
+        {0, 0, 0}, {1, 1 << 30, 3 + step % 5}, {0, 1 << 30, 1 + step}};
+    host->RankBlocks(ranges);
+    (*cuda)->RankBlocks(ranges);
     for (int layer = 0; layer < shape.num_layers; ++layer) {
       const std::vector<float> q = Random(rows * q_row, rng), k = Random(rows * kv_row, rng);
       host->ScoreBlocks(layer, q.data(), k.data());
@@ -228,11 +234,35 @@ TEST_P(CudaBlockScoresTest, MatchTheHostWindowsScores) {
               << "row " << row << " step " << step << " layer " << layer << " score " << j;
           ++compared;
         }
+        // Each window's ranking is the CPU selection's over its own scores (the two windows'
+        // scores differ in rounding, so their picks may differ at a near-tie).
+        ASSERT_EQ(h.top == nullptr, row == 0);
+        ASSERT_EQ(g.top == nullptr, row == 0);
+        if (row == 0) continue;
+        ASSERT_EQ(g.range.first, h.range.first);
+        ASSERT_EQ(g.range.end, std::min<int64_t>(h.head_stride, ranges[row].end));
+        ASSERT_EQ(g.range.want, std::min(ranges[row].want, g.range.end - g.range.first));
+        ASSERT_EQ(g.range.want, h.range.want);
+        for (int64_t kvh = 0; kvh < shape.num_kv_heads; ++kvh) {
+          for (const sparse::ScoredBlocks* w : {&h, &g}) {
+            const int64_t at = kvh * w->head_stride;
+            std::vector<int32_t> want;
+            kernels::cpu::TopKIndices(w->data + at + w->range.first,
+                                      w->range.end - w->range.first, w->range.want, &want);
+            for (int32_t& b : want) b += static_cast<int32_t>(w->range.first);
+            std::sort(want.begin(), want.end());
+            ASSERT_EQ(std::vector<int32_t>(w->top + at, w->top + at + w->range.want), want)
+                << (w == &h ? "host" : "cuda") << " row " << row << " step " << step
+                << " layer " << layer << " KV head " << kvh;
+            ++ranked;
+          }
+        }
       }
     }
     for (int64_t& p : positions) ++p;
   }
   EXPECT_GT(compared, 0);
+  EXPECT_GT(ranked, 0);
   // 480 + 32 tokens fill the metadata: the third row was scored, then was not.
   EXPECT_EQ(host->block_scores(2).data, nullptr);
   cuda->reset();
@@ -475,15 +505,18 @@ TEST(HybridOnCudaTest, StepsMatchHostAttentionForEveryScoringAndReadSplit) {
     if (share < 1.0) EXPECT_GT((*hybrid)->counters().host_rows, 0);
     if (share > 0) EXPECT_GT((*hybrid)->counters().mapped_rows, 0);
     if (share == 1.0) EXPECT_EQ((*hybrid)->counters().host_rows, 0);
-    int64_t scored_elsewhere = 0;
+    int64_t scored_elsewhere = 0, ranked_elsewhere = 0;
     for (size_t i = 0; i < seqs.size(); ++i) {
       EXPECT_EQ(attentions[i]->stats().rows_attended, ref_attn[i]->stats().rows_attended);
       scored_elsewhere += attentions[i]->stats().blocks_scored_elsewhere;
+      ranked_elsewhere += attentions[i]->stats().selections_ranked_elsewhere;
       // Shorter contexts leave no middle block to pick (nothing scored at all), so per request
       // only this holds: nothing scanned on the CPU.
       if (max_context > 0) EXPECT_EQ(attentions[i]->stats().metadata_bytes, 0) << "request " << i;
     }
     if (max_context > 0) EXPECT_GT(scored_elsewhere, 0);
+    // quest and fixed_* take the device's picks (TopBlocks) whenever it scored their blocks.
+    if (max_context > 0) EXPECT_GT(ranked_elsewhere, 0);
   }
 }
 

@@ -13,6 +13,7 @@
 #include "decode/resident_window.h"
 #include "kernels/cpu/merge_state.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "kernels/cpu/topk.h"
 #include "kernels/cpu/selection.h"
 
 namespace fluxion::decode {
@@ -67,7 +68,18 @@ class HostResidentWindow : public ResidentWindow {
     step_slots_.assign(slots.begin(), slots.end());
     positions_.assign(positions.begin(), positions.end());
     slots_.Advance(slots, score, &plan_);
+    ranges_.clear();
     return absl::OkStatus();
+  }
+
+  void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) override {
+    ranges_.assign(ranges.begin(), ranges.end());
+    ranges_.resize(step_slots_.size());
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      sparse::ScoredBlocks::Range& r = ranges_[i];
+      r.end = std::min(r.end, plan_.blocks[i]);
+      r.want = std::clamp<int64_t>(r.want, 0, std::max<int64_t>(r.end - r.first, 0));
+    }
   }
 
   void ScoreBlocks(int layer, const float* q, const float* k) override {
@@ -93,6 +105,7 @@ class HostResidentWindow : public ResidentWindow {
         kernels::cpu::QuestBlockBounds(mn, mx, d, 0, plan_.blocks[i], plan_.block[i] / pt,
                                        q + (i * hq + h * group) * d, group,
                                        scores_.data() + plan_.offset[i] + h * plan_.blocks[i]);
+        if (i < ranges_.size() && ranges_[i].want > 0) RankHead(i, h);
       }
     }
   }
@@ -101,7 +114,13 @@ class HostResidentWindow : public ResidentWindow {
 
   sparse::ScoredBlocks block_scores(int row) const override {
     if (plan_.blocks[row] == 0) return {};
-    return {scores_.data() + plan_.offset[row], plan_.blocks[row], plan_.block[row]};
+    sparse::ScoredBlocks scored{scores_.data() + plan_.offset[row], plan_.blocks[row],
+                                plan_.block[row]};
+    if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
+      scored.top = top_.data() + plan_.offset[row];
+      scored.range = ranges_[row];
+    }
+    return scored;
   }
 
   void AppendAndAttend(int layer, const float* q, const float* k, const float* v,
@@ -169,6 +188,19 @@ class HostResidentWindow : public ResidentWindow {
   absl::Status Sync() override { return absl::OkStatus(); }
 
  private:
+  // Row i's picks for KV head h from its scores (the CPU policy's own selection, so the CUDA
+  // window's are checked against these), ascending, where block_scores() points.
+  void RankHead(size_t i, int h) {
+    const sparse::ScoredBlocks::Range& r = ranges_[i];
+    top_.resize(plan_.total);
+    const int64_t at = plan_.offset[i] + h * plan_.blocks[i];
+    kernels::cpu::TopKIndices(scores_.data() + at + r.first, r.end - r.first, r.want, &picked_);
+    std::sort(picked_.begin(), picked_.end());
+    for (size_t j = 0; j < picked_.size(); ++j) {
+      top_[at + j] = static_cast<int32_t>(r.first + picked_[j]);
+    }
+  }
+
   int32_t PageId(int slot, int layer, int head, int64_t p) const {
     return static_cast<int32_t>(
         ((static_cast<int64_t>(slot) * shape_.num_layers + layer) * shape_.num_kv_heads + head) *
@@ -226,6 +258,8 @@ class HostResidentWindow : public ResidentWindow {
   std::vector<std::vector<float>> bounds_min_, bounds_max_;
   StepScorePlan plan_;
   std::vector<float> scores_;
+  std::vector<sparse::ScoredBlocks::Range> ranges_;  // [step row], RankBlocks's
+  std::vector<int32_t> top_, picked_;
   std::vector<float> mapped_out_, mapped_lse_;  // one pair's state of AttendMappedSpans
 };
 

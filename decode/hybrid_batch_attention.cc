@@ -57,6 +57,8 @@ void AddCounters(const HybridCounters& from, HybridCounters* to) {
   to->scores_s += from.scores_s;
   to->select_s += from.select_s;
   to->host_s += from.host_s;
+  to->host_prep_s += from.host_prep_s;
+  to->host_kernel_s += from.host_kernel_s;
   to->finish_s += from.finish_s;
   to->merge_s += from.merge_s;
   to->lane_wait_s += from.lane_wait_s;
@@ -181,13 +183,16 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   plan_parts.Lap(&counters_.select_s);
   clock.Lap(&counters_.plan_s);
 
+  PhaseClock host_parts;  // the two parts of host_s
   kernels::PagedDecodeProblem p;
   FLUXION_RETURN_IF_ERROR(BuildHostProblem(io, q, &p));
   SendShareToDevice(io, &p);
   FLUXION_RETURN_IF_ERROR(backend_->Supports(p));
   const size_t workspace = backend_->WorkspaceBytes(p);
   if (workspace_.size() < workspace) workspace_.resize(workspace);
+  host_parts.Lap(&counters_.host_prep_s);
   FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
+  host_parts.Lap(&counters_.host_kernel_s);
   clock.Lap(&counters_.host_s);
   // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
   // in there (merging is associative), and it observes its whole plan.

@@ -76,7 +76,9 @@ struct HybridCounters {
   double append_s = 0;   //   the token's K/V into the host pages (AppendToken)
   double scores_s = 0;   //   waiting for the device's block scores
   double select_s = 0;   //   the policies' selection (SelectUnit)
-  double host_s = 0;     // the CPU backend over the non-resident rows
+  double host_s = 0;     // the CPU's attention over the non-resident rows: the two below
+  double host_prep_s = 0;  //   its problem, and the device's zero-copy share split off, launched
+  double host_kernel_s = 0;  //   the CPU backend's run
   double finish_s = 0;   // policies' estimates and observation (FinishDecode)
   double merge_s = 0;    // CPU partials to the device and merged
   double lane_wait_s = 0;  // waiting for the CPU lane (another micro-batch's CPU phase)

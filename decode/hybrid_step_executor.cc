@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -32,6 +33,7 @@ struct HybridStepExecutor::State {
   std::vector<int64_t> positions;
   std::vector<int> row_slots;
   std::vector<uint8_t> score_rows;  // whether each row's policy picks blocks this step
+  std::vector<sparse::ScoredBlocks::Range> rankings;  // each row's blocks the window ranks
   std::vector<float> logits;
   // Sampling's (StepAndSample), per row of the step.
   std::vector<int64_t> needed;  // candidates the row's draw needs (0: its full logits)
@@ -73,7 +75,9 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
 }
 
 HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
-    : state_(std::move(state)), attention_(state_->attention.get()) {}
+    : state_(std::move(state)),
+      attention_(state_->attention.get()),
+      admitter_(std::make_unique<WindowAdmitter>(state_->window.get())) {}
 
 HybridStepExecutor::~HybridStepExecutor() = default;
 
@@ -85,8 +89,7 @@ int64_t HybridStepExecutor::max_batch() const {
 model::DecodeStepRunner& HybridStepExecutor::runner() { return *state_->runner; }
 model::DenseOps& HybridStepExecutor::ops() { return *state_->ops; }
 
-absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention) {
-  if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) return it->second;
+absl::StatusOr<int64_t> HybridStepExecutor::ScoreBlockOf(const SparseAttention& attention) const {
   const WindowShape& w = state_->window->shape();
   const sparse::PolicyConfig& policy = attention.policy_config();
   if (policy.sink_tokens < w.sink_tokens || policy.local_tokens < w.window_tokens) {
@@ -98,10 +101,22 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   }
   // Policies that rank page bounds have their blocks scored where the window's bounds live.
   const int64_t page_tokens = attention.kv().shape().page_tokens;
-  const int64_t score_block =
-      window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
-          ? sparse::RankedBlockTokens(policy, page_tokens)
-          : 0;
+  return window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
+             ? sparse::RankedBlockTokens(policy, page_tokens)
+             : 0;
+}
+
+absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention) {
+  if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) return it->second;
+  if (std::optional<WindowAdmitter::Result> r = admitter_->Take(attention.id()); r.has_value()) {
+    if (!r->slot.ok()) return r->slot.status();
+    ++admission_counters_.requests;
+    ++admission_counters_.off_step;
+    admission_counters_.seconds += r->seconds;
+    state_->slots[attention.id()] = *r->slot;
+    return *r->slot;
+  }
+  FLUXION_ASSIGN_OR_RETURN(const int64_t score_block, ScoreBlockOf(attention));
   const auto start = std::chrono::steady_clock::now();
   FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv(), score_block));
   ++admission_counters_.requests;
@@ -109,6 +124,25 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   state_->slots[attention.id()] = slot;
   return slot;
+}
+
+void HybridStepExecutor::Prepare(const SparseAttention& attention) {
+  if (state_->slots.contains(attention.id())) return;
+  const absl::StatusOr<int64_t> score_block = ScoreBlockOf(attention);
+  if (!score_block.ok()) return;  // SlotOf reports it at the request's first step
+  admitter_->Start(attention.id(), &attention.kv(), *score_block);
+}
+
+bool HybridStepExecutor::Prepared(const SparseAttention& attention) const {
+  return admitter_->Done(attention.id());
+}
+
+void HybridStepExecutor::Forget(const SparseAttention& attention) {
+  admitter_->Cancel(attention.id());
+  if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) {
+    state_->window->Release(it->second);
+    state_->slots.erase(it);
+  }
 }
 
 void HybridStepExecutor::Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
@@ -171,6 +205,16 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
   }
   absl::Status step = s.window->BeginStep(s.row_slots, s.positions, s.score_rows);
   if (step.ok()) {
+    // Quest and fixed_* take their top blocks as the window ranks them (at the budget this step
+    // runs at, so that a degraded step's picks come from the device too).
+    s.rankings.resize(s.rows.size());
+    for (size_t r = 0; r < s.rows.size(); ++r) {
+      s.rankings[r] = sparse::TopBlocksRange(s.attentions[r]->policy_config(),
+                                             s.positions[r] + 1,
+                                             s.attentions[r]->kv().shape().page_tokens,
+                                             guard_.scale());
+    }
+    s.window->RankBlocks(s.rankings);
     s.attention->SetBatch(s.seqs, s.attentions);
     if (tokens == nullptr) s.logits.resize(s.rows.size() * vocab);
     // Sampling leaves the logits where the LM head wrote them (DrawTokens moves what it needs).

@@ -3,8 +3,9 @@
 // window (sinks + recent tokens) attended where the DenseOps runs and the rest of every policy's
 // plan on the CPU over host pages, merged by log-sum-exp (hybrid_batch_attention.h).
 //
-// Requests are admitted to the window the first time a step sees them (their prompt's resident
-// rows are loaded from the host pages) and released when a step no longer lists them. A request
+// Requests are admitted to the window off the step after Prepare (a thread of the executor's
+// loads their prompt's resident rows and page bounds: decode/window_admitter.h), or else the
+// first time a step sees them, and released when a step no longer lists them or on Forget. A request
 // the window cannot take (every slot busy, or a policy whose sinks or local window are smaller
 // than the resident ones, so its plan would not contain the resident rows) gets its own error
 // and the step runs without it.
@@ -20,6 +21,7 @@
 #include "decode/resident_window.h"
 #include "decode/stall_guard.h"
 #include "decode/step_executor.h"
+#include "decode/window_admitter.h"
 #include "model/dense_ops.h"
 
 namespace fluxion::decode {
@@ -52,6 +54,11 @@ class HybridStepExecutor : public StepExecutor {
   // full logits.
   void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                      std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
+  // Admission to the window off the step (StepExecutor::Prepare). Prepare on a request whose
+  // policy the window cannot serve starts nothing: its first step reports the error.
+  void Prepare(const SparseAttention& attention) override;
+  bool Prepared(const SparseAttention& attention) const override;
+  void Forget(const SparseAttention& attention) override;
 
   // Rows sampled from candidates vs rows whose full logits crossed to the host, since creation.
   struct SamplingCounters {
@@ -59,11 +66,13 @@ class HybridStepExecutor : public StepExecutor {
     int64_t full_rows = 0;
   };
   const SamplingCounters& sampling_counters() const { return sampling_counters_; }
-  // Requests admitted to the window (their resident rows and page bounds gathered and uploaded,
-  // inside the step that first holds them) and the wall time that took, since creation.
+  // Requests admitted to the window (their resident rows and page bounds gathered and uploaded)
+  // and the wall time that took, since creation; off_step of them were admitted after Prepare,
+  // outside any step.
   struct AdmissionCounters {
     int64_t requests = 0;
     double seconds = 0;
+    int64_t off_step = 0;
   };
   const AdmissionCounters& admission_counters() const { return admission_counters_; }
   // The most candidates a row may ask for (default and ceiling CandidateOps::kMaxCandidates);
@@ -100,8 +109,11 @@ class HybridStepExecutor : public StepExecutor {
  private:
   struct State;
   explicit HybridStepExecutor(std::unique_ptr<State> state);
-  // The request's window slot, admitting it on first sight.
+  // The request's window slot: admitted by Prepare, else now.
   absl::StatusOr<int> SlotOf(const SparseAttention& attention);
+  // The block size the window scores the request's blocks at (0: none), or FailedPrecondition
+  // when its policy attends fewer sinks or local tokens than the window holds.
+  absl::StatusOr<int64_t> ScoreBlockOf(const SparseAttention& attention) const;
   // Step (tokens null: every row's logits to the host) or StepAndSample.
   void Run(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
            std::vector<float>* logits, std::vector<absl::Status>* statuses);
@@ -120,6 +132,8 @@ class HybridStepExecutor : public StepExecutor {
   void ObserveStall();
   StallGuard guard_{StallGuardOptions{}};
   HybridCounters since_guard_;
+  // Declared last: destroyed (its thread joined) before the window it admits into.
+  std::unique_ptr<WindowAdmitter> admitter_;
 };
 
 }  // namespace fluxion::decode

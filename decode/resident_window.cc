@@ -85,6 +85,7 @@ absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv,
 }
 
 absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens) {
+  absl::MutexLock lock(&mu_);
   for (int s = 0; s < shape_.max_requests; ++s) {
     if (tokens_[s] < 0) {
       tokens_[s] = tokens;
@@ -98,6 +99,7 @@ absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens
 }
 
 void WindowSlots::Release(int slot) {
+  absl::MutexLock lock(&mu_);
   if (slot >= 0 && slot < shape_.max_requests) {
     tokens_[slot] = -1;
     score_block_[slot] = 0;
@@ -106,6 +108,7 @@ void WindowSlots::Release(int slot) {
 
 absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
                                     absl::Span<const int64_t> positions) const {
+  absl::MutexLock lock(&mu_);
   if (static_cast<int64_t>(slots.size()) > shape_.max_rows || slots.size() != positions.size()) {
     return absl::InvalidArgumentError(absl::StrCat("a step of ", slots.size(), " rows and ",
                                                    positions.size(), " positions (at most ",
@@ -127,6 +130,7 @@ absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
 
 void WindowSlots::Advance(absl::Span<const int> slots, absl::Span<const uint8_t> score,
                           StepScorePlan* plan) {
+  absl::MutexLock lock(&mu_);
   const size_t rows = slots.size();
   plan->block.assign(rows, 0);
   plan->blocks.assign(rows, 0);

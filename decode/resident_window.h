@@ -19,7 +19,8 @@
 // window also keeps each slot's page bounds and scores every block per step where the bounds
 // live, so the CPU reads one score per block instead of 2 x head_dim bounds per page (at 8B shapes
 // and 128K tokens the CPU scan read 2.1 GB per step, 2/3 of the hybrid step: bench/results,
-// session 8). The policy still picks its top blocks on the CPU from those scores.
+// session 8). For quest and fixed_* it also ranks them (RankBlocks), and the CPU reads only the
+// picks; Fluxion ranks its own candidates from the page scores on the CPU.
 //
 // Implementations: NewHostResidentWindow (here: host memory and the CPU kernel, the stand-in on
 // which the hybrid executor's split, placement and merge are tested without a GPU) and the CUDA
@@ -38,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -99,7 +101,8 @@ struct StepScorePlan {
 
 // The slot bookkeeping both implementations share: which slots hold a request, how many tokens
 // each holds and the block size its rows are scored at, and the checks of Admit and BeginStep
-// (their errors as the interface states).
+// (their errors as the interface states). Thread-safe: a request may be admitted on another
+// thread (decode/window_admitter.h) while a step runs over other slots.
 class WindowSlots {
  public:
   explicit WindowSlots(const WindowShape& shape)
@@ -112,7 +115,10 @@ class WindowSlots {
   absl::StatusOr<int> Take(int64_t tokens, int64_t score_block_tokens);
   void Release(int slot);
   // The block size slot `slot`'s rows are scored at now (0: not scored).
-  int64_t score_block(int slot) const { return score_block_[slot]; }
+  int64_t score_block(int slot) const {
+    absl::MutexLock lock(&mu_);
+    return score_block_[slot];
+  }
   absl::Status CheckStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) const;
   // Every slot of the step holds one more token (every layer takes the step's), and the step's
   // score plan (rows with score[i] false, or all when `score` is empty, keep their bounds but get
@@ -123,8 +129,9 @@ class WindowSlots {
 
  private:
   const WindowShape shape_;
-  std::vector<int64_t> tokens_;       // [slot]: tokens held, -1 when free
-  std::vector<int64_t> score_block_;  // [slot]: 0 when not scored
+  mutable absl::Mutex mu_;
+  std::vector<int64_t> tokens_ ABSL_GUARDED_BY(mu_);       // [slot]: tokens held, -1 when free
+  std::vector<int64_t> score_block_ ABSL_GUARDED_BY(mu_);  // [slot]: 0 when not scored
 };
 
 class ResidentWindow {
@@ -170,8 +177,16 @@ class ResidentWindow {
   // Waits for the last ScoreBlocks; the first error since the last wait or Sync.
   virtual absl::Status WaitBlockScores() = 0;
   // Row i's scores from the last ScoreBlocks, in host memory (valid until the next one):
-  // data == nullptr when the row is not scored.
+  // data == nullptr when the row is not scored; top set when the row is ranked (RankBlocks).
   virtual sparse::ScoredBlocks block_scores(int row) const = 0;
+  // Rows whose policy takes a fixed number of top-ranked blocks (quest, fixed_*; their range is
+  // sparse::TopBlocksRange): each ScoreBlocks of this step also ranks row i's blocks
+  // [ranges[i].first, ranges[i].end) of every KV head where the scores are and keeps the
+  // ranges[i].want best (block_scores(i).top), so the CPU reads `want` block numbers per head
+  // instead of ranking every block's score (at 8B shapes and 128K tokens that ranking was ~2.6
+  // ms of a 17.6 ms step: bench/results, session 11). Called after BeginStep, for that step; an
+  // empty span or want 0 ranks nothing; a range past the row's blocks is clamped to them.
+  virtual void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) = 0;
 
   // Zero-copy reads (ALGORITHMS.md §2.4.6 item 3): the device attends part of the selected host
   // rows itself, reading host pages over PCIe while the CPU reads the rest, so both paths to host

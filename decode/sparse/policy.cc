@@ -75,14 +75,21 @@ class QuestPolicy : public SparsePolicy {
   void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
               SelectionStats* stats) override {
     const Regions r = SplitStep(config_, in);
-    std::vector<PageSpan> middle;
+    middle_.clear();
     const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
     const int64_t block = RankedBlockTokens(config_, pt);
     const int64_t pages_per_block = block / pt;
-    const int64_t first_block = r.sink_end / block, end_block = (r.local_begin + block - 1) / block;
-    const int64_t nblocks = end_block - first_block;
-    const int64_t want = r.middle_rows_budget / block;  // RankedBlocksWanted at this step's scale
-    if (want > 0 && nblocks > 0) {
+    const ScoredBlocks::Range range = TopBlocksRange(config_, in.context, pt, in.budget_scale);
+    const int64_t first_block = range.first, nblocks = range.end - range.first;
+    const int64_t want = range.want;
+    if (want > 0 && in.top_blocks != nullptr && in.top_range.first == range.first &&
+        in.top_range.end == range.end && in.top_range.want == want) {
+      // Ranked where the scores are (the device): the same picks, already in order.
+      picked_.assign(in.top_blocks, in.top_blocks + want);
+      for (int32_t& b : picked_) b -= static_cast<int32_t>(first_block);
+      stats->blocks_scored_elsewhere += nblocks;
+      ++stats->selections_ranked_elsewhere;
+    } else if (want > 0) {
       const float* scores;
       if (in.block_scores != nullptr && in.block_score_tokens == block) {
         scores = in.block_scores + first_block;  // scored where the bounds are (the device)
@@ -97,20 +104,23 @@ class QuestPolicy : public SparsePolicy {
       }
       kernels::cpu::TopKIndices(scores, nblocks, want, &picked_);
       std::sort(picked_.begin(), picked_.end());
-      for (int32_t b : picked_) {
-        // Blocks straddling the sinks or the window contribute only their middle part.
-        const int64_t begin = std::max((first_block + b) * block, r.sink_end);
-        const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
-        if (begin < end) AppendTokenRange(*in.kv, in.layer, in.kv_head, begin, end, &middle);
-      }
+    } else {
+      picked_.clear();
     }
-    AssembleSpans(in, r, middle, spans, stats);
+    for (int32_t b : picked_) {
+      // Blocks straddling the sinks or the window contribute only their middle part.
+      const int64_t begin = std::max((first_block + b) * block, r.sink_end);
+      const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
+      if (begin < end) AppendTokenRange(*in.kv, in.layer, in.kv_head, begin, end, &middle_);
+    }
+    AssembleSpans(in, r, middle_, spans, stats);
   }
 
  private:
   PolicyConfig config_;
   std::vector<float> scores_;
   std::vector<int32_t> picked_;
+  std::vector<PageSpan> middle_;
 };
 
 }  // namespace
@@ -230,6 +240,21 @@ int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens) {
     return page_tokens;
   }
   return std::max(config.block_tokens, page_tokens);
+}
+
+ScoredBlocks::Range TopBlocksRange(const PolicyConfig& config, int64_t context,
+                                   int64_t page_tokens, double budget_scale) {
+  if (config.kind != PolicyKind::kQuest && config.kind != PolicyKind::kFixedBlock) return {};
+  SelectionInput in;
+  in.context = context;
+  in.budget_scale = budget_scale;
+  const Regions r = SplitStep(config, in);
+  const int64_t block = RankedBlockTokens(config, page_tokens);
+  ScoredBlocks::Range range;
+  range.first = r.sink_end / block;
+  range.end = (r.local_begin + block - 1) / block;
+  range.want = range.end > range.first ? r.middle_rows_budget / block : 0;
+  return range;
 }
 
 int64_t RankedBlocksWanted(const PolicyConfig& config, int64_t context, int64_t page_tokens) {

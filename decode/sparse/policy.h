@@ -113,7 +113,22 @@ struct ScoredBlocks {
   const float* data = nullptr;  // null: none
   int64_t head_stride = 0;
   int64_t block_tokens = 0;
+  // The best blocks, ranked where the scores are (ResidentWindow::RankBlocks): for KV head h,
+  // top[h * head_stride + j], j < range.want, the block numbers in [range.first, range.end) of the
+  // range.want largest scores, ascending (ties: lower numbers; NaN lowest), i.e. exactly what
+  // kernels::cpu::TopKIndices over those scores picks. Null: not ranked.
+  const int32_t* top = nullptr;
+  struct Range {
+    int64_t first = 0, end = 0, want = 0;
+  } range;
 };
+
+// The blocks a policy that takes a fixed number of top-ranked blocks (quest, fixed_*) ranks at a
+// context of `context` tokens: blocks [first, end) of RankedBlockTokens() tokens (those that
+// reach the middle region) and how many it takes (want; 0 for every other policy, and when the
+// budget leaves no whole block). budget_scale as SelectionInput's.
+ScoredBlocks::Range TopBlocksRange(const PolicyConfig& config, int64_t context,
+                                   int64_t page_tokens, double budget_scale = 1.0);
 
 // What a policy sees at one decode step for one (layer, KV head).
 struct SelectionInput {
@@ -129,6 +144,11 @@ struct SelectionInput {
   // bounds; any other ignores them.
   const float* block_scores = nullptr;
   int64_t block_score_tokens = 0;
+  // This head's best blocks when ranked elsewhere (ScoredBlocks::top): `top_range.want` block
+  // numbers, ascending; null when not ranked. A policy uses them only when their range is the one
+  // it would rank (TopBlocksRange at this step's budget_scale).
+  const int32_t* top_blocks = nullptr;
+  ScoredBlocks::Range top_range;
   // The share of the middle-region budget (what remains after sinks and the window) this step
   // may spend, in (0, 1]: below 1 when the hybrid step degrades itself because the CPU would
   // stall the GPU (decode/stall_guard.h). Every policy that reads the middle applies it.
@@ -140,6 +160,7 @@ struct SelectionStats {
   int64_t k_rows_scored = 0;  // extra K rows read only to score (exact top-k)
   int64_t metadata_bytes = 0; // page metadata read on the CPU to score (Quest's fp32 bounds)
   int64_t blocks_scored_elsewhere = 0;  // blocks whose scores came in SelectionInput
+  int64_t selections_ranked_elsewhere = 0;  // head-steps whose picks came in it (top_blocks)
   int64_t selections = 0;     // (step, KV head) selections a history policy made
   int64_t bypassed = 0;       // of those, how many bypassed to sinks + window (LFPS)
   int64_t streaming = 0;      // of those, how many had no middle budget (Fluxion's streaming heads)
@@ -154,6 +175,7 @@ struct SelectionStats {
     k_rows_scored += o.k_rows_scored;
     metadata_bytes += o.metadata_bytes;
     blocks_scored_elsewhere += o.blocks_scored_elsewhere;
+    selections_ranked_elsewhere += o.selections_ranked_elsewhere;
     selections += o.selections;
     bypassed += o.bypassed;
     streaming += o.streaming;

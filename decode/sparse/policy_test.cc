@@ -2,6 +2,7 @@
 // identity is answered by the kind's traits.
 #include "decode/sparse/policy.h"
 
+#include <algorithm>
 #include <random>
 #include <set>
 #include <string>
@@ -92,6 +93,56 @@ TEST(PolicyBudgetScaleTest, EveryMiddleReadingPolicySpendsTheScaledShare) {
     // Half the rows, up to one block of the policy's granularity.
     EXPECT_NEAR(static_cast<double>(half), whole / 2.0, 16.0);
   }
+}
+
+// Quest / fixed_*: the blocks ranked elsewhere (the hybrid step's window) are taken as given when
+// their range is the one the policy ranks, and ignored otherwise.
+TEST(TopRankedBlocksTest, QuestTakesTheWindowsPicksOnlyForItsOwnRange) {
+  constexpr int64_t kContext = 2048, kHeadDim = 32, kGroup = 2;
+  const KvShape shape{1, 1, kHeadDim, 16};
+  auto arena = *KvArena::Create(shape.page_bytes(), kContext / 16 + 2);
+  auto kv = *PagedKv::Create(arena.get(), shape);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> k(kContext * kHeadDim), v(kContext * kHeadDim), q(kGroup * kHeadDim);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  for (float& x : q) x = normal(rng);
+  ASSERT_TRUE(kv->Append(0, kContext, k.data(), v.data(), kHeadDim).ok());
+  const PolicyConfig config = *ParsePolicy("fixed_32_0.1", 0);
+  const ScoredBlocks::Range range = TopBlocksRange(config, kContext, 16);
+  EXPECT_EQ(range.first, 0);                                  // sink 4 tokens: block 0
+  EXPECT_EQ(range.end, (kContext - 64 + 31) / 32);            // up to the window's first block
+  EXPECT_EQ(range.want, (205 - 4 - 64) / 32);                 // ceil(0.1 x 2048) rows, whole blocks
+  EXPECT_EQ(TopBlocksRange(*ParsePolicy("lfps", 0.1), kContext, 16).want, 0);
+  // The lowest-numbered middle blocks after block 0: not what the scores would pick.
+  std::vector<int32_t> given;
+  for (int64_t b = 1; b <= range.want; ++b) given.push_back(static_cast<int32_t>(b));
+  auto middle_starts = [&](const int32_t* top, ScoredBlocks::Range r) {
+    auto policy = MakePolicy(config);
+    EXPECT_TRUE(policy->Prepare(*kv, 0, 0, nullptr).ok());
+    SelectionInput in{kv.get(), 0, 0, q.data(), kGroup, 0.125f, kContext};
+    in.top_blocks = top;
+    in.top_range = r;
+    std::vector<kernels::PageSpan> spans;
+    SelectionStats stats;
+    policy->Select(in, &spans, &stats);
+    const auto& pages = kv->pages(0, 0);
+    std::set<int64_t> blocks;  // the 32-token blocks the middle spans fall in
+    for (const kernels::PageSpan& sp : spans) {
+      const int64_t index = std::find(pages.begin(), pages.end(), sp.page) - pages.begin();
+      const int64_t token = index * 16 + sp.first_row;
+      if (token >= 4 && token < kContext - 64) blocks.insert(token / 32);
+    }
+    return std::vector<int64_t>(blocks.begin(), blocks.end());
+  };
+  const std::vector<int64_t> as_given = middle_starts(given.data(), range);
+  EXPECT_EQ(as_given, std::vector<int64_t>(given.begin(), given.end()));
+  ScoredBlocks::Range other = range;
+  ++other.want;  // another budget: the picks are not for this step
+  const std::vector<int64_t> own = middle_starts(given.data(), other);
+  EXPECT_EQ(own, middle_starts(nullptr, {}));
+  EXPECT_NE(own, as_given);
 }
 
 }  // namespace

@@ -30,8 +30,26 @@ inline int ThresholdBucket(const uint32_t* hist, int buckets, int64_t* need) {
   return bucket;
 }
 
+constexpr int kDigitBits = 11;
+constexpr int kBuckets = 1 << kDigitBits;
+
+// Bits needed to write v (0 for 0).
+inline int BitWidth(uint32_t v) { return v == 0 ? 0 : 32 - __builtin_clz(v); }
+
+// Scratch reused by every call on a thread: the step calls this once per (request, layer, KV
+// head), and allocating the keys each time was a visible share of a block selection.
+struct TopKScratch {
+  std::vector<uint32_t> keys;
+  std::vector<int32_t> cand, next;
+};
+
 }  // namespace
 
+// Each pass buckets the candidates by the top kDigitBits bits of (key - lo), lo / hi the smallest
+// and largest candidate key, so a pass narrows the range 2048-fold wherever the scores sit. (Fixed
+// digits of the raw key put every score of a narrow range, e.g. a head's Quest bounds, which
+// differ in their low mantissa bits only, in one bucket: a wasted pass.) At most three passes
+// reach a range of one key.
 void TopKIndices(const float* scores, int64_t n, int64_t k, std::vector<int32_t>* out) {
   out->clear();
   k = std::min(k, n);
@@ -42,46 +60,60 @@ void TopKIndices(const float* scores, int64_t n, int64_t k, std::vector<int32_t>
     return;
   }
   out->reserve(k);
-  // Pass 1 (all entries): keys and a histogram of their top 11 bits.
-  std::vector<uint32_t> keys(n);
-  uint32_t hist[2048] = {};
+  thread_local TopKScratch scratch;
+  std::vector<uint32_t>& keys = scratch.keys;
+  keys.resize(n);
+  uint32_t lo = ~0u, hi = 0;
   for (int64_t i = 0; i < n; ++i) {
     keys[i] = SortableKey(scores[i]);
-    ++hist[keys[i] >> 21];
+    lo = std::min(lo, keys[i]);
+    hi = std::max(hi, keys[i]);
   }
+  std::vector<int32_t>& cand = scratch.cand;
+  std::vector<int32_t>& next = scratch.next;
   int64_t need = k;
-  const uint32_t b1 = static_cast<uint32_t>(ThresholdBucket(hist, 2048, &need));
-  // Entries in higher buckets are in; entries in the threshold bucket are candidates (about
-  // n / 2048 of them for spread-out scores), in index order.
-  std::vector<int32_t> cand;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t top = keys[i] >> 21;
-    if (top > b1) {
-      out->push_back(static_cast<int32_t>(i));
-    } else if (top == b1) {
-      cand.push_back(static_cast<int32_t>(i));
-    }
-  }
-  // Passes 2 and 3 over the shrinking candidate list: the middle 11 bits, then the low 10.
-  const int shifts[2] = {10, 0};
-  const int masks[2] = {2047, 1023};
-  std::vector<int32_t> next;
-  for (int pass = 0; pass < 2; ++pass) {
-    std::fill(hist, hist + 2048, 0u);
-    for (int32_t i : cand) ++hist[(keys[i] >> shifts[pass]) & masks[pass]];
-    const uint32_t b = static_cast<uint32_t>(ThresholdBucket(hist, masks[pass] + 1, &need));
+  uint32_t hist[kBuckets];
+  // One pass: histogram of the candidates' digits, then entries above the threshold bucket go
+  // out and those in it stay candidates (in index order), with their key range. The first pass
+  // walks all n entries directly; later ones walk the (few) candidates.
+  auto pass = [&](auto&& for_each_candidate) {
+    const int shift = std::max(BitWidth(hi - lo) - kDigitBits, 0);
+    const int buckets = static_cast<int>((hi - lo) >> shift) + 1;
+    std::fill(hist, hist + buckets, 0u);
+    for_each_candidate([&](int32_t i) { ++hist[(keys[i] - lo) >> shift]; });
+    const uint32_t b = static_cast<uint32_t>(ThresholdBucket(hist, buckets, &need));
     next.clear();
-    for (int32_t i : cand) {
-      const uint32_t digit = (keys[i] >> shifts[pass]) & masks[pass];
+    uint32_t next_lo = ~0u, next_hi = 0;
+    for_each_candidate([&](int32_t i) {
+      const uint32_t digit = (keys[i] - lo) >> shift;
       if (digit > b) {
         out->push_back(i);
       } else if (digit == b) {
         next.push_back(i);
+        next_lo = std::min(next_lo, keys[i]);
+        next_hi = std::max(next_hi, keys[i]);
       }
-    }
+    });
     cand.swap(next);
+    lo = next_lo;
+    hi = next_hi;
+  };
+  if (lo == hi) {
+    cand.resize(n);
+    std::iota(cand.begin(), cand.end(), 0);
+  } else {
+    pass([&](auto&& fn) {
+      for (int64_t i = 0; i < n; ++i) fn(static_cast<int32_t>(i));
+    });
   }
-  // The remaining candidates all equal the k-th largest key: take the lowest indices.
+  // The candidates (in index order) all lie in [lo, hi] and `need` of them are still wanted.
+  while (lo != hi && static_cast<int64_t>(cand.size()) != need) {
+    pass([&](auto&& fn) {
+      for (int32_t i : cand) fn(i);
+    });
+  }
+  // Either every candidate is wanted, or they all equal the k-th largest key: take the lowest
+  // indices.
   out->insert(out->end(), cand.begin(), cand.begin() + need);
 }
 
