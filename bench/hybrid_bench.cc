@@ -323,6 +323,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
     }
   }
   reads_after = PolicyReads(attentions);
+  const decode::HybridCounters timed_counters = executor.counters();  // the join's steps not in
+  const double budget_scale_end = GuardScale(executor);
   // A newcomer admitted off the step while the batch keeps stepping (the serving scheduler's
   // way, decode/window_admitter.h). Only the hybrid executor prepares off the step.
   double join_admit_ms = 0, join_max_ms = 0;
@@ -363,8 +365,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   FLUXION_RETURN_IF_ERROR(failed);
   Point p;
   p.median_ms = Summarize(ms).median;
-  p.per_step = executor.counters();
-  p.budget_scale_end = GuardScale(executor);
+  p.per_step = timed_counters;
+  p.budget_scale_end = budget_scale_end;
   p.admit_ms = admit_ms;
   p.first_step_ms = first_step_ms;
   p.join_admit_ms = join_admit_ms;

@@ -2,7 +2,7 @@
 // Sparse policies call this once per (request, layer, KV head) per decode step, over token or
 // block scores, so it sits on the decode critical path.
 //
-// Thread-safe: pure functions; scratch is the caller's.
+// Thread-safe: no shared state (TopKIndices keeps its scratch per thread).
 #ifndef FLUXION_KERNELS_CPU_TOPK_H_
 #define FLUXION_KERNELS_CPU_TOPK_H_
 
@@ -11,10 +11,12 @@
 
 namespace fluxion::kernels::cpu {
 
-// Radix select on the order-preserving integer image of the fp32 scores (11/11/10-bit digits):
-// up to three histogram passes narrow down the k-th largest key, then one pass collects every
-// index above it and as many ties as needed. Writes exactly min(k, n) indices into `out`
-// (unordered). Ties at the threshold are broken toward lower indices. NaN scores sort lowest.
+// Radix select on the order-preserving integer image of the fp32 scores: each pass histograms
+// the candidates by 11-bit digits of (key - smallest candidate key), so it narrows the range
+// 2048-fold wherever the scores sit (a head's Quest scores often differ in low mantissa bits
+// only), collecting the indices above the threshold bucket; at most three passes. Writes exactly
+// min(k, n) indices into `out` (unordered). Ties at the threshold are broken toward lower
+// indices. NaN scores sort lowest. Scratch is per thread, reused across calls.
 void TopKIndices(const float* scores, int64_t n, int64_t k, std::vector<int32_t>* out);
 
 // The same contract with std::nth_element, the baseline the radix select is measured against.

@@ -15,14 +15,18 @@ source "$(dirname "$0")/prologue.sh"
   timeout 150 "$bin/eval_cuda_test" 2>&1 | tail -12
 } 2>&1 | tee "$out/tests.log"
 common=(--device cuda --preset llama3.1-8b --budget 0.05 --steps 5 --cpu-threads 16)
+# --join (this tree only): after each point one more request is admitted off the step while the
+# batch steps on (the spare request exists below the largest batch).
 for b in fluxion fluxion-base; do
-  timeout 170 "$bin/$b" bench decode "${common[@]}" --device-read-share 0.5 --contexts 131072 \
-    --batch 1,4 --host-memory-gib 80 --policy fixed_32_0.05,fixed_32_0.02 \
+  extra=(); [[ $b == fluxion ]] && extra=(--join)
+  timeout 170 "$bin/$b" bench decode "${common[@]}" "${extra[@]}" --device-read-share 0.5 \
+    --contexts 131072 --batch 1,4 --host-memory-gib 80 --policy fixed_32_0.05,fixed_32_0.02 \
     --json "$out/fixed-128k-$b.json" 2>&1 | tee "$out/fixed-128k-$b.log"
 done
 for b in fluxion fluxion-base; do
-  timeout 120 "$bin/$b" bench decode "${common[@]}" --device-read-share 0.5 --contexts 32768 \
-    --batch 1,4,16 --host-memory-gib 80 --policy fixed_32_0.05,fixed_32_0.02 \
+  extra=(); [[ $b == fluxion ]] && extra=(--join)
+  timeout 120 "$bin/$b" bench decode "${common[@]}" "${extra[@]}" --device-read-share 0.5 \
+    --contexts 32768 --batch 1,4,16 --host-memory-gib 80 --policy fixed_32_0.05,fixed_32_0.02 \
     --json "$out/fixed-32k-$b.json" 2>&1 | tee "$out/fixed-32k-$b.log"
 done
 timeout 100 "$bin/fluxion" bench decode "${common[@]}" --device-read-share 0.5,0.65,0.8 \
