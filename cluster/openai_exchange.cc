@@ -4,26 +4,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "cluster/finish_reason.h"
 
 namespace fluxion::cluster::openai {
-namespace {
-
-std::string FinishReasonText(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_STOP:
-      return "stop";
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    // Aborted through the router's Abort RPC by someone holding the request's abort token;
-    // OpenAI has no such reason, vLLM reports "abort" too.
-    case v1::FINISH_REASON_ABORT:
-      return "abort";
-    default:
-      return "stop";
-  }
-}
-
-}  // namespace
 
 std::shared_ptr<Exchange> Exchange::Start(v1::DecodeService::Stub* stub,
                                           const model::Tokenizer* tokenizer,
@@ -108,7 +91,7 @@ bool Exchange::Handle(const v1::GenerateResponse& message) {
       const v1::GenerateComplete& c = message.complete();
       AppendText(detokenizer_.Finish());
       if (c.has_usage()) completion_tokens_ = c.usage().completion_tokens();
-      Finish(FinishReasonText(c.finish_reason()));
+      Finish(cluster::FinishReasonText(c.finish_reason()));
       return true;  // read on: the status follows
     }
     case v1::GenerateResponse::kError: {

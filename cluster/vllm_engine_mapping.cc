@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cluster/finish_reason.h"
 
 namespace fluxion::cluster {
 namespace {
@@ -96,24 +97,11 @@ v1::GenerateRequest ToFluxionRequest(const ve::GenerateRequest& request,
   return out;
 }
 
-std::string FinishReasonName(v1::FinishReason reason) {
-  switch (reason) {
-    case v1::FINISH_REASON_STOP:
-      return "stop";
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    case v1::FINISH_REASON_ABORT:
-      return "abort";
-    default:
-      return "error";
-  }
-}
-
 ve::GenerateComplete ToVllmComplete(const v1::GenerateComplete& complete, uint32_t prompt_tokens,
                                     const std::vector<uint32_t>& output_ids) {
   ve::GenerateComplete out;
   for (uint32_t id : output_ids) out.add_output_ids(id);
-  out.set_finish_reason(FinishReasonName(complete.finish_reason()));
+  out.set_finish_reason(FinishReasonText(complete.finish_reason()));
   out.set_prompt_tokens(complete.has_usage() ? complete.usage().prompt_tokens() : prompt_tokens);
   out.set_completion_tokens(complete.usage().completion_tokens());
   if (complete.finish_reason() == v1::FINISH_REASON_STOP && complete.has_matched_stop_token_id()) {

@@ -31,8 +31,6 @@ absl::Status ValidateVllmRequest(const vllm::grpc::engine::GenerateRequest& requ
 v1::GenerateRequest ToFluxionRequest(const vllm::grpc::engine::GenerateRequest& request,
                                      const std::vector<uint32_t>& prompt_ids);
 
-// "stop", "length" or "abort" (vLLM's spellings).
-std::string FinishReasonName(v1::FinishReason reason);
 
 // The terminal message for a fluxion.v1 `complete`. `output_ids`: what the message carries (every
 // id when not streaming, the last chunk's when streaming, as vLLM's servicer does).
