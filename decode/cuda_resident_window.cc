@@ -1,8 +1,10 @@
 #include "decode/cuda_resident_window.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -90,6 +92,20 @@ class MappedScratch {
  private:
   GrowingBuffer staging_{true}, lists_{false}, out_{false}, lse_{false}, workspace_{false};
 };
+
+// fn(i) for i in [0, n) on `threads` threads (the caller and threads - 1 started for the call),
+// each taking the next i: an admission's few dozen chunks of conversion, off the step, where an
+// OpenMP team must not be started (ResidentWindow::AdmitThreads).
+void RunOnPlainThreads(int64_t threads, int64_t n, absl::FunctionRef<void(int64_t)> fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < threads; ++t) helpers.emplace_back(work);
+  work();
+  for (std::thread& t : helpers) t.join();
+}
 
 // The first error of one admission (Admit has its own: the step's errors are another thread's).
 struct AdmitErrors {
@@ -180,7 +196,7 @@ class CudaResidentWindow : public ResidentWindow {
                  {&offset_dev_, shape_.max_rows * sizeof(int64_t)},
                  {&scores_dev_, scores},
                  {&top_dev_, scores / sizeof(float) * sizeof(int32_t)},
-                 {&ranges_dev_, shape_.max_rows * sizeof(kernels::cuda::TopBlocksRange)}};
+                 {&ranges_dev_, RankingBytes()}};
     for (const Want& w : wants) {
       if (cudaMalloc(&w.m->p, w.bytes) != cudaSuccess) {
         cudaGetLastError();
@@ -192,8 +208,7 @@ class CudaResidentWindow : public ResidentWindow {
     }
     if (cudaMallocHost(&scores_host_.p, scores) != cudaSuccess ||
         cudaMallocHost(&top_host_.p, scores / sizeof(float) * sizeof(int32_t)) != cudaSuccess ||
-        cudaMallocHost(&ranges_stage_.p,
-                       shape_.max_rows * sizeof(kernels::cuda::TopBlocksRange)) != cudaSuccess) {
+        cudaMallocHost(&ranges_stage_.p, RankingBytes()) != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError("resident window: cannot allocate pinned block scores");
     }
@@ -227,8 +242,10 @@ class CudaResidentWindow : public ResidentWindow {
   // on another thread (decode/window_admitter.h) while steps go on over other slots: the step's
   // stream never queues behind an admission's copies, and the slot's rows are complete (the
   // admission stream synchronised) before Admit returns it.
-  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) override {
+  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
+                            const AdmitThreads& threads) override {
     absl::MutexLock lock(&admit_mu_);
+    admit_threads_ = threads;
     FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv, score_block_tokens));
     const KvShape& k = kv.shape();
     // Gather the resident rows of every (layer, head) from the host pages into the slot's layout,
@@ -324,10 +341,13 @@ class CudaResidentWindow : public ResidentWindow {
 
   void set_cpu_pool(const kernels::cpu::CpuPool* pool) override { pool_ = pool; }
 
-  // fn(i) for i in [0, n) on the pool's threads (the calling thread without one).
+  // fn(i) for i in [0, n) on the admission's threads (Admit's AdmitThreads): the pool's, or
+  // plain threads of its own, or the calling thread alone.
   void RunOnPool(int64_t n, absl::FunctionRef<void(int64_t)> fn) const {
-    if (pool_ != nullptr) {
+    if (admit_threads_.step_pool && pool_ != nullptr) {
       pool_->ParallelFor(n, fn);
+    } else if (!admit_threads_.step_pool && admit_threads_.threads > 1 && n > 1) {
+      RunOnPlainThreads(std::min<int64_t>(admit_threads_.threads, n), n, fn);
     } else {
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
@@ -359,6 +379,7 @@ class CudaResidentWindow : public ResidentWindow {
     rows_ = static_cast<int64_t>(slots.size());
     ranges_.clear();
     ranks_ = false;
+    top_total_ = 0;
     Record(cudaMemcpyAsync(slots_dev_.p, staged_slots, rows_ * sizeof(int32_t),
                            cudaMemcpyHostToDevice, stream_),
            "step: copy slots");
@@ -380,23 +401,42 @@ class CudaResidentWindow : public ResidentWindow {
     return absl::OkStatus();
   }
 
+  // The ranked rows' picks lie together (top_offset_), so only they cross to the host, and the
+  // scores themselves cross only when a scored row is not ranked (its policy reads them).
   void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) override {
     if (!keeps_bounds_) return;
     ranges_.assign(ranges.begin(), ranges.end());
     ranges_.resize(rows_);
-    // The pinned staging is reused every step, safely for the reason BeginStep's is.
+    top_offset_.assign(rows_, 0);
+    top_total_ = 0;
+    // The pinned staging is reused every step, safely for the reason BeginStep's is: the ranges,
+    // then the picks' offsets.
     auto* staged = static_cast<kernels::cuda::TopBlocksRange*>(ranges_stage_.p);
+    auto* staged_offsets = reinterpret_cast<int64_t*>(staged + shape_.max_rows);
     for (int64_t i = 0; i < rows_; ++i) {
       sparse::ScoredBlocks::Range& r = ranges_[i];
       r.end = std::min(r.end, plan_.blocks[i]);
       r.want = std::clamp<int64_t>(r.want, 0, std::max<int64_t>(r.end - r.first, 0));
       staged[i] = {r.first, r.end, r.want};
-      ranks_ = ranks_ || r.want > 0;
+      top_offset_[i] = staged_offsets[i] = top_total_;
+      top_total_ += r.want * shape_.num_kv_heads;
     }
+    ranks_ = top_total_ > 0;
     if (!ranks_) return;
-    Record(cudaMemcpyAsync(ranges_dev_.p, staged, rows_ * sizeof(kernels::cuda::TopBlocksRange),
-                           cudaMemcpyHostToDevice, stream_),
+    Record(cudaMemcpyAsync(ranges_dev_.p, staged, RankingBytes(), cudaMemcpyHostToDevice,
+                           stream_),
            "step: copy block ranges");
+  }
+  size_t RankingBytes() const {
+    return shape_.max_rows * (sizeof(kernels::cuda::TopBlocksRange) + sizeof(int64_t));
+  }
+  // Whether a row of this step is scored and not ranked: its policy reads the scores.
+  bool ScoresCross() const {
+    for (int64_t i = 0; i < rows_; ++i) {
+      const bool ranked = static_cast<size_t>(i) < ranges_.size() && ranges_[i].want > 0;
+      if (plan_.blocks[i] > 0 && !ranked) return true;
+    }
+    return false;
   }
 
   void ScoreBlocks(int layer, const float* q, const float* k) override {
@@ -413,18 +453,21 @@ class CudaResidentWindow : public ResidentWindow {
                                            rows_, plan_.max_blocks,
                                            static_cast<float*>(scores_dev_.p), stream_),
            "QuestBlockScores");
-    Record(cudaMemcpyAsync(scores_host_.p, scores_dev_.p, plan_.total * sizeof(float),
-                           cudaMemcpyDeviceToHost, stream_),
-           "copy block scores");
+    scores_cross_ = ScoresCross();
+    if (scores_cross_) {
+      Record(cudaMemcpyAsync(scores_host_.p, scores_dev_.p, plan_.total * sizeof(float),
+                             cudaMemcpyDeviceToHost, stream_),
+             "copy block scores");
+    }
     if (ranks_) {
+      const auto* ranges = static_cast<const kernels::cuda::TopBlocksRange*>(ranges_dev_.p);
+      const auto* top_offsets = reinterpret_cast<const int64_t*>(ranges + shape_.max_rows);
       Record(kernels::cuda::TopBlocks(static_cast<const float*>(scores_dev_.p), block,
                                       positions, static_cast<const int64_t*>(offset_dev_.p),
-                                      static_cast<const kernels::cuda::TopBlocksRange*>(
-                                          ranges_dev_.p),
-                                      rows_, shape_.num_kv_heads,
+                                      ranges, top_offsets, rows_, shape_.num_kv_heads,
                                       static_cast<int32_t*>(top_dev_.p), stream_),
              "TopBlocks");
-      Record(cudaMemcpyAsync(top_host_.p, top_dev_.p, plan_.total * sizeof(int32_t),
+      Record(cudaMemcpyAsync(top_host_.p, top_dev_.p, top_total_ * sizeof(int32_t),
                              cudaMemcpyDeviceToHost, stream_),
              "copy top blocks");
     }
@@ -442,8 +485,9 @@ class CudaResidentWindow : public ResidentWindow {
     if (plan_.blocks[row] == 0) return {};
     sparse::ScoredBlocks scored{static_cast<const float*>(scores_host_.p) + plan_.offset[row],
                                 plan_.blocks[row], plan_.block[row]};
+    if (!scores_cross_) scored.data = nullptr;  // every scored row is ranked: not copied
     if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
-      scored.top = static_cast<const int32_t*>(top_host_.p) + plan_.offset[row];
+      scored.top = static_cast<const int32_t*>(top_host_.p) + top_offset_[row];
       scored.range = ranges_[row];
     }
     return scored;
@@ -584,11 +628,15 @@ class CudaResidentWindow : public ResidentWindow {
   std::vector<sparse::ScoredBlocks::Range> ranges_;
   PinnedMemory ranges_stage_, top_host_;
   DeviceMemory ranges_dev_, top_dev_;
-  bool ranks_ = false;  // some row of the step is ranked
+  std::vector<int64_t> top_offset_;  // [step row]: where its picks start in top_host_
+  int64_t top_total_ = 0;
+  bool ranks_ = false;          // some row of the step is ranked
+  bool scores_cross_ = true;    // the last ScoreBlocks copied the scores to the host
   cudaEvent_t scores_ready_ = nullptr;
-  // Admission (Admit): one at a time, on its own stream.
+  // Admission (Admit): one at a time, on its own stream, on the threads it was given.
   absl::Mutex admit_mu_;
   cudaStream_t admit_stream_ = nullptr;
+  AdmitThreads admit_threads_;
   // Admission's page bounds in flight: two pinned chunks and the copy out of each.
   const int64_t bounds_chunk_bytes_;
   GrowingBuffer bounds_stage_[2] = {GrowingBuffer(true), GrowingBuffer(true)};

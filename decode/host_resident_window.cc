@@ -37,7 +37,9 @@ class HostResidentWindow : public ResidentWindow {
 
   const WindowShape& shape() const override { return shape_; }
 
-  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) override {
+  // One thread whatever `threads` says: the stand-in's copies are small.
+  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
+                            const AdmitThreads&) override {
     absl::StatusOr<int64_t> n = slots_.CheckAdmit(kv, score_block_tokens);
     if (!n.ok()) return n.status();
     absl::StatusOr<int> slot = slots_.Take(*n, score_block_tokens);
@@ -75,11 +77,16 @@ class HostResidentWindow : public ResidentWindow {
   void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) override {
     ranges_.assign(ranges.begin(), ranges.end());
     ranges_.resize(step_slots_.size());
+    top_offset_.assign(ranges_.size(), 0);
+    int64_t total = 0;
     for (size_t i = 0; i < ranges_.size(); ++i) {
       sparse::ScoredBlocks::Range& r = ranges_[i];
       r.end = std::min(r.end, plan_.blocks[i]);
       r.want = std::clamp<int64_t>(r.want, 0, std::max<int64_t>(r.end - r.first, 0));
+      top_offset_[i] = total;
+      total += r.want * shape_.num_kv_heads;
     }
+    top_.resize(total);
   }
 
   void ScoreBlocks(int layer, const float* q, const float* k) override {
@@ -117,7 +124,7 @@ class HostResidentWindow : public ResidentWindow {
     sparse::ScoredBlocks scored{scores_.data() + plan_.offset[row], plan_.blocks[row],
                                 plan_.block[row]};
     if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
-      scored.top = top_.data() + plan_.offset[row];
+      scored.top = top_.data() + top_offset_[row];
       scored.range = ranges_[row];
     }
     return scored;
@@ -192,12 +199,11 @@ class HostResidentWindow : public ResidentWindow {
   // window's are checked against these), ascending, where block_scores() points.
   void RankHead(size_t i, int h) {
     const sparse::ScoredBlocks::Range& r = ranges_[i];
-    top_.resize(plan_.total);
     const int64_t at = plan_.offset[i] + h * plan_.blocks[i];
     kernels::cpu::TopKIndices(scores_.data() + at + r.first, r.end - r.first, r.want, &picked_);
     std::sort(picked_.begin(), picked_.end());
     for (size_t j = 0; j < picked_.size(); ++j) {
-      top_[at + j] = static_cast<int32_t>(r.first + picked_[j]);
+      top_[top_offset_[i] + h * r.want + j] = static_cast<int32_t>(r.first + picked_[j]);
     }
   }
 
@@ -259,6 +265,7 @@ class HostResidentWindow : public ResidentWindow {
   StepScorePlan plan_;
   std::vector<float> scores_;
   std::vector<sparse::ScoredBlocks::Range> ranges_;  // [step row], RankBlocks's
+  std::vector<int64_t> top_offset_;  // [step row]: where its picks start in top_
   std::vector<int32_t> top_, picked_;
   std::vector<float> mapped_out_, mapped_lse_;  // one pair's state of AttendMappedSpans
 };

@@ -174,19 +174,42 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   if (lane_ == nullptr) FLUXION_RETURN_IF_ERROR(window_->WaitBlockScores());
   plan_parts.Lap(&counters_.scores_s);
   ListUnits(attentions_, &units_);
+  // One arena for the batch; the device reads its zero-copy share through the window's view of
+  // it (none: the CPU reads every host row).
+  const kernels::PagedKvView view = attentions_[0]->kv().view();
+  for (size_t i = 1; i < attentions_.size(); ++i) {
+    const kernels::PagedKvView other = attentions_[i]->kv().view();
+    if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
+        other.page_tokens != view.page_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
+          "pages of one arena"));
+    }
+  }
+  std::optional<kernels::PagedKvView> mapped;
+  if (device_share_ > 0) {
+    absl::StatusOr<kernels::PagedKvView> m = window_->MappedView(view);
+    if (m.ok()) mapped = *m;  // not pinned, or a shape the device kernel lacks: the CPU reads all
+  }
+  pair_plans_.resize(attentions_.size() * hkv);
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
     const RequestUnit& u = units_[j];
     attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row,
                                        window_->block_scores(static_cast<int>(u.request)),
                                        budget_scale_);
+    PlanPair(io, u.request, u.unit, mapped.has_value());
   });
   plan_parts.Lap(&counters_.select_s);
   clock.Lap(&counters_.plan_s);
 
   PhaseClock host_parts;  // the two parts of host_s
   kernels::PagedDecodeProblem p;
-  FLUXION_RETURN_IF_ERROR(BuildHostProblem(io, q, &p));
-  SendShareToDevice(io, &p);
+  FLUXION_RETURN_IF_ERROR(AssembleHostProblem(io, q, view, &p));
+  if (mapped.has_value() && !device_spans_.empty()) {
+    // The device starts now, while the CPU attends its part.
+    window_->AttendMappedSpans(*mapped, device_indptr_.data(), device_spans_.data(),
+                               static_cast<int64_t>(device_spans_.size()), io.q, io.out);
+  }
   FLUXION_RETURN_IF_ERROR(backend_->Supports(p));
   const size_t workspace = backend_->WorkspaceBytes(p);
   if (workspace_.size() < workspace) workspace_.resize(workspace);
@@ -214,56 +237,73 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   return absl::OkStatus();
 }
 
-void HybridBatchAttention::SendShareToDevice(const model::LayerAttentionIo& io,
-                                             kernels::PagedDecodeProblem* p) {
-  if (device_share_ <= 0 || p->num_spans == 0) return;
-  const absl::StatusOr<kernels::PagedKvView> mapped = window_->MappedView(p->kv);
-  if (!mapped.ok()) return;  // not pinned, or a shape the device kernel lacks: the CPU reads all
-  const int64_t pairs = p->num_pairs();
-  device_indptr_.assign(1, 0);
-  cpu_indptr_.assign(1, 0);
-  device_spans_.clear();
-  cpu_spans_.clear();
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const kernels::PageSpan* begin = p->spans + p->span_indptr[pair];
-    const kernels::PageSpan* end = p->spans + p->span_indptr[pair + 1];
+void HybridBatchAttention::PlanPair(const model::LayerAttentionIo& io, int64_t i, int64_t h,
+                                    bool mapped) {
+  PairPlan& pp = pair_plans_[i * shape_.num_kv_heads + h];
+  pp.device.clear();
+  pp.cpu.clear();
+  const std::vector<kernels::PageSpan>& plan = attentions_[i]->head_spans(static_cast<int>(h));
+  // The resident rows are the plan's first and last ones (see the header).
+  const WindowShape& w = window_->shape();
+  const int64_t context = io.positions[i] + 1;
+  const int64_t front = std::min(context, w.sink_tokens);
+  const int64_t back = w.resident_rows(context) - front;
+  pp.resident_rows = front + back;
+  auto rows_of = [](const std::vector<kernels::PageSpan>& spans) {
     int64_t rows = 0;
-    for (const kernels::PageSpan* s = begin; s < end; ++s) rows += s->rows;
-    const int64_t device_rows = DeviceRows(rows, device_share_);
-    SplitSpans(begin, end, device_rows, &device_spans_, &cpu_spans_);
-    counters_.mapped_rows += device_rows;
-    counters_.host_rows -= device_rows;
-    device_indptr_.push_back(static_cast<int64_t>(device_spans_.size()));
-    cpu_indptr_.push_back(static_cast<int64_t>(cpu_spans_.size()));
+    for (const kernels::PageSpan& s : spans) rows += s.rows;
+    return rows;
+  };
+  if (!mapped) {
+    TrimSpans(plan.data(), plan.data() + plan.size(), front, back, &pp.cpu);
+    pp.host_rows = rows_of(pp.cpu);
+    pp.device_rows = 0;
+    return;
   }
-  // The device starts now, while the CPU attends its part.
-  window_->AttendMappedSpans(*mapped, device_indptr_.data(), device_spans_.data(),
-                             static_cast<int64_t>(device_spans_.size()), io.q, io.out);
-  p->span_indptr = cpu_indptr_.data();
-  p->spans = cpu_spans_.data();
-  p->num_spans = static_cast<int64_t>(cpu_spans_.size());
+  pp.trimmed.clear();
+  TrimSpans(plan.data(), plan.data() + plan.size(), front, back, &pp.trimmed);
+  pp.host_rows = rows_of(pp.trimmed);
+  pp.device_rows = DeviceRows(pp.host_rows, device_share_);
+  SplitSpans(pp.trimmed.data(), pp.trimmed.data() + pp.trimmed.size(), pp.device_rows,
+             &pp.device, &pp.cpu);
 }
 
-absl::Status HybridBatchAttention::BuildHostProblem(const model::LayerAttentionIo& io,
-                                                    const float* q,
-                                                    kernels::PagedDecodeProblem* p) {
-  const WindowShape& w = window_->shape();
-  FLUXION_RETURN_IF_ERROR(BuildBatchProblem(
-      attentions_, shape_,
-      [&](int64_t i, int64_t, const std::vector<kernels::PageSpan>& plan,
-          std::vector<kernels::PageSpan>* out) {
-        // The resident rows are the plan's first and last ones (see the header).
-        const int64_t context = io.positions[i] + 1;
-        const int64_t front = std::min(context, w.sink_tokens);
-        const int64_t back = w.resident_rows(context) - front;
-        const size_t before = out->size();
-        TrimSpans(plan.data(), plan.data() + plan.size(), front, back, out);
-        counters_.resident_rows += front + back;
-        counters_.host_pairs += out->size() > before;
-        ++counters_.pairs;
-      },
-      &indptr_, &spans_, p));
-  for (const kernels::PageSpan& s : spans_) counters_.host_rows += s.rows;
+absl::Status HybridBatchAttention::AssembleHostProblem(const model::LayerAttentionIo& io,
+                                                       const float* q,
+                                                       const kernels::PagedKvView& view,
+                                                       kernels::PagedDecodeProblem* p) {
+  size_t cpu_spans = 0, device_spans = 0;
+  for (const PairPlan& pp : pair_plans_) {
+    cpu_spans += pp.cpu.size();
+    device_spans += pp.device.size();
+  }
+  spans_.resize(cpu_spans);
+  device_spans_.resize(device_spans);
+  indptr_.assign(1, 0);
+  device_indptr_.assign(1, 0);
+  size_t at = 0, device_at = 0;
+  for (const PairPlan& pp : pair_plans_) {
+    std::copy(pp.cpu.begin(), pp.cpu.end(), spans_.begin() + at);
+    at += pp.cpu.size();
+    indptr_.push_back(static_cast<int64_t>(at));
+    std::copy(pp.device.begin(), pp.device.end(), device_spans_.begin() + device_at);
+    device_at += pp.device.size();
+    device_indptr_.push_back(static_cast<int64_t>(device_at));
+    counters_.resident_rows += pp.resident_rows;
+    counters_.host_rows += pp.host_rows - pp.device_rows;
+    counters_.mapped_rows += pp.device_rows;
+    counters_.host_pairs += pp.host_rows > 0;
+    ++counters_.pairs;
+  }
+  p->kv = view;
+  p->span_indptr = indptr_.data();
+  p->spans = spans_.data();
+  p->num_spans = static_cast<int64_t>(spans_.size());
+  p->num_requests = io.rows;
+  p->num_qo_heads = shape_.num_heads;
+  p->num_kv_heads = shape_.num_kv_heads;
+  p->head_dim = shape_.head_dim;
+  p->sm_scale = shape_.scale;
   host_out_.resize(io.rows * shape_.num_heads * shape_.head_dim);
   host_lse_.resize(io.rows * shape_.num_heads);
   p->q = q;

@@ -18,6 +18,9 @@ namespace fluxion::decode {
 
 struct HybridStepExecutor::State {
   int64_t vocab_size = 0;
+  // Off-step admission's threads: a quarter of the step's, so that the steps beside it keep
+  // most of the cores (and its DRAM reads leave them most of the bandwidth).
+  int admit_threads = 1;
   std::unique_ptr<model::DenseOps> ops;
   std::unique_ptr<ResidentWindow> window;
   std::unique_ptr<kernels::AttentionBackend> cpu_backend;
@@ -66,6 +69,7 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
   state->ops = std::move(ops);
   state->window = std::move(window);
   state->window->set_cpu_pool(pool);
+  state->admit_threads = pool != nullptr ? std::max(1, pool->threads() / 4) : 1;
   FLUXION_ASSIGN_OR_RETURN(state->cpu_backend,
                            kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt}));
   state->runner = model::DecodeStepRunner::Create(config, state->ops.get(), std::move(params));
@@ -77,7 +81,7 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
 HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
     : state_(std::move(state)),
       attention_(state_->attention.get()),
-      admitter_(std::make_unique<WindowAdmitter>(state_->window.get())) {}
+      admitter_(std::make_unique<WindowAdmitter>(state_->window.get(), state_->admit_threads)) {}
 
 HybridStepExecutor::~HybridStepExecutor() = default;
 

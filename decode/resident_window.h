@@ -146,10 +146,25 @@ class ResidentWindow {
   // max_context_tokens (longer: never scored, and the policy scores on the CPU as without a
   // window). ResourceExhausted when every slot is taken; InvalidArgument for a KV of another
   // shape or page size, uneven layers, or a bad block size.
-  virtual absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) = 0;
-  // The threads Admit may use for its host-side gathering and conversion (null, the default:
-  // the calling thread). Admission runs inside the step that first holds the request, so every
-  // other request of that step waits for it. `pool` must outlive the window.
+  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) {
+    return Admit(kv, score_block_tokens, AdmitThreads{});
+  }
+  // Which threads Admit's host-side gathering and conversion use. Inside a step (the default)
+  // the pool set by set_cpu_pool: the step's threads are idle meanwhile. Beside the steps (off
+  // the step, decode/window_admitter.h) `threads` plain threads of Admit's own: an OpenMP team
+  // started from a second thread fights the step's team for the cores, and once libgomp manages
+  // more threads than there are CPUs it throttles every team's spinning, so every later step's
+  // parallel regions wake sleeping threads (measured, session 12: the steps beside an off-step
+  // admission on the pool took 2-6x longer, and every step after it 1.2-1.7x).
+  struct AdmitThreads {
+    bool step_pool = true;
+    int threads = 1;  // when !step_pool
+  };
+  virtual absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
+                                    const AdmitThreads& threads) = 0;
+  // The threads Admit may use inside a step (null, the default: the calling thread). Admission
+  // runs inside the step that first holds the request, so every other request of that step
+  // waits for it. `pool` must outlive the window.
   virtual void set_cpu_pool(const kernels::cpu::CpuPool* pool) {}
   // Frees a slot (its rows are then garbage). Unknown or free slots are ignored.
   virtual void Release(int slot) = 0;

@@ -128,10 +128,10 @@ void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredB
   if (scored.data != nullptr) {
     in.block_scores = scored.data + h * scored.head_stride;
     in.block_score_tokens = scored.block_tokens;
-    if (scored.top != nullptr) {
-      in.top_blocks = scored.top + h * scored.head_stride;
-      in.top_range = scored.range;
-    }
+  }
+  if (scored.top != nullptr) {
+    in.top_blocks = scored.top + h * scored.range.want;
+    in.top_range = scored.range;
   }
   PolicyOf(unit).Select(in, &head_spans_[h], &head_stats_[h]);
 }

@@ -8,8 +8,8 @@
 
 namespace fluxion::decode {
 
-WindowAdmitter::WindowAdmitter(ResidentWindow* window)
-    : window_(window), thread_([this] { Loop(); }) {}
+WindowAdmitter::WindowAdmitter(ResidentWindow* window, int threads)
+    : window_(window), threads_(std::max(threads, 1)), thread_([this] { Loop(); }) {}
 
 WindowAdmitter::~WindowAdmitter() {
   {
@@ -82,7 +82,8 @@ void WindowAdmitter::Loop() {
       job = jobs_.at(id);  // its kv stays valid until Take or Cancel returns
     }
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<int> slot = window_->Admit(*job.kv, job.score_block_tokens);
+    absl::StatusOr<int> slot = window_->Admit(*job.kv, job.score_block_tokens,
+                                              ResidentWindow::AdmitThreads{false, threads_});
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     absl::MutexLock lock(&mu_);

@@ -29,8 +29,9 @@ namespace fluxion::decode {
 
 class WindowAdmitter {
  public:
-  // `window` must outlive the admitter.
-  explicit WindowAdmitter(ResidentWindow* window);
+  // `window` must outlive the admitter. Each admission's host work runs on `threads` plain
+  // threads (ResidentWindow::AdmitThreads: never an OpenMP team beside the step's).
+  WindowAdmitter(ResidentWindow* window, int threads);
   ~WindowAdmitter();
   WindowAdmitter(const WindowAdmitter&) = delete;
   WindowAdmitter& operator=(const WindowAdmitter&) = delete;
@@ -61,6 +62,7 @@ class WindowAdmitter {
   void Loop();
 
   ResidentWindow* const window_;
+  const int threads_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);  // started, not yet running

@@ -114,9 +114,10 @@ struct ScoredBlocks {
   int64_t head_stride = 0;
   int64_t block_tokens = 0;
   // The best blocks, ranked where the scores are (ResidentWindow::RankBlocks): for KV head h,
-  // top[h * head_stride + j], j < range.want, the block numbers in [range.first, range.end) of the
-  // range.want largest scores, ascending (ties: lower numbers; NaN lowest), i.e. exactly what
-  // kernels::cpu::TopKIndices over those scores picks. Null: not ranked.
+  // top[h * range.want + j], j < range.want, the block numbers in [range.first, range.end) of
+  // the range.want largest scores, ascending (ties: lower numbers; NaN lowest), i.e. exactly what
+  // kernels::cpu::TopKIndices over those scores picks. Null: not ranked. A ranked row's `data`
+  // may be null: its scores need not cross to the host.
   const int32_t* top = nullptr;
   struct Range {
     int64_t first = 0, end = 0, want = 0;

@@ -36,7 +36,8 @@ struct MaxOp {
 // its place in ascending order, and the ties taken are the lowest-numbered ones.
 __global__ void __launch_bounds__(kThreads)
     TopBlocksKernel(const float* scores, const int32_t* block_tokens, const int64_t* positions,
-                    const int64_t* offsets, const TopBlocksRange* ranges, int32_t* top) {
+                    const int64_t* offsets, const TopBlocksRange* ranges,
+                    const int64_t* top_offsets, int32_t* top) {
   using Reduce = cub::BlockReduce<uint32_t, kThreads>;
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ union {
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
   const int n = static_cast<int>(end - first);
   const int want = static_cast<int>(r.want < n ? r.want : n);
   const float* s = scores + offsets[i] + h * nb + first;
-  int32_t* out = top + offsets[i] + h * nb;
+  int32_t* out = top + top_offsets[i] + h * r.want;
   const int tid = threadIdx.x;
   if (want == n) {
     for (int j = tid; j < n; j += kThreads) out[j] = static_cast<int32_t>(first + j);
@@ -156,12 +157,13 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t TopBlocks(const float* scores, const int32_t* block_tokens, const int64_t* positions,
-                      const int64_t* offsets, const TopBlocksRange* ranges, int64_t rows,
-                      int64_t num_kv_heads, int32_t* top, cudaStream_t stream) {
+                      const int64_t* offsets, const TopBlocksRange* ranges,
+                      const int64_t* top_offsets, int64_t rows, int64_t num_kv_heads,
+                      int32_t* top, cudaStream_t stream) {
   if (rows <= 0 || num_kv_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(num_kv_heads), static_cast<unsigned>(rows));
   TopBlocksKernel<<<grid, kThreads, 0, stream>>>(scores, block_tokens, positions, offsets, ranges,
-                                                top);
+                                                top_offsets, top);
   return cudaGetLastError();
 }
 

@@ -24,13 +24,15 @@ struct TopBlocksRange {
 };
 
 // For every row i with block_tokens[i] > 0, offsets[i] >= 0 and ranges[i].want > 0, and every KV
-// head h: with nb = ceil((positions[i] + 1) / block_tokens[i]) (QuestBlockScores's layout), end
-// clamped to nb and want to end - first, writes the chosen block numbers b (first <= b < end) of
-// scores[offsets[i] + h * nb + b] to top[offsets[i] + h * nb + j], j < want, ascending. The arrays
-// are device memory; ranges [rows].
+// head h: with nb = ceil((positions[i] + 1) / block_tokens[i]) (QuestBlockScores's layout), writes
+// the chosen block numbers b (first <= b < end) of scores[offsets[i] + h * nb + b] to
+// top[top_offsets[i] + h * want + j], j < want, ascending: the picks of a step lie together, so
+// only they cross to the host. The caller clamps end to nb and want to end - first. The arrays
+// are device memory; ranges and top_offsets [rows].
 cudaError_t TopBlocks(const float* scores, const int32_t* block_tokens, const int64_t* positions,
-                      const int64_t* offsets, const TopBlocksRange* ranges, int64_t rows,
-                      int64_t num_kv_heads, int32_t* top, cudaStream_t stream);
+                      const int64_t* offsets, const TopBlocksRange* ranges,
+                      const int64_t* top_offsets, int64_t rows, int64_t num_kv_heads,
+                      int32_t* top, cudaStream_t stream);
 
 }  // namespace fluxion::kernels::cuda
 

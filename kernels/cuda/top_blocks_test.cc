@@ -83,42 +83,43 @@ TEST(TopBlocksTest, PicksWhatTheCpuSelectionPicks) {
   for (Fill fill : {Fill::kSpread, Fill::kNarrow, Fill::kConstant, Fill::kFewValues,
                     Fill::kSpecials}) {
     std::vector<int32_t> block_tokens;
-    std::vector<int64_t> positions, offsets;
+    std::vector<int64_t> positions, offsets, top_offsets;
     std::vector<TopBlocksRange> ranges;
     std::vector<float> scores;
+    int64_t picks = 0;
     for (const Row& r : rows) {
       const int64_t nb = (r.context + r.block - 1) / r.block;
+      const int64_t end = std::min(r.end, nb);  // the caller clamps (top_blocks.h)
+      const int64_t want = std::min(r.want, end - r.first);
       block_tokens.push_back(static_cast<int32_t>(r.block));
       positions.push_back(r.context - 1);
       offsets.push_back(static_cast<int64_t>(scores.size()));
-      ranges.push_back({r.first, r.end, r.want});
+      ranges.push_back({r.first, end, want});
+      top_offsets.push_back(picks);
+      picks += kHeads * std::max<int64_t>(want, 0);
       const std::vector<float> s = Scores(fill, kHeads * nb, &rng);
       scores.insert(scores.end(), s.begin(), s.end());
     }
     DeviceBuffers dev;
-    int32_t* top = dev.ToDevice(std::vector<int32_t>(scores.size(), -7));
+    int32_t* top = dev.ToDevice(std::vector<int32_t>(picks + 1, -7));
     ASSERT_EQ(TopBlocks(dev.ToDevice(scores), dev.ToDevice(block_tokens), dev.ToDevice(positions),
-                        dev.ToDevice(offsets), dev.ToDevice(ranges),
+                        dev.ToDevice(offsets), dev.ToDevice(ranges), dev.ToDevice(top_offsets),
                         static_cast<int64_t>(rows.size()), kHeads, top, nullptr),
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<int32_t> got = DeviceBuffers::ToHost(top, scores.size());
+    const std::vector<int32_t> got = DeviceBuffers::ToHost(top, picks + 1);
     for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      const int64_t nb = (r.context + r.block - 1) / r.block;
-      const int64_t end = std::min(r.end, nb);
-      const int64_t want = std::min(r.want, end - r.first);
+      const TopBlocksRange& r = ranges[i];
+      const int64_t nb = (rows[i].context + rows[i].block - 1) / rows[i].block;
+      if (r.want <= 0) continue;
       for (int64_t h = 0; h < kHeads; ++h) {
-        const int64_t at = offsets[i] + h * nb;
-        const std::vector<int32_t> gpu(got.begin() + at, got.begin() + at + std::max<int64_t>(want, 0));
-        if (want > 0) {
-          EXPECT_EQ(gpu, CpuPicks(scores.data() + at, r.first, end, want))
-              << "fill " << static_cast<int>(fill) << " row " << i << " head " << h;
-        }
-        // Nothing past the picks is written.
-        if (at + want < at + nb) EXPECT_EQ(got[at + std::max<int64_t>(want, 0)], -7);
+        const int64_t at = top_offsets[i] + h * r.want;
+        const std::vector<int32_t> gpu(got.begin() + at, got.begin() + at + r.want);
+        EXPECT_EQ(gpu, CpuPicks(scores.data() + offsets[i] + h * nb, r.first, r.end, r.want))
+            << "fill " << static_cast<int>(fill) << " row " << i << " head " << h;
       }
     }
+    EXPECT_EQ(got[picks], -7) << "nothing written past the picks";
   }
 }
 
