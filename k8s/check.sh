@@ -15,9 +15,14 @@ for tool in kubectl node npm; do
   fi
 done
 mkdir -p "$work"
-cp "$here/validate/package.json" "$here/validate/package-lock.json" "$here/validate/validate.mjs" "$work/"
-# --prefer-offline: the npm cache answers when it has the packages (reruns, cached CI runners).
-(cd "$work" && npm ci --prefer-offline --no-audit --no-fund --loglevel=error >/dev/null)
+# npm ci once per lock file (a rerun in the same build tree skips it); --prefer-offline: the npm
+# cache answers when it has the packages (reruns, cached CI runners).
+if ! cmp -s "$here/validate/package-lock.json" "$work/package-lock.json" ||
+   [ ! -d "$work/node_modules/kubernetes-models" ]; then
+  cp "$here/validate/package.json" "$here/validate/package-lock.json" "$work/"
+  (cd "$work" && npm ci --prefer-offline --no-audit --no-fund --loglevel=error >/dev/null)
+fi
+cp "$here/validate/validate.mjs" "$work/"
 cd "$here"
 # overlay:objects
 for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16; do
