@@ -25,7 +25,7 @@ fi
 cp "$here/validate/validate.mjs" "$work/"
 cd "$here"
 # overlay:objects
-for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16; do
+for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16 overlays/llm-d:15; do
   dir=${entry%%:*}
   want_objects=${entry##*:}
   out=$(kubectl kustomize "$dir")
@@ -52,4 +52,9 @@ for want in "rdma/rdma_shared_device_a: 1" "hugepages-2Mi: 64Gi" "- IPC_LOCK" "-
 done
 kubectl kustomize overlays/gpu-monitored | grep -q "kind: ServiceMonitor" ||
   { echo "overlays/gpu-monitored: no ServiceMonitor"; exit 1; }
+# Behind llm-d: every decode pod has a router sidecar serving OpenAI HTTP for its own decode node.
+out=$(kubectl kustomize overlays/llm-d)
+for want in "--decode=127.0.0.1:7002" "--http-listen=0.0.0.0:8000" "name: fluxion-decode-llm-d"; do
+  printf '%s' "$out" | grep -q -- "$want" || { echo "overlays/llm-d: missing '$want'"; exit 1; }
+done
 echo "k8s: every overlay renders and validates"
