@@ -58,7 +58,7 @@ bool WaitForLoad(DecodeClient& decode, Done done) {
 }
 
 // Two prefill nodes, one of them slow; each test starts the node it drains.
-class ServingDrainTest : public ::testing::Test {
+class GracefulShutdownTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     std::vector<std::string> ucx = UcxArgs("tcp");
@@ -91,10 +91,10 @@ class ServingDrainTest : public ::testing::Test {
   static ServerProcess* prefill_;
   static ServerProcess* slow_prefill_;
 };
-ServerProcess* ServingDrainTest::prefill_ = nullptr;
-ServerProcess* ServingDrainTest::slow_prefill_ = nullptr;
+ServerProcess* GracefulShutdownTest::prefill_ = nullptr;
+ServerProcess* GracefulShutdownTest::slow_prefill_ = nullptr;
 
-TEST_F(ServingDrainTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnavailable) {
+TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnavailable) {
   std::unique_ptr<ServerProcess> decode = StartDecode(1000);
   ASSERT_NE(decode, nullptr);
   DecodeClient client(decode->address());
@@ -146,7 +146,7 @@ TEST_F(ServingDrainTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnavaila
       << decode->Log();
 }
 
-TEST_F(ServingDrainTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLeftovers) {
+TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLeftovers) {
   std::unique_ptr<ServerProcess> decode = StartDecode(30000);
   ASSERT_NE(decode, nullptr);
   std::unique_ptr<ServerProcess> router = ServerProcess::Start(

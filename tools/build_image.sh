@@ -39,6 +39,12 @@ check() {
       failed=1
       continue
     fi
+    # A CUDA build links the toolkit's libraries (/usr/local/cuda, not Debian's): the CPU image
+    # is built with FLUXION_ENABLE_CUDA=OFF and has none; --cuda's RUNTIME_IMAGE must.
+    if [[ "$(readlink -f "$lib")" == /usr/local/cuda* || "$(basename "$lib")" =~ ^lib(cuda|cudart|cublas|cublasLt|nvrtc|nvJitLink)\. ]]; then
+      echo "check: $(basename "$lib") is CUDA's: in the --cuda image's RUNTIME_IMAGE, not in the CPU image"
+      continue
+    fi
     local pkg
     pkg=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null | head -n1 | cut -d: -f1) ||
       pkg=$(dpkg -S "$lib" 2>/dev/null | head -n1 | cut -d: -f1) || true
