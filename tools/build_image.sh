@@ -29,36 +29,63 @@ check() {
   while read -r src; do
     [[ -e "$src" ]] || { echo "check: COPY source '$src' does not exist"; failed=1; }
   done < <(grep -E '^COPY ' "$dockerfile" | grep -v -- '--from=' | awk '{for (i = 2; i < NF; ++i) print $i}')
-  # 2. Every shared library of the binary comes from a runtime package (or the base image's libc).
+  # 2. Every shared library of the binary comes from a runtime package or one of their
+  #    dependencies (apt installs those too), or from the base image.
   mapfile -t wanted < <(runtime_packages)
   local base_packages=" libc6 libgcc-s1 libstdc++6 zlib1g libzstd1 liblzma5 libselinux1 "
-  while read -r lib; do
-    [[ -n "$lib" ]] || continue
-    if [[ "$lib" == "not-found:"* ]]; then
-      echo "check: $binary needs ${lib#not-found:}, which is not installed here"
+  local installed
+  installed=" $(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts \
+      --no-breaks --no-replaces --no-enhances "${wanted[@]}" 2>/dev/null |
+      grep -E '^[a-z0-9]' | sed 's/:.*//' | sort -u | tr '\n' ' ') "
+  # One dpkg -S for every library, under each path dpkg may know it by (merged /usr: a package
+  # installed it as /lib/... or /usr/lib/...): "package: path" lines.
+  local libs=() missing=() candidates=()
+  while read -r kind lib; do
+    if [[ $kind == missing ]]; then missing+=("$lib"); else libs+=("$lib"); fi
+  done < <(ldd "$binary" | awk '/=> not found/ {print "missing", $1; next} /=> \// {print "found", $3}')
+  local lib real
+  for lib in "${libs[@]}"; do
+    real=$(readlink -f "$lib")
+    candidates+=("$lib" "$real" "${lib#/usr}" "${real#/usr}" "/usr$lib" "/usr$real")
+  done
+  declare -A owner=()
+  local line
+  while IFS= read -r line; do
+    owner["${line#*: }"]=${line%%: *}
+  done < <(dpkg -S "${candidates[@]}" 2>/dev/null | sed 's/:[a-z0-9]*: /: /' || true)
+  for lib in "${missing[@]}" "${libs[@]}"; do
+    local name pkg=""
+    name=$(basename "$lib")
+    real=$(readlink -f "$lib" 2>/dev/null || echo "$lib")
+    # A CUDA build links the toolkit's libraries (/usr/local/cuda, not Debian's): the CPU image
+    # is built with FLUXION_ENABLE_CUDA=OFF and has none; --cuda's RUNTIME_IMAGE must.
+    if [[ "$real" == /usr/local/cuda* || "$name" =~ ^lib(cuda|cudart|cublas|cublasLt|nvrtc|nvJitLink)\. ]]; then
+      echo "check: $name is CUDA's: in the --cuda image's RUNTIME_IMAGE, not in the CPU image"
+      continue
+    fi
+    if [[ " ${missing[*]} " == *" $lib "* ]]; then
+      echo "check: $binary needs $lib, which is not installed here"
       failed=1
       continue
     fi
-    # A CUDA build links the toolkit's libraries (/usr/local/cuda, not Debian's): the CPU image
-    # is built with FLUXION_ENABLE_CUDA=OFF and has none; --cuda's RUNTIME_IMAGE must.
-    if [[ "$(readlink -f "$lib")" == /usr/local/cuda* || "$(basename "$lib")" =~ ^lib(cuda|cudart|cublas|cublasLt|nvrtc|nvJitLink)\. ]]; then
-      echo "check: $(basename "$lib") is CUDA's: in the --cuda image's RUNTIME_IMAGE, not in the CPU image"
-      continue
-    fi
-    local pkg
-    pkg=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null | head -n1 | cut -d: -f1) ||
-      pkg=$(dpkg -S "$lib" 2>/dev/null | head -n1 | cut -d: -f1) || true
+    local candidate
+    for candidate in "$lib" "$real" "${lib#/usr}" "${real#/usr}" "/usr$lib" "/usr$real"; do
+      [[ -z "$pkg" ]] && pkg=${owner[$candidate]:-}
+    done
     if [[ -z "$pkg" ]]; then
       echo "check: no Debian package owns $lib (built by hand? the image cannot install it)"
       failed=1
-    elif [[ " ${wanted[*]} " != *" $pkg "* && "$base_packages" != *" $pkg "* ]]; then
-      echo "check: $lib comes from $pkg, missing from $packages_file"
+    elif [[ "$installed" != *" $pkg "* && "$base_packages" != *" $pkg "* ]]; then
+      echo "check: $lib comes from $pkg, which $packages_file does not install"
       failed=1
     fi
-  done < <(ldd "$binary" | awk '/=> not found/ {print "not-found:" $1; next} /=> \// {print $3}')
+  done
   # 3. Every runtime package exists in the archive (a typo would fail only at image build time).
+  local known
+  known=" $(apt-cache show --no-all-versions "${wanted[@]}" 2>/dev/null | sed -n 's/^Package: //p' |
+      tr '\n' ' ') "
   for pkg in "${wanted[@]}"; do
-    apt-cache show "$pkg" >/dev/null 2>&1 || { echo "check: no Debian package '$pkg'"; failed=1; }
+    [[ "$known" == *" $pkg "* ]] || { echo "check: no Debian package '$pkg'"; failed=1; }
   done
   # 4. What k8s/ relies on: the user the pods run as, the entry point their args follow.
   grep -q '^USER 10001:10001$' "$dockerfile" || { echo "check: the image must run as 10001:10001"; failed=1; }
