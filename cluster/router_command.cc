@@ -150,6 +150,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
     return 1;
   }
   std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
+  if (metrics_server) metrics_server->SetReadiness(ready);  // /readyz: the same rule
   int port = 0;
   serving::GrpcServerOptions server_options;
   server_options.credentials = *server_credentials;

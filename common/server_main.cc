@@ -62,10 +62,11 @@ void WaitForStopSignal() {
 }
 
 int64_t DrainAndShutdown(grpc::Server* server, const DrainPlan& plan) {
+  // Refusing first: whoever sees NOT_SERVING finds new requests refused too.
+  plan.start_draining();
   for (const std::string& name : plan.service_names) {
     server->GetHealthCheckService()->SetServingStatus(name, false);
   }
-  plan.start_draining();
   const absl::Time deadline = absl::Now() + plan.timeout;
   while (plan.live_requests() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
   const int64_t left = plan.live_requests();

@@ -71,7 +71,7 @@ struct DrainPlan {
   absl::Duration end_grace = absl::Seconds(2);
 };
 
-// Drains a server: `service_names` NOT_SERVING, new requests refused, running ones get until
+// Drains a server: new requests refused, `service_names` NOT_SERVING, running ones get until
 // `timeout` to finish, then end_remaining ends the rest and they get `end_grace`, then the server
 // shuts down (1 s more for calls still open, which it cancels). The whole takes at most
 // timeout + end_grace + 1 s, the bound the pods' terminationGracePeriodSeconds covers (k8s/).

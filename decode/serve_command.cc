@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <iostream>
 #include <memory>
 
@@ -375,6 +376,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     DecodeServiceImpl service(model->get(), arena.get(), &admission, &scheduler, transport->get(),
                               *descriptor, info, options);
     node_metrics.Attach(&service, &scheduler, &admission, arena.get());
+    // /readyz (common/metrics_http.h): ready from SERVING until the drain starts.
+    std::atomic<bool> ready{false};
     // Declared after everything its callbacks read, so it stops serving before they go away.
     auto metrics_started =
         serving::StartMetricsIfRequested(metrics_listen, &metrics::Registry::Default());
@@ -395,6 +398,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::unique_ptr<grpc::Server> server = std::move(*server_started);
     // Ready: the model is loaded and the arena registered (docs/PROTOCOL.md, Health).
     server->GetHealthCheckService()->SetServingStatus(kDecodeServiceName, true);
+    ready = true;
+    if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
     std::cerr << "fluxion decode " << node_name << " serving on port " << port << ", "
               << kv_pages << " KV pages of " << kv_shape.page_bytes() << " bytes"
               << (arena->explicit_huge_pages() ? " (huge pages)" : "")
@@ -410,7 +415,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     // may finish; at the timeout the rest end with UNAVAILABLE naming it.
     serving::DrainPlan drain;
     drain.service_names = {kDecodeServiceName};
-    drain.start_draining = [&] { service.SetDraining(true); };
+    drain.start_draining = [&] {
+      ready = false;
+      service.SetDraining(true);
+    };
     drain.live_requests = [&] { return service.live_requests(); };
     drain.end_remaining = [&] {
       service.EndLiveRequests(absl::StrCat("the drain after SIGTERM ran past --drain-timeout-ms (",

@@ -47,7 +47,7 @@ done
 out=$(kubectl kustomize overlays/gpu)
 for want in "rdma/rdma_shared_device_a: 1" "hugepages-2Mi: 64Gi" "- IPC_LOCK" "--ucx-tls=rc,tcp" \
             "--tls-require-client-cert" "--backend-tls-server-name=fluxion-nodes" \
-            "--prefill-tls-ca=/etc/fluxion/tls/ca.crt" "secretName: fluxion-tls"; do
+            "--prefill-tls-ca=/etc/fluxion/tls/ca.crt" "secretName: fluxion-tls" "path: /readyz"; do
   printf '%s' "$out" | grep -q -- "$want" || { echo "overlays/gpu: missing '$want'"; exit 1; }
 done
 kubectl kustomize overlays/gpu-monitored | grep -q "kind: ServiceMonitor" ||

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <iostream>
 #include <memory>
 
@@ -140,6 +141,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   service.SetMaxBatchTokens(max_batch_tokens);
   service.SetMaxQueuedRequests(max_queued_requests);
   node_metrics.Attach(&service);
+  // /readyz (common/metrics_http.h): ready from SERVING until the drain starts.
+  std::atomic<bool> ready{false};
   // Declared after everything its callbacks read, so it stops serving before they go away.
   auto metrics_started =
       serving::StartMetricsIfRequested(metrics_listen, &metrics::Registry::Default());
@@ -161,6 +164,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
   // Ready: the model is loaded and UCX is up (docs/PROTOCOL.md, Health).
   server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, true);
+  ready = true;
+  if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << ", " << pool->threads() << " CPU thread(s)\n";
@@ -172,7 +177,10 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   // docs/SERVING.md, "How a Prefill call ends").
   serving::DrainPlan drain;
   drain.service_names = {kPrefillServiceName};
-  drain.start_draining = [&] { service.SetDraining(true); };
+  drain.start_draining = [&] {
+    ready = false;
+    service.SetDraining(true);
+  };
   drain.live_requests = [&] { return service.live_requests(); };
   drain.timeout = absl::Milliseconds(drain_timeout_ms);
   const int64_t left = serving::DrainAndShutdown(server.get(), drain);

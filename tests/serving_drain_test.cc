@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cluster/backends.h"
+#include "common/metrics_testing.h"
 #include "gtest/gtest.h"
 #include "tests/serving_cluster.h"
 
@@ -111,11 +112,15 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
   });
   ASSERT_TRUE(
       WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.prefilling_requests() == 1; }));
+  // The same answers over HTTP, for probes that cannot use gRPC health (TLS): ready, alive.
+  EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
 
   decode->Signal(SIGTERM);
   // Draining for 1 s with both requests live: not ready, still alive.
   EXPECT_TRUE(WaitNotServing(*decode, "fluxion.v1.DecodeService"));
   EXPECT_TRUE(Serving(*decode, "")) << "liveness flipped during the drain";
+  EXPECT_FALSE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
+  EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/livez").ok());
   GenerateResult late = client.Generate(GreedyRequest("late", BytePrompt("hi"), 4, "full", ""));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(late.status.error_message().find("draining"), std::string::npos)
