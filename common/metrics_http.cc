@@ -37,8 +37,8 @@ MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url, const 
   const bool metrics = std::strcmp(url, "/metrics") == 0;
   const bool readyz = std::strcmp(url, "/readyz") == 0, livez = std::strcmp(url, "/livez") == 0;
   if (!metrics && !readyz && !livez) {
-    return Reply(connection, MHD_HTTP_NOT_FOUND, "only /metrics, /readyz and /livez are served here\n",
-                 "text/plain");
+    return Reply(connection, MHD_HTTP_NOT_FOUND,
+                 "only /metrics, /readyz and /livez are served here\n", "text/plain");
   }
   if (std::strcmp(method, "GET") != 0 && std::strcmp(method, "HEAD") != 0) {
     return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat("GET ", url, "\n"),
@@ -109,9 +109,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
       MHD_USE_INTERNAL_POLLING_THREAD |
       (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL : MHD_USE_POLL);
   server->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &Handle, server.get(), MHD_OPTION_SOCK_ADDR,
-      &*addr, MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20,
-      MHD_OPTION_CONNECTION_TIMEOUT,
+      flags, 0, nullptr, nullptr, &Handle, server.get(), MHD_OPTION_SOCK_ADDR, &*addr,
+      MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned int>(absl::ToInt64Seconds(limits.idle_timeout)),
       MHD_OPTION_CONNECTION_LIMIT, limits.max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       limits.max_connections_per_address, MHD_OPTION_END);

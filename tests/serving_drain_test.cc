@@ -81,10 +81,15 @@ class GracefulShutdownTest : public ::testing::Test {
   }
   // A decode node trusting both prefill nodes, draining for at most `drain_timeout_ms`.
   static std::unique_ptr<ServerProcess> StartDecode(int drain_timeout_ms) {
-    std::vector<std::string> args = {
-        "--model", TinyModelDir(), "--kv-pages", "65536", "--nohuge-pages",
-        "--prefill-address", prefill_->address() + "," + slow_prefill_->address(),
-        "--drain-timeout-ms", absl::StrCat(drain_timeout_ms)};
+    std::vector<std::string> args = {"--model",
+                                     TinyModelDir(),
+                                     "--kv-pages",
+                                     "65536",
+                                     "--nohuge-pages",
+                                     "--prefill-address",
+                                     prefill_->address() + "," + slow_prefill_->address(),
+                                     "--drain-timeout-ms",
+                                     absl::StrCat(drain_timeout_ms)};
     std::vector<std::string> ucx = UcxArgs("tcp");
     args.insert(args.end(), ucx.begin(), ucx.end());
     return ServerProcess::Start("decode", args);
@@ -102,10 +107,11 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
   // A: decoding (30000 tokens); B: in the slow prefill node (>= 2.4 s) when SIGTERM comes.
   GenerateResult a, b;
   std::thread ta([&] {
-    a = client.Generate(
-        GreedyRequest("drain-a", BytePrompt("hello"), kLongRequestTokens, "full", prefill_->address()));
+    a = client.Generate(GreedyRequest("drain-a", BytePrompt("hello"), kLongRequestTokens, "full",
+                                      prefill_->address()));
   });
-  ASSERT_TRUE(WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+  ASSERT_TRUE(
+      WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
   std::thread tb([&] {
     b = client.Generate(
         GreedyRequest("drain-b", BytePrompt("hello"), 8, "full", slow_prefill_->address()));
@@ -154,10 +160,10 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
 TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLeftovers) {
   std::unique_ptr<ServerProcess> decode = StartDecode(30000);
   ASSERT_NE(decode, nullptr);
-  std::unique_ptr<ServerProcess> router = ServerProcess::Start(
-      "router", {"--decode", decode->address(), "--prefill",
-                 prefill_->address() + "," + slow_prefill_->address(), "--poll-ms", "50",
-                 "--drain-timeout-ms", "1000"});
+  std::unique_ptr<ServerProcess> router =
+      ServerProcess::Start("router", {"--decode", decode->address(), "--prefill",
+                                      prefill_->address() + "," + slow_prefill_->address(),
+                                      "--poll-ms", "50", "--drain-timeout-ms", "1000"});
   ASSERT_NE(router, nullptr);
   const absl::Time ready_by = absl::Now() + absl::Seconds(10);
   while (!Serving(*router, "fluxion.v1.DecodeService") && absl::Now() < ready_by) {
@@ -171,8 +177,8 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
     a = through_router.Generate(GreedyRequest("router-drain-a", BytePrompt("hello"),
                                               kLongRequestTokens, "full", prefill_->address()));
   });
-  ASSERT_TRUE(
-      WaitForLoad(decode_client, [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+  ASSERT_TRUE(WaitForLoad(decode_client,
+                          [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
 
   router->Signal(SIGTERM);
   EXPECT_TRUE(WaitNotServing(*router, "fluxion.v1.DecodeService"));

@@ -332,8 +332,9 @@ TEST_F(ServingMetricsTest, RequestsBeingPrefilledCountAsWaiting) {
   EXPECT_EQ(Sample(text, "fluxion_decode_requests_running"), 0);
   t.join();
   EXPECT_TRUE(result.status.ok()) << result.status.error_message();
-  EXPECT_EQ(WaitForSample(*decode, "fluxion_decode_requests_waiting", [](double v) { return v == 0; }),
-            0);
+  EXPECT_EQ(
+      WaitForSample(*decode, "fluxion_decode_requests_waiting", [](double v) { return v == 0; }),
+      0);
 }
 
 // Drains a decode node of its own. The request goes through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
