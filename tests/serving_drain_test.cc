@@ -9,7 +9,11 @@
 // bound no machine beats) or generating 30000 tokens with full attention (many seconds of work on
 // any CPU), against a 1 s drain timeout.
 #include <signal.h>
+#include <sys/wait.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -202,6 +206,25 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
   // The decode node let the request go: its pages are back.
   const v1::DecodeLoad idle = decode_client.WaitAllPagesFree(absl::Seconds(10));
   EXPECT_EQ(idle.free_kv_pages(), idle.total_kv_pages());
+}
+
+// The bound is a flag of each command, checked before anything loads: a value out of [0, 1 h]
+// stops the command with exit code 2 and a message naming the flag (one process per command:
+// each start of the binary costs about a second here).
+TEST(DrainTimeoutFlagTest, OutOfRangeValuesAreRefusedByEveryServer) {
+  for (const std::string command : {"router", "prefill --model /nonexistent",
+                                    "decode --model /nonexistent"}) {
+    const std::string out = ::testing::TempDir() + "/drain-flag.txt";
+    const std::string line =
+        absl::StrCat(FLUXION_BINARY, " ", command, " --drain-timeout-ms=-1 > ", out, " 2>&1");
+    const int status = std::system(line.c_str());
+    ASSERT_TRUE(WIFEXITED(status)) << line;
+    EXPECT_EQ(WEXITSTATUS(status), 2) << line;
+    std::ifstream in(out);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("--drain-timeout-ms must be in [0, 3600000]"), std::string::npos)
+        << line << ": " << text;
+  }
 }
 
 }  // namespace
