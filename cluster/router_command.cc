@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <ctime>
 #include <iostream>
@@ -29,7 +30,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   std::string node_name;
   std::string port_file, metrics_port_file;
   std::vector<std::string> decode, prefill, decode_dns, prefill_dns;
-  int64_t poll_ms = 200, max_attempts = 3, deadline_grace_ms = 500;
+  int64_t poll_ms = 200, max_attempts = 3, deadline_grace_ms = 500, drain_timeout_ms = 30000;
   double shed_kv_usage = 0.95;
   FlagSet flags("fluxion router",
                 "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
@@ -53,6 +54,11 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   flags.Int("deadline-grace-ms", &deadline_grace_ms,
             "each attempt's gRPC deadline is the request's budget plus this, so the decode "
             "node's own DEADLINE_EXCEEDED message (usage, timing) reaches the client first");
+  flags.Int("drain-timeout-ms", &drain_timeout_ms,
+            "on SIGTERM: readiness NOT_SERVING (liveness stays SERVING), new requests refused "
+            "(UNAVAILABLE; HTTP 503), open ones get this long to finish; then they are aborted "
+            "(their streams end with the tokens so far and finish reason abort) and the process "
+            "exits within 3 s more");
   flags.String("node-name", &node_name, "name in GetLoad (default: hostname/start time)");
   flags.String("port-file", &port_file, "write the bound gRPC port into this file once serving");
   flags.String("metrics-port-file", &metrics_port_file,
@@ -71,6 +77,10 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   serving::ClientTlsOptions backend_tls;
   serving::RegisterClientTlsFlags(flags, "backend-tls", "decode and prefill nodes", &backend_tls);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
+    std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
   openai_flags.model_dir = vllm_flags.model_dir = model_dir;
   if (!model_dir.empty()) {
     auto tokenizer = model::LoadTokenizer(model_dir);
@@ -121,9 +131,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   router_options.deadline_grace = absl::Milliseconds(std::max<int64_t>(0, deadline_grace_ms));
   metrics::Registry& registry = metrics::Registry::Default();
   RouterService service(backends->get(), router_options, &registry);
+  // Ready while a decode node is healthy and the router is not draining: GET /health, the
+  // VllmEngine HealthCheck (the grpc.health names follow the same rule below).
   Backends* backends_ptr = backends->get();
-  auto vllm_service = MakeVllmEngineService(
-      vllm_flags, [backends_ptr] { return backends_ptr->HealthyCount(Role::kDecode) > 0; });
+  std::atomic<bool> draining{false};
+  auto ready = [backends_ptr, &draining] {
+    return !draining.load() && backends_ptr->HealthyCount(Role::kDecode) > 0;
+  };
+  auto vllm_service = MakeVllmEngineService(vllm_flags, ready);
   if (!vllm_service.ok()) {
     std::cerr << "error: " << vllm_service.status().message() << "\n";
     return 2;
@@ -135,6 +150,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
     return 1;
   }
   std::unique_ptr<metrics::MetricsHttpServer> metrics_server = std::move(*metrics_started);
+  if (metrics_server) metrics_server->SetReadiness(ready);  // /readyz: the same rule
   int port = 0;
   serving::GrpcServerOptions server_options;
   server_options.credentials = *server_credentials;
@@ -148,9 +164,7 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   (*vllm_service)->Connect(server.get());
   auto* health = server->GetHealthCheckService();
   // The OpenAI HTTP API, a client of this server's own DecodeService (docs/PROTOCOL.md).
-  auto openai = StartOpenAiHttp(openai_flags, server.get(), [&backends] {
-    return (*backends)->HealthyCount(Role::kDecode) > 0;
-  });
+  auto openai = StartOpenAiHttp(openai_flags, server.get(), ready);
   if (!openai.ok()) {
     std::cerr << "error: " << openai.status().message() << "\n";
     return 1;
@@ -183,11 +197,29 @@ int RunRouterCommand(const std::vector<std::string>& args) {
     int sig = sigtimedwait(&signals, nullptr, &tick);
     if (sig == SIGINT || sig == SIGTERM) break;
   }
-  std::cout << "router: shutting down (open requests get 10 s)" << std::endl;
-  health->SetServingStatus(false);
-  openai->reset();  // its calls are cancelled before the gRPC server goes
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  // Drain (common/server_main.h, DrainPlan): readiness NOT_SERVING while liveness ("") stays
+  // SERVING, new calls refused, open ones may finish; then aborted with a reason. The HTTP front
+  // end is a client of this server, so its streams are counted, and end, with the gRPC calls they
+  // relay.
+  draining = true;
+  std::cout << "router: draining, " << service.inflight() << " requests open, up to "
+            << drain_timeout_ms << " ms" << std::endl;
+  serving::DrainPlan drain;
+  drain.service_names = {"fluxion.v1.DecodeService", kVllmEngineServiceName};
+  drain.start_draining = [&] { service.SetDraining(true); };
+  drain.live_requests = [&] { return static_cast<int64_t>(service.inflight()); };
+  drain.end_remaining = [&] {
+    service.AbortAll(absl::StrCat("router ", node_name,
+                                  " shut down: the drain after SIGTERM ran past "
+                                  "--drain-timeout-ms (",
+                                  drain_timeout_ms, " ms)"));
+  };
+  drain.timeout = absl::Milliseconds(drain_timeout_ms);
+  const int64_t left = serving::DrainAndShutdown(server.get(), drain);
+  openai->reset();
   server->Wait();
+  std::cout << "router: stopped; " << left << " requests were open at the drain timeout"
+            << std::endl;
   return 0;
 }
 

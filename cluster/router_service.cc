@@ -67,6 +67,14 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   }
 
   void Begin() {
+    if (service_->draining_.load()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                              absl::StrCat("router ", service_->options_.node_name,
+                                           " is draining (shutting down); retry: new connections "
+                                           "go to another router")),
+                 nullptr);
+      return;
+    }
     // cluster/router_validation.h; absl and gRPC status codes have the same numbers.
     const absl::Status valid = ValidateRouterRequest(request_);
     if (!valid.ok()) {
@@ -590,13 +598,7 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
         LiveEntry& entry = *it->second;
         if (!TokensEqual(token, entry.abort_token)) continue;
         matched = true;
-        absl::MutexLock entry_lock(&entry.mu);
-        entry.aborted = true;
-        entry.abort_reason = request->reason();
-        if (!entry.downstream_token.empty() && entry.abort_sent_to != entry.downstream_token) {
-          entry.abort_sent_to = entry.downstream_token;
-          by_node[entry.decode].emplace_back(id, entry.downstream_token);
-        }
+        MarkAborted(entry, request->reason(), &by_node);
       }
       if (matched) response->add_aborted_request_ids(id);
     }
@@ -614,6 +616,32 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
     });
   }
   return reactor;
+}
+
+void RouterService::MarkAborted(
+    LiveEntry& entry, const std::string& reason,
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>>* by_node) {
+  absl::MutexLock entry_lock(&entry.mu);
+  entry.aborted = true;
+  entry.abort_reason = reason;
+  if (!entry.downstream_token.empty() && entry.abort_sent_to != entry.downstream_token) {
+    entry.abort_sent_to = entry.downstream_token;
+    (*by_node)[entry.decode].emplace_back(entry.request_id, entry.downstream_token);
+  }
+}
+
+int RouterService::AbortAll(const std::string& reason) {
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> by_node;
+  int aborted = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, entry] : live_) {
+      MarkAborted(*entry, reason, &by_node);
+      ++aborted;
+    }
+  }
+  for (const auto& [node, ids] : by_node) ForwardAbort(node, ids, reason, [] {});
+  return aborted;
 }
 
 grpc::ServerUnaryReactor* RouterService::GetLoad(grpc::CallbackServerContext* context,

@@ -14,6 +14,7 @@
 #ifndef FLUXION_CLUSTER_ROUTER_SERVICE_H_
 #define FLUXION_CLUSTER_ROUTER_SERVICE_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -62,6 +63,14 @@ class RouterService final : public v1::DecodeService::CallbackService {
   // Requests open now (for tests and the inflight gauge).
   int inflight() const;
 
+  // While draining (SIGTERM), new Generate calls are refused with UNAVAILABLE naming the drain;
+  // open ones go on.
+  void SetDraining(bool draining) { draining_ = draining; }
+  // The drain's timeout passed: every open request is aborted as Abort would (downstream
+  // included) with `reason`, so each ends with its tokens and FINISH_REASON_ABORT, or, before its
+  // first token, with the abort's ending. Returns how many it aborted.
+  int AbortAll(const std::string& reason);
+
   // Initial-metadata entry with a Generate call's abort token (the router's own, for its
   // clients; the decode node's, read by the router for its downstream Abort).
   static constexpr char kAbortTokenKey[] = "fluxion-abort-token";
@@ -102,8 +111,15 @@ class RouterService final : public v1::DecodeService::CallbackService {
                     const std::vector<std::pair<std::string, std::string>>& ids_and_tokens,
                     const std::string& reason, std::function<void()> done);
 
+  // Marks `entry` aborted with `reason`; adds (id, downstream token) to `by_node` when the abort
+  // must still go to its decode node. Needs mu_ (for live_).
+  static void MarkAborted(LiveEntry& entry, const std::string& reason,
+                          std::map<std::string, std::vector<std::pair<std::string, std::string>>>*
+                              by_node);
+
   Backends* const backends_;
   const RouterOptions options_;
+  std::atomic<bool> draining_{false};
   Metrics metrics_;
   mutable absl::Mutex mu_;
   LiveMap live_ ABSL_GUARDED_BY(mu_);

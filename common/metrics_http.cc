@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -32,14 +33,24 @@ MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::strin
 
 MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url, const char* method,
                   const char*, const char*, size_t*, void**) {
-  const auto* registry = static_cast<const Registry*>(cls);
-  if (std::strcmp(url, "/metrics") != 0) {
-    return Reply(connection, MHD_HTTP_NOT_FOUND, "only /metrics is served here\n", "text/plain");
+  const auto* server = static_cast<const MetricsHttpServer*>(cls);
+  const bool metrics = std::strcmp(url, "/metrics") == 0;
+  const bool readyz = std::strcmp(url, "/readyz") == 0, livez = std::strcmp(url, "/livez") == 0;
+  if (!metrics && !readyz && !livez) {
+    return Reply(connection, MHD_HTTP_NOT_FOUND,
+                 "only /metrics, /readyz and /livez are served here\n", "text/plain");
   }
   if (std::strcmp(method, "GET") != 0 && std::strcmp(method, "HEAD") != 0) {
-    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "GET /metrics\n", "text/plain");
+    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat("GET ", url, "\n"),
+                 "text/plain");
   }
-  return Reply(connection, MHD_HTTP_OK, registry->Render(), kContentType);
+  if (livez) return Reply(connection, MHD_HTTP_OK, "ok\n", "text/plain");
+  if (readyz) {
+    return server->Ready()
+               ? Reply(connection, MHD_HTTP_OK, "ready\n", "text/plain")
+               : Reply(connection, MHD_HTTP_SERVICE_UNAVAILABLE, "not ready\n", "text/plain");
+  }
+  return Reply(connection, MHD_HTTP_OK, server->registry()->Render(), kContentType);
 }
 
 // "host:port" or "port" -> IPv4 socket address; host may be a name ("localhost") or "0.0.0.0".
@@ -86,6 +97,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   auto addr = ParseAddress(address);
   if (!addr.ok()) return addr.status();
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
+  server->registry_ = registry;
   // One internal thread: scrapes are rare and rendering takes microseconds. Its stack is set
   // explicitly: static TLS of libraries in the `fluxion` binary (OpenBLAS ~60 KiB, glog ~30 KiB)
   // is carved from every thread's stack, which overflowed civetweb's fixed 100 KiB threads.
@@ -97,9 +109,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
       MHD_USE_INTERNAL_POLLING_THREAD |
       (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL : MHD_USE_POLL);
   server->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &Handle, const_cast<Registry*>(registry), MHD_OPTION_SOCK_ADDR,
-      &*addr, MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20,
-      MHD_OPTION_CONNECTION_TIMEOUT,
+      flags, 0, nullptr, nullptr, &Handle, server.get(), MHD_OPTION_SOCK_ADDR, &*addr,
+      MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned int>(absl::ToInt64Seconds(limits.idle_timeout)),
       MHD_OPTION_CONNECTION_LIMIT, limits.max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
       limits.max_connections_per_address, MHD_OPTION_END);
@@ -114,6 +125,16 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
 
 MetricsHttpServer::~MetricsHttpServer() {
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+}
+
+void MetricsHttpServer::SetReadiness(std::function<bool()> ready) {
+  absl::MutexLock lock(&mu_);
+  ready_ = std::move(ready);
+}
+
+bool MetricsHttpServer::Ready() const {
+  absl::MutexLock lock(&mu_);
+  return ready_ && ready_();
 }
 
 }  // namespace fluxion::metrics

@@ -1,4 +1,5 @@
-// Serves a metrics::Registry at HTTP GET /metrics in the Prometheus text format, with GNU
+// Serves a metrics::Registry at HTTP GET /metrics in the Prometheus text format (and /readyz,
+// /livez for probes that cannot use gRPC health), with GNU
 // libmicrohttpd (Debian's libmicrohttpd-dev, an embeddable HTTP server) on one internal thread.
 // Every `fluxion` server (router, prefill, decode) starts one next to its gRPC port.
 //
@@ -8,10 +9,13 @@
 #ifndef FLUXION_COMMON_METRICS_HTTP_H_
 #define FLUXION_COMMON_METRICS_HTTP_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
 
@@ -50,10 +54,22 @@ class MetricsHttpServer {
   // The bound port (the real one when 0 was asked for).
   int port() const { return port_; }
 
+  // GET /readyz answers 200 while `ready` returns true, else 503 (503 until this is called);
+  // GET /livez answers 200 while the process serves HTTP. For Kubernetes probes where the gRPC
+  // port speaks TLS, which kubelet's gRPC probes cannot (docs/DEPLOY.md, "TLS"). `ready` runs on
+  // the HTTP thread; whatever it reads must outlive this server.
+  void SetReadiness(std::function<bool()> ready);
+  bool Ready() const;
+
+  const Registry* registry() const { return registry_; }
+
  private:
   MetricsHttpServer() = default;
   MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
+  const Registry* registry_ = nullptr;
+  mutable absl::Mutex mu_;
+  std::function<bool()> ready_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fluxion::metrics

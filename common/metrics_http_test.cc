@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -52,6 +53,28 @@ TEST_F(MetricsHttpServerTest, ServesTheRegistryAtMetricsOnAPickedPort) {
   EXPECT_THAT(*body, HasSubstr("fluxion_test_requests_total{code=\"OK\"} 2\n"));
   EXPECT_THAT(*body, HasSubstr("fluxion_test_kv_pages_free 7\n"));
   EXPECT_FALSE(testing::HttpGet(server_->port(), "/other").ok());
+}
+
+TEST_F(MetricsHttpServerTest, ReadyzFollowsTheReadinessFunctionAndLivezAlwaysAnswers) {
+  auto server = MetricsHttpServer::Start("127.0.0.1:0", registry_);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  // Before SetReadiness: not ready (a server still loading), alive.
+  auto before = testing::HttpGet(port, "/readyz");
+  ASSERT_FALSE(before.ok());
+  EXPECT_THAT(before.status().message(), HasSubstr("503"));
+  EXPECT_TRUE(testing::HttpGet(port, "/livez").ok());
+  std::atomic<bool> ready{true};
+  (*server)->SetReadiness([&ready] { return ready.load(); });
+  auto now = testing::HttpGet(port, "/readyz");
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(*now, "ready\n");
+  ready = false;  // draining
+  auto draining = testing::HttpGet(port, "/readyz");
+  ASSERT_FALSE(draining.ok());
+  EXPECT_THAT(draining.status().message(), HasSubstr("503"));
+  EXPECT_TRUE(testing::HttpGet(port, "/livez").ok());
+  EXPECT_TRUE(testing::HttpGet(port, "/metrics").ok());
 }
 
 TEST_F(MetricsHttpServerTest, BusyPortIsUnavailable) {

@@ -8,7 +8,9 @@ namespace fluxion::metrics::names {
 
 // Decode node: what the endpoint picker reads (queue, running, KV utilisation, page size).
 inline constexpr char kDecodeRequestsRunning[] = "fluxion_decode_requests_running";
+// Waiting = queued for KV pages + prefilling (what vLLM's num_requests_waiting counts).
 inline constexpr char kDecodeRequestsWaiting[] = "fluxion_decode_requests_waiting";
+inline constexpr char kDecodeRequestsAwaitingPages[] = "fluxion_decode_requests_awaiting_pages";
 inline constexpr char kDecodeRequestsPrefilling[] = "fluxion_decode_requests_prefilling";
 inline constexpr char kKvCacheUsageRatio[] = "fluxion_kv_cache_usage_ratio";
 inline constexpr char kKvPagesCapacity[] = "fluxion_kv_pages_capacity";

@@ -61,17 +61,30 @@ void WaitForStopSignal() {
   while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
 }
 
-int64_t DrainAndShutdown(grpc::Server* server, const std::string& service_name,
-                         const std::function<void()>& start_draining,
-                         const std::function<int64_t()>& live_requests, absl::Duration timeout) {
-  server->GetHealthCheckService()->SetServingStatus(service_name, false);
-  server->GetHealthCheckService()->SetServingStatus(false);
-  start_draining();
-  const absl::Time deadline = absl::Now() + timeout;
-  while (live_requests() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
-  const int64_t left = live_requests();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+int64_t DrainAndShutdown(grpc::Server* server, const DrainPlan& plan) {
+  // Refusing first: whoever sees NOT_SERVING finds new requests refused too.
+  plan.start_draining();
+  for (const std::string& name : plan.service_names) {
+    server->GetHealthCheckService()->SetServingStatus(name, false);
+  }
+  const absl::Time deadline = absl::Now() + plan.timeout;
+  while (plan.live_requests() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  const int64_t left = plan.live_requests();
+  if (left > 0 && plan.end_remaining) {
+    plan.end_remaining();
+    const absl::Time ended = absl::Now() + plan.end_grace;
+    while (plan.live_requests() > 0 && absl::Now() < ended) absl::SleepFor(absl::Milliseconds(20));
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return left;
+}
+
+absl::Status ValidateDrainTimeoutMs(int64_t drain_timeout_ms) {
+  if (drain_timeout_ms < 0 || drain_timeout_ms > 3600 * 1000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--drain-timeout-ms must be in [0, 3600000] (an hour), got ", drain_timeout_ms));
+  }
+  return absl::OkStatus();
 }
 
 void WritePortFile(const std::string& path, int value) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
@@ -53,13 +54,32 @@ void WritePortFiles(const std::string& port_file, int port, const std::string& m
 // Blocks until SIGTERM or SIGINT arrives (installs handlers for both).
 void WaitForStopSignal();
 
-// Drains a node: its service name and the server's overall health go NOT_SERVING,
-// `start_draining` makes the service refuse new requests (UNAVAILABLE), running ones get until
-// `timeout` to finish, then the server shuts down (5 s grace). Returns the requests still live when
-// the drain gave up.
-int64_t DrainAndShutdown(grpc::Server* server, const std::string& service_name,
-                         const std::function<void()>& start_draining,
-                         const std::function<int64_t()>& live_requests, absl::Duration timeout);
+// How a server drains on SIGTERM (DrainAndShutdown).
+struct DrainPlan {
+  // Health service names that go NOT_SERVING (readiness). The server's overall health (""),
+  // which liveness probes ask, stays SERVING: a draining pod is alive and must not be restarted.
+  std::vector<std::string> service_names;
+  // Makes the service refuse new requests (UNAVAILABLE, naming the drain).
+  std::function<void()> start_draining;
+  // Requests still in progress.
+  std::function<int64_t()> live_requests;
+  // Called once `timeout` passed with requests still live: ends each with a clear error the
+  // client can act on (or nullptr: the server's shutdown cancels them).
+  std::function<void()> end_remaining;
+  absl::Duration timeout = absl::Seconds(30);
+  // After end_remaining, how long the requests get to write their error and end.
+  absl::Duration end_grace = absl::Seconds(2);
+};
+
+// Drains a server: new requests refused, `service_names` NOT_SERVING, running ones get until
+// `timeout` to finish, then end_remaining ends the rest and they get `end_grace`, then the server
+// shuts down (1 s more for calls still open, which it cancels). The whole takes at most
+// timeout + end_grace + 1 s, the bound the pods' terminationGracePeriodSeconds covers (k8s/).
+// Returns the requests still live when `timeout` passed.
+int64_t DrainAndShutdown(grpc::Server* server, const DrainPlan& plan);
+
+// The bound on the --drain-timeout-ms flag every server takes: 0 ms to 1 hour.
+absl::Status ValidateDrainTimeoutMs(int64_t drain_timeout_ms);
 
 // Writes `value` and a newline to `path` (write to path.tmp, then rename, so a reader never sees
 // a partial number). Does nothing for an empty path.

@@ -111,8 +111,18 @@ void DecodeNodeMetrics::Attach(const DecodeServiceImpl* service, const BatchSche
   };
   gauge(names::kDecodeRequestsRunning, "Requests in the running decode batch.", {},
         [scheduler] { return static_cast<double>(scheduler->running()); });
-  gauge(names::kDecodeRequestsWaiting, "Requests queued for KV pages (nothing reserved yet).", {},
-        [admission] { return static_cast<double>(admission->waiting()); });
+  // A request being prefilled waits as much as one queued for pages: it is not decoding yet, and
+  // vLLM's num_requests_waiting (which llm-d's endpoint picker reads through
+  // k8s/llm-d/epp-config.yaml) counts requests waiting for remote KV. The two parts are exported
+  // on their own as well.
+  gauge(names::kDecodeRequestsWaiting,
+        "Requests not decoding yet: queued for KV pages plus prefilling (pages reserved, KV "
+        "arriving).",
+        {}, [admission, service] {
+          return static_cast<double>(admission->waiting() + service->prefilling_requests());
+        });
+  gauge(names::kDecodeRequestsAwaitingPages, "Requests queued for KV pages (nothing reserved yet).",
+        {}, [admission] { return static_cast<double>(admission->waiting()); });
   gauge(names::kDecodeRequestsPrefilling,
         "Requests with pages reserved whose prefill / KV transfer is in flight.", {},
         [service] { return static_cast<double>(service->prefilling_requests()); });

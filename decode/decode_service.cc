@@ -108,6 +108,16 @@ int64_t DecodeServiceImpl::live_requests() const {
   return static_cast<int64_t>(live_.size());
 }
 
+int64_t DecodeServiceImpl::EndLiveRequests(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, live] : live_) {
+    live->shutdown_reason = why;
+    live->shut_down = true;
+    live->aborted = true;  // the call's phases watch this one (Cancelled, the stream loop)
+  }
+  return static_cast<int64_t>(live_.size());
+}
+
 int64_t DecodeServiceImpl::prefilling_requests() const {
   absl::MutexLock lock(&mu_);
   int64_t prefilling = 0;

@@ -111,6 +111,11 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   // While draining, new Generate calls are refused with UNAVAILABLE and GetLoad says so; running
   // ones finish. The serving command drains on SIGTERM before shutting down.
   void SetDraining(bool draining) { draining_ = draining; }
+  // The drain's timeout passed (common/server_main.h, DrainPlan::end_remaining): every live
+  // request ends now with UNAVAILABLE naming `why`; one that has not sent a token yet is safe to
+  // retry elsewhere, one that has keeps its tokens and gets the error after them. Returns how
+  // many it ended.
+  int64_t EndLiveRequests(const std::string& why);
   // Generate calls in progress (any phase).
   int64_t live_requests() const;
   // Requests whose pages are reserved and whose Prefill call is in flight.
@@ -123,6 +128,10 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
     std::atomic<bool> aborted{false};
     std::string abort_reason;  // guarded by the service's mu_
     std::atomic<bool> prefilling{false};
+    // Set with `aborted` by EndLiveRequests: the call ends with UNAVAILABLE(shutdown_reason)
+    // rather than as an abort.
+    std::atomic<bool> shut_down{false};
+    std::string shutdown_reason;  // guarded by the service's mu_
     std::shared_ptr<DecodeRequest> request;  // once it joined the batch
   };
   class Call;  // one Generate call as its phases (decode/generate_call.h)

@@ -64,9 +64,19 @@ grpc::Status DecodeServiceImpl::Call::Fail(const absl::Status& status) {
   return ToGrpcStatus(status);
 }
 
+absl::Status DecodeServiceImpl::Call::ShutdownError(uint32_t tokens_sent) const {
+  absl::MutexLock lock(&service_->mu_);
+  return absl::UnavailableError(absl::StrCat(
+      "decode node ", service_->info_.node_name(), " shut down: ", live_->shutdown_reason,
+      tokens_sent == 0 ? "; no token was sent, retry on another node"
+                       : absl::StrCat(" after ", tokens_sent, " tokens")));
+}
+
 grpc::Status DecodeServiceImpl::Call::EndCancelled() {
   Count(&DecodeMetrics::finished_abort);
   if (context_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+  // Ended by the drain before its first token: UNAVAILABLE, which the router retries elsewhere.
+  if (live_->shut_down.load()) return ToGrpcStatus(ShutdownError(0));
   v1::GenerateResponse msg;
   v1::GenerateComplete* done = msg.mutable_complete();
   done->set_finish_reason(v1::FINISH_REASON_ABORT);
@@ -370,8 +380,11 @@ grpc::Status DecodeServiceImpl::Call::EndStream(const Streamed& s) {
   }
   if (s.client_gone) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   v1::GenerateResponse msg;
-  if (s.finish == Finish::kError || (s.finish == Finish::kAbort && s.deadline_hit)) {
-    if (s.finish == Finish::kAbort) {
+  const bool shut_down = s.finish == Finish::kAbort && live_->shut_down.load() && !s.deadline_hit;
+  if (s.finish == Finish::kError || (s.finish == Finish::kAbort && s.deadline_hit) || shut_down) {
+    if (shut_down) {
+      error = ShutdownError(s.sent);
+    } else if (s.finish == Finish::kAbort) {
       error = absl::DeadlineExceededError(absl::StrCat("request '", request_.request_id(),
                                                        "' ran out of its time budget after ",
                                                        s.sent, " tokens"));

@@ -96,6 +96,8 @@ class DecodeServiceImpl::Call {
   grpc::Status Fail(const absl::Status& status);    // failed after admission, before the batch
   // Ends a request cancelled (client) or aborted before it joined the batch.
   grpc::Status EndCancelled();
+  // What a request ended by DecodeServiceImpl::EndLiveRequests gets, after `tokens_sent` tokens.
+  absl::Status ShutdownError(uint32_t tokens_sent) const;
   Ending Prefill();  // PrefillAndLand's first half: the call and its ending
   Ending Land();     // its second half: the landing checks
   Streamed StreamTokens();

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <iostream>
 #include <memory>
 
@@ -147,7 +148,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Int("quarantine-ms", &quarantine_ms,
             "how long pages a prefill node may still write stay out of use");
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
-            "on SIGTERM: refuse new requests and wait this long for running ones to finish");
+            "on SIGTERM: refuse new requests (UNAVAILABLE) and wait this long for running ones "
+            "to finish; then the rest end with UNAVAILABLE naming the drain and the process "
+            "exits within --abort-wait-ms + 2 s more (k8s/: terminationGracePeriodSeconds "
+            "covers the sum)");
   flags.Bool("huge-pages", &huge_pages, "back the arena with huge pages when available");
   flags.Bool("arena-from-transport", &arena_from_transport,
              "allocate the arena through UCX (a shared-memory segment peers on this host map and "
@@ -160,6 +164,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   serving::RegisterClientTlsFlags(flags, "prefill-tls", "prefill nodes", &prefill_tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
+    std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
   // Before anything else (it may restart the process): the batch scheduler's thread, gRPC's and
   // the read probe's all start with the pool's size (kernels/cpu/process_cpu.h).
   absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
@@ -368,6 +376,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     DecodeServiceImpl service(model->get(), arena.get(), &admission, &scheduler, transport->get(),
                               *descriptor, info, options);
     node_metrics.Attach(&service, &scheduler, &admission, arena.get());
+    // /readyz (common/metrics_http.h): ready from SERVING until the drain starts.
+    std::atomic<bool> ready{false};
     // Declared after everything its callbacks read, so it stops serving before they go away.
     auto metrics_started =
         serving::StartMetricsIfRequested(metrics_listen, &metrics::Registry::Default());
@@ -388,6 +398,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::unique_ptr<grpc::Server> server = std::move(*server_started);
     // Ready: the model is loaded and the arena registered (docs/PROTOCOL.md, Health).
     server->GetHealthCheckService()->SetServingStatus(kDecodeServiceName, true);
+    ready = true;
+    if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
     std::cerr << "fluxion decode " << node_name << " serving on port " << port << ", "
               << kv_pages << " KV pages of " << kv_shape.page_bytes() << " bytes"
               << (arena->explicit_huge_pages() ? " (huge pages)" : "")
@@ -399,13 +411,27 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
               << (device == "cuda" ? " (CUDA dense halves and resident window)" : "") << "\n";
     serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
     serving::WaitForStopSignal();
-    // Drain: NOT_SERVING, UNAVAILABLE for new requests, running ones may finish.
-    const int64_t left = serving::DrainAndShutdown(
-        server.get(), kDecodeServiceName, [&] { service.SetDraining(true); },
-        [&] { return service.live_requests(); },
-        absl::Milliseconds(drain_timeout_ms));
-    std::cerr << "fluxion decode " << node_name << " stopped with " << left
-              << " requests still live\n";
+    // Drain: NOT_SERVING (liveness stays SERVING), UNAVAILABLE for new requests, running ones
+    // may finish; at the timeout the rest end with UNAVAILABLE naming it.
+    serving::DrainPlan drain;
+    drain.service_names = {kDecodeServiceName};
+    drain.start_draining = [&] {
+      ready = false;
+      service.SetDraining(true);
+    };
+    drain.live_requests = [&] { return service.live_requests(); };
+    drain.end_remaining = [&] {
+      service.EndLiveRequests(absl::StrCat("the drain after SIGTERM ran past --drain-timeout-ms (",
+                                           drain_timeout_ms, " ms)"));
+    };
+    drain.timeout = absl::Milliseconds(drain_timeout_ms);
+    // A request in prefill ends once its prefill node answered the Abort (or --abort-wait-ms).
+    drain.end_grace = absl::Milliseconds(abort_wait_ms) + absl::Seconds(1);
+    std::cerr << "fluxion decode " << node_name << " draining: " << service.live_requests()
+              << " requests live, up to " << drain_timeout_ms << " ms\n";
+    const int64_t left = serving::DrainAndShutdown(server.get(), drain);
+    std::cerr << "fluxion decode " << node_name << " stopped; " << left
+              << " requests were still live at the drain timeout\n";
     metrics_server.reset();
     node_metrics.Detach();
   }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <iostream>
 #include <memory>
 
@@ -78,12 +79,18 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "-1 = no bound. Default 64, the decode node's --max-waiting: a longer queue only "
             "holds KV pages reserved on decode nodes for a wait a retry elsewhere beats");
   flags.Int("drain-timeout-ms", &drain_timeout_ms,
-            "on SIGTERM: refuse new requests and wait this long for running ones to finish");
+            "on SIGTERM: refuse new requests (UNAVAILABLE) and wait this long for running ones "
+            "to finish; calls still open then are cancelled and the process exits within 1 s "
+            "more");
   ucx.Register(flags);
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
   flags.Require("model");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
+    std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
   // Before anything else (it may restart the process): the threads the forward runs on (a
   // handler's, the batch thread) start later and get the pool's size (kernels/cpu/process_cpu.h).
   absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
@@ -134,6 +141,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   service.SetMaxBatchTokens(max_batch_tokens);
   service.SetMaxQueuedRequests(max_queued_requests);
   node_metrics.Attach(&service);
+  // /readyz (common/metrics_http.h): ready from SERVING until the drain starts.
+  std::atomic<bool> ready{false};
   // Declared after everything its callbacks read, so it stops serving before they go away.
   auto metrics_started =
       serving::StartMetricsIfRequested(metrics_listen, &metrics::Registry::Default());
@@ -155,15 +164,28 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::unique_ptr<grpc::Server> server = std::move(*server_started);
   // Ready: the model is loaded and UCX is up (docs/PROTOCOL.md, Health).
   server->GetHealthCheckService()->SetServingStatus(kPrefillServiceName, true);
+  ready = true;
+  if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
             << ", " << pool->threads() << " CPU thread(s)\n";
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   serving::WaitForStopSignal();
-  serving::DrainAndShutdown(
-      server.get(), kPrefillServiceName, [&] { service.SetDraining(true); },
-      [&] { return service.live_requests(); },
-      absl::Milliseconds(drain_timeout_ms));
+  // Drain: NOT_SERVING (liveness stays SERVING), UNAVAILABLE for new Prefill calls, running ones
+  // may finish; calls still open at the timeout are cancelled by the shutdown, which their decode
+  // nodes see as a failed Prefill call (UNAVAILABLE, retried by the router before the first token;
+  // docs/SERVING.md, "How a Prefill call ends").
+  serving::DrainPlan drain;
+  drain.service_names = {kPrefillServiceName};
+  drain.start_draining = [&] {
+    ready = false;
+    service.SetDraining(true);
+  };
+  drain.live_requests = [&] { return service.live_requests(); };
+  drain.timeout = absl::Milliseconds(drain_timeout_ms);
+  const int64_t left = serving::DrainAndShutdown(server.get(), drain);
+  std::cerr << "fluxion prefill " << node_name << " stopped; " << left
+            << " calls were still live at the drain timeout\n";
   metrics_server.reset();
   node_metrics.Detach();
   return 0;

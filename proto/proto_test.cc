@@ -330,9 +330,11 @@ TEST_F(DecodeProtoTest, HealthServiceReportsNotServingWhileDraining) {
   ASSERT_TRUE(CheckHealth(channel_, "fluxion.v1.DecodeService", &serving_status).ok());
   EXPECT_EQ(serving_status, kHealthServing);
 
-  health->SetServingStatus(false);  // What a draining server does for every service.
+  // What a draining server does (common/server_main.h, DrainPlan): its service name goes
+  // NOT_SERVING (readiness), the whole server ("", liveness) stays SERVING.
+  health->SetServingStatus("fluxion.v1.DecodeService", false);
   ASSERT_TRUE(CheckHealth(channel_, "", &serving_status).ok());
-  EXPECT_EQ(serving_status, kHealthNotServing);
+  EXPECT_EQ(serving_status, kHealthServing);
   ASSERT_TRUE(CheckHealth(channel_, "fluxion.v1.DecodeService", &serving_status).ok());
   EXPECT_EQ(serving_status, kHealthNotServing);
 }

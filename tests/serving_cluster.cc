@@ -37,9 +37,11 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& command,
   const std::string port_file = p->dir_ + "/port", log = p->dir_ + "/log";
   const std::string metrics_port_file = p->dir_ + "/metrics_port";
   std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
-                                   "--port-file", port_file, "--cpu-threads", "1",
+                                   "--port-file", port_file,
                                    "--metrics-listen", "127.0.0.1:0",
                                    "--metrics-port-file", metrics_port_file};
+  // The nodes compute; the router does not, and takes no --cpu-threads.
+  if (command != "router") argv.insert(argv.end(), {"--cpu-threads", "1"});
   argv.insert(argv.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {

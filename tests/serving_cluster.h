@@ -28,7 +28,8 @@ std::vector<std::string> UcxArgs(const std::string& tls);
 class ServerProcess {
  public:
   // Starts `fluxion <command> <args> --listen 127.0.0.1:0 --port-file ... --metrics-listen
-  // 127.0.0.1:0 --metrics-port-file ...` and waits (up to 60 s) until it serves. Returns null, with
+  // 127.0.0.1:0 --metrics-port-file ...` (and --cpu-threads 1 unless `command` is router) and
+  // waits (up to 60 s) until it serves. Returns null, with
   // the log printed, if it does not.
   static std::unique_ptr<ServerProcess> Start(const std::string& command,
                                               std::vector<std::string> args);

@@ -155,6 +155,7 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
   // The endpoint picker's inputs, idle.
   EXPECT_EQ(Sample(idle, "fluxion_decode_requests_running"), 0);
   EXPECT_EQ(Sample(idle, "fluxion_decode_requests_waiting"), 0);
+  EXPECT_EQ(Sample(idle, "fluxion_decode_requests_awaiting_pages"), 0);
   EXPECT_EQ(Sample(idle, "fluxion_decode_requests_prefilling"), 0);
   EXPECT_EQ(Sample(idle, "fluxion_kv_cache_usage_ratio"), 0);
   EXPECT_EQ(Sample(idle, "fluxion_kv_page_tokens"), 16);
@@ -190,9 +191,12 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
     b = client.Generate(
         GreedyRequest("metrics-b", BytePrompt(std::string(150, 'x')), 4, "full", ""));
   });
-  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_waiting", [](double v) { return v == 1; }),
+  EXPECT_EQ(WaitForSample(*decode_, "fluxion_decode_requests_awaiting_pages",
+                          [](double v) { return v == 1; }),
             1)
       << "B should wait for pages while A runs";
+  // B waits (for pages); A, decoding, does not.
+  EXPECT_GE(Sample(Scrape(*decode_), "fluxion_decode_requests_waiting"), 1);
   ta.join();
   tb.join();
   ASSERT_TRUE(a.status.ok()) << a.status.error_message();
@@ -298,6 +302,41 @@ TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuaranti
             0);
 }
 
+// A request whose KV is still being prefilled waits as far as a scheduler is concerned (vLLM's
+// num_requests_waiting counts requests waiting for remote KV; llm-d's endpoint picker reads
+// fluxion_decode_requests_waiting as that, k8s/llm-d/epp-config.yaml). The prefill node is slowed
+// (6 layers x 300 ms), so the request is in prefill for at least 1.8 s.
+TEST_F(ServingMetricsTest, RequestsBeingPrefilledCountAsWaiting) {
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  ASSERT_NE(slow, nullptr);
+  std::unique_ptr<ServerProcess> decode = StartDecode(slow->address());
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
+  GenerateResult result;
+  std::thread t([&] {
+    result = client.Generate(GreedyRequest("waiting", BytePrompt("hello"), 4, "full", ""));
+  });
+  // One scrape that shows the request prefilling also shows it waiting, and not for pages.
+  std::string text;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (Sample(text = Scrape(*decode), "fluxion_decode_requests_prefilling") != 1 &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(Sample(text, "fluxion_decode_requests_prefilling"), 1);
+  EXPECT_EQ(Sample(text, "fluxion_decode_requests_waiting"), 1);
+  EXPECT_EQ(Sample(text, "fluxion_decode_requests_awaiting_pages"), 0);
+  EXPECT_EQ(Sample(text, "fluxion_decode_requests_running"), 0);
+  t.join();
+  EXPECT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(
+      WaitForSample(*decode, "fluxion_decode_requests_waiting", [](double v) { return v == 0; }),
+      0);
+}
+
 // Drains a decode node of its own. The request goes through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
 TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
   std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
@@ -328,6 +367,9 @@ TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
   const bool request_was_live = !done.load();  // so the process was still up, draining
   EXPECT_FALSE(serving) << "the named service stayed SERVING while draining";
   EXPECT_TRUE(request_was_live) << "the request ended before NOT_SERVING was seen";
+  // Liveness asks the whole server: a draining node is alive and must not be restarted.
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode), "", absl::Seconds(2)));
+  EXPECT_FALSE(done.load()) << "the request ended before liveness was read";
   EXPECT_TRUE(cluster::HealthServing(ChannelTo(*slow), "fluxion.v1.PrefillService",
                                      absl::Seconds(2)));
   t.join();

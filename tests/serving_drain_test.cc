@@ -1,0 +1,231 @@
+// Graceful shutdown on SIGTERM of live `fluxion decode` and `fluxion router` processes (issue 17,
+// what Kubernetes does to a pod it deletes): readiness (the service name) goes NOT_SERVING while
+// liveness (the whole server, "") stays SERVING, new requests are refused with UNAVAILABLE, and
+// requests still live when --drain-timeout-ms passes end cleanly -- with their tokens and a clear
+// error or finish reason naming the drain -- before the process exits by itself.
+//
+// No timing luck: the requests that must still be live when the drain's timeout passes are either
+// in a prefill node slowed by --test-layer-delay-ms (6 layers x 400 ms: at least 2.4 s, a lower
+// bound no machine beats) or generating 30000 tokens with full attention (many seconds of work on
+// any CPU), against a 1 s drain timeout.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cluster/backends.h"
+#include "common/metrics_testing.h"
+#include "gtest/gtest.h"
+#include "tests/serving_cluster.h"
+
+namespace fluxion::testing {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+
+constexpr uint32_t kLongRequestTokens = 30000;
+
+std::shared_ptr<grpc::Channel> ChannelTo(const ServerProcess& server) {
+  return grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+}
+
+bool Serving(const ServerProcess& server, const std::string& service) {
+  return cluster::HealthServing(ChannelTo(server), service, absl::Seconds(2));
+}
+
+// Polls until `service` on `server` answers anything but SERVING (true), or 10 s pass (false).
+bool WaitNotServing(const ServerProcess& server, const std::string& service) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    if (!cluster::HealthServing(ChannelTo(server), service, absl::Milliseconds(500))) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+// Polls `decode`'s GetLoad until `done(load)` or 10 s pass.
+template <typename Done>
+bool WaitForLoad(DecodeClient& decode, Done done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    if (done(decode.Load())) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// Two prefill nodes, one of them slow; each test starts the node it drains.
+class GracefulShutdownTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    std::vector<std::string> fast = {"--model", TinyModelDir()};
+    fast.insert(fast.end(), ucx.begin(), ucx.end());
+    prefill_ = ServerProcess::Start("prefill", fast).release();
+    std::vector<std::string> slow = fast;
+    slow.insert(slow.end(), {"--test-layer-delay-ms", "400"});
+    slow_prefill_ = ServerProcess::Start("prefill", slow).release();
+  }
+  static void TearDownTestSuite() {
+    delete prefill_;
+    delete slow_prefill_;
+    prefill_ = slow_prefill_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(prefill_, nullptr) << "prefill node did not start";
+    ASSERT_NE(slow_prefill_, nullptr) << "slow prefill node did not start";
+  }
+  // A decode node trusting both prefill nodes, draining for at most `drain_timeout_ms`.
+  static std::unique_ptr<ServerProcess> StartDecode(int drain_timeout_ms) {
+    std::vector<std::string> args = {"--model",
+                                     TinyModelDir(),
+                                     "--kv-pages",
+                                     "65536",
+                                     "--nohuge-pages",
+                                     "--prefill-address",
+                                     prefill_->address() + "," + slow_prefill_->address(),
+                                     "--drain-timeout-ms",
+                                     absl::StrCat(drain_timeout_ms)};
+    std::vector<std::string> ucx = UcxArgs("tcp");
+    args.insert(args.end(), ucx.begin(), ucx.end());
+    return ServerProcess::Start("decode", args);
+  }
+  static ServerProcess* prefill_;
+  static ServerProcess* slow_prefill_;
+};
+ServerProcess* GracefulShutdownTest::prefill_ = nullptr;
+ServerProcess* GracefulShutdownTest::slow_prefill_ = nullptr;
+
+TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnavailable) {
+  std::unique_ptr<ServerProcess> decode = StartDecode(1000);
+  ASSERT_NE(decode, nullptr);
+  DecodeClient client(decode->address());
+  // A: decoding (30000 tokens); B: in the slow prefill node (>= 2.4 s) when SIGTERM comes.
+  GenerateResult a, b;
+  std::thread ta([&] {
+    a = client.Generate(GreedyRequest("drain-a", BytePrompt("hello"), kLongRequestTokens, "full",
+                                      prefill_->address()));
+  });
+  ASSERT_TRUE(
+      WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+  std::thread tb([&] {
+    b = client.Generate(
+        GreedyRequest("drain-b", BytePrompt("hello"), 8, "full", slow_prefill_->address()));
+  });
+  ASSERT_TRUE(
+      WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.prefilling_requests() == 1; }));
+  // The same answers over HTTP, for probes that cannot use gRPC health (TLS): ready, alive.
+  EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
+
+  decode->Signal(SIGTERM);
+  // Draining for 1 s with both requests live: not ready, still alive.
+  EXPECT_TRUE(WaitNotServing(*decode, "fluxion.v1.DecodeService"));
+  EXPECT_TRUE(Serving(*decode, "")) << "liveness flipped during the drain";
+  EXPECT_FALSE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
+  EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/livez").ok());
+  GenerateResult late = client.Generate(GreedyRequest("late", BytePrompt("hi"), 4, "full", ""));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(late.status.error_message().find("draining"), std::string::npos)
+      << late.status.error_message();
+
+  ta.join();
+  tb.join();
+  // A keeps the tokens it got and ends with an error naming the drain.
+  EXPECT_EQ(a.status.error_code(), grpc::StatusCode::UNAVAILABLE) << a.status.error_message();
+  EXPECT_NE(a.status.error_message().find("--drain-timeout-ms (1000 ms)"), std::string::npos)
+      << a.status.error_message();
+  EXPECT_GE(a.tokens.size(), 1u);
+  EXPECT_LT(a.tokens.size(), kLongRequestTokens);
+  ASSERT_TRUE(a.has_error) << "the stream should end with a GenerateError message";
+  EXPECT_EQ(a.error.code(), static_cast<int32_t>(grpc::StatusCode::UNAVAILABLE));
+  EXPECT_EQ(a.error.usage().completion_tokens(), a.tokens.size());
+  // B never got a token: UNAVAILABLE, which says it may be retried elsewhere.
+  EXPECT_EQ(b.status.error_code(), grpc::StatusCode::UNAVAILABLE) << b.status.error_message();
+  EXPECT_NE(b.status.error_message().find("no token was sent, retry on another node"),
+            std::string::npos)
+      << b.status.error_message();
+  EXPECT_TRUE(b.tokens.empty());
+  // It exits by itself: the drain's 1 s, --abort-wait-ms (2 s) + 1 s for B's prefill, 1 s of
+  // shutdown; 10 s is a bound far above that.
+  EXPECT_TRUE(decode->Terminate(absl::Seconds(10))) << decode->Log();
+  EXPECT_NE(decode->Log().find("2 requests were still live at the drain timeout"),
+            std::string::npos)
+      << decode->Log();
+}
+
+TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLeftovers) {
+  std::unique_ptr<ServerProcess> decode = StartDecode(30000);
+  ASSERT_NE(decode, nullptr);
+  std::unique_ptr<ServerProcess> router =
+      ServerProcess::Start("router", {"--decode", decode->address(), "--prefill",
+                                      prefill_->address() + "," + slow_prefill_->address(),
+                                      "--poll-ms", "50", "--drain-timeout-ms", "1000"});
+  ASSERT_NE(router, nullptr);
+  const absl::Time ready_by = absl::Now() + absl::Seconds(10);
+  while (!Serving(*router, "fluxion.v1.DecodeService") && absl::Now() < ready_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(Serving(*router, "fluxion.v1.DecodeService")) << router->Log();
+  DecodeClient through_router(router->address());
+  DecodeClient decode_client(decode->address());
+  GenerateResult a;
+  std::thread ta([&] {
+    a = through_router.Generate(GreedyRequest("router-drain-a", BytePrompt("hello"),
+                                              kLongRequestTokens, "full", prefill_->address()));
+  });
+  ASSERT_TRUE(WaitForLoad(decode_client,
+                          [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+
+  router->Signal(SIGTERM);
+  EXPECT_TRUE(WaitNotServing(*router, "fluxion.v1.DecodeService"));
+  EXPECT_FALSE(Serving(*router, "vllm.grpc.engine.VllmEngine"));
+  EXPECT_TRUE(Serving(*router, "")) << "liveness flipped during the drain";
+  GenerateResult late = through_router.Generate(GreedyRequest("late", BytePrompt("hi"), 4, "", ""));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(late.status.error_message().find("is draining"), std::string::npos)
+      << late.status.error_message();
+
+  ta.join();
+  // Aborted at the drain timeout, downstream too: its tokens, then an abort naming the drain.
+  EXPECT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(a.has_complete);
+  EXPECT_EQ(a.complete.finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_NE(a.complete.abort_reason().find("--drain-timeout-ms (1000 ms)"), std::string::npos)
+      << a.complete.abort_reason();
+  EXPECT_GE(a.tokens.size(), 1u);
+  EXPECT_LT(a.tokens.size(), kLongRequestTokens);
+  EXPECT_TRUE(router->Terminate(absl::Seconds(10))) << router->Log();
+  // The decode node let the request go: its pages are back.
+  const v1::DecodeLoad idle = decode_client.WaitAllPagesFree(absl::Seconds(10));
+  EXPECT_EQ(idle.free_kv_pages(), idle.total_kv_pages());
+}
+
+// The bound is a flag of each command, checked before anything loads: a value out of [0, 1 h]
+// stops the command with exit code 2 and a message naming the flag (one process per command:
+// each start of the binary costs about a second here).
+TEST(DrainTimeoutFlagTest, OutOfRangeValuesAreRefusedByEveryServer) {
+  for (const std::string command : {"router", "prefill --model /nonexistent",
+                                    "decode --model /nonexistent"}) {
+    const std::string out = ::testing::TempDir() + "/drain-flag.txt";
+    const std::string line =
+        absl::StrCat(FLUXION_BINARY, " ", command, " --drain-timeout-ms=-1 > ", out, " 2>&1");
+    const int status = std::system(line.c_str());
+    ASSERT_TRUE(WIFEXITED(status)) << line;
+    EXPECT_EQ(WEXITSTATUS(status), 2) << line;
+    std::ifstream in(out);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("--drain-timeout-ms must be in [0, 3600000]"), std::string::npos)
+        << line << ": " << text;
+  }
+}
+
+}  // namespace
+}  // namespace fluxion::testing
