@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "cluster/replay_report.h"
 #include "cluster/replay_run.h"
+#include "cluster/replay_sampler.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
 #include "common/flag_set.h"
@@ -100,6 +103,18 @@ int RunReplayCommand(const std::vector<std::string>& args) {
                "write summary.json, requests.csv, timeline.csv and plots into this directory");
   flags.String("plot-format", &plot_format, "png or svg");
   flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 50 points)");
+  std::string sample_pids;
+  double sample_interval_s = 0, sample_warmup_s = 60, sample_settle_s = 60;
+  flags.Double("sample-interval-s", &sample_interval_s,
+               "soak sampling: every this many seconds read the --sample-pids processes' RSS and "
+               "threads (/proc) and the target's GetLoad page counters; 0 = off");
+  flags.String("sample-pids", &sample_pids,
+               "soak sampling: name=pid[,name=pid...] of processes on this machine to sample");
+  flags.Double("sample-warmup-s", &sample_warmup_s,
+               "soak sampling: RSS and threads must stay flat after this much of the run");
+  flags.Double("sample-settle-s", &sample_settle_s,
+               "soak sampling: after the run, wait up to this long for the target to go idle and "
+               "its KV pages to come back before the final sample");
   flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
   serving::ClientTlsOptions tls;
   serving::RegisterClientTlsFlags(flags, "tls", "the target", &tls);
@@ -202,6 +217,38 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 2;
   }
 
+  auto sampled = ParseSamplePids(sample_pids);
+  if (!sampled.ok()) {
+    std::cerr << "error: " << sampled.status().message() << "\n";
+    return 2;
+  }
+  for (const auto& [flag, value] :
+       {std::pair<const char*, double>{"--sample-interval-s", sample_interval_s},
+        {"--sample-warmup-s", sample_warmup_s},
+        {"--sample-settle-s", sample_settle_s}}) {
+    if (!std::isfinite(value) || value < 0 || value > kMaxReplayTimeoutS) {
+      std::cerr << "error: " << flag << " must be in [0, " << kMaxReplayTimeoutS << "], got "
+                << value << "\n";
+      return 2;
+    }
+  }
+  if (!sampled->empty() && sample_interval_s == 0) {
+    std::cerr << "error: --sample-pids needs --sample-interval-s > 0\n";
+    return 2;
+  }
+  std::unique_ptr<ResourceSampler> sampler;
+  if (sample_interval_s > 0) {
+    SamplerOptions so;
+    so.processes = *sampled;
+    so.target = target;
+    so.channel = *channel;
+    so.interval = absl::Seconds(sample_interval_s);
+    so.warmup = absl::Seconds(sample_warmup_s);
+    so.settle = absl::Seconds(sample_settle_s);
+    sampler = std::make_unique<ResourceSampler>(std::move(so));
+    sampler->Start();
+  }
+
   Replayer replayer(options);
   absl::StatusOr<std::vector<RequestRecord>> records;
   {
@@ -215,12 +262,32 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 1;
   }
   ReportOutputs outputs;
+  std::optional<SamplerReport> resources;
+  if (sampler != nullptr) {
+    resources = sampler->Finish();
+    outputs.extra_summary["resources"] =
+        SamplerReportToJson(*resources, absl::Seconds(sample_warmup_s));
+  }
   outputs.json_path = json_path;
   outputs.out_dir = out_dir;
   outputs.plot_format = plot_format;
   outputs.timeline_bucket_s = bucket_s;
   ReportResult result = ReportRun(*records, run, slo, outputs);
-  return (result.stats.failed > 0 || result.write_failed) ? 1 : 0;
+  bool resources_bad = false;
+  if (resources.has_value()) {
+    std::cout << FormatSamplerReport(*resources, absl::Seconds(sample_warmup_s));
+    if (!out_dir.empty()) {
+      if (absl::Status s = WriteSamplesCsv(out_dir + "/samples.csv", *resources); !s.ok()) {
+        std::cerr << "error: " << s.message() << "\n";
+        result.write_failed = true;
+      }
+    }
+    // A sampled process that died, or pages that did not come back, fail the run like a failed
+    // request; RSS/thread growth is reported (the verdict column) for the reader to judge.
+    for (const ProcessTrend& p : resources->processes) resources_bad |= p.died;
+    resources_bad |= resources->have_load && !resources->pages_back_to_baseline;
+  }
+  return (result.stats.failed > 0 || result.write_failed || resources_bad) ? 1 : 0;
 }
 
 }  // namespace fluxion::cluster
