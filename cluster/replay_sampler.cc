@@ -100,7 +100,7 @@ ResourceSampler::ResourceSampler(SamplerOptions options) : options_(std::move(op
 }
 
 ResourceSampler::~ResourceSampler() {
-  stop_.Notify();
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (thread_ != nullptr && thread_->joinable()) thread_->join();
 }
 
@@ -150,7 +150,7 @@ void ResourceSampler::Start() {
 }
 
 SamplerReport ResourceSampler::Finish() {
-  stop_.Notify();
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (thread_ != nullptr && thread_->joinable()) thread_->join();
   if (stub_ != nullptr) {
     // Wait for the target to go idle and its pages to come back (quarantined ones included)

@@ -194,9 +194,9 @@ absl::Status NetnsLab::Loss(int i, int percent) {
   std::string rules = absl::StrCat(
       "table inet fxloss {\n",
       "  chain in { type filter hook input priority 0; policy accept;\n",
-      "    meta l4proto tcp numgen random mod 100 < ", percent, " drop }\n",
+      "    meta l4proto tcp numgen random mod 100 < ", percent, " counter drop\n  }\n",
       "  chain out { type filter hook output priority 0; policy accept;\n",
-      "    meta l4proto tcp numgen random mod 100 < ", percent, " drop }\n", "}\n");
+      "    meta l4proto tcp numgen random mod 100 < ", percent, " counter drop\n  }\n", "}\n");
   char tmpl[] = "/tmp/fluxion-netns-nft-XXXXXX";
   const int fd = mkstemp(tmpl);
   if (fd < 0) return absl::InternalError("mkstemp failed");
@@ -209,6 +209,25 @@ absl::Status NetnsLab::Loss(int i, int percent) {
   absl::Status s = RunCommand({"ip", "netns", "exec", ns, "nft", "-f", tmpl});
   unlink(tmpl);
   return s;
+}
+
+absl::StatusOr<int64_t> NetnsLab::DroppedPackets(int i) {
+  auto r = RunCapture({"ip", "netns", "exec", netns(i), "nft", "list", "table", "inet", "fxloss"});
+  if (!r.ok()) return r.status();
+  if (r->first != 0) return absl::NotFoundError(absl::StrCat("no loss rules on ", netns(i)));
+  int64_t total = 0;
+  // "... counter packets 12 bytes 3456 drop", once per chain.
+  for (absl::string_view rest = r->second;;) {
+    const size_t at = rest.find("packets ");
+    if (at == absl::string_view::npos) break;
+    rest.remove_prefix(at + 8);
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(rest.substr(0, rest.find(' ')), &n)) {
+      return absl::DataLossError(absl::StrCat("unparseable nft counter: ", r->second));
+    }
+    total += n;
+  }
+  return total;
 }
 
 absl::Status NetnsLab::ClearShaping(int i) {

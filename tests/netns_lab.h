@@ -13,6 +13,8 @@
 #ifndef FLUXION_TESTS_NETNS_LAB_H_
 #define FLUXION_TESTS_NETNS_LAB_H_
 
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,8 @@ class NetnsLab {
   absl::Status RateLimit(int i, const std::string& rate);
   // Drops `percent` % of TCP packets the host sends and receives, at random (nft numgen).
   absl::Status Loss(int i, int percent);
+  // Packets the Loss() rules dropped so far (both directions).
+  absl::StatusOr<int64_t> DroppedPackets(int i);
   // Removes the rate limit and loss rules.
   absl::Status ClearShaping(int i);
 
