@@ -10,8 +10,9 @@
 # 1. Saturation: a closed loop at SAT_CONCURRENCY requests in flight for SAT_REQUESTS requests
 #    measures the cluster's throughput (req/s); that is the saturation rate.
 # 2. The soak: Poisson arrivals at RATE_FRACTION (0.95) of it for DURATION_S, the same request
-#    shape. Exit status: replay's (1 when a request failed, a sampled process died or the KV pages
-#    did not come back to their starting count).
+#    shape. Exit status 0 when the verdict (OUT_DIR/verdict.txt) passes: errors only from the
+#    router's shedding, no sampled process died, RSS and threads flat after the warm-up, the KV
+#    pages back to their starting count.
 # Writes OUT_DIR/{saturation,soak}/ (summary.json, requests.csv, samples.csv, plots) and logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -100,5 +101,28 @@ set +e
   --out-dir "$OUT/soak" | tee "$OUT/soak.txt"
 rc=${PIPESTATUS[0]}
 set -e
-echo "soak exit status $rc; results in $OUT"
-exit "$rc"
+echo "replay exit status $rc (1 also when requests were shed)"
+# The verdict: errors only from shedding (the router's RESOURCE_EXHAUSTED at the KV threshold,
+# expected at saturation), no sampled process died, RSS and threads flat after the warm-up, the
+# KV pages back to their starting count.
+python3 - "$OUT/soak/summary.json" <<'PY' | tee "$OUT/verdict.txt"
+import json, sys
+s = json.load(open(sys.argv[1]))
+r = s["resources"]
+problems = []
+other = {k: v for k, v in s["errors_by_code"].items() if k != "RESOURCE_EXHAUSTED"}
+if other:
+    problems.append(f"errors other than shedding: {other}")
+for p in r["processes"]:
+    if p["died"]:
+        problems.append(f"{p['name']} died")
+    elif not (p["rss_flat"] and p["threads_flat"]):
+        problems.append(f"{p['name']}: RSS flat {p['rss_flat']}, threads flat {p['threads_flat']}")
+if not r.get("pages_back_to_baseline", False):
+    problems.append("KV pages not back to baseline")
+shed = s["errors_by_code"].get("RESOURCE_EXHAUSTED", 0)
+print(f"soak: {s['requests']} requests over {s['duration_s']:.0f} s, {s['succeeded']} succeeded, "
+      f"{shed} shed (RESOURCE_EXHAUSTED), {len(other) and sum(other.values())} other errors")
+print("soak verdict: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
+sys.exit(1 if problems else 0)
+PY
