@@ -52,6 +52,37 @@ absl::Status ValidateCommandFlags(int64_t vocab_size, double temperature, double
   return absl::OkStatus();
 }
 
+// The soak sampler of --sample-interval-s, started (null when sampling is off), or
+// INVALID_ARGUMENT naming the flag.
+absl::StatusOr<std::unique_ptr<ResourceSampler>> StartSampler(
+    const std::string& pids, double interval_s, double warmup_s, double settle_s,
+    const std::string& target, const serving::ChannelConfig& channel) {
+  auto sampled = ParseSamplePids(pids);
+  if (!sampled.ok()) return sampled.status();
+  for (const auto& [flag, value] : {std::pair<const char*, double>{"--sample-interval-s", interval_s},
+                                    {"--sample-warmup-s", warmup_s},
+                                    {"--sample-settle-s", settle_s}}) {
+    if (!std::isfinite(value) || value < 0 || value > kMaxReplayTimeoutS) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must be in [0, ", kMaxReplayTimeoutS, "], got ", value));
+    }
+  }
+  if (!sampled->empty() && interval_s == 0) {
+    return absl::InvalidArgumentError("--sample-pids needs --sample-interval-s > 0");
+  }
+  if (interval_s == 0) return std::unique_ptr<ResourceSampler>();
+  SamplerOptions options;
+  options.processes = *sampled;
+  options.target = target;
+  options.channel = channel;
+  options.interval = absl::Seconds(interval_s);
+  options.warmup = absl::Seconds(warmup_s);
+  options.settle = absl::Seconds(settle_s);
+  auto sampler = std::make_unique<ResourceSampler>(std::move(options));
+  sampler->Start();
+  return sampler;
+}
+
 }  // namespace
 
 int RunReplayCommand(const std::vector<std::string>& args) {
@@ -217,36 +248,11 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 2;
   }
 
-  auto sampled = ParseSamplePids(sample_pids);
-  if (!sampled.ok()) {
-    std::cerr << "error: " << sampled.status().message() << "\n";
+  auto sampler = StartSampler(sample_pids, sample_interval_s, sample_warmup_s, sample_settle_s,
+                              target, *channel);
+  if (!sampler.ok()) {
+    std::cerr << "error: " << sampler.status().message() << "\n";
     return 2;
-  }
-  for (const auto& [flag, value] :
-       {std::pair<const char*, double>{"--sample-interval-s", sample_interval_s},
-        {"--sample-warmup-s", sample_warmup_s},
-        {"--sample-settle-s", sample_settle_s}}) {
-    if (!std::isfinite(value) || value < 0 || value > kMaxReplayTimeoutS) {
-      std::cerr << "error: " << flag << " must be in [0, " << kMaxReplayTimeoutS << "], got "
-                << value << "\n";
-      return 2;
-    }
-  }
-  if (!sampled->empty() && sample_interval_s == 0) {
-    std::cerr << "error: --sample-pids needs --sample-interval-s > 0\n";
-    return 2;
-  }
-  std::unique_ptr<ResourceSampler> sampler;
-  if (sample_interval_s > 0) {
-    SamplerOptions so;
-    so.processes = *sampled;
-    so.target = target;
-    so.channel = *channel;
-    so.interval = absl::Seconds(sample_interval_s);
-    so.warmup = absl::Seconds(sample_warmup_s);
-    so.settle = absl::Seconds(sample_settle_s);
-    sampler = std::make_unique<ResourceSampler>(std::move(so));
-    sampler->Start();
   }
 
   Replayer replayer(options);
@@ -263,8 +269,8 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   }
   ReportOutputs outputs;
   std::optional<SamplerReport> resources;
-  if (sampler != nullptr) {
-    resources = sampler->Finish();
+  if (*sampler != nullptr) {
+    resources = (*sampler)->Finish();
     outputs.extra_summary["resources"] =
         SamplerReportToJson(*resources, absl::Seconds(sample_warmup_s));
   }

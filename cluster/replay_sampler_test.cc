@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include "cluster/fake_decode_service.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
 namespace {
+
+namespace v1 = ::fluxion::v1;
 
 TEST(ParseSamplePidsTest, NamesAndPids) {
   auto p = ParseSamplePids("router=12,decode-0=345");
@@ -66,6 +69,42 @@ TEST(ResourceSamplerTest, ProcessesOnlyReportsTrendsAndAGoneProcess) {
   nlohmann::json j = SamplerReportToJson(r, o.warmup);
   EXPECT_TRUE(j["processes"][1]["died"].get<bool>());
   EXPECT_FALSE(j.contains("pages_back_to_baseline"));
+}
+
+v1::DecodeLoad LoadWith(uint64_t free_pages, uint32_t running) {
+  v1::DecodeLoad l;
+  l.set_total_kv_pages(1000);
+  l.set_free_kv_pages(free_pages);
+  l.set_running_requests(running);
+  return l;
+}
+
+TEST(ResourceSamplerTest, PagesBackToBaselineOnlyWhenTheTargetGivesThemBack) {
+  testing::FakeDecodeService service;
+  testing::FakeServer server(&service, "fluxion.v1.DecodeService");
+  for (bool leak : {false, true}) {
+    SCOPED_TRACE(leak ? "leaked" : "given back");
+    service.SetLoad(LoadWith(1000, 0));
+    SamplerOptions o;
+    o.target = server.address();
+    o.interval = absl::Milliseconds(20);
+    o.warmup = absl::ZeroDuration();
+    o.settle = absl::Milliseconds(300);
+    ResourceSampler sampler(o);
+    sampler.Start();
+    service.SetLoad(LoadWith(400, 3));  // the run: pages in use
+    absl::SleepFor(absl::Milliseconds(100));
+    service.SetLoad(leak ? LoadWith(990, 0) : LoadWith(1000, 0));  // idle: all back, or 10 short
+    SamplerReport r = sampler.Finish();
+    ASSERT_TRUE(r.have_load);
+    EXPECT_EQ(r.first_load.free_kv_pages, 1000u);
+    EXPECT_EQ(r.final_load.free_kv_pages, leak ? 990u : 1000u);
+    EXPECT_EQ(r.pages_back_to_baseline, !leak);
+    EXPECT_GE(r.load_samples.size(), 3u);
+    const std::string table = FormatSamplerReport(r, o.warmup);
+    EXPECT_NE(table.find(leak ? "NOT back to baseline" : "back to baseline"), std::string::npos)
+        << table;
+  }
 }
 
 }  // namespace

@@ -714,8 +714,10 @@ TEST_F(ClusterFaultsTest, OverloadEndsEveryRequestWithTokensOrAClearErrorInTime)
 }
 
 TEST_F(ClusterFaultsTest, RollingRestartUnderLoadFailsNoRequestBeforeItsFirstToken) {
+  // Poisson load at 3 req/s that runs until both restarts are done (then it is interrupted), so
+  // the restarts happen under load however long they take on this machine.
   cluster::SyntheticOptions synthetic;
-  synthetic.num_requests = 60 * Scale();
+  synthetic.num_requests = 1800;
   synthetic.rate = 3;
   synthetic.input = *cluster::ParseLengthDistribution("uniform:64:256");
   synthetic.output = *cluster::ParseLengthDistribution("fixed:24");
@@ -724,32 +726,35 @@ TEST_F(ClusterFaultsTest, RollingRestartUnderLoadFailsNoRequestBeforeItsFirstTok
   options.progress = false;
   options.vocab_size = 256;
   options.timeout_s = 120;
+  cluster::Replayer replayer(options);
   absl::StatusOr<std::vector<cluster::RequestRecord>> records;
-  std::thread load([&] {
-    records = cluster::Replayer(options).Run(cluster::MakeSyntheticSchedule(synthetic));
-  });
+  std::thread load([&] { records = replayer.Run(cluster::MakeSyntheticSchedule(synthetic)); });
   // One node of each kind, one after the other: SIGTERM (drain), wait for it to exit by itself,
   // start it again on the same address, wait until the router uses it again.
   for (int h : {kPrefill0, kDecode0}) {
-    absl::SleepFor(absl::Seconds(2));
+    absl::SleepFor(absl::Seconds(2 * Scale()));
     const std::string how = (*procs_)[h]->Stop(absl::Seconds(60));
-    EXPECT_THAT(how, HasSubstr("exited")) << kHostNames[h];
+    EXPECT_THAT(how, HasSubstr("exited 0")) << kHostNames[h];
     ASSERT_TRUE(StartHost(h).ok()) << (*procs_)[h]->LogTail();
     ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(60)).ok()) << kHostNames[h];
   }
+  absl::SleepFor(absl::Seconds(2));
+  replayer.Interrupt();  // cancels what is still in flight: CANCELLED, not a failure
   load.join();
   ASSERT_TRUE(records.ok()) << records.status();
-  int failed_before_first = 0, failed_after_first = 0;
+  int ok = 0, failed_before_first = 0, failed_after_first = 0;
   for (const cluster::RequestRecord& r : *records) {
-    if (r.ok()) continue;
+    if (r.ok()) ++ok;
+    if (r.ok() || r.status_code == grpc::StatusCode::CANCELLED) continue;
     (r.has_first_token() ? failed_after_first : failed_before_first)++;
     std::cerr << "rolling restart: " << r.request_id << " failed "
               << (r.has_first_token() ? "after" : "before") << " its first token: "
               << r.status_code << " " << r.status_message << "\n";
   }
   EXPECT_EQ(failed_before_first, 0);
-  std::cerr << "rolling restart: " << records->size() << " requests, " << failed_after_first
-            << " failed after their first token\n";
+  EXPECT_GT(ok, 0);
+  std::cerr << "rolling restart: " << records->size() << " requests sent, " << ok
+            << " succeeded, " << failed_after_first << " failed after their first token\n";
 }
 
 }  // namespace
