@@ -145,6 +145,17 @@ void ResourceSampler::Loop() {
 
 void ResourceSampler::Start() {
   start_ = absl::Now();
+  if (stub_ != nullptr) {
+    // The page baseline needs an answer that counts pages: a router answers 0/0 while it sees no
+    // healthy decode node (a health check missed on a loaded machine). Wait up to `settle` for
+    // one, so that the run also starts on a router that is ready.
+    const absl::Time deadline = absl::Now() + options_.settle;
+    while (absl::Now() < deadline) {
+      LoadSample l = QueryLoad();
+      if (l.ok && l.total_kv_pages > 0) break;
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  }
   SampleOnce(false);
   thread_ = std::make_unique<std::thread>([this] { Loop(); });
 }

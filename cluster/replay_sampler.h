@@ -100,7 +100,8 @@ class ResourceSampler {
   ResourceSampler(const ResourceSampler&) = delete;
   ResourceSampler& operator=(const ResourceSampler&) = delete;
 
-  // Takes the first sample at once, then one every interval on a thread of its own.
+  // Waits (up to `settle`) until the target's GetLoad counts pages, takes the first sample, then
+  // one every interval on a thread of its own.
   void Start();
   // Stops the thread, waits (up to `settle`) for an idle target, takes the final sample and
   // returns the report.
