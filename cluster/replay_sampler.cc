@@ -51,7 +51,8 @@ absl::StatusOr<std::vector<SampledProcess>> ParseSamplePids(absl::string_view fl
           "--sample-pids: want name=pid[,name=pid...] with pids > 0, got \"", entry, "\""));
     }
     if (!names.insert(std::string(kv[0])).second) {
-      return absl::InvalidArgumentError(absl::StrCat("--sample-pids: name \"", kv[0], "\" given twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sample-pids: name \"", kv[0], "\" given twice"));
     }
     out.push_back({std::string(kv[0]), static_cast<pid_t>(pid)});
   }
@@ -215,9 +216,10 @@ std::string FormatSamplerReport(const SamplerReport& r, absl::Duration warmup) {
   auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
   for (const ProcessTrend& p : r.processes) {
     std::string verdict = p.died ? "DIED"
-                          : p.rss_after_warmup == 0 ? "no sample after warm-up"
-                          : absl::StrCat(RssFlat(p) ? "RSS flat" : "RSS GREW", ", ",
-                                         ThreadsFlat(p) ? "threads flat" : "threads GREW");
+                          : p.rss_after_warmup == 0
+                              ? "no sample after warm-up"
+                              : absl::StrCat(RssFlat(p) ? "RSS flat" : "RSS GREW", ", ",
+                                             ThreadsFlat(p) ? "threads flat" : "threads GREW");
     absl::StrAppendFormat(&out, "  %-12s %7d %8d %10.1f %10.1f %10.1f %8d %8d %8d  %s\n", p.name,
                           p.pid, p.samples, mib(p.rss_after_warmup), mib(p.rss_max_after_warmup),
                           mib(p.rss_last), p.threads_after_warmup, p.threads_max_after_warmup,
@@ -225,8 +227,9 @@ std::string FormatSamplerReport(const SamplerReport& r, absl::Duration warmup) {
   }
   if (r.have_load) {
     absl::StrAppendFormat(
-        &out, "  KV pages free/total at start %d/%d, after the run %d/%d (running %d, prefilling %d, "
-              "waiting %d): %s\n",
+        &out,
+        "  KV pages free/total at start %d/%d, after the run %d/%d (running %d, prefilling %d, "
+        "waiting %d): %s\n",
         r.first_load.free_kv_pages, r.first_load.total_kv_pages, r.final_load.free_kv_pages,
         r.final_load.total_kv_pages, r.final_load.running, r.final_load.prefilling,
         r.final_load.waiting,

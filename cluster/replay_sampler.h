@@ -49,7 +49,7 @@ absl::StatusOr<ProcessUsage> ReadProcessUsage(pid_t pid);
 absl::StatusOr<ProcessUsage> ParseProcStatus(absl::string_view text);
 
 struct ProcessSample {
-  double t_s = 0;    // since the sampler started
+  double t_s = 0;  // since the sampler started
   bool alive = false;
   ProcessUsage usage;
 };
@@ -87,9 +87,10 @@ struct ProcessTrend {
 struct SamplerReport {
   std::vector<ProcessTrend> processes;
   bool have_load = false;
-  LoadSample first_load, final_load;  // before the first request; after the run settled
+  LoadSample first_load, final_load;    // before the first request; after the run settled
   bool pages_back_to_baseline = false;  // final free == first free and total unchanged
-  std::vector<std::pair<std::string, ProcessSample>> process_samples;  // (name, sample) in time order
+  std::vector<std::pair<std::string, ProcessSample>>
+      process_samples;  // (name, sample) in time order
   std::vector<LoadSample> load_samples;
 };
 
@@ -124,7 +125,8 @@ class ResourceSampler {
 // and final; plus a line saying whether each is flat / back to baseline.
 std::string FormatSamplerReport(const SamplerReport& report, absl::Duration warmup);
 nlohmann::json SamplerReportToJson(const SamplerReport& report, absl::Duration warmup);
-// samples.csv: t_s,kind,name,rss_bytes,threads,free_kv_pages,total_kv_pages,running,prefilling,waiting
+// samples.csv:
+// t_s,kind,name,rss_bytes,threads,free_kv_pages,total_kv_pages,running,prefilling,waiting
 absl::Status WriteSamplesCsv(const std::string& path, const SamplerReport& report);
 
 }  // namespace fluxion::cluster

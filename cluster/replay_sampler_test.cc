@@ -22,8 +22,8 @@ TEST(ParseSamplePidsTest, NamesAndPids) {
 }
 
 TEST(ParseSamplePidsTest, RejectsMalformedEntries) {
-  for (const char* bad : {"router", "=12", "router=", "router=0", "router=-3", "router=x",
-                          "a=1,a=2", "a=1,,b=2"}) {
+  for (const char* bad :
+       {"router", "=12", "router=", "router=0", "router=-3", "router=x", "a=1,a=2", "a=1,,b=2"}) {
     auto p = ParseSamplePids(bad);
     EXPECT_FALSE(p.ok()) << bad;
     EXPECT_NE(p.status().message().find("--sample-pids"), std::string::npos) << bad;
@@ -36,7 +36,8 @@ TEST(ParseProcStatusTest, ReadsRssAndThreads) {
   EXPECT_EQ(u->rss_bytes, 2048 * 1024);
   EXPECT_EQ(u->threads, 17);
   // A zombie has no VmRSS: reported as gone, not as 0 bytes.
-  EXPECT_EQ(ParseProcStatus("Name:\tx\nThreads:\t1\n").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ParseProcStatus("Name:\tx\nThreads:\t1\n").status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(ParseProcStatus("VmRSS:\t12 MB\nThreads:\t1\n").status().code(),
             absl::StatusCode::kDataLoss);
 }

@@ -208,8 +208,8 @@ class ClusterFaultsTest : public ::testing::Test {
                             absl::Seconds(60));
         if (!r.status.ok() || r.tokens.size() != kReferenceTokens ||
             (rep == 1 && r.tokens != first)) {
-          *setup_error_ = absl::StrCat("reference request ", k, " failed or disagreed: ",
-                                       r.status.error_message());
+          *setup_error_ = absl::StrCat("reference request ", k,
+                                       " failed or disagreed: ", r.status.error_message());
           return;
         }
         first = r.tokens;
@@ -242,8 +242,8 @@ class ClusterFaultsTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_TRUE(setup_error_->empty()) << *setup_error_ << (dir_ ? " (logs in " + *dir_ + ")" : "");
     for (int h = 0; h < kHosts; ++h) {
-      ASSERT_TRUE((*procs_)[h]->Running()) << kHostNames[h] << " is not running: "
-                                           << (*procs_)[h]->LogTail();
+      ASSERT_TRUE((*procs_)[h]->Running())
+          << kHostNames[h] << " is not running: " << (*procs_)[h]->LogTail();
     }
     ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(60)).ok()) << "logs in " << *dir_;
   }
@@ -283,10 +283,11 @@ class ClusterFaultsTest : public ::testing::Test {
   static std::vector<std::string> HostArgs(int h) {
     const std::string ip = lab_->ip(h);
     const std::string port_file = absl::StrCat(*dir_, "/", kHostNames[h], ".port");
-    std::vector<std::string> args = {"--listen", Address(h), "--port-file", port_file,
+    std::vector<std::string> args = {"--listen",         Address(h),
+                                     "--port-file",      port_file,
                                      "--metrics-listen", absl::StrCat(ip, ":", kMetricsPort)};
-    const std::vector<std::string> node = {"--model", ModelDir(), "--cpu-threads", "1",
-                                           "--ucx-tls", "tcp", "--ucx-net-devices", "eth0"};
+    const std::vector<std::string> node = {"--model",   ModelDir(), "--cpu-threads",     "1",
+                                           "--ucx-tls", "tcp",      "--ucx-net-devices", "eth0"};
     if (h == kPrefill0 || h == kPrefill1) {
       args.insert(args.end(), node.begin(), node.end());
       // A prompt's KV takes a while to send (25 ms after each of the 6 layers), so "mid-transfer"
@@ -296,20 +297,19 @@ class ClusterFaultsTest : public ::testing::Test {
       args.insert(args.end(), node.begin(), node.end());
       const std::string own = h == kDecode0 ? Address(kPrefill0) : Address(kPrefill1);
       const std::string other = h == kDecode0 ? Address(kPrefill1) : Address(kPrefill0);
-      args.insert(args.end(), {"--kv-pages", "6144", "--prefill-address", own + "," + other,
-                               "--quarantine-ms", std::to_string(kQuarantineMs),
-                               "--abort-wait-ms", "1000"});
+      args.insert(args.end(),
+                  {"--kv-pages", "6144", "--prefill-address", own + "," + other, "--quarantine-ms",
+                   std::to_string(kQuarantineMs), "--abort-wait-ms", "1000"});
     } else {
-      args.insert(args.end(), {"--decode", Address(kDecode0) + "," + Address(kDecode1),
-                               "--prefill", Address(kPrefill0) + "," + Address(kPrefill1),
-                               "--poll-ms", "100"});
+      args.insert(args.end(), {"--decode", Address(kDecode0) + "," + Address(kDecode1), "--prefill",
+                               Address(kPrefill0) + "," + Address(kPrefill1), "--poll-ms", "100"});
     }
     return args;
   }
 
   // Starts (or restarts) host h's process and waits until it serves.
   static absl::Status StartHost(int h) {
-    const std::string command = h == kRouter ? "router"
+    const std::string command = h == kRouter                         ? "router"
                                 : (h == kPrefill0 || h == kPrefill1) ? "prefill"
                                                                      : "decode";
     const std::string port_file = absl::StrCat(*dir_, "/", kHostNames[h], ".port");
@@ -334,9 +334,9 @@ class ClusterFaultsTest : public ::testing::Test {
       if (d == decode && p == prefill) return absl::OkStatus();
       absl::SleepFor(absl::Milliseconds(50));
     }
-    return absl::DeadlineExceededError(absl::StrCat("router sees ", d, " decode and ", p,
-                                                    " prefill nodes healthy, want ", decode, " and ",
-                                                    prefill, " within ", absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(
+        absl::StrCat("router sees ", d, " decode and ", p, " prefill nodes healthy, want ", decode,
+                     " and ", prefill, " within ", absl::FormatDuration(timeout)));
   }
 
   static v1::DecodeLoad DecodeLoad(int h) {
@@ -381,8 +381,9 @@ class ClusterFaultsTest : public ::testing::Test {
     for (int h : {kDecode0, kDecode1}) {
       const std::string m = ScrapeMetrics(lab_->ip(h), kMetricsPort);
       for (const char* reason : {"no_reply", "abort_unanswered", "peer_gave_up"}) {
-        sum += std::max(0.0, MetricValue(m, absl::StrCat("fluxion_kv_quarantined_reservations_total{reason=\"",
-                                                         reason, "\"}")));
+        sum += std::max(
+            0.0, MetricValue(m, absl::StrCat("fluxion_kv_quarantined_reservations_total{reason=\"",
+                                             reason, "\"}")));
       }
     }
     return sum;
@@ -434,8 +435,9 @@ class ClusterFaultsTest : public ::testing::Test {
       } else {
         EXPECT_TRUE(allow_errors) << "request " << i << ": " << r.status.error_code() << " "
                                   << r.status.error_message();
-        EXPECT_FALSE(r.status.error_message().empty()) << "request " << i << ": error without "
-                                                       << "a message, code " << r.status.error_code();
+        EXPECT_FALSE(r.status.error_message().empty())
+            << "request " << i << ": error without "
+            << "a message, code " << r.status.error_code();
       }
     }
     return ok;
@@ -669,8 +671,8 @@ TEST_F(ClusterFaultsTest, CancelStormGivesEveryPageBack) {
   auto records = cluster::Replayer(options).Run(cluster::MakeSyntheticSchedule(synthetic));
   ASSERT_TRUE(records.ok()) << records.status();
   for (const cluster::RequestRecord& r : *records) {
-    EXPECT_TRUE(r.cancelled_by_client) << r.request_id << ": " << r.status_code << " "
-                                       << r.status_message;
+    EXPECT_TRUE(r.cancelled_by_client)
+        << r.request_id << ": " << r.status_code << " " << r.status_message;
   }
   // TearDown checks that both decode nodes are idle with every page free and both prefill nodes
   // idle: cancellation crossed the router, the decode nodes and reached the prefill nodes.
@@ -748,13 +750,13 @@ TEST_F(ClusterFaultsTest, RollingRestartUnderLoadFailsNoRequestBeforeItsFirstTok
     if (r.ok() || r.status_code == grpc::StatusCode::CANCELLED) continue;
     (r.has_first_token() ? failed_after_first : failed_before_first)++;
     std::cerr << "rolling restart: " << r.request_id << " failed "
-              << (r.has_first_token() ? "after" : "before") << " its first token: "
-              << r.status_code << " " << r.status_message << "\n";
+              << (r.has_first_token() ? "after" : "before") << " its first token: " << r.status_code
+              << " " << r.status_message << "\n";
   }
   EXPECT_EQ(failed_before_first, 0);
   EXPECT_GT(ok, 0);
-  std::cerr << "rolling restart: " << records->size() << " requests sent, " << ok
-            << " succeeded, " << failed_after_first << " failed after their first token\n";
+  std::cerr << "rolling restart: " << records->size() << " requests sent, " << ok << " succeeded, "
+            << failed_after_first << " failed after their first token\n";
 }
 
 }  // namespace

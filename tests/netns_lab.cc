@@ -99,8 +99,8 @@ absl::Status RunCommand(const std::vector<std::string>& argv) {
   auto r = RunCapture(argv);
   if (!r.ok()) return r.status();
   if (r->first != 0) {
-    return absl::InternalError(absl::StrCat("`", absl::StrJoin(argv, " "), "` exited ", r->first,
-                                            ": ", r->second));
+    return absl::InternalError(
+        absl::StrCat("`", absl::StrJoin(argv, " "), "` exited ", r->first, ": ", r->second));
   }
   return absl::OkStatus();
 }
@@ -114,9 +114,10 @@ absl::StatusOr<std::unique_ptr<NetnsLab>> NetnsLab::Create(const std::vector<std
   for (const char* tool : {"ip", "tc", "nft"}) {
     auto r = RunCapture({tool, std::string(tool) == "nft" ? "--version" : "-V"});
     if (!r.ok() || r->first == 127) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "`", tool, "` is missing: run tools/setup.sh (iproute2, nftables); the suite does not "
-          "skip"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("`", tool,
+                       "` is missing: run tools/setup.sh (iproute2, nftables); the suite does not "
+                       "skip"));
     }
   }
   RemoveLeftovers();
@@ -184,16 +185,15 @@ absl::Status NetnsLab::LinkUp(int i) {
 }
 
 absl::Status NetnsLab::RateLimit(int i, const std::string& rate) {
-  return RunCommand({"tc", "-n", netns(i), "qdisc", "replace", "dev", "eth0", "root", "tbf",
-                     "rate", rate, "burst", "64kb", "latency", "2s"});
+  return RunCommand({"tc", "-n", netns(i), "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate",
+                     rate, "burst", "64kb", "latency", "2s"});
 }
 
 absl::Status NetnsLab::Loss(int i, int percent) {
   const std::string ns = netns(i);
   // One table, two chains (what the host receives and what it sends), one random-drop rule each.
   std::string rules = absl::StrCat(
-      "table inet fxloss {\n",
-      "  chain in { type filter hook input priority 0; policy accept;\n",
+      "table inet fxloss {\n", "  chain in { type filter hook input priority 0; policy accept;\n",
       "    meta l4proto tcp numgen random mod 100 < ", percent, " counter drop\n  }\n",
       "  chain out { type filter hook output priority 0; policy accept;\n",
       "    meta l4proto tcp numgen random mod 100 < ", percent, " counter drop\n  }\n", "}\n");
@@ -239,7 +239,8 @@ absl::Status NetnsLab::ClearShaping(int i) {
   auto nft = RunCapture({"ip", "netns", "exec", ns, "nft", "list", "ruleset"});
   if (!qdisc.ok() || !nft.ok()) return absl::InternalError("cannot list qdiscs / nft rules");
   if (absl::StrContains(qdisc->second, "tbf") || absl::StrContains(nft->second, "fxloss")) {
-    return absl::InternalError(absl::StrCat("shaping left on ", ns, ": ", qdisc->second, nft->second));
+    return absl::InternalError(
+        absl::StrCat("shaping left on ", ns, ": ", qdisc->second, nft->second));
   }
   return absl::OkStatus();
 }
