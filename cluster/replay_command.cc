@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "cluster/replay_report.h"
 #include "cluster/replay_run.h"
+#include "cluster/replay_sampler.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
 #include "common/flag_set.h"
@@ -47,6 +50,37 @@ absl::Status ValidateCommandFlags(int64_t vocab_size, double temperature, double
         absl::StrCat("--plot-format must be png or svg, got '", plot_format, "'"));
   }
   return absl::OkStatus();
+}
+
+// The soak sampler of --sample-interval-s, started (null when sampling is off), or
+// INVALID_ARGUMENT naming the flag.
+absl::StatusOr<std::unique_ptr<ResourceSampler>> StartSampler(
+    const std::string& pids, double interval_s, double warmup_s, double settle_s,
+    const std::string& target, const serving::ChannelConfig& channel) {
+  auto sampled = ParseSamplePids(pids);
+  if (!sampled.ok()) return sampled.status();
+  for (const auto& [flag, value] : {std::pair<const char*, double>{"--sample-interval-s", interval_s},
+                                    {"--sample-warmup-s", warmup_s},
+                                    {"--sample-settle-s", settle_s}}) {
+    if (!std::isfinite(value) || value < 0 || value > kMaxReplayTimeoutS) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must be in [0, ", kMaxReplayTimeoutS, "], got ", value));
+    }
+  }
+  if (!sampled->empty() && interval_s == 0) {
+    return absl::InvalidArgumentError("--sample-pids needs --sample-interval-s > 0");
+  }
+  if (interval_s == 0) return std::unique_ptr<ResourceSampler>();
+  SamplerOptions options;
+  options.processes = *sampled;
+  options.target = target;
+  options.channel = channel;
+  options.interval = absl::Seconds(interval_s);
+  options.warmup = absl::Seconds(warmup_s);
+  options.settle = absl::Seconds(settle_s);
+  auto sampler = std::make_unique<ResourceSampler>(std::move(options));
+  sampler->Start();
+  return sampler;
 }
 
 }  // namespace
@@ -100,6 +134,18 @@ int RunReplayCommand(const std::vector<std::string>& args) {
                "write summary.json, requests.csv, timeline.csv and plots into this directory");
   flags.String("plot-format", &plot_format, "png or svg");
   flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 50 points)");
+  std::string sample_pids;
+  double sample_interval_s = 0, sample_warmup_s = 60, sample_settle_s = 60;
+  flags.Double("sample-interval-s", &sample_interval_s,
+               "soak sampling: every this many seconds read the --sample-pids processes' RSS and "
+               "threads (/proc) and the target's GetLoad page counters; 0 = off");
+  flags.String("sample-pids", &sample_pids,
+               "soak sampling: name=pid[,name=pid...] of processes on this machine to sample");
+  flags.Double("sample-warmup-s", &sample_warmup_s,
+               "soak sampling: RSS and threads must stay flat after this much of the run");
+  flags.Double("sample-settle-s", &sample_settle_s,
+               "soak sampling: after the run, wait up to this long for the target to go idle and "
+               "its KV pages to come back before the final sample");
   flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
   serving::ClientTlsOptions tls;
   serving::RegisterClientTlsFlags(flags, "tls", "the target", &tls);
@@ -202,6 +248,13 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 2;
   }
 
+  auto sampler = StartSampler(sample_pids, sample_interval_s, sample_warmup_s, sample_settle_s,
+                              target, *channel);
+  if (!sampler.ok()) {
+    std::cerr << "error: " << sampler.status().message() << "\n";
+    return 2;
+  }
+
   Replayer replayer(options);
   absl::StatusOr<std::vector<RequestRecord>> records;
   {
@@ -215,12 +268,32 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 1;
   }
   ReportOutputs outputs;
+  std::optional<SamplerReport> resources;
+  if (*sampler != nullptr) {
+    resources = (*sampler)->Finish();
+    outputs.extra_summary["resources"] =
+        SamplerReportToJson(*resources, absl::Seconds(sample_warmup_s));
+  }
   outputs.json_path = json_path;
   outputs.out_dir = out_dir;
   outputs.plot_format = plot_format;
   outputs.timeline_bucket_s = bucket_s;
   ReportResult result = ReportRun(*records, run, slo, outputs);
-  return (result.stats.failed > 0 || result.write_failed) ? 1 : 0;
+  bool resources_bad = false;
+  if (resources.has_value()) {
+    std::cout << FormatSamplerReport(*resources, absl::Seconds(sample_warmup_s));
+    if (!out_dir.empty()) {
+      if (absl::Status s = WriteSamplesCsv(out_dir + "/samples.csv", *resources); !s.ok()) {
+        std::cerr << "error: " << s.message() << "\n";
+        result.write_failed = true;
+      }
+    }
+    // A sampled process that died, or pages that did not come back, fail the run like a failed
+    // request; RSS/thread growth is reported (the verdict column) for the reader to judge.
+    for (const ProcessTrend& p : resources->processes) resources_bad |= p.died;
+    resources_bad |= resources->have_load && !resources->pages_back_to_baseline;
+  }
+  return (result.stats.failed > 0 || result.write_failed || resources_bad) ? 1 : 0;
 }
 
 }  // namespace fluxion::cluster

@@ -72,6 +72,7 @@ ReportResult ReportRun(const std::vector<RequestRecord>& records, const RunDescr
   ReportResult result;
   result.stats = ComputeStats(records, slo, outputs.timeline_bucket_s);
   nlohmann::json summary = StatsToJson(result.stats, run);
+  for (const auto& [key, value] : outputs.extra_summary.items()) summary[key] = value;
   std::cout << FormatSummary(result.stats, run);
   auto check = [&](const absl::Status& s) {
     if (!s.ok()) {

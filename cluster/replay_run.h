@@ -35,6 +35,8 @@ struct ReportOutputs {
   std::string out_dir;      // summary.json, requests.csv, timeline.csv, plots/; empty: none
   std::string plot_format = "png";
   double timeline_bucket_s = 0;
+  // Merged into the summary JSON (e.g. {"resources": ...} from --sample-interval-s).
+  nlohmann::json extra_summary = nlohmann::json::object();
 };
 
 struct ReportResult {

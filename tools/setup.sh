@@ -23,6 +23,7 @@ packages=(
   clang libclang-rt-14-dev                    # libFuzzer targets and their sanitizers (tools/fuzz.sh)
   ninja-build                                 # the fuzz and sanitizer build dirs of tools/test.sh
   nodejs                                      # tests/js: the openai npm SDK against the HTTP API
+  iproute2 nftables                           # fault suite: network namespaces, veth, tc; packet loss
 )
 
 missing=()
