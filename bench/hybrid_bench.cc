@@ -337,6 +337,7 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
               std::move(kvs[batch]), shape, policy,
               decode::sparse::TraitsOf(policy.kind).needs_sparse_state ? state : nullptr));
       const auto a0 = std::chrono::steady_clock::now();
+      executor.set_off_step_admission(true);
       executor.Prepare(*newcomer);
       while (!executor.Prepared(*newcomer) && failed.ok()) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -356,6 +357,7 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
                           std::chrono::steady_clock::now() - a0)
                           .count();
       executor.Forget(*newcomer);
+      executor.set_off_step_admission(false);
       kvs[batch] = newcomer->TakeKv();
     }
   }

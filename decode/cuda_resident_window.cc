@@ -127,6 +127,10 @@ class CudaResidentWindow : public ResidentWindow {
         bounds_chunk_bytes_(std::max<int64_t>(bounds_chunk_bytes, 1)) {}
 
   absl::Status Init() {
+    if (cudaGetDevice(&device_) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("resident window: no current CUDA device");
+    }
     const int64_t per_slot =
         shape_.num_layers * shape_.num_kv_heads * shape_.rows_per_head() * shape_.head_dim;
     const size_t ring_bytes = static_cast<size_t>(shape_.max_requests * per_slot) * sizeof(bf16);
@@ -246,6 +250,11 @@ class CudaResidentWindow : public ResidentWindow {
                             const AdmitThreads& threads) override {
     absl::MutexLock lock(&admit_mu_);
     admit_threads_ = threads;
+    // The calling thread may be the admitter's (decode/window_admitter.h): the window's device.
+    if (cudaSetDevice(device_) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("resident window: cannot make its device current to admit");
+    }
     FLUXION_ASSIGN_OR_RETURN(const int64_t n, slots_.CheckAdmit(kv, score_block_tokens));
     const KvShape& k = kv.shape();
     // Gather the resident rows of every (layer, head) from the host pages into the slot's layout,
@@ -637,6 +646,7 @@ class CudaResidentWindow : public ResidentWindow {
   absl::Mutex admit_mu_;
   cudaStream_t admit_stream_ = nullptr;
   AdmitThreads admit_threads_;
+  int device_ = 0;  // current when Init ran
   // Admission's page bounds in flight: two pinned chunks and the copy out of each.
   const int64_t bounds_chunk_bytes_;
   GrowingBuffer bounds_stage_[2] = {GrowingBuffer(true), GrowingBuffer(true)};
@@ -742,6 +752,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
         HybridStepExecutor::Create(model, std::move(p.ops), std::move(p.window), pool));
     executor->set_device_read_share(options.device_read_share);
     executor->set_stall_guard(options.stall_guard);
+    executor->set_off_step_admission(options.off_step_admission);
     return std::unique_ptr<StepExecutor>(std::move(executor));
   }
   FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline a,

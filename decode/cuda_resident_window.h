@@ -53,6 +53,8 @@ struct CudaHybridOptions {
   double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
   int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
   StallGuardOptions stall_guard;   // dynamic degradation (decode/stall_guard.h); off by default
+  // HybridStepExecutor::set_off_step_admission (one pipeline only; off by default).
+  bool off_step_admission = false;
 };
 // One ping-pong pipeline on CUDA device `device`: a CudaDenseOps and a CUDA resident window of
 // `shape` on its stream. The factories' errors.

@@ -18,8 +18,8 @@ namespace fluxion::decode {
 
 struct HybridStepExecutor::State {
   int64_t vocab_size = 0;
-  // Off-step admission's threads: a quarter of the step's, so that the steps beside it keep
-  // most of the cores (and its DRAM reads leave them most of the bandwidth).
+  // Off-step admission's threads: one, the admitter's own (every thread beyond the step's
+  // OpenMP team slows the team's parallel regions: docs/EXECUTOR.md section 7).
   int admit_threads = 1;
   std::unique_ptr<model::DenseOps> ops;
   std::unique_ptr<ResidentWindow> window;
@@ -69,7 +69,6 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
   state->ops = std::move(ops);
   state->window = std::move(window);
   state->window->set_cpu_pool(pool);
-  state->admit_threads = pool != nullptr ? std::max(1, pool->threads() / 4) : 1;
   FLUXION_ASSIGN_OR_RETURN(state->cpu_backend,
                            kernels::cpu::NewCpuAttentionBackend({pool, std::nullopt}));
   state->runner = model::DecodeStepRunner::Create(config, state->ops.get(), std::move(params));
@@ -131,7 +130,7 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
 }
 
 void HybridStepExecutor::Prepare(const SparseAttention& attention) {
-  if (state_->slots.contains(attention.id())) return;
+  if (!off_step_admission_ || state_->slots.contains(attention.id())) return;
   const absl::StatusOr<int64_t> score_block = ScoreBlockOf(attention);
   if (!score_block.ok()) return;  // SlotOf reports it at the request's first step
   admitter_->Start(attention.id(), &attention.kv(), *score_block);

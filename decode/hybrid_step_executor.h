@@ -54,11 +54,17 @@ class HybridStepExecutor : public StepExecutor {
   // full logits.
   void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                      std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
-  // Admission to the window off the step (StepExecutor::Prepare). Prepare on a request whose
-  // policy the window cannot serve starts nothing: its first step reports the error.
+  // Admission to the window off the step (StepExecutor::Prepare), when enabled
+  // (set_off_step_admission; off by default: Prepare then does nothing and a request is admitted
+  // inside its first step). Prepare on a request whose policy the window cannot serve starts
+  // nothing: its first step reports the error.
   void Prepare(const SparseAttention& attention) override;
   bool Prepared(const SparseAttention& attention) const override;
   void Forget(const SparseAttention& attention) override;
+  // Off by default: measured on the H200 host (session 12), an admission beside the steps on the
+  // same cores slowed the steps more than the inline admission it replaced stalls one step
+  // (docs/EXECUTOR.md section 7), unless a core is left to it (--cpu-threads below the cores).
+  void set_off_step_admission(bool on) { off_step_admission_ = on; }
 
   // Rows sampled from candidates vs rows whose full logits crossed to the host, since creation.
   struct SamplingCounters {
@@ -125,6 +131,7 @@ class HybridStepExecutor : public StepExecutor {
   std::unique_ptr<State> state_;
   HybridBatchAttention* attention_;  // owned by state_
   bool window_block_scores_ = true;
+  bool off_step_admission_ = false;
   SamplingCounters sampling_counters_;
   AdmissionCounters admission_counters_;
   int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;

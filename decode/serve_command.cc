@@ -71,6 +71,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   // 4-8 x 32K, 4 x 128K: each half reads every weight, so the GPU's dense work doubles, and it
   // delays the other half's block scores; bench/results, session 10).
   int64_t micro_batches = 1;
+  bool admit_off_step = false;
   // Dynamic degradation is opt-in: it spends less than the requested budget (decode/stall_guard.h).
   bool degrade_on_stall = false;
   double degrade_slack = 0.2, degrade_floor = 0.4;
@@ -89,6 +90,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Double("device-read-share", &device_read_share,
                "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
                "GPU reads itself from the pinned arena while the CPU reads the rest");
+  flags.Bool("admit-off-step", &admit_off_step,
+             "with --device cuda and one micro-batch: load a joining request's window on a "
+             "thread beside the steps instead of inside its first step (leave it a core: "
+             "--cpu-threads below the machine's; docs/EXECUTOR.md section 7)");
   flags.Int("micro-batches", &micro_batches,
             "with --device cuda: 1 (one pipeline) or 2 (ping-pong: the batch split in two "
             "halves whose GPU and CPU work overlap, each half holding half of "
@@ -305,6 +310,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
         std::cerr << "error: --micro-batches must be 1 or 2, got " << micro_batches << "\n";
         return 2;
       }
+      if (micro_batches == 2 && admit_off_step) {
+        std::cerr << "error: --admit-off-step works with one micro-batch only (the ping-pong "
+                     "executor chooses a request's pipeline per step)\n";
+        return 2;
+      }
       if (micro_batches == 2 && device_max_requests < 2) {
         std::cerr << "error: --micro-batches 2 needs --device-max-requests >= 2 (one slot per "
                      "half), got " << device_max_requests << "; use --micro-batches 1\n";
@@ -323,6 +333,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       cuda_options.page_tokens = page_tokens;
       cuda_options.device_read_share = device_read_share;
       cuda_options.micro_batches = static_cast<int>(micro_batches);
+      cuda_options.off_step_admission = admit_off_step;
       cuda_options.stall_guard.enabled = degrade_on_stall;
       cuda_options.stall_guard.slack = degrade_slack;
       cuda_options.stall_guard.min_scale = degrade_floor;
@@ -345,9 +356,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       return 2;
     } else {
       // The hybrid step's settings mean nothing to the CPU step: say so instead of ignoring them.
-      if (micro_batches != 1 || degrade_on_stall) {
-        std::cerr << "error: --micro-batches and --degrade-on-stall take effect with --device "
-                     "cuda only (the hybrid step); drop them or add --device cuda\n";
+      if (micro_batches != 1 || degrade_on_stall || admit_off_step) {
+        std::cerr << "error: --micro-batches, --degrade-on-stall and --admit-off-step take effect "
+                     "with --device cuda only (the hybrid step); drop them or add --device cuda\n";
         return 2;
       }
       executor = NewCpuStepExecutor(model->get(), options.cpu_pool);

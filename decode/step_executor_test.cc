@@ -226,6 +226,7 @@ TEST_F(StepExecutorTest, RequestsAdmittedOffTheStepDecodeAsThoseAdmittedInIt) {
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     std::unique_ptr<HybridStepExecutor> inline_admit = MakeHybrid(&pool, 8, 704);
     std::unique_ptr<HybridStepExecutor> off_step = MakeHybrid(&pool, 8, 704);
+    off_step->set_off_step_admission(true);
     const Run a = Decode(*inline_admit, policy, prefills, 4);
     const Run b = Decode(*off_step, policy, prefills, 4, /*prepare=*/true);
     ExpectSameRun(b, a, 1e-6f);  // the same arithmetic
@@ -240,6 +241,7 @@ TEST_F(StepExecutorTest, ForgettingAPreparedRequestGivesItsSlotBack) {
   // keep theirs: a third and fourth request still get in, and decode.
   const kernels::cpu::CpuPool pool(2);
   std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool, /*max_requests=*/2);
+  hybrid->set_off_step_admission(true);
   const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
   const model::AttentionShape shape = model_->attention_shape();
   auto arena = *KvArena::Create(

@@ -4,10 +4,6 @@
 #include <chrono>
 #include <utility>
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "absl/status/status.h"
 
 namespace fluxion::decode {
@@ -71,12 +67,9 @@ void WindowAdmitter::Cancel(uint64_t id) {
 }
 
 void WindowAdmitter::Loop() {
-  // The lowest CPU priority (nice 19; the threads an admission starts inherit it): an admission
-  // takes the cores the step leaves idle (its OpenMP threads sleep while the device runs the
-  // dense half) instead of preempting the step's threads, whose every parallel region waits for
-  // the slowest. At normal priority the steps beside a 32K admission took 3-5x their time
-  // (session 12, call 2). Failing to lower it is harmless: the admission still works.
-  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
+  // Normal priority: at nice 19 an admission took 4-9x longer and the steps beside it stalled
+  // longer still (up to 171 ms at 4 x 32K, session 12 call 3), likely behind driver locks the
+  // starved thread held.
   while (true) {
     uint64_t id = 0;
     Job job;

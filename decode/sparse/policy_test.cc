@@ -61,20 +61,35 @@ TEST(PolicyKindTest, BudgetFreePoliciesExpandOnceAndLabelWithoutBudget) {
   EXPECT_EQ(PolicyLabel(PolicyConfig{}), "full");
 }
 
+// One KV head (head_dim 32, 16-token pages) holding `context` random keys and values, and a
+// random query for its GQA group.
+struct RandomHead {
+  static constexpr int64_t kHeadDim = 32;
+  RandomHead(int64_t context, int64_t group, uint32_t seed) {
+    const KvShape shape{1, 1, kHeadDim, 16};
+    arena = *KvArena::Create(shape.page_bytes(), context / 16 + 2);
+    kv = *PagedKv::Create(arena.get(), shape);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0, 1);
+    std::vector<float> k(context * kHeadDim), v(context * kHeadDim);
+    q.resize(group * kHeadDim);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    for (float& x : q) x = normal(rng);
+    EXPECT_TRUE(kv->Append(0, context, k.data(), v.data(), kHeadDim).ok());
+  }
+  std::unique_ptr<KvArena> arena;  // before kv: the pages outlive their table
+  std::unique_ptr<PagedKv> kv;
+  std::vector<float> q;
+};
+
 // SelectionInput::budget_scale (the hybrid step's stall guard) shrinks what every policy that
 // reads the middle region reads there, sinks and window untouched.
 TEST(PolicyBudgetScaleTest, EveryMiddleReadingPolicySpendsTheScaledShare) {
-  constexpr int64_t kContext = 4096, kHeadDim = 32, kGroup = 2;
-  const KvShape shape{1, 1, kHeadDim, 16};
-  auto arena = *KvArena::Create(shape.page_bytes(), kContext / 16 + 2);
-  auto kv = *PagedKv::Create(arena.get(), shape);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> k(kContext * kHeadDim), v(kContext * kHeadDim), q(kGroup * kHeadDim);
-  for (float& x : k) x = normal(rng);
-  for (float& x : v) x = normal(rng);
-  for (float& x : q) x = normal(rng);
-  ASSERT_TRUE(kv->Append(0, kContext, k.data(), v.data(), kHeadDim).ok());
+  constexpr int64_t kContext = 4096, kGroup = 2;
+  const RandomHead head(kContext, kGroup, 3);
+  const std::unique_ptr<PagedKv>& kv = head.kv;
+  const std::vector<float>& q = head.q;
   for (const char* name : {"exact_topk", "quest", "fixed_16_0.2", "lfps", "fluxion_rules"}) {
     SCOPED_TRACE(name);
     const PolicyConfig config = *ParsePolicy(name, 0.2);
@@ -98,17 +113,10 @@ TEST(PolicyBudgetScaleTest, EveryMiddleReadingPolicySpendsTheScaledShare) {
 // Quest / fixed_*: the blocks ranked elsewhere (the hybrid step's window) are taken as given when
 // their range is the one the policy ranks, and ignored otherwise.
 TEST(TopRankedBlocksTest, QuestTakesTheWindowsPicksOnlyForItsOwnRange) {
-  constexpr int64_t kContext = 2048, kHeadDim = 32, kGroup = 2;
-  const KvShape shape{1, 1, kHeadDim, 16};
-  auto arena = *KvArena::Create(shape.page_bytes(), kContext / 16 + 2);
-  auto kv = *PagedKv::Create(arena.get(), shape);
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> k(kContext * kHeadDim), v(kContext * kHeadDim), q(kGroup * kHeadDim);
-  for (float& x : k) x = normal(rng);
-  for (float& x : v) x = normal(rng);
-  for (float& x : q) x = normal(rng);
-  ASSERT_TRUE(kv->Append(0, kContext, k.data(), v.data(), kHeadDim).ok());
+  constexpr int64_t kContext = 2048, kGroup = 2;
+  const RandomHead head(kContext, kGroup, 5);
+  const std::unique_ptr<PagedKv>& kv = head.kv;
+  const std::vector<float>& q = head.q;
   const PolicyConfig config = *ParsePolicy("fixed_32_0.1", 0);
   const ScoredBlocks::Range range = TopBlocksRange(config, kContext, 16);
   EXPECT_EQ(range.first, 0);                                  // sink 4 tokens: block 0
