@@ -23,7 +23,9 @@
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
+#include "model/output_projection.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/paged_attention_cpu.h"
@@ -64,6 +66,9 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.Int("seed", &seed, "random seed for data");
   flags.Double("pool-gib", &pool_gib, "KV bytes the steps rotate through (defeats the caches)");
   flags.String("json", &json_path, "also write results to this file");
+  // The error guard's cost: its exact checks at --guard-rate of the heads per step, e_h through
+  // the identity (synthetic heads have no W_O), feeding the guard's budget shifts.
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   {
     absl::StatusOr<std::vector<int64_t>> sweep = kernels::cpu::SetUpProcessCpuSweep(cpu_threads);
@@ -78,7 +83,20 @@ int RunAttentionBench(const std::vector<std::string>& args) {
               << page_tokens << " is not supported by the CPU kernel\n";
     return 2;
   }
+  auto guard_modes = guard_flags.Modes();
+  auto guard = guard_flags.Config();
+  if (!guard_modes.ok() || !guard.ok()) {
+    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
+              << "\n";
+    return 2;
+  }
   auto configs = decode::sparse::ExpandPolicies(policies, budgets);
+  if (configs.ok()) {
+    *configs = decode::sparse::ExpandGuard(
+        *configs, *guard_modes, *guard,
+        std::make_shared<const model::OutputProjection>(
+            model::OutputProjection::Identity(1, group * head_dim)));
+  }
   if (!configs.ok()) {
     std::cerr << "error: " << configs.status().message() << "\n";
     return 2;
@@ -108,9 +126,11 @@ int RunAttentionBench(const std::vector<std::string>& args) {
     probes[nthreads] = MeasureReadBandwidthGbps(size_t{1} << 30, nthreads);
     limits[std::to_string(nthreads) + "_threads"] = {{"host_read_gbps", probes[nthreads]}};
   }
-  std::printf("%7s %8s %-16s | %9s %9s %9s | %8s %7s %7s %7s | %6s %6s | %8s\n", "threads",
-              "context", "policy", "ms", "ms p10", "ms p90", "MB read", "read", "GB/s", "% probe",
-              "cand", "recall", "rel err");
+  std::printf("%7s %8s %-22s | %9s %9s %9s | %8s %7s %7s %7s | %6s %6s | %8s | %5s %5s\n",
+              "threads", "context", "policy", "ms", "ms p10", "ms p90", "MB read", "read", "GB/s",
+              "% probe", "cand", "recall", "rel err", "guard", "g.MB");
+  std::printf("(guard: the error guard's share of step time and of bytes read, MB read "
+              "including its exact checks)\n");
   for (int64_t context : contexts) {
     // Enough structured heads (retrieval kind: sinks, needles, columns) to fill the pool, each
     // its own contiguous run of pages; steps rotate through them.
@@ -142,6 +162,16 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
         for (int64_t h = 0; h < num_heads; ++h)
           policies.push_back(decode::sparse::MakePolicy(config));
+        // The guard sees the bench's heads as one request of num_heads KV heads; a "step" is one
+        // round over them.
+        std::unique_ptr<decode::sparse::ErrorGuard> guard_state;
+        if (decode::sparse::GuardActive(config)) {
+          guard_state = std::make_unique<decode::sparse::ErrorGuard>(
+              config.guard, 1, static_cast<int>(num_heads), [](int, int) { return 1.0; });
+        }
+        double guard_ms = 0, guard_bytes = 0;
+        std::vector<kernels::PageSpan> check_spans;
+        std::vector<float> exact(group * head_dim), exact_lse(group);
         std::vector<double> ms;
         std::vector<kernels::PageSpan> spans;
         std::vector<float> out(group * head_dim), lse(group), ref(out.size()), ref_lse(group);
@@ -154,14 +184,36 @@ int RunAttentionBench(const std::vector<std::string>& args) {
           const float* q = queries[r % num_heads].data();
           decode::sparse::SelectionStats stats;
           spans.clear();
+          const int head = static_cast<int>(r % num_heads);
+          if (guard_state != nullptr && head == 0) guard_state->BeginStep();
+          decode::sparse::SelectionInput in{&kv, 0, 0, q, group, scale, context};
+          if (guard_state != nullptr) in.budget_shift = guard_state->Shift(0, head);
           auto t0 = std::chrono::steady_clock::now();
           // Selection, attention and what a history policy does after the step (Observe).
-          policy.Select({&kv, 0, 0, q, group, scale, context}, &spans, &stats);
+          policy.Select(in, &spans, &stats);
           kernels::cpu::PagedAttentionSplit(kv.view(), spans.data(), spans.size(),
                                             {q, group, scale}, {out.data(), lse.data()}, nthreads);
-          policy.Observe({&kv, 0, 0, q, group, scale, context}, spans);
-          const double elapsed =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          policy.Observe(in, spans);
+          const auto t_check = std::chrono::steady_clock::now();
+          if (guard_state != nullptr && guard_state->Due(0, head)) {
+            // The exact check as SparseAttention::CheckLayer makes it (one head: the layer's
+            // output is this head's).
+            check_spans.clear();
+            decode::sparse::AppendTokenRange(kv, 0, 0, 0, context, &check_spans);
+            kernels::cpu::PagedAttentionSplit(kv.view(), check_spans.data(), check_spans.size(),
+                                              {q, group, scale}, {exact.data(), exact_lse.data()},
+                                              nthreads);
+            const model::OutputProjection& proj = *config.output_projection;
+            const double total = proj.Norm(0, exact.data());
+            guard_state->Report(0, head,
+                                model::HeadOutputError(proj, 0, 0, exact.data(), out.data(),
+                                                       group * head_dim, total),
+                                context);
+            if (r >= warm) guard_bytes += context * 2.0 * head_dim * sizeof(bf16) / repeats;
+          }
+          const auto t_end = std::chrono::steady_clock::now();
+          const double elapsed = std::chrono::duration<double>(t_end - t0).count();
+          if (r >= warm) guard_ms += std::chrono::duration<double>(t_end - t_check).count() * 1e3;
           if (r == 0) {
             // Correctness in the same run, before any timing counts.
             kernels::reference::PagedAttention(kv.view(), spans.data(), spans.size(),
@@ -201,12 +253,17 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         const Stats st = Summarize(ms);
         // Against the mean time: history policies alternate cheap steps with exact refreshes.
         const double mean_ms = std::accumulate(ms.begin(), ms.end(), 0.0) / ms.size();
+        // The guard's share of the step time and of the bytes read (its checks included).
+        const double guard_time_share = guard_ms / std::max(1e-12, mean_ms * repeats);
+        const double guard_byte_share = guard_bytes / std::max(1.0, bytes + guard_bytes);
+        bytes += guard_bytes;
         const double gbps = bytes / 1e9 / (mean_ms / 1e3);
         std::printf(
-            "%7d %8lld %-16s | %9.4f %9.4f %9.4f | %8.2f %7.4f %7.2f %6.0f%% | %6.4f %6.4f | "
-            "%8.1e\n",
+            "%7d %8lld %-22s | %9.4f %9.4f %9.4f | %8.2f %7.4f %7.2f %6.0f%% | %6.4f %6.4f | "
+            "%8.1e | %5.3f %5.3f\n",
             nthreads, static_cast<long long>(context), label.c_str(), st.median, st.p10, st.p90,
-            bytes / 1e6, read, gbps, 100 * gbps / probes[nthreads], candidates, recall, err);
+            bytes / 1e6, read, gbps, 100 * gbps / probes[nthreads], candidates, recall, err,
+            guard_time_share, guard_byte_share);
         results.push_back({{"policy", config.name},
                            {"context", context},
                            {"budget", config.budget},
@@ -221,7 +278,11 @@ int RunAttentionBench(const std::vector<std::string>& args) {
                            {"pct_of_read_probe", 100 * gbps / probes[nthreads]},
                            {"candidate_fraction", candidates},
                            {"recall", recall},
-                           {"rel_err", err}});
+                           {"rel_err", err},
+                           {"guard", decode::sparse::GuardActive(config)},
+                           {"guard_rate", config.guard.sample_rate},
+                           {"guard_time_share", guard_time_share},
+                           {"guard_byte_share", guard_byte_share}});
       }
     }
   }

@@ -21,6 +21,7 @@
 #include "common/flag_set.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse_attention.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/process_cpu.h"
@@ -57,7 +58,22 @@ int RunAttentionEval(const std::vector<std::string>& args) {
                "labels per step, layer and KV head; tools/fluxion_predictor/README.md) to this "
                "CSV; policies are then evaluated only when --policy is given");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  auto guard_modes = guard_flags.Modes();
+  auto guard = guard_flags.Config();
+  if (!guard_modes.ok() || !guard.ok()) {
+    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
+              << "\n";
+    return 2;
+  }
+  const bool guard_on = guard_modes->back();
+  if (guard_on && capture_dir.empty()) {
+    std::cerr << "error: --guard: a synthetic head is one KV head with no other to move budget "
+                 "from or to; use --capture DIR (every KV head of each layer) or `fluxion eval "
+                 "tasks --guard`\n";
+    return 2;
+  }
   if (absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
       !pool.ok()) {
     std::cerr << "error: " << pool.status().message() << "\n";
@@ -77,6 +93,11 @@ int RunAttentionEval(const std::vector<std::string>& args) {
     return 2;
   }
   if (!capture_dir.empty()) {
+    // The captured replay gives each guarded config its own guard per layer, with that layer's
+    // W_O (captured_attention_eval.cc); the projection here only marks the config as guarded.
+    *configs = decode::sparse::ExpandGuard(
+        *configs, *guard_modes, *guard,
+        std::make_shared<const model::OutputProjection>(model::OutputProjection::Identity(1, 1)));
     auto rows = EvalCapturedAttention(capture_dir, model_dir, *configs, head_table);
     if (!rows.ok()) {
       std::cerr << "error: " << rows.status() << "\n";

@@ -14,6 +14,7 @@ void Metrics::Add(const Metrics& o) {
   recall += o.recall;
   overlap += o.overlap;
   read += o.read;
+  guard_read += o.guard_read;
   n += o.n;
   overlap_n += o.overlap_n;
 }
@@ -24,18 +25,19 @@ nlohmann::json Metrics::ToJson() const {
           {"overlap_topk",
            overlap_n > 0 ? nlohmann::json(overlap / overlap_n) : nlohmann::json(nullptr)},
           {"budget_spent", read / n},
+          {"guard_read", guard_read / n},
           {"steps", n}};
 }
 
 void PrintQualityHeader(const std::string& first_column) {
-  std::printf("%-16s %8s %-16s | %9s %8s %8s %7s\n", first_column.c_str(), "context", "policy",
-              "rel_err", "recall", "overlap", "read");
+  std::printf("%-16s %8s %-22s | %9s %8s %8s %7s %7s\n", first_column.c_str(), "context",
+              "policy", "rel_err", "recall", "overlap", "read", "guard");
 }
 
 void Metrics::Print(const std::string& first, int64_t context, const std::string& label) const {
-  std::printf("%-16s %8lld %-16s | %9.2e %8.4f %8.4f %7.4f\n", first.c_str(),
+  std::printf("%-16s %8lld %-22s | %9.2e %8.4f %8.4f %7.4f %7.4f\n", first.c_str(),
               static_cast<long long>(context), label.c_str(), rel_err / n, recall / n,
-              overlap_n > 0 ? overlap / overlap_n : NAN, read / n);
+              overlap_n > 0 ? overlap / overlap_n : NAN, read / n, guard_read / n);
 }
 
 // Recall and top-k overlap of one policy's selection for one (layer, KV head) at one step:

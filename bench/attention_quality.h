@@ -17,6 +17,7 @@ namespace fluxion::bench {
 // Sums over decode steps (and heads); printed and written as means.
 struct Metrics {
   double rel_err = 0, recall = 0, overlap = 0, read = 0;
+  double guard_read = 0;  // rows the error guard's exact checks read / context (besides `read`)
   int64_t n = 0, overlap_n = 0;  // overlap only counts steps where the policy chose middle rows
 
   void Add(const Metrics& o);

@@ -16,6 +16,7 @@
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 #include "kernels/cpu/paged_attention_cpu.h"
+#include "model/output_projection.h"
 #include "model/safetensors.h"
 #include "model/sparse_state.h"
 
@@ -52,19 +53,6 @@ struct HeadLabels {
   std::vector<double> contribution;  // [kv_head]: c_h of the sink-free outputs
   std::vector<int64_t> middle_rows;  // [budget]: middle rows the budget leaves at this context
 };
-
-// ||W_O[:, cols] x|| for the column slice [col0, col0 + x.size()) of w ([rows][cols]).
-double SliceNorm(const std::vector<float>& w, int64_t rows, int64_t cols, int64_t col0,
-                 const std::vector<double>& x) {
-  double sum = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* wr = &w[r * cols + col0];
-    double y = 0;
-    for (size_t c = 0; c < x.size(); ++c) y += wr[c] * x[c];
-    sum += y * y;
-  }
-  return std::sqrt(sum);
-}
 
 double Norm(const std::vector<double>& y) {
   double sum = 0;
@@ -153,20 +141,18 @@ HeadLabels ComputeHeadLabels(const decode::PagedKv& kv, const std::vector<float>
   auto as_float = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
   const double total = Norm(Project(w_o, hidden, hq * d, as_float(exact)));
   const double total_merged = Norm(Project(w_o, hidden, hq * d, as_float(exact_merged)));
-  std::vector<double> slice(hd);
+  // e_h as the online guard computes it (model/output_projection.h): one definition.
+  const model::OutputProjection proj(hidden, hq * d, {w_o.data()});
   double contribution_sum = 0;
   for (int64_t h = 0; h < hkv; ++h) {
-    std::copy(exact.begin() + h * hd, exact.begin() + (h + 1) * hd, slice.begin());
-    labels.contribution.push_back(SliceNorm(w_o, hidden, hq * d, h * hd, slice));
+    labels.contribution.push_back(proj.SliceNorm(0, h * hd, exact.data() + h * hd, hd));
     contribution_sum += labels.contribution.back();
     for (int b = 0; b < kNumTableBudgets; ++b) {
-      for (int64_t i = 0; i < hd; ++i) slice[i] = exact[h * hd + i] - sparse[b][h * hd + i];
-      labels.err[h][b] = SliceNorm(w_o, hidden, hq * d, h * hd, slice) / std::max(total, 1e-30);
-      for (int64_t i = 0; i < hd; ++i) {
-        slice[i] = exact_merged[h * hd + i] - sparse_merged[b][h * hd + i];
-      }
+      labels.err[h][b] = model::HeadOutputError(proj, 0, h * hd, exact.data() + h * hd,
+                                                sparse[b].data() + h * hd, hd, total);
       labels.err_merged[h][b] =
-          SliceNorm(w_o, hidden, hq * d, h * hd, slice) / std::max(total_merged, 1e-30);
+          model::HeadOutputError(proj, 0, h * hd, exact_merged.data() + h * hd,
+                                 sparse_merged[b].data() + h * hd, hd, total_merged);
     }
   }
   for (double& c : labels.contribution) c /= std::max(contribution_sum, 1e-30);
@@ -282,13 +268,25 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
                                model::CaptureSparseState({k.data.data()}, prompt, {tail_queries},
                                                          {tail_positions}, one_layer));
       std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
+      // The error guard of a guarded config: over this layer's KV heads, with this layer's W_O.
+      std::vector<std::unique_ptr<decode::sparse::ErrorGuard>> guards;
+      const model::OutputProjection layer_proj(hidden, hq * d, {w_o[l].data()});
       for (const auto& c : configs) {
         policies.push_back(decode::sparse::MakePolicy(c));
         for (int64_t h = 0; h < hkv; ++h) {
           FLUXION_RETURN_IF_ERROR(
               policies.back()->Prepare(*kv, 0, static_cast<int>(h), &state.head(0, h)));
         }
+        decode::sparse::SparsePolicy* policy = policies.back().get();
+        guards.push_back(decode::sparse::GuardActive(c)
+                             ? std::make_unique<decode::sparse::ErrorGuard>(
+                                   c.guard, 1, static_cast<int>(hkv),
+                                   [policy](int layer, int kv_head) {
+                                     return policy->MiddleWeight(layer, kv_head);
+                                   })
+                             : nullptr);
       }
+      std::vector<float> check_layer(hq * d);
       std::vector<float> full(hq * d), full_lse(hq), out(hq * d), lse(group);
       std::vector<kernels::PageSpan> spans;
       for (int64_t r = 0; r < rows; ++r) {
@@ -326,18 +324,37 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
         const std::vector<double> y_full = Project(w_o[l], hidden, hq * d, full);
         for (size_t p = 0; p < configs.size(); ++p) {
           Metrics step;
+          decode::sparse::ErrorGuard* guard = guards[p].get();
+          if (guard != nullptr) guard->BeginStep();
           for (int64_t h = 0; h < hkv; ++h) {
             decode::sparse::SelectionStats stats;
             const float* qg = qr + h * group * d;
-            decode::RunPolicyStep(*policies[p],
-                                  {kv.get(), 0, static_cast<int>(h), qg, group, scale, ctx},
-                                  &spans, &stats, &out[h * group * d], lse.data());
+            decode::sparse::SelectionInput in{kv.get(), 0, static_cast<int>(h), qg, group, scale,
+                                              ctx};
+            if (guard != nullptr) in.budget_shift = guard->Shift(0, static_cast<int>(h));
+            decode::RunPolicyStep(*policies[p], in, &spans, &stats, &out[h * group * d],
+                                  lse.data());
             AddSelectionQuality(*kv, 0, static_cast<int>(h), qg, group, scale, ctx, spans,
                                 configs[p], &full_lse[h * group], stats.rows_attended, &step);
           }
           // The layer's output error after its real W_O counts once per step; recall, overlap
           // and read are already summed over KV heads.
           step.rel_err = RelativeError(Project(w_o[l], hidden, hq * d, out), y_full) * hkv;
+          // The guard's checks, as SparseAttention::CheckLayer makes them (the exact output of
+          // a checked head is `full`'s, computed above).
+          for (int64_t h = 0; guard != nullptr && h < hkv; ++h) {
+            if (!guard->Due(0, static_cast<int>(h))) continue;
+            const int64_t hd = group * d;
+            check_layer = out;
+            std::copy(full.begin() + h * hd, full.begin() + (h + 1) * hd,
+                      check_layer.begin() + h * hd);
+            const double total = layer_proj.Norm(0, check_layer.data());
+            guard->Report(0, static_cast<int>(h),
+                          model::HeadOutputError(layer_proj, 0, h * hd, &full[h * hd],
+                                                 &out[h * hd], hd, total),
+                          ctx);
+            step.guard_read += 1.0;  // the whole context of one head-step (read's unit)
+          }
           per_task[{task, p}].Add(step);
         }
       }
@@ -367,6 +384,8 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
     row.update({{"task", task},
                 {"context", task_context[task]},
                 {"policy", configs[p].name},
+                {"label", label},
+                {"guard", decode::sparse::GuardActive(configs[p])},
                 {"budget", configs[p].budget},
                 {"source", "captured"}});
     results.push_back(row);

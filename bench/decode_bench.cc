@@ -18,6 +18,7 @@
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "decode/step_executor.h"
@@ -39,6 +40,8 @@ struct Options {
   std::vector<std::string> policies = {"full", "fluxion"};
   std::vector<double> budgets = {0.05};
   int64_t steps = 3;
+  std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
+  decode::sparse::GuardConfig guard;
 };
 
 // A prompt's cache of `context` tokens: the model's own prefill over random token ids (real
@@ -136,6 +139,9 @@ absl::Status Run(const Options& o, nlohmann::json* results) {
   const std::string model_name = random_weights ? o.preset : o.model_dir;
   FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
                            decode::sparse::ExpandPolicies(o.policies, o.budgets));
+  policies = decode::sparse::ExpandGuard(
+      policies, o.guard_modes, o.guard,
+      std::make_shared<const model::OutputProjection>(m.output_projection()));
   for (auto& p : policies) {
     if (decode::sparse::TraitsOf(p.kind).uses_predictor) {
       FLUXION_ASSIGN_OR_RETURN(p.fluxion_predictor,
@@ -223,7 +229,18 @@ int RunDecodeBench(const std::vector<std::string>& args) {
                "prompt KV: prefill (the model over random tokens), random (random rows: any "
                "shape, no prefill compute) or auto (prefill for --model, random for --preset)");
   flags.String("json", &json_path, "also write results to this file");
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  {
+    auto modes = guard_flags.Modes();
+    auto guard = guard_flags.Config();
+    if (!modes.ok() || !guard.ok()) {
+      std::cerr << "error: " << (modes.ok() ? guard.status() : modes.status()).message() << "\n";
+      return 2;
+    }
+    o.guard_modes = *modes;
+    o.guard = *guard;
+  }
   if (o.kv != "auto" && o.kv != "prefill" && o.kv != "random") {
     std::cerr << "error: --kv must be auto, prefill or random\n";
     return 2;

@@ -23,6 +23,7 @@
 #include "decode/ping_pong_step_executor.h"
 #include "decode/resident_window.h"
 #include "decode/sparse/decision_profile.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -72,6 +73,8 @@ struct Options {
   // After each hybrid point: admit one more request off the step while the batch steps
   // (Point::join_*); needs a spare request (batch below the largest).
   bool join = false;
+  std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
+  decode::sparse::GuardConfig guard;
 };
 
 struct Device {
@@ -221,6 +224,15 @@ struct Timed {
 absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
   FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
                            decode::sparse::ExpandPolicies(o.policies, o.budgets));
+  {
+    // Random weights: the guard's e_h through the identity (its cost is what is timed; the
+    // checks' decisions mean as little as the policies' own here).
+    FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
+    policies = decode::sparse::ExpandGuard(
+        policies, o.guard_modes, o.guard,
+        std::make_shared<const model::OutputProjection>(model::OutputProjection::Identity(
+            config.num_layers, config.num_heads * config.head_dim)));
+  }
   std::vector<std::shared_ptr<const decode::sparse::DecisionProfile>> profiles;
   for (const std::string& flag : o.profiles) {
     FLUXION_ASSIGN_OR_RETURN(auto p, decode::sparse::DecisionProfile::Resolve(flag));
@@ -751,7 +763,18 @@ int RunHybridBench(const std::vector<std::string>& args) {
             "shapes where the whole model does not fit; not the model's step time");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   flags.String("json", &json_path, "also write results to this file");
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  {
+    auto modes = guard_flags.Modes();
+    auto guard = guard_flags.Config();
+    if (!modes.ok() || !guard.ok()) {
+      std::cerr << "error: " << (modes.ok() ? guard.status() : modes.status()).message() << "\n";
+      return 2;
+    }
+    o.guard_modes = *modes;
+    o.guard = *guard;
+  }
   absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
   if (!pool.ok()) {
     std::cerr << "error: " << pool.status().message() << "\n";

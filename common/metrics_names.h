@@ -39,6 +39,9 @@ inline constexpr char kSparseReadFraction[] = "fluxion_sparse_read_fraction";
 inline constexpr char kSparseBudgetRatio[] = "fluxion_sparse_budget_ratio";
 inline constexpr char kSparseHeadStepsTotal[] = "fluxion_sparse_head_steps_total";
 inline constexpr char kSparseRowsTotal[] = "fluxion_sparse_rows_total";
+inline constexpr char kSparseGuardError[] = "fluxion_sparse_guard_error";
+inline constexpr char kSparseGuardChecksTotal[] = "fluxion_sparse_guard_checks_total";
+inline constexpr char kSparseGuardAdjustmentsTotal[] = "fluxion_sparse_guard_adjustments_total";
 
 // KV transfer (both ends).
 inline constexpr char kTransferBytesTotal[] = "fluxion_transfer_bytes_total";

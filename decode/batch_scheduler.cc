@@ -41,6 +41,8 @@ void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
   const double fraction = r.attention != nullptr ? r.attention->attended_fraction() : 1.0;
   const sparse::SelectionStats stats =
       r.attention != nullptr ? r.attention->stats() : sparse::SelectionStats{};
+  sparse::GuardStats guard =
+      r.attention != nullptr ? r.attention->guard_stats() : sparse::GuardStats{};
   r.attention = nullptr;
   r.seq.reset();  // returns the request's pages to the arena
   absl::MutexLock lock(&r.mu);
@@ -49,6 +51,7 @@ void EndRequest(DecodeRequest& r, Finish finish, absl::Status error) {
     r.error = std::move(error);
     r.read_fraction = fraction;
     r.sparse_stats = stats;
+    r.guard_stats = std::move(guard);
   }
 }
 

@@ -60,6 +60,7 @@ struct DecodeRequest {
   uint64_t max_step_us ABSL_GUARDED_BY(mu) = 0;
   double read_fraction ABSL_GUARDED_BY(mu) = 1.0;
   sparse::SelectionStats sparse_stats ABSL_GUARDED_BY(mu);  // of its decode steps, set at the end
+  sparse::GuardStats guard_stats ABSL_GUARDED_BY(mu);       // its error guard's, set at the end
   bool preempted ABSL_GUARDED_BY(mu) = false;  // ended by the preemption rule
 };
 

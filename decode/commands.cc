@@ -8,6 +8,7 @@
 #include "common/flag_set.h"
 #include "decode/kv_arena.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/process_cpu.h"
@@ -56,6 +57,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
                "head-property predictor for the `fluxion` policy (JSON from "
                "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
                "present; `none`: the rule-based fallback");
+  sparse::GuardFlags guard_flags(flags);
   flags.Require("model");
   flags.Require("prompt-ids");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
@@ -68,6 +70,13 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   auto policy_config = sparse::ParsePolicy(policy, budget);
   if (!policy_config.ok()) {
     std::cerr << "error: " << policy_config.status().message() << "\n";
+    return 2;
+  }
+  auto guard_modes = guard_flags.Modes();
+  auto guard = guard_flags.Config();
+  if (!guard_modes.ok() || !guard.ok()) {
+    std::cerr << "error: "
+              << (guard_modes.ok() ? guard.status() : guard_modes.status()).message() << "\n";
     return 2;
   }
   if (sparse::TraitsOf(policy_config->kind).uses_predictor) {
@@ -95,6 +104,9 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
     return 1;
   }
+  *policy_config = sparse::WithGuard(
+      *policy_config, (*guard_modes)[0], *guard,
+      std::make_shared<const model::OutputProjection>((*model)->output_projection()));
   std::vector<int32_t> prompt(prompt_ids.begin(), prompt_ids.end());
   model::GenerationOptions options;
   options.sampling = model::SamplingParams{temperature, top_k, top_p, static_cast<uint64_t>(seed)};
@@ -145,6 +157,15 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
         {"device", device},
         {"budget_spent", sparse_attention ? sparse_attention->attended_fraction() : 1.0},
     };
+    if (sparse_attention != nullptr && sparse_attention->guard() != nullptr) {
+      const sparse::GuardStats g = sparse_attention->guard_stats();
+      const sparse::SelectionStats st = sparse_attention->stats();
+      out["guard"] = {{"checks", g.checks},
+                      {"check_read", st.context > 0 ? static_cast<double>(g.check_rows) / st.context
+                                                    : 0.0},
+                      {"escalations", g.escalations},
+                      {"relaxations", g.relaxations}};
+    }
     std::cout << out.dump() << "\n";
   } else {
     std::cout << "tokens: " << absl::StrJoin(result->tokens, " ") << "\n";
@@ -155,6 +176,15 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     if (sparse_attention != nullptr) {
       std::printf("policy: %s, read %.4f of the context per decode step\n", policy.c_str(),
                   sparse_attention->attended_fraction());
+      if (sparse_attention->guard() != nullptr) {
+        const sparse::GuardStats g = sparse_attention->guard_stats();
+        const sparse::SelectionStats st = sparse_attention->stats();
+        std::printf("guard: %lld exact checks reading %.4f of the context more, %lld "
+                    "escalations, %lld relaxations\n",
+                    static_cast<long long>(g.checks),
+                    st.context > 0 ? static_cast<double>(g.check_rows) / st.context : 0.0,
+                    static_cast<long long>(g.escalations), static_cast<long long>(g.relaxations));
+      }
     }
   }
   return 0;

@@ -20,6 +20,11 @@ std::vector<double> FractionBuckets() {
   return {0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0};
 }
 
+// e_h of checked heads: the guard's tolerance is a few percent; a bypassed needle head is ~1.
+std::vector<double> GuardErrorBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0};
+}
+
 // Decode steps of the tiny model take well under a millisecond; big ones tens of ms.
 std::vector<double> StepBuckets() { return metrics::ExponentialBuckets(0.0001, 2.5, 12); }
 
@@ -82,6 +87,25 @@ DecodeNodeMetrics::DecodeNodeMetrics(metrics::Registry* registry, const DecodeMe
                                 {{"kind", "attended"}});
   rows_scored_ = r.AddCounter(names::kSparseRowsTotal, "", {{"kind", "scored"}});
   rows_context_ = r.AddCounter(names::kSparseRowsTotal, "", {{"kind", "context"}});
+  rows_guard_ = r.AddCounter(names::kSparseRowsTotal, "", {{"kind", "guard_check"}});
+  guard_error_ = r.AddHistogram(
+      names::kSparseGuardError,
+      "The online error guard's exact checks: e_h = ||W_O^h (o_h - sparse o_h)|| / ||W_O o|| of "
+      "each checked (decode step, layer, KV head), per finished request's checks.",
+      GuardErrorBuckets());
+  guard_checks_ = r.AddCounter(names::kSparseGuardChecksTotal,
+                               "(decode step, layer, KV head) pairs the error guard attended "
+                               "exactly to measure their sparse error.");
+  guard_escalations_ = r.AddCounter(
+      names::kSparseGuardAdjustmentsTotal,
+      "Budget moves of the error guard, by direction: escalation (a head above the tolerance got "
+      "more of the request's budget), relaxation (a head far below gave some back), revert (an "
+      "escalation undone: the head's error did not fall).",
+      {{"direction", "escalation"}});
+  guard_relaxations_ =
+      r.AddCounter(names::kSparseGuardAdjustmentsTotal, "", {{"direction", "relaxation"}});
+  guard_reverts_ =
+      r.AddCounter(names::kSparseGuardAdjustmentsTotal, "", {{"direction", "revert"}});
   for (const char* cause : {"peer_unreachable", "deadline", "checksum", "rejected", "other"}) {
     r.AddCounter(names::kTransferFailuresTotal,
                  "Failed KV transfers, by cause (on the decode node: failed Prefill calls and KV "
@@ -231,6 +255,12 @@ void DecodeNodeMetrics::OnFinished(const FinishedRequestStats& r) {
   rows_attended_->Increment(static_cast<double>(r.sparse.rows_attended));
   rows_scored_->Increment(static_cast<double>(r.sparse.k_rows_scored));
   rows_context_->Increment(static_cast<double>(r.sparse.context));
+  for (double e : r.guard.errors) guard_error_->Observe(e);
+  guard_checks_->Increment(static_cast<double>(r.guard.checks));
+  guard_escalations_->Increment(static_cast<double>(r.guard.escalations));
+  guard_relaxations_->Increment(static_cast<double>(r.guard.relaxations));
+  guard_reverts_->Increment(static_cast<double>(r.guard.reverts));
+  rows_guard_->Increment(static_cast<double>(r.guard.check_rows));
 }
 
 void DecodeNodeMetrics::OnStep(double wall_seconds, double cpu_seconds) {

@@ -48,6 +48,7 @@ struct FinishedRequestStats {
   std::string policy;        // the policy's name (PolicyConfig::name)
   double read_fraction = 1;  // rows attended / rows available over its decode steps
   sparse::SelectionStats sparse;
+  sparse::GuardStats guard;  // the online error guard's (empty when off)
 };
 
 class DecodeNodeMetrics {
@@ -100,6 +101,12 @@ class DecodeNodeMetrics {
   metrics::Counter* rows_scored_;
   metrics::Counter* rows_context_;
   metrics::Counter* prefill_expired_;
+  metrics::Histogram* guard_error_;
+  metrics::Counter* guard_checks_;
+  metrics::Counter* guard_escalations_;
+  metrics::Counter* guard_relaxations_;
+  metrics::Counter* guard_reverts_;
+  metrics::Counter* rows_guard_;
 
   absl::Mutex mu_;
   // Series registered by Attach, removed by Detach.

@@ -47,6 +47,10 @@ struct DecodeServiceOptions {
   std::shared_ptr<const sparse::FluxionPredictor> fluxion_predictor;
   // Host costs for `fluxion`'s granularity choice (the node's measured read bandwidth).
   sparse::HostCostModel host_cost;
+  // The online error guard for lfps / fluxion requests (decode/sparse/error_guard.h; `enabled`
+  // from --guard) and the model's W_O it measures e_h with.
+  sparse::GuardConfig guard;
+  std::shared_ptr<const model::OutputProjection> output_projection;
   int64_t page_tokens = 16;
   // Longest a request waits for KV pages (also bounded by its own deadline).
   absl::Duration admission_timeout = absl::Seconds(10);

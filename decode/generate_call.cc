@@ -8,6 +8,7 @@
 #include "common/grpc_status.h"
 #include "common/secret_token.h"
 #include "decode/generate_call_steps.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 
 namespace fluxion::decode {
@@ -108,6 +109,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::ParseAndValidate() {
     policy.fluxion_predictor = options.fluxion_predictor;
   }
   policy.host_cost = options.host_cost;
+  policy = sparse::WithGuard(policy, options.guard.enabled, options.guard,
+                             options.output_projection);
   // The prefill node gets our worker address and remote keys: only a trusted one may be named.
   if (options.prefill_peers == nullptr) {
     return Reject(absl::FailedPreconditionError(
@@ -347,6 +350,7 @@ grpc::Status DecodeServiceImpl::Call::EndStream(const Streamed& s) {
   double read_fraction = 1.0;
   bool preempted = false;
   sparse::SelectionStats sparse_stats;
+  sparse::GuardStats guard_stats;
   {
     absl::MutexLock lock(&r_->mu);
     timing_.set_tpot_max_us(r_->max_step_us);
@@ -355,6 +359,7 @@ grpc::Status DecodeServiceImpl::Call::EndStream(const Streamed& s) {
     read_fraction = r_->read_fraction;
     preempted = r_->preempted;
     sparse_stats = r_->sparse_stats;
+    guard_stats = r_->guard_stats;
   }
   {
     absl::MutexLock lock(&service_->mu_);
@@ -376,6 +381,7 @@ grpc::Status DecodeServiceImpl::Call::EndStream(const Streamed& s) {
     stats.policy = policy.name;
     stats.read_fraction = read_fraction;
     stats.sparse = sparse_stats;
+    stats.guard = std::move(guard_stats);
     node_metrics_->OnFinished(stats);
   }
   if (s.client_gone) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");

@@ -61,6 +61,7 @@ void AddCounters(const HybridCounters& from, HybridCounters* to) {
   to->host_kernel_s += from.host_kernel_s;
   to->finish_s += from.finish_s;
   to->merge_s += from.merge_s;
+  to->guard_s += from.guard_s;
   to->lane_wait_s += from.lane_wait_s;
 }
 
@@ -229,11 +230,35 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   lane.reset();
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
   clock.Lap(&counters_.merge_s);
+  FLUXION_RETURN_IF_ERROR(GuardChecks(io, q));
+  clock.Lap(&counters_.guard_s);
 
   if (io.layer == shape_.num_layers - 1) {
     FLUXION_RETURN_IF_ERROR(window_->Sync());
     for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
   }
+  return absl::OkStatus();
+}
+
+absl::Status HybridBatchAttention::GuardChecks(const model::LayerAttentionIo& io,
+                                               const float* q) {
+  bool due = false;
+  for (SparseAttention* a : attentions_) due = due || a->GuardDue();
+  if (!due) return absl::OkStatus();
+  // The checks compare the step's final output (the window's rows merged in) with the exact one:
+  // on a device, the layer's output comes to the host first. The copy is issued on the dense
+  // ops' stream, after the merge, so it returns the merged rows.
+  const int64_t q_row = shape_.num_heads * shape_.head_dim;
+  const float* out = io.out;
+  if (!io.host_memory) {
+    out_host_.resize(io.rows * q_row);
+    ops_->CopyToHost(out_host_.data(), io.out, out_host_.size() * sizeof(float));
+    FLUXION_RETURN_IF_ERROR(ops_->Sync());
+    out = out_host_.data();
+  }
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    attentions_[i]->CheckLayer(q + i * q_row, out + i * q_row);
+  });
   return absl::OkStatus();
 }
 

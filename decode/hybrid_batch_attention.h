@@ -81,6 +81,7 @@ struct HybridCounters {
   double host_kernel_s = 0;  //   the CPU backend's run
   double finish_s = 0;   // policies' estimates and observation (FinishDecode)
   double merge_s = 0;    // CPU partials to the device and merged
+  double guard_s = 0;    // the error guard's exact checks (decode/sparse/error_guard.h)
   double lane_wait_s = 0;  // waiting for the CPU lane (another micro-batch's CPU phase)
 };
 
@@ -147,6 +148,9 @@ class HybridBatchAttention : public model::BatchAttention {
     std::vector<kernels::PageSpan> device, cpu;
     int64_t resident_rows = 0, host_rows = 0, device_rows = 0;
   };
+  // The error guard's exact checks of the layer for the requests due (SparseAttention::
+  // CheckLayer), on the merged output (copied to the host first when it is on a device).
+  absl::Status GuardChecks(const model::LayerAttentionIo& io, const float* q);
   // Pair `pair` (request i, KV head h): its plan trimmed and split (device_share when `mapped`).
   void PlanPair(const model::LayerAttentionIo& io, int64_t i, int64_t h, bool mapped);
   // The pairs' CPU parts as one host problem over io's rows, and the device's parts as CSR lists
@@ -166,6 +170,7 @@ class HybridBatchAttention : public model::BatchAttention {
   // Scratch, grown to the largest step seen.
   std::vector<float> q_, k_, v_;  // host copies when the rows are in device memory
   std::vector<float> host_out_, host_lse_;
+  std::vector<float> out_host_;  // the layer's output on the host for the guard's checks
   std::vector<absl::Status> statuses_;
   std::vector<RequestUnit> units_;
   std::vector<PairPlan> pair_plans_;  // [request * num_kv_heads + head]

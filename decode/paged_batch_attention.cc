@@ -76,6 +76,10 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
     attentions_[u.request]->FinishUnit(u.unit, io.q + u.request * q_row,
                                        io.out + u.request * q_row, lse_.data() + u.request * hq);
   });
+  // 4. The error guard's exact checks of this layer, on the final outputs (sparse_attention.h).
+  ForEachRequest(pool_, io.rows, [&](int64_t i) {
+    attentions_[i]->CheckLayer(io.q + i * q_row, io.out + i * q_row);
+  });
   if (io.layer == shape_.num_layers - 1) {
     for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
   }

@@ -28,6 +28,7 @@
 #include "decode/prefill_peers.h"
 #include "common/read_bandwidth.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -140,6 +141,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Double("host-read-gbps", &host_read_gbps,
                "one core's read bandwidth (GB/s) for the `fluxion` granularity cost model; "
                "0 = measure at start-up (a 64 MiB read probe, ~0.1 s)");
+  sparse::GuardFlags guard_flags(flags);
   CpuThreadsFlag cpu_threads(flags, CpuRole::kServing);
   flags.Int("page-tokens", &page_tokens, "tokens per KV page");
   flags.Int("kv-pages", &kv_pages, "pages in the host KV arena (each layer x KV head x page)");
@@ -227,6 +229,13 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     return 1;
   }
 
+  auto guard_modes = guard_flags.Modes();
+  auto guard = guard_flags.Config();
+  if (!guard_modes.ok() || !guard.ok()) {
+    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
+              << "\n";
+    return 2;
+  }
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
@@ -371,6 +380,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.default_budget = default_budget;
     options.fluxion_predictor = *predictor;
     options.host_cost.read_gbps = host_read_gbps;
+    options.guard = *guard;
+    options.guard.enabled = (*guard_modes)[0];
+    options.output_projection =
+        std::make_shared<const model::OutputProjection>((*model)->output_projection());
     options.page_tokens = page_tokens;
     options.admission_timeout = absl::Milliseconds(admission_timeout_ms);
     options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);

@@ -1,7 +1,10 @@
 #include "decode/sparse_attention.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "decode/sparse/policy_util.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 
 namespace fluxion::decode {
@@ -17,7 +20,13 @@ SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique
       head_stats_(shape.num_kv_heads),
       head_spans_(shape.num_kv_heads),
       rest_out_(shape.num_kv_heads),
-      rest_lse_(shape.num_kv_heads) {}
+      rest_lse_(shape.num_kv_heads) {
+  if (sparse::GuardActive(config_)) {
+    guard_ = std::make_unique<sparse::ErrorGuard>(
+        config_.guard, static_cast<int>(shape.num_layers), static_cast<int>(shape.num_kv_heads),
+        [this](int layer, int kv_head) { return PolicyOf(kv_head).MiddleWeight(layer, kv_head); });
+  }
+}
 
 absl::StatusOr<std::vector<std::unique_ptr<sparse::SparsePolicy>>> SparseAttention::MakePolicies(
     const PagedKv& kv, const model::AttentionShape& shape, const sparse::PolicyConfig& config,
@@ -109,7 +118,50 @@ absl::Status SparseAttention::AppendToken(int layer, int64_t pos0, const float* 
   FLUXION_RETURN_IF_ERROR(kv_->Append(layer, 1, k, v, shape_.num_kv_heads * shape_.head_dim));
   step_layer_ = layer;
   step_context_ = pos0 + 1;
+  if (guard_ != nullptr && layer == 0) guard_->BeginStep();  // layer 0 starts a decode step
   return absl::OkStatus();
+}
+
+bool SparseAttention::GuardDue() const {
+  if (guard_ == nullptr) return false;
+  for (int h = 0; h < shape_.num_kv_heads; ++h) {
+    if (guard_->Due(step_layer_, h)) return true;
+  }
+  return false;
+}
+
+void SparseAttention::CheckLayer(const float* q, const float* out) {
+  if (!GuardDue()) return;
+  // A degenerate point (sinks + window cover the budget): the guard could move no row, so a
+  // check would only read (docs/SPARSE.md).
+  if (sparse::SplitContext(config_, step_context_).middle_rows_budget == 0) return;
+  const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
+  const int64_t group = shape_.num_heads / hkv, hd = group * d;
+  const model::OutputProjection& proj = *config_.output_projection;
+  if (step_layer_ >= proj.num_layers() || proj.width() != shape_.num_heads * d) return;
+  check_out_.resize(hd);
+  check_lse_.resize(group);
+  for (int h = 0; h < hkv; ++h) {
+    if (!guard_->Due(step_layer_, h)) continue;
+    // The head exactly: every row of the context.
+    check_spans_.clear();
+    sparse::AppendTokenRange(*kv_, step_layer_, h, 0, step_context_, &check_spans_);
+    kernels::cpu::PagedAttention(kv_->view(), check_spans_.data(), check_spans_.size(),
+                                 {q + h * hd, group, shape_.scale},
+                                 {check_out_.data(), check_lse_.data()});
+    // The layer's output with this head exact: the denominator of e_h (the other heads'
+    // exact outputs are not known; theirs are the step's sparse ones).
+    check_layer_.assign(out, out + shape_.num_heads * d);
+    std::copy(check_out_.begin(), check_out_.end(), check_layer_.begin() + h * hd);
+    const double total = proj.Norm(step_layer_, check_layer_.data());
+    const double error = model::HeadOutputError(proj, step_layer_, h * hd, check_out_.data(),
+                                                out + h * hd, hd, total);
+    guard_->Report(step_layer_, h, error, step_context_);
+  }
+}
+
+sparse::GuardStats SparseAttention::guard_stats() const {
+  return guard_ != nullptr ? guard_->stats() : sparse::GuardStats{};
 }
 
 sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const {
@@ -125,6 +177,7 @@ void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredB
   head_spans_[h].clear();
   sparse::SelectionInput in = Input(h, q);
   in.budget_scale = budget_scale;
+  if (guard_ != nullptr) in.budget_shift = guard_->Shift(step_layer_, h);
   if (scored.data != nullptr) {
     in.block_scores = scored.data + h * scored.head_stride;
     in.block_score_tokens = scored.block_tokens;
@@ -186,6 +239,7 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
     }
     kernels::cpu::PagedAttentionBatch(tasks_.data(), hkv, 0);
     FinishDecode(q, out, head_lse_.data());
+    CheckLayer(q, out);
     return absl::OkStatus();
   }
   if (layer < 0 || layer >= shape_.num_layers) {

@@ -87,6 +87,19 @@ class SparseAttention : public model::SequenceAttention {
   }
   void FinishUnit(int unit, const float* q, float* out, float* lse);
 
+  // The online error guard (decode/sparse/error_guard.h), when the policy config enables it:
+  // whether this step checks any KV head of the current layer exactly, and the check itself,
+  // after the layer's output is final (every unit finished, the skipped rows' estimates and a
+  // hybrid step's resident part merged in): `out` is this request's [num_heads][head_dim] output
+  // of the layer in host memory. Each due head is attended over every row, its e_h computed with
+  // the policy config's output projection and reported to the guard, which moves budget for the
+  // next steps. One thread per request; different requests may check in parallel.
+  bool GuardDue() const;
+  void CheckLayer(const float* q, const float* out);
+  // What the guard did so far (zeros without one).
+  sparse::GuardStats guard_stats() const;
+  const sparse::ErrorGuard* guard() const { return guard_.get(); }
+
   // AppendToken and every SelectUnit; every FinishUnit (one thread).
   absl::Status BeginDecode(int layer, int64_t pos0, const float* q, const float* k,
                            const float* v);
@@ -140,6 +153,10 @@ class SparseAttention : public model::SequenceAttention {
   std::vector<kernels::PageSpan> spans_;
   std::vector<float> lse_, head_lse_;
   std::vector<kernels::cpu::PagedAttentionTask> tasks_;  // [kv_head]
+  // The error guard (null when off) and CheckLayer's scratch.
+  std::unique_ptr<sparse::ErrorGuard> guard_;
+  std::vector<kernels::PageSpan> check_spans_;
+  std::vector<float> check_out_, check_lse_, check_layer_;
 };
 
 }  // namespace fluxion::decode

@@ -15,6 +15,7 @@
 #include "decode/hybrid_step_executor.h"
 #include "decode/paged_batch_attention.h"
 #include "decode/resident_window.h"
+#include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -57,6 +58,7 @@ class StepExecutorTest : public ::testing::Test {
     std::vector<std::vector<float>> logits;    // [step][batch * vocab]
     std::vector<int64_t> rows_attended;        // [request]
     std::vector<sparse::SelectionStats> stats;  // [request]
+    std::vector<sparse::GuardStats> guard;      // [request]
   };
 
   // `steps` greedy steps of `executor` over requests from `prefills` under `policy`. With
@@ -97,6 +99,7 @@ class StepExecutorTest : public ::testing::Test {
       EXPECT_EQ(r.seq->length(), prefills[&r - requests.data()].cache->length(0) + steps);
       run.rows_attended.push_back(r.attention->stats().rows_attended);
       run.stats.push_back(r.attention->stats());
+      run.guard.push_back(r.attention->guard_stats());
     }
     return run;
   }
@@ -187,6 +190,42 @@ TEST_F(StepExecutorTest, TheHybridStepOverTheHostWindowGivesTheBatchedStepsResul
   }
 }
 
+// The online error guard (decode/sparse/error_guard.h) runs on every executor, the hybrid one's
+// host stand-in included (its checks come after the window's rows are merged in): the same heads
+// checked with the same errors, and the same tokens, as the per-request loop.
+TEST_F(StepExecutorTest, TheErrorGuardChecksTheSameHeadsOnEveryExecutor) {
+  std::vector<Prefill> prefills;
+  for (int64_t n : {260, 700}) prefills.push_back(MakePrefill(Prompt(n, 300 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  sparse::GuardConfig guard;
+  guard.sample_rate = 0.25;
+  auto projection = std::make_shared<const model::OutputProjection>(model_->output_projection());
+  for (const char* name : {"lfps", "fluxion"}) {
+    SCOPED_TRACE(name);
+    const sparse::PolicyConfig policy =
+        sparse::WithGuard(*sparse::ParsePolicy(name, 0.3), true, guard, projection);
+    ASSERT_TRUE(sparse::GuardActive(policy));
+    std::unique_ptr<StepExecutor> loop = NewPerRequestStepExecutor(model_);
+    std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
+    std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+    const Run l = Decode(*loop, policy, prefills, 6);
+    for (StepExecutor* e : {static_cast<StepExecutor*>(batched.get()),
+                            static_cast<StepExecutor*>(hybrid.get())}) {
+      const Run r = Decode(*e, policy, prefills, 6);
+      ExpectSameRun(r, l, 1e-3f);
+      for (size_t i = 0; i < prefills.size(); ++i) {
+        EXPECT_GT(l.guard[i].checks, 0);
+        EXPECT_EQ(r.guard[i].checks, l.guard[i].checks);
+        EXPECT_EQ(r.guard[i].check_rows, l.guard[i].check_rows);
+        ASSERT_EQ(r.guard[i].errors.size(), l.guard[i].errors.size());
+        for (size_t j = 0; j < l.guard[i].errors.size(); ++j) {
+          EXPECT_NEAR(r.guard[i].errors[j], l.guard[i].errors[j], 1e-3) << "check " << j;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(StepExecutorTest, BlockScoresFromTheWindowSelectWhatTheCpuScanSelects) {
   // The window scores blocks from its own page bounds (loaded at admission, then folded from
   // each step's K) with the CPU policy's kernel: the same picks, tokens and rows attended, and
@@ -221,7 +260,7 @@ TEST_F(StepExecutorTest, RequestsAdmittedOffTheStepDecodeAsThoseAdmittedInIt) {
   std::vector<Prefill> prefills;
   for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 600 + n)));
   const kernels::cpu::CpuPool pool(2);
-  for (const std::string& name : {"quest", "lfps"}) {
+  for (const char* name : {"quest", "lfps"}) {
     SCOPED_TRACE(name);
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     std::unique_ptr<HybridStepExecutor> inline_admit = MakeHybrid(&pool, 8, 704);

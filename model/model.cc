@@ -186,6 +186,13 @@ absl::StatusOr<ModelParams> Model::UploadParams(DenseOps& ops) const {
   return p;
 }
 
+OutputProjection Model::output_projection() const {
+  std::vector<const float*> w_o;
+  for (const LayerWeights& l : layers_) w_o.push_back(l.o.weight.data());
+  return OutputProjection(config_.hidden_size, config_.num_heads * config_.head_dim,
+                          std::move(w_o));
+}
+
 AttentionShape Model::attention_shape() const {
   return AttentionShape{config_.num_layers, config_.num_heads, config_.num_kv_heads,
                         config_.head_dim,

@@ -25,6 +25,7 @@
 #include "model/config.h"
 #include "model/dense_ops.h"
 #include "model/layer.h"
+#include "model/output_projection.h"
 #include "model/safetensors.h"
 
 namespace fluxion::model {
@@ -87,6 +88,9 @@ class Model {
 
   // The weights as ModelParams borrowing this model's host memory (for DenseOps on host memory).
   const ModelParams& host_params() const { return host_params_; }
+  // Every layer's o_proj as an OutputProjection borrowing this model's fp32 host weights (the
+  // sparse error guard's e_h, decode/sparse/error_guard.h); valid while the model lives.
+  OutputProjection output_projection() const;
   // The weights in `ops`'s memory: every matrix through ops.UploadWeight (in the backend's
   // format: the CPU backend borrows the host matrix, CUDA keeps a bf16 copy in HBM); the fp32
   // vectors (norms, biases, RoPE frequencies) borrowed when ops.host_memory(), otherwise copied.

@@ -20,6 +20,7 @@
 #include "common/flag_set.h"
 #include "decode/sparse/decision_profile.h"
 #include "decode/sparse/fluxion_predictor.h"
+#include "decode/sparse/guard_flags.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
@@ -55,9 +56,10 @@ std::string Tail(const std::string& s, size_t n) {
 }
 
 void PrintTable(const std::vector<CellResult>& results) {
-  std::printf("%-16s %8s  %-18s %5s  %8s  %-16s %7s %6s %-22s %11s %9s %7s\n", "task",
-              "context", "policy", "n", "accuracy", "95% CI", "read", "-/+",
+  std::printf("%-16s %8s  %-24s %5s  %8s  %-16s %7s %7s %6s %-22s %11s %9s %7s\n", "task",
+              "context", "policy", "n", "accuracy", "95% CI", "read", "guard", "-/+",
               "vs first: delta [95%]", "prefill ms", "tpot ms", "bypass");
+  bool any_degenerate = false;
   for (const CellResult& r : results) {
     char ci[32];
     std::snprintf(ci, sizeof(ci), "[%.3f, %.3f]", r.ci_low, r.ci_high);
@@ -66,10 +68,28 @@ void PrintTable(const std::vector<CellResult>& results) {
                   static_cast<long long>(r.gained));
     std::snprintf(paired, sizeof(paired), "%+.3f [%+.3f, %+.3f]", r.delta, r.delta_low,
                   r.delta_high);
-    std::printf("%-16s %8lld  %-18s %5lld  %8.3f  %-16s %7.4f %6s %-22s %11.1f %9.2f %7.3f\n",
+    // A degenerate (context, budget) point reads no middle row (sinks + window cover the
+    // budget): its loss is the budget's, not the policy's. `!`: every sample, `~`: some.
+    const char* mark = r.degenerate == 0 ? "" : r.degenerate == r.samples ? " !" : " ~";
+    any_degenerate = any_degenerate || r.degenerate > 0;
+    const std::string policy = r.policy + mark;
+    std::printf("%-16s %8lld  %-24s %5lld  %8.3f  %-16s %7.4f %7.4f %6s %-22s %11.1f %9.2f %7.3f\n",
+                r.task.c_str(), static_cast<long long>(r.context), policy.c_str(),
+                static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, r.guard_read,
+                counts, paired, r.prefill_ms, r.tpot_ms, r.bypassed);
+  }
+  std::printf("read: rows attended / context rows; guard: rows the error guard's exact checks "
+              "read besides (the budget spent is their sum)\n");
+  for (const CellResult& r : results) {
+    if (r.guard_checks == 0) continue;
+    std::printf("guard %s %lld %s: %lld checks, e_h p50 %.4f p90 %.4f, %lld escalations\n",
                 r.task.c_str(), static_cast<long long>(r.context), r.policy.c_str(),
-                static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, counts, paired,
-                r.prefill_ms, r.tpot_ms, r.bypassed);
+                static_cast<long long>(r.guard_checks), r.guard_error_p50, r.guard_error_p90,
+                static_cast<long long>(r.guard_escalations));
+  }
+  if (any_degenerate) {
+    std::printf("! degenerate point: the budget is at or below sinks + window, no middle row is "
+                "read by any policy (~: for some samples); not a policy loss\n");
   }
 }
 
@@ -204,6 +224,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                "write the decision profile of what lfps / fluxion decided over the run (shares of "
                "streaming and bypassed head-steps, per-head budgets and blocks) to this JSON file, "
                "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   flags.Require("model");
   const bool seed_given = absl::c_any_of(
       args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
@@ -222,6 +243,28 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   options.samples = samples;
   options.first_seed = static_cast<uint64_t>(seed);
   options.policies = PolicyLabels(policies, budgets);
+  absl::StatusOr<std::vector<bool>> guard_modes = guard_flags.Modes();
+  absl::StatusOr<decode::sparse::GuardConfig> guard = guard_flags.Config();
+  if (!guard_modes.ok() || !guard.ok()) {
+    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
+              << "\n";
+    return 2;
+  }
+  options.guard = *guard;
+  {
+    // --guard on / both: every lfps / fluxion label also (or only) under the guard.
+    std::vector<std::string> labels;
+    for (const std::string& label : options.policies) {
+      auto config = PolicyConfigOf(label);
+      if (!config.ok() || !decode::sparse::TraitsOf(config->kind).guardable ||
+          config->guard.enabled) {
+        labels.push_back(label);
+        continue;
+      }
+      for (bool on : *guard_modes) labels.push_back(on ? label + "+guard" : label);
+    }
+    options.policies = std::move(labels);
+  }
   options.max_new_tokens = max_new_tokens;
   options.capture_dir = capture_dir;
   options.capture_kv_max = capture_kv_max;
@@ -293,6 +336,8 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     return 1;
   }
   options.executor = executor->get();
+  options.output_projection =
+      std::make_shared<const model::OutputProjection>((*model)->output_projection());
   if (device != "cpu") {
     std::cerr << "device " << device << ": decode steps through the hybrid executor, one request "
               << "per step; `full` is the " << FullPolicyAttention(device) << "\n";
@@ -387,6 +432,12 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                       {"tpot_ms", r.tpot_ms},
                       {"budget_spent", r.budget_spent},
                       {"bypassed", r.bypassed},
+                      {"guard_read", r.guard_read},
+                      {"guard_escalations", r.guard_escalations},
+                      {"guard_checks", r.guard_checks},
+                      {"guard_error_p50", r.guard_error_p50},
+                      {"guard_error_p90", r.guard_error_p90},
+                      {"degenerate_samples", r.degenerate},
                       {"paired_lost", r.lost},
                       {"paired_gained", r.gained},
                       {"delta_vs_first", r.delta},
@@ -401,6 +452,13 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     nlohmann::json doc = bench::ResultEnvelope(bench::JoinCommand("fluxion eval tasks", args),
                                                nlohmann::json::object(), rows);
     doc["device"] = device;
+    doc["guard"] = {{"modes", *guard_modes},
+                    {"sample_rate", guard->sample_rate},
+                    {"tolerance", guard->tolerance},
+                    {"relax_ratio", guard->relax_ratio},
+                    {"grow", guard->grow},
+                    {"shrink", guard->shrink},
+                    {"max_weight", guard->max_weight}};
     doc["samples"] = std::move(sample_rows);
     if (absl::Status s = bench::WriteJson(json_path, doc); !s.ok()) {
       std::cerr << "error: " << s.message() << "\n";

@@ -14,7 +14,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "bench/bench_util.h"
+#include "bench/eval/paired_stats.h"
 #include "common/flag_set.h"
 
 namespace fluxion::eval {
@@ -174,6 +176,15 @@ void PrintComparison(const EvalComparison& c, const std::string& path_a,
                 c.only_b.size(),
                 KeyText(!c.only_a.empty() ? c.only_a.front() : c.only_b.front()).c_str());
   }
+  std::printf("accuracy over the paired samples (B - A, 95%% interval):\n");
+  for (const PolicyAccuracy& a : c.accuracy) {
+    std::printf("  %-22s n %5lld   A %.3f   B %.3f   lost %lld gained %lld   %+.3f [%+.3f, %+.3f]\n",
+                a.policy.c_str(), static_cast<long long>(a.n),
+                a.n > 0 ? static_cast<double>(a.correct_a) / a.n : 0.0,
+                a.n > 0 ? static_cast<double>(a.correct_b) / a.n : 0.0,
+                static_cast<long long>(a.lost), static_cast<long long>(a.gained), a.delta,
+                a.delta_low, a.delta_high);
+  }
   if (c.near_ties + c.divergences == 0) return;
   std::printf("\n%-16s %7s %9s  %-18s %-7s %-7s %5s %7s %7s %9s %9s %9s  %s\n", "task", "context",
               "seed", "policy", "A", "B", "step", "tok A", "tok B", "margin A", "threshold",
@@ -294,12 +305,44 @@ EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b, const Compare
     c.near_ties += s.verdict == Verdict::kNearTie;
     c.divergences += s.verdict == Verdict::kDivergence;
     c.correct_flips += s.correct_a != s.correct_b;
+    auto acc = std::find_if(c.accuracy.begin(), c.accuracy.end(),
+                            [&](const PolicyAccuracy& p) { return p.policy == r.key.policy; });
+    if (acc == c.accuracy.end()) {
+      c.accuracy.push_back({r.key.policy});
+      acc = c.accuracy.end() - 1;
+    }
+    ++acc->n;
+    acc->correct_a += s.correct_a;
+    acc->correct_b += s.correct_b;
+    acc->lost += s.correct_a && !s.correct_b;
+    acc->gained += !s.correct_a && s.correct_b;
     c.samples.push_back(std::move(s));
+  }
+  for (PolicyAccuracy& a : c.accuracy) {
+    a.delta = a.n > 0 ? static_cast<double>(a.gained - a.lost) / a.n : 0.0;
+    const Interval i = PairedDifference95(a.lost, a.gained, a.n);
+    a.delta_low = i.low;
+    a.delta_high = i.high;
   }
   for (const SampleRecord& r : b.samples) {
     if (!paired.contains(r.key)) c.only_b.push_back(r.key);
   }
   return c;
+}
+
+void SplitGuardPairs(EvalRun* a, EvalRun* b) {
+  std::vector<SampleRecord> kept;
+  for (SampleRecord& r : a->samples) {
+    if (!absl::EndsWith(r.key.policy, "+guard")) kept.push_back(std::move(r));
+  }
+  a->samples = std::move(kept);
+  kept.clear();
+  for (SampleRecord& r : b->samples) {
+    if (!absl::EndsWith(r.key.policy, "+guard")) continue;
+    r.key.policy.resize(r.key.policy.size() - std::string("+guard").size());
+    kept.push_back(std::move(r));
+  }
+  b->samples = std::move(kept);
 }
 
 json ComparisonJson(const EvalComparison& c) {
@@ -336,6 +379,13 @@ json ComparisonJson(const EvalComparison& c) {
                      {"top_logit", n.top_logit},
                      {"margin", n.margin}});
   }
+  json accuracy = json::array();
+  for (const PolicyAccuracy& a : c.accuracy) {
+    accuracy.push_back({{"policy", a.policy}, {"n", a.n}, {"correct_a", a.correct_a},
+                        {"correct_b", a.correct_b}, {"lost", a.lost}, {"gained", a.gained},
+                        {"delta", a.delta}, {"delta_ci_low", a.delta_low},
+                        {"delta_ci_high", a.delta_high}});
+  }
   return {{"device_a", c.device_a},
           {"device_b", c.device_b},
           {"near_tie_relative", c.near_tie_relative},
@@ -347,6 +397,7 @@ json ComparisonJson(const EvalComparison& c) {
           {"only_in_a", keys(c.only_a)},
           {"only_in_b", keys(c.only_b)},
           {"noise", noise},
+          {"accuracy", accuracy},
           {"differing", differing}};
 }
 
@@ -365,6 +416,11 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
                 "(the first differing token was a near-tie in A) and divergences. Exit 0 when "
                 "nothing diverges, 1 when something does.");
   flags.String("json", &json_path, "also write the comparison to this file");
+  bool guard_pairs = false;
+  flags.Bool("guard-pairs", &guard_pairs,
+             "pair each policy of A without the error guard with itself under the guard in B "
+             "(`NAME@BUDGET+guard`; A and B may be the same `--guard both` run); divergences are "
+             "then expected and do not fail the command");
   flags.Double("near-tie", &near_tie,
                "a differing token is a near-tie when A's top-2 logit margin there is at most "
                "this times max(1, |A's top logit|)");
@@ -398,6 +454,7 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
     }
     runs[i] = *std::move(merged);
   }
+  if (guard_pairs) SplitGuardPairs(&runs[0], &runs[1]);
   CompareOptions options;
   options.near_tie_relative = near_tie;
   const EvalComparison c = CompareEvalRuns(runs[0], runs[1], options);
@@ -412,7 +469,7 @@ int RunEvalCompareCommand(const std::vector<std::string>& args) {
     }
     std::cerr << "wrote " << json_path << "\n";
   }
-  return c.divergences > 0 ? 1 : 0;
+  return c.divergences > 0 && !guard_pairs ? 1 : 0;
 }
 
 }  // namespace fluxion::eval

@@ -87,6 +87,15 @@ struct PolicyNoise {
   double margin = 0;     // max |margin_a - margin_b| / max(1, |top_a|)
 };
 
+// Per policy over the paired samples: A's and B's accuracy and their paired difference
+// (B - A) with a 95% interval (paired_stats.h).
+struct PolicyAccuracy {
+  std::string policy;
+  int64_t n = 0, correct_a = 0, correct_b = 0;
+  int64_t lost = 0, gained = 0;  // correct in A only, in B only
+  double delta = 0, delta_low = 0, delta_high = 0;
+};
+
 struct EvalComparison {
   std::string device_a, device_b;
   double near_tie_relative = 0;
@@ -95,11 +104,17 @@ struct EvalComparison {
   int64_t correct_flips = 0;  // samples scored differently (a subset of the differing ones)
   std::vector<SampleKey> only_a, only_b;
   std::vector<PolicyNoise> noise;  // per policy, in A's order of first appearance
+  std::vector<PolicyAccuracy> accuracy;  // per policy, in A's order of first appearance
 };
 
 struct CompareOptions {
   double near_tie_relative = 0.04;
 };
+
+// For `--guard-pairs`: A keeps its samples of policies without the error guard, B those with it
+// (`fluxion@0.02+guard`), renamed to the policy without the suffix, so each policy pairs with
+// itself under the guard.
+void SplitGuardPairs(EvalRun* a, EvalRun* b);
 
 EvalComparison CompareEvalRuns(const EvalRun& a, const EvalRun& b, const CompareOptions& options);
 

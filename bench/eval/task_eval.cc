@@ -14,11 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "bench/eval/capturing_attention.h"
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
 #include "decode/resident_window.h"
+#include "decode/sparse/policy_util.h"
 #include "decode/sparse_attention.h"
 #include "model/byte_tokenizer.h"
 #include "model/cpu_dense_ops.h"
@@ -167,7 +169,18 @@ class CaptureWriter {
 struct CellTotals {
   int64_t samples = 0, correct = 0, decode_steps = 0, lost = 0, gained = 0;
   double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0, bypassed_fraction = 0;
+  double guard_fraction = 0;
+  int64_t guard_escalations = 0, guard_checks = 0, degenerate = 0;
+  std::vector<double> guard_errors;
 };
+
+// The q-quantile (nearest rank) of `v`, 0 when empty; sorts v.
+double Quantile(std::vector<double>* v, double q) {
+  if (v->empty()) return 0.0;
+  std::sort(v->begin(), v->end());
+  const size_t i = std::min(v->size() - 1, static_cast<size_t>(q * v->size()));
+  return (*v)[i];
+}
 
 }  // namespace
 
@@ -185,7 +198,19 @@ const std::vector<std::string>& PolicyNames() {
 namespace {
 
 // Splits `name@budget`; `full` and fixed_* need no budget.
-absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& label) {
+absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_label) {
+  // `+guard`: the online error guard (PolicyLabel's suffix).
+  absl::string_view label = full_label;
+  if (absl::ConsumeSuffix(&label, "+guard")) {
+    FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig c, ParseLabel(std::string(label)));
+    if (!decode::sparse::TraitsOf(c.kind).guardable) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention policy '", full_label, "': the error guard applies to lfps and "
+                       "fluxion only"));
+    }
+    c.guard.enabled = true;
+    return c;
+  }
   std::vector<std::string> parts = absl::StrSplit(label, '@');
   double budget = 1.0;
   if (parts.size() > 2 || (parts.size() == 2 && !absl::SimpleAtod(parts[1], &budget))) {
@@ -223,9 +248,20 @@ absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttentio
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor,
-    std::shared_ptr<const decode::sparse::DecisionProfile> profile) {
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile,
+    const decode::sparse::GuardConfig& guard,
+    std::shared_ptr<const model::OutputProjection> projection) {
   FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig config, ParseLabel(label));
   config.fluxion_predictor = std::move(predictor);
+  if (config.guard.enabled) {
+    if (projection == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("policy ", label, ": the error guard needs the model's output projection"));
+    }
+    config.guard = guard;
+    config.guard.enabled = true;
+    config.output_projection = std::move(projection);
+  }
   if (profile != nullptr && (config.kind == decode::sparse::PolicyKind::kLfps ||
                              config.kind == decode::sparse::PolicyKind::kFluxion)) {
     FLUXION_RETURN_IF_ERROR(profile->For(config).status());
@@ -238,7 +274,9 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena, const model::SparseState* state,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor,
-    std::shared_ptr<const decode::sparse::DecisionProfile> profile) {
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile,
+    const decode::sparse::GuardConfig& guard,
+    std::shared_ptr<const model::OutputProjection> projection) {
   FLUXION_RETURN_IF_ERROR(ValidatePolicy(label));
   if (label == "full") {
     // Decode keeps attending over every prefilled token in fp32, exactly as the prefill did.
@@ -247,7 +285,8 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
   }
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> sparse,
                            MakePagedPolicyAttention(label, prefilled, shape, arena, state,
-                                                    std::move(predictor), std::move(profile)));
+                                                    std::move(predictor), std::move(profile),
+                                                    guard, std::move(projection)));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
 }
 
@@ -318,16 +357,6 @@ std::string AnswerText(absl::Span<const int32_t> generated) {
 
 int64_t DefaultMaxNewTokens(const std::string& answer) {
   return static_cast<int64_t>(answer.size()) + 16;
-}
-
-Interval PairedDifference95(int64_t lost, int64_t gained, int64_t n) {
-  if (n <= 0) return {0.0, 0.0};
-  constexpr double z = 1.959963984540054;
-  const double nn = static_cast<double>(n);
-  const double d = (gained - lost) / nn;
-  const double var = ((gained + lost) / nn - d * d) / nn;
-  const double half = z * std::sqrt(std::max(var, 0.0));
-  return {d - half, d + half};
 }
 
 Interval Wilson95(int64_t successes, int64_t n) {
@@ -473,7 +502,8 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
             FLUXION_ASSIGN_OR_RETURN(
                 std::unique_ptr<decode::SparseAttention> sparse,
                 MakePagedPolicyAttention(po.policy, *prefilled, shape, arena.get(), state,
-                                         options.fluxion_predictor, options.decision_profile));
+                                         options.fluxion_predictor, options.decision_profile,
+                                         options.guard, options.output_projection));
             paged = sparse.get();
             decode_attention = std::move(sparse);
           } else {
@@ -481,7 +511,9 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
                                      MakePolicyAttention(po.policy, *prefilled, shape,
                                                          arena.get(), state,
                                                          options.fluxion_predictor,
-                                                         options.decision_profile));
+                                                         options.decision_profile,
+                                                         options.guard,
+                                                         options.output_projection));
           }
           const CapturingAttention* decode_capture = nullptr;
           if (capture) {
@@ -514,6 +546,17 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           po.bypassed_fraction = BypassedFraction(*decode_view);
           if (const decode::SparseAttention* sparse = SparseUnder(*decode_view)) {
             po.selection = sparse->stats();
+            const decode::sparse::GuardStats g = sparse->guard_stats();
+            po.guard_fraction = po.selection.context > 0
+                                    ? static_cast<double>(g.check_rows) / po.selection.context
+                                    : 0.0;
+            po.guard_checks = g.checks;
+            po.guard_escalations = g.escalations;
+            po.guard_errors = g.errors;
+          }
+          if (auto config = ParseLabel(po.policy);
+              config.ok() && config->kind != decode::sparse::PolicyKind::kFull) {
+            po.degenerate = decode::sparse::SplitContext(*config, prompt_len).middle_rows_budget == 0;
           }
           po.answer = AnswerText(po.tokens);
           po.correct = po.answer == sample.answer;
@@ -527,6 +570,12 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           cell.decode_steps += po.decode_steps;
           cell.attended_fraction += po.attended_fraction;
           cell.bypassed_fraction += po.bypassed_fraction;
+          cell.guard_fraction += po.guard_fraction;
+          cell.guard_escalations += po.guard_escalations;
+          cell.guard_checks += po.guard_checks;
+          cell.guard_errors.insert(cell.guard_errors.end(), po.guard_errors.begin(),
+                                   po.guard_errors.end());
+          cell.degenerate += po.degenerate;
           if (pi > 0) {
             const bool reference_correct = outcome.policies[0].correct;
             cell.lost += reference_correct && !po.correct;
@@ -559,6 +608,13 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
         r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
         r.bypassed = t.samples > 0 ? t.bypassed_fraction / t.samples : 0.0;
+        r.guard_read = t.samples > 0 ? t.guard_fraction / t.samples : 0.0;
+        r.guard_escalations = t.guard_escalations;
+        r.guard_checks = t.guard_checks;
+        std::vector<double> errors = t.guard_errors;
+        r.guard_error_p50 = Quantile(&errors, 0.5);
+        r.guard_error_p90 = Quantile(&errors, 0.9);
+        r.degenerate = t.degenerate;
         r.lost = t.lost;
         r.gained = t.gained;
         r.delta = t.samples > 0 ? static_cast<double>(t.gained - t.lost) / t.samples : 0.0;

@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "bench/eval/paired_stats.h"
 #include "bench/eval/tasks.h"
 #include "decode/kv_arena.h"
 #include "decode/sparse/decision_profile.h"
@@ -62,12 +63,17 @@ std::vector<std::string> PolicyLabels(const std::vector<std::string>& policies,
 // must outlive the result.
 // `state` (optional) is the prefill's sparse state, captured once per sample and shared.
 // `predictor` (optional) is the trained head-property predictor the `fluxion` policy uses.
+// A label ending in `+guard` (`fluxion@0.02+guard`) decodes under the online error guard
+// (decode/sparse/error_guard.h) with `guard`'s settings and the model's `projection` (required
+// then: FailedPrecondition without one).
 absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     const std::string& label, const model::DenseAttention& prefilled,
     const model::AttentionShape& shape, decode::KvArena* arena,
     const model::SparseState* state = nullptr,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr,
-    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr);
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr,
+    const decode::sparse::GuardConfig& guard = {},
+    std::shared_ptr<const model::OutputProjection> projection = nullptr);
 
 // The policy config a label denotes (InvalidArgument as ValidatePolicy).
 absl::StatusOr<decode::sparse::PolicyConfig> PolicyConfigOf(const std::string& label);
@@ -80,7 +86,9 @@ absl::StatusOr<std::unique_ptr<decode::SparseAttention>> MakePagedPolicyAttentio
     const model::AttentionShape& shape, decode::KvArena* arena,
     const model::SparseState* state = nullptr,
     std::shared_ptr<const decode::sparse::FluxionPredictor> predictor = nullptr,
-    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr);
+    std::shared_ptr<const decode::sparse::DecisionProfile> profile = nullptr,
+    const decode::sparse::GuardConfig& guard = {},
+    std::shared_ptr<const model::OutputProjection> projection = nullptr);
 
 // Fraction of context rows a decode attention read (1 for `full`).
 double AttendedFraction(const model::SequenceAttention& attention);
@@ -100,9 +108,6 @@ int64_t DefaultMaxNewTokens(const std::string& answer);
 // tie; 0 for fewer than two logits). How close a greedy step was to choosing another token.
 float TopTwoMargin(absl::Span<const float> logits);
 
-struct Interval {
-  double low = 0, high = 0;
-};
 // 95% Wilson score interval of `successes` out of `n` ([0, 1] for n == 0).
 Interval Wilson95(int64_t successes, int64_t n);
 
@@ -130,6 +135,9 @@ struct TaskEvalOptions {
   // lfps / fluxion replay this profile's decisions instead of deciding (decision_profile.h);
   // null: they decide. Every lfps / fluxion label must have an entry in it.
   std::shared_ptr<const decode::sparse::DecisionProfile> decision_profile;
+  // For labels ending in `+guard`: the error guard's settings and the model's W_O.
+  decode::sparse::GuardConfig guard;
+  std::shared_ptr<const model::OutputProjection> output_projection;
 };
 
 // `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
@@ -164,6 +172,15 @@ struct PolicyOutcome {
   double decode_seconds = 0;
   double attended_fraction = 1;  // context rows the decode steps read (the budget spent)
   double bypassed_fraction = 0;  // head-steps a history policy bypassed to sinks + window
+  // The error guard (`+guard` labels): rows its exact checks read over the context rows
+  // available (reported beside attended_fraction, and counted in the budget spent), its checks
+  // and escalations.
+  double guard_fraction = 0;
+  int64_t guard_checks = 0, guard_escalations = 0;
+  std::vector<double> guard_errors;  // e_h of every check
+  // The budget leaves no middle row at this prompt's length (sinks + window cover it): every
+  // policy attends sinks + window only, so a loss here is the budget's, not the policy's.
+  bool degenerate = false;
   // What a sparse policy decided over the decode (zero for `full`): decision profiles are
   // recorded from it (decode/sparse/decision_profile.h).
   decode::sparse::SelectionStats selection;
@@ -188,6 +205,12 @@ struct CellResult {
   double tpot_ms = 0;     // decode ms per token over all of the cell's decode steps; 0 if none
   double budget_spent = 1;  // mean attended fraction of the context over the cell's samples
   double bypassed = 0;      // mean share of head-steps bypassed (LFPS family; 0 for the others)
+  double guard_read = 0;    // mean rows the error guard's exact checks read / context rows
+  int64_t guard_escalations = 0;  // summed over the cell's samples
+  int64_t guard_checks = 0;
+  double guard_error_p50 = 0, guard_error_p90 = 0;  // over the cell's checks (0 without)
+  // Samples whose (prompt length, budget) point is degenerate (PolicyOutcome::degenerate).
+  int64_t degenerate = 0;
   // Paired against the first policy of the run (the reference, normally `full`) on the same
   // samples: samples only the reference solved, only this policy solved, and the accuracy
   // difference (this - reference) with a 95% interval. Zero for the reference itself.
@@ -195,9 +218,7 @@ struct CellResult {
   double delta = 0, delta_low = 0, delta_high = 0;
 };
 
-// 95% interval of a paired accuracy difference (gained - lost) / n: the Wald interval on the
-// discordant pairs, as McNemar's test uses them. {0, 0} for n == 0.
-Interval PairedDifference95(int64_t lost, int64_t gained, int64_t n);
+// PairedDifference95: bench/eval/paired_stats.h.
 
 struct TaskEvalCallbacks {
   // Before sample `index` of `total` is generated and prefilled (for progress lines).

@@ -75,6 +75,10 @@ double FluxionPolicy::HeadWeight(int layer, int kv_head) {
   return it == weight_.end() ? 1.0 : it->second;
 }
 
+double FluxionPolicy::MiddleWeight(int layer, int kv_head) {
+  return replaying() ? LfpsPolicy::MiddleWeight(layer, kv_head) : HeadWeight(layer, kv_head);
+}
+
 int64_t FluxionPolicy::MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context) {
   // All heads are prepared before the first decode step; heads never seen at prefill (no tail
   // recorded) keep the uniform budget.

@@ -54,6 +54,8 @@ class FluxionPolicy : public LfpsPolicy {
   // The weight of (layer, kv_head) after allocation (1 = the uniform share); for tests and
   // reports. Allocates on first use.
   double HeadWeight(int layer, int kv_head);
+  // The guard's starting weight (policy.h): HeadWeight, or the profile's under one.
+  double MiddleWeight(int layer, int kv_head) override;
   // The block size the head's query-aware scan uses (16, 32 or 64), 0 before its first scan.
   int64_t HeadBlock(int layer, int kv_head);
 

@@ -76,6 +76,10 @@ int64_t LfpsPolicy::MiddleBudget(int layer, int kv_head, const Regions& r, int64
   return r.middle_rows_budget;
 }
 
+double LfpsPolicy::MiddleWeight(int layer, int kv_head) {
+  return replaying() ? Replay(layer, kv_head).weight : 1.0;
+}
+
 void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end,
                             int64_t end, HeadState* s) {
   const int64_t d = kv.shape().head_dim, pt = kv.shape().page_tokens;
@@ -135,6 +139,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   HeadState& s = State(in.layer, in.kv_head);
   Scratch& x = ScratchOf(in.kv_head);
   Regions r = SplitStep(config_, in);
+  const int64_t uniform_rows = r.middle_rows_budget;
   if (replaying()) {
     // The profile's weight on the uniform middle budget, as Fluxion's MiddleBudget applies its
     // own (a weight of 1 is LFPS's budget).
@@ -143,6 +148,16 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
                                                r.local_begin - r.sink_end);
   } else {
     r.middle_rows_budget = MiddleBudget(in.layer, in.kv_head, r, in.context);
+  }
+  if (in.budget_shift != 0.0) {
+    // The error guard's correction, in uniform middle budgets (error_guard.h), rounded down: the
+    // shifts sum to 0 over the request's heads, and many small positive shifts rounded to
+    // nearest over-spent the budget (+1.2% at 0.2 of 600 tokens); rounded down the request never
+    // reads more than its policy would, at most a row per head less.
+    r.middle_rows_budget = std::clamp<int64_t>(
+        r.middle_rows_budget +
+            static_cast<int64_t>(std::floor(in.budget_shift * static_cast<double>(uniform_rows))),
+        0, r.local_begin - r.sink_end);
   }
   const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
   s.bypassed = false;
@@ -207,9 +222,11 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   // Under a profile the estimate above is still computed (it is the policy's work every
   // retrieval head-step), but the profile decides.
   const bool bypass =
-      replaying() ? profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context)
-                  : all_streaming && measured_recently &&
-                        s.MiddleShare() <= 1.0 - params_.bypass_rho;
+      in.budget_shift > 0.0
+          ? false  // the guard measured this head's error above tolerance: no bypass
+          : replaying() ? profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context)
+                        : all_streaming && measured_recently &&
+                              s.MiddleShare() <= 1.0 - params_.bypass_rho;
   if (bypass) {
     x.picked_logits.clear();
     x.logits_valid = true;

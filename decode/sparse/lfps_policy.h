@@ -62,6 +62,7 @@ class LfpsPolicy : public SparsePolicy {
               SelectionStats* stats) override;
   void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
   bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
+  double MiddleWeight(int layer, int kv_head) override;
 
  protected:
   static constexpr int kShareMemory = 8;

@@ -134,14 +134,14 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false, true, false}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false}},
-    {PolicyKind::kQuest, {"quest", false, false, false, true, true}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true, false}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true}},
-    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true, true}},
+    {PolicyKind::kFull, {"full", true, false, false, true, false, false}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false}},
+    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true, true, false}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";
@@ -208,9 +208,15 @@ absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::
   return configs;
 }
 
+bool GuardActive(const PolicyConfig& config) {
+  return config.guard.enabled && TraitsOf(config.kind).guardable &&
+         config.output_projection != nullptr;
+}
+
 std::string PolicyLabel(const PolicyConfig& config) {
   if (TraitsOf(config.kind).budget_from_name) return config.name;
-  return absl::StrCat(config.name, "@", config.budget);
+  return absl::StrCat(config.name, "@", config.budget,
+                      config.guard.enabled && TraitsOf(config.kind).guardable ? "+guard" : "");
 }
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {

@@ -21,8 +21,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/error_guard.h"
 #include "decode/sparse/granularity.h"
 #include "kernels/paged_attention.h"
+#include "model/output_projection.h"
 #include "model/sparse_state.h"
 
 namespace fluxion::decode::sparse {
@@ -59,6 +61,9 @@ struct PolicyTraits {
   // (SelectionInput::block_scores). Fluxion ranks its blocks (16-64 tokens per head) by their
   // pages' scores, so its scores are per page.
   bool ranks_page_bounds;
+  // The online error guard (error_guard.h) applies to it: its per-head budgets can move (LFPS,
+  // Fluxion). The baselines keep their fixed budgets: --guard does not touch them.
+  bool guardable;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
@@ -83,7 +88,14 @@ struct PolicyConfig {
   // shapes without a trained model; decision_profile.h). Shared, immutable. REQUIRES: the
   // profile has an entry for this policy at `budget` (DecisionProfile::For is OK).
   std::shared_ptr<const DecisionProfile> decision_profile;
+  // The online error guard (error_guard.h); applies only where TraitsOf(kind).guardable, and
+  // needs `output_projection` (the model's W_O, model/output_projection.h; shared, immutable).
+  GuardConfig guard;
+  std::shared_ptr<const model::OutputProjection> output_projection;
 };
+
+// Whether `config` decodes under the error guard (enabled, a guardable policy, a projection).
+bool GuardActive(const PolicyConfig& config);
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
 std::vector<std::string> PolicyNames();
@@ -102,7 +114,8 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
 absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::string>& names,
                                                          const std::vector<double>& budgets);
 
-// `full`, `fixed_32_0.05`, or `<name>@<budget>` (e.g. `quest@0.05`): how results name a config.
+// `full`, `fixed_32_0.05`, or `<name>@<budget>` (e.g. `quest@0.05`): how results name a config;
+// `+guard` appended when the error guard is on for it (`fluxion@0.05+guard`).
 std::string PolicyLabel(const PolicyConfig& config);
 
 // One request's Quest block scores for one layer, computed elsewhere (the hybrid step's device
@@ -121,7 +134,7 @@ struct ScoredBlocks {
   const int32_t* top = nullptr;
   struct Range {
     int64_t first = 0, end = 0, want = 0;
-  } range;
+  } range{};
 };
 
 // The blocks a policy that takes a fixed number of top-ranked blocks (quest, fixed_*) ranks at a
@@ -149,11 +162,16 @@ struct SelectionInput {
   // numbers, ascending; null when not ranked. A policy uses them only when their range is the one
   // it would rank (TopBlocksRange at this step's budget_scale).
   const int32_t* top_blocks = nullptr;
-  ScoredBlocks::Range top_range;
+  ScoredBlocks::Range top_range{};
   // The share of the middle-region budget (what remains after sinks and the window) this step
   // may spend, in (0, 1]: below 1 when the hybrid step degrades itself because the CPU would
   // stall the GPU (decode/stall_guard.h). Every policy that reads the middle applies it.
   double budget_scale = 1.0;
+  // The online error guard's correction of this head's middle budget (error_guard.h), in units
+  // of the uniform middle budget (after budget_scale): the head attends its policy's budget plus
+  // floor(budget_shift x uniform) middle rows, within [0, middle]. A positive shift also vetoes
+  // LFPS's bypass (the guard measured the head's error). Policies that are not guardable ignore it.
+  double budget_shift = 0.0;
 };
 
 struct SelectionStats {
@@ -211,6 +229,11 @@ class SparsePolicy {
   // partial state (out [group][head_dim], natural-base lse [group]) to merge into the output.
   // Returns false (the default) when the policy adds none.
   virtual bool ApproximateRest(const SelectionInput& in, float* out, float* lse) { return false; }
+
+  // The head's share of the middle budget in units of the uniform one (1: a uniform policy's;
+  // Fluxion: its allocation): what the error guard starts each head's weight at. Called after
+  // every head is prepared.
+  virtual double MiddleWeight(int layer, int kv_head) { return 1.0; }
 };
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);
