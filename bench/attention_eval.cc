@@ -60,13 +60,13 @@ int RunAttentionEval(const std::vector<std::string>& args) {
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  auto guard_modes = guard_flags.Modes();
-  auto guard = guard_flags.Config();
-  if (!guard_modes.ok() || !guard.ok()) {
-    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
-              << "\n";
+  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
+  if (!guard_read.ok()) {
+    std::cerr << "error: " << guard_read.status().message() << "\n";
     return 2;
   }
+  const std::vector<bool>* guard_modes = &guard_read->modes;
+  const decode::sparse::GuardConfig* guard = &guard_read->config;
   const bool guard_on = guard_modes->back();
   if (guard_on && capture_dir.empty()) {
     std::cerr << "error: --guard: a synthetic head is one KV head with no other to move budget "

@@ -766,14 +766,13 @@ int RunHybridBench(const std::vector<std::string>& args) {
   decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   {
-    auto modes = guard_flags.Modes();
-    auto guard = guard_flags.Config();
-    if (!modes.ok() || !guard.ok()) {
-      std::cerr << "error: " << (modes.ok() ? guard.status() : modes.status()).message() << "\n";
+    auto guard = guard_flags.Read();
+    if (!guard.ok()) {
+      std::cerr << "error: " << guard.status().message() << "\n";
       return 2;
     }
-    o.guard_modes = *modes;
-    o.guard = *guard;
+    o.guard_modes = guard->modes;
+    o.guard = guard->config;
   }
   absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
   if (!pool.ok()) {

@@ -72,13 +72,13 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << policy_config.status().message() << "\n";
     return 2;
   }
-  auto guard_modes = guard_flags.Modes();
-  auto guard = guard_flags.Config();
-  if (!guard_modes.ok() || !guard.ok()) {
-    std::cerr << "error: "
-              << (guard_modes.ok() ? guard.status() : guard_modes.status()).message() << "\n";
+  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
+  if (!guard_read.ok()) {
+    std::cerr << "error: " << guard_read.status().message() << "\n";
     return 2;
   }
+  const std::vector<bool>* guard_modes = &guard_read->modes;
+  const decode::sparse::GuardConfig* guard = &guard_read->config;
   if (sparse::TraitsOf(policy_config->kind).uses_predictor) {
     auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
     if (!predictor.ok()) {

@@ -177,16 +177,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   ListUnits(attentions_, &units_);
   // One arena for the batch; the device reads its zero-copy share through the window's view of
   // it (none: the CPU reads every host row).
-  const kernels::PagedKvView view = attentions_[0]->kv().view();
-  for (size_t i = 1; i < attentions_.size(); ++i) {
-    const kernels::PagedKvView other = attentions_[i]->kv().view();
-    if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
-        other.page_tokens != view.page_tokens) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
-          "pages of one arena"));
-    }
-  }
+  FLUXION_ASSIGN_OR_RETURN(const kernels::PagedKvView view, BatchArenaView(attentions_));
   std::optional<kernels::PagedKvView> mapped;
   if (device_share_ > 0) {
     absl::StatusOr<kernels::PagedKvView> m = window_->MappedView(view);

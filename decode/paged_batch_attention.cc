@@ -86,14 +86,10 @@ absl::Status PagedBatchAttention::Attend(const model::LayerAttentionIo& io) {
   return absl::OkStatus();
 }
 
-absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
-                               const model::AttentionShape& shape, AppendPairSpans append,
-                               std::vector<int64_t>* indptr, std::vector<kernels::PageSpan>* spans,
-                               kernels::PagedDecodeProblem* p) {
+absl::StatusOr<kernels::PagedKvView> BatchArenaView(
+    absl::Span<SparseAttention* const> attentions) {
   const kernels::PagedKvView view = attentions[0]->kv().view();
-  indptr->assign(1, 0);
-  spans->clear();
-  for (size_t i = 0; i < attentions.size(); ++i) {
+  for (size_t i = 1; i < attentions.size(); ++i) {
     const kernels::PagedKvView other = attentions[i]->kv().view();
     if (other.arena != view.arena || other.page_bytes != view.page_bytes ||
         other.page_tokens != view.page_tokens) {
@@ -101,6 +97,18 @@ absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
           "request ", i, "'s pages lie in another arena than request 0's: one batch attends "
           "pages of one arena"));
     }
+  }
+  return view;
+}
+
+absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
+                               const model::AttentionShape& shape, AppendPairSpans append,
+                               std::vector<int64_t>* indptr, std::vector<kernels::PageSpan>* spans,
+                               kernels::PagedDecodeProblem* p) {
+  FLUXION_ASSIGN_OR_RETURN(const kernels::PagedKvView view, BatchArenaView(attentions));
+  indptr->assign(1, 0);
+  spans->clear();
+  for (size_t i = 0; i < attentions.size(); ++i) {
     for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
       append(static_cast<int64_t>(i), h, attentions[i]->head_spans(h), spans);
       indptr->push_back(static_cast<int64_t>(spans->size()));

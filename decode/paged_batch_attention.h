@@ -54,6 +54,10 @@ void ListUnits(absl::Span<SparseAttention* const> attentions, std::vector<Reques
 using AppendPairSpans = absl::FunctionRef<void(
     int64_t request, int64_t kv_head, const std::vector<kernels::PageSpan>& plan,
     std::vector<kernels::PageSpan>* out)>;
+// The pages view the batch's problem reads: every request's pages must lie in one arena (the
+// first request's); FailedPrecondition naming the first that does not.
+absl::StatusOr<kernels::PagedKvView> BatchArenaView(absl::Span<SparseAttention* const> attentions);
+
 absl::Status BuildBatchProblem(absl::Span<SparseAttention* const> attentions,
                                const model::AttentionShape& shape, AppendPairSpans append,
                                std::vector<int64_t>* indptr, std::vector<kernels::PageSpan>* spans,

@@ -229,13 +229,13 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     return 1;
   }
 
-  auto guard_modes = guard_flags.Modes();
-  auto guard = guard_flags.Config();
-  if (!guard_modes.ok() || !guard.ok()) {
-    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
-              << "\n";
+  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
+  if (!guard_read.ok()) {
+    std::cerr << "error: " << guard_read.status().message() << "\n";
     return 2;
   }
+  const std::vector<bool>* guard_modes = &guard_read->modes;
+  const decode::sparse::GuardConfig* guard = &guard_read->config;
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
     std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";

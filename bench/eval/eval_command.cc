@@ -243,13 +243,13 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   options.samples = samples;
   options.first_seed = static_cast<uint64_t>(seed);
   options.policies = PolicyLabels(policies, budgets);
-  absl::StatusOr<std::vector<bool>> guard_modes = guard_flags.Modes();
-  absl::StatusOr<decode::sparse::GuardConfig> guard = guard_flags.Config();
-  if (!guard_modes.ok() || !guard.ok()) {
-    std::cerr << "error: " << (guard_modes.ok() ? guard.status() : guard_modes.status()).message()
-              << "\n";
+  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
+  if (!guard_read.ok()) {
+    std::cerr << "error: " << guard_read.status().message() << "\n";
     return 2;
   }
+  const std::vector<bool>* guard_modes = &guard_read->modes;
+  const decode::sparse::GuardConfig* guard = &guard_read->config;
   options.guard = *guard;
   {
     // --guard on / both: every lfps / fluxion label also (or only) under the guard.

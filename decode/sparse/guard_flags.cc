@@ -38,6 +38,14 @@ absl::StatusOr<GuardConfig> GuardFlags::Config() const {
   return config_;
 }
 
+absl::StatusOr<GuardFlags::Parsed> GuardFlags::Read() const {
+  absl::StatusOr<std::vector<bool>> modes = Modes();
+  if (!modes.ok()) return modes.status();
+  absl::StatusOr<GuardConfig> config = Config();
+  if (!config.ok()) return config.status();
+  return Parsed{*std::move(modes), *std::move(config)};
+}
+
 PolicyConfig WithGuard(PolicyConfig config, bool on, const GuardConfig& guard,
                        std::shared_ptr<const model::OutputProjection> projection) {
   if (!on || !TraitsOf(config.kind).guardable) return config;

@@ -30,6 +30,12 @@ class GuardFlags {
   // config with `enabled` unset. InvalidArgument naming the flag for a bad value.
   absl::StatusOr<std::vector<bool>> Modes() const;
   absl::StatusOr<GuardConfig> Config() const;
+  // Both at once, the first error if any (what every command reads).
+  struct Parsed {
+    std::vector<bool> modes;
+    GuardConfig config;
+  };
+  absl::StatusOr<Parsed> Read() const;
 
  private:
   bool allow_both_;
