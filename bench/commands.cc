@@ -10,6 +10,9 @@
 #include "bench/gpu_bench.h"
 #endif
 #include "bench/model_bench.h"
+#ifdef FLUXION_HAVE_PREFILL_BENCH
+#include "bench/prefill_bench.h"
+#endif
 #include "bench/tokenizer_bench.h"
 #include "bench/topk_bench.h"
 #include "common/cpu_threads.h"
@@ -25,6 +28,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "  decode     a batch's decode step: batched CPU executor vs the per-request loop;\n"
       "             with --device cpu|cuda the hybrid step at real shapes (random weights)\n"
       "  topk       radix-select top-k against std::nth_element\n"
+      "  prefill    time to first token over UCX (CPU or GPU prefill, a forked decode side)\n"
       "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n"
       "  tokenizer  encode / decode / streaming detokenization cost per token\n";
   if (args.empty() || args[0] == "--help") {
@@ -47,6 +51,14 @@ int RunBenchCommand(const std::vector<std::string>& args) {
     return RunDecodeBench(rest);
   }
   if (args[0] == "topk") return RunTopKBench(rest);
+  if (args[0] == "prefill") {
+#ifdef FLUXION_HAVE_PREFILL_BENCH
+    return RunPrefillBench(rest);
+#else
+    std::cerr << "fluxion bench prefill: this binary was built without UCX\n";
+    return 1;
+#endif
+  }
   if (args[0] == "tokenizer") return RunTokenizerBench(rest);
   if (args[0] == "gpu") {
 #ifdef FLUXION_HAVE_CUDA

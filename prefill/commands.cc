@@ -17,7 +17,10 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/cpu/process_cpu.h"
+#include "common/status_macros.h"
+#include "model/cuda_dense_ops.h"
 #include "model/model.h"
+#include "prefill/device_prefill.h"
 #include "prefill/prefill_engine.h"
 #include "prefill/prefill_service.h"
 #include "proto/convert.h"
@@ -35,6 +38,14 @@ std::string DefaultNodeName(const std::string& role) {
   return absl::StrCat(role, "@", host, "/", getpid(), "/", absl::ToUnixMillis(absl::Now()));
 }
 
+// The model's weights uploaded to GPU 0 as the device prefill's.
+absl::StatusOr<std::unique_ptr<DevicePrefill>> MakeDevicePrefill(
+    const model::Model& model, const DevicePrefillOptions& options) {
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
+  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params, model.UploadParams(*ops));
+  return DevicePrefill::Create(model.config(), std::move(ops), std::move(params), options);
+}
+
 }  // namespace
 
 int RunPrefillCommand(const std::vector<std::string>& args) {
@@ -44,6 +55,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
   int64_t max_queued_requests = PrefillServiceImpl::kDefaultMaxQueuedRequests;
   bool layerwise = true;
+  std::string device = "cpu";
+  int64_t device_chunk_tokens = DevicePrefillOptions{}.chunk_tokens;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
                 "Serves fluxion.v1.PrefillService: computes prompts and writes their KV into "
@@ -60,6 +73,13 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.String("metrics-port-file", &metrics_port_file,
                "write the bound /metrics port into this file once serving");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kServing);
+  flags.String("device", &device,
+               "where the forward runs: cpu, or cuda (GPU 0: bf16 weights in HBM, flash-style "
+               "attention, KV copied to the host piece by piece and sent while the next layer "
+               "computes; requests run one at a time)");
+  flags.Int("device-chunk-tokens", &device_chunk_tokens,
+            "with --device cuda: prompt rows per pass through the layers (activations scale with "
+            "it; a piece's pages are sent after each chunk of each layer)");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
   flags.Bool("layerwise", &layerwise,
              "send each layer's KV as soon as it is computed (off: after the last layer)");
@@ -105,6 +125,10 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     return 2;
   }
   if (node_name.empty()) node_name = DefaultNodeName("prefill");
+  if (device != "cpu" && device != "cuda") {
+    std::cerr << "error: --device must be cpu or cuda, not '" << device << "'\n";
+    return 2;
+  }
 
   auto model = model::Model::Load(model_dir);
   if (!model.ok()) {
@@ -129,13 +153,27 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   options.layer_delay = absl::Milliseconds(layer_delay_ms);
   options.piece_tokens = piece_tokens;
-  PrefillEngine engine(model->get(), transport->get(), layout, options);
+  const model::ModelConfig config = (*model)->config();
+  std::unique_ptr<DevicePrefill> gpu;
+  if (device == "cuda") {
+    absl::StatusOr<std::unique_ptr<DevicePrefill>> made = MakeDevicePrefill(
+        **model, DevicePrefillOptions{device_chunk_tokens, model::SparseStateParams{}});
+    if (!made.ok()) {
+      std::cerr << "error: --device cuda: " << made.status() << "\n";
+      return 1;
+    }
+    gpu = std::move(*made);
+    model->reset();  // the GPU holds its own bf16 copy; the fp32 host weights are not needed
+  }
+  PrefillEngine engine = gpu != nullptr
+                             ? PrefillEngine(gpu.get(), transport->get(), layout, options)
+                             : PrefillEngine(model->get(), transport->get(), layout, options);
   fluxion::v1::ServerInfo info;
   info.set_role(fluxion::v1::SERVER_ROLE_PREFILL);
   info.set_node_name(node_name);
   *info.mutable_layout() = layout;
   info.set_protocol_version(1);
-  info.set_max_context_tokens(static_cast<uint32_t>((*model)->config().max_position_embeddings));
+  info.set_max_context_tokens(static_cast<uint32_t>(config.max_position_embeddings));
   PrefillNodeMetrics node_metrics(&metrics::Registry::Default());
   PrefillServiceImpl service(&engine, transport->get(), info, &node_metrics);
   service.SetMaxBatchTokens(max_batch_tokens);
@@ -168,7 +206,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
-            << ", " << pool->threads() << " CPU thread(s)\n";
+            << ", " << pool->threads() << " CPU thread(s), forward on " << device << "\n";
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   serving::WaitForStopSignal();
   // Drain: NOT_SERVING (liveness stays SERVING), UNAVAILABLE for new Prefill calls, running ones

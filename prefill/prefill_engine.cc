@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -93,9 +95,32 @@ absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
 
 }  // namespace
 
+namespace {
+model::AttentionShape ShapeOf(const model::ModelConfig& c) {
+  return model::AttentionShape{c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                               1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+}
+}  // namespace
+
 PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
                              const v1::ModelLayout& layout, const PrefillEngineOptions& options)
-    : model_(model), transport_(transport), layout_(layout), options_(options) {}
+    : model_(model),
+      device_(nullptr),
+      config_(model->config()),
+      shape_(model->attention_shape()),
+      transport_(transport),
+      layout_(layout),
+      options_(options) {}
+
+PrefillEngine::PrefillEngine(DevicePrefill* device, transfer::Transport* transport,
+                             const v1::ModelLayout& layout, const PrefillEngineOptions& options)
+    : model_(nullptr),
+      device_(device),
+      config_(device->config()),
+      shape_(ShapeOf(device->config())),
+      transport_(transport),
+      layout_(layout),
+      options_(options) {}
 
 // One request of a (possibly one-request) batch: everything its forward hook, its sends and
 // its reply need. Members that writes read from (the staging buffer, the state blob, their
@@ -116,14 +141,19 @@ struct PrefillEngine::Job {
   std::string who;
   bool crc = false;
   std::vector<std::unique_ptr<transfer::RemoteTarget>> targets;
-  std::vector<uint8_t> staging;
+  // Every layer's pages, the copy source of the writes. Not zero-filled for the device (its pages
+  // arrive whole from HBM; clearing 16 GiB at 128K would cost seconds of TTFT), zeroed for the CPU
+  // packer, which leaves the rows past the prompt's end as it finds them.
+  std::unique_ptr<uint8_t[]> staging;
+  size_t staging_bytes = 0;
   std::unique_ptr<transfer::Registration> staging_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
   std::unique_ptr<transfer::Registration> state_reg;
   std::unique_ptr<Submitted> submitted;
   std::vector<uint64_t> checksums;
   std::vector<int64_t> sent;  // pages per head already submitted, per layer
-  SendingAttention* attention = nullptr;
+  SendingAttention* attention = nullptr;  // the CPU path's
+  std::optional<model::SparseState> device_state;  // the device path's capture
   std::unique_ptr<model::Sequence> seq;
   std::vector<int32_t> prompt;
   std::vector<float> logits;
@@ -141,8 +171,8 @@ struct PrefillEngine::Job {
 absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
     const v1::PrefillRequest& request, const std::function<bool()>& cancelled) const {
   const Clock::time_point t_start = Clock::now();
-  const model::ModelConfig& config = model_->config();
-  const model::AttentionShape shape = model_->attention_shape();
+  const model::ModelConfig& config = config_;
+  const model::AttentionShape shape = shape_;
   const int64_t n = request.prompt_token_ids_size();
 
   // 1. Validate everything before touching the decode node's memory
@@ -204,14 +234,18 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   // in PAGE_ORDER_LAYER_HEAD_PAGE order, so consecutive reserved page ids coalesce into one put.
   j->ppl = geo.pages_per_layer(n);
   j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
-  j->staging.resize(j->layer_bytes * shape.num_layers);
+  j->staging_bytes = j->layer_bytes * shape.num_layers;
+  j->staging.reset(new uint8_t[j->staging_bytes]);
+  if (device_ == nullptr) std::memset(j->staging.get(), 0, j->staging_bytes);
   FLUXION_ASSIGN_OR_RETURN(
       j->staging_reg,
-      transport_->Register({j->staging.data(), j->staging.size()}, {/*remote_write=*/false}));
+      transport_->Register({j->staging.get(), j->staging_bytes}, {/*remote_write=*/false}));
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
   j->sent.assign(shape.num_layers, 0);
+  j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
+  if (device_ != nullptr) return job;
   auto owned = std::make_unique<SendingAttention>(
       shape, n, [this, j](int layer, int64_t first, int64_t end) -> absl::Status {
         absl::Status s = OnRows(*j, layer, first, end);
@@ -225,13 +259,12 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
       });
   j->attention = owned.get();
   j->seq = std::make_unique<model::Sequence>(std::move(owned));
-  j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
   return job;
 }
 
 // Submits pages [p0, p1) of every KV head of layers [l0, l1) of `j` as one batch.
 absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const {
-  const model::AttentionShape shape = model_->attention_shape();
+  const model::AttentionShape& shape = shape_;
   const v1::KvTarget& kv = j.request->kv_target();
   // One batch per range written (each range is its own target with its own key).
   std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
@@ -241,7 +274,7 @@ absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, i
         const int64_t idx = l * j.ppl + h * j.per_head + p;
         copies[j.page_target[idx]].push_back(
             {kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
-             j.staging.data() + idx * j.cb, j.cb});
+             j.staging.get() + idx * j.cb, j.cb});
       }
     }
   }
@@ -260,19 +293,25 @@ absl::Status PrefillEngine::WriteEach(
   return absl::OkStatus();
 }
 
-// The per-piece, per-layer hook of `j`'s attention: checks for cancellation, packs the rows,
-// sends the pages they complete, and checksums a finished layer.
+absl::Status PrefillEngine::CheckCancelled(const Job& j, int layer) const {
+  if (!j.cancelled()) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat("prefill of request '", j.request->request_id(),
+                                           "' aborted at layer ", layer + 1));
+}
+
+// The CPU path's per-piece, per-layer hook of `j`'s attention: checks for cancellation, packs the
+// rows, sends the pages they complete, and checksums a finished layer.
 absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end) const {
-  if (j.cancelled()) {
-    return absl::CancelledError(absl::StrCat("prefill of request '", j.request->request_id(),
-                                             "' aborted at layer ", layer + 1));
-  }
-  const model::AttentionShape shape = model_->attention_shape();
-  const int64_t row = shape.num_kv_heads * shape.head_dim;
+  FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
+  const int64_t row = shape_.num_kv_heads * shape_.head_dim;
   const model::DenseAttention& dense = j.attention->dense();
-  uint8_t* dst = j.staging.data() + layer * j.layer_bytes;
+  uint8_t* dst = j.staging.get() + layer * j.layer_bytes;
   transfer::PackLayerRows(j.geo, j.n, first, end, dense.keys(layer) + first * row,
                           dense.values(layer) + first * row, row, dst);
+  return SendCompleted(j, layer, end);
+}
+
+absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const {
   const bool layer_done = end == j.n;
   // Pages whose every row is computed (the last one once the prompt ends).
   const int64_t complete = layer_done ? j.per_head : end / j.geo.page_tokens;
@@ -281,14 +320,35 @@ absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end
     j.sent[layer] = complete;
   }
   if (layer_done) {
-    if (j.crc) j.checksums[layer] = transfer::Crc32c(dst, j.layer_bytes);
+    if (j.crc) {
+      j.checksums[layer] = transfer::Crc32c(j.staging.get() + layer * j.layer_bytes, j.layer_bytes);
+    }
     if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
   return absl::OkStatus();
 }
 
+// One request through the device's forward. The copy thread calls back with each piece once its
+// pages are on the host: cancellation is checked there too, then the piece is sent.
+void PrefillEngine::RunOnDevice(Job& j) const {
+  absl::StatusOr<DevicePrefillResult> r = device_->Run(
+      j.prompt, j.geo.page_tokens, j.staging.get(), j.request->has_sparse_target(), j.cancelled,
+      [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
+        FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
+        return SendCompleted(j, layer, end);
+      });
+  if (!r.ok()) {
+    j.forward = r.status();
+    j.t_compute_end = Clock::now();
+    return;
+  }
+  j.logits = std::move(r->logits);
+  j.device_state = std::move(r->state);
+  j.t_compute_end = r->forward_end;
+}
+
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
-  const model::AttentionShape shape = model_->attention_shape();
+  const model::AttentionShape& shape = shape_;
   const v1::PrefillRequest& request = *j.request;
   const v1::KvTarget& kv = request.kv_target();
   Submitted& submitted = *j.submitted;
@@ -315,7 +375,8 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
   if (request.has_sparse_target()) {
     const v1::SparseStateTarget& st = request.sparse_target();
     absl::StatusOr<model::SparseState> state =
-        model::CaptureSparseState(j.attention->dense(), shape);
+        j.device_state.has_value() ? *std::move(j.device_state)
+                                   : model::CaptureSparseState(j.attention->dense(), shape);
     if (!state.ok()) {
       (void)submitted.WaitAll();
       return state.status();
@@ -368,7 +429,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
   if (j.crc) {
     for (uint64_t c : j.checksums) response.add_layer_checksums(c);
   }
-  response.set_kv_bytes_written(j.staging.size());
+  response.set_kv_bytes_written(j.staging_bytes);
   v1::PrefillTiming* timing = response.mutable_timing();
   timing->set_compute_us(MicrosBetween(j.t_compute, j.t_compute_end));
   timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));
@@ -405,7 +466,15 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
   const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
   const Clock::time_point t_compute = Clock::now();
   for (auto& j : jobs) j->t_compute = t_compute;
-  if (jobs.size() == 1) {
+  if (device_ != nullptr) {
+    // On the GPU: one request at a time, each answered as soon as it is done.
+    for (auto& j : jobs) {
+      j->t_compute = Clock::now();
+      RunOnDevice(*j);
+      reply(j->index, Finish(*j));
+      j->replied = true;
+    }
+  } else if (jobs.size() == 1) {
     // Alone: the plain forward, piece by piece.
     Job& j = *jobs[0];
     for (int64_t first = 0; first < j.n && j.forward.ok(); first += piece) {

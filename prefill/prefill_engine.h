@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "fluxion/v1/prefill.pb.h"
 #include "model/model.h"
+#include "prefill/device_prefill.h"
 #include "transfer/transport.h"
 
 namespace fluxion::prefill {
@@ -47,6 +48,12 @@ class PrefillEngine {
  public:
   // `model` and `transport` must outlive the engine. `layout` is what this node serves.
   PrefillEngine(const model::Model* model, transfer::Transport* transport,
+                const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
+  // The same engine computing on the GPU (prefill/device_prefill.h), which must outlive it:
+  // requests run one at a time through the device's forward (no batching across prompts yet),
+  // each (chunk, layer) piece sent as soon as its pages reach the host, the sparse state captured
+  // on the device.
+  PrefillEngine(DevicePrefill* device, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
 
   // Runs `request`. `cancelled` is polled between layers; once it returns true the call stops
@@ -79,9 +86,16 @@ class PrefillEngine {
   // Writes copies[t] into j.targets[t] for every t with copies, one batch each.
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
   absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
+  absl::Status CheckCancelled(const Job& j, int layer) const;
+  // Sends the pages of `layer` that rows [0, end) completed and checksums the layer once done.
+  absl::Status SendCompleted(Job& j, int layer, int64_t end) const;
+  void RunOnDevice(Job& j) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
 
-  const model::Model* const model_;
+  const model::Model* const model_;  // null when the engine computes on `device_`
+  DevicePrefill* const device_;       // null when it computes on `model_` (the CPU)
+  const model::ModelConfig config_;
+  const model::AttentionShape shape_;
   transfer::Transport* const transport_;
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;

@@ -1,0 +1,393 @@
+#include "bench/prefill_bench.h"
+
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "bench/bench_util.h"
+#include "common/flag_set.h"
+#include "common/status_macros.h"
+#include "decode/generate_call_steps.h"
+#include "decode/kv_admission.h"
+#include "decode/kv_arena.h"
+#include "decode/sparse/policy.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "model/cuda_dense_ops.h"
+#include "model/model.h"
+#include "model/random_model.h"
+#include "model/random_params.h"
+#include "prefill/device_prefill.h"
+#include "prefill/prefill_engine.h"
+#include "proto/convert.h"
+#include "transfer/kv_pages.h"
+#include "transfer/ucx_flags.h"
+#include "transfer/ucx_transport.h"
+
+namespace fluxion::bench {
+namespace {
+
+namespace v1 = ::fluxion::v1;
+using Clock = std::chrono::steady_clock;
+
+// Length-prefixed messages over a pipe between the two processes.
+bool WriteMessage(int fd, const std::string& m) {
+  const uint64_t n = m.size();
+  std::string all(reinterpret_cast<const char*>(&n), sizeof(n));
+  all += m;
+  const char* p = all.data();
+  size_t left = all.size();
+  while (left > 0) {
+    const ssize_t k = write(fd, p, left);
+    if (k <= 0) return false;
+    p += k;
+    left -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool ReadExact(int fd, char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t k = read(fd, p, n);
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+absl::StatusOr<std::string> ReadMessage(int fd) {
+  uint64_t n = 0;
+  if (!ReadExact(fd, reinterpret_cast<char*>(&n), sizeof(n)) || n > (uint64_t{1} << 32)) {
+    return absl::UnavailableError("the other bench process went away");
+  }
+  std::string m(n, '\0');
+  if (!ReadExact(fd, m.data(), n)) return absl::UnavailableError("the other bench process went away");
+  return m;
+}
+
+struct Options {
+  std::string device = "cuda", preset = "llama3.1-8b", model_dir, json, policy = "lfps";
+  std::vector<int64_t> contexts = {8192, 32768};
+  std::vector<std::string> send = {"layerwise", "after"};
+  int64_t page_tokens = 16, chunk_tokens = prefill::DevicePrefillOptions{}.chunk_tokens;
+  int64_t repeats = 1;
+  transfer::UcxFlags ucx;
+};
+
+// The decode side of one prompt: reserve, describe, land. Runs in the child.
+class DecodeSide {
+ public:
+  DecodeSide(const Options& o, const model::ModelConfig& c, const v1::ModelLayout& layout)
+      : o_(o), c_(c), layout_(layout) {}
+
+  absl::Status Init(int64_t max_context) {
+    FLUXION_ASSIGN_OR_RETURN(transport_, transfer::NewUcxTransport(o_.ucx.ToOptions(
+                                             "bench-decode", proto::CompatibilityOf(layout_, 1))));
+    const decode::KvShape shape{c_.num_layers, c_.num_kv_heads, c_.head_dim, o_.page_tokens};
+    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
+                                       o_.page_tokens};
+    const int64_t state_pages =
+        static_cast<int64_t>(decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, max_context) /
+                             shape.page_bytes()) + 1;
+    FLUXION_ASSIGN_OR_RETURN(arena_, decode::KvArena::Create(
+                                         shape.page_bytes(), geo.total_pages(max_context) + state_pages));
+    FLUXION_ASSIGN_OR_RETURN(registration_,
+                             transport_->Register({arena_->base(), arena_->bytes()}, {true}));
+    FLUXION_ASSIGN_OR_RETURN(descriptor_, registration_->Describe());
+    admission_ = std::make_unique<decode::KvAdmission>(arena_.get(), decode::KvAdmissionOptions{});
+    FLUXION_ASSIGN_OR_RETURN(policy_, decode::sparse::ParsePolicy(o_.policy, 0.05));
+    return absl::OkStatus();
+  }
+
+  // Serves prompts until the parent closes the pipe.
+  void Serve(int in, int out) {
+    for (;;) {
+      absl::StatusOr<std::string> ask = ReadMessage(in);
+      if (!ask.ok()) return;
+      const int64_t n = std::stoll(*ask);
+      absl::StatusOr<std::string> reply = OnePrompt(n, in, out);
+      WriteMessage(out, reply.ok() ? "ok " + *reply : "error " + std::string(reply.status().message()));
+    }
+  }
+
+ private:
+  absl::StatusOr<std::string> OnePrompt(int64_t n, int in, int out) {
+    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
+                                       o_.page_tokens};
+    const bool needs_state = decode::sparse::TraitsOf(policy_.kind).needs_sparse_state;
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    const Clock::time_point t0 = Clock::now();
+    FLUXION_ASSIGN_OR_RETURN(decode::Reservation kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
+    decode::Reservation room;
+    if (needs_state) {
+      const uint64_t bytes = decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, n);
+      const int64_t pages = static_cast<int64_t>((bytes + arena_->page_bytes() - 1) / arena_->page_bytes());
+      FLUXION_ASSIGN_OR_RETURN(room, admission_->Reserve(pages, deadline, [] { return false; }));
+      FLUXION_RETURN_IF_ERROR(room.RegisterRuns(transport_.get()));
+    }
+    FLUXION_RETURN_IF_ERROR(kv.RegisterRuns(transport_.get()));
+    const double reserve_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    v1::GenerateRequest generate;
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      generate.add_prompt_token_ids(static_cast<uint32_t>(rng() % c_.vocab_size));
+    }
+    decode::PrefillTarget target{&descriptor_, arena_->page_bytes(), &kv, &room, needs_state,
+                                 geo.pages_per_head(n), &layout_};
+    model::SamplingParams sampling;
+    const v1::PrefillRequest request =
+        decode::BuildPrefillRequest(absl::StrCat("bench-", n), generate, sampling, target);
+    kv.SetPeerMayWrite(absl::Seconds(60));
+    if (needs_state) room.SetPeerMayWrite(absl::Seconds(60));
+    if (!WriteMessage(out, request.SerializeAsString())) return absl::UnavailableError("parent gone");
+    FLUXION_ASSIGN_OR_RETURN(std::string answer, ReadMessage(in));
+    kv.SetPeerStopped();
+    if (needs_state) room.SetPeerStopped();
+    v1::PrefillResponse landed;
+    if (answer.empty() || !landed.ParseFromString(answer)) {
+      return absl::AbortedError("the prefill failed (see the prefill side's error)");
+    }
+    decode::LandingInput input{arena_.get(),
+                               model::AttentionShape{c_.num_layers, c_.num_heads, c_.num_kv_heads,
+                                                     c_.head_dim,
+                                                     1.0f / std::sqrt(static_cast<float>(c_.head_dim))},
+                               o_.page_tokens, n, &landed, &policy_, needs_state};
+    bool checksum_failed = false;
+    const Clock::time_point t1 = Clock::now();
+    FLUXION_ASSIGN_OR_RETURN(auto attention,
+                             decode::LandPrompt(input, std::move(kv), std::move(room), &checksum_failed));
+    const double land_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    attention.reset();
+    return absl::StrFormat("%.6f %.6f", reserve_s, land_s);
+  }
+
+  const Options& o_;
+  const model::ModelConfig c_;
+  const v1::ModelLayout layout_;
+  std::unique_ptr<transfer::UcxTransport> transport_;
+  std::unique_ptr<decode::KvArena> arena_;
+  std::unique_ptr<transfer::Registration> registration_;
+  transfer::PeerDescriptor descriptor_;
+  std::unique_ptr<decode::KvAdmission> admission_;
+  decode::sparse::PolicyConfig policy_;
+};
+
+struct Row {
+  int64_t context = 0;
+  std::string send;
+  double ttft_ms = 0, compute_ms = 0, state_ms = 0, tail_ms = 0, reserve_ms = 0, land_ms = 0;
+  double kv_gb = 0, transfer_gbps = 0, prefill_tok_s = 0;
+};
+
+absl::StatusOr<model::ModelConfig> ConfigOf(const Options& o) {
+  if (!o.model_dir.empty()) return model::LoadModelConfig(o.model_dir + "/config.json");
+  return model::PresetConfig(o.preset);
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << s << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int RunPrefillBench(const std::vector<std::string>& args) {
+  Options o;
+  FlagSet flags("fluxion bench prefill",
+                "Time to first token of the disaggregated path at prompt lengths: the prefill "
+                "engine here (CPU or GPU) writing over UCX into a forked decode side's arena, "
+                "which lands the prompt with the decode node's own code.");
+  flags.String("device", &o.device, "where the prefill computes: cuda or cpu");
+  flags.String("preset", &o.preset,
+               "model shape with random weights made on the GPU (--device cuda; ignored with "
+               "--model)");
+  flags.String("model", &o.model_dir, "model directory instead of a preset");
+  flags.IntList("contexts", &o.contexts, "prompt lengths in tokens");
+  flags.StringList("send", &o.send,
+                   "layerwise (each piece as it completes) and/or after (everything after the "
+                   "last layer)");
+  flags.Int("page-tokens", &o.page_tokens, "tokens per KV page");
+  flags.Int("chunk-tokens", &o.chunk_tokens, "the GPU prefill's rows per pass through the layers");
+  flags.Int("repeats", &o.repeats, "runs per point (the table shows the median)");
+  flags.String("policy", &o.policy,
+               "the decode side's policy for landing (lfps / fluxion need the sparse state, "
+               "whose capture and transfer are then timed too)");
+  flags.String("json", &o.json, "write machine-readable results here");
+  o.ucx.Register(flags);
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (o.device != "cuda" && o.device != "cpu") return Fail(absl::InvalidArgumentError("--device cuda|cpu"));
+  if (o.device == "cpu" && o.model_dir.empty()) {
+    return Fail(absl::InvalidArgumentError("--device cpu needs --model"));
+  }
+  absl::StatusOr<model::ModelConfig> config = ConfigOf(o);
+  if (!config.ok()) return Fail(config.status());
+  const std::string model_id = o.model_dir.empty() ? "random:" + o.preset : o.model_dir;
+  const v1::ModelLayout layout = proto::LayoutFor(*config, model_id, model_id, o.page_tokens);
+  int64_t max_context = 0;
+  for (int64_t n : o.contexts) max_context = std::max(max_context, n);
+
+  // The decode side first: fork before CUDA or UCX exist in this process.
+  int to_child[2], to_parent[2];
+  if (pipe(to_child) != 0 || pipe(to_parent) != 0) return Fail(absl::InternalError("pipe"));
+  const pid_t child = fork();
+  if (child == 0) {
+    close(to_child[1]);
+    close(to_parent[0]);
+    DecodeSide side(o, *config, layout);
+    absl::Status s = side.Init(max_context);
+    WriteMessage(to_parent[1], s.ok() ? "ready" : "error " + std::string(s.message()));
+    if (s.ok()) side.Serve(to_child[0], to_parent[1]);
+    _exit(s.ok() ? 0 : 1);
+  }
+  close(to_child[0]);
+  close(to_parent[1]);
+  const int in = to_parent[0], out = to_child[1];
+  auto stop_child = [&] {
+    close(out);
+    int status = 0;
+    waitpid(child, &status, 0);
+  };
+  absl::StatusOr<std::string> ready = ReadMessage(in);
+  if (!ready.ok() || *ready != "ready") {
+    stop_child();
+    return Fail(absl::InternalError(absl::StrCat("decode side: ", ready.ok() ? *ready : ready.status().ToString())));
+  }
+
+  // The prefill side.
+  const Clock::time_point t_weights = Clock::now();
+  std::unique_ptr<model::Model> cpu_model;
+  std::unique_ptr<prefill::DevicePrefill> gpu;
+  if (!o.model_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<model::Model>> m = model::Model::Load(o.model_dir);
+    if (!m.ok()) return stop_child(), Fail(m.status());
+    cpu_model = std::move(*m);
+  }
+  if (o.device == "cuda") {
+    absl::StatusOr<std::unique_ptr<model::DenseOps>> ops = model::NewCudaDenseOps(0);
+    if (!ops.ok()) return stop_child(), Fail(ops.status());
+    kernels::cpu::CpuPool pool(static_cast<int>(std::thread::hardware_concurrency()));
+    absl::StatusOr<model::ModelParams> params =
+        cpu_model != nullptr ? cpu_model->UploadParams(**ops)
+                             : model::RandomParams(*config, **ops, 1, &pool);
+    if (!params.ok()) return stop_child(), Fail(params.status());
+    absl::StatusOr<std::unique_ptr<prefill::DevicePrefill>> made = prefill::DevicePrefill::Create(
+        *config, std::move(*ops), std::move(*params),
+        prefill::DevicePrefillOptions{o.chunk_tokens, model::SparseStateParams{}});
+    if (!made.ok()) return stop_child(), Fail(made.status());
+    gpu = std::move(*made);
+    cpu_model.reset();
+  }
+  const double weights_s = std::chrono::duration<double>(Clock::now() - t_weights).count();
+  absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> transport = transfer::NewUcxTransport(
+      o.ucx.ToOptions("bench-prefill", proto::CompatibilityOf(layout, 1)));
+  if (!transport.ok()) return stop_child(), Fail(transport.status());
+  std::printf("prefill on %s (%s, weights ready in %.1f s), UCX tls '%s', pages of %lld tokens, "
+              "landing policy %s\n",
+              o.device.c_str(), model_id.c_str(), weights_s, o.ucx.tls.c_str(),
+              static_cast<long long>(o.page_tokens), o.policy.c_str());
+  std::printf("%8s %-9s %10s %10s %9s %9s %9s %9s %8s %9s %10s\n", "context", "send", "TTFT ms",
+              "compute", "state", "tail", "reserve", "land", "KV GB", "xfer GB/s", "prefill t/s");
+  nlohmann::json results = nlohmann::json::array();
+  std::vector<Row> rows;
+  bool first_run = true;
+  for (int64_t n : o.contexts) {
+    for (const std::string& send : o.send) {
+      if (send != "layerwise" && send != "after") {
+        stop_child();
+        return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
+      }
+      prefill::PrefillEngineOptions eo;
+      eo.layerwise = send == "layerwise";
+      eo.transfer_timeout = absl::Seconds(120);
+      auto engine = gpu != nullptr
+                        ? std::make_unique<prefill::PrefillEngine>(gpu.get(), transport->get(), layout, eo)
+                        : std::make_unique<prefill::PrefillEngine>(cpu_model.get(), transport->get(), layout, eo);
+      std::vector<Row> samples;
+      for (int64_t rep = 0; rep < o.repeats + (first_run ? 1 : 0); ++rep) {
+        const bool warmup = first_run && rep == 0;
+        WriteMessage(out, std::to_string(n));
+        absl::StatusOr<std::string> req_bytes = ReadMessage(in);
+        v1::PrefillRequest request;
+        if (!req_bytes.ok() || !request.ParseFromString(*req_bytes)) {
+          stop_child();
+          return Fail(absl::InternalError(absl::StrCat("decode side: ", req_bytes.ok() ? *req_bytes : req_bytes.status().ToString())));
+        }
+        const Clock::time_point t0 = Clock::now();
+        absl::StatusOr<v1::PrefillResponse> r = engine->Run(request, [] { return false; });
+        const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+        WriteMessage(out, r.ok() ? r->SerializeAsString() : std::string());
+        absl::StatusOr<std::string> landed = ReadMessage(in);
+        if (!r.ok()) {
+          stop_child();
+          return Fail(r.status());
+        }
+        if (!landed.ok() || landed->rfind("ok ", 0) != 0) {
+          stop_child();
+          return Fail(absl::InternalError(absl::StrCat("landing: ", landed.ok() ? *landed : landed.status().ToString())));
+        }
+        double reserve_s = 0, land_s = 0;
+        std::sscanf(landed->c_str() + 3, "%lf %lf", &reserve_s, &land_s);
+        if (warmup) continue;
+        const v1::PrefillTiming& t = r->timing();
+        Row row;
+        row.context = n;
+        row.send = send;
+        row.compute_ms = t.compute_us() / 1e3;
+        row.state_ms = t.sparse_state_us() / 1e3;
+        row.tail_ms = t.transfer_tail_us() / 1e3;
+        row.reserve_ms = reserve_s * 1e3;
+        row.land_ms = land_s * 1e3;
+        row.ttft_ms = (reserve_s + prefill_s + land_s) * 1e3;
+        row.kv_gb = r->kv_bytes_written() / 1e9;
+        // Only when everything goes after the last layer is the transfer time the transfer's own
+        // (layer-wise, it spans the compute it overlaps).
+        row.transfer_gbps = send == "after" && t.transfer_us() > 0
+                                ? r->kv_bytes_written() / (t.transfer_us() / 1e6) / 1e9
+                                : 0;
+        row.prefill_tok_s = t.compute_us() > 0 ? n / (t.compute_us() / 1e6) : 0;
+        samples.push_back(row);
+      }
+      first_run = false;
+      std::sort(samples.begin(), samples.end(),
+                [](const Row& a, const Row& b) { return a.ttft_ms < b.ttft_ms; });
+      const Row& m = samples[samples.size() / 2];
+      std::printf("%8lld %-9s %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %8.2f %9.2f %10.0f\n",
+                  static_cast<long long>(n), send.c_str(), m.ttft_ms, m.compute_ms, m.state_ms,
+                  m.tail_ms, m.reserve_ms, m.land_ms, m.kv_gb, m.transfer_gbps, m.prefill_tok_s);
+      std::fflush(stdout);
+      results.push_back({{"context", n}, {"send", send}, {"ttft_ms", m.ttft_ms},
+                         {"compute_ms", m.compute_ms}, {"sparse_state_ms", m.state_ms},
+                         {"transfer_tail_ms", m.tail_ms}, {"reserve_ms", m.reserve_ms},
+                         {"land_ms", m.land_ms}, {"kv_gb", m.kv_gb},
+                         {"transfer_gbps", m.transfer_gbps}, {"prefill_tok_s", m.prefill_tok_s},
+                         {"repeats", samples.size()}});
+    }
+  }
+  stop_child();
+  if (!o.json.empty()) {
+    nlohmann::json limits = {{"device", o.device}, {"model", model_id}, {"ucx_tls", o.ucx.tls},
+                             {"page_tokens", o.page_tokens}, {"chunk_tokens", o.chunk_tokens}};
+    if (absl::Status s = WriteJson(o.json, ResultEnvelope(JoinCommand("fluxion bench prefill", args),
+                                                         limits, results));
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
+  return 0;
+}
+
+}  // namespace fluxion::bench

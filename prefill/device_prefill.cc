@@ -1,0 +1,397 @@
+#include "prefill/device_prefill.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/prefill_attention.h"
+#include "kernels/cuda/sparse_capture.h"
+#include "model/generator.h"
+
+namespace fluxion::prefill {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("device prefill: ", what, ": ", cudaGetErrorString(e)));
+}
+
+// An owned CUDA stream / event: destroyed with the object.
+class Stream {
+ public:
+  Stream() = default;
+  ~Stream() {
+    if (s_ != nullptr) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  absl::Status Init() {
+    return CudaStatus(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "copy stream");
+  }
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class Event {
+ public:
+  Event() = default;
+  ~Event() {
+    if (e_ != nullptr) cudaEventDestroy(e_);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  absl::Status Init() {
+    return CudaStatus(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "event");
+  }
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+// One computed piece: rows [first, end) of `layer`, complete on the compute stream at `ready`.
+struct Piece {
+  int layer = 0;
+  int64_t first = 0, end = 0;
+  cudaEvent_t ready = nullptr;
+};
+
+// The copy thread: brings each piece's pages to the host on its own stream, in order, and hands
+// them to the caller's callback. The first error (a copy's or the callback's) is kept and stops
+// further work; the compute loop polls failed() between layers.
+class PieceCopier {
+ public:
+  struct Layout {
+    int device = 0;
+    const uint8_t* device_pages = nullptr;
+    uint8_t* host_pages = nullptr;
+    int64_t num_kv_heads = 0, page_tokens = 0, pages_per_head = 0;
+    size_t page_bytes = 0;
+  };
+
+  PieceCopier(const Layout& layout, cudaStream_t stream, const PiecesOnHost& on_host)
+      : layout_(layout), stream_(stream), on_host_(on_host), thread_([this] { Loop(); }) {}
+  ~PieceCopier() { (void)Finish(); }
+
+  void Push(const Piece& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(p);
+    cv_.notify_one();
+  }
+  bool failed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !status_.ok();
+  }
+  // Copies what is queued, stops the thread, and returns the first error.
+  absl::Status Finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  void Loop() {
+    cudaSetDevice(layout_.device);
+    for (;;) {
+      Piece p;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        p = queue_.front();
+        queue_.pop_front();
+        if (!status_.ok()) continue;  // drain without work after a failure
+      }
+      absl::Status s = Copy(p);
+      if (s.ok()) s = on_host_(p.layer, p.first, p.end);
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (status_.ok()) status_ = s;
+      }
+    }
+  }
+
+  absl::Status Copy(const Piece& p) {
+    const Layout& l = layout_;
+    FLUXION_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream_, p.ready, 0), "wait"));
+    const int64_t p0 = p.first / l.page_tokens;
+    const int64_t p1 = (p.end + l.page_tokens - 1) / l.page_tokens;
+    for (int64_t h = 0; h < l.num_kv_heads; ++h) {
+      const size_t offset =
+          ((p.layer * l.num_kv_heads + h) * l.pages_per_head + p0) * l.page_bytes;
+      FLUXION_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(l.host_pages + offset, l.device_pages + offset,
+                          static_cast<size_t>(p1 - p0) * l.page_bytes, cudaMemcpyDeviceToHost,
+                          stream_),
+          "pages to host"));
+    }
+    return CudaStatus(cudaStreamSynchronize(stream_), "pages to host");
+  }
+
+  const Layout layout_;
+  const cudaStream_t stream_;
+  const PiecesOnHost& on_host_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Piece> queue_;
+  bool closed_ = false;
+  absl::Status status_;
+  std::thread thread_;  // last: starts after everything it reads
+};
+
+}  // namespace
+
+struct DevicePrefill::Impl {
+  model::ModelConfig config;
+  std::unique_ptr<model::DenseOps> ops;
+  model::ModelParams params;
+  DevicePrefillOptions options;
+  int device = 0;
+  std::mutex mu;  // one Run at a time
+  Stream copy_stream;
+  model::StepBuffers buf;
+  std::unique_ptr<model::OpsBuffer> pages, logits, tail_q;
+
+  // Grows `b` to at least `bytes` (contents not kept).
+  absl::Status Reserve(std::unique_ptr<model::OpsBuffer>& b, size_t bytes) {
+    if (b != nullptr && b->size() >= bytes) return absl::OkStatus();
+    b.reset();
+    FLUXION_ASSIGN_OR_RETURN(b, ops->Allocate(bytes));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<model::SparseState> Capture(const kernels::cuda::LayerPages& first_layer,
+                                             size_t layer_bytes, int64_t tokens, int64_t rows,
+                                             cudaStream_t stream);
+};
+
+DevicePrefill::DevicePrefill(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DevicePrefill::~DevicePrefill() = default;
+
+const model::ModelConfig& DevicePrefill::config() const { return impl_->config; }
+
+absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
+    const model::ModelConfig& config, std::unique_ptr<model::DenseOps> ops,
+    model::ModelParams params, const DevicePrefillOptions& options) {
+  if (ops == nullptr || ops->host_memory() || ops->native_stream() == nullptr) {
+    return absl::FailedPreconditionError("the device prefill needs CUDA dense ops");
+  }
+  if (config.head_dim != 32 && config.head_dim != 64 && config.head_dim != 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the device prefill's attention covers head_dim 32, 64 and 128, not ", config.head_dim));
+  }
+  if (options.chunk_tokens < 1) {
+    return absl::InvalidArgumentError("the device prefill's chunk must hold at least one token");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->options = options;
+  FLUXION_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&impl->device), "device"));
+  FLUXION_RETURN_IF_ERROR(model::FuseParams(*ops, &params));
+  FLUXION_ASSIGN_OR_RETURN(impl->buf,
+                           model::StepBuffers::Create(*ops, config, options.chunk_tokens));
+  FLUXION_ASSIGN_OR_RETURN(impl->logits, ops->Allocate(config.vocab_size * sizeof(float)));
+  FLUXION_RETURN_IF_ERROR(impl->copy_stream.Init());
+  impl->ops = std::move(ops);
+  impl->params = std::move(params);
+  FLUXION_RETURN_IF_ERROR(impl->ops->Sync());
+  return std::unique_ptr<DevicePrefill>(new DevicePrefill(std::move(impl)));
+}
+
+absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t> prompt,
+                                                       int64_t page_tokens, uint8_t* host_pages,
+                                                       bool capture_state,
+                                                       const std::function<bool()>& cancelled,
+                                                       const PiecesOnHost& on_host) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  const model::ModelConfig& c = m.config;
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  if (n < 1 || page_tokens < 1) {
+    return absl::InvalidArgumentError("the device prefill needs a prompt and a page size");
+  }
+  FLUXION_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(m.device), "device"));
+  model::DenseOps& ops = *m.ops;
+  cudaStream_t stream = static_cast<cudaStream_t>(ops.native_stream());
+  const int64_t hkv = c.num_kv_heads, d = c.head_dim, hq = c.num_heads;
+  const int64_t pph = (n + page_tokens - 1) / page_tokens;
+  const size_t page_bytes = static_cast<size_t>(2 * page_tokens * d) * 2;
+  const size_t layer_bytes = static_cast<size_t>(hkv * pph) * page_bytes;
+  const int64_t tail_rows = std::min<int64_t>(model::kPrefillTailRows, n);
+  const int64_t tail0 = n - tail_rows;
+  FLUXION_RETURN_IF_ERROR(m.Reserve(m.pages, layer_bytes * c.num_layers));
+  FLUXION_RETURN_IF_ERROR(
+      m.Reserve(m.tail_q, sizeof(float) * c.num_layers * tail_rows * hq * d));
+  uint8_t* dev_pages = static_cast<uint8_t*>(m.pages->data());
+  // Rows past the prompt's end in each head's last page go out as zeros.
+  FLUXION_RETURN_IF_ERROR(CudaStatus(
+      cudaMemsetAsync(dev_pages, 0, layer_bytes * c.num_layers, stream), "clear pages"));
+  auto layer_pages = [&](int layer) {
+    return kernels::cuda::LayerPages{dev_pages + layer * layer_bytes, hkv, d, page_tokens, pph};
+  };
+
+  const int64_t chunk = m.options.chunk_tokens;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::vector<Event> events(static_cast<size_t>(chunks * c.num_layers));
+  for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
+  PieceCopier copier({m.device, dev_pages, host_pages, hkv, page_tokens, pph, page_bytes},
+                     m.copy_stream.get(), on_host);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* tail_q = static_cast<float*>(m.tail_q->data());
+  std::vector<int64_t> positions(chunk);
+  absl::Status forward;
+  for (int64_t ci = 0; ci < chunks && forward.ok(); ++ci) {
+    const int64_t c0 = ci * chunk, rows = std::min(chunk, n - c0);
+    for (int64_t i = 0; i < rows; ++i) positions[i] = c0 + i;
+    model::EmbedRows(ops, m.params, c, m.buf, prompt.data() + c0, positions.data(), rows);
+    absl::StatusOr<int64_t> left = model::RunLayers(
+        ops, c, m.params, m.buf, rows, [&](int layer, int64_t r) -> absl::StatusOr<int64_t> {
+          if (cancelled()) {
+            return absl::CancelledError(absl::StrCat("prefill cancelled at layer ", layer + 1));
+          }
+          if (copier.failed()) return absl::AbortedError("the copy thread failed");
+          const kernels::cuda::LayerPages lp = layer_pages(layer);
+          const int64_t kv_row = hkv * d;
+          FLUXION_RETURN_IF_ERROR(CudaStatus(
+              kernels::cuda::WriteLayerPages(lp, m.buf.k, m.buf.v, kv_row, c0, r, stream),
+              "write pages"));
+          FLUXION_RETURN_IF_ERROR(CudaStatus(
+              kernels::cuda::CausalPrefillAttention(lp, m.buf.q, c0, r, hq, scale, m.buf.attn,
+                                                    stream),
+              "attention"));
+          const int64_t t_begin = std::max(c0, tail0), t_end = c0 + r;
+          if (t_end > t_begin) {  // this chunk holds some of the tail rows: keep their queries
+            FLUXION_RETURN_IF_ERROR(CudaStatus(
+                cudaMemcpyAsync(tail_q + ((layer * tail_rows) + (t_begin - tail0)) * hq * d,
+                                m.buf.q + (t_begin - c0) * hq * d,
+                                sizeof(float) * (t_end - t_begin) * hq * d,
+                                cudaMemcpyDeviceToDevice, stream),
+                "tail queries"));
+          }
+          cudaEvent_t ready = events[ci * c.num_layers + layer].get();
+          FLUXION_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ready, stream), "event"));
+          copier.Push({layer, c0, c0 + r, ready});
+          return r;
+        });
+    if (!left.ok()) forward = left.status();
+    if (forward.ok() && ci == chunks - 1) {
+      model::LmHead(ops, m.params, c, m.buf, m.buf.x + (rows - 1) * c.hidden_size, 1,
+                    static_cast<float*>(m.logits->data()));
+    }
+  }
+  DevicePrefillResult result;
+  if (forward.ok()) {
+    result.logits.resize(c.vocab_size);
+    ops.CopyToHost(result.logits.data(), m.logits->data(), c.vocab_size * sizeof(float));
+    forward = ops.Sync();
+  } else {
+    (void)ops.Sync();  // the copier may still read what was queued
+  }
+  result.forward_end = Clock::now();
+  absl::Status copied = copier.Finish();
+  result.copy_wait_seconds =
+      std::chrono::duration<double>(Clock::now() - result.forward_end).count();
+  FLUXION_RETURN_IF_ERROR(forward);
+  FLUXION_RETURN_IF_ERROR(copied);
+  if (capture_state) {
+    FLUXION_ASSIGN_OR_RETURN(result.state,
+                             m.Capture(layer_pages(0), layer_bytes, n, tail_rows, stream));
+  }
+  return result;
+}
+
+absl::StatusOr<model::SparseState> DevicePrefill::Impl::Capture(
+    const kernels::cuda::LayerPages& first_layer, size_t layer_bytes, int64_t tokens,
+    int64_t rows, cudaStream_t stream) {
+  namespace kc = kernels::cuda;
+  const model::ModelConfig& c = config;
+  const int64_t hkv = c.num_kv_heads, hq = c.num_heads, group = hq / hkv, d = c.head_dim;
+  const model::SparseStateParams& sp = options.sparse;
+  std::unique_ptr<model::OpsBuffer> scratch, tables, stats;
+  FLUXION_ASSIGN_OR_RETURN(scratch,
+                           ops->Allocate(kc::TailCaptureScratchBytes(rows, hq, hkv, tokens)));
+  FLUXION_ASSIGN_OR_RETURN(tables, ops->Allocate(sizeof(float) * 2 * hkv * tokens));
+  const size_t stats_bytes =
+      sizeof(kc::TailRowHeadStats) * rows * hq + sizeof(kc::TailRowMiddle) * rows * hkv;
+  FLUXION_ASSIGN_OR_RETURN(stats, ops->Allocate(stats_bytes));
+  float* vertical = static_cast<float*>(tables->data());
+  float* slash = vertical + hkv * tokens;
+  auto* row_heads = static_cast<kc::TailRowHeadStats*>(stats->data());
+  auto* middles = reinterpret_cast<kc::TailRowMiddle*>(row_heads + rows * hq);
+
+  model::SparseState st;
+  st.num_layers = c.num_layers;
+  st.num_kv_heads = hkv;
+  st.group = group;
+  st.tokens = tokens;
+  st.tail_rows = rows;
+  st.params = sp;
+  st.heads.resize(c.num_layers * hkv);
+  std::vector<float> host_tables(2 * hkv * tokens);
+  std::vector<kc::TailRowHeadStats> host_rows(rows * hq);
+  std::vector<kc::TailRowMiddle> host_middles(rows * hkv);
+  const float* tail_q_base = static_cast<const float*>(tail_q->data());
+  kc::TailCaptureParams params{tokens,        rows,       hq, 1.0f / std::sqrt(static_cast<float>(d)),
+                               sp.decay,      sp.sink_tokens, sp.local_tokens, sp.coverage};
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    kc::LayerPages lp = first_layer;
+    lp.base = static_cast<uint8_t*>(first_layer.base) + l * layer_bytes;
+    FLUXION_RETURN_IF_ERROR(CudaStatus(
+        kc::CaptureLayerTail(lp, tail_q_base + l * rows * hq * d, params, scratch->data(),
+                             vertical, slash, row_heads, middles, stream),
+        "sparse-state capture"));
+    ops->CopyToHost(host_tables.data(), vertical, sizeof(float) * 2 * hkv * tokens);
+    ops->CopyToHost(host_rows.data(), row_heads, sizeof(kc::TailRowHeadStats) * rows * hq);
+    ops->CopyToHost(host_middles.data(), middles, sizeof(kc::TailRowMiddle) * rows * hkv);
+    FLUXION_RETURN_IF_ERROR(ops->Sync());
+    for (int64_t h = 0; h < hkv; ++h) {
+      model::HeadSparseState& hs = st.heads[l * hkv + h];
+      hs.vertical.assign(host_tables.begin() + h * tokens, host_tables.begin() + (h + 1) * tokens);
+      hs.slash.assign(host_tables.begin() + (hkv + h) * tokens,
+                      host_tables.begin() + (hkv + h + 1) * tokens);
+      // The features as model::CaptureSparseState averages them.
+      double share_max = 0, need_sum = 0, sink = 0, local = 0, entropy = 0;
+      int64_t need_rows = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        const kc::TailRowMiddle& mid = host_middles[i * hkv + h];
+        share_max = std::max(share_max, std::min(1.0, static_cast<double>(mid.share)));
+        if (mid.middle > 0 && mid.share > 0) {
+          need_sum += static_cast<double>(mid.needed) / static_cast<double>(mid.middle);
+          ++need_rows;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const kc::TailRowHeadStats& r = host_rows[i * hq + h * group + g];
+          sink += r.sink;
+          local += r.local;
+          entropy += r.entropy;
+        }
+      }
+      const double head_rows = static_cast<double>(rows * group);
+      hs.middle_share = static_cast<float>(share_max);
+      hs.need_fraction = need_rows > 0 ? static_cast<float>(need_sum / need_rows) : 1.0f;
+      hs.sink_mass = static_cast<float>(sink / head_rows);
+      hs.local_mass = static_cast<float>(local / head_rows);
+      hs.entropy = static_cast<float>(entropy / head_rows);
+    }
+  }
+  return st;
+}
+
+}  // namespace fluxion::prefill

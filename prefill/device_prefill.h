@@ -1,0 +1,88 @@
+// The prefill forward on one GPU (issue 15): the prompt in chunks through every layer on a CUDA
+// DenseOps (model/layer.h's halves, bf16 weights in HBM), each layer's K/V written straight into
+// the wire's page layout in HBM and attended there by a causal flash-style kernel
+// (kernels/cuda/prefill_attention.h), and after every (chunk, layer) a device-to-host copy of the
+// pages that piece touched, on a copy stream driven by a copy thread, so the caller sends them over
+// UCX while the GPU goes on with the next layer. Then the last token's logits and, when asked, the
+// sparse state captured on the device from the last query rows (kernels/cuda/sparse_capture.h).
+//
+// Why chunk-major (a chunk through all layers, then the next): activations stay O(chunk) at any
+// prompt length, and a layer's pages still leave the GPU piece by piece as they complete. The
+// cache stays in HBM for the whole prompt (the attention of later chunks reads it); at Llama-3.1-8B
+// shapes 128K tokens are 16 GiB beside the 16 GiB of weights.
+//
+// Host memory: `host_pages` is the caller's (the transport's registered source); the copy writes
+// each piece's pages at their offset in PAGE_ORDER_LAYER_HEAD_PAGE, the order the caller sends.
+// Partial pages at a chunk's end are copied again, whole, after the next chunk; the caller sends a
+// page only once it is complete (rows past the prompt's end stay zero on the device).
+//
+// Thread-safe: Run() serializes its callers (one prompt at a time owns the GPU).
+#ifndef FLUXION_PREFILL_DEVICE_PREFILL_H_
+#define FLUXION_PREFILL_DEVICE_PREFILL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/config.h"
+#include "model/dense_ops.h"
+#include "model/layer.h"
+#include "model/sparse_state.h"
+
+namespace fluxion::prefill {
+
+struct DevicePrefillOptions {
+  // Prompt rows per forward pass through the layers (a multiple of the page size is best).
+  int64_t chunk_tokens = 2048;
+  model::SparseStateParams sparse;
+};
+
+struct DevicePrefillResult {
+  std::vector<float> logits;                // the last prompt token's [vocab_size]
+  std::optional<model::SparseState> state;  // when the run was asked to capture it
+  std::chrono::steady_clock::time_point forward_end;  // before the capture
+  double copy_wait_seconds = 0;  // after the forward, waiting for the last pieces to reach the host
+};
+
+// Called on the copy thread, in (chunk, layer) order, once the pages of rows [first, end) of
+// `layer` are in host memory. An error stops the run (Run returns it).
+using PiecesOnHost = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
+
+class DevicePrefill {
+ public:
+  // `ops` must be a CUDA DenseOps holding `params` (Model::UploadParams or model::RandomParams);
+  // the prefill owns both. FailedPrecondition for host-memory ops; InvalidArgument for a shape
+  // the kernels do not cover (head_dim other than 32, 64, 128).
+  static absl::StatusOr<std::unique_ptr<DevicePrefill>> Create(const model::ModelConfig& config,
+                                                               std::unique_ptr<model::DenseOps> ops,
+                                                               model::ModelParams params,
+                                                               const DevicePrefillOptions& options);
+  ~DevicePrefill();
+  DevicePrefill(const DevicePrefill&) = delete;
+  DevicePrefill& operator=(const DevicePrefill&) = delete;
+
+  const model::ModelConfig& config() const;
+
+  // Prefills `prompt` (ids already validated against the vocabulary): its pages of `page_tokens`
+  // tokens go to `host_pages` (config's layers x KV heads x ceil(n / page_tokens) pages of
+  // 2 * page_tokens * head_dim bf16). `cancelled` is polled between layers. Errors: Cancelled,
+  // the first error of `on_host`, ResourceExhausted (HBM), Internal (a CUDA failure).
+  absl::StatusOr<DevicePrefillResult> Run(absl::Span<const int32_t> prompt, int64_t page_tokens,
+                                          uint8_t* host_pages, bool capture_state,
+                                          const std::function<bool()>& cancelled,
+                                          const PiecesOnHost& on_host);
+
+ private:
+  struct Impl;
+  explicit DevicePrefill(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fluxion::prefill
+
+#endif  // FLUXION_PREFILL_DEVICE_PREFILL_H_

@@ -1,0 +1,28 @@
+// device_prefill.h in a build without CUDA: Create says so; nothing else is reachable.
+#include "prefill/device_prefill.h"
+
+namespace fluxion::prefill {
+
+struct DevicePrefill::Impl {
+  model::ModelConfig config;
+};
+
+DevicePrefill::DevicePrefill(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DevicePrefill::~DevicePrefill() = default;
+
+const model::ModelConfig& DevicePrefill::config() const { return impl_->config; }
+
+absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
+    const model::ModelConfig&, std::unique_ptr<model::DenseOps>, model::ModelParams,
+    const DevicePrefillOptions&) {
+  return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
+}
+
+absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>, int64_t,
+                                                       uint8_t*, bool,
+                                                       const std::function<bool()>&,
+                                                       const PiecesOnHost&) {
+  return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
+}
+
+}  // namespace fluxion::prefill
