@@ -290,6 +290,11 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     if (!made.ok()) return stop_child(), Fail(made.status());
     gpu = std::move(*made);
     cpu_model.reset();
+    const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
+                                       o.page_tokens};
+    absl::StatusOr<uint8_t*> staging =
+        gpu->HostStaging(geo.total_pages(max_context) * geo.content_bytes());  // pinned once, now
+    if (!staging.ok()) return stop_child(), Fail(staging.status());
   }
   const double weights_s = std::chrono::duration<double>(Clock::now() - t_weights).count();
   absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> transport = transfer::NewUcxTransport(

@@ -24,6 +24,7 @@
 #include "prefill/prefill_engine.h"
 #include "prefill/prefill_service.h"
 #include "proto/convert.h"
+#include "transfer/kv_pages.h"
 #include "transfer/ucx_flags.h"
 
 namespace fluxion::prefill {
@@ -57,6 +58,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   bool layerwise = true;
   std::string device = "cpu";
   int64_t device_chunk_tokens = DevicePrefillOptions{}.chunk_tokens;
+  int64_t device_staging_tokens = -1;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
                 "Serves fluxion.v1.PrefillService: computes prompts and writes their KV into "
@@ -80,6 +82,10 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   flags.Int("device-chunk-tokens", &device_chunk_tokens,
             "with --device cuda: prompt rows per pass through the layers (activations scale with "
             "it; a piece's pages are sent after each chunk of each layer)");
+  flags.Int("device-staging-tokens", &device_staging_tokens,
+            "with --device cuda: pin host staging for a prompt of this many tokens at start-up "
+            "(pinning takes seconds for tens of GiB; a longer prompt grows it then). Default "
+            "-1: the model's context length");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
   flags.Bool("layerwise", &layerwise,
              "send each layer's KV as soon as it is computed (off: after the last layer)");
@@ -163,6 +169,17 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
       return 1;
     }
     gpu = std::move(*made);
+    const int64_t staged =
+        device_staging_tokens >= 0 ? device_staging_tokens : config.max_position_embeddings;
+    const transfer::KvPageGeometry geo{config.num_layers, config.num_kv_heads, config.head_dim,
+                                       page_tokens};
+    if (staged > 0) {
+      if (auto pinned = gpu->HostStaging(geo.total_pages(staged) * geo.content_bytes());
+          !pinned.ok()) {
+        std::cerr << "error: --device-staging-tokens " << staged << ": " << pinned.status() << "\n";
+        return 1;
+      }
+    }
     model->reset();  // the GPU holds its own bf16 copy; the fp32 host weights are not needed
   }
   PrefillEngine engine = gpu != nullptr

@@ -168,6 +168,12 @@ struct DevicePrefill::Impl {
   Stream copy_stream;
   model::StepBuffers buf;
   std::unique_ptr<model::OpsBuffer> pages, logits, tail_q;
+  std::mutex staging_mu;
+  void* staging = nullptr;  // pinned (cudaHostAlloc), grown by HostStaging, freed with the prefill
+  size_t staging_bytes = 0;
+  ~Impl() {
+    if (staging != nullptr) cudaFreeHost(staging);
+  }
 
   // Grows `b` to at least `bytes` (contents not kept).
   absl::Status Reserve(std::unique_ptr<model::OpsBuffer>& b, size_t bytes) {
@@ -186,6 +192,23 @@ DevicePrefill::DevicePrefill(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 DevicePrefill::~DevicePrefill() = default;
 
 const model::ModelConfig& DevicePrefill::config() const { return impl_->config; }
+
+absl::StatusOr<uint8_t*> DevicePrefill::HostStaging(size_t bytes) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.staging_mu);
+  if (m.staging_bytes >= bytes) return static_cast<uint8_t*>(m.staging);
+  if (m.staging != nullptr) cudaFreeHost(m.staging);
+  m.staging = nullptr;
+  m.staging_bytes = 0;
+  FLUXION_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(m.device), "device"));
+  if (cudaHostAlloc(&m.staging, bytes, cudaHostAllocDefault) != cudaSuccess) {
+    m.staging = nullptr;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device prefill: cannot pin ", bytes >> 20, " MiB of host staging"));
+  }
+  m.staging_bytes = bytes;
+  return static_cast<uint8_t*>(m.staging);
+}
 
 absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
     const model::ModelConfig& config, std::unique_ptr<model::DenseOps> ops,
@@ -308,8 +331,9 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   absl::Status copied = copier.Finish();
   result.copy_wait_seconds =
       std::chrono::duration<double>(Clock::now() - result.forward_end).count();
-  FLUXION_RETURN_IF_ERROR(forward);
+  // The copy thread's error first: a forward that stopped because of it says only that.
   FLUXION_RETURN_IF_ERROR(copied);
+  FLUXION_RETURN_IF_ERROR(forward);
   if (capture_state) {
     FLUXION_ASSIGN_OR_RETURN(result.state,
                              m.Capture(layer_pages(0), layer_bytes, n, tail_rows, stream));

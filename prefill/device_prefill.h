@@ -68,6 +68,14 @@ class DevicePrefill {
 
   const model::ModelConfig& config() const;
 
+  // Pinned host memory of at least `bytes` for Run's host_pages: the device-to-host copies run at
+  // the link's rate into it (into pageable memory they ran at ~0.5 GB/s in the first device run,
+  // faulting each fresh page in). Grown on demand and kept, so the pinning cost (seconds for tens
+  // of GiB) is paid once; call it at start-up with the largest prompt to pay it before serving.
+  // The pointer stays valid until a larger call; one caller at a time (the engine holds its device
+  // lock). ResourceExhausted when the memory cannot be pinned.
+  absl::StatusOr<uint8_t*> HostStaging(size_t bytes);
+
   // Prefills `prompt` (ids already validated against the vocabulary): its pages of `page_tokens`
   // tokens go to `host_pages` (config's layers x KV heads x ceil(n / page_tokens) pages of
   // 2 * page_tokens * head_dim bf16). `cancelled` is polled between layers. Errors: Cancelled,

@@ -12,6 +12,10 @@ DevicePrefill::~DevicePrefill() = default;
 
 const model::ModelConfig& DevicePrefill::config() const { return impl_->config; }
 
+absl::StatusOr<uint8_t*> DevicePrefill::HostStaging(size_t) {
+  return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
+}
+
 absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
     const model::ModelConfig&, std::unique_ptr<model::DenseOps>, model::ModelParams,
     const DevicePrefillOptions&) {

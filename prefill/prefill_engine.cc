@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -144,7 +145,8 @@ struct PrefillEngine::Job {
   // Every layer's pages, the copy source of the writes. Not zero-filled for the device (its pages
   // arrive whole from HBM; clearing 16 GiB at 128K would cost seconds of TTFT), zeroed for the CPU
   // packer, which leaves the rows past the prompt's end as it finds them.
-  std::unique_ptr<uint8_t[]> staging;
+  std::unique_ptr<uint8_t[]> owned_staging;  // the CPU path's; the device path borrows its pinned one
+  uint8_t* staging = nullptr;
   size_t staging_bytes = 0;
   std::unique_ptr<transfer::Registration> staging_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
@@ -235,11 +237,16 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->ppl = geo.pages_per_layer(n);
   j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
   j->staging_bytes = j->layer_bytes * shape.num_layers;
-  j->staging.reset(new uint8_t[j->staging_bytes]);
-  if (device_ == nullptr) std::memset(j->staging.get(), 0, j->staging_bytes);
+  if (device_ != nullptr) {  // REQUIRES: device_mu_ held (RunBatch)
+    FLUXION_ASSIGN_OR_RETURN(j->staging, device_->HostStaging(j->staging_bytes));
+  } else {
+    j->owned_staging.reset(new uint8_t[j->staging_bytes]);
+    j->staging = j->owned_staging.get();
+    std::memset(j->staging, 0, j->staging_bytes);
+  }
   FLUXION_ASSIGN_OR_RETURN(
       j->staging_reg,
-      transport_->Register({j->staging.get(), j->staging_bytes}, {/*remote_write=*/false}));
+      transport_->Register({j->staging, j->staging_bytes}, {/*remote_write=*/false}));
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
@@ -274,7 +281,7 @@ absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, i
         const int64_t idx = l * j.ppl + h * j.per_head + p;
         copies[j.page_target[idx]].push_back(
             {kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
-             j.staging.get() + idx * j.cb, j.cb});
+             j.staging + idx * j.cb, j.cb});
       }
     }
   }
@@ -305,7 +312,7 @@ absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end
   FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
   const int64_t row = shape_.num_kv_heads * shape_.head_dim;
   const model::DenseAttention& dense = j.attention->dense();
-  uint8_t* dst = j.staging.get() + layer * j.layer_bytes;
+  uint8_t* dst = j.staging + layer * j.layer_bytes;
   transfer::PackLayerRows(j.geo, j.n, first, end, dense.keys(layer) + first * row,
                           dense.values(layer) + first * row, row, dst);
   return SendCompleted(j, layer, end);
@@ -321,7 +328,7 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
   }
   if (layer_done) {
     if (j.crc) {
-      j.checksums[layer] = transfer::Crc32c(j.staging.get() + layer * j.layer_bytes, j.layer_bytes);
+      j.checksums[layer] = transfer::Crc32c(j.staging + layer * j.layer_bytes, j.layer_bytes);
     }
     if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
@@ -332,7 +339,7 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
 // pages are on the host: cancellation is checked there too, then the piece is sent.
 void PrefillEngine::RunOnDevice(Job& j) const {
   absl::StatusOr<DevicePrefillResult> r = device_->Run(
-      j.prompt, j.geo.page_tokens, j.staging.get(), j.request->has_sparse_target(), j.cancelled,
+      j.prompt, j.geo.page_tokens, j.staging, j.request->has_sparse_target(), j.cancelled,
       [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         return SendCompleted(j, layer, end);
@@ -451,6 +458,24 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
 void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> requests,
                              absl::Span<const std::function<bool()>> cancelled,
                              const Reply& reply) const {
+  if (device_ != nullptr) {
+    // On the GPU: one request at a time from preparation to reply (they share the device's pinned
+    // staging), each answered as soon as it is done.
+    std::lock_guard<std::mutex> lock(device_mu_);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
+      if (!job.ok()) {
+        reply(i, job.status());
+        continue;
+      }
+      Job& j = **job;
+      j.index = i;
+      j.t_compute = Clock::now();
+      RunOnDevice(j);
+      reply(i, Finish(j));
+    }
+    return;
+  }
   // Validate and connect each request; one that fails is answered at once.
   std::vector<std::unique_ptr<Job>> jobs;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -466,15 +491,7 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
   const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
   const Clock::time_point t_compute = Clock::now();
   for (auto& j : jobs) j->t_compute = t_compute;
-  if (device_ != nullptr) {
-    // On the GPU: one request at a time, each answered as soon as it is done.
-    for (auto& j : jobs) {
-      j->t_compute = Clock::now();
-      RunOnDevice(*j);
-      reply(j->index, Finish(*j));
-      j->replied = true;
-    }
-  } else if (jobs.size() == 1) {
+  if (jobs.size() == 1) {
     // Alone: the plain forward, piece by piece.
     Job& j = *jobs[0];
     for (int64_t first = 0; first < j.n && j.forward.ok(); first += piece) {

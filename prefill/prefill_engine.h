@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -99,6 +100,7 @@ class PrefillEngine {
   transfer::Transport* const transport_;
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;
+  mutable std::mutex device_mu_;  // the device path: one request at a time (its pinned staging)
 };
 
 }  // namespace fluxion::prefill

@@ -1,181 +1,243 @@
 #include "kernels/cuda/prefill_attention.h"
 
 #include <cuda_bf16.h>
-#include <mma.h>
 
 #include <cmath>
 
 namespace fluxion::kernels::cuda {
 namespace {
 
-using namespace nvcuda;  // wmma
-
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerBlock = kWarps * 16;  // each warp owns 16 query rows
 constexpr int kKeysPerTile = 64;
 
-// The block's shared memory, by section. Row strides are padded off the 32 banks and keep every
-// WMMA fragment pointer 32-byte aligned (ldm a multiple of 8 for bf16, of 4 for fp32).
+// K and V tiles in shared memory, double-buffered: [stage][key][head_dim + 8] bf16. The 8-element
+// pad puts consecutive rows 4 banks apart, so the 32-bit K reads (lane = 4 * row + word) and the
+// ldmatrix reads of V (8 rows of 16 bytes per phase) are free of bank conflicts.
 template <int D>
-struct Smem {
-  static constexpr int kLdQK = D + 8;            // bf16: Q, K and V tiles
-  static constexpr int kLdS = kKeysPerTile + 4;  // fp32: a warp's scores
-  static constexpr int kLdP = kKeysPerTile + 8;  // bf16: a warp's probabilities
-  static constexpr int kLdO = D + 4;             // fp32: a warp's output accumulator
-  static constexpr size_t kQ = size_t{kRowsPerBlock} * kLdQK * 2;
-  static constexpr size_t kK = size_t{kKeysPerTile} * kLdQK * 2;
-  static constexpr size_t kS = size_t{kWarps} * 16 * kLdS * 4;
-  static constexpr size_t kP = size_t{kWarps} * 16 * kLdP * 2;
-  static constexpr size_t kO = size_t{kWarps} * 16 * kLdO * 4;
-  static constexpr size_t kBytes = kQ + 2 * kK + kS + kP + kO;
+struct Tiles {
+  static constexpr int kLd = D + 8;
+  static constexpr size_t kTile = size_t{kKeysPerTile} * kLd;  // elements
+  static constexpr size_t kBytes = 2 /*stages*/ * 2 /*K, V*/ * kTile * sizeof(__nv_bfloat16);
 };
 
-using AFrag = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-using KFrag = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
-using VFrag = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-using CFrag = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
-// One block: query rows [r0, r0 + 64) of the chunk and one query head. Each warp keeps its 16
-// rows' output in shared memory (a WMMA accumulator's element-to-row mapping is opaque, and the
-// online softmax rescales by row) and its Q fragments in registers; lane pairs own a row's
-// softmax state (lane / 2 = row, lane % 2 = which half of the tile's columns).
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; src_bytes 0 fills zeros (keys past the end).
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(dst)),
+               "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void CommitAsync() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void WaitAsync() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// D = A(16x16 bf16, row) * B(16x8 bf16, col) + D, fp32 accumulators.
+__device__ __forceinline__ void Mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory, transposed (V's B fragments for two dim tiles).
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t* r, const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddress(row_address)));
+}
+
+// Issues the loads of key tile `k0` (K and V, every row whose key < kv_end; zeros after).
+template <int D>
+__device__ __forceinline__ void LoadTile(__nv_bfloat16* k_tile, __nv_bfloat16* v_tile,
+                                         const __nv_bfloat16* head_pages, int64_t pt, int64_t k0,
+                                         int64_t kv_end) {
+  constexpr int kVecPerRow = D / 8;
+  for (int i = threadIdx.x; i < kKeysPerTile * kVecPerRow; i += kThreads) {
+    const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
+    const int64_t key = k0 + r;
+    const bool ok = key < kv_end;
+    const __nv_bfloat16* page =
+        head_pages + (ok ? (key / pt) * 2 * pt * D + (key % pt) * D + c : 0);
+    CopyAsync16(k_tile + r * Tiles<D>::kLd + c, page, ok ? 16 : 0);
+    CopyAsync16(v_tile + r * Tiles<D>::kLd + c, page + pt * D, ok ? 16 : 0);
+  }
+}
+
+// FlashAttention-2's forward on mma.sync: one block per (64 query rows, query head), each warp
+// 16 rows whose Q fragments, scores, probabilities and output stay in registers (the scores'
+// accumulator layout is the next product's A layout, so P never touches shared memory); K/V tiles
+// of 64 keys stream through shared memory with cp.async, the next tile loading while this one is
+// used. Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 of its warp's 16.
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     PrefillAttentionKernel(LayerPages pages, const float* __restrict__ q, int64_t first,
                            int64_t rows, int num_heads, int group, float scale_log2,
                            float* __restrict__ out) {
-  using S = Smem<D>;
+  using T = Tiles<D>;
   extern __shared__ __align__(128) unsigned char smem[];
-  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem + S::kQ);
-  __nv_bfloat16* vs = reinterpret_cast<__nv_bfloat16*>(smem + S::kQ + S::kK);
-  float* ss = reinterpret_cast<float*>(smem + S::kQ + 2 * S::kK);
-  __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + S::kQ + 2 * S::kK + S::kS);
-  float* os = reinterpret_cast<float*>(smem + S::kQ + 2 * S::kK + S::kS + S::kP);
+  __nv_bfloat16* tiles = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto k_tile = [&](int stage) { return tiles + (2 * stage) * T::kTile; };
+  auto v_tile = [&](int stage) { return tiles + (2 * stage + 1) * T::kTile; };
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   const int head = blockIdx.y;
   const int64_t block_rows = rows - r0 < kRowsPerBlock ? rows - r0 : kRowsPerBlock;
-  const int64_t kv_end = first + r0 + block_rows;  // keys this block's rows can see
-
-  for (int i = threadIdx.x; i < kRowsPerBlock * D; i += kThreads) {
-    const int r = i / D, c = i % D;
-    const float x = r < block_rows ? q[((r0 + r) * num_heads + head) * D + c] : 0.0f;
-    qs[r * S::kLdQK + c] = __float2bfloat16_rn(x);
-  }
-  float* ow = os + warp * 16 * S::kLdO;
-  for (int i = lane; i < 16 * D; i += 32) ow[(i / D) * S::kLdO + i % D] = 0.0f;
-  __syncthreads();
-  AFrag qf[D / 16];
-  for (int kk = 0; kk < D / 16; ++kk) {
-    wmma::load_matrix_sync(qf[kk], qs + warp * 16 * S::kLdQK + kk * 16, S::kLdQK);
-  }
-
-  const int my_row = lane / 2, half = lane % 2;
-  const int64_t my_pos = first + r0 + warp * 16 + my_row;
-  const bool row_valid = warp * 16 + my_row < block_rows;
-  const int64_t warp_last = first + r0 + warp * 16 + 15;
-  float m = -INFINITY, l = 0.0f;
-
+  const int64_t kv_end = first + r0 + block_rows;
   const int64_t pt = pages.page_tokens;
   const __nv_bfloat16* head_pages = reinterpret_cast<const __nv_bfloat16*>(pages.base) +
                                     (head / group) * pages.pages_per_head * 2 * pt * D;
-  float* sw = ss + warp * 16 * S::kLdS;
-  __nv_bfloat16* pw = ps + warp * 16 * S::kLdP;
-  constexpr int kVecPerRow = D / 8;  // 16-byte vectors of 8 bf16
+  LoadTile<D>(k_tile(0), v_tile(0), head_pages, pt, 0, kv_end);
+  CommitAsync();
 
-  for (int64_t k0 = 0; k0 < kv_end; k0 += kKeysPerTile) {
-    __syncthreads();  // every warp is done with the previous tile
-    for (int i = threadIdx.x; i < kKeysPerTile * kVecPerRow; i += kThreads) {
-      const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
-      const int64_t key = k0 + r;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (key < kv_end) {  // zeros past the end: a masked probability times garbage could be NaN
-        const __nv_bfloat16* page = head_pages + (key / pt) * 2 * pt * D + (key % pt) * D + c;
-        kv = *reinterpret_cast<const uint4*>(page);
-        vv = *reinterpret_cast<const uint4*>(page + pt * D);
-      }
-      *reinterpret_cast<uint4*>(ks + r * S::kLdQK + c) = kv;
-      *reinterpret_cast<uint4*>(vs + r * S::kLdQK + c) = vv;
+  // Q fragments (A layout), rounded to bf16: rows g, g + 8 of the warp; dims 2t, 2t+1 (+8).
+  const int64_t wrow = r0 + warp * 16;  // the warp's first row in the chunk
+  const int64_t row_a = wrow + g, row_b = wrow + g + 8;
+  uint32_t qf[D / 16][4];
+  for (int kk = 0; kk < D / 16; ++kk) {
+    for (int half = 0; half < 2; ++half) {
+      const int c = kk * 16 + half * 8 + 2 * t;
+      float2 a = make_float2(0, 0), b = make_float2(0, 0);
+      if (row_a < rows) a = *reinterpret_cast<const float2*>(q + (row_a * num_heads + head) * D + c);
+      if (row_b < rows) b = *reinterpret_cast<const float2*>(q + (row_b * num_heads + head) * D + c);
+      qf[kk][half * 2] = PackBf16(a.x, a.y);
+      qf[kk][half * 2 + 1] = PackBf16(b.x, b.y);
+    }
+  }
+  const int64_t pos_a = first + row_a, pos_b = first + row_b;
+  const int64_t warp_last = first + wrow + 15;
+  float o[D / 8][4];
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+
+  int stage = 0;
+  for (int64_t k0 = 0; k0 < kv_end; k0 += kKeysPerTile, stage ^= 1) {
+    if (k0 + kKeysPerTile < kv_end) {  // the next tile loads while this one is used
+      LoadTile<D>(k_tile(stage ^ 1), v_tile(stage ^ 1), head_pages, pt, k0 + kKeysPerTile, kv_end);
+      CommitAsync();
+      WaitAsync<1>();
+    } else {
+      WaitAsync<0>();
     }
     __syncthreads();
-    if (k0 > warp_last) continue;  // every key of this tile is after all of this warp's rows
-
-    for (int nt = 0; nt < kKeysPerTile / 16; ++nt) {
-      CFrag sf;
-      wmma::fill_fragment(sf, 0.0f);
-      for (int kk = 0; kk < D / 16; ++kk) {
-        KFrag kf;
-        wmma::load_matrix_sync(kf, ks + nt * 16 * S::kLdQK + kk * 16, S::kLdQK);
-        wmma::mma_sync(sf, qf[kk], kf, sf);
-      }
-      wmma::store_matrix_sync(sw + nt * 16, sf, S::kLdS, wmma::mem_row_major);
-    }
-    __syncwarp();
-
-    const float* srow = sw + my_row * S::kLdS + half * 32;
-    float s[32];
-    float tile_max = -INFINITY;
+    if (k0 <= warp_last) {  // else every key of the tile is after all of this warp's rows
+      const __nv_bfloat16* kt = k_tile(stage);
+      float s[kKeysPerTile / 8][4];
+      for (int n = 0; n < kKeysPerTile / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        const __nv_bfloat16* krow = kt + (n * 8 + g) * T::kLd + 2 * t;
 #pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      const int64_t key = k0 + half * 32 + c;
-      s[c] = row_valid && key <= my_pos ? srow[c] * scale_log2 : -INFINITY;
-      tile_max = fmaxf(tile_max, s[c]);
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    const float m_new = fmaxf(m, tile_max);
-    const bool none = m_new == -INFINITY;  // nothing seen yet (a row past the chunk)
-    const float alpha = none ? 1.0f : exp2f(m - m_new);
-    float sum = 0.0f;
-    __nv_bfloat16* prow = pw + my_row * S::kLdP + half * 32;
-#pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      const float p = none ? 0.0f : exp2f(s[c] - m_new);
-      sum += p;
-      prow[c] = __float2bfloat16_rn(p);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l = l * alpha + sum;
-    m = m_new;
-    float* orow = ow + my_row * S::kLdO + half * (D / 2);
-    for (int c = 0; c < D / 2; ++c) orow[c] *= alpha;
-    __syncwarp();
-
-    AFrag pf[kKeysPerTile / 16];
-    for (int kk = 0; kk < kKeysPerTile / 16; ++kk) {
-      wmma::load_matrix_sync(pf[kk], pw + kk * 16, S::kLdP);
-    }
-    for (int dt = 0; dt < D / 16; ++dt) {
-      CFrag of;
-      wmma::load_matrix_sync(of, ow + dt * 16, S::kLdO, wmma::mem_row_major);
-      for (int kk = 0; kk < kKeysPerTile / 16; ++kk) {
-        VFrag vf;
-        wmma::load_matrix_sync(vf, vs + kk * 16 * S::kLdQK + dt * 16, S::kLdQK);
-        wmma::mma_sync(of, pf[kk], vf, of);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(krow + kk * 16);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(krow + kk * 16 + 8);
+          Mma16816(s[n], qf[kk], b0, b1);
+        }
       }
-      wmma::store_matrix_sync(ow + dt * 16, of, S::kLdO, wmma::mem_row_major);
+      // Scale, mask past each row's position, and the online softmax's running max.
+      const bool diagonal = k0 + kKeysPerTile - 1 > first + wrow;
+      float tile_a = -INFINITY, tile_b = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kKeysPerTile / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t key = k0 + n * 8 + 2 * t + e;
+          float a = s[n][e] * scale_log2, b = s[n][2 + e] * scale_log2;
+          if (diagonal || key >= kv_end) {
+            if (key > pos_a || row_a >= rows) a = -INFINITY;
+            if (key > pos_b || row_b >= rows) b = -INFINITY;
+          }
+          s[n][e] = a;
+          s[n][2 + e] = b;
+          tile_a = fmaxf(tile_a, a);
+          tile_b = fmaxf(tile_b, b);
+        }
+      }
+      for (int x = 1; x <= 2; x *= 2) {
+        tile_a = fmaxf(tile_a, __shfl_xor_sync(0xffffffffu, tile_a, x));
+        tile_b = fmaxf(tile_b, __shfl_xor_sync(0xffffffffu, tile_b, x));
+      }
+      const float new_a = fmaxf(m_a, tile_a), new_b = fmaxf(m_b, tile_b);
+      // A row that has seen nothing yet (past the chunk's end) keeps zeros.
+      const float base_a = new_a == -INFINITY ? 0.0f : new_a;
+      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
+      const float alpha_a = exp2f(m_a - base_a), alpha_b = exp2f(m_b - base_b);
+      m_a = new_a;
+      m_b = new_b;
+      float sum_a = 0.0f, sum_b = 0.0f;
+      uint32_t p[kKeysPerTile / 16][4];  // A fragments of P, 16 keys each
+#pragma unroll
+      for (int n = 0; n < kKeysPerTile / 8; ++n) {
+        const float p0 = exp2f(s[n][0] - base_a), p1 = exp2f(s[n][1] - base_a);
+        const float p2 = exp2f(s[n][2] - base_b), p3 = exp2f(s[n][3] - base_b);
+        sum_a += p0 + p1;
+        sum_b += p2 + p3;
+        p[n / 2][(n % 2) * 2] = PackBf16(p0, p1);
+        p[n / 2][(n % 2) * 2 + 1] = PackBf16(p2, p3);
+      }
+      l_a = l_a * alpha_a + sum_a;  // per-thread partial sums; the row's four threads add up last
+      l_b = l_b * alpha_b + sum_b;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha_a;
+        o[n][1] *= alpha_a;
+        o[n][2] *= alpha_b;
+        o[n][3] *= alpha_b;
+      }
+      const __nv_bfloat16* vt = v_tile(stage);
+#pragma unroll
+      for (int kc = 0; kc < kKeysPerTile / 16; ++kc) {
+        const __nv_bfloat16* vrow = vt + (kc * 16 + (lane % 16)) * T::kLd + (lane / 16) * 8;
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+          uint32_t b[4];
+          LdMatrixX4Trans(b, vrow + n * 8);
+          Mma16816(o[n], p[kc], b[0], b[1]);
+          Mma16816(o[n + 1], p[kc], b[2], b[3]);
+        }
+      }
     }
-    __syncwarp();
+    __syncthreads();  // every warp is done with this stage before it is loaded again
   }
 
-  if (row_valid) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const float* orow = ow + my_row * S::kLdO + half * (D / 2);
-    float* dst = out + ((r0 + warp * 16 + my_row) * num_heads + head) * D + half * (D / 2);
-    for (int c = 0; c < D / 2; ++c) dst[c] = orow[c] * inv;
+  for (int x = 1; x <= 2; x *= 2) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, x);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, x);
+  }
+  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+  for (int n = 0; n < D / 8; ++n) {
+    const int c = n * 8 + 2 * t;
+    if (row_a < rows) {
+      *reinterpret_cast<float2*>(out + (row_a * num_heads + head) * D + c) =
+          make_float2(o[n][0] * inv_a, o[n][1] * inv_a);
+    }
+    if (row_b < rows) {
+      *reinterpret_cast<float2*>(out + (row_b * num_heads + head) * D + c) =
+          make_float2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
   }
 }
 
 template <int D>
 cudaError_t LaunchAttention(const LayerPages& pages, const float* q, int64_t first, int64_t rows,
                             int64_t num_heads, float scale, float* out, cudaStream_t stream) {
-  constexpr size_t kSmem = Smem<D>::kBytes;
+  constexpr size_t kSmem = Tiles<D>::kBytes;
   cudaError_t e = cudaFuncSetAttribute(PrefillAttentionKernel<D>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmem));
   if (e != cudaSuccess) return e;
+  // Blocks of the latest rows first: they have the most keys, and the short ones fill in after.
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock),
                   static_cast<unsigned>(num_heads));
   const int group = static_cast<int>(num_heads / pages.num_kv_heads);
