@@ -3,6 +3,7 @@
 // with a non-finite or inverted bound is refused.
 #include "transfer/page_meta.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -94,6 +95,34 @@ TEST(PageMetaTest, DecodeGivesWhatPageKeyBoundsComputesFromThePages) {
         EXPECT_EQ(mx[h][i * d + t], hi[t]);
       }
     }
+  }
+}
+
+// The vector fold gives the bits of the plain std::min / std::max fold, signed zeros and NaNs
+// included (head_dim 24: three 8-wide chunks; 5 rows).
+TEST(PageMetaTest, PageKeyBoundsIsTheOrderedScalarFoldBitForBit) {
+  constexpr int64_t d = 24, rows = 5;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<bf16> keys(rows * d);
+  for (bf16& k : keys) k = FloatToBf16(u(rng));
+  const uint16_t specials[] = {0x0000, 0x8000, 0x7fc0, 0x7f80, 0xff80, 0x0001};
+  for (size_t i = 0; i < keys.size(); i += 3) keys[i].bits = specials[(i / 3) % 6];
+  std::vector<float> mn(d), mx(d);
+  PageKeyBounds(d, rows, keys.data(), mn.data(), mx.data());
+  for (int64_t t = 0; t < d; ++t) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int64_t r = 0; r < rows; ++r) {
+      lo = std::min(lo, Bf16ToFloat(keys[r * d + t]));
+      hi = std::max(hi, Bf16ToFloat(keys[r * d + t]));
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &mn[t], 4);
+    std::memcpy(&b, &lo, 4);
+    EXPECT_EQ(a, b) << "min " << t;
+    std::memcpy(&a, &mx[t], 4);
+    std::memcpy(&b, &hi, 4);
+    EXPECT_EQ(a, b) << "max " << t;
   }
 }
 
