@@ -133,6 +133,7 @@ TEST_F(PrefillEngineRangesTest, WritesThroughTheReservationsOwnRanges) {
   absl::StatusOr<v1::PrefillResponse> out = Run(RequestFor("a", a, a));
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_FALSE(Holds(a, 0));  // the KV landed
+  EXPECT_FALSE(out->has_page_meta());  // none asked for (a decode node older than the field)
   a.SetPeerStopped();
 }
 
