@@ -166,8 +166,11 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Admit() {
       SparseStateBytes(shape.num_layers, shape.num_kv_heads, prompt_tokens_);
   const int64_t state_pages =
       needs_state_ ? static_cast<int64_t>((state_bytes + page_bytes - 1) / page_bytes) : 0;
+  // Room for the per-page metadata the prefill node computes (PROTOCOL.md, "Page metadata"):
+  // 1/16 of the KV at head_dim 128, held only until landing.
+  meta_pages_ = PageMetaRoomPages(shape, pt, prompt_tokens_, page_bytes);
   absl::StatusOr<Reservation> reserved = service_->admission_->Reserve(
-      kv_pages + state_pages,
+      kv_pages + meta_pages_ + state_pages,
       std::min(deadline_, absl::Now() + service_->options_.admission_timeout),
       [this] { return Cancelled(); });
   if (!reserved.ok()) {
@@ -181,8 +184,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Admit() {
     service_->metrics_.prompt_tokens += static_cast<uint64_t>(prompt_tokens_);
   }
   if (node_metrics_ != nullptr) node_metrics_->OnAdmitted(timing_.queue_us() * 1e-6);
-  // The prompt's pages and the sparse-state room are owned separately: the room goes back as
-  // soon as the state is parsed. Each run gets its own registration, so the keys sent to the
+  // The prompt's pages and the side room (page metadata, then the sparse state) are owned
+  // separately: the room goes back as soon as both are read out. Each run gets its own registration, so the keys sent to the
   // prefill node reach these pages only, and only until the reservation ends (PROTOCOL.md).
   kv_pages_ = std::move(*reserved);
   absl::StatusOr<Reservation> room = kv_pages_.SplitAfter(kv_pages);
@@ -212,6 +215,7 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Prefill() {
   target.kv_pages = &kv_pages_;
   target.state_room = &state_room_;
   target.needs_state = needs_state_;
+  target.meta_pages = meta_pages_;
   target.pages_per_head = pages_per_head_;
   target.layout = &service_->info_.layout();
   const v1::PrefillRequest prefill =
@@ -271,6 +275,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Land() {
   in.landed = &landed_;
   in.policy = &valid_->policy;
   in.needs_state = needs_state_;
+  in.meta_pages = meta_pages_;
+  in.pool = service_->options_.cpu_pool;
   bool checksum_failed = false;
   absl::StatusOr<std::unique_ptr<SparseAttention>> attention =
       LandPrompt(in, std::move(kv_pages_), std::move(state_room_), &checksum_failed);

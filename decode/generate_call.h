@@ -125,6 +125,7 @@ class DecodeServiceImpl::Call {
   // Admit
   bool needs_state_ = false;
   int64_t pages_per_head_ = 0;
+  int64_t meta_pages_ = 0;  // the side room's first pages: page metadata
   Clock::time_point t_admitted_{};
   Reservation kv_pages_;
   Reservation state_room_;

@@ -19,6 +19,7 @@
 #include "decode/sparse_attention.h"
 #include "fluxion/v1/decode.pb.h"
 #include "fluxion/v1/prefill.pb.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "model/config.h"
 #include "model/model.h"
 #include "transfer/transport.h"
@@ -29,23 +30,30 @@ namespace fluxion::decode {
 // `tokens` tokens: the room a request reserves next to its KV pages.
 uint64_t SparseStateBytes(int64_t layers, int64_t heads, int64_t tokens);
 
+// Pages of the room for a prompt's per-page metadata (transfer/page_meta.h): the first pages of
+// the request's side room, before the sparse state's.
+int64_t PageMetaRoomPages(const model::AttentionShape& shape, int64_t page_tokens,
+                          int64_t tokens, size_t page_bytes);
+
 // Where the prefill node is to write one request's prompt.
 struct PrefillTarget {
   const transfer::PeerDescriptor* arena = nullptr;  // the arena's registration (no key is sent)
   size_t page_bytes = 0;
   const Reservation* kv_pages = nullptr;  // runs registered (RegisterRuns)
-  // Registered; empty when the policy needs no sparse state (then no sparse_target is asked for).
+  // The side room, registered: `meta_pages` pages of per-page metadata room (0: none is asked
+  // for), then the sparse-state room when `needs_state`. Empty when neither is asked for.
   const Reservation* state_room = nullptr;
   bool needs_state = false;
   int64_t pages_per_head = 0;  // ceil(prompt / page_tokens)
   const fluxion::v1::ModelLayout* layout = nullptr;
+  int64_t meta_pages = 0;
 };
 
 // The Prefill call for `request` under the attempt's id: the prompt and sampling (with
 // `sampling.seed` when the client gave none, so both nodes draw from one stream), one
 // KvTarget.ranges entry per registered run of both reservations (never the arena-wide key), the
-// KV pages as extents in PAGE_ORDER_LAYER_HEAD_PAGE with CRC-32C per layer, the sparse-state room
-// as byte extents, and this node's layout.
+// KV pages as extents in PAGE_ORDER_LAYER_HEAD_PAGE with CRC-32C per layer, the page-metadata
+// room and the sparse-state room as byte extents, and this node's layout.
 fluxion::v1::PrefillRequest BuildPrefillRequest(const std::string& prefill_id,
                                                 const fluxion::v1::GenerateRequest& request,
                                                 const model::SamplingParams& sampling,
@@ -60,15 +68,23 @@ struct LandingInput {
   const fluxion::v1::PrefillResponse* landed = nullptr;  // the prefill node's OK answer
   const sparse::PolicyConfig* policy = nullptr;
   bool needs_state = false;
+  int64_t meta_pages = 0;  // PrefillTarget::meta_pages of the request
+  // Verifies the layers in parallel; null: on the calling thread.
+  const kernels::cpu::CpuPool* pool = nullptr;
 };
 
-// Checks what the prefill node wrote and hands the pages to the request's attention: recomputes
-// CRC-32C over each layer's pages and compares with landed->layer_checksums, reads the sparse
-// state out of its room (its own CRC-32C, SparseState::Parse, CheckMatches against this model and
-// prompt), frees the room, adopts the KV pages into a PagedKv and sets up the policy over it.
+// Checks what the prefill node wrote and hands the pages to the request's attention, reading the
+// context once: one pass per layer (in parallel on `pool`) computes CRC-32C over the layer's
+// pages and compares it with landed->layer_checksums, and takes the layer's page metadata either
+// from the prefill node (landed->page_meta: its block read out of the room, its CRC-32C checked,
+// every value finite and every min <= max) or, when the prefill node sent none (an older one),
+// from the pages in the same pass while they are in cache. Then it reads the sparse state out of
+// its room (its own CRC-32C, SparseState::Parse, CheckMatches against this model and prompt),
+// frees the room, adopts the KV pages and their metadata into a PagedKv and sets up the policy.
 // DATA_LOSS (the request was not decoded: retry it) for a wrong number of layer checksums, a
-// layer or state checksum mismatch (`*checksum_failed` set: counted apart), a state larger than
-// its room or one that does not parse or match; INTERNAL when adopting or the policy setup fails.
+// layer, metadata or state checksum mismatch (`*checksum_failed` set: counted apart), metadata of
+// the wrong format or size or with a non-finite or inverted bound, a state larger than its room
+// or one that does not parse or match; INTERNAL when adopting or the policy setup fails.
 // Both reservations are the callee's: on any error their pages are given back before it returns.
 // REQUIRES: the prefill node stopped writing (SetPeerStopped).
 absl::StatusOr<std::unique_ptr<SparseAttention>> LandPrompt(const LandingInput& in,

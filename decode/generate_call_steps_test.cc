@@ -4,16 +4,22 @@
 // (a first token that already ends the request never joins). No gRPC, no transport, no peer.
 #include "decode/generate_call_steps.h"
 
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/half.h"
 #include "common/test_temp_dir.h"
 #include "gtest/gtest.h"
 #include "model/random_model.h"
 #include "model/sparse_state.h"
 #include "transfer/crc32c.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::decode {
 namespace {
@@ -52,10 +58,19 @@ class GenerateCallStepsTest : public ::testing::Test {
 
   // Reserves the prompt's pages (and a state room when asked), fills the KV pages as a prefill
   // node would (small finite bf16 values), and answers with their per-layer checksums.
-  void Reserve(bool with_state) {
+  int64_t MetaPages() const {
+    return PageMetaRoomPages(shape_, kPageTokens, kPrompt, arena_->page_bytes());
+  }
+  transfer::KvPageGeometry Geo() const {
+    return {shape_.num_layers, shape_.num_kv_heads, shape_.head_dim, kPageTokens};
+  }
+
+  // With `with_meta`, the side room starts with the page-metadata room, as Admit reserves it.
+  void Reserve(bool with_state, bool with_meta = false) {
+    meta_pages_ = with_meta ? MetaPages() : 0;
     absl::StatusOr<Reservation> all = admission_->Reserve(
-        KvPages() + (with_state ? StatePages() : 0), absl::Now() + absl::Seconds(10),
-        [] { return false; });
+        KvPages() + meta_pages_ + (with_state ? StatePages() : 0),
+        absl::Now() + absl::Seconds(10), [] { return false; });
     ASSERT_TRUE(all.ok()) << all.status();
     kv_ = std::move(*all);
     absl::StatusOr<Reservation> room = kv_.SplitAfter(KvPages());
@@ -84,18 +99,83 @@ class GenerateCallStepsTest : public ::testing::Test {
     kv_page_ids_ = ids;
   }
 
+  // Writes `bytes` at byte `offset` of the side room's stream of pages.
+  void WriteRoom(uint64_t offset, const void* bytes, size_t n) {
+    const auto* src = static_cast<const uint8_t*>(bytes);
+    uint64_t at = 0;
+    for (const PageRun& r : room_.runs()) {
+      const uint64_t run_bytes = static_cast<uint64_t>(r.count) * arena_->page_bytes();
+      for (uint64_t i = 0; i < run_bytes && n > 0; ++i) {
+        if (at + i == offset) {
+          *(arena_->page(r.first) + i) = *src++;
+          ++offset;
+          --n;
+        }
+      }
+      at += run_bytes;
+    }
+    ASSERT_EQ(n, 0u) << "the room is too small";
+  }
+
   // Writes `blob` into the state room as the prefill node would and describes it in landed_.
   void WriteState(const std::string& blob, uint64_t claimed_bytes, uint32_t checksum) {
-    size_t at = 0;
-    for (const PageRun& r : room_.runs()) {
-      const size_t room_bytes = static_cast<size_t>(r.count) * arena_->page_bytes();
-      const size_t len = std::min(room_bytes, blob.size() - at);
-      std::memcpy(arena_->page(r.first), blob.data() + at, len);
-      at += len;
-      if (at == blob.size()) break;
-    }
+    WriteRoom(static_cast<uint64_t>(meta_pages_) * arena_->page_bytes(), blob.data(), blob.size());
     landed_.mutable_sparse_state()->set_bytes_written(claimed_bytes);
     landed_.mutable_sparse_state()->set_checksum(checksum);
+  }
+
+  // The page metadata the prefill node computes from the KV pages as they are now.
+  std::vector<uint8_t> EncodedMeta() const {
+    const transfer::KvPageGeometry g = Geo();
+    const int64_t per_layer = KvPages() / shape_.num_layers;
+    std::vector<uint8_t> layer_pages(per_layer * g.content_bytes());
+    const uint64_t block = transfer::PageMetaLayerBytes(g, kPrompt);
+    std::vector<uint8_t> meta(transfer::PageMetaBytes(g, kPrompt));
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (int64_t i = 0; i < per_layer; ++i) {
+        std::memcpy(layer_pages.data() + i * g.content_bytes(),
+                    arena_->page(kv_page_ids_[l * per_layer + i]), g.content_bytes());
+      }
+      transfer::EncodeLayerPageMeta(g, kPrompt, layer_pages.data(), meta.data() + l * block);
+    }
+    return meta;
+  }
+
+  // Writes `meta` into the page-metadata room and describes it in landed_, with each block's
+  // CRC-32C (as sent: a test that corrupts `meta` first ships a consistent checksum).
+  void ShipMeta(const std::vector<uint8_t>& meta) {
+    WriteRoom(0, meta.data(), meta.size());
+    v1::PageMetaSummary* summary = landed_.mutable_page_meta();
+    summary->Clear();
+    summary->set_format_version(transfer::kPageMetaVersion);
+    summary->set_bytes_written(meta.size());
+    const uint64_t block = meta.size() / shape_.num_layers;
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      summary->add_layer_checksums(transfer::Crc32c(meta.data() + l * block, block));
+    }
+  }
+
+  // The bounds of the landed pages as the decode node computes them itself.
+  PageBounds Recomputed() const {
+    absl::StatusOr<PageBounds> b = PagedKv::ComputeBounds(*arena_, kv_shape_, kv_page_ids_, kPrompt);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return *std::move(b);
+  }
+
+  // Whether `attention`'s pages carry exactly `bounds`.
+  static bool HasBounds(const SparseAttention& attention, const PageBounds& bounds) {
+    const PagedKv& kv = attention.kv();
+    const int64_t heads = kv.shape().num_kv_heads;
+    for (size_t i = 0; i < bounds.min.size(); ++i) {
+      const int layer = static_cast<int>(i / heads), head = static_cast<int>(i % heads);
+      for (size_t j = 0; j < bounds.min[i].size(); ++j) {
+        if (kv.key_min(layer, head)[j] != bounds.min[i][j] ||
+            kv.key_max(layer, head)[j] != bounds.max[i][j]) {
+          return false;
+        }
+      }
+    }
+    return true;
   }
 
   model::SparseState MatchingState() const {
@@ -126,6 +206,8 @@ class GenerateCallStepsTest : public ::testing::Test {
     in.landed = &landed_;
     in.policy = &policy_;
     in.needs_state = sparse::TraitsOf(policy_.kind).needs_sparse_state;
+    in.meta_pages = meta_pages_;
+    in.pool = pool_;
     return LandPrompt(in, std::move(kv_), std::move(room_), checksum_failed);
   }
 
@@ -162,6 +244,8 @@ class GenerateCallStepsTest : public ::testing::Test {
   std::vector<int32_t> kv_page_ids_;
   v1::PrefillResponse landed_;
   sparse::PolicyConfig policy_;
+  int64_t meta_pages_ = 0;
+  const kernels::cpu::CpuPool* pool_ = nullptr;
 };
 
 TEST_F(GenerateCallStepsTest, PrefillRequestDescribesThePagesAndTheStateRoom) {
@@ -281,6 +365,152 @@ TEST_F(GenerateCallStepsTest, AMatchingStateIsLoadedAndItsRoomGoesBackAtOnce) {
   ASSERT_TRUE(attention.ok()) << attention.status();
   EXPECT_FALSE(checksum_failed);
   EXPECT_EQ(arena_->counters().free, arena_->num_pages() - KvPages());  // the room is back
+}
+
+TEST_F(GenerateCallStepsTest, PrefillRequestAsksForPageMetadataInTheRoomsFirstPages) {
+  Reserve(/*with_state=*/true, /*with_meta=*/true);
+  transfer::PeerDescriptor arena;
+  arena.base_address = 4096;
+  arena.length = arena_->bytes();
+  v1::ModelLayout layout;
+  layout.set_page_tokens(kPageTokens);
+  PrefillTarget target{&arena, arena_->page_bytes(), &kv_, &room_, true, 3, &layout, MetaPages()};
+  const v1::PrefillRequest p = BuildPrefillRequest("r#abc.1", SomeGenerate(4), {}, target);
+  ASSERT_TRUE(p.has_page_meta_target());
+  EXPECT_EQ(p.page_meta_target().format_version(), transfer::kPageMetaVersion);
+  const uint64_t page_bytes = arena_->page_bytes();
+  const uint64_t room_start = static_cast<uint64_t>(room_.runs()[0].first) * page_bytes;
+  uint64_t meta_room = 0, state_room = 0;
+  for (const v1::ByteExtent& e : p.page_meta_target().extents()) meta_room += e.length();
+  for (const v1::ByteExtent& e : p.sparse_target().extents()) state_room += e.length();
+  EXPECT_EQ(meta_room, MetaPages() * page_bytes);
+  EXPECT_GE(meta_room, transfer::PageMetaBytes(Geo(), kPrompt));
+  EXPECT_EQ(state_room, StatePages() * page_bytes);
+  EXPECT_EQ(p.page_meta_target().extents(0).offset(), room_start);  // the room's first pages
+  EXPECT_EQ(p.sparse_target().extents(0).offset(), room_start + meta_room);  // then the state
+  target.meta_pages = 0;  // a decode node that reserves no metadata room asks for none
+  EXPECT_FALSE(BuildPrefillRequest("r#abc.2", SomeGenerate(4), {}, target).has_page_meta_target());
+}
+
+TEST_F(GenerateCallStepsTest, ShippedPageMetadataIsAdoptedAndEqualsTheRecomputedOne) {
+  const kernels::cpu::CpuPool two(2);
+  for (const kernels::cpu::CpuPool* pool : {static_cast<const kernels::cpu::CpuPool*>(nullptr), &two}) {
+    SCOPED_TRACE(pool == nullptr ? "serial" : "on a 2-thread pool");
+    pool_ = pool;
+    Reserve(/*with_state=*/true, /*with_meta=*/true);
+    ShipMeta(EncodedMeta());
+    const std::string blob = MatchingState().Serialize();
+    WriteState(blob, blob.size(), transfer::Crc32c(blob.data(), blob.size()));
+    const PageBounds recomputed = Recomputed();
+    bool checksum_failed = true;
+    absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("lfps", &checksum_failed);
+    ASSERT_TRUE(attention.ok()) << attention.status();
+    EXPECT_FALSE(checksum_failed);
+    EXPECT_TRUE(HasBounds(**attention, recomputed));
+    EXPECT_EQ(arena_->counters().free, arena_->num_pages() - KvPages());  // both rooms are back
+    attention->reset();
+    EXPECT_TRUE(AllFree());
+  }
+}
+
+// The shipped metadata is what the pages adopt, not a recomputation: wider (still valid) bounds
+// with a consistent checksum come through as sent.
+TEST_F(GenerateCallStepsTest, TheShippedMetadataIsUsedAsSent) {
+  Reserve(/*with_state=*/false, /*with_meta=*/true);
+  std::vector<uint8_t> meta = EncodedMeta();
+  const bf16 minus_eight = FloatToBf16(-8.0f);  // below every key of the fixture (about 1)
+  std::memcpy(meta.data(), &minus_eight, 2);      // layer 0, head 0, page 0, key_min[0]
+  ShipMeta(meta);
+  PageBounds expected = Recomputed();
+  expected.min[0][0] = -8.0f;
+  bool checksum_failed = true;
+  absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+  ASSERT_TRUE(attention.ok()) << attention.status();
+  EXPECT_TRUE(HasBounds(**attention, expected));
+}
+
+TEST_F(GenerateCallStepsTest, AnOlderPrefillNodeThatSendsNoMetadataStillLands) {
+  Reserve(/*with_state=*/false, /*with_meta=*/true);  // room reserved, nothing written there
+  bool checksum_failed = true;
+  absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+  ASSERT_TRUE(attention.ok()) << attention.status();
+  EXPECT_FALSE(checksum_failed);
+  EXPECT_TRUE(HasBounds(**attention, Recomputed()));  // computed from the pages
+  attention->reset();
+  EXPECT_TRUE(AllFree());
+}
+
+TEST_F(GenerateCallStepsTest, CorruptedPageMetadataIsACountedChecksumFailure) {
+  Reserve(/*with_state=*/false, /*with_meta=*/true);
+  const std::vector<uint8_t> meta = EncodedMeta();
+  ShipMeta(meta);
+  const uint64_t block = meta.size() / shape_.num_layers;
+  std::vector<uint8_t> flipped = meta;
+  flipped[block + 9] ^= 1;  // one bit of layer 1's block, after its checksum was taken
+  WriteRoom(0, flipped.data(), flipped.size());
+  bool checksum_failed = false;
+  absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+  EXPECT_EQ(attention.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(attention.status().message().find("page metadata of layer 1"), std::string::npos)
+      << attention.status();
+  EXPECT_TRUE(checksum_failed);
+  EXPECT_TRUE(AllFree());
+}
+
+TEST_F(GenerateCallStepsTest, ShortOrMiscountedPageMetadataIsRefusedBeforeReadingIt) {
+  const std::vector<std::pair<std::string, std::function<void(v1::PageMetaSummary*)>>> cases = {
+      {"claims", [](v1::PageMetaSummary* m) { m->set_bytes_written(m->bytes_written() - 4); }},
+      {"claims", [](v1::PageMetaSummary* m) { m->set_bytes_written(uint64_t{1} << 40); }},
+      {"layer checksums", [](v1::PageMetaSummary* m) { m->mutable_layer_checksums()->RemoveLast(); }},
+      {"format", [](v1::PageMetaSummary* m) { m->set_format_version(2); }},
+  };
+  for (const auto& [message, damage] : cases) {
+    Reserve(/*with_state=*/false, /*with_meta=*/true);
+    ShipMeta(EncodedMeta());
+    damage(landed_.mutable_page_meta());
+    bool checksum_failed = true;
+    absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+    EXPECT_EQ(attention.status().code(), absl::StatusCode::kDataLoss) << message;
+    EXPECT_NE(attention.status().message().find(message), std::string::npos)
+        << attention.status();
+    EXPECT_FALSE(checksum_failed);
+    EXPECT_TRUE(AllFree());
+  }
+}
+
+TEST_F(GenerateCallStepsTest, NonFiniteOrInvertedShippedBoundsAreRefused) {
+  for (const float bad : {NAN, INFINITY, 100.0f /* a min above its max */}) {
+    Reserve(/*with_state=*/false, /*with_meta=*/true);
+    std::vector<uint8_t> meta = EncodedMeta();
+    const bf16 v = FloatToBf16(bad);
+    std::memcpy(meta.data() + meta.size() - 4 * shape_.head_dim + 2 * 3, &v, 2);  // last record
+    ShipMeta(meta);  // with a matching checksum: a buggy peer, not a torn write
+    bool checksum_failed = true;
+    absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+    EXPECT_EQ(attention.status().code(), absl::StatusCode::kDataLoss) << bad;
+    EXPECT_NE(attention.status().message().find("not finite or out of order"), std::string::npos)
+        << attention.status();
+    EXPECT_FALSE(checksum_failed);
+    EXPECT_TRUE(AllFree());
+  }
+}
+
+TEST_F(GenerateCallStepsTest, AKvChecksumFailureIsFoundOnThePoolToo) {
+  const kernels::cpu::CpuPool two(2);
+  pool_ = &two;
+  Reserve(/*with_state=*/false, /*with_meta=*/true);
+  ShipMeta(EncodedMeta());
+  const int64_t per_layer = KvPages() / shape_.num_layers;
+  const int64_t last = shape_.num_layers - 1;
+  arena_->page(kv_page_ids_[last * per_layer])[3] ^= 4;
+  bool checksum_failed = false;
+  absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("quest", &checksum_failed);
+  EXPECT_EQ(attention.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(attention.status().message().find(absl::StrCat("KV of layer ", last)),
+            std::string::npos)
+      << attention.status();
+  EXPECT_TRUE(checksum_failed);
+  EXPECT_TRUE(AllFree());
 }
 
 TEST_F(GenerateCallStepsTest, AFirstTokenThatEndsTheRequestNeverJoinsAndFreesItsPages) {

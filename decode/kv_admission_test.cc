@@ -114,8 +114,11 @@ TEST_F(KvAdmissionTest, DyingPagedKvWakesAWaiter) {
   for (const PageRun& r : prompt.runs()) {
     for (int32_t p = r.first; p < r.first + r.count; ++p) ids.push_back(p);
   }
-  absl::StatusOr<std::unique_ptr<PagedKv>> kv =
-      PagedKv::Adopt(std::move(prompt), {1, 60, shape.head_dim, 16}, ids, 16);
+  absl::StatusOr<PageBounds> bounds =
+      PagedKv::ComputeBounds(*arena_, {1, 60, shape.head_dim, 16}, ids, 16);
+  ASSERT_TRUE(bounds.ok()) << bounds.status();
+  absl::StatusOr<std::unique_ptr<PagedKv>> kv = PagedKv::Adopt(
+      std::move(prompt), {1, 60, shape.head_dim, 16}, ids, 16, std::move(*bounds));
   ASSERT_TRUE(kv.ok()) << kv.status();
   std::atomic<bool> admitted{false};
   std::thread waiter([&] {

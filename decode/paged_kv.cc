@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::decode {
 
@@ -22,52 +23,80 @@ absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Create(KvArena* arena, const K
   return std::unique_ptr<PagedKv>(new PagedKv(arena, shape, admission));
 }
 
+namespace {
+
+// InvalidArgument unless `pages` lists per_head pages of every (layer, head), all in the arena.
+absl::Status CheckPageList(const KvArena& arena, const KvShape& shape,
+                           absl::Span<const int32_t> pages, int64_t tokens) {
+  const int64_t per_head = (tokens + shape.page_tokens - 1) / shape.page_tokens;
+  if (tokens <= 0 ||
+      static_cast<int64_t>(pages.size()) != shape.num_layers * shape.num_kv_heads * per_head) {
+    return absl::InvalidArgumentError(absl::StrCat(pages.size(), " pages cannot hold ", tokens,
+                                                   " tokens of every layer and KV head"));
+  }
+  for (int32_t id : pages) {
+    if (id < 0 || id >= arena.num_pages()) {
+      return absl::InvalidArgumentError(absl::StrCat("page id ", id, " is outside the arena"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PageBounds> PagedKv::ComputeBounds(const KvArena& arena, const KvShape& shape,
+                                                  absl::Span<const int32_t> pages,
+                                                  int64_t tokens) {
+  FLUXION_RETURN_IF_ERROR(CheckPageList(arena, shape, pages, tokens));
+  const int64_t pt = shape.page_tokens, d = shape.head_dim, per_head = (tokens + pt - 1) / pt;
+  const size_t tables = static_cast<size_t>(shape.num_layers * shape.num_kv_heads);
+  PageBounds bounds;
+  bounds.min.resize(tables);
+  bounds.max.resize(tables);
+  for (size_t index = 0; index < tables; ++index) {
+    bounds.min[index].resize(per_head * d);
+    bounds.max[index].resize(per_head * d);
+    for (int64_t page = 0; page < per_head; ++page) {
+      const auto* keys = reinterpret_cast<const bf16*>(arena.page(pages[index * per_head + page]));
+      transfer::PageKeyBounds(d, std::min(pt, tokens - page * pt), keys,
+                              bounds.min[index].data() + page * d,
+                              bounds.max[index].data() + page * d);
+    }
+  }
+  return bounds;
+}
+
 absl::StatusOr<std::unique_ptr<PagedKv>> PagedKv::Adopt(Reservation reservation,
                                                          const KvShape& shape,
                                                          absl::Span<const int32_t> pages,
-                                                         int64_t tokens) {
+                                                         int64_t tokens, PageBounds bounds) {
   KvArena* const arena = reservation.arena();
   if (arena == nullptr) return absl::InvalidArgumentError("adopting an empty reservation");
   // On failure `reservation` dies with this call and gives its pages back.
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<PagedKv> kv,
                            Create(arena, shape, reservation.admission()));
   kv->reserved_.push_back(std::move(reservation));  // owned from here on, whatever happens below
-  const int64_t pt = shape.page_tokens, d = shape.head_dim;
-  const int64_t per_head = (tokens + pt - 1) / pt;
-  if (tokens <= 0 ||
-      static_cast<int64_t>(pages.size()) != shape.num_layers * shape.num_kv_heads * per_head) {
-    return absl::InvalidArgumentError(absl::StrCat(pages.size(), " pages cannot hold ", tokens,
-                                                   " tokens of every layer and KV head"));
+  FLUXION_RETURN_IF_ERROR(CheckPageList(*arena, shape, pages, tokens));
+  const int64_t per_head = (tokens + shape.page_tokens - 1) / shape.page_tokens;
+  const size_t tables = static_cast<size_t>(shape.num_layers * shape.num_kv_heads);
+  const size_t floats = static_cast<size_t>(per_head * shape.head_dim);
+  bool sized = bounds.min.size() == tables && bounds.max.size() == tables;
+  for (size_t i = 0; sized && i < tables; ++i) {
+    sized = bounds.min[i].size() == floats && bounds.max[i].size() == floats;
+  }
+  if (!sized) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page bounds do not cover ", per_head, " pages of head_dim ", shape.head_dim,
+        " for each of ", tables, " (layer, KV head) tables"));
   }
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
     kv->lengths_[layer] = tokens;
     for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
       const size_t index = kv->Index(static_cast<int>(layer), static_cast<int>(h));
-      auto& table = kv->pages_[index];
-      table.assign(pages.begin() + index * per_head, pages.begin() + (index + 1) * per_head);
-      PageMeta& meta = kv->meta_[index];
-      meta.min.assign(per_head * d, INFINITY);
-      meta.max.assign(per_head * d, -INFINITY);
-      meta.mean.assign(per_head * d, 0.0f);
-      for (int64_t page = 0; page < per_head; ++page) {
-        if (table[page] < 0 || table[page] >= arena->num_pages()) {
-          return absl::InvalidArgumentError(absl::StrCat("page id ", table[page], " is outside the arena"));
-        }
-        const bf16* kp = reinterpret_cast<const bf16*>(arena->page(table[page]));
-        const int64_t valid = std::min(pt, tokens - page * pt);
-        float* mn = meta.min.data() + page * d;
-        float* mx = meta.max.data() + page * d;
-        float* mean = meta.mean.data() + page * d;
-        for (int64_t slot = 0; slot < valid; ++slot) {
-          const float w = 1.0f / static_cast<float>(slot + 1);
-          for (int64_t t = 0; t < d; ++t) {
-            const float kr = Bf16ToFloat(kp[slot * d + t]);
-            mn[t] = std::min(mn[t], kr);
-            mx[t] = std::max(mx[t], kr);
-            mean[t] += (kr - mean[t]) * w;
-          }
-        }
-      }
+      kv->pages_[index].assign(pages.begin() + index * per_head,
+                               pages.begin() + (index + 1) * per_head);
+      kv->meta_[index].min = std::move(bounds.min[index]);
+      kv->meta_[index].max = std::move(bounds.max[index]);
     }
   }
   return kv;
@@ -111,7 +140,6 @@ absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* 
       for (int64_t p = 0; p < want - have; ++p) table.push_back(ids[h * (want - have) + p]);
       meta.min.resize(want * d, INFINITY);
       meta.max.resize(want * d, -INFINITY);
-      meta.mean.resize(want * d, 0.0f);
     }
     reserved_.push_back(std::move(group));
   }
@@ -126,8 +154,6 @@ absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* 
       const float* vs = v + i * row_stride + h * d;
       float* mn = meta.min.data() + page * d;
       float* mx = meta.max.data() + page * d;
-      float* mean = meta.mean.data() + page * d;
-      const float w = 1.0f / static_cast<float>(slot + 1);  // running mean over the page
       for (int64_t t = 0; t < d; ++t) {
         kp[t] = FloatToBf16(ks[t]);
         vp[t] = FloatToBf16(vs[t]);
@@ -135,7 +161,6 @@ absl::Status PagedKv::Append(int layer, int64_t n, const float* k, const float* 
         const float kr = Bf16ToFloat(kp[t]);
         mn[t] = std::min(mn[t], kr);
         mx[t] = std::max(mx[t], kr);
-        mean[t] += (kr - mean[t]) * w;
       }
     }
   }

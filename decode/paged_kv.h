@@ -1,5 +1,5 @@
 // One request's KV cache in the decode node's host arena: page tables per (layer, KV head), the
-// token count per layer, and per-page selection metadata (Quest min/max bounds and a mean key).
+// token count per layer, and per-page selection metadata (Quest's element-wise key min/max).
 //
 // Logical page i of (layer, kv_head) holds tokens [i * page_tokens, (i + 1) * page_tokens).
 // Pages are reserved from the arena all-or-nothing: for the prompt at creation, then one page per
@@ -34,6 +34,13 @@ struct KvShape {
   size_t page_bytes() const { return 2 * page_tokens * head_dim * sizeof(bf16); }
 };
 
+// Per-page key bounds of a whole prompt, as the policies read them: entry
+// layer * num_kv_heads + head holds [pages_per_head][head_dim] fp32 values (transfer/page_meta.h:
+// the bounds of each page's valid rows of stored bf16 keys).
+struct PageBounds {
+  std::vector<std::vector<float>> min, max;
+};
+
 class PagedKv {
  public:
   // An empty sequence whose pages come from `arena`, which must outlive it and have pages of at
@@ -46,11 +53,18 @@ class PagedKv {
   // every page in PAGE_ORDER_LAYER_HEAD_PAGE: entry (layer * num_kv_heads + head) * P + i is
   // logical page i of (layer, head), P = ceil(tokens / page_tokens). `reservation` holds them;
   // the sequence owns it from now on (also when this call fails, when it dies with the call)
-  // and grows from the same arena and admission. Page metadata is computed from the stored keys.
+  // and grows from the same arena and admission. `bounds` is the pages' metadata, from the
+  // prefill node (shipped and checked, decode/generate_call_steps.h) or ComputeBounds; Adopt
+  // reads no page. InvalidArgument for a page outside the arena or bounds of the wrong size.
   static absl::StatusOr<std::unique_ptr<PagedKv>> Adopt(Reservation reservation,
                                                         const KvShape& shape,
                                                         absl::Span<const int32_t> pages,
-                                                        int64_t tokens);
+                                                        int64_t tokens, PageBounds bounds);
+  // The bounds of pages already filled (listed as for Adopt), read from the arena: one read of
+  // every page's keys. InvalidArgument for a page outside the arena or a wrong page count.
+  static absl::StatusOr<PageBounds> ComputeBounds(const KvArena& arena, const KvShape& shape,
+                                                  absl::Span<const int32_t> pages,
+                                                  int64_t tokens);
   ~PagedKv() = default;
   PagedKv(const PagedKv&) = delete;
   PagedKv& operator=(const PagedKv&) = delete;
@@ -72,19 +86,17 @@ class PagedKv {
   }
 
   // Per-page metadata of (layer, kv_head), [pages][head_dim] fp32: element-wise min and max of
-  // the page's keys (Quest's bound) and their mean. Covers the valid tokens of partial pages.
+  // the page's keys (Quest's bound). Covers the valid tokens of partial pages. (No mean key: no
+  // policy reads one; transfer/page_meta.h says what shipping one would take.)
   const float* key_min(int layer, int kv_head) const { return meta_[Index(layer, kv_head)].min.data(); }
   const float* key_max(int layer, int kv_head) const { return meta_[Index(layer, kv_head)].max.data(); }
-  const float* key_mean(int layer, int kv_head) const {
-    return meta_[Index(layer, kv_head)].mean.data();
-  }
 
   // Pages currently reserved by this sequence.
   int64_t reserved_pages() const;
 
  private:
   struct PageMeta {
-    std::vector<float> min, max, mean;  // [pages][head_dim]
+    std::vector<float> min, max;  // [pages][head_dim]
   };
   PagedKv(KvArena* arena, const KvShape& shape, KvAdmission* admission);
   size_t Index(int layer, int kv_head) const {

@@ -22,6 +22,7 @@
 #include "proto/convert.h"
 #include "transfer/crc32c.h"
 #include "transfer/kv_pages.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::prefill {
 namespace {
@@ -151,6 +152,14 @@ struct PrefillEngine::Job {
   std::unique_ptr<transfer::Registration> staging_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
   std::unique_ptr<transfer::Registration> state_reg;
+  // Per-page metadata (transfer/page_meta.h), one block per layer, encoded from `staging` as each
+  // layer completes (the GPU path fills the same blocks); a copy source like `staging`.
+  bool want_meta = false;
+  uint64_t meta_layer_bytes = 0;
+  std::vector<uint32_t> meta_target;  // per page_meta_target extent: its target
+  std::vector<uint8_t> meta_blob;
+  std::unique_ptr<transfer::Registration> meta_reg;
+  std::vector<uint64_t> meta_checksums;
   std::unique_ptr<Submitted> submitted;
   std::vector<uint64_t> checksums;
   std::vector<int64_t> sent;  // pages per head already submitted, per layer
@@ -195,6 +204,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   const std::vector<int>& used = valid.used;
   std::vector<uint32_t> page_target = std::move(valid.page_target);
   std::vector<uint32_t> state_target = std::move(valid.state_target);
+  std::vector<uint32_t> meta_target = std::move(valid.meta_target);
   const int targets = valid.targets;
 
   // 2. Connect once per range used (the endpoint is cached per decode-node incarnation inside the
@@ -228,6 +238,8 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->page_ids = std::move(page_ids);
   j->page_target = std::move(page_target);
   j->state_target = std::move(state_target);
+  j->meta_target = std::move(meta_target);
+  j->want_meta = valid.want_meta;
   j->sampling = sampling;
   j->who = who;
   j->targets = std::move(connected);
@@ -249,6 +261,14 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
       transport_->Register({j->staging, j->staging_bytes}, {/*remote_write=*/false}));
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
+  if (j->want_meta) {
+    j->meta_layer_bytes = transfer::PageMetaLayerBytes(geo, n);
+    j->meta_blob.resize(j->meta_layer_bytes * shape.num_layers);
+    FLUXION_ASSIGN_OR_RETURN(
+        j->meta_reg,
+        transport_->Register({j->meta_blob.data(), j->meta_blob.size()}, {/*remote_write=*/false}));
+    j->meta_checksums.assign(shape.num_layers, 0);
+  }
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
   j->sent.assign(shape.num_layers, 0);
   j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
@@ -284,6 +304,25 @@ absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, i
              j.staging + idx * j.cb, j.cb});
       }
     }
+  }
+  return WriteEach(j, copies);
+}
+
+// Submits the page-metadata blocks of layers [l0, l1) of `j`: stream bytes
+// [l0 * block, l1 * block) split across the page_meta_target extents they fall in.
+absl::Status PrefillEngine::SubmitMeta(Job& j, int64_t l0, int64_t l1) const {
+  const v1::PageMetaTarget& mt = j.request->page_meta_target();
+  const uint64_t begin = l0 * j.meta_layer_bytes, end = l1 * j.meta_layer_bytes;
+  std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
+  uint64_t at = 0;  // stream offset of extent i
+  for (int i = 0; i < mt.extents_size() && at < end; ++i) {
+    const v1::ByteExtent& e = mt.extents(i);
+    const uint64_t lo = std::max(begin, at), hi = std::min(end, at + e.length());
+    if (lo < hi) {
+      copies[j.meta_target[i]].push_back(
+          {mt.base_address() + e.offset() + (lo - at), j.meta_blob.data() + lo, hi - lo});
+    }
+    at += e.length();
   }
   return WriteEach(j, copies);
 }
@@ -327,8 +366,13 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
     j.sent[layer] = complete;
   }
   if (layer_done) {
-    if (j.crc) {
-      j.checksums[layer] = transfer::Crc32c(j.staging + layer * j.layer_bytes, j.layer_bytes);
+    const uint8_t* dst = j.staging + layer * j.layer_bytes;
+    if (j.crc) j.checksums[layer] = transfer::Crc32c(dst, j.layer_bytes);
+    if (j.want_meta) {  // from the staging copy just packed (or copied from HBM), while it is warm
+      uint8_t* block = j.meta_blob.data() + layer * j.meta_layer_bytes;
+      transfer::EncodeLayerPageMeta(j.geo, j.n, dst, block);
+      if (j.crc) j.meta_checksums[layer] = transfer::Crc32c(block, j.meta_layer_bytes);
+      if (options_.layerwise) FLUXION_RETURN_IF_ERROR(SubmitMeta(j, layer, layer + 1));
     }
     if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
@@ -365,6 +409,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
   }
   if (!options_.layerwise) {
     absl::Status s = Submit(j, 0, shape.num_layers, 0, j.per_head);
+    if (s.ok() && j.want_meta) s = SubmitMeta(j, 0, shape.num_layers);
     if (!s.ok()) {
       (void)submitted.WaitAll();
       return s;
@@ -437,6 +482,14 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
     for (uint64_t c : j.checksums) response.add_layer_checksums(c);
   }
   response.set_kv_bytes_written(j.staging_bytes);
+  if (j.want_meta) {
+    v1::PageMetaSummary* meta = response.mutable_page_meta();
+    meta->set_format_version(transfer::kPageMetaVersion);
+    meta->set_bytes_written(j.meta_blob.size());
+    if (j.crc) {
+      for (uint64_t c : j.meta_checksums) meta->add_layer_checksums(c);
+    }
+  }
   v1::PrefillTiming* timing = response.mutable_timing();
   timing->set_compute_us(MicrosBetween(j.t_compute, j.t_compute_end));
   timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));

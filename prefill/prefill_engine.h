@@ -2,7 +2,9 @@
 // connect to the decode node's arena (transfer/), run the model's forward over the prompt with
 // full attention, and after each layer write that layer's KV pages into the pages the decode node
 // reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the transport's
-// progress thread moves the bytes while this thread computes). Then capture the sparse state
+// progress thread moves the bytes while this thread computes). With each completed layer also
+// goes its per-page selection metadata (transfer/page_meta.h), computed from the staging copy,
+// when the request has a page_meta_target. Then capture the sparse state
 // (model::CaptureSparseState), write it into the room reserved for it, wait until every write has
 // landed, and sample the first token.
 //
@@ -84,6 +86,7 @@ class PrefillEngine {
   absl::StatusOr<std::unique_ptr<Job>> Prepare(const fluxion::v1::PrefillRequest& request,
                                                const std::function<bool()>& cancelled) const;
   absl::Status Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const;
+  absl::Status SubmitMeta(Job& j, int64_t l0, int64_t l1) const;
   // Writes copies[t] into j.targets[t] for every t with copies, one batch each.
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
   absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;

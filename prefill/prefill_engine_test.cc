@@ -14,7 +14,9 @@
 #include "model/random_model.h"
 #include "model/sparse_state.h"
 #include "proto/convert.h"
+#include "transfer/crc32c.h"
 #include "transfer/loopback_transport.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::prefill {
 namespace {
@@ -53,9 +55,9 @@ class PrefillEngineRangesTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  Reservation Reserve() {
-    absl::StatusOr<Reservation> r =
-        admission_->Reserve(pages_, absl::Now() + absl::Seconds(10), [] { return false; });
+  Reservation Reserve(int64_t pages = 0) {
+    absl::StatusOr<Reservation> r = admission_->Reserve(
+        pages > 0 ? pages : pages_, absl::Now() + absl::Seconds(10), [] { return false; });
     EXPECT_TRUE(r.ok()) << r.status();
     EXPECT_TRUE(r->RegisterRuns(decode_.get()).ok());
     return std::move(*r);
@@ -131,6 +133,7 @@ TEST_F(PrefillEngineRangesTest, WritesThroughTheReservationsOwnRanges) {
   absl::StatusOr<v1::PrefillResponse> out = Run(RequestFor("a", a, a));
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_FALSE(Holds(a, 0));  // the KV landed
+  EXPECT_FALSE(out->has_page_meta());  // none asked for (a decode node older than the field)
   a.SetPeerStopped();
 }
 
@@ -213,6 +216,148 @@ TEST_F(PrefillEngineRangesTest, SparseStateRoomOutsideTheRangesIsRefusedBeforeAn
   EXPECT_TRUE(Holds(other, 0x22));
   EXPECT_TRUE(Holds(mine, 0x11));
   mine.SetPeerStopped();
+  other.SetPeerStopped();
+}
+
+// The page-metadata room, as the decode node reserves it: registered, named as byte extents.
+struct MetaRoom {
+  Reservation pages;
+  uint64_t bytes = 0;  // what the prompt's metadata needs
+};
+
+class PrefillEngineMetaTest : public PrefillEngineRangesTest {
+ protected:
+  transfer::KvPageGeometry Geo() const {
+    const model::AttentionShape shape = model_->attention_shape();
+    return {shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens};
+  }
+  MetaRoom ReserveRoom() {
+    MetaRoom room;
+    room.bytes = transfer::PageMetaBytes(Geo(), kPromptTokens);
+    room.pages = Reserve(static_cast<int64_t>((room.bytes + page_bytes_ - 1) / page_bytes_));
+    return room;
+  }
+  // `r` asks for the metadata in `room`, whose ranges it also carries.
+  void AskForMeta(v1::PrefillRequest* r, const MetaRoom& room, uint32_t version) {
+    for (const transfer::PeerDescriptor& d : room.pages.ranges()) {
+      v1::RemoteRange* range = r->mutable_kv_target()->add_ranges();
+      range->set_base_address(d.base_address);
+      range->set_length(d.length);
+      range->set_remote_key(d.remote_key);
+    }
+    v1::PageMetaTarget* mt = r->mutable_page_meta_target();
+    mt->set_format_version(version);
+    mt->set_base_address(r->kv_target().arena_base_address());
+    for (const PageRun& run : room.pages.runs()) {
+      v1::ByteExtent* e = mt->add_extents();
+      e->set_offset(static_cast<uint64_t>(run.first) * page_bytes_);
+      e->set_length(static_cast<uint64_t>(run.count) * page_bytes_);
+    }
+  }
+  // The room's first `bytes` bytes.
+  std::vector<uint8_t> RoomBytes(const MetaRoom& room) {
+    std::vector<uint8_t> out;
+    for (const PageRun& run : room.pages.runs()) {
+      const uint8_t* p = arena_->page(run.first);
+      out.insert(out.end(), p, p + static_cast<size_t>(run.count) * page_bytes_);
+    }
+    out.resize(room.bytes);
+    return out;
+  }
+  // What the metadata must be: encoded from the KV pages as they landed.
+  std::vector<uint8_t> ExpectedMeta(const Reservation& kv) {
+    const transfer::KvPageGeometry g = Geo();
+    std::vector<uint8_t> pages;
+    for (const PageRun& run : kv.runs()) {
+      for (int32_t p = run.first; p < run.first + run.count; ++p) {
+        pages.insert(pages.end(), arena_->page(p), arena_->page(p) + g.content_bytes());
+      }
+    }
+    const uint64_t block = transfer::PageMetaLayerBytes(g, kPromptTokens);
+    std::vector<uint8_t> meta(transfer::PageMetaBytes(g, kPromptTokens));
+    const size_t layer_pages = g.pages_per_layer(kPromptTokens) * g.content_bytes();
+    for (int64_t l = 0; l < g.num_layers; ++l) {
+      transfer::EncodeLayerPageMeta(g, kPromptTokens, pages.data() + l * layer_pages,
+                                    meta.data() + l * block);
+    }
+    return meta;
+  }
+};
+
+TEST_F(PrefillEngineMetaTest, WritesEachLayersMetadataWithItsChecksum) {
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer by layer" : "after the last layer");
+    PrefillEngineOptions options;
+    options.layerwise = layerwise;
+    options.piece_tokens = 16;  // pages complete in several pieces per layer
+    engine_ = std::make_unique<PrefillEngine>(model_.get(), prefill_.get(), layout_, options);
+    Reservation kv = Reserve();
+    MetaRoom room = ReserveRoom();
+    Fill(room.pages, 0xee);
+    v1::PrefillRequest r = RequestFor("m", kv, kv);
+    AskForMeta(&r, room, transfer::kPageMetaVersion);
+    absl::StatusOr<v1::PrefillResponse> out = Run(r);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE(out->has_page_meta());
+    EXPECT_EQ(out->page_meta().format_version(), transfer::kPageMetaVersion);
+    EXPECT_EQ(out->page_meta().bytes_written(), room.bytes);
+    const std::vector<uint8_t> got = RoomBytes(room);
+    EXPECT_TRUE(got == ExpectedMeta(kv));
+    const int64_t layers = model_->attention_shape().num_layers;
+    ASSERT_EQ(out->page_meta().layer_checksums_size(), layers);
+    const uint64_t block = room.bytes / layers;
+    for (int64_t l = 0; l < layers; ++l) {
+      EXPECT_EQ(out->page_meta().layer_checksums(l), transfer::Crc32c(got.data() + l * block, block));
+    }
+    kv.SetPeerStopped();
+    room.pages.SetPeerStopped();
+  }
+}
+
+TEST_F(PrefillEngineMetaTest, UnknownFormatWritesNoMetadataAndTheRequestStillSucceeds) {
+  Reservation kv = Reserve();
+  MetaRoom room = ReserveRoom();
+  Fill(room.pages, 0xee);
+  v1::PrefillRequest r = RequestFor("m", kv, kv);
+  AskForMeta(&r, room, transfer::kPageMetaVersion + 1);  // a newer decode node's format
+  absl::StatusOr<v1::PrefillResponse> out = Run(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(out->has_page_meta());  // the decode node computes it from the pages
+  EXPECT_TRUE(Holds(room.pages, 0xee));
+  kv.SetPeerStopped();
+  room.pages.SetPeerStopped();
+}
+
+TEST_F(PrefillEngineMetaTest, RoomOutsideTheRangesOrTooSmallIsRefusedBeforeAnyWrite) {
+  Reservation kv = Reserve();
+  MetaRoom room = ReserveRoom();
+  Reservation other = Reserve();
+  Fill(kv, 0x11);
+  Fill(other, 0x22);
+  v1::PrefillRequest r = RequestFor("m", kv, kv);
+  AskForMeta(&r, room, transfer::kPageMetaVersion);
+  // The other request's pages as "my" room, with my keys.
+  r.mutable_page_meta_target()->mutable_extents(0)->set_offset(
+      static_cast<uint64_t>(other.runs()[0].first) * page_bytes_);
+  absl::StatusOr<v1::PrefillResponse> out = Run(r);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_NE(out.status().message().find("page_meta_target.extents[0]"), std::string::npos)
+      << out.status();
+  EXPECT_TRUE(Holds(other, 0x22));
+  EXPECT_TRUE(Holds(kv, 0x11));
+  // A room one byte short.
+  v1::PrefillRequest small = RequestFor("m2", kv, kv);
+  AskForMeta(&small, room, transfer::kPageMetaVersion);
+  v1::PageMetaTarget* mt = small.mutable_page_meta_target();
+  mt->clear_extents();
+  v1::ByteExtent* e = mt->add_extents();
+  e->set_offset(static_cast<uint64_t>(room.pages.runs()[0].first) * page_bytes_);
+  e->set_length(room.bytes - 1);
+  out = Run(small);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted) << out.status();
+  EXPECT_TRUE(Holds(kv, 0x11));
+  kv.SetPeerStopped();
+  room.pages.SetPeerStopped();
   other.SetPeerStopped();
 }
 

@@ -8,6 +8,7 @@
 #include "model/random_model.h"
 #include "prefill/prefill_validation.h"
 #include "proto/convert.h"
+#include "transfer/page_meta.h"
 
 namespace {
 
@@ -41,6 +42,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint64_t capacity = valid->arena_bytes / request.kv_target().page_bytes();
   for (uint64_t id : valid->page_ids) {
     if (id >= capacity) __builtin_trap();
+  }
+  // Accepted page metadata: a target per extent, and room for the whole stream.
+  if (valid->want_meta) {
+    const fluxion::v1::PageMetaTarget& mt = request.page_meta_target();
+    if (static_cast<int>(valid->meta_target.size()) != mt.extents_size()) __builtin_trap();
+    uint64_t room = 0;
+    for (int i = 0; i < mt.extents_size(); ++i) {
+      if (static_cast<int>(valid->meta_target[i]) >= valid->targets) __builtin_trap();
+      room += mt.extents(i).length();
+    }
+    if (room < fluxion::transfer::PageMetaBytes(valid->geo, n)) __builtin_trap();
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "model/sparse_state.h"
 #include "proto/convert.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::prefill {
 namespace {
@@ -57,6 +58,38 @@ absl::StatusOr<std::vector<WritableRange>> RangesOf(const v1::KvTarget& kv, uint
 }
 
 // Index into `ranges` (sorted by base) of a range holding [addr, addr + length), or -1.
+int RangeHolding(const std::vector<WritableRange>& ranges, uint64_t addr, uint64_t length);
+
+// Checks that each of `extents` (offsets from `base`; `field` names them in errors) lies inside
+// the arena [arena_base, + arena_bytes) and inside one range, and appends that range's target to
+// `targets`. Returns the room they hold, in bytes.
+template <typename TargetOf>
+absl::StatusOr<uint64_t> CheckByteExtents(
+    const google::protobuf::RepeatedPtrField<v1::ByteExtent>& extents, uint64_t base,
+    uint64_t arena_base, uint64_t arena_bytes, const std::vector<WritableRange>& ranges,
+    const std::string& field, TargetOf target_of, std::vector<uint32_t>* targets) {
+  uint64_t room = 0;
+  for (int i = 0; i < extents.size(); ++i) {
+    const v1::ByteExtent& e = extents[i];
+    if (e.offset() > std::numeric_limits<uint64_t>::max() - base) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] overflows 2^64"));
+    }
+    const uint64_t start = base + e.offset();
+    if (e.length() == 0 || start < arena_base || start - arena_base > arena_bytes ||
+        e.length() > arena_bytes - (start - arena_base)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] lies outside the arena"));
+    }
+    const int range = RangeHolding(ranges, start, e.length());
+    if (range < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "] lies outside every kv_target.ranges entry; nothing was written"));
+    }
+    targets->push_back(target_of(range));
+    room += e.length();
+  }
+  return room;
+}
+
 int RangeHolding(const std::vector<WritableRange>& ranges, uint64_t addr, uint64_t length) {
   auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
                              [](uint64_t a, const WritableRange& r) { return a < r.base; });
@@ -159,8 +192,12 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
   // reaches nothing else, and a page outside would be a write the decode node did not allow.
   const size_t state_extents =
       request.has_sparse_target() ? static_cast<size_t>(request.sparse_target().extents_size()) : 0;
+  const size_t meta_extents = request.has_page_meta_target()
+                                  ? static_cast<size_t>(request.page_meta_target().extents_size())
+                                  : 0;
   FLUXION_ASSIGN_OR_RETURN(
-      out.ranges, RangesOf(kv, arena_bytes, static_cast<size_t>(kv.extents_size()) + state_extents));
+      out.ranges, RangesOf(kv, arena_bytes,
+                           static_cast<size_t>(kv.extents_size()) + state_extents + meta_extents));
   out.used.assign(out.ranges.size(), -1);
   auto target_of = [&out](int range) -> uint32_t {
     if (out.used[range] < 0) out.used[range] = out.targets++;
@@ -192,30 +229,30 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
           "sparse_target.remote_key must be empty: this prefill node writes the sparse state "
           "inside the KV arena only");
     }
-    uint64_t room = 0;
-    for (int i = 0; i < st.extents_size(); ++i) {
-      const v1::ByteExtent& e = st.extents(i);
-      const uint64_t start = st.base_address() + e.offset();
-      if (e.length() == 0 || start < kv.arena_base_address() ||
-          start - kv.arena_base_address() > arena_bytes ||
-          e.length() > arena_bytes - (start - kv.arena_base_address())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sparse_target.extents[", i, "] lies outside the arena"));
-      }
-      const int range = RangeHolding(out.ranges, start, e.length());
-      if (range < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sparse_target.extents[", i, "] lies outside every kv_target.ranges entry; nothing "
-            "was written"));
-      }
-      out.state_target.push_back(target_of(range));
-      room += e.length();
-    }
+    FLUXION_ASSIGN_OR_RETURN(
+        const uint64_t room,
+        CheckByteExtents(st.extents(), st.base_address(), kv.arena_base_address(), arena_bytes,
+                         out.ranges, "sparse_target.extents", target_of, &out.state_target));
     if (room < state_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("sparse_target.extents hold ", room,
                                                        " bytes; the sparse state needs ",
                                                        state_bytes));
     }
+  }
+
+  const v1::PageMetaTarget& mt = request.page_meta_target();
+  if (request.has_page_meta_target() && mt.format_version() == transfer::kPageMetaVersion) {
+    FLUXION_ASSIGN_OR_RETURN(
+        const uint64_t room,
+        CheckByteExtents(mt.extents(), mt.base_address(), kv.arena_base_address(), arena_bytes,
+                         out.ranges, "page_meta_target.extents", target_of, &out.meta_target));
+    const uint64_t meta_bytes = transfer::PageMetaBytes(geo, n);
+    if (room < meta_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("page_meta_target.extents hold ", room,
+                                                       " bytes; the page metadata needs ",
+                                                       meta_bytes));
+    }
+    out.want_meta = true;
   }
 
   out.version = version;

@@ -52,13 +52,19 @@ struct ValidatedPrefill {
   std::vector<int> used;
   std::vector<uint32_t> page_target, state_target;
   int targets = 0;
+  // Whether to write the per-page metadata (the request has a page_meta_target in a format this
+  // node produces, transfer/page_meta.h), and the target of each of its extents.
+  bool want_meta = false;
+  std::vector<uint32_t> meta_target;
 };
 
 // INVALID_ARGUMENT naming the field for a malformed request (request_id, prompt ids, context,
 // kv_target and sparse_target geometry, an empty worker_address, a page or sparse extent outside
-// every kv_target.ranges entry), FAILED_PRECONDITION for a peer this node cannot serve
-// (newer protocol, other model/layout, other transport or checksum), RESOURCE_EXHAUSTED for a
-// sparse_target too small for the state.
+// every kv_target.ranges entry, the same for page_meta_target's extents), FAILED_PRECONDITION for
+// a peer this node cannot serve (newer protocol, other model/layout, other transport or
+// checksum), RESOURCE_EXHAUSTED for a sparse_target or page_meta_target too small for what goes
+// there. A page_meta_target in a format this node does not produce is not an error: no metadata
+// is written (want_meta false) and the decode node computes it itself.
 absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const fluxion::v1::PrefillRequest& request,
                                                         const PrefillLimits& limits);
 
