@@ -564,5 +564,85 @@ TEST(BackendsTest, NotServingServiceNameMakesANodeUnhealthy) {
   EXPECT_THAT((*backends)->Snapshot(Role::kDecode)[0].last_error, HasSubstr("NOT_SERVING"));
 }
 
+TEST(BackendsTest, MissedChecksDropANodeOnlyAfterNInARowAndItComesBackAfterM) {
+  // A missed check (GetLoad not answered, as a node too busy to answer in time looks) used to
+  // drop the node at once. Now it takes N = 3 misses in a row, and M = 2 passes in a row to take
+  // it back; each state is in the router's metrics.
+  FakeDecodeService decode;
+  decode.SetLoad(Load(500, 0, 0.5f));
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  metrics::Registry registry;
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  o.registry = &registry;
+  auto created = Backends::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Backends& backends = **created;
+  const std::string state_series = "fluxion_router_backend_state{address=\"" + server.address() +
+                                   "\",role=\"decode\",state=\"";
+  auto state_is = [&](const std::string& state) {
+    return registry.Render().find(state_series + state + "\"} 1") != std::string::npos;
+  };
+  ASSERT_EQ(backends.HealthyCount(Role::kDecode), 1);
+  EXPECT_TRUE(state_is("healthy")) << registry.Render();
+
+  decode.SetLoadStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake: too busy"));
+  backends.PollOnce();
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 1) << "dropped before 3 misses in a row";
+  EXPECT_TRUE(state_is("suspect")) << registry.Render();
+  EXPECT_EQ(backends.Snapshot(Role::kDecode)[0].consecutive_failures, 2);
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 0);
+  EXPECT_TRUE(state_is("ejected")) << registry.Render();
+  EXPECT_THAT(backends.Snapshot(Role::kDecode)[0].last_error, HasSubstr("fake: too busy"));
+
+  decode.SetLoadStatus(grpc::Status::OK);
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 0) << "taken back after 1 pass, want 2";
+  EXPECT_TRUE(state_is("recovering")) << registry.Render();
+  EXPECT_THAT(backends.Snapshot(Role::kDecode)[0].last_error, HasSubstr("1 of 2"));
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 1);
+  EXPECT_TRUE(state_is("healthy")) << registry.Render();
+  EXPECT_EQ(registry
+                .AddCounter("fluxion_router_backend_ejections_total", "",
+                            {{"role", "decode"}, {"address", server.address()}})
+                ->value(),
+            1);
+  if (metrics::testing::HavePromtool()) {
+    absl::Status check = metrics::testing::PromtoolCheck(registry.Render());
+    EXPECT_TRUE(check.ok()) << check << "\n" << registry.Render();
+  }
+}
+
+TEST(BackendsTest, ADrainingNodeIsDroppedAtOnce) {
+  // It said it takes no more work: no waiting for N checks.
+  FakeDecodeService decode;
+  v1::DecodeLoad load = Load(500, 0, 0.5f);
+  decode.SetLoad(load);
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  auto backends = Backends::Create(o);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  ASSERT_EQ((*backends)->HealthyCount(Role::kDecode), 1);
+  load.set_draining(true);
+  decode.SetLoad(load);
+  (*backends)->PollOnce();
+  EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
+  EXPECT_EQ((*backends)->Snapshot(Role::kDecode)[0].last_error, "draining");
+}
+
+TEST(BackendsTest, HysteresisCountsOutOfRangeAreRefused) {
+  Backends::Options o;
+  o.decode_addresses = {"127.0.0.1:1"};
+  o.start_poller = false;
+  o.health.failures_to_eject = 0;
+  EXPECT_EQ(Backends::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace fluxion::cluster
