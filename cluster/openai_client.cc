@@ -10,8 +10,9 @@
 
 namespace fluxion::cluster::openai {
 
-absl::StatusOr<std::string> PostJsonToLoopback(int port, const std::string& path,
-                                               const std::string& json, absl::Duration timeout) {
+absl::StatusOr<std::string> PostJsonToLoopback(
+    int port, const std::string& path, const std::string& json, absl::Duration timeout,
+    const std::vector<std::pair<std::string, std::string>>& headers) {
   constexpr size_t kMaxAnswer = 16u << 20;
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::InternalError("socket() failed");
@@ -28,6 +29,11 @@ absl::StatusOr<std::string> PostJsonToLoopback(int port, const std::string& path
   }
   const std::string request = absl::StrCat(
       "POST ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",
+      [&] {
+        std::string lines;
+        for (const auto& [name, value] : headers) absl::StrAppend(&lines, name, ": ", value, "\r\n");
+        return lines;
+      }(),
       "Content-Length: ", json.size(), "\r\nConnection: close\r\n\r\n", json);
   size_t sent = 0;
   while (sent < request.size()) {

@@ -7,6 +7,8 @@
 #define FLUXION_CLUSTER_OPENAI_CLIENT_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -15,8 +17,10 @@ namespace fluxion::cluster::openai {
 
 // POSTs `json` to http://127.0.0.1:<port><path>; the body of a 200 answer, else an error carrying
 // the status line and body. Answers beyond 16 MiB are DATA_LOSS.
-absl::StatusOr<std::string> PostJsonToLoopback(int port, const std::string& path,
-                                               const std::string& json, absl::Duration timeout);
+// `headers` are sent as given ({"x-prefiller-host-port", "10.0.0.5:8000"}).
+absl::StatusOr<std::string> PostJsonToLoopback(
+    int port, const std::string& path, const std::string& json, absl::Duration timeout,
+    const std::vector<std::pair<std::string, std::string>>& headers = {});
 
 // The text of one chat (when `chat`) or completion answer of the API on `port`, or why not.
 absl::StatusOr<std::string> AskOnce(int port, const std::string& model, const std::string& text,

@@ -426,6 +426,58 @@ TEST_F(RouterTest, RouterWithoutPrefillNodesForwardsNoClientChosenPrefillAddress
   EXPECT_FALSE(decode_b_.seen()[0].request.has_prefill_address());
 }
 
+// The gateway's prefill pick (llm-d's x-prefiller-host-port) as call metadata: the request goes to
+// that prefill node, not to the one the router's load view prefers (p2, the shorter queue).
+Result GenerateWithMetadata(v1::DecodeService::Stub& stub, const v1::GenerateRequest& request,
+                            const std::string& key, const std::string& value) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  context.AddMetadata(key, value);
+  Result result;
+  auto reader = stub.Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    for (uint32_t t : response.chunk().token_ids()) result.tokens.push_back(t);
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+TEST_F(RouterTest, GatewayPrefillPickIsHonouredAmongOurPrefillNodes) {
+  Result r = GenerateWithMetadata(*stub_, Request("g-1", 2), "x-prefiller-host-port",
+                                  p1_->address());
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), p1_->address());
+  // The older header, a URL with the pod's HTTP port: both fakes listen on 127.0.0.1, so the host
+  // alone names two prefill nodes: refused, naming the header.
+  Result ambiguous = GenerateWithMetadata(*stub_, Request("g-2", 2), "x-prefiller-url",
+                                          "http://127.0.0.1:8000");
+  EXPECT_EQ(ambiguous.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(ambiguous.status.error_message(), HasSubstr("x-prefiller-url"));
+  // Not one of ours: INVALID_ARGUMENT before anything is sent anywhere.
+  Result unknown = GenerateWithMetadata(*stub_, Request("g-3", 2), "x-prefiller-host-port",
+                                        "10.1.2.3:8000");
+  EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(unknown.status.error_message(), HasSubstr("names no prefill node of this router"));
+  EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 1u);
+  // Contradicting an explicit prefill_address: refused.
+  v1::GenerateRequest both = Request("g-4", 2);
+  both.set_prefill_address(p2_->address());
+  Result conflict = GenerateWithMetadata(*stub_, both, "x-prefiller-host-port", p1_->address());
+  EXPECT_EQ(conflict.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(RouterTest, GatewayPrefillPickThatIsUnhealthyFallsBackToTheRoutersPick) {
+  p1_->SetServing(false);
+  backends_->PollOnce();  // NOT_SERVING: dropped at once
+  Result r = GenerateWithMetadata(*stub_, Request("g-5", 2), "x-prefiller-host-port",
+                                  p1_->address());
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), p2_->address());
+}
+
 TEST_F(RouterTest, GetLoadSumsHealthyDecodeNodes) {
   decode_a_.SetLoad(Load(100, 2, 0.9f));
   decode_b_.SetLoad(Load(900, 3, 0.1f));
