@@ -1,8 +1,9 @@
-// A minimal blocking HTTP/1.0 client for the router's OpenAI API on loopback, so that `fluxion
-// local` can show one answer of the cluster it started without a client library. Not for
-// production traffic: one request per connection, the whole answer read into memory.
+// A small blocking HTTP client for the router's OpenAI API on loopback, so that `fluxion local`
+// can show one answer of the cluster it started, and tests can call the API. libcurl underneath
+// (docs/DEPENDENCIES.md): HTTP/1.1, chunked answers, timeouts. Not for production traffic: one
+// request per handle, the whole answer read into memory.
 //
-// Thread-safe: a pure function.
+// Thread-safe: a pure function (libcurl's global init runs once, under std::call_once).
 #ifndef FLUXION_CLUSTER_OPENAI_CLIENT_H_
 #define FLUXION_CLUSTER_OPENAI_CLIENT_H_
 
