@@ -223,7 +223,8 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
           j->forward = s;
           j->t_compute_end = Clock::now();
           // The Landing shares the job: the batch's forward still holds its sequence.
-          (*j->early_handoff)(j->index, std::make_unique<Landing>(j->self.lock(), Finish(*j)));
+          (*j->early_handoff)(j->index,
+                              std::make_unique<Landing>(j->self.lock(), FinishCompute(*j)));
           j->replied = true;
         }
         return s;
@@ -293,6 +294,10 @@ absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end
 }
 
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
+  return Land(&j, FinishCompute(j));
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   const model::AttentionShape shape = model_->attention_shape();
   const v1::PrefillRequest& request = *j.request;
   const v1::KvTarget& kv = request.kv_target();
@@ -465,7 +470,7 @@ void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const>
         if (!j.forward.ok()) {
           if (!j.replied) {  // failed outside its hook (not expected: inputs were validated)
             j.t_compute_end = now;
-            reply(j.index, std::make_unique<Landing>(j.self.lock(), Finish(j)));
+            reply(j.index, std::make_unique<Landing>(j.self.lock(), FinishCompute(j)));
             j.replied = true;
           }
         } else if (first + piece >= j.n) {
@@ -476,7 +481,7 @@ void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const>
     }
   }
   for (auto& j : jobs) {  // the rest, in order; Finish answers a failed forward with its error
-    if (!j->replied) reply(j->index, std::make_unique<Landing>(j, Finish(*j)));
+    if (!j->replied) reply(j->index, std::make_unique<Landing>(j, FinishCompute(*j)));
     j->replied = true;
   }
 }

@@ -95,9 +95,11 @@ class PrefillEngine {
   // Writes copies[t] into j.targets[t] for every t with copies, one batch each.
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
   absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
-  // The request's reply as far as its compute goes: an error, or the response without the
-  // transfer's timings. Does not wait for the writes (Land does).
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
+  // Finish is Land(&j, FinishCompute(j)): waits for the writes, as every direct reply must.
+  // FinishCompute is the reply as far as the compute goes (an error, or the response without the
+  // transfer's timings) and does not wait: RunBatchDeferred hands it to a Landing.
+  absl::StatusOr<fluxion::v1::PrefillResponse> FinishCompute(Job& j) const;
   // Waits for `j`'s writes, then the final reply: `computed`'s error, the writes' error, or the
   // response with its transfer timings.
   static absl::StatusOr<fluxion::v1::PrefillResponse> Land(
