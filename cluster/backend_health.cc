@@ -1,15 +1,18 @@
 #include "cluster/backend_health.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace fluxion::cluster {
 
 absl::Status ValidateHealthHysteresis(const HealthHysteresisOptions& options) {
-  for (auto [name, value] : {std::pair<const char*, int>{"--health-failures", options.failures_to_eject},
-                             std::pair<const char*, int>{"--health-successes", options.successes_to_admit}}) {
+  const std::pair<const char*, int> counts[] = {{"--health-failures", options.failures_to_eject},
+                                                {"--health-successes", options.successes_to_admit}};
+  for (const auto& [name, value] : counts) {
     if (value < 1 || value > 100) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " is ", value, "; give a count of consecutive health checks in [1, 100]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " is ", value, "; give a count of consecutive health checks in [1, 100]"));
     }
   }
   return absl::OkStatus();

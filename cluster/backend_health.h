@@ -48,7 +48,9 @@ class HealthHysteresis {
 
   HealthState state() const { return state_; }
   // Whether the router may send the node work (kHealthy or kSuspect).
-  bool routable() const { return state_ == HealthState::kHealthy || state_ == HealthState::kSuspect; }
+  bool routable() const {
+    return state_ == HealthState::kHealthy || state_ == HealthState::kSuspect;
+  }
   int consecutive_failures() const { return failures_; }
   int consecutive_successes() const { return successes_; }
   // Times the node went from routable to ejected.
