@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
+#include "common/metrics_names.h"
 #include "grpcpp/generic/generic_stub.h"
 
 namespace fluxion::cluster {
@@ -114,6 +115,7 @@ absl::StatusOr<std::unique_ptr<Backends>> Backends::Create(Options options) {
       if (!split.ok()) return split.status();
     }
   }
+  if (absl::Status valid = ValidateHealthHysteresis(options.health); !valid.ok()) return valid;
   if (options.decode_addresses.empty() && options.decode_dns.empty()) {
     return absl::InvalidArgumentError("no decode nodes: give --decode host:port or --decode-dns");
   }
@@ -145,6 +147,7 @@ Backends::~Backends() {
 void Backends::AddNode(const std::string& address, Role role) {
   if (nodes_.count(address) > 0) return;
   Node node;
+  node.health = HealthHysteresis(options_.health);
   node.state.address = address;
   node.state.role = role;
   node.state.last_error = "not checked yet";
@@ -191,6 +194,7 @@ void Backends::Resolve() {
         ++it;
       } else {
         retired_channels_.push_back(it->second.channel);
+        retired_series_.emplace_back(it->first, it->second.state.role);
         it = nodes_.erase(it);
       }
     }
@@ -264,33 +268,102 @@ void Backends::PollOnce() {
   }
   pending.Wait();
 
-  absl::MutexLock lock(&mu_);
-  for (const auto& p : probes) {
-    auto it = nodes_.find(p->address);
-    if (it == nodes_.end()) continue;  // removed by a re-resolve meanwhile
-    BackendState& s = it->second.state;
-    const grpc::Status& health = p->health_status;
-    bool serving = health.ok() && IsServing(p->health_response);
-    bool draining = p->role == Role::kDecode ? p->decode_load.draining() : p->prefill_load.draining();
-    if (p->load_status.ok()) {
-      s.has_load = true;
-      s.decode_load = p->decode_load;
-      s.prefill_load = p->prefill_load;
-      s.pending_requests = 0;
-      s.pending_prompt_tokens = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& p : probes) {
+      auto it = nodes_.find(p->address);
+      if (it == nodes_.end()) continue;  // removed by a re-resolve meanwhile
+      Node& node = it->second;
+      BackendState& s = node.state;
+      const grpc::Status& health = p->health_status;
+      bool serving = health.ok() && IsServing(p->health_response);
+      bool draining =
+          p->role == Role::kDecode ? p->decode_load.draining() : p->prefill_load.draining();
+      if (p->load_status.ok()) {
+        s.has_load = true;
+        s.decode_load = p->decode_load;
+        s.prefill_load = p->prefill_load;
+        s.pending_requests = 0;
+        s.pending_prompt_tokens = 0;
+      }
+      // A node that answered NOT_SERVING or draining said itself that it takes no work (loading,
+      // shutting down): dropped at once. Only a check without an answer (an RPC error, a
+      // deadline) is a miss counted towards --health-failures.
+      if (health.ok() && (!serving || (p->load_status.ok() && draining))) {
+        node.health.Eject();
+      } else {
+        node.health.Observe(health.ok() && p->load_status.ok());
+      }
+      SyncHealth(node);
+      if (!health.ok()) {
+        s.last_error = absl::StrCat("health check: ", health.error_message());
+      } else if (!serving) {
+        s.last_error = "health check: NOT_SERVING";
+      } else if (!p->load_status.ok()) {
+        s.last_error = absl::StrCat("GetLoad: ", p->load_status.error_message());
+      } else if (draining) {
+        s.last_error = "draining";
+      } else if (!s.healthy) {
+        s.last_error = absl::StrCat("recovering: ", node.health.consecutive_successes(), " of ",
+                                    options_.health.successes_to_admit,
+                                    " passing checks in a row needed to take it back");
+      } else {
+        s.last_error.clear();
+      }
     }
-    s.healthy = serving && p->load_status.ok() && !draining;
-    if (!health.ok()) {
-      s.last_error = absl::StrCat("health check: ", health.error_message());
-    } else if (!serving) {
-      s.last_error = "health check: NOT_SERVING";
-    } else if (!p->load_status.ok()) {
-      s.last_error = absl::StrCat("GetLoad: ", p->load_status.error_message());
-    } else if (draining) {
-      s.last_error = "draining";
-    } else {
-      s.last_error.clear();
+  }
+  PublishHealth();
+}
+
+void Backends::SyncHealth(Node& node) {
+  node.state.healthy = node.health.routable();
+  node.state.health_state = node.health.state();
+  node.state.consecutive_failures = node.health.consecutive_failures();
+}
+
+void Backends::PublishHealth() {
+  if (options_.registry == nullptr) return;
+  struct Row {
+    std::string address;
+    Role role;
+    HealthState state;
+    int64_t new_ejections;
+  };
+  std::vector<Row> rows;
+  std::vector<std::pair<std::string, Role>> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [address, node] : nodes_) {
+      rows.push_back({address, node.state.role, node.health.state(),
+                      node.health.ejections() - node.ejections_published});
+      node.ejections_published = node.health.ejections();
     }
+    gone.swap(retired_series_);
+  }
+  namespace n = metrics::names;
+  metrics::Registry& r = *options_.registry;
+  for (const auto& [address, role] : gone) {
+    for (HealthState state : kAllHealthStates) {
+      r.Remove(n::kRouterBackendState,
+               {{"role", RoleName(role)}, {"address", address}, {"state", HealthStateName(state)}});
+    }
+    r.Remove(n::kRouterBackendEjectionsTotal, {{"role", RoleName(role)}, {"address", address}});
+  }
+  for (const Row& row : rows) {
+    for (HealthState state : kAllHealthStates) {
+      r.AddGauge(n::kRouterBackendState,
+                 "Each backend's health state (1 for its current state, 0 for the others): new, "
+                 "healthy, suspect (routed to, missing checks), ejected, recovering (passing "
+                 "checks, not routed to yet).",
+                 {{"role", RoleName(row.role)}, {"address", row.address},
+                  {"state", HealthStateName(state)}})
+          ->Set(state == row.state ? 1 : 0);
+    }
+    r.AddCounter(n::kRouterBackendEjectionsTotal,
+                 "Times a backend went from routed to ejected (missed checks in a row, "
+                 "NOT_SERVING, draining, or unreachable on the request path).",
+                 {{"role", RoleName(row.role)}, {"address", row.address}})
+        ->Increment(static_cast<double>(row.new_ejections));
   }
 }
 
@@ -339,7 +412,8 @@ void Backends::MarkFailed(const std::string& address, const std::string& why) {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(address);
   if (it == nodes_.end()) return;
-  it->second.state.healthy = false;
+  it->second.health.Eject();
+  SyncHealth(it->second);
   it->second.state.last_error = why;
 }
 

@@ -1,6 +1,8 @@
 // The router's view of its prefill and decode nodes: where they are (flags or DNS names, so that
 // Kubernetes headless services work), whether they are healthy (grpc.health.v1) and how loaded
-// they are (GetLoad), refreshed by a background poller.
+// they are (GetLoad), refreshed by a background poller. Whether a node is routed to follows the
+// run of its checks, not the last one (cluster/backend_health.h: dropped after N misses in a row,
+// taken back after M passes in a row).
 //
 // Thread-safe: every method may be called from any thread (gRPC reactors call Snapshot() and
 // NoteDispatch() on the request path; both only take a mutex, never block on the network).
@@ -18,7 +20,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "cluster/backend_health.h"
 #include "common/grpc_transport.h"
+#include "common/metrics.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -32,7 +36,9 @@ const char* RoleName(Role role);
 struct BackendState {
   std::string address;  // "host:port"
   Role role = Role::kDecode;
-  bool healthy = false;     // health SERVING, GetLoad answered, not draining
+  bool healthy = false;     // routed to: health_state kHealthy or kSuspect
+  HealthState health_state = HealthState::kNew;
+  int consecutive_failures = 0;  // checks missed in a row (0 after a pass)
   bool has_load = false;    // at least one GetLoad answer
   v1::DecodeLoad decode_load;    // role == kDecode
   v1::PrefillLoad prefill_load;  // role == kPrefill
@@ -66,6 +72,10 @@ class Backends {
     absl::Duration resolve_interval = absl::Seconds(5);
     bool start_poller = true;  // tests may drive PollOnce() themselves
     serving::ChannelConfig channel;  // credentials and keepalive of the channels to the nodes
+    HealthHysteresisOptions health;  // N misses to drop a node, M passes to take it back
+    // Where each node's health state is published (fluxion_router_backend_state and
+    // fluxion_router_backend_ejections_total, docs/METRICS.md); nullptr: nowhere.
+    metrics::Registry* registry = nullptr;
   };
 
   // INVALID_ARGUMENT for a malformed address or when no decode node is named at all. DNS names
@@ -83,7 +93,8 @@ class Backends {
 
   // Counts a request sent to `address` until the next load answer from it.
   void NoteDispatch(const std::string& address, int64_t prompt_tokens);
-  // The request path saw `address` fail (UNAVAILABLE): unhealthy until the next good poll.
+  // The request path saw `address` fail (UNAVAILABLE, no message at all): ejected now, taken back
+  // after M passing checks in a row.
   void MarkFailed(const std::string& address, const std::string& why);
 
   // Stub for a decode node (nullptr if unknown). The stub stays valid while the caller holds it.
@@ -92,6 +103,8 @@ class Backends {
  private:
   struct Node {
     BackendState state;
+    HealthHysteresis health;
+    int64_t ejections_published = 0;  // of health.ejections(), already added to the counter
     std::shared_ptr<grpc::Channel> channel;
     std::shared_ptr<v1::DecodeService::Stub> decode_stub;
     std::shared_ptr<v1::PrefillService::Stub> prefill_stub;
@@ -100,6 +113,12 @@ class Backends {
   void Resolve();
   void AddNode(const std::string& address, Role role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PollerLoop();
+  // Copies health.state() into `state` (the fields Snapshot returns).
+  static void SyncHealth(Node& node);
+  // Publishes every node's health state to options_.registry and removes the series of nodes
+  // that left DNS. Takes mu_ itself and never calls the registry while holding it (a scrape runs
+  // the HealthyCount callback, which takes mu_, under the registry's lock).
+  void PublishHealth();
 
   const Options options_;
   mutable absl::Mutex mu_;
@@ -108,6 +127,8 @@ class Backends {
   // them hold references, and gRPC must not destroy a channel from its own callback thread (it
   // would if such a call dropped the last reference).
   std::vector<std::shared_ptr<grpc::Channel>> retired_channels_ ABSL_GUARDED_BY(mu_);
+  // Nodes that left a DNS answer whose metric series PublishHealth has not removed yet.
+  std::vector<std::pair<std::string, Role>> retired_series_ ABSL_GUARDED_BY(mu_);
   absl::Time last_resolve_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread poller_;

@@ -57,6 +57,12 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     absl::MutexLock lock(&mu_);
     load_ = std::move(load);
   }
+  // GetLoad answers `status` while it is not OK (a missed check, as a node too busy to answer in
+  // time looks to the router's poller); OK restores the normal answer.
+  void SetLoadStatus(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    load_status_ = std::move(status);
+  }
   std::vector<SeenRequest> seen() {
     absl::MutexLock lock(&mu_);
     return seen_;
@@ -118,6 +124,7 @@ class FakeDecodeService final : public v1::DecodeService::Service {
   grpc::Status GetLoad(grpc::ServerContext*, const v1::GetLoadRequest*,
                        v1::DecodeLoad* response) override {
     absl::MutexLock lock(&mu_);
+    if (!load_status_.ok()) return load_status_;
     *response = load_;
     return grpc::Status::OK;
   }
@@ -217,6 +224,7 @@ class FakeDecodeService final : public v1::DecodeService::Service {
   absl::Mutex mu_;
   Behaviour behaviour_ ABSL_GUARDED_BY(mu_);
   v1::DecodeLoad load_ ABSL_GUARDED_BY(mu_);
+  grpc::Status load_status_ ABSL_GUARDED_BY(mu_);
   std::vector<SeenRequest> seen_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> aborted_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> aborted_tokens_ ABSL_GUARDED_BY(mu_);

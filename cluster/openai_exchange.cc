@@ -8,13 +8,14 @@
 
 namespace fluxion::cluster::openai {
 
-std::shared_ptr<Exchange> Exchange::Start(v1::DecodeService::Stub* stub,
-                                          const model::Tokenizer* tokenizer,
-                                          v1::GenerateRequest generate, const Request& request,
-                                          ResponseMeta meta, model::StreamDetokenizer detokenizer,
-                                          std::function<void()> wake) {
+std::shared_ptr<Exchange> Exchange::Start(
+    v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
+    v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
+    model::StreamDetokenizer detokenizer, std::function<void()> wake,
+    const std::vector<std::pair<std::string, std::string>>& metadata) {
   std::shared_ptr<Exchange> exchange(
       new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)));
+  for (const auto& [key, value] : metadata) exchange->context_.AddMetadata(key, value);
   exchange->generate_ = std::move(generate);
   exchange->prompt_tokens_ = static_cast<uint32_t>(exchange->generate_.prompt_token_ids_size());
   exchange->self_ = exchange;

@@ -17,6 +17,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -34,11 +36,13 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
  public:
   // Starts the call. `stub` and `tokenizer` must outlive the exchange; `wake` is called (from a
   // gRPC thread, under the exchange's lock, so it must not call back in) after a `suspend`.
-  static std::shared_ptr<Exchange> Start(v1::DecodeService::Stub* stub,
-                                         const model::Tokenizer* tokenizer,
-                                         v1::GenerateRequest generate, const Request& request,
-                                         ResponseMeta meta, model::StreamDetokenizer detokenizer,
-                                         std::function<void()> wake);
+  // `metadata` goes with the Generate call (HTTP headers the router reads, e.g. the gateway's
+  // prefill pick: cluster/prefill_pick.h); keys lowercase.
+  static std::shared_ptr<Exchange> Start(
+      v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
+      v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
+      model::StreamDetokenizer detokenizer, std::function<void()> wake,
+      const std::vector<std::pair<std::string, std::string>>& metadata = {});
 
   // The reply's status line and headers are decided: a failure before any output, the whole
   // body once the call ended (not streaming), or 200 once the first chunk came (streaming).

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "cluster/openai_exchange.h"
 #include "cluster/openai_response.h"
+#include "cluster/prefill_pick.h"
 #include "microhttpd.h"
 #include "model/stream_detokenizer.h"
 
@@ -243,9 +244,23 @@ class HttpServer::Impl {
     if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
     ResponseMeta meta{call->endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
     MHD_Connection* connection = call->connection;
+    // The gateway's prefill pick travels to the router as call metadata; the router maps it onto
+    // its prefill nodes or refuses it (cluster/prefill_pick.h; INVALID_ARGUMENT -> 400).
+    std::vector<std::pair<std::string, std::string>> metadata;
+    for (const char* header : {kPrefillerHostPortHeader, kPrefillerUrlHeader}) {
+      const char* value = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, header);
+      if (value == nullptr) continue;
+      // gRPC refuses a metadata value with control characters; so does the pick.
+      std::string v(value);
+      for (char& c : v) {
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+      }
+      metadata.emplace_back(header, std::move(v));
+    }
     call->exchange = Exchange::Start(stub_.get(), tokenizer_, std::move(*generate), *request,
                                      std::move(meta), std::move(*detokenizer),
-                                     [connection] { MHD_resume_connection(connection); });
+                                     [connection] { MHD_resume_connection(connection); },
+                                     metadata);
     absl::MutexLock lock(&mu_);
     call->live_id = next_live_++;
     live_[call->live_id] = call->exchange;

@@ -4,9 +4,14 @@
 // token becoming 429 with Retry-After.
 #include "cluster/openai_http.h"
 
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -167,4 +172,24 @@ TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
 }
 
 }  // namespace
+TEST(OpenAiClientTest, NoServerIsUnavailableAndASilentOneTimesOut) {
+  // A port nothing listens on: bind one and close it again.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  auto refused = PostJsonToLoopback(port, "/v1/completions", "{}", absl::Seconds(5));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr(absl::StrCat("127.0.0.1:", port)));
+  // Listening but never answering: the timeout ends the call.
+  ASSERT_EQ(listen(fd, 4), 0);
+  auto silent = PostJsonToLoopback(port, "/v1/completions", "{}", absl::Milliseconds(300));
+  EXPECT_EQ(silent.status().code(), absl::StatusCode::kDeadlineExceeded) << silent.status();
+  close(fd);
+}
+
 }  // namespace fluxion::cluster::openai

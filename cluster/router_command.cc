@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <ctime>
 #include <iostream>
 
@@ -46,6 +47,14 @@ int RunRouterCommand(const std::vector<std::string>& args) {
                    "DNS names of decode nodes, name:port (every A record, e.g. a headless service)");
   flags.StringList("prefill-dns", &prefill_dns, "DNS names of prefill nodes, name:port");
   flags.Int("poll-ms", &poll_ms, "health check and GetLoad interval");
+  int64_t health_failures = HealthHysteresisOptions{}.failures_to_eject;
+  int64_t health_successes = HealthHysteresisOptions{}.successes_to_admit;
+  flags.Int("health-failures", &health_failures,
+            "drop a node after this many health checks in a row got no answer in time (a "
+            "NOT_SERVING or draining answer drops it at once)");
+  flags.Int("health-successes", &health_successes,
+            "take a dropped node back after this many passing health checks in a row (a node "
+            "never seen healthy joins on its first)");
   flags.Double("shed-kv-usage", &shed_kv_usage,
                "refuse requests (RESOURCE_EXHAUSTED) when every decode node's KV usage is at or "
                "above this fraction");
@@ -119,6 +128,12 @@ int RunRouterCommand(const std::vector<std::string>& args) {
   backend_options.prefill_dns = prefill_dns;
   backend_options.poll_interval = absl::Milliseconds(poll_ms);
   backend_options.channel = *backend_channel;
+  // Clamped into int only so that the range check (Backends::Create) sees an out-of-range value.
+  backend_options.health.failures_to_eject =
+      static_cast<int>(std::clamp<int64_t>(health_failures, INT32_MIN, INT32_MAX));
+  backend_options.health.successes_to_admit =
+      static_cast<int>(std::clamp<int64_t>(health_successes, INT32_MIN, INT32_MAX));
+  backend_options.registry = &metrics::Registry::Default();
   auto backends = Backends::Create(backend_options);
   if (!backends.ok()) {
     std::cerr << "error: " << backends.status().message() << "\n";

@@ -14,6 +14,7 @@
 #include "cluster/router_policy.h"
 #include "cluster/router_validation.h"
 #include "common/secret_token.h"
+#include "cluster/prefill_pick.h"
 #include "common/metrics_names.h"
 
 namespace fluxion::cluster {
@@ -66,6 +67,40 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
     }
   }
 
+  // Reads the gateway's prefill pick from the call's metadata (cluster/prefill_pick.h) into
+  // gateway_prefill_; INVALID_ARGUMENT when it names none of our prefill nodes, or differs from
+  // an explicit prefill_address.
+  absl::Status TakeGatewayPrefillPick() {
+    const auto& metadata = context_->client_metadata();
+    for (const char* header : {kPrefillerHostPortHeader, kPrefillerUrlHeader}) {
+      auto it = metadata.find(header);
+      if (it == metadata.end()) continue;
+      const absl::string_view value(it->second.data(), it->second.size());
+      absl::StatusOr<std::string> mapped =
+          MapPrefillerPick(header, value, service_->backends_->Snapshot(Role::kPrefill));
+      if (!mapped.ok()) return mapped.status();
+      if (!pinned_prefill_.empty() && *mapped != pinned_prefill_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            header, " names prefill node ", *mapped, " but prefill_address is ", pinned_prefill_,
+            "; send one of them"));
+      }
+      gateway_prefill_ = *mapped;
+      return absl::OkStatus();  // x-prefiller-host-port wins over the older x-prefiller-url
+    }
+    return absl::OkStatus();
+  }
+
+  // Whether this attempt goes to the gateway's pick: it is healthy now and no attempt of this
+  // request failed on it. Otherwise the router picks by load (the picker's view may be stale).
+  bool GatewayPickUsable(const std::vector<BackendState>& prefills) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (gateway_prefill_.empty() || excluded_prefills_.count(gateway_prefill_) > 0) return false;
+    for (const BackendState& node : prefills) {
+      if (node.address == gateway_prefill_) return node.healthy;
+    }
+    return false;
+  }
+
   void Begin() {
     if (service_->draining_.load()) {
       FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -103,6 +138,12 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
         return;
       }
       pinned_prefill_ = request_.prefill_address();
+    }
+    if (absl::Status pick = TakeGatewayPrefillPick(); !pick.ok()) {
+      FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("request ", id, ": ", pick.message())),
+                 nullptr);
+      return;
     }
     absl::StatusOr<std::string> token = RandomHexToken(16);
     if (!token.ok()) {
@@ -257,7 +298,9 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
                                  excluded_decodes_);
         absl::StatusOr<std::string> prefill = pinned_prefill_;
         if (decode.ok() && pinned_prefill_.empty() && s->backends_->has_prefill_nodes()) {
-          prefill = PickPrefill(s->backends_->Snapshot(Role::kPrefill), excluded_prefills_);
+          std::vector<BackendState> prefills = s->backends_->Snapshot(Role::kPrefill);
+          prefill = GatewayPickUsable(prefills) ? absl::StatusOr<std::string>(gateway_prefill_)
+                                                : PickPrefill(prefills, excluded_prefills_);
         }
         if (decode.ok() && prefill.ok()) stub = s->backends_->DecodeStub(*decode);
         if (!decode.ok() || !prefill.ok() || stub == nullptr) {
@@ -460,6 +503,9 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
   const SystemClock::time_point arrival_;
   SystemClock::time_point deadline_;  // max() when neither a gRPC deadline nor timeout_ms is set
   std::string pinned_prefill_;  // the client's prefill_address, one of ours; "" = the router picks
+  // The gateway's pick (x-prefiller-host-port), mapped onto one of ours; "" = none. A preference,
+  // not a pin: used while that node is healthy and not yet failed for this request.
+  std::string gateway_prefill_;
   // Set in Begin once accepted (before any attempt), then only read.
   std::shared_ptr<LiveEntry> entry_;
   std::optional<LiveMap::iterator> live_it_;

@@ -426,6 +426,58 @@ TEST_F(RouterTest, RouterWithoutPrefillNodesForwardsNoClientChosenPrefillAddress
   EXPECT_FALSE(decode_b_.seen()[0].request.has_prefill_address());
 }
 
+// The gateway's prefill pick (llm-d's x-prefiller-host-port) as call metadata: the request goes to
+// that prefill node, not to the one the router's load view prefers (p2, the shorter queue).
+Result GenerateWithMetadata(v1::DecodeService::Stub& stub, const v1::GenerateRequest& request,
+                            const std::string& key, const std::string& value) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  context.AddMetadata(key, value);
+  Result result;
+  auto reader = stub.Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    for (uint32_t t : response.chunk().token_ids()) result.tokens.push_back(t);
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+TEST_F(RouterTest, GatewayPrefillPickIsHonouredAmongOurPrefillNodes) {
+  Result r = GenerateWithMetadata(*stub_, Request("g-1", 2), "x-prefiller-host-port",
+                                  p1_->address());
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), p1_->address());
+  // The older header, a URL with the pod's HTTP port: both fakes listen on 127.0.0.1, so the host
+  // alone names two prefill nodes: refused, naming the header.
+  Result ambiguous = GenerateWithMetadata(*stub_, Request("g-2", 2), "x-prefiller-url",
+                                          "http://127.0.0.1:8000");
+  EXPECT_EQ(ambiguous.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(ambiguous.status.error_message(), HasSubstr("x-prefiller-url"));
+  // Not one of ours: INVALID_ARGUMENT before anything is sent anywhere.
+  Result unknown = GenerateWithMetadata(*stub_, Request("g-3", 2), "x-prefiller-host-port",
+                                        "10.1.2.3:8000");
+  EXPECT_EQ(unknown.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(unknown.status.error_message(), HasSubstr("names no prefill node of this router"));
+  EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 1u);
+  // Contradicting an explicit prefill_address: refused.
+  v1::GenerateRequest both = Request("g-4", 2);
+  both.set_prefill_address(p2_->address());
+  Result conflict = GenerateWithMetadata(*stub_, both, "x-prefiller-host-port", p1_->address());
+  EXPECT_EQ(conflict.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(RouterTest, GatewayPrefillPickThatIsUnhealthyFallsBackToTheRoutersPick) {
+  p1_->SetServing(false);
+  backends_->PollOnce();  // NOT_SERVING: dropped at once
+  Result r = GenerateWithMetadata(*stub_, Request("g-5", 2), "x-prefiller-host-port",
+                                  p1_->address());
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), p2_->address());
+}
+
 TEST_F(RouterTest, GetLoadSumsHealthyDecodeNodes) {
   decode_a_.SetLoad(Load(100, 2, 0.9f));
   decode_b_.SetLoad(Load(900, 3, 0.1f));
@@ -562,6 +614,86 @@ TEST(BackendsTest, NotServingServiceNameMakesANodeUnhealthy) {
   (*backends)->PollOnce();
   EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
   EXPECT_THAT((*backends)->Snapshot(Role::kDecode)[0].last_error, HasSubstr("NOT_SERVING"));
+}
+
+TEST(BackendsTest, MissedChecksDropANodeOnlyAfterNInARowAndItComesBackAfterM) {
+  // A missed check (GetLoad not answered, as a node too busy to answer in time looks) used to
+  // drop the node at once. Now it takes N = 3 misses in a row, and M = 2 passes in a row to take
+  // it back; each state is in the router's metrics.
+  FakeDecodeService decode;
+  decode.SetLoad(Load(500, 0, 0.5f));
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  metrics::Registry registry;
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  o.registry = &registry;
+  auto created = Backends::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Backends& backends = **created;
+  const std::string state_series = "fluxion_router_backend_state{address=\"" + server.address() +
+                                   "\",role=\"decode\",state=\"";
+  auto state_is = [&](const std::string& state) {
+    return registry.Render().find(state_series + state + "\"} 1") != std::string::npos;
+  };
+  ASSERT_EQ(backends.HealthyCount(Role::kDecode), 1);
+  EXPECT_TRUE(state_is("healthy")) << registry.Render();
+
+  decode.SetLoadStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake: too busy"));
+  backends.PollOnce();
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 1) << "dropped before 3 misses in a row";
+  EXPECT_TRUE(state_is("suspect")) << registry.Render();
+  EXPECT_EQ(backends.Snapshot(Role::kDecode)[0].consecutive_failures, 2);
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 0);
+  EXPECT_TRUE(state_is("ejected")) << registry.Render();
+  EXPECT_THAT(backends.Snapshot(Role::kDecode)[0].last_error, HasSubstr("fake: too busy"));
+
+  decode.SetLoadStatus(grpc::Status::OK);
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 0) << "taken back after 1 pass, want 2";
+  EXPECT_TRUE(state_is("recovering")) << registry.Render();
+  EXPECT_THAT(backends.Snapshot(Role::kDecode)[0].last_error, HasSubstr("1 of 2"));
+  backends.PollOnce();
+  EXPECT_EQ(backends.HealthyCount(Role::kDecode), 1);
+  EXPECT_TRUE(state_is("healthy")) << registry.Render();
+  EXPECT_EQ(registry
+                .AddCounter("fluxion_router_backend_ejections_total", "",
+                            {{"role", "decode"}, {"address", server.address()}})
+                ->value(),
+            1);
+  if (metrics::testing::HavePromtool()) {
+    absl::Status check = metrics::testing::PromtoolCheck(registry.Render());
+    EXPECT_TRUE(check.ok()) << check << "\n" << registry.Render();
+  }
+}
+
+TEST(BackendsTest, ADrainingNodeIsDroppedAtOnce) {
+  // It said it takes no more work: no waiting for N checks.
+  FakeDecodeService decode;
+  v1::DecodeLoad load = Load(500, 0, 0.5f);
+  decode.SetLoad(load);
+  FakeServer server(&decode, "fluxion.v1.DecodeService");
+  Backends::Options o;
+  o.decode_addresses = {server.address()};
+  o.start_poller = false;
+  auto backends = Backends::Create(o);
+  ASSERT_TRUE(backends.ok()) << backends.status();
+  ASSERT_EQ((*backends)->HealthyCount(Role::kDecode), 1);
+  load.set_draining(true);
+  decode.SetLoad(load);
+  (*backends)->PollOnce();
+  EXPECT_EQ((*backends)->HealthyCount(Role::kDecode), 0);
+  EXPECT_EQ((*backends)->Snapshot(Role::kDecode)[0].last_error, "draining");
+}
+
+TEST(BackendsTest, HysteresisCountsOutOfRangeAreRefused) {
+  Backends::Options o;
+  o.decode_addresses = {"127.0.0.1:1"};
+  o.start_poller = false;
+  o.health.failures_to_eject = 0;
+  EXPECT_EQ(Backends::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cluster/prefill_pick.h"
 #include "cluster/router_service.h"
 #include "cluster/vllm_engine_mapping.h"
 #include "model/stream_detokenizer.h"
@@ -89,6 +90,12 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
       started_ = true;
     }
     SetDeadline(context_, &downstream_.context, std::nullopt);
+    // The gateway's prefill pick, for the router to honour (cluster/prefill_pick.h).
+    for (const char* header : {kPrefillerHostPortHeader, kPrefillerUrlHeader}) {
+      auto it = context_->client_metadata().find(header);
+      if (it == context_->client_metadata().end()) continue;
+      downstream_.context.AddMetadata(header, std::string(it->second.data(), it->second.size()));
+    }
     downstream_.request = ToFluxionRequest(request_, prompt);
     stub->async()->Generate(&downstream_.context, &downstream_.request, &downstream_);
     // Held until no read will be asked for from outside the call's reactions (OnWriteDone), so

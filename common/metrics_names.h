@@ -63,6 +63,8 @@ inline constexpr char kRouterRequestsInflight[] = "fluxion_router_requests_infli
 inline constexpr char kRouterAttemptsTotal[] = "fluxion_router_attempts_total";
 inline constexpr char kRouterShedTotal[] = "fluxion_router_shed_total";
 inline constexpr char kRouterBackendsHealthy[] = "fluxion_router_backends_healthy";
+inline constexpr char kRouterBackendState[] = "fluxion_router_backend_state";
+inline constexpr char kRouterBackendEjectionsTotal[] = "fluxion_router_backend_ejections_total";
 inline constexpr char kRouterTtftSeconds[] = "fluxion_router_time_to_first_token_seconds";
 inline constexpr char kRouterE2eSeconds[] = "fluxion_router_e2e_request_latency_seconds";
 

@@ -1,11 +1,14 @@
 #include "prefill/commands.h"
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/cpu_threads.h"
@@ -49,12 +52,31 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> MakeDevicePrefill(
 
 }  // namespace
 
+absl::StatusOr<int64_t> ApplyMallocArenaMax(int64_t requested, const char* env_value) {
+  if (env_value != nullptr) {
+    int64_t from_env = 0;
+    // glibc took it at startup; report what it took (non-numbers it ignores: its default).
+    return absl::SimpleAtoi(env_value, &from_env) && from_env > 0 ? from_env : 0;
+  }
+  if (requested == 0) return 0;
+  if (requested < 1 || requested > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--malloc-arena-max is ", requested,
+        "; give 1 to 64 malloc arenas, or 0 for glibc's default (8 per core)"));
+  }
+  if (mallopt(M_ARENA_MAX, static_cast<int>(requested)) != 1) {
+    return absl::InternalError(absl::StrCat("mallopt(M_ARENA_MAX, ", requested, ") failed"));
+  }
+  return requested;
+}
+
 int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string model_dir, listen = serving::LoopbackAddress(7001), port_file, node_name;
   std::string metrics_listen, metrics_port_file;
   int64_t page_tokens = 16, transfer_timeout_ms = 30000, layer_delay_ms = 0;
   int64_t drain_timeout_ms = 30000, piece_tokens = 512, max_batch_tokens = 4096;
   int64_t max_queued_requests = PrefillServiceImpl::kDefaultMaxQueuedRequests;
+  int64_t malloc_arena_max = kDefaultMallocArenaMax;
   bool layerwise = true;
   std::string device = "cpu";
   int64_t device_chunk_tokens = DevicePrefillOptions{}.chunk_tokens;
@@ -108,6 +130,11 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "on SIGTERM: refuse new requests (UNAVAILABLE) and wait this long for running ones "
             "to finish; calls still open then are cancelled and the process exits within 1 s "
             "more");
+  flags.Int("malloc-arena-max", &malloc_arena_max,
+            "cap on glibc malloc arenas, set before any thread starts: every server thread "
+            "running a prompt would get an arena of its own and keep what it freed (RSS swung "
+            "~720-1,340 MiB in the soak; flat ~380 MiB with 2); 0 = glibc's default; the "
+            "MALLOC_ARENA_MAX environment variable, if set, wins");
   ucx.Register(flags);
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
@@ -115,6 +142,13 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
     std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
+  // First, while this is the only thread: arenas are handed out as threads first allocate.
+  absl::StatusOr<int64_t> arenas =
+      ApplyMallocArenaMax(malloc_arena_max, std::getenv("MALLOC_ARENA_MAX"));
+  if (!arenas.ok()) {
+    std::cerr << "error: " << arenas.status().message() << "\n";
     return 2;
   }
   // Before anything else (it may restart the process): the threads the forward runs on (a
@@ -223,7 +257,10 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   if (metrics_server) metrics_server->SetReadiness([&ready] { return ready.load(); });
   std::cerr << "fluxion prefill " << node_name << " serving on port " << port
             << (metrics_server ? absl::StrCat(", /metrics on port ", metrics_server->port()) : "")
-            << ", " << pool->threads() << " CPU thread(s), forward on " << device << "\n";
+            << ", " << pool->threads() << " CPU thread(s), forward on " << device
+            << ", malloc arenas "
+            << (*arenas > 0 ? absl::StrCat("<= ", *arenas) : std::string("glibc default"))
+            << "\n";
   serving::WritePortFiles(port_file, port, metrics_port_file, metrics_server.get());
   serving::WaitForStopSignal();
   // Drain: NOT_SERVING (liveness stays SERVING), UNAVAILABLE for new Prefill calls, running ones

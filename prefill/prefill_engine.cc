@@ -171,8 +171,12 @@ struct PrefillEngine::Job {
   absl::Status forward;
   // In a batch: answers this request the moment its hook fails (it then leaves the batch), so it
   // does not wait for the rest of the others' piece. Null when alone.
-  const Reply* early_reply = nullptr;
+  const Handoff* early_handoff = nullptr;
   bool replied = false;
+  // Itself, for the Landing a hook hands off while the batch still holds the job.
+  std::weak_ptr<Job> self;
+  // Set by Finish for Land: compute over, first write submitted.
+  Clock::time_point t_all_computed, t_first_submit;
 
   ~Job() {
     if (submitted != nullptr) (void)submitted->WaitAll();
@@ -276,10 +280,12 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   auto owned = std::make_unique<SendingAttention>(
       shape, n, [this, j](int layer, int64_t first, int64_t end) -> absl::Status {
         absl::Status s = OnRows(*j, layer, first, end);
-        if (!s.ok() && j->early_reply != nullptr && !j->replied) {
+        if (!s.ok() && j->early_handoff != nullptr && !j->replied) {
           j->forward = s;
           j->t_compute_end = Clock::now();
-          (*j->early_reply)(j->index, Finish(*j));  // waits for its writes first
+          // The Landing shares the job: the batch's forward still holds its sequence.
+          (*j->early_handoff)(j->index,
+                              std::make_unique<Landing>(j->self.lock(), FinishCompute(*j)));
           j->replied = true;
         }
         return s;
@@ -399,28 +405,27 @@ void PrefillEngine::RunOnDevice(Job& j) const {
 }
 
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
+  return Land(&j, FinishCompute(j));
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   const model::AttentionShape& shape = shape_;
   const v1::PrefillRequest& request = *j.request;
   const v1::KvTarget& kv = request.kv_target();
+  // Every error below is returned without waiting for the writes already submitted: Land waits
+  // for them before the reply goes out ("stopped writing before we say so").
   Submitted& submitted = *j.submitted;
-  if (!j.forward.ok()) {
-    (void)submitted.WaitAll();  // stopped writing before we say so
-    return j.forward;
-  }
+  if (!j.forward.ok()) return j.forward;
   if (!options_.layerwise) {
     absl::Status s = Submit(j, 0, shape.num_layers, 0, j.per_head);
     if (s.ok() && j.want_meta) s = SubmitMeta(j, 0, shape.num_layers);
-    if (!s.ok()) {
-      (void)submitted.WaitAll();
-      return s;
-    }
+    if (!s.ok()) return s;
   }
 
   // 4. The sparse state, into the room reserved for it.
   v1::PrefillResponse response;
   Clock::time_point t_state_end = j.t_compute_end;
   if (j.cancelled()) {  // the capture below is not interruptible: do not start it for nothing
-    (void)submitted.WaitAll();
     return absl::CancelledError(absl::StrCat("prefill of request '", request.request_id(),
                                              "' aborted after the forward"));
   }
@@ -429,17 +434,11 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
     absl::StatusOr<model::SparseState> state =
         j.device_state.has_value() ? *std::move(j.device_state)
                                    : model::CaptureSparseState(j.attention->dense(), shape);
-    if (!state.ok()) {
-      (void)submitted.WaitAll();
-      return state.status();
-    }
+    if (!state.ok()) return state.status();
     j.state_blob = state->Serialize();
     absl::StatusOr<std::unique_ptr<transfer::Registration>> reg = transport_->Register(
         {j.state_blob.data(), j.state_blob.size()}, {/*remote_write=*/false});
-    if (!reg.ok()) {
-      (void)submitted.WaitAll();
-      return reg.status();
-    }
+    if (!reg.ok()) return reg.status();
     j.state_reg = std::move(*reg);
     std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
     uint64_t done = 0;
@@ -451,10 +450,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
           {st.base_address() + e.offset(), j.state_blob.data() + done, len});
       done += len;
     }
-    if (absl::Status s = WriteEach(j, copies); !s.ok()) {
-      (void)submitted.WaitAll();
-      return s;
-    }
+    if (absl::Status s = WriteEach(j, copies); !s.ok()) return s;
     v1::SparseStateSummary* summary = response.mutable_sparse_state();
     summary->set_format_version(model::kSparseStateVersion);
     summary->set_bytes_written(j.state_blob.size());
@@ -464,16 +460,11 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
     if (j.crc) summary->set_checksum(transfer::Crc32c(j.state_blob.data(), j.state_blob.size()));
   }
 
-  // 5. The first token, then wait until every write has landed.
+  // 5. The first token. Waiting until every write has landed is Land's.
   model::Sampler sampler(j.sampling);
   const int32_t first = sampler.Sample(j.logits);
-  const Clock::time_point t_all_computed = Clock::now();
-  const Clock::time_point t_first_submit = submitted.first_submit();
-  absl::Status landed = submitted.WaitAll();
-  if (!landed.ok()) {
-    return Annotate(landed, absl::StrCat(j.who, "KV writes did not complete: "));
-  }
-  const Clock::time_point t_end = Clock::now();
+  j.t_all_computed = Clock::now();
+  j.t_first_submit = submitted.first_submit();
 
   response.set_first_token_id(static_cast<uint32_t>(first));
   response.set_prompt_tokens(static_cast<uint32_t>(j.n));
@@ -492,11 +483,35 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
   }
   v1::PrefillTiming* timing = response.mutable_timing();
   timing->set_compute_us(MicrosBetween(j.t_compute, j.t_compute_end));
-  timing->set_transfer_us(MicrosBetween(t_first_submit, t_end));
   timing->set_sparse_state_us(MicrosBetween(j.t_compute_end, t_state_end));
-  timing->set_transfer_tail_us(MicrosBetween(t_all_computed, t_end));
-  timing->set_total_us(MicrosBetween(j.t_start, t_end));
   return response;
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::Land(Job* j,
+                                                        absl::StatusOr<v1::PrefillResponse> computed) {
+  if (j == nullptr) return computed;  // refused before anything was submitted
+  absl::Status landed = j->submitted->WaitAll();
+  if (!computed.ok()) return computed;
+  if (!landed.ok()) return Annotate(landed, absl::StrCat(j->who, "KV writes did not complete: "));
+  const Clock::time_point t_end = Clock::now();
+  v1::PrefillTiming* timing = computed->mutable_timing();
+  timing->set_transfer_us(MicrosBetween(j->t_first_submit, t_end));
+  timing->set_transfer_tail_us(MicrosBetween(j->t_all_computed, t_end));
+  timing->set_total_us(MicrosBetween(j->t_start, t_end));
+  return computed;
+}
+
+PrefillEngine::Landing::Landing(std::shared_ptr<Job> job,
+                                absl::StatusOr<v1::PrefillResponse> computed)
+    : job_(std::move(job)), computed_(std::move(computed)) {}
+
+PrefillEngine::Landing::~Landing() {
+  if (!waited_) (void)Wait();
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillEngine::Landing::Wait() {
+  waited_ = true;
+  return Land(job_.get(), std::move(computed_));
 }
 
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest& request,
@@ -511,34 +526,46 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Run(const v1::PrefillRequest&
 void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> requests,
                              absl::Span<const std::function<bool()>> cancelled,
                              const Reply& reply) const {
+  RunBatchDeferred(requests, cancelled, [&](size_t i, std::unique_ptr<Landing> landing) {
+    reply(i, landing->Wait());
+  });
+}
+
+void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const> requests,
+                                     absl::Span<const std::function<bool()>> cancelled,
+                                     const Handoff& handoff) const {
+  const Handoff& reply = handoff;
   if (device_ != nullptr) {
     // On the GPU: one request at a time from preparation to reply (they share the device's pinned
-    // staging), each answered as soon as it is done.
+    // staging, so the next may start only once these writes stopped): Finish waits for them here,
+    // and the Landing handed over is already done.
     std::lock_guard<std::mutex> lock(device_mu_);
     for (size_t i = 0; i < requests.size(); ++i) {
       absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
       if (!job.ok()) {
-        reply(i, job.status());
+        reply(i, std::make_unique<Landing>(nullptr, job.status()));
         continue;
       }
       Job& j = **job;
       j.index = i;
       j.t_compute = Clock::now();
       RunOnDevice(j);
-      reply(i, Finish(j));
+      reply(i, std::make_unique<Landing>(nullptr, Finish(j)));
     }
     return;
   }
   // Validate and connect each request; one that fails is answered at once.
-  std::vector<std::unique_ptr<Job>> jobs;
+  std::vector<std::shared_ptr<Job>> jobs;
   for (size_t i = 0; i < requests.size(); ++i) {
     absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
     if (!job.ok()) {
-      reply(i, job.status());
+      reply(i, std::make_unique<Landing>(nullptr, job.status()));
       continue;
     }
     (*job)->index = i;
-    jobs.push_back(std::move(*job));
+    std::shared_ptr<Job> shared = std::move(*job);
+    shared->self = shared;
+    jobs.push_back(std::move(shared));
   }
   if (jobs.empty()) return;
   const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
@@ -563,7 +590,7 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
     std::vector<Job*> in;
     std::vector<std::vector<float>> logits;
     std::vector<absl::Status> statuses;
-    for (auto& j : jobs) j->early_reply = &reply;
+    for (auto& j : jobs) j->early_handoff = &reply;
     for (int64_t first = 0;; first += piece) {
       seqs.clear();
       spans.clear();
@@ -583,7 +610,7 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
         if (!j.forward.ok()) {
           if (!j.replied) {  // failed outside its hook (not expected: inputs were validated)
             j.t_compute_end = now;
-            reply(j.index, Finish(j));  // waits for its writes first
+            reply(j.index, std::make_unique<Landing>(j.self.lock(), FinishCompute(j)));
             j.replied = true;
           }
         } else if (first + piece >= j.n) {
@@ -594,7 +621,7 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
     }
   }
   for (auto& j : jobs) {  // the rest, in order; Finish answers a failed forward with its error
-    if (!j->replied) reply(j->index, Finish(*j));
+    if (!j->replied) reply(j->index, std::make_unique<Landing>(j, FinishCompute(*j)));
     j->replied = true;
   }
 }

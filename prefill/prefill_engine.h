@@ -79,6 +79,22 @@ class PrefillEngine {
   void RunBatch(absl::Span<const fluxion::v1::PrefillRequest* const> requests,
                 absl::Span<const std::function<bool()>> cancelled, const Reply& reply) const;
 
+  // --- Waiting for the writes off the compute thread (docs/FAULTS.md, "Findings") ---
+  // A request whose compute is over and whose writes may still be in flight to its decode node.
+  // It owns the request's buffers until the writes stopped. Wait() blocks until they landed,
+  // failed or the lease (transfer_timeout) ran out, and returns the reply; destroying a Landing
+  // that was not waited for waits too ("any reply means the prefill node stopped writing").
+  class Landing;
+  using Handoff = std::function<void(size_t, std::unique_ptr<Landing>)>;
+  // RunBatch, but `handoff(i, landing)` is called, once per request and from this thread, as soon
+  // as request i's compute is over, without waiting for its writes: the caller waits on each
+  // Landing where it likes, so a decode node that does not take its writes (link down, stopped)
+  // holds only its own requests, not this thread and the requests behind them. RunBatch is this
+  // with reply(i, landing->Wait()).
+  void RunBatchDeferred(absl::Span<const fluxion::v1::PrefillRequest* const> requests,
+                        absl::Span<const std::function<bool()>> cancelled,
+                        const Handoff& handoff) const;
+
   const fluxion::v1::ModelLayout& layout() const { return layout_; }
 
  private:
@@ -95,6 +111,14 @@ class PrefillEngine {
   absl::Status SendCompleted(Job& j, int layer, int64_t end) const;
   void RunOnDevice(Job& j) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
+  // Finish is Land(&j, FinishCompute(j)): waits for the writes, as every direct reply must.
+  // FinishCompute is the reply as far as the compute goes (an error, or the response without the
+  // transfer's timings) and does not wait: RunBatchDeferred hands it to a Landing.
+  absl::StatusOr<fluxion::v1::PrefillResponse> FinishCompute(Job& j) const;
+  // Waits for `j`'s writes, then the final reply: `computed`'s error, the writes' error, or the
+  // response with its transfer timings.
+  static absl::StatusOr<fluxion::v1::PrefillResponse> Land(
+      Job* j, absl::StatusOr<fluxion::v1::PrefillResponse> computed);
 
   const model::Model* const model_;  // null when the engine computes on `device_`
   DevicePrefill* const device_;       // null when it computes on `model_` (the CPU)
@@ -104,6 +128,21 @@ class PrefillEngine {
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;
   mutable std::mutex device_mu_;  // the device path: one request at a time (its pinned staging)
+};
+
+class PrefillEngine::Landing {
+ public:
+  Landing(std::shared_ptr<Job> job, absl::StatusOr<fluxion::v1::PrefillResponse> computed);
+  ~Landing();
+  Landing(const Landing&) = delete;
+  Landing& operator=(const Landing&) = delete;
+  // Once; REQUIRES: not called before.
+  absl::StatusOr<fluxion::v1::PrefillResponse> Wait();
+
+ private:
+  std::shared_ptr<Job> job_;  // null: nothing was submitted (refused before connecting)
+  absl::StatusOr<fluxion::v1::PrefillResponse> computed_;
+  bool waited_ = false;
 };
 
 }  // namespace fluxion::prefill

@@ -69,9 +69,13 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
   // order, up to max_batch_tokens prompt tokens: docs/SERVING.md "Batching") and hands each its
   // reply. No waiter starves: each finished batch wakes them all.
   std::vector<std::shared_ptr<Live>> batch;
+  // Answered (an error) or handed its Landing by the batch that computed it.
+  auto handed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return live->done || live->handed_over;
+  };
   {
     absl::MutexLock lock(&mu_);
-    while (!live->done && (live->running || (busy_ && !live->cancelled()))) {
+    while (!handed() && (live->running || (busy_ && !live->cancelled()))) {
       batch_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
     }
     if (!live->running && !busy_ && !live->cancelled()) {
@@ -87,12 +91,22 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
     if (batch_thread_.joinable()) batch_thread_.join();
     batch_thread_ = std::thread([this, batch] { RunBatch(batch); });
     absl::MutexLock lock(&mu_);
-    while (!live->done) batch_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
+    while (!handed()) batch_cv_.WaitWithTimeout(&mu_, absl::Milliseconds(20));
   }
-  const auto t_start = live->done ? live->t_start : std::chrono::steady_clock::now();
+  std::unique_ptr<PrefillEngine::Landing> landing;
+  bool computed;
+  {
+    absl::MutexLock lock(&mu_);
+    computed = handed();
+    landing = std::move(live->landing);
+  }
+  const auto t_start = computed ? live->t_start : std::chrono::steady_clock::now();
+  // This call's own writes, waited for on this thread: the compute slot has moved on.
   absl::StatusOr<v1::PrefillResponse> result =
-      live->done ? std::move(live->result)
-                 : absl::CancelledError(absl::StrCat("request '", id, "' aborted while queued"));
+      landing != nullptr ? landing->Wait()
+      : computed         ? std::move(live->result)
+                         : absl::CancelledError(absl::StrCat("request '", id, "' aborted while queued"));
+  landing.reset();
   {
     absl::MutexLock lock(&mu_);
     EraseLocked(live);
@@ -131,16 +145,18 @@ void PrefillServiceImpl::RunBatch(const std::vector<std::shared_ptr<Live>>& batc
   }
   // Each request's call waits until its `done`, so `requests[i]` and `cancelled[i]` stay valid
   // until its reply is handed over, after which the engine no longer uses them.
-  engine_->RunBatch(requests, cancelled, [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
-    absl::MutexLock lock(&mu_);
-    batch[i]->result = std::move(r);
-    batch[i]->done = true;
-    EraseLocked(batch[i]);  // its writes stopped: no longer running
-    batch_cv_.SignalAll();
-  });
+  engine_->RunBatchDeferred(
+      requests, cancelled, [&](size_t i, std::unique_ptr<PrefillEngine::Landing> landing) {
+        absl::MutexLock lock(&mu_);
+        // Stays in live_ (running) until its call has waited for the writes: Abort and
+        // duplicate ids still find it, GetLoad counts it.
+        batch[i]->landing = std::move(landing);
+        batch[i]->handed_over = true;
+        batch_cv_.SignalAll();
+      });
   absl::MutexLock lock(&mu_);
   for (const auto& b : batch) {  // the engine answers each request once; never leave one waiting
-    if (!b->done) {
+    if (!b->done && !b->handed_over) {
       b->result = absl::InternalError("the prefill engine gave this request no reply");
       b->done = true;
       EraseLocked(b);

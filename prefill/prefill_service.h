@@ -4,7 +4,13 @@
 // the compute slot free leads a batch: itself and the requests queued behind it, in arrival order
 // up to SetMaxBatchTokens() prompt tokens, through one batched forward (PrefillEngine::RunBatch);
 // each call replies once the leader hands it its result. Queued and running calls are counted by
-// GetLoad (running = in the current batch).
+// GetLoad (running = in the current batch, or landing).
+//
+// The compute slot is held for the forward only: once a request's compute is over, the batch hands
+// the call its PrefillEngine::Landing and moves on, and the call waits for its own writes on its
+// own server thread (bounded by --transfer-timeout-ms). So a decode node that does not take its
+// writes (link down, stopped) holds only the requests sent to it, never the slot and the requests
+// of other decode nodes queued behind them (docs/FAULTS.md, "Findings").
 // A request is cancelled by Abort (by id) or by its caller cancelling the call; both are checked
 // while it waits and between layers, and the reply comes only after its writes stopped.
 //
@@ -89,8 +95,11 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
     const fluxion::v1::PrefillRequest* request = nullptr;
     std::function<bool()> cancelled;
     uint64_t arrival = 0;
-    bool running = false;  // in a batch
+    bool running = false;  // in a batch, or its writes landing
     bool done = false;     // `result` is the reply; its writes stopped
+    // Compute over, writes maybe in flight: the call waits on it (off the compute slot).
+    std::unique_ptr<PrefillEngine::Landing> landing;
+    bool handed_over = false;  // the batch gave it `landing` (which its call then takes)
     absl::StatusOr<fluxion::v1::PrefillResponse> result{absl::UnknownError("no reply yet")};
     std::chrono::steady_clock::time_point t_start;  // its batch started
   };
@@ -99,8 +108,9 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `live` from live_ if it is still there (a finished batch member leaves at once).
   void EraseLocked(const std::shared_ptr<Live>& live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs `batch` (its members marked running, busy_ held) and hands each member its result;
-  // releases busy_ at the end. Runs on batch_thread_.
+  // Runs `batch` (its members marked running, busy_ held) and hands each member its Landing as
+  // soon as its compute is over; releases busy_ once every member's compute is. Runs on
+  // batch_thread_.
   void RunBatch(const std::vector<std::shared_ptr<Live>>& batch) ABSL_LOCKS_EXCLUDED(mu_);
 
   const PrefillEngine* const engine_;

@@ -10,9 +10,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/backends.h"
 #include "cluster/child_process.h"
+#include "cluster/openai_client.h"
+#include "common/metrics_testing.h"
 #include "cluster/replayer.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -265,6 +269,135 @@ TEST_F(ClusterE2eTest, ZKilledDecodeNodeFailsItsStreamClearlyAndNewRequestsGoEls
     EXPECT_TRUE(r.status.ok()) << i << ": " << r.status.error_message();
     EXPECT_EQ(r.tokens.size(), 4u);
   }
+}
+
+// llm-d's prefill pick (issue 16): two prefill nodes, one decode node trusting both, a router with
+// the OpenAI HTTP API, as the decode pod's sidecar runs. The pick reaches the prefill node it names
+// over HTTP (the header) and gRPC (call metadata); a pick that is not one of the router's prefill
+// nodes is HTTP 400 / INVALID_ARGUMENT (docs/DEPLOY.md, "Behind llm-d's router").
+class PrefillPickE2eTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/fluxion-pick-XXXXXX";
+    dir_ = new std::string(mkdtemp(tmpl));
+    nodes_ = new std::vector<Node>();
+    const std::vector<std::string> node = {"--model", ModelDir(), "--cpu-threads", "1",
+                                           "--ucx-tls", "tcp", "--ucx-net-devices", "lo"};
+    std::vector<std::string> prefills;
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> args = node;
+      args.insert(args.end(), {"--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                               absl::StrCat(*dir_, "/prefill-", i, ".mport")});
+      nodes_->push_back(StartNode(*dir_, absl::StrCat("prefill-", i), "prefill", args));
+      prefills.push_back(nodes_->back().address);
+    }
+    const std::string prefill_list = absl::StrCat(prefills[0], ",", prefills[1]);
+    std::vector<std::string> decode = node;
+    decode.insert(decode.end(), {"--kv-pages", "4096", "--prefill-address", prefill_list});
+    nodes_->push_back(StartNode(*dir_, "decode", "decode", decode));
+    nodes_->push_back(StartNode(*dir_, "router", "router",
+                                {"--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                                 *dir_ + "/router.mport", "--decode", nodes_->back().address,
+                                 "--prefill", prefill_list, "--poll-ms", "100", "--model-dir",
+                                 ModelDir(), "--http-listen", "127.0.0.1:0", "--http-port-file",
+                                 *dir_ + "/http.port"}));
+  }
+  static void TearDownTestSuite() {
+    // Router, decode node, then the prefill nodes.
+    while (!nodes_->empty()) nodes_->pop_back();
+    delete nodes_;
+    delete dir_;
+  }
+  void SetUp() override {
+    for (const Node& n : *nodes_) ASSERT_FALSE(n.address.empty()) << "logs in " << *dir_;
+    auto port = (*nodes_)[3].process->WaitForPortFile(*dir_ + "/http.port", absl::Seconds(30));
+    ASSERT_TRUE(port.ok()) << port.status();
+    http_port_ = *port;
+    // Ready once the router counts both prefill nodes healthy: a pick of a node not yet polled
+    // healthy would fall back to the router's own pick.
+    auto deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      auto m = metrics::testing::HttpGet(RouterMetricsPort(), "/metrics");
+      if (m.ok() && absl::StrContains(*m, R"(fluxion_router_backends_healthy{role="prefill"} 2)")) {
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+  static int RouterMetricsPort() {
+    auto port = (*nodes_)[3].process->WaitForPortFile(*dir_ + "/router.mport", absl::Seconds(5));
+    return port.ok() ? *port : -1;
+  }
+  // Prefill calls prefill node `i` answered OK (its /metrics).
+  static double PrefillOk(int i) {
+    auto port = (*nodes_)[i].process->WaitForPortFile(
+        absl::StrCat(*dir_, "/prefill-", i, ".mport"), absl::Seconds(5));
+    if (!port.ok()) return -1;
+    auto body = metrics::testing::HttpGet(*port, "/metrics");
+    if (!body.ok()) return -1;
+    const std::string key = "fluxion_prefill_requests_total{code=\"OK\"} ";
+    size_t at = body->find(key);
+    double v = 0;
+    if (at == std::string::npos) return 0;
+    const size_t end = body->find('\n', at);
+    (void)absl::SimpleAtod(body->substr(at + key.size(), end - at - key.size()), &v);
+    return v;
+  }
+  static absl::StatusOr<std::string> Complete(const std::string& pick) {
+    const std::string json =
+        R"({"model":"fluxion-tiny-retrieval","prompt":"The key is","max_tokens":3,"temperature":0})";
+    std::vector<std::pair<std::string, std::string>> headers;
+    if (!pick.empty()) headers.emplace_back("x-prefiller-host-port", pick);
+    return openai::PostJsonToLoopback(http_port_, "/v1/completions", json, absl::Seconds(60),
+                                      headers);
+  }
+
+  static std::string* dir_;
+  static std::vector<Node>* nodes_;  // prefill-0, prefill-1, decode, router
+  static int http_port_;
+};
+std::string* PrefillPickE2eTest::dir_ = nullptr;
+std::vector<Node>* PrefillPickE2eTest::nodes_ = nullptr;
+int PrefillPickE2eTest::http_port_ = 0;
+
+TEST_F(PrefillPickE2eTest, HttpHeaderAndGrpcMetadataReachTheNamedPrefillNode) {
+  for (int round = 0; round < 2; ++round) {
+    for (int target : {1, 0}) {
+      const double before_target = PrefillOk(target), before_other = PrefillOk(1 - target);
+      absl::StatusOr<std::string> body = Complete((*nodes_)[target].address);
+      ASSERT_TRUE(body.ok()) << body.status();
+      EXPECT_EQ(PrefillOk(target), before_target + 1) << "round " << round;
+      EXPECT_EQ(PrefillOk(1 - target), before_other) << "round " << round;
+    }
+  }
+  // gRPC (fluxion.v1 on the router's port), the same key as call metadata.
+  auto stub = v1::DecodeService::NewStub(
+      grpc::CreateChannel((*nodes_)[3].address, grpc::InsecureChannelCredentials()));
+  for (int target : {0, 1}) {
+    const double before = PrefillOk(target);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    context.AddMetadata("x-prefiller-host-port", (*nodes_)[target].address);
+    auto reader = stub->Generate(&context, Greedy(absl::StrCat("pick-grpc-", target), 40, 3));
+    v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+    }
+    grpc::Status status = reader->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(PrefillOk(target), before + 1);
+  }
+}
+
+TEST_F(PrefillPickE2eTest, APickThatIsNoneOfOurPrefillNodesIsA400) {
+  const double before = PrefillOk(0) + PrefillOk(1);
+  absl::StatusOr<std::string> body = Complete("10.77.0.9:8000");
+  ASSERT_FALSE(body.ok());
+  EXPECT_THAT(body.status().message(), HasSubstr("400"));
+  EXPECT_THAT(body.status().message(), HasSubstr("x-prefiller-host-port"));
+  EXPECT_THAT(body.status().message(), HasSubstr("names no prefill node of this router"));
+  EXPECT_EQ(PrefillOk(0) + PrefillOk(1), before);
+  // Without the header the router picks.
+  EXPECT_TRUE(Complete("").ok());
 }
 
 }  // namespace

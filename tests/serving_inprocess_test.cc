@@ -73,7 +73,8 @@ v1::ServerInfo Info(v1::ServerRole role, const std::string& name, const Loaded& 
 // A prefill node: the real engine and service; `layer_delay` keeps a request in it for a while.
 class PrefillNode {
  public:
-  PrefillNode(const std::string& name, absl::Duration layer_delay, int64_t max_queued) {
+  PrefillNode(const std::string& name, absl::Duration layer_delay, int64_t max_queued,
+              absl::Duration transfer_timeout = absl::Seconds(30)) {
     loaded_ = Load();
     transfer::LoopbackOptions o;
     o.node_name = name;
@@ -81,6 +82,7 @@ class PrefillNode {
     transport_ = std::make_unique<transfer::LoopbackTransport>(o);
     prefill::PrefillEngineOptions eo;
     eo.layer_delay = layer_delay;
+    eo.transfer_timeout = transfer_timeout;
     engine_ = std::make_unique<prefill::PrefillEngine>(loaded_.model.get(), transport_.get(),
                                                        loaded_.layout, eo);
     service_ = std::make_unique<prefill::PrefillServiceImpl>(
@@ -158,6 +160,8 @@ class DecodeNode {
   }
   v1::DecodeService::Stub& stub() { return *stub_; }
   decode::DecodeServiceImpl& service() { return *service_; }
+  // Its memory's side of the loopback transport (pausing it: a host whose link is down).
+  transfer::LoopbackTransport& transport() { return *transport_; }
   int64_t context_tokens() const { return loaded_.model->config().max_position_embeddings; }
 
  private:
@@ -373,6 +377,40 @@ TEST_F(ServingInProcessTest, FullPrefillQueueIsRefusedNamingTheFlag) {
   EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
   EXPECT_TRUE(Eventually([&] { return decode.service().metrics().pages.free ==
                                       decode.service().metrics().pages.total; }));
+}
+
+TEST_F(ServingInProcessTest, AnUnreachableDecodeNodeHoldsOnlyItsOwnPrefillsNotTheNode) {
+  // Decode node A stops taking writes (its transport's progress paused: the prefill node's puts
+  // queue and never land, as behind a link that is down). Its request holds the prefill node only
+  // for its own writes: a request of decode node B, sent while A's writes hang, completes long
+  // before A's lease (120 s). Before the compute slot was released at the end of the forward, B
+  // waited behind A until the lease ran out (docs/FAULTS.md, "Findings").
+  PrefillNode prefill("prefill-h", absl::ZeroDuration(), /*max_queued=*/8,
+                      /*transfer_timeout=*/absl::Seconds(120));
+  DecodeNode a("decode-ha", {prefill.address()}), b("decode-hb", {prefill.address()});
+  a.transport().SetProgressPausedForTesting(true);
+  Outcome stuck;
+  std::thread t([&] { stuck = Generate(a.stub(), Request("h-a", 2)); });
+  // A's compute is over and its writes are in flight (the call is still open at the node).
+  ASSERT_TRUE(Eventually([&] {
+    return prefill.service().Load().running_requests() == 1 &&
+           prefill.service().metrics().transport.batches_submitted > 0;
+  }));
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = b.stub().Generate(&context, Request("h-b", 2));
+  Outcome healthy = Drain(*reader);
+  EXPECT_TRUE(healthy.status.ok()) << healthy.status.error_message();
+  EXPECT_EQ(healthy.tokens, 2u);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+  // A's request still waits for its own writes, and finishes once they land.
+  EXPECT_EQ(prefill.service().Load().running_requests(), 1u);
+  a.transport().SetProgressPausedForTesting(false);
+  t.join();
+  EXPECT_TRUE(stuck.status.ok()) << stuck.status.error_message();
+  EXPECT_EQ(stuck.tokens, 2u);
+  EXPECT_EQ(prefill.service().metrics().requests_ok, 2u);
 }
 
 TEST(PrefillPeersTest, OnlyConfiguredAddressesAndTheAddressesOfConfiguredNamesAreTrusted) {
