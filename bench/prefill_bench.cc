@@ -103,8 +103,11 @@ class DecodeSide {
     const int64_t state_pages =
         static_cast<int64_t>(decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, max_context) /
                              shape.page_bytes()) + 1;
+    const int64_t meta_pages =
+        decode::PageMetaRoomPages(Shape(), o_.page_tokens, max_context, shape.page_bytes());
     FLUXION_ASSIGN_OR_RETURN(arena_, decode::KvArena::Create(
-                                         shape.page_bytes(), geo.total_pages(max_context) + state_pages));
+                                         shape.page_bytes(),
+                                         geo.total_pages(max_context) + meta_pages + state_pages));
     FLUXION_ASSIGN_OR_RETURN(registration_,
                              transport_->Register({arena_->base(), arena_->bytes()}, {true}));
     FLUXION_ASSIGN_OR_RETURN(descriptor_, registration_->Describe());
@@ -132,11 +135,19 @@ class DecodeSide {
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     const Clock::time_point t0 = Clock::now();
     FLUXION_ASSIGN_OR_RETURN(decode::Reservation kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
-    decode::Reservation room;
+    // The side room as the decode node reserves it: page metadata, then the sparse state.
+    const model::AttentionShape shape = Shape();
+    const int64_t meta_pages =
+        decode::PageMetaRoomPages(shape, o_.page_tokens, n, arena_->page_bytes());
+    int64_t state_pages = 0;
     if (needs_state) {
       const uint64_t bytes = decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, n);
-      const int64_t pages = static_cast<int64_t>((bytes + arena_->page_bytes() - 1) / arena_->page_bytes());
-      FLUXION_ASSIGN_OR_RETURN(room, admission_->Reserve(pages, deadline, [] { return false; }));
+      state_pages = static_cast<int64_t>((bytes + arena_->page_bytes() - 1) / arena_->page_bytes());
+    }
+    decode::Reservation room;
+    if (meta_pages + state_pages > 0) {
+      FLUXION_ASSIGN_OR_RETURN(room, admission_->Reserve(meta_pages + state_pages, deadline,
+                                                         [] { return false; }));
       FLUXION_RETURN_IF_ERROR(room.RegisterRuns(transport_.get()));
     }
     FLUXION_RETURN_IF_ERROR(kv.RegisterRuns(transport_.get()));
@@ -147,25 +158,30 @@ class DecodeSide {
       generate.add_prompt_token_ids(static_cast<uint32_t>(rng() % c_.vocab_size));
     }
     decode::PrefillTarget target{&descriptor_, arena_->page_bytes(), &kv, &room, needs_state,
-                                 geo.pages_per_head(n), &layout_};
+                                 geo.pages_per_head(n), &layout_, meta_pages};
     model::SamplingParams sampling;
     const v1::PrefillRequest request =
         decode::BuildPrefillRequest(absl::StrCat("bench-", n), generate, sampling, target);
     kv.SetPeerMayWrite(absl::Seconds(60));
-    if (needs_state) room.SetPeerMayWrite(absl::Seconds(60));
+    if (!room.empty()) room.SetPeerMayWrite(absl::Seconds(60));
     if (!WriteMessage(out, request.SerializeAsString())) return absl::UnavailableError("parent gone");
     FLUXION_ASSIGN_OR_RETURN(std::string answer, ReadMessage(in));
     kv.SetPeerStopped();
-    if (needs_state) room.SetPeerStopped();
+    if (!room.empty()) room.SetPeerStopped();
     v1::PrefillResponse landed;
     if (answer.empty() || !landed.ParseFromString(answer)) {
       return absl::AbortedError("the prefill failed (see the prefill side's error)");
     }
-    decode::LandingInput input{arena_.get(),
-                               model::AttentionShape{c_.num_layers, c_.num_heads, c_.num_kv_heads,
-                                                     c_.head_dim,
-                                                     1.0f / std::sqrt(static_cast<float>(c_.head_dim))},
-                               o_.page_tokens, n, &landed, &policy_, needs_state};
+    decode::LandingInput input;
+    input.arena = arena_.get();
+    input.shape = shape;
+    input.page_tokens = o_.page_tokens;
+    input.prompt_tokens = n;
+    input.landed = &landed;
+    input.policy = &policy_;
+    input.needs_state = needs_state;
+    input.meta_pages = meta_pages;
+    input.pool = &pool_;  // as the decode node lands, on its CPU pool
     bool checksum_failed = false;
     const Clock::time_point t1 = Clock::now();
     FLUXION_ASSIGN_OR_RETURN(auto attention,
@@ -175,8 +191,14 @@ class DecodeSide {
     return absl::StrFormat("%.6f %.6f", reserve_s, land_s);
   }
 
+  model::AttentionShape Shape() const {
+    return model::AttentionShape{c_.num_layers, c_.num_heads, c_.num_kv_heads, c_.head_dim,
+                                 1.0f / std::sqrt(static_cast<float>(c_.head_dim))};
+  }
+
   const Options& o_;
   const model::ModelConfig c_;
+  const kernels::cpu::CpuPool pool_{static_cast<int>(std::thread::hardware_concurrency())};
   const v1::ModelLayout layout_;
   std::unique_ptr<transfer::UcxTransport> transport_;
   std::unique_ptr<decode::KvArena> arena_;
