@@ -163,6 +163,11 @@ struct PrefillEngine::Job {
   std::unique_ptr<Submitted> submitted;
   std::vector<uint64_t> checksums;
   std::vector<int64_t> sent;  // pages per head already submitted, per layer
+  // Pages per head already hashed and encoded, per layer, and each (layer, KV head)'s CRC-32C so
+  // far: the per-layer work runs piece by piece as pages complete, not all at a layer's end
+  // (chunk-major, every layer ends during the last chunk: 17 GB at once at 128K, session 13).
+  std::vector<int64_t> digested;
+  std::vector<uint32_t> head_crcs;
   SendingAttention* attention = nullptr;  // the CPU path's
   std::optional<model::SparseState> device_state;  // the device path's capture
   std::unique_ptr<model::Sequence> seq;
@@ -275,6 +280,8 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   }
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
   j->sent.assign(shape.num_layers, 0);
+  j->digested.assign(shape.num_layers, 0);
+  j->head_crcs.assign(shape.num_layers * shape.num_kv_heads, 0);
   j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
   if (device_ != nullptr) return job;
   auto owned = std::make_unique<SendingAttention>(
@@ -371,18 +378,45 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
     FLUXION_RETURN_IF_ERROR(Submit(j, layer, layer + 1, j.sent[layer], complete));
     j.sent[layer] = complete;
   }
+  Digest(j, layer, complete);
   if (layer_done) {
-    const uint8_t* dst = j.staging + layer * j.layer_bytes;
-    if (j.crc) j.checksums[layer] = transfer::Crc32c(dst, j.layer_bytes);
-    if (j.want_meta) {  // from the staging copy just packed (or copied from HBM), while it is warm
+    if (j.crc) {  // the layer's pages in wire order: head 0's, then head 1's, ...
+      const int64_t hkv = shape_.num_kv_heads;
+      uint32_t crc = j.head_crcs[layer * hkv];
+      for (int64_t h = 1; h < hkv; ++h) {
+        crc = transfer::Crc32cCombine(crc, j.head_crcs[layer * hkv + h], j.per_head * j.cb);
+      }
+      j.checksums[layer] = crc;
+    }
+    if (j.want_meta) {
       uint8_t* block = j.meta_blob.data() + layer * j.meta_layer_bytes;
-      transfer::EncodeLayerPageMeta(j.geo, j.n, dst, block);
       if (j.crc) j.meta_checksums[layer] = transfer::Crc32c(block, j.meta_layer_bytes);
       if (options_.layerwise) FLUXION_RETURN_IF_ERROR(SubmitMeta(j, layer, layer + 1));
     }
     if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
   return absl::OkStatus();
+}
+
+// Hashes and encodes the page bounds of `layer`'s pages that became complete since the last call,
+// from the staging copy while it is warm.
+void PrefillEngine::Digest(Job& j, int layer, int64_t complete) const {
+  const int64_t p0 = j.digested[layer];
+  if (complete <= p0) return;
+  const int64_t hkv = shape_.num_kv_heads;
+  const uint8_t* layer_pages = j.staging + layer * j.layer_bytes;
+  if (j.crc) {
+    for (int64_t h = 0; h < hkv; ++h) {
+      uint32_t& crc = j.head_crcs[layer * hkv + h];
+      crc = transfer::Crc32cExtend(crc, layer_pages + (h * j.per_head + p0) * j.cb,
+                                   static_cast<size_t>(complete - p0) * j.cb);
+    }
+  }
+  if (j.want_meta) {
+    transfer::EncodePageMetaRange(j.geo, j.n, layer_pages, p0, complete,
+                                  j.meta_blob.data() + layer * j.meta_layer_bytes);
+  }
+  j.digested[layer] = complete;
 }
 
 // One request through the device's forward. The copy thread calls back with each piece once its

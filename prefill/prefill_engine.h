@@ -109,6 +109,7 @@ class PrefillEngine {
   absl::Status CheckCancelled(const Job& j, int layer) const;
   // Sends the pages of `layer` that rows [0, end) completed and checksums the layer once done.
   absl::Status SendCompleted(Job& j, int layer, int64_t end) const;
+  void Digest(Job& j, int layer, int64_t complete) const;
   void RunOnDevice(Job& j) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
   // Finish is Land(&j, FinishCompute(j)): waits for the writes, as every direct reply must.

@@ -48,7 +48,40 @@ __attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t crc, const uint8
 }
 #endif
 
+// GF(2) matrix (32 columns of 32 bits) times a vector.
+uint32_t MatrixTimes(const uint32_t* m, uint32_t v) {
+  uint32_t sum = 0;
+  for (; v != 0; v >>= 1, ++m) {
+    if (v & 1) sum ^= *m;
+  }
+  return sum;
+}
+
+void MatrixSquare(uint32_t* square, const uint32_t* m) {
+  for (int n = 0; n < 32; ++n) square[n] = MatrixTimes(m, m[n]);
+}
+
 }  // namespace
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  if (len_b == 0) return crc_a;
+  uint32_t even[32], odd[32];  // operators for 2^k zero bits, alternating
+  odd[0] = kPoly;  // one zero bit
+  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
+  MatrixSquare(even, odd);  // two zero bits
+  MatrixSquare(odd, even);  // four
+  // Apply len_b zero bytes to crc_a: the first squaring below gives one byte's operator.
+  do {
+    MatrixSquare(even, odd);
+    if (len_b & 1) crc_a = MatrixTimes(even, crc_a);
+    len_b >>= 1;
+    if (len_b == 0) break;
+    MatrixSquare(odd, even);
+    if (len_b & 1) crc_a = MatrixTimes(odd, crc_a);
+    len_b >>= 1;
+  } while (len_b != 0);
+  return crc_a ^ crc_b;
+}
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);

@@ -18,6 +18,12 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n);
 
 inline uint32_t Crc32c(const void* data, size_t n) { return Crc32cExtend(0, data, n); }
 
+// The CRC-32C of A followed by B from crc_a = Crc32c(A), crc_b = Crc32c(B) and B's length
+// (zlib's crc32_combine for the Castagnoli polynomial: O(log len_b) 32x32 GF(2) matrix squarings,
+// no data read). Lets pieces of a stream be hashed as they arrive in another order (the prefill
+// node hashes each KV head's pages as they complete and combines the heads at the layer's end).
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 }  // namespace fluxion::transfer
 
 #endif  // FLUXION_TRANSFER_CRC32C_H_

@@ -32,6 +32,20 @@ uint32_t Crc32cBitwise(uint32_t crc, const uint8_t* p, size_t n) {
 
 // Many lengths (the 8-byte steps and their byte tail, an 8 KiB page), from odd offsets and with a
 // running start value: the hardware path gives the definition's value.
+TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
+  std::vector<uint8_t> data(70000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + (i >> 7));
+  const uint32_t whole = Crc32c(data.data(), data.size());
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{4096}, size_t{69999}, size_t{70000}}) {
+    const uint32_t a = Crc32c(data.data(), cut);
+    const uint32_t b = Crc32c(data.data() + cut, data.size() - cut);
+    EXPECT_EQ(Crc32cCombine(a, b, data.size() - cut), whole) << "cut at " << cut;
+  }
+  // Three pieces, combined left to right.
+  const uint32_t ab = Crc32cCombine(Crc32c(data.data(), 100), Crc32c(data.data() + 100, 900), 900);
+  EXPECT_EQ(Crc32cCombine(ab, Crc32c(data.data() + 1000, 69000), 69000), whole);
+}
+
 TEST(Crc32cTest, EqualsTheBitwiseDefinition) {
   std::vector<uint8_t> data(40000);
   uint32_t x = 12345;

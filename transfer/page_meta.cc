@@ -63,12 +63,12 @@ void PageKeyBounds(int64_t head_dim, int64_t rows, const bf16* keys, float* min,
   }
 }
 
-void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
-                         uint8_t* dst) {
+void EncodePageMetaRange(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
+                         int64_t first_page, int64_t end_page, uint8_t* dst) {
   const int64_t d = g.head_dim, pt = g.page_tokens, per_head = g.pages_per_head(tokens);
   std::vector<float> mn(d), mx(d);
   for (int64_t h = 0; h < g.num_kv_heads; ++h) {
-    for (int64_t i = 0; i < per_head; ++i) {
+    for (int64_t i = first_page; i < end_page && i < per_head; ++i) {
       const int64_t index = h * per_head + i;
       const auto* keys = reinterpret_cast<const bf16*>(layer_pages + index * g.content_bytes());
       PageKeyBounds(d, std::min(pt, tokens - i * pt), keys, mn.data(), mx.data());
@@ -79,6 +79,11 @@ void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t*
       }
     }
   }
+}
+
+void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
+                         uint8_t* dst) {
+  EncodePageMetaRange(g, tokens, layer_pages, 0, g.pages_per_head(tokens), dst);
 }
 
 absl::Status DecodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* block,

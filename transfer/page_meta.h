@@ -53,6 +53,10 @@ void PageKeyBounds(int64_t head_dim, int64_t rows, const bf16* keys, float* min,
 // (PageMetaLayerBytes(g, tokens) bytes).
 void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
                          uint8_t* dst);
+// The records of pages [first_page, end_page) of every KV head only (the rest of `dst` is left as
+// it is): a layer encoded range by range, as its pages complete, equals EncodeLayerPageMeta.
+void EncodePageMetaRange(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
+                         int64_t first_page, int64_t end_page, uint8_t* dst);
 
 // Decodes a layer block (`block`, PageMetaLayerBytes(g, tokens) bytes: the caller checked the
 // size) into fp32 bounds: min[h] and max[h] each point at [pages_per_head][head_dim] floats for

@@ -75,6 +75,16 @@ TEST(PageMetaTest, BlockHoldsTheExactBoundsOfEachPagesValidRows) {
   }
 }
 
+TEST(PageMetaTest, EncodingRangeByRangeEqualsTheWholeLayer) {
+  const Packed p = MakePages();
+  std::vector<uint8_t> whole(PageMetaLayerBytes(kGeo, kTokens)), pieces(whole.size(), 0xab);
+  EncodeLayerPageMeta(kGeo, kTokens, p.pages.data(), whole.data());
+  EncodePageMetaRange(kGeo, kTokens, p.pages.data(), 0, 1, pieces.data());
+  EXPECT_NE(pieces, whole);  // pages 1 and 2 of every head are not written yet
+  EncodePageMetaRange(kGeo, kTokens, p.pages.data(), 1, 3, pieces.data());
+  EXPECT_EQ(pieces, whole);
+}
+
 TEST(PageMetaTest, DecodeGivesWhatPageKeyBoundsComputesFromThePages) {
   const Packed p = MakePages();
   std::vector<uint8_t> block(PageMetaLayerBytes(kGeo, kTokens));
