@@ -121,9 +121,11 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.Int("kv-pages", &kv_pages, "KV pages per decode node");
   flags.String("ucx-tls", &ucx_tls, "UCX transports between the nodes: tcp (over lo) or sm");
   flags.String("policy", &policy, "sparse attention policy (empty: the decode nodes' default)");
-  std::string decode_device = "cpu";
+  std::string decode_device = "cpu", prefill_device = "cpu";
   flags.String("decode-device", &decode_device,
                "--device of each decode node: cpu, or cuda (the hybrid CPU-GPU step)");
+  flags.String("prefill-device", &prefill_device,
+               "--device of each prefill node: cpu, or cuda (the GPU prefill)");
   flags.Int("vocab-size", &vocab_size,
             "prompt token ids are drawn from [1, vocab-size) (256: the byte-level tiny model)");
   flags.Int("max-requests", &transform.max_requests, "replay the first N requests of the trace");
@@ -261,7 +263,8 @@ int RunLocalCommand(const std::vector<std::string>& args) {
     return absl::OkStatus();
   };
   if (absl::Status s = start_nodes(
-          "prefill", prefill_nodes, [](int64_t) { return std::vector<std::string>(); },
+          "prefill", prefill_nodes,
+          [&](int64_t) { return std::vector<std::string>{"--device", prefill_device}; },
           &prefill_addresses);
       !s.ok()) {
     return fail(s);
