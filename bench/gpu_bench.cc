@@ -100,7 +100,7 @@ struct Options {
   double host_gib = 8.0;
   bool dense_step = true;
   std::vector<int64_t> page_tokens = {16};
-  std::vector<std::string> paged_kernels = {"v3", "v4", "v4s2", "v4t"};
+  std::vector<std::string> paged_kernels = {"v3", "v4", "v4s2", "v4t", "v5", "v5s2"};
 };
 
 // One launch plan: items (B x KV heads), each split into chunks of spans, and the merge.
@@ -381,10 +381,12 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   BENCH_CUDA(cudaMemsetAsync(dq, 0, max_m * kKvHeads * kGroup * kHeadDim * 4, stream));
   std::vector<cuda::PagedKernel> kernels;
   for (const std::string& k : o.paged_kernels) {
-    kernels.push_back(k == "v3"     ? cuda::PagedKernel::kV3
-                      : k == "v4s2" ? cuda::PagedKernel::kV4TwoStage
-                      : k == "v4t"  ? cuda::PagedKernel::kV4Scatter
-                                    : cuda::PagedKernel::kV4);
+    cuda::PagedKernel kernel;
+    if (!cuda::PagedKernelFromName(k, &kernel)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--paged-kernels: unknown kernel '", k, "' (v3, v4, v4s2, v4t, v5, v5s2)"));
+    }
+    kernels.push_back(kernel);
   }
   Row("\n%-30s %3s %5s %8s %9s %10s %9s %8s %7s\n", "attention (one layer)", "P", "B", "context",
       "read", "ms", "GB/s", "% limit", "chunks");
@@ -682,7 +684,8 @@ int RunGpuBench(const std::vector<std::string>& args) {
                 "tokens per KV page of the attention rows: 8, 16, 32, 64 (v3 skips 64)");
   flags.StringList("paged-kernels", &o.paged_kernels,
                    "paged attention kernels to time side by side: v3 (old), v4, v4s2 (v4 with "
-                   "2-stage rings, 3 blocks per SM), v4t (v4 with reduce-scatter scores)");
+                   "2-stage rings, 3 blocks per SM), v4t (v4 with reduce-scatter scores), v5 (tensor "
+                   "cores), v5s2 (v5 with 2-stage rings)");
   flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
@@ -708,8 +711,9 @@ int RunGpuBench(const std::vector<std::string>& args) {
     return 2;
   }
   for (const std::string& k : o.paged_kernels) {
-    if (k != "v3" && k != "v4" && k != "v4s2" && k != "v4t") {
-      std::cerr << "error: --paged-kernels values must be v3, v4, v4s2 or v4t\n";
+    cuda::PagedKernel kernel;
+    if (!cuda::PagedKernelFromName(k, &kernel)) {
+      std::cerr << "error: --paged-kernels values must be v3, v4, v4s2, v4t, v5 or v5s2\n";
       return 2;
     }
   }

@@ -74,6 +74,9 @@ struct Options {
   // (Point::join_*); needs a spare request (batch below the largest).
   bool join = false;
   std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
+  // The paged kernels the HBM-resident reference runs with (kernels/cuda/paged_decode.h); each a
+  // row.
+  std::vector<std::string> hbm_kernels = {"v4s2"};
   decode::sparse::GuardConfig guard;
 };
 
@@ -407,7 +410,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
 // fit in the device memory left.
 absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
                                    const model::ModelConfig& config, int64_t context,
-                                   int64_t batch, int64_t steps) {
+                                   int64_t batch, int64_t steps,
+                                   kernels::cuda::PagedKernel kernel) {
   decode::HbmKvShape shape;
   shape.num_layers = config.num_layers;
   shape.num_heads = config.num_heads;
@@ -426,8 +430,7 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<decode::HbmFullAttention> hbm,
       decode::HbmFullAttention::Create(
-          shape, static_cast<cudaStream_t>(executor.ops().native_stream()),
-          kernels::cuda::PagedKernel::kV4TwoStage));
+          shape, static_cast<cudaStream_t>(executor.ops().native_stream()), kernel));
   std::vector<int> slots(batch);
   std::vector<int64_t> positions(batch, context);
   std::vector<int32_t> tokens(batch);
@@ -625,8 +628,14 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         FLUXION_RETURN_IF_ERROR(mb == 2 ? time_rows(*ping_pong, mb) : time_rows(*executor, mb));
       }
 #ifdef FLUXION_HAVE_CUDA
-      if (o.device == "cuda") {
-        absl::StatusOr<double> hbm = TimeHbmFull(*executor, config, context, batch, o.steps);
+      for (const std::string& kernel_name : o.device == "cuda" ? o.hbm_kernels
+                                                                : std::vector<std::string>{}) {
+        kernels::cuda::PagedKernel kernel = kernels::cuda::PagedKernel::kV4TwoStage;
+        kernels::cuda::PagedKernelFromName(kernel_name, &kernel);  // checked with the flags
+        const std::string label = o.hbm_kernels.size() > 1 ? "hbm-full-" + kernel_name
+                                                           : std::string("hbm-full");
+        absl::StatusOr<double> hbm =
+            TimeHbmFull(*executor, config, context, batch, o.steps, kernel);
         if (hbm.ok()) {
           // Whether the dense segments ran from CUDA graphs (docs/GPU.md, session 9).
           const model::DecodeStepRunner& runner = executor->runner();
@@ -637,14 +646,14 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
           std::printf("%8lld %5lld %2s %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on "
                       "the GPU; %s)\n",
                       static_cast<long long>(context), static_cast<long long>(batch), "1",
-                      "hbm-full",
-                      *hbm, 1e3 * batch / *hbm, graphs.c_str());
+                      label.c_str(), *hbm, 1e3 * batch / *hbm, graphs.c_str());
           results->push_back({{"preset", o.preset}, {"device", o.device}, {"context", context},
-                              {"batch", batch}, {"policy", "hbm-full"}, {"step_ms", *hbm},
-                              {"tokens_per_s", 1e3 * batch / *hbm}, {"graphs", graphs}});
+                              {"batch", batch}, {"policy", "hbm-full"}, {"kernel", kernel_name},
+                              {"step_ms", *hbm}, {"tokens_per_s", 1e3 * batch / *hbm},
+                              {"graphs", graphs}});
         } else {
           std::printf("%8lld %5lld %2s %-34s | skipped: %s\n", static_cast<long long>(context),
-                      static_cast<long long>(batch), "1", "hbm-full",
+                      static_cast<long long>(batch), "1", label.c_str(),
                       std::string(hbm.status().message()).c_str());
         }
       }
@@ -751,6 +760,9 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");
+  flags.StringList("hbm-kernels", &o.hbm_kernels,
+                   "paged kernels of the HBM-resident reference row (v4, v4s2, v5, v5s2, ...; "
+                   "kernels/cuda/paged_decode.h); each a row");
   flags.Bool("join", &o.join,
              "after each hybrid point, admit one more request off the step while the batch "
              "steps on, and report how long it took and the longest step meanwhile");
@@ -774,6 +786,15 @@ int RunHybridBench(const std::vector<std::string>& args) {
     o.guard_modes = guard->modes;
     o.guard = guard->config;
   }
+#ifdef FLUXION_HAVE_CUDA
+  for (const std::string& k : o.hbm_kernels) {
+    kernels::cuda::PagedKernel kernel;
+    if (!kernels::cuda::PagedKernelFromName(k, &kernel)) {
+      std::cerr << "error: --hbm-kernels: unknown kernel '" << k << "'\n";
+      return 2;
+    }
+  }
+#endif
   absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
   if (!pool.ok()) {
     std::cerr << "error: " << pool.status().message() << "\n";

@@ -106,6 +106,10 @@ absl::string_view CudaAttentionBackend::name() const {
       return "cuda-v4s2";
     case PagedKernel::kV4Scatter:
       return "cuda-v4t";
+    case PagedKernel::kV5:
+      return "cuda-v5";
+    case PagedKernel::kV5TwoStage:
+      return "cuda-v5s2";
   }
   return "cuda";
 }

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/paged_decode_mma.h"
+#include "kernels/cuda/paged_units.cuh"
+
 namespace fluxion::kernels::cuda {
 namespace {
 
@@ -221,7 +224,8 @@ __global__ void __launch_bounds__(128)
 // Lane layout (head_dim 128; 64 halves the lanes per row): lane = (row-in-pass, dim group dg) with
 // 16 lanes x 8 dims per row, 2 rows per pass, 8 passes per unit; a lane keeps the scores of its
 // rows in registers and uses the same rows for the value pass, so scores never touch memory.
-constexpr int kV4Warps = 4, kV4Threads = 32 * kV4Warps, kV4UnitRows = 16;
+constexpr int kV4Warps = paged_units::kWarps, kV4Threads = paged_units::kThreads,
+              kV4UnitRows = paged_units::kUnitRows;
 
 // 8 bf16 (one 16-byte load, taken by value so that it is one 128-bit shared load) to fp32: a
 // bf16 is the high half of the fp32 with the same value, so two bit operations per pair.
@@ -234,20 +238,8 @@ __device__ __forceinline__ void Bf16x8ToFloat(const uint4 raw, float out[8]) {
   }
 }
 
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: write 16 zero bytes, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using paged_units::CpAsyncCommit;
+using paged_units::CpAsyncWait;
 
 // kScatter (PagedKernel::kV4Scatter): the score reduction over a row's lanes is a reduce-scatter
 // across heads (a lane halves the heads it carries at each of the first log2(group) shuffle
@@ -308,21 +300,12 @@ struct V4Shape {
   static constexpr int kLanesPerRow = kHeadDim / 8;         // 16-byte chunks per row
   static constexpr int kRowsPerPass = 32 / kLanesPerRow;     // 2 (d128) or 4 (d64)
   static constexpr int kPasses = kV4UnitRows / kRowsPerPass;  // 8 or 4
-  static constexpr int kCopiesPerLane = kV4UnitRows * kLanesPerRow / 32;  // per matrix
-  static constexpr int kSpansPerUnit = kPageTokens >= kV4UnitRows ? 1 : kV4UnitRows / kPageTokens;
   static constexpr int kUnitElems = kV4UnitRows * kHeadDim;  // bf16 per matrix per unit
   static constexpr int kStageElems = 2 * kUnitElems;         // K then V
   static constexpr int kWarpElems = kStages * kStageElems;
   static constexpr size_t kSmemBytes = sizeof(bf16) * kV4Warps * kWarpElems;
-  static_assert(kPageTokens % kV4UnitRows == 0 || kV4UnitRows % kPageTokens == 0);
   static_assert(static_cast<size_t>(kG) * (kHeadDim + 2) * sizeof(float) <=
                 sizeof(bf16) * kWarpElems);  // the warp's final state fits its ring
-};
-
-// The spans one unit reads (rows = 0 past the item's end).
-template <int kSpansPerUnit>
-struct UnitSpans {
-  PageSpan s[kSpansPerUnit];
 };
 
 template <int kHeadDim, int kG, int kPageTokens, int kStages, bool kScatter>
@@ -339,11 +322,10 @@ __global__ void __launch_bounds__(kV4Threads,
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dg = lane % S::kLanesPerRow, row_in_pass = lane / S::kLanesPerRow;
   bf16* const ring = reinterpret_cast<bf16*>(v4_smem) + warp * S::kWarpElems;
-  const int n_spans = item.span_end - item.span_begin;
-  const int units = static_cast<int>((static_cast<int64_t>(n_spans) * kPageTokens +
-                                      kV4UnitRows - 1) / kV4UnitRows);
-  const PageSpan* item_spans = spans + item.span_begin;
-  constexpr int64_t kValueOffset = static_cast<int64_t>(kPageTokens) * kHeadDim;
+  using Loader = paged_units::UnitLoader<kHeadDim, kPageTokens, kHeadDim>;
+  const Loader loader(arena, page_bytes, spans + item.span_begin,
+                      item.span_end - item.span_begin);
+  const int units = loader.units;
 
   // q of this lane's 8 dims for every head, pre-scaled so that scores are in base 2.
   float q[kG][8];
@@ -368,50 +350,10 @@ __global__ void __launch_bounds__(kV4Threads,
   float m_mine = -INFINITY, l_mine = 0.0f;
   const int row_base = row_in_pass * S::kLanesPerRow;
 
-  auto load_spans = [&](int u) {
-    UnitSpans<S::kSpansPerUnit> us;
-#pragma unroll
-    for (int j = 0; j < S::kSpansPerUnit; ++j) {
-      const int idx = S::kSpansPerUnit == 1 ? u * kV4UnitRows / kPageTokens
-                                            : u * S::kSpansPerUnit + j;
-      if (u < units && idx < n_spans) {
-        us.s[j] = item_spans[idx];
-      } else {
-        us.s[j] = PageSpan{0, 0, 0};
-      }
-    }
-    return us;
-  };
-  // Slot t of unit u: (span j of the unit, row r of that span).
-  auto slot_span = [](int t) { return S::kSpansPerUnit == 1 ? 0 : t / kPageTokens; };
-  auto slot_row = [](int u, int t) {
-    return S::kSpansPerUnit == 1 ? (u * kV4UnitRows) % kPageTokens + t : t % kPageTokens;
-  };
-  auto issue = [&](int u, int stage, const UnitSpans<S::kSpansPerUnit>& us) {
-    if (u >= units) return;  // never computed
-    bf16* ks = ring + stage * S::kStageElems;
-#pragma unroll
-    for (int c = 0; c < S::kCopiesPerLane; ++c) {
-      const int chunk = lane + 32 * c;
-      const int t = chunk / S::kLanesPerRow, col = chunk % S::kLanesPerRow;
-      const PageSpan& sp = us.s[slot_span(t)];
-      const int r = slot_row(u, t);
-      const bool valid = r < sp.rows;
-      const bf16* row = reinterpret_cast<const bf16*>(
-                            arena + (valid ? static_cast<size_t>(sp.page) * page_bytes : 0)) +
-                        (valid ? static_cast<int64_t>(sp.first_row + r) * kHeadDim : 0) + col * 8;
-      CpAsync16(ks + t * kHeadDim + col * 8, row, valid);
-      CpAsync16(ks + S::kUnitElems + t * kHeadDim + col * 8, row + kValueOffset, valid);
-    }
-    // Valid slots: the first rows - row0 slots of each span's share of the unit.
-    constexpr int kSlotsPerSpan = kV4UnitRows / S::kSpansPerUnit;
-    uint32_t mask = 0;
-#pragma unroll
-    for (int j = 0; j < S::kSpansPerUnit; ++j) {
-      const int n = min(max(us.s[j].rows - slot_row(u, j * kSlotsPerSpan), 0), kSlotsPerSpan);
-      mask |= ((1u << n) - 1u) << (j * kSlotsPerSpan);
-    }
-    if (lane == 0) valid_masks[warp][stage] = mask;
+  auto issue = [&](int u, int stage, const typename Loader::Spans& us) {
+    const uint32_t mask =
+        loader.Issue(u, reinterpret_cast<uint16_t*>(ring + stage * S::kStageElems), us, lane);
+    if (lane == 0 && u < units) valid_masks[warp][stage] = mask;
   };
 
   auto compute = [&](int stage) {
@@ -551,15 +493,15 @@ __global__ void __launch_bounds__(kV4Threads,
   auto unit_of = [warp](int k) { return warp + k * kV4Warps; };
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) {
-    issue(unit_of(k), k, load_spans(unit_of(k)));
+    issue(unit_of(k), k, loader.LoadSpans(unit_of(k)));
     CpAsyncCommit();
   }
-  UnitSpans<S::kSpansPerUnit> next = load_spans(unit_of(kStages - 1));
+  typename Loader::Spans next = loader.LoadSpans(unit_of(kStages - 1));
   const int my_units = units > warp ? (units - warp + kV4Warps - 1) / kV4Warps : 0;
   for (int k = 0; k < my_units; ++k) {
     issue(unit_of(k + kStages - 1), (k + kStages - 1) % kStages, next);
     CpAsyncCommit();
-    next = load_spans(unit_of(k + kStages));
+    next = loader.LoadSpans(unit_of(k + kStages));
     CpAsyncWait<kStages - 1>();  // unit k has landed (this lane's copies)
     __syncwarp();                  // ... and every lane's
     compute(k % kStages);
@@ -602,29 +544,9 @@ __global__ void __launch_bounds__(kV4Threads,
   }
   __syncthreads();
   const bf16* const rings = reinterpret_cast<const bf16*>(v4_smem);
-  auto warp_state = [rings](int w) {
-    return reinterpret_cast<const float*>(rings + w * S::kWarpElems);
-  };
-  for (int idx = tid; idx < group * kHeadDim; idx += kV4Threads) {
-    const int h = idx / kHeadDim, d = idx % kHeadDim;
-    float big = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kV4Warps; ++w) big = fmaxf(big, warp_state(w)[h]);
-    float total = 0.0f, o = 0.0f;
-    if (big != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kV4Warps; ++w) {
-        const float* st = warp_state(w);
-        const float c = exp2f(st[h] - big);  // 0 for an empty warp
-        total += st[kG + h] * c;
-        o += st[2 * kG + h * kHeadDim + d] * c;
-      }
-    }
-    item.out[idx] = total > 0.0f ? o / total : 0.0f;
-    if (d == 0) {
-      item.lse[h] = total > 0.0f ? (big + log2f(total)) * 0.69314718055994531f : -INFINITY;
-    }
-  }
+  paged_units::MergeWarpStates<kG, kHeadDim>(
+      [rings](int w) { return reinterpret_cast<const float*>(rings + w * S::kWarpElems); },
+      group, item.out, item.lse);
 }
 
 // The arguments every v4 launch passes through the dispatch below.
@@ -721,6 +643,11 @@ cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_
   }
   const unsigned blocks = static_cast<unsigned>(num_items);
   const int g = static_cast<int>(group);
+  if (kernel == PagedKernel::kV5 || kernel == PagedKernel::kV5TwoStage) {
+    return LaunchPagedDecodeV5({blocks, stream, arena, page_bytes, page_tokens, head_dim, spans,
+                                items, g, scale},
+                               kernel == PagedKernel::kV5TwoStage ? 2 : 3);
+  }
   if (kernel != PagedKernel::kV3) {
     const V4Args args{blocks, stream, arena, page_bytes, spans, items, g, scale};
     switch (head_dim) {
@@ -761,8 +688,23 @@ const char* PagedKernelName(PagedKernel kernel) {
       return "v4s2";
     case PagedKernel::kV4Scatter:
       return "v4t";
+    case PagedKernel::kV5:
+      return "v5";
+    case PagedKernel::kV5TwoStage:
+      return "v5s2";
   }
   return "unknown";
+}
+
+bool PagedKernelFromName(const std::string& name, PagedKernel* kernel) {
+  for (PagedKernel k : {PagedKernel::kV3, PagedKernel::kV4, PagedKernel::kV4TwoStage,
+                        PagedKernel::kV4Scatter, PagedKernel::kV5, PagedKernel::kV5TwoStage}) {
+    if (name == PagedKernelName(k)) {
+      *kernel = k;
+      return true;
+    }
+  }
+  return false;
 }
 
 int PagedBlocksPerSm(PagedKernel kernel) {
@@ -775,6 +717,10 @@ int PagedBlocksPerSm(PagedKernel kernel) {
       return 3;
     case PagedKernel::kV4Scatter:
       return 2;
+    case PagedKernel::kV5:
+      return 2;
+    case PagedKernel::kV5TwoStage:
+      return 3;
   }
   return 2;
 }

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/paged_attention.h"
@@ -36,9 +37,14 @@ inline constexpr int64_t kMaxPagedGroup = 8;
 //        bytes in flight each), to compare on the device; head_dim 64 runs kV4.
 //   kV4Scatter: kV4 with the scores reduced by a reduce-scatter across heads (fewer shuffles,
 //        adds and exponentials per row), to compare on the device; head_dim 64 runs kV4.
-enum class PagedKernel { kV3, kV4, kV4TwoStage, kV4Scatter };
-const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2", "v4t"
-// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3, v4t 2).
+//   kV5: v4's rings with the math on the tensor cores (mma.sync, the GQA group packed into the
+//        rows; paged_decode_mma.cu); page_tokens 8/16/32/64, head_dim 64/128.
+//   kV5TwoStage: kV5 with 2-stage rings and 3 blocks per SM.
+enum class PagedKernel { kV3, kV4, kV4TwoStage, kV4Scatter, kV5, kV5TwoStage };
+const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2", "v4t", "v5", "v5s2"
+// The kernel PagedKernelName calls `name`; false for an unknown name.
+bool PagedKernelFromName(const std::string& name, PagedKernel* kernel);
+// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3, v4t 2, v5 2, v5s2 3).
 int PagedBlocksPerSm(PagedKernel kernel);
 
 // Smallest chunk ChoosePagedChunkRows gives v4: four 16-row units per warp.

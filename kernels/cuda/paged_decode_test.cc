@@ -215,7 +215,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{128, 8, 8, PagedKernel::kV4Scatter},
                       Case{128, 3, 32, PagedKernel::kV4Scatter},
                       Case{128, 2, 16, PagedKernel::kV4Scatter},
-                      Case{128, 1, 16, PagedKernel::kV4Scatter}),
+                      Case{128, 1, 16, PagedKernel::kV4Scatter},
+                      Case{128, 4, 16, PagedKernel::kV5}, Case{128, 1, 16, PagedKernel::kV5},
+                      Case{128, 8, 8, PagedKernel::kV5}, Case{128, 7, 32, PagedKernel::kV5},
+                      Case{128, 4, 64, PagedKernel::kV5}, Case{64, 4, 16, PagedKernel::kV5},
+                      Case{64, 3, 32, PagedKernel::kV5}, Case{128, 2, 16, PagedKernel::kV5},
+                      Case{128, 4, 16, PagedKernel::kV5TwoStage},
+                      Case{128, 5, 8, PagedKernel::kV5TwoStage},
+                      Case{64, 8, 64, PagedKernel::kV5TwoStage}),
     [](const auto& info) {
       return std::string(PagedKernelName(info.param.kernel)) + "_d" +
              std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group) +
@@ -249,6 +256,20 @@ TEST(ChoosePagedChunkRowsTest, V4FillsOneWave) {
             ChooseChunkRows(8 * 32768, 132));
   // v4s2 aims at three blocks per SM: 396 slots, 49 chunks per item of 669 -> 672 rows.
   EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4TwoStage, 8 * 32768, 8, 132), 672);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 8 * 32768, 8, 132), 1008);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5TwoStage, 8 * 32768, 8, 132), 672);
+}
+
+TEST(PagedKernelNameTest, RoundTrips) {
+  for (PagedKernel k : {PagedKernel::kV3, PagedKernel::kV4, PagedKernel::kV4TwoStage,
+                        PagedKernel::kV4Scatter, PagedKernel::kV5, PagedKernel::kV5TwoStage}) {
+    PagedKernel back = PagedKernel::kV3;
+    ASSERT_TRUE(PagedKernelFromName(PagedKernelName(k), &back)) << PagedKernelName(k);
+    EXPECT_EQ(back, k);
+  }
+  PagedKernel unchanged = PagedKernel::kV4;
+  EXPECT_FALSE(PagedKernelFromName("v6", &unchanged));
+  EXPECT_EQ(unchanged, PagedKernel::kV4);
 }
 
 TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {
