@@ -76,7 +76,7 @@ struct Options {
   std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
   // The paged kernels the HBM-resident reference runs with (kernels/cuda/paged_decode.h); each a
   // row.
-  std::vector<std::string> hbm_kernels = {"v4s2"};
+  std::vector<std::string> hbm_kernels = {"v5"};
   decode::sparse::GuardConfig guard;
 };
 
@@ -630,7 +630,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
 #ifdef FLUXION_HAVE_CUDA
       for (const std::string& kernel_name : o.device == "cuda" ? o.hbm_kernels
                                                                 : std::vector<std::string>{}) {
-        kernels::cuda::PagedKernel kernel = kernels::cuda::PagedKernel::kV4TwoStage;
+        kernels::cuda::PagedKernel kernel = kernels::cuda::PagedKernel::kV5;
         kernels::cuda::PagedKernelFromName(kernel_name, &kernel);  // checked with the flags
         const std::string label = o.hbm_kernels.size() > 1 ? "hbm-full-" + kernel_name
                                                            : std::string("hbm-full");
