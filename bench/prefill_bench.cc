@@ -34,6 +34,7 @@
 #include "prefill/prefill_engine.h"
 #include "proto/convert.h"
 #include "transfer/kv_pages.h"
+#include "transfer/page_meta.h"
 #include "transfer/ucx_flags.h"
 #include "transfer/ucx_transport.h"
 
@@ -315,7 +316,8 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
                                        o.page_tokens};
     absl::StatusOr<uint8_t*> staging =
-        gpu->HostStaging(geo.total_pages(max_context) * geo.content_bytes());  // pinned once, now
+        gpu->HostStaging(geo.total_pages(max_context) *  // pages + records, pinned once, now
+                         (geo.content_bytes() + transfer::PageMetaRecordBytes(geo)));
     if (!staging.ok()) return stop_child(), Fail(staging.status());
   }
   const double weights_s = std::chrono::duration<double>(Clock::now() - t_weights).count();

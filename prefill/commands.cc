@@ -28,6 +28,7 @@
 #include "prefill/prefill_service.h"
 #include "proto/convert.h"
 #include "transfer/kv_pages.h"
+#include "transfer/page_meta.h"
 #include "transfer/ucx_flags.h"
 
 namespace fluxion::prefill {
@@ -208,7 +209,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     const transfer::KvPageGeometry geo{config.num_layers, config.num_kv_heads, config.head_dim,
                                        page_tokens};
     if (staged > 0) {
-      if (auto pinned = gpu->HostStaging(geo.total_pages(staged) * geo.content_bytes());
+      if (auto pinned = gpu->HostStaging(  // the pages, then their selection records
+              geo.total_pages(staged) * (geo.content_bytes() + transfer::PageMetaRecordBytes(geo)));
           !pinned.ok()) {
         std::cerr << "error: --device-staging-tokens " << staged << ": " << pinned.status() << "\n";
         return 1;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/page_meta_encode.h"
 #include "kernels/cuda/prefill_attention.h"
 #include "kernels/cuda/sparse_capture.h"
 #include "model/generator.h"
@@ -79,6 +80,10 @@ class PieceCopier {
     uint8_t* host_pages = nullptr;
     int64_t num_kv_heads = 0, page_tokens = 0, pages_per_head = 0;
     size_t page_bytes = 0;
+    // The page records (kernels/cuda/page_meta_encode.h), copied beside their pages; null: none.
+    const uint8_t* device_meta = nullptr;
+    uint8_t* host_meta = nullptr;
+    size_t record_bytes = 0;
   };
 
   PieceCopier(const Layout& layout, cudaStream_t stream, const PiecesOnHost& on_host)
@@ -141,6 +146,14 @@ class PieceCopier {
                           static_cast<size_t>(p1 - p0) * l.page_bytes, cudaMemcpyDeviceToHost,
                           stream_),
           "pages to host"));
+      if (l.host_meta != nullptr) {
+        const size_t at = ((p.layer * l.num_kv_heads + h) * l.pages_per_head + p0) * l.record_bytes;
+        FLUXION_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpyAsync(l.host_meta + at, l.device_meta + at,
+                            static_cast<size_t>(p1 - p0) * l.record_bytes, cudaMemcpyDeviceToHost,
+                            stream_),
+            "page records to host"));
+      }
     }
     return CudaStatus(cudaStreamSynchronize(stream_), "pages to host");
   }
@@ -167,7 +180,7 @@ struct DevicePrefill::Impl {
   std::mutex mu;  // one Run at a time
   Stream copy_stream;
   model::StepBuffers buf;
-  std::unique_ptr<model::OpsBuffer> pages, logits, tail_q;
+  std::unique_ptr<model::OpsBuffer> pages, meta, logits, tail_q;
   std::mutex staging_mu;
   void* staging = nullptr;  // pinned (cudaHostAlloc), grown by HostStaging, freed with the prefill
   size_t staging_bytes = 0;
@@ -240,7 +253,7 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
 
 absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t> prompt,
                                                        int64_t page_tokens, uint8_t* host_pages,
-                                                       bool capture_state,
+                                                       uint8_t* host_meta, bool capture_state,
                                                        const std::function<bool()>& cancelled,
                                                        const PiecesOnHost& on_host) {
   Impl& m = *impl_;
@@ -263,6 +276,14 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   FLUXION_RETURN_IF_ERROR(
       m.Reserve(m.tail_q, sizeof(float) * c.num_layers * tail_rows * hq * d));
   uint8_t* dev_pages = static_cast<uint8_t*>(m.pages->data());
+  // The page records of a layer: (head, page) in the pages' order, 4 * head_dim bytes each.
+  const size_t record_bytes = static_cast<size_t>(4 * d);
+  const size_t meta_layer_bytes = static_cast<size_t>(hkv * pph) * record_bytes;
+  uint8_t* dev_meta = nullptr;
+  if (host_meta != nullptr) {
+    FLUXION_RETURN_IF_ERROR(m.Reserve(m.meta, meta_layer_bytes * c.num_layers));
+    dev_meta = static_cast<uint8_t*>(m.meta->data());
+  }
   // Rows past the prompt's end in each head's last page go out as zeros.
   FLUXION_RETURN_IF_ERROR(CudaStatus(
       cudaMemsetAsync(dev_pages, 0, layer_bytes * c.num_layers, stream), "clear pages"));
@@ -274,7 +295,8 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   const int64_t chunks = (n + chunk - 1) / chunk;
   std::vector<Event> events(static_cast<size_t>(chunks * c.num_layers));
   for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
-  PieceCopier copier({m.device, dev_pages, host_pages, hkv, page_tokens, pph, page_bytes},
+  PieceCopier copier({m.device, dev_pages, host_pages, hkv, page_tokens, pph, page_bytes,
+                      dev_meta, host_meta, record_bytes},
                      m.copy_stream.get(), on_host);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float* tail_q = static_cast<float*>(m.tail_q->data());
@@ -295,6 +317,13 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
           FLUXION_RETURN_IF_ERROR(CudaStatus(
               kernels::cuda::WriteLayerPages(lp, m.buf.k, m.buf.v, kv_row, c0, r, stream),
               "write pages"));
+          if (dev_meta != nullptr) {  // the records of every page these rows touched
+            FLUXION_RETURN_IF_ERROR(CudaStatus(
+                kernels::cuda::EncodePageMeta(lp, n, c0 / page_tokens,
+                                              (c0 + r + page_tokens - 1) / page_tokens,
+                                              dev_meta + layer * meta_layer_bytes, stream),
+                "page records"));
+          }
           FLUXION_RETURN_IF_ERROR(CudaStatus(
               kernels::cuda::CausalPrefillAttention(lp, m.buf.q, c0, r, hq, scale, m.buf.attn,
                                                     stream),

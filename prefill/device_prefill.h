@@ -12,7 +12,9 @@
 // shapes 128K tokens are 16 GiB beside the 16 GiB of weights.
 //
 // Host memory: `host_pages` is the caller's (the transport's registered source); the copy writes
-// each piece's pages at their offset in PAGE_ORDER_LAYER_HEAD_PAGE, the order the caller sends.
+// each piece's pages at their offset in PAGE_ORDER_LAYER_HEAD_PAGE, the order the caller sends,
+// and, when asked, the pages' selection records (key min / max) computed on the device beside
+// them, so the host never reads the pages to build them.
 // Partial pages at a chunk's end are copied again, whole, after the next chunk; the caller sends a
 // page only once it is complete (rows past the prompt's end stay zero on the device).
 //
@@ -78,10 +80,15 @@ class DevicePrefill {
 
   // Prefills `prompt` (ids already validated against the vocabulary): its pages of `page_tokens`
   // tokens go to `host_pages` (config's layers x KV heads x ceil(n / page_tokens) pages of
-  // 2 * page_tokens * head_dim bf16). `cancelled` is polled between layers. Errors: Cancelled,
-  // the first error of `on_host`, ResourceExhausted (HBM), Internal (a CUDA failure).
+  // 2 * page_tokens * head_dim bf16). With `host_meta` (pinned, like host_pages: put both in
+  // HostStaging), each page's selection record (transfer/page_meta.h, computed on the device by
+  // kernels/cuda/page_meta_encode.h) goes there with its page, in the same piece: every layer's
+  // block, transfer::PageMetaBytes bytes; null: none. `cancelled` is polled between layers.
+  // Errors: Cancelled, the first error of `on_host`, ResourceExhausted (HBM), Internal (a CUDA
+  // failure).
   absl::StatusOr<DevicePrefillResult> Run(absl::Span<const int32_t> prompt, int64_t page_tokens,
-                                          uint8_t* host_pages, bool capture_state,
+                                          uint8_t* host_pages, uint8_t* host_meta,
+                                          bool capture_state,
                                           const std::function<bool()>& cancelled,
                                           const PiecesOnHost& on_host);
 

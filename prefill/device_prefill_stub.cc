@@ -23,7 +23,7 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
 }
 
 absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>, int64_t,
-                                                       uint8_t*, bool,
+                                                       uint8_t*, uint8_t*, bool,
                                                        const std::function<bool()>&,
                                                        const PiecesOnHost&) {
   return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");

@@ -23,6 +23,7 @@
 #include "model/random_model.h"
 #include "model/sparse_state.h"
 #include "transfer/kv_pages.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::prefill {
 namespace {
@@ -82,9 +83,11 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
   ASSERT_TRUE(gpu.ok()) << gpu.status();
 
   std::vector<uint8_t> pages(cpu.pages.size(), 0xee);
+  const transfer::KvPageGeometry geo{c.num_layers, c.num_kv_heads, c.head_dim, pt};
+  std::vector<uint8_t> meta(transfer::PageMetaBytes(geo, n), 0xee);
   std::vector<int64_t> covered(c.num_layers, 0);  // rows seen per layer, in order
   absl::StatusOr<DevicePrefillResult> r = (*gpu)->Run(
-      prompt, pt, pages.data(), /*capture_state=*/true, [] { return false; },
+      prompt, pt, pages.data(), meta.data(), /*capture_state=*/true, [] { return false; },
       [&](int layer, int64_t first, int64_t end) -> absl::Status {
         EXPECT_EQ(first, covered[layer]) << "layer " << layer;
         covered[layer] = end;
@@ -104,6 +107,16 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
     scale = std::max(scale, std::abs(b));
   }
   EXPECT_LT(worst, 0.05 * scale) << "worst |gpu - cpu| page value vs the largest " << scale;
+
+  // The records the device computed, piece by piece, are the host encoder's of the same pages.
+  const size_t layer_bytes = geo.pages_per_layer(n) * geo.content_bytes();
+  const size_t meta_layer = transfer::PageMetaLayerBytes(geo, n);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    std::vector<uint8_t> want_meta(meta_layer);
+    transfer::EncodeLayerPageMeta(geo, n, pages.data() + l * layer_bytes, want_meta.data());
+    EXPECT_TRUE(std::equal(want_meta.begin(), want_meta.end(), meta.begin() + l * meta_layer))
+        << "page records of layer " << l;
+  }
 
   EXPECT_EQ(Argmax(r->logits), Argmax(cpu.logits)) << "first greedy token";
   double lworst = 0, lscale = 0;
@@ -174,18 +187,18 @@ TEST(DevicePrefillTest, ACallbackErrorStopsTheRun) {
   std::vector<uint8_t> pages(640 * 2 * 32 * 2 * (*m)->config().num_layers *
                              (*m)->config().num_kv_heads);
   int calls = 0;
-  auto r = (*gpu)->Run(prompt, 16, pages.data(), false, [] { return false; },
+  auto r = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [] { return false; },
                        [&](int, int64_t, int64_t) -> absl::Status {
                          return ++calls == 3 ? absl::UnavailableError("peer gone")
                                              : absl::OkStatus();
                        });
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   int cancelled_calls = 0;
-  auto c = (*gpu)->Run(prompt, 16, pages.data(), false, [&] { return ++cancelled_calls > 5; },
+  auto c = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [&] { return ++cancelled_calls > 5; },
                        [](int, int64_t, int64_t) { return absl::OkStatus(); });
   EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
   // And the prefill still works after both.
-  auto ok = (*gpu)->Run(prompt, 16, pages.data(), false, [] { return false; },
+  auto ok = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [] { return false; },
                         [](int, int64_t, int64_t) { return absl::OkStatus(); });
   EXPECT_TRUE(ok.ok()) << ok.status();
 }

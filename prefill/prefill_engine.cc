@@ -152,12 +152,16 @@ struct PrefillEngine::Job {
   std::unique_ptr<transfer::Registration> staging_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
   std::unique_ptr<transfer::Registration> state_reg;
-  // Per-page metadata (transfer/page_meta.h), one block per layer, encoded from `staging` as each
-  // layer completes (the GPU path fills the same blocks); a copy source like `staging`.
+  // Per-page metadata (transfer/page_meta.h), one block per layer: on the CPU path encoded from
+  // `staging` as each layer completes (into `owned_meta`); on the device path computed on the GPU
+  // and copied with the pages into the pinned staging, after them. A copy source like `staging`.
   bool want_meta = false;
+  bool meta_from_device = false;
   uint64_t meta_layer_bytes = 0;
   std::vector<uint32_t> meta_target;  // per page_meta_target extent: its target
-  std::vector<uint8_t> meta_blob;
+  std::vector<uint8_t> owned_meta;
+  uint8_t* meta = nullptr;
+  size_t meta_bytes = 0;
   std::unique_ptr<transfer::Registration> meta_reg;
   std::vector<uint64_t> meta_checksums;
   std::unique_ptr<Submitted> submitted;
@@ -258,12 +262,22 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->ppl = geo.pages_per_layer(n);
   j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
   j->staging_bytes = j->layer_bytes * shape.num_layers;
+  if (j->want_meta) {
+    j->meta_layer_bytes = transfer::PageMetaLayerBytes(geo, n);
+    j->meta_bytes = j->meta_layer_bytes * shape.num_layers;
+  }
   if (device_ != nullptr) {  // REQUIRES: device_mu_ held (RunBatch)
-    FLUXION_ASSIGN_OR_RETURN(j->staging, device_->HostStaging(j->staging_bytes));
+    // One pinned buffer: the pages, then the page records the device computes beside them.
+    FLUXION_ASSIGN_OR_RETURN(j->staging,
+                             device_->HostStaging(j->staging_bytes + j->meta_bytes));
+    j->meta = j->want_meta ? j->staging + j->staging_bytes : nullptr;
+    j->meta_from_device = j->want_meta;
   } else {
     j->owned_staging.reset(new uint8_t[j->staging_bytes]);
     j->staging = j->owned_staging.get();
     std::memset(j->staging, 0, j->staging_bytes);
+    j->owned_meta.resize(j->meta_bytes);
+    j->meta = j->want_meta ? j->owned_meta.data() : nullptr;
   }
   FLUXION_ASSIGN_OR_RETURN(
       j->staging_reg,
@@ -271,11 +285,8 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
   if (j->want_meta) {
-    j->meta_layer_bytes = transfer::PageMetaLayerBytes(geo, n);
-    j->meta_blob.resize(j->meta_layer_bytes * shape.num_layers);
     FLUXION_ASSIGN_OR_RETURN(
-        j->meta_reg,
-        transport_->Register({j->meta_blob.data(), j->meta_blob.size()}, {/*remote_write=*/false}));
+        j->meta_reg, transport_->Register({j->meta, j->meta_bytes}, {/*remote_write=*/false}));
     j->meta_checksums.assign(shape.num_layers, 0);
   }
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
@@ -333,7 +344,7 @@ absl::Status PrefillEngine::SubmitMeta(Job& j, int64_t l0, int64_t l1) const {
     const uint64_t lo = std::max(begin, at), hi = std::min(end, at + e.length());
     if (lo < hi) {
       copies[j.meta_target[i]].push_back(
-          {mt.base_address() + e.offset() + (lo - at), j.meta_blob.data() + lo, hi - lo});
+          {mt.base_address() + e.offset() + (lo - at), j.meta + lo, hi - lo});
     }
     at += e.length();
   }
@@ -389,7 +400,7 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
       j.checksums[layer] = crc;
     }
     if (j.want_meta) {
-      uint8_t* block = j.meta_blob.data() + layer * j.meta_layer_bytes;
+      uint8_t* block = j.meta + layer * j.meta_layer_bytes;
       if (j.crc) j.meta_checksums[layer] = transfer::Crc32c(block, j.meta_layer_bytes);
       if (options_.layerwise) FLUXION_RETURN_IF_ERROR(SubmitMeta(j, layer, layer + 1));
     }
@@ -398,8 +409,9 @@ absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const 
   return absl::OkStatus();
 }
 
-// Hashes and encodes the page bounds of `layer`'s pages that became complete since the last call,
-// from the staging copy while it is warm.
+// Hashes the pages of `layer` that became complete since the last call and, on the CPU path,
+// encodes their page bounds, from the staging copy while it is warm (the device path's bounds
+// came from the GPU with the pages).
 void PrefillEngine::Digest(Job& j, int layer, int64_t complete) const {
   const int64_t p0 = j.digested[layer];
   if (complete <= p0) return;
@@ -412,9 +424,9 @@ void PrefillEngine::Digest(Job& j, int layer, int64_t complete) const {
                                    static_cast<size_t>(complete - p0) * j.cb);
     }
   }
-  if (j.want_meta) {
+  if (j.want_meta && !j.meta_from_device) {  // the device's arrive with their pages
     transfer::EncodePageMetaRange(j.geo, j.n, layer_pages, p0, complete,
-                                  j.meta_blob.data() + layer * j.meta_layer_bytes);
+                                  j.meta + layer * j.meta_layer_bytes);
   }
   j.digested[layer] = complete;
 }
@@ -423,7 +435,8 @@ void PrefillEngine::Digest(Job& j, int layer, int64_t complete) const {
 // pages are on the host: cancellation is checked there too, then the piece is sent.
 void PrefillEngine::RunOnDevice(Job& j) const {
   absl::StatusOr<DevicePrefillResult> r = device_->Run(
-      j.prompt, j.geo.page_tokens, j.staging, j.request->has_sparse_target(), j.cancelled,
+      j.prompt, j.geo.page_tokens, j.staging, j.meta_from_device ? j.meta : nullptr,
+      j.request->has_sparse_target(), j.cancelled,
       [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         return SendCompleted(j, layer, end);
@@ -510,7 +523,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   if (j.want_meta) {
     v1::PageMetaSummary* meta = response.mutable_page_meta();
     meta->set_format_version(transfer::kPageMetaVersion);
-    meta->set_bytes_written(j.meta_blob.size());
+    meta->set_bytes_written(j.meta_bytes);
     if (j.crc) {
       for (uint64_t c : j.meta_checksums) meta->add_layer_checksums(c);
     }

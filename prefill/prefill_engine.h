@@ -3,8 +3,9 @@
 // full attention, and after each layer write that layer's KV pages into the pages the decode node
 // reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the transport's
 // progress thread moves the bytes while this thread computes). With each completed layer also
-// goes its per-page selection metadata (transfer/page_meta.h), computed from the staging copy,
-// when the request has a page_meta_target. Then capture the sparse state
+// goes its per-page selection metadata (transfer/page_meta.h), when the request has a
+// page_meta_target: on the CPU path computed from the staging copy, on the device path on the GPU
+// (kernels/cuda/page_meta_encode.h) and copied to the host with its pages. Then capture the sparse state
 // (model::CaptureSparseState), write it into the room reserved for it, wait until every write has
 // landed, and sample the first token.
 //

@@ -4,8 +4,8 @@
 // rows over those pages. Keeping the cache in the wire layout means the device-to-host copy of a
 // finished piece is one contiguous run per KV head, and nothing is packed on the host.
 //
-// The attention tiles 64 query rows of one head against 64-key tiles on tensor cores (WMMA,
-// bf16 inputs, fp32 accumulation) with the online softmax of FlashAttention: the score matrix is
+// The attention tiles 64 query rows of one head against 64-key tiles on tensor cores (mma.sync,
+// bf16 inputs, fp32 accumulation) with the online softmax of FlashAttention-2: the score matrix is
 // never materialized, so memory stays O(rows) at any context. Queries are the layer's fp32 q
 // (post-RoPE), rounded to bf16 on load, as torch's bf16 SDPA sees them.
 //

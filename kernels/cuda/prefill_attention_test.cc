@@ -13,10 +13,12 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/device_buffers_testing.h"
+#include "kernels/cuda/page_meta_encode.h"
 #include "kernels/cuda/sparse_capture.h"
 #include "kernels/reference/reference_ops.h"
 #include "model/sparse_state.h"
 #include "transfer/kv_pages.h"
+#include "transfer/page_meta.h"
 
 namespace fluxion::kernels::cuda {
 namespace {
@@ -94,6 +96,36 @@ TEST_P(PrefillKernelsTest, PagesMatchTheWirePackerAndAttentionMatchesTheReferenc
   }
   // The probabilities go through bf16 before the product with V (as FlashAttention's do).
   EXPECT_LT(worst, 1.5e-2) << "max |flash - reference|";
+}
+
+// The page records computed on the device equal the host encoder's byte for byte, whether the
+// layer is encoded at once or range by range as its chunks complete (the prefill's pieces).
+TEST_P(PrefillKernelsTest, PageMetaMatchesTheHostEncoder) {
+  const Case c = GetParam();
+  const int64_t total = c.first + c.rows, d = c.head_dim, hkv = c.kv_heads, row = hkv * d;
+  std::vector<float> k = Random(total * row, 11), v = Random(total * row, 12);
+  // Ties and signed zeros where the fold order decides which bits win.
+  for (int64_t i = 0; i < total * row; i += 7) k[i] = (i / 7) % 2 == 0 ? 0.0f : -0.0f;
+  transfer::KvPageGeometry geo{1, hkv, d, c.page_tokens};
+  const int64_t pph = geo.pages_per_head(total);
+  std::vector<uint8_t> packed(geo.pages_per_layer(total) * geo.content_bytes(), 0);
+  transfer::PackLayerPages(geo, total, k.data(), v.data(), row, packed.data());
+  std::vector<uint8_t> want(transfer::PageMetaLayerBytes(geo, total));
+  transfer::EncodeLayerPageMeta(geo, total, packed.data(), want.data());
+
+  DeviceBuffers dev;
+  const LayerPages lp{dev.ToDevice(packed), hkv, d, c.page_tokens, pph};
+  uint8_t* whole = dev.ToDevice(std::vector<uint8_t>(want.size(), 0xab));
+  uint8_t* ranged = dev.ToDevice(std::vector<uint8_t>(want.size(), 0xab));
+  ASSERT_EQ(EncodePageMeta(lp, total, 0, pph, whole, nullptr), cudaSuccess);
+  const int64_t split = c.first / c.page_tokens;  // the earlier chunk's complete pages
+  ASSERT_EQ(EncodePageMeta(lp, total, 0, split, ranged, nullptr), cudaSuccess);
+  ASSERT_EQ(EncodePageMeta(lp, total, split, pph + 5 /* clamped */, ranged, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(DeviceBuffers::ToHost(whole, want.size()), want);
+  EXPECT_EQ(DeviceBuffers::ToHost(ranged, want.size()), want);
+  EXPECT_EQ(EncodePageMeta(lp, total, -1, pph, whole, nullptr), cudaErrorInvalidValue);
 }
 
 TEST_P(PrefillKernelsTest, CaptureMatchesTheCpuCapture) {
