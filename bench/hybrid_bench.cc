@@ -601,7 +601,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                                            config.vocab_size, o.steps));
         points.push_back({"resident-only", "", mb, gpu_only, gpu_only.median_ms});
         for (const Timed& t : policies) {
-          const bool scored = decode::sparse::TraitsOf(t.policy.kind).ranks_page_bounds;
+          const bool scored = decode::sparse::ReadsPageScores(t.policy);
           for (const std::string& where : o.block_scores) {
             for (double share : o.device_read_shares) {
               stepper.set_window_block_scores(where == "device");

@@ -104,7 +104,7 @@ absl::StatusOr<int64_t> HybridStepExecutor::ScoreBlockOf(const SparseAttention& 
   }
   // Policies that rank page bounds have their blocks scored where the window's bounds live.
   const int64_t page_tokens = attention.kv().shape().page_tokens;
-  return window_block_scores_ && sparse::TraitsOf(policy.kind).ranks_page_bounds
+  return window_block_scores_ && sparse::ReadsPageScores(policy)
              ? sparse::RankedBlockTokens(policy, page_tokens)
              : 0;
 }
@@ -202,7 +202,7 @@ void HybridStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<in
   s.score_rows.resize(s.rows.size());
   for (size_t r = 0; r < s.rows.size(); ++r) {
     const sparse::PolicyConfig& policy = s.attentions[r]->policy_config();
-    s.score_rows[r] = sparse::TraitsOf(policy.kind).ranks_page_bounds &&
+    s.score_rows[r] = sparse::ReadsPageScores(policy) &&
                       sparse::RankedBlocksWanted(policy, s.positions[r] + 1,
                                                  s.attentions[r]->kv().shape().page_tokens) > 0;
   }

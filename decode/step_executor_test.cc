@@ -212,7 +212,12 @@ TEST_F(StepExecutorTest, TheErrorGuardChecksTheSameHeadsOnEveryExecutor) {
     for (StepExecutor* e : {static_cast<StepExecutor*>(batched.get()),
                             static_cast<StepExecutor*>(hybrid.get())}) {
       const Run r = Decode(*e, policy, prefills, 6);
-      ExpectSameRun(r, l, 1e-3f);
+      // Same tokens and rows; the logits within 3e-3: the per-request loop multiplies by GEMV
+      // and the batched executors by GEMM, and where OpenBLAS picks its AVX-512 kernels (it
+      // takes an AMD Zen 4 for a Cooper Lake) the two round apart by up to 1.34e-3 by the sixth
+      // step of lfps (1e-3 passes with OPENBLAS_CORETYPE=HASWELL; the guard's budget moves
+      // compound it). A divergence would change a token or a row count.
+      ExpectSameRun(r, l, 3e-3f);
       for (size_t i = 0; i < prefills.size(); ++i) {
         EXPECT_GT(l.guard[i].checks, 0);
         EXPECT_EQ(r.guard[i].checks, l.guard[i].checks);

@@ -290,8 +290,10 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     };
     for (int64_t p : vertical) mark(p);
     for (int64_t dist : slash) mark(t - dist);
+    x.step_page_scores = nullptr;
     AddCandidates(in, r, k, &candidates, stats);
     SortUniqueWithin(r.sink_end, r.local_begin, &candidates, &x.candidate_bits);
+    CapCandidates(in, k, &candidates, stats);
     if (static_cast<int64_t>(candidates.size()) <= k) {
       x.picked = candidates;
     } else {
@@ -332,6 +334,38 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   const int64_t decided = r.middle_rows_budget + r.sink_end + (in.context - r.local_begin);
   const int64_t units = std::llround(static_cast<double>(decided) / (kBudgetUnit * in.context));
   ++stats->retrieval[{RetrievalBlock(in.layer, in.kv_head), std::max<int64_t>(units, 1)}];
+}
+
+void LfpsPolicy::CapCandidates(const SelectionInput& in, int64_t k,
+                               std::vector<int32_t>* candidates, SelectionStats* stats) {
+  if (!(config_.rescore_cap > 0)) return;
+  const int64_t limit =
+      std::max<int64_t>(k, static_cast<int64_t>(std::ceil(config_.rescore_cap * k)));
+  if (static_cast<int64_t>(candidates->size()) <= limit) return;
+  Scratch& x = ScratchOf(in.kv_head);
+  const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
+  ListCandidatePages(*candidates, pt, &x.candidate_pages);
+  const std::vector<int32_t>& pages = x.candidate_pages.page;
+  const int64_t n = static_cast<int64_t>(pages.size());
+  x.candidate_page_scores.resize(n);
+  float* scores = x.candidate_page_scores.data();
+  const float* key_min = in.kv->key_min(in.layer, in.kv_head);
+  const float* key_max = in.kv->key_max(in.layer, in.kv_head);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = pages[i];
+    if (in.block_scores != nullptr && in.block_score_tokens == pt) {
+      scores[i] = in.block_scores[p];  // scored where the bounds are (the device)
+      ++stats->blocks_scored_elsewhere;
+    } else if (x.step_page_scores != nullptr && p >= x.step_pages_first &&
+               p < x.step_pages_end) {
+      scores[i] = x.step_page_scores[p - x.step_pages_first];  // this step's scan scored it
+    } else {
+      kernels::cpu::QuestBlockBounds(key_min, key_max, d, p, 1, /*pages_per_block=*/1, in.q,
+                                     in.group, &scores[i]);
+      stats->metadata_bytes += 2 * d * int64_t{sizeof(float)};
+    }
+  }
+  KeepBestPages(x.candidate_pages, scores, pt, limit, candidates);
 }
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {

@@ -11,6 +11,14 @@
 //   3. otherwise: kurtosis-adaptive thresholds on both tables give candidate positions, expanded
 //      by {-1, 0, +1, +2}, scored exactly, top rows within the budget; every `refresh_every`
 //      steps an exact top-k over the whole middle region instead (the safety valve).
+//      With PolicyConfig::rescore_cap C > 0, only about C x k of the candidates are scored (k:
+//      the head's middle budget in rows): those of the pages whose Quest bounds (the upper bound
+//      of q.k over the page's keys, max over the group) rank highest, whole pages down to C x k.
+//      Why: the clamps (2k entries a table, four offsets) make a step score 8-16 x k rows, which
+//      at 8B shapes is 4.8 GB of K a step at 1 x 128K against the fixed hybrid's 0.84 GB of K+V
+//      (docs/SPARSE.md, "Capped rescoring"); the bounds come from the device where the hybrid
+//      step keeps them (SelectionInput::block_scores at page granularity), else from the page
+//      records on the CPU (1 KB of fp32 a page).
 //
 // Thread-compatible (one request), with one exception a shared object relies on (Fluxion:
 // PolicyTraits::heads_independent false): once every (layer, KV head) is prepared, Select and
@@ -108,6 +116,12 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<uint64_t> candidate_bits;   // SortUniqueWithin's bitmap
     std::vector<double> kq;                 // [head_dim]: summed key outer products times q
     std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
+    // This step's Quest scores of pages [step_pages_first, step_pages_end) when a subclass has
+    // them (Fluxion's scan; null otherwise): CapCandidates reads them instead of the bounds.
+    const float* step_page_scores = nullptr;
+    int64_t step_pages_first = 0, step_pages_end = 0;
+    CandidatePages candidate_pages;           // CapCandidates' pages and their scores
+    std::vector<float> candidate_page_scores;
     std::vector<int32_t> top_blocks;
     std::vector<float> group_scores;  // [candidate][group] unscaled
     // This step's scaled logits [row][group] of the sinks then the window (edge_logits; the
@@ -146,6 +160,10 @@ class LfpsPolicy : public SparsePolicy {
                              std::vector<int32_t>* candidates, SelectionStats* stats) {}
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
+  // PolicyConfig::rescore_cap: keeps the sorted candidates of the best-bounded pages, about
+  // rescore_cap x k of them (KeepBestPages); none dropped when the cap is 0 or not exceeded.
+  void CapCandidates(const SelectionInput& in, int64_t k, std::vector<int32_t>* candidates,
+                     SelectionStats* stats);
   // Scaled logits of every query head of the group over `spans`' rows, in span order:
   // (*out)[row * group + g]. One walk over the keys for the whole group.
   static void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,

@@ -68,6 +68,15 @@ struct PolicyTraits {
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
 
+// The history policies (lfps, lfps_paper, fluxion, fluxion_rules): they rescore a step's
+// candidates exactly, so PolicyConfig::rescore_cap applies to them.
+bool RescoresCandidates(PolicyKind kind);
+
+// What PolicyConfig::rescore_cap is when the name has no `_cap<C>` suffix: 0, every candidate
+// rescored (the LFPS of ALGORITHMS.md §1.3). Why it stays exact by default: docs/SPARSE.md,
+// "Capped rescoring".
+inline constexpr double kDefaultRescoreCap = 0.0;
+
 struct PolicyConfig {
   // Set by ParsePolicy; a default-constructed config is `full`.
   PolicyKind kind = PolicyKind::kFull;
@@ -92,7 +101,16 @@ struct PolicyConfig {
   // needs `output_projection` (the model's W_O, model/output_projection.h; shared, immutable).
   GuardConfig guard;
   std::shared_ptr<const model::OutputProjection> output_projection;
+  // History policies only (RescoresCandidates): a step rescores exactly at most about
+  // rescore_cap x k of its candidates (k: the head's middle budget in rows), those of the pages
+  // whose Quest bounds score highest (lfps_policy.h); 0: all of them. Set by the name's
+  // `_cap<C>` suffix (`lfps_cap4`, `fluxion_cap0`), kDefaultRescoreCap without one.
+  double rescore_cap = kDefaultRescoreCap;
 };
+
+// Whether `config` reads Quest page-bound scores: its kind ranks page bounds, or it caps its
+// rescoring by them. The hybrid step's device computes them where it keeps the bounds.
+bool ReadsPageScores(const PolicyConfig& config);
 
 // Whether `config` decodes under the error guard (enabled, a guardable policy, a projection).
 bool GuardActive(const PolicyConfig& config);
@@ -105,7 +123,7 @@ std::vector<std::string> PolicyNames();
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
 
 // Parses a policy name and budget into a config. `fixed_32_0.05` sets block 32 and budget 0.05
-// (the budget argument is then ignored). InvalidArgument naming the known policies for an unknown
+// (the budget argument is then ignored); a history policy's `_cap<C>` suffix sets rescore_cap. InvalidArgument naming the known policies for an unknown
 // name, and for a budget outside (0, 1].
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget);
 

@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
 #include "gtest/gtest.h"
@@ -46,6 +47,25 @@ TEST(PolicyKindTest, UnknownNamesAreInvalidArgumentEverywhere) {
     EXPECT_EQ(ExpandPolicies({"full", bad}, {0.05}).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;
+  }
+}
+
+TEST(PolicyKindTest, HistoryPoliciesTakeARescoreCapSuffix) {
+  EXPECT_EQ(ParsePolicy("lfps", 0.05)->rescore_cap, kDefaultRescoreCap);
+  for (const char* name : {"lfps", "lfps_paper", "fluxion", "fluxion_rules"}) {
+    absl::StatusOr<PolicyConfig> c = ParsePolicy(absl::StrCat(name, "_cap4"), 0.05);
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status();
+    EXPECT_EQ(c->kind, *ParsePolicyKind(name));
+    EXPECT_EQ(c->rescore_cap, 4.0);
+    EXPECT_EQ(PolicyLabel(*c), absl::StrCat(name, "_cap4@0.05"));
+    EXPECT_TRUE(ReadsPageScores(*c)) << name;
+  }
+  EXPECT_EQ(ParsePolicy("fluxion_cap0", 0.05)->rescore_cap, 0.0);
+  EXPECT_EQ(ParsePolicy("lfps_cap2.5", 0.05)->rescore_cap, 2.5);
+  EXPECT_FALSE(ReadsPageScores(*ParsePolicy("lfps_cap0", 0.05)));
+  for (const char* bad : {"quest_cap4", "full_cap2", "exact_topk_cap4", "lfps_cap", "lfps_cap0.5",
+                          "lfps_capx", "lfps_cap-1", "lfps_capnan", "lfps_cap1e9", "_cap4"}) {
+    EXPECT_EQ(ParsePolicy(bad, 0.05).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
 }
 
