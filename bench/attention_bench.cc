@@ -15,6 +15,7 @@
 #include <iostream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "bench/attention_quality.h"
@@ -48,8 +49,9 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   std::vector<std::string> policies = {"full", "exact_topk", "quest", "fixed_32_0.05"};
   std::vector<int64_t> threads_list = {1, 0};
   int64_t head_dim = 128, group = 4, page_tokens = 16, repeats = 30, seed = 0;
+  int64_t warm_steps = 3, query_steps = 1;
   double pool_gib = 1.0;
-  std::string json_path;
+  std::string json_path, head_kind_name = "retrieval";
   FlagSet flags("fluxion bench attention",
                 "Times one decode step of one KV head (with its GQA group) over host KV pages for "
                 "each policy and budget: selection plus attention, against the measured read "
@@ -66,6 +68,14 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.Int("seed", &seed, "random seed for data");
   flags.Double("pool-gib", &pool_gib, "KV bytes the steps rotate through (defeats the caches)");
   flags.String("json", &json_path, "also write results to this file");
+  // A history policy's cost depends on how full its tables are: one query repeated (the default)
+  // keeps them as sparse as the head's attention; distinct queries over a diffuse head fill them
+  // over the whole context, as random-weight models do on the device (docs/SPARSE.md).
+  flags.String("head-kind", &head_kind_name,
+               "synthetic head: retrieval, copy, streaming or diffuse (bench/synthetic_heads.h)");
+  flags.Int("warm-steps", &warm_steps, "untimed steps per head before the timed ones");
+  flags.Int("query-steps", &query_steps,
+            "distinct decode queries per head, used in turn (1: the same query every step)");
   // The error guard's cost: its exact checks at --guard-rate of the heads per step, e_h through
   // the identity (synthetic heads have no W_O), feeding the guard's budget shifts.
   decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
@@ -77,6 +87,16 @@ int RunAttentionBench(const std::vector<std::string>& args) {
       return 2;
     }
     threads_list = *std::move(sweep);
+  }
+  const std::optional<HeadKind> head_kind = HeadKindFromName(head_kind_name);
+  if (!head_kind.has_value()) {
+    std::cerr << "error: --head-kind " << head_kind_name
+              << " is not one of retrieval, copy, streaming, diffuse\n";
+    return 2;
+  }
+  if (warm_steps < 0 || query_steps < 1 || repeats < 1) {
+    std::cerr << "error: --warm-steps must be >= 0, --query-steps and --repeats >= 1\n";
+    return 2;
   }
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, page_tokens)) {
     std::cerr << "error: head_dim " << head_dim << ", group " << group << ", page_tokens "
@@ -132,8 +152,8 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   std::printf("(guard: the error guard's share of step time and of bytes read, MB read "
               "including its exact checks)\n");
   for (int64_t context : contexts) {
-    // Enough structured heads (retrieval kind: sinks, needles, columns) to fill the pool, each
-    // its own contiguous run of pages; steps rotate through them.
+    // Enough structured heads (--head-kind; retrieval: sinks, needles, columns) to fill the
+    // pool, each its own contiguous run of pages; steps rotate through them.
     const int64_t pages_per_head = (context + page_tokens - 1) / page_tokens;
     const int64_t num_heads =
         std::max<int64_t>(1, std::min<int64_t>(64, pool_pages / pages_per_head - 1));
@@ -141,7 +161,7 @@ int RunAttentionBench(const std::vector<std::string>& args) {
     std::vector<std::vector<float>> queries;
     for (int64_t h = 0; h < num_heads; ++h) {
       SyntheticHead sh =
-          MakeSyntheticHead(HeadKind::kRetrieval, context, head_dim, group, 1, seed * 1000 + h);
+          MakeSyntheticHead(*head_kind, context, head_dim, group, query_steps, seed * 1000 + h);
       auto kv = *decode::PagedKv::Create(arena->get(), shape);
       if (!kv->Append(0, context, sh.keys.data(), sh.values.data(), head_dim).ok()) {
         std::cerr << "error: page pool too small for " << num_heads << " heads\n";
@@ -158,7 +178,6 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         // One policy per head: history policies (LFPS, Fluxion) keep per-head state. Each is
         // warmed with `kWarmSteps` untimed steps so the timed ones show the steady state, its
         // periodic exact refresh included.
-        constexpr int kWarmSteps = 3;
         std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
         for (int64_t h = 0; h < num_heads; ++h)
           policies.push_back(decode::sparse::MakePolicy(config));
@@ -177,11 +196,13 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         std::vector<float> out(group * head_dim), lse(group), ref(out.size()), ref_lse(group);
         double err = 0, bytes = 0, read = 0, candidates = 0, recall = 0;
         int64_t recall_steps = 0;
-        const int64_t warm = kWarmSteps * num_heads;
+        const int64_t warm = warm_steps * num_heads;
         for (int64_t r = 0; r < warm + repeats; ++r) {
           const decode::PagedKv& kv = *heads[r % num_heads];
           decode::sparse::SparsePolicy& policy = *policies[r % num_heads];
-          const float* q = queries[r % num_heads].data();
+          // Round r / num_heads of this head: its query of that step, in turn.
+          const float* q = queries[r % num_heads].data() +
+                           (r / num_heads) % query_steps * group * head_dim;
           decode::sparse::SelectionStats stats;
           spans.clear();
           const int head = static_cast<int>(r % num_heads);

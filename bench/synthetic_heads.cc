@@ -42,6 +42,13 @@ std::vector<HeadKind> AllHeadKinds() {
   return {HeadKind::kRetrieval, HeadKind::kCopy, HeadKind::kStreaming, HeadKind::kDiffuse};
 }
 
+std::optional<HeadKind> HeadKindFromName(const std::string& name) {
+  for (HeadKind kind : AllHeadKinds()) {
+    if (name == HeadKindName(kind)) return kind;
+  }
+  return std::nullopt;
+}
+
 SyntheticHead MakeSyntheticHead(HeadKind kind, int64_t tokens, int64_t d, int64_t group,
                                 int64_t steps, uint64_t seed) {
   SyntheticHead h;

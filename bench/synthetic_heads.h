@@ -11,6 +11,7 @@
 #define FLUXION_BENCH_SYNTHETIC_HEADS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,8 @@ namespace fluxion::bench {
 enum class HeadKind { kRetrieval, kCopy, kStreaming, kDiffuse };
 const char* HeadKindName(HeadKind kind);
 std::vector<HeadKind> AllHeadKinds();
+// The kind HeadKindName names; nullopt for any other name.
+std::optional<HeadKind> HeadKindFromName(const std::string& name);
 
 struct SyntheticHead {
   int64_t tokens = 0, head_dim = 0, group = 0;

@@ -1,5 +1,6 @@
 #include "decode/sparse/lfps_tables.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -109,6 +110,67 @@ TEST(DecayedTableTest, SelectAboveInARangeSpendsTheClampsInsideIt) {
   out.clear();
   t.SelectAbove(0.2, 5, 50, 300, 400, &out);  // an empty range selects nothing
   EXPECT_TRUE(out.empty());
+}
+
+// SelectAbove by its definition, over a table whose g is 1 (Psi = Phi, value() exact) and whose
+// entries were inserted in index order (so "earlier" ties and "lower index" ties agree): the
+// entries of [lo, hi) at or above the threshold, or, when their count breaks a clamp, the k
+// largest by fp32 value, ties to the lower index; ascending.
+std::vector<int64_t> SelectByDefinition(const DecayedTable& t, double a, int64_t min_count,
+                                        int64_t max_count, int64_t lo, int64_t hi) {
+  const TableMoments m = t.moments();
+  const double threshold = m.mean + a * std::sqrt(m.kurtosis) * m.stddev;
+  std::vector<int64_t> eligible, above;
+  for (int64_t i = std::max<int64_t>(lo, 0); i < std::min(hi, t.size()); ++i) {
+    if (t.value(i) == 0.0) continue;
+    eligible.push_back(i);
+    if (t.value(i) >= threshold) above.push_back(i);
+  }
+  const int64_t n = static_cast<int64_t>(eligible.size());
+  const int64_t want_min = std::min(min_count, n);
+  const int64_t count = static_cast<int64_t>(above.size());
+  if (count <= max_count && count >= want_min) return above;
+  const int64_t k = count > max_count ? max_count : want_min;
+  std::stable_sort(eligible.begin(), eligible.end(), [&](int64_t x, int64_t y) {
+    return static_cast<float>(t.value(x)) > static_cast<float>(t.value(y));
+  });
+  eligible.resize(k);
+  std::sort(eligible.begin(), eligible.end());
+  return eligible;
+}
+
+// Large tables (dense and sparse walks, many fp32 ties, both clamps) against the definition: the
+// radix-select clamp and the bitmap ordering may only save work, never change a pick.
+TEST(DecayedTableTest, SelectAboveMatchesItsDefinitionOnLargeTables) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 24; ++trial) {
+    DecayedTable t(0.95, /*rescale_every=*/1);
+    const int64_t size = 20000 + static_cast<int64_t>(rng() % 20000);
+    const double fill = trial % 3 == 0 ? 0.1 : trial % 3 == 1 ? 0.6 : 1.0;
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    for (int64_t i = 0; i < size; ++i) {
+      if (unit(rng) >= fill) continue;
+      // Half the trials draw from 16 levels only: fp32 ties at every clamp boundary.
+      const double w = trial % 2 == 0 ? (1 + rng() % 16) * 1e-3 : std::exp(6 * unit(rng)) * 1e-4;
+      t.Add(i, w);
+    }
+    t.Step();  // rescales (rescale_every 1): g is 1 from here
+    const int64_t lo = static_cast<int64_t>(rng() % 2000), hi = size - rng() % 2000;
+    const int64_t k_small = 100 + rng() % 400, k_large = 3000 + rng() % 4000;
+    struct Case {
+      double a;
+      int64_t min_count, max_count;
+    };
+    for (const Case& c : {Case{-10.0, 0, k_large}, Case{-10.0, 0, k_small},
+                          Case{0.2, k_large, 1 << 30}, Case{5.0, k_small, 1 << 30},
+                          Case{0.2, 0, 1 << 30}}) {
+      std::vector<int64_t> got;
+      t.SelectAbove(c.a, c.min_count, c.max_count, lo, hi, &got);
+      EXPECT_EQ(got, SelectByDefinition(t, c.a, c.min_count, c.max_count, lo, hi))
+          << "trial " << trial << " a " << c.a << " min " << c.min_count << " max "
+          << c.max_count;
+    }
+  }
 }
 
 TEST(LfpsTablesTest, SlashTableIndexesByDistanceBack) {
