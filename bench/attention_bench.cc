@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "bench/attention_bench.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -90,12 +91,20 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   }
   const std::optional<HeadKind> head_kind = HeadKindFromName(head_kind_name);
   if (!head_kind.has_value()) {
-    std::cerr << "error: --head-kind " << head_kind_name
-              << " is not one of retrieval, copy, streaming, diffuse\n";
+    std::vector<std::string> names;
+    for (HeadKind kind : AllHeadKinds()) names.push_back(HeadKindName(kind));
+    std::cerr << "error: --head-kind " << head_kind_name << " is not one of "
+              << absl::StrJoin(names, ", ") << "\n";
     return 2;
   }
   if (warm_steps < 0 || query_steps < 1 || repeats < 1) {
     std::cerr << "error: --warm-steps must be >= 0, --query-steps and --repeats >= 1\n";
+    return 2;
+  }
+  // A synthetic head's decode queries sit at the last query_steps positions of its context.
+  if (!contexts.empty() && query_steps >= *std::min_element(contexts.begin(), contexts.end())) {
+    std::cerr << "error: --query-steps " << query_steps
+              << " must be smaller than every context in --contexts\n";
     return 2;
   }
   if (!kernels::cpu::PagedAttentionSupported(head_dim, group, page_tokens)) {
@@ -176,7 +185,7 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         kernels::cpu::SetNumThreads(static_cast<int>(t));
         const int nthreads = kernels::cpu::NumThreads();
         // One policy per head: history policies (LFPS, Fluxion) keep per-head state. Each is
-        // warmed with `kWarmSteps` untimed steps so the timed ones show the steady state, its
+        // warmed with --warm-steps untimed steps so the timed ones show the steady state, its
         // periodic exact refresh included.
         std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
         for (int64_t h = 0; h < num_heads; ++h)
