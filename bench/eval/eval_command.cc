@@ -56,8 +56,8 @@ std::string Tail(const std::string& s, size_t n) {
 }
 
 void PrintTable(const std::vector<CellResult>& results) {
-  std::printf("%-16s %8s  %-24s %5s  %8s  %-16s %7s %7s %6s %-22s %11s %9s %7s\n", "task",
-              "context", "policy", "n", "accuracy", "95% CI", "read", "guard", "-/+",
+  std::printf("%-16s %8s  %-24s %5s  %8s  %-16s %7s %7s %7s %6s %-22s %11s %9s %7s\n", "task",
+              "context", "policy", "n", "accuracy", "95% CI", "read", "guard", "scored", "-/+",
               "vs first: delta [95%]", "prefill ms", "tpot ms", "bypass");
   bool any_degenerate = false;
   for (const CellResult& r : results) {
@@ -73,13 +73,15 @@ void PrintTable(const std::vector<CellResult>& results) {
     const char* mark = r.degenerate == 0 ? "" : r.degenerate == r.samples ? " !" : " ~";
     any_degenerate = any_degenerate || r.degenerate > 0;
     const std::string policy = r.policy + mark;
-    std::printf("%-16s %8lld  %-24s %5lld  %8.3f  %-16s %7.4f %7.4f %6s %-22s %11.1f %9.2f %7.3f\n",
-                r.task.c_str(), static_cast<long long>(r.context), policy.c_str(),
-                static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, r.guard_read,
-                counts, paired, r.prefill_ms, r.tpot_ms, r.bypassed);
+    std::printf(
+        "%-16s %8lld  %-24s %5lld  %8.3f  %-16s %7.4f %7.4f %7.4f %6s %-22s %11.1f %9.2f %7.3f\n",
+        r.task.c_str(), static_cast<long long>(r.context), policy.c_str(),
+        static_cast<long long>(r.samples), r.accuracy, ci, r.budget_spent, r.guard_read, r.scored,
+        counts, paired, r.prefill_ms, r.tpot_ms, r.bypassed);
   }
   std::printf("read: rows attended / context rows; guard: rows the error guard's exact checks "
-              "read besides (the budget spent is their sum)\n");
+              "read besides (the budget spent is their sum); scored: K rows read only to score "
+              "(rescoring, exact scans) / context rows\n");
   for (const CellResult& r : results) {
     if (r.guard_checks == 0) continue;
     std::printf("guard %s %lld %s: %lld checks, e_h p50 %.4f p90 %.4f, %lld escalations\n",
@@ -433,6 +435,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                       {"budget_spent", r.budget_spent},
                       {"bypassed", r.bypassed},
                       {"guard_read", r.guard_read},
+                      {"scored", r.scored},
                       {"guard_escalations", r.guard_escalations},
                       {"guard_checks", r.guard_checks},
                       {"guard_error_p50", r.guard_error_p50},

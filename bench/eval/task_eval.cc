@@ -169,7 +169,7 @@ class CaptureWriter {
 struct CellTotals {
   int64_t samples = 0, correct = 0, decode_steps = 0, lost = 0, gained = 0;
   double prefill_seconds = 0, decode_seconds = 0, attended_fraction = 0, bypassed_fraction = 0;
-  double guard_fraction = 0;
+  double guard_fraction = 0, scored_fraction = 0;
   int64_t guard_escalations = 0, guard_checks = 0, degenerate = 0;
   std::vector<double> guard_errors;
 };
@@ -550,6 +550,10 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
             po.guard_fraction = po.selection.context > 0
                                     ? static_cast<double>(g.check_rows) / po.selection.context
                                     : 0.0;
+            po.scored_fraction = po.selection.context > 0
+                                     ? static_cast<double>(po.selection.k_rows_scored) /
+                                           po.selection.context
+                                     : 0.0;
             po.guard_checks = g.checks;
             po.guard_escalations = g.escalations;
             po.guard_errors = g.errors;
@@ -571,6 +575,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
           cell.attended_fraction += po.attended_fraction;
           cell.bypassed_fraction += po.bypassed_fraction;
           cell.guard_fraction += po.guard_fraction;
+          cell.scored_fraction += po.scored_fraction;
           cell.guard_escalations += po.guard_escalations;
           cell.guard_checks += po.guard_checks;
           cell.guard_errors.insert(cell.guard_errors.end(), po.guard_errors.begin(),
@@ -609,6 +614,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
         r.bypassed = t.samples > 0 ? t.bypassed_fraction / t.samples : 0.0;
         r.guard_read = t.samples > 0 ? t.guard_fraction / t.samples : 0.0;
+        r.scored = t.samples > 0 ? t.scored_fraction / t.samples : 0.0;
         r.guard_escalations = t.guard_escalations;
         r.guard_checks = t.guard_checks;
         std::vector<double> errors = t.guard_errors;

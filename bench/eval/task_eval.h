@@ -176,6 +176,10 @@ struct PolicyOutcome {
   // available (reported beside attended_fraction, and counted in the budget spent), its checks
   // and escalations.
   double guard_fraction = 0;
+  // K rows read only to score (a history policy's rescoring, exact top-k's scan) over the context
+  // rows available, summed over head-steps like attended_fraction: how much more than the budget
+  // the selection itself reads.
+  double scored_fraction = 0;
   int64_t guard_checks = 0, guard_escalations = 0;
   std::vector<double> guard_errors;  // e_h of every check
   // The budget leaves no middle row at this prompt's length (sinks + window cover it): every
@@ -206,6 +210,7 @@ struct CellResult {
   double budget_spent = 1;  // mean attended fraction of the context over the cell's samples
   double bypassed = 0;      // mean share of head-steps bypassed (LFPS family; 0 for the others)
   double guard_read = 0;    // mean rows the error guard's exact checks read / context rows
+  double scored = 0;        // mean K rows read only to score / context rows (the selection's read)
   int64_t guard_escalations = 0;  // summed over the cell's samples
   int64_t guard_checks = 0;
   double guard_error_p50 = 0, guard_error_p90 = 0;  // over the cell's checks (0 without)

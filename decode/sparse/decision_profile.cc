@@ -118,6 +118,9 @@ absl::StatusOr<PolicyDecisions> ParseDecisions(const json& p, const std::string&
     total += c.share;
     d.retrieval.push_back(c);
   }
+  if (p.contains("rescored_share")) {
+    FLUXION_ASSIGN_OR_RETURN(d.rescored_share, Share(p, "rescored_share", where));
+  }
   const bool any_retrieval = d.streaming_share + d.bypass_share < 1.0 - kShareTolerance;
   if (any_retrieval && std::abs(total - 1.0) > kShareTolerance) {
     return Bad(absl::StrCat(where, "retrieval shares sum to ", total, ", not 1"));
@@ -131,15 +134,18 @@ json DecisionsToJson(const PolicyDecisions& d) {
     retrieval.push_back(
         {{"block_tokens", c.block_tokens}, {"budget", c.budget}, {"share", c.share}});
   }
-  return {{"policy", d.policy},
-          {"policy_budget", d.policy_budget},
-          {"context", d.context},
-          {"sink_tokens", d.sink_tokens},
-          {"local_tokens", d.local_tokens},
-          {"head_steps", d.head_steps},
-          {"streaming_share", d.streaming_share},
-          {"bypass_share", d.bypass_share},
-          {"retrieval", retrieval}};
+  json out = {{"policy", d.policy},
+              {"policy_budget", d.policy_budget},
+              {"context", d.context},
+              {"sink_tokens", d.sink_tokens},
+              {"local_tokens", d.local_tokens},
+              {"head_steps", d.head_steps},
+              {"streaming_share", d.streaming_share},
+              {"bypass_share", d.bypass_share},
+              {"retrieval", retrieval}};
+  // Written only when recorded, so that a profile made before the field reads back unchanged.
+  if (d.rescored_share > 0) out["rescored_share"] = d.rescored_share;
+  return out;
 }
 
 uint64_t Mix(uint64_t x) {  // splitmix64's finaliser: every input bit reaches every output bit
@@ -341,6 +347,10 @@ absl::StatusOr<DecisionProfile> DecisionRecorder::Build(const std::string& name,
     d.head_steps = s.selections;
     d.streaming_share = static_cast<double>(s.streaming) / s.selections;
     d.bypass_share = static_cast<double>(s.bypassed) / s.selections;
+    if (s.candidate_context > 0) {
+      d.rescored_share = std::min(
+          1.0, static_cast<double>(s.candidate_rows) / static_cast<double>(s.candidate_context));
+    }
     // Budgets binned to 0.001 of the context: Fluxion's per-request weight normalisation makes
     // nearly every request's budgets distinct at kBudgetUnit.
     std::map<std::pair<int64_t, int64_t>, int64_t> bins;

@@ -34,7 +34,8 @@
 //    "policies": [{"policy": "fluxion", "policy_budget": 0.05, "context": 3900,
 //                  "sink_tokens": 4, "local_tokens": 64, "head_steps": 123456,
 //                  "streaming_share": 0.3, "bypass_share": 0.05,
-//                  "retrieval": [{"block_tokens": 16, "budget": 0.08, "share": 0.6}, ...]}]}
+//                  "retrieval": [{"block_tokens": 16, "budget": 0.08, "share": 0.6}, ...],
+//                  "rescored_share": 0.21}]}       (optional: absent in files made before it)
 //
 // Thread-safe: immutable after construction.
 #ifndef FLUXION_DECODE_SPARSE_DECISION_PROFILE_H_
@@ -73,6 +74,16 @@ struct PolicyDecisions {
   double streaming_share = 0;  // of all head-steps: heads with no middle budget
   double bypass_share = 0;     // of all head-steps: bypassed by the sparsity test
   std::vector<RetrievalChoice> retrieval;
+  // Rows a retrieval head-step rescored (its history candidates, expanded) over its context, on
+  // the recorded model; 0: not recorded, the replaying policy keeps its own candidates. Random
+  // weights fill LFPS's tables over the whole context (diffuse attention: every row a step
+  // attends earns a table entry), so its candidates there hit the tables' caps (55% of a 128K
+  // context at 8B shapes, session 15) where a trained model's tables hold what its heads
+  // attended: the candidate volume is a decision of the model's attention like the others.
+  // Replay thins a head-step's candidates to this share (never below its middle budget), after
+  // the tables were selected and expanded as the policy does: the selection's own work stays
+  // the random tables' (more than the model's), the rescoring is the model's.
+  double rescored_share = 0;
 };
 
 // What replay decided for one (layer, KV head).

@@ -79,6 +79,10 @@ TEST(DecisionProfileTest, MalformedFilesGiveClearErrors) {
        "\"streaming_share\": 0.7, \"bypass_share\": 0.6", "more than 1"},
       {"  ]}", "  ]", "not valid JSON"},
       {"{\"block_tokens\": 64", "7, {\"block_tokens\": 64", "retrieval[2] must be an object"},
+      {"\"bypass_share\": 0.25,", "\"bypass_share\": 0.25, \"rescored_share\": 1.5,",
+       "policies[1].rescored_share is 1.5, outside [0, 1]"},
+      {"\"bypass_share\": 0.25,", "\"bypass_share\": 0.25, \"rescored_share\": \"x\",",
+       "policies[1].rescored_share must be a number"},
   };
   for (const Case& c : cases) {
     std::string text = absl::StrReplaceAll(good, {{c.from, c.to}});
@@ -272,6 +276,44 @@ TEST(DecisionProfileTest, ReplayThroughThePoliciesReproducesTheShares) {
   ASSERT_TRUE(recorded.ok()) << recorded.status();
   ASSERT_EQ(recorded->policies().size(), 1u);
   EXPECT_NEAR(recorded->policies()[0].streaming_share, stats.streaming / n, 1e-12);
+}
+
+// A recorded candidate volume: written only when recorded (older files read back unchanged) and
+// replayed by thinning each head-step's candidates to it, never below the budget. Random K/V
+// fill the tables, so the policy's own candidates are far more than the recorded share; the
+// attended rows (the budget) do not change.
+TEST(DecisionProfileTest, RecordedCandidateVolumeReplays) {
+  EXPECT_EQ(Measured().Serialize().find("rescored_share"), std::string::npos);
+  const std::string text = absl::StrReplaceAll(
+      kProfile, {{"\"bypass_share\": 0.25,", "\"bypass_share\": 0, \"rescored_share\": 0.08,"}});
+  absl::StatusOr<DecisionProfile> p = DecisionProfile::Parse(text);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->policies()[1].rescored_share, 0.08);
+  absl::StatusOr<DecisionProfile> again = DecisionProfile::Parse(p->Serialize());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->policies()[1].rescored_share, 0.08);
+
+  auto share = [](const SelectionStats& s) {
+    return static_cast<double>(s.candidate_rows) / static_cast<double>(s.candidate_context);
+  };
+  PolicyConfig own = *ParsePolicy("lfps", 0.05);
+  own.decision_profile = std::make_shared<const DecisionProfile>(DecisionProfile::Conservative());
+  PolicyConfig thinned = own;
+  thinned.decision_profile = std::make_shared<const DecisionProfile>(*p);
+  RandomRequest r1(2, 4, 2048, 8), r2(2, 4, 2048, 8);
+  const SelectionStats a = Decode(r1, own, 8), b = Decode(r2, thinned, 8);
+  ASSERT_GT(a.candidate_steps, 0);
+  EXPECT_EQ(b.candidate_steps, a.candidate_steps);  // the same refreshes and candidate steps
+  EXPECT_GT(share(a), 0.15);  // the random tables' own volume, well above the recorded one
+  EXPECT_NEAR(share(b), 0.08, 0.002);
+  EXPECT_EQ(b.rows_attended, a.rows_attended);
+
+  // The recorder reads the volume back from the stats.
+  DecisionRecorder recorder;
+  recorder.Add(thinned, b);
+  absl::StatusOr<DecisionProfile> recorded = recorder.Build("again", "{}");
+  ASSERT_TRUE(recorded.ok()) << recorded.status();
+  EXPECT_NEAR(recorded->policies()[0].rescored_share, share(b), 1e-12);
 }
 
 }  // namespace

@@ -294,6 +294,15 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     AddCandidates(in, r, k, &candidates, stats);
     SortUniqueWithin(r.sink_end, r.local_begin, &candidates, &x.candidate_bits);
     CapCandidates(in, k, &candidates, stats);
+    if (replaying() && replay_.rescored_share > 0) {
+      // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
+      // the budget: the tables were selected and expanded as always.
+      ThinEvenly(std::max<int64_t>(k, std::llround(replay_.rescored_share * in.context)),
+                 &candidates);
+    }
+    ++stats->candidate_steps;
+    stats->candidate_rows += static_cast<int64_t>(candidates.size());
+    stats->candidate_context += in.context;
     if (static_cast<int64_t>(candidates.size()) <= k) {
       x.picked = candidates;
     } else {
@@ -419,6 +428,7 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
   const int64_t group = in.group;
   const size_t n = positions.size();
   x.head_weights.resize(group * n);
+  x.head_exps.resize(group * n);
   x.head_middle_share.assign(group, 0.0);
   kernels::cpu::RunAsTasks(group, [&](int64_t g) {
     auto score = [&](size_t j) { return x.scores[j * group + g]; };
@@ -428,18 +438,28 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
       if (positions[j] >= config_.sink_tokens) m = std::max(m, score(j));
     }
     double z = 0, z_all = 0, z_middle = 0;
+    // exp(s - m) = exp(s - m_all) exp(m_all - m): one exponential per row instead of three
+    // (they were most of Observe at 8B shapes). While m_all - m stays far inside fp64's range no
+    // row that carries weight underflows; otherwise each weight takes its own exponential.
+    const bool one_exp = m_all - m < 600.0f;
+    const double rescale = one_exp ? std::exp(static_cast<double>(m_all) - m) : 0.0;
+    double* e = x.head_exps.data() + g * n;
     for (size_t j = 0; j < n; ++j) {
-      const double e_all = std::exp(score(j) - m_all);
-      z_all += e_all;
-      if (positions[j] >= r.sink_end && positions[j] < r.local_begin) z_middle += e_all;
-      if (positions[j] >= config_.sink_tokens) z += std::exp(score(j) - m);
+      e[j] = std::exp(score(j) - m_all);
+      z_all += e[j];
+      if (positions[j] >= r.sink_end && positions[j] < r.local_begin) z_middle += e[j];
+      if (positions[j] >= config_.sink_tokens) {
+        z += one_exp ? e[j] * rescale : std::exp(score(j) - m);
+      }
     }
     x.head_middle_share[g] = z_middle / z_all;
     float* w = x.head_weights.data() + g * n;
     for (size_t j = 0; j < n; ++j) {
-      w[j] = positions[j] < config_.sink_tokens
-                 ? 0.0f
-                 : static_cast<float>(std::exp(score(j) - m) / z);
+      if (positions[j] < config_.sink_tokens) {
+        w[j] = 0.0f;
+      } else {
+        w[j] = static_cast<float>((one_exp ? e[j] * rescale : std::exp(score(j) - m)) / z);
+      }
     }
   });
   std::vector<float> best(n, 0.0f);

@@ -134,6 +134,7 @@ class LfpsPolicy : public SparsePolicy {
     // weights [group][row] and its middle share (each head a task: RunAsTasks).
     std::vector<int32_t> positions;
     std::vector<float> head_weights;
+    std::vector<double> head_exps;  // [group][row]: exp(logit - the head's max over all rows)
     std::vector<double> head_middle_share;
   };
 

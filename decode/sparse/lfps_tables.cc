@@ -25,6 +25,7 @@ void DecayedTable::Rescale() {
   for (int64_t i : nonzero_index_) {
     double& p = psi_[i];
     p /= g_;  // may underflow to 0: the entry then leaves the non-zero set
+    psi_f32_[i] = static_cast<float>(p);
     if (p != 0.0) {
       AddToMoments(0.0, p);
       still_nonzero.push_back(i);
@@ -47,9 +48,13 @@ void DecayedTable::AddToMoments(double old_psi, double new_psi) {
 
 void DecayedTable::Add(int64_t index, double w) {
   if (w <= 0.0 || index < 0) return;
-  if (index >= size()) psi_.resize(index + 1, 0.0);
+  if (index >= size()) {
+    psi_.resize(index + 1, 0.0);
+    psi_f32_.resize(index + 1, 0.0f);
+  }
   const double old = psi_[index];
   psi_[index] = old + w * g_;
+  psi_f32_[index] = static_cast<float>(psi_[index]);
   if (old == 0.0 && psi_[index] != 0.0) nonzero_index_.push_back(index);
   AddToMoments(old, psi_[index]);
 }
@@ -74,6 +79,42 @@ TableMoments DecayedTable::moments() const {
   return m;
 }
 
+bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t max_count,
+                               int64_t lo, int64_t hi, std::vector<int64_t>* out) const {
+  const double* psi = psi_.data();
+  const float* f32 = psi_f32_.data();
+  int64_t above = 0, nonzero = 0, positive_f32 = 0;
+  for (int64_t i = lo; i < hi; ++i) {  // branch-free: vectorises
+    above += psi[i] >= threshold_psi;
+    nonzero += psi[i] != 0.0;
+    positive_f32 += f32[i] > 0.0f;
+  }
+  const int64_t want_min = std::min<int64_t>(min_count, nonzero);
+  if (above <= max_count && above >= want_min) {
+    for (int64_t i = lo; i < hi; ++i) {
+      if (psi[i] >= threshold_psi) out->push_back(i);
+    }
+    return true;
+  }
+  const int64_t k = above > max_count ? max_count : want_min;
+  if (k == 0) return true;
+  // The k largest fp32 images over the whole slice, zeros included, are the k largest non-zero
+  // entries (ties toward lower indices, as over the gathered entries) as long as k positive
+  // images exist; an entry whose image underflowed to 0 would tie with the zeros, so that case
+  // gathers as before.
+  if (k > positive_f32) return false;
+  kernels::cpu::TopKIndices(f32 + lo, hi - lo, k, &top_);
+  // Marking the picks and reading the marks back in order sorts them in O(range / 64 + k).
+  picked_bits_.assign(static_cast<size_t>((hi - lo + 63) / 64), 0);
+  for (int32_t j : top_) picked_bits_[j >> 6] |= uint64_t{1} << (j & 63);
+  for (size_t w = 0; w < picked_bits_.size(); ++w) {
+    for (uint64_t bits = picked_bits_[w]; bits != 0; bits &= bits - 1) {
+      out->push_back(lo + static_cast<int64_t>(w) * 64 + __builtin_ctzll(bits));
+    }
+  }
+  return true;
+}
+
 void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, int64_t lo,
                                int64_t hi, std::vector<int64_t>* out) const {
   const TableMoments m = moments();
@@ -81,6 +122,12 @@ void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, i
   hi = std::min<int64_t>(hi, size());
   if (m.count == 0 || hi <= lo) return;
   const double threshold_psi = (m.mean + a * std::sqrt(m.kurtosis) * m.stddev) * g_;
+  // A table whose range is mostly non-zero (as after many steps of diffuse attention) is
+  // counted in place; a sparse one is walked through its non-zero index below (a dense scan of
+  // a 128K-entry table per step was most of LFPS's step at long contexts).
+  if (nonzero_ * 4 >= hi - lo && SelectDense(threshold_psi, min_count, max_count, lo, hi, out)) {
+    return;
+  }
   std::vector<int64_t>& eligible = scratch_;
   std::vector<float>& values = scratch_values_;
   eligible.clear();
@@ -92,10 +139,8 @@ void DecayedTable::SelectAbove(double a, int64_t min_count, int64_t max_count, i
     values.push_back(static_cast<float>(p));
     above += p >= threshold_psi;
   };
-  // A sparse table is walked through its non-zero index (a dense scan of a 128K-entry table per
-  // step was most of LFPS's step at long contexts); a table whose range is mostly non-zero (as
-  // after many steps of diffuse attention) is scanned in index order, which reads it
-  // sequentially instead of at random.
+  // A dense range reaches here only when SelectDense could not decide (an fp32 image
+  // underflowed): it is scanned in index order, which reads it sequentially.
   const bool dense = nonzero_ * 4 >= hi - lo;
   if (dense) {
     for (int64_t i = lo; i < hi; ++i) {

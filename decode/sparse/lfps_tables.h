@@ -57,6 +57,10 @@ class DecayedTable {
 
  private:
   void Rescale();
+  // SelectAbove over a mostly non-zero range, in place; false when it cannot decide the clamp
+  // exactly from the fp32 images (the caller then gathers the non-zero entries).
+  bool SelectDense(double threshold_psi, int64_t min_count, int64_t max_count, int64_t lo,
+                   int64_t hi, std::vector<int64_t>* out) const;
   void AddToMoments(double old_psi, double new_psi);
 
   double decay_;
@@ -64,6 +68,10 @@ class DecayedTable {
   int64_t steps_since_rescale_ = 0;
   double g_ = 1.0;               // Psi = Phi * g
   std::vector<double> psi_;
+  // fp32 images of psi_, kept beside it: a dense table's clamp selects over a slice of them in
+  // place instead of gathering the non-zero entries and their values every step (that gather
+  // was most of SelectAbove at 8B shapes, where random weights fill both tables).
+  std::vector<float> psi_f32_;
   std::vector<int64_t> nonzero_index_;  // indices of the non-zero entries, in insertion order
   // SelectAbove's eligible entries, their values and the clamp's picks (no allocation per step).
   mutable std::vector<int64_t> scratch_;

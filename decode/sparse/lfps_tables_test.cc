@@ -173,6 +173,22 @@ TEST(DecayedTableTest, SelectAboveMatchesItsDefinitionOnLargeTables) {
   }
 }
 
+// A dense table whose smallest entries have fp32 images of 0 (far below fp32's range): a clamp
+// that must reach into them still picks by the fp64 values' definition.
+TEST(DecayedTableTest, SelectAboveReachesEntriesBelowFp32Range) {
+  DecayedTable t(0.95, /*rescale_every=*/1);
+  for (int64_t i = 0; i < 4000; ++i) {
+    if (i % 3 == 1) continue;  // true zeros between them
+    t.Add(i, i % 5 == 0 ? 1e-300 * (1 + i % 7) : 1e-3 * (1 + i % 9));
+  }
+  t.Step();
+  for (const int64_t min_count : {int64_t{100}, int64_t{2200}, int64_t{2600}, int64_t{5000}}) {
+    std::vector<int64_t> got;
+    t.SelectAbove(50.0, min_count, 1 << 30, 10, 3990, &got);
+    EXPECT_EQ(got, SelectByDefinition(t, 50.0, min_count, 1 << 30, 10, 3990)) << min_count;
+  }
+}
+
 TEST(LfpsTablesTest, SlashTableIndexesByDistanceBack) {
   LfpsTables t;
   t.Step();

@@ -366,6 +366,15 @@ void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t pa
   }
 }
 
+void ThinEvenly(int64_t target, std::vector<int32_t>* sorted_positions) {
+  std::vector<int32_t>& p = *sorted_positions;
+  const int64_t n = static_cast<int64_t>(p.size());
+  if (target < 0 || n <= target) return;
+  // In place: the i-th kept comes from index i n / target >= i, not yet overwritten.
+  for (int64_t i = 0; i < target; ++i) p[i] = p[i * n / target];
+  p.resize(target);
+}
+
 void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,
                    int64_t limit, std::vector<int32_t>* sorted_positions) {
   const int64_t n = static_cast<int64_t>(sorted_positions->size());

@@ -203,6 +203,10 @@ struct SelectionStats {
   int64_t bypassed = 0;       // of those, how many bypassed to sinks + window (LFPS)
   int64_t streaming = 0;      // of those, how many had no middle budget (Fluxion's streaming heads)
   int64_t context = 0;        // tokens available
+  // A history policy's head-steps that rescored candidates (LFPS's table candidates, Fluxion's
+  // added too; not its exact refreshes): how many rows they rescored and the contexts they saw.
+  // Their ratio is the candidate volume a decision profile records (decision_profile.h).
+  int64_t candidate_steps = 0, candidate_rows = 0, candidate_context = 0;
   // Of `selections`, the ones that read the middle region, by (block tokens, decided budget in
   // units of kBudgetUnit of the context, sinks and window included): what a decision profile
   // records (decision_profile.h). Block 1: token-level selection (LFPS).
@@ -218,6 +222,9 @@ struct SelectionStats {
     bypassed += o.bypassed;
     streaming += o.streaming;
     context += o.context;
+    candidate_steps += o.candidate_steps;
+    candidate_rows += o.candidate_rows;
+    candidate_context += o.candidate_context;
     for (const auto& [key, n] : o.retrieval) retrieval[key] += n;
   }
 };

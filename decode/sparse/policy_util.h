@@ -53,6 +53,11 @@ void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t pa
 void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,
                    int64_t limit, std::vector<int32_t>* sorted_positions);
 
+// Keeps `target` of the sorted positions, evenly spaced (the i-th kept is the (i n / target)-th
+// of n), so they spread over the range as the originals did; nothing is dropped when there are
+// no more than `target`. Decision-profile replay of a recorded candidate volume (LFPS).
+void ThinEvenly(int64_t target, std::vector<int32_t>* sorted_positions);
+
 }  // namespace fluxion::decode::sparse
 
 #endif  // FLUXION_DECODE_SPARSE_POLICY_UTIL_H_

@@ -43,6 +43,19 @@ TEST(SortUniqueWithinTest, EmptyRangeClears) {
   EXPECT_TRUE(positions.empty());
 }
 
+TEST(ThinEvenlyTest, KeepsEvenlySpacedPositionsAndNeverAdds) {
+  std::vector<int32_t> p = {10, 11, 12, 13, 20, 21, 22, 23};
+  ThinEvenly(4, &p);
+  EXPECT_EQ(p, (std::vector<int32_t>{10, 12, 20, 22}));
+  ThinEvenly(6, &p);  // no more than the target: unchanged
+  EXPECT_EQ(p, (std::vector<int32_t>{10, 12, 20, 22}));
+  std::vector<int32_t> q = {1, 2, 3, 4, 5, 6, 7};
+  ThinEvenly(3, &q);  // indices 0, 2, 4
+  EXPECT_EQ(q, (std::vector<int32_t>{1, 3, 5}));
+  ThinEvenly(0, &q);
+  EXPECT_TRUE(q.empty());
+}
+
 TEST(ListCandidatePagesTest, PagesAscendingWithTheirCounts) {
   CandidatePages pages;
   ListCandidatePages({3, 5, 16, 40, 41, 47, 48}, 16, &pages);
