@@ -305,7 +305,7 @@ TEST(DecisionProfileTest, RecordedCandidateVolumeReplays) {
   ASSERT_GT(a.candidate_steps, 0);
   EXPECT_EQ(b.candidate_steps, a.candidate_steps);  // the same refreshes and candidate steps
   EXPECT_GT(share(a), 0.15);  // the random tables' own volume, well above the recorded one
-  EXPECT_NEAR(share(b), 0.08, 0.002);
+  EXPECT_NEAR(share(b), 0.08, 0.003);  // whole groups of 4: up to 3 rows more a step
   EXPECT_EQ(b.rows_attended, a.rows_attended);
 
   // The recorder reads the volume back from the stats.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iterator>
 
 #include "decode/sparse/policy_util.h"
 #include "glog/logging.h"
@@ -298,7 +299,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
       // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
       // the budget: the tables were selected and expanded as always.
       ThinEvenly(std::max<int64_t>(k, std::llround(replay_.rescored_share * in.context)),
-                 &candidates);
+                 std::size(kExpand), &candidates);
     }
     ++stats->candidate_steps;
     stats->candidate_rows += static_cast<int64_t>(candidates.size());

@@ -32,6 +32,7 @@ void DecayedTable::Rescale() {
     }
   }
   nonzero_index_ = std::move(still_nonzero);
+  clamp_floor_ = 0.0f;  // in units of Psi, which the rescale divides
   g_ = 1.0;
   steps_since_rescale_ = 0;
 }
@@ -103,13 +104,60 @@ bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t 
   // images exist; an entry whose image underflowed to 0 would tie with the zeros, so that case
   // gathers as before.
   if (k > positive_f32) return false;
-  kernels::cpu::TopKIndices(f32 + lo, hi - lo, k, &top_);
-  // Marking the picks and reading the marks back in order sorts them in O(range / 64 + k).
-  picked_bits_.assign(static_cast<size_t>((hi - lo + 63) / 64), 0);
+  // The clamp's floor: the k largest lie in {f32 >= floor} whenever at least k images reach the
+  // floor, and the ties at the k-th value all lie in it too, so selecting over that subset (in
+  // index order: ties toward lower indices alike) gives the same picks as over the whole slice.
+  // Psi only grows between rescales (Rescale resets the floor), so a floor under the last step's
+  // k-th value keeps holding the last picks: the radix select then runs over about k entries
+  // instead of the range (~0.1 of a 128K range at 8B shapes, where random weights make both
+  // clamps bind every step).
+  const float* values = f32 + lo;
+  int64_t n = hi - lo;
+  const int32_t* index = nullptr;  // subset position -> offset from lo (null: the whole slice)
+  if (clamp_floor_ > 0.0f) {
+    floor_index_.clear();
+    floor_values_.clear();
+    for (int64_t i = lo; i < hi; ++i) {
+      if (f32[i] >= clamp_floor_) {
+        floor_index_.push_back(static_cast<int32_t>(i - lo));
+        floor_values_.push_back(f32[i]);
+      }
+    }
+    if (static_cast<int64_t>(floor_index_.size()) >= k) {
+      values = floor_values_.data();
+      n = static_cast<int64_t>(floor_index_.size());
+      index = floor_index_.data();
+    }
+  }
+  if (index == nullptr || n > 2 * k) {
+    // Lower the floor to the (k + slack)-th largest of what is selected over: room for the clamp
+    // to grow (its cap is a share of the context) before the floor stops holding k entries.
+    const int64_t with_slack = std::min<int64_t>(n, k + k / 8 + 16);
+    kernels::cpu::TopKIndices(values, n, with_slack, &top_);
+    float floor = INFINITY;
+    slack_values_.resize(top_.size());
+    for (size_t j = 0; j < top_.size(); ++j) {
+      slack_values_[j] = values[top_[j]];
+      floor = std::min(floor, slack_values_[j]);
+    }
+    clamp_floor_ = floor;
+    // The top k of those: ties toward lower indices needs them in index order.
+    std::sort(top_.begin(), top_.end());
+    for (size_t j = 0; j < top_.size(); ++j) slack_values_[j] = values[top_[j]];
+    kernels::cpu::TopKIndices(slack_values_.data(), static_cast<int64_t>(top_.size()), k,
+                              &slack_top_);
+    for (int32_t& j : slack_top_) j = top_[j];
+    top_.swap(slack_top_);
+  } else {
+    kernels::cpu::TopKIndices(values, n, k, &top_);
+  }
+  // Marking the picks and reading the marks back in order sorts them in O(n / 64 + k).
+  picked_bits_.assign(static_cast<size_t>((n + 63) / 64), 0);
   for (int32_t j : top_) picked_bits_[j >> 6] |= uint64_t{1} << (j & 63);
   for (size_t w = 0; w < picked_bits_.size(); ++w) {
     for (uint64_t bits = picked_bits_[w]; bits != 0; bits &= bits - 1) {
-      out->push_back(lo + static_cast<int64_t>(w) * 64 + __builtin_ctzll(bits));
+      const int64_t j = static_cast<int64_t>(w) * 64 + __builtin_ctzll(bits);
+      out->push_back(lo + (index != nullptr ? index[j] : j));
     }
   }
   return true;

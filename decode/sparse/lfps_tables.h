@@ -10,7 +10,8 @@
 // kurtosis threshold like r^-4t, which overflows fp32 after ~430 steps; everything is fp64 and
 // rescaled (Psi /= g, g = 1, moments recomputed exactly) every `rescale_every` steps.
 //
-// Thread-compatible: one table pair per (request, layer, KV head), driven by one thread.
+// Thread-compatible: one table pair per (request, layer, KV head), driven by one thread (its
+// selection keeps a floor between steps, so even const calls must not run concurrently).
 #ifndef FLUXION_DECODE_SPARSE_LFPS_TABLES_H_
 #define FLUXION_DECODE_SPARSE_LFPS_TABLES_H_
 
@@ -78,6 +79,10 @@ class DecayedTable {
   mutable std::vector<float> scratch_values_;
   mutable std::vector<int32_t> top_;
   mutable std::vector<uint64_t> picked_bits_;  // the clamp's picks, one bit per eligible entry
+  // SelectDense's clamp floor (fp32 image of Psi; 0: none yet) and the subset at or above it.
+  mutable float clamp_floor_ = 0.0f;
+  mutable std::vector<int32_t> floor_index_, slack_top_;
+  mutable std::vector<float> floor_values_, slack_values_;
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };

@@ -173,6 +173,34 @@ TEST(DecayedTableTest, SelectAboveMatchesItsDefinitionOnLargeTables) {
   }
 }
 
+// Selections step after step, as a decode runs them: additions between steps, a cap that grows
+// with the context, a range whose end moves, and a rescale on the way (the clamp keeps a floor
+// from step to step; every step must still pick what the definition picks).
+TEST(DecayedTableTest, SelectAboveStaysExactAcrossStepsAndRescales) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  DecayedTable t(0.95, /*rescale_every=*/64);
+  const int64_t start = 6000;
+  for (int64_t i = 0; i < start; ++i) t.Add(i, std::exp(4 * unit(rng)) * 1e-4);
+  for (int64_t step = 0; step < 150; ++step) {
+    t.Step();
+    const int64_t context = start + step;
+    // A step's attended rows: a few hundred additions anywhere, some at fp32 ties.
+    for (int j = 0; j < 300; ++j) {
+      const int64_t i = static_cast<int64_t>(rng() % context);
+      t.Add(i, j % 3 == 0 ? 2e-3 : std::exp(5 * unit(rng)) * 1e-4);
+    }
+    t.Add(context, 1e-3);
+    const int64_t cap = context / 10, floor_count = 2 * (50 + step % 7);
+    for (const double a : {-10.0, 0.2}) {  // -10: every entry qualifies, the cap binds
+      std::vector<int64_t> got;
+      t.SelectAbove(a, floor_count, cap, 2, context - 60, &got);
+      ASSERT_EQ(got, SelectByDefinition(t, a, floor_count, cap, 2, context - 60))
+          << "step " << step << " a " << a;
+    }
+  }
+}
+
 // A dense table whose smallest entries have fp32 images of 0 (far below fp32's range): a clamp
 // that must reach into them still picks by the fp64 values' definition.
 TEST(DecayedTableTest, SelectAboveReachesEntriesBelowFp32Range) {

@@ -366,13 +366,20 @@ void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t pa
   }
 }
 
-void ThinEvenly(int64_t target, std::vector<int32_t>* sorted_positions) {
+void ThinEvenly(int64_t target, int64_t group, std::vector<int32_t>* sorted_positions) {
   std::vector<int32_t>& p = *sorted_positions;
   const int64_t n = static_cast<int64_t>(p.size());
   if (target < 0 || n <= target) return;
-  // In place: the i-th kept comes from index i n / target >= i, not yet overwritten.
-  for (int64_t i = 0; i < target; ++i) p[i] = p[i * n / target];
-  p.resize(target);
+  group = std::max<int64_t>(group, 1);
+  const int64_t groups = (n + group - 1) / group;
+  const int64_t keep = std::min(groups, (target + group - 1) / group);
+  // In place: kept group i starts at (i groups / keep) group >= i group, not yet overwritten.
+  int64_t size = 0;
+  for (int64_t i = 0; i < keep; ++i) {
+    const int64_t first = i * groups / keep * group, last = std::min(n, first + group);
+    for (int64_t j = first; j < last; ++j) p[size++] = p[j];
+  }
+  p.resize(size);
 }
 
 void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,

@@ -53,10 +53,13 @@ void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t pa
 void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,
                    int64_t limit, std::vector<int32_t>* sorted_positions);
 
-// Keeps `target` of the sorted positions, evenly spaced (the i-th kept is the (i n / target)-th
-// of n), so they spread over the range as the originals did; nothing is dropped when there are
-// no more than `target`. Decision-profile replay of a recorded candidate volume (LFPS).
-void ThinEvenly(int64_t target, std::vector<int32_t>* sorted_positions);
+// Keeps about `target` of the sorted positions (ceil(target / group) groups): they are cut into
+// groups of `group` consecutive entries and evenly spaced whole groups are kept, so the kept
+// spread over the range as the originals did and keep their runs (LFPS's candidates come in runs
+// of its 4 expansion offsets; singletons would cost the rescoring a span per row, more than the
+// model's candidates cost). Nothing is dropped when there are no more than `target`.
+// Decision-profile replay of a recorded candidate volume (LFPS).
+void ThinEvenly(int64_t target, int64_t group, std::vector<int32_t>* sorted_positions);
 
 }  // namespace fluxion::decode::sparse
 

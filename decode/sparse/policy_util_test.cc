@@ -43,17 +43,21 @@ TEST(SortUniqueWithinTest, EmptyRangeClears) {
   EXPECT_TRUE(positions.empty());
 }
 
-TEST(ThinEvenlyTest, KeepsEvenlySpacedPositionsAndNeverAdds) {
+TEST(ThinEvenlyTest, KeepsEvenlySpacedWholeGroupsAndNeverAdds) {
   std::vector<int32_t> p = {10, 11, 12, 13, 20, 21, 22, 23};
-  ThinEvenly(4, &p);
+  ThinEvenly(4, 1, &p);  // groups of one: indices 0, 2, 4, 6
   EXPECT_EQ(p, (std::vector<int32_t>{10, 12, 20, 22}));
-  ThinEvenly(6, &p);  // no more than the target: unchanged
+  ThinEvenly(6, 1, &p);  // no more than the target: unchanged
   EXPECT_EQ(p, (std::vector<int32_t>{10, 12, 20, 22}));
-  std::vector<int32_t> q = {1, 2, 3, 4, 5, 6, 7};
-  ThinEvenly(3, &q);  // indices 0, 2, 4
-  EXPECT_EQ(q, (std::vector<int32_t>{1, 3, 5}));
-  ThinEvenly(0, &q);
-  EXPECT_TRUE(q.empty());
+  std::vector<int32_t> q;
+  for (int32_t i = 0; i < 40; ++i) q.push_back(100 + 3 * i);
+  ThinEvenly(12, 4, &q);  // 10 groups of 4, 3 kept: groups 0, 3, 6
+  EXPECT_EQ(q, (std::vector<int32_t>{100, 103, 106, 109, 136, 139, 142, 145, 172, 175, 178, 181}));
+  std::vector<int32_t> r = {1, 2, 3, 4, 5, 6, 7};
+  ThinEvenly(3, 2, &r);  // 4 groups ({1,2} {3,4} {5,6} {7}), 2 kept: groups 0 and 2
+  EXPECT_EQ(r, (std::vector<int32_t>{1, 2, 5, 6}));
+  ThinEvenly(0, 4, &r);
+  EXPECT_TRUE(r.empty());
 }
 
 TEST(ListCandidatePagesTest, PagesAscendingWithTheirCounts) {
