@@ -113,7 +113,7 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<float> scores;
     std::vector<int32_t> picked, picked_local;
     std::vector<int32_t> candidates;        // this step's expanded candidates, sorted
-    std::vector<uint64_t> candidate_bits;   // SortUniqueWithin's bitmap
+    std::vector<uint64_t> candidate_bits;   // CandidateMarks' bitmap over the middle
     std::vector<double> kq;                 // [head_dim]: summed key outer products times q
     std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
     // This step's Quest scores of pages [step_pages_first, step_pages_end) when a subclass has

@@ -330,24 +330,30 @@ void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector
   stats->context += in.context;
 }
 
-void SortUniqueWithin(int64_t begin, int64_t end, std::vector<int32_t>* positions,
-                      std::vector<uint64_t>* words) {
-  if (end <= begin) {
-    positions->clear();
-    return;
+CandidateMarks::CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words)
+    : begin_(begin), end_(std::max(begin, end)), words_(words) {
+  words_->assign(static_cast<size_t>((end_ - begin_ + 63) / 64), 0);
+}
+
+void CandidateMarks::MarkRun(int64_t first, int64_t count) {
+  int64_t a = std::max(first, begin_) - begin_;
+  const int64_t b = std::min(first + count, end_) - begin_;
+  uint64_t* w = words_->data();
+  while (a < b) {
+    const int64_t bit = a & 63, n = std::min<int64_t>(64 - bit, b - a);
+    const uint64_t ones = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+    w[a >> 6] |= ones << bit;
+    a += n;
   }
-  words->assign(static_cast<size_t>((end - begin + 63) / 64), 0);
-  uint64_t* w = words->data();
-  for (int32_t p : *positions) {
-    if (p < begin || p >= end) continue;
-    const int64_t bit = p - begin;
-    w[bit >> 6] |= uint64_t{1} << (bit & 63);
-  }
-  positions->clear();
-  for (size_t i = 0; i < words->size(); ++i) {
+}
+
+void CandidateMarks::ReadOut(std::vector<int32_t>* out) const {
+  out->clear();
+  const uint64_t* w = words_->data();
+  for (size_t i = 0; i < words_->size(); ++i) {
     for (uint64_t bits = w[i]; bits != 0; bits &= bits - 1) {
-      positions->push_back(static_cast<int32_t>(begin + static_cast<int64_t>(i) * 64 +
-                                                __builtin_ctzll(bits)));
+      out->push_back(static_cast<int32_t>(begin_ + static_cast<int64_t>(i) * 64 +
+                                          __builtin_ctzll(bits)));
     }
   }
 }

@@ -30,12 +30,24 @@ void AppendPositions(const PagedKv& kv, int layer, int kv_head,
                      const std::vector<int32_t>& sorted_positions,
                      std::vector<kernels::PageSpan>* spans);
 
-// Sorts positions and drops repeats, keeping only those in [begin, end): a bitmap over the range
-// (one bit per token, reused through *words) instead of std::sort. LFPS's expanded candidates are
-// many times its budget (2k table entries x 5 offsets, both tables), and sorting them was a fifth
-// of its step at 5% of 8K (perf, session 6); the bitmap is O(candidates + range / 64).
-void SortUniqueWithin(int64_t begin, int64_t end, std::vector<int32_t>* positions,
-                      std::vector<uint64_t>* words);
+// A set of positions in [begin, end) as a bitmap (one bit per token, in *words, which it clears
+// and reuses): runs are marked with word ORs and read out sorted and distinct, O(marks + range /
+// 64). LFPS marks its expanded table picks here directly: they are many times its budget (2k
+// table entries x 4 offsets, both tables), and sorting them was a fifth of its step at 5% of 8K
+// (perf, session 6); pushing them to a vector first was the largest serial part of a head-step
+// on the H200 host (session 17).
+class CandidateMarks {
+ public:
+  CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words);
+  // Marks [first, first + count) clipped to [begin, end).
+  void MarkRun(int64_t first, int64_t count);
+  // Replaces *out with the marked positions, ascending.
+  void ReadOut(std::vector<int32_t>* out) const;
+
+ private:
+  int64_t begin_, end_;
+  std::vector<uint64_t>* words_;
+};
 
 // The pages that hold sorted, distinct candidate positions, ascending (`page`: the logical page
 // number, position / page_tokens), and how many candidates each holds.

@@ -10,37 +10,47 @@
 namespace fluxion::decode::sparse {
 namespace {
 
-TEST(SortUniqueWithinTest, SortsDropsRepeatsAndPositionsOutsideTheRange) {
-  std::vector<int32_t> positions = {70, 5, 64, 70, 63, 200, 9, 130, 4, 129, 64};
-  std::vector<uint64_t> words;
-  SortUniqueWithin(5, 130, &positions, &words);
-  EXPECT_EQ(positions, (std::vector<int32_t>{5, 9, 63, 64, 70, 129}));
+// Positions, one run each.
+std::vector<int32_t> Marked(int64_t begin, int64_t end, const std::vector<int32_t>& positions,
+                            std::vector<uint64_t>* words, int64_t run = 1) {
+  CandidateMarks marks(begin, end, words);
+  for (int32_t p : positions) marks.MarkRun(p, run);
+  std::vector<int32_t> out = {-1};  // replaced, not appended to
+  marks.ReadOut(&out);
+  return out;
 }
 
-TEST(SortUniqueWithinTest, MatchesSortAndUniqueOnRandomInput) {
+TEST(CandidateMarksTest, SortsDropsRepeatsAndPositionsOutsideTheRange) {
+  std::vector<uint64_t> words;
+  EXPECT_EQ(Marked(5, 130, {70, 5, 64, 70, 63, 200, 9, 130, 4, 129, 64}, &words),
+            (std::vector<int32_t>{5, 9, 63, 64, 70, 129}));
+}
+
+TEST(CandidateMarksTest, MatchesSortAndUniqueOnRandomRuns) {
   std::mt19937 rng(7);
-  std::vector<uint64_t> words = {~uint64_t{0}};  // stale bits from an earlier call must not leak
-  for (int trial = 0; trial < 50; ++trial) {
+  std::vector<uint64_t> words = {~uint64_t{0}};  // stale bits from an earlier use must not leak
+  for (int trial = 0; trial < 60; ++trial) {
     const int32_t begin = static_cast<int32_t>(rng() % 100);
     const int32_t end = begin + static_cast<int32_t>(rng() % 3000);
+    const int64_t run = trial % 3 == 0 ? 1 : trial % 3 == 1 ? 4 : 1 + rng() % 130;
     std::vector<int32_t> positions(rng() % 5000);
-    for (int32_t& p : positions) p = static_cast<int32_t>(rng() % 3200);
+    for (int32_t& p : positions) p = static_cast<int32_t>(rng() % 3300) - 100;
     std::vector<int32_t> want;
     for (int32_t p : positions) {
-      if (p >= begin && p < end) want.push_back(p);
+      for (int64_t i = p; i < p + run; ++i) {
+        if (i >= begin && i < end) want.push_back(static_cast<int32_t>(i));
+      }
     }
     std::sort(want.begin(), want.end());
     want.erase(std::unique(want.begin(), want.end()), want.end());
-    SortUniqueWithin(begin, end, &positions, &words);
-    EXPECT_EQ(positions, want) << "trial " << trial;
+    EXPECT_EQ(Marked(begin, end, positions, &words, run), want) << "trial " << trial;
   }
 }
 
-TEST(SortUniqueWithinTest, EmptyRangeClears) {
-  std::vector<int32_t> positions = {1, 2, 3};
+TEST(CandidateMarksTest, EmptyRangeHoldsNothing) {
   std::vector<uint64_t> words;
-  SortUniqueWithin(10, 10, &positions, &words);
-  EXPECT_TRUE(positions.empty());
+  EXPECT_TRUE(Marked(10, 10, {1, 10, 11}, &words, 4).empty());
+  EXPECT_TRUE(Marked(10, 5, {1, 7, 11}, &words, 4).empty());
 }
 
 TEST(ThinEvenlyTest, KeepsEvenlySpacedWholeGroupsAndNeverAdds) {
@@ -76,7 +86,7 @@ TEST(KeepBestPagesTest, MatchesRankingEveryPage) {
     std::vector<int32_t> positions(rng() % 2000);
     for (int32_t& p : positions) p = static_cast<int32_t>(rng() % range);
     std::vector<uint64_t> words;
-    SortUniqueWithin(0, range, &positions, &words);
+    positions = Marked(0, range, positions, &words);
     CandidatePages pages;
     ListCandidatePages(positions, pt, &pages);
     std::vector<float> scores(pages.page.size());
