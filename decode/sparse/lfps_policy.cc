@@ -334,7 +334,11 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     stats->k_rows_scored += static_cast<int64_t>(candidates.size());
     ++s.steps_since_refresh;
   }
-  std::sort(x.picked.begin(), x.picked.end());
+  // In order already unless the exact refresh's top-k picked them (a sort of sorted input still
+  // costs n log n on the head-step's serial path).
+  if (!std::is_sorted(x.picked.begin(), x.picked.end())) {
+    std::sort(x.picked.begin(), x.picked.end());
+  }
   AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
   AssembleSpans(in, r, middle, spans, stats);
   // The decision, for decision profiles: the budget the head-step was given (not what its
@@ -398,7 +402,10 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
       positions.push_back(static_cast<int32_t>(page_index * pt + row));
     }
   }
-  std::sort(positions.begin(), positions.end());
+  // Spans come in token order (sinks, the picks, the window): sorted already, as a rule.
+  if (!std::is_sorted(positions.begin(), positions.end())) {
+    std::sort(positions.begin(), positions.end());
+  }
   s.tables.Step();
   if (positions.empty()) return;
   // The logits of what the step attended: from Select when it computed them all (sinks and

@@ -83,6 +83,14 @@ class DecayedTable {
   mutable float clamp_floor_ = 0.0f;
   mutable std::vector<int32_t> floor_index_, slack_top_;
   mutable std::vector<float> floor_values_, slack_values_;
+  // SelectDense's pass in chunks of about kChunk entries, one task each.
+  static constexpr int64_t kChunk = 32768;
+  struct Chunk {
+    int64_t above = 0, nonzero = 0, positive = 0;
+    std::vector<int32_t> index;  // offsets from lo of the entries at or above the floor
+    std::vector<float> values;
+  };
+  mutable std::vector<Chunk> chunks_;
   int64_t nonzero_ = 0;
   double sum_[5] = {0, 0, 0, 0, 0};  // sum over non-zero entries of Psi^k, k = 1..4
 };
