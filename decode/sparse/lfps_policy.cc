@@ -96,7 +96,13 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
   if (end <= first) return;
   // Keys leaving the window one per step, or the whole prompt's middle at the first step: widen
   // them to fp32 and fold them in one syrk (O(n d^2) flops at matrix speed).
-  std::vector<float> keys((end - first) * d);
+  // A step folds the one key that left the window: in the head's scratch, no allocation. The
+  // first step folds the whole prompt's middle (64 MiB at 128K, head_dim 128): a buffer of its
+  // own, not kept.
+  constexpr int64_t kKeptKeys = 64;
+  std::vector<float> whole_prompt;
+  std::vector<float>& keys = end - first <= kKeptKeys ? ScratchOf(kv_head).fold_keys : whole_prompt;
+  keys.resize((end - first) * d);
   for (int64_t t = first; t < end; ++t) {
     const bf16* kr = view.keys(pages[t / pt]) + (t % pt) * d;
     const bf16* vr = view.values(pages[t / pt]) + (t % pt) * d;
@@ -163,7 +169,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
   s.bypassed = false;
   x.logits_valid = false;  // until this step's logits of what it attends are all known
-  std::vector<PageSpan> middle;
+  std::vector<PageSpan>& middle = x.middle;
+  middle.clear();
   ++stats->selections;
   if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
     ++stats->streaming;
@@ -265,7 +272,10 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     const int64_t table_min = 2 * k;
     const int64_t table_cap = std::max<int64_t>(
         table_min, static_cast<int64_t>(params_.candidate_cap * in.context));
-    std::vector<int64_t> vertical, slash;
+    std::vector<int64_t>& vertical = x.vertical;
+    std::vector<int64_t>& slash = x.slash;
+    vertical.clear();
+    slash.clear();
     // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
     // just outside it still reaches in through the expansion offsets, so the ranges are widened
     // by them.
@@ -468,7 +478,8 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
       }
     }
   });
-  std::vector<float> best(n, 0.0f);
+  std::vector<float>& best = x.best_weights;
+  best.assign(n, 0.0f);
   double middle_share = 0;
   for (int64_t g = 0; g < group; ++g) {
     middle_share = std::max(middle_share, x.head_middle_share[g]);

@@ -110,9 +110,12 @@ class LfpsPolicy : public SparsePolicy {
   // across steps and layers.
   struct Scratch {
     std::vector<kernels::PageSpan> spans;
+    std::vector<kernels::PageSpan> middle;  // the picked middle rows' spans
     std::vector<float> scores;
     std::vector<int32_t> picked, picked_local;
     std::vector<int32_t> candidates;        // this step's expanded candidates, sorted
+    std::vector<int64_t> vertical, slash;   // the tables' picks (positions / distances)
+    std::vector<float> fold_keys;           // FoldGlobal's keys widened to fp32
     std::vector<uint64_t> candidate_bits;   // CandidateMarks' bitmap over the middle
     std::vector<double> kq;                 // [head_dim]: summed key outer products times q
     std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
@@ -134,6 +137,7 @@ class LfpsPolicy : public SparsePolicy {
     // weights [group][row] and its middle share (each head a task: RunAsTasks).
     std::vector<int32_t> positions;
     std::vector<float> head_weights;
+    std::vector<float> best_weights;  // [row]: the group's largest half-normalised weight
     std::vector<double> head_exps;  // [group][row]: exp(logit - the head's max over all rows)
     std::vector<double> head_middle_share;
   };
