@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "common/half.h"
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
 #include "model/cpu_dense_ops.h"
@@ -54,19 +55,6 @@ double RelDiff(const float* a, const float* b, int64_t n) {
     scale = std::max(scale, std::abs(double(b[i])));
   }
   return diff / scale;
-}
-
-std::vector<float> Random(size_t n, uint32_t seed, float sd = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-std::vector<float> RoundedToBf16(std::vector<float> v) {
-  for (float& x : v) x = RoundToBf16(x);
-  return v;
 }
 
 TEST(CudaDenseOpsFactoryTest, WithoutADeviceItIsAFailedPreconditionNamingTheCpuFallback) {
@@ -114,8 +102,8 @@ class CudaDenseOpsTest : public ::testing::Test {
 // from the same rounded operands; the bias and the residual (accumulate) added after.
 TEST_F(CudaDenseOpsTest, MatMulIsTheBf16ProductWithBiasAndAccumulate) {
   const int64_t m = 5, n = 300, k = 896;
-  const std::vector<float> x = Random(m * k, 1), w = RoundedToBf16(Random(n * k, 2, 0.05f));
-  const std::vector<float> bias = Random(n, 3), y0 = Random(m * n, 4);
+  const std::vector<float> x = RandomNormal(m * k, 1), w = RoundedToBf16(RandomNormal(n * k, 2, 0.05f));
+  const std::vector<float> bias = RandomNormal(n, 3), y0 = RandomNormal(m * n, 4);
   const WeightRef dw = Upload(w, n, k);
   EXPECT_EQ(dw.dtype, WeightDType::kBF16);
   const float* dx = ToDevice(x);
@@ -136,7 +124,7 @@ TEST_F(CudaDenseOpsTest, MatMulIsTheBf16ProductWithBiasAndAccumulate) {
 // come back as the bf16 rounding of the host table, exactly, past the first chunk too.
 TEST_F(CudaDenseOpsTest, UploadWeightRoundsToBf16AcrossChunksAndGatherRowsReadsIt) {
   const int64_t vocab = 4200, width = 4096;  // 17.2M floats: two staging chunks
-  const std::vector<float> table = Random(vocab * width, 5);
+  const std::vector<float> table = RandomNormal(vocab * width, 5);
   const WeightRef dt = Upload(table, vocab, width);
   const std::vector<int32_t> ids = {0, 4199, 4096, 17, 4199};
   float* out = ToDevice(std::vector<float>(ids.size() * width, NAN));
@@ -156,8 +144,8 @@ TEST_F(CudaDenseOpsTest, UploadWeightRoundsToBf16AcrossChunksAndGatherRowsReadsI
 TEST_F(CudaDenseOpsTest, NormRopeSiluMatchTheCpuOps) {
   CpuDenseOps cpu;
   const int64_t m = 6, d = 896, heads = 14, head_dim = 64, f = 4864;
-  const std::vector<float> x = Random(m * d, 6), g = Random(d, 7), gate = Random(m * f, 8),
-                           up = Random(m * f, 9), q = Random(m * heads * head_dim, 10);
+  const std::vector<float> x = RandomNormal(m * d, 6), g = RandomNormal(d, 7), gate = RandomNormal(m * f, 8),
+                           up = RandomNormal(m * f, 9), q = RandomNormal(m * heads * head_dim, 10);
   const std::vector<int64_t> positions = {0, 1, 100, 4097, 32768, 131071};
   std::vector<float> inv_freq(head_dim / 2);
   for (int64_t i = 0; i < head_dim / 2; ++i) inv_freq[i] = std::pow(1e6, -2.0 * i / head_dim);
@@ -192,11 +180,11 @@ TEST_F(CudaDenseOpsTest, FusedOpsMatchThePlainOps) {
   ASSERT_NE(fused, nullptr);
   const int64_t m = 5, h = 512, heads = 8, kv = 2, hd = 64, f = 1024;
   const int64_t qw = heads * hd, kw = kv * hd, all = qw + 2 * kw;
-  const std::vector<float> x = Random(m * h, 11), norm = Random(h, 12);
-  const std::vector<float> wqkv = RoundedToBf16(Random(all * h, 13, 0.05f)),
-                           bias = Random(all, 14);
-  const std::vector<float> wgu = RoundedToBf16(Random(2 * f * h, 15, 0.05f)),
-                           wdown = RoundedToBf16(Random(h * f, 16, 0.03f));
+  const std::vector<float> x = RandomNormal(m * h, 11), norm = RandomNormal(h, 12);
+  const std::vector<float> wqkv = RoundedToBf16(RandomNormal(all * h, 13, 0.05f)),
+                           bias = RandomNormal(all, 14);
+  const std::vector<float> wgu = RoundedToBf16(RandomNormal(2 * f * h, 15, 0.05f)),
+                           wdown = RoundedToBf16(RandomNormal(h * f, 16, 0.03f));
   const std::vector<int64_t> positions = {0, 5, 77, 4097, 131071};
   std::vector<float> inv_freq(hd / 2);
   for (int64_t i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(5e5, -2.0 * i / hd);
@@ -304,7 +292,7 @@ TEST_F(CudaDenseOpsTest, TopCandidatesMatchTheCpuOps) {
   for (const auto& [rows, vocab, k] :
        {std::tuple<int64_t, int64_t, int64_t>{3, 5001, 40}, {16, 128256, 1024}, {2, 700, 1024}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(vocab) + " k " + std::to_string(k));
-    std::vector<float> x = Random(rows * vocab, static_cast<uint32_t>(vocab), 3.0f);
+    std::vector<float> x = RandomNormal(rows * vocab, static_cast<uint32_t>(vocab), 3.0f);
     for (size_t i = 0; i < x.size(); i += 7) x[i] = std::round(x[i]);  // ties
     std::vector<double> temps(rows);
     for (int64_t r = 0; r < rows; ++r) temps[r] = r % 2 ? 0.0 : 0.7;

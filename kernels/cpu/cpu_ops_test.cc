@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/reference/reference_ops.h"
@@ -16,14 +17,6 @@ namespace {
 
 constexpr double kRelTol = 1e-5;
 
-std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
   return kernels::reference::RelativeL2Error(got, want);
 }
@@ -32,7 +25,7 @@ TEST(CpuOpsTest, MatMulMatchesReferenceForVectorsAndMatrices) {
   for (int64_t m : {1, 3, 70}) {
     for (bool accumulate : {false, true}) {
       const int64_t n = 48, k = 80;
-      auto x = Random(m * k, 1), w = Random(n * k, 2), b = Random(n, 3), y0 = Random(m * n, 4);
+      auto x = RandomNormal(m * k, 1), w = RandomNormal(n * k, 2), b = RandomNormal(n, 3), y0 = RandomNormal(m * n, 4);
       std::vector<float> got = y0, want = y0;
       cpu::MatMul(x.data(), w.data(), b.data(), got.data(), m, n, k, accumulate);
       reference::MatMul(x.data(), w.data(), b.data(), want.data(), m, n, k, accumulate);
@@ -43,7 +36,7 @@ TEST(CpuOpsTest, MatMulMatchesReferenceForVectorsAndMatrices) {
 
 TEST(CpuOpsTest, RmsNormMatchesReference) {
   const int64_t m = 9, d = 100;
-  auto x = Random(m * d, 5, 3.0f), w = Random(d, 6);
+  auto x = RandomNormal(m * d, 5, 3.0f), w = RandomNormal(d, 6);
   std::vector<float> got(m * d), want(m * d);
   cpu::RmsNorm(x.data(), w.data(), 1e-5f, got.data(), m, d);
   reference::RmsNorm(x.data(), w.data(), 1e-5f, want.data(), m, d);
@@ -55,7 +48,7 @@ TEST(CpuOpsTest, RopeMatchesReferenceAtLargePositions) {
   std::vector<int64_t> pos = {0, 1, 17, 1000, 4000};
   std::vector<float> inv_freq(d / 2);
   for (int64_t i = 0; i < d / 2; ++i) inv_freq[i] = std::pow(10000.0f, -2.0f * i / d);
-  auto got = Random(n * heads * d, 7);
+  auto got = RandomNormal(n * heads * d, 7);
   auto want = got;
   cpu::ApplyRope(got.data(), pos.data(), inv_freq.data(), n, heads, d);
   reference::ApplyRope(want.data(), pos.data(), inv_freq.data(), n, heads, d);
@@ -65,7 +58,7 @@ TEST(CpuOpsTest, RopeMatchesReferenceAtLargePositions) {
 }
 
 TEST(CpuOpsTest, SiluMulMatchesReference) {
-  auto g = Random(1000, 8, 4.0f), u = Random(1000, 9);
+  auto g = RandomNormal(1000, 8, 4.0f), u = RandomNormal(1000, 9);
   std::vector<float> got(1000), want(1000);
   cpu::SiluMul(g.data(), u.data(), got.data(), 1000);
   reference::SiluMul(g.data(), u.data(), want.data(), 1000);
@@ -74,7 +67,7 @@ TEST(CpuOpsTest, SiluMulMatchesReference) {
 
 TEST(CpuOpsTest, AccumulateMomentsMatchesDirectSums) {
   const int64_t n = 300, d = 24;
-  auto x = Random(n * d, 13);
+  auto x = RandomNormal(n * d, 13);
   std::vector<double> sums(d, 1.0), outer(d * d, 2.0);  // accumulates onto what is there
   cpu::AccumulateMoments(x.data(), n, d, sums.data(), outer.data());
   for (int64_t i = 0; i < d; ++i) {
@@ -100,9 +93,9 @@ TEST_P(CausalAttentionTest, MatchesReferenceWithinTolerance) {
   AttentionParams p{c.n, c.pos0, c.heads, c.kv_heads, c.head_dim,
                     1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   const int64_t keys = c.pos0 + c.n;
-  auto q = Random(c.n * c.heads * c.head_dim, 10, 2.0f);
-  auto k = Random(keys * c.kv_heads * c.head_dim, 11, 2.0f);
-  auto v = Random(keys * c.kv_heads * c.head_dim, 12);
+  auto q = RandomNormal(c.n * c.heads * c.head_dim, 10, 2.0f);
+  auto k = RandomNormal(keys * c.kv_heads * c.head_dim, 11, 2.0f);
+  auto v = RandomNormal(keys * c.kv_heads * c.head_dim, 12);
   std::vector<float> got(q.size(), NAN), want(q.size());
   cpu::CausalAttention(q.data(), k.data(), v.data(), got.data(), p);
   reference::CausalAttention(q.data(), k.data(), v.data(), want.data(), p);

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/reference/reference_ops.h"
 #include "kernels/reference/compare.h"
@@ -40,13 +41,8 @@ class CudaOpsTest : public ::testing::Test {
   std::vector<float*> buffers_;
 };
 
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 2.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+// This file's data: N(0, 2^2).
+std::vector<float> Random(size_t n, uint32_t seed) { return RandomNormal(n, seed, 2.0f); }
 
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
   return kernels::reference::RelativeL2Error(got, want);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/device_buffers_testing.h"
@@ -32,27 +33,13 @@ class DecodeOpsTest : public ::testing::Test {
   DeviceBuffers dev_;
 };
 
-std::vector<float> Random(size_t n, uint32_t seed, float sd = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
-std::vector<bf16> ToBf16(const std::vector<float>& v) {
-  std::vector<bf16> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = FloatToBf16(v[i]);
-  return out;
-}
-
 double RelErr(const std::vector<float>& got, const std::vector<float>& want) {
   return reference::RelativeL2Error(got, want);
 }
 
 TEST_F(DecodeOpsTest, EmbedRowsGathersTheRowsAsFloat) {
   const int64_t vocab = 301, d = 96;
-  const std::vector<bf16> table = ToBf16(Random(vocab * d, 1));
+  const std::vector<bf16> table = ToBf16(RandomNormal(vocab * d, 1));
   const std::vector<int32_t> ids = {0, 300, 7, 7, 150};
   std::vector<float> want;
   for (int32_t id : ids) {
@@ -66,7 +53,7 @@ TEST_F(DecodeOpsTest, EmbedRowsGathersTheRowsAsFloat) {
 
 TEST_F(DecodeOpsTest, RopeMatchesReferenceAtLongPositions) {
   const int64_t n = 5, heads = 8, head_dim = 128;
-  std::vector<float> x = Random(n * heads * head_dim, 2);
+  std::vector<float> x = RandomNormal(n * heads * head_dim, 2);
   const std::vector<int64_t> positions = {0, 1, 4095, 65537, 131071};
   std::vector<float> inv_freq(head_dim / 2);
   for (int64_t i = 0; i < head_dim / 2; ++i) {
@@ -83,7 +70,7 @@ TEST_F(DecodeOpsTest, RopeMatchesReferenceAtLongPositions) {
 
 TEST_F(DecodeOpsTest, AddCastAndArgmax) {
   const int64_t n = 70001;
-  const std::vector<float> a = Random(n, 3), b = Random(n, 4);
+  const std::vector<float> a = RandomNormal(n, 3), b = RandomNormal(n, 4);
   float* da = dev_.ToDevice(a);
   ASSERT_CUDA_OK(AddInPlace(da, dev_.ToDevice(b), n, nullptr));
   bf16* cast = dev_.ToDevice(std::vector<bf16>(n));
@@ -98,7 +85,7 @@ TEST_F(DecodeOpsTest, AddCastAndArgmax) {
 
   // Rows with a unique maximum, a tie (the lowest index wins) and a maximum in the last column.
   const int64_t rows = 4, vocab = 128256;
-  std::vector<float> logits = Random(rows * vocab, 5);
+  std::vector<float> logits = RandomNormal(rows * vocab, 5);
   logits[0 * vocab + 12345] = 50.0f;
   logits[1 * vocab + 77] = 60.0f;
   logits[1 * vocab + 76000] = 60.0f;
@@ -120,7 +107,7 @@ TEST_F(DecodeOpsTest, AddCastAndArgmax) {
 // exact against the host's).
 TEST_F(DecodeOpsTest, AddBiasRowsAddsTheBiasToEveryRow) {
   const int64_t m = 7, n = 1000;
-  const std::vector<float> y = Random(m * n, 11), bias = Random(n, 12);
+  const std::vector<float> y = RandomNormal(m * n, 11), bias = RandomNormal(n, 12);
   float* dy = dev_.ToDevice(y);
   ASSERT_CUDA_OK(AddBiasRows(dy, dev_.ToDevice(bias), m, n, nullptr));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
@@ -175,8 +162,8 @@ TEST_F(DecodeOpsTest, WindowAttentionMatchesReferenceWithLse) {
     for (int32_t rows : rows_per_problem) {
       // One page: K [rows][head_dim] then V [rows][head_dim], bf16.
       const int64_t tokens = std::max<int32_t>(rows, 1);
-      std::vector<bf16> page = ToBf16(Random(2 * tokens * head_dim, seed++, 2.0f));
-      std::vector<float> q = Random(group * head_dim, seed++);
+      std::vector<bf16> page = ToBf16(RandomNormal(2 * tokens * head_dim, seed++, 2.0f));
+      std::vector<float> q = RandomNormal(group * head_dim, seed++);
       std::vector<float> out(group * head_dim), lse(group);
       PagedKvView view{reinterpret_cast<const uint8_t*>(page.data()),
                        page.size() * sizeof(bf16), tokens, head_dim};
@@ -218,7 +205,7 @@ TEST_F(DecodeOpsTest, WindowAttentionMatchesReferenceWithLse) {
 
 TEST_F(DecodeOpsTest, MergeStatesMatchesReferenceIncludingEmptySides) {
   const int64_t states = 6, head_dim = 128;
-  std::vector<float> out_a = Random(states * head_dim, 20), out_b = Random(states * head_dim, 21);
+  std::vector<float> out_a = RandomNormal(states * head_dim, 20), out_b = RandomNormal(states * head_dim, 21);
   // Both full, a empty, b empty, both empty, large gap, equal.
   std::vector<float> lse_a = {1.5f, -INFINITY, 3.0f, -INFINITY, 80.0f, 2.0f};
   std::vector<float> lse_b = {0.5f, 2.0f, -INFINITY, -INFINITY, -5.0f, 2.0f};

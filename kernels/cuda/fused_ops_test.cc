@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/decode_ops.h"
@@ -15,14 +16,6 @@
 
 namespace fluxion::kernels::cuda {
 namespace {
-
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 template <typename T>
 void ExpectSameBits(const std::vector<T>& got, const std::vector<T>& want, const char* what) {
@@ -36,8 +29,8 @@ TEST(FusedOpsTest, NormAndSiluToBf16EqualTheFp32KernelsThenTheCast) {
   if (!DeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   DeviceBuffers dev;
   const int64_t m = 7, d = 4096, f = 1000;
-  const float* x = dev.ToDevice(Random(m * d, 1));
-  const float* w = dev.ToDevice(Random(d, 2));
+  const float* x = dev.ToDevice(RandomNormal(m * d, 1));
+  const float* w = dev.ToDevice(RandomNormal(d, 2));
   float* y = dev.ToDevice(std::vector<float>(m * d));
   bf16* want = dev.ToDevice(std::vector<bf16>(m * d));
   bf16* got = dev.ToDevice(std::vector<bf16>(m * d));
@@ -47,7 +40,7 @@ TEST(FusedOpsTest, NormAndSiluToBf16EqualTheFp32KernelsThenTheCast) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ExpectSameBits(DeviceBuffers::ToHost(got, m * d), DeviceBuffers::ToHost(want, m * d), "norm");
 
-  const std::vector<float> gu = Random(m * 2 * f, 3);
+  const std::vector<float> gu = RandomNormal(m * 2 * f, 3);
   std::vector<float> gate(m * f), up(m * f);
   for (int64_t t = 0; t < m; ++t) {
     std::memcpy(&gate[t * f], &gu[t * 2 * f], f * sizeof(float));
@@ -69,7 +62,7 @@ TEST(FusedOpsTest, SplitQkvRopeEqualsBiasAddsAndRopeOnTheSeparateProducts) {
   DeviceBuffers dev;
   const int64_t m = 5, heads = 32, kv = 8, hd = 128, qw = heads * hd, kw = kv * hd;
   const int64_t all = qw + 2 * kw;
-  const std::vector<float> qkv = Random(m * all, 4), bias = Random(all, 5);
+  const std::vector<float> qkv = RandomNormal(m * all, 4), bias = RandomNormal(all, 5);
   const std::vector<int64_t> positions = {0, 1, 999, 32768, 131071};
   std::vector<float> inv_freq(hd / 2);
   for (int64_t i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(5e5f, -2.0f * i / hd);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "common/random_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/device_buffers_testing.h"
@@ -24,16 +25,7 @@ namespace fluxion::kernels::cuda {
 namespace {
 
 std::vector<float> Random(size_t n, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
-
-std::vector<float> RoundedToBf16(std::vector<float> v) {
-  for (float& x : v) x = RoundToBf16(x);
-  return v;
+  return RandomNormal<std::mt19937_64>(n, seed, scale);
 }
 
 struct Case {
