@@ -201,6 +201,30 @@ TEST(DecayedTableTest, SelectAboveStaysExactAcrossStepsAndRescales) {
   }
 }
 
+// A threshold that falls between fp64 values sharing one fp32 image: the in-place pass counts by
+// images and must read the fp64 values where an image equals the threshold's.
+TEST(DecayedTableTest, SelectAboveDecidesThresholdTiesInFp64) {
+  DecayedTable t(0.95, /*rescale_every=*/1);
+  const double x0 = 2e-3;
+  for (int64_t i = 0; i < 3000; ++i) {
+    // Mostly 1e-3; every tenth entry x0 (1 + j 1e-9), j = 0..3: four fp64 values, one fp32 image.
+    t.Add(i, i % 10 == 0 ? x0 * (1 + static_cast<double>(i / 10 % 4) * 1e-9) : 1e-3);
+  }
+  t.Step();
+  ASSERT_EQ(static_cast<float>(t.value(0)), static_cast<float>(t.value(30)));
+  const TableMoments m = t.moments();
+  for (const double between : {0.5, 1.5, 2.5}) {
+    const double threshold = t.value(0) * (1 + between * 1e-9);  // the step decayed x0
+    const double a = (threshold - m.mean) / (std::sqrt(m.kurtosis) * m.stddev);
+    std::vector<int64_t> got;
+    // A cap between the counts: the clamp runs or not by the exact count.
+    t.SelectAbove(a, 0, 100, 5, 2990, &got);
+    EXPECT_EQ(got, SelectByDefinition(t, a, 0, 100, 5, 2990)) << between;
+    EXPECT_GT(got.size(), 0u);
+    EXPECT_LT(got.size(), 300u);  // only some of the tied image's entries pass
+  }
+}
+
 // A dense table whose smallest entries have fp32 images of 0 (far below fp32's range): a clamp
 // that must reach into them still picks by the fp64 values' definition.
 TEST(DecayedTableTest, SelectAboveReachesEntriesBelowFp32Range) {
