@@ -47,7 +47,10 @@ TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {
   TaskEvalOptions options;
   options.contexts = {1024};
   options.samples = 2;
-  options.policies = {"full", "quest@0.2", "fixed_32_0.05", "lfps@0.2", "fluxion@0.2"};
+  // fluxion+guard: the error guard's exact checks read the layer's output back from the device
+  // (HybridBatchAttention::GuardChecks), a path only this test takes on a GPU.
+  options.policies = {"full", "quest@0.2", "fixed_32_0.05", "lfps@0.2", "fluxion@0.2",
+                      "fluxion@0.2+guard"};
   options.max_new_tokens = 16;
   auto predictor = decode::sparse::ResolvePredictor("", ModelDir());
   ASSERT_TRUE(predictor.ok()) << predictor.status();
