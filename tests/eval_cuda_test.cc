@@ -55,6 +55,8 @@ TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {
   auto predictor = decode::sparse::ResolvePredictor("", ModelDir());
   ASSERT_TRUE(predictor.ok()) << predictor.status();
   options.fluxion_predictor = *predictor;
+  options.output_projection =
+      std::make_shared<const model::OutputProjection>((*model)->output_projection());
   const std::map<std::string, EvalRun> cpu = RunByPolicy(**model, options, "cpu");
   options.executor = executor->get();
   const std::map<std::string, EvalRun> cuda = RunByPolicy(**model, options, "cuda");

@@ -52,8 +52,9 @@ std::string ModelDir() {
 
 // Budget 0.2 at 1K leaves the history policies ~140 middle rows per head beyond sinks + window,
 // so the host part of the hybrid step really runs (at 0.05 every plan would be sinks + window).
-const std::vector<std::string> kPolicies = {"full", "quest@0.2", "fixed_32_0.05", "lfps@0.2",
-                                            "fluxion@0.2"};
+// fluxion+guard: the error guard's exact checks run beside the hybrid step (GuardChecks).
+const std::vector<std::string> kPolicies = {"full",     "quest@0.2",   "fixed_32_0.05",
+                                            "lfps@0.2", "fluxion@0.2", "fluxion@0.2+guard"};
 constexpr double kSparseTolerance = 5e-3;  // measured <= 1e-3 (see above)
 constexpr double kFullTolerance = 0.1;     // measured <= 4.2e-2: fp32 vs bf16 K/V
 
@@ -87,6 +88,8 @@ class EvalDeviceTest : public ::testing::Test {
     auto predictor = decode::sparse::ResolvePredictor("", ModelDir());
     EXPECT_TRUE(predictor.ok()) << predictor.status();
     options.fluxion_predictor = *predictor;
+    options.output_projection =
+        std::make_shared<const model::OutputProjection>(model_->output_projection());
     return options;
   }
 
