@@ -85,14 +85,7 @@ bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t 
                                int64_t lo, int64_t hi, std::vector<int64_t>* out) const {
   const double* psi = psi_.data();
   const float* f32 = psi_f32_.data();
-  // Rounding to fp32 is monotone, so with tf the threshold's image: psi >= threshold implies
-  // f32 >= tf, and f32 > tf implies psi >= threshold. The pass reads the fp32 images alone
-  // (a third of the bytes) and the fp64 values only where an image equals tf.
-  const float tf = static_cast<float>(threshold_psi);
-  auto above_threshold = [&](int64_t i) {
-    return f32[i] > tf || (f32[i] == tf && psi[i] >= threshold_psi);
-  };
-  // One pass counts the entries above the threshold (and the positive images, for the clamp) and
+  // One pass counts the entries above the threshold (and the non-zero ones, for the clamps) and
   // gathers those at or above the clamp's floor (below), in chunks that idle threads of the step
   // share (RunAsTasks): at batch 1 a head-step is a layer's critical path while half the threads
   // wait (session 17's perf on the H200 host).
@@ -102,16 +95,14 @@ bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t 
   kernels::cpu::RunAsTasks(chunks, [&](int64_t c) {
     Chunk& ch = chunks_[c];
     const int64_t a = lo + (hi - lo) * c / chunks, b = lo + (hi - lo) * (c + 1) / chunks;
-    int64_t above = 0, ties = 0, positive = 0;
+    int64_t above = 0, nonzero = 0, positive = 0;
     for (int64_t i = a; i < b; ++i) {  // branch-free: vectorises
-      above += f32[i] > tf;
-      ties += f32[i] == tf;
+      above += psi[i] >= threshold_psi;
+      nonzero += psi[i] != 0.0;
       positive += f32[i] > 0.0f;
     }
-    if (ties > 0) {
-      for (int64_t i = a; i < b; ++i) above += f32[i] == tf && psi[i] >= threshold_psi;
-    }
     ch.above = above;
+    ch.nonzero = nonzero;
     ch.positive = positive;
     ch.index.clear();
     ch.values.clear();
@@ -124,21 +115,17 @@ bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t 
       }
     }
   });
-  int64_t above = 0, positive_f32 = 0, at_floor = 0;
+  int64_t above = 0, nonzero = 0, positive_f32 = 0, at_floor = 0;
   for (const Chunk& ch : chunks_) {
     above += ch.above;
+    nonzero += ch.nonzero;
     positive_f32 += ch.positive;
     at_floor += static_cast<int64_t>(ch.index.size());
   }
-  // The range's non-zero entries: the table's less those outside the range (the sinks and the
-  // window's few), so the pass needs no fp64 read for them.
-  int64_t nonzero = nonzero_;
-  for (int64_t i = 0; i < lo; ++i) nonzero -= psi[i] != 0.0;
-  for (int64_t i = hi; i < size(); ++i) nonzero -= psi[i] != 0.0;
   const int64_t want_min = std::min<int64_t>(min_count, nonzero);
   if (above <= max_count && above >= want_min) {
     for (int64_t i = lo; i < hi; ++i) {
-      if (above_threshold(i)) out->push_back(i);
+      if (psi[i] >= threshold_psi) out->push_back(i);
     }
     return true;
   }

@@ -86,7 +86,7 @@ class DecayedTable {
   // SelectDense's pass in chunks of about kChunk entries, one task each.
   static constexpr int64_t kChunk = 32768;
   struct Chunk {
-    int64_t above = 0, positive = 0;
+    int64_t above = 0, nonzero = 0, positive = 0;
     std::vector<int32_t> index;  // offsets from lo of the entries at or above the floor
     std::vector<float> values;
   };
