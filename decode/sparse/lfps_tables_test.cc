@@ -201,8 +201,8 @@ TEST(DecayedTableTest, SelectAboveStaysExactAcrossStepsAndRescales) {
   }
 }
 
-// A threshold that falls between fp64 values sharing one fp32 image: the in-place pass counts by
-// images and must read the fp64 values where an image equals the threshold's.
+// A threshold that falls between fp64 values sharing one fp32 image: the count that decides the
+// clamp goes by the fp64 values, as the definition does (an fp32-only pass would get it wrong).
 TEST(DecayedTableTest, SelectAboveDecidesThresholdTiesInFp64) {
   DecayedTable t(0.95, /*rescale_every=*/1);
   const double x0 = 2e-3;
