@@ -22,6 +22,9 @@ namespace {
 // token a slash pattern moves per decode step.
 constexpr int kExpand[] = {-1, 0, 1, 2};
 
+// Division rounding toward minus infinity (table ranges may start below 0).
+int64_t FloorDiv(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
 
 }  // namespace
 
@@ -129,11 +132,13 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   // The captured tables are already decayed to the end of the prompt (§1.3.3); sinks are
   // attended anyway and stay out of the vertical table. Tiny entries are dropped to keep the
   // tables sparse, as during decoding.
+  // Block-granular tables sum their blocks' entries.
+  const int64_t b = config_.table_block;
   for (int64_t j = config_.sink_tokens; j < n; ++j) {
-    if (state->vertical[j] >= params_.min_weight) s.tables.AddVertical(j, state->vertical[j]);
+    if (state->vertical[j] >= params_.min_weight) s.tables.AddVertical(j / b, state->vertical[j]);
   }
   for (int64_t dist = 0; dist < n; ++dist) {
-    if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist, state->slash[dist]);
+    if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist / b, state->slash[dist]);
   }
   s.NoteMiddleShare(state->middle_share);
   s.need_fraction = state->need_fraction;
@@ -269,9 +274,12 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     // aggregate / niah_multivalue x 12 seeds, budgets 0.02 and 0.05, 72 paired samples: 7 lost,
     // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost; bench/results,
     // session 10). The quality tables (docs/SPARSE.md) are these clamps'.
-    const int64_t table_min = 2 * k;
+    // With block-granular tables (B = config_.table_block > 1) the clamps count blocks of B
+    // rows, so they cover as many rows as the token-level ones.
+    const int64_t b = config_.table_block;
+    const int64_t table_min = (2 * k + b - 1) / b;
     const int64_t table_cap = std::max<int64_t>(
-        table_min, static_cast<int64_t>(params_.candidate_cap * in.context));
+        table_min, static_cast<int64_t>(params_.candidate_cap * in.context) / b);
     std::vector<int64_t>& vertical = x.vertical;
     std::vector<int64_t>& slash = x.slash;
     vertical.clear();
@@ -283,10 +291,12 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     kernels::cpu::RunAsTasks(2, [&](int64_t table) {
       if (table == 0) {
         s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap,
-                                        r.sink_end - 2, r.local_begin + 1, &vertical);
+                                        FloorDiv(r.sink_end - 2, b),
+                                        FloorDiv(r.local_begin + 1, b) + 1, &vertical);
       } else {
-        s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap, t - r.local_begin,
-                                     t - r.sink_end + 3, &slash);
+        s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap,
+                                     FloorDiv(t - r.local_begin, b) - (b > 1),
+                                     FloorDiv(t - r.sink_end + 3, b) + 1, &slash);
       }
     });
     // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
@@ -295,8 +305,15 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     // those was the largest serial part of a head-step on the H200 host, session 17's perf).
     std::vector<int32_t>& candidates = x.candidates;
     CandidateMarks marks(r.sink_end, r.local_begin, &x.candidate_bits);
-    for (int64_t p : vertical) marks.MarkRun(p + kExpand[0], std::size(kExpand));
-    for (int64_t dist : slash) marks.MarkRun(t - dist + kExpand[0], std::size(kExpand));
+    if (b == 1) {
+      for (int64_t p : vertical) marks.MarkRun(p + kExpand[0], std::size(kExpand));
+      for (int64_t dist : slash) marks.MarkRun(t - dist + kExpand[0], std::size(kExpand));
+    } else {
+      // A block and its two neighbours (ALGORITHMS.md §1.3.5: offsets {-1, 0, +1} blocks). Slash
+      // block D holds distances [D b, D b + b): positions (t - D b - b, t - D b].
+      for (int64_t v : vertical) marks.MarkRun((v - 1) * b, 3 * b);
+      for (int64_t dist : slash) marks.MarkRun(t - (dist + 2) * b + 1, 3 * b);
+    }
     candidates.clear();
     x.step_page_scores = nullptr;
     AddCandidates(in, r, k, &candidates, stats);
@@ -495,9 +512,9 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
     for (size_t j = 0; j < n; ++j) {
       if (best[j] < params_.min_weight) continue;
       if (table == 0) {
-        s.tables.AddVertical(positions[j], best[j]);
+        s.tables.AddVertical(positions[j] / config_.table_block, best[j]);
       } else {
-        s.tables.AddSlash(t - positions[j], best[j]);
+        s.tables.AddSlash((t - positions[j]) / config_.table_block, best[j]);
       }
     }
   });

@@ -108,6 +108,24 @@ TEST(LfpsPolicyTest, CopyHeadIsNotBypassedAfterOneLowStep) {
   }
 }
 
+// Block-granular tables (`lfps_b16`): the copy head's targets are found as with token-level
+// tables, within the same budget. Whole blocks give more candidates than the budget, so the
+// budget is spent in full (the token-level tables give this head fewer candidates than it).
+TEST(LfpsPolicyTest, BlockGranularTablesFindTheCopyHeadsTargets) {
+  const std::vector<double> strength(kSteps, 1.14);
+  const CopyHead head = MakeCopyHead(strength, 11);
+  const std::vector<StepResult> tokens = RunSteps(head, "lfps");
+  const std::vector<StepResult> blocks = RunSteps(head, "lfps_b16");
+  for (int64_t s = 0; s < kSteps; ++s) {
+    EXPECT_TRUE(tokens[s].attended_target) << "step " << s;
+    EXPECT_TRUE(blocks[s].attended_target) << "step " << s;
+    int64_t rows = 0;
+    for (const kernels::PageSpan& sp : blocks[s].spans) rows += sp.rows;
+    EXPECT_EQ(rows, static_cast<int64_t>(std::ceil(0.05 * (kPrompt + s + 1)))) << "step " << s;
+    EXPECT_GT(blocks[s].k_rows_scored, 0) << "step " << s;
+  }
+}
+
 // The other side of the same rule: a head whose middle never holds mass (no target at all) is
 // still bypassed once its recent steps all measured a tiny middle share.
 TEST(LfpsPolicyTest, HeadWithAnEmptyMiddleIsBypassed) {

@@ -156,6 +156,25 @@ std::pair<absl::string_view, absl::string_view> SplitCapSuffix(absl::string_view
   return {name.substr(0, at), name.substr(at + kCapSuffix.size())};
 }
 
+constexpr absl::string_view kBlockSuffix = "_b";
+constexpr int64_t kMaxTableBlock = 1024;
+
+// LFPS's name without a `_b<B>` suffix and the suffix's digits (empty without one): `lfps_b16`
+// -> {"lfps", "16"}. Only digits follow `_b`, so no other policy name splits.
+std::pair<absl::string_view, absl::string_view> SplitBlockSuffix(absl::string_view name) {
+  const size_t at = name.rfind(kBlockSuffix);
+  if (at == absl::string_view::npos || at == 0) return {name, {}};
+  const absl::string_view digits = name.substr(at + kBlockSuffix.size());
+  if (digits.empty() || digits.find_first_not_of("0123456789") != absl::string_view::npos) {
+    return {name, {}};
+  }
+  return {name.substr(0, at), digits};
+}
+
+bool HasBlockTables(PolicyKind kind) {
+  return kind == PolicyKind::kLfps || kind == PolicyKind::kLfpsPaper;
+}
+
 }  // namespace
 
 const PolicyTraits& TraitsOf(PolicyKind kind) {
@@ -184,14 +203,17 @@ std::vector<std::string> PolicyNames() {
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name) {
   if (absl::StartsWith(name, kFixedPrefix)) return PolicyKind::kFixedBlock;
   const absl::string_view base = SplitCapSuffix(name).first;
+  const absl::string_view block_base = SplitBlockSuffix(name).first;
   for (const KindEntry& e : kKinds) {
     if (e.kind == PolicyKind::kFixedBlock) continue;
     if (name == e.traits.name) return e.kind;
     if (base != name && base == e.traits.name && RescoresCandidates(e.kind)) return e.kind;
+    if (block_base != name && block_base == e.traits.name && HasBlockTables(e.kind)) return e.kind;
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown policy '", name, "'; known: ", absl::StrJoin(PolicyNames(), ", "),
-      " (lfps, lfps_paper, fluxion and fluxion_rules also as NAME_cap<C>, e.g. lfps_cap4)"));
+      " (lfps, lfps_paper, fluxion and fluxion_rules also as NAME_cap<C>, e.g. lfps_cap4; lfps "
+      "and lfps_paper as NAME_b<B>, block-granular tables, e.g. lfps_b16)"));
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
@@ -211,6 +233,14 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
     c.budget = b;
   } else if (c.kind == PolicyKind::kFull) {
     c.budget = 1.0;
+  } else if (const auto [block_base, block] = SplitBlockSuffix(name);
+             block_base != name && HasBlockTables(c.kind)) {
+    if (!absl::SimpleAtoi(block, &c.table_block) || c.table_block < 1 ||
+        c.table_block > kMaxTableBlock) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy '", name, "' should look like ", block_base, "_b<B> with B in [1, ",
+          kMaxTableBlock, "] tokens per table entry"));
+    }
   } else if (const auto [base, cap] = SplitCapSuffix(name); base != name) {
     // Caps below 1 would rescore fewer candidates than the step attends.
     if (!absl::SimpleAtod(cap, &c.rescore_cap) || !std::isfinite(c.rescore_cap) ||

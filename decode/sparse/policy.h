@@ -107,6 +107,11 @@ struct PolicyConfig {
   // whose Quest bounds score highest (lfps_policy.h); 0: all of them. Set by the name's
   // `_cap<C>` suffix (`lfps_cap4`, `fluxion_cap0`), kDefaultRescoreCap without one.
   double rescore_cap = kDefaultRescoreCap;
+  // `lfps` / `lfps_paper` only: LFPS's history tables hold one entry per block of this many
+  // tokens (ALGORITHMS.md §1.3.2; 1: per token, as published) and its candidates are the rows of
+  // the selected blocks and their neighbours, rescored exactly. Set by the name's `_b<B>` suffix
+  // (`lfps_b16`). Experimental (docs/SPARSE.md, "Block-granular tables").
+  int64_t table_block = 1;
 };
 
 // Whether `config` reads Quest page-bound scores: its kind ranks page bounds, or it caps its
@@ -124,8 +129,9 @@ std::vector<std::string> PolicyNames();
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
 
 // Parses a policy name and budget into a config. `fixed_32_0.05` sets block 32 and budget 0.05
-// (the budget argument is then ignored); a history policy's `_cap<C>` suffix sets rescore_cap. InvalidArgument naming the known policies for an unknown
-// name, and for a budget outside (0, 1].
+// (the budget argument is then ignored); a history policy's `_cap<C>` suffix sets rescore_cap,
+// lfps's and lfps_paper's `_b<B>` suffix table_block. InvalidArgument naming the known policies
+// for an unknown name, and for a budget outside (0, 1].
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget);
 
 // Expands policy names x budgets for measuring commands: `full` and fixed_<block>_<budget> once,

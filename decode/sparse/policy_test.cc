@@ -69,6 +69,21 @@ TEST(PolicyKindTest, HistoryPoliciesTakeARescoreCapSuffix) {
   }
 }
 
+TEST(PolicyKindTest, LfpsTakesABlockGranularTableSuffix) {
+  EXPECT_EQ(ParsePolicy("lfps", 0.05)->table_block, 1);
+  for (const char* name : {"lfps", "lfps_paper"}) {
+    absl::StatusOr<PolicyConfig> c = ParsePolicy(absl::StrCat(name, "_b16"), 0.05);
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status();
+    EXPECT_EQ(c->kind, *ParsePolicyKind(name));
+    EXPECT_EQ(c->table_block, 16);
+    EXPECT_EQ(PolicyLabel(*c), absl::StrCat(name, "_b16@0.05"));
+  }
+  for (const char* bad : {"fluxion_b16", "quest_b16", "full_b16", "lfps_b0", "lfps_b", "lfps_bx",
+                          "lfps_b2000", "lfps_b-4", "_b16"}) {
+    EXPECT_EQ(ParsePolicy(bad, 0.05).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(PolicyKindTest, BudgetFreePoliciesExpandOnceAndLabelWithoutBudget) {
   absl::StatusOr<std::vector<PolicyConfig>> configs =
       ExpandPolicies({"full", "fixed_32_0.05", "quest"}, {0.02, 0.05});
