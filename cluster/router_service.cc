@@ -16,6 +16,7 @@
 #include "common/secret_token.h"
 #include "cluster/prefill_pick.h"
 #include "common/metrics_names.h"
+#include "common/peer_failure.h"
 
 namespace fluxion::cluster {
 namespace {
@@ -428,9 +429,14 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
                                               status.error_message()));
         excluded_decodes_.insert(attempt->decode());
         if (!attempt->prefill().empty()) excluded_prefills_.insert(attempt->prefill());
-        // No message at all and UNAVAILABLE: the node itself is unreachable, not just busy.
+        // No message at all and UNAVAILABLE: the node itself is unreachable, not just busy --
+        // unless the decode node answered with its prefill peer's failure (common/peer_failure.h):
+        // then the prefill node is what failed, and the decode node stays in for other pairs.
         if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !attempt->saw_message) {
-          s->backends_->MarkFailed(attempt->decode(), status.error_message());
+          const bool prefill_failed =
+              NamesPrefillFailure(status.error_message(), attempt->prefill());
+          s->backends_->MarkFailed(prefill_failed ? attempt->prefill() : attempt->decode(),
+                                   status.error_message());
         }
         held_error_.reset();
       } else {

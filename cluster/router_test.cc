@@ -9,6 +9,7 @@
 #include "cluster/router_service.h"
 #include "common/metrics_http.h"
 #include "common/metrics_testing.h"
+#include "common/peer_failure.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -187,6 +188,35 @@ TEST_F(RouterTest, FailureBeforeTheFirstTokenIsRetriedOnAnotherPair) {
   // Another pair: the first prefill choice (p2) is not reused while p1 is healthy.
   EXPECT_EQ(decode_a_.seen()[0].request.prefill_address(), p1_->address());
   EXPECT_EQ(Counter("fluxion_router_attempts_total", {{"outcome", "retried"}}), 1);
+}
+
+// A decode node that answers with its prefill peer's failure (UNAVAILABLE, no message, the error
+// naming the prefill node: common/peer_failure.h) is reachable: the router ejects the prefill
+// node, not the decode node, which stays in for other pairs. An error that names no prefill node
+// ejects the decode node as before.
+TEST_F(RouterTest, APrefillPeersFailureEjectsThePrefillNodeNotTheDecodeNode) {
+  FakeDecodeService::Behaviour reject;
+  const std::string dead_prefill = p2_->address();
+  reject.reject = [dead_prefill](const v1::GenerateRequest& r) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        PrefillFailureMessage(r.prefill_address(), "Socket closed"));
+  };
+  decode_b_.SetBehaviour(reject);
+  Result r = Generate(Request("r-peer", 3));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(decode_b_.seen().size(), 1u);
+  EXPECT_EQ(decode_b_.seen()[0].request.prefill_address(), dead_prefill);
+  EXPECT_EQ(backends_->HealthyCount(Role::kDecode), 2);
+  EXPECT_EQ(backends_->HealthyCount(Role::kPrefill), 1);
+
+  FakeDecodeService::Behaviour unreachable;
+  unreachable.reject = [](const v1::GenerateRequest&) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake: connection reset");
+  };
+  decode_b_.SetBehaviour(unreachable);
+  Result again = Generate(Request("r-peer-2", 3));
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(backends_->HealthyCount(Role::kDecode), 1);
 }
 
 TEST_F(RouterTest, FailureAfterTheFirstTokenIsRelayedNotRetried) {

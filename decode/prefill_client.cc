@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc_status.h"
+#include "common/peer_failure.h"
 
 namespace fluxion::decode {
 
@@ -65,7 +66,7 @@ PrefillOutcome PrefillClient::Call(const std::string& address, const v1::Prefill
                                    absl::Time deadline, const std::function<bool()>& cancelled) {
   PrefillOutcome out;
   auto annotate = [&address](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat("prefill node ", address, ": ", s.message()));
+    return absl::Status(s.code(), PrefillFailureMessage(address, s.message()));
   };
   auto channel = ChannelFor(address);
   // 1. Connect before sending: a call that fails here never left this node, so nobody holds the

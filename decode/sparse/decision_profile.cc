@@ -325,6 +325,9 @@ bool DecisionProfile::DrawBypass(const PolicyDecisions& d, int layer, int kv_hea
 
 void DecisionRecorder::Add(const PolicyConfig& config, const SelectionStats& stats) {
   if (config.kind != PolicyKind::kLfps && config.kind != PolicyKind::kFluxion) return;
+  // Variants (`lfps_cap4`, `lfps_b16`) decide differently from the policy a profile replays
+  // (replay looks up lfps / fluxion by kind), so only the policies themselves are recorded.
+  if (config.name != "lfps" && config.name != "fluxion") return;
   Totals& t = totals_[{config.name, config.budget}];
   t.config = config;
   t.stats.Add(stats);

@@ -136,7 +136,8 @@ class DecisionProfile {
 inline constexpr double kBudgetUnit = 1e-4;
 
 // Builds a measured profile from the policies' own decision counts (SelectionStats summed over
-// decodes; lfps and fluxion only, others are ignored).
+// decodes; `lfps` and `fluxion` only: other policies and their variants, e.g. `lfps_cap4` or
+// `lfps_b16`, are ignored).
 class DecisionRecorder {
  public:
   void Add(const PolicyConfig& config, const SelectionStats& stats);
