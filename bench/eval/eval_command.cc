@@ -306,8 +306,7 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   }
   const bool records_anything = absl::c_any_of(options.policies, [](const std::string& p) {
     auto config = PolicyConfigOf(p);
-    return config.ok() && (config->kind == decode::sparse::PolicyKind::kLfps ||
-                           config->kind == decode::sparse::PolicyKind::kFluxion);
+    return config.ok() && decode::sparse::RecordedInProfiles(*config);
   });
   if (usage_error.empty() && !record_profile.empty() && !records_anything) {
     usage_error = "--record-profile records lfps and fluxion: add one of them to --policy";

@@ -323,11 +323,13 @@ bool DecisionProfile::DrawBypass(const PolicyDecisions& d, int layer, int kv_hea
   return Uniform(seed_, kSaltBypass, layer, kv_head, step) < d.bypass_share / rest;
 }
 
+bool RecordedInProfiles(const PolicyConfig& config) {
+  return (config.kind == PolicyKind::kLfps && config.name == "lfps") ||
+         (config.kind == PolicyKind::kFluxion && config.name == "fluxion");
+}
+
 void DecisionRecorder::Add(const PolicyConfig& config, const SelectionStats& stats) {
-  if (config.kind != PolicyKind::kLfps && config.kind != PolicyKind::kFluxion) return;
-  // Variants (`lfps_cap4`, `lfps_b16`) decide differently from the policy a profile replays
-  // (replay looks up lfps / fluxion by kind), so only the policies themselves are recorded.
-  if (config.name != "lfps" && config.name != "fluxion") return;
+  if (!RecordedInProfiles(config)) return;
   Totals& t = totals_[{config.name, config.budget}];
   t.config = config;
   t.stats.Add(stats);

@@ -132,12 +132,16 @@ class DecisionProfile {
   std::vector<PolicyDecisions> policies_;
 };
 
+// Whether a decision profile records `config`'s decisions: `lfps` and `fluxion` themselves, not
+// other policies nor their variants (`lfps_cap4`, `lfps_b16`), which decide differently from the
+// policy replay stands in for (it looks lfps / fluxion up by kind).
+bool RecordedInProfiles(const PolicyConfig& config);
+
 // A retrieval head-step's budget as SelectionStats::retrieval keys it: 1e-4 of the context.
 inline constexpr double kBudgetUnit = 1e-4;
 
 // Builds a measured profile from the policies' own decision counts (SelectionStats summed over
-// decodes; `lfps` and `fluxion` only: other policies and their variants, e.g. `lfps_cap4` or
-// `lfps_b16`, are ignored).
+// decodes; configs RecordedInProfiles refuses are ignored).
 class DecisionRecorder {
  public:
   void Add(const PolicyConfig& config, const SelectionStats& stats);

@@ -118,7 +118,7 @@ const float* FluxionPolicy::PageScores(const SelectionInput& in, int64_t first_p
 }
 
 void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
-                                  std::vector<int32_t>* candidates, SelectionStats* stats) {
+                                  CandidateMarks* marks, SelectionStats* stats) {
   HeadScan& h = Scan(in.layer, in.kv_head);
   Scratch& x = ScratchOf(in.kv_head);
   const int64_t middle = r.local_begin - r.sink_end;
@@ -158,9 +158,7 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
   }
   kernels::cpu::TopKIndices(x.block_scores.data(), nblocks, want, &x.top_blocks);
   for (int32_t b : x.top_blocks) {
-    const int64_t begin = std::max((first_block + b) * block, r.sink_end);
-    const int64_t end = std::min((first_block + b + 1) * block, r.local_begin);
-    for (int64_t p = begin; p < end; ++p) candidates->push_back(static_cast<int32_t>(p));
+    marks->MarkRun((first_block + b) * block, block);  // clipped to the middle
   }
 }
 

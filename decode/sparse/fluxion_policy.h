@@ -72,7 +72,7 @@ class FluxionPolicy : public LfpsPolicy {
  protected:
   int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context) override;
   void AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
-                     std::vector<int32_t>* candidates, SelectionStats* stats) override;
+                     CandidateMarks* marks, SelectionStats* stats) override;
   int64_t RetrievalBlock(int layer, int kv_head) override;
 
  private:

@@ -287,6 +287,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
     // just outside it still reaches in through the expansion offsets, so the ranges are widened
     // by them.
+    // In blocks the ranges are the blocks that hold them, the slash one widened by a block
+    // below (the neighbour offsets reach one block, not two tokens).
     // The two tables select concurrently (idle threads of the step take one: RunAsTasks).
     kernels::cpu::RunAsTasks(2, [&](int64_t table) {
       if (table == 0) {
@@ -300,7 +302,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
       }
     });
     // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
-    // or two word ORs), Fluxion's added positions after them, then the bitmap is read out in
+    // or two word ORs), Fluxion's added blocks after them, then the bitmap is read out in
     // order: the candidates sorted and distinct without a vector of 4 entries per pick (pushing
     // those was the largest serial part of a head-step on the H200 host, session 17's perf).
     std::vector<int32_t>& candidates = x.candidates;
@@ -314,10 +316,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
       for (int64_t v : vertical) marks.MarkRun((v - 1) * b, 3 * b);
       for (int64_t dist : slash) marks.MarkRun(t - (dist + 2) * b + 1, 3 * b);
     }
-    candidates.clear();
     x.step_page_scores = nullptr;
-    AddCandidates(in, r, k, &candidates, stats);
-    for (int32_t p : candidates) marks.MarkRun(p, 1);
+    AddCandidates(in, r, k, &marks, stats);
     marks.ReadOut(&candidates);
     CapCandidates(in, k, &candidates, stats);
     if (replaying() && replay_.rescored_share > 0) {

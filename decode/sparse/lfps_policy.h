@@ -158,11 +158,12 @@ class LfpsPolicy : public SparsePolicy {
   // Rows of the middle region this step may attend for (layer, kv_head); LFPS: the policy
   // budget's share (SplitContext). Fluxion overrides it with per-head budgets.
   virtual int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context);
-  // Appends positions of the middle region [r.sink_end, r.local_begin) to this step's candidates
-  // (unsorted, duplicates allowed) before they are rescored for the top `k`. LFPS: none (its
-  // candidates come from history alone). Fluxion adds the rows of the query-aware top blocks.
+  // Marks rows of the middle region [r.sink_end, r.local_begin) as this step's candidates too
+  // (runs; overlaps with the tables' picks are fine) before they are rescored for the top `k`.
+  // LFPS: none (its candidates come from history alone). Fluxion marks its query-aware top
+  // blocks.
   virtual void AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
-                             std::vector<int32_t>* candidates, SelectionStats* stats) {}
+                             CandidateMarks* marks, SelectionStats* stats) {}
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
   // PolicyConfig::rescore_cap: keeps the sorted candidates of the best-bounded pages, about
