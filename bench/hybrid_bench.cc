@@ -165,6 +165,9 @@ struct Point {
   // (exact rescoring: exact_topk, LFPS / Fluxion candidates) and page bounds scanned on the CPU.
   double k_rows_scored = 0;
   double metadata_bytes = 0;
+  // Of the timed head-steps that rescored table candidates (LFPS / Fluxion), the share whose
+  // table picks were made a step ahead (SparsePolicy::PrepareNextStep; 0 without any).
+  double prepared_share = 0;
   // With --degrade-on-stall: the share of the middle budget the guard left the last step, the
   // smallest over the pipelines (1: never degraded).
   double budget_scale_end = 1;
@@ -204,15 +207,12 @@ decode::HybridStepExecutor::AdmissionCounters Admissions(decode::PingPongStepExe
   return sum;
 }
 
-// The batch's selection stats summed (k rows scored, metadata bytes).
-std::pair<int64_t, int64_t> PolicyReads(const std::vector<decode::SparseAttention*>& attentions) {
-  int64_t k_rows = 0, metadata = 0;
-  for (const decode::SparseAttention* a : attentions) {
-    const decode::sparse::SelectionStats st = a->stats();
-    k_rows += st.k_rows_scored;
-    metadata += st.metadata_bytes;
-  }
-  return {k_rows, metadata};
+// The batch's selection stats summed.
+decode::sparse::SelectionStats PolicyReads(
+    const std::vector<decode::SparseAttention*>& attentions) {
+  decode::sparse::SelectionStats sum;
+  for (const decode::SparseAttention* a : attentions) sum.Add(a->stats());
+  return sum;
 }
 
 // One timed configuration: a policy, and for lfps / fluxion the decision profile it replays.
@@ -311,7 +311,7 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   // Two warm-up steps: the first admits the requests to the window (and, at a new batch size,
   // tunes the GEMMs), the second records the dense segments' CUDA graphs (model/decode_step.h).
   constexpr int64_t kWarmup = 2;
-  std::pair<int64_t, int64_t> reads_before, reads_after;
+  decode::sparse::SelectionStats reads_before, reads_after;
   const decode::HybridStepExecutor::AdmissionCounters admitted_before = Admissions(executor);
   double admit_ms = 0, first_step_ms = 0;
   for (int64_t s = 0; s < kWarmup + steps && failed.ok(); ++s) {
@@ -398,8 +398,14 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   }
   p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
   p.per_step.mapped_rows = static_cast<int64_t>(p.per_step.mapped_rows / n);
-  p.k_rows_scored = (reads_after.first - reads_before.first) / n;
-  p.metadata_bytes = (reads_after.second - reads_before.second) / n;
+  p.k_rows_scored = (reads_after.k_rows_scored - reads_before.k_rows_scored) / n;
+  p.metadata_bytes = (reads_after.metadata_bytes - reads_before.metadata_bytes) / n;
+  const int64_t candidate_steps = reads_after.candidate_steps - reads_before.candidate_steps;
+  p.prepared_share =
+      candidate_steps > 0 ? static_cast<double>(reads_after.candidate_steps_prepared -
+                                                reads_before.candidate_steps_prepared) /
+                                candidate_steps
+                          : 0.0;
   p.per_step.resident_rows = static_cast<int64_t>(p.per_step.resident_rows / n);
   return p;
 }
@@ -702,6 +708,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"device_read_rows_per_step", c.mapped_rows},
                             {"k_rows_scored_per_step", p.k_rows_scored},
                             {"cpu_metadata_bytes_per_step", p.metadata_bytes},
+                            {"prepared_pick_share", p.prepared_share},
                             {"resident_rows_per_step", c.resident_rows},
                             {"to_host_ms", 1e3 * c.to_host_s},
                             {"plan_ms", 1e3 * c.plan_s},

@@ -184,13 +184,35 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     if (m.ok()) mapped = *m;  // not pinned, or a shape the device kernel lacks: the CPU reads all
   }
   pair_plans_.resize(attentions_.size() * hkv);
-  ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
-    const RequestUnit& u = units_[j];
-    attentions_[u.request]->SelectUnit(u.unit, q + u.request * q_row,
-                                       window_->block_scores(static_cast<int>(u.request)),
-                                       budget_scale_);
-    PlanPair(io, u.request, u.unit, mapped.has_value());
-  });
+  // The previous layer's observations (FinishUnit's second half, deferred) run beside this
+  // layer's selections: they are listed after them, so the pool's threads take the selections
+  // first, and at small batches (fewer selections than threads) the rest observe instead of
+  // waiting at the barrier. Each observation also makes the next step's table picks
+  // (SparsePolicy::PrepareNextStep), which leaves the selections less to do.
+  pending_units_.clear();
+  for (size_t i = 0; i < attentions_.size(); ++i) {
+    if (!attentions_[i]->observe_pending()) continue;
+    for (int u = 0; u < attentions_[i]->units(); ++u) {
+      pending_units_.push_back({static_cast<int32_t>(i), u});
+    }
+  }
+  const int64_t selections = static_cast<int64_t>(units_.size());
+  ForEachRequest(pool_, selections + static_cast<int64_t>(pending_units_.size()),
+                 [&](int64_t j) {
+                   if (j >= selections) {
+                     const RequestUnit& u = pending_units_[j - selections];
+                     attentions_[u.request]->ObservePending(u.unit);
+                     return;
+                   }
+                   const RequestUnit& u = units_[j];
+                   attentions_[u.request]->SelectUnit(
+                       u.unit, q + u.request * q_row,
+                       window_->block_scores(static_cast<int>(u.request)), budget_scale_);
+                   PlanPair(io, u.request, u.unit, mapped.has_value());
+                 });
+  for (SparseAttention* a : attentions_) {
+    if (a->observe_pending()) a->EndObserve();
+  }
   plan_parts.Lap(&counters_.select_s);
   clock.Lap(&counters_.plan_s);
 
@@ -210,13 +232,15 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   host_parts.Lap(&counters_.host_kernel_s);
   clock.Lap(&counters_.host_s);
   // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
-  // in there (merging is associative), and it observes its whole plan.
+  // in there (merging is associative). It observes its whole plan later, beside the next
+  // layer's selections (above).
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {
     const RequestUnit& u = units_[j];
-    attentions_[u.request]->FinishUnit(u.unit, q + u.request * q_row,
-                                       host_out_.data() + u.request * q_row,
-                                       host_lse_.data() + u.request * hq);
+    attentions_[u.request]->CompleteUnit(u.unit, q + u.request * q_row,
+                                         host_out_.data() + u.request * q_row,
+                                         host_lse_.data() + u.request * hq);
   });
+  for (size_t i = 0; i < attentions_.size(); ++i) attentions_[i]->DeferObserve(q + i * q_row);
   clock.Lap(&counters_.finish_s);
   lane.reset();
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);

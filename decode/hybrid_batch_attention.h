@@ -1,12 +1,14 @@
 // The attention of the hybrid decode step (docs/EXECUTOR.md section 7; ALGORITHMS.md §2.4): per
 // layer, the resident window (resident_window.h: sinks + a ring of recent tokens, on the device)
 // is appended to and attended densely for the whole batch, while on the CPU every request's
-// policy plans its step over the host pages (SparseAttention::BeginDecode, which also appends the
-// token's K/V to the pages), the rows of the plan that are not resident are attended as ONE
-// problem by the CPU attention backend, each policy completes its step on that partial state
-// (FinishDecode: its estimate of skipped rows merges in, it observes), and the CPU partials merge
-// into the window's output by log-sum-exp. A plan of sinks + window only (a streaming head) has
-// no CPU rows.
+// policy plans its step over the host pages (SparseAttention::AppendToken and SelectUnit), the
+// rows of the plan that are not resident are attended as ONE problem by the CPU attention
+// backend, each policy completes its step on that partial state (CompleteUnit: its estimate of
+// skipped rows merges in), and the CPU partials merge into the window's output by log-sum-exp. A
+// plan of sinks + window only (a streaming head) has no CPU rows. The policies observe the
+// layer's step (ObservePending: history tables, and the next step's query-independent picks)
+// beside the next layer's selections, not before the merge: at batch 1 a layer's 8 selections
+// leave half of a 16-thread pool idle, and the observation is no input of the layer's output.
 //
 // Exactness: the resident rows are the first min(c, sink) and the last
 // min(window, c - sink) tokens of a context of c; every policy's plan contains them when its
@@ -79,7 +81,8 @@ struct HybridCounters {
   double host_s = 0;     // the CPU's attention over the non-resident rows: the two below
   double host_prep_s = 0;  //   its problem, and the device's zero-copy share split off, launched
   double host_kernel_s = 0;  //   the CPU backend's run
-  double finish_s = 0;   // policies' estimates and observation (FinishDecode)
+  double finish_s = 0;   // policies' estimates of skipped rows (CompleteUnit; their observation
+                         // runs beside the next layer's selections, in select_s)
   double merge_s = 0;    // CPU partials to the device and merged
   double guard_s = 0;    // the error guard's exact checks (decode/sparse/error_guard.h)
   double lane_wait_s = 0;  // waiting for the CPU lane (another micro-batch's CPU phase)
@@ -173,6 +176,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<float> out_host_;  // the layer's output on the host for the guard's checks
   std::vector<absl::Status> statuses_;
   std::vector<RequestUnit> units_;
+  std::vector<RequestUnit> pending_units_;  // the previous layer's deferred observations
   std::vector<PairPlan> pair_plans_;  // [request * num_kv_heads + head]
   std::vector<int64_t> indptr_;
   std::vector<kernels::PageSpan> spans_;

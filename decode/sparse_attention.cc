@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "decode/sparse/policy_util.h"
+#include "glog/logging.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 
 namespace fluxion::decode {
@@ -18,7 +19,10 @@ SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique
       kv_(std::move(kv)),
       policies_(std::move(policies)),
       head_stats_(shape.num_kv_heads),
-      head_spans_(shape.num_kv_heads),
+      head_spans_{std::vector<std::vector<kernels::PageSpan>>(shape.num_kv_heads),
+                  std::vector<std::vector<kernels::PageSpan>>(shape.num_kv_heads)},
+      unit_budget_{std::vector<UnitBudget>(shape.num_kv_heads),
+                   std::vector<UnitBudget>(shape.num_kv_heads)},
       rest_out_(shape.num_kv_heads),
       rest_lse_(shape.num_kv_heads) {
   if (sparse::GuardActive(config_)) {
@@ -115,6 +119,8 @@ absl::Status SparseAttention::AppendToken(int layer, int64_t pos0, const float* 
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": tokens start at ", pos0,
                                                    " but the pages hold ", kv_->length(layer)));
   }
+  // The policies' scratch of this layer's parity is the pending observation's: it ends first.
+  if (pending_.active && (pending_.layer & 1) == (layer & 1)) FlushObserve();
   FLUXION_RETURN_IF_ERROR(kv_->Append(layer, 1, k, v, shape_.num_kv_heads * shape_.head_dim));
   step_layer_ = layer;
   step_context_ = pos0 + 1;
@@ -174,10 +180,14 @@ sparse::SelectionInput SparseAttention::Input(int kv_head, const float* q) const
 void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored,
                                  double budget_scale) {
   const int h = unit;
-  head_spans_[h].clear();
+  CHECK(!pending_.active || (pending_.layer & 1) != (step_layer_ & 1))
+      << "SelectUnit over a pending observation's scratch";
+  std::vector<kernels::PageSpan>& spans = head_spans_[step_layer_ & 1][h];
+  spans.clear();
   sparse::SelectionInput in = Input(h, q);
   in.budget_scale = budget_scale;
   if (guard_ != nullptr) in.budget_shift = guard_->Shift(step_layer_, h);
+  unit_budget_[step_layer_ & 1][h] = {in.budget_scale, in.budget_shift};
   if (scored.data != nullptr) {
     in.block_scores = scored.data + h * scored.head_stride;
     in.block_score_tokens = scored.block_tokens;
@@ -186,24 +196,59 @@ void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredB
     in.top_blocks = scored.top + h * scored.range.want;
     in.top_range = scored.range;
   }
-  PolicyOf(unit).Select(in, &head_spans_[h], &head_stats_[h]);
+  PolicyOf(unit).Select(in, &spans, &head_stats_[h]);
 }
 
-void SparseAttention::FinishUnit(int unit, const float* q, float* out, float* lse) {
+void SparseAttention::CompleteUnit(int unit, const float* q, float* out, float* lse) {
   const int h = unit;
   const int64_t d = shape_.head_dim, group = shape_.num_heads / shape_.num_kv_heads;
-  sparse::SparsePolicy& policy = PolicyOf(unit);
   std::vector<float>& rest_out = rest_out_[unit];
   std::vector<float>& rest_lse = rest_lse_[unit];
   rest_out.resize(group * d);
   rest_lse.resize(group);
-  const sparse::SelectionInput in = Input(h, q);
   // A policy may add an estimate for the rows it skipped (lfps_paper's bypass).
-  if (policy.ApproximateRest(in, rest_out.data(), rest_lse.data())) {
+  if (PolicyOf(unit).ApproximateRest(Input(h, q), rest_out.data(), rest_lse.data())) {
     kernels::cpu::MergeAttentionStates(out + h * group * d, lse + h * group, rest_out.data(),
                                        rest_lse.data(), group, d);
   }
-  policy.Observe(in, head_spans_[h]);
+}
+
+void SparseAttention::FinishUnit(int unit, const float* q, float* out, float* lse) {
+  CompleteUnit(unit, q, out, lse);
+  PolicyOf(unit).Observe(Input(unit, q), head_spans_[step_layer_ & 1][unit]);
+}
+
+void SparseAttention::DeferObserve(const float* q) {
+  CHECK(!pending_.active) << "DeferObserve with an observation pending";
+  pending_.active = true;
+  pending_.layer = step_layer_;
+  pending_.context = step_context_;
+  pending_.q.assign(q, q + shape_.num_heads * shape_.head_dim);
+}
+
+void SparseAttention::ObservePending(int unit) {
+  const int h = unit, parity = pending_.layer & 1;
+  const int64_t group = shape_.num_heads / shape_.num_kv_heads;
+  sparse::SelectionInput in{kv_.get(),   pending_.layer,
+                            h,           pending_.q.data() + h * group * shape_.head_dim,
+                            group,       shape_.scale,
+                            pending_.context};
+  in.budget_scale = unit_budget_[parity][h].scale;
+  in.budget_shift = unit_budget_[parity][h].shift;
+  sparse::SparsePolicy& policy = PolicyOf(unit);
+  policy.Observe(in, head_spans_[parity][h]);
+  // The next step of this (layer, head), as far as it is known now: one token more, the same
+  // budget scale and guard shift (Select checks the prepared part against what it then gets).
+  sparse::SelectionInput next = in;
+  next.q = nullptr;
+  next.context += 1;
+  policy.PrepareNextStep(next);
+}
+
+void SparseAttention::FlushObserve() {
+  if (!pending_.active) return;
+  for (int u = 0; u < units(); ++u) ObservePending(u);
+  EndObserve();
 }
 
 absl::Status SparseAttention::BeginDecode(int layer, int64_t pos0, const float* q,
@@ -225,6 +270,7 @@ sparse::SelectionStats SparseAttention::stats() const {
 
 absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const float* q,
                                       const float* k, const float* v, float* out) {
+  FlushObserve();  // this path observes at once (FinishDecode)
   if (n == 1) {
     FLUXION_RETURN_IF_ERROR(BeginDecode(layer, pos0, q, k, v));
     const int64_t d = shape_.head_dim, hkv = shape_.num_kv_heads;
@@ -233,7 +279,8 @@ absl::Status SparseAttention::Forward(int layer, int64_t pos0, int64_t n, const 
     tasks_.resize(hkv);
     head_lse_.resize(hkv * group);
     for (int kvh = 0; kvh < hkv; ++kvh) {
-      tasks_[kvh] = {view, head_spans_[kvh].data(), static_cast<int64_t>(head_spans_[kvh].size()),
+      const std::vector<kernels::PageSpan>& spans = head_spans_[layer & 1][kvh];
+      tasks_[kvh] = {view, spans.data(), static_cast<int64_t>(spans.size()),
                      {q + kvh * group * d, group, shape_.scale},
                      {out + kvh * group * d, &head_lse_[kvh * group]}};
     }

@@ -83,9 +83,33 @@ class SparseAttention : public model::SequenceAttention {
   void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {},
                   double budget_scale = 1.0);
   const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
-    return head_spans_[kv_head];
+    return head_spans_[step_layer_ & 1][kv_head];
   }
   void FinishUnit(int unit, const float* q, float* out, float* lse);
+
+  // The hybrid step's split of FinishUnit (decode/hybrid_batch_attention.h), which takes the
+  // policies' observation off the layer's critical path:
+  //
+  //   CompleteUnit(u, q, out, lse) for every unit   the policy's estimate of the skipped rows
+  //                                                 merged in (before the layer's merge)
+  //   DeferObserve(q)                               keeps what the observation needs
+  //   ... the next layer's AppendToken ...
+  //   ObservePending(u) for every unit              the policy observes the step, then makes
+  //                                                 what it can of the next one ahead
+  //                                                 (SparsePolicy::PrepareNextStep); units in
+  //                                                 parallel, and in parallel with the next
+  //                                                 layer's SelectUnit calls
+  //   EndObserve()                                  after every ObservePending
+  //
+  // The policies see the same calls in the same order per (layer, KV head) as with FinishUnit,
+  // so they select exactly the same rows. A pending observation must end before its layer (or
+  // one of the same parity: the policies keep scratch per layer parity) selects again:
+  // AppendToken and Forward run whatever is pending there themselves, on the calling thread.
+  void CompleteUnit(int unit, const float* q, float* out, float* lse);
+  void DeferObserve(const float* q);
+  bool observe_pending() const { return pending_.active; }
+  void ObservePending(int unit);
+  void EndObserve() { pending_.active = false; }
 
   // The online error guard (decode/sparse/error_guard.h), when the policy config enables it:
   // whether this step checks any KV head of the current layer exactly, and the check itself,
@@ -135,6 +159,8 @@ class SparseAttention : public model::SequenceAttention {
     return *policies_[policies_.size() == 1 ? 0 : unit];
   }
   sparse::SelectionInput Input(int kv_head, const float* q) const;
+  // Every pending unit's ObservePending, then EndObserve, on the calling thread.
+  void FlushObserve();
 
   static inline std::atomic<uint64_t> next_id_{1};
   const uint64_t id_;
@@ -143,10 +169,23 @@ class SparseAttention : public model::SequenceAttention {
   std::unique_ptr<PagedKv> kv_;
   std::vector<std::unique_ptr<sparse::SparsePolicy>> policies_;  // [1] or [num_kv_heads]
   std::vector<sparse::SelectionStats> head_stats_;               // [num_kv_heads]
-  // The decode step in progress.
-  std::vector<std::vector<kernels::PageSpan>> head_spans_;  // [num_kv_heads]
+  // The decode step in progress, per layer parity (a layer's plan stays for its deferred
+  // observation while the next layer selects): [layer & 1][kv_head].
+  std::vector<std::vector<kernels::PageSpan>> head_spans_[2];
+  // What each unit's last SelectUnit of a layer parity gave the policy besides the query.
+  struct UnitBudget {
+    double scale = 1.0, shift = 0.0;
+  };
+  std::vector<UnitBudget> unit_budget_[2];  // [layer & 1][unit]
   int step_layer_ = 0;
   int64_t step_context_ = 0;
+  // The observation DeferObserve kept for ObservePending.
+  struct PendingObserve {
+    bool active = false;
+    int layer = 0;
+    int64_t context = 0;
+    std::vector<float> q;  // the layer's queries, [num_heads][head_dim]
+  } pending_;
   // Scratch per unit (units may run in parallel), reused across steps.
   std::vector<std::vector<float>> rest_out_, rest_lse_;  // [unit]
   // Scratch of Forward (one thread).

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/reference/reference_ops.h"
 #include "kernels/reference/compare.h"
 
@@ -139,6 +140,100 @@ TEST(SparseAttentionTest, BudgetBelowSinksAndWindowAttendsExactlySinksAndWindow)
                                        *sparse::ParsePolicy("quest", 0.01));
   Step(*a, *s, tokens);
   EXPECT_EQ(a->stats().rows_attended, 2 * (4 + 64));  // per KV head: 4 sinks + 64 local
+}
+
+// The hybrid step's deferred observation (CompleteUnit now, ObservePending beside the next
+// layer's selections, with PrepareNextStep's table picks) against FinishUnit at once: the same
+// rows every step, layer and head, the same outputs, and most table picks made a step ahead.
+// Three layers, so a step's last layer (2) and its next first (0) share a scratch parity:
+// AppendToken must end that pending observation itself. A step at half the budget makes the
+// picks prepared for it and after it miss (made for another budget): they are made again.
+TEST(SparseAttentionTest, DeferredObservationSelectsWhatImmediateObservationSelects) {
+  constexpr model::AttentionShape shape{3, 8, 2, 64, 0.125f};
+  const int64_t tokens = 2048, steps = 10, row = 2 * 64, q_row = 8 * 64;
+  std::mt19937 rng(11);
+  model::DenseAttention dense(shape);
+  dense.RecordQueries(tokens - 32, tokens);
+  for (int layer = 0; layer < 3; ++layer) {
+    auto q = Random(tokens * q_row, &rng), k = Random(tokens * row, &rng);
+    auto v = Random(tokens * row, &rng);
+    std::vector<float> out(q.size());
+    ASSERT_TRUE(dense.Forward(layer, 0, tokens, q.data(), k.data(), v.data(), out.data()).ok());
+  }
+  // [step][layer]: the decode inputs.
+  std::vector<std::vector<std::vector<float>>> q(steps), k(steps), v(steps);
+  for (int64_t st = 0; st < steps; ++st) {
+    for (int layer = 0; layer < 3; ++layer) {
+      q[st].push_back(Random(q_row, &rng));
+      k[st].push_back(Random(row, &rng));
+      v[st].push_back(Random(row, &rng));
+    }
+  }
+  const double scales[steps] = {1, 1, 1, 1, 0.5, 1, 1, 1, 1, 1};
+  auto arena = *KvArena::Create(KvShape{3, 2, 64, 16}.page_bytes(), 1024);
+  for (const char* name : {"lfps", "fluxion", "lfps_b16"}) {
+    struct Run {
+      std::vector<std::vector<kernels::PageSpan>> spans;  // [step * 3 * 2 + layer * 2 + head]
+      std::vector<float> out;
+      sparse::SelectionStats stats;
+    };
+    auto drive = [&](bool deferred) {
+      auto a = *SparseAttention::FromDense(arena.get(), shape, 16, dense,
+                                           *sparse::ParsePolicy(name, 0.05));
+      Run run;
+      std::vector<float> out(q_row), lse(8);
+      for (int64_t st = 0; st < steps; ++st) {
+        for (int layer = 0; layer < 3; ++layer) {
+          EXPECT_TRUE(a->AppendToken(layer, tokens + st, k[st][layer].data(),
+                                     v[st][layer].data())
+                          .ok());
+          const float* ql = q[st][layer].data();
+          for (int u = 0; u < 2; ++u) a->SelectUnit(u, ql, {}, scales[st]);
+          if (a->observe_pending()) {  // after the selections: they may run in either order
+            for (int u = 1; u >= 0; --u) a->ObservePending(u);
+            a->EndObserve();
+          }
+          for (int h = 0; h < 2; ++h) {
+            const auto& sp = a->head_spans(h);
+            run.spans.push_back(sp);
+            kernels::cpu::PagedAttention(a->kv().view(), sp.data(), sp.size(),
+                                         {ql + h * 4 * 64, 4, shape.scale},
+                                         {out.data() + h * 4 * 64, lse.data() + h * 4});
+          }
+          for (int u = 0; u < 2; ++u) {
+            if (deferred) {
+              a->CompleteUnit(u, ql, out.data(), lse.data());
+            } else {
+              a->FinishUnit(u, ql, out.data(), lse.data());
+            }
+          }
+          if (deferred) a->DeferObserve(ql);
+          run.out.insert(run.out.end(), out.begin(), out.end());
+        }
+      }
+      run.stats = a->stats();
+      return run;
+    };
+    const Run now = drive(false), later = drive(true);
+    ASSERT_EQ(now.spans.size(), later.spans.size());
+    for (size_t i = 0; i < now.spans.size(); ++i) {
+      ASSERT_EQ(now.spans[i].size(), later.spans[i].size()) << name << " plan " << i;
+      for (size_t j = 0; j < now.spans[i].size(); ++j) {
+        const kernels::PageSpan &x = now.spans[i][j], &y = later.spans[i][j];
+        ASSERT_TRUE(x.page == y.page && x.first_row == y.first_row && x.rows == y.rows)
+            << name << " plan " << i << " span " << j;
+      }
+    }
+    EXPECT_EQ(now.out, later.out) << name;
+    EXPECT_EQ(now.stats.k_rows_scored, later.stats.k_rows_scored) << name;
+    EXPECT_EQ(now.stats.candidate_rows, later.stats.candidate_rows) << name;
+    EXPECT_EQ(now.stats.candidate_steps_prepared, 0) << name;
+    // Every table step but the first of each (layer, head) and those after a budget change.
+    EXPECT_GE(now.stats.candidate_steps, 6 * 7) << name;
+    EXPECT_GE(later.stats.candidate_steps_prepared, now.stats.candidate_steps - 6 * 3) << name;
+    EXPECT_LT(later.stats.candidate_steps_prepared, now.stats.candidate_steps) << name;
+  }
+  EXPECT_EQ(arena->counters().reserved, 0);
 }
 
 TEST(SparseAttentionTest, ArenaTooSmallIsResourceExhaustedAndLeaksNothing) {

@@ -108,7 +108,7 @@ const float* FluxionPolicy::PageScores(const SelectionInput& in, int64_t first_p
     stats->blocks_scored_elsewhere += pages;
     return in.block_scores + first_page;
   }
-  std::vector<float>& out = ScratchOf(in.kv_head).page_scores;
+  std::vector<float>& out = ScratchOf(in.layer, in.kv_head).page_scores;
   out.resize(pages);
   kernels::cpu::QuestBlockBounds(in.kv->key_min(in.layer, in.kv_head),
                                  in.kv->key_max(in.layer, in.kv_head), d, first_page, pages,
@@ -120,7 +120,7 @@ const float* FluxionPolicy::PageScores(const SelectionInput& in, int64_t first_p
 void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, int64_t k,
                                   CandidateMarks* marks, SelectionStats* stats) {
   HeadScan& h = Scan(in.layer, in.kv_head);
-  Scratch& x = ScratchOf(in.kv_head);
+  Scratch& x = ScratchOf(in.layer, in.kv_head);
   const int64_t middle = r.local_begin - r.sink_end;
   const StepShape shape{middle, k, in.kv->shape().head_dim, kScanOver, kScanMinBlocks};
   // Granularity for this head (§2.4.4): chosen at the first step, again when the context grew by

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <iterator>
+#include <optional>
 
 #include "decode/sparse/policy_util.h"
 #include "glog/logging.h"
@@ -104,7 +105,7 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
   // own, not kept.
   constexpr int64_t kKeptKeys = 64;
   std::vector<float> whole_prompt;
-  std::vector<float>& keys = end - first <= kKeptKeys ? ScratchOf(kv_head).fold_keys : whole_prompt;
+  std::vector<float>& keys = end - first <= kKeptKeys ? ScratchOf(layer, kv_head).fold_keys : whole_prompt;
   keys.resize((end - first) * d);
   for (int64_t t = first; t < end; ++t) {
     const bf16* kr = view.keys(pages[t / pt]) + (t % pt) * d;
@@ -122,7 +123,7 @@ void LfpsPolicy::FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t s
 
 absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
                                  const model::HeadSparseState* state) {
-  ScratchOf(kv_head);  // every head's scratch exists before the first (parallel) step
+  ScratchOf(layer, kv_head);  // every head's scratch exists before the first (parallel) step
   HeadState& s = State(layer, kv_head);
   if (state == nullptr) return absl::OkStatus();  // no capture: the first step refreshes exactly
   const int64_t n = std::min<int64_t>(state->vertical.size(), kv.length(layer));
@@ -146,10 +147,7 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   return absl::OkStatus();
 }
 
-void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
-                        SelectionStats* stats) {
-  HeadState& s = State(in.layer, in.kv_head);
-  Scratch& x = ScratchOf(in.kv_head);
+Regions LfpsPolicy::StepRegions(const SelectionInput& in) {
   Regions r = SplitStep(config_, in);
   const int64_t uniform_rows = r.middle_rows_budget;
   if (replaying()) {
@@ -171,7 +169,91 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
             static_cast<int64_t>(std::floor(in.budget_shift * static_cast<double>(uniform_rows))),
         0, r.local_begin - r.sink_end);
   }
-  const int64_t d = in.kv->shape().head_dim, t = in.context - 1;
+  return r;
+}
+
+bool LfpsPolicy::RefreshDue(const HeadState& s) const {
+  return s.steps_since_refresh >= params_.refresh_every ||
+         s.tables.vertical().moments().count == 0;
+}
+
+void LfpsPolicy::MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int64_t context,
+                                int64_t k, CandidateMarks* marks) {
+  const int64_t t = context - 1;
+  // Each table has both clamps on its own: at least 2k entries, at most max(2k, candidate_cap
+  // x t). ALGORITHMS.md §1.3.4 clamps |V| + |D| together (half of each per table), which halves
+  // the rows rescored at 8B shapes but measured worse on the trained model: 4K, passage /
+  // aggregate / niah_multivalue x 12 seeds, budgets 0.02 and 0.05, 72 paired samples: 7 lost,
+  // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost; bench/results,
+  // session 10). The quality tables (docs/SPARSE.md) are these clamps'.
+  // With block-granular tables (B = config_.table_block > 1) the clamps count blocks of B
+  // rows, so they cover as many rows as the token-level ones.
+  const int64_t b = config_.table_block;
+  const int64_t table_min = (2 * k + b - 1) / b;
+  const int64_t table_cap = std::max<int64_t>(
+      table_min, static_cast<int64_t>(params_.candidate_cap * context) / b);
+  std::vector<int64_t>& vertical = x.vertical;
+  std::vector<int64_t>& slash = x.slash;
+  vertical.clear();
+  slash.clear();
+  // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
+  // just outside it still reaches in through the expansion offsets, so the ranges are widened
+  // by them.
+  // In blocks the ranges are the blocks that hold them, the slash one widened by a block
+  // below (the neighbour offsets reach one block, not two tokens).
+  // The two tables select concurrently (idle threads of the step take one: RunAsTasks).
+  kernels::cpu::RunAsTasks(2, [&](int64_t table) {
+    if (table == 0) {
+      s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap,
+                                      FloorDiv(r.sink_end - 2, b),
+                                      FloorDiv(r.local_begin + 1, b) + 1, &vertical);
+    } else {
+      s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap,
+                                   FloorDiv(t - r.local_begin, b) - (b > 1),
+                                   FloorDiv(t - r.sink_end + 3, b) + 1, &slash);
+    }
+  });
+  // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
+  // or two word ORs), then the bitmap is read out in order: the candidates sorted and distinct
+  // without a vector of 4 entries per pick (pushing those was the largest serial part of a
+  // head-step on the H200 host, session 17's perf).
+  if (b == 1) {
+    for (int64_t p : vertical) marks->MarkRun(p + kExpand[0], std::size(kExpand));
+    for (int64_t dist : slash) marks->MarkRun(t - dist + kExpand[0], std::size(kExpand));
+  } else {
+    // A block and its two neighbours (ALGORITHMS.md §1.3.5: offsets {-1, 0, +1} blocks). Slash
+    // block D holds distances [D b, D b + b): positions (t - D b - b, t - D b].
+    for (int64_t v : vertical) marks->MarkRun((v - 1) * b, 3 * b);
+    for (int64_t dist : slash) marks->MarkRun(t - (dist + 2) * b + 1, 3 * b);
+  }
+}
+
+void LfpsPolicy::PrepareNextStep(const SelectionInput& next) {
+  HeadState& s = State(next.layer, next.kv_head);
+  s.prepared.context = -1;
+  // Nothing to make for a step that refreshes exactly, or that will likely bypass (the head
+  // bypassed this step; a wrong guess costs a table pass off the critical path, or one on it).
+  if (RefreshDue(s) || s.bypassed) return;
+  if (replaying() && profile_->DrawBypass(replay_, next.layer, next.kv_head, next.context)) {
+    return;
+  }
+  const Regions r = StepRegions(next);
+  if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) return;
+  CandidateMarks marks(r.sink_end, r.local_begin, &s.prepared.bits);
+  MarkTablePicks(s, ScratchOf(next.layer, next.kv_head), r, next.context, r.middle_rows_budget,
+                 &marks);
+  s.prepared.context = next.context;
+  s.prepared.k = r.middle_rows_budget;
+  s.prepared.sink_end = r.sink_end;
+  s.prepared.local_begin = r.local_begin;
+}
+
+void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
+                        SelectionStats* stats) {
+  HeadState& s = State(in.layer, in.kv_head);
+  Scratch& x = ScratchOf(in.layer, in.kv_head);
+  const Regions r = StepRegions(in);
+  const int64_t d = in.kv->shape().head_dim;
   s.bypassed = false;
   x.logits_valid = false;  // until this step's logits of what it attends are all known
   std::vector<PageSpan>& middle = x.middle;
@@ -251,8 +333,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   }
 
   const int64_t n_middle = r.local_begin - r.sink_end;
-  const bool refresh = s.steps_since_refresh >= params_.refresh_every ||
-                       s.tables.vertical().moments().count == 0;
+  const bool refresh = RefreshDue(s);
   x.picked.clear();
   if (refresh) {
     // Safety valve: an exact top-k over the whole middle region.
@@ -266,59 +347,26 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
     s.steps_since_refresh = 0;
   } else {
-    // Candidates from the history tables, expanded, restricted to the middle region.
+    // Candidates from the history tables, expanded, restricted to the middle region: made a
+    // step ahead when they were for these regions and this budget (PrepareNextStep), else now.
     const int64_t k = r.middle_rows_budget;
-    // Each table has both clamps on its own: at least 2k entries, at most max(2k, candidate_cap
-    // x t). ALGORITHMS.md §1.3.4 clamps |V| + |D| together (half of each per table), which halves
-    // the rows rescored at 8B shapes but measured worse on the trained model: 4K, passage /
-    // aggregate / niah_multivalue x 12 seeds, budgets 0.02 and 0.05, 72 paired samples: 7 lost,
-    // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost; bench/results,
-    // session 10). The quality tables (docs/SPARSE.md) are these clamps'.
-    // With block-granular tables (B = config_.table_block > 1) the clamps count blocks of B
-    // rows, so they cover as many rows as the token-level ones.
-    const int64_t b = config_.table_block;
-    const int64_t table_min = (2 * k + b - 1) / b;
-    const int64_t table_cap = std::max<int64_t>(
-        table_min, static_cast<int64_t>(params_.candidate_cap * in.context) / b);
-    std::vector<int64_t>& vertical = x.vertical;
-    std::vector<int64_t>& slash = x.slash;
-    vertical.clear();
-    slash.clear();
-    // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
-    // just outside it still reaches in through the expansion offsets, so the ranges are widened
-    // by them.
-    // In blocks the ranges are the blocks that hold them, the slash one widened by a block
-    // below (the neighbour offsets reach one block, not two tokens).
-    // The two tables select concurrently (idle threads of the step take one: RunAsTasks).
-    kernels::cpu::RunAsTasks(2, [&](int64_t table) {
-      if (table == 0) {
-        s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap,
-                                        FloorDiv(r.sink_end - 2, b),
-                                        FloorDiv(r.local_begin + 1, b) + 1, &vertical);
-      } else {
-        s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap,
-                                     FloorDiv(t - r.local_begin, b) - (b > 1),
-                                     FloorDiv(t - r.sink_end + 3, b) + 1, &slash);
-      }
-    });
-    // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
-    // or two word ORs), Fluxion's added blocks after them, then the bitmap is read out in
-    // order: the candidates sorted and distinct without a vector of 4 entries per pick (pushing
-    // those was the largest serial part of a head-step on the H200 host, session 17's perf).
     std::vector<int32_t>& candidates = x.candidates;
-    CandidateMarks marks(r.sink_end, r.local_begin, &x.candidate_bits);
-    if (b == 1) {
-      for (int64_t p : vertical) marks.MarkRun(p + kExpand[0], std::size(kExpand));
-      for (int64_t dist : slash) marks.MarkRun(t - dist + kExpand[0], std::size(kExpand));
+    HeadState::PreparedPicks& ahead = s.prepared;
+    std::optional<CandidateMarks> marks;
+    if (ahead.context == in.context && ahead.k == k && ahead.sink_end == r.sink_end &&
+        ahead.local_begin == r.local_begin) {
+      x.candidate_bits.swap(ahead.bits);
+      marks.emplace(CandidateMarks::Marked(r.sink_end, r.local_begin, &x.candidate_bits));
+      ++stats->candidate_steps_prepared;
     } else {
-      // A block and its two neighbours (ALGORITHMS.md §1.3.5: offsets {-1, 0, +1} blocks). Slash
-      // block D holds distances [D b, D b + b): positions (t - D b - b, t - D b].
-      for (int64_t v : vertical) marks.MarkRun((v - 1) * b, 3 * b);
-      for (int64_t dist : slash) marks.MarkRun(t - (dist + 2) * b + 1, 3 * b);
+      marks.emplace(r.sink_end, r.local_begin, &x.candidate_bits);
+      MarkTablePicks(s, x, r, in.context, k, &*marks);
     }
+    ahead.context = -1;
+    // Fluxion's added blocks join them in the bitmap.
     x.step_page_scores = nullptr;
-    AddCandidates(in, r, k, &marks, stats);
-    marks.ReadOut(&candidates);
+    AddCandidates(in, r, k, &*marks, stats);
+    marks->ReadOut(&candidates);
     CapCandidates(in, k, &candidates, stats);
     if (replaying() && replay_.rescored_share > 0) {
       // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
@@ -381,7 +429,7 @@ void LfpsPolicy::CapCandidates(const SelectionInput& in, int64_t k,
   const int64_t limit =
       std::max<int64_t>(k, static_cast<int64_t>(std::ceil(config_.rescore_cap * k)));
   if (static_cast<int64_t>(candidates->size()) <= limit) return;
-  Scratch& x = ScratchOf(in.kv_head);
+  Scratch& x = ScratchOf(in.layer, in.kv_head);
   const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
   ListCandidatePages(*candidates, pt, &x.candidate_pages);
   const std::vector<int32_t>& pages = x.candidate_pages.page;
@@ -409,7 +457,7 @@ void LfpsPolicy::CapCandidates(const SelectionInput& in, int64_t k,
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {
   HeadState& s = State(in.layer, in.kv_head);
-  Scratch& x = ScratchOf(in.kv_head);
+  Scratch& x = ScratchOf(in.layer, in.kv_head);
   const int64_t pt = in.kv->shape().page_tokens;
   const int64_t t = in.context - 1;
   const Regions r = SplitContext(config_, in.context);

@@ -20,10 +20,19 @@
 //      at most 1.4x off the 8B step, and most answers lost at budget 0.02 on the trained model;
 //      it stays off by default (kDefaultRescoreCap) so the measurement can be repeated.
 //
+// Step-ahead table picks (PrepareNextStep): the tables' candidates depend on the history alone,
+// not on the query, so once a step is observed the next step's table picks (both clamps, the
+// expansion, the bitmap) can be made right away, off the next step's critical path (the hybrid
+// step does it while the next layer selects: decode/hybrid_batch_attention.h). Select uses them
+// only when the step's regions and budget are the ones they were made for, else makes its own:
+// the picks are the same either way.
+//
 // Thread-compatible (one request), with one exception a shared object relies on (Fluxion:
 // PolicyTraits::heads_independent false): once every (layer, KV head) is prepared, Select and
-// Observe for different KV heads may run concurrently. Per-head state and scratch live per KV
-// head; the maps are only read after Prepare.
+// Observe (and PrepareNextStep) for different KV heads may run concurrently, and so may those of
+// one KV head in two adjacent layers (the hybrid step observes layer l while it selects layer
+// l + 1): per-head state lives per (layer, KV head), scratch per (layer parity, KV head); the
+// maps are only read after Prepare.
 #ifndef FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 #define FLUXION_DECODE_SPARSE_LFPS_POLICY_H_
 
@@ -69,6 +78,7 @@ class LfpsPolicy : public SparsePolicy {
   void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
               SelectionStats* stats) override;
   void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
+  void PrepareNextStep(const SelectionInput& next) override;
   bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
   double MiddleWeight(int layer, int kv_head) override;
 
@@ -104,6 +114,13 @@ class LfpsPolicy : public SparsePolicy {
     // Under a decision profile: this head's drawn class, block and weight (drawn at first use).
     bool replay_drawn = false;
     HeadReplay replay;
+    // The next step's table picks made ahead (PrepareNextStep), as a CandidateMarks bitmap over
+    // the middle [sink_end, local_begin) at `context` tokens for a middle budget of k rows;
+    // context < 0: none.
+    struct PreparedPicks {
+      int64_t context = -1, k = 0, sink_end = 0, local_begin = 0;
+      std::vector<uint64_t> bits;
+    } prepared;
   };
 
   // Scratch of one KV head's step (heads of a shared object may run in parallel), reused
@@ -143,11 +160,13 @@ class LfpsPolicy : public SparsePolicy {
   };
 
   // Both create the head's entry on first use. Heads of a shared object selected in parallel
-  // must have been prepared (creating an entry is not safe concurrently).
+  // must have been prepared (creating an entry is not safe concurrently). Scratch is per layer
+  // parity: a layer's observation may run while the next layer selects.
   HeadState& State(int layer, int kv_head);
-  Scratch& ScratchOf(int kv_head) {
-    if (kv_head >= static_cast<int>(scratch_.size())) scratch_.resize(kv_head + 1);
-    return scratch_[kv_head];
+  Scratch& ScratchOf(int layer, int kv_head) {
+    const size_t i = 2 * static_cast<size_t>(kv_head) + (layer & 1);
+    if (i >= scratch_.size()) scratch_.resize(i + 2 - (layer & 1));
+    return scratch_[i];
   }
   // Under a decision profile (replaying() true): what the profile decided for the head.
   bool replaying() const { return profile_ != nullptr; }
@@ -158,6 +177,15 @@ class LfpsPolicy : public SparsePolicy {
   // Rows of the middle region this step may attend for (layer, kv_head); LFPS: the policy
   // budget's share (SplitContext). Fluxion overrides it with per-head budgets.
   virtual int64_t MiddleBudget(int layer, int kv_head, const Regions& r, int64_t context);
+  // The step's regions with the middle budget it may spend: MiddleBudget (or the profile's
+  // weight), then the error guard's shift. A pure function of the input and the head's state.
+  Regions StepRegions(const SelectionInput& in);
+  // Whether a step at `context` of head state `s` refreshes exactly instead of using the tables.
+  bool RefreshDue(const HeadState& s) const;
+  // Marks the tables' picks for a step at `context` (t = context - 1) with middle budget k,
+  // expanded, into `marks` (both clamps of ALGORITHMS.md §1.3.4-1.3.5).
+  void MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int64_t context, int64_t k,
+                      CandidateMarks* marks);
   // Marks rows of the middle region [r.sink_end, r.local_begin) as this step's candidates too
   // (runs; overlaps with the tables' picks are fine) before they are rescored for the top `k`.
   // LFPS: none (its candidates come from history alone). Fluxion marks its query-aware top
@@ -183,7 +211,7 @@ class LfpsPolicy : public SparsePolicy {
   PolicyDecisions replay_;                          // profile_'s entry for this policy
 
  private:
-  std::vector<Scratch> scratch_;  // [kv_head], sized by Prepare
+  std::vector<Scratch> scratch_;  // [kv_head * 2 + layer parity], sized by Prepare
 };
 
 }  // namespace fluxion::decode::sparse

@@ -361,8 +361,21 @@ void AssembleSpans(const SelectionInput& in, const Regions& r, const std::vector
 }
 
 CandidateMarks::CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words)
+    : CandidateMarks(begin, end, words, /*clear=*/true) {}
+
+CandidateMarks::CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words,
+                               bool clear)
     : begin_(begin), end_(std::max(begin, end)), words_(words) {
-  words_->assign(static_cast<size_t>((end_ - begin_ + 63) / 64), 0);
+  const size_t n = static_cast<size_t>((end_ - begin_ + 63) / 64);
+  if (clear) {
+    words_->assign(n, 0);
+  } else {
+    CHECK_EQ(words_->size(), n) << "CandidateMarks::Marked over another range's bitmap";
+  }
+}
+
+CandidateMarks CandidateMarks::Marked(int64_t begin, int64_t end, std::vector<uint64_t>* words) {
+  return CandidateMarks(begin, end, words, /*clear=*/false);
 }
 
 void CandidateMarks::MarkRun(int64_t first, int64_t count) {

@@ -213,6 +213,8 @@ struct SelectionStats {
   // added too; not its exact refreshes): how many rows they rescored and the contexts they saw.
   // Their ratio is the candidate volume a decision profile records (decision_profile.h).
   int64_t candidate_steps = 0, candidate_rows = 0, candidate_context = 0;
+  // Of candidate_steps, those whose table picks were made a step ahead (PrepareNextStep).
+  int64_t candidate_steps_prepared = 0;
   // Of `selections`, the ones that read the middle region, by (block tokens, decided budget in
   // units of kBudgetUnit of the context, sinks and window included): what a decision profile
   // records (decision_profile.h). Block 1: token-level selection (LFPS).
@@ -231,6 +233,7 @@ struct SelectionStats {
     candidate_steps += o.candidate_steps;
     candidate_rows += o.candidate_rows;
     candidate_context += o.candidate_context;
+    candidate_steps_prepared += o.candidate_steps_prepared;
     for (const auto& [key, n] : o.retrieval) retrieval[key] += n;
   }
 };
@@ -256,6 +259,13 @@ class SparsePolicy {
   // After the step attended `spans` (what Select returned): lets history-based policies learn
   // from the step. Default: nothing.
   virtual void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) {}
+
+  // After Observe, with what the next step of the same (layer, KV head) is expected to see
+  // (`next.q` null: the query is not known yet): a policy may do now the part of that step's
+  // selection that does not depend on the query (LFPS's table picks), so that the step's
+  // critical path is shorter when the caller runs this off it. Select must select exactly what
+  // it would have without the call, whatever input it then gets. Default: nothing.
+  virtual void PrepareNextStep(const SelectionInput& next) {}
 
   // For the step just selected: an estimate of attention over the rows NOT attended, as a
   // partial state (out [group][head_dim], natural-base lse [group]) to merge into the output.

@@ -39,12 +39,16 @@ void AppendPositions(const PagedKv& kv, int layer, int kv_head,
 class CandidateMarks {
  public:
   CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words);
+  // Over *words as marked before for the same [begin, end) (not cleared). REQUIRES: *words has
+  // that range's size.
+  static CandidateMarks Marked(int64_t begin, int64_t end, std::vector<uint64_t>* words);
   // Marks [first, first + count) clipped to [begin, end).
   void MarkRun(int64_t first, int64_t count);
   // Replaces *out with the marked positions, ascending.
   void ReadOut(std::vector<int32_t>* out) const;
 
  private:
+  CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words, bool clear);
   int64_t begin_, end_;
   std::vector<uint64_t>* words_;
 };
