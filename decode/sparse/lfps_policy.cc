@@ -380,22 +380,20 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     if (static_cast<int64_t>(candidates.size()) <= k) {
       x.picked = candidates;
     } else {
-      x.spans.clear();
-      AppendPositions(*in.kv, in.layer, in.kv_head, candidates, &x.spans);
-      // Every query head's logits in one walk (GroupScores; their max is MaxGroupScores'
-      // value, bit for bit: one kernel): the picked rows' logits are kept for Observe, which
-      // would otherwise read those K rows again.
+      // Every query head's logits in one walk, in tasks that build their own spans and take
+      // the max over the group (its value is MaxGroupScores', bit for bit: one kernel): the
+      // picked rows' logits are kept for Observe, which would otherwise read those K rows again.
       const int64_t n = static_cast<int64_t>(candidates.size()), group = in.group;
       x.group_scores.resize(n * group);
-      kernels::cpu::GroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
-                                       group, x.group_scores.data());
       x.scores.resize(n);
-      for (int64_t i = 0; i < n; ++i) {
-        const float* row = x.group_scores.data() + i * group;
-        x.scores[i] = *std::max_element(row, row + group);
-      }
+      ScorePositionsInTasks(*in.kv, in.layer, in.kv_head, candidates, in.q, group,
+                            x.group_scores.data(), x.scores.data());
       kernels::cpu::TopKIndices(x.scores.data(), n, k, &x.picked_local);
-      std::sort(x.picked_local.begin(), x.picked_local.end());  // candidates are sorted
+      // In candidate order (the candidates are sorted) through a bitmap over [0, n): O(k + n /
+      // 64), where a sort of the k picks cost k log k on the serial path.
+      CandidateMarks order(0, n, &x.picked_bits);
+      for (int32_t i : x.picked_local) order.MarkRun(i, 1);
+      order.ReadOut(&x.picked_local);
       x.picked_logits.resize(x.picked_local.size() * group);
       for (size_t j = 0; j < x.picked_local.size(); ++j) {
         const int32_t i = x.picked_local[j];

@@ -134,6 +134,7 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<int64_t> vertical, slash;   // the tables' picks (positions / distances)
     std::vector<float> fold_keys;           // FoldGlobal's keys widened to fp32
     std::vector<uint64_t> candidate_bits;   // CandidateMarks' bitmap over the middle
+    std::vector<uint64_t> picked_bits;      // the rescoring's picks over [0, candidates)
     std::vector<double> kq;                 // [head_dim]: summed key outer products times q
     std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
     // This step's Quest scores of pages [step_pages_first, step_pages_end) when a subclass has

@@ -15,6 +15,7 @@
 #include "decode/sparse/lfps_policy.h"
 #include "decode/sparse/policy_util.h"
 #include "glog/logging.h"
+#include "kernels/cpu/cpu_pool.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
 
@@ -467,10 +468,17 @@ void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t pag
 
 void AppendPositions(const PagedKv& kv, int layer, int kv_head,
                      const std::vector<int32_t>& sorted_positions, std::vector<PageSpan>* spans) {
+  AppendPositions(kv, layer, kv_head, sorted_positions.data(),
+                  static_cast<int64_t>(sorted_positions.size()), spans);
+}
+
+void AppendPositions(const PagedKv& kv, int layer, int kv_head, const int32_t* sorted_positions,
+                     int64_t count, std::vector<PageSpan>* spans) {
   const int64_t pt = kv.shape().page_tokens;
   const auto& pages = kv.pages(layer, kv_head);
   const size_t first = spans->size();
-  for (int32_t t : sorted_positions) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t t = sorted_positions[i];
     const int32_t page = pages[t / pt], row = static_cast<int32_t>(t % pt);
     if (spans->size() > first && spans->back().page == page &&
         spans->back().first_row + spans->back().rows == row) {
@@ -479,6 +487,28 @@ void AppendPositions(const PagedKv& kv, int layer, int kv_head,
       spans->push_back({page, row, 1});
     }
   }
+}
+
+void ScorePositionsInTasks(const PagedKv& kv, int layer, int kv_head,
+                           const std::vector<int32_t>& positions, const float* q, int64_t group,
+                           float* group_scores, float* row_max) {
+  const int64_t n = static_cast<int64_t>(positions.size());
+  const int64_t chunk = kernels::cpu::kScoreRowsPerTask;
+  const kernels::PagedKvView view = kv.view();
+  kernels::cpu::RunAsTasks((n + chunk - 1) / chunk, [&](int64_t j) {
+    // A task runs start to end on one thread (tied, no scheduling point inside), so the
+    // thread's span list is its own while it runs; reused, a warm step allocates nothing.
+    thread_local std::vector<PageSpan> spans;
+    const int64_t first = j * chunk, count = std::min(chunk, n - first);
+    spans.clear();
+    AppendPositions(kv, layer, kv_head, positions.data() + first, count, &spans);
+    float* scores = group_scores + first * group;
+    kernels::cpu::GroupScores(view, spans.data(), static_cast<int64_t>(spans.size()), q, group,
+                              scores);
+    for (int64_t i = 0; i < count; ++i) {
+      row_max[first + i] = *std::max_element(scores + i * group, scores + (i + 1) * group);
+    }
+  });
 }
 
 void AppendTokenRange(const PagedKv& kv, int layer, int kv_head, int64_t begin, int64_t end,

@@ -3,6 +3,8 @@
 #include "decode/sparse/policy.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -10,7 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/policy_util.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "kernels/cpu/selection.h"
 
 namespace fluxion::decode::sparse {
 namespace {
@@ -117,6 +122,37 @@ struct RandomHead {
   std::unique_ptr<PagedKv> kv;
   std::vector<float> q;
 };
+
+// The rescoring in tasks (each building its own spans) writes what one walk over
+// AppendPositions' spans writes, bit for bit, and the group's max of each row; run from a
+// ParallelFor task as the step runs it, so the chunks really are tasks of other threads.
+TEST(ScorePositionsInTasksTest, EqualsOneWalkOverTheSpansBitForBit) {
+  constexpr int64_t kContext = 5 * kernels::cpu::kScoreRowsPerTask + 700, kGroup = 4;
+  const RandomHead head(kContext, kGroup, 11);
+  std::mt19937 rng(2);
+  std::vector<int32_t> positions;
+  for (int32_t t = 0; t < kContext; ++t) {
+    if (rng() % 3 != 0) positions.push_back(t);  // runs, gaps and page crossings
+  }
+  std::vector<kernels::PageSpan> spans;
+  AppendPositions(*head.kv, 0, 0, positions, &spans);
+  const int64_t n = static_cast<int64_t>(positions.size());
+  std::vector<float> want(n * kGroup);
+  kernels::cpu::GroupScores(head.kv->view(), spans.data(), static_cast<int64_t>(spans.size()),
+                            head.q.data(), kGroup, want.data());
+  std::vector<float> got(n * kGroup, NAN), row_max(n, NAN);
+  const kernels::cpu::CpuPool pool(2);
+  pool.ParallelFor(1, [&](int64_t) {
+    ScorePositionsInTasks(*head.kv, 0, 0, positions, head.q.data(), kGroup, got.data(),
+                          row_max.data());
+  });
+  ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)));
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(row_max[i], *std::max_element(&want[i * kGroup], &want[(i + 1) * kGroup])) << i;
+  }
+  // No positions: nothing written, nothing read.
+  ScorePositionsInTasks(*head.kv, 0, 0, {}, head.q.data(), kGroup, nullptr, nullptr);
+}
 
 // SelectionInput::budget_scale (the hybrid step's stall guard) shrinks what every policy that
 // reads the middle region reads there, sinks and window untouched.

@@ -29,6 +29,19 @@ void AssembleSpans(const SelectionInput& in, const Regions& r,
 void AppendPositions(const PagedKv& kv, int layer, int kv_head,
                      const std::vector<int32_t>& sorted_positions,
                      std::vector<kernels::PageSpan>* spans);
+void AppendPositions(const PagedKv& kv, int layer, int kv_head, const int32_t* sorted_positions,
+                     int64_t count, std::vector<kernels::PageSpan>* spans);
+
+// Every query head's unscaled logits of the K rows at sorted, distinct `positions` of (layer,
+// kv_head), group_scores[i * group + g] = q_g . k_i, and their max over the group, row_max[i]:
+// in tasks of kernels::cpu::kScoreRowsPerTask positions (RunAsTasks), each building its own
+// spans. Equal bit for bit to GroupScores over AppendPositions' spans. Rescoring LFPS's tens of
+// thousands of candidates this way leaves no span building and no max over the group on the
+// head-step's serial path (both ran there before, a fifth of an LFPS head-step beside the
+// rescoring itself: session 18's probe, bench/results).
+void ScorePositionsInTasks(const PagedKv& kv, int layer, int kv_head,
+                           const std::vector<int32_t>& positions, const float* q, int64_t group,
+                           float* group_scores, float* row_max);
 
 // A set of positions in [begin, end) as a bitmap (one bit per token, in *words, which it clears
 // and reuses): runs are marked with word ORs and read out sorted and distinct, O(marks + range /
