@@ -6,14 +6,13 @@
 #   fluxion_s18  a9e051d: session 18's deferred observation and step-ahead table picks
 #   fluxion_s17  06eafe5: session 17's tree, before both
 # (session 18's own call compared the last two; its files were lost with that session.)
-#   1. tests: eval_cuda_test (the hybrid step's outcomes equal the CPU path's), the CUDA window,
+#   1. tests: eval_cuda_test (the hybrid step's outcomes equal the CPU path's),
 #      the executors, the deferred-observation and rescoring-in-tasks tests;
 #   2. 1 x 128K at budget 0.05, conservative and measured profiles, fixed_32_0.05 in each run:
 #      new, s18, s17, new again.
 source "$(dirname "$0")/prologue.sh"
 {
   timeout 60 "$bin/eval_cuda_test" 2>&1 | grep -E '^\[ +(FAILED|PASSED|SKIPPED|OK) |^\[==========\]|Failure' | tail -20
-  timeout 30 "$bin/cuda_resident_window_test" 2>&1 | grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure' | tail -8
   for t in step_executor_test ping_pong_step_executor_test; do
     timeout 60 "$bin/$t" 2>&1 | grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure' | tail -4
   done
