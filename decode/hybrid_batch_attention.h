@@ -7,8 +7,10 @@
 // skipped rows merges in), and the CPU partials merge into the window's output by log-sum-exp. A
 // plan of sinks + window only (a streaming head) has no CPU rows. The policies observe the
 // layer's step (ObservePending: history tables, and the next step's query-independent picks)
-// beside the next layer's selections, not before the merge: at batch 1 a layer's 8 selections
-// leave half of a 16-thread pool idle, and the observation is no input of the layer's output.
+// beside the next layer's selections, not before the merge, when those selections leave threads
+// idle (at batch 1 a layer's 8 selections leave half of a 16-thread pool idle, and the
+// observation is no input of the layer's output); when the selections fill the pool, right
+// after each unit's completion (ObserveInFinish; measured both ways: EXECUTOR.md section 7).
 //
 // Exactness: the resident rows are the first min(c, sink) and the last
 // min(window, c - sink) tokens of a context of c; every policy's plan contains them when its
@@ -71,6 +73,7 @@ struct HybridCounters {
   int64_t mapped_rows = 0;    // host rows the device read itself (zero-copy)
   int64_t host_pairs = 0;     // (request, KV head) pairs with any host rows
   int64_t pairs = 0;          // all (request, KV head) pairs
+  int64_t layers_observed_in_finish = 0;  // layers whose observation ran in their finish phase
   // Wall time of the attention's phases on the driving thread, in seconds. to_host includes
   // waiting for the layer's projections on the device (the copy waits for them).
   double to_host_s = 0;  // q/k/v to the host
@@ -81,8 +84,9 @@ struct HybridCounters {
   double host_s = 0;     // the CPU's attention over the non-resident rows: the two below
   double host_prep_s = 0;  //   its problem, and the device's zero-copy share split off, launched
   double host_kernel_s = 0;  //   the CPU backend's run
-  double finish_s = 0;   // policies' estimates of skipped rows (CompleteUnit; their observation
-                         // runs beside the next layer's selections, in select_s)
+  double finish_s = 0;   // policies' estimates of skipped rows (CompleteUnit), and their
+                         // observation when ObserveInFinish (else it runs beside the next
+                         // layer's selections, in select_s)
   double merge_s = 0;    // CPU partials to the device and merged
   double guard_s = 0;    // the error guard's exact checks (decode/sparse/error_guard.h)
   double lane_wait_s = 0;  // waiting for the CPU lane (another micro-batch's CPU phase)
@@ -161,6 +165,10 @@ class HybridBatchAttention : public model::BatchAttention {
   absl::Status AssembleHostProblem(const model::LayerAttentionIo& io, const float* q,
                                    const kernels::PagedKvView& view,
                                    kernels::PagedDecodeProblem* p);
+
+  // Whether the layer's observations run in its finish phase rather than beside the next
+  // layer's `selections` selections: when those fill the pool's threads.
+  bool ObserveInFinish(int64_t selections) const;
 
   ResidentWindow* const window_;
   kernels::AttentionBackend* const backend_;

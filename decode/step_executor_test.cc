@@ -190,6 +190,35 @@ TEST_F(StepExecutorTest, TheHybridStepOverTheHostWindowGivesTheBatchedStepsResul
   }
 }
 
+// The hybrid step observes a layer beside the next layer's selections when those leave the
+// pool's threads idle, else in the layer's finish phase (HybridBatchAttention::ObserveInFinish):
+// either way the policies select the same rows. One request of the tiny model has 2 units a
+// layer: a pool of 2 observes in the finish phase, a pool of 3 beside the next selections.
+TEST_F(StepExecutorTest, TheHybridStepSelectsTheSameRowsWhereverItObserves) {
+  const std::vector<Prefill> prefills = [] {
+    std::vector<Prefill> p;
+    p.push_back(MakePrefill(Prompt(700, 321)));
+    return p;
+  }();
+  const kernels::cpu::CpuPool two(2), three(3);
+  for (const char* name : {"lfps", "fluxion_rules"}) {
+    SCOPED_TRACE(name);
+    const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.1);
+    std::unique_ptr<HybridStepExecutor> in_finish = MakeHybrid(&two);
+    std::unique_ptr<HybridStepExecutor> deferred = MakeHybrid(&three);
+    const Run a = Decode(*in_finish, policy, prefills, 8);
+    const Run b = Decode(*deferred, policy, prefills, 8);
+    EXPECT_EQ(in_finish->counters().layers_observed_in_finish,
+              8 * model_->attention_shape().num_layers);
+    EXPECT_EQ(deferred->counters().layers_observed_in_finish, 0);
+    ExpectSameRun(a, b, 1e-3f);
+    EXPECT_EQ(a.rows_attended, b.rows_attended);
+    ASSERT_EQ(a.stats.size(), b.stats.size());
+    EXPECT_EQ(a.stats[0].candidate_rows, b.stats[0].candidate_rows);
+    EXPECT_EQ(a.stats[0].k_rows_scored, b.stats[0].k_rows_scored);
+  }
+}
+
 // The online error guard (decode/sparse/error_guard.h) runs on every executor, the hybrid one's
 // host stand-in included (its checks come after the window's rows are merged in): the same heads
 // checked with the same errors, and the same tokens, as the per-request loop.

@@ -343,7 +343,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
                                         in.group, x.scores.data());
     stats->k_rows_scored += n_middle;
-    kernels::cpu::TopKIndices(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
+    kernels::cpu::TopKIndicesInTasks(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
     for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
     s.steps_since_refresh = 0;
   } else {
@@ -388,7 +388,7 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
       x.scores.resize(n);
       ScorePositionsInTasks(*in.kv, in.layer, in.kv_head, candidates, in.q, group,
                             x.group_scores.data(), x.scores.data());
-      kernels::cpu::TopKIndices(x.scores.data(), n, k, &x.picked_local);
+      kernels::cpu::TopKIndicesInTasks(x.scores.data(), n, k, &x.picked_local);
       // In candidate order (the candidates are sorted) through a bitmap over [0, n): O(k + n /
       // 64), where a sort of the k picks cost k log k on the serial path.
       CandidateMarks order(0, n, &x.picked_bits);

@@ -53,7 +53,7 @@ class ExactTopKPolicy : public SparsePolicy {
       kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), scan_.data(), scan_.size(), in.q,
                                           in.group, scores_.data());
       stats->k_rows_scored += n;
-      kernels::cpu::TopKIndices(scores_.data(), n, r.middle_rows_budget, &picked_);
+      kernels::cpu::TopKIndicesInTasks(scores_.data(), n, r.middle_rows_budget, &picked_);
       std::sort(picked_.begin(), picked_.end());
       for (int32_t& i : picked_) i += static_cast<int32_t>(r.sink_end);
       AppendPositions(*in.kv, in.layer, in.kv_head, picked_, &middle);

@@ -142,9 +142,11 @@ TEST(ScorePositionsInTasksTest, EqualsOneWalkOverTheSpansBitForBit) {
                             head.q.data(), kGroup, want.data());
   std::vector<float> got(n * kGroup, NAN), row_max(n, NAN);
   const kernels::cpu::CpuPool pool(2);
-  pool.ParallelFor(1, [&](int64_t) {
-    ScorePositionsInTasks(*head.kv, 0, 0, positions, head.q.data(), kGroup, got.data(),
-                          row_max.data());
+  pool.ParallelFor(2, [&](int64_t i) {  // of one, it would run outside a parallel region
+    if (i == 0) {
+      ScorePositionsInTasks(*head.kv, 0, 0, positions, head.q.data(), kGroup, got.data(),
+                            row_max.data());
+    }
   });
   ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)));
   for (int64_t i = 0; i < n; ++i) {

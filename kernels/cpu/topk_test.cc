@@ -6,6 +6,7 @@
 #include <set>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_pool.h"
 
 namespace fluxion::kernels::cpu {
 namespace {
@@ -40,6 +41,36 @@ TEST(TopKTest, RadixAndNthElementMatchAFullSortOnRandomScores) {
       EXPECT_EQ(Sorted(radix), want) << "n=" << n << " k=" << k;
       EXPECT_EQ(Sorted(nth), want) << "n=" << n << " k=" << k;
     }
+  }
+}
+
+// The task version returns TopKIndices' vector (order included) on every kind of input: wide
+// and narrow ranges, many ties, NaN, all equal; run from a ParallelFor task as a decode step
+// runs it, in chunks small enough that there are many.
+TEST(TopKTest, InTasksReturnsWhatTheOneWalkReturns) {
+  std::mt19937 rng(9);
+  const CpuPool pool(3);
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t n = 1 + rng() % 20000;
+    std::vector<float> s(n);
+    const int kind = trial % 4;
+    std::normal_distribution<float> normal(0, 3);
+    for (float& x : s) {
+      x = kind == 0   ? normal(rng)
+          : kind == 1 ? 1000.0f + 1e-4f * static_cast<float>(rng() % 50)  // narrow, tied
+          : kind == 2 ? (rng() % 7 == 0 ? NAN : static_cast<float>(rng() % 5))
+                      : 2.5f;  // all equal
+    }
+    const int64_t k = static_cast<int64_t>(rng() % (n + 2));
+    const int64_t chunk = 1 + rng() % 3000;
+    std::vector<int32_t> want, got = {-1};
+    TopKIndices(s.data(), n, k, &want);
+    // Two items: a ParallelFor of one runs on the caller, outside any parallel region.
+    pool.ParallelFor(2, [&](int64_t i) {
+      if (i == 0) TopKIndicesInTasks(s.data(), n, k, &got, chunk);
+    });
+    EXPECT_EQ(got, want) << "trial " << trial << " n=" << n << " k=" << k << " chunk=" << chunk;
+    EXPECT_EQ(Sorted(got), SortedTopK(s, k)) << "trial " << trial;
   }
 }
 
