@@ -165,8 +165,30 @@ class CudaResidentWindow : public ResidentWindow {
     if (shape_.max_context_tokens > 0) {
       if (absl::Status s = InitMetadata(); !s.ok()) return s;
     }
+    // The zero-copy reads run on a stream of their own at the device's lowest priority, joined
+    // to the step's stream by events: a read of host pages lasts as long as the CPU's share of
+    // the layer (it is sized to), and at the same priority its blocks, queued first, held the
+    // SMs while another pipeline's dense kernels waited behind them (ping-pong: that pipeline's
+    // q/k/v, hence its CPU phase, came late; EXECUTOR.md section 8). The dense ops' streams run
+    // at the highest priority (model/cuda_dense_ops.cc), so their blocks go first as the reads'
+    // blocks retire; nothing else changes for a single pipeline.
+    int least_priority = 0, greatest_priority = 0;
+    if (cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority) != cudaSuccess ||
+        cudaStreamCreateWithPriority(&mapped_stream_, cudaStreamNonBlocking, least_priority) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      mapped_stream_ = nullptr;
+      return absl::InternalError("resident window: cannot create the zero-copy stream");
+    }
+    for (cudaEvent_t* e : {&mapped_ready_, &mapped_done_}) {
+      if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        *e = nullptr;
+        return absl::InternalError("resident window: cannot create an event");
+      }
+    }
     kernels::cuda::CudaAttentionBackendOptions zero_copy;
-    zero_copy.stream = stream_;
+    zero_copy.stream = mapped_stream_;
     zero_copy.kernel = kernels::cuda::PagedKernel::kV3;  // the best reader of pinned host pages
     FLUXION_ASSIGN_OR_RETURN(mapped_backend_,
                              kernels::cuda::CudaAttentionBackend::Create(zero_copy));
@@ -234,10 +256,12 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   ~CudaResidentWindow() override {
-    for (cudaEvent_t e : {scores_ready_, bounds_copied_[0], bounds_copied_[1]}) {
+    for (cudaEvent_t e :
+         {scores_ready_, bounds_copied_[0], bounds_copied_[1], mapped_ready_, mapped_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (admit_stream_ != nullptr) cudaStreamDestroy(admit_stream_);
+    if (mapped_stream_ != nullptr) cudaStreamDestroy(mapped_stream_);
   }
 
   const WindowShape& shape() const override { return shape_; }
@@ -562,10 +586,14 @@ class CudaResidentWindow : public ResidentWindow {
       if (error_.ok()) error_ = s;
       return;
     }
+    // The reads start once the step's stream has the layer's q (and the window's output they
+    // merge into) in order.
+    Record(cudaEventRecord(mapped_ready_, stream_), "zero-copy: record the layer's q");
+    Record(cudaStreamWaitEvent(mapped_stream_, mapped_ready_, 0), "zero-copy: wait for q");
     std::memcpy(mapped_.staging(), indptr, indptr_bytes);
     std::memcpy(static_cast<char*>(mapped_.staging()) + indptr_bytes, spans, span_bytes);
     Record(cudaMemcpyAsync(mapped_.lists(), mapped_.staging(), indptr_bytes + span_bytes,
-                           cudaMemcpyHostToDevice, stream_),
+                           cudaMemcpyHostToDevice, mapped_stream_),
            "zero-copy: copy span lists");
     p.span_indptr = static_cast<const int64_t*>(mapped_.lists());
     p.spans = reinterpret_cast<const kernels::PageSpan*>(
@@ -585,6 +613,10 @@ class CudaResidentWindow : public ResidentWindow {
       if (error_.ok()) error_ = s;
       return;
     }
+    // The step's stream merges after the reads; its next layer's q/k/v copy to the host waits
+    // for that, so the staging and scratch above are free again when the next layer fills them.
+    Record(cudaEventRecord(mapped_done_, mapped_stream_), "zero-copy: record the reads");
+    Record(cudaStreamWaitEvent(stream_, mapped_done_, 0), "zero-copy: wait for the reads");
     Record(kernels::cuda::MergeStates(out, static_cast<float*>(lse_.p), mapped_.out(),
                                       mapped_.lse(), states, shape_.head_dim, stream_),
            "zero-copy: MergeStates");
@@ -656,6 +688,9 @@ class CudaResidentWindow : public ResidentWindow {
   bool keeps_bounds_ = false;  // some row of the step keeps page bounds
   // Zero-copy reads of host pages.
   std::unique_ptr<kernels::cuda::CudaAttentionBackend> mapped_backend_;
+  cudaStream_t mapped_stream_ = nullptr;  // lowest priority (Init says why)
+  cudaEvent_t mapped_ready_ = nullptr;    // the step's stream reached the reads
+  cudaEvent_t mapped_done_ = nullptr;     // the reads finished
   MappedScratch mapped_;
   int64_t rows_ = 0;
   absl::Status error_;

@@ -1,7 +1,9 @@
 // The CUDA ResidentWindow (resident_window.h): the rings in device memory
 // (kernels/cuda/window_ring.h), the step's slots and positions uploaded once per step from pinned
 // staging, appends and attention on the dense ops' stream so they order after the step's q/k/v,
-// and host partial states merged on the device (kernels/cuda MergeStates). Built only with CUDA.
+// the zero-copy reads of host pages on a lowest-priority stream of the window's own joined to it
+// by events, and host partial states merged on the device (kernels/cuda MergeStates). Built only
+// with CUDA.
 #ifndef FLUXION_DECODE_CUDA_RESIDENT_WINDOW_H_
 #define FLUXION_DECODE_CUDA_RESIDENT_WINDOW_H_
 

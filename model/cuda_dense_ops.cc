@@ -425,8 +425,18 @@ absl::StatusOr<std::unique_ptr<DenseOps>> NewCudaDenseOps(int device) {
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
     return CudaStatus(e, absl::StrCat("cudaSetDevice(", device, ")"));
   }
+  // The highest stream priority: when other work shares the device (the hybrid step's zero-copy
+  // reads of host pages, at the lowest: decode/cuda_resident_window.cc), the dense kernels'
+  // blocks are scheduled first, since the next CPU phase waits for them.
+  int least_priority = 0, greatest_priority = 0;
+  if (cudaError_t e = cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority);
+      e != cudaSuccess) {
+    return CudaStatus(e, "cudaDeviceGetStreamPriorityRange");
+  }
   cudaStream_t stream = nullptr;
-  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) {
+  if (cudaError_t e =
+          cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest_priority);
+      e != cudaSuccess) {
     return CudaStatus(e, "cudaStreamCreate");
   }
   absl::StatusOr<std::unique_ptr<kc::Gemm>> gemm = kc::Gemm::Create(stream);
