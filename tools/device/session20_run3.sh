@@ -17,5 +17,7 @@ run() {  # name args...
 }
 run pp-default --micro-batches 1,2 --cpu-threads 16
 run pp-threads14 --micro-batches 1,2 --cpu-threads 14
-OMP_WAIT_POLICY=passive run pp-passive --micro-batches 1,2 --cpu-threads 16
+export OMP_WAIT_POLICY=passive
+run pp-passive --micro-batches 1,2 --cpu-threads 16
+unset OMP_WAIT_POLICY
 tar -C "$out" -cJf /tmp/session20-call3.tar.xz . && rm -rf "$out"/* && mv /tmp/session20-call3.tar.xz "$out/"
