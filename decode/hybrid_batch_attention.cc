@@ -12,10 +12,8 @@
 #include "decode/paged_batch_attention.h"
 
 namespace fluxion::decode {
-namespace {
-
 // Adds the seconds since the last call (or construction) to a counter.
-class PhaseClock {
+class HybridBatchAttention::PhaseClock {
  public:
   void Lap(double* counter) {
     const auto now = std::chrono::steady_clock::now();
@@ -26,24 +24,6 @@ class PhaseClock {
  private:
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
-
-// Holds a lane (when there is one) from construction to destruction.
-class LaneHold {
- public:
-  explicit LaneHold(CpuLane* lane) : lane_(lane) {
-    if (lane_ != nullptr) lane_->Acquire();
-  }
-  ~LaneHold() {
-    if (lane_ != nullptr) lane_->Release();
-  }
-  LaneHold(const LaneHold&) = delete;
-  LaneHold& operator=(const LaneHold&) = delete;
-
- private:
-  CpuLane* const lane_;
-};
-
-}  // namespace
 
 void AddCounters(const HybridCounters& from, HybridCounters* to) {
   to->resident_rows += from.resident_rows;
@@ -64,18 +44,6 @@ void AddCounters(const HybridCounters& from, HybridCounters* to) {
   to->merge_s += from.merge_s;
   to->guard_s += from.guard_s;
   to->lane_wait_s += from.lane_wait_s;
-}
-
-void CpuLane::Acquire() {
-  absl::MutexLock lock(&mu_);
-  const uint64_t ticket = next_ticket_++;
-  auto mine = [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return serving_ == ticket; };
-  mu_.Await(absl::Condition(&mine));
-}
-
-void CpuLane::Release() {
-  absl::MutexLock lock(&mu_);
-  ++serving_;
 }
 
 void TrimSpans(const kernels::PageSpan* begin, const kernels::PageSpan* end, int64_t front,
@@ -139,32 +107,48 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     return absl::InvalidArgumentError(absl::StrCat("attention for ", io.rows, " rows but ",
                                                    attentions_.size(), " requests"));
   }
-  const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
-  const int64_t q_row = hq * d, kv_row = hkv * d;
-
   PhaseClock clock;
   // The CPU half reads q/k/v on the host (the copies wait for the layer's projections).
   const model::HostRows rows = model::RowsOnHost(io, shape_, ops_, &q_, &k_, &v_);
-  const float *q = rows.q, *k = rows.k, *v = rows.v;
   // Then the device half, which runs while the CPU works: block scores for the policies that
   // rank page bounds, the rings' append and the resident rows of every pair, into io.out.
   window_->ScoreBlocks(io.layer, io.q, io.k);
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   clock.Lap(&counters_.to_host_s);
-  // With a lane, the wait for the device's block scores comes before taking it: waiting for the
-  // device is no CPU work, and the other micro-batch's CPU phase can run meanwhile. Without one,
-  // the append below overlaps the scoring instead.
-  double early_scores_s = 0;
-  if (lane_ != nullptr) {
+  if (lane_ == nullptr) {
+    FLUXION_RETURN_IF_ERROR(CpuPhase(io, rows.q, rows.k, rows.v, &clock));
+  } else {
+    // The wait for the device's block scores comes before the lane: waiting for the device is
+    // no CPU work, and the other micro-batch's CPU phase can run meanwhile. (Without a lane the
+    // host append overlaps the scoring instead.)
+    double early_scores_s = 0;
     FLUXION_RETURN_IF_ERROR(window_->WaitBlockScores());
     clock.Lap(&early_scores_s);
+    // The device work above (and the other micro-batch's) goes on during the lane's wait and
+    // the phase.
+    FLUXION_RETURN_IF_ERROR(lane_->Run([&]() -> absl::Status {
+      clock.Lap(&counters_.lane_wait_s);
+      counters_.scores_s += early_scores_s;
+      counters_.plan_s += early_scores_s;
+      return CpuPhase(io, rows.q, rows.k, rows.v, &clock);
+    }));
   }
-  // The CPU phase, up to the merge; the device work above (and the other micro-batch's) goes on
-  // meanwhile. An early error return releases the lane too.
-  std::optional<LaneHold> lane(std::in_place, lane_);
-  clock.Lap(&counters_.lane_wait_s);
-  counters_.scores_s += early_scores_s;
-  counters_.plan_s += early_scores_s;
+  window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
+  clock.Lap(&counters_.merge_s);
+  FLUXION_RETURN_IF_ERROR(GuardChecks(io, rows.q));
+  clock.Lap(&counters_.guard_s);
+
+  if (io.layer == shape_.num_layers - 1) {
+    FLUXION_RETURN_IF_ERROR(window_->Sync());
+    for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HybridBatchAttention::CpuPhase(const model::LayerAttentionIo& io, const float* q,
+                                            const float* k, const float* v, PhaseClock* clock) {
+  const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+  const int64_t q_row = hq * d, kv_row = hkv * d;
   PhaseClock plan_parts;  // the three parts of plan_s
   statuses_.assign(io.rows, absl::OkStatus());
   ForEachRequest(pool_, io.rows, [&](int64_t i) {
@@ -215,7 +199,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     if (a->observe_pending()) a->EndObserve();
   }
   plan_parts.Lap(&counters_.select_s);
-  clock.Lap(&counters_.plan_s);
+  clock->Lap(&counters_.plan_s);
 
   PhaseClock host_parts;  // the two parts of host_s
   kernels::PagedDecodeProblem p;
@@ -231,7 +215,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   host_parts.Lap(&counters_.host_prep_s);
   FLUXION_RETURN_IF_ERROR(backend_->Run(p, absl::MakeSpan(workspace_)));
   host_parts.Lap(&counters_.host_kernel_s);
-  clock.Lap(&counters_.host_s);
+  clock->Lap(&counters_.host_s);
   // Each policy completes its step on the CPU partial: its estimate of the skipped rows merges
   // in there (merging is associative). It observes its whole plan later, beside the next
   // layer's selections (above).
@@ -253,17 +237,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
     for (SparseAttention* a : attentions_) a->EndObserve();
     ++counters_.layers_observed_in_finish;
   }
-  clock.Lap(&counters_.finish_s);
-  lane.reset();
-  window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
-  clock.Lap(&counters_.merge_s);
-  FLUXION_RETURN_IF_ERROR(GuardChecks(io, q));
-  clock.Lap(&counters_.guard_s);
-
-  if (io.layer == shape_.num_layers - 1) {
-    FLUXION_RETURN_IF_ERROR(window_->Sync());
-    for (model::Sequence* seq : seqs_) seq->AdvanceLength(1);
-  }
+  clock->Lap(&counters_.finish_s);
   return absl::OkStatus();
 }
 

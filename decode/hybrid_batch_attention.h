@@ -19,13 +19,14 @@
 // plan's first and last rows: the CPU part is the plan with that many rows trimmed off each end,
 // no page lookup needed. The result is the plan's attention, merged in another order.
 //
-// CPU lane: with a CpuLane (set_cpu_lane), the CPU phase of every layer -- from the host K/V
-// append to the policies' FinishUnit, everything that runs on the pool between "q/k/v on the
-// host" and "CPU partials merged" -- runs while holding the lane, so that two attentions driven
-// from two threads (the ping-pong executor's micro-batches, ping_pong_step_executor.h) never run
-// their CPU phases at once (each would get half the cores and half the host-memory bandwidth),
-// while the device work each issued before taking the lane proceeds. The wait for the device's
-// block scores then comes before the lane (without a lane it overlaps the host append).
+// CPU lane: with a CpuLane (set_cpu_lane; decode/cpu_lane.h), the CPU phase of every layer --
+// from the host K/V append to the policies' completion, everything that runs on the pool between
+// "q/k/v on the host" and "CPU partials merged" -- runs on the lane's thread, after the phases
+// submitted before it, so that two attentions driven from two threads (the ping-pong executor's
+// micro-batches, ping_pong_step_executor.h) never run their CPU phases at once and all of them
+// start their parallel regions from one thread, while the device work each issued before
+// proceeds. The wait for the device's block scores then comes before the lane (without a lane it
+// overlaps the host append).
 //
 // Thread-compatible: the executor's thread drives it (the lane is the only state shared with
 // another attention).
@@ -36,10 +37,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "decode/cpu_lane.h"
 #include "decode/paged_batch_attention.h"
 #include "decode/resident_window.h"
 #include "decode/sparse_attention.h"
@@ -94,21 +94,6 @@ struct HybridCounters {
 
 // to += from, field by field (the ping-pong executor's two pipelines as one step's counters).
 void AddCounters(const HybridCounters& from, HybridCounters* to);
-
-// A FIFO lock over the CPU phase of hybrid attentions on different threads (see the header
-// comment): tickets are served in the order Acquire was called, so neither micro-batch starves.
-// Thread-safe.
-class CpuLane {
- public:
-  // Blocks until every earlier Acquire has been released.
-  void Acquire();
-  void Release();
-
- private:
-  absl::Mutex mu_;
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t serving_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 class HybridBatchAttention : public model::BatchAttention {
  public:
@@ -166,6 +151,11 @@ class HybridBatchAttention : public model::BatchAttention {
                                    const kernels::PagedKvView& view,
                                    kernels::PagedDecodeProblem* p);
 
+  class PhaseClock;
+  // The layer's CPU phase (see the header comment), on the lane's thread when there is a lane;
+  // `clock` laps its parts.
+  absl::Status CpuPhase(const model::LayerAttentionIo& io, const float* q, const float* k,
+                        const float* v, PhaseClock* clock);
   // Whether the layer's observations run in its finish phase rather than beside the next
   // layer's `selections` selections: when those fill the pool's threads.
   bool ObserveInFinish(int64_t selections) const;

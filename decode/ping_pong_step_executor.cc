@@ -102,8 +102,8 @@ absl::StatusOr<std::unique_ptr<PingPongStepExecutor>> PingPongStepExecutor::Crea
       HybridStepExecutor::Create(config, std::move(b.ops), std::move(borrowed),
                                  std::move(b.window), pool));
   return std::unique_ptr<PingPongStepExecutor>(
-      new PingPongStepExecutor(config.vocab_size, std::make_unique<CpuLane>(), std::move(first),
-                               std::move(second), options));
+      new PingPongStepExecutor(config.vocab_size, std::make_unique<CpuLane>(options.thread_init),
+                               std::move(first), std::move(second), options));
 }
 
 PingPongStepExecutor::PingPongStepExecutor(int64_t vocab, std::unique_ptr<CpuLane> lane,
