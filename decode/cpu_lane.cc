@@ -2,45 +2,52 @@
 
 #include <utility>
 
-#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 
 namespace fluxion::decode {
 
-CpuLane::CpuLane(std::function<absl::Status()> thread_init)
-    : thread_([this, init = std::move(thread_init)] { Loop(init); }) {}
-
-CpuLane::~CpuLane() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  thread_.join();
-}
-
 absl::Status CpuLane::Run(absl::FunctionRef<absl::Status()> fn) {
   Job job{fn, absl::OkStatus()};
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(&job);
-  mu_.Await(absl::Condition(&job.done));
-  return std::move(job.result);
+  {
+    absl::MutexLock lock(&mu_);
+    if (open_) {
+      queue_.push_back(&job);
+      mu_.Await(absl::Condition(&job.done));
+      return std::move(job.result);
+    }
+  }
+  return fn();
 }
 
-void CpuLane::Loop(const std::function<absl::Status()>& thread_init) {
-  absl::Status init = thread_init ? thread_init() : absl::OkStatus();
-  if (!init.ok()) init = absl::Status(init.code(), absl::StrCat("CPU lane: ", init.message()));
-  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+void CpuLane::Open(int parts) {
+  absl::MutexLock lock(&mu_);
+  CHECK(!open_) << "CpuLane::Open on an open lane";
+  CHECK_GE(parts, 0);
+  open_ = true;
+  parts_ = parts;
+}
+
+void CpuLane::Leave() {
+  absl::MutexLock lock(&mu_);
+  CHECK_GT(parts_, 0) << "CpuLane::Leave without a submitter left";
+  --parts_;
+}
+
+void CpuLane::Serve() {
   mu_.Lock();
+  CHECK(open_) << "CpuLane::Serve on a closed lane";
   while (true) {
-    mu_.Await(absl::Condition(&ready));
-    if (queue_.empty()) break;  // stopping, and nothing is left to run
+    mu_.Await(absl::Condition(this, &CpuLane::WorkOrDone));
+    if (queue_.empty()) break;  // every submitter left
     Job* job = queue_.front();
     queue_.pop_front();
     mu_.Unlock();
-    absl::Status result = init.ok() ? job->fn() : init;
+    absl::Status result = job->fn();
     mu_.Lock();
     job->result = std::move(result);
     job->done = true;
   }
+  open_ = false;
   mu_.Unlock();
 }
 

@@ -1,23 +1,27 @@
-// The CPU lane of the ping-pong executor (docs/EXECUTOR.md section 8): the CPU phases of hybrid
-// attentions driven from several threads (its two micro-batches' driver threads) run one at a
-// time, in the order they were submitted, on the lane's own thread.
+// The CPU lane of the ping-pong executor (docs/EXECUTOR.md section 8): while a step is open, the
+// CPU phases of the hybrid attentions its driver threads run (one per micro-batch) are handed to
+// the thread that serves the lane -- the thread that called the executor's Step -- and run there
+// one at a time, in the order they were submitted.
 //
 // Why one at a time: the CPU phase is bound by the cores and the host-memory bandwidth, so two at
-// once would each get half of both and both finish late. Why on one thread (not a lock the
-// drivers take in turn, as until session 20): libgomp keeps a team of worker threads for every
-// thread that starts parallel regions, so two drivers starting the phases' regions made two teams
-// of pool-size workers on the same cores; with more threads than cores libgomp throttles its
-// workers' spinning, and each region's start then waits for sleeping threads to wake (measured on
-// the H200 host: lane waits of up to 30 ms a step and CPU phases up to 2x those of one pipeline,
-// bench/results "session 20"). One thread starting every region means one team.
+// once would each get half of both and both finish late. Why on the step's calling thread (not a
+// lock the drivers take in turn, as until session 20): libgomp keeps a team of worker threads for
+// every thread that starts parallel regions, and once it manages more threads than there are
+// CPUs it stops its workers' spinning almost at once (GOMP's "throttled" spin count), so that
+// every region's start waits for sleeping threads to wake. Two drivers starting the phases'
+// regions made two teams besides the caller's own (which it has from everything else it runs on
+// the pool), and the one-pipeline rows measured after ping-pong rows in the same process were
+// slowed as well (plan 0.8 -> 3.7 ms a step at 4 x 128K; bench/results "session 20"). Serving the
+// phases on the caller's thread keeps one team.
+//
+// Outside Open .. Serve, Run runs its function at once on the calling thread (a pipeline stepped
+// on its own, e.g. the one-pipeline rows of `fluxion bench decode`).
 //
 // Thread-safe.
 #ifndef FLUXION_DECODE_CPU_LANE_H_
 #define FLUXION_DECODE_CPU_LANE_H_
 
 #include <deque>
-#include <functional>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -28,18 +32,22 @@ namespace fluxion::decode {
 
 class CpuLane {
  public:
-  // `thread_init` (may be null) runs first on the lane's thread, e.g. to make the CUDA device
-  // current there (the phases launch the device's zero-copy reads); when it fails, every Run
-  // returns its error instead of running anything.
-  explicit CpuLane(std::function<absl::Status()> thread_init = nullptr);
-  // Joins the lane's thread. REQUIRES: no Run in progress.
-  ~CpuLane();
+  CpuLane() = default;
   CpuLane(const CpuLane&) = delete;
   CpuLane& operator=(const CpuLane&) = delete;
 
-  // Runs fn on the lane's thread once every fn submitted before it has run, and returns fn's
-  // status when it has. fn must not throw.
+  // Runs fn and returns its status: while the lane is open, on the serving thread once every
+  // fn submitted before it has run (this call waits); otherwise at once, here. fn must not throw.
   absl::Status Run(absl::FunctionRef<absl::Status()> fn);
+
+  // Opens the lane for `parts` submitters (threads that will call Run and then Leave).
+  // REQUIRES: not open; parts >= 0.
+  void Open(int parts);
+  // One submitter will call Run no more until the next Open.
+  void Leave();
+  // Runs the submitted functions in order until every submitter has left and none is queued,
+  // then closes the lane. REQUIRES: open, and called by one thread.
+  void Serve();
 
  private:
   struct Job {
@@ -47,12 +55,14 @@ class CpuLane {
     absl::Status result;
     bool done = false;
   };
-  void Loop(const std::function<absl::Status()>& thread_init);
+  bool WorkOrDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !queue_.empty() || parts_ == 0;
+  }
 
   absl::Mutex mu_;
-  std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);  // the callers' jobs, on their stacks
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: it starts once every other member is built
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  int parts_ ABSL_GUARDED_BY(mu_) = 0;           // submitters that have not left
+  std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);  // the submitters' jobs, on their stacks
 };
 
 }  // namespace fluxion::decode

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
@@ -102,7 +103,7 @@ absl::StatusOr<std::unique_ptr<PingPongStepExecutor>> PingPongStepExecutor::Crea
       HybridStepExecutor::Create(config, std::move(b.ops), std::move(borrowed),
                                  std::move(b.window), pool));
   return std::unique_ptr<PingPongStepExecutor>(
-      new PingPongStepExecutor(config.vocab_size, std::make_unique<CpuLane>(options.thread_init),
+      new PingPongStepExecutor(config.vocab_size, std::make_unique<CpuLane>(),
                                std::move(first), std::move(second), options));
 }
 
@@ -191,9 +192,15 @@ void PingPongStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<
     Part& p = parts_[h];
     if (p.batch.empty()) pipelines_[h]->Step({}, &p.logits, &p.statuses);
   }
+  // The drivers' CPU phases come back to this thread (cpu_lane.h says why), which serves them
+  // until both have left.
+  int parts = 0;
+  for (const Part& p : parts_) parts += p.batch.empty() ? 0 : 1;
+  lane_->Open(parts);
   for (int h = 0; h < 2; ++h) {
     if (!parts_[h].batch.empty()) drivers_[h]->Start();
   }
+  lane_->Serve();
   for (int h = 0; h < 2; ++h) {
     if (!parts_[h].batch.empty()) drivers_[h]->Wait();
   }
@@ -213,6 +220,7 @@ void PingPongStepExecutor::Run(absl::Span<const StepRequest> batch, std::vector<
 }
 
 void PingPongStepExecutor::RunPart(int h, const absl::Status& init) {
+  absl::Cleanup leave_lane = [this] { lane_->Leave(); };
   Part& p = parts_[h];
   if (!init.ok()) {
     p.statuses.assign(p.batch.size(),

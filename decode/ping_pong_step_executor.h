@@ -7,10 +7,11 @@
 //
 // Shared by the two pipelines: ONE copy of the weights (in A's DenseOps's memory; B borrows them,
 // DenseOps::CanUseWeightsOf, so 16 GB at 8B are never uploaded twice), the CPU pool, and one
-// CpuLane (cpu_lane.h) that runs the CPU phase of their layers on its own thread, one at a time,
-// FIFO: two CPU phases at once would each get half the cores and half the host-memory bandwidth,
-// so overlapping them buys nothing, while a CPU phase of one overlaps the other's GPU work; and
-// one thread starting every phase's parallel regions keeps one OpenMP team on the cores.
+// CpuLane (cpu_lane.h) through which the thread that called Step runs the CPU phase of their
+// layers, one at a time, FIFO: two CPU phases at once would each get half the cores and half the
+// host-memory bandwidth, so overlapping them buys nothing, while a CPU phase of one overlaps the
+// other's GPU work; and one thread starting every phase's parallel regions keeps one OpenMP team
+// on the cores.
 //
 // Split: a request joins a micro-batch at the first step that lists it (the one holding fewer
 // requests, A on a tie; the other when that one's window is full) and stays there while steps
@@ -53,9 +54,10 @@ class PingPongStepExecutor : public StepExecutor {
     std::unique_ptr<ResidentWindow> window;
   };
   struct Options {
-    // Run first on each driver thread and on the CPU lane's thread, e.g. to make the CUDA device
-    // current there (CUDA's current device is per thread). An error fails every request of that
-    // micro-batch, naming it (the lane's: every request). Null: nothing to run.
+    // Run first on each driver thread, e.g. to make the CUDA device current there (CUDA's
+    // current device is per thread; the thread calling Step, which runs the CPU phases and with
+    // them the device's zero-copy launches, must have it current too). An error fails every
+    // request of that micro-batch, naming it. Null: nothing to run.
     std::function<absl::Status()> thread_init;
   };
 
