@@ -1,18 +1,19 @@
 // The CPU lane of the ping-pong executor (docs/EXECUTOR.md section 8): while a step is open, the
-// CPU phases of the hybrid attentions its driver threads run (one per micro-batch) are handed to
-// the thread that serves the lane -- the thread that called the executor's Step -- and run there
-// one at a time, in the order they were submitted.
+// work its driver threads (one per micro-batch) would run on the CPU pool -- each layer's CPU
+// phase, the error guard's checks, admissions inside the step -- is handed to the thread that
+// serves the lane, the thread that called the executor's Step, and runs there one at a time, in
+// the order it was submitted.
 //
 // Why one at a time: the CPU phase is bound by the cores and the host-memory bandwidth, so two at
 // once would each get half of both and both finish late. Why on the step's calling thread (not a
 // lock the drivers take in turn, as until session 20): libgomp keeps a team of worker threads for
 // every thread that starts parallel regions, and once it manages more threads than there are
-// CPUs it stops its workers' spinning almost at once (GOMP's "throttled" spin count), so that
-// every region's start waits for sleeping threads to wake. Two drivers starting the phases'
-// regions made two teams besides the caller's own (which it has from everything else it runs on
-// the pool), and the one-pipeline rows measured after ping-pong rows in the same process were
-// slowed as well (plan 0.8 -> 3.7 ms a step at 4 x 128K; bench/results "session 20"). Serving the
-// phases on the caller's thread keeps one team.
+// CPUs it stops its workers' spinning almost at once (its "throttled" spin count), so that every
+// region's start waits for sleeping threads to wake. The drivers starting regions made two teams
+// besides the caller's own (which it has from everything else it runs on the pool); one-pipeline
+// rows measured after ping-pong rows in the same process were slower too (resident-only plan 0.8
+// -> 3.6-4.6 ms a step at 4 x 128K; bench/results "session 20"). Serving the work on the caller's
+// thread keeps one team.
 //
 // Outside Open .. Serve, Run runs its function at once on the calling thread (a pipeline stepped
 // on its own, e.g. the one-pipeline rows of `fluxion bench decode`).
@@ -64,6 +65,11 @@ class CpuLane {
   int parts_ ABSL_GUARDED_BY(mu_) = 0;           // submitters that have not left
   std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);  // the submitters' jobs, on their stacks
 };
+
+// lane->Run(fn), or fn() when there is no lane.
+inline absl::Status RunOnLane(CpuLane* lane, absl::FunctionRef<absl::Status()> fn) {
+  return lane != nullptr ? lane->Run(fn) : fn();
+}
 
 }  // namespace fluxion::decode
 

@@ -135,7 +135,8 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   }
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
   clock.Lap(&counters_.merge_s);
-  FLUXION_RETURN_IF_ERROR(GuardChecks(io, rows.q));
+  // The guard's checks run on the pool too: through the lane when there is one.
+  FLUXION_RETURN_IF_ERROR(RunOnLane(lane_, [&] { return GuardChecks(io, rows.q); }));
   clock.Lap(&counters_.guard_s);
 
   if (io.layer == shape_.num_layers - 1) {

@@ -121,7 +121,15 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   }
   FLUXION_ASSIGN_OR_RETURN(const int64_t score_block, ScoreBlockOf(attention));
   const auto start = std::chrono::steady_clock::now();
-  FLUXION_ASSIGN_OR_RETURN(int slot, state_->window->Admit(attention.kv(), score_block));
+  // An admission inside the step runs on the step's pool, hence through the CPU lane when there
+  // is one (cpu_lane.h: the pool's parallel regions start on one thread).
+  absl::StatusOr<int> admitted;
+  const absl::Status ran = RunOnLane(cpu_lane_, [&] {
+    admitted = state_->window->Admit(attention.kv(), score_block);
+    return absl::OkStatus();
+  });
+  FLUXION_RETURN_IF_ERROR(ran);
+  FLUXION_ASSIGN_OR_RETURN(int slot, std::move(admitted));
   ++admission_counters_.requests;
   admission_counters_.seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
