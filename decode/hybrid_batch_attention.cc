@@ -135,8 +135,12 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   }
   window_->MergeHostStates(host_out_.data(), host_lse_.data(), io.out);
   clock.Lap(&counters_.merge_s);
-  // The guard's checks run on the pool too: through the lane when there is one.
-  FLUXION_RETURN_IF_ERROR(RunOnLane(lane_, [&] { return GuardChecks(io, rows.q); }));
+  // The guard's checks run on the pool too: through the lane when there is one, and only when
+  // some check is due (a lane round trip queues behind the other micro-batch's CPU phase: taken
+  // every layer, it held each half back by the other's phase, session 20's call 6).
+  if (GuardDue()) {
+    FLUXION_RETURN_IF_ERROR(RunOnLane(lane_, [&] { return GuardChecks(io, rows.q); }));
+  }
   clock.Lap(&counters_.guard_s);
 
   if (io.layer == shape_.num_layers - 1) {
@@ -247,11 +251,15 @@ bool HybridBatchAttention::ObserveInFinish(int64_t selections) const {
   return selections >= threads;
 }
 
+bool HybridBatchAttention::GuardDue() const {
+  for (SparseAttention* a : attentions_) {
+    if (a->GuardDue()) return true;
+  }
+  return false;
+}
+
 absl::Status HybridBatchAttention::GuardChecks(const model::LayerAttentionIo& io,
                                                const float* q) {
-  bool due = false;
-  for (SparseAttention* a : attentions_) due = due || a->GuardDue();
-  if (!due) return absl::OkStatus();
   // The checks compare the step's final output (the window's rows merged in) with the exact one:
   // on a device, the layer's output comes to the host first. The copy is issued on the dense
   // ops' stream, after the merge, so it returns the merged rows.

@@ -140,6 +140,8 @@ class HybridBatchAttention : public model::BatchAttention {
     std::vector<kernels::PageSpan> device, cpu;
     int64_t resident_rows = 0, host_rows = 0, device_rows = 0;
   };
+  // Whether some request's error guard has a check due this layer.
+  bool GuardDue() const;
   // The error guard's exact checks of the layer for the requests due (SparseAttention::
   // CheckLayer), on the merged output (copied to the host first when it is on a device).
   absl::Status GuardChecks(const model::LayerAttentionIo& io, const float* q);
