@@ -182,7 +182,9 @@ absl::StatusOr<PageBounds> LandLayers(const LandingInput& in, const std::vector<
     results[layer] = LandLayer(in, page_ids, room, shipped, layer, &bounds);
   };
   if (in.pool != nullptr) {
-    in.pool->ParallelFor(layers, one);
+    // On a thread of its own: this runs on the request's thread, and a team started there would
+    // outlive the landing and slow every step's parallel regions (cpu_pool.h says how).
+    in.pool->ParallelForOnTransientThread(layers, one);
   } else {
     for (int64_t layer = 0; layer < layers; ++layer) one(layer);
   }

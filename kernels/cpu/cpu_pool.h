@@ -32,6 +32,17 @@ class CpuPool {
   // and may be called concurrently for different i.
   void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) const;
 
+  // ParallelFor(n, fn) on a thread made for the call and joined before it returns: for pool work
+  // started by a thread other than the one that runs the decode steps (a request's landing on a
+  // gRPC thread). Why: libgomp keeps a team of worker threads for every thread that has started
+  // a parallel region, for as long as that thread lives, and while it manages more threads than
+  // there are CPUs its workers stop spinning between regions, so every region of the step's
+  // thread waits for sleeping workers to wake (measured on the dev box: an empty two-thread region
+  // with a 50 us gap took 1.4 us, 47.5 us while another thread's team lived, 1.7 us once that
+  // thread had exited; on the H200 host a 4 x 128K step's CPU plan 0.8 -> 3.6-4.6 ms,
+  // bench/results "session 20"). The team started here dies with its thread.
+  void ParallelForOnTransientThread(int64_t n, absl::FunctionRef<void(int64_t)> fn) const;
+
   // Makes the matrix products called from this thread (outside a ParallelFor) use threads()
   // threads: sets OpenBLAS's process-wide count, and OpenMP's for this thread, when they differ.
   void ApplyToBlas() const;

@@ -6,6 +6,9 @@
 #include <omp.h>
 
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -23,6 +26,26 @@ TEST(CpuPoolTest, ParallelForRunsEveryIndexOnce) {
       for (int64_t i = 0; i < n; ++i) EXPECT_EQ(hits[i].load(), 1) << threads << " " << n;
     }
   }
+}
+
+TEST(CpuPoolTest, ParallelForOnTransientThreadRunsEveryIndexOnceAwayFromTheCaller) {
+  const CpuPool pool(2);
+  std::vector<std::atomic<int>> hits(100);
+  std::mutex mu;
+  std::set<std::thread::id> runners;
+  pool.ParallelForOnTransientThread(100, [&](int64_t i) {
+    ++hits[i];
+    std::lock_guard<std::mutex> lock(mu);
+    runners.insert(std::this_thread::get_id());
+  });
+  for (const std::atomic<int>& h : hits) EXPECT_EQ(h.load(), 1);
+  // Its team is the transient thread's, never the caller's (whose team would outlive the call).
+  EXPECT_EQ(runners.count(std::this_thread::get_id()), 0u);
+  // One thread, or one index: no team is started, so it runs here.
+  const CpuPool one(1);
+  std::thread::id ran;
+  one.ParallelForOnTransientThread(1, [&](int64_t) { ran = std::this_thread::get_id(); });
+  EXPECT_EQ(ran, std::this_thread::get_id());
 }
 
 TEST(CpuPoolTest, ApplyToBlasSetsTheThreadCounts) {
