@@ -40,7 +40,7 @@ void CpuLane::Serve() {
     mu_.Await(absl::Condition(this, &CpuLane::WorkOrDone));
     if (queue_.empty()) break;  // every submitter left
     Job* job = queue_.front();
-    queue_.pop_front();
+    queue_.erase(queue_.begin());
     mu_.Unlock();
     absl::Status result = job->fn();
     mu_.Lock();

@@ -22,9 +22,8 @@
 #ifndef FLUXION_DECODE_CPU_LANE_H_
 #define FLUXION_DECODE_CPU_LANE_H_
 
-#include <deque>
-
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -63,7 +62,9 @@ class CpuLane {
   absl::Mutex mu_;
   bool open_ ABSL_GUARDED_BY(mu_) = false;
   int parts_ ABSL_GUARDED_BY(mu_) = 0;           // submitters that have not left
-  std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);  // the submitters' jobs, on their stacks
+  // The submitters' jobs (on their stacks), oldest first: at most one per submitter, so a step's
+  // hand-offs allocate nothing.
+  absl::InlinedVector<Job*, 4> queue_ ABSL_GUARDED_BY(mu_);
 };
 
 // lane->Run(fn), or fn() when there is no lane.

@@ -269,7 +269,7 @@ TEST_F(StepExecutorTest, BlockScoresFromTheWindowSelectWhatTheCpuScanSelects) {
   // Every request's budget leaves its policy whole blocks to pick (0.3 x 400 - 68 > 32).
   for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 500 + n)));
   const kernels::cpu::CpuPool pool(2);
-  for (const std::string& name : {"quest", "fixed_32_0.3", "fixed_64_0.5"}) {
+  for (const std::string name : {"quest", "fixed_32_0.3", "fixed_64_0.5"}) {
     SCOPED_TRACE(name);
     const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
@@ -348,7 +348,7 @@ TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoRes
   std::vector<Prefill> prefills;
   for (int64_t n : {260, 700, 400}) prefills.push_back(MakePrefill(Prompt(n, 600 + n)));
   const kernels::cpu::CpuPool pool(2);
-  for (const std::string& name : {"full", "quest", "lfps"}) {
+  for (const std::string name : {"full", "quest", "lfps"}) {
     for (double share : {0.4, 1.0}) {
       SCOPED_TRACE(name + " share " + std::to_string(share));
       const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
@@ -362,8 +362,11 @@ TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoRes
       for (int64_t r : h.rows_attended) rows += r;
       EXPECT_EQ(c.resident_rows + c.host_rows + c.mapped_rows, rows);
       EXPECT_GT(c.mapped_rows, 0);
-      if (share == 1.0) EXPECT_EQ(c.host_rows, 0);
-      if (share < 1.0) EXPECT_GT(c.host_rows, 0);
+      if (share == 1.0) {
+        EXPECT_EQ(c.host_rows, 0);
+      } else {
+        EXPECT_GT(c.host_rows, 0);
+      }
     }
   }
 }
