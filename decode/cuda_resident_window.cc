@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <thread>
 #include <vector>
 
@@ -107,6 +108,19 @@ void RunOnPlainThreads(int64_t threads, int64_t n, absl::FunctionRef<void(int64_
   for (std::thread& t : helpers) t.join();
 }
 
+// Creates each event without timing; a failed one stays null (the window's destructor destroys
+// the rest).
+absl::Status CreateEvents(std::initializer_list<cudaEvent_t*> events) {
+  for (cudaEvent_t* e : events) {
+    if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      *e = nullptr;
+      return absl::InternalError("resident window: cannot create an event");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The first error of one admission (Admit has its own: the step's errors are another thread's).
 struct AdmitErrors {
   absl::Status status;
@@ -180,13 +194,7 @@ class CudaResidentWindow : public ResidentWindow {
       mapped_stream_ = nullptr;
       return absl::InternalError("resident window: cannot create the zero-copy stream");
     }
-    for (cudaEvent_t* e : {&mapped_ready_, &mapped_done_}) {
-      if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
-        cudaGetLastError();
-        *e = nullptr;
-        return absl::InternalError("resident window: cannot create an event");
-      }
-    }
+    if (absl::Status st = CreateEvents({&mapped_ready_, &mapped_done_}); !st.ok()) return st;
     kernels::cuda::CudaAttentionBackendOptions zero_copy;
     zero_copy.stream = mapped_stream_;
     zero_copy.kernel = kernels::cuda::PagedKernel::kV3;  // the best reader of pinned host pages
@@ -238,12 +246,9 @@ class CudaResidentWindow : public ResidentWindow {
       cudaGetLastError();
       return absl::ResourceExhaustedError("resident window: cannot allocate pinned block scores");
     }
-    for (cudaEvent_t* e : {&scores_ready_, &bounds_copied_[0], &bounds_copied_[1]}) {
-      if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess) {
-        cudaGetLastError();
-        *e = nullptr;
-        return absl::InternalError("resident window: cannot create an event");
-      }
+    if (absl::Status st = CreateEvents({&scores_ready_, &bounds_copied_[0], &bounds_copied_[1]});
+        !st.ok()) {
+      return st;
     }
     bounds_.num_layers = shape_.num_layers;
     bounds_.num_kv_heads = shape_.num_kv_heads;

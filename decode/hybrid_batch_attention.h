@@ -21,8 +21,8 @@
 //
 // CPU lane: with a CpuLane (set_cpu_lane; decode/cpu_lane.h), the CPU phase of every layer --
 // from the host K/V append to the policies' completion, everything that runs on the pool between
-// "q/k/v on the host" and "CPU partials merged" -- runs on the lane's thread, after the phases
-// submitted before it, so that two attentions driven from two threads (the ping-pong executor's
+// "q/k/v on the host" and "CPU partials merged" -- runs on the thread serving the lane, after the
+// phases submitted before it, so that two attentions driven from two threads (the ping-pong executor's
 // micro-batches, ping_pong_step_executor.h) never run their CPU phases at once and all of them
 // start their parallel regions from one thread, while the device work each issued before
 // proceeds. The wait for the device's block scores then comes before the lane (without a lane it
@@ -123,6 +123,7 @@ class HybridBatchAttention : public model::BatchAttention {
 
   // The lane the CPU phase of every layer takes (must outlive this); null (the default): none.
   void set_cpu_lane(CpuLane* lane) { lane_ = lane; }
+  CpuLane* cpu_lane() const { return lane_; }
   // The share of every policy's middle budget the next steps spend (SelectionInput::
   // budget_scale; the stall guard's, decode/stall_guard.h). Default 1.
   void set_budget_scale(double scale) { budget_scale_ = scale; }
@@ -154,8 +155,8 @@ class HybridBatchAttention : public model::BatchAttention {
                                    kernels::PagedDecodeProblem* p);
 
   class PhaseClock;
-  // The layer's CPU phase (see the header comment), on the lane's thread when there is a lane;
-  // `clock` laps its parts.
+  // The layer's CPU phase (see the header comment), on the thread serving the lane when there is
+  // an open one; `clock` laps its parts.
   absl::Status CpuPhase(const model::LayerAttentionIo& io, const float* q, const float* k,
                         const float* v, PhaseClock* clock);
   // Whether the layer's observations run in its finish phase rather than beside the next

@@ -124,12 +124,11 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   // An admission inside the step runs on the step's pool, hence through the CPU lane when there
   // is one (cpu_lane.h: the pool's parallel regions start on one thread).
   absl::StatusOr<int> admitted;
-  const absl::Status ran = RunOnLane(cpu_lane_, [&] {
+  FLUXION_RETURN_IF_ERROR(RunOnLane(attention_->cpu_lane(), [&] {
     admitted = state_->window->Admit(attention.kv(), score_block);
-    return absl::OkStatus();
-  });
-  FLUXION_RETURN_IF_ERROR(ran);
-  FLUXION_ASSIGN_OR_RETURN(int slot, std::move(admitted));
+    return admitted.status();
+  }));
+  const int slot = *admitted;
   ++admission_counters_.requests;
   admission_counters_.seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

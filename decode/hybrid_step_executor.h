@@ -101,10 +101,7 @@ class HybridStepExecutor : public StepExecutor {
   // The lane the attention's CPU phase takes (HybridBatchAttention::set_cpu_lane; must outlive
   // this); null (the default): none. The ping-pong executor's two pipelines share one.
   // Admissions inside a step take it too.
-  void set_cpu_lane(CpuLane* lane) {
-    cpu_lane_ = lane;
-    attention_->set_cpu_lane(lane);
-  }
+  void set_cpu_lane(CpuLane* lane) { attention_->set_cpu_lane(lane); }
 
   // Rows attended resident vs on the host, and the CPU phases' times, since the last reset.
   const HybridCounters& counters() const { return attention_->counters(); }
@@ -134,7 +131,6 @@ class HybridStepExecutor : public StepExecutor {
 
   std::unique_ptr<State> state_;
   HybridBatchAttention* attention_;  // owned by state_
-  CpuLane* cpu_lane_ = nullptr;
   bool window_block_scores_ = true;
   bool off_step_admission_ = false;
   SamplingCounters sampling_counters_;

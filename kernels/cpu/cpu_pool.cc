@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <system_error>
 #include <thread>
 
 namespace fluxion::kernels::cpu {
@@ -31,7 +32,15 @@ void CpuPool::ParallelForOnTransientThread(int64_t n,
     for (int64_t i = 0; i < n; ++i) fn(i);  // no team: nothing outlives the call
     return;
   }
-  std::thread worker([&] { ParallelFor(n, fn); });
+  std::thread worker;
+  try {
+    worker = std::thread([&] { ParallelFor(n, fn); });
+  } catch (const std::system_error&) {
+    // No thread to spare (a process or system thread limit): the work still runs, here, at the
+    // price of a team on this thread.
+    ParallelFor(n, fn);
+    return;
+  }
   worker.join();
 }
 
