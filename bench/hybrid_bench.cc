@@ -16,6 +16,7 @@
 #include "bench/bench_util.h"
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
+#include "common/read_bandwidth.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
 #include "decode/kv_arena.h"
@@ -530,17 +531,25 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
     executor = single_owned.get();
   }
   const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
-  std::printf("preset %s (%lld layers) on %s, %d CPU threads, weights made in %.1f s, host KV "
-              "limit %.0f GiB (%.0f KiB per token)\n",
-              o.preset.c_str(), static_cast<long long>(config.num_layers), o.device.c_str(), pool.threads(), weights_s,
-              limit_gib,
-              BytesPerToken(config) / 1024);
+  // The pool's read bandwidth from host memory: what the CPU attention's rate is compared with
+  // (issue 14's target: >= 80% of it for the bytes the CPU part touches).
+  const double probe_gbps = common::MeasureReadBandwidthGbps(size_t{1} << 30, pool.threads());
+  std::printf("preset %s (%lld layers) on %s, %d CPU threads (read probe %.1f GB/s), weights made "
+              "in %.1f s, host KV limit %.0f GiB (%.0f KiB per token)\n",
+              o.preset.c_str(), static_cast<long long>(config.num_layers), o.device.c_str(),
+              pool.threads(), probe_gbps, weights_s, limit_gib, BytesPerToken(config) / 1024);
+  // Host bytes of one attended row of one KV head: its bf16 K and V.
+  const double row_bytes = 2.0 * config.head_dim * 2;
   // mb: micro-batches (1: one pipeline, 2: ping-pong). With 2 the phase times (to_host ...
   // lane) are summed over both halves, each on its own thread, so they may exceed the step.
   // admit: ms per request to enter the window (in the first warm-up step; a served batch waits).
-  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s | %8s\n",
+  // cpu GB/s: the CPU's attended rows' K/V bytes over its attention kernel's time, and that as a
+  // share of the read probe (with a zero-copy share the device reads host memory at the same time).
+  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s | %8s | "
+              "%13s\n",
               "context", "batch", "mb", "policy", "step ms", "tok/s", "host rows", "res rows",
-              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle", "admit");
+              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle", "admit",
+              "cpu GB/s");
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
                                  kPageTokens};
   for (int64_t context : o.contexts) {
@@ -670,14 +679,16 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         const decode::HybridCounters& c = p.per_step;
         // The device is busy at most the resident-only step's time; the rest of a step it waits.
         const double idle = std::max(0.0, 1.0 - row.gpu_only_ms / p.median_ms);
+        const double cpu_gbps =
+            c.host_kernel_s > 0 ? c.host_rows * row_bytes / c.host_kernel_s / 1e9 : 0.0;
         std::printf("%8lld %5lld %2lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f "
-                    "%7.2f %7.2f %7.2f | %5.0f%% | %8.2f\n",
+                    "%7.2f %7.2f %7.2f | %5.0f%% | %8.2f | %6.1f (%3.0f%%)\n",
                     static_cast<long long>(context), static_cast<long long>(batch),
                     static_cast<long long>(row.micro_batches), label.c_str(), p.median_ms,
                     1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
                     static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
                     1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s,
-                    100 * idle, p.admit_ms);
+                    100 * idle, p.admit_ms, cpu_gbps, 100 * cpu_gbps / probe_gbps);
         if (p.join_admit_ms > 0) {
           std::printf("%8s %5s %2s %-34s | join: one more request admitted off the step in %.1f "
                       "ms while %lld steps ran (longest %.2f ms)\n",
@@ -721,6 +732,8 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"finish_ms", 1e3 * c.finish_s},
                             {"merge_ms", 1e3 * c.merge_s},
                             {"lane_wait_ms", 1e3 * c.lane_wait_s},
+                            {"cpu_attention_gbps", cpu_gbps},
+                            {"host_read_probe_gbps", probe_gbps},
                             {"gpu_idle_estimate", idle}});
       }
       flush();
