@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "cluster/replay_integrity.h"
 #include "cluster/replay_report.h"
 #include "cluster/replay_run.h"
 #include "cluster/replay_sampler.h"
@@ -90,6 +91,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
                                                  output_len = "fixed:32", policy;
   bool synthetic = false, progress = true;
   int64_t num_requests = 100, concurrency = 0, max_inflight = 0, vocab_size = 256, seed = 1;
+  int64_t distinct_prompts = 0;
   double rate = 1.0, timeout_s = 600, temperature = 0, budget = 0, bucket_s = 0;
   double cancel_fraction = 0, cancel_after_s = 1;
   TraceTransform transform;
@@ -106,6 +108,9 @@ int RunReplayCommand(const std::vector<std::string>& args) {
                "synthetic prompt lengths: fixed:N, uniform:MIN:MAX, normal:MEAN:STD, exponential:MEAN");
   flags.String("output-len", &output_len, "synthetic output lengths (same forms as --input-len)");
   flags.Int("seed", &seed, "seed for synthetic load and sub-sampling");
+  flags.Int("distinct-prompts", &distinct_prompts,
+            "synthetic: draw every request from this many prompts and check that answers to the "
+            "same prompt are the same tokens (needs --temperature 0; 0 = every prompt its own)");
   flags.Int("concurrency", &concurrency,
             "keep exactly this many requests in flight, ignoring arrival times (0 = honour times)");
   flags.Int("max-inflight", &max_inflight, "timed mode: hold arrivals while this many are open");
@@ -160,6 +165,11 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     std::cerr << "error: give exactly one of --trace FILE and --synthetic\n";
     return 2;
   }
+  if (distinct_prompts != 0 && (!synthetic || temperature != 0)) {
+    std::cerr << "error: --distinct-prompts compares answers token for token, so it needs "
+                 "--synthetic and greedy sampling (--temperature 0)\n";
+    return 2;
+  }
   transform.seed = static_cast<uint64_t>(seed);
   if (absl::Status valid = ValidateCommandFlags(vocab_size, temperature, budget, slo, bucket_s,
                                                 plot_format);
@@ -183,15 +193,17 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     options.input = *in;
     options.output = *out;
     options.seed = static_cast<uint64_t>(seed);
+    options.distinct_prompts = distinct_prompts;
     if (absl::Status valid = ValidateSyntheticOptions(options); !valid.ok()) {
       std::cerr << "error: " << valid.message() << "\n";
       return 2;
     }
     source = MakeSyntheticSchedule(options);
     run.config["source"] = absl::StrFormat(
-        "synthetic: %d requests, %s, input %s, output %s, seed %d", num_requests,
+        "synthetic: %d requests, %s, input %s, output %s, seed %d%s", num_requests,
         rate > 0 ? absl::StrFormat("Poisson %g req/s", rate) : std::string("all at t=0"),
-        input_len, output_len, seed);
+        input_len, output_len, seed,
+        distinct_prompts > 0 ? absl::StrFormat(", %d distinct prompts", distinct_prompts) : "");
   } else {
     auto loaded = LoadMooncakeTrace(trace);
     if (!loaded.ok()) {
@@ -225,6 +237,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   options.cancel_fraction = cancel_fraction;
   options.cancel_after_s = cancel_after_s;
   options.cancel_seed = static_cast<uint64_t>(seed);
+  options.keep_output_ids = distinct_prompts > 0;
   run.config["target"] = target;
   run.config["mode"] = concurrency > 0
                            ? absl::StrCat("fixed concurrency ", concurrency)
@@ -268,6 +281,11 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     return 1;
   }
   ReportOutputs outputs;
+  std::optional<AnswerCheck> answers;
+  if (options.keep_output_ids) {
+    answers = CheckRepeatedAnswers(*schedule, *records, options.vocab_size);
+    outputs.extra_summary["answer_check"] = AnswerCheckToJson(*answers);
+  }
   std::optional<SamplerReport> resources;
   if (*sampler != nullptr) {
     resources = (*sampler)->Finish();
@@ -279,6 +297,8 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   outputs.plot_format = plot_format;
   outputs.timeline_bucket_s = bucket_s;
   ReportResult result = ReportRun(*records, run, slo, outputs);
+  if (answers.has_value()) std::cout << FormatAnswerCheck(*answers);
+  const bool answers_bad = answers.has_value() && answers->mismatched > 0;
   bool resources_bad = false;
   if (resources.has_value()) {
     std::cout << FormatSamplerReport(*resources, absl::Seconds(sample_warmup_s));
@@ -293,7 +313,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     for (const ProcessTrend& p : resources->processes) resources_bad |= p.died;
     resources_bad |= resources->have_load && !resources->pages_back_to_baseline;
   }
-  return (result.stats.failed > 0 || result.write_failed || resources_bad) ? 1 : 0;
+  return (result.stats.failed > 0 || result.write_failed || resources_bad || answers_bad) ? 1 : 0;
 }
 
 }  // namespace fluxion::cluster

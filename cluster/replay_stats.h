@@ -25,6 +25,9 @@ struct RequestRecord {
   int64_t input_tokens = 0;
   int64_t requested_output_tokens = 0;
   int64_t output_tokens = 0;    // tokens received
+  // The token ids received, in order; kept only when ReplayOptions::keep_output_ids is set (the
+  // answer check of --distinct-prompts), else empty.
+  std::vector<uint32_t> output_ids;
   int status_code = 0;          // final gRPC status code (0 = OK)
   std::string status_message;
   // The replayer cancelled it on purpose (--cancel-fraction): not a failure; reported apart.

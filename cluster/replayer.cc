@@ -28,6 +28,7 @@ class Call;
 // Shared by the dispatcher, the reactors (on gRPC threads) and the progress printer.
 struct RunState {
   Clock::time_point t0;
+  bool keep_output_ids = false;  // ReplayOptions::keep_output_ids; set before the first call
   absl::Mutex mu;
   std::unordered_map<Call*, std::shared_ptr<Call>> live ABSL_GUARDED_BY(mu);
   std::vector<RequestRecord> records ABSL_GUARDED_BY(mu);
@@ -80,6 +81,10 @@ class Call : public grpc::ClientReadReactor<v1::GenerateResponse> {
       record_.chunk_times_s.push_back(now);
       record_.chunk_tokens.push_back(n);
       record_.output_tokens += n;
+      if (state_->keep_output_ids) {
+        const auto& ids = response_.chunk().token_ids();
+        record_.output_ids.insert(record_.output_ids.end(), ids.begin(), ids.end());
+      }
       state_->tokens.fetch_add(n, std::memory_order_relaxed);
     } else if (response_.has_error()) {
       error_message_ = response_.error().message();
@@ -244,6 +249,7 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
   // Shared with every Call, so whichever of them finishes last can still reach it.
   auto state_ptr = std::make_shared<RunState>();
   RunState& state = *state_ptr;
+  state.keep_output_ids = options_.keep_output_ids;
   const int64_t total = schedule.requests.size();
   const bool tty = isatty(STDERR_FILENO);
   std::atomic<bool> done{false};

@@ -47,6 +47,8 @@ struct ReplayOptions {
   double cancel_fraction = 0;
   double cancel_after_s = 0;
   uint64_t cancel_seed = 1;
+  // Keep every answer's token ids in its record (RequestRecord::output_ids).
+  bool keep_output_ids = false;
   serving::ChannelConfig channel;  // TLS and keepalive of the channel to `target`
 };
 

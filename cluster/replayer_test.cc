@@ -92,6 +92,23 @@ TEST(ReplayerTest, FixedConcurrencyKeepsExactlyThatManyInFlight) {
   EXPECT_EQ(service.max_concurrent(), 3);
 }
 
+// The answer check's input: each record keeps the ids it received only when asked to.
+TEST(ReplayerTest, OutputIdsAreKeptOnlyWhenAsked) {
+  FakeDecodeService service;
+  FakeServer server(&service, "fluxion.v1.DecodeService");
+  ReplayOptions o = Options(server);
+  o.concurrency = 2;
+  auto plain = Replayer(o).Run(Timed(2, 0, 8, 3));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  for (const RequestRecord& r : *plain) EXPECT_TRUE(r.output_ids.empty());
+  o.keep_output_ids = true;
+  auto kept = Replayer(o).Run(Timed(2, 0, 8, 3));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  for (const RequestRecord& r : *kept) {
+    EXPECT_THAT(r.output_ids, ::testing::ElementsAre(100, 101, 102));  // the fake's tokens
+  }
+}
+
 TEST(ReplayerTest, InterruptCancelsRequestsInFlightAndReturnsWhatItHas) {
   FakeDecodeService service;
   FakeServer server(&service, "fluxion.v1.DecodeService");

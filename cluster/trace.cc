@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <random>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
@@ -241,20 +242,39 @@ absl::Status ValidateSyntheticOptions(const SyntheticOptions& options) {
                       absl::StrCat("in [1, ", kMaxReplayRequests, "]"));
   }
   if (!FiniteIn(options.rate, 0, 1e6)) return OutOfRange("--rate", options.rate, "in [0, 1e6]");
+  if (options.distinct_prompts < 0 || options.distinct_prompts > kMaxReplayRequests) {
+    return OutOfRange("--distinct-prompts", options.distinct_prompts,
+                      absl::StrCat("in [0, ", kMaxReplayRequests, "] (0 = every prompt its own)"));
+  }
   return absl::OkStatus();
 }
 
 Schedule MakeSyntheticSchedule(const SyntheticOptions& options) {
   std::mt19937_64 rng(options.seed);
+  // The shared prompts' lengths come first, from the same generator; with none, the draws are
+  // what they were before repeated prompts existed (same seed, same schedule).
+  std::vector<std::pair<int64_t, int64_t>> prompts;  // (input, output) tokens
+  for (int64_t k = 0; k < options.distinct_prompts; ++k) {
+    int64_t input = Sample(options.input, rng);
+    prompts.emplace_back(input, Sample(options.output, rng));
+  }
   Schedule schedule;
   double t = 0;
   for (int64_t i = 0; i < options.num_requests; ++i) {
     if (options.rate > 0 && i > 0) t += std::exponential_distribution<double>(options.rate)(rng);
     TraceRequest r;
     r.arrival_s = t;
-    r.input_tokens = Sample(options.input, rng);
-    r.output_tokens = Sample(options.output, rng);
-    r.source_index = i;
+    if (prompts.empty()) {
+      r.input_tokens = Sample(options.input, rng);
+      r.output_tokens = Sample(options.output, rng);
+      r.source_index = i;
+    } else {
+      const int64_t k = std::uniform_int_distribution<int64_t>(
+          0, static_cast<int64_t>(prompts.size()) - 1)(rng);
+      r.input_tokens = prompts[k].first;
+      r.output_tokens = prompts[k].second;
+      r.source_index = k;
+    }
     schedule.requests.push_back(std::move(r));
   }
   return schedule;

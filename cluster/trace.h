@@ -73,10 +73,18 @@ struct SyntheticOptions {
   LengthDistribution input;
   LengthDistribution output;
   uint64_t seed = 1;
+  // > 0: every request is one of this many prompts (each with its own drawn lengths), picked
+  // uniformly, so answers to the same prompt can be compared (cluster/replay_integrity.h);
+  // 0: every request has a prompt of its own.
+  int64_t distinct_prompts = 0;
 };
-// INVALID_ARGUMENT naming the flag (--num-requests, --rate) outside the limits above.
+// INVALID_ARGUMENT naming the flag (--num-requests, --rate, --distinct-prompts) outside the
+// limits above.
 absl::Status ValidateSyntheticOptions(const SyntheticOptions& options);
 // Poisson arrivals (exponential gaps), lengths drawn independently; prompts share no prefix.
+// With distinct_prompts = N > 0, the N prompts' lengths are drawn first and each request takes
+// one of them; its source_index is then the prompt's number in [0, N), which is what BuildPrompt
+// derives the tokens from, so requests with equal source_index send equal prompts.
 // REQUIRES: ValidateSyntheticOptions(options) is OK.
 Schedule MakeSyntheticSchedule(const SyntheticOptions& options);
 

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,6 +151,45 @@ TEST(TraceTest, SyntheticOptionsOutsideTheLimitsNameTheFlag) {
   EXPECT_THAT(std::string(ValidateSyntheticOptions(o).message()), HasSubstr("--rate"));
   o.rate = 5;
   EXPECT_TRUE(ValidateSyntheticOptions(o).ok());
+  o.distinct_prompts = -1;
+  EXPECT_THAT(std::string(ValidateSyntheticOptions(o).message()), HasSubstr("--distinct-prompts"));
+  o.distinct_prompts = 3;
+  EXPECT_TRUE(ValidateSyntheticOptions(o).ok());
+}
+
+// --distinct-prompts: requests draw from a few prompts, each always with the same tokens and
+// lengths, so their answers can be compared; without it every prompt is the request's own.
+TEST(TraceTest, SyntheticRequestsShareOneOfTheDistinctPrompts) {
+  SyntheticOptions o;
+  o.num_requests = 200;
+  o.rate = 10;
+  o.input = *ParseLengthDistribution("uniform:8:64");
+  o.output = *ParseLengthDistribution("uniform:2:20");
+  o.distinct_prompts = 5;
+  Schedule s = MakeSyntheticSchedule(o);
+  ASSERT_EQ(s.requests.size(), 200u);
+  std::map<int64_t, std::pair<std::vector<uint32_t>, int64_t>> by_prompt;
+  std::set<std::vector<uint32_t>> prompts;
+  for (const TraceRequest& r : s.requests) {
+    ASSERT_GE(r.source_index, 0);
+    ASSERT_LT(r.source_index, 5);
+    std::vector<uint32_t> tokens = BuildPrompt(r, s.block_tokens, 256);
+    EXPECT_EQ(static_cast<int64_t>(tokens.size()), r.input_tokens);
+    auto [it, first] = by_prompt.emplace(r.source_index, std::make_pair(tokens, r.output_tokens));
+    if (!first) {
+      EXPECT_EQ(it->second.first, tokens) << "prompt " << r.source_index;
+      EXPECT_EQ(it->second.second, r.output_tokens) << "prompt " << r.source_index;
+    }
+    prompts.insert(tokens);
+  }
+  EXPECT_EQ(by_prompt.size(), 5u);  // the default seed's 200 picks cover all 5
+  EXPECT_EQ(prompts.size(), 5u);
+  o.distinct_prompts = 0;
+  std::set<std::vector<uint32_t>> own;
+  for (const TraceRequest& r : MakeSyntheticSchedule(o).requests) {
+    own.insert(BuildPrompt(r, s.block_tokens, 256));
+  }
+  EXPECT_EQ(own.size(), 200u);
 }
 
 // Found by an attacker: a length scaled past int64 went through llround (undefined; INT64_MIN in

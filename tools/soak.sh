@@ -10,9 +10,11 @@
 # 1. Saturation: a closed loop at SAT_CONCURRENCY requests in flight for SAT_REQUESTS requests
 #    measures the cluster's throughput (req/s); that is the saturation rate.
 # 2. The soak: Poisson arrivals at RATE_FRACTION (0.95) of it for DURATION_S, the same request
-#    shape. Exit status 0 when the verdict (OUT_DIR/verdict.txt) passes: errors only from the
-#    router's shedding, no sampled process died, RSS and threads flat after the warm-up, the KV
-#    pages back to their starting count.
+#    shape, every request one of DISTINCT_PROMPTS (64) prompts, greedy, so that answers to the
+#    same prompt can be compared token for token (replay --distinct-prompts). Exit status 0 when
+#    the verdict (OUT_DIR/verdict.txt) passes: errors only from the router's shedding, no sampled
+#    process died, RSS and threads flat after the warm-up, the KV pages back to their starting
+#    count, and every answer equal to the first answer to its prompt (no corrupted output).
 # Writes OUT_DIR/{saturation,soak}/ (summary.json, requests.csv, samples.csv, plots) and logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,7 @@ SAT_REQUESTS=${SAT_REQUESTS:-120}
 RATE_FRACTION=${RATE_FRACTION:-0.95}
 SAMPLE_S=${SAMPLE_S:-10}
 WARMUP_S=${WARMUP_S:-60}
+DISTINCT_PROMPTS=${DISTINCT_PROMPTS:-64}
 MODEL=${MODEL:-models/fluxion-tiny-retrieval}
 mkdir -p "$OUT/logs"
 
@@ -98,13 +101,13 @@ echo "== soak"
 set +e
 "$BIN" replay "${common[@]}" --num-requests "$num" --rate "$rate" --seed 11 \
   --sample-interval-s "$SAMPLE_S" --sample-warmup-s "$WARMUP_S" --sample-pids "$sample_list" \
-  --out-dir "$OUT/soak" | tee "$OUT/soak.txt"
+  --distinct-prompts "$DISTINCT_PROMPTS" --out-dir "$OUT/soak" | tee "$OUT/soak.txt"
 rc=${PIPESTATUS[0]}
 set -e
 echo "replay exit status $rc (1 also when requests were shed)"
 # The verdict: errors only from shedding (the router's RESOURCE_EXHAUSTED at the KV threshold,
 # expected at saturation), no sampled process died, RSS and threads flat after the warm-up, the
-# KV pages back to their starting count.
+# KV pages back to their starting count, every repeated prompt answered with the same tokens.
 python3 - "$OUT/soak/summary.json" <<'PY' | tee "$OUT/verdict.txt"
 import json, sys
 s = json.load(open(sys.argv[1]))
@@ -120,9 +123,17 @@ for p in r["processes"]:
         problems.append(f"{p['name']}: RSS flat {p['rss_flat']}, threads flat {p['threads_flat']}")
 if not r.get("pages_back_to_baseline", False):
     problems.append("KV pages not back to baseline")
+a = s.get("answer_check", {})
+if a.get("mismatched", 0) > 0:
+    problems.append(f"{a['mismatched']} answers differed from the first answer to their prompt: "
+                    + "; ".join(a.get("examples", [])))
+elif a.get("answers_compared", 0) == 0:
+    problems.append("no repeated prompt was answered twice: the answer check compared nothing")
 shed = s["errors_by_code"].get("RESOURCE_EXHAUSTED", 0)
 print(f"soak: {s['requests']} requests over {s['duration_s']:.0f} s, {s['succeeded']} succeeded, "
-      f"{shed} shed (RESOURCE_EXHAUSTED), {len(other) and sum(other.values())} other errors")
+      f"{shed} shed (RESOURCE_EXHAUSTED), {len(other) and sum(other.values())} other errors; "
+      f"{a.get('answers_compared', 0)} answers compared over {a.get('prompts', 0)} prompts, "
+      f"{a.get('mismatched', 0)} differed")
 print("soak verdict: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
 sys.exit(1 if problems else 0)
 PY
