@@ -67,11 +67,17 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
 
   // NODE_PATH: the packages `npm ci` installed into the build tree from tests/js/vllm's lock.
   setenv("NODE_PATH", FLUXION_VLLM_JS_MODULES, 1);
+  // FLUXION_VLLM_PROTO_ROOT runs the client with another copy of the proto, laid out as the
+  // client loads it (vllm/grpc/engine/vllm_engine.proto and its imports under one root): SMG's
+  // own, unchanged, is how docs/PROTOCOL.md checks that their clients work with ours.
+  const char* proto_root_env = std::getenv("FLUXION_VLLM_PROTO_ROOT");
+  const std::string proto_root =
+      proto_root_env != nullptr && *proto_root_env != '\0' ? proto_root_env : SourceDir() + "/proto";
   const std::string log = dir + "/node.log";
   auto client =
       ChildProcess::Start("node",
                           {FLUXION_NODE, SourceDir() + "/tests/js/vllm/vllm_engine_client.cjs",
-                           router.address, SourceDir() + "/proto", bare_router.address},
+                           router.address, proto_root, bare_router.address},
                           log);
   ASSERT_TRUE(client.ok()) << client.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(45);
