@@ -25,7 +25,7 @@ fi
 cp "$here/validate/validate.mjs" "$work/"
 cd "$here"
 # overlay:objects
-for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16 overlays/llm-d:15; do
+for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16 overlays/llm-d:16; do
   dir=${entry%%:*}
   want_objects=${entry##*:}
   out=$(kubectl kustomize "$dir")
