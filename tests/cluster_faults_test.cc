@@ -7,8 +7,8 @@
 // Injected: kill -9 of a prefill node mid-transfer, kill -9 of a decode node mid-stream, SIGSTOP
 // of a decode node and of a prefill node (for longer than the decode nodes' quarantine), link down
 // and back up, random loss (nft) and a rate limit (tc tbf), a cancel storm, overload, a rolling
-// restart of one node of each kind under load. Added delay is NOT injected: it needs tc netem and
-// this kernel has no sch_netem (the check in NetnsLab says so; docs/FAULTS.md).
+// restart of one node of each kind under load, and added delay (this kernel has no tc netem: the
+// host's packets pass through tests/link_delay behind iptables NFQUEUE rules; docs/FAULTS.md).
 //
 // Asserted after every case, on top of each case's own checks: every process still runs (no
 // crash), every decode node is idle with every KV page free again (quarantined pages included)
@@ -17,7 +17,7 @@
 // before any fault: a page written by a peer after it was given to another request would change
 // them (the KV's CRC-32C is checked on landing, the tokens after decoding).
 //
-// Needs root; it FAILS (never skips) without namespaces, tc or nft. Every wait has a deadline and
+// Needs root; it FAILS (never skips) without namespaces, tc, nft or iptables. Every wait has a deadline and
 // every assertion is on outcomes, not timings. FLUXION_FAULTS_SCALE=N (default 1) multiplies the
 // load and the stop durations for a longer run by hand.
 #include <arpa/inet.h>
@@ -650,7 +650,7 @@ TEST_F(ClusterFaultsTest, LinkDownAndUpIsRoutedAroundAndTakenBack) {
 
 TEST_F(ClusterFaultsTest, LossAndARateLimitOnThePrefillLinkKeepEveryAnswerExact) {
   // 5% of TCP packets in and out of prefill-0 dropped, its sends limited to 20 Mbit/s; every
-  // request goes through it. (Delay would need tc netem: not in this kernel.)
+  // request goes through it. (Delay: the next case.)
   absl::Status loss = lab_->Loss(kPrefill0, 5);
   ASSERT_TRUE(loss.ok()) << loss;
   absl::Status rate = lab_->RateLimit(kPrefill0, "20mbit");
@@ -663,6 +663,43 @@ TEST_F(ClusterFaultsTest, LossAndARateLimitOnThePrefillLinkKeepEveryAnswerExact)
   EXPECT_GT(*dropped, 0);
   std::cerr << "loss: nft dropped " << *dropped << " TCP packets of prefill-0\n";
   ASSERT_TRUE(lab_->ClearShaping(kPrefill0).ok());
+}
+
+// How long a TCP handshake with ip:port takes from the test's namespace (a SYN to the host, a
+// SYN-ACK back), or an error.
+absl::StatusOr<absl::Duration> ConnectTime(const std::string& ip, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, ip.c_str(), &addr.sin_addr);
+  const absl::Time start = absl::Now();
+  const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const absl::Duration took = absl::Now() - start;
+  close(fd);
+  if (rc != 0) return absl::UnavailableError(absl::StrCat("connect to ", ip, ":", port, " failed"));
+  return took;
+}
+
+TEST_F(ClusterFaultsTest, DelayOnThePrefillLinkKeepsEveryAnswerExact) {
+  // 40 ms added to every packet prefill-0 sends or receives (tests/link_delay behind NFQUEUE
+  // rules: this kernel has no tc netem), so its gRPC calls, health checks and the layer-wise KV
+  // writes to either decode node all cross an 80 ms round trip; every request goes through it.
+  constexpr int kDelayMs = 40;
+  absl::Status delay = lab_->Delay(kPrefill0, kDelayMs, FLUXION_LINK_DELAY);
+  ASSERT_TRUE(delay.ok()) << delay;
+  // The delay is real: a handshake with the host takes at least a SYN in and a SYN-ACK out.
+  auto rtt = ConnectTime(lab_->ip(kPrefill0), PortOf(kPrefill0));
+  ASSERT_TRUE(rtt.ok()) << rtt.status();
+  EXPECT_GE(*rtt, absl::Milliseconds(2 * kDelayMs));
+  std::cerr << "delay: handshake with prefill-0 took " << absl::FormatDuration(*rtt) << "\n";
+  EXPECT_EQ(RunBurst("delay", 6 * Scale(), false, absl::Seconds(90), Address(kPrefill0)),
+            6 * Scale());
+  ASSERT_TRUE(lab_->ClearShaping(kPrefill0).ok());
+  auto after = ConnectTime(lab_->ip(kPrefill0), PortOf(kPrefill0));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_LT(*after, absl::Milliseconds(2 * kDelayMs)) << "the delay outlived ClearShaping";
 }
 
 TEST_F(ClusterFaultsTest, CancelStormGivesEveryPageBack) {

@@ -21,6 +21,8 @@ namespace fluxion::testing {
 namespace {
 
 constexpr char kPrefix[] = "fxf";  // every namespace and link of this suite starts with it
+// The NFQUEUE number of the delay rules; queues are per namespace, so every host can use it.
+constexpr char kDelayQueue[] = "7";
 
 // Runs argv and returns its exit status and combined output.
 absl::StatusOr<std::pair<int, std::string>> RunCapture(const std::vector<std::string>& argv) {
@@ -108,16 +110,18 @@ absl::Status RunCommand(const std::vector<std::string>& argv) {
 absl::StatusOr<std::unique_ptr<NetnsLab>> NetnsLab::Create(const std::vector<std::string>& names) {
   if (geteuid() != 0) {
     return absl::PermissionDeniedError(
-        "the multi-host fault suite needs root (network namespaces, veth, tc, nft); run it as "
+        "the multi-host fault suite needs root (network namespaces, veth, tc, nft, iptables); run "
+        "it as "
         "root -- CI does -- it does not skip");
   }
-  for (const char* tool : {"ip", "tc", "nft"}) {
-    auto r = RunCapture({tool, std::string(tool) == "nft" ? "--version" : "-V"});
+  for (const char* tool : {"ip", "tc", "nft", "iptables"}) {
+    auto r = RunCapture({tool, std::string(tool) == "ip" || std::string(tool) == "tc" ? "-V"
+                                                                                      : "--version"});
     if (!r.ok() || r->first == 127) {
       return absl::FailedPreconditionError(
           absl::StrCat("`", tool,
-                       "` is missing: run tools/setup.sh (iproute2, nftables); the suite does not "
-                       "skip"));
+                       "` is missing: run tools/setup.sh (iproute2, nftables, iptables); the suite "
+                       "does not skip"));
     }
   }
   RemoveLeftovers();
@@ -128,6 +132,7 @@ absl::StatusOr<std::unique_ptr<NetnsLab>> NetnsLab::Create(const std::vector<std
   lab->subnet_ = *subnet;
   lab->names_ = names;
   lab->created_.assign(names.size(), false);
+  lab->delayers_.assign(names.size(), 0);
   const std::string bridge = lab->prefix_ + "b";
   if (absl::Status s = RunCommand({"ip", "link", "add", bridge, "type", "bridge"}); !s.ok()) {
     return s;
@@ -160,6 +165,7 @@ absl::StatusOr<std::unique_ptr<NetnsLab>> NetnsLab::Create(const std::vector<std
 }
 
 NetnsLab::~NetnsLab() {
+  for (int i = 0; i < hosts(); ++i) StopDelayer(i);
   for (int i = 0; i < hosts(); ++i) {
     if (created_[i]) (void)RunCapture({"ip", "netns", "delete", netns(i)});
   }
@@ -230,17 +236,79 @@ absl::StatusOr<int64_t> NetnsLab::DroppedPackets(int i) {
   return total;
 }
 
+absl::Status NetnsLab::Delay(int i, int ms, const std::string& link_delay_binary) {
+  if (delayers_[i] != 0) return absl::FailedPreconditionError("a delay is already on this host");
+  const std::string ns = netns(i);
+  const std::string ready = absl::StrCat("/tmp/fluxion-netns-delay-", ns, ".ready");
+  const std::string log = absl::StrCat("/tmp/fluxion-netns-delay-", ns, ".log");
+  unlink(ready.c_str());
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    const std::string delay = absl::StrCat(ms);
+    execlp("ip", "ip", "netns", "exec", ns.c_str(), link_delay_binary.c_str(), "--queue",
+           kDelayQueue, "--delay-ms", delay.c_str(), "--ready-file", ready.c_str(), nullptr);
+    _exit(127);
+  }
+  delayers_[i] = pid;
+  // Packets queued before the program reads the queue would be dropped: rules only once it has.
+  for (int tries = 0; access(ready.c_str(), F_OK) != 0; ++tries) {
+    int status = 0;
+    if (tries == 100 || waitpid(pid, &status, WNOHANG) == pid) {
+      if (tries == 100) StopDelayer(i);
+      delayers_[i] = 0;
+      std::ifstream in(log);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      return absl::InternalError(absl::StrCat("link_delay did not start on ", ns, ": ", ss.str()));
+    }
+    usleep(50 * 1000);
+  }
+  unlink(ready.c_str());
+  for (const char* chain : {"INPUT", "OUTPUT"}) {
+    const char* dir = std::string(chain) == "INPUT" ? "-i" : "-o";
+    if (absl::Status s = RunCommand({"ip", "netns", "exec", ns, "iptables", "-w", "-A", chain, dir,
+                                     "eth0", "-j", "NFQUEUE", "--queue-num", kDelayQueue});
+        !s.ok()) {
+      (void)ClearShaping(i);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void NetnsLab::StopDelayer(int i) {
+  if (delayers_.empty() || delayers_[i] == 0) return;
+  kill(delayers_[i], SIGTERM);  // it accepts what it still holds, then exits
+  int status = 0;
+  waitpid(delayers_[i], &status, 0);
+  delayers_[i] = 0;
+}
+
 absl::Status NetnsLab::ClearShaping(int i) {
   const std::string ns = netns(i);
-  // Either may be absent; what matters is that neither is left.
+  // Any may be absent; what matters is that none is left. The queue's rules go before the program
+  // that reads it: a queued packet with no reader is dropped.
   (void)RunCapture({"tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"});
   (void)RunCapture({"ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "fxloss"});
+  (void)RunCapture({"ip", "netns", "exec", ns, "iptables", "-w", "-F", "INPUT"});
+  (void)RunCapture({"ip", "netns", "exec", ns, "iptables", "-w", "-F", "OUTPUT"});
+  StopDelayer(i);
   auto qdisc = RunCapture({"tc", "-n", ns, "qdisc", "show", "dev", "eth0"});
   auto nft = RunCapture({"ip", "netns", "exec", ns, "nft", "list", "ruleset"});
-  if (!qdisc.ok() || !nft.ok()) return absl::InternalError("cannot list qdiscs / nft rules");
-  if (absl::StrContains(qdisc->second, "tbf") || absl::StrContains(nft->second, "fxloss")) {
+  auto ipt = RunCapture({"ip", "netns", "exec", ns, "iptables", "-w", "-S"});
+  if (!qdisc.ok() || !nft.ok() || !ipt.ok()) {
+    return absl::InternalError("cannot list qdiscs / nft / iptables rules");
+  }
+  if (absl::StrContains(qdisc->second, "tbf") || absl::StrContains(nft->second, "fxloss") ||
+      absl::StrContains(ipt->second, "NFQUEUE")) {
     return absl::InternalError(
-        absl::StrCat("shaping left on ", ns, ": ", qdisc->second, nft->second));
+        absl::StrCat("shaping left on ", ns, ": ", qdisc->second, nft->second, ipt->second));
   }
   return absl::OkStatus();
 }

@@ -25,6 +25,7 @@ packages=(
   ninja-build                                 # the fuzz and sanitizer build dirs of tools/test.sh
   nodejs                                      # tests/js: the openai npm SDK against the HTTP API
   iproute2 nftables                           # fault suite: network namespaces, veth, tc; packet loss
+  iptables libnetfilter-queue-dev             # fault suite: added delay (NFQUEUE + tests/link_delay)
 )
 
 missing=()
