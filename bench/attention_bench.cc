@@ -195,7 +195,8 @@ int RunAttentionBench(const std::vector<std::string>& args) {
         std::unique_ptr<decode::sparse::ErrorGuard> guard_state;
         if (decode::sparse::GuardActive(config)) {
           guard_state = std::make_unique<decode::sparse::ErrorGuard>(
-              config.guard, 1, static_cast<int>(num_heads), [](int, int) { return 1.0; });
+              decode::sparse::GuardFor(config), 1, static_cast<int>(num_heads),
+              [](int, int) { return 1.0; });
         }
         double guard_ms = 0, guard_bytes = 0;
         std::vector<kernels::PageSpan> check_spans;

@@ -280,7 +280,7 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
         decode::sparse::SparsePolicy* policy = policies.back().get();
         guards.push_back(decode::sparse::GuardActive(c)
                              ? std::make_unique<decode::sparse::ErrorGuard>(
-                                   c.guard, 1, static_cast<int>(hkv),
+                                   decode::sparse::GuardFor(c), 1, static_cast<int>(hkv),
                                    [policy](int layer, int kv_head) {
                                      return policy->MiddleWeight(layer, kv_head);
                                    })

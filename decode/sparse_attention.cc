@@ -27,7 +27,8 @@ SparseAttention::SparseAttention(const model::AttentionShape& shape, std::unique
       rest_lse_(shape.num_kv_heads) {
   if (sparse::GuardActive(config_)) {
     guard_ = std::make_unique<sparse::ErrorGuard>(
-        config_.guard, static_cast<int>(shape.num_layers), static_cast<int>(shape.num_kv_heads),
+        sparse::GuardFor(config_), static_cast<int>(shape.num_layers),
+        static_cast<int>(shape.num_kv_heads),
         [this](int layer, int kv_head) { return PolicyOf(kv_head).MiddleWeight(layer, kv_head); });
   }
 }

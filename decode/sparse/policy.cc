@@ -136,14 +136,15 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false, true, false, false}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false}},
-    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false}},
-    {PolicyKind::kFixedBlock, {"fixed_<block>_<budget>", true, false, false, true, true, false}},
+    {PolicyKind::kFull, {"full", true, false, false, true, false, false, false}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false, false}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false, false}},
+    {PolicyKind::kFixedBlock,
+     {"fixed_<block>_<budget>", true, false, false, true, true, false, false}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";
@@ -274,6 +275,12 @@ absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::
 bool GuardActive(const PolicyConfig& config) {
   return config.guard.enabled && TraitsOf(config.kind).guardable &&
          config.output_projection != nullptr;
+}
+
+GuardConfig GuardFor(const PolicyConfig& config) {
+  GuardConfig guard = config.guard;
+  if (!TraitsOf(config.kind).guard_relaxes) guard.relax_ratio = 0;  // never below the line
+  return guard;
 }
 
 std::string PolicyLabel(const PolicyConfig& config) {

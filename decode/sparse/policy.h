@@ -64,6 +64,12 @@ struct PolicyTraits {
   // The online error guard (error_guard.h) applies to it: its per-head budgets can move (LFPS,
   // Fluxion). The baselines keep their fixed budgets: --guard does not touch them.
   bool guardable;
+  // Under the guard, a head measured far below tolerance may give budget back (a relaxation).
+  // Fluxion: yes (its query-aware block scan finds what a head needs whatever it attended
+  // before). LFPS: no: its candidates come from its own history, so a needle head that relaxes
+  // attends fewer rows, drops its needles out of its tables and does not find them again
+  // (measured: docs/SPARSE.md, "The online per-head error guard"). Escalations still apply.
+  bool guard_relaxes;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
@@ -120,6 +126,9 @@ bool ReadsPageScores(const PolicyConfig& config);
 
 // Whether `config` decodes under the error guard (enabled, a guardable policy, a projection).
 bool GuardActive(const PolicyConfig& config);
+// The guard's configuration for `config`'s policy: config.guard, without relaxations where the
+// kind does not take them (PolicyTraits::guard_relaxes). Every ErrorGuard is made from this.
+GuardConfig GuardFor(const PolicyConfig& config);
 
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
 std::vector<std::string> PolicyNames();

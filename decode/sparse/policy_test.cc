@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "decode/kv_arena.h"
 #include "decode/paged_kv.h"
+#include "decode/sparse/error_guard.h"
 #include "decode/sparse/policy_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
@@ -43,6 +44,30 @@ TEST(PolicyKindTest, SparseStateIsNeededExactlyByTheHistoryPolicies) {
   EXPECT_EQ(needing, (std::set<std::string>{"lfps", "lfps_paper", "fluxion", "fluxion_rules"}));
   EXPECT_TRUE(TraitsOf(PolicyKind::kFluxion).uses_predictor);
   EXPECT_FALSE(TraitsOf(PolicyKind::kFluxionRules).uses_predictor);
+}
+
+// The guard takes relaxations only where the policy can find again what it gives back: Fluxion
+// (query-aware scan) yes, LFPS (candidates from its own history) no; the rest is config.guard.
+TEST(PolicyKindTest, TheGuardRelaxesFluxionHeadsButNeverLfpsHeads) {
+  for (const char* name : {"lfps", "fluxion"}) {
+    PolicyConfig c = *ParsePolicy(name, 0.02);
+    c.guard.enabled = true;
+    c.guard.relax_ratio = 0.3;
+    c.guard.tolerance = 0.7;
+    c.guard.sample_rate = 1.0;
+    const GuardConfig g = GuardFor(c);
+    EXPECT_EQ(g.relax_ratio, std::string(name) == "fluxion" ? 0.3 : 0.0) << name;
+    EXPECT_EQ(g.tolerance, 0.7) << name;
+    // An LFPS head checked far below tolerance, again and again, keeps its budget.
+    ErrorGuard guard(g, 1, 4, [](int, int) { return 1.0; });
+    for (int step = 0; step < 8; ++step) {
+      guard.BeginStep();
+      for (int h = 0; h < 4; ++h) {
+        if (guard.Due(0, h)) guard.Report(0, h, /*error=*/0.001, /*rows_read=*/10);
+      }
+    }
+    EXPECT_EQ(guard.stats().relaxations > 0, std::string(name) == "fluxion") << name;
+  }
 }
 
 TEST(PolicyKindTest, UnknownNamesAreInvalidArgumentEverywhere) {
