@@ -16,7 +16,8 @@ GuardFlags::GuardFlags(FlagSet& flags, bool allow_both) : allow_both_(allow_both
   flags.Double("guard-tolerance", &config_.tolerance,
                "guard: a head whose output error e_h (after W_O) exceeds this gets more budget");
   flags.Double("guard-relax", &config_.relax_ratio,
-               "guard: a head below this share of the tolerance gives budget back, [0, 1)");
+               "guard: a head below this share of the tolerance gives budget back, [0, 1) "
+               "(fluxion only: lfps heads never give budget back, docs/SPARSE.md)");
   flags.Double("guard-grow", &config_.grow, "guard: weight factor of an escalation, (1, 16]");
   flags.Double("guard-shrink", &config_.shrink, "guard: weight factor of a relaxation, (0, 1)");
   flags.Double("guard-max-weight", &config_.max_weight,
