@@ -19,6 +19,16 @@
 namespace fluxion::cluster {
 namespace {
 
+SyntheticOptions Synthetic(int64_t n, double rate, const std::string& input,
+                           const std::string& output) {
+  SyntheticOptions o;
+  o.num_requests = n;
+  o.rate = rate;
+  o.input = *ParseLengthDistribution(input);
+  o.output = *ParseLengthDistribution(output);
+  return o;
+}
+
 using ::testing::HasSubstr;
 
 // Writes `text` into the running test's own temp dir (tests run as parallel processes).
@@ -160,11 +170,7 @@ TEST(TraceTest, SyntheticOptionsOutsideTheLimitsNameTheFlag) {
 // --distinct-prompts: requests draw from a few prompts, each always with the same tokens and
 // lengths, so their answers can be compared; without it every prompt is the request's own.
 TEST(TraceTest, SyntheticRequestsShareOneOfTheDistinctPrompts) {
-  SyntheticOptions o;
-  o.num_requests = 200;
-  o.rate = 10;
-  o.input = *ParseLengthDistribution("uniform:8:64");
-  o.output = *ParseLengthDistribution("uniform:2:20");
+  SyntheticOptions o = Synthetic(200, 10, "uniform:8:64", "uniform:2:20");
   o.distinct_prompts = 5;
   Schedule s = MakeSyntheticSchedule(o);
   ASSERT_EQ(s.requests.size(), 200u);
@@ -324,12 +330,7 @@ TEST(TraceTest, TransformWindowSubsampleAndLimitAreDeterministic) {
 }
 
 TEST(TraceTest, SyntheticPoissonArrivalsHaveTheRequestedRate) {
-  SyntheticOptions o;
-  o.num_requests = 4001;
-  o.rate = 20;
-  o.input = *ParseLengthDistribution("uniform:10:20");
-  o.output = *ParseLengthDistribution("fixed:5");
-  Schedule s = MakeSyntheticSchedule(o);
+  Schedule s = MakeSyntheticSchedule(Synthetic(4001, 20, "uniform:10:20", "fixed:5"));
   ASSERT_EQ(s.requests.size(), 4001u);
   double mean_gap = s.requests.back().arrival_s / 4000;
   EXPECT_NEAR(mean_gap, 0.05, 0.005);
