@@ -148,6 +148,9 @@ make_local_base() {
   dir=$(mktemp -d "${TMPDIR:-/tmp}/fluxion-base.XXXXXX")
   tar=$dir/rootfs.tar
   local opts=(--mode=root --variant=minbase --format=tar --skip=cleanup/apt
+    # merged /usr made by the hook, as debuerreotype does, instead of the usrmerge package, which
+    # pulls in perl (47 MB) that neither image needs.
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
     --aptopt='APT::Install-Recommends "false"'
     # mmdebstrap's own cleanup leaves apt's 70 MB pkgcache.bin/srcpkgcache.bin: clean by hand.
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin "$1"/var/cache/apt/archives/*.deb "$1"/var/cache/debconf/*-old'
