@@ -3,12 +3,18 @@
 # the definition without building it.
 #
 #   tools/build_image.sh [--demo] [--cuda] [--tag NAME:TAG] [--save FILE.tar]
-#       docker build of the runtime stage (fluxion:latest), or with --demo the demo stage
+#                        [--builder docker|buildah|podman] [--local-base]
+#       builds the runtime stage (fluxion:latest), or with --demo the demo stage
 #       (fluxion:demo: the trained tiny model at /opt/fluxion/models/fluxion-tiny-retrieval, for
 #       k8s/overlays/dev); --cuda builds with FLUXION_ENABLE_CUDA=ON (fluxion:cuda; needs
 #       BUILD_IMAGE / RUNTIME_IMAGE with the CUDA toolkit / runtime: pass them in the environment);
-#       --save writes `docker save` output for clusters without a registry
+#       --save writes a docker-archive file for clusters without a registry
 #       (`ctr -n k8s.io images import FILE.tar` on each node, or `kind load image-archive FILE.tar`).
+#       --builder: default docker when its daemon answers, else buildah, else podman (both
+#       daemonless; they build as root here, with chroot isolation when the OCI runtime cannot start
+#       a container). --local-base: no registry reachable, so make the two base images from
+#       Debian's package mirror with mmdebstrap (localhost/debian:12 and localhost/debian:12-slim,
+#       made once, reused after) and build FROM them instead of Docker Hub's debian:12 / 12-slim.
 #   tools/build_image.sh --check BINARY
 #       no docker needed (CI): every COPY source of the Dockerfile exists, the runtime stage installs
 #       a Debian package for every shared library BINARY (a built `fluxion`) links, each of those
@@ -100,7 +106,121 @@ check() {
   echo "check: $dockerfile ok (${#wanted[@]} runtime packages cover every library of $binary)"
 }
 
-target=runtime tag="" save="" cuda=OFF
+# The builder: docker only when a daemon answers (the client alone cannot build), else the
+# daemonless buildah or podman.
+pick_builder() {
+  if command -v docker >/dev/null && docker info >/dev/null 2>&1; then echo docker
+  elif command -v buildah >/dev/null; then echo buildah
+  elif command -v podman >/dev/null; then echo podman
+  else echo "no builder: docker (with a daemon), buildah or podman is needed" >&2; return 1
+  fi
+}
+
+# buildah/podman run RUN steps through the OCI runtime (crun/runc) by default. Where it cannot start
+# a container (the devbox's crun fails on setrlimit RLIMIT_NOFILE/NPROC inside its VM sandbox),
+# chroot isolation runs them in a chroot of the layer with the host's network, which is all the
+# Dockerfile's RUN steps need (apt-get from Debian's mirror, a compiler).
+pick_isolation() {
+  local base=$1 ctr isolation=chroot
+  ctr=$(buildah from --pull=never "$base" 2>/dev/null) || { echo "$isolation"; return; }
+  if buildah run --isolation oci "$ctr" true >/dev/null 2>&1; then isolation=oci; fi
+  buildah rm "$ctr" >/dev/null
+  echo "$isolation"
+}
+
+# Whether the builder's local storage holds IMAGE.
+have_image() {
+  case "$builder" in
+    docker) docker image inspect "$1" >/dev/null 2>&1 ;;
+    *) "$builder" image exists "$1" 2>/dev/null || "$builder" inspect --type image "$1" >/dev/null 2>&1 ;;
+  esac
+}
+
+# The Debian 12 base images from Debian's package mirror (the one `apt-get` uses), for machines
+# that reach no registry. Made like the official images (debuerreotype): variant minbase with the
+# bookworm, bookworm-updates and bookworm-security suites; apt keeps no .debs, no package lists and
+# no translations; policy-rc.d stops services from starting at install. The slim one also leaves
+# out docs, man pages and locales for every package installed later (dpkg path-exclude, kept in the
+# image as /etc/dpkg/dpkg.cfg.d/99mmdebstrap).
+make_local_base() {
+  local name=$1 slim=$2 dir tar
+  command -v mmdebstrap >/dev/null || { echo "--local-base needs mmdebstrap (apt-get install mmdebstrap)"; return 1; }
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/fluxion-base.XXXXXX")
+  tar=$dir/rootfs.tar
+  local opts=(--mode=root --variant=minbase --format=tar --skip=cleanup/apt
+    # merged /usr made by the hook, as debuerreotype does, instead of the usrmerge package, which
+    # pulls in perl (47 MB) that neither image needs.
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
+    --aptopt='APT::Install-Recommends "false"'
+    # mmdebstrap's own cleanup leaves apt's 70 MB pkgcache.bin/srcpkgcache.bin: clean by hand.
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin "$1"/var/cache/apt/archives/*.deb "$1"/var/cache/debconf/*-old'
+    --customize-hook='printf "#!/bin/sh\nexit 101\n" > "$1/usr/sbin/policy-rc.d"; chmod 755 "$1/usr/sbin/policy-rc.d"'
+    --customize-hook='printf "DPkg::Post-Invoke { \"rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true\"; };\nAPT::Update::Post-Invoke { \"rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true\"; };\nDir::Cache::pkgcache \"\";\nDir::Cache::srcpkgcache \"\";\n" > "$1/etc/apt/apt.conf.d/docker-clean"'
+    --customize-hook='printf "Acquire::Languages \"none\";\n" > "$1/etc/apt/apt.conf.d/docker-no-languages"')
+  if [[ $slim == slim ]]; then
+    local path
+    for path in man doc info locale groff lintian linda; do opts+=(--dpkgopt="path-exclude=/usr/share/$path/*"); done
+    opts+=(--dpkgopt='path-include=/usr/share/doc/*/copyright')
+  fi
+  echo "making $name from Debian's mirror (mmdebstrap)"
+  nice -n 10 mmdebstrap "${opts[@]}" bookworm "$tar" \
+    "deb http://deb.debian.org/debian bookworm main" \
+    "deb http://deb.debian.org/debian bookworm-updates main" \
+    "deb http://deb.debian.org/debian-security bookworm-security main"
+  import_rootfs "$tar" "$name"
+  rm -rf "$dir"
+}
+
+# One image from a root filesystem tar, CMD bash as Debian's images have. buildah has no `import`:
+# a scratch container with the tar added (buildah add unpacks a local tar) and committed.
+import_rootfs() {
+  local tar=$1 name=$2 ctr
+  case "$builder" in
+    docker|podman) "$builder" import --change 'CMD ["bash"]' "$tar" "$name" ;;
+    buildah)
+      ctr=$(buildah from scratch)
+      buildah add "$ctr" "$tar" /
+      buildah config --cmd bash "$ctr"
+      buildah commit --rm "$ctr" "$name" ;;
+  esac
+}
+
+# Builds the Dockerfile's TARGET as TAG with the chosen builder. --layers: buildah and podman then
+# reuse the build stage's layers (the 15-25 min compile) between the runtime and demo targets, as
+# docker does.
+build() {
+  local build_args=(--build-arg "FLUXION_ENABLE_CUDA=$cuda")
+  [[ -n "${BUILD_IMAGE:-}" ]] && build_args+=(--build-arg "BUILD_IMAGE=$BUILD_IMAGE")
+  [[ -n "${RUNTIME_IMAGE:-}" ]] && build_args+=(--build-arg "RUNTIME_IMAGE=$RUNTIME_IMAGE")
+  case "$builder" in
+    docker)
+      DOCKER_BUILDKIT=1 docker build -f "$dockerfile" --target "$target" "${build_args[@]}" -t "$tag" . ;;
+    buildah|podman)
+      local isolation pull=()
+      isolation=$(pick_isolation "${RUNTIME_IMAGE:-debian:12-slim}")
+      [[ $local_base == 1 ]] && pull=(--pull=never)   # the bases are local; there is no registry
+      echo "$builder: isolation $isolation"
+      if [[ $builder == buildah ]]; then
+        buildah bud --layers --isolation "$isolation" "${pull[@]}" -f "$dockerfile" --target "$target" \
+          "${build_args[@]}" -t "$tag" .
+      else
+        podman build --layers --isolation "$isolation" "${pull[@]}" -f "$dockerfile" --target "$target" \
+          "${build_args[@]}" -t "$tag" .
+      fi ;;
+  esac
+}
+
+# Writes TAG as a docker-archive tar (what `docker load`, `ctr images import` and kind read).
+save_image() {
+  case "$builder" in
+    docker) docker save -o "$save" "$tag" ;;
+    buildah) rm -f "$save"; buildah push "$tag" "docker-archive:$save:$tag" ;;
+    podman) podman save --format docker-archive -o "$save" "$tag" ;;
+  esac
+  echo "saved $tag to $save (load with: docker load -i $save, or ctr -n k8s.io images import $save)"
+}
+
+target=runtime tag="" save="" cuda=OFF builder="" local_base=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --check) check "${2:?--check needs the path of a built fluxion binary}"; exit $? ;;
@@ -108,7 +228,9 @@ while [[ $# -gt 0 ]]; do
     --cuda) cuda=ON ;;
     --tag) tag=${2:?}; shift ;;
     --save) save=${2:?}; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --builder) builder=${2:?}; shift ;;
+    --local-base) local_base=1 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
   shift
@@ -119,13 +241,17 @@ if [[ -z "$tag" ]]; then
   else tag=fluxion:latest
   fi
 fi
-command -v docker >/dev/null || { echo "docker not found"; exit 1; }
-build_args=(--build-arg "FLUXION_ENABLE_CUDA=$cuda")
-[[ -n "${BUILD_IMAGE:-}" ]] && build_args+=(--build-arg "BUILD_IMAGE=$BUILD_IMAGE")
-[[ -n "${RUNTIME_IMAGE:-}" ]] && build_args+=(--build-arg "RUNTIME_IMAGE=$RUNTIME_IMAGE")
-DOCKER_BUILDKIT=1 docker build -f "$dockerfile" --target "$target" "${build_args[@]}" -t "$tag" .
-echo "built $tag"
-if [[ -n "$save" ]]; then
-  docker save -o "$save" "$tag"
-  echo "saved $tag to $save (load with: docker load -i $save, or ctr -n k8s.io images import $save)"
+[[ -n "$builder" ]] || builder=$(pick_builder)
+case "$builder" in docker|buildah|podman) ;; *) echo "unknown builder $builder"; exit 2 ;; esac
+command -v "$builder" >/dev/null || { echo "$builder not found"; exit 1; }
+if [[ $local_base == 1 ]]; then
+  [[ $cuda == ON ]] && { echo "--local-base makes the CPU bases; --cuda needs BUILD_IMAGE/RUNTIME_IMAGE with CUDA"; exit 2; }
+  # localhost/, not debian:12: the bases made here must not pass for Docker Hub's images.
+  export BUILD_IMAGE=localhost/debian:12 RUNTIME_IMAGE=localhost/debian:12-slim
+  have_image "$BUILD_IMAGE" || make_local_base "$BUILD_IMAGE" full
+  have_image "$RUNTIME_IMAGE" || make_local_base "$RUNTIME_IMAGE" slim
 fi
+echo "building $tag (target $target) with $builder"
+build
+echo "built $tag"
+if [[ -n "$save" ]]; then save_image; fi
