@@ -163,12 +163,16 @@ make_local_base() {
     opts+=(--dpkgopt='path-include=/usr/share/doc/*/copyright')
   fi
   echo "making $name from Debian's mirror (mmdebstrap)"
+  # The tar is hundreds of MB: removed whether the build or the import fails or not.
+  local rc=0
   nice -n 10 mmdebstrap "${opts[@]}" bookworm "$tar" \
     "deb http://deb.debian.org/debian bookworm main" \
     "deb http://deb.debian.org/debian bookworm-updates main" \
-    "deb http://deb.debian.org/debian-security bookworm-security main"
-  import_rootfs "$tar" "$name"
+    "deb http://deb.debian.org/debian-security bookworm-security main" &&
+    import_rootfs "$tar" "$name" || rc=$?
   rm -rf "$dir"
+  [[ $rc -eq 0 ]] || echo "making $name failed (exit $rc)" >&2
+  return "$rc"
 }
 
 # One image from a root filesystem tar, CMD bash as Debian's images have. buildah has no `import`:
