@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -86,8 +87,20 @@ struct Options {
   std::vector<std::string> send = {"layerwise", "after"};
   int64_t page_tokens = 16, chunk_tokens = prefill::DevicePrefillOptions{}.chunk_tokens;
   int64_t repeats = 1;
+  int64_t staging_ring_mib = static_cast<int64_t>(prefill::PrefillEngineOptions{}.staging_ring_bytes >> 20);
   transfer::UcxFlags ucx;
 };
+
+// The engine's options for one `send` mode. "after" stages the whole prompt, as the node did
+// before the ring: the baseline sends everything at once after the last layer.
+prefill::PrefillEngineOptions EngineOptions(const Options& o, const std::string& send) {
+  prefill::PrefillEngineOptions eo;
+  eo.layerwise = send == "layerwise";
+  eo.transfer_timeout = absl::Seconds(120);
+  eo.staging_ring_bytes = eo.layerwise ? static_cast<uint64_t>(o.staging_ring_mib) << 20
+                                       : std::numeric_limits<uint64_t>::max();
+  return eo;
+}
 
 // The decode side of one prompt: reserve, describe, land. Runs in the child.
 class DecodeSide {
@@ -246,6 +259,9 @@ int RunPrefillBench(const std::vector<std::string>& args) {
   flags.Int("page-tokens", &o.page_tokens, "tokens per KV page");
   flags.Int("chunk-tokens", &o.chunk_tokens, "the GPU prefill's rows per pass through the layers");
   flags.Int("repeats", &o.repeats, "runs per point (the table shows the median)");
+  flags.Int("staging-ring-mib", &o.staging_ring_mib,
+            "host memory the layerwise sends pass through (the prefill node's --staging-ring-mib); "
+            "'after' stages the whole prompt");
   flags.String("policy", &o.policy,
                "the decode side's policy for landing (lfps / fluxion need the sparse state, "
                "whose capture and transfer are then timed too)");
@@ -315,9 +331,11 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     cpu_model.reset();
     const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
                                        o.page_tokens};
-    absl::StatusOr<uint8_t*> staging =
-        gpu->HostStaging(geo.total_pages(max_context) *  // pages + records, pinned once, now
-                         (geo.content_bytes() + transfer::PageMetaRecordBytes(geo)));
+    uint64_t pinned = 0;  // the largest staging any point uses, pinned once, now
+    for (const std::string& send : o.send) {
+      pinned = std::max(pinned, prefill::DeviceStagingBytes(EngineOptions(o, send), geo, max_context));
+    }
+    absl::StatusOr<uint8_t*> staging = gpu->HostStaging(pinned);
     if (!staging.ok()) return stop_child(), Fail(staging.status());
   }
   const double weights_s = std::chrono::duration<double>(Clock::now() - t_weights).count();
@@ -339,9 +357,7 @@ int RunPrefillBench(const std::vector<std::string>& args) {
         stop_child();
         return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
       }
-      prefill::PrefillEngineOptions eo;
-      eo.layerwise = send == "layerwise";
-      eo.transfer_timeout = absl::Seconds(120);
+      const prefill::PrefillEngineOptions eo = EngineOptions(o, send);
       auto engine = gpu != nullptr
                         ? std::make_unique<prefill::PrefillEngine>(gpu.get(), transport->get(), layout, eo)
                         : std::make_unique<prefill::PrefillEngine>(cpu_model.get(), transport->get(), layout, eo);

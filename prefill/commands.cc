@@ -82,6 +82,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   std::string device = "cpu";
   int64_t device_chunk_tokens = DevicePrefillOptions{}.chunk_tokens;
   int64_t device_staging_tokens = -1;
+  int64_t staging_ring_mib = static_cast<int64_t>(PrefillEngineOptions{}.staging_ring_bytes >> 20);
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion prefill",
                 "Serves fluxion.v1.PrefillService: computes prompts and writes their KV into "
@@ -106,9 +107,14 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "with --device cuda: prompt rows per pass through the layers (activations scale with "
             "it; a piece's pages are sent after each chunk of each layer)");
   flags.Int("device-staging-tokens", &device_staging_tokens,
-            "with --device cuda: pin host staging for a prompt of this many tokens at start-up "
-            "(pinning takes seconds for tens of GiB; a longer prompt grows it then). Default "
-            "-1: the model's context length");
+            "with --device cuda: pin, at start-up, the staging ring and the page records of a "
+            "prompt of this many tokens (a longer prompt grows the records then). Default -1: "
+            "the model's context length");
+  flags.Int("staging-ring-mib", &staging_ring_mib,
+            "host memory each request's KV pages pass through on their way to the decode node "
+            "(pinned with --device cuda); pages that do not fit wait in the model's cache or "
+            "HBM until earlier writes land, so the compute never waits on the link. At least "
+            "one page of every KV head is used");
   flags.Int("page-tokens", &page_tokens, "tokens per KV page (must match the decode nodes)");
   flags.Bool("layerwise", &layerwise,
              "send each layer's KV as soon as it is computed (off: after the last layer)");
@@ -194,6 +200,11 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   options.transfer_timeout = absl::Milliseconds(transfer_timeout_ms);
   options.layer_delay = absl::Milliseconds(layer_delay_ms);
   options.piece_tokens = piece_tokens;
+  if (staging_ring_mib < 1) {
+    std::cerr << "error: --staging-ring-mib must be at least 1, got " << staging_ring_mib << "\n";
+    return 1;
+  }
+  options.staging_ring_bytes = static_cast<uint64_t>(staging_ring_mib) << 20;
   const model::ModelConfig config = (*model)->config();
   std::unique_ptr<DevicePrefill> gpu;
   if (device == "cuda") {
@@ -209,9 +220,7 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     const transfer::KvPageGeometry geo{config.num_layers, config.num_kv_heads, config.head_dim,
                                        page_tokens};
     if (staged > 0) {
-      if (auto pinned = gpu->HostStaging(  // the pages, then their selection records
-              geo.total_pages(staged) * (geo.content_bytes() + transfer::PageMetaRecordBytes(geo)));
-          !pinned.ok()) {
+      if (auto pinned = gpu->HostStaging(DeviceStagingBytes(options, geo, staged)); !pinned.ok()) {
         std::cerr << "error: --device-staging-tokens " << staged << ": " << pinned.status() << "\n";
         return 1;
       }

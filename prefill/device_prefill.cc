@@ -69,26 +69,14 @@ struct Piece {
   cudaEvent_t ready = nullptr;
 };
 
-// The copy thread: brings each piece's pages to the host on its own stream, in order, and hands
-// them to the caller's callback. The first error (a copy's or the callback's) is kept and stops
-// further work; the compute loop polls failed() between layers.
-class PieceCopier {
+// The copy thread: waits for each piece, in order, and tells the caller's callback (which pulls
+// the pages it wants with CopyPages, on the copy stream). The first error (a wait's or the
+// callback's) is kept and stops further work; the compute loop polls failed() between layers.
+class PieceReporter {
  public:
-  struct Layout {
-    int device = 0;
-    const uint8_t* device_pages = nullptr;
-    uint8_t* host_pages = nullptr;
-    int64_t num_kv_heads = 0, page_tokens = 0, pages_per_head = 0;
-    size_t page_bytes = 0;
-    // The page records (kernels/cuda/page_meta_encode.h), copied beside their pages; null: none.
-    const uint8_t* device_meta = nullptr;
-    uint8_t* host_meta = nullptr;
-    size_t record_bytes = 0;
-  };
-
-  PieceCopier(const Layout& layout, cudaStream_t stream, const PiecesOnHost& on_host)
-      : layout_(layout), stream_(stream), on_host_(on_host), thread_([this] { Loop(); }) {}
-  ~PieceCopier() { (void)Finish(); }
+  PieceReporter(int device, const PiecesReady& ready)
+      : device_(device), ready_(ready), thread_([this] { Loop(); }) {}
+  ~PieceReporter() { (void)Finish(); }
 
   void Push(const Piece& p) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -99,7 +87,7 @@ class PieceCopier {
     std::lock_guard<std::mutex> lock(mu_);
     return !status_.ok();
   }
-  // Copies what is queued, stops the thread, and returns the first error.
+  // Reports what is queued, stops the thread, and returns the first error.
   absl::Status Finish() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -113,7 +101,7 @@ class PieceCopier {
 
  private:
   void Loop() {
-    cudaSetDevice(layout_.device);
+    cudaSetDevice(device_);
     for (;;) {
       Piece p;
       {
@@ -124,8 +112,8 @@ class PieceCopier {
         queue_.pop_front();
         if (!status_.ok()) continue;  // drain without work after a failure
       }
-      absl::Status s = Copy(p);
-      if (s.ok()) s = on_host_(p.layer, p.first, p.end);
+      absl::Status s = CudaStatus(cudaEventSynchronize(p.ready), "wait for a piece");
+      if (s.ok()) s = ready_(p.layer, p.first, p.end);
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (status_.ok()) status_ = s;
@@ -133,40 +121,21 @@ class PieceCopier {
     }
   }
 
-  absl::Status Copy(const Piece& p) {
-    const Layout& l = layout_;
-    FLUXION_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream_, p.ready, 0), "wait"));
-    const int64_t p0 = p.first / l.page_tokens;
-    const int64_t p1 = (p.end + l.page_tokens - 1) / l.page_tokens;
-    for (int64_t h = 0; h < l.num_kv_heads; ++h) {
-      const size_t offset =
-          ((p.layer * l.num_kv_heads + h) * l.pages_per_head + p0) * l.page_bytes;
-      FLUXION_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(l.host_pages + offset, l.device_pages + offset,
-                          static_cast<size_t>(p1 - p0) * l.page_bytes, cudaMemcpyDeviceToHost,
-                          stream_),
-          "pages to host"));
-      if (l.host_meta != nullptr) {
-        const size_t at = ((p.layer * l.num_kv_heads + h) * l.pages_per_head + p0) * l.record_bytes;
-        FLUXION_RETURN_IF_ERROR(CudaStatus(
-            cudaMemcpyAsync(l.host_meta + at, l.device_meta + at,
-                            static_cast<size_t>(p1 - p0) * l.record_bytes, cudaMemcpyDeviceToHost,
-                            stream_),
-            "page records to host"));
-      }
-    }
-    return CudaStatus(cudaStreamSynchronize(stream_), "pages to host");
-  }
-
-  const Layout layout_;
-  const cudaStream_t stream_;
-  const PiecesOnHost& on_host_;
+  const int device_;
+  const PiecesReady& ready_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Piece> queue_;
   bool closed_ = false;
   absl::Status status_;
   std::thread thread_;  // last: starts after everything it reads
+};
+
+// The shape of the last Run's pages in HBM, for CopyPages.
+struct RunLayout {
+  int64_t tokens = 0, pages_per_head = 0;
+  size_t page_bytes = 0, layer_bytes = 0, record_bytes = 0, meta_layer_bytes = 0;
+  bool meta = false;
 };
 
 }  // namespace
@@ -181,6 +150,8 @@ struct DevicePrefill::Impl {
   Stream copy_stream;
   model::StepBuffers buf;
   std::unique_ptr<model::OpsBuffer> pages, meta, logits, tail_q;
+  std::mutex copy_mu;  // CopyPages: the copy stream and `last`
+  RunLayout last;      // of the last Run, set before its first piece is reported
   std::mutex staging_mu;
   void* staging = nullptr;  // pinned (cudaHostAlloc), grown by HostStaging, freed with the prefill
   size_t staging_bytes = 0;
@@ -252,10 +223,10 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
 }
 
 absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t> prompt,
-                                                       int64_t page_tokens, uint8_t* host_pages,
-                                                       uint8_t* host_meta, bool capture_state,
+                                                       int64_t page_tokens, bool encode_meta,
+                                                       bool capture_state,
                                                        const std::function<bool()>& cancelled,
-                                                       const PiecesOnHost& on_host) {
+                                                       const PiecesReady& ready) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   const model::ModelConfig& c = m.config;
@@ -280,7 +251,7 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   const size_t record_bytes = static_cast<size_t>(4 * d);
   const size_t meta_layer_bytes = static_cast<size_t>(hkv * pph) * record_bytes;
   uint8_t* dev_meta = nullptr;
-  if (host_meta != nullptr) {
+  if (encode_meta) {
     FLUXION_RETURN_IF_ERROR(m.Reserve(m.meta, meta_layer_bytes * c.num_layers));
     dev_meta = static_cast<uint8_t*>(m.meta->data());
   }
@@ -295,9 +266,11 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   const int64_t chunks = (n + chunk - 1) / chunk;
   std::vector<Event> events(static_cast<size_t>(chunks * c.num_layers));
   for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
-  PieceCopier copier({m.device, dev_pages, host_pages, hkv, page_tokens, pph, page_bytes,
-                      dev_meta, host_meta, record_bytes},
-                     m.copy_stream.get(), on_host);
+  {
+    std::lock_guard<std::mutex> copy_lock(m.copy_mu);
+    m.last = RunLayout{n, pph, page_bytes, layer_bytes, record_bytes, meta_layer_bytes, encode_meta};
+  }
+  PieceReporter reporter(m.device, ready);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float* tail_q = static_cast<float*>(m.tail_q->data());
   std::vector<int64_t> positions(chunk);
@@ -311,7 +284,7 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
           if (cancelled()) {
             return absl::CancelledError(absl::StrCat("prefill cancelled at layer ", layer + 1));
           }
-          if (copier.failed()) return absl::AbortedError("the copy thread failed");
+          if (reporter.failed()) return absl::AbortedError("the copy thread failed");
           const kernels::cuda::LayerPages lp = layer_pages(layer);
           const int64_t kv_row = hkv * d;
           FLUXION_RETURN_IF_ERROR(CudaStatus(
@@ -337,9 +310,9 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
                                 cudaMemcpyDeviceToDevice, stream),
                 "tail queries"));
           }
-          cudaEvent_t ready = events[ci * c.num_layers + layer].get();
-          FLUXION_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ready, stream), "event"));
-          copier.Push({layer, c0, c0 + r, ready});
+          cudaEvent_t computed = events[ci * c.num_layers + layer].get();
+          FLUXION_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(computed, stream), "event"));
+          reporter.Push({layer, c0, c0 + r, computed});
           return r;
         });
     if (!left.ok()) forward = left.status();
@@ -354,10 +327,10 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
     ops.CopyToHost(result.logits.data(), m.logits->data(), c.vocab_size * sizeof(float));
     forward = ops.Sync();
   } else {
-    (void)ops.Sync();  // the copier may still read what was queued
+    (void)ops.Sync();  // the reporter may still wait on what was queued
   }
   result.forward_end = Clock::now();
-  absl::Status copied = copier.Finish();
+  absl::Status copied = reporter.Finish();
   result.copy_wait_seconds =
       std::chrono::duration<double>(Clock::now() - result.forward_end).count();
   // The copy thread's error first: a forward that stopped because of it says only that.
@@ -368,6 +341,41 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
                              m.Capture(layer_pages(0), layer_bytes, n, tail_rows, stream));
   }
   return result;
+}
+
+absl::Status DevicePrefill::CopyPages(int layer, int64_t first_page, int64_t end_page,
+                                      uint8_t* pages, uint8_t* records) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.copy_mu);
+  const RunLayout& r = m.last;
+  if (layer < 0 || layer >= m.config.num_layers || first_page < 0 || end_page <= first_page ||
+      end_page > r.pages_per_head) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device prefill: pages [", first_page, ", ", end_page, ") of layer ", layer,
+                     " are not pages of the last prompt (", r.pages_per_head, " per head, ",
+                     m.config.num_layers, " layers)"));
+  }
+  FLUXION_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(m.device), "device"));
+  const cudaStream_t stream = m.copy_stream.get();
+  const int64_t hkv = m.config.num_kv_heads, count = end_page - first_page;
+  const auto* dev_pages = static_cast<const uint8_t*>(m.pages->data()) + layer * r.layer_bytes;
+  for (int64_t h = 0; h < hkv; ++h) {
+    const int64_t index = h * r.pages_per_head + first_page;  // (head, page) in the layer
+    FLUXION_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(pages + h * count * r.page_bytes, dev_pages + index * r.page_bytes,
+                        static_cast<size_t>(count) * r.page_bytes, cudaMemcpyDeviceToHost, stream),
+        "pages to host"));
+    if (records != nullptr && r.meta) {
+      const auto* dev_meta =
+          static_cast<const uint8_t*>(m.meta->data()) + layer * r.meta_layer_bytes;
+      FLUXION_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(records + index * r.record_bytes, dev_meta + index * r.record_bytes,
+                          static_cast<size_t>(count) * r.record_bytes, cudaMemcpyDeviceToHost,
+                          stream),
+          "page records to host"));
+    }
+  }
+  return CudaStatus(cudaStreamSynchronize(stream), "pages to host");
 }
 
 absl::StatusOr<model::SparseState> DevicePrefill::Impl::Capture(

@@ -1,22 +1,22 @@
 // The prefill forward on one GPU (issue 15): the prompt in chunks through every layer on a CUDA
 // DenseOps (model/layer.h's halves, bf16 weights in HBM), each layer's K/V written straight into
 // the wire's page layout in HBM and attended there by a causal flash-style kernel
-// (kernels/cuda/prefill_attention.h), and after every (chunk, layer) a device-to-host copy of the
-// pages that piece touched, on a copy stream driven by a copy thread, so the caller sends them over
-// UCX while the GPU goes on with the next layer. Then the last token's logits and, when asked, the
-// sparse state captured on the device from the last query rows (kernels/cuda/sparse_capture.h).
+// (kernels/cuda/prefill_attention.h). After every (chunk, layer) the caller hears, on a copy
+// thread, which rows are done, and pulls the pages they completed to the host (CopyPages, on the
+// copy stream) to send them over UCX while the GPU goes on with the next layer. Then the last
+// token's logits and, when asked, the sparse state captured on the device from the last query
+// rows (kernels/cuda/sparse_capture.h).
 //
 // Why chunk-major (a chunk through all layers, then the next): activations stay O(chunk) at any
 // prompt length, and a layer's pages still leave the GPU piece by piece as they complete. The
 // cache stays in HBM for the whole prompt (the attention of later chunks reads it); at Llama-3.1-8B
 // shapes 128K tokens are 16 GiB beside the 16 GiB of weights.
 //
-// Host memory: `host_pages` is the caller's (the transport's registered source); the copy writes
-// each piece's pages at their offset in PAGE_ORDER_LAYER_HEAD_PAGE, the order the caller sends,
-// and, when asked, the pages' selection records (key min / max) computed on the device beside
-// them, so the host never reads the pages to build them.
-// Partial pages at a chunk's end are copied again, whole, after the next chunk; the caller sends a
-// page only once it is complete (rows past the prompt's end stay zero on the device).
+// Host memory is the caller's: pages go where CopyPages is told (a slot of the engine's bounded
+// staging ring, prefill/staging_ring.h), as [head][page] runs, with, when the run encoded them,
+// the pages' selection records (key min / max, computed on the device), so the host never reads
+// the pages to build them. Pages stay in HBM until the next Run, so a caller whose ring is full
+// sends the rest later. Rows past the prompt's end are zero on the device.
 //
 // Thread-safe: Run() serializes its callers (one prompt at a time owns the GPU).
 #ifndef FLUXION_PREFILL_DEVICE_PREFILL_H_
@@ -51,9 +51,10 @@ struct DevicePrefillResult {
   double copy_wait_seconds = 0;  // after the forward, waiting for the last pieces to reach the host
 };
 
-// Called on the copy thread, in (chunk, layer) order, once the pages of rows [first, end) of
-// `layer` are in host memory. An error stops the run (Run returns it).
-using PiecesOnHost = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
+// Called on the copy thread, in (chunk, layer) order, once rows [first, end) of `layer` are
+// computed in HBM (the pages they complete may be pulled with CopyPages). An error stops the run
+// (Run returns it).
+using PiecesReady = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
 
 class DevicePrefill {
  public:
@@ -70,27 +71,34 @@ class DevicePrefill {
 
   const model::ModelConfig& config() const;
 
-  // Pinned host memory of at least `bytes` for Run's host_pages: the device-to-host copies run at
-  // the link's rate into it (into pageable memory they ran at ~0.5 GB/s in the first device run,
-  // faulting each fresh page in). Grown on demand and kept, so the pinning cost (seconds for tens
-  // of GiB) is paid once; call it at start-up with the largest prompt to pay it before serving.
-  // The pointer stays valid until a larger call; one caller at a time (the engine holds its device
-  // lock). ResourceExhausted when the memory cannot be pinned.
+  // Pinned host memory of at least `bytes`, for the staging ring and the page records that
+  // CopyPages writes: the device-to-host copies run at the link's rate into it (into pageable
+  // memory they ran at ~0.5 GB/s in the first device run, faulting each fresh page in). Grown on
+  // demand and kept, so the pinning cost is paid once; call it at start-up with the largest size
+  // to pay it before serving. The pointer stays valid until a larger call; one caller at a time
+  // (the engine holds its device lock). ResourceExhausted when the memory cannot be pinned.
   absl::StatusOr<uint8_t*> HostStaging(size_t bytes);
 
-  // Prefills `prompt` (ids already validated against the vocabulary): its pages of `page_tokens`
-  // tokens go to `host_pages` (config's layers x KV heads x ceil(n / page_tokens) pages of
-  // 2 * page_tokens * head_dim bf16). With `host_meta` (pinned, like host_pages: put both in
-  // HostStaging), each page's selection record (transfer/page_meta.h, computed on the device by
-  // kernels/cuda/page_meta_encode.h) goes there with its page, in the same piece: every layer's
-  // block, transfer::PageMetaBytes bytes; null: none. `cancelled` is polled between layers.
-  // Errors: Cancelled, the first error of `on_host`, ResourceExhausted (HBM), Internal (a CUDA
-  // failure).
+  // Prefills `prompt` (ids already validated against the vocabulary) into pages of `page_tokens`
+  // tokens in HBM (config's layers x KV heads x ceil(n / page_tokens) pages of 2 * page_tokens *
+  // head_dim bf16), each page's selection record (transfer/page_meta.h, computed on the device
+  // by kernels/cuda/page_meta_encode.h) beside it when `encode_meta`. `ready` hears of each
+  // piece; `cancelled` is polled between layers. Errors: Cancelled, the first error of `ready`,
+  // ResourceExhausted (HBM), Internal (a CUDA failure).
   absl::StatusOr<DevicePrefillResult> Run(absl::Span<const int32_t> prompt, int64_t page_tokens,
-                                          uint8_t* host_pages, uint8_t* host_meta,
-                                          bool capture_state,
+                                          bool encode_meta, bool capture_state,
                                           const std::function<bool()>& cancelled,
-                                          const PiecesOnHost& on_host);
+                                          const PiecesReady& ready);
+
+  // Copies pages [first_page, end_page) of every KV head of `layer` of the last Run's prompt to
+  // `pages` as [head][end_page - first_page] pages (PackPageRange's layout), and, when `records`
+  // is not null and that run encoded them, their records into `records`, the layer's block
+  // (transfer/page_meta.h: record (head, page) at its place in the block). Pinned destinations
+  // copy at the link's rate. Call it from `ready` for rows that run reported, or after Run
+  // returned and before the next Run. InvalidArgument for a range outside the prompt or a layer
+  // it does not have; Internal for a CUDA failure.
+  absl::Status CopyPages(int layer, int64_t first_page, int64_t end_page, uint8_t* pages,
+                         uint8_t* records);
 
  private:
   struct Impl;

@@ -22,10 +22,13 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
   return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
 }
 
-absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>, int64_t,
-                                                       uint8_t*, uint8_t*, bool,
-                                                       const std::function<bool()>&,
-                                                       const PiecesOnHost&) {
+absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>, int64_t, bool,
+                                                       bool, const std::function<bool()>&,
+                                                       const PiecesReady&) {
+  return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
+}
+
+absl::Status DevicePrefill::CopyPages(int, int64_t, int64_t, uint8_t*, uint8_t*) {
   return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
 }
 

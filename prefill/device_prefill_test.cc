@@ -85,16 +85,47 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
   std::vector<uint8_t> pages(cpu.pages.size(), 0xee);
   const transfer::KvPageGeometry geo{c.num_layers, c.num_kv_heads, c.head_dim, pt};
   std::vector<uint8_t> meta(transfer::PageMetaBytes(geo, n), 0xee);
+  const int64_t per_head = geo.pages_per_head(n);
+  const size_t cb = geo.content_bytes();
+  const size_t layer_bytes = geo.pages_per_layer(n) * cb;
+  const size_t meta_layer = transfer::PageMetaLayerBytes(geo, n);
+  // What the engine does: pull the pages each piece completed, as [head][page] runs, and put
+  // them in their places.
+  auto pull = [&](int layer, int64_t p0, int64_t p1) -> absl::Status {
+    std::vector<uint8_t> slot(c.num_kv_heads * (p1 - p0) * cb, 0xdd);
+    absl::Status s = (*gpu)->CopyPages(layer, p0, p1, slot.data(), meta.data() + layer * meta_layer);
+    if (!s.ok()) return s;
+    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+      std::copy_n(slot.data() + h * (p1 - p0) * cb, (p1 - p0) * cb,
+                  pages.data() + layer * layer_bytes + (h * per_head + p0) * cb);
+    }
+    return absl::OkStatus();
+  };
   std::vector<int64_t> covered(c.num_layers, 0);  // rows seen per layer, in order
+  std::vector<int64_t> pulled(c.num_layers, 0);   // pages per head pulled per layer
   absl::StatusOr<DevicePrefillResult> r = (*gpu)->Run(
-      prompt, pt, pages.data(), meta.data(), /*capture_state=*/true, [] { return false; },
+      prompt, pt, /*encode_meta=*/true, /*capture_state=*/true, [] { return false; },
       [&](int layer, int64_t first, int64_t end) -> absl::Status {
         EXPECT_EQ(first, covered[layer]) << "layer " << layer;
         covered[layer] = end;
+        const int64_t complete = end == n ? per_head : end / pt;
+        if (complete > pulled[layer]) {
+          absl::Status s = pull(layer, pulled[layer], complete);
+          pulled[layer] = complete;
+          return s;
+        }
         return absl::OkStatus();
       });
   ASSERT_TRUE(r.ok()) << r.status();
   for (int64_t rows : covered) EXPECT_EQ(rows, n);
+  for (int64_t p : pulled) EXPECT_EQ(p, per_head);
+  // After the run, before the next, the pages are still there to pull.
+  std::vector<uint8_t> again(c.num_kv_heads * cb);
+  ASSERT_TRUE((*gpu)->CopyPages(c.num_layers - 1, per_head - 1, per_head, again.data(), nullptr).ok());
+  EXPECT_TRUE(std::equal(again.begin(), again.begin() + cb,
+                         pages.data() + (c.num_layers - 1) * layer_bytes + (per_head - 1) * cb));
+  EXPECT_EQ((*gpu)->CopyPages(0, 0, per_head + 1, again.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
 
   // Pages: the device's K/V come from bf16 GEMMs, the CPU's from fp32 ones; both rounded to bf16.
   const bf16* got = reinterpret_cast<const bf16*>(pages.data());
@@ -109,8 +140,6 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
   EXPECT_LT(worst, 0.05 * scale) << "worst |gpu - cpu| page value vs the largest " << scale;
 
   // The records the device computed, piece by piece, are the host encoder's of the same pages.
-  const size_t layer_bytes = geo.pages_per_layer(n) * geo.content_bytes();
-  const size_t meta_layer = transfer::PageMetaLayerBytes(geo, n);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::vector<uint8_t> want_meta(meta_layer);
     transfer::EncodeLayerPageMeta(geo, n, pages.data() + l * layer_bytes, want_meta.data());
@@ -184,21 +213,19 @@ TEST(DevicePrefillTest, ACallbackErrorStopsTheRun) {
   auto gpu = DevicePrefill::Create((*m)->config(), *std::move(ops), *std::move(params), options);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const std::vector<int32_t> prompt(640, 65);
-  std::vector<uint8_t> pages(640 * 2 * 32 * 2 * (*m)->config().num_layers *
-                             (*m)->config().num_kv_heads);
   int calls = 0;
-  auto r = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [] { return false; },
+  auto r = (*gpu)->Run(prompt, 16, false, false, [] { return false; },
                        [&](int, int64_t, int64_t) -> absl::Status {
                          return ++calls == 3 ? absl::UnavailableError("peer gone")
                                              : absl::OkStatus();
                        });
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   int cancelled_calls = 0;
-  auto c = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [&] { return ++cancelled_calls > 5; },
+  auto c = (*gpu)->Run(prompt, 16, false, false, [&] { return ++cancelled_calls > 5; },
                        [](int, int64_t, int64_t) { return absl::OkStatus(); });
   EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
   // And the prefill still works after both.
-  auto ok = (*gpu)->Run(prompt, 16, pages.data(), nullptr, false, [] { return false; },
+  auto ok = (*gpu)->Run(prompt, 16, false, false, [] { return false; },
                         [](int, int64_t, int64_t) { return absl::OkStatus(); });
   EXPECT_TRUE(ok.ok()) << ok.status();
 }

@@ -66,10 +66,14 @@ class Submitted {
   ~Submitted() { (void)WaitAll(); }  // exits that forgot to wait still honour "reply = stopped"
 
   void Add(std::unique_ptr<transfer::TransferHandle> h) {
-    if (handles_.empty()) first_submit_ = Clock::now();
+    Note();
     handles_.push_back(std::move(h));
   }
-  bool empty() const { return handles_.empty(); }
+  // A write was submitted (here or from the staging ring): the transfer's clock starts.
+  void Note() {
+    if (!any_) first_submit_ = Clock::now();
+    any_ = true;
+  }
   Clock::time_point first_submit() const { return first_submit_; }
 
   // Waits for every batch, each bounded by what is left of the lease; the first error wins.
@@ -87,6 +91,7 @@ class Submitted {
  private:
   const absl::Duration timeout_;
   std::vector<std::unique_ptr<transfer::TransferHandle>> handles_;
+  bool any_ = false;
   Clock::time_point first_submit_{};
 };
 
@@ -96,6 +101,18 @@ absl::Status Annotate(const absl::Status& s, const std::string& prefix) {
 }
 
 }  // namespace
+
+uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::KvPageGeometry& geo,
+                          int64_t tokens) {
+  const uint64_t kv = static_cast<uint64_t>(geo.total_pages(tokens)) * geo.content_bytes();
+  return std::max<uint64_t>(static_cast<uint64_t>(geo.num_kv_heads) * geo.content_bytes(),
+                            std::min<uint64_t>(options.staging_ring_bytes, kv));
+}
+
+uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
+                            const transfer::KvPageGeometry& geo, int64_t tokens) {
+  return StagingRingBytes(options, geo, tokens) + transfer::PageMetaBytes(geo, tokens);
+}
 
 namespace {
 model::AttentionShape ShapeOf(const model::ModelConfig& c) {
@@ -125,9 +142,11 @@ PrefillEngine::PrefillEngine(DevicePrefill* device, transfer::Transport* transpo
       options_(options) {}
 
 // One request of a (possibly one-request) batch: everything its forward hook, its sends and
-// its reply need. Members that writes read from (the staging buffer, the state blob, their
-// registrations, the target) are declared before `submitted`, so they outlive its wait.
+// its reply need. Members that writes read from (the staging ring's memory, the state blob, their
+// registrations, the target) are declared before `ring` and `submitted`, so they outlive their
+// waits.
 struct PrefillEngine::Job {
+  const PrefillEngine* engine = nullptr;  // for the Landing's drain
   size_t index = 0;
   const v1::PrefillRequest* request = nullptr;
   std::function<bool()> cancelled;
@@ -137,40 +156,45 @@ struct PrefillEngine::Job {
   int64_t per_head = 0, ppl = 0;
   uint64_t cb = 0, layer_bytes = 0;
   std::vector<uint64_t> page_ids;
+  uint64_t arena_base = 0, remote_page_bytes = 0;  // the KvTarget's, copied: the Landing reads them
   // Per page and per sparse-state extent: which of `targets` (one per range used) it lies in.
   std::vector<uint32_t> page_target, state_target;
   model::SamplingParams sampling;
   std::string who;
   bool crc = false;
   std::vector<std::unique_ptr<transfer::RemoteTarget>> targets;
-  // Every layer's pages, the copy source of the writes. Not zero-filled for the device (its pages
-  // arrive whole from HBM; clearing 16 GiB at 128K would cost seconds of TTFT), zeroed for the CPU
-  // packer, which leaves the rows past the prompt's end as it finds them.
-  std::unique_ptr<uint8_t[]> owned_staging;  // the CPU path's; the device path borrows its pinned one
-  uint8_t* staging = nullptr;
-  size_t staging_bytes = 0;
-  std::unique_ptr<transfer::Registration> staging_reg;
+  // The staging ring's memory, the copy source of the page writes (prefill/staging_ring.h): the
+  // CPU path's own, the device path's borrowed from its pinned HostStaging. `slot_pages`: pages
+  // per head staged at most at once, so that several slots are in flight.
+  std::unique_ptr<uint8_t[]> owned_ring;
+  uint8_t* ring_memory = nullptr;
+  size_t ring_bytes = 0;
+  int64_t slot_pages = 0;
+  uint64_t kv_bytes = 0;  // every page of the prompt
+  std::unique_ptr<transfer::Registration> ring_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
   std::unique_ptr<transfer::Registration> state_reg;
   // Per-page metadata (transfer/page_meta.h), one block per layer: on the CPU path encoded from
-  // `staging` as each layer completes (into `owned_meta`); on the device path computed on the GPU
-  // and copied with the pages into the pinned staging, after them. A copy source like `staging`.
+  // each staging slot as its pages are staged (into `owned_meta`); on the device path computed on
+  // the GPU and copied with the pages into the pinned staging, after the ring. A copy source.
   bool want_meta = false;
   bool meta_from_device = false;
   uint64_t meta_layer_bytes = 0;
   std::vector<uint32_t> meta_target;  // per page_meta_target extent: its target
+  v1::PageMetaTarget meta_extents;      // the request's, copied: the Landing reads them
   std::vector<uint8_t> owned_meta;
   uint8_t* meta = nullptr;
   size_t meta_bytes = 0;
   std::unique_ptr<transfer::Registration> meta_reg;
   std::vector<uint64_t> meta_checksums;
-  std::unique_ptr<Submitted> submitted;
+  std::unique_ptr<StagingRing> ring;
+  std::unique_ptr<Submitted> submitted;  // the sparse state's and the page records' writes
   std::vector<uint64_t> checksums;
-  std::vector<int64_t> sent;  // pages per head already submitted, per layer
-  // Pages per head already hashed and encoded, per layer, and each (layer, KV head)'s CRC-32C so
-  // far: the per-layer work runs piece by piece as pages complete, not all at a layer's end
-  // (chunk-major, every layer ends during the last chunk: 17 GB at once at 128K, session 13).
-  std::vector<int64_t> digested;
+  // Per layer, pages per head computed and pages per head staged (hashed, encoded and submitted),
+  // and each (layer, KV head)'s CRC-32C so far: the per-layer work runs slot by slot as pages
+  // complete, not all at a layer's end (chunk-major, every layer ends during the last chunk: 17
+  // GB at once at 128K, session 13).
+  std::vector<int64_t> complete, sent;
   std::vector<uint32_t> head_crcs;
   SendingAttention* attention = nullptr;  // the CPU path's
   std::optional<model::SparseState> device_state;  // the device path's capture
@@ -188,6 +212,7 @@ struct PrefillEngine::Job {
   Clock::time_point t_all_computed, t_first_submit;
 
   ~Job() {
+    if (ring != nullptr) (void)ring->WaitAll(absl::Now() + engine->options_.transfer_timeout);
     if (submitted != nullptr) (void)submitted->WaitAll();
   }
 };
@@ -241,6 +266,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
 
   auto job = std::make_unique<Job>();
   Job* j = job.get();
+  j->engine = this;
   j->request = &request;
   j->cancelled = cancelled;
   j->t_start = t_start;
@@ -249,39 +275,45 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->per_head = per_head;
   j->cb = cb;
   j->page_ids = std::move(page_ids);
+  j->arena_base = kv.arena_base_address();
+  j->remote_page_bytes = kv.page_bytes();
   j->page_target = std::move(page_target);
   j->state_target = std::move(state_target);
   j->meta_target = std::move(meta_target);
+  if (valid.want_meta) j->meta_extents = request.page_meta_target();
   j->want_meta = valid.want_meta;
   j->sampling = sampling;
   j->who = who;
   j->targets = std::move(connected);
 
-  // 3. Forward, sending each layer as it completes. The staging buffer holds every layer's pages
-  // in PAGE_ORDER_LAYER_HEAD_PAGE order, so consecutive reserved page ids coalesce into one put.
+  // 3. Forward, sending each piece of a layer as it completes, through the staging ring: a slot
+  // holds a run of pages of every KV head, so consecutive reserved page ids coalesce into one put.
   j->ppl = geo.pages_per_layer(n);
   j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
-  j->staging_bytes = j->layer_bytes * shape.num_layers;
+  j->kv_bytes = j->layer_bytes * shape.num_layers;
   if (j->want_meta) {
     j->meta_layer_bytes = transfer::PageMetaLayerBytes(geo, n);
     j->meta_bytes = j->meta_layer_bytes * shape.num_layers;
   }
+  const uint64_t page_of_each_head = static_cast<uint64_t>(shape.num_kv_heads) * cb;
+  j->ring_bytes = StagingRingBytes(options_, geo, n);
+  // Four slots in flight at least (one staging while three are on the link), whole pages each.
+  j->slot_pages = std::max<int64_t>(1, static_cast<int64_t>(j->ring_bytes / (4 * page_of_each_head)));
   if (device_ != nullptr) {  // REQUIRES: device_mu_ held (RunBatch)
-    // One pinned buffer: the pages, then the page records the device computes beside them.
-    FLUXION_ASSIGN_OR_RETURN(j->staging,
-                             device_->HostStaging(j->staging_bytes + j->meta_bytes));
-    j->meta = j->want_meta ? j->staging + j->staging_bytes : nullptr;
+    // One pinned buffer: the ring, then the page records the device computes beside the pages.
+    FLUXION_ASSIGN_OR_RETURN(j->ring_memory, device_->HostStaging(j->ring_bytes + j->meta_bytes));
+    j->meta = j->want_meta ? j->ring_memory + j->ring_bytes : nullptr;
     j->meta_from_device = j->want_meta;
   } else {
-    j->owned_staging.reset(new uint8_t[j->staging_bytes]);
-    j->staging = j->owned_staging.get();
-    std::memset(j->staging, 0, j->staging_bytes);
+    j->owned_ring.reset(new uint8_t[j->ring_bytes]);
+    j->ring_memory = j->owned_ring.get();
     j->owned_meta.resize(j->meta_bytes);
     j->meta = j->want_meta ? j->owned_meta.data() : nullptr;
   }
   FLUXION_ASSIGN_OR_RETURN(
-      j->staging_reg,
-      transport_->Register({j->staging, j->staging_bytes}, {/*remote_write=*/false}));
+      j->ring_reg,
+      transport_->Register({j->ring_memory, j->ring_bytes}, {/*remote_write=*/false}));
+  j->ring = std::make_unique<StagingRing>(j->ring_memory, j->ring_bytes);
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
   if (j->want_meta) {
@@ -290,8 +322,8 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
     j->meta_checksums.assign(shape.num_layers, 0);
   }
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
+  j->complete.assign(shape.num_layers, 0);
   j->sent.assign(shape.num_layers, 0);
-  j->digested.assign(shape.num_layers, 0);
   j->head_crcs.assign(shape.num_layers * shape.num_kv_heads, 0);
   j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
   if (device_ != nullptr) return job;
@@ -313,29 +345,27 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   return job;
 }
 
-// Submits pages [p0, p1) of every KV head of layers [l0, l1) of `j` as one batch.
-absl::Status PrefillEngine::Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const {
-  const model::AttentionShape& shape = shape_;
-  const v1::KvTarget& kv = j.request->kv_target();
-  // One batch per range written (each range is its own target with its own key).
+// Submits pages [p0, p1) of every KV head of `layer` of `j` from `slot` (PackPageRange's
+// layout), one batch per range written; the handles go to `writes`, also on an error.
+absl::Status PrefillEngine::SubmitPages(
+    Job& j, int layer, int64_t p0, int64_t p1, const uint8_t* slot,
+    std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const {
   std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
-  for (int64_t l = l0; l < l1; ++l) {
-    for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t idx = l * j.ppl + h * j.per_head + p;
-        copies[j.page_target[idx]].push_back(
-            {kv.arena_base_address() + j.page_ids[idx] * kv.page_bytes(),
-             j.staging + idx * j.cb, j.cb});
-      }
+  const int64_t count = p1 - p0;
+  for (int64_t h = 0; h < shape_.num_kv_heads; ++h) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t idx = layer * j.ppl + h * j.per_head + p;
+      copies[j.page_target[idx]].push_back({j.arena_base + j.page_ids[idx] * j.remote_page_bytes,
+                                            slot + (h * count + p - p0) * j.cb, j.cb});
     }
   }
-  return WriteEach(j, copies);
+  return WriteEach(j, copies, writes);
 }
 
 // Submits the page-metadata blocks of layers [l0, l1) of `j`: stream bytes
 // [l0 * block, l1 * block) split across the page_meta_target extents they fall in.
 absl::Status PrefillEngine::SubmitMeta(Job& j, int64_t l0, int64_t l1) const {
-  const v1::PageMetaTarget& mt = j.request->page_meta_target();
+  const v1::PageMetaTarget& mt = j.meta_extents;
   const uint64_t begin = l0 * j.meta_layer_bytes, end = l1 * j.meta_layer_bytes;
   std::vector<std::vector<transfer::BlockCopy>> copies(j.targets.size());
   uint64_t at = 0;  // stream offset of extent i
@@ -352,15 +382,25 @@ absl::Status PrefillEngine::SubmitMeta(Job& j, int64_t l0, int64_t l1) const {
 }
 
 absl::Status PrefillEngine::WriteEach(
-    Job& j, const std::vector<std::vector<transfer::BlockCopy>>& per_target) const {
+    Job& j, const std::vector<std::vector<transfer::BlockCopy>>& per_target,
+    std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const {
   for (size_t t = 0; t < per_target.size(); ++t) {
     if (per_target[t].empty()) continue;
     absl::StatusOr<std::unique_ptr<transfer::TransferHandle>> h =
         transport_->Write(*j.targets[t], per_target[t]);
     if (!h.ok()) return Annotate(h.status(), j.who);
-    j.submitted->Add(std::move(*h));
+    j.submitted->Note();
+    writes->push_back(std::move(*h));
   }
   return absl::OkStatus();
+}
+
+absl::Status PrefillEngine::WriteEach(
+    Job& j, const std::vector<std::vector<transfer::BlockCopy>>& per_target) const {
+  std::vector<std::unique_ptr<transfer::TransferHandle>> writes;
+  absl::Status s = WriteEach(j, per_target, &writes);
+  for (auto& h : writes) j.submitted->Add(std::move(h));
+  return s;
 }
 
 absl::Status PrefillEngine::CheckCancelled(const Job& j, int layer) const {
@@ -369,75 +409,99 @@ absl::Status PrefillEngine::CheckCancelled(const Job& j, int layer) const {
                                            "' aborted at layer ", layer + 1));
 }
 
-// The CPU path's per-piece, per-layer hook of `j`'s attention: checks for cancellation, packs the
-// rows, sends the pages they complete, and checksums a finished layer.
-absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t first, int64_t end) const {
+// The CPU path's per-piece, per-layer hook of `j`'s attention: checks for cancellation and sends
+// the pages the rows completed.
+absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t, int64_t end) const {
   FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
-  const int64_t row = shape_.num_kv_heads * shape_.head_dim;
-  const model::DenseAttention& dense = j.attention->dense();
-  uint8_t* dst = j.staging + layer * j.layer_bytes;
-  transfer::PackLayerRows(j.geo, j.n, first, end, dense.keys(layer) + first * row,
-                          dense.values(layer) + first * row, row, dst);
   return SendCompleted(j, layer, end);
 }
 
 absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const {
-  const bool layer_done = end == j.n;
   // Pages whose every row is computed (the last one once the prompt ends).
-  const int64_t complete = layer_done ? j.per_head : end / j.geo.page_tokens;
-  if (options_.layerwise && complete > j.sent[layer]) {
-    FLUXION_RETURN_IF_ERROR(Submit(j, layer, layer + 1, j.sent[layer], complete));
-    j.sent[layer] = complete;
-  }
-  Digest(j, layer, complete);
-  if (layer_done) {
-    if (j.crc) {  // the layer's pages in wire order: head 0's, then head 1's, ...
-      const int64_t hkv = shape_.num_kv_heads;
-      uint32_t crc = j.head_crcs[layer * hkv];
-      for (int64_t h = 1; h < hkv; ++h) {
-        crc = transfer::Crc32cCombine(crc, j.head_crcs[layer * hkv + h], j.per_head * j.cb);
+  j.complete[layer] = end == j.n ? j.per_head : end / j.geo.page_tokens;
+  if (!options_.layerwise) return absl::OkStatus();  // all of it from the Landing's drain
+  return Pump(j, /*drain=*/false);
+}
+
+// Stages and submits the computed pages not sent yet, layer by layer, a slot at a time. Without
+// `drain` it stops at the first slot the ring has no room for: those pages wait where they were
+// computed (the model's cache, HBM) for a later call, and the compute goes on. With `drain` it
+// waits for room (this request's own oldest writes), up to the transfer lease per slot.
+absl::Status PrefillEngine::Pump(Job& j, bool drain) const {
+  const int64_t hkv = shape_.num_kv_heads;
+  for (int layer = 0; layer < shape_.num_layers; ++layer) {
+    while (j.sent[layer] < j.complete[layer]) {
+      const int64_t p0 = j.sent[layer];
+      const int64_t p1 = std::min(j.complete[layer], p0 + j.slot_pages);
+      absl::StatusOr<uint8_t*> slot = j.ring->TryAcquire(hkv * (p1 - p0) * j.cb);
+      if (!slot.ok()) return Annotate(slot.status(), absl::StrCat(j.who, "KV writes failed: "));
+      if (*slot == nullptr) {
+        if (!drain) return absl::OkStatus();
+        FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
+        absl::Status room = j.ring->WaitOldest(absl::Now() + options_.transfer_timeout);
+        if (!room.ok()) return Annotate(room, absl::StrCat(j.who, "KV writes did not complete: "));
+        continue;
       }
-      j.checksums[layer] = crc;
+      FLUXION_RETURN_IF_ERROR(Stage(j, layer, p0, p1, *slot));
+      std::vector<std::unique_ptr<transfer::TransferHandle>> writes;
+      absl::Status submitted = SubmitPages(j, layer, p0, p1, *slot, &writes);
+      j.ring->Commit(std::move(writes));  // what was submitted holds the slot, also on an error
+      FLUXION_RETURN_IF_ERROR(submitted);
+      j.sent[layer] = p1;
+      if (p1 == j.per_head) FLUXION_RETURN_IF_ERROR(FinishLayer(j, layer));
     }
-    if (j.want_meta) {
-      uint8_t* block = j.meta + layer * j.meta_layer_bytes;
-      if (j.crc) j.meta_checksums[layer] = transfer::Crc32c(block, j.meta_layer_bytes);
-      if (options_.layerwise) FLUXION_RETURN_IF_ERROR(SubmitMeta(j, layer, layer + 1));
-    }
-    if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
   }
   return absl::OkStatus();
 }
 
-// Hashes the pages of `layer` that became complete since the last call and, on the CPU path,
-// encodes their page bounds, from the staging copy while it is warm (the device path's bounds
-// came from the GPU with the pages).
-void PrefillEngine::Digest(Job& j, int layer, int64_t complete) const {
-  const int64_t p0 = j.digested[layer];
-  if (complete <= p0) return;
-  const int64_t hkv = shape_.num_kv_heads;
-  const uint8_t* layer_pages = j.staging + layer * j.layer_bytes;
+// Fills `slot` with pages [p0, p1) of every KV head of `layer` (from the model's cache on the
+// CPU path, from HBM on the device path, with their records), then hashes them and, on the CPU
+// path, encodes their records, while the slot is warm.
+absl::Status PrefillEngine::Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const {
+  uint8_t* records = j.want_meta ? j.meta + layer * j.meta_layer_bytes : nullptr;
+  if (device_ != nullptr) {
+    FLUXION_RETURN_IF_ERROR(device_->CopyPages(layer, p0, p1, slot, records));
+  } else {
+    const int64_t row = shape_.num_kv_heads * shape_.head_dim;
+    const model::DenseAttention& dense = j.attention->dense();
+    transfer::PackPageRange(j.geo, j.n, p0, p1, dense.keys(layer), dense.values(layer), row, slot);
+    if (records != nullptr) transfer::EncodePackedPageMeta(j.geo, j.n, slot, p0, p1, records);
+  }
   if (j.crc) {
+    const int64_t hkv = shape_.num_kv_heads, count = p1 - p0;
     for (int64_t h = 0; h < hkv; ++h) {
       uint32_t& crc = j.head_crcs[layer * hkv + h];
-      crc = transfer::Crc32cExtend(crc, layer_pages + (h * j.per_head + p0) * j.cb,
-                                   static_cast<size_t>(complete - p0) * j.cb);
+      crc = transfer::Crc32cExtend(crc, slot + h * count * j.cb, static_cast<size_t>(count) * j.cb);
     }
   }
-  if (j.want_meta && !j.meta_from_device) {  // the device's arrive with their pages
-    transfer::EncodePageMetaRange(j.geo, j.n, layer_pages, p0, complete,
-                                  j.meta + layer * j.meta_layer_bytes);
-  }
-  j.digested[layer] = complete;
+  return absl::OkStatus();
 }
 
-// One request through the device's forward. The copy thread calls back with each piece once its
-// pages are on the host: cancellation is checked there too, then the piece is sent.
+// Every page of `layer` is staged: its checksum, and its page records' block.
+absl::Status PrefillEngine::FinishLayer(Job& j, int layer) const {
+  if (j.crc) {  // the layer's pages in wire order: head 0's, then head 1's, ...
+    const int64_t hkv = shape_.num_kv_heads;
+    uint32_t crc = j.head_crcs[layer * hkv];
+    for (int64_t h = 1; h < hkv; ++h) {
+      crc = transfer::Crc32cCombine(crc, j.head_crcs[layer * hkv + h], j.per_head * j.cb);
+    }
+    j.checksums[layer] = crc;
+  }
+  if (j.want_meta) {
+    uint8_t* block = j.meta + layer * j.meta_layer_bytes;
+    if (j.crc) j.meta_checksums[layer] = transfer::Crc32c(block, j.meta_layer_bytes);
+    FLUXION_RETURN_IF_ERROR(SubmitMeta(j, layer, layer + 1));
+  }
+  if (options_.layer_delay > absl::ZeroDuration()) absl::SleepFor(options_.layer_delay);
+  return absl::OkStatus();
+}
+
+// One request through the device's forward. The copy thread calls back with each piece once it
+// is computed: cancellation is checked there too, then what fits the ring is sent.
 void PrefillEngine::RunOnDevice(Job& j) const {
   absl::StatusOr<DevicePrefillResult> r = device_->Run(
-      j.prompt, j.geo.page_tokens, j.staging, j.meta_from_device ? j.meta : nullptr,
-      j.request->has_sparse_target(), j.cancelled,
-      [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
+      j.prompt, j.geo.page_tokens, j.meta_from_device, j.request->has_sparse_target(),
+      j.cancelled, [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         return SendCompleted(j, layer, end);
       });
@@ -460,14 +524,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   const v1::PrefillRequest& request = *j.request;
   const v1::KvTarget& kv = request.kv_target();
   // Every error below is returned without waiting for the writes already submitted: Land waits
-  // for them before the reply goes out ("stopped writing before we say so").
-  Submitted& submitted = *j.submitted;
+  // for them before the reply goes out ("stopped writing before we say so"). Pages the ring had
+  // no room for yet go now as far as it has, the rest from Land's drain.
   if (!j.forward.ok()) return j.forward;
-  if (!options_.layerwise) {
-    absl::Status s = Submit(j, 0, shape.num_layers, 0, j.per_head);
-    if (s.ok() && j.want_meta) s = SubmitMeta(j, 0, shape.num_layers);
-    if (!s.ok()) return s;
-  }
+  if (options_.layerwise) FLUXION_RETURN_IF_ERROR(Pump(j, /*drain=*/false));
 
   // 4. The sparse state, into the room reserved for it.
   v1::PrefillResponse response;
@@ -511,23 +571,11 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   model::Sampler sampler(j.sampling);
   const int32_t first = sampler.Sample(j.logits);
   j.t_all_computed = Clock::now();
-  j.t_first_submit = submitted.first_submit();
 
   response.set_first_token_id(static_cast<uint32_t>(first));
   response.set_prompt_tokens(static_cast<uint32_t>(j.n));
   response.set_checksum_algorithm(kv.checksum_algorithm());
-  if (j.crc) {
-    for (uint64_t c : j.checksums) response.add_layer_checksums(c);
-  }
-  response.set_kv_bytes_written(j.staging_bytes);
-  if (j.want_meta) {
-    v1::PageMetaSummary* meta = response.mutable_page_meta();
-    meta->set_format_version(transfer::kPageMetaVersion);
-    meta->set_bytes_written(j.meta_bytes);
-    if (j.crc) {
-      for (uint64_t c : j.meta_checksums) meta->add_layer_checksums(c);
-    }
-  }
+  response.set_kv_bytes_written(j.kv_bytes);  // the checksums once Land has staged every page
   v1::PrefillTiming* timing = response.mutable_timing();
   timing->set_compute_us(MicrosBetween(j.t_compute, j.t_compute_end));
   timing->set_sparse_state_us(MicrosBetween(j.t_compute_end, t_state_end));
@@ -537,9 +585,25 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Land(Job* j,
                                                         absl::StatusOr<v1::PrefillResponse> computed) {
   if (j == nullptr) return computed;  // refused before anything was submitted
-  absl::Status landed = j->submitted->WaitAll();
+  // The pages still waiting for ring room (all of them when not sending layer by layer).
+  const absl::Status drained = computed.ok() ? j->engine->Pump(*j, /*drain=*/true) : absl::OkStatus();
+  absl::Status landed = j->ring->WaitAll(absl::Now() + j->engine->options_.transfer_timeout);
+  if (absl::Status s = j->submitted->WaitAll(); landed.ok()) landed = s;
   if (!computed.ok()) return computed;
+  if (!drained.ok()) return drained;
   if (!landed.ok()) return Annotate(landed, absl::StrCat(j->who, "KV writes did not complete: "));
+  if (j->crc) {
+    for (uint64_t c : j->checksums) computed->add_layer_checksums(c);
+  }
+  if (j->want_meta) {
+    v1::PageMetaSummary* meta = computed->mutable_page_meta();
+    meta->set_format_version(transfer::kPageMetaVersion);
+    meta->set_bytes_written(j->meta_bytes);
+    if (j->crc) {
+      for (uint64_t c : j->meta_checksums) meta->add_layer_checksums(c);
+    }
+  }
+  j->t_first_submit = j->submitted->first_submit();
   const Clock::time_point t_end = Clock::now();
   v1::PrefillTiming* timing = computed->mutable_timing();
   timing->set_transfer_us(MicrosBetween(j->t_first_submit, t_end));
@@ -584,8 +648,8 @@ void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const>
   const Handoff& reply = handoff;
   if (device_ != nullptr) {
     // On the GPU: one request at a time from preparation to reply (they share the device's pinned
-    // staging, so the next may start only once these writes stopped): Finish waits for them here,
-    // and the Landing handed over is already done.
+    // staging ring, and pages still to send stay in HBM only until the next Run): Finish drains
+    // and waits for them here, and the Landing handed over is already done.
     std::lock_guard<std::mutex> lock(device_mu_);
     for (size_t i = 0; i < requests.size(); ++i) {
       absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);

@@ -1,13 +1,15 @@
 // The prefill node's work for one request: validate it against this node's model and layout,
 // connect to the decode node's arena (transfer/), run the model's forward over the prompt with
-// full attention, and after each layer write that layer's KV pages into the pages the decode node
-// reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the transport's
-// progress thread moves the bytes while this thread computes). With each completed layer also
-// goes its per-page selection metadata (transfer/page_meta.h), when the request has a
-// page_meta_target: on the CPU path computed from the staging copy, on the device path on the GPU
-// (kernels/cuda/page_meta_encode.h) and copied to the host with its pages. Then capture the sparse state
-// (model::CaptureSparseState), write it into the room reserved for it, wait until every write has
-// landed, and sample the first token.
+// full attention, and as each piece of a layer completes write its KV pages into the pages the
+// decode node reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the
+// transport's progress thread moves the bytes while this thread computes). Pages pass through a
+// bounded staging ring (prefill/staging_ring.h); what it has no room for waits in the model's
+// cache or HBM and goes as earlier writes complete. With each completed layer also goes its
+// per-page selection metadata (transfer/page_meta.h), when the request has a page_meta_target:
+// on the CPU path computed from the staged pages, on the device path on the GPU
+// (kernels/cuda/page_meta_encode.h) and copied to the host with its pages. Then capture the
+// sparse state (model::CaptureSparseState), write it into the room reserved for it, send what is
+// left, wait until every write has landed, and sample the first token.
 //
 // "Any reply means the prefill node stopped writing" (prefill.proto): Run() returns only after
 // every batch it submitted has completed or failed, also when cancelled between layers.
@@ -29,6 +31,8 @@
 #include "fluxion/v1/prefill.pb.h"
 #include "model/model.h"
 #include "prefill/device_prefill.h"
+#include "prefill/staging_ring.h"
+#include "transfer/kv_pages.h"
 #include "transfer/transport.h"
 
 namespace fluxion::prefill {
@@ -46,7 +50,22 @@ struct PrefillEngineOptions {
   // Fault injection for tests: sleep this long after each layer's send is submitted, so a test
   // can kill the process or cancel the request mid-transfer.
   absl::Duration layer_delay = absl::ZeroDuration();
+  // Host memory each request's pages pass through (prefill/staging_ring.h), capped at the
+  // prompt's KV and raised to one page of every KV head. What does not fit waits in the model's
+  // cache or HBM and goes as writes complete: the compute never waits on the link. The default
+  // holds a 2K-token chunk through all 32 layers of Llama-3.1-8B (8 MiB a layer) with room to
+  // spare; at 128K the whole prompt would be 16 GiB.
+  uint64_t staging_ring_bytes = uint64_t{512} << 20;
 };
+
+// The staging ring of a `tokens`-token prompt: options.staging_ring_bytes, capped at the prompt's
+// KV and raised to one page of every KV head.
+uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::KvPageGeometry& geo,
+                          int64_t tokens);
+// What the device path pins for such a prompt: its ring, then its pages' selection records
+// (DevicePrefill::HostStaging).
+uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
+                            const transfer::KvPageGeometry& geo, int64_t tokens);
 
 class PrefillEngine {
  public:
@@ -82,8 +101,9 @@ class PrefillEngine {
 
   // --- Waiting for the writes off the compute thread (docs/FAULTS.md, "Findings") ---
   // A request whose compute is over and whose writes may still be in flight to its decode node.
-  // It owns the request's buffers until the writes stopped. Wait() blocks until they landed,
-  // failed or the lease (transfer_timeout) ran out, and returns the reply; destroying a Landing
+  // It owns the request's buffers until the writes stopped. Wait() sends the pages the staging
+  // ring had no room for yet, blocks until every write landed, failed or the lease
+  // (transfer_timeout) ran out, and returns the reply; destroying a Landing
   // that was not waited for waits too ("any reply means the prefill node stopped writing").
   class Landing;
   using Handoff = std::function<void(size_t, std::unique_ptr<Landing>)>;
@@ -102,15 +122,21 @@ class PrefillEngine {
   struct Job;
   absl::StatusOr<std::unique_ptr<Job>> Prepare(const fluxion::v1::PrefillRequest& request,
                                                const std::function<bool()>& cancelled) const;
-  absl::Status Submit(Job& j, int64_t l0, int64_t l1, int64_t p0, int64_t p1) const;
+  absl::Status SubmitPages(Job& j, int layer, int64_t p0, int64_t p1, const uint8_t* slot,
+                           std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const;
   absl::Status SubmitMeta(Job& j, int64_t l0, int64_t l1) const;
-  // Writes copies[t] into j.targets[t] for every t with copies, one batch each.
+  // Writes copies[t] into j.targets[t] for every t with copies, one batch each: the handles to
+  // `writes`, or (without) to j.submitted.
+  absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies,
+                         std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const;
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
   absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
   absl::Status CheckCancelled(const Job& j, int layer) const;
-  // Sends the pages of `layer` that rows [0, end) completed and checksums the layer once done.
+  // Notes the pages of `layer` that rows [0, end) completed and sends what the ring has room for.
   absl::Status SendCompleted(Job& j, int layer, int64_t end) const;
-  void Digest(Job& j, int layer, int64_t complete) const;
+  absl::Status Pump(Job& j, bool drain) const;
+  absl::Status Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const;
+  absl::Status FinishLayer(Job& j, int layer) const;
   void RunOnDevice(Job& j) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
   // Finish is Land(&j, FinishCompute(j)): waits for the writes, as every direct reply must.

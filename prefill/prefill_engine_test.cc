@@ -8,6 +8,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <thread>
+#include <vector>
 
 #include "decode/kv_admission.h"
 #include "gtest/gtest.h"
@@ -359,6 +361,96 @@ TEST_F(PrefillEngineMetaTest, RoomOutsideTheRangesOrTooSmallIsRefusedBeforeAnyWr
   kv.SetPeerStopped();
   room.pages.SetPeerStopped();
   other.SetPeerStopped();
+}
+
+// The pages of `r` in their logical order (the runs' order).
+std::vector<uint8_t> PagesOf(const KvArena& arena, const Reservation& r, size_t page_bytes) {
+  std::vector<uint8_t> out;
+  for (const PageRun& run : r.runs()) {
+    const uint8_t* p = arena.page(run.first);
+    out.insert(out.end(), p, p + static_cast<size_t>(run.count) * page_bytes);
+  }
+  return out;
+}
+
+// The staging ring at its smallest (one page of every KV head) while the decode node's transport
+// holds every write queued, unread, for a while: the engine cannot reuse a slot, defers the pages
+// it has no room for, and sends them from the Landing's drain once the writes move. A slot reused
+// too early would send another page's bytes: the pages, the checksums and the page records must
+// equal those of a run whose staging holds the whole prompt.
+TEST_F(PrefillEngineMetaTest, ASmallRingWithStalledWritesSendsTheSamePagesAndChecksums) {
+  v1::PrefillResponse want;
+  std::vector<uint8_t> want_pages, want_meta;
+  PrefillEngineOptions whole;
+  whole.piece_tokens = 16;  // the pieces of the runs below: the same arithmetic
+  engine_ = std::make_unique<PrefillEngine>(model_.get(), prefill_.get(), layout_, whole);
+  {
+    Reservation kv = Reserve();
+    MetaRoom room = ReserveRoom();
+    v1::PrefillRequest r = RequestFor("whole", kv, kv);
+    r.mutable_sampling()->set_temperature(0);  // greedy: the first token is the logits'
+    AskForMeta(&r, room, transfer::kPageMetaVersion);
+    absl::StatusOr<v1::PrefillResponse> out = Run(r);
+    ASSERT_TRUE(out.ok()) << out.status();
+    want = *out;
+    want_pages = PagesOf(*arena_, kv, page_bytes_);
+    want_meta = RoomBytes(room);
+    kv.SetPeerStopped();
+    room.pages.SetPeerStopped();
+  }
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer by layer" : "after the last layer");
+    PrefillEngineOptions options;
+    options.layerwise = layerwise;
+    options.piece_tokens = 16;
+    options.staging_ring_bytes = 1;  // raised to one page of every KV head
+    engine_ = std::make_unique<PrefillEngine>(model_.get(), prefill_.get(), layout_, options);
+    Reservation kv = Reserve();
+    MetaRoom room = ReserveRoom();
+    Fill(kv, 0xee);
+    v1::PrefillRequest r = RequestFor("ring", kv, kv);
+    r.mutable_sampling()->set_temperature(0);
+    AskForMeta(&r, room, transfer::kPageMetaVersion);
+    decode_->SetProgressPausedForTesting(true);
+    std::thread release([this] {
+      absl::SleepFor(absl::Milliseconds(300));
+      decode_->SetProgressPausedForTesting(false);
+    });
+    absl::StatusOr<v1::PrefillResponse> out = Run(r);
+    release.join();
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->first_token_id(), want.first_token_id());
+    EXPECT_EQ(out->kv_bytes_written(), want.kv_bytes_written());
+    ASSERT_EQ(out->layer_checksums_size(), want.layer_checksums_size());
+    for (int l = 0; l < want.layer_checksums_size(); ++l) {
+      EXPECT_EQ(out->layer_checksums(l), want.layer_checksums(l)) << "layer " << l;
+    }
+    EXPECT_TRUE(PagesOf(*arena_, kv, page_bytes_) == want_pages);
+    EXPECT_TRUE(RoomBytes(room) == want_meta);
+    ASSERT_EQ(out->page_meta().layer_checksums_size(), want.page_meta().layer_checksums_size());
+    for (int l = 0; l < want.page_meta().layer_checksums_size(); ++l) {
+      EXPECT_EQ(out->page_meta().layer_checksums(l), want.page_meta().layer_checksums(l)) << l;
+    }
+    kv.SetPeerStopped();
+    room.pages.SetPeerStopped();
+  }
+}
+
+// Writes that never complete hold the ring: the drain gives up after the transfer lease with an
+// error that says so, instead of reusing a slot a write may still read.
+TEST_F(PrefillEngineRangesTest, ARingHeldByWritesThatNeverCompleteFailsAfterTheLease) {
+  PrefillEngineOptions options;
+  options.staging_ring_bytes = 1;
+  options.transfer_timeout = absl::Milliseconds(200);
+  engine_ = std::make_unique<PrefillEngine>(model_.get(), prefill_.get(), layout_, options);
+  Reservation kv = Reserve();
+  decode_->SetProgressPausedForTesting(true);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::PrefillResponse> out = Run(RequestFor("stuck", kv, kv));
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kDeadlineExceeded) << out.status();
+  EXPECT_NE(out.status().message().find("did not complete"), std::string::npos) << out.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  kv.SetPeerStopped();
 }
 
 TEST_F(PrefillEngineRangesTest, EmptyWorkerAddressIsInvalidArgument) {

@@ -1,5 +1,6 @@
 #include "transfer/kv_pages.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -57,6 +58,32 @@ void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, con
                     int64_t row_stride, uint8_t* dst) {
   std::memset(dst, 0, g.content_bytes() * g.pages_per_layer(tokens));
   PackLayerRows(g, tokens, 0, tokens, k, v, row_stride, dst);
+}
+
+void PackPageRange(const KvPageGeometry& g, int64_t tokens, int64_t first_page, int64_t end_page,
+                   const float* k, const float* v, int64_t row_stride, uint8_t* dst) {
+  const int64_t pt = g.page_tokens, d = g.head_dim, count = end_page - first_page;
+  const size_t page_bytes = g.content_bytes();
+  for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+    for (int64_t i = 0; i < count; ++i) {
+      bf16* kp = reinterpret_cast<bf16*>(dst + (h * count + i) * page_bytes);
+      bf16* vp = kp + pt * d;
+      const int64_t t0 = (first_page + i) * pt;
+      const int64_t rows = std::min(pt, tokens - t0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* ks = k + (t0 + r) * row_stride + h * d;
+        const float* vs = v + (t0 + r) * row_stride + h * d;
+        for (int64_t e = 0; e < d; ++e) {
+          kp[r * d + e] = FloatToBf16(ks[e]);
+          vp[r * d + e] = FloatToBf16(vs[e]);
+        }
+      }
+      if (rows < pt) {
+        std::memset(kp + rows * d, 0, static_cast<size_t>((pt - rows) * d) * sizeof(bf16));
+        std::memset(vp + rows * d, 0, static_cast<size_t>((pt - rows) * d) * sizeof(bf16));
+      }
+    }
+  }
 }
 
 }  // namespace fluxion::transfer

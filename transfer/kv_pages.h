@@ -58,6 +58,13 @@ void PackLayerPages(const KvPageGeometry& g, int64_t tokens, const float* k, con
 void PackLayerRows(const KvPageGeometry& g, int64_t tokens, int64_t first, int64_t end,
                    const float* k, const float* v, int64_t row_stride, uint8_t* dst);
 
+// Packs pages [first_page, end_page) of every KV head of one layer of a `tokens`-token prompt
+// (k, v point at row 0) into `dst` as [head][end_page - first_page] pages: what a staging slot
+// holds (prefill/staging_ring.h). Rows past the prompt's end are zeroed, so the slot needs no
+// clearing. REQUIRES first_page < end_page <= pages_per_head(tokens).
+void PackPageRange(const KvPageGeometry& g, int64_t tokens, int64_t first_page, int64_t end_page,
+                   const float* k, const float* v, int64_t row_stride, uint8_t* dst);
+
 }  // namespace fluxion::transfer
 
 #endif  // FLUXION_TRANSFER_KV_PAGES_H_

@@ -1,6 +1,8 @@
 #include "transfer/kv_pages.h"
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/half.h"
@@ -117,6 +119,31 @@ TEST(PackLayerPagesTest, ChunkByChunkEqualsAllAtOnce) {
                   stride, chunked.data());
   }
   EXPECT_EQ(chunked, whole);
+}
+
+TEST(PackPageRangeTest, EachRangeIsItsPagesOfTheWholeLayerWithAZeroTail) {
+  KvPageGeometry g{1, 3, 8, 4};
+  const int64_t tokens = 19, stride = 3 * 8, per_head = g.pages_per_head(tokens);  // 5 pages
+  std::vector<float> k(tokens * stride), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = 1.0f + 0.5f * static_cast<float>(i);
+    v[i] = -1.0f - 0.25f * static_cast<float>(i);
+  }
+  std::vector<uint8_t> whole(g.pages_per_layer(tokens) * g.content_bytes());
+  PackLayerPages(g, tokens, k.data(), v.data(), stride, whole.data());
+  const size_t cb = g.content_bytes();
+  for (auto [p0, p1] : {std::pair<int64_t, int64_t>{0, 2}, {2, 5}, {4, 5}, {0, 5}}) {
+    const int64_t count = p1 - p0;
+    std::vector<uint8_t> slot(g.num_kv_heads * count * cb, 0xEE);  // dirty, as a reused slot is
+    PackPageRange(g, tokens, p0, p1, k.data(), v.data(), stride, slot.data());
+    for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+      for (int64_t i = 0; i < count; ++i) {
+        const uint8_t* want = whole.data() + (h * per_head + p0 + i) * cb;
+        const uint8_t* got = slot.data() + (h * count + i) * cb;
+        EXPECT_TRUE(std::equal(want, want + cb, got)) << "head " << h << " page " << p0 + i;
+      }
+    }
+  }
 }
 
 }  // namespace

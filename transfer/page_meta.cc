@@ -63,22 +63,43 @@ void PageKeyBounds(int64_t head_dim, int64_t rows, const bf16* keys, float* min,
   }
 }
 
-void EncodePageMetaRange(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
-                         int64_t first_page, int64_t end_page, uint8_t* dst) {
+namespace {
+// Records of pages [first_page, end_page) of every head; `page_at(h, i)` is page i of head h.
+template <typename PageAt>
+void EncodeRecords(const KvPageGeometry& g, int64_t tokens, int64_t first_page, int64_t end_page,
+                   PageAt page_at, uint8_t* dst) {
   const int64_t d = g.head_dim, pt = g.page_tokens, per_head = g.pages_per_head(tokens);
   std::vector<float> mn(d), mx(d);
   for (int64_t h = 0; h < g.num_kv_heads; ++h) {
     for (int64_t i = first_page; i < end_page && i < per_head; ++i) {
-      const int64_t index = h * per_head + i;
-      const auto* keys = reinterpret_cast<const bf16*>(layer_pages + index * g.content_bytes());
+      const auto* keys = reinterpret_cast<const bf16*>(page_at(h, i));
       PageKeyBounds(d, std::min(pt, tokens - i * pt), keys, mn.data(), mx.data());
-      auto* out = reinterpret_cast<bf16*>(dst + index * PageMetaRecordBytes(g));
+      auto* out = reinterpret_cast<bf16*>(dst + (h * per_head + i) * PageMetaRecordBytes(g));
       for (int64_t t = 0; t < d; ++t) {
         out[t] = FloatToBf16(mn[t]);  // exact: bf16 values
         out[d + t] = FloatToBf16(mx[t]);
       }
     }
   }
+}
+}  // namespace
+
+void EncodePageMetaRange(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
+                         int64_t first_page, int64_t end_page, uint8_t* dst) {
+  const int64_t per_head = g.pages_per_head(tokens);
+  EncodeRecords(
+      g, tokens, first_page, end_page,
+      [&](int64_t h, int64_t i) { return layer_pages + (h * per_head + i) * g.content_bytes(); },
+      dst);
+}
+
+void EncodePackedPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* pages,
+                          int64_t first_page, int64_t end_page, uint8_t* dst) {
+  const int64_t count = end_page - first_page;
+  EncodeRecords(
+      g, tokens, first_page, end_page,
+      [&](int64_t h, int64_t i) { return pages + (h * count + i - first_page) * g.content_bytes(); },
+      dst);
 }
 
 void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,

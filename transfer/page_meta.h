@@ -57,6 +57,10 @@ void EncodeLayerPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t*
 // it is): a layer encoded range by range, as its pages complete, equals EncodeLayerPageMeta.
 void EncodePageMetaRange(const KvPageGeometry& g, int64_t tokens, const uint8_t* layer_pages,
                          int64_t first_page, int64_t end_page, uint8_t* dst);
+// The same records from pages packed as PackPageRange packs them (`pages`: [head][end_page -
+// first_page] pages), written at their places in the layer block `dst`.
+void EncodePackedPageMeta(const KvPageGeometry& g, int64_t tokens, const uint8_t* pages,
+                          int64_t first_page, int64_t end_page, uint8_t* dst);
 
 // Decodes a layer block (`block`, PageMetaLayerBytes(g, tokens) bytes: the caller checked the
 // size) into fp32 bounds: min[h] and max[h] each point at [pages_per_head][head_dim] floats for

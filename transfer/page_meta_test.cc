@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "common/half.h"
@@ -82,6 +83,23 @@ TEST(PageMetaTest, EncodingRangeByRangeEqualsTheWholeLayer) {
   EncodePageMetaRange(kGeo, kTokens, p.pages.data(), 0, 1, pieces.data());
   EXPECT_NE(pieces, whole);  // pages 1 and 2 of every head are not written yet
   EncodePageMetaRange(kGeo, kTokens, p.pages.data(), 1, 3, pieces.data());
+  EXPECT_EQ(pieces, whole);
+}
+
+TEST(PageMetaTest, EncodingPackedRangesEqualsTheWholeLayer) {
+  const Packed p = MakePages();
+  std::vector<uint8_t> whole(PageMetaLayerBytes(kGeo, kTokens)), pieces(whole.size(), 0xab);
+  EncodeLayerPageMeta(kGeo, kTokens, p.pages.data(), whole.data());
+  const int64_t per_head = kGeo.pages_per_head(kTokens);
+  const size_t cb = kGeo.content_bytes();
+  for (auto [p0, p1] : {std::pair<int64_t, int64_t>{0, 1}, {1, 3}}) {
+    std::vector<uint8_t> packed;  // pages [p0, p1) of each head, head after head
+    for (int64_t h = 0; h < kGeo.num_kv_heads; ++h) {
+      const uint8_t* from = p.pages.data() + (h * per_head + p0) * cb;
+      packed.insert(packed.end(), from, from + (p1 - p0) * cb);
+    }
+    EncodePackedPageMeta(kGeo, kTokens, packed.data(), p0, p1, pieces.data());
+  }
   EXPECT_EQ(pieces, whole);
 }
 

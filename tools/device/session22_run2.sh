@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, device call 2: issue 14's table at one tree, part 2 (same binaries as call 1).
+# Session 22, device call 2 (session 21's plan): issue 14's table at one tree, part 2 (same binaries as call 1).
 #   1. Llama-3.1-8B shapes at 64K x 1, 4, 8 and 128K x 1, 4 (16 x 64K and 8 / 16 x 128K do not
 #      fit host memory), the same rows as call 1;
 #   2. the CPU part alone (zero-copy share 0) for the fixed hybrids at 1 x 128K and 4 x 32K:
@@ -12,15 +12,15 @@ common=(--device cuda --budget 0.05 --steps 4 --cpu-threads 16 --host-memory-gib
 timeout 250 "$bin/fluxion" bench decode "${common[@]}" --preset llama3.1-8b --device-read-share 0.5 \
   --policy full,fixed_32_0.05,fixed_32_0.02,fixed_16_0.05,lfps,fluxion \
   --profile conservative,bench/profiles/tiny-retrieval-16k.json \
-  --contexts 65536,131072 --batch 1,4,8 --json "$out/s21-8b-64k-128k.json" 2>&1 |
-  tee "$out/s21-8b-64k-128k.log"
+  --contexts 65536,131072 --batch 1,4,8 --json "$out/s22-8b-64k-128k.json" 2>&1 |
+  tee "$out/s22-8b-64k-128k.log"
 timeout 60 "$bin/fluxion" bench decode "${common[@]}" --preset llama3.1-8b --device-read-share 0 \
   --policy fixed_32_0.05,fixed_32_0.02,fixed_16_0.05 --contexts 32768,131072 --batch 1,4 \
-  --host-memory-gib 40 --json "$out/s21-8b-cpu-alone.json" 2>&1 | tee "$out/s21-8b-cpu-alone.log"
+  --host-memory-gib 40 --json "$out/s22-8b-cpu-alone.json" 2>&1 | tee "$out/s22-8b-cpu-alone.log"
 timeout 70 "$bin/fluxion" bench decode "${common[@]}" --preset llama3.1-8b --device-read-share 0.5 \
   --policy fixed_32_0.05,fixed_32_0.02 --micro-batches 1,2 --contexts 32768 --batch 16 \
-  --json "$out/s21-8b-pingpong.json" 2>&1 | tee "$out/s21-8b-pingpong.log"
+  --json "$out/s22-8b-pingpong.json" 2>&1 | tee "$out/s22-8b-pingpong.log"
 timeout 130 "$bin/fluxion" bench decode "${common[@]}" --preset qwen2.5-7b --device-read-share 0.5 \
   --policy full,fixed_32_0.05,fixed_32_0.02,fixed_16_0.05,lfps,fluxion --profile conservative \
-  --contexts 32768,131072 --batch 1,4 --json "$out/s21-qwen7b.json" 2>&1 | tee "$out/s21-qwen7b.log"
-tar -C "$out" -cJf /tmp/session21-call2.tar.xz . && rm -rf "$out"/* && mv /tmp/session21-call2.tar.xz "$out/"
+  --contexts 32768,131072 --batch 1,4 --json "$out/s22-qwen7b.json" 2>&1 | tee "$out/s22-qwen7b.log"
+tar -C "$out" -cJf /tmp/session22-call2.tar.xz . && rm -rf "$out"/* && mv /tmp/session22-call2.tar.xz "$out/"

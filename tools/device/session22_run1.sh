@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, device call 1: issue 14's table at one tree, part 1.
+# Session 22, device call 1 (session 21's plan, not run then: no device was lent): issue 14's table at one tree, part 1.
 #   1. every CUDA test binary (the log "Done means" asks for);
 #   2. torch's HBM-resident whole step (bench/anchor_hbm_decode.py) at every point of the table;
 #   3. `bench decode --device cuda` at Llama-3.1-8B shapes, 32K x batch 1, 4, 8, 16: the HBM
@@ -29,5 +29,5 @@ timeout 240 "$bin/fluxion" bench decode --device cuda --preset llama3.1-8b --bud
   --device-read-share 0.5 --steps 4 --cpu-threads 16 --host-memory-gib 84 \
   --policy full,fixed_32_0.05,fixed_32_0.02,fixed_16_0.05,lfps,fluxion \
   --profile conservative,bench/profiles/tiny-retrieval-16k.json \
-  --contexts 32768 --batch 1,4,8,16 --json "$out/s21-8b-32k.json" 2>&1 | tee "$out/s21-8b-32k.log"
-tar -C "$out" -cJf /tmp/session21-call1.tar.xz . && rm -rf "$out"/* && mv /tmp/session21-call1.tar.xz "$out/"
+  --contexts 32768 --batch 1,4,8,16 --json "$out/s22-8b-32k.json" 2>&1 | tee "$out/s22-8b-32k.log"
+tar -C "$out" -cJf /tmp/session22-call1.tar.xz . && rm -rf "$out"/* && mv /tmp/session22-call1.tar.xz "$out/"
