@@ -2,8 +2,8 @@
 # Builds the Fluxion container image from k8s/image/Dockerfile (docs/DEPLOY.md, "Image"), or checks
 # the definition without building it.
 #
-#   tools/build_image.sh [--demo] [--cuda] [--tag NAME:TAG] [--save FILE.tar]
-#                        [--builder docker|buildah|podman] [--local-base]
+#   tools/build_image.sh [--demo | --prebuilt BINARY] [--cuda] [--tag NAME:TAG] [--save FILE.tar]
+#                        [--builder docker|buildah|podman] [--local-base] [--smoke]
 #       builds the runtime stage (fluxion:latest), or with --demo the demo stage
 #       (fluxion:demo: the trained tiny model at /opt/fluxion/models/fluxion-tiny-retrieval, for
 #       k8s/overlays/dev); --cuda builds with FLUXION_ENABLE_CUDA=ON (fluxion:cuda; needs
@@ -15,6 +15,12 @@
 #       a container). --local-base: no registry reachable, so make the two base images from
 #       Debian's package mirror with mmdebstrap (localhost/debian:12 and localhost/debian:12-slim,
 #       made once, reused after) and build FROM them instead of Docker Hub's debian:12 / 12-slim.
+#       --prebuilt BINARY: the runtime image around a CPU `fluxion` built outside the image (target
+#       `prebuilt`, tag fluxion:prebuilt; what CI builds after its tests, without a second
+#       compile). --smoke: then run the image's checks inside a container of it (buildah or
+#       podman): it runs as uid 10001, cannot write its root filesystem, every library the
+#       binary links resolves, and `fluxion --help` and a `fluxion generate` on a random model
+#       made inside it work.
 #   tools/build_image.sh --check BINARY
 #       no docker needed (CI): every COPY source of the Dockerfile exists, the runtime stage installs
 #       a Debian package for every shared library BINARY (a built `fluxion`) links, each of those
@@ -34,7 +40,8 @@ check() {
   # 1. COPY sources exist (relative to the repository root, the build context).
   while read -r src; do
     [[ -e "$src" ]] || { echo "check: COPY source '$src' does not exist"; failed=1; }
-  done < <(grep -E '^COPY ' "$dockerfile" | grep -v -- '--from=' | awk '{for (i = 2; i < NF; ++i) print $i}')
+  done < <(grep -E '^COPY ' "$dockerfile" | grep -v -- '--from=' | awk '{for (i = 2; i < NF; ++i) print $i}' |
+      grep -v '^\.image-prebuilt/')   # put there by --prebuilt
   # 2. Every shared library of the binary comes from a runtime package or one of their
   #    dependencies (apt installs those too), or from the base image.
   mapfile -t wanted < <(runtime_packages)
@@ -99,7 +106,7 @@ check() {
     { echo "check: ENTRYPOINT must be /usr/local/bin/fluxion"; failed=1; }
   grep -q -- '--from=build /build/fluxion /usr/local/bin/fluxion' "$dockerfile" ||
     { echo "check: the runtime stage must copy the built binary to /usr/local/bin/fluxion"; failed=1; }
-  for stage in build runtime demo; do
+  for stage in build runtime-base runtime demo prebuilt; do
     grep -qE "^FROM .* AS ${stage}\$" "$dockerfile" || { echo "check: no stage '$stage'"; failed=1; }
   done
   if [[ $failed -ne 0 ]]; then return 1; fi
@@ -224,23 +231,72 @@ save_image() {
   echo "saved $tag to $save (load with: docker load -i $save, or ctr -n k8s.io images import $save)"
 }
 
-target=runtime tag="" save="" cuda=OFF builder="" local_base=0
+# Puts the --prebuilt binary where the Dockerfile's `prebuilt` stage copies it from, stripped of
+# debug information (the build's RelWithDebInfo binary is ~130 MB with it). A binary linking CUDA
+# cannot go into the CPU image: refused with the reason.
+stage_prebuilt() {
+  local binary=$1
+  [[ -x "$binary" ]] || { echo "--prebuilt: $binary is not an executable"; return 1; }
+  if ldd "$binary" | grep -qE 'libcudart|libcublas'; then
+    echo "--prebuilt: $binary links CUDA; the CPU image needs a build with -DFLUXION_ENABLE_CUDA=OFF"
+    return 1
+  fi
+  rm -rf .image-prebuilt
+  mkdir -p .image-prebuilt
+  cp "$binary" .image-prebuilt/fluxion
+  strip --strip-debug .image-prebuilt/fluxion
+}
+
+# The image's own checks, run inside a container of it as its user (chroot isolation where the OCI
+# runtime cannot start one, as for the build).
+smoke() {
+  [[ $builder == docker ]] && { echo "--smoke runs with buildah or podman"; return 1; }
+  local ctr rc=0 isolation
+  isolation=$(pick_isolation "$tag")
+  ctr=$(buildah from --pull=never "$tag")
+  in_image() { buildah run --isolation "$isolation" "$ctr" -- "$@"; }
+  echo "smoke: $tag (isolation $isolation)"
+  [[ "$(in_image id -u)" == 10001 ]] || { echo "smoke: not running as uid 10001"; rc=1; }
+  if in_image sh -c 'touch /usr/smoke-test' 2>/dev/null; then
+    echo "smoke: the image's user can write /usr"; rc=1
+  fi
+  if in_image ldd /usr/local/bin/fluxion | grep -q 'not found'; then
+    in_image ldd /usr/local/bin/fluxion | grep 'not found'
+    echo "smoke: libraries missing from the image"; rc=1
+  fi
+  in_image /usr/local/bin/fluxion --help >/dev/null || { echo "smoke: fluxion --help failed"; rc=1; }
+  # The model math in the image: a random tiny model written and read back in /tmp (writable in
+  # a container, as the pods' emptyDir is), 8 greedy tokens.
+  if ! in_image sh -c '/usr/local/bin/fluxion make-model --preset tiny --seed 1 --out /tmp/m >/dev/null &&
+        /usr/local/bin/fluxion generate --model /tmp/m --prompt-ids 1,2,3,4 --max-tokens 8 \
+          --cpu-threads 1 >/dev/null'; then
+    echo "smoke: fluxion generate on a random model failed"; rc=1
+  fi
+  buildah rm "$ctr" >/dev/null
+  [[ $rc -eq 0 ]] && echo "smoke: ok"
+  return "$rc"
+}
+
+target=runtime tag="" save="" cuda=OFF builder="" local_base=0 prebuilt="" run_smoke=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --check) check "${2:?--check needs the path of a built fluxion binary}"; exit $? ;;
     --demo) target=demo ;;
+    --prebuilt) target=prebuilt prebuilt=${2:?--prebuilt needs the path of a built fluxion}; shift ;;
+    --smoke) run_smoke=1 ;;
     --cuda) cuda=ON ;;
     --tag) tag=${2:?}; shift ;;
     --save) save=${2:?}; shift ;;
     --builder) builder=${2:?}; shift ;;
     --local-base) local_base=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
   shift
 done
 if [[ -z "$tag" ]]; then
   if [[ $target == demo ]]; then tag=fluxion:demo
+  elif [[ $target == prebuilt ]]; then tag=fluxion:prebuilt
   elif [[ $cuda == ON ]]; then tag=fluxion:cuda
   else tag=fluxion:latest
   fi
@@ -252,10 +308,16 @@ if [[ $local_base == 1 ]]; then
   [[ $cuda == ON ]] && { echo "--local-base makes the CPU bases; --cuda needs BUILD_IMAGE/RUNTIME_IMAGE with CUDA"; exit 2; }
   # localhost/, not debian:12: the bases made here must not pass for Docker Hub's images.
   export BUILD_IMAGE=localhost/debian:12 RUNTIME_IMAGE=localhost/debian:12-slim
-  have_image "$BUILD_IMAGE" || make_local_base "$BUILD_IMAGE" full
+  # The prebuilt image needs only the runtime base.
+  [[ $target == prebuilt ]] || have_image "$BUILD_IMAGE" || make_local_base "$BUILD_IMAGE" full
   have_image "$RUNTIME_IMAGE" || make_local_base "$RUNTIME_IMAGE" slim
+fi
+if [[ -n "$prebuilt" ]]; then
+  trap 'rm -rf .image-prebuilt' EXIT
+  stage_prebuilt "$prebuilt"
 fi
 echo "building $tag (target $target) with $builder"
 build
 echo "built $tag"
 if [[ -n "$save" ]]; then save_image; fi
+if [[ $run_smoke == 1 ]]; then smoke; fi

@@ -26,6 +26,8 @@ packages=(
   nodejs                                      # tests/js: the openai npm SDK against the HTTP API
   iproute2 nftables                           # fault suite: network namespaces, veth, tc; packet loss
   iptables libnetfilter-queue-dev             # fault suite: added delay (NFQUEUE + tests/link_delay)
+  buildah mmdebstrap crun fuse-overlayfs      # the container image, built daemonless from Debian's
+                                              #   mirror (tools/build_image.sh; CI builds it)
 )
 
 missing=()

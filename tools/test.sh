@@ -9,7 +9,11 @@
 #      FLUXION_CI_FUZZ_SECONDS (default 20) over its committed corpus; a crash fails CI
 #   4. sanitizers: the unit tests built with AddressSanitizer + UndefinedBehaviorSanitizer
 #      (build-asan/, -fno-sanitize-recover: UB fails the test) and run there
-# FLUXION_CI_SKIP_FUZZ=1 / FLUXION_CI_SKIP_SANITIZERS=1 leave stage 3 / 4 out (local runs).
+#   5. the container image: a CPU-only Release `fluxion` (build-image/), the runtime image around
+#      it (tools/build_image.sh --prebuilt, daemonless with buildah, the Debian base made from
+#      Debian's mirror) and its smoke checks run inside it (docs/DEPLOY.md, "Image")
+# FLUXION_CI_SKIP_FUZZ=1 / FLUXION_CI_SKIP_SANITIZERS=1 / FLUXION_CI_SKIP_IMAGE=1 leave stage 3 /
+# 4 / 5 out (local runs).
 #
 # Measured here (2 cores, Debian 12) on 2026-12-01 while five other sessions built on the same
 # cores (load average ~10), cold ccache; a dedicated CI box is several times faster:
@@ -79,3 +83,15 @@ if [[ "${FLUXION_CI_SKIP_SANITIZERS:-0}" != 1 ]]; then
     ctest --test-dir build-asan --output-on-failure -j"$jobs" --timeout 900 -L unit \
       -E '^(tools_eval|cluster_k8s_kustomize|GrpcStatusTest\.NonCanonicalGrpcCodeBecomesUnknownNamingTheNumber)$'
 fi
+
+if [[ "${FLUXION_CI_SKIP_IMAGE:-0}" != 1 ]]; then
+  stage "container image (build-image/, buildah)"
+  # CUDA off: the CPU image carries no CUDA libraries (build/'s binary links them). Release, no
+  # tests: the binary the image's own Dockerfile build makes.
+  cmake -S . -B build-image -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLUXION_BUILD_TESTS=OFF \
+    -DFLUXION_ENABLE_CUDA=OFF "${launcher[@]}" >/dev/null
+  cmake --build build-image -j"$jobs" --target fluxion
+  ./tools/build_image.sh --check build-image/fluxion
+  ./tools/build_image.sh --builder buildah --local-base --prebuilt build-image/fluxion --smoke
+fi
+stage "done"
