@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/memory_metrics.h"
 
 namespace fluxion::serving {
 
@@ -41,6 +42,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
 absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfRequested(
     const std::string& listen, metrics::Registry* registry) {
   if (listen.empty()) return std::unique_ptr<metrics::MetricsHttpServer>();
+  metrics::AddMemoryMetrics(registry);  // every server's: leak or allocator? (memory_metrics.h)
   return metrics::MetricsHttpServer::Start(listen, registry);
 }
 

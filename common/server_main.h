@@ -42,7 +42,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
 // reachable from other hosts (docs/TLS.md). Deployments pass 0.0.0.0:<port>.
 inline std::string LoopbackAddress(int port) { return "127.0.0.1:" + std::to_string(port); }
 
-// The /metrics endpoint on `listen`, or nullptr when `listen` is empty (the flag's "off").
+// The /metrics endpoint on `listen`, or nullptr when `listen` is empty (the flag's "off"); it
+// also exports the process's memory (common/memory_metrics.h).
 absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfRequested(
     const std::string& listen, metrics::Registry* registry);
 

@@ -15,7 +15,10 @@
 #    the verdict (OUT_DIR/verdict.txt) passes: errors only from the router's shedding, no sampled
 #    process died, RSS and threads flat after the warm-up, the KV pages back to their starting
 #    count, and every answer equal to the first answer to its prompt (no corrupted output).
-# Writes OUT_DIR/{saturation,soak}/ (summary.json, requests.csv, samples.csv, plots) and logs/.
+# Writes OUT_DIR/{saturation,soak}/ (summary.json, requests.csv, samples.csv, plots), logs/, and
+# memory.csv: every node's malloc bytes in use and held free (its /metrics,
+# common/memory_metrics.h) every SAMPLE_S, so that an RSS rise reads as a leak (in use climbs) or
+# as the allocator keeping freed memory (held free climbs, in use flat); the report ends with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${FLUXION_BINARY:-build/fluxion}
@@ -97,6 +100,26 @@ rate=$(python3 -c "print(round($sat * $RATE_FRACTION, 3))")
 num=$(python3 -c "print(int($rate * $DURATION_S))")
 echo "saturation throughput $sat req/s; soak at $rate req/s ($RATE_FRACTION x) for ${DURATION_S} s = $num requests"
 
+# memory.csv: t_s,name,resident,in_use,free_held from each node's /metrics while the soak runs.
+sample_memory() {
+  local t0=$SECONDS name port
+  echo "t_s,name,resident_bytes,malloc_in_use_bytes,malloc_free_held_bytes" > "$OUT/memory.csv"
+  while true; do
+    for f in "$OUT"/logs/*.metrics-port; do
+      name=$(basename "$f" .metrics-port)
+      port=$(cat "$f")
+      curl -s --max-time 2 "http://127.0.0.1:$port/metrics" | awk -v t=$((SECONDS - t0)) -v n="$name" '
+        $1 == "fluxion_process_resident_bytes" {r = $2}
+        $1 == "fluxion_malloc_in_use_bytes" {u = $2}
+        $1 == "fluxion_malloc_free_held_bytes" {h = $2}
+        END {if (u != "") printf "%d,%s,%.0f,%.0f,%.0f\n", t, n, r, u, h}' >> "$OUT/memory.csv"
+    done
+    sleep "$SAMPLE_S"
+  done
+}
+sample_memory &
+memory_sampler=$!
+
 echo "== soak"
 set +e
 "$BIN" replay "${common[@]}" --num-requests "$num" --rate "$rate" --seed 11 \
@@ -104,10 +127,12 @@ set +e
   --distinct-prompts "$DISTINCT_PROMPTS" --out-dir "$OUT/soak" | tee "$OUT/soak.txt"
 rc=${PIPESTATUS[0]}
 set -e
+kill "$memory_sampler" 2>/dev/null || true
 echo "replay exit status $rc (1 also when requests were shed)"
 # The verdict: errors only from shedding (the router's RESOURCE_EXHAUSTED at the KV threshold,
 # expected at saturation), no sampled process died, RSS and threads flat after the warm-up, the
 # KV pages back to their starting count, every repeated prompt answered with the same tokens.
+set +e
 python3 - "$OUT/soak/summary.json" <<'PY' | tee "$OUT/verdict.txt"
 import json, sys
 s = json.load(open(sys.argv[1]))
@@ -137,3 +162,19 @@ print(f"soak: {s['requests']} requests over {s['duration_s']:.0f} s, {s['succeed
 print("soak verdict: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
 sys.exit(1 if problems else 0)
 PY
+verdict_rc=${PIPESTATUS[0]}
+set -e
+# What malloc says of each node after the warm-up: the first and last samples (MiB).
+python3 - "$OUT/memory.csv" "$WARMUP_S" <<'PY' | tee -a "$OUT/verdict.txt"
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if int(r["t_s"]) >= float(sys.argv[2])]
+mib = lambda v: float(v) / 2**20
+for name in sorted({r["name"] for r in rows}):
+    mine = [r for r in rows if r["name"] == name]
+    a, b = mine[0], mine[-1]
+    print(f"memory {name}: resident {mib(a['resident_bytes']):.1f} -> {mib(b['resident_bytes']):.1f} MiB, "
+          f"malloc in use {mib(a['malloc_in_use_bytes']):.1f} -> {mib(b['malloc_in_use_bytes']):.1f}, "
+          f"held free {mib(a['malloc_free_held_bytes']):.1f} -> {mib(b['malloc_free_held_bytes']):.1f} "
+          f"(t {a['t_s']} -> {b['t_s']} s)")
+PY
+exit "$verdict_rc"
