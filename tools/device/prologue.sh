@@ -11,3 +11,9 @@ bin=/tmp/dev/.device/bin
 # OpenBLAS misdetects the host's Xeon; SKYLAKEX triples CPU prefill there (docs/DEPENDENCIES.md).
 # FLUXION_SOURCE_DIR: tests that read models/ find the checkout.
 export OPENBLAS_CORETYPE=SKYLAKEX FLUXION_SOURCE_DIR=$PWD
+# run_test SECONDS NAME: one test binary of the bundle, its verdict lines only.
+run_test() {
+  echo "== $2"
+  timeout "$1" "$bin/$2" 2>&1 |
+    grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|Expected|Which is' | tail -25
+}

@@ -7,11 +7,6 @@
 #      lfps and fluxion under the conservative and the measured profile, budget 0.05, zero-copy
 #      share 0.5; a read probe and the CPU attention's GB/s per row.
 source "$(dirname "$0")/prologue.sh"
-run_test() {  # run_test SECONDS NAME
-  echo "== $2"
-  timeout "$1" "$bin/$2" 2>&1 |
-    grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|Expected|Which is' | tail -25
-}
 {
   run_test 120 kernels_cuda_test
   run_test 60 kernels_cuda_ring_test

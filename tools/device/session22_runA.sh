@@ -3,11 +3,6 @@
 # unverified there): every CUDA test binary (prefill_device_test pulls pages with CopyPages as the
 # engine does), then session22_run3.sh's TTFT through the ring.
 source "$(dirname "$0")/prologue.sh"
-run_test() {  # run_test SECONDS NAME
-  echo "== $2"
-  timeout "$1" "$bin/$2" 2>&1 |
-    grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|Expected|Which is' | tail -25
-}
 {
   run_test 120 prefill_device_test
   run_test 120 kernels_cuda_prefill_test
