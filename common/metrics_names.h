@@ -54,6 +54,8 @@ inline constexpr char kPrefillPromptTokensQueued[] = "fluxion_prefill_prompt_tok
 inline constexpr char kPrefillRequestsRunning[] = "fluxion_prefill_requests_running";
 inline constexpr char kPrefillRequestsTotal[] = "fluxion_prefill_requests_total";
 inline constexpr char kPrefillPromptTokensTotal[] = "fluxion_prefill_prompt_tokens_total";
+inline constexpr char kPrefillStagingSlotsTotal[] = "fluxion_prefill_staging_slots_total";
+inline constexpr char kPrefillStagingFullTotal[] = "fluxion_prefill_staging_full_total";
 inline constexpr char kPrefillComputeSeconds[] = "fluxion_prefill_compute_seconds";
 inline constexpr char kPrefillTransferTailSeconds[] = "fluxion_prefill_transfer_tail_seconds";
 

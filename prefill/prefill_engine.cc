@@ -436,7 +436,11 @@ absl::Status PrefillEngine::Pump(Job& j, bool drain) const {
       absl::StatusOr<uint8_t*> slot = j.ring->TryAcquire(hkv * (p1 - p0) * j.cb);
       if (!slot.ok()) return Annotate(slot.status(), absl::StrCat(j.who, "KV writes failed: "));
       if (*slot == nullptr) {
-        if (!drain) return absl::OkStatus();
+        if (!drain) {
+          deferred_.fetch_add(1, std::memory_order_relaxed);
+          return absl::OkStatus();
+        }
+        drain_waits_.fetch_add(1, std::memory_order_relaxed);
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         absl::Status room = j.ring->WaitOldest(absl::Now() + options_.transfer_timeout);
         if (!room.ok()) return Annotate(room, absl::StrCat(j.who, "KV writes did not complete: "));
@@ -446,6 +450,7 @@ absl::Status PrefillEngine::Pump(Job& j, bool drain) const {
       std::vector<std::unique_ptr<transfer::TransferHandle>> writes;
       absl::Status submitted = SubmitPages(j, layer, p0, p1, *slot, &writes);
       j.ring->Commit(std::move(writes));  // what was submitted holds the slot, also on an error
+      slots_.fetch_add(1, std::memory_order_relaxed);
       FLUXION_RETURN_IF_ERROR(submitted);
       j.sent[layer] = p1;
       if (p1 == j.per_head) FLUXION_RETURN_IF_ERROR(FinishLayer(j, layer));
@@ -513,6 +518,11 @@ void PrefillEngine::RunOnDevice(Job& j) const {
   j.logits = std::move(r->logits);
   j.device_state = std::move(r->state);
   j.t_compute_end = r->forward_end;
+}
+
+StagingStats PrefillEngine::staging_stats() const {
+  return {slots_.load(std::memory_order_relaxed), deferred_.load(std::memory_order_relaxed),
+          drain_waits_.load(std::memory_order_relaxed)};
 }
 
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {

@@ -19,6 +19,7 @@
 #ifndef FLUXION_PREFILL_PREFILL_ENGINE_H_
 #define FLUXION_PREFILL_PREFILL_ENGINE_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,17 @@ uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::K
 // (DevicePrefill::HostStaging).
 uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
                             const transfer::KvPageGeometry& geo, int64_t tokens);
+
+// How the staging ring kept up (counts since the engine started): slots staged and sent, and the
+// times the ring had no room: during the compute (the pages waited in the model's cache or HBM;
+// the compute did not wait) and in a Landing's drain (a request waited for its own writes). Many
+// of the first mean the link is slower than the compute or the ring too small for it
+// (--staging-ring-mib).
+struct StagingStats {
+  uint64_t slots = 0;
+  uint64_t deferred = 0;
+  uint64_t drain_waits = 0;
+};
 
 class PrefillEngine {
  public:
@@ -117,6 +129,7 @@ class PrefillEngine {
                         const Handoff& handoff) const;
 
   const fluxion::v1::ModelLayout& layout() const { return layout_; }
+  StagingStats staging_stats() const;
 
  private:
   struct Job;
@@ -156,6 +169,7 @@ class PrefillEngine {
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;
   mutable std::mutex device_mu_;  // the device path: one request at a time (its pinned staging)
+  mutable std::atomic<uint64_t> slots_{0}, deferred_{0}, drain_waits_{0};  // StagingStats
 };
 
 class PrefillEngine::Landing {

@@ -425,6 +425,16 @@ TEST_F(PrefillEngineMetaTest, ASmallRingWithStalledWritesSendsTheSamePagesAndChe
     for (int l = 0; l < want.layer_checksums_size(); ++l) {
       EXPECT_EQ(out->layer_checksums(l), want.layer_checksums(l)) << "layer " << l;
     }
+    // Every slot one page of each head (3 pages per head), and the ring was full: in the compute
+    // only when sending layer by layer, in the drain either way.
+    const StagingStats stats = engine_->staging_stats();
+    EXPECT_EQ(stats.slots, static_cast<uint64_t>(model_->attention_shape().num_layers * 3));
+    if (layerwise) {
+      EXPECT_GT(stats.deferred, 0u);
+    } else {
+      EXPECT_EQ(stats.deferred, 0u);
+    }
+    EXPECT_GT(stats.drain_waits, 0u);
     EXPECT_TRUE(PagesOf(*arena_, kv, page_bytes_) == want_pages);
     EXPECT_TRUE(RoomBytes(room) == want_meta);
     ASSERT_EQ(out->page_meta().layer_checksums_size(), want.page_meta().layer_checksums_size());

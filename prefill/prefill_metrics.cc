@@ -47,6 +47,16 @@ void PrefillNodeMetrics::Attach(const PrefillServiceImpl* service) {
           "KV and sparse-state bytes moved by KV transfers (batches that completed).",
           {{"direction", "sent"}},
           [service] { return static_cast<double>(service->metrics().transport.bytes_written); });
+  counter(names::kPrefillStagingSlotsTotal,
+          "Staging-ring slots of KV pages staged and sent (prefill/staging_ring.h).", {},
+          [service] { return static_cast<double>(service->metrics().staging.slots); });
+  const char* full_help =
+      "Times the staging ring had no room: during the compute (the pages waited, the compute did "
+      "not) or in a request's drain after it (the request waited for its own writes).";
+  counter(names::kPrefillStagingFullTotal, full_help, {{"when", "compute"}},
+          [service] { return static_cast<double>(service->metrics().staging.deferred); });
+  counter(names::kPrefillStagingFullTotal, full_help, {{"when", "drain"}},
+          [service] { return static_cast<double>(service->metrics().staging.drain_waits); });
   // The transport's failure counts, by the cause labels of docs/METRICS.md.
   const char* failures_help = "Failed KV transfers, by cause (the transport's own counts).";
   auto failures = [&](const char* cause,

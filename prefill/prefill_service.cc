@@ -246,6 +246,7 @@ PrefillMetrics PrefillServiceImpl::metrics() const {
   absl::MutexLock lock(&mu_);
   PrefillMetrics m = metrics_;
   m.transport = transport_->metrics();
+  m.staging = engine_->staging_stats();
   return m;
 }
 

@@ -47,6 +47,7 @@ struct PrefillMetrics {
   uint64_t batches = 0;
   uint64_t batched_requests = 0;
   transfer::TransportMetrics transport;
+  StagingStats staging;  // the engine's (prefill_engine.h)
 };
 
 class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
