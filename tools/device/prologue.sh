@@ -17,3 +17,16 @@ run_test() {
   timeout "$1" "$bin/$2" 2>&1 |
     grep -E '^\[ +(FAILED|PASSED|SKIPPED) |^\[==========\]|Failure|Expected|Which is' | tail -25
 }
+# run_cuda_tests: every CUDA test binary of the bundle, the prefill's first, into $out/tests.log.
+run_cuda_tests() {
+  {
+    run_test 120 prefill_device_test
+    run_test 120 kernels_cuda_prefill_test
+    run_test 120 kernels_cuda_test
+    run_test 60 kernels_cuda_ring_test
+    run_test 180 kernels_cuda_attention_test
+    run_test 120 model_cuda_test
+    run_test 90 cuda_resident_window_test
+    run_test 150 eval_cuda_test
+  } 2>&1 | tee "$out/tests.log"
+}

@@ -7,16 +7,7 @@
 #      lfps and fluxion under the conservative and the measured profile, budget 0.05, zero-copy
 #      share 0.5; a read probe and the CPU attention's GB/s per row.
 source "$(dirname "$0")/prologue.sh"
-{
-  run_test 120 kernels_cuda_test
-  run_test 60 kernels_cuda_ring_test
-  run_test 180 kernels_cuda_attention_test
-  run_test 120 kernels_cuda_prefill_test
-  run_test 120 model_cuda_test
-  run_test 90 cuda_resident_window_test
-  run_test 120 prefill_device_test
-  run_test 150 eval_cuda_test
-} 2>&1 | tee "$out/tests.log"
+run_cuda_tests
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 timeout 200 python3 bench/anchor_hbm_decode.py --json "$out/torch-hbm.json" 2>&1 | tail -14 |
   tee "$out/torch-hbm.log"
