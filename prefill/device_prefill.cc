@@ -133,7 +133,7 @@ class PieceReporter {
 
 // The shape of the last Run's pages in HBM, for CopyPages.
 struct RunLayout {
-  int64_t tokens = 0, pages_per_head = 0;
+  int64_t pages_per_head = 0;
   size_t page_bytes = 0, layer_bytes = 0, record_bytes = 0, meta_layer_bytes = 0;
   bool meta = false;
 };
@@ -268,7 +268,7 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
   {
     std::lock_guard<std::mutex> copy_lock(m.copy_mu);
-    m.last = RunLayout{n, pph, page_bytes, layer_bytes, record_bytes, meta_layer_bytes, encode_meta};
+    m.last = RunLayout{pph, page_bytes, layer_bytes, record_bytes, meta_layer_bytes, encode_meta};
   }
   PieceReporter reporter(m.device, ready);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));

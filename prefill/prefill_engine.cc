@@ -154,7 +154,7 @@ struct PrefillEngine::Job {
   int64_t n = 0;
   transfer::KvPageGeometry geo;
   int64_t per_head = 0, ppl = 0;
-  uint64_t cb = 0, layer_bytes = 0;
+  uint64_t cb = 0;
   std::vector<uint64_t> page_ids;
   uint64_t arena_base = 0, remote_page_bytes = 0;  // the KvTarget's, copied: the Landing reads them
   // Per page and per sparse-state extent: which of `targets` (one per range used) it lies in.
@@ -178,7 +178,6 @@ struct PrefillEngine::Job {
   // each staging slot as its pages are staged (into `owned_meta`); on the device path computed on
   // the GPU and copied with the pages into the pinned staging, after the ring. A copy source.
   bool want_meta = false;
-  bool meta_from_device = false;
   uint64_t meta_layer_bytes = 0;
   std::vector<uint32_t> meta_target;  // per page_meta_target extent: its target
   v1::PageMetaTarget meta_extents;      // the request's, copied: the Landing reads them
@@ -289,8 +288,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   // 3. Forward, sending each piece of a layer as it completes, through the staging ring: a slot
   // holds a run of pages of every KV head, so consecutive reserved page ids coalesce into one put.
   j->ppl = geo.pages_per_layer(n);
-  j->layer_bytes = static_cast<uint64_t>(j->ppl) * cb;
-  j->kv_bytes = j->layer_bytes * shape.num_layers;
+  j->kv_bytes = static_cast<uint64_t>(j->ppl) * cb * shape.num_layers;
   if (j->want_meta) {
     j->meta_layer_bytes = transfer::PageMetaLayerBytes(geo, n);
     j->meta_bytes = j->meta_layer_bytes * shape.num_layers;
@@ -303,7 +301,6 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
     // One pinned buffer: the ring, then the page records the device computes beside the pages.
     FLUXION_ASSIGN_OR_RETURN(j->ring_memory, device_->HostStaging(j->ring_bytes + j->meta_bytes));
     j->meta = j->want_meta ? j->ring_memory + j->ring_bytes : nullptr;
-    j->meta_from_device = j->want_meta;
   } else {
     j->owned_ring.reset(new uint8_t[j->ring_bytes]);
     j->ring_memory = j->owned_ring.get();
@@ -505,7 +502,7 @@ absl::Status PrefillEngine::FinishLayer(Job& j, int layer) const {
 // is computed: cancellation is checked there too, then what fits the ring is sent.
 void PrefillEngine::RunOnDevice(Job& j) const {
   absl::StatusOr<DevicePrefillResult> r = device_->Run(
-      j.prompt, j.geo.page_tokens, j.meta_from_device, j.request->has_sparse_target(),
+      j.prompt, j.geo.page_tokens, j.want_meta, j.request->has_sparse_target(),
       j.cancelled, [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         return SendCompleted(j, layer, end);

@@ -38,8 +38,11 @@ MODEL=${MODEL:-models/fluxion-tiny-retrieval}
 mkdir -p "$OUT/logs"
 
 pids=()
+memory_sampler=""
 cleanup() {
-  # Reverse start order: router, decode nodes, prefill nodes; SIGTERM, then wait.
+  # The memory sampler first (a loop that would outlive the script on an early exit), then the
+  # nodes in reverse start order: router, decode nodes, prefill nodes; SIGTERM, then wait.
+  [[ -z "$memory_sampler" ]] || kill "$memory_sampler" 2>/dev/null || true
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill -TERM "${pids[i]}" 2>/dev/null || true; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
 }
