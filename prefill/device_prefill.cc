@@ -62,42 +62,46 @@ class Event {
   cudaEvent_t e_ = nullptr;
 };
 
-// One computed piece: rows [first, end) of `layer`, complete on the compute stream at `ready`.
+// One computed piece: rows [first, end) of `layer` of prompt `prompt`, complete on the compute
+// stream at `ready`.
 struct Piece {
+  size_t prompt = 0;
   int layer = 0;
   int64_t first = 0, end = 0;
   cudaEvent_t ready = nullptr;
 };
 
 // The copy thread: waits for each piece, in order, and tells the caller's callback (which pulls
-// the pages it wants with CopyPages, on the copy stream). The first error (a wait's or the
-// callback's) is kept and stops further work; the compute loop polls failed() between layers.
+// the pages it wants with CopyPages, on the copy stream). A callback's error stops its prompt
+// (later pieces of it are dropped); a failed wait stops them all. The compute loop polls
+// failed() between layers.
 class PieceReporter {
  public:
-  PieceReporter(int device, const PiecesReady& ready)
-      : device_(device), ready_(ready), thread_([this] { Loop(); }) {}
-  ~PieceReporter() { (void)Finish(); }
+  PieceReporter(int device, size_t prompts, const BatchPiecesReady& ready)
+      : device_(device), ready_(ready), status_(prompts), thread_([this] { Loop(); }) {}
+  ~PieceReporter() { Finish(); }
 
   void Push(const Piece& p) {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(p);
     cv_.notify_one();
   }
-  bool failed() const {
+  bool failed(size_t prompt) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return !status_.ok();
+    return !all_.ok() || !status_[prompt].ok();
   }
-  // Reports what is queued, stops the thread, and returns the first error.
-  absl::Status Finish() {
+  // Reports what is queued and stops the thread.
+  void Finish() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       closed_ = true;
       cv_.notify_one();
     }
     if (thread_.joinable()) thread_.join();
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
   }
+  // After Finish: a failed wait (every prompt's), then each prompt's first callback error.
+  const absl::Status& all() const { return all_; }
+  const absl::Status& status(size_t prompt) const { return status_[prompt]; }
 
  private:
   void Loop() {
@@ -110,32 +114,48 @@ class PieceReporter {
         if (queue_.empty()) return;
         p = queue_.front();
         queue_.pop_front();
-        if (!status_.ok()) continue;  // drain without work after a failure
+        // Drain without work after a failure.
+        if (!all_.ok() || !status_[p.prompt].ok()) continue;
       }
-      absl::Status s = CudaStatus(cudaEventSynchronize(p.ready), "wait for a piece");
-      if (s.ok()) s = ready_(p.layer, p.first, p.end);
-      if (!s.ok()) {
+      if (absl::Status s = CudaStatus(cudaEventSynchronize(p.ready), "wait for a piece"); !s.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (status_.ok()) status_ = s;
+        all_ = s;
+        continue;
+      }
+      if (absl::Status s = ready_(p.prompt, p.layer, p.first, p.end); !s.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        status_[p.prompt] = s;
       }
     }
   }
 
   const int device_;
-  const PiecesReady& ready_;
+  const BatchPiecesReady& ready_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Piece> queue_;
   bool closed_ = false;
-  absl::Status status_;
+  absl::Status all_;
+  std::vector<absl::Status> status_;
   std::thread thread_;  // last: starts after everything it reads
 };
 
-// The shape of the last Run's pages in HBM, for CopyPages.
-struct RunLayout {
-  int64_t pages_per_head = 0;
-  size_t page_bytes = 0, layer_bytes = 0, record_bytes = 0, meta_layer_bytes = 0;
+// A page's selection record: key min and max, bf16 (transfer/page_meta.h): 4 bytes per dim.
+constexpr size_t kRecordBytesPerDim = 4;
+
+// Where one prompt of the last batch lives in HBM, for CopyPages and the capture.
+struct PromptLayout {
+  int64_t tokens = 0, page_tokens = 0, pages_per_head = 0, tail_rows = 0;
+  size_t page_bytes = 0, layer_bytes = 0, pages_offset = 0;  // bytes into the pages buffer
+  size_t meta_layer_bytes = 0, meta_offset = 0;               // 0 / unused without records
+  size_t tail_offset = 0;  // floats into the tail queries: [layer][tail row][q head][head_dim]
   bool meta = false;
+};
+
+// Rows [first, first + rows) of prompt `prompt` at rows [offset, offset + rows) of a chunk.
+struct Segment {
+  size_t prompt = 0;
+  int64_t first = 0, rows = 0, offset = 0;
 };
 
 }  // namespace
@@ -150,8 +170,8 @@ struct DevicePrefill::Impl {
   Stream copy_stream;
   model::StepBuffers buf;
   std::unique_ptr<model::OpsBuffer> pages, meta, logits, tail_q;
-  std::mutex copy_mu;  // CopyPages: the copy stream and `last`
-  RunLayout last;      // of the last Run, set before its first piece is reported
+  std::mutex copy_mu;               // CopyPages: the copy stream and `last`
+  std::vector<PromptLayout> last;  // of the last batch, set before its first piece is reported
   std::mutex staging_mu;
   void* staging = nullptr;  // pinned (cudaHostAlloc), grown by HostStaging, freed with the prefill
   size_t staging_bytes = 0;
@@ -167,9 +187,10 @@ struct DevicePrefill::Impl {
     return absl::OkStatus();
   }
 
+  // The sparse state of one prompt from its pages and its tail queries ([layer][row][head][dim]).
   absl::StatusOr<model::SparseState> Capture(const kernels::cuda::LayerPages& first_layer,
                                              size_t layer_bytes, int64_t tokens, int64_t rows,
-                                             cudaStream_t stream);
+                                             const float* tail_q_base, cudaStream_t stream);
 };
 
 DevicePrefill::DevicePrefill(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -214,7 +235,6 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> DevicePrefill::Create(
   FLUXION_RETURN_IF_ERROR(model::FuseParams(*ops, &params));
   FLUXION_ASSIGN_OR_RETURN(impl->buf,
                            model::StepBuffers::Create(*ops, config, options.chunk_tokens));
-  FLUXION_ASSIGN_OR_RETURN(impl->logits, ops->Allocate(config.vocab_size * sizeof(float)));
   FLUXION_RETURN_IF_ERROR(impl->copy_stream.Init());
   impl->ops = std::move(ops);
   impl->params = std::move(params);
@@ -227,138 +247,244 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
                                                        bool capture_state,
                                                        const std::function<bool()>& cancelled,
                                                        const PiecesReady& ready) {
+  const DevicePrompt one[] = {{prompt, page_tokens, encode_meta, capture_state, cancelled}};
+  FLUXION_ASSIGN_OR_RETURN(
+      std::vector<absl::StatusOr<DevicePrefillResult>> results,
+      RunBatch(one, [&](size_t, int layer, int64_t first, int64_t end) {
+        return ready(layer, first, end);
+      }));
+  return std::move(results[0]);
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::RunBatch(
+    absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   const model::ModelConfig& c = m.config;
-  const int64_t n = static_cast<int64_t>(prompt.size());
-  if (n < 1 || page_tokens < 1) {
-    return absl::InvalidArgumentError("the device prefill needs a prompt and a page size");
-  }
+  const size_t count = prompts.size();
+  std::vector<absl::StatusOr<DevicePrefillResult>> results(count, absl::UnknownError("not run"));
+  if (count == 0) return results;
   FLUXION_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(m.device), "device"));
   model::DenseOps& ops = *m.ops;
   cudaStream_t stream = static_cast<cudaStream_t>(ops.native_stream());
-  const int64_t hkv = c.num_kv_heads, d = c.head_dim, hq = c.num_heads;
-  const int64_t pph = (n + page_tokens - 1) / page_tokens;
-  const size_t page_bytes = static_cast<size_t>(2 * page_tokens * d) * 2;
-  const size_t layer_bytes = static_cast<size_t>(hkv * pph) * page_bytes;
-  const int64_t tail_rows = std::min<int64_t>(model::kPrefillTailRows, n);
-  const int64_t tail0 = n - tail_rows;
-  FLUXION_RETURN_IF_ERROR(m.Reserve(m.pages, layer_bytes * c.num_layers));
-  FLUXION_RETURN_IF_ERROR(
-      m.Reserve(m.tail_q, sizeof(float) * c.num_layers * tail_rows * hq * d));
-  uint8_t* dev_pages = static_cast<uint8_t*>(m.pages->data());
-  // The page records of a layer: (head, page) in the pages' order, 4 * head_dim bytes each.
-  const size_t record_bytes = static_cast<size_t>(4 * d);
-  const size_t meta_layer_bytes = static_cast<size_t>(hkv * pph) * record_bytes;
-  uint8_t* dev_meta = nullptr;
-  if (encode_meta) {
-    FLUXION_RETURN_IF_ERROR(m.Reserve(m.meta, meta_layer_bytes * c.num_layers));
-    dev_meta = static_cast<uint8_t*>(m.meta->data());
+  const int64_t hkv = c.num_kv_heads, d = c.head_dim, hq = c.num_heads, layers = c.num_layers;
+  const int64_t kv_row = hkv * d;
+  // Each prompt's place in HBM: its pages (every layer), its records, its tail queries.
+  std::vector<PromptLayout> layout(count);
+  size_t pages_bytes = 0, meta_bytes = 0, tail_floats = 0;
+  int64_t total_rows = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const DevicePrompt& p = prompts[i];
+    const int64_t n = static_cast<int64_t>(p.tokens.size());
+    if (n < 1 || p.page_tokens < 1) {
+      return absl::InvalidArgumentError("the device prefill needs prompts and a page size");
+    }
+    PromptLayout& l = layout[i];
+    l.tokens = n;
+    l.page_tokens = p.page_tokens;
+    l.pages_per_head = (n + p.page_tokens - 1) / p.page_tokens;
+    l.tail_rows = std::min<int64_t>(model::kPrefillTailRows, n);
+    l.page_bytes = static_cast<size_t>(2 * p.page_tokens * d) * 2;
+    l.layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * l.page_bytes;
+    l.pages_offset = pages_bytes;
+    pages_bytes += l.layer_bytes * layers;
+    l.meta = p.encode_meta;
+    if (l.meta) {  // the records of a layer: (head, page) in the pages' order, 4 * head_dim bytes
+      l.meta_layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * kRecordBytesPerDim * d;
+      l.meta_offset = meta_bytes;
+      meta_bytes += l.meta_layer_bytes * layers;
+    }
+    l.tail_offset = tail_floats;
+    tail_floats += static_cast<size_t>(layers * l.tail_rows * hq * d);
+    total_rows += n;
   }
-  // Rows past the prompt's end in each head's last page go out as zeros.
-  FLUXION_RETURN_IF_ERROR(CudaStatus(
-      cudaMemsetAsync(dev_pages, 0, layer_bytes * c.num_layers, stream), "clear pages"));
-  auto layer_pages = [&](int layer) {
-    return kernels::cuda::LayerPages{dev_pages + layer * layer_bytes, hkv, d, page_tokens, pph};
+  FLUXION_RETURN_IF_ERROR(m.Reserve(m.pages, pages_bytes));
+  FLUXION_RETURN_IF_ERROR(m.Reserve(m.tail_q, sizeof(float) * tail_floats));
+  FLUXION_RETURN_IF_ERROR(m.Reserve(m.logits, sizeof(float) * count * c.vocab_size));
+  if (meta_bytes > 0) FLUXION_RETURN_IF_ERROR(m.Reserve(m.meta, meta_bytes));
+  uint8_t* dev_pages = static_cast<uint8_t*>(m.pages->data());
+  uint8_t* dev_meta = meta_bytes > 0 ? static_cast<uint8_t*>(m.meta->data()) : nullptr;
+  float* tail_q = static_cast<float*>(m.tail_q->data());
+  float* logits = static_cast<float*>(m.logits->data());
+  // Rows past a prompt's end in each head's last page go out as zeros.
+  FLUXION_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(dev_pages, 0, pages_bytes, stream), "clear pages"));
+  auto layer_pages = [&](size_t i, int64_t layer) {
+    const PromptLayout& l = layout[i];
+    return kernels::cuda::LayerPages{dev_pages + l.pages_offset + layer * l.layer_bytes, hkv, d,
+                                     l.page_tokens, l.pages_per_head};
   };
-
-  const int64_t chunk = m.options.chunk_tokens;
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  std::vector<Event> events(static_cast<size_t>(chunks * c.num_layers));
-  for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
   {
     std::lock_guard<std::mutex> copy_lock(m.copy_mu);
-    m.last = RunLayout{pph, page_bytes, layer_bytes, record_bytes, meta_layer_bytes, encode_meta};
+    m.last = layout;
   }
-  PieceReporter reporter(m.device, ready);
+
+  const int64_t chunk = m.options.chunk_tokens;
+  // Packed chunks number at most this (fewer once prompts leave).
+  std::vector<Event> events(static_cast<size_t>((total_rows + chunk - 1) / chunk * layers));
+  for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
+  PieceReporter reporter(m.device, count, ready);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float* tail_q = static_cast<float*>(m.tail_q->data());
+  std::vector<int32_t> tokens(chunk);
   std::vector<int64_t> positions(chunk);
+  std::vector<int64_t> next(count, 0);           // each prompt's next row to compute
+  std::vector<absl::Status> left_batch(count);  // why a prompt left (Cancelled), else OK
+  std::vector<Segment> segments;
+  // Leaves the batch when cancelled or its callback failed; true while it is still in.
+  auto still_in = [&](size_t i, int64_t layer) {
+    if (!left_batch[i].ok() || reporter.failed(i)) return false;
+    if (prompts[i].cancelled && prompts[i].cancelled()) {
+      left_batch[i] = absl::CancelledError(absl::StrCat("prefill cancelled at layer ", layer + 1));
+      return false;
+    }
+    return true;
+  };
   absl::Status forward;
-  for (int64_t ci = 0; ci < chunks && forward.ok(); ++ci) {
-    const int64_t c0 = ci * chunk, rows = std::min(chunk, n - c0);
-    for (int64_t i = 0; i < rows; ++i) positions[i] = c0 + i;
-    model::EmbedRows(ops, m.params, c, m.buf, prompt.data() + c0, positions.data(), rows);
-    absl::StatusOr<int64_t> left = model::RunLayers(
+  for (size_t ci = 0, first_open = 0; forward.ok(); ++ci) {
+    // The next chunk: rows of the prompts still in, in order, each from where it stopped.
+    segments.clear();
+    int64_t rows = 0;
+    for (size_t i = first_open; i < count && rows < chunk; ++i) {
+      if (next[i] == layout[i].tokens || !still_in(i, 0)) {
+        if (i == first_open) ++first_open;
+        continue;
+      }
+      const int64_t take = std::min(chunk - rows, layout[i].tokens - next[i]);
+      segments.push_back({i, next[i], take, rows});
+      std::copy_n(prompts[i].tokens.data() + next[i], take, tokens.data() + rows);
+      for (int64_t r = 0; r < take; ++r) positions[rows + r] = next[i] + r;
+      next[i] += take;
+      rows += take;
+    }
+    if (rows == 0) break;
+    model::EmbedRows(ops, m.params, c, m.buf, tokens.data(), positions.data(), rows);
+    absl::StatusOr<int64_t> computed = model::RunLayers(
         ops, c, m.params, m.buf, rows, [&](int layer, int64_t r) -> absl::StatusOr<int64_t> {
-          if (cancelled()) {
-            return absl::CancelledError(absl::StrCat("prefill cancelled at layer ", layer + 1));
-          }
-          if (reporter.failed()) return absl::AbortedError("the copy thread failed");
-          const kernels::cuda::LayerPages lp = layer_pages(layer);
-          const int64_t kv_row = hkv * d;
-          FLUXION_RETURN_IF_ERROR(CudaStatus(
-              kernels::cuda::WriteLayerPages(lp, m.buf.k, m.buf.v, kv_row, c0, r, stream),
-              "write pages"));
-          if (dev_meta != nullptr) {  // the records of every page these rows touched
+          bool any = false;
+          for (const Segment& sg : segments) {
+            if (!still_in(sg.prompt, layer)) continue;  // its rows go on, unread
+            any = true;
+            const PromptLayout& l = layout[sg.prompt];
+            const kernels::cuda::LayerPages lp = layer_pages(sg.prompt, layer);
             FLUXION_RETURN_IF_ERROR(CudaStatus(
-                kernels::cuda::EncodePageMeta(lp, n, c0 / page_tokens,
-                                              (c0 + r + page_tokens - 1) / page_tokens,
-                                              dev_meta + layer * meta_layer_bytes, stream),
-                "page records"));
-          }
-          FLUXION_RETURN_IF_ERROR(CudaStatus(
-              kernels::cuda::CausalPrefillAttention(lp, m.buf.q, c0, r, hq, scale, m.buf.attn,
-                                                    stream),
-              "attention"));
-          const int64_t t_begin = std::max(c0, tail0), t_end = c0 + r;
-          if (t_end > t_begin) {  // this chunk holds some of the tail rows: keep their queries
+                kernels::cuda::WriteLayerPages(lp, m.buf.k + sg.offset * kv_row,
+                                               m.buf.v + sg.offset * kv_row, kv_row, sg.first,
+                                               sg.rows, stream),
+                "write pages"));
+            if (l.meta) {  // the records of every page these rows touched
+              FLUXION_RETURN_IF_ERROR(CudaStatus(
+                  kernels::cuda::EncodePageMeta(
+                      lp, l.tokens, sg.first / l.page_tokens,
+                      (sg.first + sg.rows + l.page_tokens - 1) / l.page_tokens,
+                      dev_meta + l.meta_offset + layer * l.meta_layer_bytes, stream),
+                  "page records"));
+            }
             FLUXION_RETURN_IF_ERROR(CudaStatus(
-                cudaMemcpyAsync(tail_q + ((layer * tail_rows) + (t_begin - tail0)) * hq * d,
-                                m.buf.q + (t_begin - c0) * hq * d,
-                                sizeof(float) * (t_end - t_begin) * hq * d,
-                                cudaMemcpyDeviceToDevice, stream),
-                "tail queries"));
+                kernels::cuda::CausalPrefillAttention(lp, m.buf.q + sg.offset * hq * d, sg.first,
+                                                      sg.rows, hq, scale,
+                                                      m.buf.attn + sg.offset * hq * d, stream),
+                "attention"));
+            const int64_t tail0 = l.tokens - l.tail_rows;
+            const int64_t t_begin = std::max(sg.first, tail0), t_end = sg.first + sg.rows;
+            if (t_end > t_begin) {  // these rows hold some of the tail: keep their queries
+              FLUXION_RETURN_IF_ERROR(CudaStatus(
+                  cudaMemcpyAsync(
+                      tail_q + l.tail_offset + ((layer * l.tail_rows) + (t_begin - tail0)) * hq * d,
+                      m.buf.q + (sg.offset + t_begin - sg.first) * hq * d,
+                      sizeof(float) * (t_end - t_begin) * hq * d, cudaMemcpyDeviceToDevice,
+                      stream),
+                  "tail queries"));
+            }
           }
-          cudaEvent_t computed = events[ci * c.num_layers + layer].get();
-          FLUXION_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(computed, stream), "event"));
-          reporter.Push({layer, c0, c0 + r, computed});
+          if (!any) return 0;  // every prompt of the chunk left: stop it here
+          cudaEvent_t done = events[ci * layers + layer].get();
+          FLUXION_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(done, stream), "event"));
+          for (const Segment& sg : segments) {
+            if (left_batch[sg.prompt].ok() && !reporter.failed(sg.prompt)) {
+              reporter.Push({sg.prompt, layer, sg.first, sg.first + sg.rows, done});
+            }
+          }
           return r;
         });
-    if (!left.ok()) forward = left.status();
-    if (forward.ok() && ci == chunks - 1) {
-      model::LmHead(ops, m.params, c, m.buf, m.buf.x + (rows - 1) * c.hidden_size, 1,
-                    static_cast<float*>(m.logits->data()));
+    if (!computed.ok()) {
+      forward = computed.status();
+    } else if (*computed > 0) {  // the prompts that ended in this chunk: their last token's logits
+      for (const Segment& sg : segments) {
+        if (sg.first + sg.rows != layout[sg.prompt].tokens || !left_batch[sg.prompt].ok()) continue;
+        model::LmHead(ops, m.params, c, m.buf, m.buf.x + (sg.offset + sg.rows - 1) * c.hidden_size,
+                      1, logits + sg.prompt * c.vocab_size);
+      }
     }
   }
-  DevicePrefillResult result;
+  std::vector<std::vector<float>> host_logits(count);
   if (forward.ok()) {
-    result.logits.resize(c.vocab_size);
-    ops.CopyToHost(result.logits.data(), m.logits->data(), c.vocab_size * sizeof(float));
+    for (size_t i = 0; i < count; ++i) {
+      if (next[i] != layout[i].tokens || !left_batch[i].ok()) continue;
+      host_logits[i].resize(c.vocab_size);
+      ops.CopyToHost(host_logits[i].data(), logits + i * c.vocab_size,
+                     c.vocab_size * sizeof(float));
+    }
     forward = ops.Sync();
   } else {
     (void)ops.Sync();  // the reporter may still wait on what was queued
   }
-  result.forward_end = Clock::now();
-  absl::Status copied = reporter.Finish();
-  result.copy_wait_seconds =
-      std::chrono::duration<double>(Clock::now() - result.forward_end).count();
-  // The copy thread's error first: a forward that stopped because of it says only that.
-  FLUXION_RETURN_IF_ERROR(copied);
+  const Clock::time_point forward_end = Clock::now();
+  reporter.Finish();
+  const double copy_wait =
+      std::chrono::duration<double>(Clock::now() - forward_end).count();
+  FLUXION_RETURN_IF_ERROR(reporter.all());
   FLUXION_RETURN_IF_ERROR(forward);
-  if (capture_state) {
-    FLUXION_ASSIGN_OR_RETURN(result.state,
-                             m.Capture(layer_pages(0), layer_bytes, n, tail_rows, stream));
+  for (size_t i = 0; i < count; ++i) {
+    // The copy thread's error first: a prompt that left because of it says only that.
+    if (!reporter.status(i).ok()) {
+      results[i] = reporter.status(i);
+      continue;
+    }
+    if (!left_batch[i].ok()) {
+      results[i] = left_batch[i];
+      continue;
+    }
+    DevicePrefillResult r;
+    r.logits = std::move(host_logits[i]);
+    r.forward_end = forward_end;
+    r.copy_wait_seconds = copy_wait;
+    if (prompts[i].capture_state) {
+      const PromptLayout& l = layout[i];
+      absl::StatusOr<model::SparseState> st = m.Capture(
+          layer_pages(i, 0), l.layer_bytes, l.tokens, l.tail_rows, tail_q + l.tail_offset, stream);
+      if (!st.ok()) {
+        results[i] = st.status();
+        continue;
+      }
+      r.state = *std::move(st);
+    }
+    results[i] = std::move(r);
   }
-  return result;
+  return results;
 }
 
-absl::Status DevicePrefill::CopyPages(int layer, int64_t first_page, int64_t end_page,
-                                      uint8_t* pages, uint8_t* records) {
+absl::Status DevicePrefill::CopyPages(size_t prompt, int layer, int64_t first_page,
+                                      int64_t end_page, uint8_t* pages, uint8_t* records) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.copy_mu);
-  const RunLayout& r = m.last;
+  if (prompt >= m.last.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("device prefill: no prompt ", prompt,
+                                                   " in the last batch (", m.last.size(), ")"));
+  }
+  const PromptLayout& r = m.last[prompt];
   if (layer < 0 || layer >= m.config.num_layers || first_page < 0 || end_page <= first_page ||
       end_page > r.pages_per_head) {
     return absl::InvalidArgumentError(
         absl::StrCat("device prefill: pages [", first_page, ", ", end_page, ") of layer ", layer,
-                     " are not pages of the last prompt (", r.pages_per_head, " per head, ",
+                     " are not pages of prompt ", prompt, " (", r.pages_per_head, " per head, ",
                      m.config.num_layers, " layers)"));
   }
   FLUXION_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(m.device), "device"));
   const cudaStream_t stream = m.copy_stream.get();
   const int64_t hkv = m.config.num_kv_heads, count = end_page - first_page;
-  const auto* dev_pages = static_cast<const uint8_t*>(m.pages->data()) + layer * r.layer_bytes;
+  const size_t record_bytes = kRecordBytesPerDim * m.config.head_dim;
+  const auto* dev_pages =
+      static_cast<const uint8_t*>(m.pages->data()) + r.pages_offset + layer * r.layer_bytes;
   for (int64_t h = 0; h < hkv; ++h) {
     const int64_t index = h * r.pages_per_head + first_page;  // (head, page) in the layer
     FLUXION_RETURN_IF_ERROR(CudaStatus(
@@ -366,11 +492,11 @@ absl::Status DevicePrefill::CopyPages(int layer, int64_t first_page, int64_t end
                         static_cast<size_t>(count) * r.page_bytes, cudaMemcpyDeviceToHost, stream),
         "pages to host"));
     if (records != nullptr && r.meta) {
-      const auto* dev_meta =
-          static_cast<const uint8_t*>(m.meta->data()) + layer * r.meta_layer_bytes;
+      const auto* dev_meta = static_cast<const uint8_t*>(m.meta->data()) + r.meta_offset +
+                             layer * r.meta_layer_bytes;
       FLUXION_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(records + index * r.record_bytes, dev_meta + index * r.record_bytes,
-                          static_cast<size_t>(count) * r.record_bytes, cudaMemcpyDeviceToHost,
+          cudaMemcpyAsync(records + index * record_bytes, dev_meta + index * record_bytes,
+                          static_cast<size_t>(count) * record_bytes, cudaMemcpyDeviceToHost,
                           stream),
           "page records to host"));
     }
@@ -380,7 +506,7 @@ absl::Status DevicePrefill::CopyPages(int layer, int64_t first_page, int64_t end
 
 absl::StatusOr<model::SparseState> DevicePrefill::Impl::Capture(
     const kernels::cuda::LayerPages& first_layer, size_t layer_bytes, int64_t tokens,
-    int64_t rows, cudaStream_t stream) {
+    int64_t rows, const float* tail_q_base, cudaStream_t stream) {
   namespace kc = kernels::cuda;
   const model::ModelConfig& c = config;
   const int64_t hkv = c.num_kv_heads, hq = c.num_heads, group = hq / hkv, d = c.head_dim;
@@ -408,7 +534,6 @@ absl::StatusOr<model::SparseState> DevicePrefill::Impl::Capture(
   std::vector<float> host_tables(2 * hkv * tokens);
   std::vector<kc::TailRowHeadStats> host_rows(rows * hq);
   std::vector<kc::TailRowMiddle> host_middles(rows * hkv);
-  const float* tail_q_base = static_cast<const float*>(tail_q->data());
   kc::TailCaptureParams params{tokens,        rows,       hq, 1.0f / std::sqrt(static_cast<float>(d)),
                                sp.decay,      sp.sink_tokens, sp.local_tokens, sp.coverage};
   for (int64_t l = 0; l < c.num_layers; ++l) {

@@ -18,7 +18,13 @@
 // the pages to build them. Pages stay in HBM until the next Run, so a caller whose ring is full
 // sends the rest later. Rows past the prompt's end are zero on the device.
 //
-// Thread-safe: Run() serializes its callers (one prompt at a time owns the GPU).
+// Several prompts run as one batch (RunBatch): their rows are packed into the same chunks, so the
+// GEMMs of short prompts run at a chunk's size instead of each prompt's (the weights are read
+// once per chunk, not once per prompt), while each prompt keeps its own pages, attention,
+// pieces, cancellation and result. A long prompt spans chunks and shares its last one with the
+// next prompt's first rows.
+//
+// Thread-safe: Run() / RunBatch() serialize their callers (one batch at a time owns the GPU).
 #ifndef FLUXION_PREFILL_DEVICE_PREFILL_H_
 #define FLUXION_PREFILL_DEVICE_PREFILL_H_
 
@@ -55,6 +61,22 @@ struct DevicePrefillResult {
 // computed in HBM (the pages they complete may be pulled with CopyPages). An error stops the run
 // (Run returns it).
 using PiecesReady = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
+// The same for prompt `prompt` of a batch (its index in RunBatch's span). An error stops that
+// prompt only: it leaves the batch and its result is the error.
+using BatchPiecesReady =
+    std::function<absl::Status(size_t prompt, int layer, int64_t first, int64_t end)>;
+
+// One prompt of a batch: ids already validated against the vocabulary, pages of `page_tokens`
+// tokens, each page's selection record (transfer/page_meta.h) computed beside it when
+// `encode_meta`, the sparse state captured after the forward when `capture_state`. `cancelled`
+// (may be empty) is polled between layers; once true the prompt leaves the batch (Cancelled).
+struct DevicePrompt {
+  absl::Span<const int32_t> tokens;
+  int64_t page_tokens = 16;
+  bool encode_meta = false;
+  bool capture_state = false;
+  std::function<bool()> cancelled;
+};
 
 class DevicePrefill {
  public:
@@ -90,15 +112,23 @@ class DevicePrefill {
                                           const std::function<bool()>& cancelled,
                                           const PiecesReady& ready);
 
-  // Copies pages [first_page, end_page) of every KV head of `layer` of the last Run's prompt to
-  // `pages` as [head][end_page - first_page] pages (PackPageRange's layout), and, when `records`
-  // is not null and that run encoded them, their records into `records`, the layer's block
-  // (transfer/page_meta.h: record (head, page) at its place in the block). Pinned destinations
-  // copy at the link's rate. Call it from `ready` for rows that run reported, or after Run
-  // returned and before the next Run. InvalidArgument for a range outside the prompt or a layer
-  // it does not have; Internal for a CUDA failure.
-  absl::Status CopyPages(int layer, int64_t first_page, int64_t end_page, uint8_t* pages,
-                         uint8_t* records);
+  // Several prompts through one forward, their rows packed into shared chunks in the order
+  // given. The outer error is the batch's (ResourceExhausted: the pages of all of them do not fit
+  // HBM; Internal: a CUDA failure); otherwise one result per prompt: its logits and state, or its
+  // own error (Cancelled, the first error `ready` returned for it). Pieces of different prompts
+  // interleave; those of one prompt come in order.
+  absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> RunBatch(
+      absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready);
+
+  // Copies pages [first_page, end_page) of every KV head of `layer` of prompt `prompt` (its index
+  // in the last batch; 0 after Run) to `pages` as [head][end_page - first_page] pages
+  // (PackPageRange's layout), and, when `records` is not null and that prompt encoded them, their
+  // records into `records`, the layer's block (transfer/page_meta.h: record (head, page) at its
+  // place in the block). Pinned destinations copy at the link's rate. Call it from `ready` for
+  // rows it reported, or after the run returned and before the next. InvalidArgument for a prompt, range or layer the last batch
+  // does not have; Internal for a CUDA failure.
+  absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
+                         uint8_t* pages, uint8_t* records);
 
  private:
   struct Impl;

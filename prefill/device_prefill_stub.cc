@@ -28,7 +28,12 @@ absl::StatusOr<DevicePrefillResult> DevicePrefill::Run(absl::Span<const int32_t>
   return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
 }
 
-absl::Status DevicePrefill::CopyPages(int, int64_t, int64_t, uint8_t*, uint8_t*) {
+absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::RunBatch(
+    absl::Span<const DevicePrompt>, const BatchPiecesReady&) {
+  return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
+}
+
+absl::Status DevicePrefill::CopyPages(size_t, int, int64_t, int64_t, uint8_t*, uint8_t*) {
   return absl::FailedPreconditionError("this build of fluxion has no CUDA: no device prefill");
 }
 

@@ -2,7 +2,9 @@
 // the sparse state against the CPU model's prefill of the same prompt (model::Model::Forward with
 // DenseAttention, packed by transfer::PackLayerPages, captured by model::CaptureSparseState), for
 // the trained Llama-shaped model (head_dim 32, GQA 2) and random Qwen2.5-0.5B shapes (head_dim 64,
-// GQA 7, q/k/v biases), over prompts that span several chunks.
+// GQA 7, q/k/v biases), over prompts that span several chunks; and batches: prompts packed into
+// shared chunks each equal to the CPU's prefill of it alone, a prompt that fails or is cancelled
+// leaving the others unharmed.
 #include "prefill/device_prefill.h"
 
 #include <cuda_runtime.h>
@@ -65,74 +67,110 @@ int32_t Argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t pt) {
-  const model::ModelConfig& c = m.config();
-  std::mt19937 rng(7);
+std::vector<int32_t> RandomPrompt(const model::ModelConfig& c, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
   std::vector<int32_t> prompt(n);
   for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % c.vocab_size);
-  const CpuPrefill cpu = RunOnCpu(m, prompt, pt);
+  return prompt;
+}
 
+std::unique_ptr<DevicePrefill> MakeGpu(const model::Model& m, int64_t chunk) {
   absl::StatusOr<std::unique_ptr<model::DenseOps>> ops = model::NewCudaDenseOps(0);
-  ASSERT_TRUE(ops.ok()) << ops.status();
+  EXPECT_TRUE(ops.ok()) << ops.status();
+  if (!ops.ok()) return nullptr;
   absl::StatusOr<model::ModelParams> params = m.UploadParams(**ops);
-  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_TRUE(params.ok()) << params.status();
+  if (!params.ok()) return nullptr;
   DevicePrefillOptions options;
   options.chunk_tokens = chunk;
   absl::StatusOr<std::unique_ptr<DevicePrefill>> gpu =
-      DevicePrefill::Create(c, *std::move(ops), *std::move(params), options);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
+      DevicePrefill::Create(m.config(), *std::move(ops), *std::move(params), options);
+  EXPECT_TRUE(gpu.ok()) << gpu.status();
+  return gpu.ok() ? *std::move(gpu) : nullptr;
+}
 
-  std::vector<uint8_t> pages(cpu.pages.size(), 0xee);
-  const transfer::KvPageGeometry geo{c.num_layers, c.num_kv_heads, c.head_dim, pt};
-  std::vector<uint8_t> meta(transfer::PageMetaBytes(geo, n), 0xee);
-  const int64_t per_head = geo.pages_per_head(n);
-  const size_t cb = geo.content_bytes();
-  const size_t layer_bytes = geo.pages_per_layer(n) * cb;
-  const size_t meta_layer = transfer::PageMetaLayerBytes(geo, n);
-  // What the engine does: pull the pages each piece completed, as [head][page] runs, and put
-  // them in their places.
-  auto pull = [&](int layer, int64_t p0, int64_t p1) -> absl::Status {
-    std::vector<uint8_t> slot(c.num_kv_heads * (p1 - p0) * cb, 0xdd);
-    absl::Status s = (*gpu)->CopyPages(layer, p0, p1, slot.data(), meta.data() + layer * meta_layer);
+// What the engine does with each piece, per prompt of a batch: check the pieces come in order,
+// pull the pages each completed as [head][page] runs (with their records), and put them in their
+// places of the whole prompt's pages.
+class Puller {
+ public:
+  Puller(DevicePrefill* gpu, const model::ModelConfig& c, std::vector<int64_t> lengths,
+         int64_t pt)
+      : gpu_(gpu), c_(c), geo_{c.num_layers, c.num_kv_heads, c.head_dim, pt},
+        lengths_(std::move(lengths)) {
+    for (int64_t n : lengths_) {
+      pages_.emplace_back(geo_.total_pages(n) * geo_.content_bytes(), 0xee);
+      meta_.emplace_back(transfer::PageMetaBytes(geo_, n), 0xee);
+      covered_.emplace_back(c.num_layers, 0);
+      pulled_.emplace_back(c.num_layers, 0);
+    }
+  }
+
+  absl::Status OnPiece(size_t prompt, int layer, int64_t first, int64_t end) {
+    const int64_t n = lengths_[prompt];
+    EXPECT_EQ(first, covered_[prompt][layer]) << "prompt " << prompt << " layer " << layer;
+    covered_[prompt][layer] = end;
+    const int64_t complete = end == n ? geo_.pages_per_head(n) : end / geo_.page_tokens;
+    int64_t& pulled = pulled_[prompt][layer];
+    if (complete <= pulled) return absl::OkStatus();
+    absl::Status s = Pull(prompt, layer, pulled, complete);
+    pulled = complete;
+    return s;
+  }
+
+  // Every piece of `prompt` was reported and every page pulled.
+  void ExpectComplete(size_t prompt) const {
+    for (int64_t rows : covered_[prompt]) EXPECT_EQ(rows, lengths_[prompt]) << prompt;
+    for (int64_t p : pulled_[prompt]) EXPECT_EQ(p, geo_.pages_per_head(lengths_[prompt])) << prompt;
+  }
+  const std::vector<uint8_t>& pages(size_t prompt) const { return pages_[prompt]; }
+  const std::vector<uint8_t>& meta(size_t prompt) const { return meta_[prompt]; }
+  const transfer::KvPageGeometry& geo() const { return geo_; }
+
+ private:
+  absl::Status Pull(size_t prompt, int layer, int64_t p0, int64_t p1) {
+    const int64_t n = lengths_[prompt], per_head = geo_.pages_per_head(n);
+    const size_t cb = geo_.content_bytes();
+    const size_t layer_bytes = geo_.pages_per_layer(n) * cb;
+    std::vector<uint8_t> slot(c_.num_kv_heads * (p1 - p0) * cb, 0xdd);
+    absl::Status s =
+        gpu_->CopyPages(prompt, layer, p0, p1, slot.data(),
+                        meta_[prompt].data() + layer * transfer::PageMetaLayerBytes(geo_, n));
     if (!s.ok()) return s;
-    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+    for (int64_t h = 0; h < c_.num_kv_heads; ++h) {
       std::copy_n(slot.data() + h * (p1 - p0) * cb, (p1 - p0) * cb,
-                  pages.data() + layer * layer_bytes + (h * per_head + p0) * cb);
+                  pages_[prompt].data() + layer * layer_bytes + (h * per_head + p0) * cb);
     }
     return absl::OkStatus();
-  };
-  std::vector<int64_t> covered(c.num_layers, 0);  // rows seen per layer, in order
-  std::vector<int64_t> pulled(c.num_layers, 0);   // pages per head pulled per layer
-  absl::StatusOr<DevicePrefillResult> r = (*gpu)->Run(
-      prompt, pt, /*encode_meta=*/true, /*capture_state=*/true, [] { return false; },
-      [&](int layer, int64_t first, int64_t end) -> absl::Status {
-        EXPECT_EQ(first, covered[layer]) << "layer " << layer;
-        covered[layer] = end;
-        const int64_t complete = end == n ? per_head : end / pt;
-        if (complete > pulled[layer]) {
-          absl::Status s = pull(layer, pulled[layer], complete);
-          pulled[layer] = complete;
-          return s;
-        }
-        return absl::OkStatus();
-      });
-  ASSERT_TRUE(r.ok()) << r.status();
-  for (int64_t rows : covered) EXPECT_EQ(rows, n);
-  for (int64_t p : pulled) EXPECT_EQ(p, per_head);
-  // After the run, before the next, the pages are still there to pull.
-  std::vector<uint8_t> again(c.num_kv_heads * cb);
-  ASSERT_TRUE((*gpu)->CopyPages(c.num_layers - 1, per_head - 1, per_head, again.data(), nullptr).ok());
-  EXPECT_TRUE(std::equal(again.begin(), again.begin() + cb,
-                         pages.data() + (c.num_layers - 1) * layer_bytes + (per_head - 1) * cb));
-  EXPECT_EQ((*gpu)->CopyPages(0, 0, per_head + 1, again.data(), nullptr).code(),
-            absl::StatusCode::kInvalidArgument);
+  }
+
+  DevicePrefill* gpu_;
+  const model::ModelConfig& c_;
+  const transfer::KvPageGeometry geo_;
+  const std::vector<int64_t> lengths_;
+  std::vector<std::vector<uint8_t>> pages_, meta_;
+  std::vector<std::vector<int64_t>> covered_, pulled_;
+};
+
+// One prompt's GPU prefill (its pages and records as pulled, its result) against the CPU model's.
+void ExpectLikeCpu(const model::Model& m, const std::vector<int32_t>& prompt, const Puller& got,
+                   size_t index, const DevicePrefillResult& r) {
+  const model::ModelConfig& c = m.config();
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  const transfer::KvPageGeometry& geo = got.geo();
+  const CpuPrefill cpu = RunOnCpu(m, prompt, geo.page_tokens);
+  const std::vector<uint8_t>& pages = got.pages(index);
+  const std::vector<uint8_t>& meta = got.meta(index);
+  ASSERT_EQ(pages.size(), cpu.pages.size());
+  const size_t layer_bytes = geo.pages_per_layer(n) * geo.content_bytes();
+  const size_t meta_layer = transfer::PageMetaLayerBytes(geo, n);
 
   // Pages: the device's K/V come from bf16 GEMMs, the CPU's from fp32 ones; both rounded to bf16.
-  const bf16* got = reinterpret_cast<const bf16*>(pages.data());
+  const bf16* gp = reinterpret_cast<const bf16*>(pages.data());
   const bf16* want = reinterpret_cast<const bf16*>(cpu.pages.data());
   double worst = 0, scale = 0;
   for (size_t i = 0; i < pages.size() / 2; ++i) {
-    const double a = Bf16ToFloat(got[i]), b = Bf16ToFloat(want[i]);
+    const double a = Bf16ToFloat(gp[i]), b = Bf16ToFloat(want[i]);
     ASSERT_TRUE(std::isfinite(a)) << i;
     worst = std::max(worst, std::abs(a - b));
     scale = std::max(scale, std::abs(b));
@@ -146,17 +184,16 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
     EXPECT_TRUE(std::equal(want_meta.begin(), want_meta.end(), meta.begin() + l * meta_layer))
         << "page records of layer " << l;
   }
-
-  EXPECT_EQ(Argmax(r->logits), Argmax(cpu.logits)) << "first greedy token";
+  EXPECT_EQ(Argmax(r.logits), Argmax(cpu.logits)) << "first greedy token";
   double lworst = 0, lscale = 0;
   for (size_t i = 0; i < cpu.logits.size(); ++i) {
-    lworst = std::max(lworst, std::abs(static_cast<double>(r->logits[i]) - cpu.logits[i]));
+    lworst = std::max(lworst, std::abs(static_cast<double>(r.logits[i]) - cpu.logits[i]));
     lscale = std::max(lscale, std::abs(static_cast<double>(cpu.logits[i])));
   }
   EXPECT_LT(lworst, 0.05 * lscale) << "logits";
 
-  ASSERT_TRUE(r->state.has_value());
-  const model::SparseState& gs = *r->state;
+  ASSERT_TRUE(r.state.has_value());
+  const model::SparseState& gs = *r.state;
   ASSERT_TRUE(gs.CheckMatches(m.attention_shape(), n).ok());
   EXPECT_EQ(gs.tail_rows, cpu.state.tail_rows);
   // The device's attention differs from the CPU's by the bf16 rounding of q, k and the GEMMs: the
@@ -180,6 +217,33 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
   }
 }
 
+void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t pt) {
+  const model::ModelConfig& c = m.config();
+  const std::vector<int32_t> prompt = RandomPrompt(c, n, 7);
+  std::unique_ptr<DevicePrefill> gpu = MakeGpu(m, chunk);
+  ASSERT_NE(gpu, nullptr);
+  Puller puller(gpu.get(), c, {n}, pt);
+  absl::StatusOr<DevicePrefillResult> r = gpu->Run(
+      prompt, pt, /*encode_meta=*/true, /*capture_state=*/true, [] { return false; },
+      [&](int layer, int64_t first, int64_t end) { return puller.OnPiece(0, layer, first, end); });
+  ASSERT_TRUE(r.ok()) << r.status();
+  puller.ExpectComplete(0);
+  // After the run, before the next, the pages are still there to pull.
+  const transfer::KvPageGeometry& geo = puller.geo();
+  const int64_t per_head = geo.pages_per_head(n);
+  const size_t cb = geo.content_bytes(), layer_bytes = geo.pages_per_layer(n) * cb;
+  std::vector<uint8_t> again(c.num_kv_heads * cb);
+  ASSERT_TRUE(gpu->CopyPages(0, c.num_layers - 1, per_head - 1, per_head, again.data(), nullptr).ok());
+  EXPECT_TRUE(std::equal(again.begin(), again.begin() + cb,
+                         puller.pages(0).data() + (c.num_layers - 1) * layer_bytes +
+                             (per_head - 1) * cb));
+  EXPECT_EQ(gpu->CopyPages(0, 0, 0, per_head + 1, again.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu->CopyPages(1, 0, 0, 1, again.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectLikeCpu(m, prompt, puller, 0, *r);
+}
+
 TEST(DevicePrefillTest, TrainedModelMatchesTheCpuPrefill) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
   const char* src = std::getenv("FLUXION_SOURCE_DIR");
@@ -197,6 +261,71 @@ TEST(DevicePrefillTest, QwenShapesMatchTheCpuPrefill) {
   auto m = model::Model::Load(dir);
   ASSERT_TRUE(m.ok()) << m.status();
   ExpectMatchesCpu(**m, 300, 128, 32);
+}
+
+// Four prompts packed into chunks of 256 rows: the first spans two chunks and shares its second
+// with the next two prompts' rows; the last is a single page. Each equals the CPU's prefill of it
+// alone, piece order, pages, records, first token and sparse state.
+TEST(DevicePrefillTest, ABatchOfPromptsInSharedChunksMatchesTheCpuPrefillOfEach) {
+  if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
+  const char* src = std::getenv("FLUXION_SOURCE_DIR");
+  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const model::ModelConfig& c = (*m)->config();
+  const std::vector<int64_t> lengths = {300, 70, 530, 16};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<DevicePrompt> batch;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    prompts.push_back(RandomPrompt(c, lengths[i], 11 + static_cast<uint32_t>(i)));
+  }
+  for (const auto& p : prompts) batch.push_back({p, 16, true, true, [] { return false; }});
+  std::unique_ptr<DevicePrefill> gpu = MakeGpu(**m, 256);
+  ASSERT_NE(gpu, nullptr);
+  Puller puller(gpu.get(), c, lengths, 16);
+  auto r = gpu->RunBatch(batch, [&](size_t i, int layer, int64_t first, int64_t end) {
+    return puller.OnPiece(i, layer, first, end);
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "prompt " << i << " of " << lengths[i] << " tokens");
+    ASSERT_TRUE((*r)[i].ok()) << (*r)[i].status();
+    puller.ExpectComplete(i);
+    ExpectLikeCpu(**m, prompts[i], puller, i, *(*r)[i]);
+  }
+}
+
+// In a batch of three, the first is cancelled after a few layers and the second's callback fails
+// on its third piece: each ends with its own error, the third equals the CPU's prefill of it.
+TEST(DevicePrefillTest, APromptThatFailsOrIsCancelledLeavesTheOthersUnharmed) {
+  if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
+  const char* src = std::getenv("FLUXION_SOURCE_DIR");
+  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const model::ModelConfig& c = (*m)->config();
+  const std::vector<int64_t> lengths = {640, 200, 400};
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    prompts.push_back(RandomPrompt(c, lengths[i], 21 + static_cast<uint32_t>(i)));
+  }
+  int polls = 0, calls = 0;
+  std::vector<DevicePrompt> batch = {
+      {prompts[0], 16, true, true, [&] { return ++polls > 5; }},
+      {prompts[1], 16, true, true, [] { return false; }},
+      {prompts[2], 16, true, true, [] { return false; }}};
+  std::unique_ptr<DevicePrefill> gpu = MakeGpu(**m, 64);
+  ASSERT_NE(gpu, nullptr);
+  Puller puller(gpu.get(), c, lengths, 16);
+  auto r = gpu->RunBatch(batch, [&](size_t i, int layer, int64_t first, int64_t end) {
+    if (i == 1 && ++calls == 3) return absl::UnavailableError("peer gone");
+    return puller.OnPiece(i, layer, first, end);
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].status().code(), absl::StatusCode::kCancelled) << (*r)[0].status();
+  EXPECT_EQ((*r)[1].status().code(), absl::StatusCode::kUnavailable) << (*r)[1].status();
+  ASSERT_TRUE((*r)[2].ok()) << (*r)[2].status();
+  puller.ExpectComplete(2);
+  ExpectLikeCpu(**m, prompts[2], puller, 2, *(*r)[2]);
 }
 
 TEST(DevicePrefillTest, ACallbackErrorStopsTheRun) {

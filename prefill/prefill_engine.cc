@@ -119,6 +119,12 @@ model::AttentionShape ShapeOf(const model::ModelConfig& c) {
   return model::AttentionShape{c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                                1.0f / std::sqrt(static_cast<float>(c.head_dim))};
 }
+// A request's slice of the device path's pinned memory: its ring, then its page records, rounded
+// up to whole 4 KiB pages so that every slice starts page-aligned.
+size_t StagingSlice(size_t ring_bytes, size_t meta_bytes) {
+  constexpr size_t kAlign = 4096;
+  return (ring_bytes + meta_bytes + kAlign - 1) / kAlign * kAlign;
+}
 }  // namespace
 
 PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
@@ -147,7 +153,8 @@ PrefillEngine::PrefillEngine(DevicePrefill* device, transfer::Transport* transpo
 // waits.
 struct PrefillEngine::Job {
   const PrefillEngine* engine = nullptr;  // for the Landing's drain
-  size_t index = 0;
+  size_t index = 0;         // in the batch's requests
+  size_t device_index = 0;  // in the device forward's prompts (DevicePrefill::CopyPages)
   const v1::PrefillRequest* request = nullptr;
   std::function<bool()> cancelled;
   Clock::time_point t_start, t_compute, t_compute_end;
@@ -297,26 +304,13 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->ring_bytes = StagingRingBytes(options_, geo, n);
   // Four slots in flight at least (one staging while three are on the link), whole pages each.
   j->slot_pages = std::max<int64_t>(1, static_cast<int64_t>(j->ring_bytes / (4 * page_of_each_head)));
-  if (device_ != nullptr) {  // REQUIRES: device_mu_ held (RunBatch)
-    // One pinned buffer: the ring, then the page records the device computes beside the pages.
-    FLUXION_ASSIGN_OR_RETURN(j->ring_memory, device_->HostStaging(j->ring_bytes + j->meta_bytes));
-    j->meta = j->want_meta ? j->ring_memory + j->ring_bytes : nullptr;
-  } else {
-    j->owned_ring.reset(new uint8_t[j->ring_bytes]);
-    j->ring_memory = j->owned_ring.get();
-    j->owned_meta.resize(j->meta_bytes);
-    j->meta = j->want_meta ? j->owned_meta.data() : nullptr;
-  }
-  FLUXION_ASSIGN_OR_RETURN(
-      j->ring_reg,
-      transport_->Register({j->ring_memory, j->ring_bytes}, {/*remote_write=*/false}));
-  j->ring = std::make_unique<StagingRing>(j->ring_memory, j->ring_bytes);
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
-  if (j->want_meta) {
-    FLUXION_ASSIGN_OR_RETURN(
-        j->meta_reg, transport_->Register({j->meta, j->meta_bytes}, {/*remote_write=*/false}));
-    j->meta_checksums.assign(shape.num_layers, 0);
+  if (j->want_meta) j->meta_checksums.assign(shape.num_layers, 0);
+  if (device_ == nullptr) {  // the device path's staging is a slice of its pinned memory (RunOnDevice)
+    j->owned_ring.reset(new uint8_t[j->ring_bytes]);
+    j->owned_meta.resize(j->meta_bytes);
+    FLUXION_RETURN_IF_ERROR(AttachStaging(*j, j->owned_ring.get(), j->owned_meta.data()));
   }
   j->submitted = std::make_unique<Submitted>(options_.transfer_timeout);
   j->complete.assign(shape.num_layers, 0);
@@ -462,7 +456,7 @@ absl::Status PrefillEngine::Pump(Job& j, bool drain) const {
 absl::Status PrefillEngine::Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const {
   uint8_t* records = j.want_meta ? j.meta + layer * j.meta_layer_bytes : nullptr;
   if (device_ != nullptr) {
-    FLUXION_RETURN_IF_ERROR(device_->CopyPages(layer, p0, p1, slot, records));
+    FLUXION_RETURN_IF_ERROR(device_->CopyPages(j.device_index, layer, p0, p1, slot, records));
   } else {
     const int64_t row = shape_.num_kv_heads * shape_.head_dim;
     const model::DenseAttention& dense = j.attention->dense();
@@ -498,23 +492,92 @@ absl::Status PrefillEngine::FinishLayer(Job& j, int layer) const {
   return absl::OkStatus();
 }
 
-// One request through the device's forward. The copy thread calls back with each piece once it
-// is computed: cancellation is checked there too, then what fits the ring is sent.
-void PrefillEngine::RunOnDevice(Job& j) const {
-  absl::StatusOr<DevicePrefillResult> r = device_->Run(
-      j.prompt, j.geo.page_tokens, j.want_meta, j.request->has_sparse_target(),
-      j.cancelled, [this, &j](int layer, int64_t, int64_t end) -> absl::Status {
+absl::Status PrefillEngine::AttachStaging(Job& j, uint8_t* ring, uint8_t* meta) const {
+  j.ring_memory = ring;
+  j.meta = j.want_meta ? meta : nullptr;
+  FLUXION_ASSIGN_OR_RETURN(
+      j.ring_reg, transport_->Register({j.ring_memory, j.ring_bytes}, {/*remote_write=*/false}));
+  j.ring = std::make_unique<StagingRing>(j.ring_memory, j.ring_bytes);
+  if (j.want_meta) {
+    FLUXION_ASSIGN_OR_RETURN(
+        j.meta_reg, transport_->Register({j.meta, j.meta_bytes}, {/*remote_write=*/false}));
+  }
+  return absl::OkStatus();
+}
+
+// The batch's requests through one device forward, their rows packed into shared chunks. The
+// copy thread calls back with each piece of a request once it is computed: its cancellation is
+// checked there too, then what fits its ring is sent. A request that fails leaves the batch.
+void PrefillEngine::RunOnDevice(absl::Span<Job* const> jobs) const {
+  std::vector<DevicePrompt> prompts;
+  const Clock::time_point t_compute = Clock::now();
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    Job& j = *jobs[k];
+    j.device_index = k;
+    j.t_compute = t_compute;
+    prompts.push_back({j.prompt, j.geo.page_tokens, j.want_meta, j.request->has_sparse_target(),
+                       j.cancelled});
+  }
+  absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> r = device_->RunBatch(
+      prompts, [this, jobs](size_t k, int layer, int64_t, int64_t end) -> absl::Status {
+        Job& j = *jobs[k];
         FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
         return SendCompleted(j, layer, end);
       });
-  if (!r.ok()) {
-    j.forward = r.status();
-    j.t_compute_end = Clock::now();
-    return;
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    Job& j = *jobs[k];
+    absl::StatusOr<DevicePrefillResult> one = r.ok() ? std::move((*r)[k]) : r.status();
+    if (!one.ok()) {
+      j.forward = one.status();
+      j.t_compute_end = Clock::now();
+      continue;
+    }
+    j.logits = std::move(one->logits);
+    j.device_state = std::move(one->state);
+    j.t_compute_end = one->forward_end;
   }
-  j.logits = std::move(r->logits);
-  j.device_state = std::move(r->state);
-  j.t_compute_end = r->forward_end;
+}
+
+// The device path: the requests that pass validation share one pinned buffer (each its ring,
+// then its page records) and one forward; each is answered once its writes landed.
+void PrefillEngine::RunDeviceBatch(absl::Span<const v1::PrefillRequest* const> requests,
+                                   absl::Span<const std::function<bool()>> cancelled,
+                                   const Handoff& reply) const {
+  // One batch at a time from preparation to the last reply: batches share the device's pinned
+  // staging, and pages still to send stay in HBM only until the next batch runs. Each Finish
+  // drains and waits, so the Landing handed over is already done.
+  std::lock_guard<std::mutex> lock(device_mu_);
+  std::vector<std::unique_ptr<Job>> jobs;
+  size_t staging = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
+    if (!job.ok()) {
+      reply(i, std::make_unique<Landing>(nullptr, job.status()));
+      continue;
+    }
+    (*job)->index = i;
+    staging += StagingSlice((*job)->ring_bytes, (*job)->meta_bytes);
+    jobs.push_back(*std::move(job));
+  }
+  if (jobs.empty()) return;
+  absl::StatusOr<uint8_t*> memory = device_->HostStaging(staging);
+  std::vector<Job*> ready;
+  size_t offset = 0;
+  for (auto& j : jobs) {
+    absl::Status attached = memory.status();
+    if (attached.ok()) {
+      attached = AttachStaging(*j, *memory + offset, *memory + offset + j->ring_bytes);
+      offset += StagingSlice(j->ring_bytes, j->meta_bytes);
+    }
+    if (!attached.ok()) {
+      reply(j->index, std::make_unique<Landing>(nullptr, attached));
+      continue;
+    }
+    ready.push_back(j.get());
+  }
+  if (ready.empty()) return;
+  RunOnDevice(ready);
+  for (Job* j : ready) reply(j->index, std::make_unique<Landing>(nullptr, Finish(*j)));
 }
 
 StagingStats PrefillEngine::staging_stats() const {
@@ -652,26 +715,8 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
 void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const> requests,
                                      absl::Span<const std::function<bool()>> cancelled,
                                      const Handoff& handoff) const {
+  if (device_ != nullptr) return RunDeviceBatch(requests, cancelled, handoff);
   const Handoff& reply = handoff;
-  if (device_ != nullptr) {
-    // On the GPU: one request at a time from preparation to reply (they share the device's pinned
-    // staging ring, and pages still to send stay in HBM only until the next Run): Finish drains
-    // and waits for them here, and the Landing handed over is already done.
-    std::lock_guard<std::mutex> lock(device_mu_);
-    for (size_t i = 0; i < requests.size(); ++i) {
-      absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
-      if (!job.ok()) {
-        reply(i, std::make_unique<Landing>(nullptr, job.status()));
-        continue;
-      }
-      Job& j = **job;
-      j.index = i;
-      j.t_compute = Clock::now();
-      RunOnDevice(j);
-      reply(i, std::make_unique<Landing>(nullptr, Finish(j)));
-    }
-    return;
-  }
   // Validate and connect each request; one that fails is answered at once.
   std::vector<std::shared_ptr<Job>> jobs;
   for (size_t i = 0; i < requests.size(); ++i) {

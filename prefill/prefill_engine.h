@@ -84,10 +84,10 @@ class PrefillEngine {
   // `model` and `transport` must outlive the engine. `layout` is what this node serves.
   PrefillEngine(const model::Model* model, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
-  // The same engine computing on the GPU (prefill/device_prefill.h), which must outlive it:
-  // requests run one at a time through the device's forward (no batching across prompts yet),
-  // each (chunk, layer) piece sent as soon as its pages reach the host, the sparse state captured
-  // on the device.
+  // The same engine computing on the GPU (prefill/device_prefill.h), which must outlive it: a
+  // batch's requests run through one device forward (DevicePrefill::RunBatch: their rows packed
+  // into shared chunks), each (chunk, layer) piece of each request sent as soon as its pages
+  // reach the host, the sparse state captured on the device.
   PrefillEngine(DevicePrefill* device, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
 
@@ -150,7 +150,12 @@ class PrefillEngine {
   absl::Status Pump(Job& j, bool drain) const;
   absl::Status Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const;
   absl::Status FinishLayer(Job& j, int layer) const;
-  void RunOnDevice(Job& j) const;
+  // The CPU path owns its staging; the device path's is a slice of the device's pinned memory.
+  absl::Status AttachStaging(Job& j, uint8_t* ring, uint8_t* meta) const;
+  void RunDeviceBatch(absl::Span<const fluxion::v1::PrefillRequest* const> requests,
+                      absl::Span<const std::function<bool()>> cancelled,
+                      const Handoff& reply) const;
+  void RunOnDevice(absl::Span<Job* const> jobs) const;
   absl::StatusOr<fluxion::v1::PrefillResponse> Finish(Job& j) const;
   // Finish is Land(&j, FinishCompute(j)): waits for the writes, as every direct reply must.
   // FinishCompute is the reply as far as the compute goes (an error, or the response without the
@@ -168,7 +173,7 @@ class PrefillEngine {
   transfer::Transport* const transport_;
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;
-  mutable std::mutex device_mu_;  // the device path: one request at a time (its pinned staging)
+  mutable std::mutex device_mu_;  // the device path: one batch at a time (its pinned staging)
   mutable std::atomic<uint64_t> slots_{0}, deferred_{0}, drain_waits_{0};  // StagingStats
 };
 
