@@ -84,6 +84,7 @@ absl::StatusOr<std::string> ReadMessage(int fd) {
 struct Options {
   std::string device = "cuda", preset = "llama3.1-8b", model_dir, json, policy = "lfps";
   std::vector<int64_t> contexts = {8192, 32768};
+  std::vector<int64_t> batches = {1};
   std::vector<std::string> send = {"layerwise", "after"};
   int64_t page_tokens = 16, chunk_tokens = prefill::DevicePrefillOptions{}.chunk_tokens;
   int64_t repeats = 1;
@@ -108,20 +109,25 @@ class DecodeSide {
   DecodeSide(const Options& o, const model::ModelConfig& c, const v1::ModelLayout& layout)
       : o_(o), c_(c), layout_(layout) {}
 
-  absl::Status Init(int64_t max_context) {
+  // An arena for the largest point: b prompts of n tokens, each with its side room.
+  absl::Status Init() {
     FLUXION_ASSIGN_OR_RETURN(transport_, transfer::NewUcxTransport(o_.ucx.ToOptions(
                                              "bench-decode", proto::CompatibilityOf(layout_, 1))));
     const decode::KvShape shape{c_.num_layers, c_.num_kv_heads, c_.head_dim, o_.page_tokens};
     const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
                                        o_.page_tokens};
-    const int64_t state_pages =
-        static_cast<int64_t>(decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, max_context) /
-                             shape.page_bytes()) + 1;
-    const int64_t meta_pages =
-        decode::PageMetaRoomPages(Shape(), o_.page_tokens, max_context, shape.page_bytes());
-    FLUXION_ASSIGN_OR_RETURN(arena_, decode::KvArena::Create(
-                                         shape.page_bytes(),
-                                         geo.total_pages(max_context) + meta_pages + state_pages));
+    int64_t pages = 0;
+    for (int64_t n : o_.contexts) {
+      const int64_t state_pages =
+          static_cast<int64_t>(decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, n) /
+                               shape.page_bytes()) + 2;
+      const int64_t meta_pages =
+          decode::PageMetaRoomPages(Shape(), o_.page_tokens, n, shape.page_bytes());
+      for (int64_t b : o_.batches) {
+        pages = std::max(pages, b * (geo.total_pages(n) + meta_pages + state_pages));
+      }
+    }
+    FLUXION_ASSIGN_OR_RETURN(arena_, decode::KvArena::Create(shape.page_bytes(), pages));
     FLUXION_ASSIGN_OR_RETURN(registration_,
                              transport_->Register({arena_->base(), arena_->bytes()}, {true}));
     FLUXION_ASSIGN_OR_RETURN(descriptor_, registration_->Describe());
@@ -130,80 +136,110 @@ class DecodeSide {
     return absl::OkStatus();
   }
 
-  // Serves prompts until the parent closes the pipe.
+  // Serves batches until the parent closes the pipe: each ask is "n b", b prompts of n tokens.
   void Serve(int in, int out) {
     for (;;) {
       absl::StatusOr<std::string> ask = ReadMessage(in);
       if (!ask.ok()) return;
-      const int64_t n = std::stoll(*ask);
-      absl::StatusOr<std::string> reply = OnePrompt(n, in, out);
+      long long n = 0, b = 0;
+      if (std::sscanf(ask->c_str(), "%lld %lld", &n, &b) != 2 || n < 1 || b < 1) return;
+      absl::StatusOr<std::string> reply = OneBatch(n, b, in, out);
       WriteMessage(out, reply.ok() ? "ok " + *reply : "error " + std::string(reply.status().message()));
     }
   }
 
  private:
-  absl::StatusOr<std::string> OnePrompt(int64_t n, int in, int out) {
+  // One prompt's room here, reserved and described to the prefill side.
+  struct Pending {
+    decode::Reservation kv, room;
+    int64_t meta_pages = 0;
+  };
+
+  // Reserves room for `b` prompts of `n` tokens and sends their requests, reads the b answers,
+  // lands each: "reserve_s land_s", both summed over the batch.
+  absl::StatusOr<std::string> OneBatch(int64_t n, int64_t b, int in, int out) {
+    const Clock::time_point t0 = Clock::now();
+    std::vector<Pending> pending(b);
+    std::vector<v1::PrefillRequest> requests(b);
+    for (int64_t i = 0; i < b; ++i) {
+      FLUXION_ASSIGN_OR_RETURN(requests[i], Reserve(n, i, &pending[i]));
+    }
+    const double reserve_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    for (const v1::PrefillRequest& r : requests) {
+      if (!WriteMessage(out, r.SerializeAsString())) return absl::UnavailableError("parent gone");
+    }
+    std::vector<std::string> answers(b);
+    for (std::string& a : answers) {
+      FLUXION_ASSIGN_OR_RETURN(a, ReadMessage(in));
+    }
+    for (Pending& p : pending) {
+      p.kv.SetPeerStopped();
+      if (!p.room.empty()) p.room.SetPeerStopped();
+    }
+    const Clock::time_point t1 = Clock::now();
+    for (int64_t i = 0; i < b; ++i) FLUXION_RETURN_IF_ERROR(Land(n, answers[i], pending[i]));
+    const double land_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    return absl::StrFormat("%.6f %.6f", reserve_s, land_s);
+  }
+
+  absl::StatusOr<v1::PrefillRequest> Reserve(int64_t n, int64_t index, Pending* p) {
     const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
                                        o_.page_tokens};
-    const bool needs_state = decode::sparse::TraitsOf(policy_.kind).needs_sparse_state;
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
-    const Clock::time_point t0 = Clock::now();
-    FLUXION_ASSIGN_OR_RETURN(decode::Reservation kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
+    FLUXION_ASSIGN_OR_RETURN(p->kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
     // The side room as the decode node reserves it: page metadata, then the sparse state.
     const model::AttentionShape shape = Shape();
-    const int64_t meta_pages =
-        decode::PageMetaRoomPages(shape, o_.page_tokens, n, arena_->page_bytes());
+    p->meta_pages = decode::PageMetaRoomPages(shape, o_.page_tokens, n, arena_->page_bytes());
     int64_t state_pages = 0;
-    if (needs_state) {
+    if (NeedsState()) {
       const uint64_t bytes = decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, n);
       state_pages = static_cast<int64_t>((bytes + arena_->page_bytes() - 1) / arena_->page_bytes());
     }
-    decode::Reservation room;
-    if (meta_pages + state_pages > 0) {
-      FLUXION_ASSIGN_OR_RETURN(room, admission_->Reserve(meta_pages + state_pages, deadline,
-                                                         [] { return false; }));
-      FLUXION_RETURN_IF_ERROR(room.RegisterRuns(transport_.get()));
+    if (p->meta_pages + state_pages > 0) {
+      FLUXION_ASSIGN_OR_RETURN(p->room, admission_->Reserve(p->meta_pages + state_pages, deadline,
+                                                            [] { return false; }));
+      FLUXION_RETURN_IF_ERROR(p->room.RegisterRuns(transport_.get()));
     }
-    FLUXION_RETURN_IF_ERROR(kv.RegisterRuns(transport_.get()));
-    const double reserve_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    FLUXION_RETURN_IF_ERROR(p->kv.RegisterRuns(transport_.get()));
     v1::GenerateRequest generate;
-    std::mt19937 rng(static_cast<uint32_t>(n));
+    std::mt19937 rng(static_cast<uint32_t>(n + index));
     for (int64_t i = 0; i < n; ++i) {
       generate.add_prompt_token_ids(static_cast<uint32_t>(rng() % c_.vocab_size));
     }
-    decode::PrefillTarget target{&descriptor_, arena_->page_bytes(), &kv, &room, needs_state,
-                                 geo.pages_per_head(n), &layout_, meta_pages};
+    decode::PrefillTarget target{&descriptor_, arena_->page_bytes(), &p->kv, &p->room,
+                                 NeedsState(), geo.pages_per_head(n), &layout_, p->meta_pages};
     model::SamplingParams sampling;
-    const v1::PrefillRequest request =
-        decode::BuildPrefillRequest(absl::StrCat("bench-", n), generate, sampling, target);
-    kv.SetPeerMayWrite(absl::Seconds(60));
-    if (!room.empty()) room.SetPeerMayWrite(absl::Seconds(60));
-    if (!WriteMessage(out, request.SerializeAsString())) return absl::UnavailableError("parent gone");
-    FLUXION_ASSIGN_OR_RETURN(std::string answer, ReadMessage(in));
-    kv.SetPeerStopped();
-    if (!room.empty()) room.SetPeerStopped();
+    v1::PrefillRequest request =
+        decode::BuildPrefillRequest(absl::StrCat("bench-", n, "-", index), generate, sampling, target);
+    p->kv.SetPeerMayWrite(absl::Seconds(60));
+    if (!p->room.empty()) p->room.SetPeerMayWrite(absl::Seconds(60));
+    return request;
+  }
+
+  // Lands one answered prompt as the decode node does (on its CPU pool), then frees its pages.
+  absl::Status Land(int64_t n, const std::string& answer, Pending& p) {
     v1::PrefillResponse landed;
     if (answer.empty() || !landed.ParseFromString(answer)) {
       return absl::AbortedError("the prefill failed (see the prefill side's error)");
     }
     decode::LandingInput input;
     input.arena = arena_.get();
-    input.shape = shape;
+    input.shape = Shape();
     input.page_tokens = o_.page_tokens;
     input.prompt_tokens = n;
     input.landed = &landed;
     input.policy = &policy_;
-    input.needs_state = needs_state;
-    input.meta_pages = meta_pages;
-    input.pool = &pool_;  // as the decode node lands, on its CPU pool
+    input.needs_state = NeedsState();
+    input.meta_pages = p.meta_pages;
+    input.pool = &pool_;
     bool checksum_failed = false;
-    const Clock::time_point t1 = Clock::now();
-    FLUXION_ASSIGN_OR_RETURN(auto attention,
-                             decode::LandPrompt(input, std::move(kv), std::move(room), &checksum_failed));
-    const double land_s = std::chrono::duration<double>(Clock::now() - t1).count();
-    attention.reset();
-    return absl::StrFormat("%.6f %.6f", reserve_s, land_s);
+    FLUXION_ASSIGN_OR_RETURN(
+        auto attention,
+        decode::LandPrompt(input, std::move(p.kv), std::move(p.room), &checksum_failed));
+    return absl::OkStatus();
   }
+
+  bool NeedsState() const { return decode::sparse::TraitsOf(policy_.kind).needs_sparse_state; }
 
   model::AttentionShape Shape() const {
     return model::AttentionShape{c_.num_layers, c_.num_heads, c_.num_kv_heads, c_.head_dim,
@@ -239,6 +275,64 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// One point's run: the decode side reserves `b` prompts of `n` tokens and sends their requests,
+// the engine prefills them as one batch, the decode side lands them. TTFT is the batch's: its
+// reservations, the batch's prefill until the last reply, and its landings; compute, state and
+// tail are the slowest request's; prefill tokens/s counts the whole batch.
+absl::StatusOr<Row> OneBatch(const prefill::PrefillEngine& engine, int64_t n, int64_t b,
+                             const std::string& send, int in, int out) {
+  WriteMessage(out, absl::StrCat(n, " ", b));
+  std::vector<v1::PrefillRequest> requests(b);
+  for (v1::PrefillRequest& request : requests) {
+    absl::StatusOr<std::string> bytes = ReadMessage(in);
+    if (!bytes.ok() || !request.ParseFromString(*bytes)) {
+      return absl::InternalError(
+          absl::StrCat("decode side: ", bytes.ok() ? *bytes : bytes.status().ToString()));
+    }
+  }
+  std::vector<const v1::PrefillRequest*> pointers;
+  std::vector<std::function<bool()>> cancelled(b, [] { return false; });
+  for (const v1::PrefillRequest& r : requests) pointers.push_back(&r);
+  std::vector<absl::StatusOr<v1::PrefillResponse>> replies(b, absl::UnknownError("no reply"));
+  const Clock::time_point t0 = Clock::now();
+  engine.RunBatch(pointers, cancelled,
+                  [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) { replies[i] = std::move(r); });
+  const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (const auto& r : replies) WriteMessage(out, r.ok() ? r->SerializeAsString() : std::string());
+  absl::StatusOr<std::string> landed = ReadMessage(in);
+  for (const auto& r : replies) {
+    if (!r.ok()) return r.status();
+  }
+  if (!landed.ok() || landed->rfind("ok ", 0) != 0) {
+    return absl::InternalError(
+        absl::StrCat("landing: ", landed.ok() ? *landed : landed.status().ToString()));
+  }
+  double reserve_s = 0, land_s = 0;
+  std::sscanf(landed->c_str() + 3, "%lf %lf", &reserve_s, &land_s);
+  Row row;
+  row.context = n;
+  row.send = send;
+  uint64_t kv_bytes = 0, transfer_us = 0, compute_us = 0;
+  for (const auto& r : replies) {
+    const v1::PrefillTiming& t = r->timing();
+    row.compute_ms = std::max(row.compute_ms, t.compute_us() / 1e3);
+    row.state_ms = std::max(row.state_ms, t.sparse_state_us() / 1e3);
+    row.tail_ms = std::max(row.tail_ms, t.transfer_tail_us() / 1e3);
+    kv_bytes += r->kv_bytes_written();
+    transfer_us = std::max<uint64_t>(transfer_us, t.transfer_us());
+    compute_us = std::max<uint64_t>(compute_us, t.compute_us());
+  }
+  row.reserve_ms = reserve_s * 1e3;
+  row.land_ms = land_s * 1e3;
+  row.ttft_ms = (reserve_s + prefill_s + land_s) * 1e3;
+  row.kv_gb = kv_bytes / 1e9;
+  // Only when everything goes after the last layer is the transfer time the transfer's own
+  // (layer-wise, it spans the compute it overlaps).
+  row.transfer_gbps = send == "after" && transfer_us > 0 ? kv_bytes / (transfer_us / 1e6) / 1e9 : 0;
+  row.prefill_tok_s = compute_us > 0 ? static_cast<double>(b * n) / (compute_us / 1e6) : 0;
+  return row;
+}
+
 }  // namespace
 
 int RunPrefillBench(const std::vector<std::string>& args) {
@@ -253,6 +347,9 @@ int RunPrefillBench(const std::vector<std::string>& args) {
                "--model)");
   flags.String("model", &o.model_dir, "model directory instead of a preset");
   flags.IntList("contexts", &o.contexts, "prompt lengths in tokens");
+  flags.IntList("batch", &o.batches,
+                "prompts prefilled together per point (the prefill node's batch: one forward, "
+                "their rows packed into shared chunks on the GPU), each of the point's length");
   flags.StringList("send", &o.send,
                    "layerwise (each piece as it completes) and/or after (everything after the "
                    "last layer)");
@@ -276,8 +373,12 @@ int RunPrefillBench(const std::vector<std::string>& args) {
   if (!config.ok()) return Fail(config.status());
   const std::string model_id = o.model_dir.empty() ? "random:" + o.preset : o.model_dir;
   const v1::ModelLayout layout = proto::LayoutFor(*config, model_id, model_id, o.page_tokens);
-  int64_t max_context = 0;
-  for (int64_t n : o.contexts) max_context = std::max(max_context, n);
+  for (int64_t b : o.batches) {
+    if (b < 1 || b > 256) return Fail(absl::InvalidArgumentError("--batch takes 1 to 256 prompts"));
+  }
+  for (int64_t n : o.contexts) {
+    if (n < 1) return Fail(absl::InvalidArgumentError("--contexts takes positive lengths"));
+  }
 
   // The decode side first: fork before CUDA or UCX exist in this process.
   int to_child[2], to_parent[2];
@@ -287,7 +388,7 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     close(to_child[1]);
     close(to_parent[0]);
     DecodeSide side(o, *config, layout);
-    absl::Status s = side.Init(max_context);
+    absl::Status s = side.Init();
     WriteMessage(to_parent[1], s.ok() ? "ready" : "error " + std::string(s.message()));
     if (s.ok()) side.Serve(to_child[0], to_parent[1]);
     _exit(s.ok() ? 0 : 1);
@@ -331,9 +432,14 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     cpu_model.reset();
     const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
                                        o.page_tokens};
-    uint64_t pinned = 0;  // the largest staging any point uses, pinned once, now
+    uint64_t pinned = 0;  // the largest staging any point uses (a 4 KiB-aligned slice per prompt), pinned once, now
     for (const std::string& send : o.send) {
-      pinned = std::max(pinned, prefill::DeviceStagingBytes(EngineOptions(o, send), geo, max_context));
+      for (int64_t n : o.contexts) {
+        for (int64_t b : o.batches) {
+          pinned = std::max<uint64_t>(
+              pinned, b * (prefill::DeviceStagingBytes(EngineOptions(o, send), geo, n) + 4096));
+        }
+      }
     }
     absl::StatusOr<uint8_t*> staging = gpu->HostStaging(pinned);
     if (!staging.ok()) return stop_child(), Fail(staging.status());
@@ -346,80 +452,49 @@ int RunPrefillBench(const std::vector<std::string>& args) {
               "landing policy %s\n",
               o.device.c_str(), model_id.c_str(), weights_s, o.ucx.tls.c_str(),
               static_cast<long long>(o.page_tokens), o.policy.c_str());
-  std::printf("%8s %-9s %10s %10s %9s %9s %9s %9s %8s %9s %10s\n", "context", "send", "TTFT ms",
-              "compute", "state", "tail", "reserve", "land", "KV GB", "xfer GB/s", "prefill t/s");
+  std::printf("%8s %5s %-9s %10s %10s %9s %9s %9s %9s %8s %9s %10s\n", "context", "batch", "send",
+              "TTFT ms", "compute", "state", "tail", "reserve", "land", "KV GB", "xfer GB/s",
+              "prefill t/s");
   nlohmann::json results = nlohmann::json::array();
-  std::vector<Row> rows;
   bool first_run = true;
   for (int64_t n : o.contexts) {
-    for (const std::string& send : o.send) {
-      if (send != "layerwise" && send != "after") {
-        stop_child();
-        return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
+    for (int64_t b : o.batches) {
+      for (const std::string& send : o.send) {
+        if (send != "layerwise" && send != "after") {
+          stop_child();
+          return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
+        }
+        const prefill::PrefillEngineOptions eo = EngineOptions(o, send);
+        auto engine = gpu != nullptr ? std::make_unique<prefill::PrefillEngine>(
+                                           gpu.get(), transport->get(), layout, eo)
+                                     : std::make_unique<prefill::PrefillEngine>(
+                                           cpu_model.get(), transport->get(), layout, eo);
+        std::vector<Row> samples;
+        for (int64_t rep = 0; rep < o.repeats + (first_run ? 1 : 0); ++rep) {
+          const bool warmup = first_run && rep == 0;
+          absl::StatusOr<Row> row = OneBatch(*engine, n, b, send, in, out);
+          if (!row.ok()) {
+            stop_child();
+            return Fail(row.status());
+          }
+          if (!warmup) samples.push_back(*row);
+        }
+        first_run = false;
+        std::sort(samples.begin(), samples.end(),
+                  [](const Row& x, const Row& y) { return x.ttft_ms < y.ttft_ms; });
+        const Row& m = samples[samples.size() / 2];
+        std::printf("%8lld %5lld %-9s %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %8.2f %9.2f %10.0f\n",
+                    static_cast<long long>(n), static_cast<long long>(b), send.c_str(), m.ttft_ms,
+                    m.compute_ms, m.state_ms, m.tail_ms, m.reserve_ms, m.land_ms, m.kv_gb,
+                    m.transfer_gbps, m.prefill_tok_s);
+        std::fflush(stdout);
+        results.push_back({{"context", n}, {"batch", b}, {"send", send}, {"ttft_ms", m.ttft_ms},
+                           {"compute_ms", m.compute_ms}, {"sparse_state_ms", m.state_ms},
+                           {"transfer_tail_ms", m.tail_ms}, {"reserve_ms", m.reserve_ms},
+                           {"land_ms", m.land_ms}, {"kv_gb", m.kv_gb},
+                           {"transfer_gbps", m.transfer_gbps},
+                           {"prefill_tok_s", m.prefill_tok_s}, {"repeats", samples.size()}});
       }
-      const prefill::PrefillEngineOptions eo = EngineOptions(o, send);
-      auto engine = gpu != nullptr
-                        ? std::make_unique<prefill::PrefillEngine>(gpu.get(), transport->get(), layout, eo)
-                        : std::make_unique<prefill::PrefillEngine>(cpu_model.get(), transport->get(), layout, eo);
-      std::vector<Row> samples;
-      for (int64_t rep = 0; rep < o.repeats + (first_run ? 1 : 0); ++rep) {
-        const bool warmup = first_run && rep == 0;
-        WriteMessage(out, std::to_string(n));
-        absl::StatusOr<std::string> req_bytes = ReadMessage(in);
-        v1::PrefillRequest request;
-        if (!req_bytes.ok() || !request.ParseFromString(*req_bytes)) {
-          stop_child();
-          return Fail(absl::InternalError(absl::StrCat("decode side: ", req_bytes.ok() ? *req_bytes : req_bytes.status().ToString())));
-        }
-        const Clock::time_point t0 = Clock::now();
-        absl::StatusOr<v1::PrefillResponse> r = engine->Run(request, [] { return false; });
-        const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
-        WriteMessage(out, r.ok() ? r->SerializeAsString() : std::string());
-        absl::StatusOr<std::string> landed = ReadMessage(in);
-        if (!r.ok()) {
-          stop_child();
-          return Fail(r.status());
-        }
-        if (!landed.ok() || landed->rfind("ok ", 0) != 0) {
-          stop_child();
-          return Fail(absl::InternalError(absl::StrCat("landing: ", landed.ok() ? *landed : landed.status().ToString())));
-        }
-        double reserve_s = 0, land_s = 0;
-        std::sscanf(landed->c_str() + 3, "%lf %lf", &reserve_s, &land_s);
-        if (warmup) continue;
-        const v1::PrefillTiming& t = r->timing();
-        Row row;
-        row.context = n;
-        row.send = send;
-        row.compute_ms = t.compute_us() / 1e3;
-        row.state_ms = t.sparse_state_us() / 1e3;
-        row.tail_ms = t.transfer_tail_us() / 1e3;
-        row.reserve_ms = reserve_s * 1e3;
-        row.land_ms = land_s * 1e3;
-        row.ttft_ms = (reserve_s + prefill_s + land_s) * 1e3;
-        row.kv_gb = r->kv_bytes_written() / 1e9;
-        // Only when everything goes after the last layer is the transfer time the transfer's own
-        // (layer-wise, it spans the compute it overlaps).
-        row.transfer_gbps = send == "after" && t.transfer_us() > 0
-                                ? r->kv_bytes_written() / (t.transfer_us() / 1e6) / 1e9
-                                : 0;
-        row.prefill_tok_s = t.compute_us() > 0 ? n / (t.compute_us() / 1e6) : 0;
-        samples.push_back(row);
-      }
-      first_run = false;
-      std::sort(samples.begin(), samples.end(),
-                [](const Row& a, const Row& b) { return a.ttft_ms < b.ttft_ms; });
-      const Row& m = samples[samples.size() / 2];
-      std::printf("%8lld %-9s %10.1f %10.1f %9.1f %9.1f %9.1f %9.1f %8.2f %9.2f %10.0f\n",
-                  static_cast<long long>(n), send.c_str(), m.ttft_ms, m.compute_ms, m.state_ms,
-                  m.tail_ms, m.reserve_ms, m.land_ms, m.kv_gb, m.transfer_gbps, m.prefill_tok_s);
-      std::fflush(stdout);
-      results.push_back({{"context", n}, {"send", send}, {"ttft_ms", m.ttft_ms},
-                         {"compute_ms", m.compute_ms}, {"sparse_state_ms", m.state_ms},
-                         {"transfer_tail_ms", m.tail_ms}, {"reserve_ms", m.reserve_ms},
-                         {"land_ms", m.land_ms}, {"kv_gb", m.kv_gb},
-                         {"transfer_gbps", m.transfer_gbps}, {"prefill_tok_s", m.prefill_tok_s},
-                         {"repeats", samples.size()}});
     }
   }
   stop_child();
