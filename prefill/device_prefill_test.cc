@@ -184,13 +184,27 @@ void ExpectLikeCpu(const model::Model& m, const std::vector<int32_t>& prompt, co
     EXPECT_TRUE(std::equal(want_meta.begin(), want_meta.end(), meta.begin() + l * meta_layer))
         << "page records of layer " << l;
   }
-  EXPECT_EQ(Argmax(r.logits), Argmax(cpu.logits)) << "first greedy token";
   double lworst = 0, lscale = 0;
   for (size_t i = 0; i < cpu.logits.size(); ++i) {
     lworst = std::max(lworst, std::abs(static_cast<double>(r.logits[i]) - cpu.logits[i]));
     lscale = std::max(lscale, std::abs(static_cast<double>(cpu.logits[i])));
   }
   EXPECT_LT(lworst, 0.05 * lscale) << "logits";
+  // The same first greedy token where the CPU's top two stand apart by more than 2% of the logits'
+  // scale; closer than that (a bf16 near-tie: random prompts on the trained model make some,
+  // session 23) the GPU's token is one of the CPU's top two.
+  std::vector<int32_t> order(cpu.logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                    [&](int32_t a, int32_t b) { return cpu.logits[a] > cpu.logits[b]; });
+  const int32_t g = Argmax(r.logits);
+  if (cpu.logits[order[0]] - cpu.logits[order[1]] > 0.02 * lscale) {
+    EXPECT_EQ(g, order[0]) << "first greedy token";
+  } else {
+    EXPECT_TRUE(g == order[0] || g == order[1])
+        << "first greedy token " << g << " is not one of the CPU's near-tied " << order[0]
+        << " and " << order[1];
+  }
 
   ASSERT_TRUE(r.state.has_value());
   const model::SparseState& gs = *r.state;
