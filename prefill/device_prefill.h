@@ -41,8 +41,14 @@
 #include "model/dense_ops.h"
 #include "model/layer.h"
 #include "model/sparse_state.h"
+#include "prefill/prefill_device.h"
 
 namespace fluxion::prefill {
+
+// Called on the copy thread, in (chunk, layer) order, once rows [first, end) of `layer` are
+// computed in HBM (the pages they complete may be pulled with CopyPages). An error stops the run
+// (Run returns it).
+using PiecesReady = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
 
 struct DevicePrefillOptions {
   // Prompt rows per forward pass through the layers (a multiple of the page size is best).
@@ -50,35 +56,7 @@ struct DevicePrefillOptions {
   model::SparseStateParams sparse;
 };
 
-struct DevicePrefillResult {
-  std::vector<float> logits;                // the last prompt token's [vocab_size]
-  std::optional<model::SparseState> state;  // when the run was asked to capture it
-  std::chrono::steady_clock::time_point forward_end;  // before the capture
-  double copy_wait_seconds = 0;  // after the forward, waiting for the last pieces to reach the host
-};
-
-// Called on the copy thread, in (chunk, layer) order, once rows [first, end) of `layer` are
-// computed in HBM (the pages they complete may be pulled with CopyPages). An error stops the run
-// (Run returns it).
-using PiecesReady = std::function<absl::Status(int layer, int64_t first, int64_t end)>;
-// The same for prompt `prompt` of a batch (its index in RunBatch's span). An error stops that
-// prompt only: it leaves the batch and its result is the error.
-using BatchPiecesReady =
-    std::function<absl::Status(size_t prompt, int layer, int64_t first, int64_t end)>;
-
-// One prompt of a batch: ids already validated against the vocabulary, pages of `page_tokens`
-// tokens, each page's selection record (transfer/page_meta.h) computed beside it when
-// `encode_meta`, the sparse state captured after the forward when `capture_state`. `cancelled`
-// (may be empty) is polled between layers; once true the prompt leaves the batch (Cancelled).
-struct DevicePrompt {
-  absl::Span<const int32_t> tokens;
-  int64_t page_tokens = 16;
-  bool encode_meta = false;
-  bool capture_state = false;
-  std::function<bool()> cancelled;
-};
-
-class DevicePrefill {
+class DevicePrefill : public PrefillDevice {
  public:
   // `ops` must be a CUDA DenseOps holding `params` (Model::UploadParams or model::RandomParams);
   // the prefill owns both. FailedPrecondition for host-memory ops; InvalidArgument for a shape
@@ -87,19 +65,17 @@ class DevicePrefill {
                                                                std::unique_ptr<model::DenseOps> ops,
                                                                model::ModelParams params,
                                                                const DevicePrefillOptions& options);
-  ~DevicePrefill();
+  ~DevicePrefill() override;
   DevicePrefill(const DevicePrefill&) = delete;
   DevicePrefill& operator=(const DevicePrefill&) = delete;
 
-  const model::ModelConfig& config() const;
+  const model::ModelConfig& config() const override;
 
-  // Pinned host memory of at least `bytes`, for the staging ring and the page records that
-  // CopyPages writes: the device-to-host copies run at the link's rate into it (into pageable
-  // memory they ran at ~0.5 GB/s in the first device run, faulting each fresh page in). Grown on
-  // demand and kept, so the pinning cost is paid once; call it at start-up with the largest size
-  // to pay it before serving. The pointer stays valid until a larger call; one caller at a time
-  // (the engine holds its device lock). ResourceExhausted when the memory cannot be pinned.
-  absl::StatusOr<uint8_t*> HostStaging(size_t bytes);
+  // PrefillDevice. The staging is pinned: the device-to-host copies run at the link's rate into
+  // it (into pageable memory they ran at ~0.5 GB/s in the first device run, faulting each fresh
+  // page in); grown on demand and kept, so the pinning cost is paid once: call it at start-up
+  // with the largest size to pay it before serving.
+  absl::StatusOr<uint8_t*> HostStaging(size_t bytes) override;
 
   // Prefills `prompt` (ids already validated against the vocabulary) into pages of `page_tokens`
   // tokens in HBM (config's layers x KV heads x ceil(n / page_tokens) pages of 2 * page_tokens *
@@ -112,23 +88,15 @@ class DevicePrefill {
                                           const std::function<bool()>& cancelled,
                                           const PiecesReady& ready);
 
-  // Several prompts through one forward, their rows packed into shared chunks in the order
-  // given. The outer error is the batch's (ResourceExhausted: the pages of all of them do not fit
-  // HBM; Internal: a CUDA failure); otherwise one result per prompt: its logits and state, or its
-  // own error (Cancelled, the first error `ready` returned for it). Pieces of different prompts
-  // interleave; those of one prompt come in order.
+  // PrefillDevice: the prompts' rows packed into shared chunks in the order given.
+  // ResourceExhausted when the pages of all of them do not fit HBM; Internal for a CUDA failure.
   absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> RunBatch(
-      absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready);
+      absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready) override;
 
-  // Copies pages [first_page, end_page) of every KV head of `layer` of prompt `prompt` (its index
-  // in the last batch; 0 after Run) to `pages` as [head][end_page - first_page] pages
-  // (PackPageRange's layout), and, when `records` is not null and that prompt encoded them, their
-  // records into `records`, the layer's block (transfer/page_meta.h: record (head, page) at its
-  // place in the block). Pinned destinations copy at the link's rate. Call it from `ready` for
-  // rows it reported, or after the run returned and before the next. InvalidArgument for a prompt, range or layer the last batch
-  // does not have; Internal for a CUDA failure.
+  // PrefillDevice (prompt 0 after Run): from HBM on the copy stream; pinned destinations copy at
+  // the link's rate. Internal for a CUDA failure.
   absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
-                         uint8_t* pages, uint8_t* records);
+                         uint8_t* pages, uint8_t* records) override;
 
  private:
   struct Impl;

@@ -137,7 +137,7 @@ PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* tra
       layout_(layout),
       options_(options) {}
 
-PrefillEngine::PrefillEngine(DevicePrefill* device, transfer::Transport* transport,
+PrefillEngine::PrefillEngine(PrefillDevice* device, transfer::Transport* transport,
                              const v1::ModelLayout& layout, const PrefillEngineOptions& options)
     : model_(nullptr),
       device_(device),
@@ -154,7 +154,7 @@ PrefillEngine::PrefillEngine(DevicePrefill* device, transfer::Transport* transpo
 struct PrefillEngine::Job {
   const PrefillEngine* engine = nullptr;  // for the Landing's drain
   size_t index = 0;         // in the batch's requests
-  size_t device_index = 0;  // in the device forward's prompts (DevicePrefill::CopyPages)
+  size_t device_index = 0;  // in the device forward's prompts (PrefillDevice::CopyPages)
   const v1::PrefillRequest* request = nullptr;
   std::function<bool()> cancelled;
   Clock::time_point t_start, t_compute, t_compute_end;

@@ -31,7 +31,7 @@
 #include "absl/time/time.h"
 #include "fluxion/v1/prefill.pb.h"
 #include "model/model.h"
-#include "prefill/device_prefill.h"
+#include "prefill/prefill_device.h"
 #include "prefill/staging_ring.h"
 #include "transfer/kv_pages.h"
 #include "transfer/transport.h"
@@ -64,7 +64,7 @@ struct PrefillEngineOptions {
 uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::KvPageGeometry& geo,
                           int64_t tokens);
 // What the device path pins for such a prompt: its ring, then its pages' selection records
-// (DevicePrefill::HostStaging).
+// (PrefillDevice::HostStaging).
 uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
                             const transfer::KvPageGeometry& geo, int64_t tokens);
 
@@ -84,11 +84,11 @@ class PrefillEngine {
   // `model` and `transport` must outlive the engine. `layout` is what this node serves.
   PrefillEngine(const model::Model* model, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
-  // The same engine computing on the GPU (prefill/device_prefill.h), which must outlive it: a
-  // batch's requests run through one device forward (DevicePrefill::RunBatch: their rows packed
-  // into shared chunks), each (chunk, layer) piece of each request sent as soon as its pages
+  // The same engine computing on an accelerator (prefill/prefill_device.h; the GPU's is
+  // prefill/device_prefill.h), which must outlive it: a batch's requests run through one device
+  // forward (PrefillDevice::RunBatch: on the GPU their rows packed into shared chunks), each (chunk, layer) piece of each request sent as soon as its pages
   // reach the host, the sparse state captured on the device.
-  PrefillEngine(DevicePrefill* device, transfer::Transport* transport,
+  PrefillEngine(PrefillDevice* device, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
 
   // Runs `request`. `cancelled` is polled between layers; once it returns true the call stops
@@ -167,7 +167,7 @@ class PrefillEngine {
       Job* j, absl::StatusOr<fluxion::v1::PrefillResponse> computed);
 
   const model::Model* const model_;  // null when the engine computes on `device_`
-  DevicePrefill* const device_;       // null when it computes on `model_` (the CPU)
+  PrefillDevice* const device_;       // null when it computes on `model_` (the CPU)
   const model::ModelConfig config_;
   const model::AttentionShape shape_;
   transfer::Transport* const transport_;

@@ -1,7 +1,8 @@
 // The prefill engine against per-reservation keys (KvTarget.ranges), over the loopback transport,
 // which enforces a registration's range and its revocation as a NIC would: a stale request from a
 // finished reservation cannot change the pages of the request that got them next, and pages
-// outside the request's ranges are refused before anything is written.
+// outside the request's ranges are refused before anything is written. Then the engine's device
+// path (batches, each request's slice of the device's staging) over a CPU stand-in for the GPU.
 #include "prefill/prefill_engine.h"
 
 #include <unistd.h>
@@ -11,7 +12,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "decode/kv_admission.h"
+#include "model/dense_attention.h"
+#include "model/generator.h"
+#include "prefill/prefill_device.h"
+#include "transfer/kv_pages.h"
 #include "gtest/gtest.h"
 #include "model/random_model.h"
 #include "model/sparse_state.h"
@@ -364,6 +371,23 @@ TEST_F(PrefillEngineMetaTest, RoomOutsideTheRangesOrTooSmallIsRefusedBeforeAnyWr
 }
 
 // The pages of `r` in their logical order (the runs' order).
+// Stalls the writes into `decode`: paused now, resumed once `engine`'s drain waits for ring room
+// (or after 30 s, which the caller's checks then show), so that whatever the compute's speed the
+// staging ring is held by queued writes through the compute and into the drain. Join the thread
+// before checking.
+std::thread StallWritesUntilTheDrainWaits(transfer::LoopbackTransport* decode,
+                                          const PrefillEngine* engine) {
+  decode->SetProgressPausedForTesting(true);
+  const uint64_t before = engine->staging_stats().drain_waits;
+  return std::thread([decode, engine, before] {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (engine->staging_stats().drain_waits == before && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    decode->SetProgressPausedForTesting(false);
+  });
+}
+
 std::vector<uint8_t> PagesOf(const KvArena& arena, const Reservation& r, size_t page_bytes) {
   std::vector<uint8_t> out;
   for (const PageRun& run : r.runs()) {
@@ -411,11 +435,7 @@ TEST_F(PrefillEngineMetaTest, ASmallRingWithStalledWritesSendsTheSamePagesAndChe
     v1::PrefillRequest r = RequestFor("ring", kv, kv);
     r.mutable_sampling()->set_temperature(0);
     AskForMeta(&r, room, transfer::kPageMetaVersion);
-    decode_->SetProgressPausedForTesting(true);
-    std::thread release([this] {
-      absl::SleepFor(absl::Milliseconds(300));
-      decode_->SetProgressPausedForTesting(false);
-    });
+    std::thread release = StallWritesUntilTheDrainWaits(decode_.get(), engine_.get());
     absl::StatusOr<v1::PrefillResponse> out = Run(r);
     release.join();
     ASSERT_TRUE(out.ok()) << out.status();
@@ -471,6 +491,259 @@ TEST_F(PrefillEngineRangesTest, EmptyWorkerAddressIsInvalidArgument) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
   EXPECT_NE(out.status().message().find("worker_address"), std::string::npos);
   a.SetPeerStopped();
+}
+
+// --- The engine's device path, over a CPU stand-in for the GPU ---
+
+// The GPU prefill's contract (prefill/prefill_device.h) kept on the CPU: each prompt through the
+// CPU model in pieces of kStandInPiece rows (the CPU path's arithmetic with piece_tokens 16, so
+// the pages are byte-equal to it), its pages packed as the wire lays them out, and the pieces
+// reported in (chunk, layer) order with the prompts interleaved, as the GPU's packed chunks
+// interleave them.
+class CpuStandInDevice : public PrefillDevice {
+ public:
+  static constexpr int64_t kStandInPiece = 16;
+  explicit CpuStandInDevice(const model::Model* m) : m_(m) {}
+
+  const model::ModelConfig& config() const override { return m_->config(); }
+
+  absl::StatusOr<uint8_t*> HostStaging(size_t bytes) override {
+    if (refuse_staging) return absl::ResourceExhaustedError("stand-in: no staging");
+    if (staging_.size() < bytes) staging_.assign(bytes, 0);
+    return staging_.data();
+  }
+
+  absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> RunBatch(
+      absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready) override {
+    const model::AttentionShape shape = m_->attention_shape();
+    last_.assign(prompts.size(), Prompt{});
+    std::vector<absl::StatusOr<DevicePrefillResult>> results;
+    int64_t longest = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      FLUXION_ASSIGN_OR_RETURN(DevicePrefillResult r, Compute(prompts[i], &last_[i]));
+      results.push_back(std::move(r));
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].tokens.size()));
+    }
+    for (int64_t first = 0; first < longest; first += kStandInPiece) {
+      for (int layer = 0; layer < shape.num_layers; ++layer) {
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          const int64_t n = static_cast<int64_t>(prompts[i].tokens.size());
+          if (first >= n || !results[i].ok()) continue;
+          if (prompts[i].cancelled && prompts[i].cancelled()) {
+            results[i] = absl::CancelledError("stand-in: cancelled");
+            continue;
+          }
+          if (absl::Status s = ready(i, layer, first, std::min(n, first + kStandInPiece)); !s.ok()) {
+            results[i] = s;
+          }
+        }
+      }
+    }
+    return results;
+  }
+
+  absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
+                         uint8_t* pages, uint8_t* records) override {
+    if (prompt >= last_.size()) return absl::InvalidArgumentError("stand-in: no such prompt");
+    const Prompt& p = last_[prompt];
+    const transfer::KvPageGeometry& g = p.geo;
+    const int64_t per_head = g.pages_per_head(p.tokens), count = end_page - first_page;
+    if (layer < 0 || layer >= g.num_layers || first_page < 0 || count < 1 || end_page > per_head) {
+      return absl::InvalidArgumentError("stand-in: pages out of range");
+    }
+    const size_t cb = g.content_bytes(), layer_bytes = g.pages_per_layer(p.tokens) * cb;
+    const uint64_t record = transfer::PageMetaRecordBytes(g);
+    for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+      const size_t index = static_cast<size_t>(h * per_head + first_page);
+      std::memcpy(pages + h * count * cb, p.pages.data() + layer * layer_bytes + index * cb,
+                  count * cb);
+      if (records != nullptr && !p.meta.empty()) {
+        std::memcpy(records + index * record,
+                    p.meta.data() + layer * transfer::PageMetaLayerBytes(g, p.tokens) +
+                        index * record,
+                    count * record);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  bool refuse_staging = false;
+
+ private:
+  struct Prompt {
+    int64_t tokens = 0;
+    transfer::KvPageGeometry geo;
+    std::vector<uint8_t> pages, meta;
+  };
+
+  absl::StatusOr<DevicePrefillResult> Compute(const DevicePrompt& in, Prompt* out) const {
+    const model::AttentionShape shape = m_->attention_shape();
+    const int64_t n = static_cast<int64_t>(in.tokens.size());
+    auto owned = std::make_unique<model::DenseAttention>(shape);
+    model::DenseAttention* dense = owned.get();
+    dense->RecordQueries(std::max<int64_t>(0, n - model::kPrefillTailRows), n);
+    model::Sequence seq(std::move(owned));
+    DevicePrefillResult r;
+    for (int64_t first = 0; first < n; first += kStandInPiece) {
+      FLUXION_RETURN_IF_ERROR(
+          m_->Forward(seq, in.tokens.subspan(first, std::min(kStandInPiece, n - first)), &r.logits));
+    }
+    out->tokens = n;
+    out->geo = {shape.num_layers, shape.num_kv_heads, shape.head_dim, in.page_tokens};
+    const size_t layer_bytes = out->geo.pages_per_layer(n) * out->geo.content_bytes();
+    out->pages.assign(layer_bytes * shape.num_layers, 0);
+    for (int l = 0; l < shape.num_layers; ++l) {
+      transfer::PackLayerPages(out->geo, n, dense->keys(l), dense->values(l),
+                               shape.num_kv_heads * shape.head_dim,
+                               out->pages.data() + l * layer_bytes);
+    }
+    if (in.encode_meta) {
+      const uint64_t block = transfer::PageMetaLayerBytes(out->geo, n);
+      out->meta.assign(transfer::PageMetaBytes(out->geo, n), 0);
+      for (int l = 0; l < shape.num_layers; ++l) {
+        transfer::EncodeLayerPageMeta(out->geo, n, out->pages.data() + l * layer_bytes,
+                                      out->meta.data() + l * block);
+      }
+    }
+    if (in.capture_state) {
+      FLUXION_ASSIGN_OR_RETURN(r.state, model::CaptureSparseState(*dense, shape));
+    }
+    r.forward_end = std::chrono::steady_clock::now();
+    return r;
+  }
+
+  const model::Model* m_;
+  std::vector<uint8_t> staging_;
+  std::vector<Prompt> last_;
+};
+
+class PrefillEngineDeviceTest : public PrefillEngineMetaTest {
+ protected:
+  // Request `i` of a batch: its own prompt (the fixture's length), pages, metadata room, greedy.
+  struct Request {
+    Reservation kv;
+    MetaRoom room;
+    v1::PrefillRequest proto;
+  };
+  Request Make(int i) {
+    Request r;
+    r.kv = Reserve();
+    r.room = ReserveRoom();
+    Fill(r.kv, 0xee);
+    r.proto = RequestFor(absl::StrCat("r", i), r.kv, r.kv);
+    for (int t = 0; t < kPromptTokens; ++t) {
+      r.proto.set_prompt_token_ids(t, static_cast<uint32_t>((t * (i + 3) + 11 * i) % 200 + 1));
+    }
+    r.proto.mutable_sampling()->set_temperature(0);
+    AskForMeta(&r.proto, r.room, transfer::kPageMetaVersion);
+    return r;
+  }
+  void Stop(Request& r) {
+    r.kv.SetPeerStopped();
+    r.room.pages.SetPeerStopped();
+  }
+  // What the CPU path sends for request `i`, alone: reply, pages, metadata.
+  struct Sent {
+    v1::PrefillResponse reply;
+    std::vector<uint8_t> pages, meta;
+  };
+  Sent OnTheCpu(int i) {
+    PrefillEngineOptions options;
+    options.piece_tokens = CpuStandInDevice::kStandInPiece;
+    PrefillEngine cpu(model_.get(), prefill_.get(), layout_, options);
+    Request r = Make(i);
+    absl::StatusOr<v1::PrefillResponse> out = cpu.Run(r.proto, [] { return false; });
+    EXPECT_TRUE(out.ok()) << out.status();
+    Sent s{out.ok() ? *out : v1::PrefillResponse{}, PagesOf(*arena_, r.kv, page_bytes_),
+           RoomBytes(r.room)};
+    Stop(r);
+    return s;
+  }
+  // Runs `requests` as one batch on `engine`; the replies in request order.
+  std::vector<absl::StatusOr<v1::PrefillResponse>> RunBatch(
+      const PrefillEngine& engine, std::vector<Request>& requests,
+      std::vector<std::function<bool()>> cancelled = {}) {
+    std::vector<const v1::PrefillRequest*> protos;
+    for (Request& r : requests) protos.push_back(&r.proto);
+    cancelled.resize(requests.size());
+    for (auto& c : cancelled) {
+      if (!c) c = [] { return false; };
+    }
+    std::vector<absl::StatusOr<v1::PrefillResponse>> replies(requests.size(),
+                                                             absl::UnknownError("no reply"));
+    engine.RunBatch(protos, cancelled, [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
+      replies[i] = std::move(r);
+    });
+    return replies;
+  }
+  void ExpectSame(const Sent& want, const absl::StatusOr<v1::PrefillResponse>& got,
+                  Request& r) {
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->first_token_id(), want.reply.first_token_id());
+    ASSERT_EQ(got->layer_checksums_size(), want.reply.layer_checksums_size());
+    for (int l = 0; l < want.reply.layer_checksums_size(); ++l) {
+      EXPECT_EQ(got->layer_checksums(l), want.reply.layer_checksums(l)) << "layer " << l;
+    }
+    EXPECT_TRUE(PagesOf(*arena_, r.kv, page_bytes_) == want.pages);
+    EXPECT_TRUE(RoomBytes(r.room) == want.meta);
+  }
+};
+
+// Three requests through one device batch, each with a one-page-per-head ring (a slice of the
+// device's staging) and the writes stalled until the drain waits, so that pages wait and go from
+// the drain:
+// each lands exactly what the CPU path sends for it alone.
+TEST_F(PrefillEngineDeviceTest, ABatchSendsWhatTheCpuPathSendsForEachRequest) {
+  std::vector<Sent> want;
+  for (int i = 0; i < 3; ++i) want.push_back(OnTheCpu(i));
+  CpuStandInDevice device(model_.get());
+  PrefillEngineOptions options;
+  options.staging_ring_bytes = 1;  // raised to one page of every KV head
+  PrefillEngine engine(&device, prefill_.get(), layout_, options);
+  std::vector<Request> requests;
+  for (int i = 0; i < 3; ++i) requests.push_back(Make(i));
+  std::thread release = StallWritesUntilTheDrainWaits(decode_.get(), &engine);
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got = RunBatch(engine, requests);
+  release.join();
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(::testing::Message() << "request " << i);
+    ExpectSame(want[i], got[i], requests[i]);
+    Stop(requests[i]);
+  }
+  EXPECT_GT(engine.staging_stats().deferred, 0u);
+  EXPECT_GT(engine.staging_stats().drain_waits, 0u);
+}
+
+// A request cancelled mid-batch ends Cancelled; the others land what the CPU path sends.
+TEST_F(PrefillEngineDeviceTest, ARequestCancelledMidBatchLeavesTheOthersUnharmed) {
+  const Sent want0 = OnTheCpu(0), want2 = OnTheCpu(2);
+  CpuStandInDevice device(model_.get());
+  PrefillEngine engine(&device, prefill_.get(), layout_, PrefillEngineOptions{});
+  std::vector<Request> requests;
+  for (int i = 0; i < 3; ++i) requests.push_back(Make(i));
+  int polls = 0;
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got =
+      RunBatch(engine, requests, {nullptr, [&] { return ++polls > 3; }, nullptr});
+  EXPECT_EQ(got[1].status().code(), absl::StatusCode::kCancelled) << got[1].status();
+  ExpectSame(want0, got[0], requests[0]);
+  ExpectSame(want2, got[2], requests[2]);
+  for (Request& r : requests) Stop(r);
+}
+
+// When the device has no staging for the batch, every request of it fails with that error and
+// nothing is written.
+TEST_F(PrefillEngineDeviceTest, NoStagingFailsEveryRequestOfTheBatchBeforeAnyWrite) {
+  CpuStandInDevice device(model_.get());
+  device.refuse_staging = true;
+  PrefillEngine engine(&device, prefill_.get(), layout_, PrefillEngineOptions{});
+  std::vector<Request> requests;
+  for (int i = 0; i < 2; ++i) requests.push_back(Make(i));
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got = RunBatch(engine, requests);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(got[i].status().code(), absl::StatusCode::kResourceExhausted) << got[i].status();
+    EXPECT_TRUE(Holds(requests[i].kv, 0xee));
+    Stop(requests[i]);
+  }
 }
 
 }  // namespace

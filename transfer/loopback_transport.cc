@@ -67,6 +67,11 @@ class Core {
     }
   }
 
+  size_t Queued() {
+    absl::MutexLock lock(&mu_);
+    return pending_.size();
+  }
+
   // Removes a queued batch (its writer is going away); completes it with `why`.
   void Cancel(const internal::CompletionState* state, const absl::Status& why) {
     absl::MutexLock lock(&mu_);
@@ -425,6 +430,8 @@ absl::Status LoopbackTransport::Flush(absl::Duration timeout) {
 }
 
 void LoopbackTransport::SetProgressPausedForTesting(bool paused) { core_->SetPaused(paused); }
+
+size_t LoopbackTransport::QueuedWritesForTesting() const { return core_->Queued(); }
 
 std::unique_ptr<Transport> NewLoopbackTransport(const LoopbackOptions& options) {
   return std::make_unique<LoopbackTransport>(options);

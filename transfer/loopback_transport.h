@@ -59,6 +59,8 @@ class LoopbackTransport final : public Transport {
   // Test hook. While paused, batches written into this transport's registrations are queued, not
   // copied; unpausing copies them in submission order on the calling thread.
   void SetProgressPausedForTesting(bool paused);
+  // Test hook: the batches queued while paused.
+  size_t QueuedWritesForTesting() const;
 
  private:
   friend class LoopbackRegistration;

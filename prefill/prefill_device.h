@@ -1,0 +1,79 @@
+// What the prefill engine needs of an accelerator that prefills prompts (issue 15): batches of
+// prompts through one forward, each (chunk, layer) piece reported as it completes, its pages
+// pulled to the host while the next layer computes, and the host memory those pages are staged
+// in. DevicePrefill (prefill/device_prefill.h) is the CUDA one; unit tests put a CPU stand-in
+// behind the same interface to test the engine's device path where there is no GPU.
+#ifndef FLUXION_PREFILL_PREFILL_DEVICE_H_
+#define FLUXION_PREFILL_PREFILL_DEVICE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/config.h"
+#include "model/sparse_state.h"
+
+namespace fluxion::prefill {
+
+struct DevicePrefillResult {
+  std::vector<float> logits;                // the last prompt token's [vocab_size]
+  std::optional<model::SparseState> state;  // when the run was asked to capture it
+  std::chrono::steady_clock::time_point forward_end;  // before the capture
+  double copy_wait_seconds = 0;  // after the forward, waiting for the last pieces to reach the host
+};
+
+// Called (on a thread of the device's) in (chunk, layer) order, once rows [first, end) of `layer`
+// of prompt `prompt` (its index in RunBatch's span) are computed: the pages they complete may be
+// pulled with CopyPages. An error stops that prompt only: it leaves the batch and its result is
+// the error.
+using BatchPiecesReady =
+    std::function<absl::Status(size_t prompt, int layer, int64_t first, int64_t end)>;
+
+// One prompt of a batch: ids already validated against the vocabulary, pages of `page_tokens`
+// tokens, each page's selection record (transfer/page_meta.h) computed beside it when
+// `encode_meta`, the sparse state captured after the forward when `capture_state`. `cancelled`
+// (may be empty) is polled between layers; once true the prompt leaves the batch (Cancelled).
+struct DevicePrompt {
+  absl::Span<const int32_t> tokens;
+  int64_t page_tokens = 16;
+  bool encode_meta = false;
+  bool capture_state = false;
+  std::function<bool()> cancelled;
+};
+
+class PrefillDevice {
+ public:
+  virtual ~PrefillDevice() = default;
+
+  virtual const model::ModelConfig& config() const = 0;
+
+  // Host memory of at least `bytes` for the engine's staging rings and the page records that
+  // CopyPages writes. The pointer stays valid until a larger call; one caller at a time (the
+  // engine holds its device lock). ResourceExhausted when the memory cannot be had.
+  virtual absl::StatusOr<uint8_t*> HostStaging(size_t bytes) = 0;
+
+  // Several prompts through one forward, in the order given. The outer error is the batch's (the
+  // device's memory, a device failure); otherwise one result per prompt: its logits and state, or
+  // its own error (Cancelled, the first error `ready` returned for it). Pieces of different
+  // prompts interleave; those of one prompt come in order.
+  virtual absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> RunBatch(
+      absl::Span<const DevicePrompt> prompts, const BatchPiecesReady& ready) = 0;
+
+  // Copies pages [first_page, end_page) of every KV head of `layer` of prompt `prompt` of the last
+  // batch to `pages` as [head][end_page - first_page] pages (transfer::PackPageRange's layout),
+  // and, when `records` is not null and that prompt encoded them, their records into `records`,
+  // the layer's block (record (head, page) at its place in the block). Call it from `ready` for
+  // rows it reported, or after the batch returned and before the next. InvalidArgument for a
+  // prompt, range or layer the last batch does not have.
+  virtual absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
+                                 uint8_t* pages, uint8_t* records) = 0;
+};
+
+}  // namespace fluxion::prefill
+
+#endif  // FLUXION_PREFILL_PREFILL_DEVICE_H_
