@@ -691,8 +691,7 @@ class PrefillEngineDeviceTest : public PrefillEngineMetaTest {
 
 // Three requests through one device batch, each with a one-page-per-head ring (a slice of the
 // device's staging) and the writes stalled until the drain waits, so that pages wait and go from
-// the drain:
-// each lands exactly what the CPU path sends for it alone.
+// the drain: each lands exactly what the CPU path sends for it alone.
 TEST_F(PrefillEngineDeviceTest, ABatchSendsWhatTheCpuPathSendsForEachRequest) {
   std::vector<Sent> want;
   for (int i = 0; i < 3; ++i) want.push_back(OnTheCpu(i));
