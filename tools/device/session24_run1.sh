@@ -12,10 +12,11 @@ timeout 260 "$bin/fluxion" bench decode --device cuda --preset llama3.1-8b --bud
   --policy full,fixed_32_0.05,fixed_32_0.02,fixed_16_0.05,lfps,fluxion \
   --profile conservative,bench/profiles/tiny-retrieval-16k.json \
   --contexts 131072 --batch 1,4 --json "$out/s24-8b-128k.json" 2>&1 | tee "$out/s24-8b-128k.log"
-for tls in tcp shm; do
-  devices=(); [[ $tls == tcp ]] && devices=(--ucx-net-devices lo)
+for link in tcp sm; do
+  if [[ $link == tcp ]]; then ucx=(--ucx-tls tcp --ucx-net-devices lo)
+  else ucx=(--ucx-tls sm,self --noucx-peer-error-handling); fi
   timeout 60 "$bin/fluxion" bench prefill --device cuda --preset llama3.1-8b --contexts 512 \
-    --batch 1,4 --send layerwise,after --repeats 3 --policy fixed_32_0.05 --ucx-tls "$tls" \
-    "${devices[@]}" --json "$out/s24-prefill-512-$tls.json" 2>&1 | grep -v "^W2026\|^WARNING" |
-    tee "$out/s24-prefill-512-$tls.log"
+    --batch 1,4 --send layerwise,after --repeats 3 --policy fixed_32_0.05 "${ucx[@]}" \
+    --json "$out/s24-prefill-512-$link.json" 2>&1 | grep -v "^W2026\|^WARNING" |
+    tee "$out/s24-prefill-512-$link.log"
 done
