@@ -250,7 +250,11 @@ int RunAttentionBench(const std::vector<std::string>& args) {
             kernels::reference::PagedAttention(kv.view(), spans.data(), spans.size(),
                                                {q, group, scale}, {ref.data(), ref_lse.data()});
             err = RelErr(out, ref);
-            if (err > 1e-4) {
+            // The bf16 kernels round the query to bf16 (docs/KV_LAYOUT.md: 2-3e-3 on the
+            // conformance grid); the fp32 ones agree with the reference to ~1e-6.
+            const double tolerance =
+                kernels::cpu::ActiveCpuIsa() == kernels::cpu::CpuIsa::kAvx512Bf16 ? 1e-2 : 1e-4;
+            if (err > tolerance) {
               std::cerr << "error: kernel output differs from the reference (rel err " << err
                         << ")\n";
               return 1;

@@ -20,3 +20,10 @@ for link in tcp sm; do
     --json "$out/s24-prefill-512-$link.json" 2>&1 | grep -v "^W2026\|^WARNING" |
     tee "$out/s24-prefill-512-$link.log"
 done
+# 4. The opt-in bf16 dot-product kernels against the fp32 ones on the Xeon (docs/KV_LAYOUT.md: the
+#    default changes only on a clear gain there; on the devbox's Zen 4 they tied, session 23).
+for isa in avx512 avx512bf16; do
+  FLUXION_CPU_ISA=$isa timeout 60 "$bin/fluxion" bench attention --contexts 32768,131072 \
+    --cpu-threads 1,16 --policy full,fixed_32_0.05 --repeats 40 --group 4 --head-dim 128 \
+    --json "$out/s24-attention-isa-$isa.json" 2>&1 | tee "$out/s24-attention-isa-$isa.log"
+done
