@@ -505,6 +505,22 @@ absl::Status PrefillEngine::AttachStaging(Job& j, uint8_t* ring, uint8_t* meta) 
   return absl::OkStatus();
 }
 
+std::vector<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::PrepareAll(
+    absl::Span<const v1::PrefillRequest* const> requests,
+    absl::Span<const std::function<bool()>> cancelled, const Handoff& reply) const {
+  std::vector<std::unique_ptr<Job>> jobs;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
+    if (!job.ok()) {
+      reply(i, std::make_unique<Landing>(nullptr, job.status()));
+      continue;
+    }
+    (*job)->index = i;
+    jobs.push_back(*std::move(job));
+  }
+  return jobs;
+}
+
 // The batch's requests through one device forward, their rows packed into shared chunks. The
 // copy thread calls back with each piece of a request once it is computed: its cancellation is
 // checked there too, then what fits its ring is sent. A request that fails leaves the batch.
@@ -547,19 +563,10 @@ void PrefillEngine::RunDeviceBatch(absl::Span<const v1::PrefillRequest* const> r
   // staging, and pages still to send stay in HBM only until the next batch runs. Each Finish
   // drains and waits, so the Landing handed over is already done.
   std::lock_guard<std::mutex> lock(device_mu_);
-  std::vector<std::unique_ptr<Job>> jobs;
-  size_t staging = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
-    if (!job.ok()) {
-      reply(i, std::make_unique<Landing>(nullptr, job.status()));
-      continue;
-    }
-    (*job)->index = i;
-    staging += StagingSlice((*job)->ring_bytes, (*job)->meta_bytes);
-    jobs.push_back(*std::move(job));
-  }
+  std::vector<std::unique_ptr<Job>> jobs = PrepareAll(requests, cancelled, reply);
   if (jobs.empty()) return;
+  size_t staging = 0;
+  for (const auto& j : jobs) staging += StagingSlice(j->ring_bytes, j->meta_bytes);
   absl::StatusOr<uint8_t*> memory = device_->HostStaging(staging);
   std::vector<Job*> ready;
   size_t offset = 0;
@@ -717,16 +724,9 @@ void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const>
                                      const Handoff& handoff) const {
   if (device_ != nullptr) return RunDeviceBatch(requests, cancelled, handoff);
   const Handoff& reply = handoff;
-  // Validate and connect each request; one that fails is answered at once.
   std::vector<std::shared_ptr<Job>> jobs;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    absl::StatusOr<std::unique_ptr<Job>> job = Prepare(*requests[i], cancelled[i]);
-    if (!job.ok()) {
-      reply(i, std::make_unique<Landing>(nullptr, job.status()));
-      continue;
-    }
-    (*job)->index = i;
-    std::shared_ptr<Job> shared = std::move(*job);
+  for (std::unique_ptr<Job>& job : PrepareAll(requests, cancelled, reply)) {
+    std::shared_ptr<Job> shared = std::move(job);
     shared->self = shared;
     jobs.push_back(std::move(shared));
   }

@@ -135,6 +135,10 @@ class PrefillEngine {
   struct Job;
   absl::StatusOr<std::unique_ptr<Job>> Prepare(const fluxion::v1::PrefillRequest& request,
                                                const std::function<bool()>& cancelled) const;
+  // Prepares each request (its index in `requests` kept); one that fails is answered at once.
+  std::vector<std::unique_ptr<Job>> PrepareAll(
+      absl::Span<const fluxion::v1::PrefillRequest* const> requests,
+      absl::Span<const std::function<bool()>> cancelled, const Handoff& reply) const;
   absl::Status SubmitPages(Job& j, int layer, int64_t p0, int64_t p1, const uint8_t* slot,
                            std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const;
   absl::Status SubmitMeta(Job& j, int64_t l0, int64_t l1) const;
