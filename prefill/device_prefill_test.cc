@@ -63,6 +63,12 @@ CpuPrefill RunOnCpu(const model::Model& m, const std::vector<int32_t>& prompt, i
   return out;
 }
 
+// The trained model of the checkout (FLUXION_SOURCE_DIR, else the working directory).
+absl::StatusOr<std::unique_ptr<model::Model>> LoadTrainedModel() {
+  const char* src = std::getenv("FLUXION_SOURCE_DIR");
+  return model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+}
+
 int32_t Argmax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
@@ -260,8 +266,7 @@ void ExpectMatchesCpu(const model::Model& m, int64_t n, int64_t chunk, int64_t p
 
 TEST(DevicePrefillTest, TrainedModelMatchesTheCpuPrefill) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
-  const char* src = std::getenv("FLUXION_SOURCE_DIR");
-  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  auto m = LoadTrainedModel();
   ASSERT_TRUE(m.ok()) << m.status();
   ExpectMatchesCpu(**m, 1000, 256, 16);  // four chunks, the last partial
 }
@@ -282,8 +287,7 @@ TEST(DevicePrefillTest, QwenShapesMatchTheCpuPrefill) {
 // alone, piece order, pages, records, first token and sparse state.
 TEST(DevicePrefillTest, ABatchOfPromptsInSharedChunksMatchesTheCpuPrefillOfEach) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
-  const char* src = std::getenv("FLUXION_SOURCE_DIR");
-  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  auto m = LoadTrainedModel();
   ASSERT_TRUE(m.ok()) << m.status();
   const model::ModelConfig& c = (*m)->config();
   const std::vector<int64_t> lengths = {300, 70, 530, 16};
@@ -313,8 +317,7 @@ TEST(DevicePrefillTest, ABatchOfPromptsInSharedChunksMatchesTheCpuPrefillOfEach)
 // on its third piece: each ends with its own error, the third equals the CPU's prefill of it.
 TEST(DevicePrefillTest, APromptThatFailsOrIsCancelledLeavesTheOthersUnharmed) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
-  const char* src = std::getenv("FLUXION_SOURCE_DIR");
-  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  auto m = LoadTrainedModel();
   ASSERT_TRUE(m.ok()) << m.status();
   const model::ModelConfig& c = (*m)->config();
   const std::vector<int64_t> lengths = {640, 200, 400};
@@ -344,8 +347,7 @@ TEST(DevicePrefillTest, APromptThatFailsOrIsCancelledLeavesTheOthersUnharmed) {
 
 TEST(DevicePrefillTest, ACallbackErrorStopsTheRun) {
   if (!HasDevice()) GTEST_SKIP() << "no CUDA device";
-  const char* src = std::getenv("FLUXION_SOURCE_DIR");
-  auto m = model::Model::Load(std::string(src ? src : ".") + "/models/fluxion-tiny-retrieval");
+  auto m = LoadTrainedModel();
   ASSERT_TRUE(m.ok()) << m.status();
   auto ops = model::NewCudaDenseOps(0);
   ASSERT_TRUE(ops.ok());
