@@ -437,12 +437,12 @@ int RunPrefillBench(const std::vector<std::string>& args) {
     cpu_model.reset();
     const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
                                        o.page_tokens};
-    uint64_t pinned = 0;  // the largest staging any point uses (a 4 KiB-aligned slice per prompt), pinned once, now
+    uint64_t pinned = 0;  // the largest staging any point uses (a slice per prompt), pinned once, now
     for (const std::string& send : o.send) {
       for (int64_t n : o.contexts) {
         for (int64_t b : o.batches) {
           pinned = std::max<uint64_t>(
-              pinned, b * (prefill::DeviceStagingBytes(EngineOptions(o, send), geo, n) + 4096));
+              pinned, b * prefill::DeviceStagingBytes(EngineOptions(o, send), geo, n));
         }
       }
     }

@@ -430,8 +430,6 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
   }
   const Clock::time_point forward_end = Clock::now();
   reporter.Finish();
-  const double copy_wait =
-      std::chrono::duration<double>(Clock::now() - forward_end).count();
   FLUXION_RETURN_IF_ERROR(reporter.all());
   FLUXION_RETURN_IF_ERROR(forward);
   for (size_t i = 0; i < count; ++i) {
@@ -447,7 +445,6 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
     DevicePrefillResult r;
     r.logits = std::move(host_logits[i]);
     r.forward_end = forward_end;
-    r.copy_wait_seconds = copy_wait;
     if (prompts[i].capture_state) {
       const PromptLayout& l = layout[i];
       absl::StatusOr<model::SparseState> st = m.Capture(

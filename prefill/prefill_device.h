@@ -24,7 +24,6 @@ struct DevicePrefillResult {
   std::vector<float> logits;                // the last prompt token's [vocab_size]
   std::optional<model::SparseState> state;  // when the run was asked to capture it
   std::chrono::steady_clock::time_point forward_end;  // before the capture
-  double copy_wait_seconds = 0;  // after the forward, waiting for the last pieces to reach the host
 };
 
 // Called (on a thread of the device's) in (chunk, layer) order, once rows [first, end) of `layer`

@@ -109,21 +109,24 @@ uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::K
                             std::min<uint64_t>(options.staging_ring_bytes, kv));
 }
 
+namespace {
+// A request's slice of the device path's pinned memory: its ring, then its page records, rounded
+// up to whole 4 KiB pages so that every slice starts page-aligned.
+size_t StagingSlice(size_t ring_bytes, size_t meta_bytes) {
+  constexpr size_t kAlign = 4096;
+  return (ring_bytes + meta_bytes + kAlign - 1) / kAlign * kAlign;
+}
+}  // namespace
+
 uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
                             const transfer::KvPageGeometry& geo, int64_t tokens) {
-  return StagingRingBytes(options, geo, tokens) + transfer::PageMetaBytes(geo, tokens);
+  return StagingSlice(StagingRingBytes(options, geo, tokens), transfer::PageMetaBytes(geo, tokens));
 }
 
 namespace {
 model::AttentionShape ShapeOf(const model::ModelConfig& c) {
   return model::AttentionShape{c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                                1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-}
-// A request's slice of the device path's pinned memory: its ring, then its page records, rounded
-// up to whole 4 KiB pages so that every slice starts page-aligned.
-size_t StagingSlice(size_t ring_bytes, size_t meta_bytes) {
-  constexpr size_t kAlign = 4096;
-  return (ring_bytes + meta_bytes + kAlign - 1) / kAlign * kAlign;
 }
 }  // namespace
 

@@ -63,8 +63,8 @@ struct PrefillEngineOptions {
 // KV and raised to one page of every KV head.
 uint64_t StagingRingBytes(const PrefillEngineOptions& options, const transfer::KvPageGeometry& geo,
                           int64_t tokens);
-// What the device path pins for such a prompt: its ring, then its pages' selection records
-// (PrefillDevice::HostStaging).
+// What the device path pins for such a prompt: its ring, then its pages' selection records, as one
+// 4 KiB-aligned slice (PrefillDevice::HostStaging); a batch takes one slice per request.
 uint64_t DeviceStagingBytes(const PrefillEngineOptions& options,
                             const transfer::KvPageGeometry& geo, int64_t tokens);
 
