@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Unit list for tools/device/session6_xeon_eval.sh: one line "CONTEXT TASK SEED" per sample.
+"""Unit list for tools/device/session6_xeon_eval.sh and xeon_eval.sh: one line "CONTEXT TASK SEED"
+per sample.
 
 Seed-major order (every task's seed s before any task's seed s + 1), so that a run cut short by
 the device budget still holds about as many samples of each task. Units already done (their
 JSON in --done folders) are left out.
 
-    tools/device/session6_units.py --contexts 16384 --samples 200 [--done DIR ...] > units.txt
+    tools/device/session6_units.py --contexts 16384 --samples 200 [--tasks T,...] [--done DIR ...] > units.txt
+
+--tasks defaults to the six that counted on run 4's weights (session 6); run 5's count all seven.
 """
 import argparse
 import os
@@ -19,6 +22,7 @@ def main():
     ap.add_argument("--contexts", default="16384")
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1000000)
+    ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--done", nargs="*", default=[])
     args = ap.parse_args()
     done = set()
@@ -28,7 +32,7 @@ def main():
                 done.add(name[: -len(".json")])
     for ctx in args.contexts.split(","):
         for i in range(args.samples):
-            for task in TASKS:
+            for task in args.tasks.split(","):
                 unit = f"{ctx}-{task}-{args.seed + i}"
                 if unit not in done:
                     print(ctx, task, args.seed + i)
