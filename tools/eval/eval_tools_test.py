@@ -113,6 +113,24 @@ class PairedTableTest(unittest.TestCase):
         self.assertNotEqual(dup.returncode, 0)
         self.assertIn("overlap", dup.stderr)
 
+    def test_merge_runs_adds_the_guards_counts_and_averages_its_read(self):
+        paths = []
+        for seed, checks, escalations, guard_read in ((7, 40, 1, 0.04), (8, 60, 0, 0.05)):
+            r = row("fluxion@0.02+guard", seed, 1, 1, read=0.02)
+            r.update(guard_checks=checks, guard_escalations=escalations, guard_read=guard_read,
+                     guard_error_p50=0.1, guard_error_p90=0.3)
+            paths.append(self.write(f"g{seed}.json", [r]))
+        out_json = os.path.join(self.dir.name, "merged.json")
+        out = subprocess.run([sys.executable, MERGE, out_json, *paths], capture_output=True,
+                             text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        with open(out_json) as f:
+            (merged,) = json.load(f)["results"]
+        self.assertEqual((merged["samples"], merged["guard_checks"], merged["guard_escalations"]),
+                         (2, 100, 1))
+        self.assertAlmostEqual(merged["guard_read"], 0.045)
+        self.assertNotIn("guard_error_p50", merged)  # one run's quantile is not the pool's
+
     def test_merge_runs_concatenates_per_sample_records_of_one_device(self):
         paths = []
         for seed, device in ((7, "cuda"), (8, "cuda"), (9, "cpu")):

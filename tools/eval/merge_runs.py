@@ -4,8 +4,9 @@ machine, tools/device/session6_xeon_eval.sh) into one result file and one per-sa
 
 Rows of the same (context, task, policy) whose seed ranges follow each other become one row:
 correct, samples and paired lost/gained add up; accuracy and its Wilson interval, the paired
-difference and its interval are recomputed (the rules `fluxion eval tasks` prints); read,
-prefill and tpot are sample-weighted means. Rows with a gap between their seeds stay separate
+difference and its interval are recomputed (the rules `fluxion eval tasks` prints); read, guard
+read, scored, bypass, prefill and tpot are sample-weighted means; the guard's checks and
+escalations add up; the guard's error quantiles are dropped from joined rows. Rows with a gap between their seeds stay separate
 (paired_table.py pools them). Overlapping seeds are refused. The header is the first file's, with
 `merged_runs` (how many files) and the per-sample command as `unit_command`; the runs' per-sample
 records (`samples`, what `fluxion eval compare` reads) are concatenated, and runs of different
@@ -26,6 +27,14 @@ from paired_stats import paired_difference95, wilson95
 SAMPLE_LINE = re.compile(r"\[\d+/\d+\] (\S+) (\d+) seed (\d+): ")
 
 
+# Per-sample means (weighted by samples), counts (added) and per-run quantiles (dropped when runs
+# are joined) of a result row; every other field is the first run's.
+MEANS = ("budget_spent", "prefill_ms", "tpot_ms", "guard_read", "scored", "bypassed")
+SUMS = ("correct", "samples", "paired_lost", "paired_gained", "guard_checks", "guard_escalations",
+        "degenerate_samples")
+QUANTILES = ("guard_error_p50", "guard_error_p90")
+
+
 def merge_rows(rows):
     groups = {}
     for r in rows:
@@ -44,11 +53,15 @@ def merge_rows(rows):
                 runs.append(dict(r))
                 continue
             n0, n1 = last["samples"], r["samples"]
-            for k in ("budget_spent", "prefill_ms", "tpot_ms"):
+            for k in MEANS:
                 if k in last and k in r:
                     last[k] = (last[k] * n0 + r[k] * n1) / (n0 + n1)
-            for k in ("correct", "samples", "paired_lost", "paired_gained"):
-                last[k] += r[k]
+            for k in SUMS:
+                if k in last and k in r:
+                    last[k] += r[k]
+            # Quantiles of the runs' checked-head errors do not combine into the pool's.
+            for k in QUANTILES:
+                last.pop(k, None)
         for r in runs:
             r["accuracy"] = r["correct"] / r["samples"]
             r["ci_low"], r["ci_high"] = wilson95(r["correct"], r["samples"])
