@@ -36,12 +36,16 @@ launcher=()
 if command -v ccache >/dev/null; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
   # Paths relative to the checkout and no working directory in the hash: a fresh clone in another
-  # folder (as CI makes) still hits the cache of the previous run for build-fuzz and build-asan.
+  # folder (as CI makes) still hits the cache of the previous run, for build/ (nvcc included:
+  # ccache >= 4 handles it) as for build-fuzz and build-asan.
   export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
 fi
 
 stage "build and unit tests"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLUXION_BUILD_TESTS=ON >/dev/null
+cuda_launcher=()
+[[ ${#launcher[@]} -gt 0 ]] && cuda_launcher=(-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLUXION_BUILD_TESTS=ON "${launcher[@]}" \
+  "${cuda_launcher[@]}" >/dev/null
 cmake --build build -j"$jobs"
 # Unit, eval and cuda tests run once. The integration tests start real processes (gRPC servers,
 # UCX peers, the router) on a machine they share with the rest of the suite; each gets a second
