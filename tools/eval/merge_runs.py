@@ -6,8 +6,8 @@ Rows of the same (context, task, policy) whose seed ranges follow each other bec
 correct, samples and paired lost/gained add up; accuracy and its Wilson interval, the paired
 difference and its interval are recomputed (the rules `fluxion eval tasks` prints); read, guard
 read, scored, bypass, prefill and tpot are sample-weighted means; the guard's checks and
-escalations add up; the guard's error quantiles are dropped from joined rows. Rows with a gap between their seeds stay separate
-(paired_table.py pools them). Overlapping seeds are refused. The header is the first file's, with
+escalations add up; the guard's error quantiles are dropped from joined rows. Rows with a gap
+between their seeds stay separate (paired_table.py pools them). Overlapping seeds are refused. The header is the first file's, with
 `merged_runs` (how many files) and the per-sample command as `unit_command`; the runs' per-sample
 records (`samples`, what `fluxion eval compare` reads) are concatenated, and runs of different
 `device`s are refused. With --log, the
