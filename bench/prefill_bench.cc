@@ -384,6 +384,11 @@ int RunPrefillBench(const std::vector<std::string>& args) {
   for (int64_t n : o.contexts) {
     if (n < 1) return Fail(absl::InvalidArgumentError("--contexts takes positive lengths"));
   }
+  for (const std::string& send : o.send) {
+    if (send != "layerwise" && send != "after") {
+      return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
+    }
+  }
 
   // The decode side first: fork before CUDA or UCX exist in this process.
   int to_child[2], to_parent[2];
@@ -465,10 +470,6 @@ int RunPrefillBench(const std::vector<std::string>& args) {
   for (int64_t n : o.contexts) {
     for (int64_t b : o.batches) {
       for (const std::string& send : o.send) {
-        if (send != "layerwise" && send != "after") {
-          stop_child();
-          return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
-        }
         const prefill::PrefillEngineOptions eo = EngineOptions(o, send);
         auto engine = gpu != nullptr ? std::make_unique<prefill::PrefillEngine>(
                                            gpu.get(), transport->get(), layout, eo)

@@ -86,8 +86,9 @@ class PrefillEngine {
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
   // The same engine computing on an accelerator (prefill/prefill_device.h; the GPU's is
   // prefill/device_prefill.h), which must outlive it: a batch's requests run through one device
-  // forward (PrefillDevice::RunBatch: on the GPU their rows packed into shared chunks), each (chunk, layer) piece of each request sent as soon as its pages
-  // reach the host, the sparse state captured on the device.
+  // forward (PrefillDevice::RunBatch: on the GPU their rows packed into shared chunks), each
+  // (chunk, layer) piece of each request sent as soon as its pages reach the host, the sparse
+  // state captured on the device.
   PrefillEngine(PrefillDevice* device, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
 

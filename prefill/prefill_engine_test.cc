@@ -370,7 +370,6 @@ TEST_F(PrefillEngineMetaTest, RoomOutsideTheRangesOrTooSmallIsRefusedBeforeAnyWr
   other.SetPeerStopped();
 }
 
-// The pages of `r` in their logical order (the runs' order).
 // Stalls the writes into `decode`: paused now, resumed once `engine`'s drain waits for ring room
 // (or after 30 s, which the caller's checks then show), so that whatever the compute's speed the
 // staging ring is held by queued writes through the compute and into the drain. Join the thread
@@ -388,6 +387,7 @@ std::thread StallWritesUntilTheDrainWaits(transfer::LoopbackTransport* decode,
   });
 }
 
+// The pages of `r` in their logical order (the runs' order).
 std::vector<uint8_t> PagesOf(const KvArena& arena, const Reservation& r, size_t page_bytes) {
   std::vector<uint8_t> out;
   for (const PageRun& run : r.runs()) {
