@@ -60,6 +60,9 @@ struct Options {
   // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
   // or the CPU's scan of the host bounds; each value a row.
   std::vector<std::string> block_scores = {"device"};
+  // Where exact_topk and fluxion choose their rows (decode/sparse/policy.h, Selector): host
+  // and/or device (compact keys in HBM); each value a row.
+  std::vector<std::string> selectors = {"device"};
   // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
   std::vector<double> device_read_shares = {0};
   // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
@@ -242,6 +245,12 @@ absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
     FLUXION_ASSIGN_OR_RETURN(auto p, decode::sparse::DecisionProfile::Resolve(flag));
     profiles.push_back(std::move(p));
   }
+  std::vector<decode::sparse::Selector> selectors;
+  for (const std::string& name : o.selectors) {
+    FLUXION_ASSIGN_OR_RETURN(decode::sparse::Selector s, decode::sparse::ParseSelector(name));
+    selectors.push_back(s);
+  }
+  policies = decode::sparse::ExpandSelectors(policies, selectors);
   std::vector<Timed> timed;
   for (const auto& p : policies) {
     const bool replayable = p.kind == decode::sparse::PolicyKind::kLfps ||
@@ -494,6 +503,10 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
   window_shape.page_tokens = kPageTokens;
   window_shape.max_context_tokens =
       *std::max_element(o.contexts.begin(), o.contexts.end()) + step_tokens + kPageTokens;
+  if (std::any_of(policies.begin(), policies.end(),
+                  [](const Timed& t) { return decode::sparse::DeviceSelects(t.policy); })) {
+    window_shape.compact_slots = max_batch;  // every request's compact rows in HBM
+  }
   FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
   const auto w0 = std::chrono::steady_clock::now();
   FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
@@ -513,6 +526,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
     // B the smaller half.
     decode::WindowShape b_shape = window_shape;
     b_shape.max_requests = b_shape.max_rows = std::max<int64_t>(1, max_batch / 2);
+    b_shape.compact_slots = std::min(b_shape.compact_slots, b_shape.max_requests);
     FLUXION_ASSIGN_OR_RETURN(Device second, MakeDevice(o.device, b_shape, &pool));
     decode::PingPongStepExecutor::Options options;
 #ifdef FLUXION_HAVE_CUDA
@@ -777,6 +791,11 @@ int RunHybridBench(const std::vector<std::string>& args) {
                    "where quest's and fixed_*'s block scores come from: device (the window's "
                    "page bounds next to the dense halves) and/or cpu (the CPU scans the host "
                    "pages' bounds); with both, each is a row");
+  flags.StringList("selector", &o.selectors,
+                   "where exact_topk and fluxion choose their rows: device (the top-k of the int8 "
+                   "compact keys the window keeps in HBM, docs/SPARSE.md \"Device selection\") "
+                   "and/or host (the policy's own selection on the CPU); with both, each is a "
+                   "row");
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");

@@ -17,7 +17,9 @@
 #include "kernels/cuda/decode_ops.h"
 #include "model/cuda_dense_ops.h"
 #include "kernels/cuda/attention_backend_cuda.h"
+#include "kernels/cpu/compact_topk.h"
 #include "kernels/cuda/block_scores.h"
+#include "kernels/cuda/compact_select.h"
 #include "kernels/cuda/top_blocks.h"
 #include "kernels/cuda/window_ring.h"
 
@@ -179,6 +181,9 @@ class CudaResidentWindow : public ResidentWindow {
     if (shape_.max_context_tokens > 0) {
       if (absl::Status s = InitMetadata(); !s.ok()) return s;
     }
+    if (shape_.compact_slots > 0 && shape_.max_context_tokens > 0) {
+      if (absl::Status s = InitCompactKeys(); !s.ok()) return s;
+    }
     // The zero-copy reads run on a stream of their own at the device's lowest priority, joined
     // to the step's stream by events: a read of host pages lasts as long as the CPU's share of
     // the layer (it is sized to), and at the same priority its blocks, queued first, held the
@@ -260,7 +265,58 @@ class CudaResidentWindow : public ResidentWindow {
     return absl::OkStatus();
   }
 
+  // Device selection's compact rows of compact_slots requests (kernels/compact_keys.h), the
+  // step's compact indices and per-layer picks staged for the device.
+  absl::Status InitCompactKeys() {
+    compact_.num_layers = shape_.num_layers;
+    compact_.num_kv_heads = shape_.num_kv_heads;
+    compact_.head_dim = shape_.head_dim;
+    compact_.max_tokens = shape_.max_context_tokens;
+    const size_t rows = static_cast<size_t>(shape_.compact_slots * shape_.num_layers *
+                                            shape_.num_kv_heads * shape_.max_context_tokens);
+    const size_t pairs = static_cast<size_t>(shape_.max_rows * shape_.num_kv_heads);
+    struct Want {
+      DeviceMemory* m;
+      size_t bytes;
+    } wants[] = {{&compact_values_, rows * shape_.head_dim},
+                 {&compact_scales_, rows * sizeof(float)},
+                 {&compact_slots_dev_, shape_.max_rows * sizeof(int32_t)},
+                 {&picks_dev_, pairs * sizeof(kernels::CompactPick)}};
+    for (const Want& w : wants) {
+      if (cudaMalloc(&w.m->p, w.bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "resident window: cannot allocate ", w.bytes, " bytes of device memory for the "
+            "compact keys of ", shape_.compact_slots, " requests of up to ",
+            shape_.max_context_tokens, " tokens; lower --device-selection-gib"));
+      }
+    }
+    // Staging: the step's compact indices, then each layer's picks (a layer's region is not
+    // rewritten before the next step, by when its copy has run).
+    if (cudaMallocHost(&compact_stage_.p, StagedIndexWords() * sizeof(int32_t) +
+                                              shape_.num_layers * pairs *
+                                                  sizeof(kernels::CompactPick)) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError("resident window: cannot allocate pinned pick staging");
+    }
+    if (absl::Status st =
+            CreateEvents({&picks_ready_, &compact_copied_[0], &compact_copied_[1]});
+        !st.ok()) {
+      return st;
+    }
+    compact_.values = static_cast<int8_t*>(compact_values_.p);
+    compact_.scales = static_cast<float*>(compact_scales_.p);
+    return absl::OkStatus();
+  }
+
+  // The compact indices' words in compact_stage_, even so that the picks after them (8-byte
+  // aligned) start aligned.
+  int64_t StagedIndexWords() const { return (shape_.max_rows + 1) / 2 * 2; }
+
   ~CudaResidentWindow() override {
+    for (cudaEvent_t e : {picks_ready_, compact_copied_[0], compact_copied_[1]}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
     for (cudaEvent_t e :
          {scores_ready_, bounds_copied_[0], bounds_copied_[1], mapped_ready_, mapped_done_}) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -306,6 +362,13 @@ class CudaResidentWindow : public ResidentWindow {
     AdmitErrors errors;
     if (slots_.score_block(slot) > 0) {
       if (absl::Status s = UploadBounds(kv, slot, &errors); !s.ok()) {
+        errors.Record(cudaStreamSynchronize(admit_stream_), "admit: wait");
+        slots_.Release(slot);
+        return s;
+      }
+    }
+    if (const int32_t c = slots_.compact_index(slot); c >= 0 && compact_.values != nullptr) {
+      if (absl::Status s = UploadCompactKeys(kv, c, &errors); !s.ok()) {
         errors.Record(cudaStreamSynchronize(admit_stream_), "admit: wait");
         slots_.Release(slot);
         return s;
@@ -377,6 +440,53 @@ class CudaResidentWindow : public ResidentWindow {
     return absl::OkStatus();
   }
 
+  // The slot's compact rows, quantized here from the host pages (kernels/cpu/compact_topk.h: the
+  // rows CompactKeysAppend would have written) and streamed through two pinned chunks of whole
+  // heads, as UploadBounds does. At 8B shapes and 128K tokens that is 256 heads x 128K rows x
+  // 132 bytes, 4.4 GB. Runs before Admit's Sync; copy errors surface there.
+  absl::Status UploadCompactKeys(const PagedKv& kv, int32_t c, AdmitErrors* errors) {
+    const int64_t d = shape_.head_dim, heads = shape_.num_layers * shape_.num_kv_heads;
+    const int64_t n = kv.length(0), pt = kv.shape().page_tokens;
+    if (n == 0) return absl::OkStatus();
+    const int64_t head_bytes = n * (d + static_cast<int64_t>(sizeof(float)));
+    const int64_t per_chunk = std::clamp<int64_t>(bounds_chunk_bytes_ / head_bytes, 1, heads);
+    for (GrowingBuffer& b : compact_stage_chunks_) {
+      FLUXION_RETURN_IF_ERROR(b.Reserve(per_chunk * head_bytes));
+    }
+    const kernels::PagedKvView src = kv.view();
+    const int64_t first_row = compact_.RowOffset(c, 0, 0);
+    for (int64_t i = 0, h0 = 0; h0 < heads; ++i, h0 += per_chunk) {
+      const int b = static_cast<int>(i % 2);
+      if (i >= 2) {
+        errors->Record(cudaEventSynchronize(compact_copied_[b]), "admit: wait for a key copy");
+      }
+      const int64_t count = std::min(per_chunk, heads - h0);
+      int8_t* values = static_cast<int8_t*>(compact_stage_chunks_[b].get());
+      float* scales = reinterpret_cast<float*>(values + per_chunk * n * d);
+      RunOnPool(count, [&](int64_t j) {
+        const int layer = static_cast<int>((h0 + j) / shape_.num_kv_heads);
+        const int h = static_cast<int>((h0 + j) % shape_.num_kv_heads);
+        const std::vector<int32_t>& pages = kv.pages(layer, h);
+        for (int64_t t = 0; t < n; ++t) {
+          scales[j * n + t] = kernels::cpu::CompactKeyRow(src.keys(pages[t / pt]) + (t % pt) * d,
+                                                          d, values + (j * n + t) * d);
+        }
+      });
+      const int64_t row = first_row + h0 * compact_.max_tokens;
+      errors->Record(cudaMemcpy2DAsync(compact_.values + row * d, compact_.max_tokens * d, values,
+                                       n * d, n * d, count, cudaMemcpyHostToDevice,
+                                       admit_stream_),
+                     "admit: copy compact keys");
+      errors->Record(cudaMemcpy2DAsync(compact_.scales + row, compact_.max_tokens * sizeof(float),
+                                       scales, n * sizeof(float), n * sizeof(float), count,
+                                       cudaMemcpyHostToDevice, admit_stream_),
+                     "admit: copy compact scales");
+      errors->Record(cudaEventRecord(compact_copied_[b], admit_stream_),
+                     "admit: record a key copy");
+    }
+    return absl::OkStatus();
+  }
+
   void set_cpu_pool(const kernels::cpu::CpuPool* pool) override { pool_ = pool; }
 
   // fn(i) for i in [0, n) on the admission's threads (Admit's AdmitThreads): the pool's, or
@@ -413,8 +523,20 @@ class CudaResidentWindow : public ResidentWindow {
       staged_slots[i] = slots[i];
       staged_positions[i] = positions[i];
     }
-    slots_.Advance(slots, score, &plan_);
+    slots_.Advance(slots, score, &plan_, &compact_rows_);
     rows_ = static_cast<int64_t>(slots.size());
+    PlanPicks({}, compact_rows_, shape_.num_kv_heads, &picks_);
+    picks_issued_ = false;
+    compact_step_ = compact_.values != nullptr &&
+                    std::any_of(compact_rows_.begin(), compact_rows_.end(),
+                                [](int32_t c) { return c >= 0; });
+    if (compact_step_) {
+      auto* staged = static_cast<int32_t*>(compact_stage_.p);
+      std::copy(compact_rows_.begin(), compact_rows_.end(), staged);
+      Record(cudaMemcpyAsync(compact_slots_dev_.p, staged, rows_ * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_),
+             "step: copy compact indices");
+    }
     ranges_.clear();
     ranks_ = false;
     top_total_ = 0;
@@ -512,7 +634,47 @@ class CudaResidentWindow : public ResidentWindow {
     Record(cudaEventRecord(scores_ready_, stream_), "record block scores");
   }
 
+  void SelectRows(int layer, const float* q, const float* k,
+                  absl::Span<const kernels::CompactPick> asked) override {
+    picks_issued_ = false;
+    if (!compact_step_) return;
+    const auto* compact = static_cast<const int32_t*>(compact_slots_dev_.p);
+    Record(kernels::cuda::CompactKeysAppend(compact_, layer, k, compact,
+                                            static_cast<const int64_t*>(positions_dev_.p), rows_,
+                                            stream_),
+           "CompactKeysAppend");
+    PlanPicks(asked, compact_rows_, shape_.num_kv_heads, &picks_);
+    if (picks_.total == 0) return;
+    const int64_t pairs = rows_ * shape_.num_kv_heads;
+    auto* staged = reinterpret_cast<kernels::CompactPick*>(
+                       static_cast<int32_t*>(compact_stage_.p) + StagedIndexWords()) +
+                   layer * shape_.max_rows * shape_.num_kv_heads;
+    std::copy(picks_.picks.begin(), picks_.picks.end(), staged);
+    const size_t scores = static_cast<size_t>(pairs * picks_.max_span) * sizeof(float);
+    const size_t picked = static_cast<size_t>(picks_.total) * sizeof(int32_t);
+    for (absl::Status st : {pick_scores_.Reserve(scores), picked_dev_.Reserve(picked),
+                            picked_host_.Reserve(picked)}) {
+      if (!st.ok() && error_.ok()) error_ = st;
+    }
+    if (!error_.ok()) return;
+    Record(cudaMemcpyAsync(picks_dev_.p, staged, pairs * sizeof(kernels::CompactPick),
+                           cudaMemcpyHostToDevice, stream_),
+           "step: copy picks");
+    Record(kernels::cuda::CompactTopK(compact_, layer, q, shape_.num_heads, compact,
+                                      static_cast<const kernels::CompactPick*>(picks_dev_.p),
+                                      rows_, picks_.max_span,
+                                      static_cast<float*>(pick_scores_.get()),
+                                      static_cast<int32_t*>(picked_dev_.get()), stream_),
+           "CompactTopK");
+    Record(cudaMemcpyAsync(picked_host_.get(), picked_dev_.get(), picked,
+                           cudaMemcpyDeviceToHost, stream_),
+           "copy picks");
+    Record(cudaEventRecord(picks_ready_, stream_), "record picks");
+    picks_issued_ = true;
+  }
+
   absl::Status WaitBlockScores() override {
+    if (picks_issued_) Record(cudaEventSynchronize(picks_ready_), "wait for picks");
     if (plan_.total > 0) Record(cudaEventSynchronize(scores_ready_), "wait for block scores");
     absl::Status s = error_;
     error_ = absl::OkStatus();
@@ -520,13 +682,21 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   sparse::ScoredBlocks block_scores(int row) const override {
-    if (plan_.blocks[row] == 0) return {};
-    sparse::ScoredBlocks scored{static_cast<const float*>(scores_host_.p) + plan_.offset[row],
-                                plan_.blocks[row], plan_.block[row]};
-    if (!scores_cross_) scored.data = nullptr;  // every scored row is ranked: not copied
-    if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
-      scored.top = static_cast<const int32_t*>(top_host_.p) + top_offset_[row];
-      scored.range = ranges_[row];
+    sparse::ScoredBlocks scored;
+    if (plan_.blocks[row] > 0) {
+      scored = {static_cast<const float*>(scores_host_.p) + plan_.offset[row], plan_.blocks[row],
+                plan_.block[row]};
+      if (!scores_cross_) scored.data = nullptr;  // every scored row is ranked: not copied
+      if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
+        scored.top = static_cast<const int32_t*>(top_host_.p) + top_offset_[row];
+        scored.range = ranges_[row];
+      }
+    }
+    if (picks_issued_ && picks_.row_picked[row]) {
+      const int64_t j = row * shape_.num_kv_heads;
+      scored.picks = static_cast<const int32_t*>(picked_host_.get());
+      scored.pick_offset = picks_.offset.data() + j;
+      scored.pick_count = picks_.count.data() + j;
     }
     return scored;
   }
@@ -691,6 +861,19 @@ class CudaResidentWindow : public ResidentWindow {
   const kernels::cpu::CpuPool* pool_ = nullptr;  // Admit's host threads (null: this thread)
   StepScorePlan plan_;
   bool keeps_bounds_ = false;  // some row of the step keeps page bounds
+  // Device selection (shape_.compact_slots > 0): the compact rows, the step's rows' compact
+  // indices (host and device), the picks asked (device) and made (device, pinned host).
+  kernels::CompactKeysLayout compact_;
+  DeviceMemory compact_values_, compact_scales_, compact_slots_dev_, picks_dev_;
+  PinnedMemory compact_stage_;
+  GrowingBuffer pick_scores_{false}, picked_dev_{false}, picked_host_{true};
+  GrowingBuffer compact_stage_chunks_[2] = {GrowingBuffer(true), GrowingBuffer(true)};
+  cudaEvent_t compact_copied_[2] = {nullptr, nullptr};
+  cudaEvent_t picks_ready_ = nullptr;
+  std::vector<int32_t> compact_rows_;
+  StepPickPlan picks_;
+  bool compact_step_ = false;  // some row of the step keeps compact rows
+  bool picks_issued_ = false;  // this layer's SelectRows made picks
   // Zero-copy reads of host pages.
   std::unique_ptr<kernels::cuda::CudaAttentionBackend> mapped_backend_;
   cudaStream_t mapped_stream_ = nullptr;  // lowest priority (Init says why)
@@ -764,6 +947,19 @@ PingPongStepExecutor::Options CudaPingPongOptions(int device) {
   return o;
 }
 
+int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
+                        double gib, int64_t max_requests) {
+  kernels::CompactKeysLayout layout;
+  layout.num_layers = attention.num_layers;
+  layout.num_kv_heads = attention.num_kv_heads;
+  layout.head_dim = attention.head_dim;
+  layout.max_tokens = max_context_tokens;
+  const int64_t per_slot = layout.SlotBytes();
+  if (per_slot <= 0 || gib <= 0) return 0;
+  const double budget = gib * static_cast<double>(int64_t{1} << 30);
+  return std::min<int64_t>(max_requests, static_cast<int64_t>(budget / per_slot));
+}
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool,
     const CudaHybridOptions& options) {
@@ -778,15 +974,16 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
         "two micro-batches need at least 2 window slots (one each), not ", options.max_requests,
         ": raise the slots or use one micro-batch"));
   }
-  auto shape_for = [&](int64_t slots) {
+  auto shape_for = [&](int64_t slots, int64_t compact_slots) {
     WindowShape w = WindowShapeFor(model->attention_shape(), slots);
     w.page_tokens = options.page_tokens;
     w.max_context_tokens = options.max_context_tokens;
+    w.compact_slots = std::min(slots, compact_slots);
     return w;
   };
   if (micro_batches == 1) {
     FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline p,
-                             NewCudaPipeline(shape_for(options.max_requests), 0));
+                             NewCudaPipeline(shape_for(options.max_requests, options.compact_slots), 0));
     FLUXION_ASSIGN_OR_RETURN(
         std::unique_ptr<HybridStepExecutor> executor,
         HybridStepExecutor::Create(model, std::move(p.ops), std::move(p.window), pool));
@@ -796,9 +993,13 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     return std::unique_ptr<StepExecutor>(std::move(executor));
   }
   FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline a,
-                           NewCudaPipeline(shape_for((options.max_requests + 1) / 2), 0));
+                           NewCudaPipeline(shape_for((options.max_requests + 1) / 2,
+                                                     (options.compact_slots + 1) / 2),
+                                           0));
   FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline b,
-                           NewCudaPipeline(shape_for(options.max_requests / 2), 0));
+                           NewCudaPipeline(shape_for(options.max_requests / 2,
+                                                     options.compact_slots / 2),
+                                           0));
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<PingPongStepExecutor> executor,
       PingPongStepExecutor::Create(model, std::move(a), std::move(b), pool,

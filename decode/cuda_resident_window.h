@@ -51,6 +51,9 @@ absl::Status PinArenaForCuda(KvArena* arena);
 struct CudaHybridOptions {
   int64_t max_requests = 128;      // window slots (both micro-batches' together)
   int64_t max_context_tokens = 0;  // page bounds per slot for block scores (0: the CPU scores)
+  // Requests whose K the window keeps as compact rows for device selection (WindowShape::
+  // compact_slots; CompactSlotsFor sizes it from an HBM budget); 0: the CPU selects.
+  int64_t compact_slots = 0;
   int64_t page_tokens = 16;        // of the host KV pages
   double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
   int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
@@ -64,6 +67,12 @@ absl::StatusOr<PingPongStepExecutor::Pipeline> NewCudaPipeline(const WindowShape
                                                                int device);
 // The ping-pong executor's options for CUDA device `device`: each driver thread makes it current.
 PingPongStepExecutor::Options CudaPingPongOptions(int device);
+
+// How many requests of up to `max_context_tokens` fit their compact rows in `gib` GiB of HBM
+// (kernels/compact_keys.h: 132 bytes per token, layer and KV head at head_dim 128), at most
+// `max_requests`.
+int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
+                        double gib, int64_t max_requests);
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
     const model::Model* model, const kernels::cpu::CpuPool* pool,

@@ -109,6 +109,7 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::ParseAndValidate() {
     policy.fluxion_predictor = options.fluxion_predictor;
   }
   policy.host_cost = options.host_cost;
+  policy.selector = options.selector;
   policy = sparse::WithGuard(policy, options.guard.enabled, options.guard,
                              options.output_projection);
   // The prefill node gets our worker address and remote keys: only a trusted one may be named.

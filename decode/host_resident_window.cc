@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
 #include "decode/resident_window.h"
+#include "kernels/cpu/compact_topk.h"
 #include "kernels/cpu/merge_state.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/topk.h"
@@ -33,7 +34,9 @@ class HostResidentWindow : public ResidentWindow {
         slots_(shape),
         lse_(shape.max_rows * shape.num_heads),
         bounds_min_(shape.max_requests),
-        bounds_max_(shape.max_requests) {}
+        bounds_max_(shape.max_requests),
+        compact_values_(shape.compact_slots),
+        compact_scales_(shape.compact_slots) {}
 
   const WindowShape& shape() const override { return shape_; }
 
@@ -45,6 +48,7 @@ class HostResidentWindow : public ResidentWindow {
     absl::StatusOr<int> slot = slots_.Take(*n, score_block_tokens);
     if (!slot.ok()) return slot.status();
     if (slots_.score_block(*slot) > 0) LoadBounds(kv, *slot);
+    if (const int32_t c = slots_.compact_index(*slot); c >= 0) LoadCompact(kv, c);
     const kernels::PagedKvView src = kv.view();
     const int64_t d = shape_.head_dim, kpt = kv.shape().page_tokens;
     for (int layer = 0; layer < shape_.num_layers; ++layer) {
@@ -69,8 +73,9 @@ class HostResidentWindow : public ResidentWindow {
     if (absl::Status s = slots_.CheckStep(slots, positions); !s.ok()) return s;
     step_slots_.assign(slots.begin(), slots.end());
     positions_.assign(positions.begin(), positions.end());
-    slots_.Advance(slots, score, &plan_);
+    slots_.Advance(slots, score, &plan_, &compact_rows_);
     ranges_.clear();
+    PlanPicks({}, compact_rows_, shape_.num_kv_heads, &picks_);
     return absl::OkStatus();
   }
 
@@ -117,15 +122,58 @@ class HostResidentWindow : public ResidentWindow {
     }
   }
 
+  // The CPU's own compact selection (kernels/cpu/compact_topk.h), which the CUDA window's
+  // CompactTopK equals bit for bit.
+  void SelectRows(int layer, const float* q, const float* k,
+                  absl::Span<const kernels::CompactPick> asked) override {
+    const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
+    const int64_t group = hq / hkv;
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      const int32_t c = compact_rows_[i];
+      if (c < 0) continue;
+      for (int h = 0; h < hkv; ++h) {
+        const int64_t row = CompactRow(layer, h) + positions_[i];
+        compact_scales_[c][row] = kernels::cpu::CompactKeyRowFromFloat(
+            k + (i * hkv + h) * d, d, compact_values_[c].data() + row * d);
+      }
+    }
+    PlanPicks(asked, compact_rows_, hkv, &picks_);
+    picked_rows_.resize(picks_.total);
+    for (size_t i = 0; i < step_slots_.size(); ++i) {
+      for (int h = 0; h < hkv; ++h) {
+        const kernels::CompactPick& p = picks_.picks[i * hkv + h];
+        if (p.k <= 0) continue;
+        kernels::cpu::CompactQueryGroup(q + (i * hq + h * group) * d, group, d, &query_);
+        const int32_t c = compact_rows_[i];
+        const int64_t first = CompactRow(layer, h);
+        pick_scores_.resize(p.end - p.begin);
+        for (int64_t t = p.begin; t < p.end; ++t) {
+          pick_scores_[t - p.begin] = kernels::cpu::CompactGroupScore(
+              query_, compact_values_[c].data() + (first + t) * d, compact_scales_[c][first + t]);
+        }
+        kernels::cpu::CompactTopKPositions(pick_scores_.data(), p.end - p.begin, p.k, p.begin,
+                                           &picked_);
+        std::copy(picked_.begin(), picked_.end(), picked_rows_.begin() + p.offset);
+      }
+    }
+  }
+
   absl::Status WaitBlockScores() override { return absl::OkStatus(); }
 
   sparse::ScoredBlocks block_scores(int row) const override {
-    if (plan_.blocks[row] == 0) return {};
-    sparse::ScoredBlocks scored{scores_.data() + plan_.offset[row], plan_.blocks[row],
-                                plan_.block[row]};
-    if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
-      scored.top = top_.data() + top_offset_[row];
-      scored.range = ranges_[row];
+    sparse::ScoredBlocks scored;
+    if (plan_.blocks[row] > 0) {
+      scored = {scores_.data() + plan_.offset[row], plan_.blocks[row], plan_.block[row]};
+      if (static_cast<size_t>(row) < ranges_.size() && ranges_[row].want > 0) {
+        scored.top = top_.data() + top_offset_[row];
+        scored.range = ranges_[row];
+      }
+    }
+    if (picks_.row_picked[row]) {
+      const int64_t j = row * shape_.num_kv_heads;
+      scored.picks = picked_rows_.data();
+      scored.pick_offset = picks_.offset.data() + j;
+      scored.pick_count = picks_.count.data() + j;
     }
     return scored;
   }
@@ -222,6 +270,29 @@ class HostResidentWindow : public ResidentWindow {
     return Key(slot, layer, head, row) + page_tokens_ * shape_.head_dim;
   }
 
+  // Compact rows of (layer, head) start at this row of a compact index's arrays.
+  int64_t CompactRow(int layer, int head) const {
+    return (static_cast<int64_t>(layer) * shape_.num_kv_heads + head) * shape_.max_context_tokens;
+  }
+  // The compact rows of every token `kv` holds ([layer][head][max_context_tokens][head_dim]).
+  void LoadCompact(const PagedKv& kv, int32_t c) {
+    const int64_t d = shape_.head_dim, pt = kv.shape().page_tokens, n = kv.length(0);
+    const int64_t rows = shape_.num_layers * shape_.num_kv_heads * shape_.max_context_tokens;
+    compact_values_[c].assign(rows * d, 0);
+    compact_scales_[c].assign(rows, 0.0f);
+    const kernels::PagedKvView src = kv.view();
+    for (int layer = 0; layer < shape_.num_layers; ++layer) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        const std::vector<int32_t>& pages = kv.pages(layer, h);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t row = CompactRow(layer, h) + t;
+          compact_scales_[c][row] = kernels::cpu::CompactKeyRow(
+              src.keys(pages[t / pt]) + (t % pt) * d, d, compact_values_[c].data() + row * d);
+        }
+      }
+    }
+  }
+
   // The slot's page bounds from the host pages' metadata ([layer][head][max_pages][head_dim]).
   void LoadBounds(const PagedKv& kv, int slot) {
     const int64_t d = shape_.head_dim, pages = (kv.length(0) + shape_.page_tokens - 1) /
@@ -268,6 +339,15 @@ class HostResidentWindow : public ResidentWindow {
   std::vector<int64_t> top_offset_;  // [step row]: where its picks start in top_
   std::vector<int32_t> top_, picked_;
   std::vector<float> mapped_out_, mapped_lse_;  // one pair's state of AttendMappedSpans
+  // Device selection: [compact index] -> rows [layer][head][max_context_tokens] (allocated at
+  // admission), the step's rows' compact indices and picks.
+  std::vector<std::vector<int8_t>> compact_values_;
+  std::vector<std::vector<float>> compact_scales_;
+  std::vector<int32_t> compact_rows_;
+  StepPickPlan picks_;
+  std::vector<int32_t> picked_rows_;
+  kernels::cpu::CompactQuery query_;
+  std::vector<float> pick_scores_;
 };
 
 }  // namespace

@@ -113,6 +113,10 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   // Then the device half, which runs while the CPU works: block scores for the policies that
   // rank page bounds, the rings' append and the resident rows of every pair, into io.out.
   window_->ScoreBlocks(io.layer, io.q, io.k);
+  if (window_->shape().compact_slots > 0) {
+    AskDevicePicks(io);
+    window_->SelectRows(io.layer, io.q, io.k, asked_);
+  }
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   clock.Lap(&counters_.to_host_s);
   if (lane_ == nullptr) {
@@ -244,6 +248,18 @@ absl::Status HybridBatchAttention::CpuPhase(const model::LayerAttentionIo& io, c
   }
   clock->Lap(&counters_.finish_s);
   return absl::OkStatus();
+}
+
+void HybridBatchAttention::AskDevicePicks(const model::LayerAttentionIo& io) {
+  const int64_t hkv = shape_.num_kv_heads;
+  asked_.assign(io.rows * hkv, kernels::CompactPick{0, 0, -1});
+  for (int64_t i = 0; i < io.rows; ++i) {
+    for (int64_t h = 0; h < hkv; ++h) {
+      const std::optional<kernels::CompactPick> p = attentions_[i]->DevicePick(
+          static_cast<int>(h), io.layer, io.positions[i], budget_scale_);
+      if (p.has_value()) asked_[i * hkv + h] = *p;
+    }
+  }
 }
 
 bool HybridBatchAttention::ObserveInFinish(int64_t selections) const {

@@ -143,6 +143,9 @@ class HybridBatchAttention : public model::BatchAttention {
   };
   // Whether some request's error guard has a check due this layer.
   bool GuardDue() const;
+  // Each (request, KV head)'s device pick for this layer into asked_ (k -1: its policy selects
+  // itself), for ResidentWindow::SelectRows.
+  void AskDevicePicks(const model::LayerAttentionIo& io);
   // The error guard's exact checks of the layer for the requests due (SparseAttention::
   // CheckLayer), on the merged output (copied to the host first when it is on a device).
   absl::Status GuardChecks(const model::LayerAttentionIo& io, const float* q);
@@ -177,6 +180,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<float> out_host_;  // the layer's output on the host for the guard's checks
   std::vector<absl::Status> statuses_;
   std::vector<RequestUnit> units_;
+  std::vector<kernels::CompactPick> asked_;  // [rows * num_kv_heads], AskDevicePicks's
   std::vector<RequestUnit> pending_units_;  // the previous layer's deferred observations
   std::vector<PairPlan> pair_plans_;  // [request * num_kv_heads + head]
   std::vector<int64_t> indptr_;

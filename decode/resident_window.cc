@@ -91,6 +91,14 @@ absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens
       tokens_[s] = tokens;
       // A context that does not fit the metadata now never will (contexts only grow).
       score_block_[s] = tokens < shape_.max_context_tokens ? score_block_tokens : 0;
+      compact_[s] = -1;
+      if (tokens < shape_.max_context_tokens) {
+        auto free = std::find(compact_used_.begin(), compact_used_.end(), 0);
+        if (free != compact_used_.end()) {
+          *free = 1;
+          compact_[s] = static_cast<int32_t>(free - compact_used_.begin());
+        }
+      }
       return s;
     }
   }
@@ -103,6 +111,8 @@ void WindowSlots::Release(int slot) {
   if (slot >= 0 && slot < shape_.max_requests) {
     tokens_[slot] = -1;
     score_block_[slot] = 0;
+    if (compact_[slot] >= 0) compact_used_[compact_[slot]] = 0;
+    compact_[slot] = -1;
   }
 }
 
@@ -129,9 +139,10 @@ absl::Status WindowSlots::CheckStep(absl::Span<const int> slots,
 }
 
 void WindowSlots::Advance(absl::Span<const int> slots, absl::Span<const uint8_t> score,
-                          StepScorePlan* plan) {
+                          StepScorePlan* plan, std::vector<int32_t>* compact) {
   absl::MutexLock lock(&mu_);
   const size_t rows = slots.size();
+  compact->assign(rows, -1);
   plan->block.assign(rows, 0);
   plan->blocks.assign(rows, 0);
   plan->offset.assign(rows, -1);
@@ -140,7 +151,12 @@ void WindowSlots::Advance(absl::Span<const int> slots, absl::Span<const uint8_t>
   for (size_t i = 0; i < rows; ++i) {
     const int s = slots[i];
     const int64_t context = ++tokens_[s];  // the step's token included
-    if (context > shape_.max_context_tokens) score_block_[s] = 0;
+    if (context > shape_.max_context_tokens) {
+      score_block_[s] = 0;
+      if (compact_[s] >= 0) compact_used_[compact_[s]] = 0;
+      compact_[s] = -1;
+    }
+    (*compact)[i] = compact_[s];
     const int64_t block = score_block_[s];
     if (block == 0) continue;
     plan->block[i] = static_cast<int32_t>(block);
@@ -149,6 +165,35 @@ void WindowSlots::Advance(absl::Span<const int> slots, absl::Span<const uint8_t>
     plan->offset[i] = plan->total;
     plan->total += shape_.num_kv_heads * plan->blocks[i];
     plan->max_blocks = std::max(plan->max_blocks, plan->blocks[i]);
+  }
+}
+
+void PlanPicks(absl::Span<const kernels::CompactPick> asked, absl::Span<const int32_t> compact,
+               int64_t num_kv_heads, StepPickPlan* plan) {
+  const int64_t rows = static_cast<int64_t>(compact.size());
+  plan->picks.assign(rows * num_kv_heads, kernels::CompactPick{});
+  plan->offset.assign(rows * num_kv_heads, 0);
+  plan->count.assign(rows * num_kv_heads, 0);
+  plan->row_picked.assign(rows, 0);
+  plan->total = 0;
+  plan->max_span = 0;
+  if (static_cast<int64_t>(asked.size()) != rows * num_kv_heads) return;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (compact[i] < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t j = i * num_kv_heads + h;
+      kernels::CompactPick p = asked[j];
+      if (p.k < 0) continue;
+      plan->row_picked[i] = 1;
+      p.end = std::max(p.begin, p.end);
+      p.k = std::min(p.k, p.end - p.begin);
+      p.offset = plan->total;
+      plan->picks[j] = p;
+      plan->offset[j] = p.offset;
+      plan->count[j] = p.k;
+      plan->total += p.k;
+      if (p.k > 0) plan->max_span = std::max<int64_t>(plan->max_span, p.end - p.begin);
+    }
   }
 }
 

@@ -61,6 +61,10 @@ struct WindowShape {
   // context whose page bounds a slot keeps (0: none, so no row is ever scored here).
   int64_t page_tokens = 16;
   int64_t max_context_tokens = 0;
+  // Device selection (ResidentWindow::SelectRows): how many slots keep their K as compact rows
+  // (kernels/compact_keys.h) for contexts up to max_context_tokens; 0: none. A request admitted
+  // while every such place is taken (or longer) is selected on the CPU by its policy instead.
+  int64_t compact_slots = 0;
 
   int64_t max_pages() const { return (max_context_tokens + page_tokens - 1) / page_tokens; }
 
@@ -99,6 +103,22 @@ struct StepScorePlan {
   int64_t max_blocks = 0;  // the largest blocks[i]
 };
 
+// Where a step's device picks go (ResidentWindow::SelectRows): pair j = row * num_kv_heads + h
+// asks picks[j] (k < 0: its policy selects itself); `count[j]` picks (0 when the row keeps no
+// compact rows or nothing is asked) lie at offset[j] of one array of `total` positions.
+// row_picked[i]: row i's policy asked and the row keeps compact rows, so its picks are made.
+struct StepPickPlan {
+  std::vector<kernels::CompactPick> picks;  // k clamped to the span, offsets set
+  std::vector<int64_t> offset;
+  std::vector<int32_t> count;
+  std::vector<uint8_t> row_picked;
+  int64_t total = 0;
+  int64_t max_span = 0;  // the largest end - begin of a pair with k > 0
+};
+// Lays out `asked` (rows * num_kv_heads entries) for rows whose compact[i] is set.
+void PlanPicks(absl::Span<const kernels::CompactPick> asked, absl::Span<const int32_t> compact,
+               int64_t num_kv_heads, StepPickPlan* plan);
+
 // The slot bookkeeping both implementations share: which slots hold a request, how many tokens
 // each holds and the block size its rows are scored at, and the checks of Admit and BeginStep
 // (their errors as the interface states). Thread-safe: a request may be admitted on another
@@ -106,7 +126,11 @@ struct StepScorePlan {
 class WindowSlots {
  public:
   explicit WindowSlots(const WindowShape& shape)
-      : shape_(shape), tokens_(shape.max_requests, -1), score_block_(shape.max_requests, 0) {}
+      : shape_(shape),
+        tokens_(shape.max_requests, -1),
+        score_block_(shape.max_requests, 0),
+        compact_(shape.max_requests, -1),
+        compact_used_(shape.compact_slots, 0) {}
   // The tokens `kv` holds, after checking it has the window's shape and even layers, and that a
   // score block size is a positive multiple of the window's page size (0: none).
   absl::StatusOr<int64_t> CheckAdmit(const PagedKv& kv, int64_t score_block_tokens) const;
@@ -119,19 +143,28 @@ class WindowSlots {
     absl::MutexLock lock(&mu_);
     return score_block_[slot];
   }
+  // Where slot `slot` keeps compact rows (an index below shape.compact_slots), or -1: none.
+  int32_t compact_index(int slot) const {
+    absl::MutexLock lock(&mu_);
+    return compact_[slot];
+  }
   absl::Status CheckStep(absl::Span<const int> slots, absl::Span<const int64_t> positions) const;
   // Every slot of the step holds one more token (every layer takes the step's), and the step's
   // score plan (rows with score[i] false, or all when `score` is empty, keep their bounds but get
   // no scores): a slot whose context outgrows max_context_tokens stops being scored for good
   // (its bounds could not follow).
+  // *compact: each row's compact index this step (-1: none), as compact_index after the step's
+  // token (a context that outgrows max_context_tokens loses its compact rows for good).
   void Advance(absl::Span<const int> slots, absl::Span<const uint8_t> score,
-               StepScorePlan* plan);
+               StepScorePlan* plan, std::vector<int32_t>* compact);
 
  private:
   const WindowShape shape_;
   mutable absl::Mutex mu_;
   std::vector<int64_t> tokens_ ABSL_GUARDED_BY(mu_);       // [slot]: tokens held, -1 when free
   std::vector<int64_t> score_block_ ABSL_GUARDED_BY(mu_);  // [slot]: 0 when not scored
+  std::vector<int32_t> compact_ ABSL_GUARDED_BY(mu_);      // [slot]: compact index or -1
+  std::vector<uint8_t> compact_used_ ABSL_GUARDED_BY(mu_);  // [compact index]
 };
 
 class ResidentWindow {
@@ -202,6 +235,18 @@ class ResidentWindow {
   // ms of a 17.6 ms step: bench/results, session 11). Called after BeginStep, for that step; an
   // empty span or want 0 ranks nothing; a range past the row's blocks is clamped to them.
   virtual void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) = 0;
+
+  // Device selection (decode/sparse/device_selection.h): a slot admitted while one of
+  // shape().compact_slots places is free and its context fits max_context_tokens keeps its K as
+  // compact rows (kernels/compact_keys.h), from the host pages at Admit and from each step's K
+  // here. Layer `layer` of the step, after ScoreBlocks and before AppendAndAttend, with the same
+  // q and k: appends each compact row's K, then picks for every pair j = row * num_kv_heads + h
+  // with asked[j].k > 0 the k best rows of [begin, end) by compact score, ascending
+  // (CompactTopK's rule), readable after WaitBlockScores in block_scores(row).picks. Called
+  // every layer of every step while compact_slots > 0 (the appends keep the rows current);
+  // `asked` empty or every k < 0 picks nothing. Asynchronous like ScoreBlocks.
+  virtual void SelectRows(int layer, const float* q, const float* k,
+                          absl::Span<const kernels::CompactPick> asked) = 0;
 
   // Zero-copy reads (ALGORITHMS.md §2.4.6 item 3): the device attends part of the selected host
   // rows itself, reading host pages over PCIe while the CPU reads the rest, so both paths to host

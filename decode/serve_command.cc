@@ -76,6 +76,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   // Dynamic degradation is opt-in: it spends less than the requested budget (decode/stall_guard.h).
   bool degrade_on_stall = false;
   double degrade_slack = 0.2, degrade_floor = 0.4;
+  // Device selection's compact keys (kernels/compact_keys.h): 132 bytes per token, layer and KV
+  // head at 8B shapes, so 16 GiB hold ~3.6 requests of 128K or ~14 of 32K beside 8B weights on an
+  // 80 GB card (docs/SPARSE.md, "Device selection").
+  double device_selection_gib = 16;
+  std::string selector_flag = "device";
   flags.String("device", &device,
                "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
                "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
@@ -88,6 +93,14 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "quest's and fixed_*'s blocks (device memory: device-max-requests x this x "
             "layers x kv_heads x head_dim x 4 bytes / page-tokens); longer requests, and 0, "
             "score on the CPU");
+  flags.Double("device-selection-gib", &device_selection_gib,
+               "with --device cuda: GPU memory for the compact keys exact_topk and fluxion select "
+               "from (132 bytes per token, layer and KV head at head_dim 128; requests of up to "
+               "--device-max-context tokens); requests beyond it select on the CPU");
+  flags.String("selector", &selector_flag,
+               "where exact_topk and fluxion choose their rows: device (with --device cuda: the "
+               "top-k of int8 compact keys in GPU memory; docs/SPARSE.md \"Device selection\") "
+               "or host (the policies' own CPU selection; always with --device cpu)");
   flags.Double("device-read-share", &device_read_share,
                "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
                "GPU reads itself from the pinned arena while the CPU reads the rest");
@@ -214,6 +227,17 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     }
   }
 
+  const absl::StatusOr<sparse::Selector> selector_parsed = sparse::ParseSelector(selector_flag);
+  if (!selector_parsed.ok()) {
+    std::cerr << "error: --selector: " << selector_parsed.status().message() << "\n";
+    return 2;
+  }
+  const sparse::Selector selector = *selector_parsed;
+  if (device_selection_gib < 0) {
+    std::cerr << "error: --device-selection-gib must be >= 0, got " << device_selection_gib
+              << "\n";
+    return 2;
+  }
   if (host_read_gbps < 0) {
     std::cerr << "error: --host-read-gbps must be >= 0 (0 = measure), got " << host_read_gbps
               << "\n";
@@ -339,6 +363,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
       CudaHybridOptions cuda_options;
       cuda_options.max_requests = device_max_requests;
       cuda_options.max_context_tokens = device_max_context;
+      if (selector == sparse::Selector::kDevice) {
+        cuda_options.compact_slots =
+            CompactSlotsFor((*model)->attention_shape(), device_max_context,
+                            device_selection_gib, device_max_requests);
+      }
       cuda_options.page_tokens = page_tokens;
       cuda_options.device_read_share = device_read_share;
       cuda_options.micro_batches = static_cast<int>(micro_batches);
@@ -380,6 +409,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.default_budget = default_budget;
     options.fluxion_predictor = *predictor;
     options.host_cost.read_gbps = host_read_gbps;
+    options.selector = device == "cuda" ? selector : sparse::Selector::kHost;
     options.guard = *guard;
     options.guard.enabled = (*guard_modes)[0];
     options.output_projection =

@@ -197,7 +197,21 @@ void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredB
     in.top_blocks = scored.top + h * scored.range.want;
     in.top_range = scored.range;
   }
+  if (scored.picks != nullptr) {
+    in.device_picks = scored.picks + scored.pick_offset[h];
+    in.device_pick_count = scored.pick_count[h];
+  }
   PolicyOf(unit).Select(in, &spans, &head_stats_[h]);
+}
+
+std::optional<kernels::CompactPick> SparseAttention::DevicePick(int unit, int layer,
+                                                                int64_t position,
+                                                                double budget_scale) const {
+  sparse::SelectionInput in{kv_.get(), layer, unit, nullptr,
+                            shape_.num_heads / shape_.num_kv_heads, shape_.scale, position + 1};
+  in.budget_scale = budget_scale;
+  if (guard_ != nullptr) in.budget_shift = guard_->Shift(layer, unit);
+  return PolicyOf(unit).DevicePick(in);
 }
 
 void SparseAttention::CompleteUnit(int unit, const float* q, float* out, float* lse) {

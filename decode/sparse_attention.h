@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -80,8 +81,14 @@ class SparseAttention : public model::SequenceAttention {
   // step's device); policies that rank page bounds at that block size use them.
   // `budget_scale`: SelectionInput::budget_scale (the hybrid step's stall guard; 1: the policy's
   // budget).
+  // `scored.picks`: the device selection's picks of this layer (ResidentWindow::SelectRows).
   void SelectUnit(int unit, const float* q, const sparse::ScoredBlocks& scored = {},
                   double budget_scale = 1.0);
+  // What the policy of `unit` asks the device to pick at `layer` of the step whose token is at
+  // `position` (SparsePolicy::DevicePick, with the guard's shift and `budget_scale` as SelectUnit
+  // will apply them); nullopt when it selects itself. Before the layer's AppendToken.
+  std::optional<kernels::CompactPick> DevicePick(int unit, int layer, int64_t position,
+                                                 double budget_scale) const;
   const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
     return head_spans_[step_layer_ & 1][kv_head];
   }

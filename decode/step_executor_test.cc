@@ -107,12 +107,16 @@ class StepExecutorTest : public ::testing::Test {
   // The hybrid executor with the dense halves on the CPU and the host stand-in of the window.
   // With max_context_tokens > 0 the window keeps page bounds and scores blocks for quest and
   // fixed_* (ResidentWindow::ScoreBlocks).
+  // With compact_slots > 0 that many requests keep compact keys, and exact_topk / fluxion under
+  // Selector::kDevice take their picks from the window (ResidentWindow::SelectRows).
   static std::unique_ptr<HybridStepExecutor> MakeHybrid(const kernels::cpu::CpuPool* pool,
                                                         int64_t max_requests = 8,
-                                                        int64_t max_context_tokens = 0) {
+                                                        int64_t max_context_tokens = 0,
+                                                        int64_t compact_slots = 0) {
     WindowShape w = WindowShapeFor(model_->attention_shape(), max_requests);
     w.page_tokens = kPageTokens;
     w.max_context_tokens = max_context_tokens;
+    w.compact_slots = compact_slots;
     auto window = NewHostResidentWindow(w, kPageTokens);
     EXPECT_TRUE(window.ok()) << window.status();
     auto hybrid = HybridStepExecutor::Create(
@@ -285,6 +289,34 @@ TEST_F(StepExecutorTest, BlockScoresFromTheWindowSelectWhatTheCpuScanSelects) {
     // 700 + 4 steps fit; the fifth step's context (705) does not.
     EXPECT_GT(h.stats[1].blocks_scored_elsewhere, 0);
     EXPECT_GT(h.stats[1].metadata_bytes, 0);
+  }
+}
+
+TEST_F(StepExecutorTest, DevicePicksFromTheWindowSelectWhatTheCpuEmulationSelects) {
+  // The window keeps compact keys for two of the three requests (loaded at admission, then
+  // appended from each step's K) and picks their rows; the third, and the 700-token request once
+  // it outgrows the 704-token compact rows, compute the same picks on the CPU: the same tokens,
+  // rows and logits as the CPU step, where every pick is the CPU's.
+  std::vector<Prefill> prefills;
+  for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 900 + n)));
+  const kernels::cpu::CpuPool pool(2);
+  for (const std::string name : {"exact_topk", "fluxion_rules"}) {
+    SCOPED_TRACE(name);
+    sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
+    policy.selector = sparse::Selector::kDevice;
+    std::unique_ptr<StepExecutor> batched = NewCpuStepExecutor(model_, &pool);
+    std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(
+        &pool, /*max_requests=*/8, /*max_context_tokens=*/704, /*compact_slots=*/2);
+    const Run h = Decode(*hybrid, policy, prefills, 6);
+    const Run b = Decode(*batched, policy, prefills, 6);
+    ExpectSameRun(h, b, 1e-3f);
+    EXPECT_GT(h.stats[0].selections_ranked_elsewhere, 0) << "the window's picks were taken";
+    EXPECT_EQ(h.stats[0].k_rows_scored, 0) << "no K row read on the CPU to score";
+    EXPECT_GT(h.stats[1].selections_ranked_elsewhere, 0);
+    EXPECT_GT(h.stats[1].k_rows_scored, 0) << "the CPU picks once the context outgrows them";
+    EXPECT_EQ(h.stats[2].selections_ranked_elsewhere, 0) << "no compact slot left for it";
+    EXPECT_GT(h.stats[2].k_rows_scored, 0);
+    EXPECT_EQ(b.stats[0].selections_ranked_elsewhere, 0);
   }
 }
 

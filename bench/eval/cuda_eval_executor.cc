@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewCudaHybridEvalExecutor(
   options.max_requests = 1;
   options.max_context_tokens = kEvalMaxContextTokens;
   options.page_tokens = kEvalPageTokens;
+  options.compact_slots = 1;  // +device labels pick on the GPU, as served
   return decode::NewCudaHybridStepExecutor(model, pool, options);
 }
 

@@ -227,6 +227,12 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
                "streaming and bypassed head-steps, per-head budgets and blocks) to this JSON file, "
                "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
   decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
+  std::vector<std::string> selectors = {"host"};
+  flags.StringList("selector", &selectors,
+                   "where exact_topk and fluxion choose their rows: host (the policy's own "
+                   "selection) and/or device (the top-k of int8 compact keys, what the hybrid "
+                   "step's GPU picks; computed bit for bit on the CPU here; labels get +device); "
+                   "with both, each is a row (docs/SPARSE.md, \"Device selection\")");
   flags.Require("model");
   const bool seed_given = absl::c_any_of(
       args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
@@ -264,6 +270,29 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
         continue;
       }
       for (bool on : *guard_modes) labels.push_back(on ? label + "+guard" : label);
+    }
+    options.policies = std::move(labels);
+  }
+  {
+    // --selector: each label of a kind that selects on the device once per selector.
+    std::vector<std::string> labels;
+    for (const std::string& label : options.policies) {
+      auto config = PolicyConfigOf(label);
+      bool any = false;
+      for (const std::string& name : selectors) {
+        const absl::StatusOr<decode::sparse::Selector> s = decode::sparse::ParseSelector(name);
+        if (!s.ok()) {
+          std::cerr << "error: " << s.status().message() << "\n";
+          return 2;
+        }
+        const bool device = *s == decode::sparse::Selector::kDevice;
+        if (device && (!config.ok() || !decode::sparse::TraitsOf(config->kind).device_selects)) {
+          continue;
+        }
+        labels.push_back(device ? label + "+device" : label);
+        any = true;
+      }
+      if (!any) labels.push_back(label);
     }
     options.policies = std::move(labels);
   }

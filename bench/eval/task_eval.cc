@@ -201,6 +201,16 @@ namespace {
 absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_label) {
   // `+guard`: the online error guard (PolicyLabel's suffix).
   absl::string_view label = full_label;
+  if (absl::ConsumeSuffix(&label, "+device")) {
+    FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig c, ParseLabel(std::string(label)));
+    if (!decode::sparse::TraitsOf(c.kind).device_selects) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention policy '", full_label, "': device selection applies to "
+                       "exact_topk, fluxion and fluxion_rules only"));
+    }
+    c.selector = decode::sparse::Selector::kDevice;
+    return c;
+  }
   if (absl::ConsumeSuffix(&label, "+guard")) {
     FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig c, ParseLabel(std::string(label)));
     if (!decode::sparse::TraitsOf(c.kind).guardable) {
@@ -304,6 +314,7 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewHostHybridEvalExecutor(
       decode::WindowShapeFor(model->attention_shape(), /*max_requests=*/1);
   window_shape.page_tokens = kPageTokens;
   window_shape.max_context_tokens = kEvalMaxContextTokens;
+  window_shape.compact_slots = 1;  // +device labels pick through the window, as served
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::ResidentWindow> window,
                            decode::NewHostResidentWindow(window_shape, kPageTokens));
   FLUXION_ASSIGN_OR_RETURN(

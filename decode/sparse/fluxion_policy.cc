@@ -40,6 +40,38 @@ absl::Status FluxionPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   return LfpsPolicy::Prepare(kv, layer, kv_head, state);
 }
 
+void FluxionPolicy::Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
+                           SelectionStats* stats) {
+  if (!DeviceSelects(config_)) {
+    LfpsPolicy::Select(in, spans, stats);
+    return;
+  }
+  const Regions r = StepRegions(in);
+  ++stats->selections;
+  std::vector<kernels::PageSpan>& middle = ScratchOf(in.layer, in.kv_head).middle;
+  middle.clear();
+  if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
+    ++stats->streaming;
+  } else {
+    ScratchOf(in.layer, in.kv_head).compact.SelectMiddle(in, r, &middle, stats);
+  }
+  AssembleSpans(in, r, middle, spans, stats);
+}
+
+void FluxionPolicy::Observe(const SelectionInput& in,
+                            const std::vector<kernels::PageSpan>& spans) {
+  if (!DeviceSelects(config_)) LfpsPolicy::Observe(in, spans);  // no tables to keep otherwise
+}
+
+void FluxionPolicy::PrepareNextStep(const SelectionInput& next) {
+  if (!DeviceSelects(config_)) LfpsPolicy::PrepareNextStep(next);
+}
+
+std::optional<kernels::CompactPick> FluxionPolicy::DevicePick(const SelectionInput& in) {
+  if (!DeviceSelects(config_)) return std::nullopt;
+  return CompactPickOf(StepRegions(in));
+}
+
 void FluxionPolicy::Allocate() {
   double total = 0;
   if (predictor_ != nullptr) {

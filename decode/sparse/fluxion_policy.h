@@ -26,6 +26,12 @@
 // quality at LFPS's, and the coarse bound scan costs 3-12% of the K/V bytes. The bypass is LFPS's
 // at epsilon = 0.95.
 //
+// Under Selector::kDevice (docs/SPARSE.md, "Device selection") a head's k rows are the k best of
+// its whole middle by compact-key score, picked on the hybrid step's GPU: the budgets above stay,
+// the history tables, the query-aware block scan and the bypass are not used (they exist to keep
+// a CPU's scan small; a scan of compact keys in HBM costs ~1 ms per 128K step and recalls more
+// of the exact top-k than the candidates did).
+//
 // One object serves every KV head of a request (the allocation spans them); once every head is
 // prepared, Select and Observe for different KV heads may run concurrently (the allocation runs
 // once, on the first head that needs it), so a step's selection spreads over the pool per head.
@@ -50,6 +56,11 @@ class FluxionPolicy : public LfpsPolicy {
 
   absl::Status Prepare(const PagedKv& kv, int layer, int kv_head,
                        const model::HeadSparseState* state) override;
+  void Select(const SelectionInput& in, std::vector<kernels::PageSpan>* spans,
+              SelectionStats* stats) override;
+  void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
+  void PrepareNextStep(const SelectionInput& next) override;
+  std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) override;
 
   // The weight of (layer, kv_head) after allocation (1 = the uniform share); for tests and
   // reports. Allocates on first use.

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "decode/sparse/decision_profile.h"
+#include "decode/sparse/device_selection.h"
 #include "decode/sparse/lfps_tables.h"
 #include "decode/sparse/policy.h"
 #include "decode/sparse/policy_util.h"
@@ -158,6 +159,7 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<float> best_weights;  // [row]: the group's largest half-normalised weight
     std::vector<double> head_exps;  // [group][row]: exp(logit - the head's max over all rows)
     std::vector<double> head_middle_share;
+    CompactSelection compact;  // Fluxion under Selector::kDevice
   };
 
   // Both create the head's entry on first use. Heads of a shared object selected in parallel

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "decode/sparse/device_selection.h"
 #include "decode/sparse/fluxion_policy.h"
 #include "decode/sparse/lfps_policy.h"
 #include "decode/sparse/policy_util.h"
@@ -37,16 +38,24 @@ class FullPolicy : public SparsePolicy {
 
 // Exact top-k tokens of the middle region by the largest scaled logit over the group's heads:
 // the quality ceiling for token-level selection, paying a full K scan to score.
+// Under Selector::kDevice the scores are the compact keys' (device_selection.h).
 class ExactTopKPolicy : public SparsePolicy {
  public:
   explicit ExactTopKPolicy(const PolicyConfig& c) : config_(c) {}
+
+  std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) override {
+    if (!DeviceSelects(config_)) return std::nullopt;
+    return CompactPickOf(SplitStep(config_, in));
+  }
 
   void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
               SelectionStats* stats) override {
     const Regions r = SplitStep(config_, in);
     std::vector<PageSpan> middle;
     const int64_t n = r.local_begin - r.sink_end;
-    if (r.middle_rows_budget > 0 && n > 0) {
+    if (DeviceSelects(config_)) {
+      compact_.SelectMiddle(in, r, &middle, stats);
+    } else if (r.middle_rows_budget > 0 && n > 0) {
       scan_.clear();
       AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scan_);
       scores_.resize(n);
@@ -66,6 +75,7 @@ class ExactTopKPolicy : public SparsePolicy {
   std::vector<kernels::PageSpan> scan_;
   std::vector<float> scores_;
   std::vector<int32_t> picked_;
+  CompactSelection compact_;
 };
 
 // Quest: score each block of the middle region by the upper bound of q.k over the block's keys,
@@ -136,15 +146,15 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false, true, false, false, false}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false, false}},
-    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false, false}},
+    {PolicyKind::kFull, {"full", true, false, false, true, false, false, false, false}},
+    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false, false, true}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false, false}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false, false}},
+    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false, false, false}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true, true}},
+    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false, false, true}},
     {PolicyKind::kFixedBlock,
-     {"fixed_<block>_<budget>", true, false, false, true, true, false, false}},
+     {"fixed_<block>_<budget>", true, false, false, true, true, false, false, false}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";
@@ -192,8 +202,24 @@ bool RescoresCandidates(PolicyKind kind) {
 }
 
 bool ReadsPageScores(const PolicyConfig& config) {
+  if (DeviceSelects(config)) return false;  // compact keys replace the page bounds' scores
   return TraitsOf(config.kind).ranks_page_bounds ||
          (RescoresCandidates(config.kind) && config.rescore_cap > 0);
+}
+
+bool DeviceSelects(const PolicyConfig& config) {
+  return config.selector == Selector::kDevice && TraitsOf(config.kind).device_selects;
+}
+
+absl::StatusOr<Selector> ParseSelector(absl::string_view name) {
+  if (name == "host") return Selector::kHost;
+  if (name == "device") return Selector::kDevice;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown selector '", name, "' (known: host, device)"));
+}
+
+const char* SelectorName(Selector selector) {
+  return selector == Selector::kDevice ? "device" : "host";
 }
 
 std::vector<std::string> PolicyNames() {
@@ -286,7 +312,24 @@ GuardConfig GuardFor(const PolicyConfig& config) {
 std::string PolicyLabel(const PolicyConfig& config) {
   if (TraitsOf(config.kind).budget_from_name) return config.name;
   return absl::StrCat(config.name, "@", config.budget,
-                      config.guard.enabled && TraitsOf(config.kind).guardable ? "+guard" : "");
+                      config.guard.enabled && TraitsOf(config.kind).guardable ? "+guard" : "",
+                      DeviceSelects(config) ? "+device" : "");
+}
+
+std::vector<PolicyConfig> ExpandSelectors(const std::vector<PolicyConfig>& configs,
+                                          const std::vector<Selector>& selectors) {
+  std::vector<PolicyConfig> out;
+  for (const PolicyConfig& c : configs) {
+    bool any = false;
+    for (Selector s : selectors) {
+      if (s == Selector::kDevice && !TraitsOf(c.kind).device_selects) continue;
+      out.push_back(c);
+      out.back().selector = s;
+      any = true;
+    }
+    if (!any) out.push_back(c);
+  }
+  return out;
 }
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "decode/paged_kv.h"
 #include "decode/sparse/error_guard.h"
 #include "decode/sparse/granularity.h"
+#include "kernels/compact_keys.h"
 #include "kernels/paged_attention.h"
 #include "model/output_projection.h"
 #include "model/sparse_state.h"
@@ -70,6 +72,11 @@ struct PolicyTraits {
   // attends fewer rows, drops its needles out of its tables and does not find them again
   // (measured: docs/SPARSE.md, "The online per-head error guard"). Escalations still apply.
   bool guard_relaxes;
+  // Under Selector::kDevice it picks its middle rows as the top-k of compact-key scores
+  // (decode/sparse/device_selection.h): exact_topk (k: the uniform budget) and Fluxion (k: the
+  // head's allocated budget). The others select as under kHost: quest and fixed_* already rank on
+  // the device; LFPS's history tables stay on the host (docs/SPARSE.md, "Device selection").
+  bool device_selects;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
@@ -83,6 +90,21 @@ bool RescoresCandidates(PolicyKind kind);
 // answers at budget 0.02 on the trained model and took at most 29% off the 8B step
 // (docs/SPARSE.md, "Capped rescoring").
 inline constexpr double kDefaultRescoreCap = 0.0;
+
+// Where a policy's choice of rows is made (docs/SPARSE.md, "Device selection").
+enum class Selector {
+  // The policy's own selection over the host pages: exact scores of bf16 K rows, LFPS's tables,
+  // Fluxion's candidates rescored exactly. The CPU decode path.
+  kHost,
+  // For kinds whose traits say device_selects: the k best middle rows by the score of the int8
+  // compact keys the hybrid step keeps in HBM (kernels/compact_keys.h), picked on the GPU; without
+  // one (the CPU path, `fluxion eval tasks --selector device`) the same rows are computed on the
+  // CPU, bit for bit. Other kinds select as under kHost.
+  kDevice,
+};
+// "host" / "device"; InvalidArgument naming both for anything else.
+absl::StatusOr<Selector> ParseSelector(absl::string_view name);
+const char* SelectorName(Selector selector);
 
 struct PolicyConfig {
   // Set by ParsePolicy; a default-constructed config is `full`.
@@ -118,7 +140,13 @@ struct PolicyConfig {
   // the selected blocks and their neighbours, rescored exactly. Set by the name's `_b<B>` suffix
   // (`lfps_b16`). Experimental (docs/SPARSE.md, "Block-granular tables").
   int64_t table_block = 1;
+  // Where the rows are chosen; commands set it (--selector).
+  Selector selector = Selector::kHost;
 };
+
+// Whether `config` picks its middle rows from compact keys (selector kDevice and a kind whose
+// traits say device_selects).
+bool DeviceSelects(const PolicyConfig& config);
 
 // Whether `config` reads Quest page-bound scores: its kind ranks page bounds, or it caps its
 // rescoring by them. The hybrid step's device computes them where it keeps the bounds.
@@ -148,8 +176,14 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
 absl::StatusOr<std::vector<PolicyConfig>> ExpandPolicies(const std::vector<std::string>& names,
                                                          const std::vector<double>& budgets);
 
+// Each config once per selector where its kind selects on the device (device_selects), once
+// (as given) where it does not; in the order of `selectors`.
+std::vector<PolicyConfig> ExpandSelectors(const std::vector<PolicyConfig>& configs,
+                                          const std::vector<Selector>& selectors);
+
 // `full`, `fixed_32_0.05`, or `<name>@<budget>` (e.g. `quest@0.05`): how results name a config;
-// `+guard` appended when the error guard is on for it (`fluxion@0.05+guard`).
+// `+guard` appended when the error guard is on for it (`fluxion@0.05+guard`), `+device` when it
+// selects from compact keys (DeviceSelects).
 std::string PolicyLabel(const PolicyConfig& config);
 
 // One request's Quest block scores for one layer, computed elsewhere (the hybrid step's device
@@ -169,6 +203,11 @@ struct ScoredBlocks {
   struct Range {
     int64_t first = 0, end = 0, want = 0;
   } range{};
+  // The device selection's picks (ResidentWindow::SelectRows): KV head h's pick_count[h]
+  // ascending positions at picks + pick_offset[h]. Null: none made there.
+  const int32_t* picks = nullptr;
+  const int64_t* pick_offset = nullptr;
+  const int32_t* pick_count = nullptr;
 };
 
 // The blocks a policy that takes a fixed number of top-ranked blocks (quest, fixed_*) ranks at a
@@ -206,6 +245,11 @@ struct SelectionInput {
   // floor(budget_shift x uniform) middle rows, within [0, middle]. A positive shift also vetoes
   // LFPS's bypass (the guard measured the head's error). Policies that are not guardable ignore it.
   double budget_shift = 0.0;
+  // This head's middle rows picked from compact keys where they live (the hybrid step's device,
+  // SparsePolicy::DevicePick): device_pick_count ascending positions; null when not picked there
+  // (a policy that selects from compact keys then computes the same picks itself).
+  const int32_t* device_picks = nullptr;
+  int64_t device_pick_count = 0;
 };
 
 struct SelectionStats {
@@ -285,6 +329,15 @@ class SparsePolicy {
   // Fluxion: its allocation): what the error guard starts each head's weight at. Called after
   // every head is prepared.
   virtual double MiddleWeight(int layer, int kv_head) { return 1.0; }
+
+  // For a policy that selects from compact keys (DeviceSelects): the middle region of the step of
+  // `in` (q unused) and how many of its rows it picks, so the hybrid step's device can pick them
+  // before Select runs (and hand them over in SelectionInput::device_picks). A pure function of
+  // the input and what the policy decided before the step. nullopt (the default): the policy
+  // selects itself.
+  virtual std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) {
+    return std::nullopt;
+  }
 };
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);
