@@ -59,6 +59,11 @@ int RunAttentionEval(const std::vector<std::string>& args) {
                "CSV; policies are then evaluated only when --policy is given");
   CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
   decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
+  std::vector<std::string> selectors = {"host"};
+  flags.StringList("selector", &selectors,
+                   "where exact_topk and fluxion choose their rows: host and/or device (the top-k "
+                   "of int8 compact keys, the hybrid step's GPU picks, computed bit for bit "
+                   "here); with both, each is a row");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
   if (!guard_read.ok()) {
@@ -91,6 +96,18 @@ int RunAttentionEval(const std::vector<std::string>& args) {
   if (!configs.ok()) {
     std::cerr << "error: " << configs.status().message() << "\n";
     return 2;
+  }
+  {
+    std::vector<decode::sparse::Selector> parsed;
+    for (const std::string& name : selectors) {
+      const absl::StatusOr<decode::sparse::Selector> s = decode::sparse::ParseSelector(name);
+      if (!s.ok()) {
+        std::cerr << "error: --selector: " << s.status().message() << "\n";
+        return 2;
+      }
+      parsed.push_back(*s);
+    }
+    *configs = decode::sparse::ExpandSelectors(*configs, parsed);
   }
   if (!capture_dir.empty()) {
     // The captured replay gives each guarded config its own guard per layer, with that layer's

@@ -310,6 +310,108 @@ INSTANTIATE_TEST_SUITE_P(HeadDimsAndGroups, CudaBlockScoresTest,
                          ::testing::Combine(::testing::Values(32, 64, 128),
                                             ::testing::Values(4, 7)));
 
+// The device selection's picks (SelectRows) against the host window's, which are the CPU's own
+// (kernels/cpu/compact_topk.h): equal position for position, over 40 steps of appends from
+// admitted compact rows, with pairs asking nothing, zero, one, most or more than their span; a
+// third request finds no compact place and a second outgrows the 512-token rows mid-run.
+class CudaDevicePicksTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(CudaDevicePicksTest, MatchTheHostWindowsPicksExactly) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  const auto [d, group] = GetParam();
+  WindowShape shape;
+  shape.num_layers = 2;
+  shape.num_kv_heads = 2;
+  shape.num_heads = 2 * group;
+  shape.head_dim = d;
+  shape.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  shape.max_requests = 4;
+  shape.max_rows = 4;
+  shape.page_tokens = 16;
+  shape.max_context_tokens = 512;
+  shape.compact_slots = 2;
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, d, shape.page_tokens};
+  auto arena = *KvArena::Create(kv_shape.page_bytes(), 1024);
+  std::mt19937 rng(13);
+  const std::vector<int64_t> lengths = {150, 480, 300};
+  std::vector<std::unique_ptr<PagedKv>> kvs;
+  const int64_t kv_row = shape.num_kv_heads * d, q_row = shape.num_heads * d;
+  for (int64_t n : lengths) {
+    auto kv = *PagedKv::Create(arena.get(), kv_shape);
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      const std::vector<float> k = Random(n * kv_row, rng), v = Random(n * kv_row, rng);
+      ASSERT_TRUE(kv->Append(layer, n, k.data(), v.data(), kv_row).ok());
+    }
+    kvs.push_back(std::move(kv));
+  }
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto host = *NewHostResidentWindow(shape, shape.page_tokens);
+  const kernels::cpu::CpuPool pool(3);  // outlives the window
+  // One head per pinned chunk at admission (the two chunks reused many times).
+  auto cuda = NewCudaResidentWindow(shape, stream, /*bounds_chunk_bytes=*/1);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  (*cuda)->set_cpu_pool(&pool);
+  std::vector<int> host_slots, cuda_slots;
+  for (const auto& kv : kvs) {
+    host_slots.push_back(*host->Admit(*kv, 0));
+    auto slot = (*cuda)->Admit(*kv, 0);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    cuda_slots.push_back(*slot);
+  }
+  std::vector<int64_t> positions = lengths;
+  const int64_t rows = 3;
+  DeviceBuffers dev;
+  int64_t compared = 0;
+  for (int step = 0; step < 40; ++step) {
+    ASSERT_TRUE(host->BeginStep(host_slots, positions).ok());
+    ASSERT_TRUE((*cuda)->BeginStep(cuda_slots, positions).ok());
+    for (int layer = 0; layer < shape.num_layers; ++layer) {
+      const std::vector<float> q = Random(rows * q_row, rng), k = Random(rows * kv_row, rng);
+      std::vector<kernels::CompactPick> asked;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int32_t end = static_cast<int32_t>(positions[i] + 1 - 64);
+        const int32_t ks[] = {-1, 0, 1, end / 3, end - 4, end + 10};
+        for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+          asked.push_back({4, end, ks[(step + 2 * i + h + layer) % 6]});
+        }
+      }
+      host->SelectRows(layer, q.data(), k.data(), asked);
+      (*cuda)->SelectRows(layer, dev.ToDevice(q), dev.ToDevice(k), asked);
+      ASSERT_TRUE(host->WaitBlockScores().ok());
+      ASSERT_TRUE((*cuda)->WaitBlockScores().ok());
+      for (int row = 0; row < rows; ++row) {
+        SCOPED_TRACE("row " + std::to_string(row) + " step " + std::to_string(step) +
+                     " layer " + std::to_string(layer));
+        const sparse::ScoredBlocks h = host->block_scores(row), g = (*cuda)->block_scores(row);
+        ASSERT_EQ(h.picks != nullptr, g.picks != nullptr);
+        if (row == 2) ASSERT_EQ(h.picks, nullptr) << "no compact place left for it";
+        if (h.picks == nullptr) continue;
+        for (int64_t kvh = 0; kvh < shape.num_kv_heads; ++kvh) {
+          ASSERT_EQ(h.pick_count[kvh], g.pick_count[kvh]);
+          const std::vector<int32_t> want(h.picks + h.pick_offset[kvh],
+                                          h.picks + h.pick_offset[kvh] + h.pick_count[kvh]);
+          const std::vector<int32_t> got(g.picks + g.pick_offset[kvh],
+                                         g.picks + g.pick_offset[kvh] + g.pick_count[kvh]);
+          ASSERT_EQ(got, want) << "KV head " << kvh;
+          compared += h.pick_count[kvh];
+        }
+      }
+    }
+    ASSERT_TRUE((*cuda)->Sync().ok());
+    for (int64_t& p : positions) ++p;
+  }
+  EXPECT_GT(compared, 0);
+  // 480 + 33 tokens outgrow the 512-token rows: row 1 stopped being picked for.
+  EXPECT_EQ(host->block_scores(1).picks, nullptr);
+  cuda->reset();
+  cudaStreamDestroy(stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDimsAndGroups, CudaDevicePicksTest,
+                         ::testing::Combine(::testing::Values(32, 64, 128),
+                                            ::testing::Values(1, 4, 7)));
+
 TEST(CudaResidentWindowShapeTest, RefusesWhatItCannotHold) {
   WindowShape shape;
   shape.num_layers = 1;

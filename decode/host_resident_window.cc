@@ -169,7 +169,8 @@ class HostResidentWindow : public ResidentWindow {
         scored.range = ranges_[row];
       }
     }
-    if (picks_.row_picked[row]) {
+    // As the CUDA window: a layer that picked nothing hands nothing over.
+    if (picks_.total > 0 && picks_.row_picked[row]) {
       const int64_t j = row * shape_.num_kv_heads;
       scored.picks = picked_rows_.data();
       scored.pick_offset = picks_.offset.data() + j;
