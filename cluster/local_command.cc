@@ -18,6 +18,7 @@
 #include "cluster/replay_run.h"
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
+#include "proto/prefill_seal.h"
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "grpcpp/grpcpp.h"
@@ -225,6 +226,10 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   };
   const absl::Duration startup = absl::Seconds(startup_timeout_s);
 
+  // One fresh secret per run, shared by every node (sealed prefill requests, docs/SECURITY.md),
+  // in the logs folder with mode 0600.
+  const std::string transfer_secret = absl::StrCat(logs, "/transfer.secret");
+  if (absl::Status s = proto::WriteNewTransferSecret(transfer_secret); !s.ok()) return fail(s);
   std::cout << "fluxion local: starting " << prefill_nodes << " prefill, " << decode_nodes
             << " decode node(s) and a router; logs in " << logs << std::endl;
   std::vector<std::string> prefill_addresses, decode_addresses;
@@ -244,7 +249,8 @@ int RunLocalCommand(const std::vector<std::string>& args) {
       std::vector<std::string> a = {"--model", model, "--listen", "127.0.0.1:0", "--port-file",
                                     port_file, "--metrics-listen", "127.0.0.1:0",
                                     "--metrics-port-file", metrics_file, "--cpu-threads",
-                                    std::to_string(cpu_threads)};
+                                    std::to_string(cpu_threads), "--transfer-secret-file",
+                                    transfer_secret};
       std::vector<std::string> more = node_args(i);
       a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), ucx.begin(), ucx.end());

@@ -30,6 +30,7 @@
 #include "decode/prefill_peers.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "model/model.h"
+#include "proto/prefill_seal.h"
 #include "transfer/transport.h"
 
 namespace fluxion::decode {
@@ -59,6 +60,10 @@ struct DecodeServiceOptions {
   absl::Duration admission_timeout = absl::Seconds(10);
   // Bound on the Prefill call (also bounded by the request's deadline).
   absl::Duration prefill_timeout = absl::Seconds(120);
+  // The secret shared with the prefill nodes (--transfer-secret-file): every PrefillRequest is
+  // sealed with it (proto/prefill_seal.h), valid until the call's own bound plus
+  // proto::kSealClockSkew. Null: requests go unsealed, and prefill nodes refuse them.
+  std::shared_ptr<const proto::TransferSecret> transfer_secret;
   // After sending Abort to a prefill node, how long to wait for its reply before giving up and
   // quarantining the pages.
   absl::Duration abort_wait = absl::Seconds(2);

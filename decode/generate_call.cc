@@ -219,15 +219,19 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Prefill() {
   target.meta_pages = meta_pages_;
   target.pages_per_head = pages_per_head_;
   target.layout = &service_->info_.layout();
-  const v1::PrefillRequest prefill =
-      BuildPrefillRequest(prefill_id_, request_, valid_->sampling, target);
+  v1::PrefillRequest prefill = BuildPrefillRequest(prefill_id_, request_, valid_->sampling, target);
+  const absl::Time prefill_deadline = std::min(deadline_, absl::Now() + options.prefill_timeout);
+  if (options.transfer_secret != nullptr) {
+    proto::SealPrefillRequest(*options.transfer_secret, prefill_deadline + proto::kSealClockSkew,
+                              &prefill);
+  }
   // From here until the prefill node's answer, a peer may write into both: if the reservations
   // die first, they are quarantined for the lease (docs/SERVING.md has the rule per ending).
   kv_pages_.SetPeerMayWrite(options.quarantine_lease);
   state_room_.SetPeerMayWrite(options.quarantine_lease);
   live_->prefilling = true;
   PrefillOutcome outcome = service_->prefill_client_.Call(
-      prefill_address_, prefill, std::min(deadline_, absl::Now() + options.prefill_timeout),
+      prefill_address_, prefill, prefill_deadline,
       [this] { return Cancelled(); });
   live_->prefilling = false;
   t_prefilled_ = Clock::now();

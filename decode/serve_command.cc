@@ -35,6 +35,7 @@
 #include "kernels/cpu/process_cpu.h"
 #include "model/model.h"
 #include "proto/convert.h"
+#include "proto/prefill_seal.h"
 #include "transfer/ucx_flags.h"
 
 namespace fluxion::decode {
@@ -163,6 +164,12 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.Int("max-waiting", &max_waiting, "requests waiting for KV pages at most");
   flags.Int("admission-timeout-ms", &admission_timeout_ms, "longest wait for KV pages");
   flags.Int("prefill-timeout-ms", &prefill_timeout_ms, "bound on one Prefill call");
+  std::string transfer_secret_file;
+  flags.String("transfer-secret-file", &transfer_secret_file,
+               "file holding the secret this node shares with its prefill nodes (32 to 4096 "
+               "bytes; make one with `openssl rand -hex 32`): every prefill request is sealed "
+               "with it, so prefill nodes write only where this node asked (docs/SECURITY.md)");
+  flags.Require("transfer-secret-file");
   flags.Int("abort-wait-ms", &abort_wait_ms,
             "after aborting a prefill, how long to wait for its reply before quarantining");
   flags.Int("quarantine-ms", &quarantine_ms,
@@ -195,7 +202,21 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << pool.status().message() << "\n";
     return 2;
   }
-  // Certificates are read now, before the model: a bad path fails in a second, not a minute.
+  // Secrets and certificates are read now, before the model: a bad path fails in a second, not a
+  // minute.
+  absl::StatusOr<proto::TransferSecret> transfer_secret =
+      proto::TransferSecret::FromFile(transfer_secret_file);
+  if (!transfer_secret.ok()) {
+    std::cerr << "error: " << transfer_secret.status().message() << "\n";
+    return 2;
+  }
+  if (absl::Milliseconds(prefill_timeout_ms) + proto::kSealClockSkew > proto::kMaxSealLifetime) {
+    std::cerr << "error: --prefill-timeout-ms " << prefill_timeout_ms << " plus the seal's "
+              << absl::FormatDuration(proto::kSealClockSkew)
+              << " clock-skew allowance exceeds the longest seal prefill nodes accept ("
+              << absl::FormatDuration(proto::kMaxSealLifetime) << ")\n";
+    return 2;
+  }
   auto server_credentials = serving::ServerCredentials(tls);
   auto prefill_channel = serving::ClientChannelConfig(prefill_tls);
   for (const absl::Status& s : {server_credentials.status(), prefill_channel.status()}) {
@@ -417,6 +438,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     options.page_tokens = page_tokens;
     options.admission_timeout = absl::Milliseconds(admission_timeout_ms);
     options.prefill_timeout = absl::Milliseconds(prefill_timeout_ms);
+    options.transfer_secret =
+        std::make_shared<const proto::TransferSecret>(*std::move(transfer_secret));
     options.abort_wait = absl::Milliseconds(abort_wait_ms);
     options.quarantine_lease = absl::Milliseconds(quarantine_ms);
     options.node_metrics = &node_metrics;

@@ -36,7 +36,10 @@ for entry in base:14 overlays/dev:15 overlays/gpu:14 overlays/gpu-monitored:16 o
               "readOnlyRootFilesystem: true" "runAsNonRoot: true" "UCX_TCP_PORT_RANGE" \
               "--metrics-listen=0.0.0.0:9100" "llm-d.ai/engine-type: fluxion$" \
               "llm-d.ai/engine-type: fluxion-prefill" \
-              "llm-d.ai/role: decode" "llm-d.ai/role: prefill"; do
+              "llm-d.ai/role: decode" "llm-d.ai/role: prefill" \
+              "--transfer-secret-file=/etc/fluxion/transfer/secret" "secretName: fluxion-transfer" \
+              "--tls-require-client-cert" "--prefill-tls-ca=/etc/fluxion/tls/ca.crt" \
+              "--backend-tls-server-name=fluxion-nodes" "secretName: fluxion-tls"; do
     printf '%s' "$out" | grep -q -- "$want" || { echo "$dir: missing '$want'"; exit 1; }
   done
   n=$(printf '%s\n' "$out" | grep -c '^kind:')
@@ -54,7 +57,8 @@ kubectl kustomize overlays/gpu-monitored | grep -q "kind: ServiceMonitor" ||
   { echo "overlays/gpu-monitored: no ServiceMonitor"; exit 1; }
 # Behind llm-d: every decode pod has a router sidecar serving OpenAI HTTP for its own decode node.
 out=$(kubectl kustomize overlays/llm-d)
-for want in "--decode=127.0.0.1:7002" "--http-listen=0.0.0.0:8000" "name: fluxion-decode-llm-d"; do
+for want in "--decode=127.0.0.1:7002" "--http-listen=0.0.0.0:8000" "name: fluxion-decode-llm-d" \
+            "--backend-tls-cert=/etc/fluxion/tls/tls.crt"; do
   printf '%s' "$out" | grep -q -- "$want" || { echo "overlays/llm-d: missing '$want'"; exit 1; }
 done
 echo "k8s: every overlay renders and validates"

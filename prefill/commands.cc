@@ -27,6 +27,7 @@
 #include "prefill/prefill_engine.h"
 #include "prefill/prefill_service.h"
 #include "proto/convert.h"
+#include "proto/prefill_seal.h"
 #include "transfer/kv_pages.h"
 #include "transfer/page_meta.h"
 #include "transfer/ucx_flags.h"
@@ -151,9 +152,16 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
             "~720-1,340 MiB in the soak; flat ~380 MiB with 2); 0 = glibc's default; the "
             "MALLOC_ARENA_MAX environment variable, if set, wins");
   ucx.Register(flags);
+  std::string transfer_secret_file;
+  flags.String("transfer-secret-file", &transfer_secret_file,
+               "file holding the secret this node shares with its decode nodes (32 to 4096 "
+               "bytes; make one with `openssl rand -hex 32`): only prefill requests a decode "
+               "node sealed with it are acted on, each once and before its expiry, so no one "
+               "else can direct this node's KV writes (docs/SECURITY.md)");
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
   flags.Require("model");
+  flags.Require("transfer-secret-file");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
     std::cerr << "error: " << valid.message() << "\n";
@@ -173,7 +181,14 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << pool.status().message() << "\n";
     return 2;
   }
-  // Certificates are read now, before the model: a bad path fails in a second, not a minute.
+  // Secrets and certificates are read now, before the model: a bad path fails in a second, not a
+  // minute.
+  absl::StatusOr<proto::TransferSecret> transfer_secret =
+      proto::TransferSecret::FromFile(transfer_secret_file);
+  if (!transfer_secret.ok()) {
+    std::cerr << "error: " << transfer_secret.status().message() << "\n";
+    return 2;
+  }
   auto server_credentials = serving::ServerCredentials(tls);
   if (!server_credentials.ok()) {
     std::cerr << "error: " << server_credentials.status().message() << "\n";
@@ -245,7 +260,8 @@ int RunPrefillCommand(const std::vector<std::string>& args) {
   info.set_protocol_version(1);
   info.set_max_context_tokens(static_cast<uint32_t>(config.max_position_embeddings));
   PrefillNodeMetrics node_metrics(&metrics::Registry::Default());
-  PrefillServiceImpl service(&engine, transport->get(), info, &node_metrics);
+  PrefillServiceImpl service(&engine, transport->get(), info, *std::move(transfer_secret),
+                             &node_metrics);
   service.SetMaxBatchTokens(max_batch_tokens >= 0 ? max_batch_tokens
                             : gpu != nullptr       ? kDeviceMaxBatchTokens
                                                    : kCpuMaxBatchTokens);

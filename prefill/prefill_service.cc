@@ -4,10 +4,12 @@
 #include <chrono>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "glog/logging.h"
 
 namespace fluxion::prefill {
 
@@ -15,9 +17,13 @@ namespace v1 = ::fluxion::v1;
 
 PrefillServiceImpl::PrefillServiceImpl(const PrefillEngine* engine,
                                        const transfer::Transport* transport,
-                                       const v1::ServerInfo& info,
+                                       const v1::ServerInfo& info, proto::TransferSecret secret,
                                        PrefillNodeMetrics* node_metrics)
-    : engine_(engine), transport_(transport), info_(info), node_metrics_(node_metrics) {}
+    : engine_(engine),
+      transport_(transport),
+      info_(info),
+      secret_(std::move(secret)),
+      node_metrics_(node_metrics) {}
 
 grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
                                          const v1::PrefillRequest* request,
@@ -31,6 +37,19 @@ grpc::Status PrefillServiceImpl::PrefillCall(grpc::ServerContext* context,
                                              const v1::PrefillRequest* request,
                                              v1::PrefillResponse* response) {
   const auto t_arrival = std::chrono::steady_clock::now();
+  // The seal first: nothing in an unproven request (ids, addresses, keys) is looked at further.
+  const absl::Time now = absl::Now();
+  absl::Status sealed = proto::CheckPrefillSeal(secret_, *request, now);
+  if (sealed.ok()) sealed = seen_seals_.Admit(request->seal(), now);
+  if (!sealed.ok()) {
+    // Every 100th: a flood of forged requests must not flood the log (the per-code request
+    // counter of PrefillNodeMetrics counts each one).
+    LOG_EVERY_N(WARNING, 100) << "refused a prefill request from " << context->peer() << " ("
+                              << google::COUNTER << " so far): " << sealed.message();
+    absl::MutexLock lock(&mu_);
+    ++metrics_.requests_failed;
+    return ToGrpcStatus(sealed);
+  }
   const std::string& id = request->request_id();
   if (id.empty() || id.size() > 128) {
     return ToGrpcStatus(absl::InvalidArgumentError("request_id must be 1 to 128 bytes"));

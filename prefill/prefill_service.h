@@ -33,6 +33,8 @@
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "prefill/prefill_engine.h"
 #include "prefill/prefill_metrics.h"
+#include "prefill/seal_replay_guard.h"
+#include "proto/prefill_seal.h"
 #include "transfer/transport.h"
 
 namespace fluxion::prefill {
@@ -52,11 +54,12 @@ struct PrefillMetrics {
 
 class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
  public:
-  // `engine` and `transport` must outlive the service. `info` is returned in GetLoad.
+  // `engine` and `transport` must outlive the service. `info` is returned in GetLoad. Only
+  // requests sealed with `secret` are acted on (proto/prefill_seal.h), each once.
   // `node_metrics` (null: none) gets every call's final status and timings; it must outlive the
   // service.
   PrefillServiceImpl(const PrefillEngine* engine, const transfer::Transport* transport,
-                     const fluxion::v1::ServerInfo& info,
+                     const fluxion::v1::ServerInfo& info, proto::TransferSecret secret,
                      PrefillNodeMetrics* node_metrics = nullptr);
   ~PrefillServiceImpl() override;  // joins the last batch's thread
 
@@ -117,6 +120,8 @@ class PrefillServiceImpl final : public fluxion::v1::PrefillService::Service {
   const PrefillEngine* const engine_;
   const transfer::Transport* const transport_;
   const fluxion::v1::ServerInfo info_;
+  const proto::TransferSecret secret_;
+  SealReplayGuard seen_seals_;
   PrefillNodeMetrics* const node_metrics_;
   std::atomic<bool> draining_{false};
 

@@ -22,9 +22,12 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/transfer_secret_testing.h"
 
 namespace fluxion::cluster {
 namespace {
+
+using ::fluxion::testing::TransferSecretArgs;
 
 namespace v1 = ::fluxion::v1;
 using ::testing::HasSubstr;
@@ -46,6 +49,7 @@ Node StartNode(const std::string& dir, const std::string& name, const std::strin
   const std::string port_file = dir + "/" + name + ".port";
   std::vector<std::string> argv = {FLUXION_BINARY, command, "--listen", "127.0.0.1:0",
                                    "--port-file", port_file};
+  for (std::string& a : TransferSecretArgs(command)) argv.push_back(std::move(a));
   argv.insert(argv.end(), args.begin(), args.end());
   auto child = ChildProcess::Start(name, argv, dir + "/" + name + ".log");
   if (!child.ok()) return node;

@@ -52,6 +52,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/netns_lab.h"
+#include "tests/transfer_secret_testing.h"
 
 namespace fluxion::testing {
 namespace {
@@ -315,6 +316,7 @@ class ClusterFaultsTest : public ::testing::Test {
     const std::string port_file = absl::StrCat(*dir_, "/", kHostNames[h], ".port");
     unlink(port_file.c_str());
     std::vector<std::string> argv = {FLUXION_BINARY, command};
+    for (std::string& a : TransferSecretArgs(command)) argv.push_back(std::move(a));
     for (std::string& a : HostArgs(h)) argv.push_back(std::move(a));
     auto child = ChildProcess::Start(kHostNames[h], lab_->InHost(h, argv),
                                      absl::StrCat(*dir_, "/", kHostNames[h], ".log"));

@@ -16,9 +16,12 @@
 #include "absl/strings/str_cat.h"
 #include "cluster/child_process.h"
 #include "gtest/gtest.h"
+#include "tests/transfer_secret_testing.h"
 
 namespace fluxion::cluster {
 namespace {
+
+using ::fluxion::testing::TransferSecretArgs;
 
 std::string ModelDir() {
   const char* src = std::getenv("FLUXION_SOURCE_DIR");
@@ -53,6 +56,7 @@ Node StartNode(const std::string& dir, const std::string& name, const std::strin
     argv.insert(argv.end(), {"--http-listen", "127.0.0.1:0", "--http-port-file", http_file,
                              "--model-dir", ModelDir()});
   }
+  for (std::string& a : TransferSecretArgs(command)) argv.push_back(std::move(a));
   argv.insert(argv.end(), args.begin(), args.end());
   auto child = ChildProcess::Start(name, argv, dir + "/" + name + ".log");
   if (!child.ok()) return node;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "absl/time/clock.h"
+#include "tests/transfer_secret_testing.h"
 
 namespace fluxion::testing {
 
@@ -42,6 +43,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& command,
                                    "--metrics-port-file", metrics_port_file};
   // The nodes compute; the router does not, and takes no --cpu-threads.
   if (command != "router") argv.insert(argv.end(), {"--cpu-threads", "1"});
+  for (std::string& a : TransferSecretArgs(command)) argv.push_back(std::move(a));
   argv.insert(argv.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid == 0) {

@@ -70,6 +70,14 @@ v1::ServerInfo Info(v1::ServerRole role, const std::string& name, const Loaded& 
   return info;
 }
 
+// The secret every node of these tests shares (sealed prefill requests, proto/prefill_seal.h).
+std::shared_ptr<const proto::TransferSecret> SharedSecret() {
+  static const auto* const secret = new std::shared_ptr<const proto::TransferSecret>(
+      std::make_shared<const proto::TransferSecret>(
+          *proto::TransferSecret::FromBytes(std::string(32, 's'))));
+  return *secret;
+}
+
 // A prefill node: the real engine and service; `layer_delay` keeps a request in it for a while.
 class PrefillNode {
  public:
@@ -86,7 +94,8 @@ class PrefillNode {
     engine_ = std::make_unique<prefill::PrefillEngine>(loaded_.model.get(), transport_.get(),
                                                        loaded_.layout, eo);
     service_ = std::make_unique<prefill::PrefillServiceImpl>(
-        engine_.get(), transport_.get(), Info(v1::SERVER_ROLE_PREFILL, name, loaded_));
+        engine_.get(), transport_.get(), Info(v1::SERVER_ROLE_PREFILL, name, loaded_),
+        *SharedSecret());
     service_->SetMaxQueuedRequests(max_queued);
     int port = 0;
     auto server = serving::StartGrpcServer("127.0.0.1:0", service_.get(), &port);
@@ -141,6 +150,7 @@ class DecodeNode {
     auto peers = decode::PrefillPeers::Create(po);
     EXPECT_TRUE(peers.ok()) << peers.status();
     decode::DecodeServiceOptions options;
+    options.transfer_secret = SharedSecret();
     options.prefill_peers = std::move(*peers);
     options.default_policy = "full";
     options.page_tokens = kPageTokens;

@@ -17,6 +17,7 @@ packages=(
   libpcre2-dev                                # HF tokenizer.json pre-tokenizer regexes (lookahead)
   libicu-dev                                  # NFC normalization of HF tokenizers (Qwen2)
   libcurl4-openssl-dev                        # HTTP client: fluxion local's chat answer, API tests
+  libssl-dev                                  # libcrypto: HMAC-SHA256 seals on prefill requests
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
   python3                                     # tools/eval: result tables (and their ctest)

@@ -58,13 +58,16 @@ wait_port() {  # file pid -> prints the port once the file holds one
   return 1
 }
 
+# The secret the nodes seal and check prefill requests with (docs/SECURITY.md).
+(umask 077; openssl rand -hex 32 > "$OUT/logs/transfer.secret")
 sample=()
 start_node() {  # kind index extra-args...
   local kind=$1 i=$2; shift 2
   local name="$kind-$i"
   "$BIN" "$kind" --model "$MODEL" --listen 127.0.0.1:0 --port-file "$OUT/logs/$name.port" \
     --metrics-listen 127.0.0.1:0 --metrics-port-file "$OUT/logs/$name.metrics-port" \
-    --cpu-threads 1 --ucx-tls tcp --ucx-net-devices lo "$@" > "$OUT/logs/$name.log" 2>&1 &
+    --cpu-threads 1 --ucx-tls tcp --ucx-net-devices lo \
+    --transfer-secret-file "$OUT/logs/transfer.secret" "$@" > "$OUT/logs/$name.log" 2>&1 &
   pids+=($!)
   sample+=("$name=$!")
 }
