@@ -15,15 +15,17 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace fluxion::metrics::testing {
 
 // GET http://127.0.0.1:<port><path>; returns the body of a 200 answer. Every socket operation has
-// a 5 s timeout.
-inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+// a timeout of `io_timeout` (whole seconds).
+inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path,
+                                           absl::Duration io_timeout = absl::Seconds(5)) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::InternalError("socket");
-  timeval tv{5, 0};
+  timeval tv{static_cast<time_t>(absl::ToInt64Seconds(io_timeout)), 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   sockaddr_in addr{};
