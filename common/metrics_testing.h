@@ -1,4 +1,5 @@
-// Test helpers for /metrics endpoints: a minimal HTTP GET over loopback and a promtool check.
+// Test helpers for /metrics endpoints: a minimal HTTP GET over loopback, reading one sample of an
+// exposition, and a promtool check.
 // Header-only, for tests (common/, cluster/ and the services' suites) only.
 #ifndef FLUXION_COMMON_METRICS_TESTING_H_
 #define FLUXION_COMMON_METRICS_TESTING_H_
@@ -11,10 +12,14 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace fluxion::metrics::testing {
@@ -53,6 +58,19 @@ inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path,
     return absl::UnknownError(absl::StrCat("HTTP answer: ", response.substr(0, header_end)));
   }
   return response.substr(header_end + 4);
+}
+
+// The value of the sample whose name and labels are exactly `series` in the exposition `text` (as
+// rendered, e.g. `fluxion_decode_requests_total{code="OK"}`); NaN when there is none.
+inline double SampleValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
+        line[series.size()] == ' ') {
+      double v;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return std::numeric_limits<double>::quiet_NaN();
 }
 
 // True when Prometheus' promtool is on PATH (Debian package `prometheus`).
