@@ -30,6 +30,9 @@ namespace v1 = ::fluxion::v1;
 struct SeenRequest {
   v1::GenerateRequest request;
   std::chrono::system_clock::time_point deadline;
+  // When the handler started: later than the client sent the call and than the router forwarded
+  // it, so tests bound what was forwarded by causes, not by how fast the machine is.
+  std::chrono::system_clock::time_point received;
   bool cancelled = false;
   std::string abort_token;  // what the fake sent in `fluxion-abort-token`
 };
@@ -71,6 +74,11 @@ class FakeDecodeService final : public v1::DecodeService::Service {
     absl::MutexLock lock(&mu_);
     return max_concurrent_;
   }
+  // GetLoad calls answered so far (a poller's progress).
+  int load_calls() {
+    absl::MutexLock lock(&mu_);
+    return load_calls_;
+  }
   // Ids aborted with the right token.
   std::vector<std::string> aborted() {
     absl::MutexLock lock(&mu_);
@@ -84,13 +92,14 @@ class FakeDecodeService final : public v1::DecodeService::Service {
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    const auto received = std::chrono::system_clock::now();
     Behaviour b;
     size_t slot;
     {
       absl::MutexLock lock(&mu_);
       b = behaviour_;
       slot = seen_.size();
-      seen_.push_back({*request, context->deadline(), false,
+      seen_.push_back({*request, context->deadline(), received, false,
                        "fake-token-" + request->request_id() + "-" + std::to_string(slot)});
       max_concurrent_ = std::max(max_concurrent_, ++concurrent_);
     }
@@ -124,6 +133,7 @@ class FakeDecodeService final : public v1::DecodeService::Service {
   grpc::Status GetLoad(grpc::ServerContext*, const v1::GetLoadRequest*,
                        v1::DecodeLoad* response) override {
     absl::MutexLock lock(&mu_);
+    ++load_calls_;
     if (!load_status_.ok()) return load_status_;
     *response = load_;
     return grpc::Status::OK;
@@ -231,6 +241,7 @@ class FakeDecodeService final : public v1::DecodeService::Service {
   std::vector<std::pair<std::string, std::string>> abort_calls_ ABSL_GUARDED_BY(mu_);
   int concurrent_ ABSL_GUARDED_BY(mu_) = 0;
   int max_concurrent_ ABSL_GUARDED_BY(mu_) = 0;
+  int load_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class FakePrefillService final : public v1::PrefillService::Service {

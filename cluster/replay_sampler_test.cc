@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "cluster/fake_decode_service.h"
+#include "common/wait_testing.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::cluster {
@@ -56,8 +59,9 @@ TEST(ResourceSamplerTest, ProcessesOnlyReportsTrendsAndAGoneProcess) {
   o.interval = absl::Milliseconds(20);
   o.warmup = absl::ZeroDuration();
   ResourceSampler sampler(o);
+  // Start and Finish take a sample each, whatever happens between them (the periodic samples are
+  // checked below, with a target that counts them).
   sampler.Start();
-  absl::SleepFor(absl::Milliseconds(100));
   SamplerReport r = sampler.Finish();
   ASSERT_EQ(r.processes.size(), 2u);
   EXPECT_FALSE(r.processes[0].died);
@@ -93,8 +97,11 @@ TEST(ResourceSamplerTest, PagesBackToBaselineOnlyWhenTheTargetGivesThemBack) {
     o.settle = absl::Milliseconds(300);
     ResourceSampler sampler(o);
     sampler.Start();
-    service.SetLoad(LoadWith(400, 3));  // the run: pages in use
-    absl::SleepFor(absl::Milliseconds(100));
+    // The run: pages in use, until the sampler's own thread has sampled them (two more GetLoad
+    // calls: the second began after the first, so after the new load was set).
+    const int calls = service.load_calls();
+    service.SetLoad(LoadWith(400, 3));
+    ASSERT_TRUE(WaitFor([&] { return service.load_calls() >= calls + 2; }));
     service.SetLoad(leak ? LoadWith(990, 0) : LoadWith(1000, 0));  // idle: all back, or 10 short
     SamplerReport r = sampler.Finish();
     ASSERT_TRUE(r.have_load);
@@ -102,6 +109,9 @@ TEST(ResourceSamplerTest, PagesBackToBaselineOnlyWhenTheTargetGivesThemBack) {
     EXPECT_EQ(r.final_load.free_kv_pages, leak ? 990u : 1000u);
     EXPECT_EQ(r.pages_back_to_baseline, !leak);
     EXPECT_GE(r.load_samples.size(), 3u);
+    EXPECT_TRUE(std::any_of(r.load_samples.begin(), r.load_samples.end(),
+                            [](const LoadSample& l) { return l.free_kv_pages == 400; }))
+        << "no periodic sample saw the run";
     const std::string table = FormatSamplerReport(r, o.warmup);
     EXPECT_NE(table.find(leak ? "NOT back to baseline" : "back to baseline"), std::string::npos)
         << table;

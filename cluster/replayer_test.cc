@@ -10,6 +10,7 @@
 #include "cluster/fake_decode_service.h"
 #include "cluster/replay_report.h"
 #include "common/test_temp_dir.h"
+#include "common/wait_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -36,6 +37,9 @@ ReplayOptions Options(const FakeServer& server) {
 
 // The fake streams its first token after 40 ms, then one token every 10 ms, and rejects every
 // fifth request with UNAVAILABLE. So TTFT ~40 ms, TPOT = ITL ~10 ms, E2E ~40 + 10 * (n - 1) ms.
+// Those are lower bounds (the fake sleeps them); how much later a busy machine delivers the tokens
+// is not the replayer's business, so only the lower bounds are checked here, and the statistics'
+// arithmetic exactly in replay_stats_test.cc.
 TEST(ReplayerTest, StatisticsMatchTheFakeServersKnownTimetable) {
   FakeDecodeService service;
   FakeDecodeService::Behaviour b;
@@ -55,20 +59,24 @@ TEST(ReplayerTest, StatisticsMatchTheFakeServersKnownTimetable) {
   EXPECT_EQ(s.errors_by_code.at("UNAVAILABLE"), 2);
   EXPECT_EQ(s.output_tokens, 8 * 6);
   EXPECT_EQ(s.input_tokens, 8 * 33);
-  // The fake is never faster than its timetable, so lower bounds are tight; upper bounds leave
-  // room for a busy 2-core CI machine. replay_stats_test.cc checks the arithmetic exactly.
+  // The fake is never faster than its timetable: the k-th token cannot arrive before 40 + 10 k ms
+  // after the request was sent (a token that arrives late can be followed at once by the next, so
+  // single gaps have no lower bound; their sums do).
   EXPECT_GE(s.ttft_ms.min, 39);
-  EXPECT_LT(s.ttft_ms.mean, 150);
-  EXPECT_GE(s.tpot_ms.mean, 9.5);
-  EXPECT_LT(s.tpot_ms.mean, 40);
-  EXPECT_GE(s.itl_ms.p50, 9.5);
-  EXPECT_LT(s.itl_ms.p50, 40);
   EXPECT_GE(s.e2e_ms.min, 89);  // 40 + 5 x 10
-  EXPECT_LT(s.e2e_ms.mean, 300);
+  EXPECT_EQ(s.ttft_ms.count, 8);
+  EXPECT_EQ(s.tpot_ms.count, 8);
   EXPECT_EQ(s.itl_ms.count, 8 * 5);
+  EXPECT_GT(s.tpot_ms.min, 0);
   for (const RequestRecord& r : *records) {
-    EXPECT_GE(r.start_s, r.scheduled_s);
-    EXPECT_LT(r.start_s - r.scheduled_s, 0.25) << "request " << r.index << " sent late";
+    EXPECT_GE(r.start_s, r.scheduled_s);  // never sent before its time
+    for (size_t k = 0; k < r.chunk_times_s.size(); ++k) {
+      EXPECT_GE(r.chunk_times_s[k] - r.start_s, 0.0395 + 0.01 * k - 1e-4)
+          << "request " << r.index << " token " << k;
+    }
+    if (r.ok()) {
+      EXPECT_GE(r.end_s, r.chunk_times_s.back());
+    }
   }
   // What went on the wire: prompt length, max_tokens, EOS ignored, time budget.
   auto seen = service.seen();
@@ -113,17 +121,23 @@ TEST(ReplayerTest, InterruptCancelsRequestsInFlightAndReturnsWhatItHas) {
   FakeDecodeService service;
   FakeServer server(&service, "fluxion.v1.DecodeService");
   Replayer replayer(Options(server));
+  // Interrupted once all four are in flight at the server. Left alone each would end OK after
+  // 5 s (500 tokens), so CANCELLED shows that the interrupt ended them.
   std::thread interrupter([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_TRUE(WaitFor([&] { return service.seen().size() == 4; }));
     replayer.Interrupt();
   });
-  auto start = std::chrono::steady_clock::now();
-  auto records = replayer.Run(Timed(4, 0, 8, 500));  // 5 s each if left alone
+  auto records = replayer.Run(Timed(4, 0, 8, 500));
   interrupter.join();
   ASSERT_TRUE(records.ok()) << records.status();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   ASSERT_EQ(records->size(), 4u);
   for (const RequestRecord& r : *records) EXPECT_EQ(r.status_code, grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(WaitFor([&] {
+    for (const auto& seen : service.seen()) {
+      if (!seen.cancelled) return false;
+    }
+    return true;
+  })) << "the server's calls were not cancelled";
 }
 
 TEST(ReplayerTest, ChosenRequestsAreCancelledOnPurposeAndReportedApart) {
@@ -131,9 +145,12 @@ TEST(ReplayerTest, ChosenRequestsAreCancelledOnPurposeAndReportedApart) {
   FakeServer server(&service, "fluxion.v1.DecodeService");
   ReplayOptions o = Options(server);
   o.cancel_fraction = 0.5;
-  o.cancel_after_s = 0.1;  // the fake needs 40 + 19 x 10 = 230 ms for 20 tokens
+  // The fake needs at least 40 + 199 x 10 ms, about 2 s, for 200 tokens: a request picked for
+  // cancelling cannot end by itself before its cancel lands unless the machine stalls the
+  // replayer for that long (then it counts as finished, and the seed check below would differ).
+  o.cancel_after_s = 0.1;
   o.cancel_seed = 7;
-  auto records = Replayer(o).Run(Timed(12, 0.01, 8, 20));
+  auto records = Replayer(o).Run(Timed(12, 0.01, 8, 200));
   ASSERT_TRUE(records.ok()) << records.status();
   ReplayStats s = ComputeStats(*records, Slo{1000, 0, 0});
   EXPECT_GT(s.cancelled, 0);
@@ -147,11 +164,12 @@ TEST(ReplayerTest, ChosenRequestsAreCancelledOnPurposeAndReportedApart) {
   for (const RequestRecord& r : *records) {
     if (r.cancelled_by_client) {
       EXPECT_EQ(r.status_code, grpc::StatusCode::CANCELLED);
-      EXPECT_NEAR(r.end_s - r.start_s, 0.1, 0.08);
+      EXPECT_GE(r.end_s - r.start_s, 0.1 - 1e-3);  // not before its time
+      EXPECT_LT(r.output_tokens, 200);
     }
   }
   // The same seed picks the same requests.
-  auto again = Replayer(o).Run(Timed(12, 0.01, 8, 20));
+  auto again = Replayer(o).Run(Timed(12, 0.01, 8, 200));
   ASSERT_TRUE(again.ok());
   for (size_t i = 0; i < records->size(); ++i) {
     EXPECT_EQ((*records)[i].cancelled_by_client, (*again)[i].cancelled_by_client) << i;

@@ -243,6 +243,8 @@ TEST(KeepaliveTest, ServerAcceptsThePingsOfItsClientsIdleOrNot) {
   auto server = StartGrpcServer("127.0.0.1:0", &service, &port, options);
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = ConnectedChannel(port);
+  // The waits are the behaviour under test: pings happen over time. What is asserted (no GOAWAY,
+  // the call ends OK) does not depend on how many pings a slow machine fits into them.
   EXPECT_TRUE(StaysReady(channel, absl::Seconds(5)));  // idle: ~5 pings without calls
   service.hold = absl::Seconds(5);                       // a call open without data: ~5 more
   grpc::Status held = CallPrefill(channel);
@@ -263,6 +265,8 @@ TEST(KeepaliveTest, GrpcsDefaultServerPolicyKillsTheCallInFlight) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
   auto channel = ConnectedChannel(port);
+  // An idle connection for a while, as a real one has: part of the scenario, not a wait for an
+  // event. Wherever the first GOAWAY falls (idle, or during the call), the outcome is the same.
   absl::SleepFor(absl::Seconds(2));
   service.hold = absl::Seconds(120);  // ends when the call is cancelled
   grpc::Status held = CallPrefill(channel);

@@ -1,4 +1,5 @@
-// Test helpers for /metrics endpoints: a minimal HTTP GET over loopback and a promtool check.
+// Test helpers for /metrics endpoints: a minimal HTTP GET over loopback, reading one sample of an
+// exposition, and a promtool check.
 // Header-only, for tests (common/, cluster/ and the services' suites) only.
 #ifndef FLUXION_COMMON_METRICS_TESTING_H_
 #define FLUXION_COMMON_METRICS_TESTING_H_
@@ -11,19 +12,25 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace fluxion::metrics::testing {
 
 // GET http://127.0.0.1:<port><path>; returns the body of a 200 answer. Every socket operation has
-// a 5 s timeout.
-inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+// a timeout of `io_timeout` (whole seconds).
+inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path,
+                                           absl::Duration io_timeout = absl::Seconds(5)) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::InternalError("socket");
-  timeval tv{5, 0};
+  timeval tv{static_cast<time_t>(absl::ToInt64Seconds(io_timeout)), 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   sockaddr_in addr{};
@@ -51,6 +58,19 @@ inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
     return absl::UnknownError(absl::StrCat("HTTP answer: ", response.substr(0, header_end)));
   }
   return response.substr(header_end + 4);
+}
+
+// The value of the sample whose name and labels are exactly `series` in the exposition `text` (as
+// rendered, e.g. `fluxion_decode_requests_total{code="OK"}`); NaN when there is none.
+inline double SampleValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
+        line[series.size()] == ' ') {
+      double v;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return std::numeric_limits<double>::quiet_NaN();
 }
 
 // True when Prometheus' promtool is on PATH (Debian package `prometheus`).

@@ -221,6 +221,9 @@ void BatchScheduler::Loop() {
     const std::vector<DecodeRequest*> batch = PrepareStep();
     if (!batch.empty()) {
       RunStep(batch);
+      if (const int64_t delay_us = step_delay_us_.load(); delay_us > 0) {
+        absl::SleepFor(absl::Microseconds(delay_us));
+      }
     } else {
       // Every running request is still being prepared: poll instead of spinning.
       absl::SleepFor(absl::Milliseconds(1));

@@ -26,6 +26,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "decode/kv_admission.h"
 #include "decode/sparse_attention.h"
 #include "decode/step_executor.h"
@@ -99,6 +100,13 @@ class BatchScheduler {
   // Adds all of `rs` to the batch from the same next step on.
   void JoinAll(std::vector<std::shared_ptr<DecodeRequest>> rs);
 
+  // Fault injection for tests (`fluxion decode --test-step-delay-ms`): sleeps `delay` after every
+  // step, so that a request of n tokens takes at least (n - 1) x delay on any machine, as the
+  // prefill node's --test-layer-delay-ms does for a prefill. Any thread, any time.
+  void SetStepDelayForTesting(absl::Duration delay) {
+    step_delay_us_ = absl::ToInt64Microseconds(delay);
+  }
+
   int64_t running() const { return running_count_.load(); }
   // Mean step time over recent steps (exponential, ~10 s horizon at busy rates), 0 when idle.
   double recent_step_ms() const;
@@ -135,6 +143,7 @@ class BatchScheduler {
   std::vector<std::shared_ptr<DecodeRequest>> running_;  // scheduler thread only
   std::atomic<int64_t> running_count_{0};
   std::atomic<uint64_t> preempted_{0};
+  std::atomic<int64_t> step_delay_us_{0};
   std::thread thread_;
 };
 

@@ -33,6 +33,11 @@ void CpuLane::Leave() {
   --parts_;
 }
 
+int CpuLane::queued() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(queue_.size());
+}
+
 void CpuLane::Serve() {
   mu_.Lock();
   CHECK(open_) << "CpuLane::Serve on a closed lane";

@@ -48,6 +48,8 @@ class CpuLane {
   // Runs the submitted functions in order until every submitter has left and none is queued,
   // then closes the lane. REQUIRES: open, and called by one thread.
   void Serve();
+  // Functions submitted and not yet taken by Serve (tests wait on it to see a submitter blocked).
+  int queued();
 
  private:
   struct Job {

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 #include "common/metrics_names.h"
+#include "common/wait_testing.h"
 #include "decode/prefill_client.h"
 #include "gtest/gtest.h"
 #include "model/random_model.h"
@@ -285,13 +286,18 @@ class DecodePagesTest : public ::testing::Test {
 };
 
 TEST_F(DecodePagesTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNodeAnswers) {
-  fake_.mode = FakePrefill::Mode::kAnswerAbort;
   StartDecode(prefill_.address, absl::Seconds(10));
+  // The channel to the prefill node is connected first (a request it refuses at once), so the
+  // budgets below are spent on admission and the call, not on the connect.
+  fake_.mode = FakePrefill::Mode::kReplyInvalid;
+  ASSERT_EQ(Generate("warm-up", 30000).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  fake_.mode = FakePrefill::Mode::kAnswerAbort;
+  const int prefills_before = fake_.prefills.load();
   std::vector<std::thread> clients;
   std::atomic<int> deadline_exceeded{0};
   for (int i = 0; i < 16; ++i) {
     clients.emplace_back([&, i] {
-      if (Generate("short-" + std::to_string(i), 150).error_code() ==
+      if (Generate("short-" + std::to_string(i), 1000).error_code() ==
           grpc::StatusCode::DEADLINE_EXCEEDED) {
         ++deadline_exceeded;
       }
@@ -299,13 +305,14 @@ TEST_F(DecodePagesTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNodeA
   }
   for (auto& t : clients) t.join();
   EXPECT_EQ(deadline_exceeded.load(), 16);
-  // Most reach the prefill node; on a loaded machine a deadline may pass before the connect, and
-  // that request is never sent (also freed at once, also an expiry).
-  EXPECT_GE(fake_.prefills.load(), 1);
+  // The fake answers only when aborted, so every request ends by its deadline, however fast the
+  // machine. Those that reached the prefill node (all but those a stalled machine kept from it for
+  // a whole second: never sent, also freed at once, also an expiry) were aborted and answered.
+  EXPECT_GE(fake_.prefills.load() - prefills_before, 1);
   // Nothing held for the 30 s lease: every page is free as soon as the calls returned.
   EXPECT_EQ(arena_->counters().quarantined, 0);
   EXPECT_EQ(arena_->counters().free, arena_->num_pages());
-  EXPECT_EQ(Counter(names::kDecodePrefillExpiredTotal), 16);
+  EXPECT_EQ(Counter(names::kDecodePrefillExpiredTotal), 16);  // the warm-up was no expiry
   EXPECT_EQ(Counter(names::kTransferFailuresTotal, {{"cause", "deadline"}}), 0);
   // Per-reservation keys: one range per run (KV pages, sparse-state room), no arena-wide key.
   EXPECT_GE(fake_.last_ranges.load(), 2);
@@ -328,8 +335,28 @@ TEST_F(DecodePagesTest, RefusedConnectionFreesPagesAtOnceAndCountsATransportFail
 TEST_F(DecodePagesTest, PeerThatMayStillWriteKeepsPagesQuarantinedForTheLeaseThenFrees) {
   fake_.mode = FakePrefill::Mode::kIgnoreAbort;
   StartDecode(prefill_.address, absl::Milliseconds(200));
-  grpc::Status s = Generate("stuck", 2000);  // generous: it must be sent first
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  // The client cancels once the prefill node has the request (a deadline could pass before the
+  // call was sent on a stalled machine, and nothing would be held); the decode node aborts the
+  // prefill like at a deadline, the Abort goes unanswered for its 200 ms, and the pages are held.
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateRequest r;
+    r.set_request_id("stuck");
+    for (int i = 0; i < 40; ++i) r.add_prompt_token_ids(static_cast<uint32_t>(3 + i));
+    auto reader = stub_->Generate(&context, r);
+    ASSERT_TRUE(WaitFor([&] { return fake_.prefills.load() == 1; }));
+    context.TryCancel();
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // The client's call ends at once; the node's side ends after its abort wait.
+  ASSERT_TRUE(WaitFor([&] {
+    return service_->live_requests() == 0 &&
+           Counter(names::kKvQuarantinedReservationsTotal, {{"reason", "abort_unanswered"}}) >= 1;
+  }));
   const int64_t held = arena_->counters().quarantined;
   EXPECT_GT(held, 0);
   EXPECT_EQ(arena_->counters().free, arena_->num_pages() - held);

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "common/wait_testing.h"
 #include "decode/paged_kv.h"
 #include "gtest/gtest.h"
 #include "transfer/loopback_transport.h"
@@ -52,9 +53,9 @@ class KvAdmissionTest : public ::testing::Test {
 
   // Waits (bounded, generously) until `n` requests wait for pages.
   void AwaitWaiting(int64_t n) {
-    const absl::Time give_up = absl::Now() + absl::Seconds(30);
-    while (admission_->waiting() != n && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(1));
-    ASSERT_EQ(admission_->waiting(), n);
+    ASSERT_TRUE(WaitFor([&] { return admission_->waiting() == n; }, kGenerousWait,
+                        absl::Milliseconds(1)))
+        << admission_->waiting();
   }
 
   FakeClock clock_;

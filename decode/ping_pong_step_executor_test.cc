@@ -19,6 +19,7 @@
 
 #include "decode/hybrid_step_executor.h"
 #include "decode/kv_arena.h"
+#include "common/wait_testing.h"
 #include "decode/resident_window.h"
 #include "decode/sparse/policy.h"
 #include "gtest/gtest.h"
@@ -422,9 +423,8 @@ TEST_F(PingPongTest, BorrowedParamsPointAtTheOwnersWeights) {
 
 TEST_F(PingPongTest, AnOpenLaneRunsTheHybridAttentionsCpuPhaseOnTheServingThread) {
   // While the lane is open a step cannot finish before some thread serves the lane (its CPU
-  // phase runs there); served, the step completes with its usual result. (On a correct executor
-  // `done` is false whenever it is read below; the sleep only gives a wrong one time to show
-  // itself.)
+  // phase runs there); served, the step completes with its usual result. The test waits until
+  // the step has handed its CPU phase to the lane (or, wrongly, finished without it).
   const kernels::cpu::CpuPool pool(1);
   auto arena = MakeArena();
   const Prefill prefill = MakePrefill(200, 5);
@@ -441,8 +441,9 @@ TEST_F(PingPongTest, AnOpenLaneRunsTheHybridAttentionsCpuPhaseOnTheServingThread
     done = true;
     lane.Leave();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_FALSE(done.load());
+  ASSERT_TRUE(WaitFor([&] { return lane.queued() == 1 || done.load(); }));
+  EXPECT_FALSE(done.load()) << "the step finished without the lane";
+  EXPECT_EQ(lane.queued(), 1);
   lane.Serve();
   step.join();
   EXPECT_TRUE(done.load());

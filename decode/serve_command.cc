@@ -54,7 +54,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   double default_budget = 0.1;
   int64_t page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
   int64_t admission_timeout_ms = 10000, prefill_timeout_ms = 120000, abort_wait_ms = 2000;
-  int64_t quarantine_ms = 30000, drain_timeout_ms = 30000;
+  int64_t quarantine_ms = 30000, drain_timeout_ms = 30000, step_delay_ms = 0;
   bool huge_pages = true, arena_from_transport = false;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion decode",
@@ -179,6 +179,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "to finish; then the rest end with UNAVAILABLE naming the drain and the process "
             "exits within --abort-wait-ms + 2 s more (k8s/: terminationGracePeriodSeconds "
             "covers the sum)");
+  flags.Int("test-step-delay-ms", &step_delay_ms,
+            "fault injection for tests: sleep after each decode step (a lower bound on a "
+            "request's decode time that no machine beats)");
   flags.Bool("huge-pages", &huge_pages, "back the arena with huge pages when available");
   flags.Bool("arena-from-transport", &arena_from_transport,
              "allocate the arena through UCX (a shared-memory segment peers on this host map and "
@@ -193,6 +196,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   if (absl::Status valid = serving::ValidateDrainTimeoutMs(drain_timeout_ms); !valid.ok()) {
     std::cerr << "error: " << valid.message() << "\n";
+    return 2;
+  }
+  if (step_delay_ms < 0 || step_delay_ms > 60000) {
+    std::cerr << "error: --test-step-delay-ms must be in [0, 60000], got " << step_delay_ms << "\n";
     return 2;
   }
   // Before anything else (it may restart the process): the batch scheduler's thread, gRPC's and
@@ -424,6 +431,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     }
     BatchScheduler scheduler(model->get(), &admission, growth_pages, page_tokens, &node_metrics,
                              executor.get(), options.cpu_pool);
+    scheduler.SetStepDelayForTesting(absl::Milliseconds(step_delay_ms));
     options.prefill_peers = std::move(*prefill_peers);
     options.prefill_channel = *prefill_channel;
     options.default_policy = default_policy;

@@ -18,6 +18,7 @@
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "absl/time/clock.h"
+#include "common/wait_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/cpu_dense_ops.h"
@@ -75,7 +76,9 @@ class StepExecutorTest : public ::testing::Test {
     if (prepare) {
       for (Request& r : requests) executor.Prepare(*r.attention);
       for (Request& r : requests) {
-        while (!executor.Prepared(*r.attention)) absl::SleepFor(absl::Milliseconds(1));
+        EXPECT_TRUE(WaitFor([&] { return executor.Prepared(*r.attention); }, kGenerousWait,
+                            absl::Milliseconds(1)))
+            << "a request was never prepared";
       }
     }
     Run run;

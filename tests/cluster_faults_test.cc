@@ -17,9 +17,12 @@
 // before any fault: a page written by a peer after it was given to another request would change
 // them (the KV's CRC-32C is checked on landing, the tokens after decoding).
 //
-// Needs root; it FAILS (never skips) without namespaces, tc, nft or iptables. Every wait has a deadline and
-// every assertion is on outcomes, not timings. FLUXION_FAULTS_SCALE=N (default 1) multiplies the
-// load and the stop durations for a longer run by hand.
+// Needs root; it FAILS (never skips) without namespaces, tc, nft or iptables. Every wait is for a
+// condition (a metric, a load report) with a generous deadline, and every assertion is on
+// outcomes, not timings: a request's time is bounded only to tell "ended by its budget" from
+// "nothing ended it" (kNothingEndedIt). The sleeps left are the faults themselves (how long a link
+// stays down). FLUXION_FAULTS_SCALE=N (default 1) multiplies the load and the stop durations for
+// a longer run by hand.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -46,6 +49,7 @@
 #include "absl/time/time.h"
 #include "cluster/child_process.h"
 #include "cluster/replayer.h"
+#include "common/wait_testing.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -68,6 +72,10 @@ constexpr int kMetricsPort = 9100;
 constexpr int kQuarantineMs = 2000;
 constexpr int kReferencePrompts = 6;
 constexpr uint32_t kReferenceTokens = 12;
+// A request the servers end by its budget ends within the router's grace (0.5 s) of it; one that
+// outlives its budget by a minute was ended by nothing. The client's own deadline lies beyond
+// this, so that such a request is seen as outliving its budget, not as a client-side error.
+constexpr absl::Duration kNothingEndedIt = absl::Seconds(60);
 
 int Scale() {
   const char* env = std::getenv("FLUXION_FAULTS_SCALE");
@@ -224,7 +232,7 @@ class ClusterFaultsTest : public ::testing::Test {
       // Router first, then decode nodes, then prefill nodes; each must exit by itself on SIGTERM.
       for (int h : {kRouter, kDecode0, kDecode1, kPrefill0, kPrefill1}) {
         if ((*procs_)[h] == nullptr) continue;
-        std::string how = (*procs_)[h]->Stop(absl::Seconds(30));
+        std::string how = (*procs_)[h]->Stop(kGenerousWait);
         EXPECT_FALSE(absl::StrContains(how, "killed")) << kHostNames[h] << ": " << how;
         EXPECT_FALSE(absl::StrContains(how, "signal")) << kHostNames[h] << ": " << how;
       }
@@ -260,7 +268,7 @@ class ClusterFaultsTest : public ::testing::Test {
     }
     for (int h : {kDecode0, kDecode1}) {
       if (!(*procs_)[h]->Running()) continue;
-      v1::DecodeLoad load = WaitIdle(h, absl::Milliseconds(kQuarantineMs) + absl::Seconds(30));
+      v1::DecodeLoad load = WaitIdle(h, absl::Milliseconds(kQuarantineMs) + kGenerousWait);
       EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages())
           << kHostNames[h] << ": pages leaked (running " << load.running_requests()
           << ", prefilling " << load.prefilling_requests() << ", waiting "
@@ -360,16 +368,23 @@ class ClusterFaultsTest : public ::testing::Test {
   }
 
   static v1::DecodeLoad WaitIdle(int h, absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    v1::DecodeLoad load = DecodeLoad(h);
-    while (absl::Now() < deadline &&
-           !(load.total_kv_pages() > 0 && load.free_kv_pages() == load.total_kv_pages() &&
-             load.running_requests() == 0 && load.prefilling_requests() == 0 &&
-             load.waiting_requests() == 0)) {
-      absl::SleepFor(absl::Milliseconds(50));
-      load = DecodeLoad(h);
-    }
-    return load;
+    return WaitForValue(
+        [h] { return DecodeLoad(h); },
+        [](const v1::DecodeLoad& load) {
+          return load.total_kv_pages() > 0 && load.free_kv_pages() == load.total_kv_pages() &&
+                 load.running_requests() == 0 && load.prefilling_requests() == 0 &&
+                 load.waiting_requests() == 0;
+        },
+        timeout, absl::Milliseconds(50));
+  }
+
+  // Whether the router answers any request now (its own gauge).
+  static double RouterInflight() {
+    return Metric(kRouter, "fluxion_router_requests_inflight");
+  }
+  // Requests the router has finished with OK so far.
+  static double RouterOk() {
+    return std::max(0.0, Metric(kRouter, "fluxion_router_requests_total{code=\"OK\"}"));
   }
 
   static double Metric(int h, const std::string& series) {
@@ -419,7 +434,7 @@ class ClusterFaultsTest : public ::testing::Test {
         v1::GenerateRequest r = Request(absl::StrCat(tag, "-", i), ReferencePrompt(raw->prompt[i]),
                                         kReferenceTokens, budget);
         if (!prefill_address.empty()) r.set_prefill_address(prefill_address);
-        raw->results[i] = Generate(Address(kRouter), r, budget + absl::Seconds(5));
+        raw->results[i] = Generate(Address(kRouter), r, budget + 2 * kNothingEndedIt);
       });
     }
     return b;
@@ -429,7 +444,7 @@ class ClusterFaultsTest : public ::testing::Test {
     int ok = 0;
     for (size_t i = 0; i < b.results.size(); ++i) {
       const Result& r = b.results[i];
-      EXPECT_LE(r.elapsed, budget + absl::Seconds(3)) << "request " << i << " outlived its budget";
+      EXPECT_LT(r.elapsed, budget + kNothingEndedIt) << "request " << i << " outlived its budget";
       if (r.status.ok()) {
         ++ok;
         EXPECT_EQ(r.tokens, (*reference_)[b.prompt[i]])
@@ -485,11 +500,8 @@ TEST_F(ClusterFaultsTest, PrefillKilledMidTransferIsRetriedElsewhereAndTakenBack
   const absl::Duration budget = absl::Seconds(60);
   auto burst = StartBurst("kill-prefill", 6 * Scale(), budget);
   // Mid-transfer: prefill-0 holds a request (computing and sending layer by layer).
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (PrefillLoad(kPrefill0).running_requests() == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_GT(PrefillLoad(kPrefill0).running_requests(), 0u) << "prefill-0 never got a request";
+  ASSERT_TRUE(WaitFor([] { return PrefillLoad(kPrefill0).running_requests() > 0; }))
+      << "prefill-0 never got a request";
   kill((*procs_)[kPrefill0]->pid(), SIGKILL);
   // Failures before the first token are retried on another pair: every request succeeds.
   EXPECT_EQ(JoinBurst(*burst, budget, /*allow_errors=*/false), 6 * Scale());
@@ -498,7 +510,7 @@ TEST_F(ClusterFaultsTest, PrefillKilledMidTransferIsRetriedElsewhereAndTakenBack
   // flight), and gave them back after the lease (checked in TearDown).
   EXPECT_GT(QuarantinedReservations(), quarantined_before);
   // Routed around: the router drops it, and new requests succeed on prefill-1.
-  ASSERT_TRUE(WaitHealthy(2, 1, absl::Seconds(30)).ok());
+  ASSERT_TRUE(WaitHealthy(2, 1, kGenerousWait).ok());
   EXPECT_EQ(RunBurst("after-kill-prefill", 4), 4);
   // Taken back: restarted on the same address, it is healthy again and gets work.
   ASSERT_TRUE(StartHost(kPrefill0).ok()) << (*procs_)[kPrefill0]->LogTail();
@@ -516,22 +528,20 @@ TEST_F(ClusterFaultsTest, DecodeKilledMidStreamFailsClearlyOthersSucceedAndItIsT
                            Request("kill-decode-long", ReferencePrompt(0), 1500, absl::Seconds(90)),
                            absl::Seconds(95), &first);
   });
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (!first.load() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_TRUE(first.load()) << "the long request got no first token";
+  ASSERT_TRUE(WaitFor([&] { return first.load(); })) << "the long request got no first token";
   const int victim = BusyDecodeNode();
   ASSERT_GE(victim, 0);
   kill((*procs_)[victim]->pid(), SIGKILL);
-  const absl::Time killed_at = absl::Now();
   long_stream.join();
+  // The router noticed the death: a stream it had not seen end would run into its 90 s budget
+  // instead, without naming the node.
   EXPECT_FALSE(long_result.status.ok());
   EXPECT_THAT(long_result.status.error_message(), HasSubstr(Address(victim)));
   EXPECT_THAT(long_result.status.error_message(), HasSubstr("after the first token"));
-  EXPECT_LT(absl::Now() - killed_at, absl::Seconds(30));
   EXPECT_LT(long_result.tokens.size(), 1500u);
   // New requests go to the survivor (the first may try the dead node and be retried).
   EXPECT_EQ(RunBurst("after-kill-decode", 4 * Scale()), 4 * Scale());
-  ASSERT_TRUE(WaitHealthy(1, 2, absl::Seconds(30)).ok());
+  ASSERT_TRUE(WaitHealthy(1, 2, kGenerousWait).ok());
   ASSERT_TRUE(StartHost(victim).ok()) << (*procs_)[victim]->LogTail();
   ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(60)).ok());
   EXPECT_EQ(RunBurst("back-decode", 6), 6);
@@ -546,21 +556,20 @@ TEST_F(ClusterFaultsTest, StoppedDecodeNodeIsRoutedAroundItsStreamEndsByDeadline
   std::thread stream([&] {
     stalled = Generate(Address(kRouter),
                        Request("stop-decode-long", ReferencePrompt(1), 1500, stalled_budget),
-                       stalled_budget + absl::Seconds(5), &first);
+                       stalled_budget + 2 * kNothingEndedIt, &first);
   });
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (!first.load() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_TRUE(first.load());
+  ASSERT_TRUE(WaitFor([&] { return first.load(); })) << "the long request got no first token";
   const int victim = BusyDecodeNode();
   ASSERT_GE(victim, 0);
   const double ok_before = Metric(victim, "fluxion_decode_requests_total{code=\"OK\"}");
   kill((*procs_)[victim]->pid(), SIGSTOP);
-  ASSERT_TRUE(WaitHealthy(1, 2, absl::Seconds(30)).ok()) << "the stopped node was not dropped";
+  ASSERT_TRUE(WaitHealthy(1, 2, kGenerousWait).ok()) << "the stopped node was not dropped";
   EXPECT_EQ(RunBurst("while-stopped", 4 * Scale()), 4 * Scale());
   stream.join();
-  // The stalled stream ends with a clear error by its deadline (it cannot finish 1,500 tokens):
+  // The stalled stream ends with a clear error by its budget (it cannot finish 1,500 tokens):
   // the router's keepalive gives up on the stopped node first (UNAVAILABLE naming it, "after the
-  // first token"), or the deadline passes (DEADLINE_EXCEEDED).
+  // first token"), or the budget passes (DEADLINE_EXCEEDED from the router, long before the
+  // client's own deadline).
   EXPECT_FALSE(stalled.status.ok());
   if (stalled.status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     EXPECT_THAT(stalled.status.error_message(), HasSubstr(Address(victim)));
@@ -569,9 +578,9 @@ TEST_F(ClusterFaultsTest, StoppedDecodeNodeIsRoutedAroundItsStreamEndsByDeadline
     EXPECT_EQ(stalled.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
         << stalled.status.error_message();
   }
-  EXPECT_LE(stalled.elapsed, stalled_budget + absl::Seconds(3));
+  EXPECT_LT(stalled.elapsed, stalled_budget + kNothingEndedIt);
   kill((*procs_)[victim]->pid(), SIGCONT);
-  ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(30)).ok()) << "the resumed node was not taken back";
+  ASSERT_TRUE(WaitHealthy(2, 2, kGenerousWait).ok()) << "the resumed node was not taken back";
   EXPECT_EQ(RunBurst("after-cont", 6), 6);
   EXPECT_GT(Metric(victim, "fluxion_decode_requests_total{code=\"OK\"}"), ok_before)
       << "the resumed decode node got no request";
@@ -584,27 +593,28 @@ TEST_F(ClusterFaultsTest, StoppedPrefillNodeResumedAfterTheQuarantineCorruptsNot
   const absl::Duration short_budget = absl::Seconds(4);
   // Pin the victim: these requests name prefill-0 (one of the router's own, so it is accepted).
   auto pinned = StartBurst("stop-prefill", 4, short_budget, Address(kPrefill0));
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (PrefillLoad(kPrefill0).running_requests() == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_GT(PrefillLoad(kPrefill0).running_requests(), 0u);
+  ASSERT_TRUE(WaitFor([] { return PrefillLoad(kPrefill0).running_requests() > 0; }))
+      << "prefill-0 never got a request";
   const double quarantined_before = QuarantinedReservations();
   kill((*procs_)[kPrefill0]->pid(), SIGSTOP);
   // The pinned requests end by their budget, OK (if they had landed) or with a clear error.
   JoinBurst(*pinned, short_budget, /*allow_errors=*/true);
-  ASSERT_TRUE(WaitHealthy(2, 1, absl::Seconds(30)).ok());
+  ASSERT_TRUE(WaitHealthy(2, 1, kGenerousWait).ok());
   // The decode nodes got no answer from it (the call timed out, or their Abort went unanswered),
   // so they held the pages for the lease instead of freeing them.
   EXPECT_GT(QuarantinedReservations(), quarantined_before);
-  // Past the abort wait (1 s) and the quarantine (2 s): the pages went back to the pool.
-  absl::SleepFor(absl::Milliseconds(1000 + kQuarantineMs) + absl::Seconds(1));
+  // Past the abort wait (1 s) and the quarantine (2 s): the pages went back to the pool, while
+  // prefill-0 stays stopped.
+  for (int h : {kDecode0, kDecode1}) {
+    const v1::DecodeLoad load = WaitIdle(h, kGenerousWait);  // every page free: none quarantined
+    EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages()) << kHostNames[h];
+  }
   EXPECT_EQ(RunBurst("reuse-while-stopped", 6 * Scale()), 6 * Scale());
   // Resume it while new requests hold the pages it had been writing.
   auto during = StartBurst("reuse-at-resume", 8, absl::Seconds(60));
   kill((*procs_)[kPrefill0]->pid(), SIGCONT);
   EXPECT_EQ(JoinBurst(*during, absl::Seconds(60), false), 8);
-  ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(30)).ok()) << "the resumed node was not taken back";
+  ASSERT_TRUE(WaitHealthy(2, 2, kGenerousWait).ok()) << "the resumed node was not taken back";
   EXPECT_EQ(RunBurst("after-resume", 6), 6);
   // And it serves again itself: its UCX endpoints to the decode nodes timed out while it was
   // stopped (UCX keepalive), so these need new ones.
@@ -621,31 +631,34 @@ TEST_F(ClusterFaultsTest, LinkDownAndUpIsRoutedAroundAndTakenBack) {
   for (int victim : {kDecode1, kPrefill1}) {
     SCOPED_TRACE(kHostNames[victim]);
     // In flight when the link goes down: they end OK (TCP resumes after the flap) or with a clear
-    // error, within their budget.
+    // error, within their budget. The link goes down once the router has them (or, on a fast
+    // machine, has already answered some).
+    const double ok_before = RouterOk();
     auto in_flight = StartBurst(absl::StrCat("flap-", victim), 6, absl::Seconds(60));
-    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_TRUE(WaitFor([&] { return RouterInflight() > 0 || RouterOk() > ok_before; },
+                        kGenerousWait, absl::Milliseconds(20)));
     ASSERT_TRUE(lab_->LinkDown(victim).ok());
     const absl::Time down_at = absl::Now();
     const bool decode = victim == kDecode1;
     // Routed around: the router drops the node, and requests sent meanwhile all succeed.
-    ASSERT_TRUE(WaitHealthy(decode ? 1 : 2, decode ? 2 : 1, absl::Seconds(30)).ok());
+    ASSERT_TRUE(WaitHealthy(decode ? 1 : 2, decode ? 2 : 1, kGenerousWait).ok());
     if (decode) {
       // Through each prefill node, while decode-1 still cannot be reached: every one succeeds.
       auto via_0 = StartBurst("link-down-p0", 2, absl::Seconds(60), Address(kPrefill0));
       auto via_1 = StartBurst("link-down-p1", 2, absl::Seconds(60), Address(kPrefill1));
       EXPECT_EQ(JoinBurst(*via_0, absl::Seconds(60), /*allow_errors=*/false), 2);
       EXPECT_EQ(JoinBurst(*via_1, absl::Seconds(60), /*allow_errors=*/false), 2);
-      absl::SleepFor(down_for - (absl::Now() - down_at));
+      absl::SleepFor(down_for - (absl::Now() - down_at));  // the fault: down for at least this
       ASSERT_TRUE(lab_->LinkUp(victim).ok());
     } else {
       auto while_down = StartBurst(absl::StrCat("link-down-", victim), 4, absl::Seconds(60));
-      absl::SleepFor(down_for - (absl::Now() - down_at));
+      absl::SleepFor(down_for - (absl::Now() - down_at));  // the fault: down for at least this
       ASSERT_TRUE(lab_->LinkUp(victim).ok());
       EXPECT_EQ(JoinBurst(*while_down, absl::Seconds(60), /*allow_errors=*/false), 4);
     }
     JoinBurst(*in_flight, absl::Seconds(60), /*allow_errors=*/true);
     // Taken back once its health checks pass again.
-    ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(30)).ok()) << "not taken back after link up";
+    ASSERT_TRUE(WaitHealthy(2, 2, kGenerousWait).ok()) << "not taken back after link up";
     EXPECT_EQ(RunBurst(absl::StrCat("link-up-", victim), 6), 6);
   }
 }
@@ -698,10 +711,13 @@ TEST_F(ClusterFaultsTest, DelayOnThePrefillLinkKeepsEveryAnswerExact) {
   std::cerr << "delay: handshake with prefill-0 took " << absl::FormatDuration(*rtt) << "\n";
   EXPECT_EQ(RunBurst("delay", 6 * Scale(), false, absl::Seconds(90), Address(kPrefill0)),
             6 * Scale());
+  // ClearShaping fails unless the NFQUEUE rules and the delay program are gone; a handshake
+  // still works afterwards (its time is printed: an upper bound on it would time the machine).
   ASSERT_TRUE(lab_->ClearShaping(kPrefill0).ok());
   auto after = ConnectTime(lab_->ip(kPrefill0), PortOf(kPrefill0));
   ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_LT(*after, absl::Milliseconds(2 * kDelayMs)) << "the delay outlived ClearShaping";
+  std::cerr << "delay cleared: handshake with prefill-0 took " << absl::FormatDuration(*after)
+            << "\n";
 }
 
 TEST_F(ClusterFaultsTest, CancelStormGivesEveryPageBack) {
@@ -743,8 +759,9 @@ TEST_F(ClusterFaultsTest, OverloadEndsEveryRequestWithTokensOrAClearErrorInTime)
   ASSERT_TRUE(records.ok()) << records.status();
   int ok = 0;
   std::map<int, int> codes;
+  // In time: the replayer's own gRPC deadline (timeout_s + 1 s) bounds every request, so what is
+  // checked is how each ended.
   for (const cluster::RequestRecord& r : *records) {
-    EXPECT_LE(r.end_s - r.start_s, options.timeout_s + 3) << r.request_id;
     if (r.ok()) {
       ++ok;
       EXPECT_EQ(r.output_tokens, 16) << r.request_id;
@@ -782,15 +799,21 @@ TEST_F(ClusterFaultsTest, RollingRestartUnderLoadFailsNoRequestBeforeItsFirstTok
   absl::StatusOr<std::vector<cluster::RequestRecord>> records;
   std::thread load([&] { records = replayer.Run(cluster::MakeSyntheticSchedule(synthetic)); });
   // One node of each kind, one after the other: SIGTERM (drain), wait for it to exit by itself,
-  // start it again on the same address, wait until the router uses it again.
+  // start it again on the same address, wait until the router uses it again. Each step waits
+  // for the load to have moved on (the router answered more requests OK) rather than for a time.
+  auto load_moves_on = [&](int answers) {
+    const double ok = RouterOk();
+    return WaitFor([&] { return RouterOk() >= ok + answers; }, kGenerousWait,
+                   absl::Milliseconds(100));
+  };
   for (int h : {kPrefill0, kDecode0}) {
-    absl::SleepFor(absl::Seconds(2 * Scale()));
+    EXPECT_TRUE(load_moves_on(4 * Scale())) << "no load before restarting " << kHostNames[h];
     const std::string how = (*procs_)[h]->Stop(absl::Seconds(60));
     EXPECT_THAT(how, HasSubstr("exited 0")) << kHostNames[h];
     ASSERT_TRUE(StartHost(h).ok()) << (*procs_)[h]->LogTail();
     ASSERT_TRUE(WaitHealthy(2, 2, absl::Seconds(60)).ok()) << kHostNames[h];
   }
-  absl::SleepFor(absl::Seconds(2));
+  EXPECT_TRUE(load_moves_on(4)) << "no load after the restarts";
   replayer.Interrupt();  // cancels what is still in flight: CANCELLED, not a failure
   load.join();
   ASSERT_TRUE(records.ok()) << records.status();

@@ -17,6 +17,7 @@
 
 #include "cluster/fake_decode_service.h"
 #include "common/metrics_testing.h"
+#include "common/wait_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -109,19 +110,31 @@ TEST(LocalClusterTest, ReplaysATraceThroughRealProcessesAndShutsDownCleanly) {
   EXPECT_TRUE(ProcessesMentioning(dir).empty()) << "left behind: " << ProcessesMentioning(dir)[0];
 }
 
+// The router's /metrics port as `fluxion local` prints it ("router http://127.0.0.1:PORT/metrics"),
+// or 0.
+int RouterMetricsPort(const std::string& log) {
+  const std::string key = "router http://127.0.0.1:";
+  const size_t at = log.find(key);
+  if (at == std::string::npos) return 0;
+  return std::atoi(log.c_str() + at + key.size());
+}
+
 TEST(LocalClusterTest, CtrlCStopsTheReplayAndLeavesNoProcesses) {
   const std::string dir = FreshDir("fluxion-local-int");
   pid_t pid = Spawn({"local", "--out-dir", dir, "--max-requests", "40", "--time-scale", "2"},
                     dir + ".log");
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (Slurp(dir + ".log").find("cluster ready") == std::string::npos &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_THAT(Slurp(dir + ".log"), HasSubstr("cluster ready"));
-  std::this_thread::sleep_for(std::chrono::seconds(3));  // some requests in flight
+  ASSERT_TRUE(WaitFor([&] {
+    return Slurp(dir + ".log").find("cluster ready") != std::string::npos;
+  }, kGenerousWait, absl::Milliseconds(50))) << Slurp(dir + ".log");
+  // Interrupted once the replay is under way: the router has begun answering requests.
+  const int router_metrics = RouterMetricsPort(Slurp(dir + ".log"));
+  ASSERT_GT(router_metrics, 0) << Slurp(dir + ".log");
+  EXPECT_TRUE(WaitFor([&] {
+    auto body = metrics::testing::HttpGet(router_metrics, "/metrics");
+    return body.ok() && body->find("fluxion_router_requests_total{") != std::string::npos;
+  }, kGenerousWait, absl::Milliseconds(50))) << "no request reached the router";
   kill(pid, SIGINT);
-  int code = WaitExit(pid, std::chrono::seconds(30));
+  int code = WaitExit(pid, std::chrono::seconds(60));
   std::string log = Slurp(dir + ".log");
   EXPECT_EQ(code, 130) << log;
   EXPECT_THAT(log, HasSubstr("shutting down"));
@@ -141,15 +154,18 @@ TEST(LocalClusterTest, RouterBinaryServesMetricsThatPassPromtool) {
                      "--decode", server.address()},
                     dir + "/log");
   int port = 0;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (port == 0 && std::chrono::steady_clock::now() < deadline) {
+  WaitFor([&] {
     std::ifstream in(dir + "/mport");
-    in >> port;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+    return static_cast<bool>(in >> port) && port > 0;
+  }, kGenerousWait, absl::Milliseconds(20));
   ASSERT_GT(port, 0) << Slurp(dir + "/log");
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // one health poll
-  auto body = metrics::testing::HttpGet(port, "/metrics");
+  // Once the first health poll has counted the fake decode node.
+  absl::StatusOr<std::string> body;
+  WaitFor([&] {
+    body = metrics::testing::HttpGet(port, "/metrics");
+    return body.ok() &&
+           body->find("fluxion_router_backends_healthy{role=\"decode\"} 1") != std::string::npos;
+  });
   ASSERT_TRUE(body.ok()) << body.status() << Slurp(dir + "/log");
   EXPECT_THAT(*body, HasSubstr("fluxion_router_backends_healthy{role=\"decode\"} 1"));
   if (metrics::testing::HavePromtool()) {
@@ -157,7 +173,7 @@ TEST(LocalClusterTest, RouterBinaryServesMetricsThatPassPromtool) {
     EXPECT_TRUE(check.ok()) << check << "\n" << *body;
   }
   kill(pid, SIGTERM);
-  EXPECT_EQ(WaitExit(pid, std::chrono::seconds(15)), 0) << Slurp(dir + "/log");
+  EXPECT_EQ(WaitExit(pid, std::chrono::seconds(60)), 0) << Slurp(dir + "/log");
 }
 
 }  // namespace

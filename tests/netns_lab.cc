@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/wait_testing.h"
 
 namespace fluxion::testing {
 namespace {
@@ -257,17 +258,21 @@ absl::Status NetnsLab::Delay(int i, int ms, const std::string& link_delay_binary
   }
   delayers_[i] = pid;
   // Packets queued before the program reads the queue would be dropped: rules only once it has.
-  for (int tries = 0; access(ready.c_str(), F_OK) != 0; ++tries) {
-    int status = 0;
-    if (tries == 100 || waitpid(pid, &status, WNOHANG) == pid) {
-      if (tries == 100) StopDelayer(i);
-      delayers_[i] = 0;
-      std::ifstream in(log);
-      std::stringstream ss;
-      ss << in.rdbuf();
-      return absl::InternalError(absl::StrCat("link_delay did not start on ", ns, ": ", ss.str()));
-    }
-    usleep(50 * 1000);
+  bool exited = false;
+  const bool bound = WaitFor(
+      [&] {
+        int status = 0;
+        exited = waitpid(pid, &status, WNOHANG) == pid;
+        return exited || access(ready.c_str(), F_OK) == 0;
+      },
+      kGenerousWait, absl::Milliseconds(50));
+  if (!bound || exited) {
+    if (!exited) StopDelayer(i);
+    delayers_[i] = 0;
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return absl::InternalError(absl::StrCat("link_delay did not start on ", ns, ": ", ss.str()));
   }
   unlink(ready.c_str());
   for (const char* chain : {"INPUT", "OUTPUT"}) {

@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "absl/time/clock.h"
+#include "common/metrics_testing.h"
 #include "tests/transfer_secret_testing.h"
 
 namespace fluxion::testing {
@@ -159,19 +161,18 @@ v1::DecodeLoad DecodeClient::Load() {
 }
 
 v1::DecodeLoad DecodeClient::WaitAllPagesFree(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  v1::DecodeLoad load = Load();
   // Idle, not only pages: a request's pages come back a moment before it leaves the running
   // count, and tests that check both after this call raced that gap.
   auto idle = [](const v1::DecodeLoad& l) {
     return l.free_kv_pages() == l.total_kv_pages() && l.running_requests() == 0 &&
            l.prefilling_requests() == 0 && l.waiting_requests() == 0;
   };
-  while (!idle(load) && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-    load = Load();
-  }
-  return load;
+  return WaitForValue([this] { return Load(); }, idle, timeout, absl::Milliseconds(10));
+}
+
+bool DecodeClient::WaitForLoad(const std::function<bool(const v1::DecodeLoad&)>& done,
+                               absl::Duration timeout) {
+  return WaitFor([&] { return done(Load()); }, timeout);
 }
 
 v1::PrefillLoad PrefillLoadOf(const std::string& address) {
@@ -196,6 +197,12 @@ v1::GenerateRequest GreedyRequest(const std::string& id, const std::vector<uint3
   if (!policy.empty()) r.mutable_sparse()->set_policy(policy);
   if (!prefill_address.empty()) r.set_prefill_address(prefill_address);
   return r;
+}
+
+double MetricOf(const ServerProcess& server, const std::string& series) {
+  auto body = metrics::testing::HttpGet(server.metrics_port(), "/metrics");
+  if (!body.ok()) return std::numeric_limits<double>::quiet_NaN();
+  return metrics::testing::SampleValue(*body, series);
 }
 
 std::vector<uint32_t> BytePrompt(const std::string& text) {

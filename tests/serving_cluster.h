@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "common/wait_testing.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -72,13 +73,20 @@ class DecodeClient {
   fluxion::v1::DecodeService::Stub& stub() { return *stub_; }
   // Polls GetLoad until the node is idle -- every KV page free and no request running, prefilling
   // or waiting -- or `timeout` passes; returns the last load.
-  fluxion::v1::DecodeLoad WaitAllPagesFree(absl::Duration timeout);
+  fluxion::v1::DecodeLoad WaitAllPagesFree(absl::Duration timeout = kGenerousWait);
+  // Polls GetLoad until `done(load)` or `timeout` passes; whether it held.
+  bool WaitForLoad(const std::function<bool(const fluxion::v1::DecodeLoad&)>& done,
+                   absl::Duration timeout = kGenerousWait);
 
  private:
   std::unique_ptr<fluxion::v1::DecodeService::Stub> stub_;
 };
 
 fluxion::v1::PrefillLoad PrefillLoadOf(const std::string& address);
+
+// The value of `series` (e.g. `fluxion_prefill_requests_total{code="OK"}`) in `server`'s /metrics
+// now; NaN when the series is absent or the endpoint does not answer.
+double MetricOf(const ServerProcess& server, const std::string& series);
 
 // A greedy request over `prompt` for `max_tokens` tokens (EOS ignored) with `policy` ("" = the
 // node's default) through `prefill_address` ("" = the node's default).

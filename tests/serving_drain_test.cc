@@ -5,9 +5,10 @@
 // error or finish reason naming the drain -- before the process exits by itself.
 //
 // No timing luck: the requests that must still be live when the drain's timeout passes are either
-// in a prefill node slowed by --test-layer-delay-ms (6 layers x 400 ms: at least 2.4 s, a lower
-// bound no machine beats) or generating 30000 tokens with full attention (many seconds of work on
-// any CPU), against a 1 s drain timeout.
+// in a prefill node slowed by --test-layer-delay-ms (6 layers x 1 s: at least 6 s, a lower bound no
+// machine beats) or generating 30000 tokens on a decode node that sleeps 1 ms after every step
+// (--test-step-delay-ms: at least 30 s), against a 1 s drain timeout. Every wait is for a
+// condition, with a generous deadline (common/wait_testing.h).
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -37,29 +38,15 @@ std::shared_ptr<grpc::Channel> ChannelTo(const ServerProcess& server) {
   return grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
 }
 
+// Whether `service` on `server` answers SERVING; waits for the answer (an unanswered check
+// would read as not serving).
 bool Serving(const ServerProcess& server, const std::string& service) {
-  return cluster::HealthServing(ChannelTo(server), service, absl::Seconds(2));
+  return cluster::HealthServing(ChannelTo(server), service, kGenerousWait);
 }
 
-// Polls until `service` on `server` answers anything but SERVING (true), or 10 s pass (false).
+// Polls until `service` on `server` answers anything but SERVING (true), or kGenerousWait passes.
 bool WaitNotServing(const ServerProcess& server, const std::string& service) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    if (!cluster::HealthServing(ChannelTo(server), service, absl::Milliseconds(500))) return true;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return false;
-}
-
-// Polls `decode`'s GetLoad until `done(load)` or 10 s pass.
-template <typename Done>
-bool WaitForLoad(DecodeClient& decode, Done done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    if (done(decode.Load())) return true;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
+  return WaitFor([&] { return !Serving(server, service); });
 }
 
 // Two prefill nodes, one of them slow; each test starts the node it drains.
@@ -71,7 +58,7 @@ class GracefulShutdownTest : public ::testing::Test {
     fast.insert(fast.end(), ucx.begin(), ucx.end());
     prefill_ = ServerProcess::Start("prefill", fast).release();
     std::vector<std::string> slow = fast;
-    slow.insert(slow.end(), {"--test-layer-delay-ms", "400"});
+    slow.insert(slow.end(), {"--test-layer-delay-ms", "1000"});
     slow_prefill_ = ServerProcess::Start("prefill", slow).release();
   }
   static void TearDownTestSuite() {
@@ -93,7 +80,9 @@ class GracefulShutdownTest : public ::testing::Test {
                                      "--prefill-address",
                                      prefill_->address() + "," + slow_prefill_->address(),
                                      "--drain-timeout-ms",
-                                     absl::StrCat(drain_timeout_ms)};
+                                     absl::StrCat(drain_timeout_ms),
+                                     "--test-step-delay-ms",
+                                     "1"};
     std::vector<std::string> ucx = UcxArgs("tcp");
     args.insert(args.end(), ucx.begin(), ucx.end());
     return ServerProcess::Start("decode", args);
@@ -108,20 +97,19 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
   std::unique_ptr<ServerProcess> decode = StartDecode(1000);
   ASSERT_NE(decode, nullptr);
   DecodeClient client(decode->address());
-  // A: decoding (30000 tokens); B: in the slow prefill node (>= 2.4 s) when SIGTERM comes.
+  // A: decoding (30000 tokens, >= 30 s); B: in the slow prefill node (>= 6 s) when SIGTERM comes.
   GenerateResult a, b;
   std::thread ta([&] {
     a = client.Generate(GreedyRequest("drain-a", BytePrompt("hello"), kLongRequestTokens, "full",
                                       prefill_->address()));
   });
-  ASSERT_TRUE(
-      WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+  ASSERT_TRUE(client.WaitForLoad([](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
   std::thread tb([&] {
     b = client.Generate(
         GreedyRequest("drain-b", BytePrompt("hello"), 8, "full", slow_prefill_->address()));
   });
   ASSERT_TRUE(
-      WaitForLoad(client, [](const v1::DecodeLoad& l) { return l.prefilling_requests() == 1; }));
+      client.WaitForLoad([](const v1::DecodeLoad& l) { return l.prefilling_requests() == 1; }));
   // The same answers over HTTP, for probes that cannot use gRPC health (TLS): ready, alive.
   EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
 
@@ -153,9 +141,9 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
             std::string::npos)
       << b.status.error_message();
   EXPECT_TRUE(b.tokens.empty());
-  // It exits by itself: the drain's 1 s, --abort-wait-ms (2 s) + 1 s for B's prefill, 1 s of
-  // shutdown; 10 s is a bound far above that.
-  EXPECT_TRUE(decode->Terminate(absl::Seconds(10))) << decode->Log();
+  // It exits by itself (the drain's 1 s, then at most --abort-wait-ms (2 s) for B's prefill to
+  // answer, then the shutdown), long before the generous bound.
+  EXPECT_TRUE(decode->Terminate(kGenerousWait)) << decode->Log();
   EXPECT_NE(decode->Log().find("2 requests were still live at the drain timeout"),
             std::string::npos)
       << decode->Log();
@@ -169,11 +157,8 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
                                       prefill_->address() + "," + slow_prefill_->address(),
                                       "--poll-ms", "50", "--drain-timeout-ms", "1000"});
   ASSERT_NE(router, nullptr);
-  const absl::Time ready_by = absl::Now() + absl::Seconds(10);
-  while (!Serving(*router, "fluxion.v1.DecodeService") && absl::Now() < ready_by) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(Serving(*router, "fluxion.v1.DecodeService")) << router->Log();
+  ASSERT_TRUE(WaitFor([&] { return Serving(*router, "fluxion.v1.DecodeService"); }))
+      << router->Log();
   DecodeClient through_router(router->address());
   DecodeClient decode_client(decode->address());
   GenerateResult a;
@@ -181,8 +166,8 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
     a = through_router.Generate(GreedyRequest("router-drain-a", BytePrompt("hello"),
                                               kLongRequestTokens, "full", prefill_->address()));
   });
-  ASSERT_TRUE(WaitForLoad(decode_client,
-                          [](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
+  ASSERT_TRUE(
+      decode_client.WaitForLoad([](const v1::DecodeLoad& l) { return l.running_requests() == 1; }));
 
   router->Signal(SIGTERM);
   EXPECT_TRUE(WaitNotServing(*router, "fluxion.v1.DecodeService"));
@@ -202,9 +187,9 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
       << a.complete.abort_reason();
   EXPECT_GE(a.tokens.size(), 1u);
   EXPECT_LT(a.tokens.size(), kLongRequestTokens);
-  EXPECT_TRUE(router->Terminate(absl::Seconds(10))) << router->Log();
+  EXPECT_TRUE(router->Terminate(kGenerousWait)) << router->Log();
   // The decode node let the request go: its pages are back.
-  const v1::DecodeLoad idle = decode_client.WaitAllPagesFree(absl::Seconds(10));
+  const v1::DecodeLoad idle = decode_client.WaitAllPagesFree();
   EXPECT_EQ(idle.free_kv_pages(), idle.total_kv_pages());
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/server_main.h"
+#include "common/wait_testing.h"
 #include "decode/batch_scheduler.h"
 #include "decode/decode_service.h"
 #include "decode/kv_admission.h"
@@ -251,16 +252,6 @@ v1::AbortResponse Abort(v1::DecodeService::Stub& stub, const std::string& id,
   return response;
 }
 
-template <typename F>
-bool Eventually(F condition, std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < until) {
-    if (condition()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return condition();
-}
-
 class ServingInProcessTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { kernels::cpu::SetNumThreads(1); }
@@ -322,7 +313,7 @@ TEST_F(ServingInProcessTest, AbortNeedsTheTokenAndDuplicateIdsAreIndependent) {
   ASSERT_TRUE(two.last.has_complete());
   EXPECT_EQ(two.last.complete().finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(two.tokens, 3u);
-  EXPECT_TRUE(Eventually([&] { return decode.service().live_requests() == 0; }));
+  EXPECT_TRUE(WaitFor([&] { return decode.service().live_requests() == 0; }));
   EXPECT_EQ(Abort(decode.stub(), "same", second->token).aborted_request_ids_size(), 0);
 }
 
@@ -334,7 +325,7 @@ TEST_F(ServingInProcessTest, RetryOfAnIdThePrefillNodeStillHoldsIsNotRefused) {
   DecodeNode b("decode-c2", {prefill.address()});
   Outcome on_a;
   std::thread first([&] { on_a = Generate(a.stub(), Request("r", 2)); });
-  ASSERT_TRUE(Eventually([&] { return prefill.service().Load().running_requests() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return prefill.service().Load().running_requests() == 1; }));
   Outcome on_b = Generate(b.stub(), Request("r", 2));
   first.join();
   EXPECT_TRUE(on_b.status.ok()) << on_b.status.error_message();
@@ -344,7 +335,7 @@ TEST_F(ServingInProcessTest, RetryOfAnIdThePrefillNodeStillHoldsIsNotRefused) {
   // The same decode node, the same id twice at once (two callers): two Prefill ids as well.
   Outcome again;
   std::thread third([&] { again = Generate(a.stub(), Request("r", 2)); });
-  ASSERT_TRUE(Eventually([&] { return prefill.service().Load().running_requests() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return prefill.service().Load().running_requests() == 1; }));
   Outcome fourth = Generate(a.stub(), Request("r", 2));
   third.join();
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
@@ -369,14 +360,15 @@ TEST_F(ServingInProcessTest, MaxTokensBeyondTheContextIsRefusedGivingTheBound) {
 
 TEST_F(ServingInProcessTest, FullPrefillQueueIsRefusedNamingTheFlag) {
   // One computing, one queued, the third is refused; the decode node frees its pages and relays
-  // RESOURCE_EXHAUSTED (which a router retries on another pair).
-  PrefillNode prefill("prefill-e", absl::Milliseconds(150), /*max_queued=*/1);
+  // RESOURCE_EXHAUSTED (which a router retries on another pair). 6 layers x 400 ms: the first
+  // computes for at least 2.4 s, while the test sees the second queue and sends the third.
+  PrefillNode prefill("prefill-e", absl::Milliseconds(400), /*max_queued=*/1);
   DecodeNode decode("decode-e", {prefill.address()});
   Outcome running, queued;
   std::thread t1([&] { running = Generate(decode.stub(), Request("q-1", 2)); });
-  ASSERT_TRUE(Eventually([&] { return prefill.service().Load().running_requests() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return prefill.service().Load().running_requests() == 1; }));
   std::thread t2([&] { queued = Generate(decode.stub(), Request("q-2", 2)); });
-  ASSERT_TRUE(Eventually([&] { return prefill.service().Load().queued_requests() == 1; }));
+  ASSERT_TRUE(WaitFor([&] { return prefill.service().Load().queued_requests() == 1; }));
   Outcome refused = Generate(decode.stub(), Request("q-3", 2));
   t1.join();
   t2.join();
@@ -385,16 +377,16 @@ TEST_F(ServingInProcessTest, FullPrefillQueueIsRefusedNamingTheFlag) {
   EXPECT_THAT(refused.status.error_message(), HasSubstr("--max-queued-requests 1"));
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
   EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
-  EXPECT_TRUE(Eventually([&] { return decode.service().metrics().pages.free ==
+  EXPECT_TRUE(WaitFor([&] { return decode.service().metrics().pages.free ==
                                       decode.service().metrics().pages.total; }));
 }
 
 TEST_F(ServingInProcessTest, AnUnreachableDecodeNodeHoldsOnlyItsOwnPrefillsNotTheNode) {
   // Decode node A stops taking writes (its transport's progress paused: the prefill node's puts
   // queue and never land, as behind a link that is down). Its request holds the prefill node only
-  // for its own writes: a request of decode node B, sent while A's writes hang, completes long
-  // before A's lease (120 s). Before the compute slot was released at the end of the forward, B
-  // waited behind A until the lease ran out (docs/FAULTS.md, "Findings").
+  // for its own writes: a request of decode node B, sent while A's writes hang, completes while
+  // they still hang (A's lease is 120 s). Before the compute slot was released at the end of the
+  // forward, B waited behind A until the lease ran out (docs/FAULTS.md, "Findings").
   PrefillNode prefill("prefill-h", absl::ZeroDuration(), /*max_queued=*/8,
                       /*transfer_timeout=*/absl::Seconds(120));
   DecodeNode a("decode-ha", {prefill.address()}), b("decode-hb", {prefill.address()});
@@ -402,19 +394,18 @@ TEST_F(ServingInProcessTest, AnUnreachableDecodeNodeHoldsOnlyItsOwnPrefillsNotTh
   Outcome stuck;
   std::thread t([&] { stuck = Generate(a.stub(), Request("h-a", 2)); });
   // A's compute is over and its writes are in flight (the call is still open at the node).
-  ASSERT_TRUE(Eventually([&] {
+  ASSERT_TRUE(WaitFor([&] {
     return prefill.service().Load().running_requests() == 1 &&
            prefill.service().metrics().transport.batches_submitted > 0;
   }));
-  const auto start = std::chrono::steady_clock::now();
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto reader = b.stub().Generate(&context, Request("h-b", 2));
   Outcome healthy = Drain(*reader);
   EXPECT_TRUE(healthy.status.ok()) << healthy.status.error_message();
   EXPECT_EQ(healthy.tokens, 2u);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
-  // A's request still waits for its own writes, and finishes once they land.
+  // The order is the proof: B finished while A's request still waits for its own writes (they
+  // cannot land while A's progress is paused), and A's finishes once they do.
   EXPECT_EQ(prefill.service().Load().running_requests(), 1u);
   a.transport().SetProgressPausedForTesting(false);
   t.join();

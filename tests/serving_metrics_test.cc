@@ -4,6 +4,11 @@
 // metrics (requests by code, TTFT/E2E, transfer bytes, sparse head steps) count what was served,
 // and each node reports its fluxion.v1 service name SERVING through grpc.health.v1, NOT_SERVING
 // while draining.
+//
+// Every wait is for a condition (a scrape showing a value) with a generous deadline. Requests that
+// must still be live while the test looks are given a lower bound on their duration that no
+// machine beats: the decode node sleeps 10 ms after each step (--test-step-delay-ms), the slow
+// prefill nodes 1 s after each of the 6 layers (--test-layer-delay-ms).
 #include <signal.h>
 
 #include <atomic>
@@ -17,9 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cluster/backends.h"
 #include "common/metrics_testing.h"
@@ -30,19 +33,19 @@ namespace fluxion::testing {
 namespace {
 
 namespace v1 = ::fluxion::v1;
-constexpr double kAbsent = std::numeric_limits<double>::quiet_NaN();
 
 // The value of the sample whose name and labels are exactly `series` (as rendered, e.g.
 // `fluxion_decode_requests_total{code="OK"}`); NaN when there is none.
 double Sample(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (line.size() > series.size() && line.substr(0, series.size()) == series &&
-        line[series.size()] == ' ') {
-      double v;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return kAbsent;
+  return metrics::testing::SampleValue(text, series);
+}
+
+// A slow prefill node: 1 s after each of the 6 layers, so a request spends at least 6 s in it.
+std::vector<std::string> SlowPrefillArgs() {
+  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "1000"};
+  std::vector<std::string> ucx = UcxArgs("tcp");
+  args.insert(args.end(), ucx.begin(), ucx.end());
+  return args;
 }
 
 std::string Scrape(const ServerProcess& server) {
@@ -68,21 +71,25 @@ std::shared_ptr<grpc::Channel> ChannelTo(const ServerProcess& server) {
 // Polls `server`'s /metrics until `series` satisfies `want` (or `timeout`); returns the last value.
 template <typename Want>
 double WaitForSample(const ServerProcess& server, const std::string& series, Want want,
-                     absl::Duration timeout = absl::Seconds(15)) {
-  const absl::Time deadline = absl::Now() + timeout;
-  double v = kAbsent;
-  while (absl::Now() < deadline) {
-    v = Sample(Scrape(server), series);
-    if (!std::isnan(v) && want(v)) return v;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return v;
+                     absl::Duration timeout = kGenerousWait) {
+  return WaitForValue([&] { return Sample(Scrape(server), series); },
+                      [&](double v) { return !std::isnan(v) && want(v); }, timeout,
+                      absl::Milliseconds(2));
+}
+
+// Polls `server`'s /metrics until a scrape satisfies `want` (or kGenerousWait); returns that
+// scrape (or the last one), so that several series are read from one moment.
+template <typename Want>
+std::string WaitForScrape(const ServerProcess& server, Want want) {
+  return WaitForValue([&] { return Scrape(server); }, want, kGenerousWait,
+                      absl::Milliseconds(2));
 }
 
 // One prefill node and one decode node whose arena holds 12 pages per layer and KV head (the tiny
 // model has 6 layers x 4 KV heads, so 288 pages of 16 tokens): a request that grows to 12 pages
 // per head fits alone, and a prompt of 10 pages per head (plus one page of headroom) must wait
-// while another request holds more than one page per head.
+// while another request holds more than one page per head. The decode nodes sleep 10 ms after
+// each step, so a request of n tokens decodes for at least (n - 1) x 10 ms.
 class ServingMetricsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -100,7 +107,8 @@ class ServingMetricsTest : public ::testing::Test {
                                       "--headroom-tokens", "16", "--prefill-address",
                                       prefill_addresses, "--admission-timeout-ms", "30000",
                                       "--quarantine-ms", "1000",
-                                      "--default-policy", "fluxion", "--nohuge-pages"};
+                                      "--default-policy", "fluxion", "--nohuge-pages",
+                                      "--test-step-delay-ms", "10"};
     std::vector<std::string> ucx = UcxArgs("tcp");
     dargs.insert(dargs.end(), ucx.begin(), ucx.end());
     return ServerProcess::Start("decode", dargs);
@@ -122,15 +130,15 @@ ServerProcess* ServingMetricsTest::decode_ = nullptr;
 
 TEST_F(ServingMetricsTest, NamedServicesReportServingThroughGrpcHealth) {
   EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.DecodeService",
-                                     absl::Seconds(2)));
+                                     kGenerousWait));
   EXPECT_TRUE(cluster::HealthServing(ChannelTo(*prefill_), "fluxion.v1.PrefillService",
-                                     absl::Seconds(2)));
-  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode_), "", absl::Seconds(2)));
+                                     kGenerousWait));
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode_), "", kGenerousWait));
   // Each node registers only its own service (the other name is NOT_FOUND).
   EXPECT_FALSE(cluster::HealthServing(ChannelTo(*decode_), "fluxion.v1.PrefillService",
-                                      absl::Seconds(2)));
+                                      kGenerousWait));
   EXPECT_FALSE(cluster::HealthServing(ChannelTo(*prefill_), "fluxion.v1.DecodeService",
-                                      absl::Seconds(2)));
+                                      kGenerousWait));
 }
 
 // Started with --cpu-threads 1 (ServerProcess): each node says so, and runs with
@@ -191,16 +199,12 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
     b = client.Generate(
         GreedyRequest("metrics-b", BytePrompt(std::string(150, 'x')), 4, "full", ""));
   });
-  // B waits (for pages); A, decoding, does not. Both gauges are read from the one scrape that
-  // shows B waiting: a second scrape could come after A finished and B was admitted (a flake
-  // seen on a loaded 2-core box in session 13).
-  std::string waiting_scrape;
-  const absl::Time deadline = absl::Now() + absl::Seconds(15);
-  while (absl::Now() < deadline) {
-    waiting_scrape = Scrape(*decode_);
-    if (Sample(waiting_scrape, "fluxion_decode_requests_awaiting_pages") == 1) break;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
+  // B waits (for pages); A, decoding, does not (A has at least 1.6 s of its 180 tokens left).
+  // Both gauges are read from the one scrape that shows B waiting: a second scrape could come
+  // after A finished and B was admitted.
+  const std::string waiting_scrape = WaitForScrape(*decode_, [](const std::string& text) {
+    return Sample(text, "fluxion_decode_requests_awaiting_pages") == 1;
+  });
   EXPECT_EQ(Sample(waiting_scrape, "fluxion_decode_requests_awaiting_pages"), 1)
       << "B should wait for pages while A runs";
   EXPECT_GE(Sample(waiting_scrape, "fluxion_decode_requests_waiting"), 1);
@@ -276,10 +280,7 @@ TEST_F(ServingMetricsTest, SparseHeadStepsAndReadFractionAreCountedPerPolicy) {
 }
 
 TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuarantinedPages) {
-  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
-  std::vector<std::string> ucx = UcxArgs("tcp");
-  args.insert(args.end(), ucx.begin(), ucx.end());
-  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", SlowPrefillArgs());
   ASSERT_NE(slow, nullptr);
   std::unique_ptr<ServerProcess> decode = StartDecode(prefill_->address() + "," + slow->address());
   ASSERT_NE(decode, nullptr);
@@ -295,16 +296,27 @@ TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuaranti
   EXPECT_EQ(WaitForSample(*decode, "fluxion_decode_requests_prefilling",
                           [](double v) { return v == 1; }),
             1);
-  absl::SleepFor(absl::Milliseconds(400));  // a layer or two sent
+  // Killed once a layer's KV has landed (the node's sent-bytes counter moved): mid-transfer.
+  EXPECT_GT(WaitForSample(*slow, "fluxion_transfer_bytes_total{direction=\"sent\"}",
+                          [](double v) { return v > 0; }),
+            0);
   slow->Kill();
   t.join();
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
-  const std::string text = Scrape(*decode);
-  EXPECT_EQ(Sample(text, failures), before + 1);
-  EXPECT_GE(Sample(text, "fluxion_decode_requests_total{code=\"UNAVAILABLE\"}"), 1);
-  EXPECT_GE(Sample(text, "fluxion_decode_finished_total{reason=\"error\"}"), 1);
-  // The reservation is quarantined for --quarantine-ms (1 s), then freed.
-  EXPECT_GT(Sample(text, "fluxion_kv_pages_quarantined"), 0);
+  // Counted as the call ends, which may be a moment after the client saw its status.
+  EXPECT_EQ(WaitForSample(*decode, failures, [&](double v) { return v == before + 1; }),
+            before + 1);
+  EXPECT_GE(WaitForSample(*decode, "fluxion_decode_requests_total{code=\"UNAVAILABLE\"}",
+                          [](double v) { return v >= 1; }),
+            1);
+  EXPECT_GE(WaitForSample(*decode, "fluxion_decode_finished_total{reason=\"error\"}",
+                          [](double v) { return v >= 1; }),
+            1);
+  // The reservation was quarantined (the dead peer's puts may still have been in flight) -- the
+  // counter says so whenever it is read -- and is freed after --quarantine-ms (1 s).
+  EXPECT_GE(WaitForSample(*decode, "fluxion_kv_quarantined_reservations_total{reason=\"no_reply\"}",
+                          [](double v) { return v >= 1; }),
+            1);
   EXPECT_EQ(WaitForSample(*decode, "fluxion_kv_pages_quarantined", [](double v) { return v == 0; }),
             0);
 }
@@ -312,12 +324,9 @@ TEST_F(ServingMetricsTest, PrefillNodeKilledMidTransferCountsAFailureAndQuaranti
 // A request whose KV is still being prefilled waits as far as a scheduler is concerned (vLLM's
 // num_requests_waiting counts requests waiting for remote KV; llm-d's endpoint picker reads
 // fluxion_decode_requests_waiting as that, k8s/llm-d/epp-config.yaml). The prefill node is slowed
-// (6 layers x 300 ms), so the request is in prefill for at least 1.8 s.
+// (6 layers x 1 s), so the request is in prefill for at least 6 s.
 TEST_F(ServingMetricsTest, RequestsBeingPrefilledCountAsWaiting) {
-  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
-  std::vector<std::string> ucx = UcxArgs("tcp");
-  args.insert(args.end(), ucx.begin(), ucx.end());
-  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", SlowPrefillArgs());
   ASSERT_NE(slow, nullptr);
   std::unique_ptr<ServerProcess> decode = StartDecode(slow->address());
   ASSERT_NE(decode, nullptr);
@@ -327,12 +336,9 @@ TEST_F(ServingMetricsTest, RequestsBeingPrefilledCountAsWaiting) {
     result = client.Generate(GreedyRequest("waiting", BytePrompt("hello"), 4, "full", ""));
   });
   // One scrape that shows the request prefilling also shows it waiting, and not for pages.
-  std::string text;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (Sample(text = Scrape(*decode), "fluxion_decode_requests_prefilling") != 1 &&
-         absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  const std::string text = WaitForScrape(*decode, [](const std::string& t) {
+    return Sample(t, "fluxion_decode_requests_prefilling") == 1;
+  });
   EXPECT_EQ(Sample(text, "fluxion_decode_requests_prefilling"), 1);
   EXPECT_EQ(Sample(text, "fluxion_decode_requests_waiting"), 1);
   EXPECT_EQ(Sample(text, "fluxion_decode_requests_awaiting_pages"), 0);
@@ -344,12 +350,10 @@ TEST_F(ServingMetricsTest, RequestsBeingPrefilledCountAsWaiting) {
       0);
 }
 
-// Drains a decode node of its own. The request goes through a slow prefill node (6 layers x 300 ms), so it is surely live while the health is read.
+// Drains a decode node of its own. The request goes through a slow prefill node (6 layers x 1 s),
+// so it is live for at least 6 s after it reached the node, while the health is read.
 TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
-  std::vector<std::string> args = {"--model", TinyModelDir(), "--test-layer-delay-ms", "300"};
-  std::vector<std::string> ucx = UcxArgs("tcp");
-  args.insert(args.end(), ucx.begin(), ucx.end());
-  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", args);
+  std::unique_ptr<ServerProcess> slow = ServerProcess::Start("prefill", SlowPrefillArgs());
   ASSERT_NE(slow, nullptr);
   std::unique_ptr<ServerProcess> decode = StartDecode(prefill_->address() + "," + slow->address());
   ASSERT_NE(decode, nullptr);
@@ -365,24 +369,23 @@ TEST_F(ServingMetricsTest, DrainingDecodeNodeReportsNotServing) {
                           [](double v) { return v == 1; }),
             1);
   decode->Signal(SIGTERM);
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  bool serving = true;
-  while (serving && absl::Now() < deadline) {
-    serving = cluster::HealthServing(ChannelTo(*decode), "fluxion.v1.DecodeService",
-                                     absl::Milliseconds(500));
-  }
+  // Each check waits for its answer (an unanswered check would read as not serving).
+  const bool serving = !WaitFor([&] {
+    return !cluster::HealthServing(ChannelTo(*decode), "fluxion.v1.DecodeService",
+                                   kGenerousWait);
+  });
   const bool request_was_live = !done.load();  // so the process was still up, draining
   EXPECT_FALSE(serving) << "the named service stayed SERVING while draining";
   EXPECT_TRUE(request_was_live) << "the request ended before NOT_SERVING was seen";
   // Liveness asks the whole server: a draining node is alive and must not be restarted.
-  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode), "", absl::Seconds(2)));
+  EXPECT_TRUE(cluster::HealthServing(ChannelTo(*decode), "", kGenerousWait));
   EXPECT_FALSE(done.load()) << "the request ended before liveness was read";
   EXPECT_TRUE(cluster::HealthServing(ChannelTo(*slow), "fluxion.v1.PrefillService",
-                                     absl::Seconds(2)));
+                                     kGenerousWait));
   t.join();
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
   EXPECT_EQ(running.tokens.size(), 8u);
-  EXPECT_TRUE(decode->Terminate(absl::Seconds(10)));
+  EXPECT_TRUE(decode->Terminate(kGenerousWait));
 }
 
 }  // namespace

@@ -4,12 +4,20 @@
 // policies, and the failure behaviour of issue 6: bad arguments, client cancellation, Abort, a
 // prefill node killed mid-transfer, an incompatible prefill node, preemption. After every test
 // the decode node's page counters are back at their start.
+//
+// No test asserts how fast something happened: each waits for the state it needs (a load report,
+// a metric) with a generous deadline and checks what happened and in which order. Where a test
+// needs something to last, a fault-injection flag gives it a lower bound no machine beats: the
+// prefill node sleeps after each layer (--test-layer-delay-ms), the decode node after each step
+// (--test-step-delay-ms).
 #include <signal.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,10 +63,13 @@ Pair* PairFor(const std::string& tls) {
   pargs.insert(pargs.end(), ucx.begin(), ucx.end());
   pair->prefill = ServerProcess::Start("prefill", pargs);
   if (pair->prefill == nullptr) return nullptr;
+  // 3 ms after every decode step: a request that is not stopped keeps its pages for at least
+  // 3 ms a token (20000 tokens: a minute), so a test that waits for the pages to come back cannot
+  // pass because the request ended by itself.
   std::vector<std::string> dargs = {"--model", TinyModelDir(), "--kv-pages", "4096",
                                     "--prefill-address", pair->prefill->address(),
                                     "--quarantine-ms", "1000", "--admission-timeout-ms", "500",
-                                    "--nohuge-pages"};
+                                    "--nohuge-pages", "--test-step-delay-ms", "3"};
   dargs.insert(dargs.end(), ucx.begin(), ucx.end());
   if (tls == "sm_alloc") dargs.push_back("--arena-from-transport");
   pair->decode = ServerProcess::Start("decode", dargs);
@@ -120,8 +131,20 @@ float LogitMargin(const std::vector<uint32_t>& context, uint32_t a, uint32_t b) 
   return logits[a] - logits[b];
 }
 
+// No reservation of `decode` was ever held for the quarantine lease, and none is held now.
+void ExpectNothingQuarantined(const ServerProcess& decode) {
+  double held = 0;
+  for (const char* reason : {"no_reply", "abort_unanswered", "peer_gave_up"}) {
+    const double v = MetricOf(
+        decode, absl::StrCat("fluxion_kv_quarantined_reservations_total{reason=\"", reason, "\"}"));
+    if (!std::isnan(v)) held += v;
+  }
+  EXPECT_EQ(held, 0) << "reservations were quarantined";
+  EXPECT_EQ(MetricOf(decode, "fluxion_kv_pages_quarantined"), 0);
+}
+
 void ExpectAllPagesFree(DecodeClient& client) {
-  const v1::DecodeLoad load = client.WaitAllPagesFree(absl::Seconds(5));
+  const v1::DecodeLoad load = client.WaitAllPagesFree();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages()) << "pages did not come back";
   EXPECT_GT(load.total_kv_pages(), 0u);
 }
@@ -224,7 +247,7 @@ class ServingFailureTest : public ::testing::Test {
     std::vector<std::string> args = {
         "--model", TinyModelDir(), "--kv-pages", "4096", "--prefill-address",
         absl::StrCat(pair_->prefill->address(), ",", prefill.address()), "--quarantine-ms", "1000",
-        "--admission-timeout-ms", "500", "--nohuge-pages"};
+        "--admission-timeout-ms", "500", "--nohuge-pages", "--test-step-delay-ms", "3"};
     std::vector<std::string> ucx = UcxArgs("tcp");
     args.insert(args.end(), ucx.begin(), ucx.end());
     node->decode = ServerProcess::Start("decode", args);
@@ -335,7 +358,7 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
   // until the request decodes (running, none prefilling: its first token has been streamed), then
   // abort until the node reports it aborted. Waiting for a running count alone raced with the
   // admission (about 1 run in 15 aborted before the request existed).
-  pair_->client->WaitAllPagesFree(absl::Seconds(5));
+  pair_->client->WaitAllPagesFree();
   GenerateResult r;
   absl::Mutex token_mu;
   std::string token;  // the call's abort token: Abort needs it with the id
@@ -347,16 +370,11 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
           token = t;
         });
   });
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  for (;;) {
-    const v1::DecodeLoad load = pair_->client->Load();
-    if ((load.running_requests() > 0 && load.prefilling_requests() == 0) ||
-        absl::Now() >= deadline) {
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  EXPECT_TRUE(pair_->client->WaitForLoad([](const v1::DecodeLoad& load) {
+    return load.running_requests() > 0 && load.prefilling_requests() == 0;
+  })) << "the request never decoded";
   v1::AbortResponse response;
+  const absl::Time deadline = absl::Now() + kGenerousWait;
   do {
     grpc::ClientContext context;
     v1::AbortRequest abort;
@@ -384,14 +402,14 @@ TEST_F(ServingFailureTest, AbortEndsTheStreamWithItsReason) {
 
 TEST_F(ServingFailureTest, TimeBudgetEndsTheStreamWithDeadlineExceededAndPartialUsage) {
   // Connections to the prefill node are set up by a short request first, so that the budget
-  // below is spent decoding (on a loaded CI machine set-up plus prefill once took all of 1.5 s and
-  // the call ended before its first token); 2 s of decoding stays far below the arena's 4096
-  // pages (a 4 s budget once filled it: the request was preempted instead).
+  // below is spent decoding. The decode node sleeps 3 ms after every step, so in the 6 s budget
+  // the request makes at most 2000 of its 20000 tokens on any machine: it can neither finish nor
+  // outgrow the arena (4096 pages hold ~2700 tokens of it) before the budget ends it.
   ASSERT_TRUE(pair_->client->Generate(GreedyRequest("budget-warm-up", BytePrompt(kPromptText), 2,
                                                     "full", ""))
                   .status.ok());
   v1::GenerateRequest request = GreedyRequest("budget", BytePrompt(kPromptText), 20000, "full", "");
-  request.set_timeout_ms(2000);
+  request.set_timeout_ms(6000);
   GenerateResult r = pair_->client->Generate(request);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
   ASSERT_TRUE(r.has_error);
@@ -423,9 +441,11 @@ TEST_F(ServingFailureTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNo
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
         << r.status.error_message();
   }
-  // At once, not after the lease (1 s here, 30 s by default).
-  const v1::DecodeLoad load = node.Load();
+  // At once, not after the lease (1 s here, 30 s by default): nothing was ever quarantined, so the
+  // pages came back with the prefill node's answer, whenever this test looks.
+  const v1::DecodeLoad load = node.WaitAllPagesFree();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+  ExpectNothingQuarantined(*trusting_->decode);
 }
 
 // A prefill node that cannot be reached never got the request: nothing is held.
@@ -444,65 +464,79 @@ TEST_F(ServingFailureTest, RefusedPrefillConnectionFreesPagesAtOnce) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("not sent"), std::string::npos)
       << r.status.error_message();
-  const v1::DecodeLoad load = node->Load();
+  const v1::DecodeLoad load = node->WaitAllPagesFree();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
+  ExpectNothingQuarantined(*trusting_->decode);
 }
 
-// Cancels a Generate call after `after` and returns when its stream ended.
+// Starts a Generate call, cancels it once `cancel_when(tokens received so far)` holds (polled,
+// with a generous deadline), and returns when its stream ended; *cancelled_at is when it did.
 grpc::Status GenerateAndCancel(DecodeClient& client, const v1::GenerateRequest& request,
-                               absl::Duration after, absl::Time* cancelled_at) {
+                               const std::function<bool(int)>& cancel_when,
+                               absl::Time* cancelled_at) {
   grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + 2 * kGenerousWait));
   auto reader = client.stub().Generate(&context, request);
+  std::atomic<int> tokens{0};
   std::thread canceller([&] {
-    absl::SleepFor(after);
+    EXPECT_TRUE(WaitFor([&] { return cancel_when(tokens.load()); })) << "cancelled anyway";
     *cancelled_at = absl::Now();
     context.TryCancel();
   });
   v1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
-  }
+  while (reader->Read(&msg)) tokens += msg.chunk().token_ids_size();
   canceller.join();
   return reader->Finish();
 }
 
-TEST_F(ServingFailureTest, ClientCancelDuringPrefillStopsBothNodesWithinASecond) {
-  auto slow = SlowPrefill(300);  // 6 layers x 300 ms
+// The client cancels while the prefill node computes (6 layers x 300 ms: the prefill takes at
+// least 1.8 s, and the cancel comes once the node reports it running). Both nodes stop: the
+// prefill node ends the request as cancelled instead of finishing its layers, and the decode node
+// gets every page back without a quarantine.
+TEST_F(ServingFailureTest, ClientCancelDuringPrefillStopsBothNodes) {
+  auto slow = SlowPrefill(300);
   ASSERT_NE(slow, nullptr);
   DecodeClient& node = Trusting(*slow);
   absl::Time cancelled_at;
   grpc::Status s = GenerateAndCancel(
       node, GreedyRequest("cancel-prefill", BytePrompt(kPromptText), 8, "", slow->address()),
-      absl::Milliseconds(500), &cancelled_at);
+      [&](int) { return PrefillLoadOf(slow->address()).running_requests() == 1; },
+      &cancelled_at);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
-  // Both nodes stop and the decode node's pages come back within 1 s of the cancellation.
-  const v1::DecodeLoad load = node.WaitAllPagesFree(absl::Seconds(1));
-  const absl::Duration released = absl::Now() - cancelled_at;
+  const v1::DecodeLoad load = node.WaitAllPagesFree();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
-  EXPECT_LT(released, absl::Seconds(1));
-  std::cout << "pages released " << absl::ToDoubleMilliseconds(released)
-            << " ms after the client cancelled (during prefill)\n";
-  v1::PrefillLoad pl = PrefillLoadOf(slow->address());
-  EXPECT_EQ(pl.running_requests(), 0u);
-  EXPECT_EQ(pl.queued_requests(), 0u);
+  std::cout << "pages released " << absl::ToDoubleMilliseconds(absl::Now() - cancelled_at)
+            << " ms after the client cancelled (during prefill; printed, not checked)\n";
+  EXPECT_TRUE(WaitFor([&] {
+    const v1::PrefillLoad pl = PrefillLoadOf(slow->address());
+    return pl.running_requests() == 0 && pl.queued_requests() == 0;
+  })) << "the prefill node kept the request";
+  // Counted when its call returns, a moment after it left the load.
+  EXPECT_TRUE(WaitFor([&] {
+    return MetricOf(*slow, "fluxion_prefill_requests_total{code=\"CANCELLED\"}") == 1;
+  })) << "the prefill node did not end the request as cancelled";
+  const double ok = MetricOf(*slow, "fluxion_prefill_requests_total{code=\"OK\"}");
+  EXPECT_TRUE(std::isnan(ok) || ok == 0) << "the prefill node finished the cancelled request";
+  ExpectNothingQuarantined(*trusting_->decode);
 }
 
-TEST_F(ServingFailureTest, ClientCancelDuringDecodeReleasesWithinASecond) {
+// The client cancels once tokens stream. The decode node sleeps 3 ms a step, so the 20000-token
+// request, had it not been stopped, would hold its pages for a minute: pages back means stopped.
+TEST_F(ServingFailureTest, ClientCancelDuringDecodeReleasesThePages) {
   absl::Time cancelled_at;
   grpc::Status s = GenerateAndCancel(
       *pair_->client, GreedyRequest("cancel-decode", BytePrompt(kPromptText), 20000, "", ""),
-      absl::Milliseconds(400), &cancelled_at);
+      [](int tokens) { return tokens >= 2; }, &cancelled_at);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
-  const v1::DecodeLoad load = pair_->client->WaitAllPagesFree(absl::Seconds(1));
-  const absl::Duration released = absl::Now() - cancelled_at;
+  const v1::DecodeLoad load = pair_->client->WaitAllPagesFree();
   EXPECT_EQ(load.free_kv_pages(), load.total_kv_pages());
-  EXPECT_LT(released, absl::Seconds(1));
   EXPECT_EQ(load.running_requests(), 0u);
-  std::cout << "pages released " << absl::ToDoubleMilliseconds(released)
-            << " ms after the client cancelled (during decode)\n";
+  std::cout << "pages released " << absl::ToDoubleMilliseconds(absl::Now() - cancelled_at)
+            << " ms after the client cancelled (during decode; printed, not checked)\n";
 }
 
 TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeBack) {
-  auto slow = SlowPrefill(400);
+  auto slow = SlowPrefill(400);  // 6 layers x 400 ms
   ASSERT_NE(slow, nullptr);
   DecodeClient& node = Trusting(*slow);
   GenerateResult r;
@@ -511,19 +545,23 @@ TEST_F(ServingFailureTest, PrefillKilledMidTransferFailsUnavailableAndPagesComeB
     r = node.Generate(
         GreedyRequest("victim", BytePrompt(kPromptText), 8, "", slow->address()));
   });
-  // Layers 1-2 have been sent when the process dies.
-  absl::SleepFor(absl::Milliseconds(900));
+  // Killed once a layer's KV has been sent (the node's sent-bytes counter moved): mid-transfer,
+  // with at least four more layers (1.6 s) to go.
+  EXPECT_TRUE(WaitFor([&] {
+    return MetricOf(*slow, "fluxion_transfer_bytes_total{direction=\"sent\"}") > 0;
+  })) << "no KV was sent";
   const absl::Time killed = absl::Now();
   slow->Kill();
   t.join();
   const absl::Time failed = absl::Now();
+  // A decode node that missed the death would wait for the call's 60 s deadline and say so
+  // (DEADLINE_EXCEEDED); UNAVAILABLE naming the prefill node means it noticed.
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("prefill node"), std::string::npos)
       << r.status.error_message();
-  EXPECT_LT(failed - killed, absl::Seconds(10));
   std::cout << "UNAVAILABLE " << absl::ToDoubleMilliseconds(failed - killed)
             << " ms after the prefill node was killed (" << absl::ToDoubleMilliseconds(killed - start)
-            << " ms into the request)\n";
+            << " ms into the request; printed, not checked)\n";
   // The decode node keeps serving others (through the healthy prefill node) meanwhile.
   GenerateResult other =
       node.Generate(GreedyRequest("survivor", BytePrompt(kPromptText), 8, "full", ""));
@@ -575,7 +613,9 @@ class ServingPrefillBatchTest : public ServingFailureTest {
 };
 
 TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingleProcess) {
-  auto slow = SlowPrefill(100);  // the first prompt computes for 6 x 100 ms; the others queue
+  // The first prompt computes for at least 6 x 300 ms; the others are sent once it runs and queue
+  // behind it, then compute together (at least 1.8 s, seen by the poller every 10 ms).
+  auto slow = SlowPrefill(300);
   ASSERT_NE(slow, nullptr);
   DecodeClient& node = Trusting(*slow);
   const std::vector<std::vector<uint32_t>> prompts = {
@@ -593,7 +633,7 @@ TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingl
     });
   };
   start(0);
-  absl::SleepFor(absl::Milliseconds(150));
+  ASSERT_TRUE(WaitFor([&] { return PrefillLoadOf(slow->address()).running_requests() == 1; }));
   for (size_t i = 1; i < prompts.size(); ++i) start(i);
   for (auto& t : threads) t.join();
   const uint32_t max_running = poller.Stop();
@@ -610,9 +650,10 @@ TEST_F(ServingPrefillBatchTest, QueuedPromptsArePrefilledInOneBatchAndMatchSingl
 
 TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorrect) {
   // The delay is slept in each request's per-layer hook, so one layer of this batch of three takes
-  // ~450 ms and its forward ~2.7 s: "left at its next layer" (<= ~450 ms after the cancel) and "left
-  // when the batch ended" (>= ~2 s after it) stay far apart even on a loaded 2-core CI machine. The
-  // test judges which of the two happened, not how fast the machine is.
+  // at least 3 x 150 ms and its forward at least 2.7 s. The test judges whether the cancelled
+  // request left at its next layer (the node's running count drops from 3 to 2 while the other
+  // two still compute) or only when the batch ended (from 3 straight to 0), not how fast either
+  // happened.
   auto slow = SlowPrefill(150);
   ASSERT_NE(slow, nullptr);
   DecodeClient& node = Trusting(*slow);
@@ -630,12 +671,11 @@ TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorre
     });
   };
   start(0);
-  absl::SleepFor(absl::Milliseconds(150));
+  ASSERT_TRUE(WaitFor([&] { return PrefillLoadOf(slow->address()).running_requests() == 1; }));
   for (size_t i = 1; i < prompts.size(); ++i) start(i);
-  // Queued with them; cancelled once the batch of three is seen computing, a layer into it.
+  // Queued with them; cancelled once the batch of three is seen computing.
   grpc::ClientContext cancel_context;
   grpc::Status cancelled;
-  absl::Time cancel_finished;
   std::thread cancel_thread([&] {
     auto reader = node.stub().Generate(
         &cancel_context, GreedyRequest("cancelled-in-batch", BytePrompt(kPromptText + " and"),
@@ -644,34 +684,24 @@ TEST_F(ServingPrefillBatchTest, CancellingOneRequestOfABatchLeavesTheOthersCorre
     while (reader->Read(&msg)) {
     }
     cancelled = reader->Finish();
-    cancel_finished = absl::Now();
   });
-  const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  while (PrefillLoadOf(slow->address()).running_requests() < 3 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_TRUE(WaitFor([&] { return PrefillLoadOf(slow->address()).running_requests() >= 3; }))
+      << "the batch of three never ran";
   const absl::Time cancelled_at = absl::Now();
   cancel_context.TryCancel();
-  // The cancelled request leaves the batch at its next layer and is answered then, not when the
-  // batch ends: the prefill node's running count drops from 3 to 2 while the other two are still
-  // computing (had it waited for the batch, the count would fall from 3 straight to 0).
   uint32_t running_after = 3;
-  while (running_after > 2 && absl::Now() < cancelled_at + absl::Seconds(5)) {
-    absl::SleepFor(absl::Milliseconds(5));
+  WaitFor([&] {
     running_after = PrefillLoadOf(slow->address()).running_requests();
-  }
-  const absl::Duration left_batch = absl::Now() - cancelled_at;
-  cancel_thread.join();
-  const absl::Duration cancel_returned = cancel_finished - cancelled_at;
-  std::cout << "cancelled request left its batch " << absl::ToDoubleMilliseconds(left_batch)
-            << " ms after the client cancelled\n";
+    return running_after < 3;
+  });
+  std::cout << "cancelled request left its batch "
+            << absl::ToDoubleMilliseconds(absl::Now() - cancelled_at)
+            << " ms after the client cancelled (printed, not checked)\n";
   EXPECT_EQ(running_after, 2u) << "the cancelled request only left when its batch ended";
-  EXPECT_LT(left_batch, absl::Seconds(1));
+  cancel_thread.join();
   for (auto& t : threads) t.join();
   const uint32_t max_running = poller.Stop();
   EXPECT_EQ(cancelled.error_code(), grpc::StatusCode::CANCELLED) << cancelled.error_message();
-  EXPECT_LT(cancel_returned, absl::Seconds(1));
   EXPECT_GE(max_running, 3u) << "the cancelled request was not batched with two others";
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
@@ -768,8 +798,11 @@ TEST(ServingPrefillBatchBench, DISABLED_PrefillBatchThroughput) {
 TEST(ServingDrainTest, SigtermRefusesNewRequestsAndLetsRunningOnesFinish) {
   Pair* pair = PairFor("tcp");
   ASSERT_NE(pair, nullptr);
+  // 10 ms after every decode step: the 200-token request runs for at least 2 s after its first
+  // token, the time the test has to see the drain begin and be refused.
   std::vector<std::string> args = {"--model", TinyModelDir(), "--kv-pages", "4096",
-                                   "--prefill-address", pair->prefill->address(), "--nohuge-pages"};
+                                   "--prefill-address", pair->prefill->address(), "--nohuge-pages",
+                                   "--test-step-delay-ms", "10"};
   std::vector<std::string> ucx = UcxArgs("tcp");
   args.insert(args.end(), ucx.begin(), ucx.end());
   auto decode = ServerProcess::Start("decode", args);
@@ -779,23 +812,16 @@ TEST(ServingDrainTest, SigtermRefusesNewRequestsAndLetsRunningOnesFinish) {
   std::thread t([&] {
     running = client.Generate(GreedyRequest("long", BytePrompt(kPromptText), 200, "full", ""));
   });
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (client.Load().running_requests() == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  EXPECT_TRUE(client.WaitForLoad([](const v1::DecodeLoad& l) { return l.running_requests() > 0; }));
   decode->Signal(SIGTERM);
-  v1::DecodeLoad load;
-  while (!(load = client.Load()).draining() && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_TRUE(load.draining());
+  EXPECT_TRUE(client.WaitForLoad([](const v1::DecodeLoad& l) { return l.draining(); }));
   GenerateResult refused = client.Generate(GreedyRequest("late", BytePrompt("hi"), 4, "full", ""));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(refused.status.error_message().find("draining"), std::string::npos);
   t.join();
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
   EXPECT_EQ(running.tokens.size(), 200u);
-  EXPECT_TRUE(decode->Terminate(absl::Seconds(10))) << "did not exit after draining";
+  EXPECT_TRUE(decode->Terminate(kGenerousWait)) << "did not exit after draining";
 }
 
 TEST(ServingRestartTest, ARestartedDecodeNodeGetsFreshTransferState) {
@@ -826,10 +852,13 @@ TEST(ServingRestartTest, ARestartedDecodeNodeGetsFreshTransferState) {
 TEST(ServingPreemptionTest, YoungestRequestIsPreemptedWhenPagesRunOut) {
   Pair* pair = PairFor("tcp");
   ASSERT_NE(pair, nullptr);
-  // A decode node with room for ~2 prompts and little growth: 6 x 4 x 20 pages = 480.
+  // A decode node with room for ~2 prompts and little growth: 6 x 4 x 20 pages = 480. 10 ms after
+  // every step: each request decodes for at least 1.2 s, so the two run side by side however the
+  // machine schedules their starts.
   std::vector<std::string> args = {"--model", TinyModelDir(), "--kv-pages", "480",
                                    "--prefill-address", pair->prefill->address(),
-                                   "--headroom-tokens", "16", "--nohuge-pages"};
+                                   "--headroom-tokens", "16", "--nohuge-pages",
+                                   "--test-step-delay-ms", "10"};
   std::vector<std::string> ucx = UcxArgs("tcp");
   args.insert(args.end(), ucx.begin(), ucx.end());
   auto decode = ServerProcess::Start("decode", args);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cluster/child_process.h"
+#include "common/wait_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/transfer_secret_testing.h"
@@ -84,8 +85,8 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
                            router.address, proto_root, bare_router.address},
                           log);
   ASSERT_TRUE(client.ok()) << client.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(45);
-  while ((*client)->Running() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  // The script's own waits have deadlines of their own; this one only catches a hung script.
+  WaitFor([&] { return !(*client)->Running(); }, 4 * kGenerousWait, absl::Milliseconds(50));
   const std::string ended = (*client)->Stop(absl::Seconds(1));
   EXPECT_EQ(ended, "had already exited 0") << (*client)->LogTail(6000) << "\nlogs in " << dir;
   EXPECT_THAT((*client)->LogTail(6000), ::testing::HasSubstr("all VllmEngine checks passed"));

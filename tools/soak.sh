@@ -88,10 +88,22 @@ done
 "$BIN" router --listen 127.0.0.1:0 --port-file "$OUT/logs/router.port" \
   --metrics-listen 127.0.0.1:0 --metrics-port-file "$OUT/logs/router.metrics-port" \
   --decode "$(IFS=,; echo "${decodes[*]}")" --prefill "$prefill_list" > "$OUT/logs/router.log" 2>&1 &
-pids+=($!)
-sample+=("router=$!")
-router="127.0.0.1:$(wait_port "$OUT/logs/router.port" "$!")"
-sleep 2  # the router's first health polls
+router_pid=$!
+pids+=("$router_pid")
+sample+=("router=$router_pid")
+router="127.0.0.1:$(wait_port "$OUT/logs/router.port" "$router_pid")"
+# Until the router's health polls count every decode node healthy (its /metrics), at most 120 s.
+router_metrics=$(wait_port "$OUT/logs/router.metrics-port" "$router_pid")
+healthy=""
+for _ in $(seq 1 600); do
+  if curl -s --max-time 2 "http://127.0.0.1:$router_metrics/metrics" |
+      grep -qxF "fluxion_router_backends_healthy{role=\"decode\"} $DECODE_NODES"; then
+    healthy=1
+    break
+  fi
+  sleep 0.2
+done
+[[ -n "$healthy" ]] || { echo "the router never saw the $DECODE_NODES decode nodes healthy" >&2; exit 1; }
 sample_list=$(IFS=,; echo "${sample[*]}")
 echo "soak: router $router, decode ${decodes[*]}, prefill ${prefills[*]}; sampling $sample_list"
 

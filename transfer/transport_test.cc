@@ -144,6 +144,8 @@ TEST(CompletionStateTest, FirstOutcomeWinsAndWaitHonoursTheDeadline) {
   auto metrics = std::make_shared<internal::MetricsRecorder>();
   internal::CompletionState s(metrics, 4096);
   EXPECT_EQ(s.Wait(absl::Milliseconds(20)).code(), absl::StatusCode::kDeadlineExceeded);
+  // Completed from another thread, most likely while the Wait below blocks (the sleep makes that
+  // the usual order; the outcome is the same if Complete comes first).
   std::thread t([&] {
     absl::SleepFor(absl::Milliseconds(20));
     s.Complete(absl::OkStatus());
