@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/server_main.h"
+#include "common/wait_testing.h"
 #include "fluxion/v1/prefill.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/serving_cluster.h"
@@ -145,12 +146,11 @@ TEST_P(ServingForgeryTest, RetargetedCapturedRequestsAreRefusedAndWriteNothing) 
   });
   // Until it decodes (prefilled, not finished). A victim that finished first makes the check
   // below weaker, never wrong.
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < deadline && !victim_done) {
+  WaitFor([&] {
+    if (victim_done) return true;
     const v1::DecodeLoad load = client.Load();
-    if (load.running_requests() == 1 && load.prefilling_requests() == 0) break;
-    absl::SleepFor(absl::Milliseconds(2));  // a polling interval, not a wait for something
-  }
+    return load.running_requests() == 1 && load.prefilling_requests() == 0;
+  });
   for (const auto& [what, forged] : forgeries) {
     const grpc::Status s = SendPrefill(prefill->address(), forged);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
