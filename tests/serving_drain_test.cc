@@ -26,6 +26,7 @@
 #include "common/metrics_testing.h"
 #include "gtest/gtest.h"
 #include "tests/serving_cluster.h"
+#include "tests/transfer_secret_testing.h"
 
 namespace fluxion::testing {
 namespace {
@@ -197,8 +198,9 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
 // stops the command with exit code 2 and a message naming the flag (one process per command:
 // each start of the binary costs about a second here).
 TEST(DrainTimeoutFlagTest, OutOfRangeValuesAreRefusedByEveryServer) {
-  for (const std::string command : {"router", "prefill --model /nonexistent",
-                                    "decode --model /nonexistent"}) {
+  const std::string secret = " --transfer-secret-file " + TestTransferSecretFile();
+  for (const std::string command : {std::string("router"), "prefill --model /nonexistent" + secret,
+                                    "decode --model /nonexistent" + secret}) {
     const std::string out = ::testing::TempDir() + "/drain-flag.txt";
     const std::string line =
         absl::StrCat(FLUXION_BINARY, " ", command, " --drain-timeout-ms=-1 > ", out, " 2>&1");
