@@ -12,9 +12,18 @@ std::shared_ptr<Exchange> Exchange::Start(
     v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
     v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
     model::StreamDetokenizer detokenizer, std::function<void()> wake,
+    const std::shared_ptr<ExchangeSet>& set,
     const std::vector<std::pair<std::string, std::string>>& metadata) {
+  const uint64_t id = set->Reserve();
+  // The set learns of the destruction only once the members (the ClientContext, which holds the
+  // channel) are gone.
   std::shared_ptr<Exchange> exchange(
-      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)));
+      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)),
+      [set, id](Exchange* e) {
+        delete e;
+        set->Remove(id);
+      });
+  set->Add(id, exchange);
   for (const auto& [key, value] : metadata) exchange->context_.AddMetadata(key, value);
   exchange->generate_ = std::move(generate);
   exchange->prompt_tokens_ = static_cast<uint32_t>(exchange->generate_.prompt_token_ids_size());
@@ -198,6 +207,38 @@ void Exchange::Cancel() {
     running = !done_;
   }
   if (running) context_.TryCancel();
+}
+
+uint64_t ExchangeSet::Reserve() {
+  absl::MutexLock lock(&mu_);
+  return next_++;
+}
+
+void ExchangeSet::Add(uint64_t id, std::weak_ptr<Exchange> exchange) {
+  absl::MutexLock lock(&mu_);
+  alive_.emplace(id, std::move(exchange));
+}
+
+void ExchangeSet::Remove(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  alive_.erase(id);
+}
+
+void ExchangeSet::CancelAll() {
+  std::vector<std::shared_ptr<Exchange>> alive;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, weak] : alive_) {
+      if (auto e = weak.lock()) alive.push_back(std::move(e));
+    }
+  }
+  for (auto& e : alive) e->Abandon();
+}
+
+void ExchangeSet::AwaitEmpty() {
+  absl::MutexLock lock(&mu_);
+  auto empty = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return alive_.empty(); };
+  mu_.Await(absl::Condition(&empty));
 }
 
 }  // namespace fluxion::cluster::openai

@@ -177,6 +177,14 @@ class HttpServer::Impl {
     mu_.AwaitWithTimeout(absl::Condition(&empty), timeout);
   }
 
+  // After the daemon stopped: ends the calls that outlived their HTTP requests and waits until
+  // every exchange is destroyed, so that the channel's last reference is the stub's (ExchangeSet
+  // says why).
+  void EndAllCalls() {
+    exchanges_->CancelAll();
+    exchanges_->AwaitEmpty();
+  }
+
  private:
   MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
                    void** per_request) {
@@ -260,7 +268,7 @@ class HttpServer::Impl {
     call->exchange = Exchange::Start(stub_.get(), tokenizer_, std::move(*generate), *request,
                                      std::move(meta), std::move(*detokenizer),
                                      [connection] { MHD_resume_connection(connection); },
-                                     metadata);
+                                     exchanges_, metadata);
     absl::MutexLock lock(&mu_);
     call->live_id = next_live_++;
     live_[call->live_id] = call->exchange;
@@ -268,6 +276,7 @@ class HttpServer::Impl {
   }
 
   std::unique_ptr<v1::DecodeService::Stub> stub_;
+  const std::shared_ptr<ExchangeSet> exchanges_ = std::make_shared<ExchangeSet>();
   const model::Tokenizer* const tokenizer_;
   const ChatRenderer chat_;
   const HttpServerOptions options_;
@@ -329,6 +338,7 @@ HttpServer::~HttpServer() {
   MHD_quiesce_daemon(daemon_);  // no new connections
   impl_->CancelAll(absl::Seconds(5));
   MHD_stop_daemon(daemon_);
+  impl_->EndAllCalls();
 }
 
 }  // namespace fluxion::cluster::openai

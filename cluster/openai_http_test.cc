@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,8 @@ class FakeDecode final : public v1::DecodeService::Service {
   std::vector<uint32_t> ids;
   grpc::Status reject = grpc::Status::OK;
   bool wait_for_cancel = false;  // after the ids, wait (bounded) for the client to cancel
+  // After the complete message, hold the status back until the client cancels (bounded).
+  bool hold_status = false;
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
@@ -47,7 +50,7 @@ class FakeDecode final : public v1::DecodeService::Service {
       if (!writer->Write(r)) break;
     }
     // Wait (bounded) for a cancellation that a stop string causes, before completing.
-    for (int i = 0; wait_for_cancel && i < 400 && !context->IsCancelled(); ++i) {
+    for (int i = 0; wait_for_cancel && i < 6000 && !context->IsCancelled(); ++i) {
       absl::SleepFor(absl::Milliseconds(5));
     }
     if (context->IsCancelled()) {
@@ -59,12 +62,26 @@ class FakeDecode final : public v1::DecodeService::Service {
     done.mutable_complete()->set_finish_reason(v1::FINISH_REASON_LENGTH);
     done.mutable_complete()->mutable_usage()->set_completion_tokens(sent);
     writer->Write(done);
+    for (int i = 0; hold_status && i < 6000 && !context->IsCancelled(); ++i) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    if (context->IsCancelled()) {
+      absl::MutexLock lock(&mu);
+      ++cancelled;
+      return grpc::Status::CANCELLED;
+    }
     return grpc::Status::OK;
   }
 
   int Cancelled() {
     absl::MutexLock lock(&mu);
     return cancelled;
+  }
+  // Whether `n` calls were cancelled within 30 s (cancellation travels asynchronously).
+  bool AwaitCancelled(int n) {
+    absl::MutexLock lock(&mu);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return cancelled >= n; };
+    return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
   }
 
  private:
@@ -81,9 +98,10 @@ class OpenAiHttpTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     HttpServerOptions options;
     options.model_name = "m";
-    auto http =
-        HttpServer::Start("127.0.0.1:0", server_->InProcessChannel(grpc::ChannelArguments()),
-                          tokenizer_.get(), nullptr, options);
+    std::shared_ptr<grpc::Channel> channel = server_->InProcessChannel(grpc::ChannelArguments());
+    channel_ = channel;
+    auto http = HttpServer::Start("127.0.0.1:0", std::move(channel), tokenizer_.get(), nullptr,
+                                  options);
     ASSERT_TRUE(http.ok()) << http.status();
     http_ = std::move(*http);
   }
@@ -107,6 +125,7 @@ class OpenAiHttpTest : public ::testing::Test {
 
   FakeDecode fake_;
   std::unique_ptr<grpc::Server> server_;
+  std::weak_ptr<grpc::Channel> channel_;  // the HTTP server owns it
   std::unique_ptr<model::Tokenizer> tokenizer_ = model::NewByteTokenizer();
   std::unique_ptr<HttpServer> http_;
 };
@@ -140,8 +159,8 @@ TEST_F(OpenAiHttpTest, StreamSplitsNoCharacterAndStopsBeforeTheStopString) {
   }
   EXPECT_EQ(text, "caf\xc3\xa9 \xf0\x9f\x98\x80 ok ");
   EXPECT_EQ(finish, "stop");
-  // The stop string cancelled the generation (bounded wait: the cancel travels asynchronously).
-  for (int i = 0; i < 400 && fake_.Cancelled() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  // The stop string cancelled the generation.
+  EXPECT_TRUE(fake_.AwaitCancelled(1));
   EXPECT_EQ(fake_.Cancelled(), 1);
 }
 
@@ -155,6 +174,23 @@ TEST_F(OpenAiHttpTest, WholeAnswerWithoutStop) {
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(j["usage"]["prompt_tokens"], 1);
   EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+}
+
+// A whole answer goes out at the complete message, before the call's status. Destroying the
+// server then must end that call and drop the channel itself: were the channel's last reference
+// dropped by the call's own OnDone, on a thread of gRPC's callback completion queue, the channel
+// would shut that queue down from one of its own threads (gRPC 1.51 then aborts in
+// grpc_cq_internal_unref: "ref_counted.h:183 assertion failed: prior > 0").
+TEST_F(OpenAiHttpTest, TheServerDropsItsChannelAfterItsLastCallEnds) {
+  StreamBytes("hi");
+  fake_.hold_status = true;
+  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
+                                 R"({"model":"m","prompt":"x","max_tokens":2})", absl::Seconds(30));
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(nlohmann::json::parse(*body)["choices"][0]["text"], "hi");
+  http_.reset();
+  EXPECT_TRUE(channel_.expired()) << "a call outlived the server and holds its channel";
+  EXPECT_TRUE(fake_.AwaitCancelled(1));
 }
 
 TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
