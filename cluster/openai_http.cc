@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cluster/openai_exchange.h"
+#include "cluster/openai_http_framing.h"
 #include "cluster/openai_response.h"
 #include "cluster/prefill_pick.h"
 #include "microhttpd.h"
@@ -27,12 +28,14 @@ namespace {
 
 constexpr char kJson[] = "application/json";
 
+// `close`: the connection ends after the answer (its framing cannot be trusted for another).
 MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
-                 int retry_after_s = 0) {
+                 int retry_after_s = 0, bool close = false) {
   MHD_Response* response = MHD_create_response_from_buffer(
       body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, "Content-Type", kJson);
+  if (close) MHD_add_response_header(response, MHD_HTTP_HEADER_CONNECTION, "close");
   if (retry_after_s > 0) {
     MHD_add_response_header(response, "Retry-After", std::to_string(retry_after_s).c_str());
   }
@@ -188,6 +191,12 @@ class HttpServer::Impl {
  private:
   MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
                    void** per_request) {
+    // Before anything else, and before the body is read: a request whose end we might find
+    // elsewhere than a proxy in front of us is answered and the connection closed.
+    if (absl::Status framing = CheckFraming(FramingHeadersOf(connection)); !framing.ok()) {
+      return Reply(connection, MHD_HTTP_BAD_REQUEST, ErrorJson(ErrorFromStatus(framing)),
+                   /*retry_after_s=*/0, /*close=*/true);
+    }
     const bool get = std::strcmp(method, "GET") == 0 || std::strcmp(method, "HEAD") == 0;
     const bool post = std::strcmp(method, "POST") == 0;
     std::optional<Endpoint> endpoint;

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "cluster/http_testing.h"
 #include "cluster/openai_client.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -28,6 +29,7 @@ namespace fluxion::cluster::openai {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 // Streams `ids` one per chunk (or refuses with `reject`), and records whether the client
 // cancelled.
@@ -205,6 +207,61 @@ TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
                             absl::Seconds(10));
   ASSERT_FALSE(body.ok());
   EXPECT_THAT(body.status().message(), HasSubstr("503"));
+}
+
+// Requests a proxy in front could frame differently are refused before their body is read, and
+// the connection is closed: conflicting Content-Length (the old server took the first), a
+// Transfer-Encoding other than "chunked" (the old server read such a body until the connection
+// closed, so the request hung), both Content-Length and Transfer-Encoding.
+TEST_F(OpenAiHttpTest, AmbiguousFramingIsRefusedBeforeTheBody) {
+  StreamBytes("ok");
+  const std::string body = R"({"model":"m","prompt":"x","max_tokens":2})";
+  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: a\r\n"
+                           "Content-Type: application/json\r\n";
+  const std::string chunked = absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
+  struct Case {
+    std::string name;
+    std::string request;
+    std::string status;
+  };
+  const std::vector<Case> cases = {
+      {"conflicting lengths",
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ",
+                    body.size() + 8, "\r\n\r\n", body, "{\"x\":1}"),
+       "HTTP/1.1 400"},
+      {"chunked, identity",
+       absl::StrCat(head, "Transfer-Encoding: chunked, identity\r\n\r\n", chunked),
+       "HTTP/1.1 400"},
+      {"two Transfer-Encoding lines",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+                    chunked),
+       "HTTP/1.1 400"},
+      {"length and chunked",
+       absl::StrCat(head, "Content-Length: ", chunked.size(),
+                    "\r\nTransfer-Encoding: chunked\r\n\r\n", chunked),
+       "HTTP/1.1 400"},
+      // Still served: the same length twice (RFC 9112 6.3), and plain chunked.
+      {"equal lengths",
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ", body.size(),
+                    "\r\nConnection: close\r\n\r\n", body),
+       "HTTP/1.1 200"},
+      {"chunked",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n", chunked),
+       "HTTP/1.1 200"},
+  };
+  for (const Case& c : cases) {
+    const int fd = testing::ConnectLoopback(http_->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(testing::SendAll(fd, c.request)) << c.name;
+    // The server closes the connection after its answer; a hang shows as an empty answer.
+    const std::string answer = testing::ReadUntilClose(fd, absl::Seconds(30));
+    close(fd);
+    EXPECT_THAT(testing::StatusLine(answer), StartsWith(c.status)) << c.name << ": " << answer;
+    if (c.status == "HTTP/1.1 400") {
+      EXPECT_THAT(answer, HasSubstr("invalid_request_error")) << c.name;
+      EXPECT_THAT(answer, HasSubstr("Connection: close")) << c.name;
+    }
+  }
 }
 
 }  // namespace
