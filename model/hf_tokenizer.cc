@@ -279,6 +279,24 @@ class HfTokenizer::Regex {
  private:
   static constexpr uint32_t kMatchLimit = 1'000'000;
 
+  // A limit hit is a property of this text with this pattern, the same on every try: a
+  // permanent InvalidArgument (HTTP 400), not "try later". Anything else is the library's.
+  static absl::Status MatchError(int rc, size_t size, size_t offset) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(rc, message, sizeof(message));
+    const char* why = reinterpret_cast<const char*>(message);
+    if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT ||
+        rc == PCRE2_ERROR_HEAPLIMIT) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the tokenizer's pre-tokenizer regex cannot split this text: at byte ", offset, " of a ",
+          size, "-byte piece it gave up after ", kMatchLimit, " steps (", why,
+          "); the pattern backtracks too much on this input: change or shorten the text"));
+    }
+    if (rc == PCRE2_ERROR_NOMEMORY) return absl::ResourceExhaustedError("pre-tokenizer: out of memory");
+    return absl::InternalError(
+        absl::StrCat("pre-tokenizer regex failed on a text of ", size, " bytes: ", why));
+  }
+
   // The context is only read by pcre2_match, so concurrent Splits may share it.
   Regex(pcre2_code* code, pcre2_match_context* context) : code_(code), context_(context) {}
 
@@ -295,13 +313,7 @@ class HfTokenizer::Regex {
                          match, context_);
       }
       if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        PCRE2_UCHAR message[256];
-        pcre2_get_error_message(rc, message, sizeof(message));
-        return absl::ResourceExhaustedError(
-            absl::StrCat("pre-tokenizer regex failed on a text of ", text.size(),
-                         " bytes: ", reinterpret_cast<const char*>(message)));
-      }
+      if (rc < 0) return MatchError(rc, text.size(), offset);
       const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match);
       const size_t start = ovector[0];
       const size_t end = ovector[1];

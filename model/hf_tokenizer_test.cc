@@ -238,6 +238,27 @@ TEST(HfTokenizerTest, SplitOnLiteralStringThenByteLevelRegex) {
   EXPECT_THAT(*(*t)->Encode("x ab"), ElementsAre('x', ' ', 256));
 }
 
+// A pattern that backtracks exponentially on runs of "a" without a "b" hits PCRE2's match limit:
+// the same text fails the same way every time, so it is InvalidArgument saying why (an HTTP
+// client gets 400), not ResourceExhausted ("try later").
+TEST(HfTokenizerTest, RegexMatchLimitIsAPermanentInvalidArgument) {
+  Json j = MiniTokenizer();
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       Json::array({{{"type", "Split"},
+                     {"pattern", {{"Regex", "(?:a+)+b|a"}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE((*t)->Encode("aab").ok());
+  auto ids = (*t)->Encode(std::string(64, 'a'));
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
+  EXPECT_THAT(ids.status().message(), HasSubstr("gave up after 1000000 steps"));
+}
+
 void ExpectInvalid(const std::string& json, const std::string& message_part) {
   auto t = HfTokenizer::FromJson(json);
   ASSERT_FALSE(t.ok()) << "accepted: " << json.substr(0, 200);
