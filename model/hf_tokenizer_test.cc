@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -257,6 +258,40 @@ TEST(HfTokenizerTest, RegexMatchLimitIsAPermanentInvalidArgument) {
   auto ids = (*t)->Encode(std::string(64, 'a'));
   EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
   EXPECT_THAT(ids.status().message(), HasSubstr("gave up after 1000000 steps"));
+}
+
+// EncodeChecked's check runs before the work and again within a bounded amount of it, here while
+// the added tokens are looked for (a hostile file: thousands sharing a first byte, each position
+// compared against all of them); its first error ends the encoding.
+TEST(HfTokenizerTest, EncodeCheckBoundsTheWork) {
+  Json j = MiniTokenizer();
+  for (int i = 0; i < 4000; ++i) {
+    j["added_tokens"].push_back({{"id", 400 + i},
+                                 {"content", absl::StrCat("a", i, "~")},
+                                 {"special", false},
+                                 {"normalized", false}});
+  }
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  const std::string text(4000, 'a');
+  int calls = 0;
+  auto ok = [&calls] {
+    ++calls;
+    return absl::OkStatus();
+  };
+  auto all = (*t)->EncodeChecked(text, ok);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, *(*t)->Encode(text));
+  EXPECT_GT(calls, 10);  // 4000 positions x 4000 candidates: checked many times
+  calls = 0;
+  auto stop_second = [&calls]() -> absl::Status {
+    return ++calls < 2 ? absl::OkStatus() : absl::DeadlineExceededError("enough");
+  };
+  auto stopped = (*t)->EncodeChecked(text, stop_second);
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kDeadlineExceeded) << stopped.status();
+  EXPECT_EQ(calls, 2);
+  auto before = (*t)->EncodeChecked("ab", [] { return absl::CancelledError("gone"); });
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kCancelled);
 }
 
 void ExpectInvalid(const std::string& json, const std::string& message_part) {
