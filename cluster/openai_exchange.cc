@@ -66,6 +66,8 @@ void Exchange::OnDone(const grpc::Status& status) {
     if (!done_) {
       if (cancelled_) {
         done_ = true;
+      } else if (!abandoned_.ok()) {
+        Fail(abandoned_);
       } else if (status.ok()) {
         Fail(absl::InternalError("the router's stream ended without a terminal message"));
       } else {
@@ -198,6 +200,14 @@ long Exchange::ReadOrSuspend(char* buf, size_t max, const std::function<void()>&
   return 0;
 }
 
+void Exchange::Abandon(const absl::Status& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (abandoned_.ok()) abandoned_ = why;
+  }
+  context_.TryCancel();
+}
+
 void Exchange::Cancel() {
   bool running;
   {
@@ -224,7 +234,7 @@ void ExchangeSet::Remove(uint64_t id) {
   alive_.erase(id);
 }
 
-void ExchangeSet::CancelAll() {
+void ExchangeSet::CancelAll(const absl::Status& why) {
   std::vector<std::shared_ptr<Exchange>> alive;
   {
     absl::MutexLock lock(&mu_);
@@ -232,7 +242,7 @@ void ExchangeSet::CancelAll() {
       if (auto e = weak.lock()) alive.push_back(std::move(e));
     }
   }
-  for (auto& e : alive) e->Abandon();
+  for (auto& e : alive) e->Abandon(why);
 }
 
 void ExchangeSet::AwaitEmpty() {

@@ -69,9 +69,9 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   // The client went away (or the server stops): cancels the call, which the router relays to the
   // decode node; no wake after this.
   void Cancel();
-  // Server shutdown: cancels the call but still wakes the connection, which then answers with
-  // the error (and completes, so the server can stop).
-  void Abandon() { context_.TryCancel(); }
+  // The client hung up, or the server stops: cancels the call but still wakes the connection,
+  // which then answers (or ends its stream) with `why` and completes, so the server can stop.
+  void Abandon(const absl::Status& why);
 
   // grpc::ClientReadReactor
   void OnReadDone(bool ok) override;
@@ -105,6 +105,7 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came: streaming answers 200
   bool done_ ABSL_GUARDED_BY(mu_) = false;              // no more output
   std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // failure before any output
+  absl::Status abandoned_ ABSL_GUARDED_BY(mu_);         // Abandon's reason
   std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
   std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
   std::string finish_reason_ ABSL_GUARDED_BY(mu_);
@@ -123,8 +124,8 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
 // Thread-safe. Shared by the server and each exchange's deleter, so it outlives both.
 class ExchangeSet {
  public:
-  // Abandons (Exchange::Abandon) every exchange still alive.
-  void CancelAll();
+  // Abandons (Exchange::Abandon) every exchange still alive, with `why`.
+  void CancelAll(const absl::Status& why);
   // Returns once every exchange is destroyed, members and all.
   void AwaitEmpty();
 

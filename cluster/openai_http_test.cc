@@ -1,7 +1,8 @@
 // The HTTP server and the Generate bridge in one process, against a fake DecodeService that
-// streams fixed byte-tokenizer ids one per chunk: SSE framing of a stream whose characters and
-// stop string span tokens, the cancellation a stop string causes, and a refusal before the first
-// token becoming 429 with Retry-After.
+// streams fixed byte-tokenizer ids one per chunk (openai_http_testing.h): SSE framing of a stream
+// whose characters and stop string span tokens, the cancellation a stop string causes, a refusal
+// before the first token becoming 429 with Retry-After, the channel's lifetime, request framing.
+// The hardening against careless or hostile clients is openai_http_guard_test.cc.
 #include "cluster/openai_http.h"
 
 #include <arpa/inet.h>
@@ -18,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "cluster/http_testing.h"
 #include "cluster/openai_client.h"
+#include "cluster/openai_http_testing.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -31,90 +33,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// Streams `ids` one per chunk (or refuses with `reject`), and records whether the client
-// cancelled.
-class FakeDecode final : public v1::DecodeService::Service {
- public:
-  std::vector<uint32_t> ids;
-  grpc::Status reject = grpc::Status::OK;
-  bool wait_for_cancel = false;  // after the ids, wait (bounded) for the client to cancel
-  // After the complete message, hold the status back until the client cancels (bounded).
-  bool hold_status = false;
-
-  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
-    if (!reject.ok()) return reject;
-    uint32_t sent = 0;
-    for (uint32_t id : ids) {
-      v1::GenerateResponse r;
-      r.mutable_chunk()->add_token_ids(id);
-      r.mutable_chunk()->set_completion_tokens(++sent);
-      if (!writer->Write(r)) break;
-    }
-    // Wait (bounded) for a cancellation that a stop string causes, before completing.
-    for (int i = 0; wait_for_cancel && i < 6000 && !context->IsCancelled(); ++i) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    if (context->IsCancelled()) {
-      absl::MutexLock lock(&mu);
-      ++cancelled;
-      return grpc::Status::CANCELLED;
-    }
-    v1::GenerateResponse done;
-    done.mutable_complete()->set_finish_reason(v1::FINISH_REASON_LENGTH);
-    done.mutable_complete()->mutable_usage()->set_completion_tokens(sent);
-    writer->Write(done);
-    for (int i = 0; hold_status && i < 6000 && !context->IsCancelled(); ++i) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    if (context->IsCancelled()) {
-      absl::MutexLock lock(&mu);
-      ++cancelled;
-      return grpc::Status::CANCELLED;
-    }
-    return grpc::Status::OK;
-  }
-
-  int Cancelled() {
-    absl::MutexLock lock(&mu);
-    return cancelled;
-  }
-  // Whether `n` calls were cancelled within 30 s (cancellation travels asynchronously).
-  bool AwaitCancelled(int n) {
-    absl::MutexLock lock(&mu);
-    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return cancelled >= n; };
-    return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
-  }
-
- private:
-  absl::Mutex mu;
-  int cancelled ABSL_GUARDED_BY(mu) = 0;
-};
-
-class OpenAiHttpTest : public ::testing::Test {
+class OpenAiHttpTest : public testing::OpenAiHttpFixture {
  protected:
-  void SetUp() override {
-    grpc::ServerBuilder builder;
-    builder.RegisterService(&fake_);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    HttpServerOptions options;
-    options.model_name = "m";
-    std::shared_ptr<grpc::Channel> channel = server_->InProcessChannel(grpc::ChannelArguments());
-    channel_ = channel;
-    auto http = HttpServer::Start("127.0.0.1:0", std::move(channel), tokenizer_.get(), nullptr,
-                                  options);
-    ASSERT_TRUE(http.ok()) << http.status();
-    http_ = std::move(*http);
-  }
-  void TearDown() override {
-    http_.reset();
-    server_->Shutdown();
-  }
-  void StreamBytes(const std::string& text) {
-    fake_.ids.clear();
-    for (unsigned char c : text) fake_.ids.push_back(c);
-  }
   // The events of an SSE body, "data: " stripped.
   static std::vector<std::string> Events(const std::string& body) {
     std::vector<std::string> events;
@@ -124,12 +44,6 @@ class OpenAiHttpTest : public ::testing::Test {
     }
     return events;
   }
-
-  FakeDecode fake_;
-  std::unique_ptr<grpc::Server> server_;
-  std::weak_ptr<grpc::Channel> channel_;  // the HTTP server owns it
-  std::unique_ptr<model::Tokenizer> tokenizer_ = model::NewByteTokenizer();
-  std::unique_ptr<HttpServer> http_;
 };
 
 TEST_F(OpenAiHttpTest, StreamSplitsNoCharacterAndStopsBeforeTheStopString) {
