@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <ctime>
 #include <iostream>
@@ -224,9 +225,11 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
 
 HttpServer::~HttpServer() {
   if (daemon_ != nullptr) {
-    MHD_quiesce_daemon(daemon_);  // no new connections
+    // No new connections; the listening socket is ours to close once the daemon stopped.
+    const MHD_socket listening = MHD_quiesce_daemon(daemon_);
     impl_->StopCalls();
     MHD_stop_daemon(daemon_);
+    if (listening != MHD_INVALID_SOCKET) close(listening);
   }
   impl_->EndAllCalls();
 }

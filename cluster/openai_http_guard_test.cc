@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/http_testing.h"
 #include "cluster/openai_client.h"
@@ -169,12 +170,18 @@ TEST_F(OpenAiHttpGuardTest, IdleConnectionsCloseButWaitingOnesDoNot) {
   StreamBytes("hello");
   fake_.hold_first = true;
   absl::StatusOr<std::string> streamed, whole;
-  std::thread stream([&] {
+  std::thread stream, answer;
+  absl::Cleanup end = [&] {  // whatever fails, the waiting requests end before the test does
+    fake_.Release();
+    if (stream.joinable()) stream.join();
+    if (answer.joinable()) answer.join();
+  };
+  stream = std::thread([&] {
     streamed = PostJsonToLoopback(http_->port(), "/v1/completions",
                                   R"({"model":"m","prompt":"x","max_tokens":5,"stream":true})",
                                   2 * kPatience);
   });
-  std::thread answer([&] {
+  answer = std::thread([&] {
     whole = PostJsonToLoopback(http_->port(), "/v1/completions",
                                R"({"model":"m","prompt":"x","max_tokens":5})", 2 * kPatience);
   });
@@ -184,9 +191,7 @@ TEST_F(OpenAiHttpGuardTest, IdleConnectionsCloseButWaitingOnesDoNot) {
   ASSERT_GE(idle, 0);
   EXPECT_TRUE(AwaitClosedByServer(idle)) << "an idle connection was kept";
   close(idle);
-  fake_.Release();
-  stream.join();
-  answer.join();
+  std::move(end).Invoke();
   ASSERT_TRUE(streamed.ok()) << streamed.status();
   EXPECT_THAT(*streamed, HasSubstr("[DONE]"));
   ASSERT_TRUE(whole.ok()) << whole.status();
@@ -195,18 +200,21 @@ TEST_F(OpenAiHttpGuardTest, IdleConnectionsCloseButWaitingOnesDoNot) {
 
 // Tokenization runs on workers: while one prompt is stuck tokenizing, /health and other requests
 // are answered (before: the polling thread tokenized, and every connection waited 21-120 s).
-// With every worker busy and the queue full, a request gets 429 with Retry-After at once.
-TEST_F(OpenAiHttpGuardTest, TokenizationRunsOnABoundedPoolOffThePollingThread) {
+TEST_F(OpenAiHttpGuardTest, TokenizationRunsOffThePollingThread) {
   testing::GatedTokenizer gated;
   HttpServerOptions options = DefaultOptions();
   options.workers = 2;
-  options.max_queued = 0;
   StartHttp(options, &gated);
   StreamBytes("ok");
-  const std::string text = R"({"model":"m","prompt":"x","max_tokens":2})";
-  absl::StatusOr<std::string> first, second;
-  std::thread a([&] {
-    first = PostJsonToLoopback(http_->port(), "/v1/completions", text, 2 * kPatience);
+  absl::StatusOr<std::string> stuck;
+  std::thread a;
+  absl::Cleanup end = [&] {  // whatever fails, the blocked request ends before the test does
+    gated.Release();
+    if (a.joinable()) a.join();
+  };
+  a = std::thread([&] {
+    stuck = PostJsonToLoopback(http_->port(), "/v1/completions",
+                               R"({"model":"m","prompt":"x","max_tokens":2})", 2 * kPatience);
   });
   ASSERT_TRUE(gated.AwaitEntered(1));
   EXPECT_THAT(testing::StatusLine(Health()), StartsWith("HTTP/1.1 200"));
@@ -214,23 +222,39 @@ TEST_F(OpenAiHttpGuardTest, TokenizationRunsOnABoundedPoolOffThePollingThread) {
   auto ids = PostJsonToLoopback(http_->port(), "/v1/completions",
                                 R"({"model":"m","prompt":[120,121],"max_tokens":2})", kPatience);
   EXPECT_TRUE(ids.ok()) << ids.status();
-  std::thread b([&] {
-    second = PostJsonToLoopback(http_->port(), "/v1/completions", text, 2 * kPatience);
-  });
-  ASSERT_TRUE(gated.AwaitEntered(2));
+  std::move(end).Invoke();
+  EXPECT_TRUE(stuck.ok()) << stuck.status();
+}
+
+// With every worker busy and the queue full, a request gets 429 with Retry-After at once (the
+// queue's own bound is WorkerPoolTest's).
+TEST_F(OpenAiHttpGuardTest, AFullWorkQueueIsRefusedWith429) {
+  testing::GatedTokenizer gated;
+  HttpServerOptions options = DefaultOptions();
+  options.workers = 1;
+  options.max_queued = 0;
+  StartHttp(options, &gated);
+  StreamBytes("ok");
+  const std::string text = R"({"model":"m","prompt":"x","max_tokens":2})";
+  absl::StatusOr<std::string> stuck;
+  std::thread a;
+  absl::Cleanup end = [&] {
+    gated.Release();
+    if (a.joinable()) a.join();
+  };
+  a = std::thread(
+      [&] { stuck = PostJsonToLoopback(http_->port(), "/v1/completions", text, 2 * kPatience); });
+  ASSERT_TRUE(gated.AwaitEntered(1));
   const int fd = SendPost("/v1/completions", text);
   ASSERT_GE(fd, 0);
   const std::string refused = testing::ReadUntil(fd, "--http-max-queued", kPatience);
   close(fd);
   EXPECT_THAT(testing::StatusLine(refused), StartsWith("HTTP/1.1 429")) << refused;
   EXPECT_THAT(refused, HasSubstr("Retry-After: 1"));
-  EXPECT_THAT(refused, HasSubstr("--http-max-queued"));
+  EXPECT_THAT(refused, HasSubstr("rate_limit_error"));
   EXPECT_EQ(Counter(metrics::names::kRouterHttpRequestsShedTotal, "work_queue_full"), 1);
-  gated.Release();
-  a.join();
-  b.join();
-  EXPECT_TRUE(first.ok()) << first.status();
-  EXPECT_TRUE(second.ok()) << second.status();
+  std::move(end).Invoke();
+  EXPECT_TRUE(stuck.ok()) << stuck.status();
 }
 
 // One request's tokenization is bounded: past --http-tokenize-timeout-ms it is refused with 400
@@ -255,16 +279,21 @@ TEST_F(OpenAiHttpGuardTest, StoppingAnswersOpenRequestsWith503) {
   StreamBytes("never");
   fake_.hold_first = true;
   absl::StatusOr<std::string> body;
-  std::thread client([&] {
-    body = PostJsonToLoopback(http_->port(), "/v1/completions",
+  std::thread client;
+  absl::Cleanup end = [&] {
+    http_.reset();
+    if (client.joinable()) client.join();
+  };
+  client = std::thread([&, port = http_->port()] {
+    body = PostJsonToLoopback(port, "/v1/completions",
                               R"({"model":"m","prompt":"x","max_tokens":5})", 2 * kPatience);
   });
   ASSERT_TRUE(fake_.AwaitStarted(1));
-  http_.reset();
-  client.join();
+  std::move(end).Invoke();
   ASSERT_FALSE(body.ok());
-  EXPECT_THAT(body.status().message(), HasSubstr("HTTP 503"));
-  EXPECT_THAT(body.status().message(), HasSubstr("shutting down"));
+  const std::string message(body.status().message());
+  EXPECT_THAT(message, HasSubstr("HTTP 503"));
+  EXPECT_THAT(message, HasSubstr("shutting down"));
   EXPECT_TRUE(fake_.AwaitCancelled(1));
 }
 
