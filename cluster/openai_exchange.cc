@@ -12,9 +12,18 @@ std::shared_ptr<Exchange> Exchange::Start(
     v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
     v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
     model::StreamDetokenizer detokenizer, std::function<void()> wake,
+    const std::shared_ptr<ExchangeSet>& set,
     const std::vector<std::pair<std::string, std::string>>& metadata) {
+  const uint64_t id = set->Reserve();
+  // The set learns of the destruction only once the members (the ClientContext, which holds the
+  // channel) are gone.
   std::shared_ptr<Exchange> exchange(
-      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)));
+      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)),
+      [set, id](Exchange* e) {
+        delete e;
+        set->Remove(id);
+      });
+  set->Add(id, exchange);
   for (const auto& [key, value] : metadata) exchange->context_.AddMetadata(key, value);
   exchange->generate_ = std::move(generate);
   exchange->prompt_tokens_ = static_cast<uint32_t>(exchange->generate_.prompt_token_ids_size());
@@ -57,6 +66,8 @@ void Exchange::OnDone(const grpc::Status& status) {
     if (!done_) {
       if (cancelled_) {
         done_ = true;
+      } else if (!abandoned_.ok()) {
+        Fail(abandoned_);
       } else if (status.ok()) {
         Fail(absl::InternalError("the router's stream ended without a terminal message"));
       } else {
@@ -189,6 +200,14 @@ long Exchange::ReadOrSuspend(char* buf, size_t max, const std::function<void()>&
   return 0;
 }
 
+void Exchange::Abandon(const absl::Status& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (abandoned_.ok()) abandoned_ = why;
+  }
+  context_.TryCancel();
+}
+
 void Exchange::Cancel() {
   bool running;
   {
@@ -198,6 +217,38 @@ void Exchange::Cancel() {
     running = !done_;
   }
   if (running) context_.TryCancel();
+}
+
+uint64_t ExchangeSet::Reserve() {
+  absl::MutexLock lock(&mu_);
+  return next_++;
+}
+
+void ExchangeSet::Add(uint64_t id, std::weak_ptr<Exchange> exchange) {
+  absl::MutexLock lock(&mu_);
+  alive_.emplace(id, std::move(exchange));
+}
+
+void ExchangeSet::Remove(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  alive_.erase(id);
+}
+
+void ExchangeSet::CancelAll(const absl::Status& why) {
+  std::vector<std::shared_ptr<Exchange>> alive;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, weak] : alive_) {
+      if (auto e = weak.lock()) alive.push_back(std::move(e));
+    }
+  }
+  for (auto& e : alive) e->Abandon(why);
+}
+
+void ExchangeSet::AwaitEmpty() {
+  absl::MutexLock lock(&mu_);
+  auto empty = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return alive_.empty(); };
+  mu_.Await(absl::Condition(&empty));
 }
 
 }  // namespace fluxion::cluster::openai

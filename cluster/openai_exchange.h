@@ -8,12 +8,15 @@
 // run under the exchange's lock; the exchange runs `wake` (the HTTP side's resume) as soon as
 // there is news. So a wake can never be lost between the check and the suspend.
 //
-// Thread-safe. Owned by shared_ptr: by the HTTP connection, and by itself while its call runs.
+// Thread-safe. Owned by shared_ptr: by the HTTP connection, and by itself while its call runs;
+// an ExchangeSet knows each one until it is destroyed.
 #ifndef FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
 #define FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,17 +34,21 @@
 
 namespace fluxion::cluster::openai {
 
+class ExchangeSet;
+
 class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
                  public std::enable_shared_from_this<Exchange> {
  public:
   // Starts the call. `stub` and `tokenizer` must outlive the exchange; `wake` is called (from a
   // gRPC thread, under the exchange's lock, so it must not call back in) after a `suspend`.
   // `metadata` goes with the Generate call (HTTP headers the router reads, e.g. the gateway's
-  // prefill pick: cluster/prefill_pick.h); keys lowercase.
+  // prefill pick: cluster/prefill_pick.h); keys lowercase. `set` holds the exchange until it is
+  // destroyed.
   static std::shared_ptr<Exchange> Start(
       v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
       v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
       model::StreamDetokenizer detokenizer, std::function<void()> wake,
+      const std::shared_ptr<ExchangeSet>& set,
       const std::vector<std::pair<std::string, std::string>>& metadata = {});
 
   // The reply's status line and headers are decided: a failure before any output, the whole
@@ -62,9 +69,9 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   // The client went away (or the server stops): cancels the call, which the router relays to the
   // decode node; no wake after this.
   void Cancel();
-  // Server shutdown: cancels the call but still wakes the connection, which then answers with
-  // the error (and completes, so the server can stop).
-  void Abandon() { context_.TryCancel(); }
+  // The client hung up, or the server stops: cancels the call but still wakes the connection,
+  // which then answers (or ends its stream) with `why` and completes, so the server can stop.
+  void Abandon(const absl::Status& why);
 
   // grpc::ClientReadReactor
   void OnReadDone(bool ok) override;
@@ -98,12 +105,39 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came: streaming answers 200
   bool done_ ABSL_GUARDED_BY(mu_) = false;              // no more output
   std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // failure before any output
+  absl::Status abandoned_ ABSL_GUARDED_BY(mu_);         // Abandon's reason
   std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
   std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
   std::string finish_reason_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;
   std::shared_ptr<Exchange> self_;  // keeps the exchange alive until OnDone
+};
+
+// The exchanges of one server until each is destroyed, not just until its HTTP request ends (a
+// call may run on after its answer went out, e.g. for its status). Whoever owns the channel
+// cancels them and waits for them before dropping it: the channel's last reference must never
+// be dropped by a call's own callback on a thread of gRPC's callback completion queue, which
+// would then shut that queue down from one of its own threads (gRPC 1.51 aborts in
+// grpc_cq_internal_unref, "ref_counted.h:183 assertion failed: prior > 0").
+//
+// Thread-safe. Shared by the server and each exchange's deleter, so it outlives both.
+class ExchangeSet {
+ public:
+  // Abandons (Exchange::Abandon) every exchange still alive, with `why`.
+  void CancelAll(const absl::Status& why);
+  // Returns once every exchange is destroyed, members and all.
+  void AwaitEmpty();
+
+ private:
+  friend class Exchange;
+  uint64_t Reserve();
+  void Add(uint64_t id, std::weak_ptr<Exchange> exchange);
+  void Remove(uint64_t id);  // from the exchange's deleter, after it was deleted
+
+  absl::Mutex mu_;
+  uint64_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::weak_ptr<Exchange>> alive_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fluxion::cluster::openai

@@ -21,8 +21,9 @@ absl::Status CheckIds(const std::vector<uint32_t>& ids, const model::Tokenizer& 
 
 absl::StatusOr<std::vector<uint32_t>> Tokenize(const std::string& text,
                                                const model::Tokenizer& tokenizer,
-                                               const char* param) {
-  auto ids = tokenizer.Encode(text);
+                                               const char* param,
+                                               const model::EncodeCheck& check) {
+  auto ids = tokenizer.EncodeChecked(text, check);
   if (!ids.ok()) return WithParam(ids.status(), param);
   if (ids->empty()) {
     return WithParam(absl::InvalidArgumentError(absl::StrCat(param, " has no tokens")), param);
@@ -35,7 +36,8 @@ absl::StatusOr<std::vector<uint32_t>> Tokenize(const std::string& text,
 absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
                                                     const model::Tokenizer& tokenizer,
                                                     const ChatRenderer& chat,
-                                                    const std::string& request_id) {
+                                                    const std::string& request_id,
+                                                    const model::EncodeCheck& check) {
   std::vector<uint32_t> prompt;
   if (request.endpoint == Endpoint::kChatCompletions) {
     if (!chat) {
@@ -46,11 +48,11 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
     }
     auto text = chat(request.messages);
     if (!text.ok()) return WithParam(text.status(), "messages");
-    auto ids = Tokenize(*text, tokenizer, "messages");
+    auto ids = Tokenize(*text, tokenizer, "messages", check);
     if (!ids.ok()) return ids.status();
     prompt = std::move(*ids);
   } else if (request.prompt_text) {
-    auto ids = Tokenize(*request.prompt_text, tokenizer, "prompt");
+    auto ids = Tokenize(*request.prompt_text, tokenizer, "prompt", check);
     if (!ids.ok()) return ids.status();
     prompt = std::move(*ids);
   } else {

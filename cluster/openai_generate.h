@@ -22,11 +22,13 @@ namespace fluxion::cluster::openai {
 using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector<Message>&)>;
 
 // InvalidArgument naming the field for a prompt that is empty after tokenization or holds ids
-// outside the vocabulary, or a stop token id outside it; the renderer's error for chat.
+// outside the vocabulary, or a stop token id outside it; the renderer's error for chat; the
+// tokenizer's (or `check`'s, which bounds the tokenization: model::EncodeCheck) naming the field.
 absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
                                                     const model::Tokenizer& tokenizer,
                                                     const ChatRenderer& chat,
-                                                    const std::string& request_id);
+                                                    const std::string& request_id,
+                                                    const model::EncodeCheck& check = {});
 
 }  // namespace fluxion::cluster::openai
 

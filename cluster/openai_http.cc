@@ -3,57 +3,32 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
-#include <atomic>
-#include <cstring>
 #include <ctime>
-#include <map>
+#include <iostream>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/ipv4_address.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
-#include "cluster/openai_exchange.h"
-#include "cluster/openai_response.h"
-#include "cluster/prefill_pick.h"
+#include "cluster/openai_http_impl.h"
+#include "common/ipv4_address.h"
+#include "common/metrics_names.h"
 #include "microhttpd.h"
-#include "model/stream_detokenizer.h"
 
 namespace fluxion::cluster::openai {
 namespace {
 
-constexpr char kJson[] = "application/json";
+void LogToStderr(const std::string& line) { std::cerr << line << std::endl; }
 
-MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
-                 int retry_after_s = 0) {
-  MHD_Response* response = MHD_create_response_from_buffer(
-      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
-  if (response == nullptr) return MHD_NO;
-  MHD_add_response_header(response, "Content-Type", kJson);
-  if (retry_after_s > 0) {
-    MHD_add_response_header(response, "Retry-After", std::to_string(retry_after_s).c_str());
-  }
-  MHD_Result result = MHD_queue_response(connection, code, response);
-  MHD_destroy_response(response);
-  return result;
-}
+// How long a stopping server lets its connections write their last answers.
+constexpr absl::Duration kAnswerGrace = absl::Seconds(5);
 
-MHD_Result ReplyError(MHD_Connection* connection, const absl::Status& status) {
-  ApiError error = ErrorFromStatus(status);
-  return Reply(connection, error.http_status, ErrorJson(error), error.retry_after_s);
-}
-
-MHD_Result ReplyError(MHD_Connection* connection, int http_status, const std::string& type,
-                      const std::string& message) {
-  ApiError error;
-  error.http_status = http_status;
-  error.type = type;
-  error.message = message;
-  return Reply(connection, http_status, ErrorJson(error));
-}
+// What open requests are answered (503) when the server stops.
+absl::Status ShuttingDown() { return absl::UnavailableError("the router is shutting down"); }
 
 // "host:port" -> IPv4 socket address (the host may be a name).
 absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
@@ -64,220 +39,109 @@ absl::StatusOr<sockaddr_in> ParseAddress(const std::string& address) {
     return absl::InvalidArgumentError(
         absl::StrCat("http: '", address, "' is not host:port (e.g. 0.0.0.0:8000)"));
   }
-  const std::string host = address.substr(0, colon);
-  return ResolveIpv4(host, port, "http");
+  return ResolveIpv4(address.substr(0, colon), port, "http");
 }
-
-// A streamed body's reader state; owned by the MHD response (freed by FreeStream).
-struct StreamState {
-  std::shared_ptr<Exchange> exchange;
-  MHD_Connection* connection;
-};
-
-ssize_t ReadStream(void* cls, uint64_t, char* buf, size_t max) {
-  auto* state = static_cast<StreamState*>(cls);
-  MHD_Connection* connection = state->connection;
-  long n = state->exchange->ReadOrSuspend(buf, max,
-                                          [connection] { MHD_suspend_connection(connection); });
-  return n < 0 ? MHD_CONTENT_READER_END_OF_STREAM : static_cast<ssize_t>(n);
-}
-
-void FreeStream(void* cls) { delete static_cast<StreamState*>(cls); }
 
 }  // namespace
 
-class HttpServer::Impl {
- public:
-  Impl(std::shared_ptr<grpc::Channel> channel, const model::Tokenizer* tokenizer, ChatRenderer chat,
-       HttpServerOptions options)
-      : stub_(v1::DecodeService::NewStub(channel)),
-        tokenizer_(tokenizer),
-        chat_(std::move(chat)),
-        options_(std::move(options)),
-        created_(std::time(nullptr)) {
-    std::random_device random;
-    id_prefix_ = absl::StrFormat("%08x%08x", random(), random());
+HttpServer::Impl::Impl(std::shared_ptr<grpc::Channel> channel, const model::Tokenizer* tokenizer,
+                       ChatRenderer chat, HttpServerOptions options,
+                       std::unique_ptr<HangupWatcher> watcher)
+    : stub_(v1::DecodeService::NewStub(channel)),
+      tokenizer_(tokenizer),
+      chat_(std::move(chat)),
+      options_(std::move(options)),
+      created_(std::time(nullptr)),
+      limiter_(options_.limits, options_.registry, options_.log ? options_.log : LogToStderr),
+      requests_shed_(options_.registry->AddCounter(
+          metrics::names::kRouterHttpRequestsShedTotal,
+          "HTTP API requests answered 429 because the queue for their CPU work (parsing, "
+          "tokenization; --http-max-queued) was full.",
+          {{"reason", "work_queue_full"}})),
+      watcher_(std::move(watcher)),
+      pool_(options_.workers, options_.max_queued) {
+  preparer_ = {tokenizer_, &chat_, options_.model_name, options_.parse_limits,
+               options_.tokenize_timeout};
+  std::random_device random;
+  id_prefix_ = absl::StrFormat("%08x%08x", random(), random());
+}
+
+void HttpServer::Impl::Suspend(MHD_Connection* connection) {
+  {
+    absl::MutexLock lock(&suspend_mu_);
+    ++suspended_;
   }
+  MHD_suspend_connection(connection);
+}
 
-  // One POST being answered; owned by MHD's per-request pointer, deleted in Completed.
-  struct Call {
-    MHD_Connection* connection = nullptr;
-    Endpoint endpoint = Endpoint::kCompletions;
-    std::string body;
-    bool too_large = false;
-    std::shared_ptr<Exchange> exchange;
-    uint64_t live_id = 0;
-  };
+void HttpServer::Impl::Resume(MHD_Connection* connection) {
+  MHD_resume_connection(connection);
+  absl::MutexLock lock(&suspend_mu_);
+  --suspended_;
+}
 
-  MHD_Result Handle(MHD_Connection* connection, const char* url, const char* method,
-                    const char* upload_data, size_t* upload_data_size, void** per_request) {
-    auto* call = static_cast<Call*>(*per_request);
-    if (call == nullptr) return Begin(connection, url, method, per_request);
-    if (*upload_data_size > 0) {
-      if (!call->too_large && call->body.size() + *upload_data_size <= options_.max_body_bytes) {
-        call->body.append(upload_data, *upload_data_size);
-      } else {
-        call->too_large = true;
-        call->body.clear();
-      }
-      *upload_data_size = 0;
-      return MHD_YES;
-    }
-    if (call->exchange == nullptr) {
-      if (call->too_large) {
-        return ReplyError(
-            connection, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error",
-            absl::StrCat("the request body exceeds ", options_.max_body_bytes, " bytes"));
-      }
-      if (absl::Status s = StartExchange(call); !s.ok()) return ReplyError(connection, s);
-    }
-    std::optional<Exchange::Head> head =
-        call->exchange->HeadOrSuspend([connection] { MHD_suspend_connection(connection); });
-    if (!head) return MHD_YES;  // resumed by the exchange when the head is decided
-    if (!head->streaming)
-      return Reply(connection, head->http_status, head->body, head->retry_after_s);
-    MHD_Response* response =
-        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream,
-                                          new StreamState{call->exchange, connection}, &FreeStream);
-    if (response == nullptr) return MHD_NO;
-    MHD_add_response_header(response, "Content-Type", "text/event-stream");
-    MHD_add_response_header(response, "Cache-Control", "no-cache");
-    MHD_Result result = MHD_queue_response(connection, MHD_HTTP_OK, response);
-    MHD_destroy_response(response);
-    return result;
-  }
-
-  void Completed(void** per_request) {
-    auto* call = static_cast<Call*>(*per_request);
-    if (call == nullptr) return;
-    if (call->exchange != nullptr) {
-      // Normally a no-op (the call ended before the reply did); for a client that went away
-      // mid-stream it cancels the Generate call, which the router relays downstream.
-      call->exchange->Cancel();
-      absl::MutexLock lock(&mu_);
-      live_.erase(call->live_id);
-    }
-    delete call;
-    *per_request = nullptr;
-  }
-
-  // Server shutdown: every live call is cancelled; the exchanges wake their connections, which
-  // then answer and complete. Waits up to `timeout` for that.
-  void CancelAll(absl::Duration timeout) {
-    std::vector<std::shared_ptr<Exchange>> live;
-    {
-      absl::MutexLock lock(&mu_);
-      for (auto& [id, weak] : live_) {
-        if (auto e = weak.lock()) live.push_back(std::move(e));
-      }
-    }
-    for (auto& e : live) e->Abandon();
+void HttpServer::Impl::Completed(void** per_request) {
+  auto* call = static_cast<Call*>(*per_request);
+  if (call == nullptr) return;
+  *per_request = nullptr;
+  if (call->state != nullptr) {
+    watcher_->Unwatch(call->watch_id);  // before libmicrohttpd closes the socket
+    // Normally a no-op (the call ended before the answer did); for a client that went away
+    // mid-stream it cancels the Generate call, which the router relays downstream.
+    call->state->Detach();
     absl::MutexLock lock(&mu_);
-    auto empty = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return live_.empty(); };
-    mu_.AwaitWithTimeout(absl::Condition(&empty), timeout);
+    calls_.erase(call->state_id);
   }
+  delete call;
+}
 
- private:
-  MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
-                   void** per_request) {
-    const bool get = std::strcmp(method, "GET") == 0 || std::strcmp(method, "HEAD") == 0;
-    const bool post = std::strcmp(method, "POST") == 0;
-    std::optional<Endpoint> endpoint;
-    if (std::strcmp(url, "/v1/completions") == 0) endpoint = Endpoint::kCompletions;
-    if (std::strcmp(url, "/v1/chat/completions") == 0) endpoint = Endpoint::kChatCompletions;
-    if (endpoint) {
-      if (!post) {
-        return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error",
-                          absl::StrCat(url, " takes POST"));
-      }
-      // A declared length over the limit is refused before the body is read.
-      const char* length =
-          MHD_lookup_connection_value(connection, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-      uint64_t declared = 0;
-      if (length != nullptr && absl::SimpleAtoi(length, &declared) &&
-          declared > options_.max_body_bytes) {
-        return ReplyError(connection, MHD_HTTP_CONTENT_TOO_LARGE, "invalid_request_error",
-                          absl::StrCat("the request body (", declared, " bytes) exceeds ",
-                                       options_.max_body_bytes, " bytes"));
-      }
-      auto* call = new Call;
-      call->connection = connection;
-      call->endpoint = *endpoint;
-      *per_request = call;
-      return MHD_YES;
-    }
-    const bool models = std::strcmp(url, "/v1/models") == 0;
-    const bool health = std::strcmp(url, "/health") == 0;
-    if (!models && !health) {
-      return ReplyError(connection, MHD_HTTP_NOT_FOUND, "invalid_request_error",
-                        absl::StrCat("no such endpoint: ", url,
-                                     " (served: POST /v1/completions, POST /v1/chat/completions, "
-                                     "GET /v1/models, GET /health)"));
-    }
-    if (!get) {
-      return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "invalid_request_error",
-                        absl::StrCat(url, " takes GET"));
-    }
-    if (models) return Reply(connection, MHD_HTTP_OK, ModelsJson(options_.model_name, created_));
-    if (options_.ready()) return Reply(connection, MHD_HTTP_OK, "{\"status\":\"ok\"}");
-    return ReplyError(connection, absl::UnavailableError("no healthy decode node"));
-  }
+void HttpServer::Impl::Opened(MHD_Connection* connection, void** socket_context) {
+  const MHD_ConnectionInfo* info =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  // Owned by libmicrohttpd's socket context until Closed.
+  auto* client = new std::string(ConnectionLimiter::ClientKey(info != nullptr ? info->client_addr
+                                                                               : nullptr));
+  limiter_.Opened(*client);
+  *socket_context = client;
+}
 
-  absl::Status StartExchange(Call* call) {
-    auto request = ParseRequest(call->endpoint, call->body, options_.parse_limits);
-    call->body.clear();
-    if (!request.ok()) return request.status();
-    if (request->model != options_.model_name) {
-      return WithParam(absl::NotFoundError(absl::StrCat("The model `", request->model,
-                                                        "` does not exist; this server serves `",
-                                                        options_.model_name, "`")),
-                       "model");
-    }
-    const bool chat = call->endpoint == Endpoint::kChatCompletions;
-    const std::string id =
-        absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", serial_.fetch_add(1));
-    auto generate = PrepareGenerate(*request, *tokenizer_, chat_, id);
-    if (!generate.ok()) return generate.status();
-    model::StreamDetokenizerOptions detokenizer_options;
-    detokenizer_options.stop = request->stop;
-    auto detokenizer = model::StreamDetokenizer::Create(tokenizer_, detokenizer_options);
-    if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
-    ResponseMeta meta{call->endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
-    MHD_Connection* connection = call->connection;
-    // The gateway's prefill pick travels to the router as call metadata; the router maps it onto
-    // its prefill nodes or refuses it (cluster/prefill_pick.h; INVALID_ARGUMENT -> 400).
-    std::vector<std::pair<std::string, std::string>> metadata;
-    for (const char* header : {kPrefillerHostPortHeader, kPrefillerUrlHeader}) {
-      const char* value = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, header);
-      if (value == nullptr) continue;
-      // gRPC refuses a metadata value with control characters; so does the pick.
-      std::string v(value);
-      for (char& c : v) {
-        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-      }
-      metadata.emplace_back(header, std::move(v));
-    }
-    call->exchange = Exchange::Start(stub_.get(), tokenizer_, std::move(*generate), *request,
-                                     std::move(meta), std::move(*detokenizer),
-                                     [connection] { MHD_resume_connection(connection); },
-                                     metadata);
+void HttpServer::Impl::Closed(void** socket_context) {
+  auto* client = static_cast<std::string*>(*socket_context);
+  if (client == nullptr) return;
+  limiter_.Closed(*client);
+  delete client;
+  *socket_context = nullptr;
+}
+
+void HttpServer::Impl::StopCalls() {
+  std::vector<std::shared_ptr<CallState>> states;
+  {
     absl::MutexLock lock(&mu_);
-    call->live_id = next_live_++;
-    live_[call->live_id] = call->exchange;
-    return absl::OkStatus();
+    stopping_ = true;
+    for (auto& [id, weak] : calls_) {
+      if (auto s = weak.lock()) states.push_back(std::move(s));
+    }
   }
+  for (auto& s : states) s->Cancel(ShuttingDown());
+  pool_.Stop();  // the queued preparations see their cancellation and resume their connections
+  exchanges_->CancelAll(ShuttingDown());
+  {
+    absl::MutexLock lock(&suspend_mu_);
+    auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(suspend_mu_) { return suspended_ == 0; };
+    suspend_mu_.Await(absl::Condition(&none));
+  }
+  // Resumed connections still have their answers (503, the end of a stream) to write: a grace
+  // period for that, bounded since a client that does not read would hold it.
+  absl::MutexLock lock(&mu_);
+  auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return calls_.empty(); };
+  mu_.AwaitWithTimeout(absl::Condition(&answered), kAnswerGrace);
+}
 
-  std::unique_ptr<v1::DecodeService::Stub> stub_;
-  const model::Tokenizer* const tokenizer_;
-  const ChatRenderer chat_;
-  const HttpServerOptions options_;
-  const int64_t created_;
-  std::string id_prefix_;
-  std::atomic<uint64_t> serial_{0};
-  absl::Mutex mu_;
-  uint64_t next_live_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<uint64_t, std::weak_ptr<Exchange>> live_ ABSL_GUARDED_BY(mu_);
-};
+void HttpServer::Impl::EndAllCalls() {
+  watcher_.reset();  // every socket was unwatched in Completed; no callback runs after this
+  exchanges_->CancelAll(ShuttingDown());
+  exchanges_->AwaitEmpty();
+}
 
 namespace {
 
@@ -292,6 +156,28 @@ void RequestCompleted(void* cls, MHD_Connection*, void** per_request, MHD_Reques
   static_cast<HttpServer::Impl*>(cls)->Completed(per_request);
 }
 
+MHD_Result AcceptPolicy(void* cls, const sockaddr* addr, socklen_t) {
+  return static_cast<HttpServer::Impl*>(cls)->Admit(addr) ? MHD_YES : MHD_NO;
+}
+
+void NotifyConnection(void* cls, MHD_Connection* connection, void** socket_context,
+                      MHD_ConnectionNotificationCode code) {
+  auto* impl = static_cast<HttpServer::Impl*>(cls);
+  if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+    impl->Opened(connection, socket_context);
+  } else {
+    impl->Closed(socket_context);
+  }
+}
+
+absl::Status CheckOptions(const HttpServerOptions& o) {
+  if (o.workers < 1 || o.limits.total < 1 || o.idle_timeout_s < 1) {
+    return absl::InvalidArgumentError(
+        "http: workers, the connection limit and the idle timeout must be at least 1");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -301,20 +187,33 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
     const model::Tokenizer* tokenizer, ChatRenderer chat, HttpServerOptions options) {
   auto addr = ParseAddress(address);
   if (!addr.ok()) return addr.status();
-  const unsigned int max_connections = options.max_connections;
-  std::unique_ptr<HttpServer> server(new HttpServer(
-      std::make_unique<Impl>(std::move(channel), tokenizer, std::move(chat), std::move(options))));
-  // One polling thread for every connection (epoll); a connection waiting for tokens is
-  // suspended, so streams hold no thread. The stack size is explicit for the reason
-  // common/metrics_http.cc gives (static TLS of the binary's libraries).
+  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  auto watcher = HangupWatcher::Start();
+  if (!watcher.ok()) return watcher.status();
+  std::unique_ptr<metrics::Registry> own_registry;
+  if (options.registry == nullptr) {
+    own_registry = std::make_unique<metrics::Registry>();
+    options.registry = own_registry.get();
+  }
+  const ConnectionLimits limits = options.limits;
+  const unsigned int idle_timeout_s = options.idle_timeout_s;
+  std::unique_ptr<HttpServer> server(new HttpServer(std::make_unique<Impl>(
+      std::move(channel), tokenizer, std::move(chat), std::move(options), std::move(*watcher))));
+  server->own_registry_ = std::move(own_registry);
+  Impl* impl = server->impl_.get();
+  // One polling thread for every connection (epoll); a connection waiting for anything is
+  // suspended, so it holds no thread. The stack size is explicit for the reason
+  // common/metrics_http.cc gives (static TLS of the binary's libraries). libmicrohttpd's own
+  // connection limit sits above ours, so that AcceptPolicy (which counts and logs) refuses first.
   const unsigned int flags =
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_ALLOW_SUSPEND_RESUME |
       (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL : MHD_USE_POLL);
   server->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &HandleRequest, server->impl_.get(), MHD_OPTION_SOCK_ADDR, &*addr,
+      flags, 0, &AcceptPolicy, impl, &HandleRequest, impl, MHD_OPTION_SOCK_ADDR, &*addr,
       MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_NOTIFY_COMPLETED,
-      &RequestCompleted, server->impl_.get(), MHD_OPTION_CONNECTION_TIMEOUT, 60u,
-      MHD_OPTION_CONNECTION_LIMIT, max_connections, MHD_OPTION_END);
+      &RequestCompleted, impl, MHD_OPTION_NOTIFY_CONNECTION, &NotifyConnection, impl,
+      MHD_OPTION_CONNECTION_TIMEOUT, idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+      limits.total + 16, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("http: cannot listen on '", address, "' (port in use?)"));
@@ -325,10 +224,14 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
 }
 
 HttpServer::~HttpServer() {
-  if (daemon_ == nullptr) return;
-  MHD_quiesce_daemon(daemon_);  // no new connections
-  impl_->CancelAll(absl::Seconds(5));
-  MHD_stop_daemon(daemon_);
+  if (daemon_ != nullptr) {
+    // No new connections; the listening socket is ours to close once the daemon stopped.
+    const MHD_socket listening = MHD_quiesce_daemon(daemon_);
+    impl_->StopCalls();
+    MHD_stop_daemon(daemon_);
+    if (listening != MHD_INVALID_SOCKET) close(listening);
+  }
+  impl_->EndAllCalls();
 }
 
 }  // namespace fluxion::cluster::openai

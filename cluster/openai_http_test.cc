@@ -1,13 +1,15 @@
 // The HTTP server and the Generate bridge in one process, against a fake DecodeService that
-// streams fixed byte-tokenizer ids one per chunk: SSE framing of a stream whose characters and
-// stop string span tokens, the cancellation a stop string causes, and a refusal before the first
-// token becoming 429 with Retry-After.
+// streams fixed byte-tokenizer ids one per chunk (openai_http_testing.h): SSE framing of a stream
+// whose characters and stop string span tokens, the cancellation a stop string causes, a refusal
+// before the first token becoming 429 with Retry-After, the channel's lifetime, request framing.
+// The hardening against careless or hostile clients is openai_http_guard_test.cc.
 #include "cluster/openai_http.h"
 
 #include <arpa/inet.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,7 +17,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "cluster/http_testing.h"
 #include "cluster/openai_client.h"
+#include "cluster/openai_http_testing.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -27,74 +31,10 @@ namespace fluxion::cluster::openai {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
-// Streams `ids` one per chunk (or refuses with `reject`), and records whether the client
-// cancelled.
-class FakeDecode final : public v1::DecodeService::Service {
- public:
-  std::vector<uint32_t> ids;
-  grpc::Status reject = grpc::Status::OK;
-  bool wait_for_cancel = false;  // after the ids, wait (bounded) for the client to cancel
-
-  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
-    if (!reject.ok()) return reject;
-    uint32_t sent = 0;
-    for (uint32_t id : ids) {
-      v1::GenerateResponse r;
-      r.mutable_chunk()->add_token_ids(id);
-      r.mutable_chunk()->set_completion_tokens(++sent);
-      if (!writer->Write(r)) break;
-    }
-    // Wait (bounded) for a cancellation that a stop string causes, before completing.
-    for (int i = 0; wait_for_cancel && i < 400 && !context->IsCancelled(); ++i) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    if (context->IsCancelled()) {
-      absl::MutexLock lock(&mu);
-      ++cancelled;
-      return grpc::Status::CANCELLED;
-    }
-    v1::GenerateResponse done;
-    done.mutable_complete()->set_finish_reason(v1::FINISH_REASON_LENGTH);
-    done.mutable_complete()->mutable_usage()->set_completion_tokens(sent);
-    writer->Write(done);
-    return grpc::Status::OK;
-  }
-
-  int Cancelled() {
-    absl::MutexLock lock(&mu);
-    return cancelled;
-  }
-
- private:
-  absl::Mutex mu;
-  int cancelled ABSL_GUARDED_BY(mu) = 0;
-};
-
-class OpenAiHttpTest : public ::testing::Test {
+class OpenAiHttpTest : public testing::OpenAiHttpFixture {
  protected:
-  void SetUp() override {
-    grpc::ServerBuilder builder;
-    builder.RegisterService(&fake_);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    HttpServerOptions options;
-    options.model_name = "m";
-    auto http =
-        HttpServer::Start("127.0.0.1:0", server_->InProcessChannel(grpc::ChannelArguments()),
-                          tokenizer_.get(), nullptr, options);
-    ASSERT_TRUE(http.ok()) << http.status();
-    http_ = std::move(*http);
-  }
-  void TearDown() override {
-    http_.reset();
-    server_->Shutdown();
-  }
-  void StreamBytes(const std::string& text) {
-    fake_.ids.clear();
-    for (unsigned char c : text) fake_.ids.push_back(c);
-  }
   // The events of an SSE body, "data: " stripped.
   static std::vector<std::string> Events(const std::string& body) {
     std::vector<std::string> events;
@@ -104,11 +44,6 @@ class OpenAiHttpTest : public ::testing::Test {
     }
     return events;
   }
-
-  FakeDecode fake_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<model::Tokenizer> tokenizer_ = model::NewByteTokenizer();
-  std::unique_ptr<HttpServer> http_;
 };
 
 TEST_F(OpenAiHttpTest, StreamSplitsNoCharacterAndStopsBeforeTheStopString) {
@@ -140,8 +75,8 @@ TEST_F(OpenAiHttpTest, StreamSplitsNoCharacterAndStopsBeforeTheStopString) {
   }
   EXPECT_EQ(text, "caf\xc3\xa9 \xf0\x9f\x98\x80 ok ");
   EXPECT_EQ(finish, "stop");
-  // The stop string cancelled the generation (bounded wait: the cancel travels asynchronously).
-  for (int i = 0; i < 400 && fake_.Cancelled() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  // The stop string cancelled the generation.
+  EXPECT_TRUE(fake_.AwaitCancelled(1));
   EXPECT_EQ(fake_.Cancelled(), 1);
 }
 
@@ -157,6 +92,23 @@ TEST_F(OpenAiHttpTest, WholeAnswerWithoutStop) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 5);
 }
 
+// A whole answer goes out at the complete message, before the call's status. Destroying the
+// server then must end that call and drop the channel itself: were the channel's last reference
+// dropped by the call's own OnDone, on a thread of gRPC's callback completion queue, the channel
+// would shut that queue down from one of its own threads (gRPC 1.51 then aborts in
+// grpc_cq_internal_unref: "ref_counted.h:183 assertion failed: prior > 0").
+TEST_F(OpenAiHttpTest, TheServerDropsItsChannelAfterItsLastCallEnds) {
+  StreamBytes("hi");
+  fake_.hold_status = true;
+  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
+                                 R"({"model":"m","prompt":"x","max_tokens":2})", absl::Seconds(30));
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(nlohmann::json::parse(*body)["choices"][0]["text"], "hi");
+  http_.reset();
+  EXPECT_TRUE(channel_.expired()) << "a call outlived the server and holds its channel";
+  EXPECT_TRUE(fake_.AwaitCancelled(1));
+}
+
 TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
   fake_.reject = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "all nodes full");
   auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
@@ -169,6 +121,61 @@ TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
                             absl::Seconds(10));
   ASSERT_FALSE(body.ok());
   EXPECT_THAT(body.status().message(), HasSubstr("503"));
+}
+
+// Requests a proxy in front could frame differently are refused before their body is read, and
+// the connection is closed: conflicting Content-Length (the old server took the first), a
+// Transfer-Encoding other than "chunked" (the old server read such a body until the connection
+// closed, so the request hung), both Content-Length and Transfer-Encoding.
+TEST_F(OpenAiHttpTest, AmbiguousFramingIsRefusedBeforeTheBody) {
+  StreamBytes("ok");
+  const std::string body = R"({"model":"m","prompt":"x","max_tokens":2})";
+  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: a\r\n"
+                           "Content-Type: application/json\r\n";
+  const std::string chunked = absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
+  struct Case {
+    std::string name;
+    std::string request;
+    std::string status;
+  };
+  const std::vector<Case> cases = {
+      {"conflicting lengths",
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ",
+                    body.size() + 8, "\r\n\r\n", body, "{\"x\":1}"),
+       "HTTP/1.1 400"},
+      {"chunked, identity",
+       absl::StrCat(head, "Transfer-Encoding: chunked, identity\r\n\r\n", chunked),
+       "HTTP/1.1 400"},
+      {"two Transfer-Encoding lines",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+                    chunked),
+       "HTTP/1.1 400"},
+      {"length and chunked",
+       absl::StrCat(head, "Content-Length: ", chunked.size(),
+                    "\r\nTransfer-Encoding: chunked\r\n\r\n", chunked),
+       "HTTP/1.1 400"},
+      // Still served: the same length twice (RFC 9112 6.3), and plain chunked.
+      {"equal lengths",
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ", body.size(),
+                    "\r\nConnection: close\r\n\r\n", body),
+       "HTTP/1.1 200"},
+      {"chunked",
+       absl::StrCat(head, "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n", chunked),
+       "HTTP/1.1 200"},
+  };
+  for (const Case& c : cases) {
+    const int fd = testing::ConnectLoopback(http_->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(testing::SendAll(fd, c.request)) << c.name;
+    // The server closes the connection after its answer; a hang shows as an empty answer.
+    const std::string answer = testing::ReadUntilClose(fd, absl::Seconds(30));
+    close(fd);
+    EXPECT_THAT(testing::StatusLine(answer), StartsWith(c.status)) << c.name << ": " << answer;
+    if (c.status == "HTTP/1.1 400") {
+      EXPECT_THAT(answer, HasSubstr("invalid_request_error")) << c.name;
+      EXPECT_THAT(answer, HasSubstr("Connection: close")) << c.name;
+    }
+  }
 }
 
 }  // namespace

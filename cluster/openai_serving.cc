@@ -3,10 +3,36 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "common/metrics.h"
 #include "common/server_main.h"
 #include "model/chat_template.h"
 
 namespace fluxion::cluster {
+
+namespace {
+
+absl::Status CheckLimitFlags(const OpenAiFlags& f) {
+  struct Bound {
+    const char* flag;
+    int64_t value, low, high;
+  };
+  for (const Bound& b : {Bound{"--http-max-connections", f.max_connections, 1, 1 << 20},
+                         Bound{"--http-max-connections-per-client", f.max_connections_per_client,
+                               0, 1 << 20},
+                         Bound{"--http-idle-timeout-s", f.idle_timeout_s, 1, 86400},
+                         Bound{"--http-workers", f.workers, 1, 256},
+                         Bound{"--http-max-queued", f.max_queued, 0, 1 << 20},
+                         Bound{"--http-tokenize-timeout-ms", f.tokenize_timeout_ms, 1,
+                               int64_t{3600} * 1000}}) {
+    if (b.value < b.low || b.value > b.high) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(b.flag, " must be in [", b.low, ", ", b.high, "], got ", b.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
   flags.String("http-listen", &out->http_listen,
@@ -18,6 +44,25 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "model id the HTTP API answers to (default: the model directory's name)");
   flags.Int("http-max-body-bytes", &out->max_body_bytes,
             "largest HTTP request body accepted (413 beyond)");
+  flags.Int("http-max-connections", &out->max_connections,
+            "HTTP connections held at once; more are closed at accept (counted in "
+            "fluxion_router_http_connections_refused_total, logged)");
+  flags.Int("http-max-connections-per-client", &out->max_connections_per_client,
+            "HTTP connections held at once from one client address, so that one client cannot "
+            "take them all (0: no per-client limit; raise it, or 0, behind a proxy that sends "
+            "everything from one address)");
+  flags.Int("http-idle-timeout-s", &out->idle_timeout_s,
+            "close an HTTP connection idle this long: headers or body not arriving, a keep-alive "
+            "connection without a next request, an answer not read (never one waiting for its "
+            "tokens)");
+  flags.Int("http-workers", &out->workers,
+            "threads for the HTTP requests' CPU work (JSON parsing, chat template, tokenization), "
+            "off the connection-polling thread");
+  flags.Int("http-max-queued", &out->max_queued,
+            "HTTP requests that may wait for a worker; more get 429 with Retry-After");
+  flags.Int("http-tokenize-timeout-ms", &out->tokenize_timeout_ms,
+            "longest one request's prompt may take to render and tokenize; then 400 saying so "
+            "(bounds what a hostile text or tokenizer.json costs)");
 }
 
 OpenAiServing::~OpenAiServing() { server_.reset(); }
@@ -34,6 +79,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   if (flags.max_body_bytes < 1024 || flags.max_body_bytes > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError("--http-max-body-bytes must be in [1024, 1073741824]");
   }
+  if (absl::Status s = CheckLimitFlags(flags); !s.ok()) return s;
   if (flags.tokenizer == nullptr) {
     return absl::InvalidArgumentError("--http-listen needs --model-dir's tokenizer");
   }
@@ -70,6 +116,13 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   }
   options.model_name = name;
   options.max_body_bytes = static_cast<size_t>(flags.max_body_bytes);
+  options.limits.total = static_cast<unsigned int>(flags.max_connections);
+  options.limits.per_client = static_cast<unsigned int>(flags.max_connections_per_client);
+  options.idle_timeout_s = static_cast<unsigned int>(flags.idle_timeout_s);
+  options.workers = static_cast<int>(flags.workers);
+  options.max_queued = static_cast<size_t>(flags.max_queued);
+  options.tokenize_timeout = absl::Milliseconds(flags.tokenize_timeout_ms);
+  options.registry = &metrics::Registry::Default();
   options.ready = std::move(ready);
   auto started = openai::HttpServer::Start(flags.http_listen,
                                            server->InProcessChannel(grpc::ChannelArguments()),

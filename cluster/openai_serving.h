@@ -25,6 +25,14 @@ struct OpenAiFlags {
   std::shared_ptr<const model::Tokenizer> tokenizer;
   std::string served_model_name;
   int64_t max_body_bytes = 1 << 20;
+  // Connection limits, idle timeout, CPU workers and their queue, the tokenization bound
+  // (openai::HttpServerOptions says what each does).
+  int64_t max_connections = 1024;
+  int64_t max_connections_per_client = 256;
+  int64_t idle_timeout_s = 10;
+  int64_t workers = 2;
+  int64_t max_queued = 64;
+  int64_t tokenize_timeout_ms = 10000;
 };
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out);

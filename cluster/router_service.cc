@@ -25,8 +25,11 @@ using SystemClock = std::chrono::system_clock;
 
 bool Retryable(grpc::StatusCode code) {
   // Codes after which another decode node may succeed (docs/PROTOCOL.md, "caller's reaction").
+  // OUT_OF_RANGE: the prompt can never fit this node's arena, but may fit a larger one; when no
+  // node takes it, the client gets OUT_OF_RANGE (a permanent answer, HTTP 400).
   return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-         code == grpc::StatusCode::DATA_LOSS || code == grpc::StatusCode::INTERNAL;
+         code == grpc::StatusCode::OUT_OF_RANGE || code == grpc::StatusCode::DATA_LOSS ||
+         code == grpc::StatusCode::INTERNAL;
 }
 
 const char* CodeName(grpc::StatusCode code) {

@@ -234,6 +234,24 @@ TEST_F(RouterTest, RetriesStopAfterMaxAttemptsWithTheLastError) {
   EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 2u);  // each node once
 }
 
+// A prompt that can never fit one decode node's arena (OUT_OF_RANGE) may fit another's: tried
+// there; when no node takes it, the client gets OUT_OF_RANGE with the last node's message (a
+// permanent answer: HTTP 400, not 429).
+TEST_F(RouterTest, NeverFitsIsTriedOnAnotherNodeThenEndsOutOfRange) {
+  FakeDecodeService::Behaviour small;
+  small.reject = [](const v1::GenerateRequest&) {
+    return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "fake: can never admit it (--kv-pages)");
+  };
+  decode_b_.SetBehaviour(small);
+  Result served = Generate(Request("r-big", 3));
+  EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+  EXPECT_EQ(decode_a_.seen().size(), 1u);  // b refused for good, a (larger) took it
+  decode_a_.SetBehaviour(small);
+  Result r = Generate(Request("r-bigger", 3));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(r.status.error_message(), HasSubstr("--kv-pages"));
+}
+
 TEST_F(RouterTest, ShedsWithResourceExhaustedWhenEveryDecodeNodeIsAboveTheThreshold) {
   decode_a_.SetLoad(Load(20, 0, 0.98f));
   decode_b_.SetLoad(Load(30, 0, 0.97f));

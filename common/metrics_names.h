@@ -69,6 +69,11 @@ inline constexpr char kRouterBackendState[] = "fluxion_router_backend_state";
 inline constexpr char kRouterBackendEjectionsTotal[] = "fluxion_router_backend_ejections_total";
 inline constexpr char kRouterTtftSeconds[] = "fluxion_router_time_to_first_token_seconds";
 inline constexpr char kRouterE2eSeconds[] = "fluxion_router_e2e_request_latency_seconds";
+// Router's OpenAI HTTP API: connections closed at accept by its limits, requests refused because
+// the CPU work queue (parsing, tokenization) was full.
+inline constexpr char kRouterHttpConnectionsRefusedTotal[] =
+    "fluxion_router_http_connections_refused_total";
+inline constexpr char kRouterHttpRequestsShedTotal[] = "fluxion_router_http_requests_shed_total";
 
 }  // namespace fluxion::metrics::names
 

@@ -128,7 +128,9 @@ absl::StatusOr<Reservation> KvAdmission::Reserve(int64_t pages, absl::Time deadl
   const int64_t total = arena_->num_pages();
   if (pages <= 0) return absl::InvalidArgumentError("a reservation needs at least one page");
   if (pages + options_.headroom_pages > total) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    // Not RESOURCE_EXHAUSTED: waiting or retrying later cannot help. OUT_OF_RANGE says the
+    // request is beyond what this node can ever hold; a router tries a node with a larger arena.
+    return absl::OutOfRangeError(absl::StrCat(
         "the request needs ", pages, " KV pages plus ", options_.headroom_pages,
         " pages of headroom; this decode node has ", total,
         " pages in all and can never admit it: shorten the prompt or send it to a node with a "

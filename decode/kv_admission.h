@@ -134,9 +134,10 @@ class KvAdmission {
   KvAdmission& operator=(const KvAdmission&) = delete;
 
   // Reserves `pages` pages, waiting while they are short until `deadline` or until `cancelled()`
-  // (polled). ResourceExhausted at once when `pages` plus the headroom exceed the whole arena
-  // (never admissible) or the wait queue is full, after the deadline otherwise; Cancelled when
-  // cancelled. The message says which and what to do.
+  // (polled). OutOfRange at once when `pages` plus the headroom exceed the whole arena (never
+  // admissible here: a permanent answer, naming --kv-pages); ResourceExhausted at once when the
+  // wait queue is full, after the deadline otherwise; Cancelled when cancelled. The message says
+  // which and what to do.
   absl::StatusOr<Reservation> Reserve(int64_t pages, absl::Time deadline,
                                       const std::function<bool()>& cancelled);
 

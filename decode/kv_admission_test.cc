@@ -77,6 +77,20 @@ TEST_F(KvAdmissionTest, ReservationFreesItsPagesWhenItDies) {
   EXPECT_EQ(admission_->stats().freed, 1u);
 }
 
+// A request larger than the whole arena can never be admitted: a permanent answer (OUT_OF_RANGE,
+// which HTTP clients get as 400) naming the flag, not RESOURCE_EXHAUSTED ("try again later").
+// Short of pages for now is RESOURCE_EXHAUSTED after the deadline.
+TEST_F(KvAdmissionTest, NeverAdmissibleIsOutOfRangeAndShortForNowIsResourceExhausted) {
+  absl::StatusOr<Reservation> never =
+      admission_->Reserve(65, absl::Now() + absl::Seconds(60), [] { return false; });
+  EXPECT_EQ(never.status().code(), absl::StatusCode::kOutOfRange) << never.status();
+  EXPECT_NE(never.status().message().find("--kv-pages"), std::string::npos) << never.status();
+  Reservation most = Reserve(60);
+  absl::StatusOr<Reservation> later =
+      admission_->Reserve(10, absl::InfinitePast(), [] { return false; });
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kResourceExhausted) << later.status();
+}
+
 TEST_F(KvAdmissionTest, SplitHalvesOwnTheirPagesSeparately) {
   Reservation kv = Reserve(12);
   absl::StatusOr<Reservation> state = kv.SplitAfter(10);

@@ -225,6 +225,33 @@ constexpr absl::string_view kGpt2Pattern =
 
 }  // namespace
 
+// Runs the caller's EncodeCheck after about every kUnits units of work (a byte or added-token
+// candidate scanned, a byte merged; a regex match counts as kUnits / 64, since one may take up to
+// the match limit's steps), so that a deadline is noticed within a bounded amount of work (tens
+// of milliseconds) while checking costs nothing measurable.
+class HfTokenizer::WorkCheck {
+ public:
+  explicit WorkCheck(const EncodeCheck& check) : check_(check) {}
+
+  absl::Status Add(size_t units) {
+    if (!check_) return absl::OkStatus();
+    done_ += units;
+    if (done_ < kUnits) return absl::OkStatus();
+    return Now();
+  }
+  absl::Status Now() {
+    done_ = 0;
+    return check_ ? check_() : absl::OkStatus();
+  }
+
+  static constexpr size_t kUnits = size_t{1} << 16;
+  static constexpr size_t kRegexMatch = kUnits / 64;
+
+ private:
+  const EncodeCheck& check_;
+  size_t done_ = 0;
+};
+
 // One Split pre-tokenizer (behavior Isolated, invert false): every match is a piece and so is
 // every stretch between matches. UTF + UCP mode so \s, \p{L}, \p{N} and (?i) are Unicode-aware,
 // as in Oniguruma, which HF uses for these patterns.
@@ -268,10 +295,11 @@ class HfTokenizer::Regex {
   }
 
   // Appends the pieces of `text` (valid UTF-8) to `out`.
-  absl::Status Split(absl::string_view text, std::vector<absl::string_view>* out) const {
+  absl::Status Split(absl::string_view text, std::vector<absl::string_view>* out,
+                     WorkCheck* work) const {
     pcre2_match_data* match = pcre2_match_data_create_from_pattern(code_, nullptr);
     if (match == nullptr) return absl::ResourceExhaustedError("pre-tokenizer: out of memory");
-    absl::Status status = SplitWith(text, match, out);
+    absl::Status status = SplitWith(text, match, out, work);
     pcre2_match_data_free(match);
     return status;
   }
@@ -279,11 +307,31 @@ class HfTokenizer::Regex {
  private:
   static constexpr uint32_t kMatchLimit = 1'000'000;
 
+  // A limit hit is a property of this text with this pattern, the same on every try: a
+  // permanent InvalidArgument (HTTP 400), not "try later". Anything else is the library's.
+  static absl::Status MatchError(int rc, size_t size, size_t offset) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(rc, message, sizeof(message));
+    const char* why = reinterpret_cast<const char*>(message);
+    if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT ||
+        rc == PCRE2_ERROR_HEAPLIMIT) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the tokenizer's pre-tokenizer regex cannot split this text: at byte ", offset, " of a ",
+          size, "-byte piece it gave up after ", kMatchLimit, " steps (", why,
+          "); the pattern backtracks too much on this input: change or shorten the text"));
+    }
+    if (rc == PCRE2_ERROR_NOMEMORY) {
+      return absl::ResourceExhaustedError("pre-tokenizer: out of memory");
+    }
+    return absl::InternalError(
+        absl::StrCat("pre-tokenizer regex failed on a text of ", size, " bytes: ", why));
+  }
+
   // The context is only read by pcre2_match, so concurrent Splits may share it.
   Regex(pcre2_code* code, pcre2_match_context* context) : code_(code), context_(context) {}
 
   absl::Status SplitWith(absl::string_view text, pcre2_match_data* match,
-                         std::vector<absl::string_view>* out) const {
+                         std::vector<absl::string_view>* out, WorkCheck* work) const {
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
     size_t offset = 0;
     size_t last = 0;  // end of the previous piece
@@ -295,13 +343,8 @@ class HfTokenizer::Regex {
                          match, context_);
       }
       if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        PCRE2_UCHAR message[256];
-        pcre2_get_error_message(rc, message, sizeof(message));
-        return absl::ResourceExhaustedError(
-            absl::StrCat("pre-tokenizer regex failed on a text of ", text.size(),
-                         " bytes: ", reinterpret_cast<const char*>(message)));
-      }
+      if (rc < 0) return MatchError(rc, text.size(), offset);
+      if (absl::Status s = work->Add(WorkCheck::kRegexMatch); !s.ok()) return s;
       const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match);
       const size_t start = ovector[0];
       const size_t end = ovector[1];
@@ -714,17 +757,20 @@ absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromFile(const std::st
   return tokenizer;
 }
 
-void HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
-                               std::vector<Piece>* out) const {
+absl::Status HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
+                                       std::vector<Piece>* out, WorkCheck* work) const {
   if (matcher.empty) {
     if (!text.empty()) out->push_back({text, -1});
-    return;
+    return absl::OkStatus();
   }
   size_t last = 0;  // end of the previous match (and of what was absorbed around it)
   size_t i = 0;
   while (i < text.size()) {
     const AddedToken* found = nullptr;
-    for (int index : matcher.by_first_byte[static_cast<unsigned char>(text[i])]) {
+    const std::vector<int>& bucket = matcher.by_first_byte[static_cast<unsigned char>(text[i])];
+    // A bucket may hold many tokens (a hostile file: hundreds of thousands sharing one byte).
+    if (absl::Status s = work->Add(1 + bucket.size()); !s.ok()) return s;
+    for (int index : bucket) {
       const AddedToken& candidate = added_[index];
       if (text.substr(i, candidate.match_content.size()) == candidate.match_content) {
         found = &candidate;  // the bucket is longest first
@@ -748,25 +794,30 @@ void HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatcher& match
     i = end;
   }
   if (last < text.size()) out->push_back({text.substr(last), -1});
+  return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> HfTokenizer::Encode(absl::string_view text) const {
+absl::StatusOr<std::vector<int32_t>> HfTokenizer::EncodeChecked(absl::string_view text,
+                                                                 const EncodeCheck& check) const {
+  WorkCheck work(check);
+  FLUXION_RETURN_IF_ERROR(work.Now());
   if (!IsValidUtf8(text)) return absl::InvalidArgumentError("text is not valid UTF-8");
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 1);
   std::vector<Piece> pieces;
-  SplitOnAdded(text, raw_added_, &pieces);
+  FLUXION_RETURN_IF_ERROR(SplitOnAdded(text, raw_added_, &pieces, &work));
   for (const Piece& piece : pieces) {
     if (piece.added_id >= 0) {
       ids.push_back(piece.added_id);
     } else {
-      FLUXION_RETURN_IF_ERROR(EncodeText(piece.text, &ids));
+      FLUXION_RETURN_IF_ERROR(EncodeText(piece.text, &ids, &work));
     }
   }
   return ids;
 }
 
-absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t>* ids) const {
+absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t>* ids,
+                                     WorkCheck* work) const {
   std::string normalized_storage;
   absl::string_view normalized = text;
   if (nfc_ && !IsAscii(text)) {  // ASCII is always NFC
@@ -774,7 +825,7 @@ absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t
     normalized = normalized_storage;
   }
   std::vector<Piece> pieces;
-  SplitOnAdded(normalized, normalized_added_, &pieces);
+  FLUXION_RETURN_IF_ERROR(SplitOnAdded(normalized, normalized_added_, &pieces, work));
   std::vector<absl::string_view> pre_tokens;
   std::deque<std::string> prefixed;  // pieces with ByteLevel's prefix space
   for (const Piece& piece : pieces) {
@@ -783,14 +834,17 @@ absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t
       continue;
     }
     pre_tokens.clear();
-    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text, &pre_tokens, &prefixed));
-    for (absl::string_view pre_token : pre_tokens) EncodePreToken(pre_token, ids);
+    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text, &pre_tokens, &prefixed, work));
+    for (absl::string_view pre_token : pre_tokens) {
+      FLUXION_RETURN_IF_ERROR(work->Add(pre_token.size()));
+      EncodePreToken(pre_token, ids);
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status HfTokenizer::PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
-                                      std::deque<std::string>* storage) const {
+                                      std::deque<std::string>* storage, WorkCheck* work) const {
   out->push_back(text);
   std::vector<absl::string_view> next;
   for (size_t step = 0; step <= splits_.size(); ++step) {
@@ -806,7 +860,7 @@ absl::Status HfTokenizer::PreTokenize(absl::string_view text, std::vector<absl::
     if (step == splits_.size()) break;
     const auto& split = splits_[step];
     next.clear();
-    for (absl::string_view piece : *out) FLUXION_RETURN_IF_ERROR(split->Split(piece, &next));
+    for (absl::string_view piece : *out) FLUXION_RETURN_IF_ERROR(split->Split(piece, &next, work));
     out->swap(next);
   }
   return absl::OkStatus();

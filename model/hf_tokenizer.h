@@ -49,7 +49,8 @@ class HfTokenizer final : public Tokenizer {
   HfTokenizer(const HfTokenizer&) = delete;
   HfTokenizer& operator=(const HfTokenizer&) = delete;
 
-  absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text) const override;
+  absl::StatusOr<std::vector<int32_t>> EncodeChecked(absl::string_view text,
+                                                     const EncodeCheck& check) const override;
   void AppendTokenBytes(int32_t id, bool skip_special, std::string* out) const override;
   std::optional<int32_t> TokenToId(absl::string_view token) const override;
   std::optional<std::string> IdToToken(int32_t id) const override;
@@ -72,7 +73,8 @@ class HfTokenizer final : public Tokenizer {
     bool rstrip = false;
     bool normalized = false;
   };
-  class Regex;  // a compiled PCRE2 pattern (hf_tokenizer.cc)
+  class Regex;      // a compiled PCRE2 pattern (hf_tokenizer.cc)
+  class WorkCheck;  // runs an EncodeCheck every so much work (hf_tokenizer.cc)
 
  private:
   struct Token {
@@ -100,13 +102,14 @@ class HfTokenizer final : public Tokenizer {
   HfTokenizer();
   friend class HfTokenizerLoader;
 
-  void SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
-                    std::vector<Piece>* out) const;
-  absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids) const;
+  absl::Status SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
+                            std::vector<Piece>* out, WorkCheck* work) const;
+  absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids,
+                          WorkCheck* work) const;
   // Appends the pre-tokens of `text` to `out`; pieces that are not substrings of `text` (with
   // a prefix space) live in `storage`.
   absl::Status PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
-                           std::deque<std::string>* storage) const;
+                           std::deque<std::string>* storage, WorkCheck* work) const;
   void EncodePreToken(absl::string_view bytes, std::vector<int32_t>* ids) const;
   void MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids) const;
 

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/test_temp_dir.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -236,6 +237,61 @@ TEST(HfTokenizerTest, SplitOnLiteralStringThenByteLevelRegex) {
   // "c" is cut out before merging, so "ab"+"c" never meets; " ab" is one GPT-2 pre-token.
   EXPECT_THAT(*(*t)->Encode("abc"), ElementsAre(256, 'c'));
   EXPECT_THAT(*(*t)->Encode("x ab"), ElementsAre('x', ' ', 256));
+}
+
+// A pattern that backtracks exponentially on runs of "a" without a "b" hits PCRE2's match limit:
+// the same text fails the same way every time, so it is InvalidArgument saying why (an HTTP
+// client gets 400), not ResourceExhausted ("try later").
+TEST(HfTokenizerTest, RegexMatchLimitIsAPermanentInvalidArgument) {
+  Json j = MiniTokenizer();
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       Json::array({{{"type", "Split"},
+                     {"pattern", {{"Regex", "(?:a+)+b|a"}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE((*t)->Encode("aab").ok());
+  auto ids = (*t)->Encode(std::string(64, 'a'));
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
+  EXPECT_THAT(ids.status().message(), HasSubstr("gave up after 1000000 steps"));
+}
+
+// EncodeChecked's check runs before the work and again within a bounded amount of it, here while
+// the added tokens are looked for (a hostile file: thousands sharing a first byte, each position
+// compared against all of them); its first error ends the encoding.
+TEST(HfTokenizerTest, EncodeCheckBoundsTheWork) {
+  Json j = MiniTokenizer();
+  for (int i = 0; i < 4000; ++i) {
+    j["added_tokens"].push_back({{"id", 400 + i},
+                                 {"content", absl::StrCat("a", i, "~")},
+                                 {"special", false},
+                                 {"normalized", false}});
+  }
+  auto t = HfTokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  const std::string text(4000, 'a');
+  int calls = 0;
+  auto ok = [&calls] {
+    ++calls;
+    return absl::OkStatus();
+  };
+  auto all = (*t)->EncodeChecked(text, ok);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, *(*t)->Encode(text));
+  EXPECT_GT(calls, 10);  // 4000 positions x 4000 candidates: checked many times
+  calls = 0;
+  auto stop_second = [&calls]() -> absl::Status {
+    return ++calls < 2 ? absl::OkStatus() : absl::DeadlineExceededError("enough");
+  };
+  auto stopped = (*t)->EncodeChecked(text, stop_second);
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kDeadlineExceeded) << stopped.status();
+  EXPECT_EQ(calls, 2);
+  auto before = (*t)->EncodeChecked("ab", [] { return absl::CancelledError("gone"); });
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kCancelled);
 }
 
 void ExpectInvalid(const std::string& json, const std::string& message_part) {

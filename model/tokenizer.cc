@@ -54,7 +54,12 @@ int ValidPrefix(absl::string_view bytes, size_t pos, const LeadInfo& info) {
 // Our own models' tokenizer (byte_tokenizer.h) behind the interface.
 class ByteTokenizerAdapter final : public Tokenizer {
  public:
-  absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text) const override {
+  // Linear in the text (one id per byte): one check is enough.
+  absl::StatusOr<std::vector<int32_t>> EncodeChecked(absl::string_view text,
+                                                     const EncodeCheck& check) const override {
+    if (check) {
+      if (absl::Status s = check(); !s.ok()) return s;
+    }
     if (!IsValidUtf8(text)) return absl::InvalidArgumentError("text is not valid UTF-8");
     return ByteTokenizer::Encode(text, /*add_bos=*/false);
   }

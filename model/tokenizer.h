@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,14 +21,26 @@
 
 namespace fluxion::model {
 
+// A caller's bound on one Encode: called before the work starts and then after every bounded
+// amount of it; the first non-OK status it returns ends the encoding with that status. A server
+// uses it to give up on a text too expensive for its tokenizer (a deadline) or whose client went
+// away. Called on the encoding thread; must be cheap.
+using EncodeCheck = std::function<absl::Status()>;
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
   // The ids of `text`, with no BOS or other template tokens added (HF's
   // `encode(text, add_special_tokens=False)`); special tokens written in the text are matched.
-  // InvalidArgument when `text` is not valid UTF-8.
-  virtual absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text) const = 0;
+  // InvalidArgument when `text` is not valid UTF-8, or when the text cannot be split (a
+  // pre-tokenizer regex that gives up on it).
+  absl::StatusOr<std::vector<int32_t>> Encode(absl::string_view text) const {
+    return EncodeChecked(text, EncodeCheck());
+  }
+  // Encode, bounded by `check` (when set).
+  virtual absl::StatusOr<std::vector<int32_t>> EncodeChecked(absl::string_view text,
+                                                             const EncodeCheck& check) const = 0;
 
   // Appends the bytes id `id` stands for to `out`; they need not be valid UTF-8 on their own (a
   // byte-level token can hold half a character). Ids outside the vocabulary append nothing, as

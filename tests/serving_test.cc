@@ -334,7 +334,7 @@ TEST_F(ServingFailureTest, BadArgumentsAreRejectedWithActionableMessages) {
   {
     // 4096 pages / (6 layers x 4 heads) hold 170 pages per head, 2720 tokens: never admissible.
     auto r = GreedyRequest("huge", std::vector<uint32_t>(3000, 65), 4, "full", "");
-    cases.push_back({"oversize prompt", r, grpc::StatusCode::RESOURCE_EXHAUSTED, "--kv-pages"});
+    cases.push_back({"oversize prompt", r, grpc::StatusCode::OUT_OF_RANGE, "--kv-pages"});
   }
   // A request running meanwhile is unaffected.
   GenerateResult running;

@@ -1,6 +1,6 @@
 // The official `openai` npm SDK against Fluxion's OpenAI-compatible HTTP API (docs/PROTOCOL.md),
-// unchanged: completions and chat, streaming and not, a stop string, a cancelled stream whose KV
-// pages come back, a bad field -> 400, overload -> 429 and 503. Run by tests/openai_e2e_test.cc,
+// unchanged: completions and chat, streaming and not, a stop string, a cancelled stream and an
+// aborted whole completion whose KV pages come back, a bad field -> 400, overload -> 429 and 503. Run by tests/openai_e2e_test.cc,
 // which starts the processes and passes their addresses:
 //   FLUXION_HTTP        the router's HTTP API, e.g. http://127.0.0.1:8000/v1
 //   FLUXION_SHED_HTTP   a router that sheds every request (RESOURCE_EXHAUSTED -> 429)
@@ -167,6 +167,31 @@ check('a cancelled stream ends on the decode node and its pages come back', asyn
   // Bounded (generously) wait for the cancellation to travel router -> decode node; whether it
   // was the cancellation that freed the pages is checked below, not by how fast they came back.
   const deadline = Date.now() + 60000;
+  while (await metric('fluxion_kv_pages_free') !== total && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.equal(await metric('fluxion_kv_pages_free'), total, 'pages still held');
+  assert.equal(await naturalEnds(), endedBefore,
+               'the request ended by itself (stop/length), not by the cancellation');
+});
+
+check('an aborted whole completion ends on the decode node and its pages come back', async () => {
+  // Not streamed: the connection waits for the whole answer with nothing to send, so only the
+  // router's hang-up watcher can notice the client going away.
+  const total = await metric('fluxion_kv_pages_capacity');
+  const naturalEnds = async () => (await metric('fluxion_decode_finished_total{reason="stop"}')) +
+                                  (await metric('fluxion_decode_finished_total{reason="length"}'));
+  const endedBefore = await naturalEnds();
+  const abort = new AbortController();
+  const answer = client.completions.create({ model, prompt, max_tokens: 20000, temperature: 0 },
+                                           { signal: abort.signal });
+  const deadline = Date.now() + 20000;
+  while (await metric('fluxion_decode_requests_running') < 1 && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  assert.equal(await metric('fluxion_decode_requests_running'), 1, 'the request never ran');
+  abort.abort();
+  await assert.rejects(answer, (e) => e instanceof OpenAI.APIUserAbortError);
   while (await metric('fluxion_kv_pages_free') !== total && Date.now() < deadline) {
     await new Promise((r) => setTimeout(r, 50));
   }

@@ -1,0 +1,100 @@
+#include "cluster/openai_call.h"
+
+#include <ctime>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace fluxion::cluster::openai {
+
+absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
+                                 absl::string_view body, const std::string& id,
+                                 const model::EncodeCheck& cancelled) {
+  auto request = ParseRequest(endpoint, body, preparer.parse_limits);
+  if (!request.ok()) return request.status();
+  if (request->model != preparer.model_name) {
+    return WithParam(absl::NotFoundError(absl::StrCat("The model `", request->model,
+                                                      "` does not exist; this server serves `",
+                                                      preparer.model_name, "`")),
+                     "model");
+  }
+  // The timeout bounds the work one request may cost, whatever the tokenizer makes of its text
+  // (a hostile tokenizer.json: a backtracking pattern, hundreds of thousands of added tokens).
+  const absl::Time deadline = absl::Now() + preparer.tokenize_timeout;
+  const model::EncodeCheck check = [&cancelled, &preparer, deadline]() -> absl::Status {
+    if (absl::Status s = cancelled(); !s.ok()) return s;
+    if (absl::Now() < deadline) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokenizing the prompt took longer than ",
+        absl::ToInt64Milliseconds(preparer.tokenize_timeout),
+        " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
+        "tokenizer; shorten or change it"));
+  };
+  auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check);
+  if (!generate.ok()) return generate.status();
+  model::StreamDetokenizerOptions detokenizer_options;
+  detokenizer_options.stop = request->stop;
+  auto detokenizer = model::StreamDetokenizer::Create(preparer.tokenizer, detokenizer_options);
+  if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
+  Prepared prepared;
+  prepared.meta = {endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
+  prepared.request = std::move(*request);
+  prepared.generate = std::move(*generate);
+  prepared.detokenizer.emplace(std::move(*detokenizer));
+  return prepared;
+}
+
+void CallState::Cancel(const absl::Status& why) {
+  std::shared_ptr<Exchange> exchange;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!why_.ok() || detached_) return;
+    why_ = why;
+    exchange = exchange_;
+  }
+  if (exchange != nullptr) exchange->Abandon(why);
+}
+
+absl::Status CallState::CancelledWhy() const {
+  absl::MutexLock lock(&mu_);
+  return why_;
+}
+
+void CallState::Finish(const absl::Status& prepared,
+                       const std::function<std::shared_ptr<Exchange>()>& start) {
+  absl::MutexLock lock(&mu_);
+  if (!prepared.ok()) {
+    outcome_ = prepared;
+  } else if (!why_.ok()) {
+    outcome_ = why_;
+  } else {
+    exchange_ = start();
+    outcome_ = exchange_;
+  }
+  if (suspended_ && !detached_) {
+    suspended_ = false;
+    resume_();
+  }
+}
+
+std::optional<CallState::Outcome> CallState::OutcomeOrSuspend(
+    const std::function<void()>& suspend) {
+  absl::MutexLock lock(&mu_);
+  if (outcome_.has_value()) return outcome_;
+  suspend();
+  suspended_ = true;
+  return std::nullopt;
+}
+
+void CallState::Detach() {
+  std::shared_ptr<Exchange> exchange;
+  {
+    absl::MutexLock lock(&mu_);
+    detached_ = true;
+    if (why_.ok()) why_ = absl::CancelledError("the HTTP request ended");
+    exchange = std::move(exchange_);
+  }
+  if (exchange != nullptr) exchange->Cancel();
+}
+
+}  // namespace fluxion::cluster::openai
