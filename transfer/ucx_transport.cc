@@ -13,6 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "transfer/descriptor_check.h"
@@ -25,6 +27,34 @@ namespace fluxion::transfer {
 namespace {
 
 using internal::MetricsRecorder;
+
+// UCX 1.13's new protocol layer (UCX_PROTO_ENABLE=y, off by default in 1.13) sends a short active
+// message with UCP_AM_SEND_FLAG_REPLY and a user header as four iovs out of a three-element stack
+// array (ucp_am_eager_short_proto_progress_common in src/ucp/am/eager_single.c; upstream has four
+// elements): every fence and ack smashes the sender's stack. So with that UCX, refuse to start
+// rather than crash at the first fence (or let any peer crash a target by sending fences).
+absl::Status CheckProtocolSelection(const ucp_config_t* config) {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major > 1 || (major == 1 && minor >= 14)) return absl::OkStatus();
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) return absl::InternalError("open_memstream failed");
+  ucp_config_print(config, stream, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  fclose(stream);
+  const std::string printed(text, size);
+  free(text);
+  for (absl::string_view line : absl::StrSplit(printed, '\n')) {
+    if (!absl::ConsumePrefix(&line, "UCX_PROTO_ENABLE=")) continue;
+    if (line == "n" || line == "no" || line == "off" || line == "0") return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX_PROTO_ENABLE=", line, " is not supported with UCX ", major, ".", minor, ".", release,
+        ": its new protocol layer overflows a stack buffer sending the active messages that "
+        "acknowledge KV writes (fixed in later UCX); unset it"));
+  }
+  return absl::OkStatus();
+}
 
 class UcxTransportImpl;
 
@@ -256,6 +286,7 @@ absl::Status UcxTransportImpl::Init() {
           absl::StrCat("UCX setting ", key, "=", value, ": ", ucs_status_string(s)));
     }
   }
+  if (absl::Status s = CheckProtocolSelection(config.get()); !s.ok()) return s;
   absl::StatusOr<landing::Token> stream = landing::NewToken();
   if (!stream.ok()) return stream.status();
   std::memcpy(&stream_, stream->data(), sizeof(stream_));
