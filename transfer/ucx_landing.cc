@@ -100,26 +100,27 @@ void LandingTable::Sweep(absl::Time now) {
   });
 }
 
-LandingTable::Tally& LandingTable::TallyFor(const BatchKey& key, absl::Time now) {
+LandingTable::Tally* LandingTable::TallyFor(const BatchKey& key, absl::Time now) {
   auto it = tallies_.find(key);
   if (it == tallies_.end()) {
     if (tallies_.size() >= options_.max_batches) {
-      // Evict the least recently touched eighth of the idle tallies. Some are always idle:
-      // receives in flight (each pins one tally) are capped far below max_batches.
+      // Evict the least recently touched eighth of the idle tallies (receives in flight pin
+      // theirs; with max_receives below max_batches some are always idle).
       std::vector<std::pair<absl::Time, BatchKey>> idle;
       for (const auto& [k, t] : tallies_) {
         if (t.in_flight == 0) idle.emplace_back(t.touched, k);
       }
-      const size_t n = std::max<size_t>(1, std::min(idle.size(), options_.max_batches / 8));
+      if (idle.empty()) return nullptr;
+      const size_t n = std::clamp<size_t>(options_.max_batches / 8, 1, idle.size());
       std::nth_element(idle.begin(), idle.begin() + (n - 1), idle.end());
-      for (size_t i = 0; i < n && i < idle.size(); ++i) tallies_.erase(idle[i].second);
+      for (size_t i = 0; i < n; ++i) tallies_.erase(idle[i].second);
       LogRateLimited(absl::StrCat("landing batch table full (", options_.max_batches,
                                   "): evicted ", n, " idle batches"));
     }
     it = tallies_.emplace(key, Tally{}).first;
   }
   it->second.touched = now;
-  return it->second;
+  return &it->second;
 }
 
 void LandingTable::Refuse(Tally* tally, Refusal why, const landing::WriteHeader* h,
@@ -170,7 +171,12 @@ ucs_status_t LandingTable::Write(const void* header, size_t header_length, void*
     Refuse(nullptr, Refusal::kMalformed, nullptr, length);
     return UCS_OK;
   }
-  Tally& tally = TallyFor({h->stream, h->batch}, absl::Now());
+  Tally* const found = TallyFor({h->stream, h->batch}, absl::Now());
+  if (found == nullptr) {
+    Refuse(nullptr, Refusal::kTableFull, &*h, length);
+    return UCS_OK;
+  }
+  Tally& tally = *found;
   auto it = landings_.find(h->token);
   if (it == landings_.end()) {
     Refuse(&tally, Refusal::kUnknownToken, &*h, length);

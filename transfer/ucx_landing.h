@@ -119,8 +119,9 @@ class LandingTable {
                      bool rendezvous) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*worker_mu_);
   void Fence(const void* header, size_t header_length, size_t length,
              const ucp_am_recv_param_t* param) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*worker_mu_);
-  // The batch's tally, created if new (evicting idle ones when full).
-  Tally& TallyFor(const BatchKey& key, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*worker_mu_);
+  // The batch's tally, created if new (evicting idle ones when full); null when the table is full
+  // of batches with receives in flight.
+  Tally* TallyFor(const BatchKey& key, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*worker_mu_);
   void Refuse(Tally* tally, landing::Refusal why, const landing::WriteHeader* h, size_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(*worker_mu_);
   // LOG(WARNING) at most once a second; the rest are counted and reported with the next one.
