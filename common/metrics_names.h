@@ -47,6 +47,7 @@ inline constexpr char kSparseGuardAdjustmentsTotal[] = "fluxion_sparse_guard_adj
 inline constexpr char kTransferBytesTotal[] = "fluxion_transfer_bytes_total";
 inline constexpr char kTransferSeconds[] = "fluxion_transfer_seconds";
 inline constexpr char kTransferFailuresTotal[] = "fluxion_transfer_failures_total";
+inline constexpr char kTransferLandingRefusedTotal[] = "fluxion_transfer_landing_refused_total";
 
 // Prefill node.
 inline constexpr char kPrefillRequestsQueued[] = "fluxion_prefill_requests_queued";

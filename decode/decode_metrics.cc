@@ -192,6 +192,13 @@ void DecodeNodeMetrics::Attach(const DecodeServiceImpl* service, const BatchSche
   counter(names::kDecodePreemptionsTotal,
           "Requests ended to free KV pages for older ones (the youngest-first rule).", {},
           [scheduler] { return static_cast<double>(scheduler->preempted()); });
+  counter(names::kTransferLandingRefusedTotal,
+          "Peers' KV write messages this node refused before touching memory: a key revoked or "
+          "never issued here, a range outside its registration, a malformed message (a stale, "
+          "buggy or hostile writer).",
+          {}, [service] {
+            return static_cast<double>(service->metrics().transport.landing_refused);
+          });
 }
 
 void DecodeNodeMetrics::Detach() {

@@ -2,9 +2,9 @@
 // One process holds a decode-side transport (the arena, registered whole once, as `fluxion
 // decode` does) and a prefill-side transport. Per iteration, as the served path does:
 //   decode: reserve the request's pages, split off the sparse-state room, register each run
-//           (ucp_mem_map of a sub-range + rkey pack) and describe it;
-//   prefill: connect once per range (rkey unpack + the transport's round-trip probe);
-//   both: drop the targets, revoke the keys (ucp_mem_unmap), free the pages.
+//           (ucp_mem_map of a sub-range + a landing token) and describe it;
+//   prefill: connect once per range (descriptor checks; the endpoint's round trip only once);
+//   both: drop the targets, revoke the keys (landing closed, ucp_mem_unmap), free the pages.
 // and, for comparison, the one connect with the arena-wide key the old path made per request.
 //   reservation_key_bench --tls=tcp|sm [--iters=200] [--kv-pages=1536] [--state-pages=96]
 #include <algorithm>

@@ -55,7 +55,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   int64_t page_tokens = 16, kv_pages = 65536, headroom_tokens = 64, max_waiting = 64;
   int64_t admission_timeout_ms = 10000, prefill_timeout_ms = 120000, abort_wait_ms = 2000;
   int64_t quarantine_ms = 30000, drain_timeout_ms = 30000, step_delay_ms = 0;
-  bool huge_pages = true, arena_from_transport = false;
+  bool huge_pages = true;
   transfer::UcxFlags ucx;
   FlagSet flags("fluxion decode",
                 "Serves fluxion.v1.DecodeService: admits requests into a host KV arena that "
@@ -183,10 +183,6 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
             "fault injection for tests: sleep after each decode step (a lower bound on a "
             "request's decode time that no machine beats)");
   flags.Bool("huge-pages", &huge_pages, "back the arena with huge pages when available");
-  flags.Bool("arena-from-transport", &arena_from_transport,
-             "allocate the arena through UCX (a shared-memory segment peers on this host map and "
-             "write directly: ~1.7x faster than emulated puts into our own mapping, "
-             "docs/TRANSFER.md) instead of mmap with huge pages");
   ucx.Register(flags);
   serving::ServerTlsOptions tls;
   serving::RegisterServerTlsFlags(flags, &tls);
@@ -308,33 +304,18 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     std::cerr << "error: cannot start UCX: " << transport.status() << "\n";
     return 1;
   }
-  // The arena is registered once; its descriptor (worker address, packed key) goes into every
-  // Prefill request.
-  std::unique_ptr<KvArena> arena;
-  absl::StatusOr<std::unique_ptr<transfer::Registration>> registration;
-  if (arena_from_transport) {
-    registration = (*transport)->Allocate(kv_shape.page_bytes() * kv_pages, {true});
-    if (registration.ok()) {
-      const transfer::MemoryRegion region = (*registration)->region();
-      auto over = KvArena::Over(static_cast<uint8_t*>(region.addr), region.length,
-                                kv_shape.page_bytes());
-      if (!over.ok()) {
-        std::cerr << "error: KV arena over UCX memory: " << over.status() << "\n";
-        return 1;
-      }
-      arena = std::move(*over);
-    }
-  } else {
-    KvArenaOptions arena_options;
-    arena_options.huge_pages = huge_pages;
-    auto created = KvArena::Create(kv_shape.page_bytes(), kv_pages, arena_options);
-    if (!created.ok()) {
-      std::cerr << "error: KV arena of " << kv_pages << " pages: " << created.status() << "\n";
-      return 1;
-    }
-    arena = std::move(*created);
-    registration = (*transport)->Register({arena->base(), arena->bytes()}, {true});
+  // The arena is registered once; its descriptor gives every Prefill request the worker address
+  // and the arena's base (the writable ranges are the reservation's own registrations).
+  KvArenaOptions arena_options;
+  arena_options.huge_pages = huge_pages;
+  auto created = KvArena::Create(kv_shape.page_bytes(), kv_pages, arena_options);
+  if (!created.ok()) {
+    std::cerr << "error: KV arena of " << kv_pages << " pages: " << created.status() << "\n";
+    return 1;
   }
+  std::unique_ptr<KvArena> arena = std::move(*created);
+  absl::StatusOr<std::unique_ptr<transfer::Registration>> registration =
+      (*transport)->Register({arena->base(), arena->bytes()}, {true});
   if (!registration.ok()) {
     std::cerr << "error: registering the KV arena: " << registration.status() << "\n";
     return 1;

@@ -26,7 +26,7 @@ std::string TinyModelDir() {
 }
 
 std::vector<std::string> UcxArgs(const std::string& tls) {
-  if (tls == "sm" || tls == "sm_alloc") {
+  if (tls == "sm") {
     return {"--ucx-tls", "sm,self", "--noucx-peer-error-handling"};
   }
   return {"--ucx-tls", "tcp", "--ucx-net-devices", "lo"};

@@ -4,7 +4,9 @@
 // recording prefill node the decode node trusts hands it over). The attacker re-targets the
 // captured request -- one range widened to the whole arena, one moved beyond it, the seal
 // stripped -- and sends it to the real prefill node while another request decodes. Each must be
-// refused (PERMISSION_DENIED) before anything is written: the decoding request's tokens equal an
+// refused (PERMISSION_DENIED) before anything is written. The captured request replayed as it is
+// (a valid seal the prefill node never saw) after its reservation ended must fail at the decode
+// node, whose landings for it are revoked. Throughout, the decoding request's tokens equal an
 // undisturbed run's, and both nodes keep serving.
 #include <algorithm>
 #include <atomic>
@@ -137,7 +139,12 @@ TEST_P(ServingForgeryTest, RetargetedCapturedRequestsAreRefusedAndWriteNothing) 
   unsealed.clear_seal();
   forgeries.emplace_back("unsealed", unsealed);
 
-  // The same request again, with the forgeries sent while it decodes.
+  // The captured request itself, seal intact, replayed after its reservation ended (the recorder
+  // answered, so the decode node revoked its keys and its pages went to the decoding request).
+  // The seal is valid and this prefill node never saw it, so it acts on it; the decode node
+  // refuses every write to the revoked landings, and the call fails.
+  const v1::PrefillRequest stale = *captured;
+
   GenerateResult disturbed;
   std::atomic<bool> victim_done{false};
   std::thread victim([&] {
@@ -156,6 +163,8 @@ TEST_P(ServingForgeryTest, RetargetedCapturedRequestsAreRefusedAndWriteNothing) 
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
         << what << ": " << s.error_message();
   }
+  const grpc::Status stale_status = SendPrefill(prefill->address(), stale);
+  EXPECT_FALSE(stale_status.ok()) << "a stale target took the prefill node's writes";
   victim.join();
   ASSERT_TRUE(disturbed.status.ok()) << disturbed.status.error_message() << "\n" << decode->Log();
   EXPECT_EQ(disturbed.tokens, undisturbed.tokens) << "a forged write reached the decoding request";

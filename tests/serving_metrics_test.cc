@@ -243,6 +243,8 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
   EXPECT_GT(Sample(after, "fluxion_decode_step_cpu_seconds_total"), 0);
   EXPECT_GT(Sample(after, "fluxion_transfer_bytes_total{direction=\"received\"}"), 0);
   EXPECT_GE(Sample(after, "fluxion_transfer_seconds_count"), 2);
+  // Every write of an honest prefill node landed inside the request's runs.
+  EXPECT_EQ(Sample(after, "fluxion_transfer_landing_refused_total"), 0);
   EXPECT_GE(Sample(after, "fluxion_sparse_read_fraction_count{policy=\"full\"}"), 2);
   EXPECT_GE(Sample(after, "fluxion_decode_preemptions_total"), 0);
 

@@ -71,7 +71,6 @@ Pair* PairFor(const std::string& tls) {
                                     "--quarantine-ms", "1000", "--admission-timeout-ms", "500",
                                     "--nohuge-pages", "--test-step-delay-ms", "3"};
   dargs.insert(dargs.end(), ucx.begin(), ucx.end());
-  if (tls == "sm_alloc") dargs.push_back("--arena-from-transport");
   pair->decode = ServerProcess::Start("decode", dargs);
   if (pair->decode == nullptr) return nullptr;
   pair->client = std::make_unique<DecodeClient>(pair->decode->address());
@@ -222,8 +221,7 @@ TEST_P(ServingTest, RequestsWithDifferentPoliciesBatchTogether) {
   EXPECT_LE(results[1].complete.read_fraction(), 1.0f);
 }
 
-// sm_alloc: shared memory into a decode arena allocated by UCX (--arena-from-transport).
-INSTANTIATE_TEST_SUITE_P(Ucx, ServingTest, ::testing::Values("tcp", "sm", "sm_alloc"),
+INSTANTIATE_TEST_SUITE_P(Ucx, ServingTest, ::testing::Values("tcp", "sm"),
                          [](const auto& info) { return info.param; });
 
 // Failure behaviour, over TCP (the configuration with UCX peer-error handling).

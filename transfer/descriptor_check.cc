@@ -77,8 +77,6 @@ constexpr size_t kIfaceAttrBytesV2 = 8;
 // UCP_MAX_RESOURCES, UCP_MD_INDEX_BITS.
 constexpr size_t kMaxResources = 128;
 constexpr uint32_t kMdIndexBits = 64;
-// UCS_MEMORY_TYPE_HOST.
-constexpr uint8_t kMemoryTypeHost = 0;
 
 // Bounded reader over a UCX blob: every read checks the remaining length, and errors name the
 // offset, so that a refusal says where the blob went wrong.
@@ -408,46 +406,6 @@ absl::Status ValidateUcxWorkerAddress(absl::string_view blob,
     }
   }
   return absl::OkStatus();
-}
-
-// --- UCX remote key ---------------------------------------------------------------------------
-
-absl::Status ValidateUcxRemoteKey(absl::string_view blob) {
-  return ParseUcxRemoteKey(blob).status();
-}
-
-absl::StatusOr<std::vector<UcxKeyRecord>> ParseUcxRemoteKey(absl::string_view blob) {
-  if (blob.size() > kMaxUcxRemoteKeyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("UCX remote key has ", blob.size(),
-                                                   " bytes (at most ", kMaxUcxRemoteKeyBytes,
-                                                   ")"));
-  }
-  Cursor c("UCX remote key", blob);
-  absl::string_view map_bytes;
-  FLUXION_RETURN_IF_ERROR(c.Bytes("md map", 8, &map_bytes));
-  const uint64_t md_map = GetLe(map_bytes.data(), 8);
-  uint8_t mem_type;
-  FLUXION_RETURN_IF_ERROR(c.U8("memory type", &mem_type));
-  if (mem_type != kMemoryTypeHost) {
-    return c.Error(absl::StrCat("memory type ", mem_type, " (only host memory, 0, is registered)"));
-  }
-  std::vector<UcxKeyRecord> records;
-  for (uint32_t md = 0; md < kMdIndexBits; ++md) {
-    if (!(md_map & (uint64_t{1} << md))) continue;
-    uint8_t size;
-    FLUXION_RETURN_IF_ERROR(c.U8(absl::StrCat("key size of md ", md), &size));
-    UcxKeyRecord r;
-    r.md_index = md;
-    FLUXION_RETURN_IF_ERROR(c.Bytes(absl::StrCat("key of md ", md), size, &r.bytes));
-    records.push_back(r);
-  }
-  // UCX appends a system device and its distance records only for memory attached to a device
-  // (ucp_rkey_pack_common: mem_info.sys_dev known); host memory has none, so nothing may follow.
-  if (c.left() != 0) {
-    return c.Error(absl::StrCat(c.left(), " trailing bytes (a host-memory key has no ",
-                                "system-device trailer)"));
-  }
-  return records;
 }
 
 }  // namespace fluxion::transfer

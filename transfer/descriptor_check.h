@@ -7,10 +7,11 @@
 //   2. The blob envelope (WrapBlob/UnwrapBlob): our own framing around the opaque worker address
 //      and remote key (magic, version, field, length, the key's scope, CRC-32C), so that a
 //      corrupted blob is refused before the transport library parses it.
-//   3. Structural checks of UCX 1.13's packed worker address and packed remote key
-//      (ValidateUcxWorkerAddress / ValidateUcxRemoteKey): a bounded re-implementation of the
-//      grammar ucp_address_unpack() and ucp_ep_rkey_unpack() walk without any length, so no
-//      byte string that passes can make them read past the blob or hit an assertion.
+//   3. Structural checks of UCX 1.13's packed worker address (ValidateUcxWorkerAddress): a
+//      bounded re-implementation of the grammar ucp_address_unpack() walks without any length, so
+//      no byte string that passes can make it read past the blob or hit an assertion. (The UCX
+//      transport's remote key is its own landing key, transfer/landing_wire.h: UCX never parses
+//      it.)
 // docs/TRANSFER.md ("Validating peer descriptors") gives the formats and the reasons for each
 // limit. Thread-safe: pure functions.
 #ifndef FLUXION_TRANSFER_DESCRIPTOR_CHECK_H_
@@ -41,8 +42,8 @@ inline constexpr size_t kMaxModelIdBytes = 1024;
 // under 200 bytes and a 16-NIC RDMA host stays under 2 KiB. UCX itself caps an address at
 // UCP_MAX_RESOURCES (128) resources.
 inline constexpr size_t kMaxUcxWorkerAddressBytes = 8192;
-// A packed rkey is 9 bytes plus one (size byte + at most 255 bytes) per memory domain, at most
-// 64 domains (UCP_MD_INDEX_BITS) and a distance trailer; real keys here are 9-60 bytes.
+// The UCX transport's remote-key payload: a landing key, 24 bytes (transfer/landing_wire.h).
+// The field limit stays generous so that the format can grow without changing it.
 inline constexpr size_t kMaxUcxRemoteKeyBytes = 4096;
 // Whole envelopes: payload plus framing.
 inline constexpr size_t kEnvelopeOverheadBytes = 32;
@@ -126,24 +127,6 @@ absl::StatusOr<std::vector<UcxAddressRecord>> ParseUcxWorkerAddress(absl::string
 // are checked for bounds only (UCX ignores them).
 absl::Status ValidateUcxWorkerAddress(absl::string_view blob,
                                       const std::vector<UcxAddressRecord>& local);
-
-// The structure of a UCX 1.13 packed remote key (ucp_rkey_pack()):
-//   md_map u64 | mem_type u8 | per set bit of md_map: size u8, size bytes |
-//   [sys_dev u8, 3-byte distance records: only for device memory]
-// Refuses a key whose per-domain sizes run past the blob, a memory type other than host (we only
-// register host memory) and any trailing byte (host memory has no system-device trailer). An
-// empty md map is valid: it is what UCX packs when no memory domain registered the memory (TCP
-// only), and puts are then emulated.
-absl::Status ValidateUcxRemoteKey(absl::string_view blob);
-
-// One memory domain's record of a packed remote key.
-struct UcxKeyRecord {
-  uint32_t md_index = 0;   // the peer's memory domain index (as in its worker address records)
-  absl::string_view bytes;  // the transport's packed key, pointing into the blob
-};
-
-// The per-domain records of a key that passed ValidateUcxRemoteKey.
-absl::StatusOr<std::vector<UcxKeyRecord>> ParseUcxRemoteKey(absl::string_view blob);
 
 // Extra zero bytes appended to every UCX blob we hand to UCX (not part of the blob). UCX's
 // transports read fixed-size structures out of address and key records, sized by what they pack

@@ -1,8 +1,10 @@
 // Unit tests of the descriptor checks (transfer/descriptor_check.h) on hand-made input: field
-// limits, the envelope, key scope, and the UCX 1.13 address/key grammars (with blobs built here
-// byte by byte; transfer/ucx_blob_test.cc runs the same checks on this host's real UCX blobs).
+// limits, the envelope, key scope, the UCX 1.13 address grammar (with blobs built here byte by
+// byte; transfer/ucx_blob_test.cc runs the same checks on this host's real UCX blobs), and the
+// landing key and message formats (transfer/landing_wire.h).
 #include "transfer/descriptor_check.h"
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +14,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transfer/landing_wire.h"
 
 namespace fluxion::transfer {
 namespace {
@@ -282,41 +285,106 @@ TEST(UcxWorkerAddressTest, RecordsOfKnownTransportsMustBeAsLongAsOurs) {
   EXPECT_TRUE(ValidateUcxWorkerAddress(V1Address({Tl{0x9999, 0}}, 1, 0), local).ok());
 }
 
-// --- UCX 1.13 remote keys ---------------------------------------------------------------------
+// --- Landing keys and messages (transfer/landing_wire.h) ----------------------------------------
 
-std::string Key(uint64_t md_map, const std::vector<std::string>& records, uint8_t mem = 0) {
-  std::string k;
-  for (int i = 0; i < 8; ++i) k.push_back(static_cast<char>((md_map >> (8 * i)) & 0xff));
-  k.push_back(static_cast<char>(mem));
-  for (const std::string& r : records) {
-    k.push_back(static_cast<char>(r.size()));
-    k.append(r);
+landing::Token SomeToken() {
+  landing::Token t;
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(0xa0 + i);
+  return t;
+}
+
+TEST(LandingWireTest, KeyRoundTripsAndRefusesAnythingElse) {
+  const std::string key = landing::PackKey(SomeToken());
+  ASSERT_EQ(key.size(), landing::kKeyBytes);
+  absl::StatusOr<landing::Token> t = landing::ParseKey(key);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(*t, SomeToken());
+  for (size_t n = 0; n < key.size(); ++n) EXPECT_FALSE(landing::ParseKey(key.substr(0, n)).ok());
+  EXPECT_FALSE(landing::ParseKey(key + "x").ok());
+  // A packed UCX rkey (what decode nodes sent before landings): refused, saying why.
+  const std::string rkey("\x00\x00\x00\x00\x00\x00\x00\x00\x00", 9);
+  EXPECT_THAT(landing::ParseKey(rkey).status().message(), HasSubstr("upgrade both"));
+  std::string bad = key;
+  bad[4] = 2;
+  EXPECT_THAT(landing::ParseKey(bad).status().message(), HasSubstr("version 2"));
+  bad = key;
+  bad[6] = 1;
+  EXPECT_THAT(landing::ParseKey(bad).status().message(), HasSubstr("reserved"));
+  // Two tokens from the kernel differ.
+  absl::StatusOr<landing::Token> a = landing::NewToken(), b = landing::NewToken();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+}
+
+template <size_t N>
+absl::string_view View(const std::array<uint8_t, N>& a) {
+  return absl::string_view(reinterpret_cast<const char*>(a.data()), N);
+}
+
+TEST(LandingWireTest, HeadersRoundTrip) {
+  const landing::WriteHeaderBytes w =
+      landing::PackWriteHeader({SomeToken(), 0x1122334455667788ull, 42, 0x7f0012345678ull});
+  absl::StatusOr<landing::WriteHeader> wh = landing::ParseWriteHeader(View(w));
+  ASSERT_TRUE(wh.ok()) << wh.status();
+  EXPECT_EQ(wh->token, SomeToken());
+  EXPECT_EQ(wh->stream, 0x1122334455667788ull);
+  EXPECT_EQ(wh->batch, 42u);
+  EXPECT_EQ(wh->remote_addr, 0x7f0012345678ull);
+
+  const landing::FenceHeaderBytes f = landing::PackFenceHeader({7, 9, 1000, 8192000});
+  absl::StatusOr<landing::FenceHeader> fh = landing::ParseFenceHeader(View(f));
+  ASSERT_TRUE(fh.ok()) << fh.status();
+  EXPECT_EQ(fh->stream, 7u);
+  EXPECT_EQ(fh->batch, 9u);
+  EXPECT_EQ(fh->messages, 1000u);
+  EXPECT_EQ(fh->bytes, 8192000u);
+
+  landing::Ack ack;
+  ack.stream = 7;
+  ack.batch = 9;
+  ack.accepted = 998;
+  ack.accepted_bytes = 8175616;
+  ack.refused = 2;
+  ack.in_flight = 1;
+  ack.first_refusal = landing::Refusal::kOutOfRange;
+  const landing::AckBytes ab = landing::PackAck(ack);
+  absl::StatusOr<landing::Ack> back = landing::ParseAck(View(ab));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->accepted, 998u);
+  EXPECT_EQ(back->accepted_bytes, 8175616u);
+  EXPECT_EQ(back->refused, 2u);
+  EXPECT_EQ(back->in_flight, 1u);
+  EXPECT_EQ(back->first_refusal, landing::Refusal::kOutOfRange);
+}
+
+// What a hostile peer can send the target's handler: every size but the exact one, every flipped
+// framing byte, a swapped message kind: refused, never read past.
+TEST(LandingWireTest, HeadersRefuseEverySizeAndFramingError) {
+  const landing::WriteHeaderBytes w = landing::PackWriteHeader({SomeToken(), 1, 2, 0x10000});
+  const std::string good(View(w));
+  for (size_t n = 0; n <= good.size() + 16; ++n) {
+    if (n == good.size()) continue;
+    std::string b = good;
+    b.resize(n, '\0');
+    EXPECT_FALSE(landing::ParseWriteHeader(b).ok()) << n;
   }
-  return k;
-}
-
-TEST(UcxRemoteKeyTest, ParsesRecordsPerMemoryDomain) {
-  EXPECT_TRUE(ValidateUcxRemoteKey(Key(0, {})).ok());  // TCP only: no domain registered it
-  const std::string key = Key(0b1010, {"", std::string(12, 's')});
-  auto r = ParseUcxRemoteKey(key);  // records point into `key`
-  ASSERT_TRUE(r.ok()) << r.status();
-  ASSERT_EQ(r->size(), 2u);
-  EXPECT_EQ((*r)[0].md_index, 1u);
-  EXPECT_EQ((*r)[0].bytes.size(), 0u);
-  EXPECT_EQ((*r)[1].md_index, 3u);
-  EXPECT_EQ((*r)[1].bytes, std::string(12, 's'));
-  // The top domain (63) is a valid index.
-  EXPECT_TRUE(ValidateUcxRemoteKey(Key(uint64_t{1} << 63, {"x"})).ok());
-}
-
-TEST(UcxRemoteKeyTest, RefusesMalformedKeys) {
-  const std::string good = Key(0b11, {"ab", "cdef"});
-  for (size_t n = 0; n < good.size(); ++n) EXPECT_FALSE(ValidateUcxRemoteKey(good.substr(0, n)).ok());
-  EXPECT_THAT(ValidateUcxRemoteKey(good + "z").message(), HasSubstr("trailing"));
-  EXPECT_THAT(ValidateUcxRemoteKey(Key(0b11, {"ab"})).message(), HasSubstr("truncated"));
-  EXPECT_THAT(ValidateUcxRemoteKey(Key(0, {}, 1)).message(), HasSubstr("memory type 1"));
-  EXPECT_THAT(ValidateUcxRemoteKey(Key(~uint64_t{0}, {})).message(), HasSubstr("truncated"));
-  EXPECT_FALSE(ValidateUcxRemoteKey(std::string(kMaxUcxRemoteKeyBytes + 1, '\0')).ok());
+  for (size_t i = 0; i < 8; ++i) {  // magic, version, reserved
+    std::string b = good;
+    b[i] = static_cast<char>(b[i] ^ 0x10);
+    EXPECT_FALSE(landing::ParseWriteHeader(b).ok()) << i;
+  }
+  // A fence is not a write, nor an ack.
+  const landing::FenceHeaderBytes f = landing::PackFenceHeader({1, 2, 3, 4});
+  std::string fence(View(f));
+  EXPECT_FALSE(landing::ParseWriteHeader(fence).ok());
+  EXPECT_FALSE(landing::ParseAck(fence).ok());
+  // An ack with an unknown refusal code or non-zero reserved tail.
+  landing::AckBytes ab = landing::PackAck({});
+  ab[56] = 9;
+  EXPECT_FALSE(landing::ParseAck(View(ab)).ok());
+  ab = landing::PackAck({});
+  ab[63] = 1;
+  EXPECT_FALSE(landing::ParseAck(View(ab)).ok());
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Writes the seed corpus of transfer/descriptor_fuzz.cc: real serialized descriptors of this
-// host's UCX (TCP on lo, shared memory, a registered and an allocated region) and loopback, and
-// the raw UCX worker addresses and keys inside them. Not a test; run by hand when the formats
-// change:  descriptor_corpus_tool tests/fuzz/corpus/descriptor_fuzz
+// host's UCX (TCP on lo, shared memory) and loopback, the raw UCX worker addresses and keys inside
+// them, and one header of each landing message. Not a test; run by hand when the formats change:
+//   descriptor_corpus_tool tests/fuzz/corpus/descriptor_fuzz
+#include <array>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "transfer/descriptor_check.h"
+#include "transfer/landing_wire.h"
 #include "transfer/loopback_transport.h"
 #include "transfer/transport.h"
 #include "transfer/ucx_transport.h"
@@ -37,19 +39,36 @@ t::CompatibilityRecord Compat() {
 void Seeds(const std::string& dir, const std::string& tag, t::Transport& transport) {
   std::vector<char> arena(1 << 16);
   auto reg = transport.Register({arena.data(), arena.size()});
-  auto alloc = transport.Allocate(1 << 16);
-  for (auto* r : {&reg, &alloc}) {
-    if (!r->ok()) continue;
-    const std::string which = r == &reg ? "registered" : "allocated";
-    t::PeerDescriptor d = *(**r)->Describe();
-    Write(dir, tag + "-" + which + "-descriptor", t::SerializeDescriptor(d));
-    auto a = t::UnwrapBlob(t::BlobField::kWorkerAddress, d.worker_address,
-                           t::kMaxUcxWorkerAddressBytes);
-    auto k = t::UnwrapBlob(t::BlobField::kRemoteKey, d.remote_key, t::kMaxUcxRemoteKeyBytes);
-    if (which == "registered") Write(dir, tag + "-worker-address", a->payload);
-    Write(dir, tag + "-" + which + "-rkey", k->payload);
-    Write(dir, tag + "-" + which + "-rkey-envelope", d.remote_key);
-  }
+  if (!reg.ok()) return;
+  t::PeerDescriptor d = *(*reg)->Describe();
+  Write(dir, tag + "-descriptor", t::SerializeDescriptor(d));
+  auto a = t::UnwrapBlob(t::BlobField::kWorkerAddress, d.worker_address,
+                         t::kMaxUcxWorkerAddressBytes);
+  auto k = t::UnwrapBlob(t::BlobField::kRemoteKey, d.remote_key, t::kMaxUcxRemoteKeyBytes);
+  Write(dir, tag + "-worker-address", a->payload);
+  Write(dir, tag + "-key", k->payload);
+  Write(dir, tag + "-key-envelope", d.remote_key);
+}
+
+template <size_t N>
+std::string Bytes(const std::array<uint8_t, N>& a) {
+  return std::string(reinterpret_cast<const char*>(a.data()), N);
+}
+
+void LandingSeeds(const std::string& dir) {
+  t::landing::Token token;
+  for (size_t i = 0; i < token.size(); ++i) token[i] = static_cast<uint8_t>(i * 17 + 3);
+  Write(dir, "landing-write-header",
+        Bytes(t::landing::PackWriteHeader({token, 0x5eed, 7, 0x7f0000001000})));
+  Write(dir, "landing-fence-header", Bytes(t::landing::PackFenceHeader({0x5eed, 7, 128, 1 << 20})));
+  t::landing::Ack ack;
+  ack.stream = 0x5eed;
+  ack.batch = 7;
+  ack.accepted = 126;
+  ack.accepted_bytes = 126 * 8192;
+  ack.refused = 2;
+  ack.first_refusal = t::landing::Refusal::kUnknownToken;
+  Write(dir, "landing-ack", Bytes(t::landing::PackAck(ack)));
 }
 
 }  // namespace
@@ -81,5 +100,6 @@ int main(int argc, char** argv) {
   }
   t::LoopbackTransport loopback({"decode-seed", Compat()});
   Seeds(dir, "loopback", loopback);
+  LandingSeeds(dir);
   return 0;
 }

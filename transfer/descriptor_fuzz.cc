@@ -1,15 +1,17 @@
 // libFuzzer target for the descriptor handshake: everything a Prefill request's KvTarget hands
 // the prefill node before UCX sees a byte (transfer/descriptor_check.h). Pure: no UCX context.
 //
-// Each input goes three ways:
+// Each input goes four ways:
 //   1. as a serialized descriptor (ParseDescriptor), then every check Connect() makes in order;
-//   2. as a raw UCX worker address and a raw UCX remote key, so that the fuzzer reaches the UCX
+//   2. as a raw UCX worker address and a raw landing key, so that the fuzzer reaches those
 //      grammars without forging CRC-32Cs;
-//   3. as an envelope (UnwrapBlob).
+//   3. as an envelope (UnwrapBlob);
+//   4. as the header of each landing message a target or writer parses (write, fence, ack:
+//      transfer/landing_wire.h), which any peer can send.
 // Invariants (a violation traps): what parses re-serializes to the same bytes, and an unwrapped
 // envelope re-wraps to the same bytes. Seeds: tests/fuzz/corpus/descriptor_fuzz/ (real
-// descriptors and blobs of this host's UCX, written by transfer/descriptor_corpus_tool.cc).
-// The shared-memory key checks in ucx_transport.cc make syscalls and are not fuzzed here.
+// descriptors and blobs of this host's UCX and landing headers, written by
+// transfer/descriptor_corpus_tool.cc).
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -17,6 +19,7 @@
 
 #include "absl/strings/string_view.h"
 #include "transfer/descriptor_check.h"
+#include "transfer/landing_wire.h"
 #include "transfer/transport.h"
 
 namespace {
@@ -48,7 +51,7 @@ void CheckDescriptor(const t::PeerDescriptor& d) {
     Require(t::WrapBlob(BlobField::kRemoteKey, key->payload, key->scope_base,
                         key->scope_length) == d.remote_key);
     (void)t::CheckKeyScope(d, *key);
-    (void)t::ParseUcxRemoteKey(key->payload);
+    (void)t::landing::ParseKey(key->payload);
   }
 }
 
@@ -69,11 +72,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   (void)t::ValidateUcxWorkerAddress(in, LocalRecords());
-  if (auto key = t::ParseUcxRemoteKey(in); key.ok()) {
-    for (const t::UcxKeyRecord& r : *key) {
-      Require(r.bytes.data() >= in.data() && r.bytes.data() + r.bytes.size() <= in.data() + size);
-    }
+  if (auto token = t::landing::ParseKey(in); token.ok()) {
+    Require(t::landing::PackKey(*token) == in);
   }
+  const auto same = [&](const auto& packed) {
+    return absl::string_view(reinterpret_cast<const char*>(packed.data()), packed.size()) == in;
+  };
+  if (auto w = t::landing::ParseWriteHeader(in); w.ok()) {
+    Require(same(t::landing::PackWriteHeader(*w)));
+  }
+  if (auto f = t::landing::ParseFenceHeader(in); f.ok()) {
+    Require(same(t::landing::PackFenceHeader(*f)));
+  }
+  if (auto a = t::landing::ParseAck(in); a.ok()) Require(same(t::landing::PackAck(*a)));
 
   for (BlobField f : {BlobField::kWorkerAddress, BlobField::kRemoteKey}) {
     if (auto u = t::UnwrapBlob(f, in, t::kMaxUcxWorkerAddressBytes); u.ok()) {

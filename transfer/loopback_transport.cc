@@ -20,7 +20,8 @@ namespace loopback_internal {
 // that connected to it, so that a peer outliving it finds it gone instead of dangling.
 class Core {
  public:
-  Core(uint64_t id, std::string name) : id_(id), name_(std::move(name)) {}
+  Core(uint64_t id, std::string name, std::shared_ptr<internal::MetricsRecorder> metrics)
+      : id_(id), name_(std::move(name)), metrics_(std::move(metrics)) {}
 
   uint64_t id() const { return id_; }
   const std::string& name() const { return name_; }
@@ -130,19 +131,22 @@ class Core {
     for (const BlockCopy& op : ops) {
       absl::Status s = CheckLocked(reg, op.remote_addr, op.length);
       if (!s.ok()) {
-        state.Complete(s);
+        for (size_t i = 0; i < ops.size(); ++i) metrics_->AddLandingRefused();
+        state.Complete(absl::FailedPreconditionError(s.message()));
         return;
       }
     }
     for (const BlockCopy& op : ops) {
       std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(op.remote_addr)), op.local_addr,
                   op.length);
+      metrics_->AddLanded(op.length);
     }
     state.Complete(absl::OkStatus());
   }
 
   const uint64_t id_;
   const std::string name_;
+  const std::shared_ptr<internal::MetricsRecorder> metrics_;  // the owning transport's
   absl::Mutex mu_;
   bool alive_ ABSL_GUARDED_BY(mu_) = true;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
@@ -217,14 +221,9 @@ using loopback_internal::Hub;
 
 class LoopbackRegistration final : public Registration {
  public:
-  // `owned`: the memory, when the transport allocated it (Allocate); freed after deregistering.
   LoopbackRegistration(LoopbackTransport* owner, uint64_t id, MemoryRegion region,
-                       bool remote_write, std::unique_ptr<uint8_t[]> owned)
-      : owner_(owner),
-        id_(id),
-        region_(region),
-        remote_write_(remote_write),
-        owned_(std::move(owned)) {}
+                       bool remote_write)
+      : owner_(owner), id_(id), region_(region), remote_write_(remote_write) {}
   ~LoopbackRegistration() override { owner_->Deregister(id_, region_.length); }
 
   MemoryRegion region() const override { return region_; }
@@ -252,13 +251,12 @@ class LoopbackRegistration final : public Registration {
   const uint64_t id_;
   const MemoryRegion region_;
   const bool remote_write_;
-  const std::unique_ptr<uint8_t[]> owned_;
 };
 
 LoopbackTransport::LoopbackTransport(const LoopbackOptions& options)
     : options_(options),
       metrics_(std::make_shared<internal::MetricsRecorder>()),
-      core_(std::make_shared<Core>(GetHub().next_id.fetch_add(1), options.node_name)) {
+      core_(std::make_shared<Core>(GetHub().next_id.fetch_add(1), options.node_name, metrics_)) {
   Hub& hub = GetHub();
   absl::MutexLock lock(&hub.mu);
   hub.cores[core_->id()] = core_;
@@ -286,25 +284,6 @@ LoopbackTransport::~LoopbackTransport() {
 
 absl::StatusOr<std::unique_ptr<Registration>> LoopbackTransport::Register(
     MemoryRegion region, const RegistrationOptions& options) {
-  return RegisterOwned(region, options, nullptr);
-}
-
-absl::StatusOr<std::unique_ptr<Registration>> LoopbackTransport::Allocate(
-    size_t length, const RegistrationOptions& options) {
-  if (length == 0) {
-    metrics_->AddFailure(internal::MetricsRecorder::Failure::kInvalidArgument);
-    return absl::InvalidArgumentError("cannot allocate 0 bytes");
-  }
-  std::unique_ptr<uint8_t[]> memory(new (std::nothrow) uint8_t[length]());
-  if (memory == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", length, " bytes"));
-  }
-  void* addr = memory.get();
-  return RegisterOwned({addr, length}, options, std::move(memory));
-}
-
-absl::StatusOr<std::unique_ptr<Registration>> LoopbackTransport::RegisterOwned(
-    MemoryRegion region, const RegistrationOptions& options, std::unique_ptr<uint8_t[]> owned) {
   if (region.addr == nullptr || region.length == 0) {
     metrics_->AddFailure(internal::MetricsRecorder::Failure::kInvalidArgument);
     return absl::InvalidArgumentError("cannot register a null or empty region");
@@ -316,7 +295,7 @@ absl::StatusOr<std::unique_ptr<Registration>> LoopbackTransport::RegisterOwned(
   if (options.remote_write) core_->AddRegistration(id, base, region.length);
   metrics_->AddRegistration(1, static_cast<int64_t>(region.length));
   return std::unique_ptr<Registration>(
-      new LoopbackRegistration(this, id, region, options.remote_write, std::move(owned)));
+      new LoopbackRegistration(this, id, region, options.remote_write));
 }
 
 void LoopbackTransport::Deregister(uint64_t id, size_t length) {

@@ -1,8 +1,10 @@
 // In-process Transport: copies are memcpy between registrations of transports living in the same
-// process. It validates exactly as the UCX transport does (a write outside the target's registered
-// range is InvalidArgument before any byte moves) and adds one more check UCX cannot make: the
-// target registration must still exist when the bytes land, so a stale descriptor gives an error,
-// never memory corruption. Used by unit tests and by in-process service tests.
+// process. It checks as the UCX transport does: the writer refuses a write outside the target's
+// registered range (InvalidArgument before any byte moves), and the target re-checks every copy
+// when it lands against the registration as it is then, so a stale or forged descriptor fails
+// the batch (FailedPrecondition) and nothing lands. Connect() also refuses a descriptor whose
+// range its registration does not cover (UCX cannot tell before the first write). Used by unit
+// tests and by in-process service tests.
 //
 // Progress model: a batch is copied on the writer's thread inside Write(), unless the target's
 // progress is paused (SetProgressPausedForTesting), in which case it waits in the target's queue,
@@ -47,8 +49,6 @@ class LoopbackTransport final : public Transport {
   absl::string_view kind() const override { return "loopback"; }
   absl::StatusOr<std::unique_ptr<Registration>> Register(
       MemoryRegion region, const RegistrationOptions& options = {}) override;
-  absl::StatusOr<std::unique_ptr<Registration>> Allocate(
-      size_t length, const RegistrationOptions& options = {}) override;
   absl::StatusOr<std::unique_ptr<RemoteTarget>> Connect(const PeerDescriptor& peer) override;
   absl::StatusOr<std::unique_ptr<TransferHandle>> Write(const RemoteTarget& target,
                                                         absl::Span<const BlockCopy> copies,
@@ -64,9 +64,6 @@ class LoopbackTransport final : public Transport {
 
  private:
   friend class LoopbackRegistration;
-  absl::StatusOr<std::unique_ptr<Registration>> RegisterOwned(MemoryRegion region,
-                                                              const RegistrationOptions& options,
-                                                              std::unique_ptr<uint8_t[]> owned);
   void Deregister(uint64_t id, size_t length);
 
   const LoopbackOptions options_;

@@ -8,7 +8,8 @@
 // and reports GB/s (best and median of --iters, each a Write + Wait), next to a plain memcpy of the
 // same bytes and the UCX endpoint description (which transports UCX picked). UCX is configured by
 // --tls (tcp = TCP on lo with peer error handling; sm = shared memory without; env = UCX_*
-// environment as is); --allocate makes the target's memory come from Transport::Allocate.
+// environment as is); --protocol and --max_message_kib choose how write messages travel
+// (UcxOptions::protocol, max_message_bytes).
 // Not a test: a measurement tool; docs/TRANSFER.md records its output.
 #include <poll.h>
 #include <signal.h>
@@ -62,11 +63,17 @@ bool ReadAll(int fd, void* p, size_t n, absl::Duration timeout) {
 }
 
 int64_t busy_poll_us = 2000;  // --busy_poll_us, for both processes
+std::string protocol = "auto";  // --protocol, for the writer
+int64_t max_message_kib = 0;    // --max_message_kib, for the writer
 
 UcxOptions Options(const std::string& node, const std::string& tls) {
   UcxOptions o;
   o.node_name = node;
   o.busy_poll = absl::Microseconds(busy_poll_us);
+  o.protocol = protocol == "eager"  ? UcxOptions::Protocol::kEager
+               : protocol == "rndv" ? UcxOptions::Protocol::kRendezvous
+                                    : UcxOptions::Protocol::kAuto;
+  o.max_message_bytes = static_cast<size_t>(max_message_kib) << 10;
   if (tls == "tcp") {
     o.config = {{"TLS", "tcp"}, {"NET_DEVICES", "lo"}};
   } else if (tls == "sm") {
@@ -78,15 +85,14 @@ UcxOptions Options(const std::string& node, const std::string& tls) {
   return o;
 }
 
-[[noreturn]] void RunTarget(int cmd_fd, int reply_fd, size_t bytes, const std::string& tls,
-                            bool allocate) {
+[[noreturn]] void RunTarget(int cmd_fd, int reply_fd, size_t bytes, const std::string& tls) {
   auto t = NewUcxTransport(Options("bench-target", tls));
   if (!t.ok()) {
     std::fprintf(stderr, "target: %s\n", t.status().ToString().c_str());
     _exit(2);
   }
-  std::vector<uint8_t> memory(allocate ? 0 : bytes, 0);
-  auto reg = allocate ? (*t)->Allocate(bytes) : (*t)->Register({memory.data(), memory.size()});
+  std::vector<uint8_t> memory(bytes, 0);
+  auto reg = (*t)->Register({memory.data(), memory.size()});
   if (!reg.ok()) {
     std::fprintf(stderr, "target: %s\n", reg.status().ToString().c_str());
     _exit(3);
@@ -97,6 +103,10 @@ UcxOptions Options(const std::string& node, const std::string& tls) {
   WriteAll(reply_fd, blob.data(), size);
   char cmd;
   ReadAll(cmd_fd, &cmd, 1, absl::Minutes(10));
+  const TransportMetrics m = (*t)->metrics();
+  std::fprintf(stderr, "# target: %llu bytes landed, %llu write messages refused\n",
+               static_cast<unsigned long long>(m.landed_bytes),
+               static_cast<unsigned long long>(m.landing_refused));
   reg->reset();
   t->reset();
   _exit(0);
@@ -149,7 +159,7 @@ int Main(int argc, char** argv) {
   int64_t mib = 64, page_kib = 8, iters = 5;
   std::string tls = "tcp";
   bool show_endpoint = true;
-  bool allocate = false, all_modes = true;
+  bool all_modes = true;
   FlagSet flags("transfer_bench", "Write KV-shaped pages into another process through UCX.");
   flags.Int("mib", &mib, "MiB written per iteration");
   flags.Int("page_kib", &page_kib, "page size in KiB (8 = 16 tokens x head_dim 128 x bf16, K+V)");
@@ -157,8 +167,10 @@ int Main(int argc, char** argv) {
   flags.String("tls", &tls, "tcp (TCP on lo), sm (shared memory) or env (UCX_* as set)");
   flags.Bool("show_endpoint", &show_endpoint, "print the endpoint UCX built (ucp_ep_print_info)");
   flags.Int("busy_poll_us", &busy_poll_us, "UcxOptions::busy_poll of both transports, in us");
-  flags.Bool("allocate", &allocate,
-             "target memory from Transport::Allocate (UCX-allocated) instead of Register");
+  flags.String("protocol", &protocol,
+               "how write messages travel: auto (UCX picks by size), eager or rndv");
+  flags.Int("max_message_kib", &max_message_kib,
+            "split each coalesced copy into messages of at most this many KiB (0: no split)");
   flags.Int("batches", &batches,
             "submit each iteration as this many Write()s back to back (32 = one per layer of "
             "Llama-3.1-8B, as the prefill node sends)");
@@ -176,7 +188,7 @@ int Main(int argc, char** argv) {
   int to_child[2], from_child[2];
   if (pipe(to_child) != 0 || pipe(from_child) != 0) return 1;
   const pid_t pid = fork();  // before any thread exists in this process
-  if (pid == 0) RunTarget(to_child[0], from_child[1], bytes, tls, allocate);
+  if (pid == 0) RunTarget(to_child[0], from_child[1], bytes, tls);
 
   auto writer = NewUcxTransport(Options("bench-writer", tls));
   if (!writer.ok()) {
@@ -226,7 +238,7 @@ int Main(int argc, char** argv) {
     unmerged = Measure(**writer, **target, contiguous, false, iters, bytes);
     scatter = Measure(**writer, **target, scattered, true, iters, bytes);
   }
-  std::printf("%-28s %8s %10s %10s\n", "mode", "puts", "best GB/s", "median");
+  std::printf("%-28s %8s %10s %10s\n", "mode", "messages", "best GB/s", "median");
   std::printf("%-28s %8s %10.2f %10.2f\n", "memcpy (same process)", "-", memcpy_gbps.back(),
               memcpy_gbps[memcpy_gbps.size() / 2]);
   const auto row = [](const char* name, const Result& r) {
@@ -239,11 +251,12 @@ int Main(int argc, char** argv) {
     row("scattered pages", scatter);
   }
   std::printf(
-      "# %lld MiB as %zu pages of %lld KiB in %lld batches, --tls=%s, target %s, busy_poll %lld "
-      "us, %lld iterations\n",
+      "# %lld MiB as %zu pages of %lld KiB in %lld batches, --tls=%s, --protocol=%s, "
+      "--max_message_kib=%lld, busy_poll %lld us, %lld iterations\n",
       static_cast<long long>(mib), pages, static_cast<long long>(page_kib),
-      static_cast<long long>(batches), tls.c_str(), allocate ? "Allocate()d" : "Register()ed",
-      static_cast<long long>(busy_poll_us), static_cast<long long>(iters));
+      static_cast<long long>(batches), tls.c_str(), protocol.c_str(),
+      static_cast<long long>(max_message_kib), static_cast<long long>(busy_poll_us),
+      static_cast<long long>(iters));
 
   target->reset();
   reg->reset();

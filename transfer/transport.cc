@@ -223,6 +223,18 @@ void MetricsRecorder::AddRegistration(int64_t count, int64_t bytes) {
   registered_bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
 
+void MetricsRecorder::AddLanded(uint64_t bytes) {
+  landed_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+void MetricsRecorder::AddLandingRefused() {
+  landing_refused_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void MetricsRecorder::AddLandingRevokeTimeout() {
+  landing_revoke_timeouts_.fetch_add(1, std::memory_order_relaxed);
+}
+
 TransportMetrics MetricsRecorder::Snapshot() const {
   TransportMetrics m;
   m.bytes_written = bytes_written_.load(std::memory_order_relaxed);
@@ -241,6 +253,9 @@ TransportMetrics MetricsRecorder::Snapshot() const {
     m.latency_buckets[i] = latency_buckets_[i].load(std::memory_order_relaxed);
   }
   m.latency_sum_us = latency_sum_us_.load(std::memory_order_relaxed);
+  m.landed_bytes = landed_bytes_.load(std::memory_order_relaxed);
+  m.landing_refused = landing_refused_.load(std::memory_order_relaxed);
+  m.landing_revoke_timeouts = landing_revoke_timeouts_.load(std::memory_order_relaxed);
   return m;
 }
 

@@ -80,9 +80,11 @@ struct PeerDescriptor {
   // The transport's address (UCX: the ucp_worker_get_address() blob) inside our self-checking
   // envelope (transfer/descriptor_check.h: magic, version, field, length, CRC-32C).
   std::string worker_address;
-  // The registration's key (UCX: the ucp_rkey_pack() blob) inside the same envelope, which also
-  // records the range the key was issued for. Its scope is the registration: a peer may write
-  // only into [base_address, base_address + length), which must lie inside that range.
+  // The registration's key inside the same envelope, which also records the range the key was
+  // issued for. UCX: the landing's random token (transfer/landing_wire.h), which the target's
+  // handler checks on every write; loopback: the registration's id. Its scope is the
+  // registration: a peer may write only into [base_address, base_address + length), which must
+  // lie inside that range, and the target refuses anything else.
   std::string remote_key;
   // Remote virtual address and length of the writable range, in bytes.
   uint64_t base_address = 0;
@@ -114,10 +116,11 @@ struct RegistrationOptions {
   bool remote_write = true;
 };
 
-// A registered memory region. Deregisters on destruction; a peer still holding its descriptor then
-// gets errors (loopback) or, with UCX, whatever the hardware enforces (docs/TRANSFER.md, "Remote
-// key scope"). Registering a sub-range of an already registered region is allowed and yields a key
-// of narrower scope: this is how a per-reservation key will be made.
+// A registered memory region. Deregisters on destruction, which revokes its key: a peer still
+// holding its descriptor gets its writes refused by the target and nothing lands
+// (docs/TRANSFER.md, "Remote-key scope"; UCX bounds the wait for rendezvous receives already under
+// way, UcxOptions::revoke_timeout). Registering a sub-range of an already registered region is
+// allowed and yields a key of narrower scope: this is how per-reservation keys are made.
 // Thread-safe. REQUIRES: destroyed before the Transport that made it.
 class Registration {
  public:
@@ -144,12 +147,15 @@ class TransferHandle {
  public:
   virtual ~TransferHandle() = default;
   // Non-blocking. true once every copy has landed in the peer's memory (remote completion, not
-  // just local), false while in flight, or the batch's error: Unavailable when the peer died or
-  // the transport shut down, Internal for anything else.
+  // just local), false while in flight, or the batch's error: FailedPrecondition when the target
+  // refused some copies (its registration was revoked, or the range lies outside it: nothing of
+  // those landed), Unavailable when the peer died or the transport shut down, Internal for
+  // anything else.
   virtual absl::StatusOr<bool> Poll() = 0;
   // Blocks up to `timeout`. OK: every copy landed. DeadlineExceeded: still in flight (the copies
-  // are NOT cancelled; wait again or treat the peer as suspect). Unavailable: the peer died or the
-  // transport shut down; which copies landed is unknown.
+  // are NOT cancelled; wait again or treat the peer as suspect). FailedPrecondition: the target
+  // refused some copies (see Poll). Unavailable: the peer died or the transport shut down; which
+  // copies landed is unknown.
   virtual absl::Status Wait(absl::Duration timeout) = 0;
 };
 
@@ -180,6 +186,12 @@ struct TransportMetrics {
   uint64_t failed_other = 0;
   std::array<uint64_t, kLatencyBoundsUs.size() + 1> latency_buckets = {};
   uint64_t latency_sum_us = 0;
+  // This node as a target (its registrations that peers write into).
+  uint64_t landed_bytes = 0;     // bytes peers' writes landed in our registrations
+  uint64_t landing_refused = 0;  // peers' write messages refused at the target: nothing written
+  // Registrations destroyed while a peer's rendezvous write into them was still in flight after
+  // the revocation deadline (UCX: UcxOptions::revoke_timeout; those bytes may still land).
+  uint64_t landing_revoke_timeouts = 0;
 };
 
 // Thread-safe: every method may be called from any thread.
@@ -196,14 +208,6 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Registration>> Register(
       MemoryRegion region, const RegistrationOptions& options = {}) = 0;
 
-  // Allocates `length` bytes (zeroed) owned by the returned registration and freed with it, from
-  // memory the transport reaches best. With UCX on one host that is a shared-memory segment peers
-  // map directly, so puts into it are plain one-sided copies by the writer; puts into memory
-  // registered with Register() are emulated with active messages the target must progress
-  // (docs/TRANSFER.md). InvalidArgument for length 0; ResourceExhausted when it cannot allocate.
-  virtual absl::StatusOr<std::unique_ptr<Registration>> Allocate(
-      size_t length, const RegistrationOptions& options = {}) = 0;
-
   // Prepares to write into the registration `peer` describes. `peer` is untrusted input (it comes
   // in a Prefill request): before the transport library sees a byte, checks the transport kind,
   // every field, both blob envelopes, the key's scope and the blobs' structure (InvalidArgument
@@ -217,7 +221,9 @@ class Transport {
   // landed remotely. Validates the whole batch before issuing anything: a copy with zero length,
   // a remote range outside the target or a local range outside every registration of this
   // transport gives InvalidArgument naming the copy, and nothing is written. Unavailable if the
-  // peer is known dead.
+  // peer is known dead. The target checks every copy again against its live registration before
+  // writing (the descriptor may be forged, widened or stale): what it refuses fails the handle
+  // with FailedPrecondition.
   // REQUIRES: `target` was made by this transport.
   virtual absl::StatusOr<std::unique_ptr<TransferHandle>> Write(
       const RemoteTarget& target, absl::Span<const BlockCopy> copies,

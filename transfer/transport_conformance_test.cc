@@ -5,8 +5,15 @@
 // target can be paused or destroyed at a chosen moment; transfer/ucx_two_process_test.cc repeats
 // the essentials across two processes.
 //
+// The target's side of the contract is tested here too, on every transport: a forged descriptor
+// (a real key re-wrapped with a wider scope), a range beyond any mapped memory and a stale
+// descriptor (its registration destroyed) all fail the batch cleanly, nothing lands outside a
+// live registration, and the target keeps serving.
+//
 // Every wait has a deadline; nothing binds outside 127.0.0.1; no environment is read (UCX is
 // configured through UcxOptions::config).
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -65,10 +72,6 @@ struct Backend {
   // Whether the death of a peer is visible to this transport (UCX: peer error handling on, which
   // UCX 1.13 supports only over TCP here).
   bool detects_peer_death = true;
-  // Whether the target refuses a write through a key whose registration was destroyed, as a NIC
-  // does for an invalidated rkey. Loopback does; UCX 1.13's emulated puts on tcp/sm do not
-  // (docs/TRANSFER.md, "Remote-key scope").
-  bool target_enforces_revocation = true;
 };
 
 #ifndef FLUXION_TRANSFER_CONFORMANCE_UCX
@@ -102,7 +105,7 @@ Backend UcxBackend(std::string name, std::vector<std::pair<std::string, std::str
                  [](Transport* t, bool paused) {
                    static_cast<UcxTransport*>(t)->SetProgressPausedForTesting(paused);
                  },
-                 peer_error_handling, /*target_enforces_revocation=*/false};
+                 peer_error_handling};
 }
 #endif
 
@@ -365,32 +368,6 @@ TEST_P(TransportConformanceTest, SerializedDescriptorConnectsAndWrites) {
   target->reset();
 }
 
-TEST_P(TransportConformanceTest, TransportAllocatedRegionReceivesWrites) {
-  EXPECT_EQ(target_->Allocate(0).status().code(), absl::StatusCode::kInvalidArgument);
-  auto allocated = target_->Allocate(kBytes);
-  ASSERT_TRUE(allocated.ok()) << allocated.status();
-  const MemoryRegion region = (*allocated)->region();
-  ASSERT_NE(region.addr, nullptr);
-  ASSERT_EQ(region.length, kBytes);
-  const auto* memory = static_cast<const uint8_t*>(region.addr);
-  EXPECT_TRUE(std::all_of(memory, memory + kBytes, [](uint8_t b) { return b == 0; }));
-  auto target = writer_->Connect(*(*allocated)->Describe());
-  ASSERT_TRUE(target.ok()) << target.status();
-  std::vector<BlockCopy> copies;
-  for (size_t p = 0; p < kPages; ++p) {
-    copies.push_back(
-        {(*target)->base_address() + ((p * 5) % kPages) * kPage, SourcePage(p), kPage});
-  }
-  auto h = writer_->Write(**target, copies);
-  ASSERT_TRUE(h.ok()) << h.status();
-  ASSERT_TRUE((*h)->Wait(kLongWait).ok());
-  for (size_t p = 0; p < kPages; ++p) {
-    ASSERT_EQ(0, std::memcmp(memory + ((p * 5) % kPages) * kPage, SourcePage(p), kPage)) << p;
-  }
-  target->reset();
-  allocated->reset();
-}
-
 TEST_P(TransportConformanceTest, RegistrationWithoutRemoteWriteCannotBeDescribed) {
   EXPECT_EQ(source_reg_->Describe().status().code(), absl::StatusCode::kFailedPrecondition);
 }
@@ -640,8 +617,9 @@ TEST_P(TransportConformanceTest, ManySubRangeRegistrationsConnectCheaplyAndStayI
 }
 
 // A run's registration destroyed (the reservation ended) while the peer still holds its key:
-// nothing breaks on either side, the other runs keep working, and where the target enforces
-// keys (loopback, and a NIC's rkeys) a write through the revoked key fails and lands nothing.
+// nothing breaks on either side, the other runs keep working, and a write through the revoked key
+// fails at the target (FailedPrecondition, "revoked") with nothing landed, on every transport.
+// (Before target-checked landings, UCX over TCP and shared memory wrote it anyway.)
 TEST_P(TransportConformanceTest, RegistrationDestroyedWhilePeerHoldsItsKey) {
   auto run_a = target_->Register({arena_.data(), 4 * kPage});
   auto run_b = target_->Register({arena_.data() + 8 * kPage, 4 * kPage});
@@ -658,19 +636,112 @@ TEST_P(TransportConformanceTest, RegistrationDestroyedWhilePeerHoldsItsKey) {
   ASSERT_TRUE((*still)->Wait(kLongWait).ok());
   EXPECT_EQ(0, std::memcmp(arena_.data() + 8 * kPage, SourcePage(2), kPage));
 
-  if (GetParam().target_enforces_revocation) {
-    auto h = writer_->Write(**a, {{(*a)->base_address(), SourcePage(1), kPage}});
-    absl::Status s = h.ok() ? (*h)->Wait(kLongWait) : h.status();
-    EXPECT_FALSE(s.ok());
-    EXPECT_THAT(s.message(), HasSubstr("revoked")) << s;
-    EXPECT_TRUE(std::all_of(arena_.begin(), arena_.begin() + kPage,
-                            [](uint8_t x) { return x == 0; }));
-    // And a fresh Connect with the stale descriptor is refused.
-    EXPECT_FALSE(writer_->Connect(desc_a).ok());
+  const uint64_t refused_before = target_->metrics().landing_refused;
+  auto h = writer_->Write(**a, {{(*a)->base_address(), SourcePage(1), kPage},
+                                {(*a)->base_address() + 2 * kPage, SourcePage(3), 100}});
+  ASSERT_TRUE(h.ok()) << h.status();  // the writer cannot know: its descriptor is well-formed
+  absl::Status s = (*h)->Wait(kLongWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("revoked")) << s;
+  EXPECT_TRUE(std::all_of(arena_.begin(), arena_.begin() + 4 * kPage,
+                          [](uint8_t x) { return x == 0; }));
+  EXPECT_GT(target_->metrics().landing_refused, refused_before);
+  // A fresh Connect with the stale descriptor is refused (loopback checks at once), or connects
+  // without a round trip (UCX, endpoint already proved) and its writes are refused the same way.
+  auto again = writer_->Connect(desc_a);
+  if (again.ok()) {
+    auto h2 = writer_->Write(**again, {{desc_a.base_address, SourcePage(4), kPage}});
+    ASSERT_TRUE(h2.ok()) << h2.status();
+    EXPECT_THAT((*h2)->Wait(kLongWait).message(), HasSubstr("revoked"));
+    again->reset();
   }
+  EXPECT_TRUE(std::all_of(arena_.begin(), arena_.begin() + 4 * kPage,
+                          [](uint8_t x) { return x == 0; }));
   a->reset();  // releasing a key whose registration is gone is fine
   b->reset();
   run_b->reset();
+}
+
+// `d` with its key re-wrapped for [base, base + length) and that range advertised: the envelope's
+// CRC is no secret, so this is what anyone holding one real descriptor can make. The writer's own
+// checks (scope, range) all pass for it.
+PeerDescriptor Widened(const PeerDescriptor& d, uint64_t base, uint64_t length) {
+  absl::StatusOr<UnwrappedBlob> key = UnwrapBlob(BlobField::kRemoteKey, d.remote_key, 4096);
+  EXPECT_TRUE(key.ok()) << key.status();
+  PeerDescriptor forged = d;
+  forged.remote_key = WrapBlob(BlobField::kRemoteKey, key.ok() ? key->payload : "", base, length);
+  forged.base_address = base;
+  forged.length = length;
+  return forged;
+}
+
+// A real run's key re-wrapped with the whole arena as its scope. The target refuses every message
+// outside the run (the arena around it holds another registration's pages), the batch fails
+// cleanly, no byte outside the run changes, and the target keeps serving. (Before target-checked
+// landings, UCX wrote 16.7 MB over another request's pages this way.)
+TEST_P(TransportConformanceTest, ForgedWiderScopeLandsNothingOutsideTheRegistration) {
+  std::fill(arena_.begin(), arena_.end(), 0xa5);  // sentinel
+  auto run = target_->Register({arena_.data() + 16 * kPage, 8 * kPage});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const PeerDescriptor real = *(*run)->Describe();
+  const PeerDescriptor forged = Widened(real, ArenaAddr(0), kBytes);
+  const uint64_t refused_before = target_->metrics().landing_refused;
+  auto t = writer_->Connect(forged);
+  if (t.ok()) {
+    auto h = writer_->Write(**t, {{ArenaAddr(0), SourcePage(0), 4 * kPage},      // before the run
+                                  {ArenaAddr(23), SourcePage(1), 2 * kPage},     // across its end
+                                  {ArenaAddr(100), SourcePage(2), kPage},        // far after
+                                  {ArenaAddr(18), SourcePage(3), kPage}});       // inside
+    ASSERT_TRUE(h.ok()) << h.status();
+    absl::Status s = (*h)->Wait(kLongWait);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("refused 3 of 4")) << s;
+    EXPECT_GE(target_->metrics().landing_refused, refused_before + 3);
+    t->reset();
+  } else {
+    // Loopback checks the descriptor against the registration at Connect already.
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  }
+  for (size_t i = 0; i < kBytes; ++i) {
+    if (i >= 16 * kPage && i < 24 * kPage) continue;  // the run itself
+    ASSERT_EQ(arena_[i], 0xa5) << "byte " << i << " outside the run was written";
+  }
+  // The target keeps serving, through the real descriptor.
+  auto honest = writer_->Connect(real);
+  ASSERT_TRUE(honest.ok()) << honest.status();
+  auto h = writer_->Write(**honest, {{ArenaAddr(16), SourcePage(7), 8 * kPage}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE((*h)->Wait(kLongWait).ok());
+  EXPECT_EQ(0, std::memcmp(arena_.data() + 16 * kPage, SourcePage(7), 8 * kPage));
+  honest->reset();
+  run->reset();
+}
+
+// A real key re-wrapped for a range no registration has, in memory the target process maps with
+// no access at all: the target refuses it before touching memory (before target-checked landings,
+// UCX's put handler segfaulted the decode node on such a range), and keeps serving.
+TEST_P(TransportConformanceTest, RangeBeyondAnyRegistrationFailsCleanlyAndTheTargetSurvives) {
+  constexpr size_t kGuard = 1 << 20;
+  void* guard = mmap(nullptr, kGuard, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(guard, MAP_FAILED);
+  const uint64_t where = reinterpret_cast<uintptr_t>(guard);
+  ASSERT_NO_FATAL_FAILURE(ConnectOrDie());  // the endpoint exists: this Connect needs no trip
+  auto t = writer_->Connect(Widened(descriptor_, where, kGuard));
+  if (t.ok()) {
+    auto h = writer_->Write(**t, {{where, SourcePage(0), kPage}, {where + kGuard - 64, SourcePage(1), 64}});
+    ASSERT_TRUE(h.ok()) << h.status();
+    absl::Status s = (*h)->Wait(kLongWait);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("outside the landing")) << s;
+    t->reset();
+  } else {
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  }
+  auto h = writer_->Write(*remote_, {{ArenaAddr(3), SourcePage(3), kPage}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE((*h)->Wait(kLongWait).ok());
+  EXPECT_EQ(0, std::memcmp(arena_.data() + 3 * kPage, SourcePage(3), kPage));
+  munmap(guard, kGuard);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, TransportConformanceTest, ::testing::ValuesIn(AllBackends()),

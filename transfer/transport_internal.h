@@ -30,11 +30,17 @@ class MetricsRecorder {
   // Counts a failed status by its code (Unavailable, DeadlineExceeded, InvalidArgument, ...).
   void AddFailure(const absl::Status& status);
   void AddRegistration(int64_t count, int64_t bytes);
+  // The target side: bytes landed in our registrations, a refused write message, a revocation
+  // that timed out with receives in flight.
+  void AddLanded(uint64_t bytes);
+  void AddLandingRefused();
+  void AddLandingRevokeTimeout();
   TransportMetrics Snapshot() const;
 
  private:
   std::atomic<uint64_t> bytes_written_{0}, copies_submitted_{0}, ops_issued_{0},
-      batches_submitted_{0}, batches_completed_{0}, latency_sum_us_{0};
+      batches_submitted_{0}, batches_completed_{0}, latency_sum_us_{0}, landed_bytes_{0},
+      landing_refused_{0}, landing_revoke_timeouts_{0};
   std::atomic<int64_t> registrations_{0}, registered_bytes_{0};
   std::atomic<uint64_t> failures_[5] = {};
   std::atomic<uint64_t> latency_buckets_[TransportMetrics::kLatencyBoundsUs.size() + 1] = {};

@@ -62,12 +62,6 @@ struct WorkerDeleter {
 };
 using WorkerPtr = std::unique_ptr<std::remove_pointer_t<ucp_worker_h>, WorkerDeleter>;
 
-// An unpacked remote key. REQUIRES: destroyed before its worker.
-struct RkeyDeleter {
-  void operator()(ucp_rkey_h k) const { ucp_rkey_destroy(k); }
-};
-using RkeyPtr = std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDeleter>;
-
 // A registered memory region (ucp_mem_map without allocation: the memory is ours).
 // REQUIRES: destroyed before its context.
 class MemoryHandle {
@@ -84,49 +78,11 @@ class MemoryHandle {
     }
     return std::unique_ptr<MemoryHandle>(new MemoryHandle(context, memh));
   }
-  // Allocates and maps `length` bytes chosen by UCX (UCP_MEM_MAP_ALLOCATE; on one host a shared
-  // memory segment peers can map). The memory lives until the handle is destroyed.
-  static absl::StatusOr<std::unique_ptr<MemoryHandle>> Allocate(ucp_context_h context,
-                                                                size_t length) {
-    ucp_mem_map_params_t params = {};
-    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                        UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-    params.address = nullptr;
-    params.length = length;
-    params.flags = UCP_MEM_MAP_ALLOCATE;
-    ucp_mem_h memh = nullptr;
-    if (ucs_status_t s = ucp_mem_map(context, &params, &memh); s != UCS_OK) {
-      return FromUcs(s, absl::StrCat("ucp_mem_map allocating ", length, " bytes"));
-    }
-    return std::unique_ptr<MemoryHandle>(new MemoryHandle(context, memh));
-  }
   ~MemoryHandle() { ucp_mem_unmap(context_, memh_); }
   MemoryHandle(const MemoryHandle&) = delete;
   MemoryHandle& operator=(const MemoryHandle&) = delete;
 
   ucp_mem_h get() const { return memh_; }
-
-  // Address and length of the mapping (for Allocate: where UCX put it).
-  absl::StatusOr<std::pair<void*, size_t>> Query() const {
-    ucp_mem_attr_t attr = {};
-    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-    if (ucs_status_t s = ucp_mem_query(memh_, &attr); s != UCS_OK) {
-      return FromUcs(s, "ucp_mem_query");
-    }
-    return std::make_pair(attr.address, attr.length);
-  }
-
-  // The packed remote key peers unpack to write into this region (ucp_rkey_pack).
-  absl::StatusOr<std::string> PackRkey() const {
-    void* buffer = nullptr;
-    size_t size = 0;
-    if (ucs_status_t s = ucp_rkey_pack(context_, memh_, &buffer, &size); s != UCS_OK) {
-      return FromUcs(s, "ucp_rkey_pack");
-    }
-    std::string packed(static_cast<const char*>(buffer), size);
-    ucp_rkey_buffer_release(buffer);
-    return packed;
-  }
 
  private:
   MemoryHandle(ucp_context_h context, ucp_mem_h memh) : context_(context), memh_(memh) {}

@@ -1,12 +1,7 @@
 #include "transfer/ucx_transport.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
-#include <sys/shm.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#include <ucs/algorithm/crc.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,138 +13,45 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "transfer/descriptor_check.h"
+#include "transfer/landing_wire.h"
 #include "transfer/transport_internal.h"
 #include "transfer/ucx_handles.h"
+#include "transfer/ucx_landing.h"
 
 namespace fluxion::transfer {
 namespace {
 
 using internal::MetricsRecorder;
 
-uint64_t ReadLe(absl::string_view bytes, size_t offset, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; ++i) {
-    v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[offset + i])) << (8 * i);
-  }
-  return v;
-}
-
-// UCX 1.13's shared-memory components attach the peer's segment while unpacking a key (sysv:
-// shmat of the key's shmid; posix: open + mmap of the file the key names), and when that fails,
-// ucp_ep_rkey_unpack's error path crashes in ucp_rkey_destroy (uct_rkey_release on a key never
-// unpacked: UcxBlobTest.FlippedAllocatedKeysNeverCrash found it with one flipped shmid bit).
-// After a successful attach, puts are direct copies into the mapping at an offset computed from
-// the key's owner address, so a forged owner address would aim our copies anywhere in this
-// process. So before UCX sees such a key we check, as UCX's attach will, that the segment exists
-// and we may map it read-write, and that the descriptor's range lies inside it.
-// (layouts: uct_sysv_packed_rkey_t and uct_posix_packed_rkey_t, src/uct/sm/mm at v1.13.1)
-constexpr size_t kSysvKeyBytes = 12;   // int shmid, uintptr_t owner_ptr
-constexpr size_t kPosixKeyBytes = 24;  // uint64_t seg_id, uintptr_t address, size_t length
-constexpr uint64_t kPosixProcfs = uint64_t{1} << 63;
-constexpr uint64_t kPosixShmOpen = uint64_t{1} << 62;
-constexpr uint64_t kPosixPidNs = uint64_t{1} << 60;
-constexpr uint64_t kPosixFlags = uint64_t{0xf} << 60;
-
-absl::Status CheckSysvKey(const PeerDescriptor& peer, absl::string_view key) {
-  if (key.size() != kSysvKeyBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sysv key record has ", key.size(), " bytes, expected ", kSysvKeyBytes));
-  }
-  const int shmid = static_cast<int32_t>(ReadLe(key, 0, 4));
-  const uint64_t owner = ReadLe(key, 4, 8);
-  shmid_ds ds = {};
-  if (shmctl(shmid, IPC_STAT, &ds) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "names System V segment ", shmid, ", which does not exist here or is not ours to read"));
-  }
-  if (!internal::RangeInside(peer.base_address, peer.length, owner, ds.shm_segsz)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
-        ") lies outside System V segment ", shmid, " [0x", absl::Hex(owner), ", +",
-        ds.shm_segsz, ")"));
-  }
-  void* attached = shmat(shmid, nullptr, 0);
-  if (attached == reinterpret_cast<void*>(-1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("System V segment ", shmid, " cannot be attached read-write here"));
-  }
-  shmdt(attached);
-  return absl::OkStatus();
-}
-
-absl::Status CheckPosixKey(const PeerDescriptor& peer, absl::string_view key) {
-  if (key.size() < kPosixKeyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("posix key record has ", key.size(),
-                                                   " bytes, at least ", kPosixKeyBytes,
-                                                   " expected"));
-  }
-  const uint64_t seg_id = ReadLe(key, 0, 8);
-  const uint64_t owner = ReadLe(key, 8, 8);
-  const uint64_t length = ReadLe(key, 16, 8);
-  const uint64_t mmid = seg_id & ~kPosixFlags;
-  if (seg_id & kPosixPidNs) {
-    return absl::InvalidArgumentError("posix key of a peer in another PID namespace (unchecked)");
-  }
-  if (length == 0 || !internal::RangeInside(peer.base_address, peer.length, owner, length)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "range [0x", absl::Hex(peer.base_address), ", +", peer.length,
-        ") lies outside the posix segment [0x", absl::Hex(owner), ", +", length, ")"));
-  }
-  std::string path;
-  if (seg_id & kPosixProcfs) {
-    path = absl::StrCat("/proc/", mmid & ((uint64_t{1} << 30) - 1), "/fd/", mmid >> 30);
-  } else if (seg_id & kPosixShmOpen) {
-    path = absl::StrCat("/dev/shm/ucx_shm_posix_", absl::Hex(mmid));
-  } else {
-    const absl::string_view rest = key.substr(kPosixKeyBytes);
-    const size_t nul = rest.find('\0');
-    if (nul == absl::string_view::npos) {
-      return absl::InvalidArgumentError("posix key record's directory is not terminated");
-    }
-    path = absl::StrCat(rest.substr(0, nul), "/ucx_shm_posix_", absl::Hex(mmid));
-  }
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("names posix segment ", path, ", which cannot be opened read-write here"));
-  }
-  struct stat st = {};
-  const bool big_enough = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) >= length;
-  close(fd);
-  if (!big_enough) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("posix segment ", path, " is smaller than the key's ", length, " bytes"));
-  }
-  return absl::OkStatus();
-}
-
-// The per-domain records of `key` that UCX would attach: those whose memory domain the peer's
-// address lists with a sysv or posix transport.
-absl::Status CheckSharedMemoryKeys(const PeerDescriptor& peer, absl::string_view address,
-                                   absl::string_view key) {
-  static const uint16_t kSysv = ucs_crc16_string("sysv");
-  static const uint16_t kPosix = ucs_crc16_string("posix");
-  absl::StatusOr<std::vector<UcxAddressRecord>> transports = ParseUcxWorkerAddress(address);
-  absl::StatusOr<std::vector<UcxKeyRecord>> records = ParseUcxRemoteKey(key);
-  if (!transports.ok()) return transports.status();
-  if (!records.ok()) return records.status();
-  for (const UcxKeyRecord& r : *records) {
-    // Every transport record naming this md index, not only the first: UCX picks the component
-    // that unpacks the key from the address, and a hostile address can give one md index to
-    // several transports (a flipped md index did: a 0-byte "self" key record unpacked as sysv).
-    bool sysv = false, posix = false;
-    for (const UcxAddressRecord& t : *transports) {
-      if (t.md_index != r.md_index) continue;
-      sysv |= t.tl_name_checksum == kSysv;
-      posix |= t.tl_name_checksum == kPosix;
-    }
-    absl::Status s = absl::OkStatus();
-    if (sysv) s = CheckSysvKey(peer, r.bytes);
-    if (s.ok() && posix) s = CheckPosixKey(peer, r.bytes);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("md ", r.md_index, " ", s.message()));
+// UCX 1.13's new protocol layer (UCX_PROTO_ENABLE=y, off by default in 1.13) sends a short active
+// message with UCP_AM_SEND_FLAG_REPLY and a user header as four iovs out of a three-element stack
+// array (ucp_am_eager_short_proto_progress_common in src/ucp/am/eager_single.c; upstream has four
+// elements): every fence and ack smashes the sender's stack. So with that UCX, refuse to start
+// rather than crash at the first fence (or let any peer crash a target by sending fences).
+absl::Status CheckProtocolSelection(const ucp_config_t* config) {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major > 1 || (major == 1 && minor >= 14)) return absl::OkStatus();
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) return absl::InternalError("open_memstream failed");
+  ucp_config_print(config, stream, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  fclose(stream);
+  const std::string printed(text, size);
+  free(text);
+  for (absl::string_view line : absl::StrSplit(printed, '\n')) {
+    if (!absl::ConsumePrefix(&line, "UCX_PROTO_ENABLE=")) continue;
+    if (line == "n" || line == "no" || line == "off" || line == "0") return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX_PROTO_ENABLE=", line, " is not supported with UCX ", major, ".", minor, ".", release,
+        ": its new protocol layer overflows a stack buffer sending the active messages that "
+        "acknowledge KV writes (fixed in later UCX); unset it"));
   }
   return absl::OkStatus();
 }
@@ -171,26 +73,11 @@ struct Peer {
   bool proved = false;
 };
 
-// An unpacked remote key, shared by the RemoteTarget and the batches in flight with it. Its last
-// owner hands the key to the transport's graveyard: the key is destroyed later under the worker
-// lock (releasing it here could happen inside a UCX callback, with the lock already held).
-class RemoteKey {
- public:
-  RemoteKey(UcxTransportImpl* owner, ucp_rkey_h rkey) : owner_(owner), rkey_(rkey) {}
-  ~RemoteKey();
-  RemoteKey(const RemoteKey&) = delete;
-  RemoteKey& operator=(const RemoteKey&) = delete;
-  ucp_rkey_h get() const { return rkey_; }
-
- private:
-  UcxTransportImpl* const owner_;
-  ucp_rkey_h rkey_;
-};
-
 class UcxRemoteTarget final : public RemoteTarget {
  public:
-  UcxRemoteTarget(UcxTransportImpl* owner, Peer* peer, std::shared_ptr<RemoteKey> key,
-                  uint64_t base, uint64_t length);
+  UcxRemoteTarget(UcxTransportImpl* owner, Peer* peer, const landing::Token& token, uint64_t base,
+                  uint64_t length)
+      : owner_(owner), peer_(peer), token_(token), base_(base), length_(length) {}
   ~UcxRemoteTarget() override;
   const std::string& peer_name() const override { return peer_->name; }
   uint64_t base_address() const override { return base_; }
@@ -198,28 +85,30 @@ class UcxRemoteTarget final : public RemoteTarget {
 
   UcxTransportImpl* owner() const { return owner_; }
   Peer* peer() const { return peer_; }
-  const std::shared_ptr<RemoteKey>& key() const { return key_; }
+  const landing::Token& token() const { return token_; }
 
  private:
   UcxTransportImpl* const owner_;
   Peer* const peer_;
-  const std::shared_ptr<RemoteKey> key_;
+  const landing::Token token_;
   const uint64_t base_;
   const uint64_t length_;
 };
 
 class UcxRegistration final : public Registration {
  public:
-  // `wrapped_key`: the packed rkey in our envelope (WrapBlob), scoped to `region`.
+  // `token`: the landing peers write through (remote_write only); `wrapped_key`: its key in our
+  // envelope (WrapBlob), scoped to `region`.
   UcxRegistration(UcxTransportImpl* owner, uint64_t id, MemoryRegion region,
-                  std::unique_ptr<ucx::MemoryHandle> memory, std::string wrapped_key,
-                  bool remote_write)
+                  std::unique_ptr<ucx::MemoryHandle> memory, bool remote_write,
+                  const landing::Token& token, std::string wrapped_key)
       : owner_(owner),
         id_(id),
         region_(region),
         memory_(std::move(memory)),
-        wrapped_key_(std::move(wrapped_key)),
-        remote_write_(remote_write) {}
+        remote_write_(remote_write),
+        token_(token),
+        wrapped_key_(std::move(wrapped_key)) {}
   ~UcxRegistration() override;
   MemoryRegion region() const override { return region_; }
   absl::StatusOr<PeerDescriptor> Describe() const override;
@@ -229,18 +118,31 @@ class UcxRegistration final : public Registration {
   const uint64_t id_;
   const MemoryRegion region_;
   std::unique_ptr<ucx::MemoryHandle> memory_;
-  const std::string wrapped_key_;
   const bool remote_write_;
+  const landing::Token token_;
+  const std::string wrapped_key_;
 };
 
-// One submitted batch (or a Flush) waiting for its flush request's callback.
-struct InflightOp {
+// One batch written (or Connect()'s round trip, a batch of no messages) from Write() until its
+// target accounted for every message. Owned by the transport; the UCX requests of its sends point
+// at it, so it is forgotten only when it is done and none is outstanding.
+struct Batch {
   UcxTransportImpl* owner = nullptr;
+  uint64_t id = 0;
+  Peer* peer = nullptr;
   std::shared_ptr<internal::CompletionState> state;
-  std::shared_ptr<RemoteKey> key;      // keeps the remote key alive while puts may use it
-  Peer* peer = nullptr;                // null for a worker flush
-  absl::Status issue_error;            // a put that failed to post; reported once the flush is done
-  std::unique_ptr<uint8_t[]> scratch;  // Connect()'s probe reads into it
+  // Headers of the write messages and of the fence: UCX reads them until each send completes.
+  std::vector<landing::WriteHeaderBytes> headers;
+  landing::FenceHeaderBytes fence = {};
+  uint64_t messages = 0;  // write messages issued
+  uint64_t bytes = 0;     // their bytes
+  uint64_t sent = 0;      // write messages whose send completed at this end
+  uint64_t requests = 0;  // UCX send requests outstanding that point at this batch
+  absl::Status send_error;
+  bool fenced = false;  // a fence went out: waiting for the target's ack
+  bool done = false;
+  absl::Time first_fence;
+  absl::Duration backoff;  // before asking again, after an ack that was not final
 };
 
 class UcxTransportImpl final : public UcxTransport {
@@ -253,8 +155,6 @@ class UcxTransportImpl final : public UcxTransport {
 
   absl::StatusOr<std::unique_ptr<Registration>> Register(
       MemoryRegion region, const RegistrationOptions& options) override;
-  absl::StatusOr<std::unique_ptr<Registration>> Allocate(
-      size_t length, const RegistrationOptions& options) override;
   absl::StatusOr<std::unique_ptr<RemoteTarget>> Connect(const PeerDescriptor& peer) override;
   absl::StatusOr<std::unique_ptr<TransferHandle>> Write(const RemoteTarget& target,
                                                         absl::Span<const BlockCopy> copies,
@@ -263,40 +163,52 @@ class UcxTransportImpl final : public UcxTransport {
   TransportMetrics metrics() const override { return metrics_->Snapshot(); }
   absl::StatusOr<std::string> DescribeEndpoint(const RemoteTarget& target) override;
   void SetProgressPausedForTesting(bool paused) override;
+  uint64_t ConnectProbesForTesting() const override { return probes_.load(); }
+  size_t LandingBatchesForTesting() const override {
+    absl::MutexLock lock(&mu_);
+    return landings_->BatchesForTesting();
+  }
 
   // Called by the objects this transport hands out.
-  void Deregister(uint64_t id, std::unique_ptr<ucx::MemoryHandle> memory, size_t length);
-  void Bury(ucp_rkey_h rkey);
+  void Deregister(uint64_t id, std::unique_ptr<ucx::MemoryHandle> memory, bool landing,
+                  const landing::Token& token, size_t length);
   void ObjectDestroyed() { live_objects_.fetch_sub(1); }
   const UcxOptions& options() const { return options_; }
   const std::string& wrapped_worker_address() const { return wrapped_worker_address_; }
-  uint64_t ConnectProbesForTesting() const override { return probes_.load(); }
 
  private:
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static void OnFlushDone(void* request, ucs_status_t status, void* user_data);
+  static void OnWriteSent(void* request, ucs_status_t status, void* user_data);
+  static void OnFenceSent(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t OnAck(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
 
   void ProgressLoop();
-  // Register()/Allocate(): maps (`region.addr` non-null) or allocates, packs the key, records it.
-  absl::StatusOr<std::unique_ptr<Registration>> MapAndRecord(MemoryRegion region,
-                                                             const RegistrationOptions& options);
   bool MayProgress() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !paused_; }
-  // Completes `op` with `status` (or its own issue error) and forgets it.
-  void FinishOp(InflightOp* op, ucs_status_t status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes the flush request that ends a batch, a Flush() or a Connect() probe: completes `op` at
-  // once if UCX did, else keeps it until OnFlushDone.
-  void TrackFlush(std::unique_ptr<InflightOp> op, ucs_status_ptr_t request)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new batch towards `peer`, tracked until done. `is_batch`: a Write() (counted in the batch
+  // metrics), not Connect()'s round trip.
+  Batch* NewBatch(Peer* peer, uint64_t bytes, bool is_batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends (or sends again) `b`'s fence; the target answers with an ack.
+  void SendFence(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `from`: the endpoint the ack arrived on; only the batch's own peer may answer for it.
+  void HandleAck(const landing::Ack& ack, ucp_ep_h from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes `b`'s handle with `status` (the first outcome wins) and forgets `b` once no UCX
+  // request points at it.
+  void Finish(Batch* b, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeForget(Batch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fences due again and acks overdue (UcxOptions::ack_timeout).
+  void RunTimers(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseEndpoint(Peer* peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The cached peer for `peer`'s worker address, creating its endpoint if there is none.
   // Unavailable if the peer is known dead.
   absl::StatusOr<Peer*> FindOrCreatePeer(const PeerDescriptor& peer, const std::string& address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Everything Connect() checks before UCX sees a byte of `peer`: the fields, both envelopes, the
-  // key's scope and the structure of the UCX address and key. On success, the unwrapped blobs.
+  // key's scope, the structure of the UCX address and the landing key. On success, the unwrapped
+  // address and the token.
   absl::Status CheckDescriptor(const PeerDescriptor& peer, std::string* address,
-                               std::string* key) const;
-  // Frees finished close requests; destroys buried remote keys.
+                               landing::Token* token) const;
+  // Frees finished close requests.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const UcxOptions options_;
@@ -311,37 +223,35 @@ class UcxTransportImpl final : public UcxTransport {
   mutable absl::Mutex mu_;
   ucx::ContextPtr context_ ABSL_GUARDED_BY(mu_);
   ucx::WorkerPtr worker_ ABSL_GUARDED_BY(mu_);
+  // This node as a target: its landings and the handlers that land peers' writes.
+  std::unique_ptr<ucx::LandingTable> landings_ ABSL_GUARDED_BY(mu_);
   std::string worker_address_;          // set once in Init()
   std::string wrapped_worker_address_;  // set once in Init(): what Describe() hands out
   // Our own address's transport records (set once in Init()): peers' records of the same
   // transports must be at least as long (ValidateUcxWorkerAddress).
   std::vector<UcxAddressRecord> local_records_;
+  uint64_t stream_ = 0;  // set once in Init(): random, names our batches at every target
   std::atomic<uint64_t> probes_{0};  // Connect() round trips issued
-  int event_fd_ = -1;           // set once in Init(); -1: no wakeup support, poll with sleeps
+  int event_fd_ = -1;  // set once in Init(); -1: no wakeup support, poll with sleeps
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   // Peers by worker address. Entries are never erased (see Peer); a failed one stays failed.
   std::map<std::string, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
-  std::map<InflightOp*, std::unique_ptr<InflightOp>> inflight_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_batch_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::unique_ptr<Batch>> batches_ ABSL_GUARDED_BY(mu_);
+  // (when, batch id): a fence to send again or an ack deadline to check. Stale entries (the batch
+  // finished) are skipped.
+  std::multimap<absl::Time, uint64_t> timers_ ABSL_GUARDED_BY(mu_);
   std::vector<Peer*> to_close_ ABSL_GUARDED_BY(mu_);
   std::vector<void*> closing_ ABSL_GUARDED_BY(mu_);  // ucp_ep_close_nbx requests
-
-  absl::Mutex graveyard_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::vector<ucp_rkey_h> graveyard_ ABSL_GUARDED_BY(graveyard_mu_);
 
   std::thread progress_thread_;
 };
 
-RemoteKey::~RemoteKey() { owner_->Bury(rkey_); }
-
-UcxRemoteTarget::UcxRemoteTarget(UcxTransportImpl* owner, Peer* peer,
-                                 std::shared_ptr<RemoteKey> key, uint64_t base, uint64_t length)
-    : owner_(owner), peer_(peer), key_(std::move(key)), base_(base), length_(length) {}
-
 UcxRemoteTarget::~UcxRemoteTarget() { owner_->ObjectDestroyed(); }
 
 UcxRegistration::~UcxRegistration() {
-  owner_->Deregister(id_, std::move(memory_), region_.length);
+  owner_->Deregister(id_, std::move(memory_), remote_write_, token_, region_.length);
   owner_->ObjectDestroyed();
 }
 
@@ -376,13 +286,19 @@ absl::Status UcxTransportImpl::Init() {
           absl::StrCat("UCX setting ", key, "=", value, ": ", ucs_status_string(s)));
     }
   }
+  if (absl::Status s = CheckProtocolSelection(config.get()); !s.ok()) return s;
+  absl::StatusOr<landing::Token> stream = landing::NewToken();
+  if (!stream.ok()) return stream.status();
+  std::memcpy(&stream_, stream->data(), sizeof(stream_));
 
   absl::MutexLock lock(&mu_);
   ucp_params_t params = {};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  // RMA for puts; WAKEUP so that the progress thread can sleep on an event fd instead of spinning
-  // (on 2-core machines a spinning progress thread per transport would starve everything else).
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // AM for the landing messages; WAKEUP so that the progress thread can sleep on an event fd
+  // instead of spinning (on 2-core machines a spinning progress thread per transport would starve
+  // everything else). No RMA: without it UCX installs no software-RMA handlers, which would write
+  // wherever a peer's message says (docs/TRANSFER.md, "Target-checked landings").
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;  // one worker, and our lock serializes context calls too
   ucp_context_h context = nullptr;
   if (ucs_status_t s = ucp_init(&params, config.get(), &context); s != UCS_OK) {
@@ -398,6 +314,18 @@ absl::Status UcxTransportImpl::Init() {
     return ucx::FromUcs(s, "ucp_worker_create");
   }
   worker_.reset(worker);
+  landings_ = std::make_unique<ucx::LandingTable>(&mu_, metrics_, options_.landing_limits);
+  if (absl::Status s = landings_->Attach(worker_.get()); !s.ok()) return s;
+  ucp_am_handler_param_t ack = {};
+  ack.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  ack.id = landing::kAckAmId;
+  ack.flags = UCP_AM_FLAG_WHOLE_MSG;
+  ack.cb = &UcxTransportImpl::OnAck;
+  ack.arg = this;
+  if (ucs_status_t s = ucp_worker_set_am_recv_handler(worker_.get(), &ack); s != UCS_OK) {
+    return ucx::FromUcs(s, "ucp_worker_set_am_recv_handler(ack)");
+  }
   if (ucp_worker_get_efd(worker_.get(), &event_fd_) != UCS_OK) {
     LOG(WARNING) << "UCX worker has no event fd; the progress thread will poll";
     event_fd_ = -1;
@@ -435,7 +363,7 @@ UcxTransportImpl::~UcxTransportImpl() {
   absl::MutexLock lock(&mu_);
   if (worker_ == nullptr) return;  // Init() failed before the worker existed
   // Close every endpoint by force. With peer error handling, UCX then fails the endpoint's
-  // outstanding requests (our flush callbacks run with UCS_ERR_CANCELED); without it, they stay
+  // outstanding requests (our send callbacks run with UCS_ERR_CANCELED); without it, they stay
   // pending and are completed by hand below. Either way nothing waits for a peer here.
   for (auto& [address, peer] : peers_) CloseEndpoint(peer.get());
   const absl::Time deadline = absl::Now() + options_.shutdown_timeout;
@@ -445,14 +373,12 @@ UcxTransportImpl::~UcxTransportImpl() {
   }
   if (!closing_.empty()) LOG(WARNING) << closing_.size() << " UCX endpoints did not close in time";
   const absl::Status why = absl::UnavailableError("UCX transport shut down");
-  for (auto& [raw, op] : inflight_) {
-    op->state->Complete(why);
-    op->key.reset();  // remote keys must go before the worker
-  }
-  Reap();
-  // Any callback UCX still owes fires inside ucp_worker_destroy; the ops are still alive then.
+  for (auto& [id, batch] : batches_) batch->state->Complete(why);
+  // Any callback UCX still owes fires inside ucp_worker_destroy; the batches and the landing
+  // table are still alive then.
   worker_.reset();
-  inflight_.clear();
+  batches_.clear();
+  landings_.reset();  // unmaps what revocations that timed out kept mapped
   context_.reset();
 }
 
@@ -460,6 +386,7 @@ void UcxTransportImpl::ProgressLoop() {
   const int idle_sleep_ms =
       std::max<int64_t>(1, absl::ToInt64Milliseconds(options_.max_idle_sleep));
   absl::Time last_event = absl::InfinitePast();
+  absl::Time last_sweep = absl::Now();
   for (;;) {
     enum { kAgain, kYield, kSleepShort, kSleepIdle } next = kAgain;
     {
@@ -481,16 +408,21 @@ void UcxTransportImpl::ProgressLoop() {
       to_close_.clear();
       Reap();
       const absl::Time now = absl::Now();
+      RunTimers(now);
+      if (now - last_sweep > absl::Seconds(1)) {
+        landings_->Sweep(now);
+        last_sweep = now;
+      }
       if (events > 0) last_event = now;
       if (events == 0) {
         // Some progress raises no event: a send UCX queued because the peer's shared-memory FIFO
         // was full goes out only when we progress again, and "the FIFO has room" wakes nobody.
-        // That holds for our puts and for UCX's own replies on the target side (it answers
-        // emulated puts and flushes). Sleeping right away collapsed shared-memory puts to
-        // ~0.1 GB/s; so after any event keep polling for busy_poll, and while our batches are in
-        // flight sleep at most 1 ms (a hung peer must not cost a whole core). Otherwise arm the
-        // worker and sleep until the network or a writer (ucp_worker_signal) wakes us.
-        const bool in_flight = !inflight_.empty();
+        // That holds for our writes and for the target's acks. Sleeping right away collapsed
+        // shared-memory transfers to ~0.1 GB/s; so after any event keep polling for busy_poll,
+        // and while our batches are in flight sleep at most 1 ms (a hung peer must not cost a
+        // whole core). Otherwise arm the worker and sleep until the network or a writer
+        // (ucp_worker_signal) wakes us.
+        const bool in_flight = !batches_.empty();
         if (now - last_event < options_.busy_poll) {
           next = kYield;
         } else if (event_fd_ < 0 || ucp_worker_arm(worker_.get()) == UCS_OK) {
@@ -524,42 +456,174 @@ void UcxTransportImpl::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t stat
     peer->failure = absl::UnavailableError(peer->failure.message());
   }
   LOG(WARNING) << peer->failure;
+  // Batches waiting only for this peer's ack would wait forever; those with sends outstanding
+  // finish when UCX fails the sends.
+  std::vector<Batch*> waiting;
+  for (auto& [id, b] : self->batches_) {
+    if (b->peer == peer && !b->done && b->requests == 0) waiting.push_back(b.get());
+  }
+  for (Batch* b : waiting) self->Finish(b, peer->failure);
   // UCX wants a failed endpoint closed by force; not from inside its own error callback.
   self->to_close_.push_back(peer);
 }
 
-void UcxTransportImpl::OnFlushDone(void* request, ucs_status_t status, void* user_data) {
-  auto* op = static_cast<InflightOp*>(user_data);
-  op->owner->mu_.AssertHeld();
-  op->owner->FinishOp(op, status);
-  ucp_request_free(request);
+Batch* UcxTransportImpl::NewBatch(Peer* peer, uint64_t bytes, bool is_batch) {
+  auto b = std::make_unique<Batch>();
+  b->owner = this;
+  b->id = next_batch_++;
+  b->peer = peer;
+  b->state = std::make_shared<internal::CompletionState>(metrics_, bytes, is_batch);
+  Batch* raw = b.get();
+  batches_.emplace(raw->id, std::move(b));
+  return raw;
 }
 
-void UcxTransportImpl::FinishOp(InflightOp* op, ucs_status_t status) {
-  absl::Status result = op->issue_error;
-  if (result.ok() && status != UCS_OK) {
-    if (op->peer != nullptr && op->peer->failed) {
-      result = op->peer->failure;
-    } else {
-      result = ucx::FromUcs(
-          status, op->peer != nullptr ? absl::StrCat("write to '", op->peer->name, "'") : "flush");
+void UcxTransportImpl::SendFence(Batch* b) {
+  Peer* peer = b->peer;
+  if (peer->failed || peer->ep == nullptr) {
+    Finish(b, peer->failure);
+    return;
+  }
+  b->fence = landing::PackFenceHeader({stream_, b->id, b->messages, b->bytes});
+  ucp_request_param_t param = {};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = &UcxTransportImpl::OnFenceSent;
+  param.user_data = b;
+  ucs_status_ptr_t request = ucp_am_send_nbx(peer->ep, landing::kFenceAmId, b->fence.data(),
+                                             b->fence.size(), nullptr, 0, &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    Finish(b, peer->failed ? peer->failure
+                           : ucx::FromUcs(UCS_PTR_STATUS(request),
+                                          absl::StrCat("fence to '", peer->name, "'")));
+    return;
+  }
+  if (request != nullptr) ++b->requests;
+  const absl::Time now = absl::Now();
+  if (!b->fenced) {
+    b->fenced = true;
+    b->first_fence = now;
+    timers_.emplace(now + options_.ack_timeout, b->id);
+  }
+}
+
+void UcxTransportImpl::OnWriteSent(void* request, ucs_status_t status, void* user_data) {
+  auto* b = static_cast<Batch*>(user_data);
+  UcxTransportImpl* self = b->owner;
+  self->mu_.AssertHeld();
+  ucp_request_free(request);
+  --b->requests;
+  ++b->sent;
+  if (status != UCS_OK && b->send_error.ok()) {
+    b->send_error = b->peer->failed ? b->peer->failure
+                                    : ucx::FromUcs(status, absl::StrCat("write to '",
+                                                                        b->peer->name, "'"));
+  }
+  if (b->done) {
+    self->MaybeForget(b);
+  } else if (b->peer->failed) {
+    if (b->requests == 0) self->Finish(b, b->peer->failure);
+  } else if (b->sent == b->messages) {
+    self->SendFence(b);  // every write message left: the fence follows them on the same lane
+  }
+}
+
+void UcxTransportImpl::OnFenceSent(void* request, ucs_status_t status, void* user_data) {
+  auto* b = static_cast<Batch*>(user_data);
+  UcxTransportImpl* self = b->owner;
+  self->mu_.AssertHeld();
+  ucp_request_free(request);
+  --b->requests;
+  if (status != UCS_OK && !b->done) {
+    self->Finish(b, b->peer->failed
+                        ? b->peer->failure
+                        : ucx::FromUcs(status, absl::StrCat("fence to '", b->peer->name, "'")));
+  }
+  self->MaybeForget(b);
+}
+
+ucs_status_t UcxTransportImpl::OnAck(void* arg, const void* header, size_t header_length,
+                                     void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransportImpl*>(arg);
+  self->mu_.AssertHeld();
+  (void)data;
+  (void)length;
+  absl::StatusOr<landing::Ack> ack = landing::ParseAck(
+      absl::string_view(static_cast<const char*>(header), header == nullptr ? 0 : header_length));
+  const ucp_ep_h from =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+  if (ack.ok() && ack->stream == self->stream_ && from != nullptr) self->HandleAck(*ack, from);
+  return UCS_OK;  // anything else (not ours, malformed, no endpoint to check) is dropped
+}
+
+void UcxTransportImpl::HandleAck(const landing::Ack& ack, ucp_ep_h from) {
+  auto it = batches_.find(ack.batch);
+  if (it == batches_.end()) return;
+  Batch* b = it->second.get();
+  // Acks travel with UCP_AM_SEND_FLAG_REPLY, so UCX names the endpoint they came through: a
+  // target cannot answer for a batch written to another one.
+  if (b->done || !b->fenced || from != b->peer->ep) return;
+  if (ack.in_flight > 0 || ack.accepted + ack.refused < b->messages) {
+    // Not everything is accounted for yet (a rendezvous receive still running, or a message that
+    // travelled on another lane than the fence): ask again shortly.
+    b->backoff = std::clamp(2 * b->backoff, absl::Microseconds(50), absl::Milliseconds(5));
+    timers_.emplace(absl::Now() + b->backoff, b->id);
+    return;
+  }
+  const std::string who = absl::StrCat("write to '", b->peer->name, "': ");
+  absl::Status status;
+  if (ack.refused > 0) {
+    const std::string text = absl::StrCat(
+        who, "the target refused ", ack.refused, " of ", b->messages, " messages (",
+        landing::RefusalText(ack.first_refusal), "); nothing of those landed");
+    switch (ack.first_refusal) {
+      case landing::Refusal::kTableFull:
+        status = absl::ResourceExhaustedError(text);
+        break;
+      case landing::Refusal::kReceiveFailed:
+        status = absl::UnavailableError(text);
+        break;
+      default:
+        status = absl::FailedPreconditionError(text);
+    }
+  } else if (!b->send_error.ok()) {
+    status = b->send_error;
+  } else if (ack.accepted_bytes != b->bytes) {
+    status = absl::InternalError(absl::StrCat(who, "the target acknowledged ", ack.accepted_bytes,
+                                              " of ", b->bytes, " bytes"));
+  }
+  Finish(b, std::move(status));
+}
+
+void UcxTransportImpl::RunTimers(absl::Time now) {
+  while (!timers_.empty() && timers_.begin()->first <= now) {
+    const uint64_t id = timers_.begin()->second;
+    timers_.erase(timers_.begin());
+    auto it = batches_.find(id);
+    if (it == batches_.end() || it->second->done) continue;
+    Batch* b = it->second.get();
+    if (now - b->first_fence >= options_.ack_timeout) {
+      Finish(b, absl::UnavailableError(absl::StrCat(
+                    "write to '", b->peer->name, "': the target did not account for all ",
+                    b->messages, " messages within ", absl::FormatDuration(options_.ack_timeout),
+                    " of the batch's fence (not progressing, or gone unnoticed)")));
+    } else if (b->backoff > absl::ZeroDuration()) {
+      SendFence(b);  // a retry after an ack that was not final
     }
   }
-  op->state->Complete(std::move(result));
-  inflight_.erase(op);  // drops its remote key reference (to the graveyard, not destroyed here)
 }
 
-void UcxTransportImpl::TrackFlush(std::unique_ptr<InflightOp> op, ucs_status_ptr_t request) {
-  if (request == nullptr) {
-    FinishOp(op.get(), UCS_OK);  // not in inflight_: erase is a no-op and `op` dies here
-    return;
+void UcxTransportImpl::Finish(Batch* b, absl::Status status) {
+  if (!b->done) {
+    b->done = true;
+    b->state->Complete(std::move(status));
   }
-  if (UCS_PTR_IS_ERR(request)) {
-    FinishOp(op.get(), UCS_PTR_STATUS(request));
-    return;
-  }
-  InflightOp* raw = op.get();
-  inflight_.emplace(raw, std::move(op));
+  MaybeForget(b);
+}
+
+void UcxTransportImpl::MaybeForget(Batch* b) {
+  if (b->done && b->requests == 0) batches_.erase(b->id);
 }
 
 void UcxTransportImpl::CloseEndpoint(Peer* peer) {
@@ -586,20 +650,6 @@ void UcxTransportImpl::Reap() {
                                   return true;
                                 }),
                  closing_.end());
-  std::vector<ucp_rkey_h> dead;
-  {
-    absl::MutexLock lock(&graveyard_mu_);
-    dead.swap(graveyard_);
-  }
-  for (ucp_rkey_h rkey : dead) ucp_rkey_destroy(rkey);
-}
-
-void UcxTransportImpl::Bury(ucp_rkey_h rkey) {
-  {
-    absl::MutexLock lock(&graveyard_mu_);
-    graveyard_.push_back(rkey);
-  }
-  // The progress thread reaps after its next progress round; no need to wake it for this.
 }
 
 absl::StatusOr<std::unique_ptr<Registration>> UcxTransportImpl::Register(
@@ -608,81 +658,54 @@ absl::StatusOr<std::unique_ptr<Registration>> UcxTransportImpl::Register(
     metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
     return absl::InvalidArgumentError("cannot register a null or empty region");
   }
-  return MapAndRecord(region, options);
-}
-
-absl::StatusOr<std::unique_ptr<Registration>> UcxTransportImpl::Allocate(
-    size_t length, const RegistrationOptions& options) {
-  if (length == 0) {
-    metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
-    return absl::InvalidArgumentError("cannot allocate 0 bytes");
-  }
-  return MapAndRecord({nullptr, length}, options);
-}
-
-absl::StatusOr<std::unique_ptr<Registration>> UcxTransportImpl::MapAndRecord(
-    MemoryRegion region, const RegistrationOptions& options) {
-  const bool allocate = region.addr == nullptr;
+  const auto base = reinterpret_cast<uintptr_t>(region.addr);
   std::unique_ptr<ucx::MemoryHandle> memory;
-  std::string packed_key;
+  landing::Token token = {};
   {
     absl::MutexLock lock(&mu_);
+    // Mapped for UCX either way: the memory handle lets rendezvous receives into a landing (and,
+    // on RDMA, sends from a source) skip UCX's registration cache.
     absl::StatusOr<std::unique_ptr<ucx::MemoryHandle>> mapped =
-        allocate ? ucx::MemoryHandle::Allocate(context_.get(), region.length)
-                 : ucx::MemoryHandle::Map(context_.get(), region.addr, region.length);
+        ucx::MemoryHandle::Map(context_.get(), region.addr, region.length);
     if (!mapped.ok()) {
       metrics_->AddFailure(mapped.status());
       return mapped.status();
     }
     memory = *std::move(mapped);
-    if (allocate) {
-      absl::StatusOr<std::pair<void*, size_t>> where = memory->Query();
-      if (!where.ok()) {
-        memory.reset();
-        return where.status();
-      }
-      region.addr = where->first;
-      // UCX may round up; we promise exactly `length`, zeroed.
-      std::memset(region.addr, 0, region.length);
-    }
     if (options.remote_write) {
-      absl::StatusOr<std::string> packed = memory->PackRkey();
-      if (!packed.ok()) {
-        metrics_->AddFailure(packed.status());
+      absl::StatusOr<landing::Token> opened = landings_->Open(base, region.length, memory->get());
+      if (!opened.ok()) {
         memory.reset();
-        return packed.status();
+        return opened.status();
       }
-      packed_key = *std::move(packed);
-      // Same reasoning as for the worker address in Init(): our own key must pass our check.
-      if (absl::Status s = ValidateUcxRemoteKey(packed_key); !s.ok()) {
-        memory.reset();
-        return absl::InternalError(
-            absl::StrCat("this node's own packed UCX key fails validation: ", s.message()));
-      }
+      token = *opened;
     }
   }
   const uint64_t id = next_registration_.fetch_add(1);
-  local_.Add(id, reinterpret_cast<uintptr_t>(region.addr), region.length, memory->get());
+  local_.Add(id, base, region.length, nullptr);
   metrics_->AddRegistration(1, static_cast<int64_t>(region.length));
   live_objects_.fetch_add(1);
   std::string wrapped_key =
-      options.remote_write ? WrapBlob(BlobField::kRemoteKey, packed_key,
-                                      reinterpret_cast<uintptr_t>(region.addr), region.length)
-                           : std::string();
+      options.remote_write
+          ? WrapBlob(BlobField::kRemoteKey, landing::PackKey(token), base, region.length)
+          : std::string();
   return std::unique_ptr<Registration>(new UcxRegistration(
-      this, id, region, std::move(memory), std::move(wrapped_key), options.remote_write));
+      this, id, region, std::move(memory), options.remote_write, token, std::move(wrapped_key)));
 }
 
 void UcxTransportImpl::Deregister(uint64_t id, std::unique_ptr<ucx::MemoryHandle> memory,
-                                  size_t length) {
+                                  bool landing, const landing::Token& token, size_t length) {
   local_.Remove(id);
   metrics_->AddRegistration(-1, -static_cast<int64_t>(length));
   absl::MutexLock lock(&mu_);
+  // Revoke first: from here on every message naming the token is refused. Close waits (bounded)
+  // for rendezvous receives already issued into the region, and keeps `memory` if they outlive it.
+  if (landing) landings_->Close(token, options_.revoke_timeout, &memory);
   memory.reset();  // ucp_mem_unmap, under the worker lock
 }
 
 absl::Status UcxTransportImpl::CheckDescriptor(const PeerDescriptor& peer, std::string* address,
-                                               std::string* key) const {
+                                               landing::Token* token) const {
   if (absl::Status s = ValidatePeerDescriptor(peer); !s.ok()) return s;
   const std::string who = absl::StrCat("descriptor of peer '", absl::CHexEscape(peer.peer_name),
                                        "': ");
@@ -693,19 +716,17 @@ absl::Status UcxTransportImpl::CheckDescriptor(const PeerDescriptor& peer, std::
       UnwrapBlob(BlobField::kRemoteKey, peer.remote_key, kMaxUcxRemoteKeyBytes);
   if (!k.ok()) return absl::InvalidArgumentError(absl::StrCat(who, k.status().message()));
   if (absl::Status s = CheckKeyScope(peer, *k); !s.ok()) return s;
-  // The envelope's CRC stops corruption; these stop a well-formed envelope around bytes UCX would
-  // choke on (ucp_address_unpack and ucp_ep_rkey_unpack take no length and trust the blob).
+  // The envelope's CRC stops corruption; this stops a well-formed envelope around an address UCX
+  // would choke on (ucp_address_unpack takes no length and trusts the blob).
   if (absl::Status s = ValidateUcxWorkerAddress(a->payload, local_records_); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(who, "worker_address: ", s.message()));
   }
-  if (absl::Status s = ValidateUcxRemoteKey(k->payload); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
-  }
-  if (absl::Status s = CheckSharedMemoryKeys(peer, a->payload, k->payload); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", s.message()));
+  absl::StatusOr<landing::Token> t = landing::ParseKey(k->payload);
+  if (!t.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, "remote_key: ", t.status().message()));
   }
   *address = std::move(a->payload);
-  *key = std::move(k->payload);
+  *token = *t;
   return absl::OkStatus();
 }
 
@@ -717,8 +738,9 @@ absl::StatusOr<std::unique_ptr<RemoteTarget>> UcxTransportImpl::Connect(
         "descriptor of peer '", absl::CHexEscape(peer.peer_name), "' is for transport '",
         absl::CHexEscape(peer.transport.substr(0, kMaxTransportNameBytes)), "', this is 'ucx'"));
   }
-  std::string address, packed_key;
-  if (absl::Status s = CheckDescriptor(peer, &address, &packed_key); !s.ok()) {
+  std::string address;
+  landing::Token token;
+  if (absl::Status s = CheckDescriptor(peer, &address, &token); !s.ok()) {
     metrics_->AddFailure(MetricsRecorder::Failure::kInvalidArgument);
     return s;
   }
@@ -726,19 +748,15 @@ absl::StatusOr<std::unique_ptr<RemoteTarget>> UcxTransportImpl::Connect(
     metrics_->AddFailure(MetricsRecorder::Failure::kIncompatible);
     return absl::Status(s.code(), absl::StrCat("peer '", peer.peer_name, "': ", s.message()));
   }
-  // UCX reads fixed-size structures out of key records; the padding keeps a short record's read
-  // inside our buffer (ValidateUcxRemoteKey checked the framing, not each transport's layout).
-  packed_key.append(kUcxBlobPadding, '\0');
-  // Find or create the endpoint and unpack the key. The first Connect() on an endpoint then
-  // proves the path with a round trip: a 1-byte get from the start of the range and a flush,
-  // waited for without the lock. This way an unreachable peer is reported here rather than by
-  // the first write, the first write does not pay for wireup, and the peer has sent its wireup
-  // reply before we return. The last point matters on one host: UCX 1.13 aborts (an assertion,
-  // removed upstream by openucx/ucx#8175) in a process whose peer vanishes while its wireup reply
-  // is still pending. Later descriptors of the same peer (one per reservation run) skip it: the
-  // endpoint is proved, and a round trip per run would cost a network RTT per run.
+  // Find or create the endpoint. The first Connect() on an endpoint then proves the path with a
+  // round trip (a fence of no messages, answered by the target's landing table), waited for
+  // without the lock. This way an unreachable peer (or one that runs no landings) is reported here
+  // rather than by the first write, the first write does not pay for wireup, and the peer has sent
+  // its wireup reply before we return. The last point matters on one host: UCX 1.13 aborts (an
+  // assertion, removed upstream by openucx/ucx#8175) in a process whose peer vanishes while its
+  // wireup reply is still pending. Later descriptors of the same peer (one per reservation run)
+  // skip it: the endpoint is proved, and a round trip per run would cost a network RTT per run.
   std::shared_ptr<internal::CompletionState> probe;
-  std::shared_ptr<RemoteKey> key;
   Peer* p = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -748,36 +766,11 @@ absl::StatusOr<std::unique_ptr<RemoteTarget>> UcxTransportImpl::Connect(
       return found.status();
     }
     p = *found;
-    ucp_rkey_h rkey = nullptr;
-    if (ucs_status_t s = ucp_ep_rkey_unpack(p->ep, packed_key.data(), &rkey); s != UCS_OK) {
-      absl::Status st = absl::InvalidArgumentError(absl::StrCat(
-          "remote key of peer '", peer.peer_name, "' does not unpack: ", ucs_status_string(s)));
-      metrics_->AddFailure(st);
-      return st;
-    }
-    key = std::make_shared<RemoteKey>(this, rkey);
     if (!p->proved) {
-      probe = std::make_shared<internal::CompletionState>(metrics_, 0, /*is_batch=*/false);
       probes_.fetch_add(1);
-      auto op = std::make_unique<InflightOp>();
-      op->owner = this;
-      op->state = probe;
-      op->key = key;
-      op->peer = p;
-      op->scratch = std::make_unique<uint8_t[]>(1);
-      ucp_request_param_t get_param = {};
-      ucs_status_ptr_t get =
-          ucp_get_nbx(p->ep, op->scratch.get(), 1, peer.base_address, rkey, &get_param);
-      if (UCS_PTR_IS_ERR(get)) {
-        op->issue_error = ucx::FromUcs(UCS_PTR_STATUS(get), "probe get");
-      } else if (get != nullptr) {
-        ucp_request_free(get);
-      }
-      ucp_request_param_t param = {};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      param.cb.send = &UcxTransportImpl::OnFlushDone;
-      param.user_data = op.get();
-      TrackFlush(std::move(op), ucp_ep_flush_nbx(p->ep, &param));
+      Batch* b = NewBatch(p, 0, /*is_batch=*/false);
+      probe = b->state;
+      SendFence(b);
       ucp_worker_signal(worker_.get());
     }
   }
@@ -793,7 +786,7 @@ absl::StatusOr<std::unique_ptr<RemoteTarget>> UcxTransportImpl::Connect(
   }
   live_objects_.fetch_add(1);
   return std::unique_ptr<RemoteTarget>(
-      new UcxRemoteTarget(this, p, std::move(key), peer.base_address, peer.length));
+      new UcxRemoteTarget(this, p, token, peer.base_address, peer.length));
 }
 
 absl::StatusOr<Peer*> UcxTransportImpl::FindOrCreatePeer(const PeerDescriptor& peer,
@@ -841,23 +834,22 @@ absl::StatusOr<std::unique_ptr<TransferHandle>> UcxTransportImpl::Write(
     metrics_->AddFailure(s);
     return absl::Status(s.code(), absl::StrCat("write to '", t->peer_name(), "': ", s.message()));
   }
-  const std::vector<BlockCopy> ops = options.coalesce
-                                         ? CoalesceCopies(copies)
-                                         : std::vector<BlockCopy>(copies.begin(), copies.end());
-  // Local memory handles let UCX skip its registration cache lookup per put. A merged op that
-  // spans two registrations has none and UCX finds its own.
-  std::vector<ucp_mem_h> memh(ops.size(), nullptr);
-  for (size_t i = 0; i < ops.size(); ++i) {
-    absl::StatusOr<void*> cookie =
-        local_.Find(reinterpret_cast<uintptr_t>(ops[i].local_addr), ops[i].length);
-    if (cookie.ok()) memh[i] = static_cast<ucp_mem_h>(*cookie);
+  std::vector<BlockCopy> ops = options.coalesce
+                                   ? CoalesceCopies(copies)
+                                   : std::vector<BlockCopy>(copies.begin(), copies.end());
+  if (const size_t max = options_.max_message_bytes; max > 0) {
+    std::vector<BlockCopy> split;
+    for (const BlockCopy& op : ops) {
+      for (size_t off = 0; off < op.length; off += max) {
+        split.push_back({op.remote_addr + off, static_cast<const uint8_t*>(op.local_addr) + off,
+                         std::min(max, op.length - off)});
+      }
+    }
+    ops = std::move(split);
   }
-  auto state = std::make_shared<internal::CompletionState>(metrics_, internal::TotalBytes(copies));
-  auto op = std::make_unique<InflightOp>();
-  op->owner = this;
-  op->state = state;
-  op->key = t->key();
-  op->peer = t->peer();
+  uint32_t flags = 0;
+  if (options_.protocol == UcxOptions::Protocol::kEager) flags = UCP_AM_SEND_FLAG_EAGER;
+  if (options_.protocol == UcxOptions::Protocol::kRendezvous) flags = UCP_AM_SEND_FLAG_RNDV;
 
   absl::MutexLock lock(&mu_);
   Peer* peer = t->peer();
@@ -868,53 +860,56 @@ absl::StatusOr<std::unique_ptr<TransferHandle>> UcxTransportImpl::Write(
     return s;
   }
   metrics_->AddSubmitted(copies.size(), ops.size());
+  Batch* b = NewBatch(peer, internal::TotalBytes(copies), /*is_batch=*/true);
+  std::shared_ptr<internal::CompletionState> state = b->state;
+  b->headers.reserve(ops.size());  // UCX keeps pointers to them: no reallocation from here on
   for (size_t i = 0; i < ops.size(); ++i) {
+    b->headers.push_back(landing::PackWriteHeader({t->token(), stream_, b->id, ops[i].remote_addr}));
     ucp_request_param_t param = {};
-    if (memh[i] != nullptr) {
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
-      param.memh = memh[i];
-    }
-    // No callback per put: the batch's flush below reports completion, and a failed put fails
-    // the endpoint, which fails the flush. Requests are released at once (UCX completes them).
-    ucs_status_ptr_t request = ucp_put_nbx(peer->ep, ops[i].local_addr, ops[i].length,
-                                           ops[i].remote_addr, t->key()->get(), &param);
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = flags;
+    param.cb.send = &UcxTransportImpl::OnWriteSent;
+    param.user_data = b;
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(peer->ep, landing::kWriteAmId, b->headers.back().data(),
+                        landing::kWriteHeaderBytes, ops[i].local_addr, ops[i].length, &param);
     if (UCS_PTR_IS_ERR(request)) {
-      op->issue_error =
-          ucx::FromUcs(UCS_PTR_STATUS(request),
-                       absl::StrCat("put ", i, " of ", ops.size(), " to '", peer->name, "'"));
-      break;  // what was posted still gets flushed, so the handle ends with nothing in flight
+      b->send_error = ucx::FromUcs(
+          UCS_PTR_STATUS(request),
+          absl::StrCat("write message ", i, " of ", ops.size(), " to '", peer->name, "'"));
+      break;  // what was issued is still fenced, so the handle ends with nothing in flight
     }
-    if (request != nullptr) ucp_request_free(request);
+    ++b->messages;
+    b->bytes += ops[i].length;
+    if (request == nullptr) {
+      ++b->sent;
+    } else {
+      ++b->requests;
+    }
   }
-  ucp_request_param_t flush_param = {};
-  flush_param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  flush_param.cb.send = &UcxTransportImpl::OnFlushDone;
-  flush_param.user_data = op.get();
-  ucs_status_ptr_t flush = ucp_ep_flush_nbx(peer->ep, &flush_param);
-  TrackFlush(std::move(op), flush);
+  if (b->sent == b->messages) SendFence(b);  // else the last OnWriteSent sends it
   ucp_worker_signal(worker_.get());
   return std::unique_ptr<TransferHandle>(new internal::StateHandle(std::move(state)));
 }
 
 absl::Status UcxTransportImpl::Flush(absl::Duration timeout) {
-  auto state = std::make_shared<internal::CompletionState>(metrics_, 0, /*is_batch=*/false);
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<std::shared_ptr<internal::CompletionState>> states;
   {
-    auto op = std::make_unique<InflightOp>();
-    op->owner = this;
-    op->state = state;
     absl::MutexLock lock(&mu_);
     if (stop_) return absl::UnavailableError("UCX transport is shutting down");
-    ucp_request_param_t param = {};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &UcxTransportImpl::OnFlushDone;
-    param.user_data = op.get();
-    ucs_status_ptr_t request = ucp_worker_flush_nbx(worker_.get(), &param);
-    TrackFlush(std::move(op), request);
-    ucp_worker_signal(worker_.get());
+    for (const auto& [id, b] : batches_) {
+      if (!b->done) states.push_back(b->state);
+    }
   }
-  absl::Status s = state->Wait(timeout);
-  // A failed endpoint fails the worker flush too; Flush only promises "nothing is in flight".
-  return absl::IsDeadlineExceeded(s) ? s : absl::OkStatus();
+  for (const auto& s : states) {
+    if (absl::IsDeadlineExceeded(s->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now())))) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("flush: batches still in flight after ", absl::FormatDuration(timeout)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> UcxTransportImpl::DescribeEndpoint(const RemoteTarget& target) {

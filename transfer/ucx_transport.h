@@ -1,30 +1,37 @@
-// The UCX Transport: one ucp context (RMA + WAKEUP features), one worker, one progress thread.
+// The UCX Transport: one ucp context (AM + WAKEUP features, no RMA), one worker, one progress
+// thread. docs/TRANSFER.md has the long form of everything below.
 //
-// Progress model (docs/TRANSFER.md has the long form). The worker runs in
-// UCS_THREAD_MODE_SERIALIZED and every UCX call is made with one transport-wide lock held, so any
-// thread may Register/Connect/Write while the progress thread progresses. The progress thread is
-// the only caller of ucp_worker_progress: it progresses until idle, arms the worker and sleeps on
-// its event fd (at most UcxOptions::max_idle_sleep), and wakes when a writer signals the worker
-// after posting puts or when the network delivers; right after activity it keeps polling
-// (UcxOptions::busy_poll), because some progress raises no event. Progress is needed on
-// BOTH ends: on one host (shared memory, TCP) UCX 1.13 emulates puts with active messages that
-// only the target's progress lands, and a flush completes only when the target answers. Between
-// hosts with RDMA the puts are one-sided in hardware and only the writer's progress matters.
+// Target-checked landings. Peers never write into this process with one-sided RMA: the context
+// does not ask for UCP_FEATURE_RMA, so UCX does not even install its software-RMA handlers (which
+// on TCP and shared memory write to whatever address a message names). Register() with
+// remote_write opens a landing (transfer/ucx_landing.h): a random token mapped to the region,
+// which the descriptor's key carries. Write() sends each coalesced copy as active messages
+// {token, address, batch} plus data; the target's handler checks the token and the range before
+// touching memory, copies eager data itself and receives rendezvous data into the checked
+// destination, and refuses everything else. Destroying the Registration removes the token.
 //
-// A batch = its puts (no per-put callback; requests are released at once) followed by one
-// ucp_ep_flush_nbx on the endpoint: the flush completing means every put of the batch reached the
-// peer's memory, which is what the handle reports. Endpoints are cached per peer worker address
-// with UCP_ERR_HANDLING_MODE_PEER; a peer error fails that endpoint's outstanding batches with
-// Unavailable, and the endpoint is never reused (a restarted peer has a new address and gets a
-// new endpoint, so no stale key is ever used). The first Connect() of an endpoint ends with a round
-// trip (a 1-byte get and a flush) so that an unreachable peer fails there, not in the first write;
-// later descriptors of the same peer (per-reservation keys) connect without one. Every byte of a
-// descriptor is checked before UCX sees it (transfer/descriptor_check.h): UCX 1.13 parses worker
-// addresses and keys without a length and asserts or crashes on malformed ones.
+// Remote completion. A batch's write messages are followed, once each has completed at the
+// writer, by a fence (sent with UCP_AM_SEND_FLAG_REPLY); the target answers it, from inside the
+// fence's callback, with what it accepted, refused or is still receiving, and the writer asks
+// again until every message is accounted for. The handle completes on that answer: OK only when
+// every byte landed, FailedPrecondition when the target refused some (revoked or out of range),
+// Unavailable when the peer died or never answered within UcxOptions::ack_timeout.
 //
-// On one host, puts into memory the target registered with Register() are emulated (active
-// messages, ~2 GB/s here); into memory from Allocate() (a UCX shared-memory segment) they are
-// direct copies by the writer (~8-10 GB/s here). docs/TRANSFER.md has the numbers.
+// Progress model. The worker runs in UCS_THREAD_MODE_SERIALIZED and every UCX call is made with
+// one transport-wide lock held, so any thread may Register/Connect/Write while the progress thread
+// progresses. The progress thread is the only caller of ucp_worker_progress: it progresses until
+// idle, arms the worker and sleeps on its event fd (at most UcxOptions::max_idle_sleep), and wakes
+// when a writer signals the worker or the network delivers; right after activity it keeps polling
+// (UcxOptions::busy_poll), because some progress raises no event. Progress is needed on BOTH ends:
+// the target's handlers land the bytes and answer the fences.
+//
+// Endpoints are cached per peer worker address with UCP_ERR_HANDLING_MODE_PEER; a peer error
+// fails that endpoint's batches with Unavailable, and the endpoint is never reused (a restarted
+// peer has a new address and gets a new endpoint). The first Connect() of an endpoint ends with a
+// round trip (a fence of no messages) so that an unreachable peer fails there, not in the first
+// write; later descriptors of the same peer (per-reservation keys) connect without one. Every
+// byte of a descriptor is checked before UCX sees it (transfer/descriptor_check.h): UCX 1.13
+// parses worker addresses without a length and asserts or crashes on malformed ones.
 //
 // UCX is configured by the environment (UCX_TLS, UCX_NET_DEVICES, ...) and by UcxOptions::config,
 // applied on top. Thread-safe: every method may be called from any thread.
@@ -72,6 +79,36 @@ struct UcxOptions {
   absl::Duration max_idle_sleep = absl::Milliseconds(20);
   // Bound on the waits inside the destructor (closing endpoints).
   absl::Duration shutdown_timeout = absl::Seconds(5);
+
+  // How write messages travel. kAuto lets UCX pick by size (eager below its rendezvous threshold:
+  // the target's handler copies out of UCX's buffer; rendezvous above: the target receives
+  // straight into the checked destination, zero-copy where the transport can); kEager and
+  // kRendezvous force one (UCP_AM_SEND_FLAG_EAGER / _RNDV). docs/TRANSFER.md, "Measured".
+  enum class Protocol { kAuto, kEager, kRendezvous };
+  Protocol protocol = Protocol::kAuto;
+  // Each coalesced copy is sent as messages of at most this many bytes; 0: one message per copy.
+  size_t max_message_bytes = 0;
+  // A batch whose target has not accounted for every message this long after its fence fails
+  // with Unavailable (a target that stopped progressing, a peer that died unnoticed).
+  absl::Duration ack_timeout = absl::Seconds(60);
+  // Destroying a Registration waits up to this long for rendezvous receives peers already started
+  // into it. Past it (a peer stalled mid-message) those bytes may still land, since UCX 1.13
+  // cannot cancel a receive: the region stays mapped until they end, the destructor returns,
+  // TransportMetrics::landing_revoke_timeouts counts it and an error is logged.
+  absl::Duration revoke_timeout = absl::Seconds(5);
+
+  // Bounds on what a peer can make this node (as a target) keep.
+  struct LandingLimits {
+    // Per-batch tallies (a few dozen bytes each; one per batch in flight towards us). Past it
+    // the least recently touched idle ones are evicted (their writers' fences go unanswered and
+    // time out).
+    size_t max_batches = 65536;
+    // Rendezvous receives in flight; a rendezvous write beyond it is refused.
+    size_t max_receives = 4096;
+    // A tally untouched this long (its writer died between writes and fence) is dropped.
+    absl::Duration batch_idle = absl::Seconds(60);
+  };
+  LandingLimits landing_limits;
 };
 
 class UcxTransport : public Transport {
@@ -82,14 +119,17 @@ class UcxTransport : public Transport {
   // logs and benchmark records. REQUIRES: `target` was made by this transport.
   virtual absl::StatusOr<std::string> DescribeEndpoint(const RemoteTarget& target) = 0;
 
-  // Test hook. While paused the progress thread does not progress the worker: puts emulated
-  // through active messages into this transport's memory do not land, flushes towards it do not
-  // complete, as with a hung peer.
+  // Test hook. While paused the progress thread does not progress the worker: writes into this
+  // transport's memory do not land and fences towards it are not answered, as with a hung peer.
   virtual void SetProgressPausedForTesting(bool paused) = 0;
 
-  // Test hook: how many Connect() round trips (probe get + flush) this transport issued. One per
-  // endpoint: further descriptors of a proved peer connect without one.
+  // Test hook: how many Connect() round trips this transport issued. One per endpoint: further
+  // descriptors of a proved peer connect without one.
   virtual uint64_t ConnectProbesForTesting() const = 0;
+
+  // Test hook: batch tallies this transport keeps as a target (bounded by
+  // UcxOptions::landing_limits).
+  virtual size_t LandingBatchesForTesting() const = 0;
 };
 
 // Creates the context, worker and progress thread. Internal (or the UCX error) when UCX cannot

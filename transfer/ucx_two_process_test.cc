@@ -1,10 +1,13 @@
 // UCX between two processes, the way prefill and decode nodes use it: the test process is the
 // writer (prefill side); a forked child owns the registered memory (decode side), sends its
-// descriptor over a pipe and answers commands (checksum its memory, pause or resume its progress).
-// The child is forked before this process starts any thread or UCX object, and every read from it
-// has a deadline. Covers what one process cannot: CMA/shared memory between address spaces, and a
-// peer killed with SIGKILL while a batch is in flight.
+// descriptors over a pipe and answers commands (checksum its memory, pause or resume its progress,
+// revoke a registration). The child is forked before this process starts any thread or UCX object,
+// and every read from it has a deadline. Covers what one process cannot: CMA/shared memory between
+// address spaces, a peer killed with SIGKILL while a batch is in flight, and hostile descriptors
+// (widened, beyond the arena, stale) aimed at another process: it survives, and its memory
+// outside the live registration is untouched.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/types.h>
@@ -19,7 +22,9 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transfer/descriptor_check.h"
 #include "transfer/transport.h"
 #include "transfer/ucx_transport.h"
 
@@ -29,7 +34,14 @@ namespace {
 constexpr size_t kPage = 8192;
 constexpr size_t kPages = 256;  // 2 MiB
 constexpr size_t kBytes = kPage * kPages;
+// The child's second registration, a "reservation run" in the middle of its memory.
+constexpr size_t kRunOffset = kBytes / 4;
+constexpr size_t kRunBytes = kBytes / 2;
+// A mapping of the child's with no access at all: a write there would kill it.
+constexpr size_t kGuardBytes = 1 << 20;
 constexpr absl::Duration kLongWait = absl::Seconds(10);
+
+using ::testing::HasSubstr;
 
 using Config = std::vector<std::pair<std::string, std::string>>;
 
@@ -87,17 +99,30 @@ bool ReadAll(int fd, void* p, size_t n, absl::Time deadline) {
   return true;
 }
 
-// The child: owns the target memory. Exits when told to, or when the parent goes silent.
+bool SendBlob(int fd, const std::string& blob) {
+  const uint32_t size = static_cast<uint32_t>(blob.size());
+  return WriteAll(fd, &size, sizeof(size)) && WriteAll(fd, blob.data(), size);
+}
+
+// The child: owns the target memory. Sends the descriptor of all of it, the descriptor of a run
+// in its middle, and the address of an inaccessible mapping; exits when told to, or when the
+// parent goes silent.
 [[noreturn]] void RunTarget(int cmd_fd, int reply_fd, const std::string& node, const Config& config,
                             bool peer_errors) {
   auto transport = NewUcxTransport(Options(node, config, peer_errors));
   if (!transport.ok()) _exit(2);
   std::vector<uint8_t> memory(kBytes, 0);
   auto reg = (*transport)->Register({memory.data(), memory.size()});
-  if (!reg.ok()) _exit(3);
-  const std::string blob = SerializeDescriptor(*(*reg)->Describe());
-  const uint32_t size = static_cast<uint32_t>(blob.size());
-  if (!WriteAll(reply_fd, &size, sizeof(size)) || !WriteAll(reply_fd, blob.data(), size)) _exit(4);
+  auto run = (*transport)->Register({memory.data() + kRunOffset, kRunBytes});
+  void* guard =
+      mmap(nullptr, kGuardBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (!reg.ok() || !run.ok() || guard == MAP_FAILED) _exit(3);
+  const uint64_t guard_addr = reinterpret_cast<uintptr_t>(guard);
+  if (!SendBlob(reply_fd, SerializeDescriptor(*(*reg)->Describe())) ||
+      !SendBlob(reply_fd, SerializeDescriptor(*(*run)->Describe())) ||
+      !WriteAll(reply_fd, &guard_addr, sizeof(guard_addr))) {
+    _exit(4);
+  }
   for (;;) {
     char cmd;
     if (!ReadAll(cmd_fd, &cmd, 1, absl::Now() + absl::Seconds(60))) break;
@@ -108,8 +133,12 @@ bool ReadAll(int fd, void* p, size_t n, absl::Time deadline) {
     } else if (cmd == 'P' || cmd == 'R') {
       (*transport)->SetProgressPausedForTesting(cmd == 'P');
       WriteAll(reply_fd, "k", 1);
+    } else if (cmd == 'D') {  // the run's reservation ended: revoke its key
+      run->reset();
+      WriteAll(reply_fd, "k", 1);
     }
   }
+  run->reset();
   reg->reset();
   transport->reset();
   _exit(0);
@@ -139,6 +168,7 @@ class TargetProcess {
     close(reply_fd_);
   }
 
+  // The child's descriptors, in the order it sends them (all of its memory, then the run).
   absl::StatusOr<PeerDescriptor> Descriptor() {
     uint32_t size = 0;
     const absl::Time deadline = absl::Now() + kLongWait;
@@ -150,6 +180,17 @@ class TargetProcess {
       return absl::UnavailableError("target's descriptor truncated");
     }
     return ParseDescriptor(blob);
+  }
+  absl::StatusOr<uint64_t> GuardAddress() {
+    uint64_t addr = 0;
+    if (!ReadAll(reply_fd_, &addr, sizeof(addr), absl::Now() + kLongWait)) {
+      return absl::UnavailableError("target sent no guard address");
+    }
+    return addr;
+  }
+  bool RevokeRun() {
+    char ack;
+    return WriteAll(cmd_fd_, "D", 1) && ReadAll(reply_fd_, &ack, 1, absl::Now() + kLongWait);
   }
   absl::StatusOr<uint64_t> Checksum() {
     uint64_t h = 0;
@@ -204,6 +245,12 @@ class UcxTwoProcessTest : public ::testing::TestWithParam<Setup> {
     auto d = target_->Descriptor();
     ASSERT_TRUE(d.ok()) << d.status();
     descriptor_ = *d;
+    auto run = target_->Descriptor();
+    ASSERT_TRUE(run.ok()) << run.status();
+    run_ = *run;
+    auto guard = target_->GuardAddress();
+    ASSERT_TRUE(guard.ok()) << guard.status();
+    guard_ = *guard;
     auto r = writer_->Connect(descriptor_);
     ASSERT_TRUE(r.ok()) << r.status();
     remote_ = *std::move(r);
@@ -220,8 +267,22 @@ class UcxTwoProcessTest : public ::testing::TestWithParam<Setup> {
   std::vector<uint8_t> source_;
   std::unique_ptr<Registration> source_reg_;
   std::unique_ptr<RemoteTarget> remote_;
-  PeerDescriptor descriptor_;
+  PeerDescriptor descriptor_;  // all of the child's memory
+  PeerDescriptor run_;         // the run in its middle
+  uint64_t guard_ = 0;         // the child's inaccessible mapping
 };
+
+// `d` with its key re-wrapped for [base, base + length) and that range advertised (the envelope's
+// CRC is no secret): the writer's own checks all pass for it.
+PeerDescriptor Widened(const PeerDescriptor& d, uint64_t base, uint64_t length) {
+  absl::StatusOr<UnwrappedBlob> key = UnwrapBlob(BlobField::kRemoteKey, d.remote_key, 4096);
+  EXPECT_TRUE(key.ok()) << key.status();
+  PeerDescriptor forged = d;
+  forged.remote_key = WrapBlob(BlobField::kRemoteKey, key.ok() ? key->payload : "", base, length);
+  forged.base_address = base;
+  forged.length = length;
+  return forged;
+}
 
 TEST_P(UcxTwoProcessTest, EveryByteLandsInTheOtherProcess) {
   // Source page i goes to target page (i * 37) % kPages: scattered, with a contiguous head run.
@@ -301,6 +362,74 @@ TEST_P(UcxTwoProcessTest, RestartedPeerGetsAFreshConnectionAndTheOldDescriptorIs
   source_reg_.reset();
   writer_.reset();
   reg->reset();
+}
+
+// The run's key widened to all of the child's memory, and to its inaccessible mapping: every
+// write outside the run is refused by the child before it touches memory, the batches fail with
+// FailedPrecondition, the child survives (it answers, and an honest write through the run still
+// lands), and not one byte outside the run changed. (Before target-checked landings the first
+// wrote over the child's memory and the second killed it with SIGSEGV inside UCX.)
+TEST_P(UcxTwoProcessTest, ForgedAndOutOfArenaWritesLeaveTheTargetIntact) {
+  const std::vector<uint8_t> zeros(kBytes, 0);
+  auto before = target_->Checksum();
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(*before, Fnv1a(zeros.data(), zeros.size()));
+  const uint64_t base = descriptor_.base_address;
+  struct Attack {
+    PeerDescriptor forged;
+    std::vector<BlockCopy> copies;
+  };
+  const std::vector<Attack> attacks = {
+      {Widened(run_, base, kBytes),
+       {{base, source_.data(), kPage},                                    // before the run
+        {base + kRunOffset + kRunBytes - kPage, source_.data(), 2 * kPage},  // across its end
+        {base + kBytes - 64 * kPage, source_.data(), 64 * kPage}}},       // after it, large
+      {Widened(run_, guard_, kGuardBytes),
+       {{guard_, source_.data(), kPage}, {guard_ + kGuardBytes - kPage, source_.data(), kPage}}},
+  };
+  for (const Attack& a : attacks) {
+    auto t = writer_->Connect(a.forged);
+    ASSERT_TRUE(t.ok()) << t.status();  // the descriptor is well-formed: only the target can tell
+    auto h = writer_->Write(**t, a.copies);
+    ASSERT_TRUE(h.ok()) << h.status();
+    absl::Status s = (*h)->Wait(kLongWait);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("outside the landing")) << s;
+    t->reset();
+  }
+  auto after = target_->Checksum();
+  ASSERT_TRUE(after.ok()) << "the target process died: " << after.status();
+  EXPECT_EQ(*after, *before) << "memory outside the run changed";
+  // Still serving: an honest write through the run's own descriptor lands.
+  auto honest = writer_->Connect(run_);
+  ASSERT_TRUE(honest.ok()) << honest.status();
+  auto h = writer_->Write(**honest, {{run_.base_address, source_.data(), 4 * kPage}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE((*h)->Wait(kLongWait).ok());
+  std::vector<uint8_t> expect(kBytes, 0);
+  std::memcpy(expect.data() + kRunOffset, source_.data(), 4 * kPage);
+  auto landed = target_->Checksum();
+  ASSERT_TRUE(landed.ok()) << landed.status();
+  EXPECT_EQ(*landed, Fnv1a(expect.data(), expect.size()));
+  honest->reset();
+}
+
+// The run's registration destroyed in the child (its reservation ended) while this process holds
+// its descriptor: a write through it lands nothing and fails naming the revocation.
+TEST_P(UcxTwoProcessTest, StaleDescriptorLandsNothing) {
+  auto run = writer_->Connect(run_);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_TRUE(target_->RevokeRun());
+  auto h = writer_->Write(**run, {{run_.base_address, source_.data(), 8 * kPage}});
+  ASSERT_TRUE(h.ok()) << h.status();
+  absl::Status s = (*h)->Wait(kLongWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("revoked")) << s;
+  const std::vector<uint8_t> zeros(kBytes, 0);
+  auto sum = target_->Checksum();
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  EXPECT_EQ(*sum, Fnv1a(zeros.data(), zeros.size()));
+  run->reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(
