@@ -69,8 +69,8 @@ void ConnectionLimiter::Refused(const std::string& client, bool per_client) {
                     " over the per-client limit (--http-max-connections-per-client ",
                     limits_.per_client, "), ", unlogged_total_,
                     " over the total limit (--http-max-connections ", limits_.total,
-                    ") since the last such line; latest from ", client.empty() ? "?" : client,
-                    " (", open_, " connections open)"));
+                    ") since the last such line; latest from ", client.empty() ? "?" : client, " (",
+                    open_, " connections open)"));
   unlogged_per_client_ = 0;
   unlogged_total_ = 0;
 }

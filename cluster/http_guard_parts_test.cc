@@ -53,9 +53,9 @@ TEST(ConnectionLimiterTest, LimitsPerClientAndInAllCountsAndLogsRateLimited) {
   metrics::Registry registry;
   std::vector<std::string> lines;
   absl::Time now = absl::FromUnixSeconds(1000);
-  ConnectionLimiter limiter({/*total=*/3, /*per_client=*/2}, &registry,
-                            [&](const std::string& line) { lines.push_back(line); },
-                            [&] { return now; });
+  ConnectionLimiter limiter(
+      {/*total=*/3, /*per_client=*/2}, &registry,
+      [&](const std::string& line) { lines.push_back(line); }, [&] { return now; });
   auto refused = [&](const char* reason) {
     return registry
         .AddCounter(metrics::names::kRouterHttpConnectionsRefusedTotal, "", {{"reason", reason}})
@@ -86,7 +86,8 @@ TEST(ConnectionLimiterTest, LimitsPerClientAndInAllCountsAndLogsRateLimited) {
 
 TEST(ConnectionLimiterTest, NoPerClientLimitWhenZero) {
   metrics::Registry registry;
-  ConnectionLimiter limiter({/*total=*/100, /*per_client=*/0}, &registry, [](const std::string&) {});
+  ConnectionLimiter limiter({/*total=*/100, /*per_client=*/0}, &registry,
+                            [](const std::string&) {});
   for (int i = 0; i < 50; ++i) {
     ASSERT_TRUE(limiter.Admit("10.0.0.1"));
     limiter.Opened("10.0.0.1");

@@ -37,8 +37,7 @@ absl::StatusOr<std::unique_ptr<HangupWatcher>> HangupWatcher::Start() {
   return watcher;
 }
 
-HangupWatcher::HangupWatcher(int epoll_fd, int wake_fd)
-    : epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
+HangupWatcher::HangupWatcher(int epoll_fd, int wake_fd) : epoll_fd_(epoll_fd), wake_fd_(wake_fd) {}
 
 HangupWatcher::~HangupWatcher() {
   const uint64_t one = 1;
@@ -90,7 +89,7 @@ void HangupWatcher::Run() {
       {
         absl::MutexLock lock(&mu_);
         auto it = entries_.find(events[i].data.u64);
-        if (it == entries_.end()) continue;  // unwatched meanwhile
+        if (it == entries_.end()) continue;       // unwatched meanwhile
         hung_up = std::move(it->second.hung_up);  // the entry stays until Unwatch
       }
       if (hung_up) hung_up();

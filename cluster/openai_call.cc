@@ -24,11 +24,11 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
   const model::EncodeCheck check = [&cancelled, &preparer, deadline]() -> absl::Status {
     if (absl::Status s = cancelled(); !s.ok()) return s;
     if (absl::Now() < deadline) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokenizing the prompt took longer than ",
-        absl::ToInt64Milliseconds(preparer.tokenize_timeout),
-        " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
-        "tokenizer; shorten or change it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizing the prompt took longer than ",
+                     absl::ToInt64Milliseconds(preparer.tokenize_timeout),
+                     " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
+                     "tokenizer; shorten or change it"));
   };
   auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check);
   if (!generate.ok()) return generate.status();

@@ -74,7 +74,8 @@ class CallState {
   // Worker: records the outcome, resuming the connection if it waits. When `prepared` is OK and
   // the state is not cancelled, `start` starts the call first, under the state's lock, so that a
   // concurrent Cancel either finds the exchange or keeps it from starting.
-  void Finish(const absl::Status& prepared, const std::function<std::shared_ptr<Exchange>()>& start);
+  void Finish(const absl::Status& prepared,
+              const std::function<std::shared_ptr<Exchange>()>& start);
 
   // Polling thread: the outcome once Finish ran; otherwise runs `suspend` (under the lock) and
   // returns nullopt (Finish resumes the connection).

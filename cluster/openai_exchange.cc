@@ -9,10 +9,9 @@
 namespace fluxion::cluster::openai {
 
 std::shared_ptr<Exchange> Exchange::Start(
-    v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
-    v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
-    model::StreamDetokenizer detokenizer, std::function<void()> wake,
-    const std::shared_ptr<ExchangeSet>& set,
+    v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer, v1::GenerateRequest generate,
+    const Request& request, ResponseMeta meta, model::StreamDetokenizer detokenizer,
+    std::function<void()> wake, const std::shared_ptr<ExchangeSet>& set,
     const std::vector<std::pair<std::string, std::string>>& metadata) {
   const uint64_t id = set->Reserve();
   // The set learns of the destruction only once the members (the ClientContext, which holds the

@@ -20,8 +20,7 @@ absl::Status CheckIds(const std::vector<uint32_t>& ids, const model::Tokenizer& 
 }
 
 absl::StatusOr<std::vector<uint32_t>> Tokenize(const std::string& text,
-                                               const model::Tokenizer& tokenizer,
-                                               const char* param,
+                                               const model::Tokenizer& tokenizer, const char* param,
                                                const model::EncodeCheck& check) {
   auto ids = tokenizer.EncodeChecked(text, check);
   if (!ids.ok()) return WithParam(ids.status(), param);

@@ -99,8 +99,8 @@ void HttpServer::Impl::Opened(MHD_Connection* connection, void** socket_context)
   const MHD_ConnectionInfo* info =
       MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
   // Owned by libmicrohttpd's socket context until Closed.
-  auto* client = new std::string(ConnectionLimiter::ClientKey(info != nullptr ? info->client_addr
-                                                                               : nullptr));
+  auto* client =
+      new std::string(ConnectionLimiter::ClientKey(info != nullptr ? info->client_addr : nullptr));
   limiter_.Opened(*client);
   *socket_context = client;
 }
@@ -212,8 +212,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
       flags, 0, &AcceptPolicy, impl, &HandleRequest, impl, MHD_OPTION_SOCK_ADDR, &*addr,
       MHD_OPTION_THREAD_STACK_SIZE, static_cast<size_t>(1) << 20, MHD_OPTION_NOTIFY_COMPLETED,
       &RequestCompleted, impl, MHD_OPTION_NOTIFY_CONNECTION, &NotifyConnection, impl,
-      MHD_OPTION_CONNECTION_TIMEOUT, idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-      limits.total + 16, MHD_OPTION_END);
+      MHD_OPTION_CONNECTION_TIMEOUT, idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT, limits.total + 16,
+      MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("http: cannot listen on '", address, "' (port in use?)"));

@@ -41,9 +41,9 @@ absl::Status CheckFraming(const FramingHeaders& headers) {
   }
   for (const std::string& v : headers.content_length) {
     if (absl::StripAsciiWhitespace(v) != absl::StripAsciiWhitespace(headers.content_length[0])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("conflicting Content-Length headers ('", headers.content_length[0],
-                       "' and '", v, "'); send one"));
+      return absl::InvalidArgumentError(absl::StrCat("conflicting Content-Length headers ('",
+                                                     headers.content_length[0], "' and '", v,
+                                                     "'); send one"));
     }
   }
   return absl::OkStatus();

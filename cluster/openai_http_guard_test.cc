@@ -27,9 +27,9 @@ namespace fluxion::cluster::openai {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::kPatience;
 using ::testing::Not;
 using ::testing::StartsWith;
-using testing::kPatience;
 
 class OpenAiHttpGuardTest : public testing::OpenAiHttpFixture {
  protected:

@@ -67,9 +67,9 @@ Metadata PrefillPickMetadata(MHD_Connection* connection) {
 
 }  // namespace
 
-MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
-                                    const char* method, const char* upload_data,
-                                    size_t* upload_data_size, void** per_request) {
+MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url, const char* method,
+                                    const char* upload_data, size_t* upload_data_size,
+                                    void** per_request) {
   auto* call = static_cast<Call*>(*per_request);
   if (call == nullptr) return Begin(connection, url, method, per_request);
   if (*upload_data_size > 0) {
@@ -84,8 +84,9 @@ MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
   }
   if (call->state == nullptr) {
     if (call->too_large) {
-      return ReplyError(connection, MHD_HTTP_CONTENT_TOO_LARGE,
-                        absl::StrCat("the request body exceeds ", options_.max_body_bytes, " bytes"));
+      return ReplyError(
+          connection, MHD_HTTP_CONTENT_TOO_LARGE,
+          absl::StrCat("the request body exceeds ", options_.max_body_bytes, " bytes"));
     }
     if (absl::Status s = Submit(call); !s.ok()) return ReplyError(connection, s);
   }
@@ -99,8 +100,8 @@ MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
   return Answer(call);
 }
 
-MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url,
-                                   const char* method, void** per_request) {
+MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, const char* method,
+                                   void** per_request) {
   // Before anything else, and before the body is read: a request whose end we might find
   // elsewhere than a proxy in front of us is answered and the connection closed.
   if (absl::Status framing = CheckFraming(FramingHeadersOf(connection)); !framing.ok()) {
@@ -160,29 +161,30 @@ absl::Status HttpServer::Impl::Submit(Call* call) {
     calls_.emplace(call->state_id, state);
   }
   call->state = state;  // from here on Completed cleans up
-  const MHD_ConnectionInfo* fd = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+  const MHD_ConnectionInfo* fd =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
   call->watch_id = watcher_->Watch(fd != nullptr ? fd->connect_fd : -1, [state] {
     state->Cancel(absl::CancelledError("the client closed the connection"));
   });
   const bool chat = call->endpoint == Endpoint::kChatCompletions;
-  std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", serial_.fetch_add(1));
+  std::string id =
+      absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", serial_.fetch_add(1));
   auto job = [this, state, connection, endpoint = call->endpoint, body = std::move(call->body),
               id = std::move(id), metadata = PrefillPickMetadata(connection)] {
     Prepare(state, connection, endpoint, body, id, metadata);
   };
   if (!pool_.TrySubmit(std::move(job))) {
     requests_shed_->Increment();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the router's queue for request preparation (parsing, tokenization) is full (",
-        options_.max_queued, " waiting; --http-max-queued); retry later"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the router's queue for request preparation (parsing, tokenization) is full (",
+                     options_.max_queued, " waiting; --http-max-queued); retry later"));
   }
   return absl::OkStatus();
 }
 
 // On a worker: the CPU work, then the Generate call; the state resumes the connection.
-void HttpServer::Impl::Prepare(const std::shared_ptr<CallState>& state,
-                               MHD_Connection* connection, Endpoint endpoint,
-                               const std::string& body, const std::string& id,
+void HttpServer::Impl::Prepare(const std::shared_ptr<CallState>& state, MHD_Connection* connection,
+                               Endpoint endpoint, const std::string& body, const std::string& id,
                                const Metadata& metadata) {
   const model::EncodeCheck cancelled = [&state] { return state->CancelledWhy(); };
   const absl::Status why = state->CancelledWhy();
@@ -190,10 +192,10 @@ void HttpServer::Impl::Prepare(const std::shared_ptr<CallState>& state,
       why.ok() ? openai::Prepare(preparer_, endpoint, body, id, cancelled)
                : absl::StatusOr<Prepared>(why);
   state->Finish(prepared.status(), [&] {
-    return Exchange::Start(stub_.get(), tokenizer_, std::move(prepared->generate),
-                           prepared->request, std::move(prepared->meta),
-                           std::move(*prepared->detokenizer),
-                           [this, connection] { Resume(connection); }, exchanges_, metadata);
+    return Exchange::Start(
+        stub_.get(), tokenizer_, std::move(prepared->generate), prepared->request,
+        std::move(prepared->meta), std::move(*prepared->detokenizer),
+        [this, connection] { Resume(connection); }, exchanges_, metadata);
   });
 }
 
@@ -202,11 +204,11 @@ MHD_Result HttpServer::Impl::Answer(Call* call) {
   std::optional<Exchange::Head> head =
       call->exchange->HeadOrSuspend([this, connection] { Suspend(connection); });
   if (!head) return MHD_YES;  // resumed by the exchange when the head is decided
-  if (!head->streaming) return Reply(connection, head->http_status, head->body, head->retry_after_s);
-  MHD_Response* response =
-      MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream,
-                                        new StreamState{this, call->exchange, connection},
-                                        &FreeStream);
+  if (!head->streaming)
+    return Reply(connection, head->http_status, head->body, head->retry_after_s);
+  MHD_Response* response = MHD_create_response_from_callback(
+      MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream, new StreamState{this, call->exchange, connection},
+      &FreeStream);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, "Content-Type", "text/event-stream");
   MHD_add_response_header(response, "Cache-Control", "no-cache");

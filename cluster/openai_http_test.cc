@@ -130,8 +130,9 @@ TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
 TEST_F(OpenAiHttpTest, AmbiguousFramingIsRefusedBeforeTheBody) {
   StreamBytes("ok");
   const std::string body = R"({"model":"m","prompt":"x","max_tokens":2})";
-  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: a\r\n"
-                           "Content-Type: application/json\r\n";
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: a\r\n"
+      "Content-Type: application/json\r\n";
   const std::string chunked = absl::StrCat(absl::Hex(body.size()), "\r\n", body, "\r\n0\r\n\r\n");
   struct Case {
     std::string name;
@@ -140,12 +141,11 @@ TEST_F(OpenAiHttpTest, AmbiguousFramingIsRefusedBeforeTheBody) {
   };
   const std::vector<Case> cases = {
       {"conflicting lengths",
-       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ",
-                    body.size() + 8, "\r\n\r\n", body, "{\"x\":1}"),
+       absl::StrCat(head, "Content-Length: ", body.size(), "\r\nContent-Length: ", body.size() + 8,
+                    "\r\n\r\n", body, "{\"x\":1}"),
        "HTTP/1.1 400"},
       {"chunked, identity",
-       absl::StrCat(head, "Transfer-Encoding: chunked, identity\r\n\r\n", chunked),
-       "HTTP/1.1 400"},
+       absl::StrCat(head, "Transfer-Encoding: chunked, identity\r\n\r\n", chunked), "HTTP/1.1 400"},
       {"two Transfer-Encoding lines",
        absl::StrCat(head, "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
                     chunked),

@@ -107,8 +107,8 @@ class FakeDecode final : public v1::DecodeService::Service {
 // (as a real tokenizer does between bounded pieces of work): a prompt stuck tokenizing.
 class GatedTokenizer final : public model::Tokenizer {
  public:
-  absl::StatusOr<std::vector<int32_t>> EncodeChecked(absl::string_view text,
-                                                     const model::EncodeCheck& check) const override {
+  absl::StatusOr<std::vector<int32_t>> EncodeChecked(
+      absl::string_view text, const model::EncodeCheck& check) const override {
     absl::MutexLock lock(&mu_);
     ++entered_;
     while (!released_) {

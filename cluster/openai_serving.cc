@@ -16,14 +16,13 @@ absl::Status CheckLimitFlags(const OpenAiFlags& f) {
     const char* flag;
     int64_t value, low, high;
   };
-  for (const Bound& b : {Bound{"--http-max-connections", f.max_connections, 1, 1 << 20},
-                         Bound{"--http-max-connections-per-client", f.max_connections_per_client,
-                               0, 1 << 20},
-                         Bound{"--http-idle-timeout-s", f.idle_timeout_s, 1, 86400},
-                         Bound{"--http-workers", f.workers, 1, 256},
-                         Bound{"--http-max-queued", f.max_queued, 0, 1 << 20},
-                         Bound{"--http-tokenize-timeout-ms", f.tokenize_timeout_ms, 1,
-                               int64_t{3600} * 1000}}) {
+  for (const Bound& b :
+       {Bound{"--http-max-connections", f.max_connections, 1, 1 << 20},
+        Bound{"--http-max-connections-per-client", f.max_connections_per_client, 0, 1 << 20},
+        Bound{"--http-idle-timeout-s", f.idle_timeout_s, 1, 86400},
+        Bound{"--http-workers", f.workers, 1, 256},
+        Bound{"--http-max-queued", f.max_queued, 0, 1 << 20},
+        Bound{"--http-tokenize-timeout-ms", f.tokenize_timeout_ms, 1, int64_t{3600} * 1000}}) {
     if (b.value < b.low || b.value > b.high) {
       return absl::InvalidArgumentError(
           absl::StrCat(b.flag, " must be in [", b.low, ", ", b.high, "], got ", b.value));

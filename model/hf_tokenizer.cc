@@ -798,7 +798,7 @@ absl::Status HfTokenizer::SplitOnAdded(absl::string_view text, const AddedMatche
 }
 
 absl::StatusOr<std::vector<int32_t>> HfTokenizer::EncodeChecked(absl::string_view text,
-                                                                 const EncodeCheck& check) const {
+                                                                const EncodeCheck& check) const {
   WorkCheck work(check);
   FLUXION_RETURN_IF_ERROR(work.Now());
   if (!IsValidUtf8(text)) return absl::InvalidArgumentError("text is not valid UTF-8");

@@ -104,8 +104,7 @@ class HfTokenizer final : public Tokenizer {
 
   absl::Status SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
                             std::vector<Piece>* out, WorkCheck* work) const;
-  absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids,
-                          WorkCheck* work) const;
+  absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids, WorkCheck* work) const;
   // Appends the pre-tokens of `text` to `out`; pieces that are not substrings of `text` (with
   // a prefix space) live in `storage`.
   absl::Status PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
