@@ -44,7 +44,7 @@ std::string Printable(absl::string_view s) {
   return out;
 }
 
-// --- UCX 1.13 formats (src/ucp/wireup/address.c, src/ucp/core/ucp_rkey.c at v1.13.1) -----------
+// --- UCX 1.13 worker address format (src/ucp/wireup/address.c at v1.13.1) ----------------------
 
 // Address header: low nibble of byte 0 is the format version (ucp_object_version_t).
 constexpr uint8_t kAddrVersionV1 = 0;

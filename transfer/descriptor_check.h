@@ -61,9 +61,9 @@ inline constexpr uint64_t kMinUserAddress = 64 * 1024;
 // only to mmap calls that ask for them with a hint, which nothing here does; anything above is
 // non-canonical or kernel space.
 inline constexpr uint64_t kUserAddressLimit = uint64_t{1} << 47;
-// Every range we register starts on an 8-byte boundary: arenas and Allocate() segments are
-// page-aligned, per-reservation ranges are page runs, and heap buffers are 16-byte aligned. A
-// misaligned base is a hand-made descriptor.
+// Every range we register starts on an 8-byte boundary: arenas are page-aligned, per-reservation
+// ranges are page runs, and heap buffers are 16-byte aligned. A misaligned base is a hand-made
+// descriptor.
 inline constexpr uint64_t kRegionAlignment = 8;
 
 // Checks every field of `d` before a transport library sees it: string sizes against the limits
@@ -131,7 +131,7 @@ absl::Status ValidateUcxWorkerAddress(absl::string_view blob,
 // Extra zero bytes appended to every UCX blob we hand to UCX (not part of the blob). UCX's
 // transports read fixed-size structures out of address and key records, sized by what they pack
 // themselves; the padding keeps any read a few bytes past a short record inside our buffer, and
-// terminates any string a transport reads (posix rkeys carry a path).
+// terminates any string a transport reads.
 inline constexpr size_t kUcxBlobPadding = 256;
 
 }  // namespace fluxion::transfer

@@ -2,8 +2,8 @@
 //
 // A forked child owns a registered target region (the decode arena); this process writes
 // `--mib` MiB into it as `--page_kib` KiB pages, three ways:
-//   contiguous+coalesced   pages in order to consecutive slots: CoalesceCopies makes one put
-//   contiguous, no merge   the same copies with WriteOptions::coalesce = false: one put per page
+//   contiguous+coalesced   pages in order to consecutive slots: CoalesceCopies makes one message
+//   contiguous, no merge   the same copies with WriteOptions::coalesce = false: one per page
 //   scattered              pages to a random permutation of slots: nothing merges
 // and reports GB/s (best and median of --iters, each a Write + Wait), next to a plain memcpy of the
 // same bytes and the UCX endpoint description (which transports UCX picked). UCX is configured by

@@ -32,7 +32,7 @@
 
 namespace fluxion::transfer {
 
-// Version of what a descriptor means (its fields, and how puts land in the page layout). Peers
+// Version of what a descriptor means (its fields, and how writes land in the page layout). Peers
 // with different versions refuse to connect. Matches fluxion.v1.ProtocolVersion.
 inline constexpr uint32_t kTransferProtocolVersion = 1;
 
@@ -106,7 +106,7 @@ struct BlockCopy {
 };
 
 // Merges, in the given order, each copy whose local and remote ranges both start where the
-// previous one's end into that previous copy: a run of consecutive pages becomes one put (small
+// previous one's end into that previous copy: a run of consecutive pages becomes one write (small
 // descriptors cost 10-17x bandwidth in NIXL). Order is kept; nothing is sorted. Pure function.
 std::vector<BlockCopy> CoalesceCopies(absl::Span<const BlockCopy> copies);
 
@@ -173,7 +173,7 @@ struct TransportMetrics {
 
   uint64_t bytes_written = 0;     // bytes of batches that completed OK
   uint64_t copies_submitted = 0;  // BlockCopy entries accepted by Write()
-  uint64_t ops_issued = 0;        // puts issued after coalescing
+  uint64_t ops_issued = 0;        // write messages issued after coalescing (and splitting)
   uint64_t batches_submitted = 0;
   uint64_t batches_completed = 0;  // OK
   uint64_t registrations = 0;      // live

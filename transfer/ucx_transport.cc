@@ -373,7 +373,9 @@ UcxTransportImpl::~UcxTransportImpl() {
   }
   if (!closing_.empty()) LOG(WARNING) << closing_.size() << " UCX endpoints did not close in time";
   const absl::Status why = absl::UnavailableError("UCX transport shut down");
-  for (auto& [id, batch] : batches_) batch->state->Complete(why);
+  std::vector<Batch*> open;
+  for (auto& [id, batch] : batches_) open.push_back(batch.get());
+  for (Batch* b : open) Finish(b, why);  // those with sends outstanding stay until UCX ends them
   // Any callback UCX still owes fires inside ucp_worker_destroy; the batches and the landing
   // table are still alive then.
   worker_.reset();
