@@ -199,8 +199,9 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
 // each start of the binary costs about a second here).
 TEST(DrainTimeoutFlagTest, OutOfRangeValuesAreRefusedByEveryServer) {
   const std::string secret = " --transfer-secret-file " + TestTransferSecretFile();
-  for (const std::string command : {std::string("router"), "prefill --model /nonexistent" + secret,
-                                    "decode --model /nonexistent" + secret}) {
+  const std::vector<std::string> commands = {"router", "prefill --model /nonexistent" + secret,
+                                             "decode --model /nonexistent" + secret};
+  for (const std::string& command : commands) {
     const std::string out = ::testing::TempDir() + "/drain-flag.txt";
     const std::string line =
         absl::StrCat(FLUXION_BINARY, " ", command, " --drain-timeout-ms=-1 > ", out, " 2>&1");
