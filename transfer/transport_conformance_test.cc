@@ -32,6 +32,7 @@
 #include "transfer/descriptor_check.h"
 #include "transfer/loopback_transport.h"
 #include "transfer/transport.h"
+#include "transfer/transport_testing.h"
 #ifdef FLUXION_TRANSFER_CONFORMANCE_UCX
 #include "transfer/ucx_transport.h"
 #endif
@@ -50,18 +51,6 @@ constexpr absl::Duration kLongWait = absl::Seconds(10);
 bool Landed(TransferHandle& h) {
   absl::StatusOr<bool> r = h.Poll();
   return r.ok() && *r;
-}
-
-CompatibilityRecord TestCompat() {
-  CompatibilityRecord c;
-  c.model_id = "sha256:test-model";
-  c.kv_dtype = 2;
-  c.num_layers = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;
-  c.page_tokens = 16;
-  c.layout_version = 1;
-  return c;
 }
 
 // How to make and steer one kind of transport.

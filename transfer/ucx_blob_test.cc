@@ -21,6 +21,7 @@
 #include "transfer/descriptor_check.h"
 #include "transfer/landing_wire.h"
 #include "transfer/transport.h"
+#include "transfer/transport_testing.h"
 #include "transfer/ucx_handles.h"
 #include "transfer/ucx_transport.h"
 
@@ -31,25 +32,7 @@ using ::testing::HasSubstr;
 
 constexpr size_t kBytes = 64 * 1024;
 
-CompatibilityRecord TestCompat() {
-  CompatibilityRecord c;
-  c.model_id = "sha256:test-model";
-  c.kv_dtype = 2;
-  c.num_layers = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;
-  c.page_tokens = 16;
-  c.layout_version = 1;
-  return c;
-}
-
-struct Config {
-  std::string name;
-  std::vector<std::pair<std::string, std::string>> ucx;
-  bool peer_error_handling;
-};
-
-void PrintTo(const Config& c, std::ostream* os) { *os << c.name; }
+using Config = UcxTestConfig;
 
 std::unique_ptr<UcxTransport> MakeTransport(const Config& c, const std::string& node) {
   UcxOptions o;

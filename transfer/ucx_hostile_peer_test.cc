@@ -25,6 +25,7 @@
 #include "transfer/descriptor_check.h"
 #include "transfer/landing_wire.h"
 #include "transfer/transport.h"
+#include "transfer/transport_testing.h"
 #include "transfer/ucx_transport.h"
 
 namespace fluxion::transfer {
@@ -37,25 +38,7 @@ constexpr size_t kRunBytes = 16 * kPage;
 constexpr uint8_t kSentinel = 0x5a;
 constexpr size_t kMaxBatches = 64;
 
-CompatibilityRecord TestCompat() {
-  CompatibilityRecord c;
-  c.model_id = "sha256:test-model";
-  c.kv_dtype = 2;
-  c.num_layers = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;
-  c.page_tokens = 16;
-  c.layout_version = 1;
-  return c;
-}
-
-struct Config {
-  std::string name;
-  std::vector<std::pair<std::string, std::string>> ucx;
-  bool peer_error_handling;
-};
-
-void PrintTo(const Config& c, std::ostream* os) { *os << c.name; }
+using Config = UcxTestConfig;
 
 UcxOptions Options(const Config& c, const std::string& node) {
   UcxOptions o;

@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "transfer/descriptor_check.h"
 #include "transfer/transport.h"
+#include "transfer/transport_testing.h"
 #include "transfer/ucx_transport.h"
 
 namespace fluxion::transfer {
@@ -44,18 +45,6 @@ constexpr absl::Duration kLongWait = absl::Seconds(10);
 using ::testing::HasSubstr;
 
 using Config = std::vector<std::pair<std::string, std::string>>;
-
-CompatibilityRecord TestCompat() {
-  CompatibilityRecord c;
-  c.model_id = "sha256:test-model";
-  c.kv_dtype = 2;
-  c.num_layers = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 128;
-  c.page_tokens = 16;
-  c.layout_version = 1;
-  return c;
-}
 
 UcxOptions Options(const std::string& node, const Config& config, bool peer_errors) {
   UcxOptions o;
