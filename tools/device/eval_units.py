@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Unit list for tools/device/session6_xeon_eval.sh and xeon_eval.sh: one line "CONTEXT TASK SEED"
-per sample.
+"""Unit list for tools/device/xeon_eval.sh (`tools/device/run.sh eval`): one line
+"CONTEXT TASK SEED" per sample.
 
 Seed-major order (every task's seed s before any task's seed s + 1), so that a run cut short by
 the device budget still holds about as many samples of each task. Units already done (their
 JSON in --done folders) are left out.
 
-    tools/device/session6_units.py --contexts 16384 --samples 200 [--tasks T,...] [--done DIR ...] > units.txt
+    tools/device/eval_units.py --contexts 16384 --samples 200 [--tasks T,...] [--done DIR ...] > units.txt
 
---tasks defaults to the six that counted on run 4's weights (session 6); run 5's count all seven.
+--tasks defaults to six tasks (run 4's weights had `vt` at chance); pass all seven for the
+current weights (run 5), where every task counts.
 """
 import argparse
 import os
