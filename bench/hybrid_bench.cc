@@ -666,7 +666,8 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
         absl::StatusOr<double> hbm =
             TimeHbmFull(*executor, config, context, batch, o.steps, kernel);
         if (hbm.ok()) {
-          // Whether the dense segments ran from CUDA graphs (docs/GPU.md, session 9).
+          // Whether the dense segments ran from CUDA graphs (docs/GPU.md, "Fused, graphed and tuned
+          // dense half").
           const model::DecodeStepRunner& runner = executor->runner();
           const std::string graphs =
               runner.graph_status().ok()

@@ -24,7 +24,7 @@ struct RunDescription {
 };
 
 // The whole summary as JSON: config, transform, counts, errors by code, distributions (ms),
-// throughput, goodput, timeline. Field names follow ../shared/docs/BENCHMARKS.md where they overlap
+// throughput, goodput, timeline. Field names follow docs/BENCHMARKS.md where they overlap
 // (ttft_ms, tpot_ms, tokens_per_s).
 nlohmann::json StatsToJson(const ReplayStats& stats, const RunDescription& run);
 

@@ -218,8 +218,8 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
       stub->async()->Generate(&context_, &request_, this);
       // The relay asks for the next message from its OnWriteDone, outside this call's reactions.
       // Without a hold the status could arrive between a read and that request, gRPC would
-      // finish the call and free its reader, and StartRead would touch freed memory (the rare
-      // "pure virtual method called" abort of session 4). The hold is released once no read will
+      // finish the call and free its reader, and StartRead would touch freed memory (a rare
+      // "pure virtual method called" abort). The hold is released once no read will
       // be asked for from outside: when a read ends the stream, or when the client write failed.
       AddHold();
       StartRead(&response_);

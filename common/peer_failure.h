@@ -6,7 +6,7 @@
 // used to eject the decode node as unreachable; when the message names the attempt's prefill
 // node instead, the decode node answered and the prefill node is what failed (a killed prefill
 // node had the router eject every healthy decode node it was paired with, so a burst's retries
-// found none: tests/cluster_faults_test.cc, session 17).
+// found none: tests/cluster_faults_test.cc).
 #ifndef FLUXION_COMMON_PEER_FAILURE_H_
 #define FLUXION_COMMON_PEER_FAILURE_H_
 

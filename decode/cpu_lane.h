@@ -6,13 +6,14 @@
 //
 // Why one at a time: the CPU phase is bound by the cores and the host-memory bandwidth, so two at
 // once would each get half of both and both finish late. Why on the step's calling thread (not a
-// lock the drivers take in turn, as until session 20): libgomp keeps a team of worker threads for
+// lock the drivers take in turn): libgomp keeps a team of worker threads for
 // every thread that starts parallel regions, and once it manages more threads than there are
 // CPUs it stops its workers' spinning almost at once (its "throttled" spin count), so that every
 // region's start waits for sleeping threads to wake. The drivers starting regions made two teams
 // besides the caller's own (which it has from everything else it runs on the pool); one-pipeline
 // rows measured after ping-pong rows in the same process were slower too (resident-only plan 0.8
-// -> 3.6-4.6 ms a step at 4 x 128K; bench/results "session 20"). Serving the work on the caller's
+// -> 3.6-4.6 ms a step at 4 x 128K; bench/results/decode-pingpong-*-h200-20261204). Serving the
+// work on the caller's
 // thread keeps one team.
 //
 // Outside Open .. Serve, Run runs its function at once on the calling thread (a pipeline stepped

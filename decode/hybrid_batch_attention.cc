@@ -141,7 +141,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   clock.Lap(&counters_.merge_s);
   // The guard's checks run on the pool too: through the lane when there is one, and only when
   // some check is due (a lane round trip queues behind the other micro-batch's CPU phase: taken
-  // every layer, it held each half back by the other's phase, session 20's call 6).
+  // every layer, it held each half back by the other's phase).
   if (GuardDue()) {
     FLUXION_RETURN_IF_ERROR(RunOnLane(lane_, [&] { return GuardChecks(io, rows.q); }));
   }
@@ -230,9 +230,9 @@ absl::Status HybridBatchAttention::CpuPhase(const model::LayerAttentionIo& io, c
   // layer's selections (above).
   // When the layer's selections fill the pool there are no idle threads for the observations
   // to use in the next layer, and running them there made the selections slower than running
-  // them here (4 x 128K at 8B shapes, 16 threads, 32 selections a layer: step 725 -> 807 ms,
-  // bench/results session 19): they run now, each unit's right after its completion, as
-  // FinishUnit did. The rows selected are the same either way.
+  // them here (4 x 128K at 8B shapes, 16 threads, 32 selections a layer: step 725 -> 807 ms on
+  // the H200 host): they run now, each unit's right after its completion, as FinishUnit does.
+  // The rows selected are the same either way.
   for (size_t i = 0; i < attentions_.size(); ++i) attentions_[i]->DeferObserve(q + i * q_row);
   const bool observe_now = ObserveInFinish(static_cast<int64_t>(units_.size()));
   ForEachRequest(pool_, static_cast<int64_t>(units_.size()), [&](int64_t j) {

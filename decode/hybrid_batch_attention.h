@@ -134,7 +134,7 @@ class HybridBatchAttention : public model::BatchAttention {
  private:
   // One (request, KV head) pair's part of the layer, planned on the pool right after its
   // selection (so the per-span work is spread over the threads, not left to the driving thread:
-  // at 8B shapes that serial pass was 1-4 ms of a step, session 12): the plan without its
+  // at 8B shapes a serial pass is 1-4 ms of a step): the plan without its
   // resident rows, split into the device's zero-copy share and the CPU's rest.
   struct PairPlan {
     std::vector<kernels::PageSpan> trimmed;  // scratch: the non-resident rows before the split

@@ -61,7 +61,8 @@ class HybridStepExecutor : public StepExecutor {
   void Prepare(const SparseAttention& attention) override;
   bool Prepared(const SparseAttention& attention) const override;
   void Forget(const SparseAttention& attention) override;
-  // Off by default: measured on the H200 host (session 12), an admission beside the steps on the
+  // Off by default: measured on the H200 host (bench/results/decode-admit-off-step-*), an
+  // admission beside the steps on the
   // same cores slowed the steps more than the inline admission it replaced stalls one step
   // (docs/EXECUTOR.md section 7), unless a core is left to it (--cpu-threads below the cores).
   void set_off_step_admission(bool on) { off_step_admission_ = on; }

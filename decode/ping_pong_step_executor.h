@@ -3,7 +3,8 @@
 // (hybrid_step_executor.h: its own DenseOps -- stream, scratch, CUDA graphs -- and its own
 // ResidentWindow -- slots) on its own driver thread, so that while the CPU works on one
 // micro-batch's layer the device runs the other's dense work. Without it the hybrid step
-// serialises per layer and the GPU idles 36-84% of a step at 8B shapes (bench/results, session 9).
+// serialises per layer and the GPU idles 25-85% of a step at 8B shapes (bench/results/README.md,
+// section 6).
 //
 // Shared by the two pipelines: ONE copy of the weights (in A's DenseOps's memory; B borrows them,
 // DenseOps::CanUseWeightsOf, so 16 GB at 8B are never uploaded twice), the CPU pool, and one

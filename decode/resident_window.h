@@ -18,8 +18,9 @@
 // Selection metadata: for policies that rank blocks by Quest's page bounds (quest, fixed_*), the
 // window also keeps each slot's page bounds and scores every block per step where the bounds
 // live, so the CPU reads one score per block instead of 2 x head_dim bounds per page (at 8B shapes
-// and 128K tokens the CPU scan read 2.1 GB per step, 2/3 of the hybrid step: bench/results,
-// session 8). For quest and fixed_* it also ranks them (RankBlocks), and the CPU reads only the
+// and 128K tokens the CPU scan reads 2.1 GB per step: 79.7 ms against 30.7 with device scores,
+// bench/results/decode-block-scores-zerocopy-8b-h200-20261202.json). For quest and fixed_* it
+// also ranks them (RankBlocks), and the CPU reads only the
 // picks; Fluxion ranks its own candidates from the page scores on the CPU.
 //
 // Implementations: NewHostResidentWindow (here: host memory and the CPU kernel, the stand-in on
@@ -187,8 +188,8 @@ class ResidentWindow {
   // the step, decode/window_admitter.h) `threads` plain threads of Admit's own: an OpenMP team
   // started from a second thread fights the step's team for the cores, and once libgomp manages
   // more threads than there are CPUs it throttles every team's spinning, so every later step's
-  // parallel regions wake sleeping threads (measured, session 12: the steps beside an off-step
-  // admission on the pool took 2-6x longer, and every step after it 1.2-1.7x).
+  // parallel regions wake sleeping threads (measured on the H200 host: the steps beside an
+  // off-step admission on the pool took 2-6x longer, and every step after it 1.2-1.7x).
   struct AdmitThreads {
     bool step_pool = true;
     int threads = 1;  // when !step_pool
@@ -231,9 +232,11 @@ class ResidentWindow {
   // sparse::TopBlocksRange): each ScoreBlocks of this step also ranks row i's blocks
   // [ranges[i].first, ranges[i].end) of every KV head where the scores are and keeps the
   // ranges[i].want best (block_scores(i).top), so the CPU reads `want` block numbers per head
-  // instead of ranking every block's score (at 8B shapes and 128K tokens that ranking was ~2.6
-  // ms of a 17.6 ms step: bench/results, session 11). Called after BeginStep, for that step; an
-  // empty span or want 0 ranks nothing; a range past the row's blocks is clamped to them.
+  // instead of ranking every block's score (at 8B shapes and 128K tokens that ranking is ~2.6
+  // ms of a 17.6 ms step on the CPU:
+  // bench/results/decode-rank-{host,device}-8b-128k-h200-20261202.json). Called after
+  // BeginStep, for that step; an empty span or want 0 ranks nothing; a range past the row's
+  // blocks is clamped to them.
   virtual void RankBlocks(absl::Span<const sparse::ScoredBlocks::Range> ranges) = 0;
 
   // Device selection (decode/sparse/device_selection.h): a slot admitted while one of

@@ -64,14 +64,15 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.String("model", &model_dir, "model directory (config.json + safetensors)");
   std::string device = "cpu";
   int64_t device_max_requests = 128, device_max_context = 32768;
-  // 0.5: faster than 0 at every 8B point measured (bench/results session 9: e.g. 1 x 128K 30.7 ->
-  // 26.7 ms, 4 x 32K 45.2 -> 29.2 ms); shapes the zero-copy kernel lacks read on the CPU anyway.
+  // 0.5: faster than 0 at every 8B point measured (e.g. 1 x 128K 30.7 -> 26.7 ms, 4 x 32K 45.2
+  // -> 29.2 ms: bench/results/decode-block-scores-zerocopy-8b-h200-20261202.json); shapes the
+  // zero-copy kernel lacks read on the CPU anyway.
   double device_read_share = 0.5;
   // 2: the ping-pong step (decode/ping_pong_step_executor.h), the GPU's dense work of one
   // micro-batch overlapping the CPU's sparse attention of the other.
-  // One pipeline by default: two micro-batches measured slower at every 8B point tried (batch
-  // 4-8 x 32K, 4 x 128K: each half reads every weight, so the GPU's dense work doubles, and it
-  // delays the other half's block scores; bench/results, session 10).
+  // One pipeline by default: two micro-batches lose at batch <= 8 (each half reads every weight,
+  // so the GPU's dense work doubles, and it delays the other half's block scores), and at
+  // 16 x 32K they paid on one host and lost on another (docs/EXECUTOR.md section 8).
   int64_t micro_batches = 1;
   bool admit_off_step = false;
   // Dynamic degradation is opt-in: it spends less than the requested budget (decode/stall_guard.h).

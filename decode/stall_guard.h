@@ -1,4 +1,4 @@
-// Dynamic degradation of the hybrid step (../shared/docs/ALGORITHMS.md §2.4.6, item 3): when the
+// Dynamic degradation of the hybrid step (docs/ALGORITHMS.md §2.4.6, item 3): when the
 // CPU's part of a step takes longer than the device's by more than a slack, the next step's
 // sparse policies spend a smaller share of their middle budget, so the CPU stops stalling the
 // GPU; when the CPU is early again the share recovers. Opt-in (`fluxion decode

@@ -68,7 +68,7 @@ void WindowAdmitter::Cancel(uint64_t id) {
 
 void WindowAdmitter::Loop() {
   // Normal priority: at nice 19 an admission took 4-9x longer and the steps beside it stalled
-  // longer still (up to 171 ms at 4 x 32K, session 12 call 3), likely behind driver locks the
+  // longer still (up to 171 ms at 4 x 32K on the H200 host), likely behind driver locks the
   // starved thread held.
   while (true) {
     uint64_t id = 0;

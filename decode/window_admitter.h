@@ -1,7 +1,7 @@
 // Admits requests into a ResidentWindow on a thread of its own, so that the steps of the requests
 // already decoding do not wait while a newcomer's resident rows and page bounds are gathered and
 // uploaded. Inside a step that admission froze every other request of the batch: ~0.13 s for a
-// 128K-token request at 8B shapes (bench/results, session 11).
+// 128K-token request at 8B shapes (bench/results/decode-admit-8b-128k-h200-20261202.json).
 //
 // The hybrid executor starts an admission when the scheduler says a request will join
 // (StepExecutor::Prepare) and lets the request into a step once it is done; a request that ends

@@ -38,9 +38,10 @@ namespace {
 constexpr char kPrefillServiceName[] = "fluxion.v1.PrefillService";
 // --max-batch-tokens' defaults. On the CPU the batched forward pays up to a few thousand rows
 // (docs/SERVING.md, "Batching"). On the GPU one 512-token prompt's GEMMs already run at ~90% of a
-// 2K-row batch's rate (Llama-3.1-8B shapes on an H100: 34.5K vs 37.9K tokens/s, bench/results
-// session 23), while every request of a batch waits for the whole batch: larger device batches
-// would raise the mean TTFT for nothing, so only short prompts go together.
+// 2K-row batch's rate (Llama-3.1-8B shapes on an H100: 34.5K vs 37.9K tokens/s,
+// bench/results/prefill-batch-8b-h100-20261206.json), while every request of a batch waits for
+// the whole batch: larger device batches would raise the mean TTFT for nothing, so only short
+// prompts go together.
 constexpr int64_t kCpuMaxBatchTokens = 4096;
 constexpr int64_t kDeviceMaxBatchTokens = 512;
 

@@ -197,8 +197,8 @@ void ExpectLikeCpu(const model::Model& m, const std::vector<int32_t>& prompt, co
   }
   EXPECT_LT(lworst, 0.05 * lscale) << "logits";
   // The same first greedy token where the CPU's top two stand apart by more than 2% of the logits'
-  // scale; closer than that (a bf16 near-tie: random prompts on the trained model make some,
-  // session 23) the GPU's token is one of the CPU's top two.
+  // scale; closer than that (a bf16 near-tie: random prompts on the trained model make some)
+  // the GPU's token is one of the CPU's top two.
   std::vector<int32_t> order(cpu.logits.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
   std::partial_sort(order.begin(), order.begin() + 2, order.end(),

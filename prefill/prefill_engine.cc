@@ -202,7 +202,7 @@ struct PrefillEngine::Job {
   // Per layer, pages per head computed and pages per head staged (hashed, encoded and submitted),
   // and each (layer, KV head)'s CRC-32C so far: the per-layer work runs slot by slot as pages
   // complete, not all at a layer's end (chunk-major, every layer ends during the last chunk: 17
-  // GB at once at 128K, session 13).
+  // GB at once at 128K).
   std::vector<int64_t> complete, sent;
   std::vector<uint32_t> head_crcs;
   SendingAttention* attention = nullptr;  // the CPU path's

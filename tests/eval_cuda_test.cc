@@ -63,7 +63,7 @@ TEST(EvalCudaTest, TheCudaHybridPathGivesTheCpuPathsOutcomesUpToBf16NearTies) {
 
   for (const std::string& policy : options.policies) {
     SCOPED_TRACE(policy);
-    // Measured on the H200 (session 9, call 2): margin noise 0.035 for `full`, 0.005-0.009 for
+    // Measured on the H200 (2026-12-02): margin noise 0.035 for `full`, 0.005-0.009 for
     // lfps / fluxion, 0.07-0.11 for quest / fixed_32 (their top blocks follow q, which the CUDA
     // dense ops round to bf16: a near-tied block can flip and move logits further). About 2x.
     const bool ranks_blocks = policy.rfind("quest", 0) == 0 || policy.rfind("fixed_", 0) == 0;

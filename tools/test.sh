@@ -15,7 +15,7 @@
 # FLUXION_CI_SKIP_FUZZ=1 / FLUXION_CI_SKIP_SANITIZERS=1 / FLUXION_CI_SKIP_IMAGE=1 leave stage 3 /
 # 4 / 5 out (local runs).
 #
-# Measured here (2 cores, Debian 12) on 2026-12-01 while five other sessions built on the same
+# Measured here (2 cores, Debian 12) on 2026-12-01 while other jobs built on the same
 # cores (load average ~10), cold ccache; a dedicated CI box is several times faster:
 #   stage 3  build of the 7 fuzz targets and their instrumented libraries: 1012 s (clang, cold);
 #            running them, corpus + 20 s each: 172 s

@@ -78,7 +78,7 @@ struct PolicyDecisions {
   // the recorded model; 0: not recorded, the replaying policy keeps its own candidates. Random
   // weights fill LFPS's tables over the whole context (diffuse attention: every row a step
   // attends earns a table entry), so its candidates there hit the tables' caps (55% of a 128K
-  // context at 8B shapes, session 15) where a trained model's tables hold what its heads
+  // context at 8B shapes) where a trained model's tables hold what its heads
   // attended: the candidate volume is a decision of the model's attention like the others.
   // Replay thins a head-step's candidates to this share (never below its middle budget), after
   // the tables were selected and expanded as the policy does: the selection's own work stays

@@ -1,4 +1,4 @@
-// Fluxion (../shared/docs/ALGORITHMS.md §2.4) as a SparsePolicy: output-aware per-head budgets
+// Fluxion (docs/ALGORITHMS.md §2.4) as a SparsePolicy: output-aware per-head budgets
 // on top of LFPS's history-based candidates.
 //
 // At prefill each (layer, KV head) has features from the prompt's last query rows (the sparse

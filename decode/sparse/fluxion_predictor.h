@@ -1,4 +1,4 @@
-// Fluxion's head-property predictor (../shared/docs/ALGORITHMS.md §2.4.3): from a head's prefill
+// Fluxion's head-property predictor (docs/ALGORITHMS.md §2.4.3): from a head's prefill
 // features, whether it is a streaming head (sinks + local window suffice: e_h(0) <= tau) and, for
 // a retrieval head, its budget tier (the smallest of {0.02, 0.05} with e_h(b) <= tau).
 //

@@ -1,4 +1,4 @@
-// Fluxion's granularity selector (../shared/docs/ALGORITHMS.md §2.4.4): per retrieval head, the
+// Fluxion's granularity selector (docs/ALGORITHMS.md §2.4.4): per retrieval head, the
 // block size of the query-aware scan, chosen by a host cost model under a coverage constraint.
 //
 // A Fluxion head step scores the middle region's blocks by their Quest bounds (fp32 min/max vectors

@@ -184,8 +184,9 @@ void LfpsPolicy::MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int6
   // x t). ALGORITHMS.md §1.3.4 clamps |V| + |D| together (half of each per table), which halves
   // the rows rescored at 8B shapes but measured worse on the trained model: 4K, passage /
   // aggregate / niah_multivalue x 12 seeds, budgets 0.02 and 0.05, 72 paired samples: 7 lost,
-  // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost; bench/results,
-  // session 10). The quality tables (docs/SPARSE.md) are these clamps'.
+  // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost;
+  // bench/results/eval-lfps-clamp-compare-devbox-20261202.txt). The quality tables
+  // (docs/SPARSE.md) are these clamps'.
   // With block-granular tables (B = config_.table_block > 1) the clamps count blocks of B
   // rows, so they cover as many rows as the token-level ones.
   const int64_t b = config_.table_block;
@@ -216,7 +217,7 @@ void LfpsPolicy::MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int6
   // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
   // or two word ORs), then the bitmap is read out in order: the candidates sorted and distinct
   // without a vector of 4 entries per pick (pushing those was the largest serial part of a
-  // head-step on the H200 host, session 17's perf).
+  // head-step on the H200 host: bench/results/perf-lfps-8b-128k-h200-20261204.txt).
   if (b == 1) {
     for (int64_t p : vertical) marks->MarkRun(p + kExpand[0], std::size(kExpand));
     for (int64_t dist : slash) marks->MarkRun(t - dist + kExpand[0], std::size(kExpand));

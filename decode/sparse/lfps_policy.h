@@ -1,12 +1,13 @@
-// LFPS ("Learn from the Past", ../shared/docs/ALGORITHMS.md §1.3-1.5) as a SparsePolicy.
+// LFPS ("Learn from the Past", docs/ALGORITHMS.md §1.3-1.5) as a SparsePolicy.
 //
 // Per (layer, KV head) it keeps vertical/slash history tables (lfps_tables.h), initialised from
 // the prefill's last query rows and updated after every step with the half-normalised weights of
 // the rows the step attended. A step:
 //   1. folds keys that left the local window into running key mean/covariance (and value mean);
 //   2. estimates the head's sparsity rho = Z(sinks + window) / Z(all), the global part from a
-//      log-normal model of q.k over the folded keys; rho >= 0.85 for every query head of the
-//      group -> bypass: attend sinks + window only (`lfps`), or additionally merge the global
+//      log-normal model of q.k over the folded keys; rho >= epsilon (0.95; the paper's 0.85 for
+//      `lfps_paper`) for every query head of the group, and the middle's measured share at most
+//      1 - epsilon -> bypass: attend sinks + window only (`lfps`), or additionally merge the global
 //      region's mean value vector with the estimated mass (`lfps_paper`, as published);
 //   3. otherwise: kurtosis-adaptive thresholds on both tables give candidate positions, expanded
 //      by {-1, 0, +1, +2}, scored exactly, top rows within the budget; every `refresh_every`
@@ -16,7 +17,7 @@
 //      of q.k over the page's keys, max over the group) rank highest, whole pages down to C x k.
 //      The bounds come from the device where the hybrid step keeps them
 //      (SelectionInput::block_scores at page granularity), else from the page records on the
-//      CPU (1 KB of fp32 a page). Measured and rejected (docs/SPARSE.md, "Capped rescoring"):
+//      CPU (1 KB of fp32 a page). Measured and rejected (docs/SPARSE.md, "Measured and rejected"):
 //      at most 1.4x off the 8B step, and most answers lost at budget 0.02 on the trained model;
 //      it stays off by default (kDefaultRescoreCap) so the measurement can be repeated.
 //

@@ -88,7 +88,7 @@ bool DecayedTable::SelectDense(double threshold_psi, int64_t min_count, int64_t 
   // One pass counts the entries above the threshold (and the non-zero ones, for the clamps) and
   // gathers those at or above the clamp's floor (below), in chunks that idle threads of the step
   // share (RunAsTasks): at batch 1 a head-step is a layer's critical path while half the threads
-  // wait (session 17's perf on the H200 host).
+  // wait (bench/results/perf-lfps-8b-128k-h200-20261204.txt).
   const int64_t chunks = std::max<int64_t>(1, (hi - lo) / kChunk);
   chunks_.resize(chunks);
   const float floor = clamp_floor_;

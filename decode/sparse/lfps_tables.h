@@ -1,4 +1,4 @@
-// LFPS history tables of one KV head (../shared/docs/ALGORITHMS.md §1.3.2-1.3.4): a vertical
+// LFPS history tables of one KV head (docs/ALGORITHMS.md §1.3.2-1.3.4): a vertical
 // table over absolute key positions and a slash table over distances back from the query, both
 // exponentially decayed sums of the attention weights past decode steps gave each entry.
 //

@@ -138,7 +138,7 @@ struct PolicyConfig {
   // `lfps` / `lfps_paper` only: LFPS's history tables hold one entry per block of this many
   // tokens (ALGORITHMS.md §1.3.2; 1: per token, as published) and its candidates are the rows of
   // the selected blocks and their neighbours, rescored exactly. Set by the name's `_b<B>` suffix
-  // (`lfps_b16`). Experimental (docs/SPARSE.md, "Block-granular tables").
+  // (`lfps_b16`). Measured and rejected (docs/SPARSE.md, "Measured and rejected").
   int64_t table_block = 1;
   // Where the rows are chosen; commands set it (--selector).
   Selector selector = Selector::kHost;

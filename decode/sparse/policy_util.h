@@ -38,7 +38,7 @@ void AppendPositions(const PagedKv& kv, int layer, int kv_head, const int32_t* s
 // spans. Equal bit for bit to GroupScores over AppendPositions' spans. Rescoring LFPS's tens of
 // thousands of candidates this way leaves no span building and no max over the group on the
 // head-step's serial path (both ran there before, a fifth of an LFPS head-step beside the
-// rescoring itself: session 18's probe, bench/results).
+// rescoring itself, measured on the H200 host).
 void ScorePositionsInTasks(const PagedKv& kv, int layer, int kv_head,
                            const std::vector<int32_t>& positions, const float* q, int64_t group,
                            float* group_scores, float* row_max);
@@ -47,8 +47,8 @@ void ScorePositionsInTasks(const PagedKv& kv, int layer, int kv_head,
 // and reuses): runs are marked with word ORs and read out sorted and distinct, O(marks + range /
 // 64). LFPS marks its expanded table picks here directly: they are many times its budget (2k
 // table entries x 4 offsets, both tables), and sorting them was a fifth of its step at 5% of 8K
-// (perf, session 6); pushing them to a vector first was the largest serial part of a head-step
-// on the H200 host (session 17).
+// (perf); pushing them to a vector first was the largest serial part of a head-step on the H200
+// host (bench/results/perf-lfps-8b-128k-h200-20261204.txt).
 class CandidateMarks {
  public:
   CandidateMarks(int64_t begin, int64_t end, std::vector<uint64_t>* words);

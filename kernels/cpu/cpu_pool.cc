@@ -20,7 +20,7 @@ void CpuPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) const 
   // Always the whole team, even for fewer tasks than threads (the idle ones find no work):
   // libgomp retires the threads a smaller team leaves out and creates them again for the next
   // larger one, so alternating team sizes (4 requests' selection, then 32 attention tasks, per
-  // layer) cost ~1.7 ms per layer in thread creation on the H200 host (bench/results, session 8).
+  // layer) would cost ~1.7 ms per layer in thread creation on the H200 host.
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) fn(i);
 }

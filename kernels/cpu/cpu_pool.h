@@ -40,7 +40,7 @@ class CpuPool {
   // thread waits for sleeping workers to wake (measured on the dev box: an empty two-thread region
   // with a 50 us gap took 1.4 us, 47.5 us while another thread's team lived, 1.7 us once that
   // thread had exited; on the H200 host a 4 x 128K step's CPU plan 0.8 -> 3.6-4.6 ms,
-  // bench/results "session 20"). The team started here dies with its thread.
+  // bench/results/decode-pingpong-*-h200-20261204). The team started here dies with its thread.
   void ParallelForOnTransientThread(int64_t n, absl::FunctionRef<void(int64_t)> fn) const;
 
   // Makes the matrix products called from this thread (outside a ParallelFor) use threads()

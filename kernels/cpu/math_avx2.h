@@ -1,7 +1,7 @@
 // AVX2 vector math shared by the kernels compiled with -mavx2 -mfma (the paged decode kernels,
 // the selection kernels, the model's dense attention): exp, horizontal reductions, and the softmax
-// pieces built on them. libm's expf is scalar and was 13% of a 4K prefill on its own (perf,
-// session 6); the polynomial below is within a couple of ulps.
+// pieces built on them. libm's expf is scalar and was 13% of a 4K prefill on its own (perf); the
+// polynomial below is within a couple of ulps.
 #ifndef FLUXION_KERNELS_CPU_MATH_AVX2_H_
 #define FLUXION_KERNELS_CPU_MATH_AVX2_H_
 

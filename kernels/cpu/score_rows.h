@@ -6,7 +6,7 @@
 // follow them, so every span starts with DRAM misses and the walk runs latency-bound. Asking for
 // the span two ahead, one row per row scored (all lines at once measured no better), cut Fluxion's
 // rescoring of 5131 rows in 324 spans at 128K from 0.245 to 0.14 ms on one devbox core
-// (bench/results/README.md, session 5). The attention kernels do not use it: they read a page's
+// (measured on the devbox, 2026-11-29). The attention kernels do not use it: they read a page's
 // keys and values as one 8 KB run, which the hardware prefetcher streams (tried: no gain).
 //
 // Header-only, SSE-level code with internal linkage: each ISA's file instantiates it with its own

@@ -23,8 +23,8 @@ void TopKIndices(const float* scores, int64_t n, int64_t k, std::vector<int32_t>
 // OpenMP tasks over chunks of `chunk` entries (RunAsTasks, cpu_pool.h): for a (request, KV head)
 // task of a decode step that selects from tens of thousands of scores while other threads of
 // the team are idle (LFPS's rescored candidates: its top-k was the largest serial part of the
-// head-step after the rescoring itself, session 19's perf). Outside a parallel region, or below
-// two chunks, it is TopKIndices.
+// head-step after the rescoring itself, by perf on the H200 host). Outside a parallel region,
+// or below two chunks, it is TopKIndices.
 inline constexpr int64_t kTopKEntriesPerTask = 8192;
 void TopKIndicesInTasks(const float* scores, int64_t n, int64_t k, std::vector<int32_t>* out,
                         int64_t chunk = kTopKEntriesPerTask);

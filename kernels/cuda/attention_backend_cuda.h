@@ -35,8 +35,9 @@ namespace fluxion::kernels::cuda {
 struct CudaAttentionBackendOptions {
   cudaStream_t stream = nullptr;  // the caller's; must outlive the backend. Null: legacy default
   // kV5: 4.1-4.3 TB/s over HBM-resident pages on the H200 at 8B shapes (97-101% of the bench's
-  // limit; v4s2 3.9-4.0, v4 3.3-3.5), bench/results session 14. For arenas in pinned host
-  // memory kV3 reads best (90-95% of the H2D probe, session 8; v4s2 ~60%, v5 ~47%, session 14).
+  // limit; v4s2 3.9-4.0, v4 3.3-3.5; bench/results/gpu-kernels-paged-v5-h200-20261202.json).
+  // For arenas in pinned host memory kV3 reads best (90-95% of the H2D probe; v4s2 ~60%, v5
+  // ~47%; bench/results/gpu-kernels-paged-v3-v4-h200-20261202.json).
   PagedKernel kernel = PagedKernel::kV5;
   int num_sms = 0;  // the chunk plan aims at one wave on this many SMs; 0: the current device's
 };

@@ -3,8 +3,8 @@
 // element-wise min and max of the page's bf16 keys: exactly PagedKv::key_min / key_max, kept in
 // bf16 because the min and max of bf16 values are bf16 values), and per step the Quest upper
 // bound of every block of a row's context, so the CPU reads a few scores per block instead of
-// 2 x head_dim bounds per page (at 8B shapes and 128K tokens that scan was 2.1 GB per step and
-// 2/3 of the step: bench/results, session 8).
+// 2 x head_dim bounds per page (at 8B shapes and 128K tokens that scan is 2.1 GB per step:
+// bench/results/decode-block-scores-zerocopy-8b-h200-20261202.json).
 //
 // A row's block size is a multiple of the page size (block_tokens[i]; 0: the row is not scored
 // and its bounds are not maintained). Block b of a context of c tokens covers pages

@@ -4,7 +4,7 @@
 //
 // Algorithm choice (the decode shapes, m = 1..16 rows against n x k weights of 4096 to 128256
 // rows): with cublasGemmEx's default choice the small products (q/k/v, o: 16-50 MB) read their
-// weights at 34-45% of HBM bandwidth at these m (session 7), and which algorithm is fastest for
+// weights at 34-45% of HBM bandwidth at these m (H200), and which algorithm is fastest for
 // such a pass over the weights is not something its heuristic promises. So with `tune` the first
 // product of each (m, n, k, accumulate) -- run eagerly, never while a stream is being captured
 // into a graph, and only on 256-byte aligned operands -- times cublasGemmEx's default, up to

@@ -33,7 +33,7 @@ __device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float out[8]) {
 //            [8 dg, 8 dg + 8), again all loads first, and accumulates them for every head; the
 //            row groups are summed once at the end.
 // Issuing the loads first is what moves the kernel from latency- to bandwidth-bound: with one
-// load in flight per thread, v2 of this kernel read HBM at ~0.9 TB/s (bench/results, session 7).
+// load in flight per thread, an earlier version of this kernel read HBM at ~0.9 TB/s.
 template <int kHeadDim, int kPageTokens>
 __global__ void __launch_bounds__(128)
     PagedDecodeKernelV3(const uint8_t* arena, size_t page_bytes, const PageSpan* spans,

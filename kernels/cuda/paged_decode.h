@@ -28,8 +28,9 @@ inline constexpr int64_t kMaxPagedGroup = 8;
 
 // Which kernel runs (all compute the same thing; the old one and the v4 variants stay selectable
 // so that one benchmark run compares them, `fluxion bench gpu --paged-kernels`):
-//   kV3: one kernel for every group, block-wide tiles of 128 row slots (session 7: 19-25% of
-//        HBM bandwidth over HBM-resident pages); page_tokens 8/16/32.
+//   kV3: one kernel for every group, block-wide tiles of 128 row slots (19-25% of HBM bandwidth
+//        over HBM-resident pages, 90-95% of the H2D probe from pinned host pages); page_tokens
+//        8/16/32.
 //   kV4: one instantiation per (head_dim, group in {1,2,4,8}, page_tokens), each warp streaming
 //        its own 16-row units through a 3-stage cp.async ring in shared memory (2 blocks per
 //        SM); page_tokens 8/16/32/64.

@@ -1,8 +1,8 @@
 // v5 of the paged decode kernel (PagedKernel::kV5): v4's warp-private cp.async rings of 16-row
 // units, with the math on the tensor cores.
 //
-// Why: v4 reads HBM-resident pages at ~3.6 TB/s where cuDNN's SDPA reaches ~4.3 (bench/results,
-// session 12), and its math is CUDA-core work per row: a bf16 -> fp32 conversion, group FMAs per
+// Why: v4 reads HBM-resident pages at ~3.6 TB/s where cuDNN's SDPA reaches ~4.3 (H200), and its
+// math is CUDA-core work per row: a bf16 -> fp32 conversion, group FMAs per
 // element for the scores and again for the values, and a shuffle reduction of every row's score
 // across 16 lanes (half of the SM's shuffle rate at 4 TB/s). Here a unit is two mma.sync
 // products per warp, as in FlashAttention's decode with the GQA group packed into the rows:

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (tools/device/*.sh, from session 10 on): the output folder, the
+# Sourced by tools/device/run.sh and xeon_eval.sh: the output folder, the
 # carried bundle unpacked once, its environment, and the settings every run there uses.
 #   out  the folder whose files come back ($OUT on the device machine)
 #   bin  the bundle's executables

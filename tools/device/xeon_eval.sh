@@ -2,7 +2,7 @@
 # Paired task tables on the device host's CPU cores: one `fluxion eval tasks --samples 1` process
 # per unit on one core, $(nproc) at a time, in file order, until SECONDS have passed.
 #   tools/device/xeon_eval.sh UNITS SECONDS NAME EVAL_ARGS...
-# UNITS: lines "CONTEXT TASK SEED" (tools/device/session6_units.py writes them, seed-major, so a
+# UNITS: lines "CONTEXT TASK SEED" (tools/device/eval_units.py writes them, seed-major, so a
 # run cut short still holds about as many samples of each task). EVAL_ARGS go to every unit
 # (policies, budgets, guard). A unit cut short leaves no JSON: run it again (`--done`), here or on
 # the devbox; each prompt's outcomes then all come from one machine, so the pairs hold. Everything

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Merges many `fluxion eval tasks --json` results (e.g. one process per sample on a many-core
-machine, tools/device/session6_xeon_eval.sh) into one result file and one per-sample log.
+machine, `tools/device/run.sh eval`) into one result file and one per-sample log.
 
 Rows of the same (context, task, policy) whose seed ranges follow each other become one row:
 correct, samples and paired lost/gained add up; accuracy and its Wilson interval, the paired
