@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal), pair_policies.py and
-merge_runs.py."""
+"""Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal), pair_policies.py,
+merge_runs.py and frontier.py (its table; the plot needs matplotlib, which CI does not install)."""
 import json
 import os
 import subprocess
@@ -12,6 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "paired_table.py")
 PAIR = os.path.join(HERE, "pair_policies.py")
 MERGE = os.path.join(HERE, "merge_runs.py")
+FRONTIER = os.path.join(HERE, "frontier.py")
 
 
 def row(policy, seed, correct, samples, lost=0, gained=0, read=1.0, task="niah_single"):
@@ -151,6 +152,41 @@ class PairedTableTest(unittest.TestCase):
                                text=True)
         self.assertNotEqual(mixed.returncode, 0)
         self.assertIn("device cpu", mixed.stderr)
+
+
+class FrontierTest(unittest.TestCase):
+    def test_joins_each_decode_row_to_its_paired_accuracy(self):
+        with tempfile.TemporaryDirectory() as d:
+            speed = os.path.join(d, "decode.json")
+            with open(speed, "w") as f:
+                json.dump({"results": [
+                    {"policy": "hbm-full", "batch": 1, "context": 131072, "step_ms": 12.5},
+                    {"policy": "fluxion@0.05+device/tiny-retrieval-16k/zc0.5", "batch": 1,
+                     "context": 131072, "step_ms": 30.0, "host_rows": 800},
+                    {"policy": "fluxion@0.05+device/tiny-retrieval-16k/zc0.5", "batch": 4,
+                     "context": 131072, "step_ms": 99.0},
+                    {"policy": "quest@0.05/zc0.5", "batch": 1, "context": 131072,
+                     "step_ms": 20.0}]}, f)
+            big = os.path.join(d, "big.json")
+            with open(big, "w") as f:
+                json.dump({"results": [
+                    row("full", 0, 90, 100, task="a"),
+                    row("fluxion@0.05+device", 0, 88, 100, lost=3, gained=1, task="a"),
+                    row("fluxion@0.05+device", 0, 50, 100, lost=0, gained=0, task="b")]}, f)
+            small = os.path.join(d, "small.json")
+            with open(small, "w") as f:
+                json.dump({"results": [row("fluxion@0.05+device", 0, 9, 10, lost=5)]}, f)
+            out = subprocess.run([sys.executable, FRONTIER, "--speed", speed, "--accuracy", big,
+                                  small], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            lines = out.stdout.splitlines()
+            # Sorted by step; the first accuracy file holding a policy gives it (200 prompts,
+            # -2 of them net: -1.0 points); batch 4 is another point; quest has no accuracy.
+            self.assertIn("| full (KV in HBM) | 12.50 |", lines[2])
+            self.assertIn("| quest@0.05 | 20.00 |  | not measured |", lines[3])
+            self.assertIn("| fluxion@0.05+device | 30.00 | 800 | -1.0 [", lines[4])
+            self.assertIn("| 200 | decode.json, big.json |", lines[4])
+            self.assertEqual(len(lines), 5)
 
 
 if __name__ == "__main__":
