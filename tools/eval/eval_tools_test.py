@@ -162,7 +162,8 @@ class FrontierTest(unittest.TestCase):
                 json.dump({"results": [
                     {"policy": "hbm-full", "batch": 1, "context": 131072, "step_ms": 12.5},
                     {"policy": "fluxion@0.05+device/tiny-retrieval-16k/zc0.5", "batch": 1,
-                     "context": 131072, "step_ms": 30.0, "host_rows": 800},
+                     "context": 131072, "step_ms": 30.0, "host_rows_per_step": 500,
+                     "device_read_rows_per_step": 300},
                     {"policy": "fluxion@0.05+device/tiny-retrieval-16k/zc0.5", "batch": 4,
                      "context": 131072, "step_ms": 99.0},
                     {"policy": "quest@0.05/zc0.5", "batch": 1, "context": 131072,

@@ -42,7 +42,11 @@ def load_speed(paths, batch, context):
             label = speed_label(r["policy"])
             if label == "resident-only" or label in out:
                 continue
-            out[label] = (r["step_ms"], r.get("host_rows"), os.path.basename(path))
+            # Rows read from host memory: the CPU's and the GPU's zero-copy share.
+            rows = None
+            if "host_rows_per_step" in r:
+                rows = r["host_rows_per_step"] + r.get("device_read_rows_per_step", 0)
+            out[label] = (r["step_ms"], rows, os.path.basename(path))
     return out
 
 
@@ -96,7 +100,7 @@ def print_table(table, batch, context, accuracy_context):
             cell = f"{acc[0]:+.1f} [{acc[1]:+.1f}, {acc[2]:+.1f}]"
             n = "" if acc[3] is None else str(acc[3])
             files = r["speed_file"] + ("" if acc[3] is None else ", " + acc[4])
-        host = "" if r["host_rows"] is None else str(r["host_rows"])
+        host = "" if r["host_rows"] is None else f"{r['host_rows']:.0f}"
         print(f"| {r['policy']} | {r['step_ms']:.2f} | {host} | {cell} | {n} | {files} |")
 
 
