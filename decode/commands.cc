@@ -56,7 +56,8 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   flags.String("fluxion-predictor", &predictor_flag,
                "head-property predictor for the `fluxion` policy (JSON from "
                "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
-               "present; `none`: the rule-based fallback");
+               "present (required when --policy is fluxion); `none`: fluxion runs its rule-based "
+               "per-head budgets");
   sparse::GuardFlags guard_flags(flags);
   flags.Require("model");
   flags.Require("prompt-ids");
@@ -80,7 +81,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
   const std::vector<bool>* guard_modes = &guard_read->modes;
   const decode::sparse::GuardConfig* guard = &guard_read->config;
   if (sparse::TraitsOf(policy_config->kind).uses_predictor) {
-    auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
+    auto predictor = sparse::RequirePredictor(predictor_flag, model_dir);
     if (!predictor.ok()) {
       std::cerr << "error: " << predictor.status().message() << "\n";
       return 1;

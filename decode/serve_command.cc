@@ -151,7 +151,8 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
   flags.String("fluxion-predictor", &predictor_flag,
                "head-property predictor for the `fluxion` policy (JSON from "
                "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
-               "present; `none`: the rule-based fallback");
+               "present (the worker refuses to start without one); `none`: fluxion runs its "
+               "rule-based per-head budgets");
   double host_read_gbps = 0;
   flags.Double("host-read-gbps", &host_read_gbps,
                "one core's read bandwidth (GB/s) for the `fluxion` granularity cost model; "
@@ -272,9 +273,11 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
     // One thread: a head's selection and attention run on one core (granularity.h).
     host_read_gbps = common::MeasureReadBandwidthGbps(size_t{64} << 20, 1, 3);
   }
-  auto predictor = sparse::ResolvePredictor(predictor_flag, model_dir);
+  // Any request may name `fluxion` (and it is the default policy): the worker refuses to start
+  // rather than serve it without its predictor.
+  auto predictor = sparse::RequirePredictor(predictor_flag, model_dir);
   if (!predictor.ok()) {
-    std::cerr << "error: --fluxion-predictor: " << predictor.status().message() << "\n";
+    std::cerr << "error: " << predictor.status().message() << "\n";
     return 1;
   }
 

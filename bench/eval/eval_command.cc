@@ -210,7 +210,8 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
   flags.String("fluxion-predictor", &predictor_flag,
                "head-property predictor for the `fluxion` policy (JSON from "
                "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
-               "present; `none`: the rule-based fallback (what `fluxion_rules` always uses)");
+               "present (required when --policy lists fluxion); `none`: fluxion runs its "
+               "rule-based per-head budgets (what `fluxion_rules` always uses)");
   flags.Bool("calibration", &calibration,
              absl::StrCat("use calibration seeds (", kFirstCalibrationSeed, "-",
                           kFirstCalibrationSeed + kCalibrationSeeds - 1,
@@ -345,7 +346,12 @@ int RunEvalTasksCommand(const std::vector<std::string>& args) {
     return 2;
   }
 
-  auto predictor = decode::sparse::ResolvePredictor(predictor_flag, model_dir);
+  const bool runs_fluxion = absl::c_any_of(options.policies, [](const std::string& p) {
+    auto config = PolicyConfigOf(p);
+    return config.ok() && decode::sparse::TraitsOf(config->kind).uses_predictor;
+  });
+  auto predictor = runs_fluxion ? decode::sparse::RequirePredictor(predictor_flag, model_dir)
+                                : decode::sparse::ResolvePredictor(predictor_flag, model_dir);
   if (!predictor.ok()) {
     std::cerr << "error: " << predictor.status().message() << "\n";
     return 1;

@@ -68,6 +68,14 @@ class FluxionPredictor {
 absl::StatusOr<std::shared_ptr<const FluxionPredictor>> ResolvePredictor(
     const std::string& flag, const std::string& model_dir);
 
+// As ResolvePredictor, for a command that runs the `fluxion` policy (serving, eval, generate): a
+// model without a predictor is a FailedPrecondition naming the fix, unless `flag` is "none".
+// Never a silent fallback: the rule-based split lost 85.7 points at 4K / 0.02 on our model
+// (docs/SPARSE.md, "Fluxion: the head-property predictor and the rule-based fallback"), and every
+// published checkpoint comes without a predictor.
+absl::StatusOr<std::shared_ptr<const FluxionPredictor>> RequirePredictor(
+    const std::string& flag, const std::string& model_dir);
+
 }  // namespace fluxion::decode::sparse
 
 #endif  // FLUXION_DECODE_SPARSE_FLUXION_PREDICTOR_H_

@@ -127,6 +127,25 @@ TEST(FluxionPredictorTest, ResolveFallsBackWithoutAFileAndHonoursNone) {
   EXPECT_THAT(bad.status().message(), HasSubstr("bad.json"));
 }
 
+// Commands that run `fluxion` refuse a model without a predictor, naming the two ways out; "none"
+// is the explicit way to the rules, and a predictor beside the weights is used as before.
+TEST(FluxionPredictorTest, RequireRefusesAModelWithoutOneUnlessToldNone) {
+  ScopedTestTempDir temp;
+  const std::string dir = temp.dir();
+  auto missing = RequirePredictor("", dir);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(missing.status().message(), HasSubstr(dir));
+  EXPECT_THAT(missing.status().message(), HasSubstr("--fluxion-predictor none"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("train.py"));
+  auto rules = RequirePredictor("none", dir);
+  ASSERT_TRUE(rules.ok()) << rules.status();
+  EXPECT_EQ(*rules, nullptr);
+  std::ofstream(dir + "/" + kPredictorFileName) << GoodFile().dump();
+  auto beside = RequirePredictor("", dir);
+  ASSERT_TRUE(beside.ok()) << beside.status();
+  EXPECT_NE(*beside, nullptr);
+}
+
 // Four KV heads over one layer, random keys, prepared with neutral sparse states: what budget
 // each head reads is then decided by the predictor alone.
 class FluxionWithPredictorTest : public ::testing::Test {
