@@ -52,12 +52,13 @@ inline bool SendAll(int fd, const std::string& data) {
   return true;
 }
 
-// Everything the peer sends until it closes the connection, or until `timeout` passes.
-inline std::string ReadUntilClose(int fd, absl::Duration timeout) {
+// What the peer sends until `needle` appears in it (never, for an empty needle), it closes, or
+// `timeout` passes (for answers on a connection the server keeps open).
+inline std::string ReadUntil(int fd, const std::string& needle, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   std::string out;
   char buf[4096];
-  while (true) {
+  while (needle.empty() || out.find(needle) == std::string::npos) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) break;
     pollfd p{fd, POLLIN, 0};
@@ -69,22 +70,9 @@ inline std::string ReadUntilClose(int fd, absl::Duration timeout) {
   return out;
 }
 
-// What the peer sends until `needle` appears in it, it closes, or `timeout` passes (for answers
-// on a connection the server keeps open).
-inline std::string ReadUntil(int fd, const std::string& needle, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  std::string out;
-  char buf[4096];
-  while (out.find(needle) == std::string::npos) {
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) break;
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
+// Everything the peer sends until it closes the connection, or until `timeout` passes.
+inline std::string ReadUntilClose(int fd, absl::Duration timeout) {
+  return ReadUntil(fd, "", timeout);
 }
 
 // The status line of a raw answer ("HTTP/1.1 400 Bad Request"), or what came instead.
