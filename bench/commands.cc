@@ -8,6 +8,7 @@
 #include "bench/hybrid_bench.h"
 #ifdef FLUXION_HAVE_CUDA
 #include "bench/gpu_bench.h"
+#include "bench/selection_bench.h"
 #endif
 #include "bench/model_bench.h"
 #ifdef FLUXION_HAVE_PREFILL_BENCH
@@ -30,6 +31,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "  topk       radix-select top-k against std::nth_element\n"
       "  prefill    time to first token over UCX (CPU or GPU prefill, a forked decode side)\n"
       "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n"
+      "  selection  device selection's kernels (compact-key scan, top-k) vs the HBM probe\n"
       "  tokenizer  encode / decode / streaming detokenization cost per token\n";
   if (args.empty() || args[0] == "--help") {
     std::cout << usage;
@@ -65,6 +67,14 @@ int RunBenchCommand(const std::vector<std::string>& args) {
     return RunGpuBench(rest);
 #else
     std::cerr << "fluxion bench gpu: this binary was built without CUDA\n";
+    return 1;
+#endif
+  }
+  if (args[0] == "selection") {
+#ifdef FLUXION_HAVE_CUDA
+    return RunSelectionBench(rest);
+#else
+    std::cerr << "fluxion bench selection: this binary was built without CUDA\n";
     return 1;
 #endif
   }

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
+#include "bench/cuda_bench_util.h"
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "common/half.h"
@@ -42,55 +43,6 @@ constexpr int64_t kHidden = 4096, kLayers = 32, kKvHeads = 8, kGroup = 4, kHeadD
 constexpr int64_t kFfn = 14336, kVocab = 128256, kPageTokens = 16;
 constexpr int64_t kPageBytes = 2 * kPageTokens * kHeadDim * 2;  // the pinned probe's unit
 constexpr int64_t PageBytes(int64_t page_tokens) { return 2 * page_tokens * kHeadDim * 2; }
-
-absl::Status Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-#define BENCH_CUDA(expr) FLUXION_RETURN_IF_ERROR(Check((expr), #expr))
-
-// Device memory owned for the bench's lifetime.
-class DeviceMemory {
- public:
-  ~DeviceMemory() {
-    for (void* p : blocks_) cudaFree(p);
-  }
-  absl::StatusOr<void*> Get(size_t bytes) {
-    void* p = nullptr;
-    if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cudaMalloc(", bytes, "): ", cudaGetErrorString(e)));
-    }
-    blocks_.push_back(p);
-    return p;
-  }
-
- private:
-  std::vector<void*> blocks_;
-};
-
-// Median of `repeats` timings of `body` (ms, CUDA events on `stream`), after two warm-up runs.
-absl::StatusOr<Stats> TimeMs(cudaStream_t stream, int64_t repeats,
-                             const std::function<absl::Status()>& body) {
-  cudaEvent_t start, stop;
-  BENCH_CUDA(cudaEventCreate(&start));
-  BENCH_CUDA(cudaEventCreate(&stop));
-  std::vector<double> samples;
-  absl::Status status;
-  for (int64_t i = 0; i < repeats + 2 && status.ok(); ++i) {
-    status = Check(cudaEventRecord(start, stream), "cudaEventRecord");
-    if (status.ok()) status = body();
-    if (status.ok()) status = Check(cudaEventRecord(stop, stream), "cudaEventRecord");
-    if (status.ok()) status = Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    if (status.ok()) status = Check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    if (status.ok() && i >= 2) samples.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  FLUXION_RETURN_IF_ERROR(status);
-  return Summarize(samples);
-}
 
 struct Options {
   std::vector<int64_t> batches = {1, 4, 16};
@@ -262,7 +214,7 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   FLUXION_ASSIGN_OR_RETURN(void* a, mem.Get(probe_bytes));
   FLUXION_ASSIGN_OR_RETURN(void* b, mem.Get(probe_bytes));
   FLUXION_ASSIGN_OR_RETURN(Stats d2d, TimeMs(stream, o.repeats, [&] {
-    return Check(cudaMemcpyAsync(b, a, probe_bytes, cudaMemcpyDeviceToDevice, stream), "d2d");
+    return CudaCheck(cudaMemcpyAsync(b, a, probe_bytes, cudaMemcpyDeviceToDevice, stream), "d2d");
   }));
   const double hbm_gbps = 2.0 * probe_bytes / (d2d.median * 1e-3) / 1e9;
   const size_t host_bytes = static_cast<size_t>(o.host_gib * (1ull << 30)) / kPageBytes * kPageBytes;
@@ -271,7 +223,7 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   std::unique_ptr<void, void (*)(void*)> host_owner(host, [](void* p) { cudaFreeHost(p); });
   std::memset(host, 0x3c, host_bytes);  // finite bf16 values, every page touched
   FLUXION_ASSIGN_OR_RETURN(Stats h2d, TimeMs(stream, o.repeats, [&] {
-    return Check(cudaMemcpyAsync(a, host, std::min(probe_bytes, host_bytes),
+    return CudaCheck(cudaMemcpyAsync(a, host, std::min(probe_bytes, host_bytes),
                                  cudaMemcpyHostToDevice, stream), "h2d");
   }));
   const double h2d_gbps = std::min(probe_bytes, host_bytes) / (h2d.median * 1e-3) / 1e9;
@@ -349,16 +301,16 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
     for (int64_t m : o.batches) {
       const size_t bytes = m * kVocab * sizeof(float);
       FLUXION_ASSIGN_OR_RETURN(Stats pageable, TimeMs(stream, o.repeats, [&] {
-        return Check(cudaMemcpyAsync(host_logits.data(), d_logits, bytes, cudaMemcpyDeviceToHost,
+        return CudaCheck(cudaMemcpyAsync(host_logits.data(), d_logits, bytes, cudaMemcpyDeviceToHost,
                                      stream), "d2h pageable");
       }));
       FLUXION_ASSIGN_OR_RETURN(Stats pinned, TimeMs(stream, o.repeats, [&] {
-        return Check(cudaMemcpyAsync(pinned_logits, d_logits, bytes, cudaMemcpyDeviceToHost,
+        return CudaCheck(cudaMemcpyAsync(pinned_logits, d_logits, bytes, cudaMemcpyDeviceToHost,
                                      stream), "d2h pinned");
       }));
       for (int64_t k : {int64_t{1}, int64_t{50}, cuda::kMaxTopCandidates}) {
         FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-          return Check(cuda::TopCandidates(static_cast<const float*>(d_logits), m, kVocab, k,
+          return CudaCheck(cuda::TopCandidates(static_cast<const float*>(d_logits), m, kVocab, k,
                                            static_cast<const double*>(d_temps),
                                            static_cast<int32_t*>(d_ids),
                                            static_cast<float*>(d_values),

@@ -456,10 +456,11 @@ cudaError_t CompactKeysAppend(const CompactKeysLayout& layout, int layer, const 
   return cudaGetLastError();
 }
 
-cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float* q,
-                        int64_t num_heads, const int32_t* slots, const CompactPick* picks,
-                        int64_t rows, int64_t max_span, float* scores, int32_t* out,
-                        cudaStream_t stream) {
+namespace {
+
+// CompactTopK's argument checks, shared by its two halves.
+cudaError_t CheckSelectArgs(const CompactKeysLayout& layout, int layer, int64_t num_heads,
+                            int64_t rows) {
   if (layer < 0 || layer >= layout.num_layers || layout.num_kv_heads <= 0 ||
       layout.num_kv_heads > 65535 || rows > 65535 || num_heads % layout.num_kv_heads != 0 ||
       (reinterpret_cast<uintptr_t>(layout.values) & 15) != 0) {
@@ -467,17 +468,28 @@ cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float*
   }
   const int64_t group = num_heads / layout.num_kv_heads;
   if (group < 1 || group > kMaxGroup) return cudaErrorInvalidValue;
-  const ScoreArgs a{layout, layer, q, num_heads, slots, picks, max_span, scores};
   switch (layout.head_dim) {
     case 32:
     case 64:
     case 128:
-      break;
+      return cudaSuccess;
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+}  // namespace
+
+cudaError_t CompactScores(const CompactKeysLayout& layout, int layer, const float* q,
+                          int64_t num_heads, const int32_t* slots, const CompactPick* picks,
+                          int64_t rows, int64_t max_span, float* scores, cudaStream_t stream) {
+  if (const cudaError_t e = CheckSelectArgs(layout, layer, num_heads, rows); e != cudaSuccess) {
+    return e;
+  }
   // Every pair that selects is at most max_span wide: nothing to do without one.
   if (rows <= 0 || max_span <= 0) return cudaSuccess;
+  const int64_t group = num_heads / layout.num_kv_heads;
+  const ScoreArgs a{layout, layer, q, num_heads, slots, picks, max_span, scores};
   switch (layout.head_dim) {
     case 32:
       LaunchScoresForGroup<32>(group, a, rows, stream);
@@ -489,10 +501,31 @@ cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float*
       LaunchScoresForGroup<128>(group, a, rows, stream);
       break;
   }
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t CompactSelectBest(const CompactKeysLayout& layout, const int32_t* slots,
+                              const CompactPick* picks, int64_t rows, int64_t max_span,
+                              const float* scores, int32_t* out, cudaStream_t stream) {
+  if (layout.num_kv_heads <= 0 || layout.num_kv_heads > 65535 || rows > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows <= 0 || max_span <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(layout.num_kv_heads), static_cast<unsigned>(rows));
   CompactSelectKernel<<<grid, kSelectThreads, 0, stream>>>(slots, picks, max_span, scores, out);
   return cudaGetLastError();
+}
+
+cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float* q,
+                        int64_t num_heads, const int32_t* slots, const CompactPick* picks,
+                        int64_t rows, int64_t max_span, float* scores, int32_t* out,
+                        cudaStream_t stream) {
+  if (const cudaError_t e = CompactScores(layout, layer, q, num_heads, slots, picks, rows,
+                                          max_span, scores, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  return CompactSelectBest(layout, slots, picks, rows, max_span, scores, out, stream);
 }
 
 }  // namespace fluxion::kernels::cuda

@@ -50,6 +50,16 @@ cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float*
                         int64_t rows, int64_t max_span, float* scores, int32_t* out,
                         cudaStream_t stream);
 
+// CompactTopK's two halves, for timing each (`fluxion bench selection`): CompactScores writes
+// every selecting pair's scores into `scores` (pairs with p.k >= the span are not scored);
+// CompactSelectBest picks from them into `out`. Same arguments and errors as CompactTopK.
+cudaError_t CompactScores(const CompactKeysLayout& layout, int layer, const float* q,
+                          int64_t num_heads, const int32_t* slots, const CompactPick* picks,
+                          int64_t rows, int64_t max_span, float* scores, cudaStream_t stream);
+cudaError_t CompactSelectBest(const CompactKeysLayout& layout, const int32_t* slots,
+                              const CompactPick* picks, int64_t rows, int64_t max_span,
+                              const float* scores, int32_t* out, cudaStream_t stream);
+
 }  // namespace fluxion::kernels::cuda
 
 #endif  // FLUXION_KERNELS_CUDA_COMPACT_SELECT_H_
