@@ -21,6 +21,7 @@ packages=(
   prometheus                                  # promtool: tests lint every /metrics endpoint
   gnuplot-nox                                 # fluxion replay: latency CDF and throughput plots
   python3                                     # tools/eval: result tables (and their ctest)
+  python3-numpy                               # tools/eval/compact_bits.py: captured steps (.npy)
   openssl                                     # TLS tests: throwaway CA and certificates at run time
   clang libclang-rt-14-dev                    # libFuzzer targets and their sanitizers (tools/fuzz.sh)
   ninja-build                                 # the fuzz and sanitizer build dirs of tools/test.sh

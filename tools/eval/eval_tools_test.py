@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Tests of paired_table.py (pooling, FILE:POLICY filter, overlap refusal), pair_policies.py,
-merge_runs.py and frontier.py (its table; the plot needs matplotlib, which CI does not install)."""
+merge_runs.py, frontier.py (its table; the plot needs matplotlib, which CI does not install) and
+compact_bits.py (on a synthetic capture)."""
 import json
 import os
 import subprocess
@@ -13,6 +14,16 @@ SCRIPT = os.path.join(HERE, "paired_table.py")
 PAIR = os.path.join(HERE, "pair_policies.py")
 MERGE = os.path.join(HERE, "merge_runs.py")
 FRONTIER = os.path.join(HERE, "frontier.py")
+COMPACT_BITS = os.path.join(HERE, "compact_bits.py")
+
+
+def numpy_python():
+    """An interpreter with numpy: this one, else Debian's (tools/setup.sh installs python3-numpy
+    there; a python3 earlier on PATH, e.g. pyenv's, may lack it)."""
+    for exe in (sys.executable, "/usr/bin/python3"):
+        if subprocess.run([exe, "-c", "import numpy"], capture_output=True).returncode == 0:
+            return exe
+    raise AssertionError("no python3 with numpy: run tools/setup.sh (python3-numpy)")
 
 
 def row(policy, seed, correct, samples, lost=0, gained=0, read=1.0, task="niah_single"):
@@ -188,6 +199,50 @@ class FrontierTest(unittest.TestCase):
             self.assertIn("| fluxion@0.05+device | 30.00 | 800 | -1.0 [", lines[4])
             self.assertIn("| 200 | decode.json, big.json |", lines[4])
             self.assertEqual(len(lines), 5)
+
+
+# A capture of one layer, one KV head of 32 (a group of two query heads), two steps: six rows far
+# above the rest for both steps' queries, which every width must pick.
+PLANTED_CAPTURE = """
+import json, os, sys
+import numpy as np
+cap = sys.argv[1]
+rng = np.random.default_rng(0)
+keys = rng.normal(0, 0.05, (600, 1, 32)).astype(np.float32)
+query = rng.normal(0, 1, (2, 2, 32)).astype(np.float32)
+for t in [50, 120, 300, 310, 400, 450]:
+    keys[t, 0] = 4.0 * (query[0, 0] + query[1, 1]) / np.linalg.norm(query[0, 0])
+with open(os.path.join(cap, "index.json"), "w") as f:
+    json.dump({"model": "synthetic"}, f)
+sample = os.path.join(cap, "s_600_0")
+os.mkdir(sample)
+np.save(os.path.join(sample, "k_l0.npy"), keys)
+np.save(os.path.join(sample, "full_q_l0.npy"), query)
+np.save(os.path.join(sample, "full_positions.npy"), np.array([598, 599]))
+"""
+
+
+class CompactBitsTest(unittest.TestCase):
+    def test_ranks_planted_rows_and_reports_each_width(self):
+        python = numpy_python()
+        with tempfile.TemporaryDirectory() as cap:
+            # The capture is written by the numpy interpreter too (this one may lack numpy).
+            make = subprocess.run([python, "-c", PLANTED_CAPTURE, cap], capture_output=True,
+                                  text=True)
+            self.assertEqual(make.returncode, 0, make.stderr)
+            out_json = os.path.join(cap, "out.json")
+            # 6 / (598 - 64 - 4 middle rows) ~ 0.0113: k is the planted rows.
+            out = subprocess.run([python, COMPACT_BITS, "--capture", cap, "--budget",
+                                  "0.0113", "--json", out_json], capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            rows = {r["width"]: r for r in json.load(open(out_json))["results"]}
+        self.assertEqual(set(rows), {"int8-row", "int4-row", "int4-g16"})
+        for r in rows.values():
+            self.assertEqual(r["selections"], 2)
+            self.assertEqual(r["overlap_mean"], 1.0)
+            self.assertAlmostEqual(r["mass_mean"], 1.0, places=6)
+        self.assertEqual(rows["int8-row"]["bytes_per_row_head_dim_128"], 132)
+        self.assertEqual(rows["int4-row"]["bytes_per_row_captured"], 20)
 
 
 if __name__ == "__main__":
