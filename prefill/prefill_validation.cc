@@ -102,11 +102,12 @@ int RangeHolding(const std::vector<WritableRange>& ranges, uint64_t addr, uint64
 
 }  // namespace
 
-absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest& request,
-                                                        const PrefillLimits& limits) {
-  const model::AttentionShape& shape = limits.shape;
+namespace {
+
+// The request's id, prompt and protocol version (into out->version) and sampling.
+absl::Status CheckPromptAndProtocol(const v1::PrefillRequest& request, const PrefillLimits& limits,
+                                    ValidatedPrefill* out) {
   const int64_t n = request.prompt_token_ids_size();
-  ValidatedPrefill out;
   const std::string& id = request.request_id();
   if (id.empty() || id.size() > 128) {
     return absl::InvalidArgumentError(
@@ -136,11 +137,14 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
                                 proto::CompatibilityOf(request.layout(), version)),
       "the decode node's model/layout differs from this prefill node's (here = prefill, peer = "
       "decode): "));
-  FLUXION_ASSIGN_OR_RETURN(out.sampling, proto::SamplingFromProto(request.sampling()));
+  FLUXION_ASSIGN_OR_RETURN(out->sampling, proto::SamplingFromProto(request.sampling()));
+  out->version = version;
+  return absl::OkStatus();
+}
 
-  const v1::KvTarget& kv = request.kv_target();
-  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                     static_cast<int64_t>(limits.layout->page_tokens())};
+// kv_target's transport, address, order, checksum and page geometry for an n-token prompt.
+absl::Status CheckKvGeometry(const v1::KvTarget& kv, const PrefillLimits& limits,
+                             const transfer::KvPageGeometry& geo, int64_t n) {
   if (kv.transport() != limits.transport_kind) {
     return absl::FailedPreconditionError(absl::StrCat("kv_target.transport is '", kv.transport(),
                                                       "'; this prefill node writes with '",
@@ -173,6 +177,19 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
                                                    kv.pages_per_head(), "; a ", n,
                                                    "-token prompt needs ", per_head));
   }
+  return absl::OkStatus();
+}
+
+// The write target of range `range`, numbered in first use (ValidatedPrefill's `used`).
+uint32_t TargetOf(ValidatedPrefill* out, int range) {
+  if (out->used[range] < 0) out->used[range] = out->targets++;
+  return static_cast<uint32_t>(out->used[range]);
+}
+
+// The pages' ids, the arena the remote key covers, the writable ranges, and each page's range.
+absl::Status ResolvePages(const v1::PrefillRequest& request, const transfer::KvPageGeometry& geo,
+                          int64_t n, ValidatedPrefill* out) {
+  const v1::KvTarget& kv = request.kv_target();
   std::vector<transfer::PageIdRun> runs;
   uint64_t max_end = 0;
   for (const v1::PageExtent& e : kv.extents()) {
@@ -184,10 +201,11 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
   absl::StatusOr<std::vector<uint64_t>> expanded =
       transfer::ExpandPageRuns(runs, geo.total_pages(n), arena_bytes / kv.page_bytes());
   if (!expanded.ok()) return Annotate(expanded.status(), "kv_target.extents: ");
-  out.page_ids = std::move(*expanded);
+  out->page_ids = std::move(*expanded);
   if (kv.arena_base_address() > std::numeric_limits<uint64_t>::max() - arena_bytes) {
     return absl::InvalidArgumentError("kv_target.arena_base_address + arena_bytes overflows");
   }
+  out->arena_bytes = arena_bytes;
   // Every page must lie inside one range the decode node registered for this request: its key
   // reaches nothing else, and a page outside would be a write the decode node did not allow.
   const size_t state_extents =
@@ -196,28 +214,33 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
                                   ? static_cast<size_t>(request.page_meta_target().extents_size())
                                   : 0;
   FLUXION_ASSIGN_OR_RETURN(
-      out.ranges, RangesOf(kv, arena_bytes,
-                           static_cast<size_t>(kv.extents_size()) + state_extents + meta_extents));
-  out.used.assign(out.ranges.size(), -1);
-  auto target_of = [&out](int range) -> uint32_t {
-    if (out.used[range] < 0) out.used[range] = out.targets++;
-    return static_cast<uint32_t>(out.used[range]);
-  };
-  out.page_target.resize(out.page_ids.size());
-  for (size_t i = 0; i < out.page_ids.size(); ++i) {
-    const uint64_t addr = kv.arena_base_address() + out.page_ids[i] * kv.page_bytes();
-    const int range = RangeHolding(out.ranges, addr, cb);
+      out->ranges, RangesOf(kv, arena_bytes,
+                            static_cast<size_t>(kv.extents_size()) + state_extents + meta_extents));
+  out->used.assign(out->ranges.size(), -1);
+  const uint64_t cb = geo.content_bytes();
+  out->page_target.resize(out->page_ids.size());
+  for (size_t i = 0; i < out->page_ids.size(); ++i) {
+    const uint64_t addr = kv.arena_base_address() + out->page_ids[i] * kv.page_bytes();
+    const int range = RangeHolding(out->ranges, addr, cb);
     if (range < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "kv_target.extents: page ", out.page_ids[i], " (0x", absl::Hex(addr), ", ", cb,
+          "kv_target.extents: page ", out->page_ids[i], " (0x", absl::Hex(addr), ", ", cb,
           " bytes) lies outside every kv_target.ranges entry; nothing was written"));
     }
-    out.page_target[i] = target_of(range);
+    out->page_target[i] = TargetOf(out, range);
   }
-  const bool want_state = request.has_sparse_target();
-  const v1::SparseStateTarget& st = request.sparse_target();
-  const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
-  if (want_state) {
+  return absl::OkStatus();
+}
+
+// The sparse-state and page-metadata targets, when the request has them.
+absl::Status ResolveSideTargets(const v1::PrefillRequest& request, const PrefillLimits& limits,
+                                const transfer::KvPageGeometry& geo, int64_t n,
+                                ValidatedPrefill* out) {
+  const model::AttentionShape& shape = limits.shape;
+  const uint64_t arena_base = request.kv_target().arena_base_address();
+  auto target_of = [out](int range) { return TargetOf(out, range); };
+  if (request.has_sparse_target()) {
+    const v1::SparseStateTarget& st = request.sparse_target();
     if (st.format_version() != model::kSparseStateVersion) {
       return absl::FailedPreconditionError(
           absl::StrCat("sparse_target.format_version ", st.format_version(),
@@ -231,35 +254,48 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest
     }
     FLUXION_ASSIGN_OR_RETURN(
         const uint64_t room,
-        CheckByteExtents(st.extents(), st.base_address(), kv.arena_base_address(), arena_bytes,
-                         out.ranges, "sparse_target.extents", target_of, &out.state_target));
+        CheckByteExtents(st.extents(), st.base_address(), arena_base, out->arena_bytes,
+                         out->ranges, "sparse_target.extents", target_of, &out->state_target));
+    const uint64_t state_bytes = SparseStateBytes(shape.num_layers, shape.num_kv_heads, n);
     if (room < state_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("sparse_target.extents hold ", room,
                                                        " bytes; the sparse state needs ",
                                                        state_bytes));
     }
   }
-
   const v1::PageMetaTarget& mt = request.page_meta_target();
   if (request.has_page_meta_target() && mt.format_version() == transfer::kPageMetaVersion) {
     FLUXION_ASSIGN_OR_RETURN(
         const uint64_t room,
-        CheckByteExtents(mt.extents(), mt.base_address(), kv.arena_base_address(), arena_bytes,
-                         out.ranges, "page_meta_target.extents", target_of, &out.meta_target));
+        CheckByteExtents(mt.extents(), mt.base_address(), arena_base, out->arena_bytes,
+                         out->ranges, "page_meta_target.extents", target_of, &out->meta_target));
     const uint64_t meta_bytes = transfer::PageMetaBytes(geo, n);
     if (room < meta_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("page_meta_target.extents hold ", room,
                                                        " bytes; the page metadata needs ",
                                                        meta_bytes));
     }
-    out.want_meta = true;
+    out->want_meta = true;
   }
+  return absl::OkStatus();
+}
 
-  out.version = version;
+}  // namespace
+
+absl::StatusOr<ValidatedPrefill> ValidatePrefillRequest(const v1::PrefillRequest& request,
+                                                        const PrefillLimits& limits) {
+  const model::AttentionShape& shape = limits.shape;
+  const int64_t n = request.prompt_token_ids_size();
+  ValidatedPrefill out;
+  FLUXION_RETURN_IF_ERROR(CheckPromptAndProtocol(request, limits, &out));
+  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                     static_cast<int64_t>(limits.layout->page_tokens())};
+  FLUXION_RETURN_IF_ERROR(CheckKvGeometry(request.kv_target(), limits, geo, n));
+  FLUXION_RETURN_IF_ERROR(ResolvePages(request, geo, n, &out));
+  FLUXION_RETURN_IF_ERROR(ResolveSideTargets(request, limits, geo, n, &out));
   out.geo = geo;
-  out.content_bytes = cb;
-  out.per_head = per_head;
-  out.arena_bytes = arena_bytes;
+  out.content_bytes = geo.content_bytes();
+  out.per_head = geo.pages_per_head(n);
   return out;
 }
 
