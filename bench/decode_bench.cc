@@ -250,7 +250,7 @@ int RunDecodeBench(const std::vector<std::string>& args) {
   };
   if (!positive(o.contexts, 1 << 20) || !positive(o.batches, 256) ||
       !positive(o.threads, 1024) || o.steps < 1 || o.steps > 1000) {
-    std::cerr << "error: --contexts in [1, 1048576], --batch in [1, 256], --threads in [1, 1024], "
+    std::cerr << "error: --contexts in [1, 1048576], --batch in [1, 256], --cpu-threads in [1, 1024], "
                  "--steps in [1, 1000]\n";
     return 2;
   }
