@@ -222,7 +222,7 @@ int RunDecodeBench(const std::vector<std::string>& args) {
   flags.IntList("batch", &o.batches, "batch sizes");
   flags.IntList("cpu-threads", &o.threads, "CPU threads (one pool for BLAS and attention)");
   flags.StringList("policy", &o.policies,
-                   "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
+                   "policies: " + decode::sparse::PolicyNamesHelp());
   flags.DoubleList("budget", &o.budgets, "read budgets for the sparse policies");
   flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
   flags.String("kv", &o.kv,
