@@ -60,7 +60,7 @@ int RunAttentionBench(const std::vector<std::string>& args) {
   flags.IntList("contexts", &contexts, "context lengths in tokens");
   flags.DoubleList("budget", &budgets, "read budgets for the sparse policies");
   flags.StringList("policy", &policies,
-                   "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
+                   "policies: " + decode::sparse::PolicyNamesHelp());
   CpuThreadsListFlag cpu_threads(flags, threads_list);
   flags.Int("head-dim", &head_dim, "head dimension");
   flags.Int("group", &group, "query heads per KV head (GQA)");

@@ -11,8 +11,12 @@
 #include "bench/selection_bench.h"
 #endif
 #include "bench/model_bench.h"
-#ifdef FLUXION_HAVE_PREFILL_BENCH
+#ifdef FLUXION_HAVE_UCX
+#include "bench/landing_bench.h"
 #include "bench/prefill_bench.h"
+#include "bench/reservation_bench.h"
+#include "bench/serving_ttft_bench.h"
+#include "bench/transfer_bench.h"
 #endif
 #include "bench/tokenizer_bench.h"
 #include "bench/topk_bench.h"
@@ -30,6 +34,10 @@ int RunBenchCommand(const std::vector<std::string>& args) {
       "             with --device cpu|cuda the hybrid step at real shapes (random weights)\n"
       "  topk       radix-select top-k against std::nth_element\n"
       "  prefill    time to first token over UCX (CPU or GPU prefill, a forked decode side)\n"
+      "  transfer   KV-shaped pages written over UCX into a forked process (GB/s)\n"
+      "  landing    the decode node's verify-and-adopt of a landed prompt at 8B KV shapes\n"
+      "  reservation-keys  what per-reservation remote keys add to one request (UCX)\n"
+      "  serving-ttft      the TTFT split of a running prefill + decode pair\n"
       "  gpu        the decode step's GPU kernels at Llama-3.1-8B shapes vs HBM/PCIe probes\n"
       "  selection  device selection's kernels (compact-key scan, top-k) vs the HBM probe\n"
       "  tokenizer  encode / decode / streaming detokenization cost per token\n";
@@ -53,11 +61,16 @@ int RunBenchCommand(const std::vector<std::string>& args) {
     return RunDecodeBench(rest);
   }
   if (args[0] == "topk") return RunTopKBench(rest);
-  if (args[0] == "prefill") {
-#ifdef FLUXION_HAVE_PREFILL_BENCH
-    return RunPrefillBench(rest);
+  if (args[0] == "prefill" || args[0] == "transfer" || args[0] == "landing" ||
+      args[0] == "reservation-keys" || args[0] == "serving-ttft") {
+#ifdef FLUXION_HAVE_UCX
+    if (args[0] == "prefill") return RunPrefillBench(rest);
+    if (args[0] == "transfer") return RunTransferBench(rest);
+    if (args[0] == "landing") return RunLandingBench(rest);
+    if (args[0] == "reservation-keys") return RunReservationBench(rest);
+    return RunServingTtftBench(rest);
 #else
-    std::cerr << "fluxion bench prefill: this binary was built without UCX\n";
+    std::cerr << "fluxion bench " << args[0] << ": this binary was built without UCX\n";
     return 1;
 #endif
   }

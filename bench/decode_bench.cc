@@ -222,7 +222,7 @@ int RunDecodeBench(const std::vector<std::string>& args) {
   flags.IntList("batch", &o.batches, "batch sizes");
   flags.IntList("cpu-threads", &o.threads, "CPU threads (one pool for BLAS and attention)");
   flags.StringList("policy", &o.policies,
-                   "policies: " + absl::StrJoin(decode::sparse::PolicyNames(), ", "));
+                   "policies: " + decode::sparse::PolicyNamesHelp());
   flags.DoubleList("budget", &o.budgets, "read budgets for the sparse policies");
   flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
   flags.String("kv", &o.kv,
@@ -250,7 +250,7 @@ int RunDecodeBench(const std::vector<std::string>& args) {
   };
   if (!positive(o.contexts, 1 << 20) || !positive(o.batches, 256) ||
       !positive(o.threads, 1024) || o.steps < 1 || o.steps > 1000) {
-    std::cerr << "error: --contexts in [1, 1048576], --batch in [1, 256], --threads in [1, 1024], "
+    std::cerr << "error: --contexts in [1, 1048576], --batch in [1, 256], --cpu-threads in [1, 1024], "
                  "--steps in [1, 1000]\n";
     return 2;
   }

@@ -52,7 +52,7 @@ struct Options {
   double host_gib = 8.0;
   bool dense_step = true;
   std::vector<int64_t> page_tokens = {16};
-  std::vector<std::string> paged_kernels = {"v3", "v4", "v4s2", "v4t", "v5", "v5s2"};
+  std::vector<std::string> paged_kernels = {"v3", "v5"};
 };
 
 // One launch plan: items (B x KV heads), each split into chunks of spans, and the merge.
@@ -65,7 +65,7 @@ struct AttentionPlan {
   int32_t* d_chunk_begin = nullptr;
   float *d_chunk_out = nullptr, *d_chunk_lse = nullptr, *d_out = nullptr, *d_lse = nullptr;
   int64_t items = 0, rows = 0, chunk_rows = 0, page_tokens = kPageTokens;
-  cuda::PagedKernel kernel = cuda::PagedKernel::kV4;
+  cuda::PagedKernel kernel = cuda::PagedKernel::kV5;
 };
 
 // Items of `rows_per_item` rows each: dense (every page of a contiguous range, full attention) or
@@ -336,7 +336,7 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
     cuda::PagedKernel kernel;
     if (!cuda::PagedKernelFromName(k, &kernel)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--paged-kernels: unknown kernel '", k, "' (v3, v4, v4s2, v4t, v5, v5s2)"));
+          absl::StrCat("--paged-kernels: unknown kernel '", k, "' (v3, v5)"));
     }
     kernels.push_back(kernel);
   }
@@ -635,9 +635,8 @@ int RunGpuBench(const std::vector<std::string>& args) {
   flags.IntList("page-tokens", &o.page_tokens,
                 "tokens per KV page of the attention rows: 8, 16, 32, 64 (v3 skips 64)");
   flags.StringList("paged-kernels", &o.paged_kernels,
-                   "paged attention kernels to time side by side: v3 (old), v4, v4s2 (v4 with "
-                   "2-stage rings, 3 blocks per SM), v4t (v4 with reduce-scatter scores), v5 (tensor "
-                   "cores), v5s2 (v5 with 2-stage rings)");
+                   "paged attention kernels to time side by side: v5 (tensor cores; the default "
+                   "for KV in HBM), v3 (the zero-copy reader of pinned host pages)");
   flags.Int("span-tokens", &o.span_tokens, "tokens per selected span (multiple of 16)");
   flags.Int("repeats", &o.repeats, "timed repeats per point (median reported)");
   flags.Double("host-gib", &o.host_gib, "pinned host arena the sparse reads are drawn from");
@@ -665,7 +664,7 @@ int RunGpuBench(const std::vector<std::string>& args) {
   for (const std::string& k : o.paged_kernels) {
     cuda::PagedKernel kernel;
     if (!cuda::PagedKernelFromName(k, &kernel)) {
-      std::cerr << "error: --paged-kernels values must be v3, v4, v4s2, v4t, v5 or v5s2\n";
+      std::cerr << "error: --paged-kernels values must be v3 or v5\n";
       return 2;
     }
   }

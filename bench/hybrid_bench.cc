@@ -801,7 +801,7 @@ int RunHybridBench(const std::vector<std::string>& args) {
                "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
                "MemAvailable");
   flags.StringList("hbm-kernels", &o.hbm_kernels,
-                   "paged kernels of the HBM-resident reference row (v4, v4s2, v5, v5s2, ...; "
+                   "paged kernels of the HBM-resident reference row (v5, v3; "
                    "kernels/cuda/paged_decode.h); each a row");
   flags.Bool("join", &o.join,
              "after each hybrid point, admit one more request off the step while the batch "

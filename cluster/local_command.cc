@@ -94,7 +94,7 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   std::string model = root + "/models/fluxion-tiny-retrieval";
   std::string trace = root + "/cluster/traces/mooncake_conversation_30s.jsonl";
   std::string out_dir, json_path, policy, ucx_tls = "tcp", plot_format = "png";
-  int64_t decode_nodes = 1, prefill_nodes = 1, cpu_threads = 1, threads = 1, kv_pages = 16384;
+  int64_t decode_nodes = 1, prefill_nodes = 1, cpu_threads = 1, kv_pages = 16384;
   int64_t vocab_size = 256;
   double startup_timeout_s = 120, timeout_s = 120;
   TraceTransform transform;
@@ -118,7 +118,6 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.Int("cpu-threads", &cpu_threads,
             "--cpu-threads of each prefill/decode process (its one CPU pool); 0 = each node's "
             "own default (the CPUs it may use minus one)");
-  flags.Int("threads", &threads, "deprecated alias of --cpu-threads");
   flags.Int("kv-pages", &kv_pages, "KV pages per decode node");
   flags.String("ucx-tls", &ucx_tls, "UCX transports between the nodes: tcp (over lo) or sm");
   flags.String("policy", &policy, "sparse attention policy (empty: the decode nodes' default)");
@@ -146,16 +145,6 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   flags.String("json", &json_path, "also write the summary JSON here");
   flags.String("plot-format", &plot_format, "png or svg");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  if (flags.WasSet("threads")) {
-    if (flags.WasSet("cpu-threads") && threads != cpu_threads) {
-      std::cerr << "error: --threads is the deprecated alias of --cpu-threads; give --cpu-threads "
-                   "only\n";
-      return 2;
-    }
-    std::cerr << "warning: --threads is deprecated and goes in the next release; use "
-                 "--cpu-threads\n";
-    cpu_threads = threads;
-  }
   if (cpu_threads < 0 || cpu_threads > kMaxCpuThreads) {
     std::cerr << "error: --cpu-threads must be in [0, " << kMaxCpuThreads << "], got "
               << cpu_threads << "\n";
@@ -351,7 +340,7 @@ int RunLocalCommand(const std::vector<std::string>& args) {
   run.config["mode"] = "timed arrivals";
   run.config["transforms"] = DescribeTransform(transform, schedule->block_tokens);
   run.config["cluster"] = absl::StrCat(prefill_nodes, " prefill + ", decode_nodes,
-                                       " decode + router, UCX ", ucx_tls, ", ", threads,
+                                       " decode + router, UCX ", ucx_tls, ", ", cpu_threads,
                                        " thread(s) per node");
   run.config["policy"] = policy.empty() ? "decode default" : policy;
   run.config["command"] = absl::StrCat("fluxion local ", absl::StrJoin(args, " "));

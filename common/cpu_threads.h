@@ -12,7 +12,6 @@
 //                                             landing checks) must not wait behind a pool that
 //                                             holds every core; the hybrid executor's GPU feeder
 //                                             (issue 14) will need one more.
-// `--threads` is kept as a deprecated alias for one release (same meaning; a warning says so).
 //
 // Thread-compatible.
 #ifndef FLUXION_COMMON_CPU_THREADS_H_
@@ -45,26 +44,24 @@ int AvailableCpus();
 // The pool size --cpu-threads 0 (or no flag) means for `role` on `available` CPUs.
 int DefaultCpuThreads(CpuRole role, int available);
 
-// `--cpu-threads N` (0 = the role's default) with `--threads` as its deprecated alias.
+// `--cpu-threads N` (0 = the role's default).
 class CpuThreadsFlag {
  public:
-  // Registers both flags on `flags`, which must outlive this object.
+  // Registers the flag on `flags`, which must outlive this object.
   CpuThreadsFlag(FlagSet& flags, CpuRole role);
 
   // After flags.Parse(): the pool size. InvalidArgument naming the flag for a negative value or
-  // one above kMaxCpuThreads, and for both flags given with different values.
+  // one above kMaxCpuThreads.
   absl::StatusOr<int> Resolve(int available) const;
   absl::StatusOr<int> Resolve() const { return Resolve(AvailableCpus()); }
 
  private:
-  const FlagSet& flags_;
   const CpuRole role_;
   int64_t cpu_threads_ = 0;
-  int64_t threads_ = 0;  // the deprecated alias
 };
 
 // `--cpu-threads a,b,...` of measuring commands that sweep thread counts (0 = every available
-// CPU), with `--threads` as its deprecated alias.
+// CPU).
 class CpuThreadsListFlag {
  public:
   // `defaults` is the sweep without the flag.
@@ -76,9 +73,7 @@ class CpuThreadsListFlag {
   absl::StatusOr<std::vector<int64_t>> Resolve() const { return Resolve(AvailableCpus()); }
 
  private:
-  const FlagSet& flags_;
   std::vector<int64_t> cpu_threads_;
-  std::vector<int64_t> threads_;  // the deprecated alias
 };
 
 }  // namespace fluxion

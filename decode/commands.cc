@@ -49,7 +49,7 @@ int RunGenerateCommand(const std::vector<std::string>& args) {
                "attention and the prompt's prefill stay on the CPU)");
   flags.String("policy", &policy,
                "decode attention: full (the model's own fp32 cache) or a sparse policy over bf16 "
-               "host pages: " + absl::StrJoin(sparse::PolicyNames(), ", "));
+               "host pages: " + sparse::PolicyNamesHelp());
   flags.Double("budget", &budget, "fraction of context rows a sparse policy reads");
   flags.Int("page-tokens", &page_tokens, "tokens per host KV page for sparse policies");
   std::string predictor_flag;

@@ -502,7 +502,7 @@ TEST(HbmFullAttentionTest, WholeStepsMatchHostAttentionOverTheSameBf16Rows) {
   hs.max_tokens = 128;
   auto hbm = HbmFullAttention::Create(
       hs, static_cast<cudaStream_t>((*ops)->native_stream()),
-      kernels::cuda::PagedKernel::kV4TwoStage);
+      kernels::cuda::PagedKernel::kV5);
   ASSERT_TRUE(hbm.ok()) << hbm.status();
   for (int64_t i = 0; i < rows; ++i) {
     for (int layer = 0; layer < shape.num_layers; ++layer) {

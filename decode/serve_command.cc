@@ -144,8 +144,7 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                    "headless service the router's --prefill-dns names); re-resolved on a miss at "
                    "most once a second");
   flags.String("default-policy", &default_policy,
-               "sparse policy for requests that name none: " +
-                   absl::StrJoin(sparse::PolicyNames(), ", "));
+               "sparse policy for requests that name none: " + sparse::PolicyNamesHelp());
   flags.Double("default-budget", &default_budget, "budget for requests that name none");
   std::string predictor_flag;
   flags.String("fluxion-predictor", &predictor_flag,

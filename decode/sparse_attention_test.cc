@@ -171,7 +171,7 @@ TEST(SparseAttentionTest, DeferredObservationSelectsWhatImmediateObservationSele
   }
   const double scales[steps] = {1, 1, 1, 1, 0.5, 1, 1, 1, 1, 1};
   auto arena = *KvArena::Create(KvShape{3, 2, 64, 16}.page_bytes(), 1024);
-  for (const char* name : {"lfps", "fluxion", "lfps_b16"}) {
+  for (const char* name : {"lfps", "fluxion"}) {
     struct Run {
       std::vector<std::vector<kernels::PageSpan>> spans;  // [step * 3 * 2 + layer * 2 + head]
       std::vector<float> out;

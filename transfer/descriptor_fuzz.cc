@@ -10,8 +10,7 @@
 //      transfer/landing_wire.h), which any peer can send.
 // Invariants (a violation traps): what parses re-serializes to the same bytes, and an unwrapped
 // envelope re-wraps to the same bytes. Seeds: tests/fuzz/corpus/descriptor_fuzz/ (real
-// descriptors and blobs of this host's UCX and landing headers, written by
-// transfer/descriptor_corpus_tool.cc).
+// descriptors and blobs of this host's UCX and landing headers).
 #include <cstddef>
 #include <cstdint>
 #include <string>

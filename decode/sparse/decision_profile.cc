@@ -324,8 +324,7 @@ bool DecisionProfile::DrawBypass(const PolicyDecisions& d, int layer, int kv_hea
 }
 
 bool RecordedInProfiles(const PolicyConfig& config) {
-  return (config.kind == PolicyKind::kLfps && config.name == "lfps") ||
-         (config.kind == PolicyKind::kFluxion && config.name == "fluxion");
+  return config.kind == PolicyKind::kLfps || config.kind == PolicyKind::kFluxion;
 }
 
 void DecisionRecorder::Add(const PolicyConfig& config, const SelectionStats& stats) {

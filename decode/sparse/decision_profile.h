@@ -132,9 +132,8 @@ class DecisionProfile {
   std::vector<PolicyDecisions> policies_;
 };
 
-// Whether a decision profile records `config`'s decisions: `lfps` and `fluxion` themselves, not
-// other policies nor their variants (`lfps_cap4`, `lfps_b16`), which decide differently from the
-// policy replay stands in for (it looks lfps / fluxion up by kind).
+// Whether a decision profile records `config`'s decisions: `lfps` and `fluxion`, not other
+// policies (replay looks lfps / fluxion up by kind).
 bool RecordedInProfiles(const PolicyConfig& config);
 
 // A retrieval head-step's budget as SelectionStats::retrieval keys it: 1e-4 of the context.

@@ -308,11 +308,10 @@ TEST(DecisionProfileTest, RecordedCandidateVolumeReplays) {
   EXPECT_NEAR(share(b), 0.08, 0.003);  // whole groups of 4: up to 3 rows more a step
   EXPECT_EQ(b.rows_attended, a.rows_attended);
 
-  // The recorder reads the volume back from the stats, and leaves variants out.
+  // The recorder reads the volume back from the stats, and leaves other policies out.
   DecisionRecorder recorder;
   recorder.Add(thinned, b);
-  recorder.Add(*ParsePolicy("lfps_b16", 0.05), b);
-  recorder.Add(*ParsePolicy("lfps_cap4", 0.05), b);
+  recorder.Add(*ParsePolicy("lfps_paper", 0.05), b);
   absl::StatusOr<DecisionProfile> recorded = recorder.Build("again", "{}");
   ASSERT_TRUE(recorded.ok()) << recorded.status();
   ASSERT_EQ(recorded->policies().size(), 1u);

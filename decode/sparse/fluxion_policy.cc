@@ -179,9 +179,6 @@ void FluxionPolicy::AddCandidates(const SelectionInput& in, const Regions& r, in
   const int64_t first_page = first_block * ppb;
   const int64_t end_page = std::min(end_block * ppb, pages);
   const float* page_scores = PageScores(in, first_page, end_page, stats);
-  x.step_page_scores = page_scores;  // CapCandidates ranks candidate pages by them
-  x.step_pages_first = first_page;
-  x.step_pages_end = end_page;
   // A block scores as its best page.
   x.block_scores.assign(nblocks, -INFINITY);
   for (int64_t p = first_page; p < end_page; ++p) {

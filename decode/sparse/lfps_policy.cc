@@ -23,10 +23,6 @@ namespace {
 // token a slash pattern moves per decode step.
 constexpr int kExpand[] = {-1, 0, 1, 2};
 
-// Division rounding toward minus infinity (table ranges may start below 0).
-int64_t FloorDiv(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-
-
 }  // namespace
 
 LfpsPolicy::LfpsPolicy(const PolicyConfig& config, const LfpsParams& params, bool paper_bypass)
@@ -133,13 +129,11 @@ absl::Status LfpsPolicy::Prepare(const PagedKv& kv, int layer, int kv_head,
   // The captured tables are already decayed to the end of the prompt (§1.3.3); sinks are
   // attended anyway and stay out of the vertical table. Tiny entries are dropped to keep the
   // tables sparse, as during decoding.
-  // Block-granular tables sum their blocks' entries.
-  const int64_t b = config_.table_block;
   for (int64_t j = config_.sink_tokens; j < n; ++j) {
-    if (state->vertical[j] >= params_.min_weight) s.tables.AddVertical(j / b, state->vertical[j]);
+    if (state->vertical[j] >= params_.min_weight) s.tables.AddVertical(j, state->vertical[j]);
   }
   for (int64_t dist = 0; dist < n; ++dist) {
-    if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist / b, state->slash[dist]);
+    if (state->slash[dist] >= params_.min_weight) s.tables.AddSlash(dist, state->slash[dist]);
   }
   s.NoteMiddleShare(state->middle_share);
   s.need_fraction = state->need_fraction;
@@ -187,12 +181,9 @@ void LfpsPolicy::MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int6
   // 1 gained against these clamps (niah_multivalue at 0.02: 5 of 12 lost;
   // bench/results/eval-lfps-clamp-compare-devbox-20261202.txt). The quality tables
   // (docs/SPARSE.md) are these clamps'.
-  // With block-granular tables (B = config_.table_block > 1) the clamps count blocks of B
-  // rows, so they cover as many rows as the token-level ones.
-  const int64_t b = config_.table_block;
-  const int64_t table_min = (2 * k + b - 1) / b;
-  const int64_t table_cap = std::max<int64_t>(
-      table_min, static_cast<int64_t>(params_.candidate_cap * context) / b);
+  const int64_t table_min = 2 * k;
+  const int64_t table_cap =
+      std::max<int64_t>(table_min, static_cast<int64_t>(params_.candidate_cap * context));
   std::vector<int64_t>& vertical = x.vertical;
   std::vector<int64_t>& slash = x.slash;
   vertical.clear();
@@ -200,33 +191,22 @@ void LfpsPolicy::MarkTablePicks(HeadState& s, Scratch& x, const Regions& r, int6
   // Only entries that land in the middle region compete (lfps_tables.h says why); an entry
   // just outside it still reaches in through the expansion offsets, so the ranges are widened
   // by them.
-  // In blocks the ranges are the blocks that hold them, the slash one widened by a block
-  // below (the neighbour offsets reach one block, not two tokens).
   // The two tables select concurrently (idle threads of the step take one: RunAsTasks).
   kernels::cpu::RunAsTasks(2, [&](int64_t table) {
     if (table == 0) {
       s.tables.vertical().SelectAbove(params_.threshold_a, table_min, table_cap,
-                                      FloorDiv(r.sink_end - 2, b),
-                                      FloorDiv(r.local_begin + 1, b) + 1, &vertical);
+                                      r.sink_end - 2, r.local_begin + 2, &vertical);
     } else {
       s.tables.slash().SelectAbove(params_.threshold_a, table_min, table_cap,
-                                   FloorDiv(t - r.local_begin, b) - (b > 1),
-                                   FloorDiv(t - r.sink_end + 3, b) + 1, &slash);
+                                   t - r.local_begin, t - r.sink_end + 4, &slash);
     }
   });
   // The expanded picks go straight into a bitmap over the middle (a run of 4 bits each, one
   // or two word ORs), then the bitmap is read out in order: the candidates sorted and distinct
   // without a vector of 4 entries per pick (pushing those was the largest serial part of a
   // head-step on the H200 host: bench/results/perf-lfps-8b-128k-h200-20261204.txt).
-  if (b == 1) {
-    for (int64_t p : vertical) marks->MarkRun(p + kExpand[0], std::size(kExpand));
-    for (int64_t dist : slash) marks->MarkRun(t - dist + kExpand[0], std::size(kExpand));
-  } else {
-    // A block and its two neighbours (ALGORITHMS.md §1.3.5: offsets {-1, 0, +1} blocks). Slash
-    // block D holds distances [D b, D b + b): positions (t - D b - b, t - D b].
-    for (int64_t v : vertical) marks->MarkRun((v - 1) * b, 3 * b);
-    for (int64_t dist : slash) marks->MarkRun(t - (dist + 2) * b + 1, 3 * b);
-  }
+  for (int64_t p : vertical) marks->MarkRun(p + kExpand[0], std::size(kExpand));
+  for (int64_t dist : slash) marks->MarkRun(t - dist + kExpand[0], std::size(kExpand));
 }
 
 void LfpsPolicy::PrepareNextStep(const SelectionInput& next) {
@@ -365,10 +345,8 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     }
     ahead.context = -1;
     // Fluxion's added blocks join them in the bitmap.
-    x.step_page_scores = nullptr;
     AddCandidates(in, r, k, &*marks, stats);
     marks->ReadOut(&candidates);
-    CapCandidates(in, k, &candidates, stats);
     if (replaying() && replay_.rescored_share > 0) {
       // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
       // the budget: the tables were selected and expanded as always.
@@ -420,38 +398,6 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   const int64_t decided = r.middle_rows_budget + r.sink_end + (in.context - r.local_begin);
   const int64_t units = std::llround(static_cast<double>(decided) / (kBudgetUnit * in.context));
   ++stats->retrieval[{RetrievalBlock(in.layer, in.kv_head), std::max<int64_t>(units, 1)}];
-}
-
-void LfpsPolicy::CapCandidates(const SelectionInput& in, int64_t k,
-                               std::vector<int32_t>* candidates, SelectionStats* stats) {
-  if (!(config_.rescore_cap > 0)) return;
-  const int64_t limit =
-      std::max<int64_t>(k, static_cast<int64_t>(std::ceil(config_.rescore_cap * k)));
-  if (static_cast<int64_t>(candidates->size()) <= limit) return;
-  Scratch& x = ScratchOf(in.layer, in.kv_head);
-  const int64_t pt = in.kv->shape().page_tokens, d = in.kv->shape().head_dim;
-  ListCandidatePages(*candidates, pt, &x.candidate_pages);
-  const std::vector<int32_t>& pages = x.candidate_pages.page;
-  const int64_t n = static_cast<int64_t>(pages.size());
-  x.candidate_page_scores.resize(n);
-  float* scores = x.candidate_page_scores.data();
-  const float* key_min = in.kv->key_min(in.layer, in.kv_head);
-  const float* key_max = in.kv->key_max(in.layer, in.kv_head);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = pages[i];
-    if (in.block_scores != nullptr && in.block_score_tokens == pt) {
-      scores[i] = in.block_scores[p];  // scored where the bounds are (the device)
-      ++stats->blocks_scored_elsewhere;
-    } else if (x.step_page_scores != nullptr && p >= x.step_pages_first &&
-               p < x.step_pages_end) {
-      scores[i] = x.step_page_scores[p - x.step_pages_first];  // this step's scan scored it
-    } else {
-      kernels::cpu::QuestBlockBounds(key_min, key_max, d, p, 1, /*pages_per_block=*/1, in.q,
-                                     in.group, &scores[i]);
-      stats->metadata_bytes += 2 * d * int64_t{sizeof(float)};
-    }
-  }
-  KeepBestPages(x.candidate_pages, scores, pt, limit, candidates);
 }
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {
@@ -559,9 +505,9 @@ void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& 
     for (size_t j = 0; j < n; ++j) {
       if (best[j] < params_.min_weight) continue;
       if (table == 0) {
-        s.tables.AddVertical(positions[j] / config_.table_block, best[j]);
+        s.tables.AddVertical(positions[j], best[j]);
       } else {
-        s.tables.AddSlash((t - positions[j]) / config_.table_block, best[j]);
+        s.tables.AddSlash(t - positions[j], best[j]);
       }
     }
   });

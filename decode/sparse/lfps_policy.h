@@ -12,14 +12,6 @@
 //   3. otherwise: kurtosis-adaptive thresholds on both tables give candidate positions, expanded
 //      by {-1, 0, +1, +2}, scored exactly, top rows within the budget; every `refresh_every`
 //      steps an exact top-k over the whole middle region instead (the safety valve).
-//      With PolicyConfig::rescore_cap C > 0, only about C x k of the candidates are scored (k:
-//      the head's middle budget in rows): those of the pages whose Quest bounds (the upper bound
-//      of q.k over the page's keys, max over the group) rank highest, whole pages down to C x k.
-//      The bounds come from the device where the hybrid step keeps them
-//      (SelectionInput::block_scores at page granularity), else from the page records on the
-//      CPU (1 KB of fp32 a page). Measured and rejected (docs/SPARSE.md, "Measured and rejected"):
-//      at most 1.4x off the 8B step, and most answers lost at budget 0.02 on the trained model;
-//      it stays off by default (kDefaultRescoreCap) so the measurement can be repeated.
 //
 // Step-ahead table picks (PrepareNextStep): the tables' candidates depend on the history alone,
 // not on the query, so once a step is observed the next step's table picks (both clamps, the
@@ -139,12 +131,6 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<uint64_t> picked_bits;      // the rescoring's picks over [0, candidates)
     std::vector<double> kq;                 // [head_dim]: summed key outer products times q
     std::vector<float> page_scores, block_scores;  // Fluxion's query-aware scan
-    // This step's Quest scores of pages [step_pages_first, step_pages_end) when a subclass has
-    // them (Fluxion's scan; null otherwise): CapCandidates reads them instead of the bounds.
-    const float* step_page_scores = nullptr;
-    int64_t step_pages_first = 0, step_pages_end = 0;
-    CandidatePages candidate_pages;           // CapCandidates' pages and their scores
-    std::vector<float> candidate_page_scores;
     std::vector<int32_t> top_blocks;
     std::vector<float> group_scores;  // [candidate][group] unscaled
     // This step's scaled logits [row][group] of the sinks then the window (edge_logits; the
@@ -198,10 +184,6 @@ class LfpsPolicy : public SparsePolicy {
                              CandidateMarks* marks, SelectionStats* stats) {}
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
-  // PolicyConfig::rescore_cap: keeps the sorted candidates of the best-bounded pages, about
-  // rescore_cap x k of them (KeepBestPages); none dropped when the cap is 0 or not exceeded.
-  void CapCandidates(const SelectionInput& in, int64_t k, std::vector<int32_t>* candidates,
-                     SelectionStats* stats);
   // Scaled logits of every query head of the group over `spans`' rows, in span order:
   // (*out)[row * group + g]. One walk over the keys for the whole group.
   static void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,

@@ -146,46 +146,21 @@ struct KindEntry {
 
 // One row per kind; PolicyNames(), ParsePolicyKind() and TraitsOf() all read this table.
 constexpr KindEntry kKinds[] = {
-    {PolicyKind::kFull, {"full", true, false, false, true, false, false, false, false}},
-    {PolicyKind::kExactTopK, {"exact_topk", false, false, false, true, false, false, false, true}},
-    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false, false}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false, false}},
-    {PolicyKind::kLfpsPaper, {"lfps_paper", false, true, false, true, false, false, false, false}},
-    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true, true}},
-    {PolicyKind::kFluxionRules, {"fluxion_rules", false, true, false, false, true, false, false, true}},
+    {PolicyKind::kFull, {"full", true, false, false, true, false, false, false, false, false}},
+    {PolicyKind::kExactTopK,
+     {"exact_topk", false, false, false, true, false, false, false, true, false}},
+    {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false, false, true}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false, false, false}},
+    {PolicyKind::kLfpsPaper,
+     {"lfps_paper", false, true, false, true, false, false, false, false, true}},
+    {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true, true, false}},
+    {PolicyKind::kFluxionRules,
+     {"fluxion_rules", false, true, false, false, true, false, false, true, true}},
     {PolicyKind::kFixedBlock,
-     {"fixed_<block>_<budget>", true, false, false, true, true, false, false, false}},
+     {"fixed_<block>_<budget>", true, false, false, true, true, false, false, false, true}},
 };
 
 constexpr absl::string_view kFixedPrefix = "fixed_";
-constexpr absl::string_view kCapSuffix = "_cap";
-
-// A history policy's name without its `_cap<C>` suffix, and the suffix's text (empty without
-// one). `lfps_cap4` -> {"lfps", "4"}.
-std::pair<absl::string_view, absl::string_view> SplitCapSuffix(absl::string_view name) {
-  const size_t at = name.rfind(kCapSuffix);
-  if (at == absl::string_view::npos || at == 0) return {name, {}};
-  return {name.substr(0, at), name.substr(at + kCapSuffix.size())};
-}
-
-constexpr absl::string_view kBlockSuffix = "_b";
-constexpr int64_t kMaxTableBlock = 1024;
-
-// LFPS's name without a `_b<B>` suffix and the suffix's digits (empty without one): `lfps_b16`
-// -> {"lfps", "16"}. Only digits follow `_b`, so no other policy name splits.
-std::pair<absl::string_view, absl::string_view> SplitBlockSuffix(absl::string_view name) {
-  const size_t at = name.rfind(kBlockSuffix);
-  if (at == absl::string_view::npos || at == 0) return {name, {}};
-  const absl::string_view digits = name.substr(at + kBlockSuffix.size());
-  if (digits.empty() || digits.find_first_not_of("0123456789") != absl::string_view::npos) {
-    return {name, {}};
-  }
-  return {name.substr(0, at), digits};
-}
-
-bool HasBlockTables(PolicyKind kind) {
-  return kind == PolicyKind::kLfps || kind == PolicyKind::kLfpsPaper;
-}
 
 }  // namespace
 
@@ -196,15 +171,9 @@ const PolicyTraits& TraitsOf(PolicyKind kind) {
   LOG(FATAL) << "PolicyKind " << static_cast<int>(kind) << " has no row in kKinds";
 }
 
-bool RescoresCandidates(PolicyKind kind) {
-  return kind == PolicyKind::kLfps || kind == PolicyKind::kLfpsPaper ||
-         kind == PolicyKind::kFluxion || kind == PolicyKind::kFluxionRules;
-}
-
 bool ReadsPageScores(const PolicyConfig& config) {
   if (DeviceSelects(config)) return false;  // compact keys replace the page bounds' scores
-  return TraitsOf(config.kind).ranks_page_bounds ||
-         (RescoresCandidates(config.kind) && config.rescore_cap > 0);
+  return TraitsOf(config.kind).ranks_page_bounds;
 }
 
 bool DeviceSelects(const PolicyConfig& config) {
@@ -228,20 +197,22 @@ std::vector<std::string> PolicyNames() {
   return names;
 }
 
+std::string PolicyNamesHelp() {
+  std::vector<absl::string_view> served, comparison;
+  for (const KindEntry& e : kKinds) {
+    (e.traits.for_comparison ? comparison : served).push_back(e.traits.name);
+  }
+  return absl::StrCat(absl::StrJoin(served, ", "), "; for comparison, not for serving: ",
+                      absl::StrJoin(comparison, ", "));
+}
+
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name) {
   if (absl::StartsWith(name, kFixedPrefix)) return PolicyKind::kFixedBlock;
-  const absl::string_view base = SplitCapSuffix(name).first;
-  const absl::string_view block_base = SplitBlockSuffix(name).first;
   for (const KindEntry& e : kKinds) {
-    if (e.kind == PolicyKind::kFixedBlock) continue;
-    if (name == e.traits.name) return e.kind;
-    if (base != name && base == e.traits.name && RescoresCandidates(e.kind)) return e.kind;
-    if (block_base != name && block_base == e.traits.name && HasBlockTables(e.kind)) return e.kind;
+    if (e.kind != PolicyKind::kFixedBlock && name == e.traits.name) return e.kind;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown policy '", name, "'; known: ", absl::StrJoin(PolicyNames(), ", "),
-      " (lfps, lfps_paper, fluxion and fluxion_rules also as NAME_cap<C>, e.g. lfps_cap4; lfps "
-      "and lfps_paper as NAME_b<B>, block-granular tables, e.g. lfps_b16)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown policy '", name, "'; known: ", PolicyNamesHelp()));
 }
 
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget) {
@@ -261,22 +232,6 @@ absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget)
     c.budget = b;
   } else if (c.kind == PolicyKind::kFull) {
     c.budget = 1.0;
-  } else if (const auto [block_base, block] = SplitBlockSuffix(name);
-             block_base != name && HasBlockTables(c.kind)) {
-    if (!absl::SimpleAtoi(block, &c.table_block) || c.table_block < 1 ||
-        c.table_block > kMaxTableBlock) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy '", name, "' should look like ", block_base, "_b<B> with B in [1, ",
-          kMaxTableBlock, "] tokens per table entry"));
-    }
-  } else if (const auto [base, cap] = SplitCapSuffix(name); base != name) {
-    // Caps below 1 would rescore fewer candidates than the step attends.
-    if (!absl::SimpleAtod(cap, &c.rescore_cap) || !std::isfinite(c.rescore_cap) ||
-        (c.rescore_cap != 0 && c.rescore_cap < 1) || c.rescore_cap > 1000) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy '", name, "' should look like ", base, "_cap<C> with C = 0 (rescore every "
-          "candidate) or a number in [1, 1000] (rescore about C x the head's budget of them)"));
-    }
   }
   if (!(c.budget > 0.0 && c.budget <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -354,9 +309,10 @@ std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config) {
 }
 
 int64_t RankedBlockTokens(const PolicyConfig& config, int64_t page_tokens) {
-  // Fluxion scores pages and ranks its per-head blocks by their best page (fluxion_policy.h);
-  // a capped LFPS ranks its candidates' pages (lfps_policy.h).
-  if (RescoresCandidates(config.kind)) return page_tokens;
+  // Fluxion scores pages and ranks its per-head blocks by their best page (fluxion_policy.h).
+  if (config.kind == PolicyKind::kFluxion || config.kind == PolicyKind::kFluxionRules) {
+    return page_tokens;
+  }
   return std::max(config.block_tokens, page_tokens);
 }
 
@@ -452,20 +408,6 @@ void CandidateMarks::ReadOut(std::vector<int32_t>* out) const {
   }
 }
 
-void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t page_tokens,
-                        CandidatePages* out) {
-  out->page.clear();
-  out->count.clear();
-  for (int32_t t : sorted_positions) {
-    const int32_t page = static_cast<int32_t>(t / page_tokens);
-    if (out->page.empty() || out->page.back() != page) {
-      out->page.push_back(page);
-      out->count.push_back(0);
-    }
-    ++out->count.back();
-  }
-}
-
 void ThinEvenly(int64_t target, int64_t group, std::vector<int32_t>* sorted_positions) {
   std::vector<int32_t>& p = *sorted_positions;
   const int64_t n = static_cast<int64_t>(p.size());
@@ -480,40 +422,6 @@ void ThinEvenly(int64_t target, int64_t group, std::vector<int32_t>* sorted_posi
     for (int64_t j = first; j < last; ++j) p[size++] = p[j];
   }
   p.resize(size);
-}
-
-void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,
-                   int64_t limit, std::vector<int32_t>* sorted_positions) {
-  const int64_t n = static_cast<int64_t>(sorted_positions->size());
-  const int64_t num_pages = static_cast<int64_t>(pages.page.size());
-  if (n <= limit || num_pages == 0) return;
-  // Rank only as many pages as about twice the mean page's share of `limit` needs (radix
-  // select, O(pages)); all of them when the best hold too few candidates to reach it.
-  auto key = [&](int32_t i) { return std::isnan(scores[i]) ? -INFINITY : scores[i]; };
-  std::vector<int32_t> order;
-  int64_t want = std::min(num_pages, 2 * ((limit * num_pages + n - 1) / n) + 1);
-  std::vector<char> keep(num_pages, 0);
-  for (;;) {
-    kernels::cpu::TopKIndices(scores, num_pages, want, &order);
-    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-      return key(a) != key(b) ? key(a) > key(b) : a < b;
-    });
-    int64_t kept = 0;
-    for (int32_t i : order) {
-      keep[i] = 1;
-      kept += pages.count[i];
-      if (kept >= limit) break;
-    }
-    if (kept >= limit || want == num_pages) break;
-    std::fill(keep.begin(), keep.end(), 0);
-    want = num_pages;
-  }
-  int64_t i = 0, out = 0;
-  for (int32_t t : *sorted_positions) {
-    while (pages.page[i] != t / page_tokens) ++i;
-    if (keep[i]) (*sorted_positions)[out++] = t;
-  }
-  sorted_positions->resize(out);
 }
 
 void AppendPositions(const PagedKv& kv, int layer, int kv_head,

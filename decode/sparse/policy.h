@@ -77,19 +77,12 @@ struct PolicyTraits {
   // head's allocated budget). The others select as under kHost: quest and fixed_* already rank on
   // the device; LFPS's history tables stay on the host (docs/SPARSE.md, "Device selection").
   bool device_selects;
+  // A baseline kept for comparison, not for serving (quest, fixed_*, lfps_paper, fluxion_rules):
+  // measuring commands run it beside the served policies; help texts say so.
+  bool for_comparison;
 };
 
 const PolicyTraits& TraitsOf(PolicyKind kind);
-
-// The history policies (lfps, lfps_paper, fluxion, fluxion_rules): they rescore a step's
-// candidates exactly, so PolicyConfig::rescore_cap applies to them.
-bool RescoresCandidates(PolicyKind kind);
-
-// What PolicyConfig::rescore_cap is when the name has no `_cap<C>` suffix: 0, every candidate
-// rescored (the LFPS of ALGORITHMS.md §1.3). Why it stays exact: capping by page bounds lost most
-// answers at budget 0.02 on the trained model and took at most 29% off the 8B step
-// (docs/SPARSE.md, "Capped rescoring").
-inline constexpr double kDefaultRescoreCap = 0.0;
 
 // Where a policy's choice of rows is made (docs/SPARSE.md, "Device selection").
 enum class Selector {
@@ -130,16 +123,6 @@ struct PolicyConfig {
   // needs `output_projection` (the model's W_O, model/output_projection.h; shared, immutable).
   GuardConfig guard;
   std::shared_ptr<const model::OutputProjection> output_projection;
-  // History policies only (RescoresCandidates): a step rescores exactly at most about
-  // rescore_cap x k of its candidates (k: the head's middle budget in rows), those of the pages
-  // whose Quest bounds score highest (lfps_policy.h); 0: all of them. Set by the name's
-  // `_cap<C>` suffix (`lfps_cap4`, `fluxion_cap0`), kDefaultRescoreCap without one.
-  double rescore_cap = kDefaultRescoreCap;
-  // `lfps` / `lfps_paper` only: LFPS's history tables hold one entry per block of this many
-  // tokens (ALGORITHMS.md §1.3.2; 1: per token, as published) and its candidates are the rows of
-  // the selected blocks and their neighbours, rescored exactly. Set by the name's `_b<B>` suffix
-  // (`lfps_b16`). Measured and rejected (docs/SPARSE.md, "Measured and rejected").
-  int64_t table_block = 1;
   // Where the rows are chosen; commands set it (--selector).
   Selector selector = Selector::kHost;
 };
@@ -148,8 +131,8 @@ struct PolicyConfig {
 // traits say device_selects).
 bool DeviceSelects(const PolicyConfig& config);
 
-// Whether `config` reads Quest page-bound scores: its kind ranks page bounds, or it caps its
-// rescoring by them. The hybrid step's device computes them where it keeps the bounds.
+// Whether `config` reads Quest page-bound scores: its kind ranks page bounds and it does not
+// select from compact keys. The hybrid step's device computes them where it keeps the bounds.
 bool ReadsPageScores(const PolicyConfig& config);
 
 // Whether `config` decodes under the error guard (enabled, a guardable policy, a projection).
@@ -161,14 +144,17 @@ GuardConfig GuardFor(const PolicyConfig& config);
 // Known policy names (fixed_<block>_<budget> is a pattern, shown as such).
 std::vector<std::string> PolicyNames();
 
+// The known names for a --policy flag's help: the served ones, then those for comparison
+// (PolicyTraits::for_comparison) marked as such.
+std::string PolicyNamesHelp();
+
 // The kind a policy name denotes (any fixed_... name is kFixedBlock; ParsePolicy checks its
 // numbers). InvalidArgument naming the known policies for an unknown name.
 absl::StatusOr<PolicyKind> ParsePolicyKind(absl::string_view name);
 
 // Parses a policy name and budget into a config. `fixed_32_0.05` sets block 32 and budget 0.05
-// (the budget argument is then ignored); a history policy's `_cap<C>` suffix sets rescore_cap,
-// lfps's and lfps_paper's `_b<B>` suffix table_block. InvalidArgument naming the known policies
-// for an unknown name, and for a budget outside (0, 1].
+// (the budget argument is then ignored). InvalidArgument naming the known policies for an
+// unknown name, and for a budget outside (0, 1].
 absl::StatusOr<PolicyConfig> ParsePolicy(const std::string& name, double budget);
 
 // Expands policy names x budgets for measuring commands: `full` and fixed_<block>_<budget> once,

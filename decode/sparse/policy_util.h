@@ -66,22 +66,6 @@ class CandidateMarks {
   std::vector<uint64_t>* words_;
 };
 
-// The pages that hold sorted, distinct candidate positions, ascending (`page`: the logical page
-// number, position / page_tokens), and how many candidates each holds.
-struct CandidatePages {
-  std::vector<int32_t> page, count;
-};
-void ListCandidatePages(const std::vector<int32_t>& sorted_positions, int64_t page_tokens,
-                        CandidatePages* out);
-
-// Keeps the candidates of the best pages: `pages` (ListCandidatePages of *sorted_positions)
-// ranked by `scores` (one per listed page; NaN lowest) from the best down, ties to the lower page,
-// taken whole until at least `limit` candidates are kept; the rest are dropped (the kept stay
-// sorted). Nothing is dropped when there are no more than `limit`. O(pages) plus a sort of the
-// pages it keeps (TopKIndices, then an exact order).
-void KeepBestPages(const CandidatePages& pages, const float* scores, int64_t page_tokens,
-                   int64_t limit, std::vector<int32_t>* sorted_positions);
-
 // Keeps about `target` of the sorted positions (ceil(target / group) groups): they are cut into
 // groups of `group` consecutive entries and evenly spaced whole groups are kept, so the kept
 // spread over the range as the originals did and keep their runs (LFPS's candidates come in runs

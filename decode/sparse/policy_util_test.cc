@@ -70,55 +70,5 @@ TEST(ThinEvenlyTest, KeepsEvenlySpacedWholeGroupsAndNeverAdds) {
   EXPECT_TRUE(r.empty());
 }
 
-TEST(ListCandidatePagesTest, PagesAscendingWithTheirCounts) {
-  CandidatePages pages;
-  ListCandidatePages({3, 5, 16, 40, 41, 47, 48}, 16, &pages);
-  EXPECT_EQ(pages.page, (std::vector<int32_t>{0, 1, 2, 3}));
-  EXPECT_EQ(pages.count, (std::vector<int32_t>{2, 1, 3, 1}));
-}
-
-// KeepBestPages against its definition: rank every page (score descending, NaN lowest, ties to
-// the lower page), take whole pages until `limit` candidates are kept.
-TEST(KeepBestPagesTest, MatchesRankingEveryPage) {
-  std::mt19937 rng(5);
-  for (int trial = 0; trial < 200; ++trial) {
-    const int64_t pt = 16, range = 16 * (1 + rng() % 300);
-    std::vector<int32_t> positions(rng() % 2000);
-    for (int32_t& p : positions) p = static_cast<int32_t>(rng() % range);
-    std::vector<uint64_t> words;
-    positions = Marked(0, range, positions, &words);
-    CandidatePages pages;
-    ListCandidatePages(positions, pt, &pages);
-    std::vector<float> scores(pages.page.size());
-    for (float& s : scores) {
-      const uint32_t r = rng() % 10;  // few distinct values: many ties; some NaN
-      s = r == 0 ? NAN : static_cast<float>(r % 4);
-    }
-    const int64_t limit = positions.empty() ? 0 : 1 + rng() % positions.size();
-    std::vector<int32_t> order(pages.page.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
-    auto key = [&](int32_t i) { return std::isnan(scores[i]) ? -INFINITY : scores[i]; };
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return key(a) > key(b); });
-    std::vector<char> keep(pages.page.size(), 0);
-    int64_t kept = 0;
-    for (int32_t i : order) {
-      if (kept >= limit) break;
-      keep[i] = 1;
-      kept += pages.count[i];
-    }
-    std::vector<int32_t> want;
-    for (int32_t p : positions) {
-      const auto it = std::lower_bound(pages.page.begin(), pages.page.end(), p / pt);
-      if (static_cast<int64_t>(positions.size()) <= limit || keep[it - pages.page.begin()]) {
-        want.push_back(p);
-      }
-    }
-    std::vector<int32_t> got = positions;
-    KeepBestPages(pages, scores.data(), pt, limit, &got);
-    EXPECT_EQ(got, want) << "trial " << trial;
-  }
-}
-
 }  // namespace
 }  // namespace fluxion::decode::sparse

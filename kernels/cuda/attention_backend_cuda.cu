@@ -100,16 +100,8 @@ absl::string_view CudaAttentionBackend::name() const {
   switch (options_.kernel) {
     case PagedKernel::kV3:
       return "cuda-v3";
-    case PagedKernel::kV4:
-      return "cuda";
-    case PagedKernel::kV4TwoStage:
-      return "cuda-v4s2";
-    case PagedKernel::kV4Scatter:
-      return "cuda-v4t";
     case PagedKernel::kV5:
       return "cuda-v5";
-    case PagedKernel::kV5TwoStage:
-      return "cuda-v5s2";
   }
   return "cuda";
 }
@@ -153,7 +145,7 @@ int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int64_t block_sl
   const int64_t per_pair = std::max<int64_t>(1, slots / pairs);
   const int64_t spans_per_pair = (p.num_spans + pairs - 1) / pairs;
   const int64_t min_spans =
-      (kMinV4ChunkRows + std::max<int64_t>(1, p.kv.page_tokens) - 1) /
+      (kMinPagedChunkRows + std::max<int64_t>(1, p.kv.page_tokens) - 1) /
       std::max<int64_t>(1, p.kv.page_tokens);
   return std::max<int64_t>({1, min_spans, (spans_per_pair + per_pair - 1) / per_pair});
 }

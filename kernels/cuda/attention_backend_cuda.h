@@ -35,16 +35,16 @@ namespace fluxion::kernels::cuda {
 struct CudaAttentionBackendOptions {
   cudaStream_t stream = nullptr;  // the caller's; must outlive the backend. Null: legacy default
   // kV5: 4.1-4.3 TB/s over HBM-resident pages on the H200 at 8B shapes (97-101% of the bench's
-  // limit; v4s2 3.9-4.0, v4 3.3-3.5; bench/results/gpu-kernels-paged-v5-h200-20261202.json).
-  // For arenas in pinned host memory kV3 reads best (90-95% of the H2D probe; v4s2 ~60%, v5
-  // ~47%; bench/results/gpu-kernels-paged-v3-v4-h200-20261202.json).
+  // limit; bench/results/gpu-kernels-paged-v5-h200-20261202.json). For arenas in pinned host
+  // memory kV3 reads best (90-95% of the H2D probe, v5 ~47%;
+  // bench/results/gpu-kernels-paged-v3-v4-h200-20261202.json).
   PagedKernel kernel = PagedKernel::kV5;
   int num_sms = 0;  // the chunk plan aims at one wave on this many SMs; 0: the current device's
 };
 
 // The cut CudaAttentionBackend makes: spans per chunk for p when `block_slots` blocks run at once
 // (SMs x PagedBlocksPerSm), from the shapes and num_spans only. One wave of blocks: each pair cut
-// into floor(block_slots / pairs) chunks (at least one) of at least kMinV4ChunkRows rows of whole
+// into floor(block_slots / pairs) chunks (at least one) of at least kMinPagedChunkRows rows of whole
 // pages; at least one span.
 int64_t CudaAttentionSpansPerChunk(const PagedDecodeProblem& p, int64_t block_slots);
 
@@ -60,7 +60,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   absl::string_view name() const override;
   // Beyond ValidatePagedDecodeProblem, Unimplemented for: head_dim other than 64/128, a group
-  // above kMaxPagedGroup, page_tokens other than 8/16/32 (64 too for v4), page_bytes or the
+  // above kMaxPagedGroup, page_tokens other than 8/16/32 (64 too for v5), page_bytes or the
   // arena not 16-byte aligned, num_spans or num_pairs beyond int32.
   absl::Status Supports(const PagedDecodeProblem& p) const override;
   size_t WorkspaceBytes(const PagedDecodeProblem& p) const override;

@@ -129,9 +129,7 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 INSTANTIATE_TEST_SUITE_P(
     Grid, CudaAttentionBackendConformance,
     ::testing::Combine(::testing::Values(Arena::kDevice, Arena::kMappedHost),
-                       ::testing::Values(PagedKernel::kV4, PagedKernel::kV4TwoStage,
-                                         PagedKernel::kV4Scatter, PagedKernel::kV3,
-                                         PagedKernel::kV5, PagedKernel::kV5TwoStage),
+                       ::testing::Values(PagedKernel::kV5, PagedKernel::kV3),
                        ::testing::ValuesIn(backend_testing::ConformanceBatches()),
                        ::testing::ValuesIn(backend_testing::ConformanceHeads()),
                        ::testing::ValuesIn(backend_testing::ConformanceHeadDims()),
@@ -151,30 +149,30 @@ TEST_F(CudaAttentionBackendTest, SupportsNamesWhatItLacks) {
   std::vector<float> out(4 * 64), lse(4);
   pr->p.out = out.data();
   pr->p.lse = lse.data();
-  auto v4 = CudaAttentionBackend::Create({});
+  auto v5 = CudaAttentionBackend::Create({});
   auto v3 = CudaAttentionBackend::Create({nullptr, PagedKernel::kV3, 0});
-  ASSERT_TRUE(v4.ok() && v3.ok());
-  EXPECT_TRUE((*v4)->Supports(pr->p).ok()) << (*v4)->Supports(pr->p);
+  ASSERT_TRUE(v5.ok() && v3.ok());
+  EXPECT_TRUE((*v5)->Supports(pr->p).ok()) << (*v5)->Supports(pr->p);
   PagedDecodeProblem p = pr->p;
   p.num_qo_heads = 32;  // group 16
-  EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*v5)->Supports(p).code(), absl::StatusCode::kUnimplemented);
   p = pr->p;
   p.head_dim = p.kv.head_dim = 96;
   p.kv.page_bytes = 2 * 16 * 96 * 2;
-  EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*v5)->Supports(p).code(), absl::StatusCode::kUnimplemented);
   p = pr->p;
   p.kv.page_bytes += 8;  // rows no longer 16-byte aligned
-  EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*v5)->Supports(p).code(), absl::StatusCode::kUnimplemented);
   p = pr->p;
   p.kv.page_tokens = 64;
   p.kv.page_bytes = 2 * 64 * 64 * 2;
-  EXPECT_TRUE((*v4)->Supports(p).ok());
+  EXPECT_TRUE((*v5)->Supports(p).ok());
   EXPECT_EQ((*v3)->Supports(p).code(), absl::StatusCode::kUnimplemented);
   p.kv.page_tokens = 24;
-  EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*v5)->Supports(p).code(), absl::StatusCode::kUnimplemented);
   p = pr->p;
   p.num_qo_heads = 5;
-  EXPECT_EQ((*v4)->Supports(p).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*v5)->Supports(p).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Host-only: runs without a device too.
@@ -227,7 +225,7 @@ TEST_F(CudaAttentionBackendTest, ManyPairsMatchTheReference) {
   host.out = want_out.data();
   host.lse = want_lse.data();
   ASSERT_TRUE(NewReferenceAttentionBackend()->Run(host, {}).ok());
-  for (PagedKernel kernel : {PagedKernel::kV4, PagedKernel::kV3}) {
+  for (PagedKernel kernel : {PagedKernel::kV5, PagedKernel::kV3}) {
     auto backend = CudaAttentionBackend::Create({nullptr, kernel, 0});
     ASSERT_TRUE(backend.ok()) << backend.status();
     OnDevice dev(*pr, Arena::kDevice);

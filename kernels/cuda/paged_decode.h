@@ -26,30 +26,23 @@ namespace fluxion::kernels::cuda {
 // Largest GQA group (query heads per KV head) the kernel is compiled for.
 inline constexpr int64_t kMaxPagedGroup = 8;
 
-// Which kernel runs (all compute the same thing; the old one and the v4 variants stay selectable
-// so that one benchmark run compares them, `fluxion bench gpu --paged-kernels`):
-//   kV3: one kernel for every group, block-wide tiles of 128 row slots (19-25% of HBM bandwidth
-//        over HBM-resident pages, 90-95% of the H2D probe from pinned host pages); page_tokens
+// Which kernel runs (both compute the same thing; docs/GPU.md, "The paged kernels"):
+//   kV3: one kernel for every group, block-wide tiles of 128 row slots; the best reader of pinned
+//        host pages (90-95% of the H2D probe), so the zero-copy share uses it; page_tokens
 //        8/16/32.
-//   kV4: one instantiation per (head_dim, group in {1,2,4,8}, page_tokens), each warp streaming
-//        its own 16-row units through a 3-stage cp.async ring in shared memory (2 blocks per
-//        SM); page_tokens 8/16/32/64.
-//   kV4TwoStage: kV4 with 2-stage rings and 3 blocks per SM at group <= 4 (more warps, fewer
-//        bytes in flight each), to compare on the device; head_dim 64 runs kV4.
-//   kV4Scatter: kV4 with the scores reduced by a reduce-scatter across heads (fewer shuffles,
-//        adds and exponentials per row), to compare on the device; head_dim 64 runs kV4.
-//   kV5: v4's rings with the math on the tensor cores (mma.sync, the GQA group packed into the
-//        rows; paged_decode_mma.cu); page_tokens 8/16/32/64, head_dim 64/128.
-//   kV5TwoStage: kV5 with 2-stage rings and 3 blocks per SM.
-enum class PagedKernel { kV3, kV4, kV4TwoStage, kV4Scatter, kV5, kV5TwoStage };
-const char* PagedKernelName(PagedKernel kernel);  // "v3", "v4", "v4s2", "v4t", "v5", "v5s2"
+//   kV5: each warp streams its own 16-row units through a 3-stage cp.async ring in shared memory
+//        (2 blocks per SM) with the math on the tensor cores (mma.sync, the GQA group packed into
+//        the rows; paged_decode_mma.cu); the default for KV in HBM; page_tokens 8/16/32/64.
+enum class PagedKernel { kV3, kV5 };
+const char* PagedKernelName(PagedKernel kernel);  // "v3", "v5"
 // The kernel PagedKernelName calls `name`; false for an unknown name.
 bool PagedKernelFromName(const std::string& name, PagedKernel* kernel);
-// The blocks per SM a kernel's chunking aims at (v3 4, v4 2, v4s2 3, v4t 2, v5 2, v5s2 3).
+// The blocks per SM a kernel's chunking aims at (v3 4, v5 2).
 int PagedBlocksPerSm(PagedKernel kernel);
 
-// Smallest chunk ChoosePagedChunkRows gives v4: four 16-row units per warp.
-inline constexpr int64_t kMinV4ChunkRows = 256;
+// Smallest chunk ChoosePagedChunkRows gives v5 (four 16-row units per warp), and the smallest
+// CudaAttentionBackend plans for either kernel.
+inline constexpr int64_t kMinPagedChunkRows = 256;
 
 // The `group` query heads of one (request, KV head) over the rows of spans[span_begin, span_end).
 // q: [group][head_dim] fp32 post-RoPE, unscaled; out: [group][head_dim]; lse: [group] natural
@@ -65,22 +58,22 @@ struct PagedItem {
 
 // All pointers are device-accessible: `arena` (device or mapped pinned host memory), `spans`
 // [total spans], `items` [num_items]. head_dim: 64 or 128; 1 <= group <= kMaxPagedGroup;
-// page_tokens 8, 16, 32 (and 64 for the v4 kernels); arena and page_bytes 16-byte aligned and
+// page_tokens 8, 16, 32 (and 64 for v5); arena and page_bytes 16-byte aligned and
 // page_bytes >= 2 * page_tokens * head_dim * 2. cudaErrorInvalidValue otherwise. One block per
 // item: split long items into chunks (SplitByRows) to fill the GPU.
 cudaError_t PagedDecodeAttention(const uint8_t* arena, size_t page_bytes, int64_t page_tokens,
                                  int64_t head_dim, const PageSpan* spans, const PagedItem* items,
                                  int64_t num_items, int64_t group, float scale,
-                                 cudaStream_t stream, PagedKernel kernel = PagedKernel::kV4);
+                                 cudaStream_t stream, PagedKernel kernel = PagedKernel::kV5);
 
 // v3's chunking: rows per chunk so that `total_rows` (all items of a launch) make about four
 // blocks per SM, a multiple of 128 rows (one tile of full 16-token pages), between 128 and 8192.
 int64_t ChooseChunkRows(int64_t total_rows, int num_sms);
 
 // Rows per chunk for `kernel` over `items` items of `total_rows` rows in all (about equal rows
-// each). kV3: ChooseChunkRows. v4 kernels: one wave of blocks (slots = PagedBlocksPerSm x
-// num_sms), floor(slots / items) chunks per item (at least one), a multiple of 16, at least
-// kMinV4ChunkRows.
+// each). kV3: ChooseChunkRows. kV5: one wave of blocks (slots = PagedBlocksPerSm x num_sms),
+// floor(slots / items) chunks per item (at least one), a multiple of 16, at least
+// kMinPagedChunkRows.
 int64_t ChoosePagedChunkRows(PagedKernel kernel, int64_t total_rows, int64_t items, int num_sms);
 
 // Host-side planning for flash-decoding: cuts spans[begin, end) into consecutive chunks of at

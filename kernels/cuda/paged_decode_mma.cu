@@ -1,10 +1,10 @@
-// v5 of the paged decode kernel (PagedKernel::kV5): v4's warp-private cp.async rings of 16-row
-// units, with the math on the tensor cores.
+// v5 of the paged decode kernel (PagedKernel::kV5): warp-private cp.async rings of 16-row units
+// (paged_units.cuh), with the math on the tensor cores.
 //
-// Why: v4 reads HBM-resident pages at ~3.6 TB/s where cuDNN's SDPA reaches ~4.3 (H200), and its
-// math is CUDA-core work per row: a bf16 -> fp32 conversion, group FMAs per
-// element for the scores and again for the values, and a shuffle reduction of every row's score
-// across 16 lanes (half of the SM's shuffle rate at 4 TB/s). Here a unit is two mma.sync
+// Why: a CUDA-core version of this kernel read HBM-resident pages at ~3.6 TB/s where cuDNN's
+// SDPA reaches ~4.3 (H200), and its math was CUDA-core work per row: a bf16 -> fp32 conversion,
+// group FMAs per element for the scores and again for the values, and a shuffle reduction of
+// every row's score across 16 lanes (half of the SM's shuffle rate at 4 TB/s). Here a unit is two mma.sync
 // products per warp, as in FlashAttention's decode with the GQA group packed into the rows:
 //   S (16 x 16) = Q (16 rows: the group's heads, zero past `group`) x K^T (16 keys), K's B
 //                 fragments read with ldmatrix from rows padded to head_dim + 8 (no bank
@@ -17,7 +17,7 @@
 // S's rows 8-15 are always empty (group <= 8), wasted tensor work: the tensor cores still have
 // several times the rate a memory-bound step needs.
 // Precision: Q and P are split into bf16 hi + lo halves (x = hi + lo to ~2^-16 relative) and
-// both products run twice, so the result matches v4's fp32 Q and P to fp32 rounding (the
+// both products run twice, so the result matches fp32 Q and P to fp32 rounding (the
 // tests hold every kernel to the same tolerance); K and V are bf16 already, accumulation fp32.
 #include "kernels/cuda/paged_decode_mma.h"
 
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(pu::kThreads,
     }
   };
 
-  // The ring, as v4's: unit k of this warp is u = warp + 4k, in stage k % kStages; one commit
+  // The ring: unit k of this warp is u = warp + 4k, in stage k % kStages; one commit
   // group per unit (empty past the end) keeps wait_group's count uniform.
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) {
@@ -289,13 +289,13 @@ cudaError_t LaunchV5ForPageTokens(const PagedLaunch& a) {
 
 }  // namespace
 
-cudaError_t LaunchPagedDecodeV5(const PagedLaunch& a, int stages) {
+cudaError_t LaunchPagedDecodeV5(const PagedLaunch& a) {
   if (a.group < 1 || a.group > kGroupRows) return cudaErrorInvalidValue;
   switch (a.head_dim) {
     case 64:
-      return stages == 2 ? LaunchV5ForPageTokens<64, 2>(a) : LaunchV5ForPageTokens<64, 3>(a);
+      return LaunchV5ForPageTokens<64, 3>(a);
     case 128:
-      return stages == 2 ? LaunchV5ForPageTokens<128, 2>(a) : LaunchV5ForPageTokens<128, 3>(a);
+      return LaunchV5ForPageTokens<128, 3>(a);
     default:
       return cudaErrorInvalidValue;
   }

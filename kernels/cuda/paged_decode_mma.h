@@ -25,9 +25,9 @@ struct PagedLaunch {
   float scale;
 };
 
-// stages: 3 (two units in flight per warp, 2 blocks per SM) or 2 (one in flight, 3 per SM).
-// head_dim 64 / 128, page_tokens 8 / 16 / 32 / 64, group <= 8; cudaErrorInvalidValue otherwise.
-cudaError_t LaunchPagedDecodeV5(const PagedLaunch& launch, int stages);
+// Three-stage rings (two units in flight per warp, 2 blocks per SM). head_dim 64 / 128,
+// page_tokens 8 / 16 / 32 / 64, group <= 8; cudaErrorInvalidValue otherwise.
+cudaError_t LaunchPagedDecodeV5(const PagedLaunch& launch);
 
 }  // namespace fluxion::kernels::cuda
 

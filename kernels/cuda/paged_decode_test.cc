@@ -22,7 +22,7 @@ struct Case {
   int64_t head_dim;
   int64_t group;
   int64_t page_tokens = 16;
-  PagedKernel kernel = PagedKernel::kV4;
+  PagedKernel kernel = PagedKernel::kV5;
 };
 
 class PagedDecodeTest : public ::testing::TestWithParam<Case> {
@@ -203,26 +203,10 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, PagedDecodeTest,
     ::testing::Values(Case{128, 4}, Case{128, 1}, Case{64, 8}, Case{128, 7}, Case{128, 2},
                       Case{64, 3}, Case{128, 4, 8}, Case{128, 4, 32}, Case{128, 4, 64},
-                      Case{64, 8, 64}, Case{128, 5, 32}, Case{128, 4, 16, PagedKernel::kV3},
-                      Case{128, 7, 16, PagedKernel::kV3}, Case{64, 8, 32, PagedKernel::kV3},
-                      Case{128, 4, 16, PagedKernel::kV4TwoStage},
-                      Case{128, 4, 64, PagedKernel::kV4TwoStage},
-                      Case{128, 8, 8, PagedKernel::kV4TwoStage},
-                      Case{128, 1, 32, PagedKernel::kV4TwoStage},
-                      Case{64, 4, 16, PagedKernel::kV4TwoStage},
-                      Case{128, 4, 16, PagedKernel::kV4Scatter},
-                      Case{128, 4, 64, PagedKernel::kV4Scatter},
-                      Case{128, 8, 8, PagedKernel::kV4Scatter},
-                      Case{128, 3, 32, PagedKernel::kV4Scatter},
-                      Case{128, 2, 16, PagedKernel::kV4Scatter},
-                      Case{128, 1, 16, PagedKernel::kV4Scatter},
-                      Case{128, 4, 16, PagedKernel::kV5}, Case{128, 1, 16, PagedKernel::kV5},
-                      Case{128, 8, 8, PagedKernel::kV5}, Case{128, 7, 32, PagedKernel::kV5},
-                      Case{128, 4, 64, PagedKernel::kV5}, Case{64, 4, 16, PagedKernel::kV5},
-                      Case{64, 3, 32, PagedKernel::kV5}, Case{128, 2, 16, PagedKernel::kV5},
-                      Case{128, 4, 16, PagedKernel::kV5TwoStage},
-                      Case{128, 5, 8, PagedKernel::kV5TwoStage},
-                      Case{64, 8, 64, PagedKernel::kV5TwoStage}),
+                      Case{64, 8, 64}, Case{128, 5, 32}, Case{128, 8, 8}, Case{128, 7, 32},
+                      Case{64, 4, 16}, Case{64, 3, 32}, Case{128, 5, 8}, Case{128, 1, 32},
+                      Case{128, 3, 32}, Case{128, 4, 16, PagedKernel::kV3},
+                      Case{128, 7, 16, PagedKernel::kV3}, Case{64, 8, 32, PagedKernel::kV3}),
     [](const auto& info) {
       return std::string(PagedKernelName(info.param.kernel)) + "_d" +
              std::to_string(info.param.head_dim) + "_g" + std::to_string(info.param.group) +
@@ -244,32 +228,27 @@ TEST(SplitByRowsTest, CutsBetweenSpansOnly) {
   EXPECT_EQ(SplitByRows(spans.data(), 4, 5, 8), (std::vector<int32_t>{4, 5}));
 }
 
-TEST(ChoosePagedChunkRowsTest, V4FillsOneWave) {
+TEST(ChoosePagedChunkRowsTest, V5FillsOneWave) {
   // B=1 at 32K, 8 KV heads, 132 SMs: 264 slots, 33 chunks per item of 993 -> 1008 rows.
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 8 * 32768, 8, 132), 1008);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 8 * 32768, 8, 132), 1008);
   // B=16 at 128K: 128 items, 2 chunks each.
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 128 * 131072, 128, 132), 65536);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 128 * 131072, 128, 132), 65536);
   // More items than slots: one chunk each, never below the minimum.
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 1000 * 100, 1000, 132), kMinV4ChunkRows);
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4, 0, 0, 0), kMinV4ChunkRows);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 1000 * 100, 1000, 132), kMinPagedChunkRows);
+  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 0, 0, 0), kMinPagedChunkRows);
   EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV3, 8 * 32768, 8, 132),
             ChooseChunkRows(8 * 32768, 132));
-  // v4s2 aims at three blocks per SM: 396 slots, 49 chunks per item of 669 -> 672 rows.
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV4TwoStage, 8 * 32768, 8, 132), 672);
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5, 8 * 32768, 8, 132), 1008);
-  EXPECT_EQ(ChoosePagedChunkRows(PagedKernel::kV5TwoStage, 8 * 32768, 8, 132), 672);
 }
 
 TEST(PagedKernelNameTest, RoundTrips) {
-  for (PagedKernel k : {PagedKernel::kV3, PagedKernel::kV4, PagedKernel::kV4TwoStage,
-                        PagedKernel::kV4Scatter, PagedKernel::kV5, PagedKernel::kV5TwoStage}) {
+  for (PagedKernel k : {PagedKernel::kV3, PagedKernel::kV5}) {
     PagedKernel back = PagedKernel::kV3;
     ASSERT_TRUE(PagedKernelFromName(PagedKernelName(k), &back)) << PagedKernelName(k);
     EXPECT_EQ(back, k);
   }
-  PagedKernel unchanged = PagedKernel::kV4;
-  EXPECT_FALSE(PagedKernelFromName("v6", &unchanged));
-  EXPECT_EQ(unchanged, PagedKernel::kV4);
+  PagedKernel unchanged = PagedKernel::kV5;
+  EXPECT_FALSE(PagedKernelFromName("v4", &unchanged));
+  EXPECT_EQ(unchanged, PagedKernel::kV5);
 }
 
 TEST(PagedDecodeArgsTest, RefusesUnsupportedShapes) {

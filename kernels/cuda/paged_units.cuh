@@ -1,6 +1,6 @@
-// The pieces the warp-streaming paged decode kernels (v4 in paged_decode.cu, v5 in
-// paged_decode_mma.cu) share: a warp's ring of 16-row "units" loaded with cp.async from the
-// spans of one item, and the final merge of the block's four warp states.
+// The pieces of the warp-streaming paged decode kernel (v5, paged_decode_mma.cu): a warp's ring
+// of 16-row "units" loaded with cp.async from the spans of one item, and the final merge of the
+// block's four warp states.
 //
 // Unit u of an item covers slots [16u, 16u + 16) of the spans laid end to end with page_tokens
 // slots each: slot t is row (t % page_tokens) of span t / page_tokens, valid when that row is

@@ -1,19 +1,21 @@
-// serving_ttft_probe: where a request's time to first token goes on a running prefill + decode
+// `fluxion bench serving-ttft`: where a request's time to first token goes on a running prefill + decode
 // pair. Sends --requests greedy requests of --prompt_tokens random byte tokens, one at a time,
 // with max_tokens 1, and prints the medians of the decode node's GenerateTiming split: admission
 // (queue_us), prefill compute, transfer (total and the tail not hidden behind compute), the
 // decode node's load (checksums, sparse state, policy setup) and TTFT. A measurement tool, not a
-// test; decode/measure_ttft.sh drives it and bench/results/ records its output.
+// test; bench/measure_ttft.sh drives it and bench/results/ records its output.
 //
 // With --cancel_after_ms, it measures cancellation instead: each request is cancelled by the
 // client that long after it was sent, and the time from the cancel to every KV page being free
 // again (polled through GetLoad every 1 ms) is reported as p50/p99/max.
+#include "bench/serving_ttft_bench.h"
+
 #include <algorithm>
-#include <thread>
 #include <cstdio>
 #include <iostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -32,11 +34,11 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-int Main(int argc, char** argv) {
+int Main(const std::vector<std::string>& args) {
   std::string address = "127.0.0.1:7002", policy, label;
   int64_t prompt_tokens = 1024, requests = 5, vocab = 256, cancel_after_ms = -1;
   bool verbose = false;
-  fluxion::FlagSet flags("serving_ttft_probe", "Median TTFT split of a prefill + decode pair.");
+  fluxion::FlagSet flags("fluxion bench serving-ttft", "Median TTFT split of a prefill + decode pair.");
   flags.String("decode", &address, "decode node address");
   flags.Int("prompt_tokens", &prompt_tokens, "prompt length");
   flags.Int("requests", &requests, "requests (sequential); the first is a warm-up, not counted");
@@ -48,7 +50,6 @@ int Main(int argc, char** argv) {
   flags.Bool("verbose", &verbose, "print every cancellation with the phase it hit");
   fluxion::serving::ClientTlsOptions tls;
   fluxion::serving::RegisterClientTlsFlags(flags, "tls", "the decode node", &tls);
-  std::vector<std::string> args(argv + 1, argv + argc);
   if (int rc = fluxion::ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   auto channel = fluxion::serving::ClientChannelConfig(tls);
   if (!channel.ok()) {
@@ -143,4 +144,8 @@ int Main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return Main(argc, argv); }
+namespace fluxion::bench {
+
+int RunServingTtftBench(const std::vector<std::string>& args) { return ::Main(args); }
+
+}  // namespace fluxion::bench

@@ -4,7 +4,7 @@
 # against sending after the last layer, over UCX TCP on lo and shared memory.
 # Also the cancellation release time (p50/p99) for a client cancelling during prefill and during
 # decode (CANCEL_PROMPT tokens, cancelled CANCEL_AFTER_MS after sending).
-# Usage: decode/measure_ttft.sh BUILD_DIR OUT_FILE "PROMPT_LENGTHS" [REQUESTS]
+# Usage: bench/measure_ttft.sh BUILD_DIR OUT_FILE "PROMPT_LENGTHS" [REQUESTS]
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output file}; lengths=${3:-"1024 4096"}; requests=${4:-5}; policies=${POLICIES:-"fluxion full"}
 cancel_prompt=${CANCEL_PROMPT:-2048}; cancel_after=${CANCEL_AFTER_MS:-"30 1500"}
@@ -34,7 +34,7 @@ stop() { kill "$(cat "$dir/$1.pid")" 2>/dev/null; wait "$(cat "$dir/$1.pid")" 2>
         --prefill-address 127.0.0.1:$(cat "$dir/prefill.port") $ucx || exit 1
       for policy in $policies; do
         for n in $lengths; do
-          "$build/decode/serving_ttft_probe" --decode 127.0.0.1:$(cat "$dir/decode.port") \
+          "$build/fluxion" bench serving-ttft --decode 127.0.0.1:$(cat "$dir/decode.port") \
             --prompt_tokens $n --requests $requests --policy $policy \
             --label "$tls ${layerwise#--} $policy"
         done
@@ -42,7 +42,7 @@ stop() { kill "$(cat "$dir/$1.pid")" 2>/dev/null; wait "$(cat "$dir/$1.pid")" 2>
       if [ "$tls$layerwise" = "tcp--layerwise" ]; then
         echo "# cancellation: client cancels, time until every KV page is free again (GetLoad)"
         for after in $cancel_after; do
-          "$build/decode/serving_ttft_probe" --decode 127.0.0.1:$(cat "$dir/decode.port") \
+          "$build/fluxion" bench serving-ttft --decode 127.0.0.1:$(cat "$dir/decode.port") \
             --prompt_tokens $cancel_prompt --requests 30 --cancel_after_ms $after --verbose \
             --label "$tls ${layerwise#--}"
         done

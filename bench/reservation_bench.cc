@@ -1,4 +1,4 @@
-// Measurement tool (not a test): what per-reservation remote keys add to one request, with UCX.
+// `fluxion bench reservation-keys`: what per-reservation remote keys add to one request, with UCX.
 // One process holds a decode-side transport (the arena, registered whole once, as `fluxion
 // decode` does) and a prefill-side transport. Per iteration, as the served path does:
 //   decode: reserve the request's pages, split off the sparse-state room, register each run
@@ -6,7 +6,9 @@
 //   prefill: connect once per range (descriptor checks; the endpoint's round trip only once);
 //   both: drop the targets, revoke the keys (landing closed, ucp_mem_unmap), free the pages.
 // and, for comparison, the one connect with the arena-wide key the old path made per request.
-//   reservation_key_bench --tls=tcp|sm [--iters=200] [--kv-pages=1536] [--state-pages=96]
+//   fluxion bench reservation-keys --tls=tcp|sm [--iters=200] [--kv-pages=1536] [--state-pages=96]
+#include "bench/reservation_bench.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -41,13 +43,12 @@ double P90(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() * 9 / 10];
 }
 
-int Main(int argc, char** argv) {
+int Main(const std::vector<std::string>& args) {
   std::string tls = "tcp";
   int64_t iters = 200, kv_pages = 1536, state_pages = 0;
   // --tls=tcp|sm, --iters=N, --kv-pages=N (1536: 4K tokens of the tiny model),
   // --state-pages=N (sparse-state room; 0: policy full, one range per request).
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
+  for (const std::string& a : args) {
     const size_t eq = a.find('=');
     const std::string key = a.substr(0, eq), value = eq == std::string::npos ? "" : a.substr(eq + 1);
     if (key == "--tls") {
@@ -59,8 +60,8 @@ int Main(int argc, char** argv) {
     } else if (key == "--state-pages") {
       state_pages = std::stoll(value);
     } else {
-      std::fprintf(stderr, "usage: %s [--tls=tcp|sm] [--iters=N] [--kv-pages=N] [--state-pages=N]\n",
-                   argv[0]);
+      std::fprintf(stderr, "usage: fluxion bench reservation-keys [--tls=tcp|sm] [--iters=N] "
+                           "[--kv-pages=N] [--state-pages=N]\n");
       return 2;
     }
   }
@@ -131,4 +132,8 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace fluxion::decode
 
-int main(int argc, char** argv) { return fluxion::decode::Main(argc, argv); }
+namespace fluxion::bench {
+
+int RunReservationBench(const std::vector<std::string>& args) { return decode::Main(args); }
+
+}  // namespace fluxion::bench

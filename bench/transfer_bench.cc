@@ -1,4 +1,4 @@
-// transfer_bench: how fast KV-shaped data moves through a Transport on this machine.
+// `fluxion bench transfer`: how fast KV-shaped data moves through a Transport on this machine.
 //
 // A forked child owns a registered target region (the decode arena); this process writes
 // `--mib` MiB into it as `--page_kib` KiB pages, three ways:
@@ -10,7 +10,10 @@
 // --tls (tcp = TCP on lo with peer error handling; sm = shared memory without; env = UCX_*
 // environment as is); --protocol and --max_message_kib choose how write messages travel
 // (UcxOptions::protocol, max_message_bytes).
-// Not a test: a measurement tool; docs/TRANSFER.md records its output.
+// Not a test: a measurement tool; docs/TRANSFER.md records its output (bench/measure_kv_transfer.sh
+// runs it beside ucx_perftest).
+#include "bench/transfer_bench.h"
+
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -155,12 +158,12 @@ Result Measure(Transport& t, const RemoteTarget& target, const std::vector<Block
   return r;
 }
 
-int Main(int argc, char** argv) {
+int Main(const std::vector<std::string>& args) {
   int64_t mib = 64, page_kib = 8, iters = 5;
   std::string tls = "tcp";
   bool show_endpoint = true;
   bool all_modes = true;
-  FlagSet flags("transfer_bench", "Write KV-shaped pages into another process through UCX.");
+  FlagSet flags("fluxion bench transfer", "Write KV-shaped pages into another process through UCX.");
   flags.Int("mib", &mib, "MiB written per iteration");
   flags.Int("page_kib", &page_kib, "page size in KiB (8 = 16 tokens x head_dim 128 x bf16, K+V)");
   flags.Int("iters", &iters, "timed iterations per mode (plus one warm-up)");
@@ -176,7 +179,6 @@ int Main(int argc, char** argv) {
             "Llama-3.1-8B, as the prefill node sends)");
   flags.Bool("all_modes", &all_modes,
              "also measure without coalescing and with scattered pages (off: coalesced only)");
-  std::vector<std::string> args(argv + 1, argv + argc);
   if (absl::Status s = flags.Parse(args); !s.ok() || flags.help_requested()) {
     std::fprintf(stderr, "%s\n%s", s.ToString().c_str(), flags.Usage().c_str());
     return s.ok() ? 0 : 2;
@@ -270,4 +272,8 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace fluxion::transfer
 
-int main(int argc, char** argv) { return fluxion::transfer::Main(argc, argv); }
+namespace fluxion::bench {
+
+int RunTransferBench(const std::vector<std::string>& args) { return transfer::Main(args); }
+
+}  // namespace fluxion::bench

@@ -1,4 +1,4 @@
-// generate_call_steps_bench: how long LandPrompt (decode/generate_call_steps.h) takes to land a
+// `fluxion bench landing`: how long LandPrompt (decode/generate_call_steps.h) takes to land a
 // prompt that a prefill node wrote, at Llama-3.1-8B KV shapes (32 layers, 8 KV heads, head_dim
 // 128, 16-token pages), against one read of the context at this machine's measured read
 // bandwidth (the physical limit of any landing that reads the pages once).
@@ -9,6 +9,8 @@
 // (verification, adoption, policy setup) until the attention exists. --meta recompute is a
 // prefill node that ships no metadata (older ones): the decode node computes it in the same pass.
 // --cpu-threads: the pool the layers are verified on (1: the calling thread alone).
+#include "bench/landing_bench.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -60,11 +62,11 @@ struct Row {
   double gib = 0, ms = 0, ms_min = 0, ms_max = 0, gbps = 0;
 };
 
-int Main(int argc, char** argv) {
+int Main(const std::vector<std::string>& args) {
   std::vector<int64_t> contexts = {2048, 8192, 16384};
   int64_t reps = 5;
   std::string json_path;
-  FlagSet flags("generate_call_steps_bench",
+  FlagSet flags("fluxion bench landing",
                 "Time LandPrompt (verify + adopt a landed prompt) at Llama-3.1-8B KV shapes.");
   flags.IntList("contexts", &contexts, "prompt lengths in tokens");
   std::vector<std::string> metas = {"shipped", "recompute"};
@@ -75,7 +77,6 @@ int Main(int argc, char** argv) {
   flags.IntList("cpu-threads", &threads, "pool sizes to verify the layers on");
   flags.Int("reps", &reps, "timed repetitions per context (after one untimed)");
   flags.String("json", &json_path, "also write the results here (docs/BENCHMARKS.md format)");
-  std::vector<std::string> args(argv + 1, argv + argc);
   if (absl::Status s = flags.Parse(args); !s.ok() || flags.help_requested()) {
     std::fprintf(stderr, "%s\n%s", s.ToString().c_str(), flags.Usage().c_str());
     return s.ok() ? 0 : 2;
@@ -234,4 +235,8 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace fluxion::decode
 
-int main(int argc, char** argv) { return fluxion::decode::Main(argc, argv); }
+namespace fluxion::bench {
+
+int RunLandingBench(const std::vector<std::string>& args) { return decode::Main(args); }
+
+}  // namespace fluxion::bench
