@@ -328,14 +328,14 @@ class CudaResidentWindow : public ResidentWindow {
   const WindowShape& shape() const override { return shape_; }
 
   // Admissions run one at a time, on their own stream with their own errors, so that one may run
-  // on another thread (decode/window_admitter.h) while steps go on over other slots: the step's
+  // on another thread while steps go on over other slots: the step's
   // stream never queues behind an admission's copies, and the slot's rows are complete (the
   // admission stream synchronised) before Admit returns it.
   absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
                             const AdmitThreads& threads) override {
     absl::MutexLock lock(&admit_mu_);
     admit_threads_ = threads;
-    // The calling thread may be the admitter's (decode/window_admitter.h): the window's device.
+    // The calling thread may not be the step's: make the window's device current.
     if (cudaSetDevice(device_) != cudaSuccess) {
       cudaGetLastError();
       return absl::InternalError("resident window: cannot make its device current to admit");
