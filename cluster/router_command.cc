@@ -14,8 +14,9 @@ namespace {
 void RegisterBackendFlags(FlagSet& flags, RouterServerConfig* c) {
   flags.StringList("decode", &c->decode, "decode nodes, host:port, comma-separated");
   flags.StringList("prefill", &c->prefill, "prefill nodes, host:port, comma-separated");
-  flags.StringList("decode-dns", &c->decode_dns,
-                   "DNS names of decode nodes, name:port (every A record, e.g. a headless service)");
+  flags.StringList(
+      "decode-dns", &c->decode_dns,
+      "DNS names of decode nodes, name:port (every A record, e.g. a headless service)");
   flags.StringList("prefill-dns", &c->prefill_dns, "DNS names of prefill nodes, name:port");
   flags.Int("poll-ms", &c->poll_ms, "health check and GetLoad interval");
   flags.Int("health-failures", &c->health_failures,

@@ -91,9 +91,9 @@ bool RouterServer::Ready() const {
 }
 
 absl::Status RouterServer::Start() {
-  FLUXION_ASSIGN_OR_RETURN(serve_, serving::GrpcServe::Start(
-                                       config_.serve, {service_.get(), vllm_->service()},
-                                       &metrics::Registry::Default(), [this] { return Ready(); }));
+  FLUXION_ASSIGN_OR_RETURN(
+      serve_, serving::GrpcServe::Start(config_.serve, {service_.get(), vllm_->service()},
+                                        &metrics::Registry::Default(), [this] { return Ready(); }));
   vllm_->Connect(serve_->server());
   // The OpenAI HTTP API, a client of this server's own DecodeService (docs/PROTOCOL.md).
   auto openai = StartOpenAiHttp(config_.openai, serve_->server(), [this] { return Ready(); });

@@ -27,7 +27,7 @@ namespace fluxion::cluster {
 
 // Everything a router is built from; the flags of `fluxion router` say what each means.
 struct RouterServerConfig {
-  std::string node_name;  // empty: <hostname>/<unix seconds>
+  std::string node_name;       // empty: <hostname>/<unix seconds>
   serving::ServeConfig serve;  // serve.credentials: Create builds them from `tls`
   serving::ServerTlsOptions tls;
   int64_t drain_timeout_ms = 30000;

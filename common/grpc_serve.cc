@@ -17,9 +17,9 @@
 namespace fluxion::serving {
 
 absl::StatusOr<std::unique_ptr<GrpcServe>> GrpcServe::Start(const ServeConfig& config,
-                                                           std::vector<grpc::Service*> services,
-                                                           metrics::Registry* registry,
-                                                           std::function<bool()> ready) {
+                                                            std::vector<grpc::Service*> services,
+                                                            metrics::Registry* registry,
+                                                            std::function<bool()> ready) {
   if (services.empty()) return absl::InvalidArgumentError("GrpcServe::Start: no service");
   std::unique_ptr<GrpcServe> serve(new GrpcServe());
   serve->port_file_ = config.port_file;

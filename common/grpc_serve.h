@@ -44,9 +44,9 @@ class GrpcServe {
   // Unavailable (never InvalidArgument) when the endpoint cannot start, naming --metrics-listen,
   // or the server cannot (StartGrpcServer).
   static absl::StatusOr<std::unique_ptr<GrpcServe>> Start(const ServeConfig& config,
-                                                         std::vector<grpc::Service*> services,
-                                                         metrics::Registry* registry,
-                                                         std::function<bool()> ready);
+                                                          std::vector<grpc::Service*> services,
+                                                          metrics::Registry* registry,
+                                                          std::function<bool()> ready);
   // Shuts the gRPC server down if Drain has not (cancelling whatever is still open) and joins its
   // threads; stops /metrics.
   ~GrpcServe();

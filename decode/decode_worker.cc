@@ -20,9 +20,7 @@ constexpr char kDecodeServiceName[] = "fluxion.v1.DecodeService";
 
 // Create's two kinds of failure, told apart by code (serving::ReportStartError): the config
 // (InvalidArgument) or a part that cannot be had (FailedPrecondition), with the message given.
-absl::Status ConfigError(absl::string_view message) {
-  return absl::InvalidArgumentError(message);
-}
+absl::Status ConfigError(absl::string_view message) { return absl::InvalidArgumentError(message); }
 absl::Status StartError(absl::string_view message) {
   return absl::FailedPreconditionError(message);
 }
@@ -36,15 +34,15 @@ double BudgetOf(const DecodeWorkerConfig& config) {
 absl::Status ValidateDecodeWorkerConfig(const DecodeWorkerConfig& c) {
   FLUXION_RETURN_IF_ERROR(serving::ValidateDrainTimeoutMs(c.drain_timeout_ms));
   if (c.step_delay_ms < 0 || c.step_delay_ms > 60000) {
-    return ConfigError(absl::StrCat("--test-step-delay-ms must be in [0, 60000], got ",
-                                    c.step_delay_ms));
+    return ConfigError(
+        absl::StrCat("--test-step-delay-ms must be in [0, 60000], got ", c.step_delay_ms));
   }
   if (absl::Milliseconds(c.prefill_timeout_ms) + proto::kSealClockSkew > proto::kMaxSealLifetime) {
-    return ConfigError(absl::StrCat(
-        "--prefill-timeout-ms ", c.prefill_timeout_ms, " plus the seal's ",
-        absl::FormatDuration(proto::kSealClockSkew),
-        " clock-skew allowance exceeds the longest seal prefill nodes accept (",
-        absl::FormatDuration(proto::kMaxSealLifetime), ")"));
+    return ConfigError(
+        absl::StrCat("--prefill-timeout-ms ", c.prefill_timeout_ms, " plus the seal's ",
+                     absl::FormatDuration(proto::kSealClockSkew),
+                     " clock-skew allowance exceeds the longest seal prefill nodes accept (",
+                     absl::FormatDuration(proto::kMaxSealLifetime), ")"));
   }
   if (absl::StatusOr<sparse::PolicyConfig> parsed =
           sparse::ParsePolicy(c.default_policy, BudgetOf(c));
@@ -56,8 +54,8 @@ absl::Status ValidateDecodeWorkerConfig(const DecodeWorkerConfig& c) {
         absl::StrCat("--device-selection-gib must be >= 0, got ", c.device_selection_gib));
   }
   if (c.host_read_gbps < 0) {
-    return ConfigError(absl::StrCat("--host-read-gbps must be >= 0 (0 = measure), got ",
-                                    c.host_read_gbps));
+    return ConfigError(
+        absl::StrCat("--host-read-gbps must be >= 0 (0 = measure), got ", c.host_read_gbps));
   }
   return absl::OkStatus();
 }
@@ -139,14 +137,13 @@ absl::Status DecodeWorker::CreateArena() {
   arena_options.huge_pages = config_.huge_pages;
   auto arena = KvArena::Create(kv_shape.page_bytes(), config_.kv_pages, arena_options);
   if (!arena.ok()) {
-    return StartError(absl::StrCat("KV arena of ", config_.kv_pages, " pages: ",
-                                   arena.status().ToString()));
+    return StartError(
+        absl::StrCat("KV arena of ", config_.kv_pages, " pages: ", arena.status().ToString()));
   }
   arena_ = std::move(*arena);
   auto registration = transport_->Register({arena_->base(), arena_->bytes()}, {true});
   if (!registration.ok()) {
-    return StartError(
-        absl::StrCat("registering the KV arena: ", registration.status().ToString()));
+    return StartError(absl::StrCat("registering the KV arena: ", registration.status().ToString()));
   }
   registration_ = std::move(*registration);
   auto descriptor = registration_->Describe();
@@ -163,8 +160,8 @@ absl::Status DecodeWorker::BuildService() {
   const int64_t growth_pages = shape.num_layers * shape.num_kv_heads;
   node_metrics_ = std::make_unique<DecodeNodeMetrics>(
       &metrics::Registry::Default(),
-      DecodeMetricsConfig{page_tokens, shape.num_layers, shape.num_kv_heads,
-                          config_.default_policy, BudgetOf(config_)});
+      DecodeMetricsConfig{page_tokens, shape.num_layers, shape.num_kv_heads, config_.default_policy,
+                          BudgetOf(config_)});
   KvAdmissionOptions admission_options;
   admission_options.headroom_pages =
       growth_pages * ((config_.headroom_tokens + page_tokens - 1) / page_tokens);
@@ -183,9 +180,9 @@ absl::Status DecodeWorker::BuildService() {
     return StartError(absl::StrCat("--device cuda: ", executor.status().ToString()));
   }
   executor_ = std::move(*executor);
-  scheduler_ = std::make_unique<BatchScheduler>(model_.get(), admission_.get(), growth_pages,
-                                                page_tokens, node_metrics_.get(), executor_.get(),
-                                                pool);
+  scheduler_ =
+      std::make_unique<BatchScheduler>(model_.get(), admission_.get(), growth_pages, page_tokens,
+                                       node_metrics_.get(), executor_.get(), pool);
   scheduler_->SetStepDelayForTesting(absl::Milliseconds(config_.step_delay_ms));
   DecodeServiceOptions options;
   options.cpu_pool = pool;
@@ -221,8 +218,9 @@ absl::Status DecodeWorker::BuildService() {
 
 absl::Status DecodeWorker::Start() {
   // /readyz follows the health service: ready from SERVING until the drain starts.
-  FLUXION_ASSIGN_OR_RETURN(serve_, serving::GrpcServe::Start(config_.serve, {service_.get()},
-                                                            &metrics::Registry::Default(), nullptr));
+  FLUXION_ASSIGN_OR_RETURN(serve_,
+                           serving::GrpcServe::Start(config_.serve, {service_.get()},
+                                                     &metrics::Registry::Default(), nullptr));
   // Ready: the model is loaded and the arena registered (docs/PROTOCOL.md, Health).
   serve_->SetServing({kDecodeServiceName}, true);
   PrintServing();
@@ -259,15 +257,14 @@ int64_t DecodeWorker::Shutdown() {
   drain.start_draining = [this] { service_->SetDraining(true); };
   drain.live_requests = [this] { return service_->live_requests(); };
   drain.end_remaining = [this, drain_timeout_ms] {
-    service_->EndLiveRequests(absl::StrCat(
-        "the drain after SIGTERM ran past --drain-timeout-ms (", drain_timeout_ms, " ms)"));
+    service_->EndLiveRequests(absl::StrCat("the drain after SIGTERM ran past --drain-timeout-ms (",
+                                           drain_timeout_ms, " ms)"));
   };
   drain.timeout = absl::Milliseconds(drain_timeout_ms);
   // A request in prefill ends once its prefill node answered the Abort (or --abort-wait-ms).
   drain.end_grace = absl::Milliseconds(config_.abort_wait_ms) + absl::Seconds(1);
-  std::cerr << "fluxion decode " << config_.node_name << " draining: "
-            << service_->live_requests() << " requests live, up to " << drain_timeout_ms
-            << " ms\n";
+  std::cerr << "fluxion decode " << config_.node_name << " draining: " << service_->live_requests()
+            << " requests live, up to " << drain_timeout_ms << " ms\n";
   const int64_t left = serve_->Drain(drain);
   std::cerr << "fluxion decode " << config_.node_name << " stopped; " << left
             << " requests were still live at the drain timeout\n";

@@ -37,10 +37,11 @@ struct StepFlags {
 };
 
 void RegisterStepFlags(FlagSet& flags, StepFlags* s, DecodeWorkerConfig* c) {
-  flags.String("device", &s->device,
-               "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
-               "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
-               "of every policy's plan on the CPU over the host pages; docs/EXECUTOR.md section 7)");
+  flags.String(
+      "device", &s->device,
+      "where decode steps run: cpu (the batched CPU step), or cuda (the hybrid step: "
+      "dense halves and each request's sinks + recent window on GPU 0 in bf16, the rest "
+      "of every policy's plan on the CPU over the host pages; docs/EXECUTOR.md section 7)");
   flags.Int("device-max-requests", &s->max_requests,
             "with --device cuda: requests the GPU's resident window holds at once (a request "
             "beyond them waits for a slot)");
@@ -103,9 +104,9 @@ void RegisterServingFlags(FlagSet& flags, DecodeWorkerConfig* c) {
 }
 
 void RegisterPolicyFlags(FlagSet& flags, DecodeWorkerConfig* c) {
-  flags.String("default-policy", &c->default_policy,
-               "sparse policy for requests that name none: " +
-                   absl::StrJoin(sparse::PolicyNames(), ", "));
+  flags.String(
+      "default-policy", &c->default_policy,
+      "sparse policy for requests that name none: " + absl::StrJoin(sparse::PolicyNames(), ", "));
   flags.Double("default-budget", &c->default_budget, "budget for requests that name none");
   flags.String("fluxion-predictor", &c->fluxion_predictor,
                "head-property predictor for the `fluxion` policy (JSON from "
@@ -175,9 +176,9 @@ absl::Status ResolveStepFlags(const StepFlags& s, DecodeWorkerConfig* c) {
         absl::StrCat("--micro-batches must be 1 or 2, got ", s.micro_batches));
   }
   if (s.micro_batches == 2 && s.max_requests < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--micro-batches 2 needs --device-max-requests >= 2 (one slot per half), got ",
-        s.max_requests, "; use --micro-batches 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--micro-batches 2 needs --device-max-requests >= 2 (one slot per half), got ",
+                     s.max_requests, "; use --micro-batches 1"));
   }
   CudaHybridOptions& cuda = c->steps.cuda;
   cuda.max_requests = s.max_requests;

@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybrid(const model::Model* 
   }
   FLUXION_ASSIGN_OR_RETURN(
       PingPongStepExecutor::Pipeline a,
-      NewCudaPipeline(
-          shape_for((options.max_requests + 1) / 2, (options.compact_slots + 1) / 2), 0));
+      NewCudaPipeline(shape_for((options.max_requests + 1) / 2, (options.compact_slots + 1) / 2),
+                      0));
   FLUXION_ASSIGN_OR_RETURN(
       PingPongStepExecutor::Pipeline b,
       NewCudaPipeline(shape_for(options.max_requests / 2, options.compact_slots / 2), 0));
@@ -83,13 +83,13 @@ absl::Status ValidateCudaHybridOptions(const CudaHybridOptions& options) {
         absl::StrCat("micro-batches must be 1 or 2, not ", options.micro_batches));
   }
   if (options.micro_batches == 2 && options.max_requests < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "two micro-batches need at least 2 window slots (one each), not ", options.max_requests,
-        ": raise the slots or use one micro-batch"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("two micro-batches need at least 2 window slots (one each), not ",
+                     options.max_requests, ": raise the slots or use one micro-batch"));
   }
   if (!(options.device_read_share >= 0 && options.device_read_share <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the device read share must be in [0, 1], not ", options.device_read_share));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the device read share must be in [0, 1], not ", options.device_read_share));
   }
   return ValidateStallGuardOptions(options.stall_guard);
 }

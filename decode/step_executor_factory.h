@@ -36,10 +36,10 @@ struct CudaHybridOptions {
   // Requests whose K the window keeps as compact rows for device selection (WindowShape::
   // compact_slots; CompactSlotsFor sizes it from an HBM budget); 0: the CPU selects.
   int64_t compact_slots = 0;
-  int64_t page_tokens = 16;        // of the host KV pages
-  double device_read_share = 0;    // HybridStepExecutor::set_device_read_share, in [0, 1]
-  int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
-  StallGuardOptions stall_guard;   // dynamic degradation (decode/stall_guard.h); off by default
+  int64_t page_tokens = 16;       // of the host KV pages
+  double device_read_share = 0;   // HybridStepExecutor::set_device_read_share, in [0, 1]
+  int micro_batches = 1;          // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
+  StallGuardOptions stall_guard;  // dynamic degradation (decode/stall_guard.h); off by default
 };
 
 // What NewStepExecutor builds: `cuda` applies with StepDevice::kCuda only.

@@ -28,9 +28,7 @@ constexpr int64_t kDeviceMaxBatchTokens = 512;
 
 // Create's two kinds of failure, told apart by code (serving::ReportStartError): the config
 // (InvalidArgument) or a part that cannot be had (FailedPrecondition), with the message given.
-absl::Status ConfigError(absl::string_view message) {
-  return absl::InvalidArgumentError(message);
-}
+absl::Status ConfigError(absl::string_view message) { return absl::InvalidArgumentError(message); }
 absl::Status StartError(absl::string_view message) {
   return absl::FailedPreconditionError(message);
 }
@@ -49,9 +47,7 @@ absl::StatusOr<std::unique_ptr<DevicePrefill>> MakeDevicePrefill(
   return DevicePrefill::Create(model.config(), std::move(ops), std::move(params), options);
 }
 
-const char* NameOf(ForwardDevice device) {
-  return device == ForwardDevice::kCuda ? "cuda" : "cpu";
-}
+const char* NameOf(ForwardDevice device) { return device == ForwardDevice::kCuda ? "cuda" : "cpu"; }
 
 }  // namespace
 
@@ -99,9 +95,9 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWork
   info.set_protocol_version(1);
   info.set_max_context_tokens(static_cast<uint32_t>(worker->model_config_.max_position_embeddings));
   worker->node_metrics_ = std::make_unique<PrefillNodeMetrics>(&metrics::Registry::Default());
-  worker->service_ = std::make_unique<PrefillServiceImpl>(
-      worker->engine_.get(), worker->transport_.get(), info, *std::move(secret),
-      worker->node_metrics_.get());
+  worker->service_ =
+      std::make_unique<PrefillServiceImpl>(worker->engine_.get(), worker->transport_.get(), info,
+                                           *std::move(secret), worker->node_metrics_.get());
   worker->service_->SetMaxBatchTokens(worker->MaxBatchTokens());
   worker->service_->SetMaxQueuedRequests(c.max_queued_requests);
   worker->node_metrics_->Attach(worker->service_.get());
@@ -139,12 +135,11 @@ absl::Status PrefillWorker::StartDevice(const PrefillEngineOptions& options) {
   const model::ModelConfig& m = model_config_;
   const int64_t staged = config_.device_staging_tokens >= 0 ? config_.device_staging_tokens
                                                             : m.max_position_embeddings;
-  const transfer::KvPageGeometry geo{m.num_layers, m.num_kv_heads, m.head_dim,
-                                     config_.page_tokens};
+  const transfer::KvPageGeometry geo{m.num_layers, m.num_kv_heads, m.head_dim, config_.page_tokens};
   if (staged > 0) {
     if (auto pinned = gpu_->HostStaging(DeviceStagingBytes(options, geo, staged)); !pinned.ok()) {
-      return StartError(absl::StrCat("--device-staging-tokens ", staged, ": ",
-                                     pinned.status().ToString()));
+      return StartError(
+          absl::StrCat("--device-staging-tokens ", staged, ": ", pinned.status().ToString()));
     }
   }
   model_.reset();  // the GPU holds its own bf16 copy; the fp32 host weights are not needed
@@ -158,18 +153,18 @@ int64_t PrefillWorker::MaxBatchTokens() const {
 
 absl::Status PrefillWorker::Start() {
   // /readyz follows the health service: ready from SERVING until the drain starts.
-  FLUXION_ASSIGN_OR_RETURN(serve_, serving::GrpcServe::Start(config_.serve, {service_.get()},
-                                                            &metrics::Registry::Default(), nullptr));
+  FLUXION_ASSIGN_OR_RETURN(serve_,
+                           serving::GrpcServe::Start(config_.serve, {service_.get()},
+                                                     &metrics::Registry::Default(), nullptr));
   // Ready: the model is loaded and UCX is up (docs/PROTOCOL.md, Health).
   serve_->SetServing({kPrefillServiceName}, true);
   const int metrics_port = serve_->metrics_port();
   const int64_t arenas = config_.malloc_arenas;
   std::cerr << "fluxion prefill " << config_.node_name << " serving on port " << serve_->port()
-            << (metrics_port != 0 ? absl::StrCat(", /metrics on port ", metrics_port) : "")
-            << ", " << config_.cpu_pool.threads() << " CPU thread(s), forward on "
-            << NameOf(config_.device) << ", malloc arenas "
-            << (arenas > 0 ? absl::StrCat("<= ", arenas) : std::string("glibc default"))
-            << "\n";
+            << (metrics_port != 0 ? absl::StrCat(", /metrics on port ", metrics_port) : "") << ", "
+            << config_.cpu_pool.threads() << " CPU thread(s), forward on " << NameOf(config_.device)
+            << ", malloc arenas "
+            << (arenas > 0 ? absl::StrCat("<= ", arenas) : std::string("glibc default")) << "\n";
   serve_->WritePortFiles();
   return absl::OkStatus();
 }
