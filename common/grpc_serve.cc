@@ -20,7 +20,7 @@ absl::StatusOr<std::unique_ptr<GrpcServe>> GrpcServe::Start(const ServeConfig& c
                                                             std::vector<grpc::Service*> services,
                                                             metrics::Registry* registry,
                                                             std::function<bool()> ready) {
-  if (services.empty()) return absl::InvalidArgumentError("GrpcServe::Start: no service");
+  if (services.empty()) return absl::InternalError("GrpcServe::Start: no service (a bug)");
   std::unique_ptr<GrpcServe> serve(new GrpcServe());
   serve->port_file_ = config.port_file;
   serve->metrics_port_file_ = config.metrics_port_file;
