@@ -1,7 +1,6 @@
 #include "bench/hybrid_bench.h"
 
 #include <algorithm>
-#include <type_traits>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -74,9 +73,6 @@ struct Options {
   // the whole model (the per-layer work is the same at every layer).
   int64_t layers = 0;
   bool degrade_on_stall = false;  // every row with the stall guard (fluxion decode's flag)
-  // After each hybrid point: admit one more request off the step while the batch steps
-  // (Point::join_*); needs a spare request (batch below the largest).
-  bool join = false;
   std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
   // The paged kernels the HBM-resident reference runs with (kernels/cuda/paged_decode.h); each a
   // row.
@@ -179,11 +175,6 @@ struct Point {
   // served batch would wait for): mean ms per request, and that whole first step.
   double admit_ms = 0;
   double first_step_ms = 0;
-  // With --join: one more request admitted off the step (StepExecutor::Prepare) while the batch
-  // goes on stepping: how long its admission took, how many steps ran meanwhile and the longest.
-  double join_admit_ms = 0;
-  int64_t join_steps = 0;
-  double join_max_step_ms = 0;
 };
 
 // Dynamic degradation (decode/stall_guard.h) on every pipeline of a stepper, restarting it.
@@ -289,7 +280,7 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
                                 const decode::sparse::PolicyConfig& policy,
                                 const model::SparseState* state,
                                 const model::AttentionShape& shape, int64_t vocab,
-                                int64_t steps, bool join = false) {
+                                int64_t steps) {
   std::vector<std::unique_ptr<model::Sequence>> seqs;
   std::vector<decode::SparseAttention*> attentions;
   for (int64_t i = 0; i < batch; ++i) {
@@ -348,44 +339,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
     }
   }
   reads_after = PolicyReads(attentions);
-  const decode::HybridCounters timed_counters = executor.counters();  // the join's steps not in
+  const decode::HybridCounters timed_counters = executor.counters();
   const double budget_scale_end = GuardScale(executor);
-  // A newcomer admitted off the step while the batch keeps stepping (the serving scheduler's
-  // way, decode/window_admitter.h). Only the hybrid executor prepares off the step.
-  double join_admit_ms = 0, join_max_ms = 0;
-  int64_t join_steps = 0;
-  if constexpr (std::is_same_v<Executor, decode::HybridStepExecutor>) {
-    if (join && failed.ok() && static_cast<int64_t>(kvs.size()) > batch && kvs[batch] != nullptr) {
-      FLUXION_ASSIGN_OR_RETURN(
-          std::unique_ptr<decode::SparseAttention> newcomer,
-          decode::SparseAttention::FromPages(
-              std::move(kvs[batch]), shape, policy,
-              decode::sparse::TraitsOf(policy.kind).needs_sparse_state ? state : nullptr));
-      const auto a0 = std::chrono::steady_clock::now();
-      executor.set_off_step_admission(true);
-      executor.Prepare(*newcomer);
-      while (!executor.Prepared(*newcomer) && failed.ok()) {
-        const auto t0 = std::chrono::steady_clock::now();
-        executor.StepAndSample(requests, &next, &logits, &statuses);
-        join_max_ms = std::max(join_max_ms, std::chrono::duration<double, std::milli>(
-                                                std::chrono::steady_clock::now() - t0)
-                                                .count());
-        ++join_steps;
-        for (const absl::Status& st : statuses) {
-          if (!st.ok() && failed.ok()) failed = st;
-        }
-        for (int64_t i = 0; i < batch; ++i) {
-          if (next[i] >= 0) requests[i].token = next[i];
-        }
-      }
-      join_admit_ms = std::chrono::duration<double, std::milli>(
-                          std::chrono::steady_clock::now() - a0)
-                          .count();
-      executor.Forget(*newcomer);
-      executor.set_off_step_admission(false);
-      kvs[batch] = newcomer->TakeKv();
-    }
-  }
   // The pages go back whatever happened, so the next point can use them.
   for (int64_t i = 0; i < batch; ++i) kvs[i] = attentions[i]->TakeKv();
   executor.Step({}, &logits, &statuses);  // releases the window's slots
@@ -396,9 +351,6 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
   p.budget_scale_end = budget_scale_end;
   p.admit_ms = admit_ms;
   p.first_step_ms = first_step_ms;
-  p.join_admit_ms = join_admit_ms;
-  p.join_steps = join_steps;
-  p.join_max_step_ms = join_max_ms;
   const double n = static_cast<double>(steps);
   for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
                     &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
@@ -637,8 +589,7 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
               stepper.set_device_read_share(share);
               SetStallGuard(stepper, guard);  // each row starts undegraded
               FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(stepper, kvs, batch, t.policy, &state,
-                                                          shape, config.vocab_size, o.steps,
-                                                          o.join));
+                                                          shape, config.vocab_size, o.steps));
               std::string label = t.label;
               if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
               if (o.device_read_shares.size() > 1 || share > 0) {
@@ -704,12 +655,6 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                     static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
                     1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s,
                     100 * idle, p.admit_ms, cpu_gbps, 100 * cpu_gbps / probe_gbps);
-        if (p.join_admit_ms > 0) {
-          std::printf("%8s %5s %2s %-34s | join: one more request admitted off the step in %.1f "
-                      "ms while %lld steps ran (longest %.2f ms)\n",
-                      "", "", "", "", p.join_admit_ms, static_cast<long long>(p.join_steps),
-                      p.join_max_step_ms);
-        }
         std::fflush(stdout);
         results->push_back({{"preset", o.preset},
                             {"layers", config.num_layers},
@@ -721,9 +666,6 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
                             {"budget_scale_end", p.budget_scale_end},
                             {"admit_ms_per_request", p.admit_ms},
                             {"first_step_ms", p.first_step_ms},
-                            {"join_admit_ms", p.join_admit_ms},
-                            {"join_steps", p.join_steps},
-                            {"join_max_step_ms", p.join_max_step_ms},
                             {"policy", label},
                             // null: the path decides nothing data-driven (profile-free)
                             {"profile", row.profile.empty() ? nlohmann::json(nullptr)
@@ -803,9 +745,6 @@ int RunHybridBench(const std::vector<std::string>& args) {
   flags.StringList("hbm-kernels", &o.hbm_kernels,
                    "paged kernels of the HBM-resident reference row (v5, v3; "
                    "kernels/cuda/paged_decode.h); each a row");
-  flags.Bool("join", &o.join,
-             "after each hybrid point, admit one more request off the step while the batch "
-             "steps on, and report how long it took and the longest step meanwhile");
   flags.Bool("degrade-on-stall", &o.degrade_on_stall,
              "every row with dynamic degradation on (fluxion decode --degrade-on-stall: the "
              "budget shrinks while the CPU phase outlasts the GPU's work); the JSON records the "

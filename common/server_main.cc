@@ -1,8 +1,6 @@
 #include "common/server_main.h"
 
-#include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <utility>
@@ -46,21 +44,10 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfReques
   return metrics::MetricsHttpServer::Start(listen, registry);
 }
 
-namespace {
-std::atomic<bool> g_stop{false};
-void OnStopSignal(int) { g_stop = true; }
-}  // namespace
-
 void WritePortFiles(const std::string& port_file, int port, const std::string& metrics_port_file,
                     const metrics::MetricsHttpServer* metrics) {
   if (metrics != nullptr) WritePortFile(metrics_port_file, metrics->port());
   WritePortFile(port_file, port);
-}
-
-void WaitForStopSignal() {
-  std::signal(SIGTERM, OnStopSignal);
-  std::signal(SIGINT, OnStopSignal);
-  while (!g_stop) absl::SleepFor(absl::Milliseconds(50));
 }
 
 int64_t DrainAndShutdown(grpc::Server* server, const DrainPlan& plan) {

@@ -52,9 +52,6 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> StartMetricsIfReques
 void WritePortFiles(const std::string& port_file, int port, const std::string& metrics_port_file,
                     const metrics::MetricsHttpServer* metrics);
 
-// Blocks until SIGTERM or SIGINT arrives (installs handlers for both).
-void WaitForStopSignal();
-
 // How a server drains on SIGTERM (DrainAndShutdown).
 struct DrainPlan {
   // Health service names that go NOT_SERVING (readiness). The server's overall health (""),

@@ -328,14 +328,14 @@ class CudaResidentWindow : public ResidentWindow {
   const WindowShape& shape() const override { return shape_; }
 
   // Admissions run one at a time, on their own stream with their own errors, so that one may run
-  // on another thread (decode/window_admitter.h) while steps go on over other slots: the step's
+  // on another thread while steps go on over other slots: the step's
   // stream never queues behind an admission's copies, and the slot's rows are complete (the
   // admission stream synchronised) before Admit returns it.
   absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
                             const AdmitThreads& threads) override {
     absl::MutexLock lock(&admit_mu_);
     admit_threads_ = threads;
-    // The calling thread may be the admitter's (decode/window_admitter.h): the window's device.
+    // The calling thread may not be the step's: make the window's device current.
     if (cudaSetDevice(device_) != cudaSuccess) {
       cudaGetLastError();
       return absl::InternalError("resident window: cannot make its device current to admit");
@@ -945,68 +945,6 @@ PingPongStepExecutor::Options CudaPingPongOptions(int device) {
     return absl::OkStatus();
   };
   return o;
-}
-
-int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
-                        double gib, int64_t max_requests) {
-  kernels::CompactKeysLayout layout;
-  layout.num_layers = attention.num_layers;
-  layout.num_kv_heads = attention.num_kv_heads;
-  layout.head_dim = attention.head_dim;
-  layout.max_tokens = max_context_tokens;
-  const int64_t per_slot = layout.SlotBytes();
-  if (per_slot <= 0 || gib <= 0) return 0;
-  const double budget = gib * static_cast<double>(int64_t{1} << 30);
-  return std::min<int64_t>(max_requests, static_cast<int64_t>(budget / per_slot));
-}
-
-absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool,
-    const CudaHybridOptions& options) {
-  const int micro_batches = options.micro_batches;
-  if (micro_batches != 1 && micro_batches != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("micro-batches must be 1 or 2, not ", options.micro_batches));
-  }
-  FLUXION_RETURN_IF_ERROR(ValidateStallGuardOptions(options.stall_guard));
-  if (micro_batches == 2 && options.max_requests < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "two micro-batches need at least 2 window slots (one each), not ", options.max_requests,
-        ": raise the slots or use one micro-batch"));
-  }
-  auto shape_for = [&](int64_t slots, int64_t compact_slots) {
-    WindowShape w = WindowShapeFor(model->attention_shape(), slots);
-    w.page_tokens = options.page_tokens;
-    w.max_context_tokens = options.max_context_tokens;
-    w.compact_slots = std::min(slots, compact_slots);
-    return w;
-  };
-  if (micro_batches == 1) {
-    FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline p,
-                             NewCudaPipeline(shape_for(options.max_requests, options.compact_slots), 0));
-    FLUXION_ASSIGN_OR_RETURN(
-        std::unique_ptr<HybridStepExecutor> executor,
-        HybridStepExecutor::Create(model, std::move(p.ops), std::move(p.window), pool));
-    executor->set_device_read_share(options.device_read_share);
-    executor->set_stall_guard(options.stall_guard);
-    executor->set_off_step_admission(options.off_step_admission);
-    return std::unique_ptr<StepExecutor>(std::move(executor));
-  }
-  FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline a,
-                           NewCudaPipeline(shape_for((options.max_requests + 1) / 2,
-                                                     (options.compact_slots + 1) / 2),
-                                           0));
-  FLUXION_ASSIGN_OR_RETURN(PingPongStepExecutor::Pipeline b,
-                           NewCudaPipeline(shape_for(options.max_requests / 2,
-                                                     options.compact_slots / 2),
-                                           0));
-  FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<PingPongStepExecutor> executor,
-      PingPongStepExecutor::Create(model, std::move(a), std::move(b), pool,
-                                   CudaPingPongOptions(0)));
-  executor->set_device_read_share(options.device_read_share);
-  for (int h = 0; h < 2; ++h) executor->pipeline(h).set_stall_guard(options.stall_guard);
-  return std::unique_ptr<StepExecutor>(std::move(executor));
 }
 
 }  // namespace fluxion::decode

@@ -15,7 +15,6 @@
 #include "decode/kv_arena.h"
 #include "decode/ping_pong_step_executor.h"
 #include "decode/resident_window.h"
-#include "decode/stall_guard.h"
 #include "decode/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/model.h"
@@ -40,43 +39,15 @@ absl::StatusOr<std::unique_ptr<ResidentWindow>> NewCudaResidentWindow(
 // full PCIe speed. ResourceExhausted (with the likely cause) when the memory cannot be locked.
 absl::Status PinArenaForCuda(KvArena* arena);
 
-// The hybrid step executor on CUDA device 0 for `model` (decode/hybrid_step_executor.h): its
-// weights uploaded to CudaDenseOps in bf16, a CUDA resident window of `max_requests` slots (sinks
-// and window of the default policy config), the host part on `pool`. With two micro-batches, the
-// ping-pong executor (decode/ping_pong_step_executor.h) over two such pipelines on device 0, each
-// with its own CudaDenseOps (stream, scratch, graphs) and half the slots (A ceil, B floor of
-// max_requests / 2), the weights uploaded once. What `fluxion decode --device cuda` serves with.
-// FailedPrecondition without a device; InvalidArgument for micro_batches other than 1 or 2 or
-// two micro-batches of fewer than 2 slots; the factories' errors.
-struct CudaHybridOptions {
-  int64_t max_requests = 128;      // window slots (both micro-batches' together)
-  int64_t max_context_tokens = 0;  // page bounds per slot for block scores (0: the CPU scores)
-  // Requests whose K the window keeps as compact rows for device selection (WindowShape::
-  // compact_slots; CompactSlotsFor sizes it from an HBM budget); 0: the CPU selects.
-  int64_t compact_slots = 0;
-  int64_t page_tokens = 16;        // of the host KV pages
-  double device_read_share = 0;    // HybridStepExecutor::set_device_read_share
-  int micro_batches = 1;           // 1 or 2 (ping-pong; EXECUTOR.md section 8 says when it pays)
-  StallGuardOptions stall_guard;   // dynamic degradation (decode/stall_guard.h); off by default
-  // HybridStepExecutor::set_off_step_admission (one pipeline only; off by default).
-  bool off_step_admission = false;
-};
+// The pieces the step executor factory (decode/step_executor_factory.h) builds the hybrid step
+// from; it alone decides which executor serves.
+//
 // One ping-pong pipeline on CUDA device `device`: a CudaDenseOps and a CUDA resident window of
 // `shape` on its stream. The factories' errors.
 absl::StatusOr<PingPongStepExecutor::Pipeline> NewCudaPipeline(const WindowShape& shape,
                                                                int device);
 // The ping-pong executor's options for CUDA device `device`: each driver thread makes it current.
 PingPongStepExecutor::Options CudaPingPongOptions(int device);
-
-// How many requests of up to `max_context_tokens` fit their compact rows in `gib` GiB of HBM
-// (kernels/compact_keys.h: 132 bytes per token, layer and KV head at head_dim 128), at most
-// `max_requests`.
-int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
-                        double gib, int64_t max_requests);
-
-absl::StatusOr<std::unique_ptr<StepExecutor>> NewCudaHybridStepExecutor(
-    const model::Model* model, const kernels::cpu::CpuPool* pool,
-    const CudaHybridOptions& options);
 
 }  // namespace fluxion::decode
 

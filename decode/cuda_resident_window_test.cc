@@ -3,6 +3,7 @@
 // dense attention over the valid rows, and the merge of host partial states. Skips without a
 // CUDA device.
 #include "decode/cuda_resident_window.h"
+#include "decode/step_executor_factory.h"
 
 #include <cuda_runtime.h>
 
@@ -698,16 +699,18 @@ TEST(HybridOnCudaTest, PingPongMatchesTheSinglePipeline) {
           batch->push_back({seqs->back().get(), raw, first[i]});
         }
       };
-      CudaHybridOptions options;
-      options.max_requests = 8;
-      options.max_context_tokens = 1024;
-      options.page_tokens = page_tokens;
-      options.device_read_share = share;
-      options.micro_batches = 1;
-      auto single = NewCudaHybridStepExecutor(m.get(), &pool, options);
+      StepExecutorOptions options;
+      options.device = StepDevice::kCuda;
+      options.cuda.max_requests = 8;
+      options.cuda.max_context_tokens = 1024;
+      options.cuda.page_tokens = page_tokens;
+      options.cuda.device_read_share = share;
+      options.cuda.micro_batches = 1;
+      // The arena is pinned above (or not, at share 0): the factory is given none to pin.
+      auto single = NewStepExecutor(m.get(), &pool, nullptr, options);
       ASSERT_TRUE(single.ok()) << single.status();
-      options.micro_batches = 2;
-      auto ping_pong = NewCudaHybridStepExecutor(m.get(), &pool, options);
+      options.cuda.micro_batches = 2;
+      auto ping_pong = NewStepExecutor(m.get(), &pool, nullptr, options);
       ASSERT_TRUE(ping_pong.ok()) << ping_pong.status();
       EXPECT_EQ((*ping_pong)->name(), "ping-pong");
       EXPECT_EQ((*ping_pong)->max_batch(), 8);

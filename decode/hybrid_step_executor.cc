@@ -18,9 +18,6 @@ namespace fluxion::decode {
 
 struct HybridStepExecutor::State {
   int64_t vocab_size = 0;
-  // Off-step admission's threads: one, the admitter's own (every thread beyond the step's
-  // OpenMP team slows the team's parallel regions: docs/EXECUTOR.md section 7).
-  int admit_threads = 1;
   std::unique_ptr<model::DenseOps> ops;
   std::unique_ptr<ResidentWindow> window;
   std::unique_ptr<kernels::AttentionBackend> cpu_backend;
@@ -78,9 +75,7 @@ absl::StatusOr<std::unique_ptr<HybridStepExecutor>> HybridStepExecutor::Create(
 }
 
 HybridStepExecutor::HybridStepExecutor(std::unique_ptr<State> state)
-    : state_(std::move(state)),
-      attention_(state_->attention.get()),
-      admitter_(std::make_unique<WindowAdmitter>(state_->window.get(), state_->admit_threads)) {}
+    : state_(std::move(state)), attention_(state_->attention.get()) {}
 
 HybridStepExecutor::~HybridStepExecutor() = default;
 
@@ -111,14 +106,6 @@ absl::StatusOr<int64_t> HybridStepExecutor::ScoreBlockOf(const SparseAttention& 
 
 absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention) {
   if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) return it->second;
-  if (std::optional<WindowAdmitter::Result> r = admitter_->Take(attention.id()); r.has_value()) {
-    if (!r->slot.ok()) return r->slot.status();
-    ++admission_counters_.requests;
-    ++admission_counters_.off_step;
-    admission_counters_.seconds += r->seconds;
-    state_->slots[attention.id()] = *r->slot;
-    return *r->slot;
-  }
   FLUXION_ASSIGN_OR_RETURN(const int64_t score_block, ScoreBlockOf(attention));
   const auto start = std::chrono::steady_clock::now();
   // An admission inside the step runs on the step's pool, hence through the CPU lane when there
@@ -136,19 +123,7 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   return slot;
 }
 
-void HybridStepExecutor::Prepare(const SparseAttention& attention) {
-  if (!off_step_admission_ || state_->slots.contains(attention.id())) return;
-  const absl::StatusOr<int64_t> score_block = ScoreBlockOf(attention);
-  if (!score_block.ok()) return;  // SlotOf reports it at the request's first step
-  admitter_->Start(attention.id(), &attention.kv(), *score_block);
-}
-
-bool HybridStepExecutor::Prepared(const SparseAttention& attention) const {
-  return admitter_->Done(attention.id());
-}
-
 void HybridStepExecutor::Forget(const SparseAttention& attention) {
-  admitter_->Cancel(attention.id());
   if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) {
     state_->window->Release(it->second);
     state_->slots.erase(it);

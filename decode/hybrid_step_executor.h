@@ -3,9 +3,9 @@
 // window (sinks + recent tokens) attended where the DenseOps runs and the rest of every policy's
 // plan on the CPU over host pages, merged by log-sum-exp (hybrid_batch_attention.h).
 //
-// Requests are admitted to the window off the step after Prepare (a thread of the executor's
-// loads their prompt's resident rows and page bounds: decode/window_admitter.h), or else the
-// first time a step sees them, and released when a step no longer lists them or on Forget. A request
+// Requests are admitted to the window the first time a step sees them (their prompt's resident
+// rows and page bounds gathered and uploaded inside that step), and released when a step no
+// longer lists them or on Forget. A request
 // the window cannot take (every slot busy, or a policy whose sinks or local window are smaller
 // than the resident ones, so its plan would not contain the resident rows) gets its own error
 // and the step runs without it.
@@ -21,7 +21,6 @@
 #include "decode/resident_window.h"
 #include "decode/stall_guard.h"
 #include "decode/step_executor.h"
-#include "decode/window_admitter.h"
 #include "model/dense_ops.h"
 
 namespace fluxion::decode {
@@ -54,18 +53,8 @@ class HybridStepExecutor : public StepExecutor {
   // full logits.
   void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                      std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
-  // Admission to the window off the step (StepExecutor::Prepare), when enabled
-  // (set_off_step_admission; off by default: Prepare then does nothing and a request is admitted
-  // inside its first step). Prepare on a request whose policy the window cannot serve starts
-  // nothing: its first step reports the error.
-  void Prepare(const SparseAttention& attention) override;
-  bool Prepared(const SparseAttention& attention) const override;
+  // Gives the request's window slot back, if it holds one.
   void Forget(const SparseAttention& attention) override;
-  // Off by default: measured on the H200 host (bench/results/decode-admit-off-step-*), an
-  // admission beside the steps on the
-  // same cores slowed the steps more than the inline admission it replaced stalls one step
-  // (docs/EXECUTOR.md section 7), unless a core is left to it (--cpu-threads below the cores).
-  void set_off_step_admission(bool on) { off_step_admission_ = on; }
 
   // Rows sampled from candidates vs rows whose full logits crossed to the host, since creation.
   struct SamplingCounters {
@@ -74,12 +63,10 @@ class HybridStepExecutor : public StepExecutor {
   };
   const SamplingCounters& sampling_counters() const { return sampling_counters_; }
   // Requests admitted to the window (their resident rows and page bounds gathered and uploaded)
-  // and the wall time that took, since creation; off_step of them were admitted after Prepare,
-  // outside any step.
+  // and the wall time that took, since creation.
   struct AdmissionCounters {
     int64_t requests = 0;
     double seconds = 0;
-    int64_t off_step = 0;
   };
   const AdmissionCounters& admission_counters() const { return admission_counters_; }
   // The most candidates a row may ask for (default and ceiling CandidateOps::kMaxCandidates);
@@ -117,7 +104,7 @@ class HybridStepExecutor : public StepExecutor {
  private:
   struct State;
   explicit HybridStepExecutor(std::unique_ptr<State> state);
-  // The request's window slot: admitted by Prepare, else now.
+  // The request's window slot, admitting it now if it holds none.
   absl::StatusOr<int> SlotOf(const SparseAttention& attention);
   // The block size the window scores the request's blocks at (0: none), or FailedPrecondition
   // when its policy attends fewer sinks or local tokens than the window holds.
@@ -133,7 +120,6 @@ class HybridStepExecutor : public StepExecutor {
   std::unique_ptr<State> state_;
   HybridBatchAttention* attention_;  // owned by state_
   bool window_block_scores_ = true;
-  bool off_step_admission_ = false;
   SamplingCounters sampling_counters_;
   AdmissionCounters admission_counters_;
   int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;
@@ -141,8 +127,6 @@ class HybridStepExecutor : public StepExecutor {
   void ObserveStall();
   StallGuard guard_{StallGuardOptions{}};
   HybridCounters since_guard_;
-  // Declared last: destroyed (its thread joined) before the window it admits into.
-  std::unique_ptr<WindowAdmitter> admitter_;
 };
 
 }  // namespace fluxion::decode

@@ -123,7 +123,7 @@ void PlanPicks(absl::Span<const kernels::CompactPick> asked, absl::Span<const in
 // The slot bookkeeping both implementations share: which slots hold a request, how many tokens
 // each holds and the block size its rows are scored at, and the checks of Admit and BeginStep
 // (their errors as the interface states). Thread-safe: a request may be admitted on another
-// thread (decode/window_admitter.h) while a step runs over other slots.
+// thread while a step runs over other slots.
 class WindowSlots {
  public:
   explicit WindowSlots(const WindowShape& shape)
@@ -185,7 +185,7 @@ class ResidentWindow {
   }
   // Which threads Admit's host-side gathering and conversion use. Inside a step (the default)
   // the pool set by set_cpu_pool: the step's threads are idle meanwhile. Beside the steps (off
-  // the step, decode/window_admitter.h) `threads` plain threads of Admit's own: an OpenMP team
+  // the step: an experiment no executor runs now) `threads` plain threads of Admit's own: an OpenMP team
   // started from a second thread fights the step's team for the cores, and once libgomp manages
   // more threads than there are CPUs it throttles every team's spinning, so every later step's
   // parallel regions wake sleeping threads (measured on the H200 host: the steps beside an

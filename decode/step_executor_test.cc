@@ -18,7 +18,6 @@
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "absl/time/clock.h"
-#include "common/wait_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/cpu_dense_ops.h"
@@ -62,25 +61,15 @@ class StepExecutorTest : public ::testing::Test {
     std::vector<sparse::GuardStats> guard;      // [request]
   };
 
-  // `steps` greedy steps of `executor` over requests from `prefills` under `policy`. With
-  // `prepare`, every request is prepared off the step first (StepExecutor::Prepare), as the
-  // scheduler does, and the steps wait until it is.
+  // `steps` greedy steps of `executor` over requests from `prefills` under `policy`.
   static Run Decode(StepExecutor& executor, const sparse::PolicyConfig& policy,
-                    const std::vector<Prefill>& prefills, int steps, bool prepare = false) {
+                    const std::vector<Prefill>& prefills, int steps) {
     const model::AttentionShape shape = model_->attention_shape();
     auto arena = *KvArena::Create(
         KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
         4096);
     std::vector<Request> requests;
     for (const Prefill& p : prefills) requests.push_back(MakeRequest(arena.get(), p, policy));
-    if (prepare) {
-      for (Request& r : requests) executor.Prepare(*r.attention);
-      for (Request& r : requests) {
-        EXPECT_TRUE(WaitFor([&] { return executor.Prepared(*r.attention); }, kGenerousWait,
-                            absl::Milliseconds(1)))
-            << "a request was never prepared";
-      }
-    }
     Run run;
     run.tokens.resize(requests.size());
     const int64_t vocab = model_->config().vocab_size;
@@ -321,59 +310,6 @@ TEST_F(StepExecutorTest, DevicePicksFromTheWindowSelectWhatTheCpuEmulationSelect
     EXPECT_GT(h.stats[2].k_rows_scored, 0);
     EXPECT_EQ(b.stats[0].selections_ranked_elsewhere, 0);
   }
-}
-
-TEST_F(StepExecutorTest, RequestsAdmittedOffTheStepDecodeAsThoseAdmittedInIt) {
-  // The window's admission (resident rows, page bounds) on the executor's own thread after
-  // Prepare gives the same steps as admission inside the first step.
-  std::vector<Prefill> prefills;
-  for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 600 + n)));
-  const kernels::cpu::CpuPool pool(2);
-  for (const char* name : {"quest", "lfps"}) {
-    SCOPED_TRACE(name);
-    const sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
-    std::unique_ptr<HybridStepExecutor> inline_admit = MakeHybrid(&pool, 8, 704);
-    std::unique_ptr<HybridStepExecutor> off_step = MakeHybrid(&pool, 8, 704);
-    off_step->set_off_step_admission(true);
-    const Run a = Decode(*inline_admit, policy, prefills, 4);
-    const Run b = Decode(*off_step, policy, prefills, 4, /*prepare=*/true);
-    ExpectSameRun(b, a, 1e-6f);  // the same arithmetic
-    EXPECT_EQ(inline_admit->admission_counters().off_step, 0);
-    EXPECT_EQ(off_step->admission_counters().requests, 3);
-    EXPECT_EQ(off_step->admission_counters().off_step, 3);
-  }
-}
-
-TEST_F(StepExecutorTest, ForgettingAPreparedRequestGivesItsSlotBack) {
-  // Two slots. Requests that end before their first step (prepared, then forgotten) must not
-  // keep theirs: a third and fourth request still get in, and decode.
-  const kernels::cpu::CpuPool pool(2);
-  std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool, /*max_requests=*/2);
-  hybrid->set_off_step_admission(true);
-  const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
-  const model::AttentionShape shape = model_->attention_shape();
-  auto arena = *KvArena::Create(
-      KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
-      4096);
-  const Prefill p = MakePrefill(Prompt(300, 7));
-  std::vector<Request> requests;
-  for (int i = 0; i < 4; ++i) requests.push_back(MakeRequest(arena.get(), p, policy));
-  hybrid->Prepare(*requests[0].attention);
-  hybrid->Prepare(*requests[1].attention);
-  hybrid->Prepare(*requests[1].attention);  // a second Prepare changes nothing
-  hybrid->Forget(*requests[0].attention);   // whether or not its admission ran yet
-  hybrid->Forget(*requests[1].attention);
-  hybrid->Prepare(*requests[2].attention);
-  std::vector<StepRequest> batch;
-  for (int i : {2, 3}) batch.push_back({requests[i].seq.get(), requests[i].attention, p.first_token});
-  std::vector<float> logits;
-  std::vector<absl::Status> statuses;
-  hybrid->Step(batch, &logits, &statuses);  // request 2 waits for its admission; 3 is admitted now
-  ASSERT_EQ(statuses.size(), 2u);
-  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
-  EXPECT_TRUE(statuses[1].ok()) << statuses[1];
-  EXPECT_EQ(hybrid->admission_counters().requests, 2);
-  EXPECT_EQ(hybrid->admission_counters().off_step, 1);
 }
 
 TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoResult) {

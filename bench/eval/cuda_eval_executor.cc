@@ -6,9 +6,7 @@
 
 #include "bench/eval/task_eval.h"
 #include "common/status_macros.h"
-#include "decode/cuda_resident_window.h"
-#include "decode/hybrid_step_executor.h"
-#include "decode/resident_window.h"
+#include "decode/step_executor_factory.h"
 #include "model/cuda_dense_ops.h"
 
 namespace fluxion::eval {
@@ -19,12 +17,13 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewCudaHybridEvalExecutor(
   // the first step that no longer lists its request. Block scores from the window's page
   // bounds, as served; the CPU reads every host row (zero-copy shares are checked by
   // decode/cuda_resident_window_test.cc, and the eval's arena is not pinned).
-  decode::CudaHybridOptions options;
-  options.max_requests = 1;
-  options.max_context_tokens = kEvalMaxContextTokens;
-  options.page_tokens = kEvalPageTokens;
-  options.compact_slots = 1;  // +device labels pick on the GPU, as served
-  return decode::NewCudaHybridStepExecutor(model, pool, options);
+  decode::StepExecutorOptions options;
+  options.device = decode::StepDevice::kCuda;
+  options.cuda.max_requests = 1;
+  options.cuda.max_context_tokens = kEvalMaxContextTokens;
+  options.cuda.page_tokens = kEvalPageTokens;
+  options.cuda.compact_slots = 1;  // +device labels pick on the GPU, as served
+  return decode::NewStepExecutor(model, pool, /*arena=*/nullptr, options);
 }
 
 }  // namespace fluxion::eval

@@ -142,7 +142,7 @@ struct TaskEvalOptions {
 
 // `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
 // executor over its host stand-in: CpuDenseOps and the host resident window, runnable anywhere),
-// "cuda" (the hybrid executor on CUDA device 0: NewCudaHybridStepExecutor).
+// "cuda" (the hybrid executor on CUDA device 0: decode/step_executor_factory.h).
 // What a sample's `full` policy attends in a run on `device` (recorded beside its outcome).
 std::string FullPolicyAttention(const std::string& device);
 
