@@ -96,7 +96,7 @@ double BatchScheduler::recent_step_ms() const {
 }
 
 void BatchScheduler::End(DecodeRequest& r, Finish finish, absl::Status error) {
-  // Before its pages go: an off-step preparation may still be reading them.
+  // Its executor reservation and window slot go back before its pages do.
   if (r.attention != nullptr) executor_->Forget(*r.attention);
   EndRequest(r, finish, std::move(error));  // the request's reservations wake the waiters
 }
@@ -117,7 +117,6 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
       End(r, Finish::kAbort, absl::OkStatus());
       continue;
     }
-    if (r.attention != nullptr && !executor_->Prepared(*r.attention)) continue;  // not stepped
     if (r.seq->length() % page_tokens_ != 0) continue;
     // The next token starts a page in every layer and head: make room by the rule.
     while (admission_->arena()->counters().free < pages_needed()) {
@@ -145,7 +144,7 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
   }
   std::vector<DecodeRequest*> batch;
   for (auto& r : running_) {
-    if (r->seq != nullptr && executor_->Prepared(*r->attention)) batch.push_back(r.get());
+    if (r->seq != nullptr) batch.push_back(r.get());
   }
   return batch;
 }
@@ -194,14 +193,15 @@ void BatchScheduler::Loop() {
       };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
       if (stop_) return;
-      // Joiners beyond what a step can take (the hybrid executor's window slots) wait, in order;
-      // one aborted while waiting ends here.
+      // Joiners beyond what a step can take (the hybrid executor's window slots, its
+      // device-selection places) wait, first come first served: one the executor cannot hold
+      // yet holds back those behind it. One aborted while waiting ends here.
       const int64_t cap = executor_->max_batch();
       size_t taken = 0;
       for (; taken < joining_.size(); ++taken) {
         if (cap > 0 && static_cast<int64_t>(running_.size()) >= cap) break;
-        // Its preparation (the hybrid executor's window admission) runs while steps go on.
-        if (joining_[taken]->attention != nullptr) executor_->Prepare(*joining_[taken]->attention);
+        const SparseAttention* attention = joining_[taken]->attention;
+        if (attention != nullptr && !executor_->Reserve(*attention)) break;
         running_.push_back(std::move(joining_[taken]));
       }
       joining_.erase(joining_.begin(), joining_.begin() + taken);

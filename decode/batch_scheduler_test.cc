@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/notification.h"
 #include "decode/kv_admission.h"
 #include "decode/hybrid_step_executor.h"
@@ -235,6 +236,53 @@ TEST_F(BatchSchedulerTest, ARequestWaitingForAWindowSlotWaitsAndCanBeAborted) {
   }
   absl::MutexLock lock(&waiting->mu);
   EXPECT_EQ(waiting->finish, Finish::kAbort) << waiting->error;
+  EXPECT_EQ(arena_->counters().reserved, 0);
+}
+
+// The inner executor with `places` reservations (as the hybrid executor's device-selection
+// places) and a record of every step's batch size.
+class ReservingExecutor : public StepExecutor {
+ public:
+  ReservingExecutor(StepExecutor* inner, int64_t places) : inner_(inner), places_(places) {}
+  absl::string_view name() const override { return "reserving"; }
+  bool Reserve(const SparseAttention& attention) override {
+    if (holders_.contains(attention.id())) return true;
+    if (static_cast<int64_t>(holders_.size()) >= places_) return false;
+    holders_.insert(attention.id());
+    return true;
+  }
+  void Forget(const SparseAttention& attention) override { holders_.erase(attention.id()); }
+  void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,
+            std::vector<absl::Status>* statuses) override {
+    largest_batch_ = std::max<int64_t>(largest_batch_, static_cast<int64_t>(batch.size()));
+    inner_->Step(batch, logits, statuses);
+  }
+  int64_t largest_batch_ = 0;  // read after the scheduler stopped
+
+ private:
+  StepExecutor* const inner_;
+  const int64_t places_;
+  absl::flat_hash_set<uint64_t> holders_;
+};
+
+TEST_F(BatchSchedulerTest, ARequestTheExecutorCannotReserveForWaitsWithThoseBehindIt) {
+  // One place: the three requests decode one after another, never two in a step, and each
+  // reservation goes back when its request ends.
+  MakeArena(growth_pages_ * 128);
+  std::unique_ptr<StepExecutor> cpu = NewCpuStepExecutor(model_.get(), nullptr);
+  ReservingExecutor reserving(cpu.get(), 1);
+  std::vector<std::shared_ptr<DecodeRequest>> requests;
+  for (uint64_t i = 1; i <= 3; ++i) requests.push_back(MakeRequest(Prompt(40, 20 + i), 4, i));
+  {
+    BatchScheduler scheduler(model_.get(), admission_.get(), growth_pages_, kPageTokens,
+                             nullptr, &reserving);
+    RunToEnd(scheduler, requests);
+  }
+  for (auto& r : requests) {
+    absl::MutexLock lock(&r->mu);
+    EXPECT_EQ(r->finish, Finish::kLength) << r->id << ": " << r->error;
+  }
+  EXPECT_EQ(reserving.largest_batch_, 1);
   EXPECT_EQ(arena_->counters().reserved, 0);
 }
 

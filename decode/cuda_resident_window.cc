@@ -1,11 +1,9 @@
 #include "decode/cuda_resident_window.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
-#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -95,20 +93,6 @@ class MappedScratch {
  private:
   GrowingBuffer staging_{true}, lists_{false}, out_{false}, lse_{false}, workspace_{false};
 };
-
-// fn(i) for i in [0, n) on `threads` threads (the caller and threads - 1 started for the call),
-// each taking the next i: an admission's few dozen chunks of conversion, off the step, where an
-// OpenMP team must not be started (ResidentWindow::AdmitThreads).
-void RunOnPlainThreads(int64_t threads, int64_t n, absl::FunctionRef<void(int64_t)> fn) {
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < threads; ++t) helpers.emplace_back(work);
-  work();
-  for (std::thread& t : helpers) t.join();
-}
 
 // Creates each event without timing; a failed one stays null (the window's destructor destroys
 // the rest).
@@ -327,14 +311,12 @@ class CudaResidentWindow : public ResidentWindow {
 
   const WindowShape& shape() const override { return shape_; }
 
-  // Admissions run one at a time, on their own stream with their own errors, so that one may run
-  // on another thread while steps go on over other slots: the step's
-  // stream never queues behind an admission's copies, and the slot's rows are complete (the
-  // admission stream synchronised) before Admit returns it.
+  // Admissions run one at a time, on their own stream with their own errors: the step's stream
+  // never queues behind an admission's copies, and the slot's rows are complete (the admission
+  // stream synchronised) before Admit returns it.
   absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
-                            const AdmitThreads& threads) override {
+                            bool compact_keys) override {
     absl::MutexLock lock(&admit_mu_);
-    admit_threads_ = threads;
     // The calling thread may not be the step's: make the window's device current.
     if (cudaSetDevice(device_) != cudaSuccess) {
       cudaGetLastError();
@@ -358,7 +340,7 @@ class CudaResidentWindow : public ResidentWindow {
       };
       ForEachResidentToken(shape_, n, copy_token);
     });
-    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens));
+    FLUXION_ASSIGN_OR_RETURN(const int slot, slots_.Take(n, score_block_tokens, compact_keys));
     AdmitErrors errors;
     if (slots_.score_block(slot) > 0) {
       if (absl::Status s = UploadBounds(kv, slot, &errors); !s.ok()) {
@@ -489,13 +471,10 @@ class CudaResidentWindow : public ResidentWindow {
 
   void set_cpu_pool(const kernels::cpu::CpuPool* pool) override { pool_ = pool; }
 
-  // fn(i) for i in [0, n) on the admission's threads (Admit's AdmitThreads): the pool's, or
-  // plain threads of its own, or the calling thread alone.
+  // fn(i) for i in [0, n) on the step's pool (set_cpu_pool), or the calling thread alone.
   void RunOnPool(int64_t n, absl::FunctionRef<void(int64_t)> fn) const {
-    if (admit_threads_.step_pool && pool_ != nullptr) {
+    if (pool_ != nullptr) {
       pool_->ParallelFor(n, fn);
-    } else if (!admit_threads_.step_pool && admit_threads_.threads > 1 && n > 1) {
-      RunOnPlainThreads(std::min<int64_t>(admit_threads_.threads, n), n, fn);
     } else {
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
@@ -852,7 +831,6 @@ class CudaResidentWindow : public ResidentWindow {
   // Admission (Admit): one at a time, on its own stream, on the threads it was given.
   absl::Mutex admit_mu_;
   cudaStream_t admit_stream_ = nullptr;
-  AdmitThreads admit_threads_;
   int device_ = 0;  // current when Init ran
   // Admission's page bounds in flight: two pinned chunks and the copy out of each.
   const int64_t bounds_chunk_bytes_;

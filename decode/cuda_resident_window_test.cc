@@ -121,8 +121,8 @@ TEST_P(CudaResidentWindowTest, MatchesTheHostWindowStepByStep) {
   ASSERT_TRUE(cuda.ok()) << cuda.status();
   std::vector<int> host_slots, cuda_slots;
   for (const auto& kv : kvs) {
-    host_slots.push_back(*host->Admit(*kv, 0));
-    auto slot = (*cuda)->Admit(*kv, 0);
+    host_slots.push_back(*host->Admit(*kv, 0, false));
+    auto slot = (*cuda)->Admit(*kv, 0, false);
     ASSERT_TRUE(slot.ok()) << slot.status();
     cuda_slots.push_back(*slot);
   }
@@ -201,8 +201,8 @@ TEST_P(CudaBlockScoresTest, MatchTheHostWindowsScores) {
   (*cuda)->set_cpu_pool(&pool);
   std::vector<int> host_slots, cuda_slots;
   for (size_t i = 0; i < kvs.size(); ++i) {
-    host_slots.push_back(*host->Admit(*kvs[i], blocks[i]));
-    auto slot = (*cuda)->Admit(*kvs[i], blocks[i]);
+    host_slots.push_back(*host->Admit(*kvs[i], blocks[i], false));
+    auto slot = (*cuda)->Admit(*kvs[i], blocks[i], false);
     ASSERT_TRUE(slot.ok()) << slot.status();
     cuda_slots.push_back(*slot);
   }
@@ -355,8 +355,8 @@ TEST_P(CudaDevicePicksTest, MatchTheHostWindowsPicksExactly) {
   (*cuda)->set_cpu_pool(&pool);
   std::vector<int> host_slots, cuda_slots;
   for (const auto& kv : kvs) {
-    host_slots.push_back(*host->Admit(*kv, 0));
-    auto slot = (*cuda)->Admit(*kv, 0);
+    host_slots.push_back(*host->Admit(*kv, 0, /*compact_keys=*/true));
+    auto slot = (*cuda)->Admit(*kv, 0, /*compact_keys=*/true);
     ASSERT_TRUE(slot.ok()) << slot.status();
     cuda_slots.push_back(*slot);
   }

@@ -174,7 +174,18 @@ absl::Status DecodeWorker::BuildService() {
     steps.cuda.compact_slots =
         CompactSlotsFor(shape, steps.cuda.max_context_tokens, config_.device_selection_gib,
                         steps.cuda.max_requests);
+    // Without a place no request could select on the device: every fluxion / exact_topk request
+    // would quietly take the CPU's scan, a step as slow as full attention over host KV.
+    if (steps.cuda.compact_slots == 0 && steps.cuda.max_context_tokens > 0) {
+      return ConfigError(absl::StrCat(
+          "--device-selection-gib ", config_.device_selection_gib,
+          " holds the compact keys of no request of --device-max-context ",
+          steps.cuda.max_context_tokens, " tokens (",
+          absl::StrFormat("%.2f", CompactGibPerRequest(shape, steps.cuda.max_context_tokens)),
+          " GiB each): raise it, lower --device-max-context, or pass --selector host"));
+    }
   }
+  compact_places_ = steps.cuda.compact_slots;
   auto executor = NewStepExecutor(model_.get(), pool, arena_.get(), steps);
   if (!executor.ok()) {
     return StartError(absl::StrCat("--device cuda: ", executor.status().ToString()));
@@ -241,6 +252,10 @@ void DecodeWorker::PrintServing() const {
             << " CPU thread(s), decode steps: " << executor_->name()
             << (config_.steps.device == StepDevice::kCuda
                     ? " (CUDA dense halves and resident window)"
+                    : "")
+            << (compact_places_ > 0
+                    ? absl::StrCat("; device selection: ", compact_places_,
+                                   " requests at once (more wait for a place)")
                     : "")
             << "\n";
 }

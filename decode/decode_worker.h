@@ -129,6 +129,7 @@ class DecodeWorker {
   std::unique_ptr<DecodeNodeMetrics> node_metrics_;
   std::unique_ptr<KvAdmission> admission_;
   std::unique_ptr<StepExecutor> executor_;
+  int64_t compact_places_ = 0;  // device-selection places of the step executor (0: none)
   std::unique_ptr<BatchScheduler> scheduler_;
   std::unique_ptr<DecodeServiceImpl> service_;
   // Last: stops serving before anything its calls and scrapes read goes away.

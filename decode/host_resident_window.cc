@@ -42,10 +42,10 @@ class HostResidentWindow : public ResidentWindow {
 
   // One thread whatever `threads` says: the stand-in's copies are small.
   absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
-                            const AdmitThreads&) override {
+                            bool compact_keys) override {
     absl::StatusOr<int64_t> n = slots_.CheckAdmit(kv, score_block_tokens);
     if (!n.ok()) return n.status();
-    absl::StatusOr<int> slot = slots_.Take(*n, score_block_tokens);
+    absl::StatusOr<int> slot = slots_.Take(*n, score_block_tokens, compact_keys);
     if (!slot.ok()) return slot.status();
     if (slots_.score_block(*slot) > 0) LoadBounds(kv, *slot);
     if (const int32_t c = slots_.compact_index(*slot); c >= 0) LoadCompact(kv, c);

@@ -112,7 +112,7 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   // is one (cpu_lane.h: the pool's parallel regions start on one thread).
   absl::StatusOr<int> admitted;
   FLUXION_RETURN_IF_ERROR(RunOnLane(attention_->cpu_lane(), [&] {
-    admitted = state_->window->Admit(attention.kv(), score_block);
+    admitted = state_->window->Admit(attention.kv(), score_block, WantsCompactKeys(attention));
     return admitted.status();
   }));
   const int slot = *admitted;
@@ -123,7 +123,24 @@ absl::StatusOr<int> HybridStepExecutor::SlotOf(const SparseAttention& attention)
   return slot;
 }
 
+bool HybridStepExecutor::WantsCompactKeys(const SparseAttention& attention) const {
+  const WindowShape& w = state_->window->shape();
+  // A context already past the compact rows never gets them (they cover max_context_tokens).
+  return w.compact_slots > 0 && sparse::DeviceSelects(attention.policy_config()) &&
+         attention.kv().length(0) < w.max_context_tokens;
+}
+
+bool HybridStepExecutor::Reserve(const SparseAttention& attention) {
+  if (!WantsCompactKeys(attention) || reserved_.contains(attention.id())) return true;
+  if (static_cast<int64_t>(reserved_.size()) >= state_->window->shape().compact_slots) {
+    return false;
+  }
+  reserved_.insert(attention.id());
+  return true;
+}
+
 void HybridStepExecutor::Forget(const SparseAttention& attention) {
+  reserved_.erase(attention.id());
   if (auto it = state_->slots.find(attention.id()); it != state_->slots.end()) {
     state_->window->Release(it->second);
     state_->slots.erase(it);

@@ -4,8 +4,10 @@
 // plan on the CPU over host pages, merged by log-sum-exp (hybrid_batch_attention.h).
 //
 // Requests are admitted to the window the first time a step sees them (their prompt's resident
-// rows and page bounds gathered and uploaded inside that step), and released when a step no
-// longer lists them or on Forget. A request
+// rows, page bounds and compact keys gathered and uploaded inside that step), and released when
+// a step no longer lists them or on Forget. The window's device-selection places are reserved
+// before a request joins (Reserve), so a scheduled request that selects on the device always
+// finds one. A request
 // the window cannot take (every slot busy, or a policy whose sinks or local window are smaller
 // than the resident ones, so its plan would not contain the resident rows) gets its own error
 // and the step runs without it.
@@ -16,6 +18,7 @@
 
 #include <memory>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "decode/hybrid_batch_attention.h"
 #include "decode/resident_window.h"
@@ -53,8 +56,14 @@ class HybridStepExecutor : public StepExecutor {
   // full logits.
   void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                      std::vector<float>* logits, std::vector<absl::Status>* statuses) override;
-  // Gives the request's window slot back, if it holds one.
+  // A request whose policy selects from compact keys (sparse::DeviceSelects) and whose context
+  // fits the window's compact rows reserves one of the window's compact_slots places; false
+  // while every place is reserved. Other requests need none: always true.
+  bool Reserve(const SparseAttention& attention) override;
+  // Gives the request's window slot and reservation back, if it holds them.
   void Forget(const SparseAttention& attention) override;
+  // Device-selection places reserved now (Reserve minus Forget).
+  int64_t compact_places_reserved() const { return static_cast<int64_t>(reserved_.size()); }
 
   // Rows sampled from candidates vs rows whose full logits crossed to the host, since creation.
   struct SamplingCounters {
@@ -106,6 +115,8 @@ class HybridStepExecutor : public StepExecutor {
   explicit HybridStepExecutor(std::unique_ptr<State> state);
   // The request's window slot, admitting it now if it holds none.
   absl::StatusOr<int> SlotOf(const SparseAttention& attention);
+  // Whether the request selects from compact keys the window can keep for it.
+  bool WantsCompactKeys(const SparseAttention& attention) const;
   // The block size the window scores the request's blocks at (0: none), or FailedPrecondition
   // when its policy attends fewer sinks or local tokens than the window holds.
   absl::StatusOr<int64_t> ScoreBlockOf(const SparseAttention& attention) const;
@@ -122,6 +133,7 @@ class HybridStepExecutor : public StepExecutor {
   bool window_block_scores_ = true;
   SamplingCounters sampling_counters_;
   AdmissionCounters admission_counters_;
+  absl::flat_hash_set<uint64_t> reserved_;  // requests holding a device-selection place
   int64_t max_candidates_ = model::CandidateOps::kMaxCandidates;
   // The step's phase times feed the guard: the counters when it last looked.
   void ObserveStall();

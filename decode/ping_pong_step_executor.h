@@ -78,6 +78,9 @@ class PingPongStepExecutor : public StepExecutor {
   absl::string_view name() const override { return "ping-pong"; }
   // Both windows' slots.
   int64_t max_batch() const override;
+  // No Reserve: a request's half is chosen at its first step, so device-selection places are
+  // not reserved ahead; a request that finds none on its half selects on the CPU (correct, as
+  // slow as a CPU scan). The ping-pong step is not the default (docs/EXECUTOR.md section 8).
   // As StepExecutor::Step; an empty batch is allowed and only gives every slot back. A request
   // neither window can take gets ResourceExhausted; a pipeline's errors are its requests' only.
   void Step(absl::Span<const StepRequest> batch, std::vector<float>* logits,

@@ -84,7 +84,8 @@ absl::StatusOr<int64_t> WindowSlots::CheckAdmit(const PagedKv& kv,
   return n;
 }
 
-absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens) {
+absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens,
+                                      bool compact_keys) {
   absl::MutexLock lock(&mu_);
   for (int s = 0; s < shape_.max_requests; ++s) {
     if (tokens_[s] < 0) {
@@ -92,7 +93,7 @@ absl::StatusOr<int> WindowSlots::Take(int64_t tokens, int64_t score_block_tokens
       // A context that does not fit the metadata now never will (contexts only grow).
       score_block_[s] = tokens < shape_.max_context_tokens ? score_block_tokens : 0;
       compact_[s] = -1;
-      if (tokens < shape_.max_context_tokens) {
+      if (compact_keys && tokens < shape_.max_context_tokens) {
         auto free = std::find(compact_used_.begin(), compact_used_.end(), 0);
         if (free != compact_used_.end()) {
           *free = 1;

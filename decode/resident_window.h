@@ -137,7 +137,7 @@ class WindowSlots {
   absl::StatusOr<int64_t> CheckAdmit(const PagedKv& kv, int64_t score_block_tokens) const;
   // A free slot, now holding `tokens`, scored at `score_block_tokens` when the window keeps
   // metadata for that many tokens (else 0); ResourceExhausted when none is free.
-  absl::StatusOr<int> Take(int64_t tokens, int64_t score_block_tokens);
+  absl::StatusOr<int> Take(int64_t tokens, int64_t score_block_tokens, bool compact_keys);
   void Release(int slot);
   // The block size slot `slot`'s rows are scored at now (0: not scored).
   int64_t score_block(int slot) const {
@@ -180,22 +180,12 @@ class ResidentWindow {
   // max_context_tokens (longer: never scored, and the policy scores on the CPU as without a
   // window). ResourceExhausted when every slot is taken; InvalidArgument for a KV of another
   // shape or page size, uneven layers, or a bad block size.
-  absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens) {
-    return Admit(kv, score_block_tokens, AdmitThreads{});
-  }
-  // Which threads Admit's host-side gathering and conversion use. Inside a step (the default)
-  // the pool set by set_cpu_pool: the step's threads are idle meanwhile. Beside the steps (off
-  // the step: an experiment no executor runs now) `threads` plain threads of Admit's own: an OpenMP team
-  // started from a second thread fights the step's team for the cores, and once libgomp manages
-  // more threads than there are CPUs it throttles every team's spinning, so every later step's
-  // parallel regions wake sleeping threads (measured on the H200 host: the steps beside an
-  // off-step admission on the pool took 2-6x longer, and every step after it 1.2-1.7x).
-  struct AdmitThreads {
-    bool step_pool = true;
-    int threads = 1;  // when !step_pool
-  };
+  // With `compact_keys` (a policy that selects on the device, decode/sparse/device_selection.h)
+  // the slot also takes one of shape().compact_slots places while one is free and the context
+  // fits max_context_tokens (see SelectRows); without, it never takes one, so the places stay
+  // for the requests that select from them.
   virtual absl::StatusOr<int> Admit(const PagedKv& kv, int64_t score_block_tokens,
-                                    const AdmitThreads& threads) = 0;
+                                    bool compact_keys) = 0;
   // The threads Admit may use inside a step (null, the default: the calling thread). Admission
   // runs inside the step that first holds the request, so every other request of that step
   // waits for it. `pool` must outlive the window.

@@ -67,7 +67,7 @@ TEST(HostResidentWindowTest, BlockScoresEqualTheCpuScanOfThePagesAfterEveryAppen
   const std::vector<int64_t> blocks = {32, 16, 64};
   auto window = *NewHostResidentWindow(f.shape, kPageTokens);
   std::vector<int> slots;
-  for (size_t i = 0; i < f.kvs.size(); ++i) slots.push_back(*window->Admit(*f.kvs[i], blocks[i]));
+  for (size_t i = 0; i < f.kvs.size(); ++i) slots.push_back(*window->Admit(*f.kvs[i], blocks[i], false));
   const WindowShape& w = f.shape;
   const int64_t d = w.head_dim, group = w.num_heads / w.num_kv_heads, rows = 3;
   const int64_t kv_row = w.num_kv_heads * d;
@@ -119,13 +119,13 @@ TEST(HostResidentWindowTest, AdmissionChecksTheScoreBlock) {
   std::mt19937 rng(8);
   Fixture f({40}, rng);
   auto window = *NewHostResidentWindow(f.shape, kPageTokens);
-  EXPECT_EQ(window->Admit(*f.kvs[0], 24).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(window->Admit(*f.kvs[0], -16).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(window->Admit(*f.kvs[0], 24, false).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(window->Admit(*f.kvs[0], -16, false).status().code(), absl::StatusCode::kInvalidArgument);
   // A window without metadata takes the request and never scores it.
   WindowShape plain = f.shape;
   plain.max_context_tokens = 0;
   auto unscored = *NewHostResidentWindow(plain, kPageTokens);
-  const int slot = *unscored->Admit(*f.kvs[0], 32);
+  const int slot = *unscored->Admit(*f.kvs[0], 32, false);
   ASSERT_TRUE(unscored->BeginStep({slot}, {40}).ok());
   std::mt19937 r2(9);
   const std::vector<float> q = Random(8 * 64, r2), k = Random(2 * 64, r2);

@@ -56,7 +56,8 @@ void RegisterStepFlags(FlagSet& flags, StepFlags* s, DecodeWorkerConfig* c) {
   flags.Double("device-selection-gib", &c->device_selection_gib,
                "with --device cuda: GPU memory for the compact keys exact_topk and fluxion select "
                "from (132 bytes per token, layer and KV head at head_dim 128; requests of up to "
-               "--device-max-context tokens); requests beyond it select on the CPU");
+               "--device-max-context tokens); a request beyond it waits for a place, and a "
+               "value that holds no request is refused");
   flags.String("selector", &s->selector,
                "where exact_topk and fluxion choose their rows: device (with --device cuda: the "
                "top-k of int8 compact keys in GPU memory; docs/SPARSE.md \"Device selection\") "

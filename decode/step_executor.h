@@ -66,14 +66,14 @@ class StepExecutor {
   virtual void StepAndSample(absl::Span<const StepRequest> batch, std::vector<int32_t>* tokens,
                              std::vector<float>* logits, std::vector<absl::Status>* statuses);
 
-  // Work an executor does once per request before its first step, done off the step so that the
-  // requests already decoding do not wait for it (the hybrid executor loads the request's
-  // resident window: ~0.13 s at 128K tokens). The scheduler calls Prepare when a request is
-  // about to join, keeps it out of the steps until Prepared, and calls Forget when it ends (even
-  // if it never joined a step). A request that joins a step unprepared is prepared inside that
-  // step. `attention` (and its KV) must stay alive until Forget returns. Defaults: nothing to do.
-  virtual void Prepare(const SparseAttention& attention) {}
-  virtual bool Prepared(const SparseAttention& attention) const { return true; }
+  // Whether the executor can hold `attention`'s request beside the running ones, reserving what
+  // it needs when so (the hybrid executor: a device-selection place for a request whose policy
+  // selects from compact keys, so that no such request falls back to the CPU's selection for
+  // want of HBM). The scheduler asks before a request joins, keeps it and those behind it
+  // waiting on false and asks again later, and calls Forget when the request ends (even if it
+  // never joined a step). Asking again for a request that holds its reservation returns true.
+  // `attention` (and its KV) must stay alive until Forget returns. Default: always true.
+  virtual bool Reserve(const SparseAttention& attention) { return true; }
   virtual void Forget(const SparseAttention& attention) {}
 };
 

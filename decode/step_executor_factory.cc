@@ -109,17 +109,20 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewStepExecutor(const model::Model
 #endif
 }
 
-int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
-                        double gib, int64_t max_requests) {
+double CompactGibPerRequest(const model::AttentionShape& attention, int64_t max_context_tokens) {
   kernels::CompactKeysLayout layout;
   layout.num_layers = attention.num_layers;
   layout.num_kv_heads = attention.num_kv_heads;
   layout.head_dim = attention.head_dim;
   layout.max_tokens = max_context_tokens;
-  const int64_t per_slot = layout.SlotBytes();
+  return static_cast<double>(layout.SlotBytes()) / static_cast<double>(int64_t{1} << 30);
+}
+
+int64_t CompactSlotsFor(const model::AttentionShape& attention, int64_t max_context_tokens,
+                        double gib, int64_t max_requests) {
+  const double per_slot = CompactGibPerRequest(attention, max_context_tokens);
   if (per_slot <= 0 || gib <= 0) return 0;
-  const double budget = gib * static_cast<double>(int64_t{1} << 30);
-  return std::min<int64_t>(max_requests, static_cast<int64_t>(budget / per_slot));
+  return std::min<int64_t>(max_requests, static_cast<int64_t>(gib / per_slot));
 }
 
 }  // namespace fluxion::decode

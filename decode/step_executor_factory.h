@@ -66,6 +66,9 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> NewStepExecutor(const model::Model
                                                               KvArena* arena,
                                                               StepExecutorOptions options);
 
+// The HBM one request of up to `max_context_tokens` takes for its compact rows, in GiB.
+double CompactGibPerRequest(const model::AttentionShape& attention, int64_t max_context_tokens);
+
 // How many requests of up to `max_context_tokens` fit their compact rows in `gib` GiB of HBM
 // (kernels/compact_keys.h: 132 bytes per token, layer and KV head at head_dim 128), at most
 // `max_requests`.

@@ -312,6 +312,51 @@ TEST_F(StepExecutorTest, DevicePicksFromTheWindowSelectWhatTheCpuEmulationSelect
   }
 }
 
+TEST_F(StepExecutorTest, ReserveHoldsTheDevicePlacesForTheRequestsThatSelectOnTheDevice) {
+  // One compact place: the first device-selecting request takes it, a second waits (false)
+  // until the first is forgotten; a request too long for the compact rows, one selecting on
+  // the host and quest need none. The admitted request's picks come from the window.
+  const kernels::cpu::CpuPool pool(2);
+  std::unique_ptr<HybridStepExecutor> hybrid =
+      MakeHybrid(&pool, /*max_requests=*/8, /*max_context_tokens=*/704, /*compact_slots=*/1);
+  const model::AttentionShape shape = model_->attention_shape();
+  auto arena = *KvArena::Create(
+      KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
+      4096);
+  sparse::PolicyConfig device = *sparse::ParsePolicy("exact_topk", 0.3);
+  device.selector = sparse::Selector::kDevice;
+  const sparse::PolicyConfig host = *sparse::ParsePolicy("exact_topk", 0.3);
+  const sparse::PolicyConfig quest = *sparse::ParsePolicy("quest", 0.3);
+  const Prefill short_prompt = MakePrefill(Prompt(300, 11));
+  const Prefill long_prompt = MakePrefill(Prompt(710, 12));
+  Request a = MakeRequest(arena.get(), short_prompt, device);
+  Request b = MakeRequest(arena.get(), short_prompt, device);
+  Request too_long = MakeRequest(arena.get(), long_prompt, device);
+  Request on_host = MakeRequest(arena.get(), short_prompt, host);
+  Request ranked = MakeRequest(arena.get(), short_prompt, quest);
+
+  EXPECT_TRUE(hybrid->Reserve(*a.attention));
+  EXPECT_TRUE(hybrid->Reserve(*a.attention)) << "asking again keeps the reservation";
+  EXPECT_FALSE(hybrid->Reserve(*b.attention)) << "the one place is reserved";
+  EXPECT_TRUE(hybrid->Reserve(*too_long.attention)) << "never gets compact rows: no place";
+  EXPECT_TRUE(hybrid->Reserve(*on_host.attention));
+  EXPECT_TRUE(hybrid->Reserve(*ranked.attention));
+  EXPECT_EQ(hybrid->compact_places_reserved(), 1);
+
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+  hybrid->Step({{a.seq.get(), a.attention, a.token}}, &logits, &statuses);
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_GT(a.attention->stats().selections_ranked_elsewhere, 0) << "picked by the window";
+
+  hybrid->Forget(*a.attention);
+  EXPECT_EQ(hybrid->compact_places_reserved(), 0);
+  EXPECT_TRUE(hybrid->Reserve(*b.attention));
+  hybrid->Step({{b.seq.get(), b.attention, b.token}}, &logits, &statuses);
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_GT(b.attention->stats().selections_ranked_elsewhere, 0) << "the place came back";
+}
+
 TEST_F(StepExecutorTest, ADeviceReadShareSplitsEveryPairsHostRowsAndChangesNoResult) {
   // The device (here the host stand-in) attends the first share of every pair's host rows
   // straight from the pages while the CPU attends the rest: the same plans, merged in another
