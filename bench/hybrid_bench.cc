@@ -1,21 +1,17 @@
 #include "bench/hybrid_bench.h"
 
 #include <algorithm>
-#include <type_traits>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <iostream>
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "bench/bench_util.h"
-#include "common/cpu_threads.h"
-#include "common/flag_set.h"
 #include "common/read_bandwidth.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
@@ -28,7 +24,6 @@
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_pool.h"
-#include "kernels/cpu/process_cpu.h"
 #include "model/cpu_dense_ops.h"
 #include "model/cuda_dense_ops.h"
 #include "model/random_model.h"
@@ -47,42 +42,6 @@ namespace {
 
 constexpr int64_t kPageTokens = 16;
 constexpr int64_t kFillChunk = 256;  // tokens of random K/V rows appended at a time
-
-struct Options {
-  std::string preset = "llama3.1-8b", device = "cuda";
-  std::vector<int64_t> contexts = {32768, 65536, 131072}, batches = {1, 4, 8, 16};
-  std::vector<std::string> policies = {"full", "fixed_32_0.05", "fixed_32_0.02", "fixed_16_0.05"};
-  std::vector<double> budgets = {0.05};
-  // Decision profiles lfps and fluxion are timed under (each under every one): `conservative`
-  // or a profile file (decode/sparse/decision_profile.h).
-  std::vector<std::string> profiles = {"conservative"};
-  int64_t steps = 5;
-  // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
-  // or the CPU's scan of the host bounds; each value a row.
-  std::vector<std::string> block_scores = {"device"};
-  // Where exact_topk and fluxion choose their rows (decode/sparse/policy.h, Selector): host
-  // and/or device (compact keys in HBM); each value a row.
-  std::vector<std::string> selectors = {"device"};
-  // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
-  std::vector<double> device_read_shares = {0};
-  // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
-  // each value a row.
-  std::vector<int64_t> micro_batches = {1};
-  double host_memory_gib = 0;  // 0: 80% of MemAvailable
-  // The preset's first `layers` layers only (0: all). A truncated model's step is not the
-  // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold
-  // the whole model (the per-layer work is the same at every layer).
-  int64_t layers = 0;
-  bool degrade_on_stall = false;  // every row with the stall guard (fluxion decode's flag)
-  // After each hybrid point: admit one more request off the step while the batch steps
-  // (Point::join_*); needs a spare request (batch below the largest).
-  bool join = false;
-  std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
-  // The paged kernels the HBM-resident reference runs with (kernels/cuda/paged_decode.h); each a
-  // row.
-  std::vector<std::string> hbm_kernels = {"v5"};
-  decode::sparse::GuardConfig guard;
-};
 
 struct Device {
   std::unique_ptr<model::DenseOps> ops;
@@ -228,7 +187,7 @@ struct Timed {
 
 // The policies x profiles to time. lfps and fluxion run once per profile; every other policy
 // that needs the prefill's sparse state is refused (random weights give it no meaning).
-absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
+absl::StatusOr<std::vector<Timed>> TimedConfigs(const HybridBenchOptions& o) {
   FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
                            decode::sparse::ExpandPolicies(o.policies, o.budgets));
   {
@@ -472,7 +431,7 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
 
 // `flush` is called after every (context, batch) point, so a run cut short by a time limit
 // keeps what it measured.
-absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results,
+absl::Status Run(const HybridBenchOptions& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results,
                  const std::function<void()>& flush) {
   FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
   if (o.layers > 0) config.num_layers = std::min<int>(config.num_layers, o.layers);
@@ -759,120 +718,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
 
 }  // namespace
 
-int RunHybridBench(const std::vector<std::string>& args) {
-  Options o;
-  std::string json_path;
-  FlagSet flags("fluxion bench decode --device cpu|cuda",
-                "Times the hybrid decode step (dense halves and the resident window on --device, "
-                "the rest of each policy's plan on the CPU over host pages) at real model shapes "
-                "with random weights, per context, batch and policy, with the GPU-only step of "
-                "the same run.");
-  flags.String("device", &o.device, "cuda, or cpu (the host stand-in of the device half)");
-  flags.String("preset", &o.preset,
-               "model shape: " + absl::StrJoin(model::PresetNames(), ", "));
-  flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
-  flags.IntList("batch", &o.batches, "batch sizes");
-  flags.StringList("policy", &o.policies,
-                   "policies: full, quest, exact_topk, fixed_<block>_<b>, and lfps / fluxion "
-                   "under each --profile");
-  flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk / lfps / fluxion");
-  flags.StringList("profile", &o.profiles,
-                   "decision profiles lfps and fluxion replay (each policy once per profile): "
-                   "conservative (every head a retrieval head at the full budget) or a profile "
-                   "file from fluxion eval tasks --record-profile (bench/profiles/)");
-  flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
-  flags.DoubleList("device-read-share", &o.device_read_shares,
-                   "shares of every (request, KV head)'s host rows the GPU reads itself from "
-                   "pinned host pages while the CPU reads the rest; each value a row");
-  flags.IntList("micro-batches", &o.micro_batches,
-                "1 (one hybrid pipeline) and/or 2 (the ping-pong executor: the batch in two "
-                "halves, one's GPU work overlapping the other's CPU attention); each value a "
-                "row");
-  flags.StringList("block-scores", &o.block_scores,
-                   "where quest's and fixed_*'s block scores come from: device (the window's "
-                   "page bounds next to the dense halves) and/or cpu (the CPU scans the host "
-                   "pages' bounds); with both, each is a row");
-  flags.StringList("selector", &o.selectors,
-                   "where exact_topk and fluxion choose their rows: device (the top-k of the int8 "
-                   "compact keys the window keeps in HBM, docs/SPARSE.md \"Device selection\") "
-                   "and/or host (the policy's own selection on the CPU); with both, each is a "
-                   "row");
-  flags.Double("host-memory-gib", &o.host_memory_gib,
-               "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
-               "MemAvailable");
-  flags.StringList("hbm-kernels", &o.hbm_kernels,
-                   "paged kernels of the HBM-resident reference row (v4, v4s2, v5, v5s2, ...; "
-                   "kernels/cuda/paged_decode.h); each a row");
-  flags.Bool("join", &o.join,
-             "after each hybrid point, admit one more request off the step while the batch "
-             "steps on, and report how long it took and the longest step meanwhile");
-  flags.Bool("degrade-on-stall", &o.degrade_on_stall,
-             "every row with dynamic degradation on (fluxion decode --degrade-on-stall: the "
-             "budget shrinks while the CPU phase outlasts the GPU's work); the JSON records the "
-             "budget share the last step ran at");
-  flags.Int("layers", &o.layers,
-            "run only the preset's first N layers (0: all): to profile the CPU half at real head "
-            "shapes where the whole model does not fit; not the model's step time");
-  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
-  flags.String("json", &json_path, "also write results to this file");
-  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
-  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  {
-    auto guard = guard_flags.Read();
-    if (!guard.ok()) {
-      std::cerr << "error: " << guard.status().message() << "\n";
-      return 2;
-    }
-    o.guard_modes = guard->modes;
-    o.guard = guard->config;
-  }
-#ifdef FLUXION_HAVE_CUDA
-  for (const std::string& k : o.hbm_kernels) {
-    kernels::cuda::PagedKernel kernel;
-    if (!kernels::cuda::PagedKernelFromName(k, &kernel)) {
-      std::cerr << "error: --hbm-kernels: unknown kernel '" << k << "'\n";
-      return 2;
-    }
-  }
-#endif
-  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
-  if (!pool.ok()) {
-    std::cerr << "error: " << pool.status().message() << "\n";
-    return 2;
-  }
-  auto positive = [](const std::vector<int64_t>& v, int64_t max) {
-    return !v.empty() && std::all_of(v.begin(), v.end(),
-                                     [max](int64_t x) { return x >= 1 && x <= max; });
-  };
-  if (!positive(o.contexts, 1 << 21) || !positive(o.batches, 256) || o.steps < 1 ||
-      o.steps > 1000 || o.layers < 0) {
-    std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000], "
-                 "--layers >= 0\n";
-    return 2;
-  }
-  if (!positive(o.micro_batches, 2)) {
-    std::cerr << "error: --micro-batches takes 1 and/or 2\n";
-    return 2;
-  }
-  nlohmann::json results = nlohmann::json::array();
-  pool->ApplyToBlas();
-  absl::Status written;
-  auto write = [&] {
-    if (json_path.empty() || !written.ok()) return;
-    written = WriteJson(
-        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
-  };
-  if (absl::Status s = Run(o, *pool, &results, write); !s.ok()) {
-    std::cerr << "error: " << s << "\n";
-    write();  // what was measured before the error
-    return 1;
-  }
-  write();
-  if (!written.ok()) {
-    std::cerr << "error: " << written << "\n";
-    return 1;
-  }
-  return 0;
+absl::Status RunHybridBench(const HybridBenchOptions& o, const kernels::cpu::CpuPool& pool,
+                            nlohmann::json* results, const std::function<void()>& flush) {
+  return Run(o, pool, results, flush);
 }
 
 }  // namespace fluxion::bench
