@@ -8,6 +8,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -74,17 +75,85 @@ absl::StatusOr<std::vector<int>> WaitForPorts(std::vector<ChildProcess*> childre
   return ports;
 }
 
-// One chat request through the HTTP API, to show text in and text out end to end. Informational: a
-// failure is printed, not fatal (the replay above is the run's result).
+// The closing request: a question in the form the bundled model was trained on (docs/TASKS.md,
+// niah_single: a haystack of filler sentences with the needle among them, a blank line, the
+// question and its answer prefix), so that a new user sees a right answer rather than whatever the
+// tiny model makes of a chat turn it never saw (docs/CHAT.md, "Our own byte-level models"). It
+// goes to the completions endpoint: the chat endpoint would wrap it in the plain template's
+// "user: ... assistant: ", and the model answers from its trained form only. About 2K tokens:
+// below ~1K the decode nodes' default policy (fluxion at a 5% budget) reads too few rows to copy
+// the number.
+constexpr size_t kClosingHaystackChars = 2000;
+constexpr char kClosingNeedle[] = "The special magic number for satovire is 2390561.";
+constexpr char kClosingQuestion[] = "What is the special magic number for satovire?";
+constexpr char kClosingAnswerPrefix[] = "The special magic number for satovire is ";
+constexpr char kClosingExpected[] = "2390561";
+
+// docs/TASKS.md's haystack of about `chars` characters with `needle` after ~40% of it: filler
+// sentences, half of them its fixed sentences and half 4-10 random words of 1-3 syllables. The
+// seed is fixed (std::mt19937's sequence is the same everywhere), so every run asks the same.
+std::string ClosingHaystack(size_t chars, const std::string& needle) {
+  static constexpr const char* kFixed[] = {"The grass is green.",
+                                           "The sky is blue.",
+                                           "The sun is yellow.",
+                                           "Here we go.",
+                                           "There and back again.",
+                                           "The river flows to the sea.",
+                                           "A small bird sings in the tree.",
+                                           "The old road winds through the hills."};
+  static constexpr char kConsonants[] = "bdfgklmnprstvz";
+  static constexpr char kVowels[] = "aeiou";
+  std::mt19937 rng(43);
+  auto uniform = [&rng](uint32_t lo, uint32_t hi) { return lo + rng() % (hi - lo + 1); };
+  auto sentence = [&]() -> std::string {
+    if (rng() % 2 == 0) return kFixed[uniform(0, 7)];
+    std::vector<std::string> words(uniform(4, 10));
+    for (std::string& w : words) {
+      for (uint32_t n = uniform(1, 3); n > 0; --n) {
+        w += kConsonants[uniform(0, 13)];
+        w += kVowels[uniform(0, 4)];
+      }
+    }
+    std::string out = absl::StrJoin(words, " ") + ".";
+    out[0] = static_cast<char>(out[0] - 'a' + 'A');
+    return out;
+  };
+  std::vector<std::string> sentences;
+  bool placed = false;
+  for (size_t length = 0; length < chars;) {
+    if (!placed && length >= chars * 2 / 5) {
+      sentences.push_back(needle);
+      placed = true;
+    } else {
+      sentences.push_back(sentence());
+    }
+    length += sentences.back().size() + 1;
+  }
+  return absl::StrJoin(sentences, " ");
+}
+
+// One completion request through the HTTP API, to show text in and text out end to end: the
+// question, the expected answer and the model's (its text up to the first newline, as
+// docs/TASKS.md scores it). Informational: a failure is printed, not fatal (the replay above is
+// the run's result).
 void ShowOneAnswer(int http_port, const std::string& model_dir) {
   std::string name = model_dir;
   while (name.size() > 1 && name.back() == '/') name.pop_back();
   name = name.substr(name.rfind('/') + 1);
-  const std::string question = "The secret key is 7391. What is the secret key?";
-  auto answer = openai::AskOnce(http_port, name, question, /*chat=*/true, 24, absl::Seconds(60));
-  std::cout << "one chat request through the HTTP API (POST /v1/chat/completions, greedy):\n"
-            << "  user: " << question << "\n  assistant: "
-            << (answer.ok() ? *answer : absl::StrCat("(failed: ", answer.status().message(), ")"))
+  const std::string prompt = absl::StrCat(ClosingHaystack(kClosingHaystackChars, kClosingNeedle),
+                                          "\n\n", kClosingQuestion, " ", kClosingAnswerPrefix);
+  auto answer = openai::AskOnce(http_port, name, prompt, /*chat=*/false, 16, absl::Seconds(60));
+  std::cout << "one request through the HTTP API (POST /v1/completions, greedy), in the form the "
+               "tiny model was trained on (docs/TASKS.md, niah_single: "
+            << prompt.size() << " characters, the question after a haystack holding \""
+            << kClosingNeedle << "\"):\n"
+            << "  question: " << kClosingQuestion << "\n  expected: " << kClosingExpected << "\n";
+  if (!answer.ok()) {
+    std::cout << "  model:    (failed: " << answer.status().message() << ")\n";
+    return;
+  }
+  const std::string text = answer->substr(0, answer->find('\n'));
+  std::cout << "  model:    " << text << (text == kClosingExpected ? " (right)" : " (wrong)")
             << "\n";
 }
 
