@@ -6,6 +6,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "bench/attention_quality.h"
@@ -13,9 +14,9 @@
 #include "common/status_macros.h"
 #include "decode/sparse/policy_util.h"
 #include "decode/sparse_attention.h"
+#include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"
-#include "kernels/cpu/paged_attention_cpu.h"
 #include "model/output_projection.h"
 #include "model/safetensors.h"
 #include "model/sparse_state.h"
@@ -138,7 +139,9 @@ HeadLabels ComputeHeadLabels(const decode::PagedKv& kv, const std::vector<float>
       }
     }
   }
-  auto as_float = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
+  auto as_float = [](const std::vector<double>& x) {
+    return std::vector<float>(x.begin(), x.end());
+  };
   const double total = Norm(Project(w_o, hidden, hq * d, as_float(exact)));
   const double total_merged = Norm(Project(w_o, hidden, hq * d, as_float(exact_merged)));
   // e_h as the online guard computes it (model/output_projection.h): one definition.
@@ -169,6 +172,272 @@ std::string HeadTableHeader() {
   return h + "\n";
 }
 
+// The captured model's attention shape and its output projections, from the capture's
+// index.json and the checkpoint.
+struct CapturedModel {
+  int64_t layers = 0, hq = 0, hkv = 0, d = 0, group = 0, hidden = 0;
+  float scale = 0;
+  std::vector<std::vector<float>> w_o;  // per layer: [hidden][hq * d]
+};
+
+absl::StatusOr<CapturedModel> OpenCapturedModel(const nlohmann::json& index,
+                                                const std::string& model_dir_flag) {
+  const auto& sh = index["shape"];
+  CapturedModel m;
+  m.layers = sh.value("num_layers", 0);
+  m.hq = sh.value("num_heads", 0);
+  m.hkv = sh.value("num_kv_heads", 0);
+  m.d = sh.value("head_dim", 0);
+  m.scale = sh.value("scale", 0.0f);
+  if (m.layers <= 0 || m.hq <= 0 || m.hkv <= 0 || m.d <= 0 || m.hq % m.hkv != 0) {
+    return absl::InvalidArgumentError("capture index has a bad shape");
+  }
+  m.group = m.hq / m.hkv;
+  if (!kernels::cpu::PagedAttentionSupported(m.d, m.group, 16)) {
+    return absl::InvalidArgumentError("the CPU kernel does not support this model's heads");
+  }
+  const std::string model_dir =
+      model_dir_flag.empty() ? index.value("model", std::string()) : model_dir_flag;
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::Checkpoint> ckpt,
+                           model::Checkpoint::Open(model_dir));
+  FLUXION_ASSIGN_OR_RETURN(const model::TensorView* embed, ckpt->Find("model.embed_tokens.weight"));
+  m.hidden = embed->shape.size() == 2 ? embed->shape[1] : 0;
+  m.w_o.resize(m.layers);
+  for (int64_t l = 0; l < m.layers; ++l) {
+    const std::string name = absl::StrCat("model.layers.", l, ".self_attn.o_proj.weight");
+    FLUXION_ASSIGN_OR_RETURN(const model::TensorView* t, ckpt->Find(name));
+    FLUXION_ASSIGN_OR_RETURN(m.w_o[l], model::ReadAsFloat(*t, {m.hidden, m.hq * m.d}));
+  }
+  return m;
+}
+
+// One captured sample: where its arrays are and what it was.
+struct CapturedSample {
+  std::string dir, name, task;
+  int64_t prompt = 0;  // prompt tokens
+  int64_t rows = 0;    // decode rows of the `full` policy, at positions prompt, prompt + 1, ...
+  int64_t context = 0;
+  uint64_t seed = 0;
+};
+
+// One layer of one sample: the prompt's K/V, the `full` decode's q/k/v rows and the sparse state
+// the prefill tail (its last 32 query rows) gives history-based policies, as
+// SparseAttention::FromDense does in serving.
+struct CapturedLayer {
+  NpyArray<float> k, v, q, kd, vd;
+  model::SparseState state;
+};
+
+absl::StatusOr<CapturedLayer> ReadLayer(const CapturedModel& m, const CapturedSample& s,
+                                        int64_t l) {
+  CapturedLayer c;
+  auto file = [&](const char* what) { return absl::StrCat(s.dir, "/", what, l, ".npy"); };
+  FLUXION_ASSIGN_OR_RETURN(c.k, eval::ReadNpyFloat(file("k_l")));
+  FLUXION_ASSIGN_OR_RETURN(c.v, eval::ReadNpyFloat(file("v_l")));
+  FLUXION_ASSIGN_OR_RETURN(c.q, eval::ReadNpyFloat(file("full_q_l")));
+  FLUXION_ASSIGN_OR_RETURN(c.kd, eval::ReadNpyFloat(file("full_k_l")));
+  FLUXION_ASSIGN_OR_RETURN(c.vd, eval::ReadNpyFloat(file("full_v_l")));
+  FLUXION_RETURN_IF_ERROR(CheckShape("k", c.k.shape, {s.prompt, m.hkv, m.d}));
+  FLUXION_RETURN_IF_ERROR(CheckShape("v", c.v.shape, {s.prompt, m.hkv, m.d}));
+  FLUXION_RETURN_IF_ERROR(CheckShape("full_q", c.q.shape, {s.rows, m.hq, m.d}));
+  FLUXION_RETURN_IF_ERROR(CheckShape("full_k", c.kd.shape, {s.rows, m.hkv, m.d}));
+  FLUXION_RETURN_IF_ERROR(CheckShape("full_v", c.vd.shape, {s.rows, m.hkv, m.d}));
+  FLUXION_ASSIGN_OR_RETURN(NpyArray<float> tail_q, eval::ReadNpyFloat(file("prompt_q_l")));
+  FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> tail_pos,
+                           eval::ReadNpyInt64(s.dir + "/prompt_positions.npy"));
+  const int64_t tail_rows = std::min<int64_t>(32, tail_pos.data.size());
+  std::vector<int64_t> tail_positions(tail_pos.data.end() - tail_rows, tail_pos.data.end());
+  std::vector<float> tail_queries(tail_q.data.end() - tail_rows * m.hq * m.d, tail_q.data.end());
+  const model::AttentionShape one_layer{1, static_cast<int>(m.hq), static_cast<int>(m.hkv),
+                                        static_cast<int>(m.d), m.scale};
+  FLUXION_ASSIGN_OR_RETURN(c.state,
+                           model::CaptureSparseState({c.k.data.data()}, s.prompt, {tail_queries},
+                                                     {tail_positions}, one_layer));
+  return c;
+}
+
+// Every config's policy, prepared over the prompt's pages of every KV head, and for a guarded
+// config its error guard over this layer's KV heads.
+struct LayerPolicies {
+  std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
+  std::vector<std::unique_ptr<decode::sparse::ErrorGuard>> guards;  // null: unguarded
+};
+
+absl::StatusOr<LayerPolicies> PreparePolicies(
+    const std::vector<decode::sparse::PolicyConfig>& configs, const decode::PagedKv& kv,
+    const model::SparseState& state, int64_t hkv) {
+  LayerPolicies lp;
+  for (const auto& c : configs) {
+    lp.policies.push_back(decode::sparse::MakePolicy(c));
+    for (int64_t h = 0; h < hkv; ++h) {
+      FLUXION_RETURN_IF_ERROR(
+          lp.policies.back()->Prepare(kv, 0, static_cast<int>(h), &state.head(0, h)));
+    }
+    decode::sparse::SparsePolicy* policy = lp.policies.back().get();
+    lp.guards.push_back(
+        decode::sparse::GuardActive(c)
+            ? std::make_unique<decode::sparse::ErrorGuard>(
+                  decode::sparse::GuardFor(c), 1, static_cast<int>(hkv),
+                  [policy](int layer, int kv_head) { return policy->MiddleWeight(layer, kv_head); })
+            : nullptr);
+  }
+  return lp;
+}
+
+// --head-table: one row per KV head of decode row `r` of layer `l`. Returns the rows written.
+int64_t WriteHeadRows(std::ofstream& table, const CapturedModel& m, const CapturedSample& s,
+                      const model::SparseState& state, const decode::PagedKv& kv, int64_t l,
+                      int64_t r, const float* qr, int64_t ctx) {
+  const HeadLabels labels =
+      ComputeHeadLabels(kv, m.w_o[l], m.hidden, m.hq, m.hkv, m.d, m.scale, qr, ctx);
+  for (int64_t h = 0; h < m.hkv; ++h) {
+    const model::HeadSparseState& f = state.head(0, static_cast<int>(h));
+    table << s.name << ',' << s.task << ',' << s.context << ',' << s.seed << ',' << r << ','
+          << ctx - 1 << ',' << l << ',' << m.layers << ',' << h << ',' << f.middle_share << ','
+          << f.need_fraction << ',' << f.sink_mass << ',' << f.local_mass << ',' << f.entropy << ','
+          << static_cast<double>(l) / static_cast<double>(m.layers) << ','
+          << labels.contribution[h];
+    for (double e : labels.err[h]) table << ',' << e;
+    for (double e : labels.err_merged[h]) table << ',' << e;
+    for (int64_t x : labels.middle_rows) table << ',' << x;
+    table << '\n';
+  }
+  return m.hkv;
+}
+
+// One policy's step over every KV head of one decode row against full attention (`full`,
+// `full_lse`): recall, overlap and read summed over KV heads, the layer's output error after its
+// real W_O, and the guard's checks as SparseAttention::CheckLayer makes them (the exact output of
+// a checked head is `full`'s).
+Metrics PolicyStep(const CapturedModel& m, int64_t l, const decode::PagedKv& kv,
+                   decode::sparse::SparsePolicy& policy, decode::sparse::ErrorGuard* guard,
+                   const decode::sparse::PolicyConfig& config, const float* qr, int64_t ctx,
+                   const std::vector<float>& full, const std::vector<float>& full_lse,
+                   const std::vector<double>& y_full) {
+  const int64_t group = m.group, d = m.d, hd = group * d;
+  Metrics step;
+  std::vector<float> out(m.hq * d), lse(group);
+  std::vector<kernels::PageSpan> spans;
+  if (guard != nullptr) guard->BeginStep();
+  for (int64_t h = 0; h < m.hkv; ++h) {
+    decode::sparse::SelectionStats stats;
+    const float* qg = qr + h * hd;
+    decode::sparse::SelectionInput in{&kv, 0, static_cast<int>(h), qg, group, m.scale, ctx};
+    if (guard != nullptr) in.budget_shift = guard->Shift(0, static_cast<int>(h));
+    decode::RunPolicyStep(policy, in, &spans, &stats, &out[h * hd], lse.data());
+    AddSelectionQuality(kv, 0, static_cast<int>(h), qg, group, m.scale, ctx, spans, config,
+                        &full_lse[h * group], stats.rows_attended, &step);
+  }
+  // The layer's output error counts once per step; the other metrics are summed over KV heads.
+  step.rel_err = RelativeError(Project(m.w_o[l], m.hidden, m.hq * d, out), y_full) * m.hkv;
+  const model::OutputProjection layer_proj(m.hidden, m.hq * d, {m.w_o[l].data()});
+  for (int64_t h = 0; guard != nullptr && h < m.hkv; ++h) {
+    if (!guard->Due(0, static_cast<int>(h))) continue;
+    std::vector<float> check_layer = out;
+    std::copy(full.begin() + h * hd, full.begin() + (h + 1) * hd, check_layer.begin() + h * hd);
+    const double total = layer_proj.Norm(0, check_layer.data());
+    guard->Report(
+        0, static_cast<int>(h),
+        model::HeadOutputError(layer_proj, 0, h * hd, &full[h * hd], &out[h * hd], hd, total), ctx);
+    step.guard_read += 1.0;  // the whole context of one head-step (read's unit)
+  }
+  return step;
+}
+
+// Replays layer `l` of a sample: the prompt's pages, then each `full` decode row appended and
+// attended exactly and by every config. Adds to `per_task` and the head table.
+absl::Status ReplayLayer(const CapturedModel& m, const CapturedSample& s, int64_t l,
+                         const std::vector<decode::sparse::PolicyConfig>& configs,
+                         std::ofstream& table, int64_t* table_rows,
+                         std::map<std::pair<std::string, size_t>, Metrics>* per_task) {
+  FLUXION_ASSIGN_OR_RETURN(CapturedLayer c, ReadLayer(m, s, l));
+  const int64_t hkv = m.hkv, d = m.d, group = m.group;
+  // One arena per layer replay: prompt + decode rows for every KV head.
+  const decode::KvShape kv_shape{1, static_cast<int>(hkv), static_cast<int>(d), 16};
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::KvArena> arena,
+      decode::KvArena::Create(kv_shape.page_bytes(), hkv * ((s.prompt + s.rows) / 16 + 2)));
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::PagedKv> kv,
+                           decode::PagedKv::Create(arena.get(), kv_shape));
+  FLUXION_RETURN_IF_ERROR(kv->Append(0, s.prompt, c.k.data.data(), c.v.data.data(), hkv * d));
+  FLUXION_ASSIGN_OR_RETURN(LayerPolicies lp, PreparePolicies(configs, *kv, c.state, hkv));
+  std::vector<float> full(m.hq * d), full_lse(m.hq);
+  std::vector<kernels::PageSpan> spans;
+  for (int64_t r = 0; r < s.rows; ++r) {
+    FLUXION_RETURN_IF_ERROR(
+        kv->Append(0, 1, &c.kd.data[r * hkv * d], &c.vd.data[r * hkv * d], hkv * d));
+    const int64_t ctx = s.prompt + r + 1;
+    const float* qr = &c.q.data[r * m.hq * d];
+    for (int64_t h = 0; h < hkv; ++h) {
+      spans.clear();
+      decode::sparse::AppendTokenRange(*kv, 0, static_cast<int>(h), 0, ctx, &spans);
+      kernels::cpu::PagedAttention(kv->view(), spans.data(), spans.size(),
+                                   {qr + h * group * d, group, m.scale},
+                                   {&full[h * group * d], &full_lse[h * group]});
+    }
+    if (table.is_open()) *table_rows += WriteHeadRows(table, m, s, c.state, *kv, l, r, qr, ctx);
+    if (configs.empty()) continue;
+    const std::vector<double> y_full = Project(m.w_o[l], m.hidden, m.hq * d, full);
+    for (size_t p = 0; p < configs.size(); ++p) {
+      (*per_task)[{s.task, p}].Add(PolicyStep(m, l, *kv, *lp.policies[p], lp.guards[p].get(),
+                                              configs[p], qr, ctx, full, full_lse, y_full));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A sample of index.json, its decode rows checked to follow the prompt; nullopt for one without
+// prompt K/V (above --capture-kv-max) or without a `full` decode.
+absl::StatusOr<std::optional<CapturedSample>> ReadSample(const std::string& capture_dir,
+                                                         const nlohmann::json& sample) {
+  if (!sample.value("kv", false) || !sample.contains("policies") ||
+      !sample["policies"].contains("full")) {
+    return std::optional<CapturedSample>();
+  }
+  CapturedSample s;
+  s.name = sample.value("dir", std::string());
+  s.dir = capture_dir + "/" + s.name;
+  s.task = sample.value("task", std::string("?"));
+  s.prompt = sample.value("prompt_tokens", int64_t{0});
+  s.context = sample.value("context", int64_t{0});
+  s.seed = sample.value("seed", uint64_t{0});
+  FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> positions,
+                           eval::ReadNpyInt64(s.dir + "/full_positions.npy"));
+  s.rows = static_cast<int64_t>(positions.data.size());
+  for (int64_t r = 0; r < s.rows; ++r) {
+    if (positions.data[r] != s.prompt + r) {
+      return absl::InvalidArgumentError(absl::StrCat(s.dir, ": decode rows do not follow the ",
+                                                     "prompt (row ", r, " at position ",
+                                                     positions.data[r], ")"));
+    }
+  }
+  return std::optional<CapturedSample>(std::move(s));
+}
+
+// Prints the quality table and returns its rows as JSON.
+nlohmann::json ReportQuality(const std::vector<decode::sparse::PolicyConfig>& configs,
+                             const std::map<std::pair<std::string, size_t>, Metrics>& per_task,
+                             const std::map<std::string, int64_t>& task_context) {
+  nlohmann::json results = nlohmann::json::array();
+  if (configs.empty()) return results;
+  PrintQualityHeader("task (captured)");
+  for (const auto& [key, m] : per_task) {
+    const auto& [task, p] = key;
+    const std::string label = decode::sparse::PolicyLabel(configs[p]);
+    m.Print(task, task_context.at(task), label);
+    nlohmann::json row = m.ToJson();
+    row.update({{"task", task},
+                {"context", task_context.at(task)},
+                {"policy", configs[p].name},
+                {"label", label},
+                {"guard", decode::sparse::GuardActive(configs[p])},
+                {"budget", configs[p].budget},
+                {"source", "captured"}});
+    results.push_back(row);
+  }
+  return results;
+}
+
 }  // namespace
 
 absl::StatusOr<nlohmann::json> EvalCapturedAttention(
@@ -180,191 +449,31 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
   if (index.is_discarded() || !index.contains("shape") || !index.contains("samples")) {
     return absl::InvalidArgumentError(absl::StrCat(capture_dir, "/index.json is not a capture"));
   }
-  const auto& sh = index["shape"];
-  const int64_t layers = sh.value("num_layers", 0), hq = sh.value("num_heads", 0),
-                hkv = sh.value("num_kv_heads", 0), d = sh.value("head_dim", 0);
-  const float scale = sh.value("scale", 0.0f);
-  if (layers <= 0 || hq <= 0 || hkv <= 0 || d <= 0 || hq % hkv != 0) {
-    return absl::InvalidArgumentError("capture index has a bad shape");
-  }
-  const int64_t group = hq / hkv;
-  if (!kernels::cpu::PagedAttentionSupported(d, group, 16)) {
-    return absl::InvalidArgumentError("the CPU kernel does not support this model's heads");
-  }
-  const std::string model_dir =
-      model_dir_flag.empty() ? index.value("model", std::string()) : model_dir_flag;
-  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::Checkpoint> ckpt,
-                           model::Checkpoint::Open(model_dir));
-  FLUXION_ASSIGN_OR_RETURN(const model::TensorView* embed,
-                           ckpt->Find("model.embed_tokens.weight"));
-  const int64_t hidden = embed->shape.size() == 2 ? embed->shape[1] : 0;
-  std::vector<std::vector<float>> w_o(layers);
-  for (int64_t l = 0; l < layers; ++l) {
-    const std::string name = absl::StrCat("model.layers.", l, ".self_attn.o_proj.weight");
-    FLUXION_ASSIGN_OR_RETURN(const model::TensorView* t, ckpt->Find(name));
-    FLUXION_ASSIGN_OR_RETURN(w_o[l], model::ReadAsFloat(*t, {hidden, hq * d}));
-  }
-
+  FLUXION_ASSIGN_OR_RETURN(CapturedModel m, OpenCapturedModel(index, model_dir_flag));
   std::ofstream table;
   if (!head_table_csv.empty()) {
     table.open(head_table_csv);
     if (!table) return absl::InternalError(absl::StrCat("cannot write ", head_table_csv));
     table << HeadTableHeader();
   }
-  int64_t table_rows = 0;
-  // Totals per (task, policy) and over everything per policy.
+  int64_t table_rows = 0, samples_used = 0;
+  // Totals per (task, policy); the context each task was captured at.
   std::map<std::pair<std::string, size_t>, Metrics> per_task;
   std::map<std::string, int64_t> task_context;
-  const decode::KvShape kv_shape{1, hkv, d, 16};
-  int64_t samples_used = 0;
-  for (const auto& sample : index["samples"]) {
-    if (!sample.value("kv", false) || !sample.contains("policies") ||
-        !sample["policies"].contains("full")) {
-      continue;  // K/V not captured (prompt above --capture-kv-max) or no full decode
-    }
-    const std::string dir = capture_dir + "/" + sample.value("dir", std::string());
-    const std::string task = sample.value("task", std::string("?"));
-    const int64_t prompt = sample.value("prompt_tokens", int64_t{0});
-    task_context[task] = sample.value("context", int64_t{0});
-    FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> positions,
-                             eval::ReadNpyInt64(dir + "/full_positions.npy"));
-    const int64_t rows = static_cast<int64_t>(positions.data.size());
-    for (int64_t r = 0; r < rows; ++r) {
-      if (positions.data[r] != prompt + r) {
-        return absl::InvalidArgumentError(absl::StrCat(dir, ": decode rows do not follow the ",
-                                                       "prompt (row ", r, " at position ",
-                                                       positions.data[r], ")"));
-      }
-    }
-    for (int64_t l = 0; l < layers; ++l) {
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> k, eval::ReadNpyFloat(absl::StrCat(dir, "/k_l", l, ".npy")));
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> v, eval::ReadNpyFloat(absl::StrCat(dir, "/v_l", l, ".npy")));
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> q, eval::ReadNpyFloat(absl::StrCat(dir, "/full_q_l", l, ".npy")));
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> kd, eval::ReadNpyFloat(absl::StrCat(dir, "/full_k_l", l, ".npy")));
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> vd, eval::ReadNpyFloat(absl::StrCat(dir, "/full_v_l", l, ".npy")));
-      FLUXION_RETURN_IF_ERROR(CheckShape("k", k.shape, {prompt, hkv, d}));
-      FLUXION_RETURN_IF_ERROR(CheckShape("v", v.shape, {prompt, hkv, d}));
-      FLUXION_RETURN_IF_ERROR(CheckShape("full_q", q.shape, {rows, hq, d}));
-      FLUXION_RETURN_IF_ERROR(CheckShape("full_k", kd.shape, {rows, hkv, d}));
-      FLUXION_RETURN_IF_ERROR(CheckShape("full_v", vd.shape, {rows, hkv, d}));
-      // One arena per layer replay: prompt + decode rows for every KV head.
-      FLUXION_ASSIGN_OR_RETURN(
-          std::unique_ptr<decode::KvArena> arena,
-          decode::KvArena::Create(kv_shape.page_bytes(), hkv * ((prompt + rows) / 16 + 2)));
-      FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::PagedKv> kv,
-                               decode::PagedKv::Create(arena.get(), kv_shape));
-      FLUXION_RETURN_IF_ERROR(kv->Append(0, prompt, k.data.data(), v.data.data(), hkv * d));
-      // The prefill tail (the last 32 prompt rows' queries) gives the sparse state that primes
-      // history-based policies, as SparseAttention::FromDense does in serving.
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<float> tail_q,
-                               eval::ReadNpyFloat(absl::StrCat(dir, "/prompt_q_l", l, ".npy")));
-      FLUXION_ASSIGN_OR_RETURN(NpyArray<int64_t> tail_pos,
-                               eval::ReadNpyInt64(dir + "/prompt_positions.npy"));
-      const int64_t tail_rows = std::min<int64_t>(32, tail_pos.data.size());
-      std::vector<int64_t> tail_positions(tail_pos.data.end() - tail_rows, tail_pos.data.end());
-      std::vector<float> tail_queries(tail_q.data.end() - tail_rows * hq * d, tail_q.data.end());
-      const model::AttentionShape one_layer{1, hq, hkv, d, scale};
-      FLUXION_ASSIGN_OR_RETURN(model::SparseState state,
-                               model::CaptureSparseState({k.data.data()}, prompt, {tail_queries},
-                                                         {tail_positions}, one_layer));
-      std::vector<std::unique_ptr<decode::sparse::SparsePolicy>> policies;
-      // The error guard of a guarded config: over this layer's KV heads, with this layer's W_O.
-      std::vector<std::unique_ptr<decode::sparse::ErrorGuard>> guards;
-      const model::OutputProjection layer_proj(hidden, hq * d, {w_o[l].data()});
-      for (const auto& c : configs) {
-        policies.push_back(decode::sparse::MakePolicy(c));
-        for (int64_t h = 0; h < hkv; ++h) {
-          FLUXION_RETURN_IF_ERROR(
-              policies.back()->Prepare(*kv, 0, static_cast<int>(h), &state.head(0, h)));
-        }
-        decode::sparse::SparsePolicy* policy = policies.back().get();
-        guards.push_back(decode::sparse::GuardActive(c)
-                             ? std::make_unique<decode::sparse::ErrorGuard>(
-                                   decode::sparse::GuardFor(c), 1, static_cast<int>(hkv),
-                                   [policy](int layer, int kv_head) {
-                                     return policy->MiddleWeight(layer, kv_head);
-                                   })
-                             : nullptr);
-      }
-      std::vector<float> check_layer(hq * d);
-      std::vector<float> full(hq * d), full_lse(hq), out(hq * d), lse(group);
-      std::vector<kernels::PageSpan> spans;
-      for (int64_t r = 0; r < rows; ++r) {
-        FLUXION_RETURN_IF_ERROR(kv->Append(0, 1, &kd.data[r * hkv * d], &vd.data[r * hkv * d],
-                                           hkv * d));
-        const int64_t ctx = prompt + r + 1;
-        const float* qr = &q.data[r * hq * d];
-        for (int64_t h = 0; h < hkv; ++h) {
-          spans.clear();
-          decode::sparse::AppendTokenRange(*kv, 0, static_cast<int>(h), 0, ctx, &spans);
-          kernels::cpu::PagedAttention(kv->view(), spans.data(), spans.size(),
-                                       {qr + h * group * d, group, scale},
-                                       {&full[h * group * d], &full_lse[h * group]});
-        }
-        if (table.is_open()) {
-          const HeadLabels labels =
-              ComputeHeadLabels(*kv, w_o[l], hidden, hq, hkv, d, scale, qr, ctx);
-          for (int64_t h = 0; h < hkv; ++h) {
-            const model::HeadSparseState& f = state.head(0, static_cast<int>(h));
-            table << sample.value("dir", std::string()) << ',' << task << ','
-                  << task_context[task] << ',' << sample.value("seed", uint64_t{0}) << ',' << r
-                  << ',' << ctx - 1 << ',' << l << ',' << layers << ',' << h << ','
-                  << f.middle_share << ',' << f.need_fraction << ',' << f.sink_mass << ','
-                  << f.local_mass << ',' << f.entropy << ','
-                  << static_cast<double>(l) / static_cast<double>(layers) << ','
-                  << labels.contribution[h];
-            for (double e : labels.err[h]) table << ',' << e;
-            for (double e : labels.err_merged[h]) table << ',' << e;
-            for (int64_t m : labels.middle_rows) table << ',' << m;
-            table << '\n';
-            ++table_rows;
-          }
-        }
-        if (configs.empty()) continue;
-        const std::vector<double> y_full = Project(w_o[l], hidden, hq * d, full);
-        for (size_t p = 0; p < configs.size(); ++p) {
-          Metrics step;
-          decode::sparse::ErrorGuard* guard = guards[p].get();
-          if (guard != nullptr) guard->BeginStep();
-          for (int64_t h = 0; h < hkv; ++h) {
-            decode::sparse::SelectionStats stats;
-            const float* qg = qr + h * group * d;
-            decode::sparse::SelectionInput in{kv.get(), 0, static_cast<int>(h), qg, group, scale,
-                                              ctx};
-            if (guard != nullptr) in.budget_shift = guard->Shift(0, static_cast<int>(h));
-            decode::RunPolicyStep(*policies[p], in, &spans, &stats, &out[h * group * d],
-                                  lse.data());
-            AddSelectionQuality(*kv, 0, static_cast<int>(h), qg, group, scale, ctx, spans,
-                                configs[p], &full_lse[h * group], stats.rows_attended, &step);
-          }
-          // The layer's output error after its real W_O counts once per step; recall, overlap
-          // and read are already summed over KV heads.
-          step.rel_err = RelativeError(Project(w_o[l], hidden, hq * d, out), y_full) * hkv;
-          // The guard's checks, as SparseAttention::CheckLayer makes them (the exact output of
-          // a checked head is `full`'s, computed above).
-          for (int64_t h = 0; guard != nullptr && h < hkv; ++h) {
-            if (!guard->Due(0, static_cast<int>(h))) continue;
-            const int64_t hd = group * d;
-            check_layer = out;
-            std::copy(full.begin() + h * hd, full.begin() + (h + 1) * hd,
-                      check_layer.begin() + h * hd);
-            const double total = layer_proj.Norm(0, check_layer.data());
-            guard->Report(0, static_cast<int>(h),
-                          model::HeadOutputError(layer_proj, 0, h * hd, &full[h * hd],
-                                                 &out[h * hd], hd, total),
-                          ctx);
-            step.guard_read += 1.0;  // the whole context of one head-step (read's unit)
-          }
-          per_task[{task, p}].Add(step);
-        }
-      }
+  for (const auto& entry : index["samples"]) {
+    FLUXION_ASSIGN_OR_RETURN(std::optional<CapturedSample> s, ReadSample(capture_dir, entry));
+    if (!s.has_value()) continue;
+    task_context[s->task] = s->context;
+    for (int64_t l = 0; l < m.layers; ++l) {
+      FLUXION_RETURN_IF_ERROR(ReplayLayer(m, *s, l, configs, table, &table_rows, &per_task));
     }
     ++samples_used;
   }
   if (samples_used == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         capture_dir, " holds no sample with prompt K/V and a `full` decode: capture with ",
-        "`fluxion eval tasks --policy full --capture-dir DIR` and prompts within --capture-kv-max"));
+        "`fluxion eval tasks --policy full --capture-dir DIR` and prompts within "
+        "--capture-kv-max"));
   }
   if (table.is_open()) {
     table.close();
@@ -373,24 +482,7 @@ absl::StatusOr<nlohmann::json> EvalCapturedAttention(
                 static_cast<long long>(table_rows), static_cast<long long>(samples_used),
                 head_table_csv.c_str());
   }
-  nlohmann::json results = nlohmann::json::array();
-  if (configs.empty()) return results;
-  PrintQualityHeader("task (captured)");
-  for (const auto& [key, m] : per_task) {
-    const auto& [task, p] = key;
-    const std::string label = decode::sparse::PolicyLabel(configs[p]);
-    m.Print(task, task_context[task], label);
-    nlohmann::json row = m.ToJson();
-    row.update({{"task", task},
-                {"context", task_context[task]},
-                {"policy", configs[p].name},
-                {"label", label},
-                {"guard", decode::sparse::GuardActive(configs[p])},
-                {"budget", configs[p].budget},
-                {"source", "captured"}});
-    results.push_back(row);
-  }
-  return results;
+  return ReportQuality(configs, per_task, task_context);
 }
 
 }  // namespace fluxion::bench

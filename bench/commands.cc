@@ -1,11 +1,9 @@
 #include "bench/commands.h"
 
-#include <algorithm>
 #include <iostream>
 
 #include "bench/attention_bench.h"
 #include "bench/decode_bench.h"
-#include "bench/hybrid_bench.h"
 #ifdef FLUXION_HAVE_CUDA
 #include "bench/gpu_bench.h"
 #include "bench/selection_bench.h"
@@ -20,8 +18,6 @@
 #endif
 #include "bench/tokenizer_bench.h"
 #include "bench/topk_bench.h"
-#include "common/cpu_threads.h"
-#include "kernels/cpu/process_cpu.h"
 
 namespace fluxion::bench {
 
@@ -48,18 +44,7 @@ int RunBenchCommand(const std::vector<std::string>& args) {
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "model") return RunModelBench(rest);
   if (args[0] == "attention") return RunAttentionBench(rest);
-  if (args[0] == "decode" &&
-      std::any_of(rest.begin(), rest.end(), [](const std::string& a) {
-        return a == "--device" || a.rfind("--device=", 0) == 0;
-      })) {
-    return RunHybridBench(rest);  // sets its process up from its own --cpu-threads
-  }
-  if (args[0] == "decode") {
-    // Its sweep points size their own pools (its --cpu-threads list); until then the process
-    // holds every CPU it may use, set before any compute (kernels/cpu/process_cpu.h).
-    kernels::cpu::SetUpProcessCpu(AvailableCpus());
-    return RunDecodeBench(rest);
-  }
+  if (args[0] == "decode") return RunDecodeBench(rest);  // sets its process up itself
   if (args[0] == "topk") return RunTopKBench(rest);
   if (args[0] == "prefill" || args[0] == "transfer" || args[0] == "landing" ||
       args[0] == "reservation-keys" || args[0] == "serving-ttft") {

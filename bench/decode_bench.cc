@@ -1,273 +1,302 @@
 #include "bench/decode_bench.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <filesystem>
+#include <cstdlib>
+#include <functional>
 #include <iostream>
-#include <memory>
-#include <random>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/bench_util.h"
+#include "bench/executor_bench.h"
+#include "bench/hybrid_bench.h"
+#include "common/cpu_threads.h"
 #include "common/flag_set.h"
-#include "common/status_macros.h"
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
-#include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
-#include "decode/sparse_attention.h"
-#include "decode/step_executor.h"
-#include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/cpu_pool.h"
-#include "model/dense_attention.h"
-#include "model/model.h"
+#include "kernels/cpu/process_cpu.h"
 #include "model/random_model.h"
+#ifdef FLUXION_HAVE_CUDA
+#include "kernels/cuda/paged_decode.h"
+#endif
 
 namespace fluxion::bench {
 namespace {
 
-constexpr int64_t kPageTokens = 16;
-constexpr int64_t kRecordedRows = 32;  // the prefill's last query rows the sparse state uses
+// Flags only one of the two measurements takes: given to the other, they are a usage error rather
+// than silently ignored.
+constexpr const char* kExecutorOnlyFlags[] = {"model", "kv"};
+constexpr const char* kHybridOnlyFlags[] = {
+    "profile",         "device-read-share", "micro-batches", "block-scores",     "selector",
+    "host-memory-gib", "hbm-kernels",       "degrade-on-stall", "layers"};
 
-struct Options {
-  std::string model_dir, preset = "qwen2.5-0.5b", kv = "auto";
-  std::vector<int64_t> contexts = {1024, 4096, 16384}, batches = {1, 4, 8, 16}, threads = {1};
-  std::vector<std::string> policies = {"full", "fluxion"};
+// Every flag of the command. The flags both measurements take but with different defaults start
+// unset (empty, 0) and get the chosen measurement's default after parsing (ApplyDefaults).
+struct DecodeBenchFlags {
+  ExecutorBenchOptions executor;                 // the CPU executors' own flags land here
+  HybridBenchOptions hybrid;                     // the hybrid step's own flags land here
+  DecodeBenchFlags() { hybrid.device.clear(); }  // no default: --device picks the measurement
+  std::string preset;
+  std::vector<int64_t> contexts;
+  std::vector<int64_t> batches = {1, 4, 8, 16};
+  std::vector<int64_t> cpu_threads;
+  std::vector<std::string> policies;
   std::vector<double> budgets = {0.05};
-  int64_t steps = 3;
-  std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
-  decode::sparse::GuardConfig guard;
+  int64_t steps = 0;
+  std::string json_path;
 };
 
-// A prompt's cache of `context` tokens: the model's own prefill over random token ids (real
-// attention structure for a trained model) or random q/k/v rows (any shape, no compute).
-absl::StatusOr<std::unique_ptr<model::DenseAttention>> MakePrefill(const model::Model& m,
-                                                                   int64_t context,
-                                                                   bool run_model) {
-  const model::AttentionShape shape = m.attention_shape();
-  auto dense = std::make_unique<model::DenseAttention>(shape);
-  dense->RecordQueries(std::max<int64_t>(0, context - kRecordedRows), context);
-  std::mt19937 rng(7);
-  if (run_model) {
-    std::vector<int32_t> prompt(context);
-    for (auto& t : prompt) t = static_cast<int32_t>(rng() % m.config().vocab_size);
-    model::DenseAttention* raw = dense.get();
-    model::Sequence seq(std::move(dense));
-    std::vector<float> logits;
-    FLUXION_RETURN_IF_ERROR(m.Forward(seq, prompt, &logits));
-    return std::make_unique<model::DenseAttention>(*raw);
-  }
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const auto& c = m.config();
-  std::vector<float> q(context * c.num_heads * c.head_dim),
-      k(context * c.num_kv_heads * c.head_dim), v(k.size()), out(q.size());
-  for (int l = 0; l < c.num_layers; ++l) {
-    for (auto* t : {&q, &k, &v}) {
-      for (float& x : *t) x = normal(rng);
-    }
-    FLUXION_RETURN_IF_ERROR(dense->Forward(l, 0, context, q.data(), k.data(), v.data(),
-                                           out.data()));
-  }
-  return dense;
+constexpr char kSummary[] =
+    "Times the decode step of a batch of requests. Without --device: the batched CPU step "
+    "executor against the per-request loop, in the same run over the same host pages (a --model "
+    "or random weights of a --preset). With --device cpu|cuda: the hybrid step (dense halves and "
+    "the resident window on the device, the rest of each policy's plan on the CPU over host "
+    "pages) at real model shapes with random weights, per context, batch and policy, with the "
+    "GPU-only step of the same run. Flags marked [executors] or [--device] apply to that one "
+    "only.";
+
+void RegisterSharedFlags(FlagSet& flags, DecodeBenchFlags& f) {
+  flags.String("device", &f.hybrid.device,
+               "cuda, or cpu (the host stand-in of the device half): time the hybrid step; "
+               "absent: time the CPU step executors");
+  flags.String("preset", &f.preset,
+               "model shape with random weights: " + absl::StrJoin(model::PresetNames(), ", ") +
+                   " (default: qwen2.5-0.5b, when --model is not given; with --device: "
+                   "llama3.1-8b)");
+  flags.IntList("contexts", &f.contexts,
+                "tokens each request holds before the timed steps (default: 1024,4096,16384; with "
+                "--device: 32768,65536,131072)");
+  flags.IntList("batch", &f.batches, "batch sizes");
+  flags.IntList("cpu-threads", &f.cpu_threads,
+                "CPU threads of the one pool for BLAS and attention: the executors time each "
+                "value (default: 1); --device takes one value (default 0: every CPU this process "
+                "may use)");
+  flags.StringList("policy", &f.policies,
+                   "policies: " + decode::sparse::PolicyNamesHelp() +
+                       "; with --device lfps / fluxion run under each --profile, and policies "
+                       "needing a prefill's sparse state are refused (default: full,fluxion; with "
+                       "--device: full,fixed_32_0.05,fixed_32_0.02,fixed_16_0.05)");
+  flags.DoubleList("budget", &f.budgets, "read budgets for the sparse policies");
+  flags.Int("steps", &f.steps,
+            "timed steps per point, after the warm-up (median); 0: 3, or 5 with --device");
 }
 
-struct Timing {
-  double median_ms = 0;
-  std::vector<int32_t> first_tokens;  // greedy tokens of the first (warm-up) step
-};
-
-// `steps` timed steps (after one warm-up) of `executor` over fresh sequences made from `prefill`.
-absl::StatusOr<Timing> TimeExecutor(decode::StepExecutor& executor, const model::Model& m,
-                                    decode::KvArena* arena, const model::DenseAttention& prefill,
-                                    int64_t context, const decode::sparse::PolicyConfig& policy,
-                                    int64_t batch, int64_t steps) {
-  std::vector<std::unique_ptr<model::Sequence>> owned;
-  std::vector<decode::StepRequest> requests;
-  const int64_t vocab = m.config().vocab_size;
-  for (int64_t i = 0; i < batch; ++i) {
-    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
-                             decode::SparseAttention::FromDense(arena, m.attention_shape(),
-                                                                kPageTokens, prefill, policy));
-    decode::SparseAttention* attention = a.get();
-    owned.push_back(std::make_unique<model::Sequence>(std::move(a), context));
-    requests.push_back(
-        {owned.back().get(), attention, static_cast<int32_t>((17 * i + 3) % vocab)});
-  }
-  std::vector<int32_t> tokens(batch);
-  std::vector<float> logits;
-  std::vector<absl::Status> statuses;
-  std::vector<double> ms;
-  Timing t;
-  for (int64_t s = 0; s <= steps; ++s) {
-    const auto t0 = std::chrono::steady_clock::now();
-    executor.Step(requests, &logits, &statuses);
-    const double elapsed =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    for (const absl::Status& st : statuses) FLUXION_RETURN_IF_ERROR(st);
-    for (int64_t i = 0; i < batch; ++i) {
-      const float* row = logits.data() + i * vocab;
-      tokens[i] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
-      requests[i].token = tokens[i];
-    }
-    if (s == 0) t.first_tokens = tokens;
-    if (s > 0) ms.push_back(elapsed);
-  }
-  t.median_ms = Summarize(ms).median;
-  return t;
+void RegisterExecutorFlags(FlagSet& flags, ExecutorBenchOptions& o) {
+  flags.String("model", &o.model_dir,
+               "[executors] model directory (default: random weights of --preset)");
+  flags.String("kv", &o.kv,
+               "[executors] prompt KV: prefill (the model over random tokens), random (random "
+               "rows: any shape, no prefill compute) or auto (prefill for --model, random for "
+               "--preset)");
 }
 
-absl::Status Run(const Options& o, nlohmann::json* results) {
-  std::string dir = o.model_dir;
-  const bool random_weights = dir.empty();
-  if (random_weights) {
-    dir = absl::StrCat(std::filesystem::temp_directory_path().string(), "/fluxion_bench_decode_",
-                       getpid());
-    FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
-    FLUXION_RETURN_IF_ERROR(model::WriteRandomModel(config, 1, dir));
-  }
-  auto loaded = model::Model::Load(dir);
-  if (random_weights) std::filesystem::remove_all(dir);
-  FLUXION_RETURN_IF_ERROR(loaded.status());
-  const model::Model& m = **loaded;
-  const model::AttentionShape shape = m.attention_shape();
-  const bool run_model = o.kv == "prefill" || (o.kv == "auto" && !random_weights);
-  const std::string model_name = random_weights ? o.preset : o.model_dir;
-  FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
-                           decode::sparse::ExpandPolicies(o.policies, o.budgets));
-  policies = decode::sparse::ExpandGuard(
-      policies, o.guard_modes, o.guard,
-      std::make_shared<const model::OutputProjection>(m.output_projection()));
-  for (auto& p : policies) {
-    if (decode::sparse::TraitsOf(p.kind).uses_predictor) {
-      FLUXION_ASSIGN_OR_RETURN(p.fluxion_predictor,
-                               decode::sparse::ResolvePredictor("", random_weights ? "" : dir));
-    }
-  }
-  const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
-  const int64_t max_context = *std::max_element(o.contexts.begin(), o.contexts.end());
-  // Every request's pages (prompt + steps, rounded to pages) plus the sparse state's room.
-  const int64_t pages_per_request =
-      shape.num_layers * shape.num_kv_heads * ((max_context + o.steps + 2) / kPageTokens + 2);
-  FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<decode::KvArena> arena,
-      decode::KvArena::Create(decode::KvShape{shape.num_layers, shape.num_kv_heads,
-                                              shape.head_dim, kPageTokens}
-                                  .page_bytes(),
-                              max_batch * pages_per_request * 2));
-  std::printf("model %s (%lld params), KV %s, BLAS core %s\n", model_name.c_str(),
-              static_cast<long long>(m.num_parameters()),
-              run_model ? "from the model's prefill of random tokens" : "random rows",
-              kernels::cpu::BlasCoreName());
-  std::printf("%8s %-14s %7s %5s %15s %12s %8s %14s %13s %7s\n", "context", "policy", "threads",
-              "batch", "per-request ms", "batched ms", "speedup", "per-req tok/s",
-              "batched tok/s", "tokens");
-  for (int64_t context : o.contexts) {
-    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseAttention> prefill,
-                             MakePrefill(m, context, run_model));
-    for (const auto& policy : policies) {
-      for (int64_t threads : o.threads) {
-        const kernels::cpu::CpuPool pool(static_cast<int>(threads));
-        kernels::cpu::SetNumThreads(static_cast<int>(threads));  // the per-request path's setting
-        std::unique_ptr<decode::StepExecutor> per_request =
-            decode::NewPerRequestStepExecutor(&m);
-        std::unique_ptr<decode::StepExecutor> batched = decode::NewCpuStepExecutor(&m, &pool);
-        for (int64_t batch : o.batches) {
-          FLUXION_ASSIGN_OR_RETURN(Timing a, TimeExecutor(*per_request, m, arena.get(), *prefill,
-                                                          context, policy, batch, o.steps));
-          pool.ApplyToBlas();
-          FLUXION_ASSIGN_OR_RETURN(Timing b, TimeExecutor(*batched, m, arena.get(), *prefill,
-                                                          context, policy, batch, o.steps));
-          kernels::cpu::SetNumThreads(static_cast<int>(threads));
-          const bool same = a.first_tokens == b.first_tokens;
-          const std::string label = decode::sparse::PolicyLabel(policy);
-          std::printf("%8lld %-14s %7lld %5lld %15.2f %12.2f %7.2fx %14.1f %13.1f %7s\n",
-                      static_cast<long long>(context), label.c_str(),
-                      static_cast<long long>(threads), static_cast<long long>(batch), a.median_ms,
-                      b.median_ms, a.median_ms / b.median_ms, 1e3 * batch / a.median_ms,
-                      1e3 * batch / b.median_ms, same ? "equal" : "DIFFER");
-          std::fflush(stdout);
-          results->push_back({{"model", model_name},
-                              {"context", context},
-                              {"policy", label},
-                              {"threads", threads},
-                              {"batch", batch},
-                              {"per_request_ms", a.median_ms},
-                              {"batched_ms", b.median_ms},
-                              {"speedup", a.median_ms / b.median_ms},
-                              {"first_step_tokens_equal", same}});
-        }
+void RegisterHybridFlags(FlagSet& flags, HybridBenchOptions& o) {
+  flags.StringList("profile", &o.profiles,
+                   "[--device] decision profiles lfps and fluxion replay (each policy once per "
+                   "profile): conservative (every head a retrieval head at the full budget) or a "
+                   "profile file from fluxion eval tasks --record-profile (bench/profiles/)");
+  flags.DoubleList("device-read-share", &o.device_read_shares,
+                   "[--device] shares of every (request, KV head)'s host rows the GPU reads itself "
+                   "from pinned host pages while the CPU reads the rest; each value a row");
+  flags.IntList("micro-batches", &o.micro_batches,
+                "[--device] 1 (one hybrid pipeline) and/or 2 (the ping-pong executor: the batch in "
+                "two halves, one's GPU work overlapping the other's CPU attention); each value a "
+                "row");
+  flags.StringList("block-scores", &o.block_scores,
+                   "[--device] where quest's and fixed_*'s block scores come from: device (the "
+                   "window's page bounds next to the dense halves) and/or cpu (the CPU scans the "
+                   "host pages' bounds); with both, each is a row");
+  flags.StringList("selector", &o.selectors,
+                   "[--device] where exact_topk and fluxion choose their rows: device (the top-k "
+                   "of the int8 compact keys the window keeps in HBM, docs/SPARSE.md \"Device "
+                   "selection\") and/or host (the policy's own selection on the CPU); with both, "
+                   "each is a row");
+  flags.Double("host-memory-gib", &o.host_memory_gib,
+               "[--device] host memory the requests' KV may take (points beyond it are skipped); "
+               "0 = 80% of MemAvailable");
+  flags.StringList("hbm-kernels", &o.hbm_kernels,
+                   "[--device] paged kernels of the HBM-resident reference row (v3, v5; "
+                   "kernels/cuda/paged_decode.h); each a row");
+  flags.Bool("degrade-on-stall", &o.degrade_on_stall,
+             "[--device] every row with dynamic degradation on (fluxion decode "
+             "--degrade-on-stall: the budget shrinks while the CPU phase outlasts the GPU's "
+             "work); the JSON records the budget share the last step ran at");
+  flags.Int("layers", &o.layers,
+            "[--device] run only the preset's first N layers (0: all): to profile the CPU half at "
+            "real head shapes where the whole model does not fit; not the model's step time");
+}
+
+// A flag of the other measurement is refused, naming it.
+absl::Status CheckFlagsApply(const FlagSet& flags, bool hybrid) {
+  if (hybrid) {
+    for (const char* name : kExecutorOnlyFlags) {
+      if (flags.WasSet(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, " applies to the CPU executors only (without --device)"));
       }
+    }
+    return absl::OkStatus();
+  }
+  for (const char* name : kHybridOnlyFlags) {
+    if (flags.WasSet(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " needs --device cpu|cuda"));
     }
   }
   return absl::OkStatus();
 }
 
-}  // namespace
 
-int RunDecodeBench(const std::vector<std::string>& args) {
-  Options o;
-  std::string json_path;
-  FlagSet flags("fluxion bench decode",
-                "Times one decode step of a batch of requests through the batched CPU step "
-                "executor and through the per-request loop, in the same run over the same host "
-                "pages.");
-  flags.String("model", &o.model_dir, "model directory (default: random weights of --preset)");
-  flags.String("preset", &o.preset, "random-weight shape when --model is not given");
-  flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
-  flags.IntList("batch", &o.batches, "batch sizes");
-  flags.IntList("cpu-threads", &o.threads, "CPU threads (one pool for BLAS and attention)");
-  flags.StringList("policy", &o.policies,
-                   "policies: " + decode::sparse::PolicyNamesHelp());
-  flags.DoubleList("budget", &o.budgets, "read budgets for the sparse policies");
-  flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
-  flags.String("kv", &o.kv,
-               "prompt KV: prefill (the model over random tokens), random (random rows: any "
-               "shape, no prefill compute) or auto (prefill for --model, random for --preset)");
-  flags.String("json", &json_path, "also write results to this file");
-  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
-  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  {
-    auto guard = guard_flags.Read();
-    if (!guard.ok()) {
-      std::cerr << "error: " << guard.status().message() << "\n";
-      return 2;
-    }
-    o.guard_modes = guard->modes;
-    o.guard = guard->config;
-  }
+bool AllIn(const std::vector<int64_t>& v, int64_t lo, int64_t hi) {
+  return !v.empty() &&
+         std::all_of(v.begin(), v.end(), [lo, hi](int64_t x) { return x >= lo && x <= hi; });
+}
+
+// The CPU executors' options from the flags, their defaults and their checks.
+absl::StatusOr<ExecutorBenchOptions> ExecutorOptions(const DecodeBenchFlags& f,
+                                                     std::vector<int64_t> threads) {
+  ExecutorBenchOptions o = f.executor;
+  if (!f.preset.empty()) o.preset = f.preset;
+  if (!f.contexts.empty()) o.contexts = f.contexts;
+  if (!threads.empty()) o.threads = std::move(threads);
+  if (!f.policies.empty()) o.policies = f.policies;
+  if (f.steps != 0) o.steps = f.steps;
+  o.batches = f.batches;
+  o.budgets = f.budgets;
   if (o.kv != "auto" && o.kv != "prefill" && o.kv != "random") {
-    std::cerr << "error: --kv must be auto, prefill or random\n";
-    return 2;
+    return absl::InvalidArgumentError("--kv must be auto, prefill or random");
   }
-  auto positive = [](const std::vector<int64_t>& v, int64_t max) {
-    return !v.empty() && std::all_of(v.begin(), v.end(),
-                                     [max](int64_t x) { return x >= 1 && x <= max; });
-  };
-  if (!positive(o.contexts, 1 << 20) || !positive(o.batches, 256) ||
-      !positive(o.threads, 1024) || o.steps < 1 || o.steps > 1000) {
-    std::cerr << "error: --contexts in [1, 1048576], --batch in [1, 256], --cpu-threads in [1, 1024], "
-                 "--steps in [1, 1000]\n";
-    return 2;
+  if (!AllIn(o.contexts, 1, 1 << 20) || !AllIn(o.batches, 1, 256) || !AllIn(o.threads, 1, 1024) ||
+      o.steps < 1 || o.steps > 1000) {
+    return absl::InvalidArgumentError(
+        "--contexts in [1, 1048576], --batch in [1, 256], --cpu-threads in [1, 1024], --steps in [1, "
+        "1000]");
   }
+  return o;
+}
+
+// The hybrid step's options from the flags, their defaults and their checks.
+absl::StatusOr<HybridBenchOptions> HybridOptions(const DecodeBenchFlags& f) {
+  HybridBenchOptions o = f.hybrid;
+  if (!f.preset.empty()) o.preset = f.preset;
+  if (!f.contexts.empty()) o.contexts = f.contexts;
+  if (!f.policies.empty()) o.policies = f.policies;
+  if (f.steps != 0) o.steps = f.steps;
+  o.batches = f.batches;
+  o.budgets = f.budgets;
+#ifdef FLUXION_HAVE_CUDA
+  for (const std::string& k : o.hbm_kernels) {
+    kernels::cuda::PagedKernel kernel;
+    if (!kernels::cuda::PagedKernelFromName(k, &kernel)) {
+      return absl::InvalidArgumentError(absl::StrCat("--hbm-kernels: unknown kernel '", k, "'"));
+    }
+  }
+#endif
+  if (!AllIn(o.contexts, 1, 1 << 21) || !AllIn(o.batches, 1, 256) || o.steps < 1 ||
+      o.steps > 1000 || o.layers < 0) {
+    return absl::InvalidArgumentError(
+        "--contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000], --layers >= 0");
+  }
+  if (!AllIn(o.micro_batches, 1, 2)) {
+    return absl::InvalidArgumentError("--micro-batches takes 1 and/or 2");
+  }
+  return o;
+}
+
+// The hybrid step's one pool: one --cpu-threads value, 0 (or none) for every CPU it may use.
+absl::StatusOr<int> HybridPoolThreads(const std::vector<int64_t>& threads) {
+  if (threads.size() > 1) {
+    return absl::InvalidArgumentError("--cpu-threads takes one value with --device");
+  }
+  const int64_t n = threads.empty() ? 0 : threads[0];
+  if (n < 0 || n > kMaxCpuThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("--cpu-threads must be in [0, ", kMaxCpuThreads,
+                                                   "] (0 = the default), got ", n));
+  }
+  return n == 0 ? DefaultCpuThreads(CpuRole::kOffline, AvailableCpus()) : static_cast<int>(n);
+}
+
+int UsageError(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 2;
+}
+
+// Runs the CPU executors and writes --json at the end.
+int RunExecutors(const ExecutorBenchOptions& o, const std::string& json_path,
+                 const std::string& command) {
+  // The sweep's points size their own pools; until then the process holds every CPU it may use,
+  // set before any compute (kernels/cpu/process_cpu.h).
+  kernels::cpu::SetUpProcessCpu(AvailableCpus());
   nlohmann::json results = nlohmann::json::array();
-  if (absl::Status s = Run(o, &results); !s.ok()) {
+  if (absl::Status s = RunExecutorBench(o, &results); !s.ok()) {
     std::cerr << "error: " << s << "\n";
     return 1;
   }
   if (!json_path.empty()) {
-    absl::Status s = WriteJson(
-        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
-    if (!s.ok()) {
+    if (absl::Status s = WriteJson(json_path, ResultEnvelope(command, {}, results)); !s.ok()) {
       std::cerr << "error: " << s << "\n";
       return 1;
     }
   }
   return 0;
+}
+
+// Runs the hybrid step, writing --json after every point (a run cut short keeps what it measured)
+// and after an error.
+int RunHybrid(const HybridBenchOptions& o, int threads, const std::string& json_path,
+              const std::string& command) {
+  const kernels::cpu::CpuPool pool = kernels::cpu::SetUpProcessCpu(threads);
+  nlohmann::json results = nlohmann::json::array();
+  absl::Status written;
+  auto write = [&] {
+    if (json_path.empty() || !written.ok()) return;
+    written = WriteJson(json_path, ResultEnvelope(command, {}, results));
+  };
+  if (absl::Status s = RunHybridBench(o, pool, &results, write); !s.ok()) {
+    std::cerr << "error: " << s << "\n";
+    write();
+    return 1;
+  }
+  write();
+  if (!written.ok()) {
+    std::cerr << "error: " << written << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int RunDecodeBench(const std::vector<std::string>& args) {
+  DecodeBenchFlags f;
+  FlagSet flags("fluxion bench decode", kSummary);
+  RegisterSharedFlags(flags, f);
+  RegisterExecutorFlags(flags, f.executor);
+  RegisterHybridFlags(flags, f.hybrid);
+  flags.String("json", &f.json_path, "also write results to this file");
+  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  const bool hybrid = flags.WasSet("device");
+  if (absl::Status s = CheckFlagsApply(flags, hybrid); !s.ok()) return UsageError(s);
+  auto guard = guard_flags.Read();
+  if (!guard.ok()) return UsageError(guard.status());
+  const std::vector<int64_t>& threads = f.cpu_threads;
+  const std::string command = JoinCommand("fluxion bench decode", args);
+  if (!hybrid) {
+    f.executor.guard_modes = guard->modes;
+    f.executor.guard = guard->config;
+    absl::StatusOr<ExecutorBenchOptions> o = ExecutorOptions(f, threads);
+    if (!o.ok()) return UsageError(o.status());
+    return RunExecutors(*o, f.json_path, command);
+  }
+  f.hybrid.guard_modes = guard->modes;
+  f.hybrid.guard = guard->config;
+  absl::StatusOr<HybridBenchOptions> o = HybridOptions(f);
+  if (!o.ok()) return UsageError(o.status());
+  absl::StatusOr<int> pool_threads = HybridPoolThreads(threads);
+  if (!pool_threads.ok()) return UsageError(pool_threads.status());
+  return RunHybrid(*o, *pool_threads, f.json_path, command);
 }
 
 }  // namespace fluxion::bench

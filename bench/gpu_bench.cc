@@ -202,13 +202,16 @@ void Row(const char* fmt, ...) {
   std::fflush(stdout);
 }
 
-absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
-                 nlohmann::json* limits) {
-  cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreate(&stream));
-  DeviceMemory mem;
-  std::mt19937_64 rng(1);
+// The bandwidth probes every row is compared with, and the pinned, mapped host memory the
+// zero-copy rows read.
+struct Probes {
+  double hbm_gbps = 0, h2d_gbps = 0;
+  std::unique_ptr<void, void (*)(void*)> host{nullptr, [](void* p) { cudaFreeHost(p); }};
+  size_t host_bytes = 0;
+};
 
+absl::Status MeasureProbes(const Options& o, cudaStream_t stream, DeviceMemory& mem,
+                           nlohmann::json* limits, Probes* probes) {
   // Probes: HBM device-to-device copy (bytes read + written) and pinned host-to-device copy.
   const size_t probe_bytes = size_t{2} << 30;
   FLUXION_ASSIGN_OR_RETURN(void* a, mem.Get(probe_bytes));
@@ -216,22 +219,28 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
   FLUXION_ASSIGN_OR_RETURN(Stats d2d, TimeMs(stream, o.repeats, [&] {
     return CudaCheck(cudaMemcpyAsync(b, a, probe_bytes, cudaMemcpyDeviceToDevice, stream), "d2d");
   }));
-  const double hbm_gbps = 2.0 * probe_bytes / (d2d.median * 1e-3) / 1e9;
+  const double hbm_gbps = probes->hbm_gbps = 2.0 * probe_bytes / (d2d.median * 1e-3) / 1e9;
   const size_t host_bytes = static_cast<size_t>(o.host_gib * (1ull << 30)) / kPageBytes * kPageBytes;
   void* host = nullptr;
   BENCH_CUDA(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
-  std::unique_ptr<void, void (*)(void*)> host_owner(host, [](void* p) { cudaFreeHost(p); });
+  probes->host.reset(host);
+  probes->host_bytes = host_bytes;
   std::memset(host, 0x3c, host_bytes);  // finite bf16 values, every page touched
   FLUXION_ASSIGN_OR_RETURN(Stats h2d, TimeMs(stream, o.repeats, [&] {
     return CudaCheck(cudaMemcpyAsync(a, host, std::min(probe_bytes, host_bytes),
                                  cudaMemcpyHostToDevice, stream), "h2d");
   }));
-  const double h2d_gbps = std::min(probe_bytes, host_bytes) / (h2d.median * 1e-3) / 1e9;
+  const double h2d_gbps = probes->h2d_gbps = std::min(probe_bytes, host_bytes) / (h2d.median * 1e-3) / 1e9;
   *limits = {{"hbm_copy_gbps_read_plus_write", hbm_gbps}, {"pinned_h2d_gbps", h2d_gbps}};
   Row("probes: HBM copy %.0f GB/s (bytes read + written), pinned host->device copy %.1f GB/s\n"
       "(%% HBM and %% limit below: GB/s read over these probes)\n\n",
       hbm_gbps, h2d_gbps);
+  return absl::OkStatus();
+}
 
+absl::Status TimeGemms(const Options& o, cudaStream_t stream, DeviceMemory& mem,
+                       double hbm_gbps, nlohmann::json* results) {
+  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   // GEMMs at 8B shapes: weights bf16 [n][k], activations bf16 [m][k], output fp32.
   FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<cuda::Gemm> gemm, cuda::Gemm::Create(stream));
   struct Matrix { const char* name; int64_t n, k, per_step; };
@@ -240,7 +249,6 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
                              {"gate_up", 2 * kFfn, kHidden, kLayers},
                              {"down", kHidden, kFfn, kLayers},
                              {"lm_head", kVocab, kHidden, 1}};
-  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   Row("%-8s %5s %10s %10s %8s\n", "gemm", "m", "ms", "GB/s", "% HBM");
   // Each matrix's weights, activations and output, allocated once for every batch size.
   struct Operands { void *w, *x, *y; };
@@ -276,57 +284,209 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
     results->push_back({{"kind", "gemm_step"}, {"m", m}, {"ms", step_ms},
                         {"weight_gib", step_bytes / (1 << 30)}});
   }
+  return absl::OkStatus();
+}
 
+absl::Status TimeSampling(const Options& o, cudaStream_t stream, DeviceMemory& mem,
+                          std::mt19937_64& rng, nlohmann::json* results) {
+  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   // Sampling's device half: the candidate kernel over the LM head's logits [B][128256] against
   // the D2H copy of those logits it replaces (into pageable memory, as the step did, and pinned).
-  {
-    Row("\n%-10s %5s %6s %12s %12s %12s\n", "sampling", "B", "k", "cand ms", "D2H pageable",
-        "D2H pinned");
-    std::vector<float> host_logits(max_m * kVocab);
-    std::normal_distribution<float> normal(0.0f, 2.0f);
-    for (float& v : host_logits) v = normal(rng);
-    FLUXION_ASSIGN_OR_RETURN(void* d_logits, mem.Get(host_logits.size() * sizeof(float)));
-    BENCH_CUDA(cudaMemcpy(d_logits, host_logits.data(), host_logits.size() * sizeof(float),
-                          cudaMemcpyHostToDevice));
-    FLUXION_ASSIGN_OR_RETURN(void* d_temps, mem.Get(max_m * sizeof(double)));
-    FLUXION_ASSIGN_OR_RETURN(void* d_norms, mem.Get(max_m * sizeof(double)));
-    FLUXION_ASSIGN_OR_RETURN(void* d_ids, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
-    FLUXION_ASSIGN_OR_RETURN(void* d_values, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
-    const std::vector<double> temps(max_m, 0.8);
-    BENCH_CUDA(cudaMemcpy(d_temps, temps.data(), max_m * sizeof(double), cudaMemcpyHostToDevice));
-    void* pinned_logits = nullptr;
-    BENCH_CUDA(cudaMallocHost(&pinned_logits, host_logits.size() * sizeof(float)));
-    std::unique_ptr<void, void (*)(void*)> pinned_owner(pinned_logits,
-                                                        [](void* p) { cudaFreeHost(p); });
-    for (int64_t m : o.batches) {
-      const size_t bytes = m * kVocab * sizeof(float);
-      FLUXION_ASSIGN_OR_RETURN(Stats pageable, TimeMs(stream, o.repeats, [&] {
-        return CudaCheck(cudaMemcpyAsync(host_logits.data(), d_logits, bytes, cudaMemcpyDeviceToHost,
-                                     stream), "d2h pageable");
+  Row("\n%-10s %5s %6s %12s %12s %12s\n", "sampling", "B", "k", "cand ms", "D2H pageable",
+      "D2H pinned");
+  std::vector<float> host_logits(max_m * kVocab);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (float& v : host_logits) v = normal(rng);
+  FLUXION_ASSIGN_OR_RETURN(void* d_logits, mem.Get(host_logits.size() * sizeof(float)));
+  BENCH_CUDA(cudaMemcpy(d_logits, host_logits.data(), host_logits.size() * sizeof(float),
+                        cudaMemcpyHostToDevice));
+  FLUXION_ASSIGN_OR_RETURN(void* d_temps, mem.Get(max_m * sizeof(double)));
+  FLUXION_ASSIGN_OR_RETURN(void* d_norms, mem.Get(max_m * sizeof(double)));
+  FLUXION_ASSIGN_OR_RETURN(void* d_ids, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
+  FLUXION_ASSIGN_OR_RETURN(void* d_values, mem.Get(max_m * cuda::kMaxTopCandidates * 4));
+  const std::vector<double> temps(max_m, 0.8);
+  BENCH_CUDA(cudaMemcpy(d_temps, temps.data(), max_m * sizeof(double), cudaMemcpyHostToDevice));
+  void* pinned_logits = nullptr;
+  BENCH_CUDA(cudaMallocHost(&pinned_logits, host_logits.size() * sizeof(float)));
+  std::unique_ptr<void, void (*)(void*)> pinned_owner(pinned_logits,
+                                                      [](void* p) { cudaFreeHost(p); });
+  for (int64_t m : o.batches) {
+    const size_t bytes = m * kVocab * sizeof(float);
+    FLUXION_ASSIGN_OR_RETURN(Stats pageable, TimeMs(stream, o.repeats, [&] {
+      return CudaCheck(cudaMemcpyAsync(host_logits.data(), d_logits, bytes, cudaMemcpyDeviceToHost,
+                                   stream), "d2h pageable");
+    }));
+    FLUXION_ASSIGN_OR_RETURN(Stats pinned, TimeMs(stream, o.repeats, [&] {
+      return CudaCheck(cudaMemcpyAsync(pinned_logits, d_logits, bytes, cudaMemcpyDeviceToHost,
+                                   stream), "d2h pinned");
+    }));
+    for (int64_t k : {int64_t{1}, int64_t{50}, cuda::kMaxTopCandidates}) {
+      FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+        return CudaCheck(cuda::TopCandidates(static_cast<const float*>(d_logits), m, kVocab, k,
+                                         static_cast<const double*>(d_temps),
+                                         static_cast<int32_t*>(d_ids),
+                                         static_cast<float*>(d_values),
+                                         static_cast<double*>(d_norms), stream),
+                     "TopCandidates");
       }));
-      FLUXION_ASSIGN_OR_RETURN(Stats pinned, TimeMs(stream, o.repeats, [&] {
-        return CudaCheck(cudaMemcpyAsync(pinned_logits, d_logits, bytes, cudaMemcpyDeviceToHost,
-                                     stream), "d2h pinned");
-      }));
-      for (int64_t k : {int64_t{1}, int64_t{50}, cuda::kMaxTopCandidates}) {
-        FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-          return CudaCheck(cuda::TopCandidates(static_cast<const float*>(d_logits), m, kVocab, k,
-                                           static_cast<const double*>(d_temps),
-                                           static_cast<int32_t*>(d_ids),
-                                           static_cast<float*>(d_values),
-                                           static_cast<double*>(d_norms), stream),
-                       "TopCandidates");
-        }));
-        Row("%-10s %5ld %6ld %12.4f %12.4f %12.4f\n", "sampling", m, k, t.median,
-            pageable.median, pinned.median);
-        results->push_back({{"kind", "sampling_candidates"}, {"batch", m}, {"vocab", kVocab},
-                            {"k", k}, {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
-                            {"full_d2h_pageable_ms", pageable.median},
-                            {"full_d2h_pinned_ms", pinned.median}});
-      }
+      Row("%-10s %5ld %6ld %12.4f %12.4f %12.4f\n", "sampling", m, k, t.median,
+          pageable.median, pinned.median);
+      results->push_back({{"kind", "sampling_candidates"}, {"batch", m}, {"vocab", kVocab},
+                          {"k", k}, {"ms", t.median}, {"p10_ms", t.p10}, {"p90_ms", t.p90},
+                          {"full_d2h_pageable_ms", pageable.median},
+                          {"full_d2h_pinned_ms", pinned.median}});
     }
   }
+  return absl::OkStatus();
+}
 
+// What one (batch, context, page size) point of the attention rows shares.
+struct AttentionPoint {
+  int64_t batch, ctx, page_tokens;
+};
+
+// Dense over HBM: every kernel over the layer's KV in HBM, and the same pages through the
+// attention seam; skipped when the layer's KV does not fit next to what is allocated.
+absl::Status TimeHbmAttention(const Options& o, cudaStream_t stream, int num_sms,
+                              const std::vector<cuda::PagedKernel>& kernels, float* dq,
+                              const AttentionPoint& point, double hbm_gbps, std::mt19937_64& rng,
+                              nlohmann::json* results) {
+  const int64_t batch = point.batch, ctx = point.ctx, page_tokens = point.page_tokens;
+  const int64_t page_bytes = PageBytes(page_tokens);
+  const int64_t items = batch * kKvHeads;
+  const int64_t pages = items * ((ctx + page_tokens - 1) / page_tokens);
+  size_t free_bytes = 0, total = 0;
+  BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
+  void* arena = nullptr;
+  if (static_cast<size_t>(pages) * page_bytes + (size_t{1} << 30) < free_bytes) {
+    BENCH_CUDA(cudaMalloc(&arena, pages * page_bytes));
+    BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * page_bytes, stream));
+  } else {
+    Row("%-30s %3ld %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
+        "full, KV in HBM", page_tokens, batch, ctx, "1", pages * page_bytes >> 20);
+  }
+  std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
+  for (cuda::PagedKernel kernel : kernels) {
+    if (arena == nullptr) break;
+    if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;  // v3: 8/16/32
+    AttentionPlan plan;
+    DeviceMemory plan_mem;
+    FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true, o.span_tokens,
+                                      page_tokens, kernel, pages, o.chunk_rows, num_sms,
+                                      static_cast<float*>(dq), &plan, rng));
+    FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                               return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
+                             }));
+    const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+    const double gbps = bytes / (t.median * 1e-3) / 1e9;
+    const std::string label =
+        absl::StrCat("full, KV in HBM, ", cuda::PagedKernelName(kernel));
+    Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%% %7zu\n", label.c_str(),
+        page_tokens, batch, ctx, "1", t.median, gbps, 100 * gbps / hbm_gbps,
+        plan.chunks.size());
+    results->push_back({{"kind", "attention_hbm_full"},
+                        {"kernel", cuda::PagedKernelName(kernel)},
+                        {"page_tokens", page_tokens},
+                        {"batch", batch},
+                        {"context", ctx},
+                        {"ms", t.median},
+                        {"p10_ms", t.p10},
+                        {"p90_ms", t.p90},
+                        {"gbps", gbps},
+                        {"ratio_to_hbm_copy", gbps / hbm_gbps},
+                        {"chunks", plan.chunks.size()},
+                        {"chunk_rows", plan.chunk_rows}});
+    // The same pages through the attention seam (device-planned chunks).
+    FLUXION_ASSIGN_OR_RETURN(
+        Stats tb,
+        TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
+                    static_cast<float*>(dq), num_sms, o.repeats, stream));
+    const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
+    const std::string backend_label =
+        absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
+    Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
+        page_tokens, batch, ctx, "1", tb.median, backend_gbps,
+        100 * backend_gbps / hbm_gbps);
+    results->push_back({{"kind", "attention_hbm_full_backend"},
+                        {"kernel", cuda::PagedKernelName(kernel)},
+                        {"page_tokens", page_tokens},
+                        {"batch", batch},
+                        {"context", ctx},
+                        {"ms", tb.median},
+                        {"p10_ms", tb.p10},
+                        {"p90_ms", tb.p90},
+                        {"gbps", backend_gbps},
+                        {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
+  }
+  return absl::OkStatus();
+}
+
+// Sparse selection read straight from pinned host memory, at each --fractions share.
+absl::Status TimeZeroCopyAttention(const Options& o, cudaStream_t stream, int num_sms,
+                                   const std::vector<cuda::PagedKernel>& kernels, float* dq,
+                                   const AttentionPoint& point, const Probes& probes,
+                                   std::mt19937_64& rng, nlohmann::json* results) {
+  const int64_t batch = point.batch, ctx = point.ctx, page_tokens = point.page_tokens;
+  const int64_t page_bytes = PageBytes(page_tokens);
+  const int64_t items = batch * kKvHeads;
+  void* host = probes.host.get();
+  const size_t host_bytes = probes.host_bytes;
+  const double h2d_gbps = probes.h2d_gbps;
+  const int64_t host_pages = host_bytes / page_bytes;
+  void* mapped = nullptr;
+  BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
+  const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
+  for (double f : o.fractions) {
+    for (cuda::PagedKernel kernel : kernels) {
+      if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;
+      const int64_t rows = std::max<int64_t>(page_tokens, static_cast<int64_t>(f * ctx));
+      AttentionPlan plan;
+      DeviceMemory plan_mem;
+      FLUXION_RETURN_IF_ERROR(BuildPlan(
+          plan_mem, items, rows, /*dense=*/false, o.span_tokens, page_tokens, kernel,
+          host_pages, o.chunk_rows, num_sms, static_cast<float*>(dq), &plan, rng));
+      FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
+                                 return RunPlan(plan, host_arena, stream);
+                               }));
+      const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
+      const double gbps = bytes / (t.median * 1e-3) / 1e9;
+      // A span is at least one page.
+      const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
+      const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
+                                             cuda::PagedKernelName(kernel));
+      Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
+          page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
+          plan.chunks.size());
+      results->push_back({{"kind", "attention_host_zero_copy"},
+                          {"kernel", cuda::PagedKernelName(kernel)},
+                          {"page_tokens", page_tokens},
+                          {"batch", batch},
+                          {"context", ctx},
+                          {"read_fraction", f},
+                          {"span_tokens", span_tokens},
+                          {"ms", t.median},
+                          {"p10_ms", t.p10},
+                          {"p90_ms", t.p90},
+                          {"gbps", gbps},
+                          {"ratio_to_h2d_copy", gbps / h2d_gbps},
+                          {"chunks", plan.chunks.size()},
+                          {"chunk_rows", plan.chunk_rows}});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
+                 nlohmann::json* limits) {
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreate(&stream));
+  DeviceMemory mem;
+  std::mt19937_64 rng(1);
+  Probes probes;
+  FLUXION_RETURN_IF_ERROR(MeasureProbes(o, stream, mem, limits, &probes));
+  FLUXION_RETURN_IF_ERROR(TimeGemms(o, stream, mem, probes.hbm_gbps, results));
+  FLUXION_RETURN_IF_ERROR(TimeSampling(o, stream, mem, rng, results));
+  const int64_t max_m = *std::max_element(o.batches.begin(), o.batches.end());
   // Attention of one layer over every KV head of the batch, for each paged kernel and page size
   // (the same pages and plan shape for every kernel, so rows compare kernel against kernel).
   FLUXION_ASSIGN_OR_RETURN(void* dq, mem.Get(max_m * kKvHeads * kGroup * kHeadDim * 4));
@@ -348,118 +508,13 @@ absl::Status Run(const Options& o, int num_sms, nlohmann::json* results,
     for (int64_t batch : o.batches) {
       for (int64_t ctx : o.contexts) {
         for (int64_t page_tokens : o.page_tokens) {
-          const int64_t page_bytes = PageBytes(page_tokens);
-          const int64_t items = batch * kKvHeads;
-          const int64_t pages = items * ((ctx + page_tokens - 1) / page_tokens);
-          if (pass == 0) {
-            // Dense over HBM: skipped when the layer's KV does not fit next to what is allocated.
-            size_t free_bytes = 0, total = 0;
-            BENCH_CUDA(cudaMemGetInfo(&free_bytes, &total));
-            void* arena = nullptr;
-            if (static_cast<size_t>(pages) * page_bytes + (size_t{1} << 30) < free_bytes) {
-              BENCH_CUDA(cudaMalloc(&arena, pages * page_bytes));
-              BENCH_CUDA(cudaMemsetAsync(arena, 0x3c, pages * page_bytes, stream));
-            } else {
-              Row("%-30s %3ld %5ld %8ld %9s   skipped: %ld MiB of KV does not fit in free HBM\n",
-                  "full, KV in HBM", page_tokens, batch, ctx, "1", pages * page_bytes >> 20);
-            }
-            std::unique_ptr<void, void (*)(void*)> arena_owner(arena, [](void* p) { cudaFree(p); });
-            for (cuda::PagedKernel kernel : kernels) {
-              if (arena == nullptr) break;
-              if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;  // v3: 8/16/32
-              AttentionPlan plan;
-              DeviceMemory plan_mem;
-              FLUXION_RETURN_IF_ERROR(BuildPlan(plan_mem, items, ctx, /*dense=*/true, o.span_tokens,
-                                                page_tokens, kernel, pages, o.chunk_rows, num_sms,
-                                                static_cast<float*>(dq), &plan, rng));
-              FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-                                         return RunPlan(plan, static_cast<uint8_t*>(arena), stream);
-                                       }));
-              const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-              const double gbps = bytes / (t.median * 1e-3) / 1e9;
-              const std::string label =
-                  absl::StrCat("full, KV in HBM, ", cuda::PagedKernelName(kernel));
-              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%% %7zu\n", label.c_str(),
-                  page_tokens, batch, ctx, "1", t.median, gbps, 100 * gbps / hbm_gbps,
-                  plan.chunks.size());
-              results->push_back({{"kind", "attention_hbm_full"},
-                                  {"kernel", cuda::PagedKernelName(kernel)},
-                                  {"page_tokens", page_tokens},
-                                  {"batch", batch},
-                                  {"context", ctx},
-                                  {"ms", t.median},
-                                  {"p10_ms", t.p10},
-                                  {"p90_ms", t.p90},
-                                  {"gbps", gbps},
-                                  {"ratio_to_hbm_copy", gbps / hbm_gbps},
-                                  {"chunks", plan.chunks.size()},
-                                  {"chunk_rows", plan.chunk_rows}});
-              // The same pages through the attention seam (device-planned chunks).
-              FLUXION_ASSIGN_OR_RETURN(
-                  Stats tb,
-                  TimeBackend(kernel, items, ctx, page_tokens, static_cast<uint8_t*>(arena),
-                              static_cast<float*>(dq), num_sms, o.repeats, stream));
-              const double backend_gbps = bytes / (tb.median * 1e-3) / 1e9;
-              const std::string backend_label =
-                  absl::StrCat("  same via backend, ", cuda::PagedKernelName(kernel));
-              Row("%-30s %3ld %5ld %8ld %9s %10.4f %9.0f %7.0f%%\n", backend_label.c_str(),
-                  page_tokens, batch, ctx, "1", tb.median, backend_gbps,
-                  100 * backend_gbps / hbm_gbps);
-              results->push_back({{"kind", "attention_hbm_full_backend"},
-                                  {"kernel", cuda::PagedKernelName(kernel)},
-                                  {"page_tokens", page_tokens},
-                                  {"batch", batch},
-                                  {"context", ctx},
-                                  {"ms", tb.median},
-                                  {"p10_ms", tb.p10},
-                                  {"p90_ms", tb.p90},
-                                  {"gbps", backend_gbps},
-                                  {"ratio_to_hbm_copy", backend_gbps / hbm_gbps}});
-            }
-          } else {
-            // Sparse selection read straight from pinned host memory.
-            const int64_t host_pages = host_bytes / page_bytes;
-            void* mapped = nullptr;
-            BENCH_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
-            const uint8_t* host_arena = static_cast<const uint8_t*>(mapped);
-            for (double f : o.fractions) {
-              for (cuda::PagedKernel kernel : kernels) {
-                if (kernel == cuda::PagedKernel::kV3 && page_tokens > 32) continue;
-                const int64_t rows = std::max<int64_t>(page_tokens, static_cast<int64_t>(f * ctx));
-                AttentionPlan plan;
-                DeviceMemory plan_mem;
-                FLUXION_RETURN_IF_ERROR(BuildPlan(
-                    plan_mem, items, rows, /*dense=*/false, o.span_tokens, page_tokens, kernel,
-                    host_pages, o.chunk_rows, num_sms, static_cast<float*>(dq), &plan, rng));
-                FLUXION_ASSIGN_OR_RETURN(Stats t, TimeMs(stream, o.repeats, [&] {
-                                           return RunPlan(plan, host_arena, stream);
-                                         }));
-                const double bytes = static_cast<double>(plan.rows) * kHeadDim * 2 * 2;
-                const double gbps = bytes / (t.median * 1e-3) / 1e9;
-                // A span is at least one page.
-                const int64_t span_tokens = std::max(o.span_tokens, page_tokens);
-                const std::string label = absl::StrCat("zero-copy host, ", span_tokens, "-tok, ",
-                                                       cuda::PagedKernelName(kernel));
-                Row("%-30s %3ld %5ld %8ld %9.3f %10.4f %9.1f %7.0f%% %7zu\n", label.c_str(),
-                    page_tokens, batch, ctx, f, t.median, gbps, 100 * gbps / h2d_gbps,
-                    plan.chunks.size());
-                results->push_back({{"kind", "attention_host_zero_copy"},
-                                    {"kernel", cuda::PagedKernelName(kernel)},
-                                    {"page_tokens", page_tokens},
-                                    {"batch", batch},
-                                    {"context", ctx},
-                                    {"read_fraction", f},
-                                    {"span_tokens", span_tokens},
-                                    {"ms", t.median},
-                                    {"p10_ms", t.p10},
-                                    {"p90_ms", t.p90},
-                                    {"gbps", gbps},
-                                    {"ratio_to_h2d_copy", gbps / h2d_gbps},
-                                    {"chunks", plan.chunks.size()},
-                                    {"chunk_rows", plan.chunk_rows}});
-              }
-            }
-          }
+          const AttentionPoint point{batch, ctx, page_tokens};
+          FLUXION_RETURN_IF_ERROR(
+              pass == 0 ? TimeHbmAttention(o, stream, num_sms, kernels, static_cast<float*>(dq),
+                                           point, probes.hbm_gbps, rng, results)
+                        : TimeZeroCopyAttention(o, stream, num_sms, kernels,
+                                                static_cast<float*>(dq), point, probes, rng,
+                                                results));
         }
       }
     }

@@ -5,16 +5,13 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <iostream>
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "bench/bench_util.h"
-#include "common/cpu_threads.h"
-#include "common/flag_set.h"
 #include "common/read_bandwidth.h"
 #include "common/status_macros.h"
 #include "decode/hybrid_step_executor.h"
@@ -27,7 +24,6 @@
 #include "decode/sparse/policy.h"
 #include "decode/sparse_attention.h"
 #include "kernels/cpu/cpu_pool.h"
-#include "kernels/cpu/process_cpu.h"
 #include "model/cpu_dense_ops.h"
 #include "model/cuda_dense_ops.h"
 #include "model/random_model.h"
@@ -46,39 +42,6 @@ namespace {
 
 constexpr int64_t kPageTokens = 16;
 constexpr int64_t kFillChunk = 256;  // tokens of random K/V rows appended at a time
-
-struct Options {
-  std::string preset = "llama3.1-8b", device = "cuda";
-  std::vector<int64_t> contexts = {32768, 65536, 131072}, batches = {1, 4, 8, 16};
-  std::vector<std::string> policies = {"full", "fixed_32_0.05", "fixed_32_0.02", "fixed_16_0.05"};
-  std::vector<double> budgets = {0.05};
-  // Decision profiles lfps and fluxion are timed under (each under every one): `conservative`
-  // or a profile file (decode/sparse/decision_profile.h).
-  std::vector<std::string> profiles = {"conservative"};
-  int64_t steps = 5;
-  // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
-  // or the CPU's scan of the host bounds; each value a row.
-  std::vector<std::string> block_scores = {"device"};
-  // Where exact_topk and fluxion choose their rows (decode/sparse/policy.h, Selector): host
-  // and/or device (compact keys in HBM); each value a row.
-  std::vector<std::string> selectors = {"device"};
-  // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
-  std::vector<double> device_read_shares = {0};
-  // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
-  // each value a row.
-  std::vector<int64_t> micro_batches = {1};
-  double host_memory_gib = 0;  // 0: 80% of MemAvailable
-  // The preset's first `layers` layers only (0: all). A truncated model's step is not the
-  // model's; this exists to profile the CPU half at real head shapes on a machine that cannot hold
-  // the whole model (the per-layer work is the same at every layer).
-  int64_t layers = 0;
-  bool degrade_on_stall = false;  // every row with the stall guard (fluxion decode's flag)
-  std::vector<bool> guard_modes = {false};  // --guard: each guardable policy per mode
-  // The paged kernels the HBM-resident reference runs with (kernels/cuda/paged_decode.h); each a
-  // row.
-  std::vector<std::string> hbm_kernels = {"v5"};
-  decode::sparse::GuardConfig guard;
-};
 
 struct Device {
   std::unique_ptr<model::DenseOps> ops;
@@ -99,9 +62,8 @@ absl::StatusOr<Device> MakeDevice(const std::string& name, const decode::WindowS
   }
   FLUXION_ASSIGN_OR_RETURN(d.ops, model::NewCudaDenseOps(0));
 #ifdef FLUXION_HAVE_CUDA
-  FLUXION_ASSIGN_OR_RETURN(
-      d.window, decode::NewCudaResidentWindow(
-                    shape, static_cast<cudaStream_t>(d.ops->native_stream())));
+  FLUXION_ASSIGN_OR_RETURN(d.window, decode::NewCudaResidentWindow(
+                                         shape, static_cast<cudaStream_t>(d.ops->native_stream())));
   return d;
 #else
   return absl::FailedPreconditionError("this binary was built without CUDA");
@@ -148,8 +110,8 @@ absl::StatusOr<std::vector<std::unique_ptr<decode::PagedKv>>> FillKv(
     }
     for (int layer = 0; layer < shape.num_layers && statuses[i].ok(); ++layer) {
       for (int64_t t = 0; t < context && statuses[i].ok(); t += kFillChunk) {
-        statuses[i] = (*kv)->Append(layer, std::min(kFillChunk, context - t), k.data(), v.data(),
-                                    row);
+        statuses[i] =
+            (*kv)->Append(layer, std::min(kFillChunk, context - t), k.data(), v.data(), row);
       }
     }
     kvs[i] = std::move(*kv);
@@ -219,7 +181,7 @@ struct Timed {
 
 // The policies x profiles to time. lfps and fluxion run once per profile; every other policy
 // that needs the prefill's sparse state is refused (random weights give it no meaning).
-absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
+absl::StatusOr<std::vector<Timed>> TimedConfigs(const HybridBenchOptions& o) {
   FLUXION_ASSIGN_OR_RETURN(std::vector<decode::sparse::PolicyConfig> policies,
                            decode::sparse::ExpandPolicies(o.policies, o.budgets));
   {
@@ -248,7 +210,8 @@ absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
                             p.kind == decode::sparse::PolicyKind::kFluxion;
     if (!replayable && decode::sparse::TraitsOf(p.kind).needs_sparse_state) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "policy ", p.name, " decides from the prefill's sparse state, which random weights do "
+          "policy ", p.name,
+          " decides from the prefill's sparse state, which random weights do "
           "not have; lfps and fluxion are timed under --profile (docs/SPARSE.md, \"Decision "
           "profiles\")"));
     }
@@ -271,104 +234,141 @@ absl::StatusOr<std::vector<Timed>> TimedConfigs(const Options& o) {
   return timed;
 }
 
-// One warm-up and `steps` timed steps of `executor` over the first `batch` of `kvs` under
-// `policy`; the pages come back to `kvs` afterwards. `state`: the sparse state policies that
-// need one start from (null for the others).
+// The first `batch` of `kvs` as requests stepping under `policy`, with greedy samplers, as a served
+// request without sampling parameters has: the step samples where the logits are (only each
+// row's best candidate crosses; docs/EXECUTOR.md section 9), so the timed step is the serving
+// loop's. Give() returns the pages to `kvs`.
+class TimedBatch {
+ public:
+  static absl::StatusOr<TimedBatch> Make(std::vector<std::unique_ptr<decode::PagedKv>>& kvs,
+                                         int64_t batch, const decode::sparse::PolicyConfig& policy,
+                                         const model::SparseState* state,
+                                         const model::AttentionShape& shape, int64_t vocab) {
+    TimedBatch b;
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t length = kvs[i]->length(0);
+      FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
+                               FromPages(std::move(kvs[i]), policy, state, shape));
+      b.attentions.push_back(a.get());
+      b.seqs_.push_back(std::make_unique<model::Sequence>(std::move(a), length));
+    }
+    for (int64_t i = 0; i < batch; ++i) {
+      b.samplers_.push_back(std::make_unique<model::Sampler>(model::SamplingParams{}));
+      b.requests.push_back({b.seqs_[i].get(), b.attentions[i],
+                            static_cast<int32_t>((31 * i + 7) % vocab), b.samplers_.back().get()});
+    }
+    return b;
+  }
+
+  // A request's attention over `kv` under `policy`, with `state` only for policies that need one.
+  static absl::StatusOr<std::unique_ptr<decode::SparseAttention>> FromPages(
+      std::unique_ptr<decode::PagedKv> kv, const decode::sparse::PolicyConfig& policy,
+      const model::SparseState* state, const model::AttentionShape& shape) {
+    return decode::SparseAttention::FromPages(
+        std::move(kv), shape, policy,
+        decode::sparse::TraitsOf(policy.kind).needs_sparse_state ? state : nullptr);
+  }
+
+  // One step of every request; returns its ms and keeps the first error in `failed`.
+  template <typename Executor>
+  double Step(Executor& executor, absl::Status* failed) {
+    const auto t0 = std::chrono::steady_clock::now();
+    executor.StepAndSample(requests, &next_, &logits_, &statuses_);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (const absl::Status& st : statuses_) {
+      if (!st.ok() && failed->ok()) *failed = st;
+    }
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (next_[i] >= 0) requests[i].token = next_[i];
+    }
+    return ms;
+  }
+
+  // The pages back to `kvs`, whatever happened, so the next point can use them; then an empty
+  // step releases the window's slots.
+  template <typename Executor>
+  void Give(Executor& executor, std::vector<std::unique_ptr<decode::PagedKv>>& kvs) {
+    for (size_t i = 0; i < attentions.size(); ++i) kvs[i] = attentions[i]->TakeKv();
+    executor.Step({}, &logits_, &statuses_);
+  }
+
+  std::vector<decode::SparseAttention*> attentions;
+  std::vector<decode::StepRequest> requests;
+
+ private:
+  std::vector<std::unique_ptr<model::Sequence>> seqs_;
+  std::vector<std::unique_ptr<model::Sampler>> samplers_;
+  std::vector<int32_t> next_;
+  std::vector<float> logits_;
+  std::vector<absl::Status> statuses_;
+};
+
+// The executor's counters and the policies' reads of the timed steps, per step.
+void PerStep(const decode::HybridCounters& counters, const decode::sparse::SelectionStats& before,
+             const decode::sparse::SelectionStats& after, int64_t steps, Point* p) {
+  p->per_step = counters;
+  const double n = static_cast<double>(steps);
+  for (double* x : {&p->per_step.to_host_s, &p->per_step.plan_s, &p->per_step.append_s,
+                    &p->per_step.scores_s, &p->per_step.select_s, &p->per_step.host_s,
+                    &p->per_step.host_prep_s, &p->per_step.host_kernel_s, &p->per_step.finish_s,
+                    &p->per_step.merge_s, &p->per_step.lane_wait_s}) {
+    *x /= n;
+  }
+  p->per_step.host_rows = static_cast<int64_t>(p->per_step.host_rows / n);
+  p->per_step.mapped_rows = static_cast<int64_t>(p->per_step.mapped_rows / n);
+  p->per_step.resident_rows = static_cast<int64_t>(p->per_step.resident_rows / n);
+  p->k_rows_scored = (after.k_rows_scored - before.k_rows_scored) / n;
+  p->metadata_bytes = (after.metadata_bytes - before.metadata_bytes) / n;
+  const int64_t candidate_steps = after.candidate_steps - before.candidate_steps;
+  p->prepared_share =
+      candidate_steps > 0
+          ? static_cast<double>(after.candidate_steps_prepared - before.candidate_steps_prepared) /
+                candidate_steps
+          : 0.0;
+}
+
+// Two warm-up steps and `steps` timed steps of `executor` over the first `batch` of `kvs` under
+// `policy`; the pages come back to
+// `kvs` afterwards. `state`: the sparse state policies that need one start from (null for the
+// others).
 template <typename Executor>  // HybridStepExecutor or PingPongStepExecutor
 absl::StatusOr<Point> TimePoint(Executor& executor,
                                 std::vector<std::unique_ptr<decode::PagedKv>>& kvs, int64_t batch,
                                 const decode::sparse::PolicyConfig& policy,
-                                const model::SparseState* state,
-                                const model::AttentionShape& shape, int64_t vocab,
-                                int64_t steps) {
-  std::vector<std::unique_ptr<model::Sequence>> seqs;
-  std::vector<decode::SparseAttention*> attentions;
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t length = kvs[i]->length(0);
-    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> a,
-                             decode::SparseAttention::FromPages(
-                                 std::move(kvs[i]), shape, policy,
-                                 decode::sparse::TraitsOf(policy.kind).needs_sparse_state
-                                     ? state
-                                     : nullptr));
-    attentions.push_back(a.get());
-    seqs.push_back(std::make_unique<model::Sequence>(std::move(a), length));
-  }
-  // Greedy samplers, as a served request without sampling parameters has: the step samples where
-  // the logits are (only each row's best candidate crosses; docs/EXECUTOR.md section 9), so the
-  // timed step is the serving loop's.
-  std::vector<std::unique_ptr<model::Sampler>> samplers;
-  std::vector<decode::StepRequest> requests;
-  for (int64_t i = 0; i < batch; ++i) {
-    samplers.push_back(std::make_unique<model::Sampler>(model::SamplingParams{}));
-    requests.push_back({seqs[i].get(), attentions[i], static_cast<int32_t>((31 * i + 7) % vocab),
-                        samplers.back().get()});
-  }
-  std::vector<int32_t> next;
-  std::vector<float> logits;
-  std::vector<absl::Status> statuses;
-  std::vector<double> ms;
-  absl::Status failed;
+                                const model::SparseState* state, const model::AttentionShape& shape,
+                                int64_t vocab, int64_t steps) {
+  FLUXION_ASSIGN_OR_RETURN(TimedBatch b, TimedBatch::Make(kvs, batch, policy, state, shape, vocab));
   // Two warm-up steps: the first admits the requests to the window (and, at a new batch size,
   // tunes the GEMMs), the second records the dense segments' CUDA graphs (model/decode_step.h).
   constexpr int64_t kWarmup = 2;
-  decode::sparse::SelectionStats reads_before, reads_after;
+  Point p;
+  std::vector<double> ms;
+  absl::Status failed;
+  decode::sparse::SelectionStats reads_before;
   const decode::HybridStepExecutor::AdmissionCounters admitted_before = Admissions(executor);
-  double admit_ms = 0, first_step_ms = 0;
   for (int64_t s = 0; s < kWarmup + steps && failed.ok(); ++s) {
     if (s == kWarmup) {
       executor.ResetCounters();
-      reads_before = PolicyReads(attentions);
+      reads_before = PolicyReads(b.attentions);
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    executor.StepAndSample(requests, &next, &logits, &statuses);
-    const double elapsed =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    for (const absl::Status& st : statuses) {
-      if (!st.ok() && failed.ok()) failed = st;
-    }
-    for (int64_t i = 0; i < batch; ++i) {
-      if (next[i] >= 0) requests[i].token = next[i];
-    }
+    const double elapsed = b.Step(executor, &failed);
     if (s >= kWarmup) ms.push_back(elapsed);
     if (s == 0) {
+      // Admission into the window happens inside the first step.
       const decode::HybridStepExecutor::AdmissionCounters a = Admissions(executor);
       const int64_t n = a.requests - admitted_before.requests;
-      if (n > 0) admit_ms = 1e3 * (a.seconds - admitted_before.seconds) / n;
-      first_step_ms = elapsed;
+      if (n > 0) p.admit_ms = 1e3 * (a.seconds - admitted_before.seconds) / n;
+      p.first_step_ms = elapsed;
     }
   }
-  reads_after = PolicyReads(attentions);
+  const decode::sparse::SelectionStats reads_after = PolicyReads(b.attentions);
   const decode::HybridCounters timed_counters = executor.counters();
-  const double budget_scale_end = GuardScale(executor);
-  // The pages go back whatever happened, so the next point can use them.
-  for (int64_t i = 0; i < batch; ++i) kvs[i] = attentions[i]->TakeKv();
-  executor.Step({}, &logits, &statuses);  // releases the window's slots
+  p.budget_scale_end = GuardScale(executor);
+  b.Give(executor, kvs);
   FLUXION_RETURN_IF_ERROR(failed);
-  Point p;
   p.median_ms = Summarize(ms).median;
-  p.per_step = timed_counters;
-  p.budget_scale_end = budget_scale_end;
-  p.admit_ms = admit_ms;
-  p.first_step_ms = first_step_ms;
-  const double n = static_cast<double>(steps);
-  for (double* x : {&p.per_step.to_host_s, &p.per_step.plan_s, &p.per_step.append_s,
-                    &p.per_step.scores_s, &p.per_step.select_s, &p.per_step.host_s,
-                    &p.per_step.host_prep_s, &p.per_step.host_kernel_s,
-                    &p.per_step.finish_s, &p.per_step.merge_s, &p.per_step.lane_wait_s}) {
-    *x /= n;
-  }
-  p.per_step.host_rows = static_cast<int64_t>(p.per_step.host_rows / n);
-  p.per_step.mapped_rows = static_cast<int64_t>(p.per_step.mapped_rows / n);
-  p.k_rows_scored = (reads_after.k_rows_scored - reads_before.k_rows_scored) / n;
-  p.metadata_bytes = (reads_after.metadata_bytes - reads_before.metadata_bytes) / n;
-  const int64_t candidate_steps = reads_after.candidate_steps - reads_before.candidate_steps;
-  p.prepared_share =
-      candidate_steps > 0 ? static_cast<double>(reads_after.candidate_steps_prepared -
-                                                reads_before.candidate_steps_prepared) /
-                                candidate_steps
-                          : 0.0;
-  p.per_step.resident_rows = static_cast<int64_t>(p.per_step.resident_rows / n);
+  PerStep(timed_counters, reads_before, reads_after, steps, &p);
   return p;
 }
 
@@ -377,9 +377,8 @@ absl::StatusOr<Point> TimePoint(Executor& executor,
 // attention through the CUDA backend. Unavailable (skipped, with the reason) when the KV does not
 // fit in the device memory left.
 absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
-                                   const model::ModelConfig& config, int64_t context,
-                                   int64_t batch, int64_t steps,
-                                   kernels::cuda::PagedKernel kernel) {
+                                   const model::ModelConfig& config, int64_t context, int64_t batch,
+                                   int64_t steps, kernels::cuda::PagedKernel kernel) {
   decode::HbmKvShape shape;
   shape.num_layers = config.num_layers;
   shape.num_heads = config.num_heads;
@@ -392,8 +391,10 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
   cudaMemGetInfo(&free_bytes, &total);
   const size_t need = shape.num_layers * shape.layer_bytes();
   if (need + (size_t{4} << 30) > free_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("the KV (", need >> 30, " GiB) does not fit "
-                                                     "the ", free_bytes >> 30, " GiB free"));
+    return absl::ResourceExhaustedError(absl::StrCat("the KV (", need >> 30,
+                                                     " GiB) does not fit "
+                                                     "the ",
+                                                     free_bytes >> 30, " GiB free"));
   }
   FLUXION_ASSIGN_OR_RETURN(
       std::unique_ptr<decode::HbmFullAttention> hbm,
@@ -422,277 +423,348 @@ absl::StatusOr<double> TimeHbmFull(decode::HybridStepExecutor& executor,
 }
 #endif
 
-// `flush` is called after every (context, batch) point, so a run cut short by a time limit
-// keeps what it measured.
-absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::json* results,
-                 const std::function<void()>& flush) {
-  FLUXION_ASSIGN_OR_RETURN(model::ModelConfig config, model::PresetConfig(o.preset));
-  if (o.layers > 0) config.num_layers = std::min<int>(config.num_layers, o.layers);
-  const model::AttentionShape shape{config.num_layers, config.num_heads, config.num_kv_heads,
-                                    config.head_dim,
-                                    1.0f / std::sqrt(static_cast<float>(config.head_dim))};
-  FLUXION_ASSIGN_OR_RETURN(std::vector<Timed> policies, TimedConfigs(o));
-  const bool any_profiled = std::any_of(policies.begin(), policies.end(),
-                                        [](const Timed& t) { return !t.profile.empty(); });
+// What every point of a run shares: the model's shape, the configurations timed, the sizes the
+// window and the arenas are made for.
+struct RunPlan {
+  model::ModelConfig config;
+  model::AttentionShape shape;
+  std::vector<Timed> policies;
+  bool any_profiled = false;  // some policy needs the (synthesized) sparse state
   // Every plan resident (a budget below sinks + window): the GPU-only step.
-  FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig resident_only,
-                           decode::sparse::ParsePolicy("quest", 1e-6));
-  const int64_t max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  decode::sparse::PolicyConfig resident_only;
+  int64_t max_batch = 0;
   // Tokens every request gains over the run (each point appends steps + 1 to the same pages).
-  const int64_t step_tokens =
-      (o.steps + 3) *
-      (static_cast<int64_t>(policies.size() * o.block_scores.size() *
-                            o.device_read_shares.size()) +
-       1) *
-      static_cast<int64_t>(o.batches.size() * o.micro_batches.size());
+  int64_t step_tokens = 0;
+};
+
+absl::StatusOr<RunPlan> MakePlan(const HybridBenchOptions& o) {
   for (const std::string& b : o.block_scores) {
     if (b != "device" && b != "cpu") {
       return absl::InvalidArgumentError(
           absl::StrCat("--block-scores takes device and cpu, not ", b));
     }
   }
-  decode::WindowShape window_shape = decode::WindowShapeFor(shape, max_batch);
-  window_shape.page_tokens = kPageTokens;
-  window_shape.max_context_tokens =
-      *std::max_element(o.contexts.begin(), o.contexts.end()) + step_tokens + kPageTokens;
-  if (std::any_of(policies.begin(), policies.end(),
-                  [](const Timed& t) { return decode::sparse::DeviceSelects(t.policy); })) {
-    window_shape.compact_slots = max_batch;  // every request's compact rows in HBM
-  }
-  FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
-  const auto w0 = std::chrono::steady_clock::now();
-  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
-                           model::RandomParams(config, *device.ops, 1, &pool));
-  FLUXION_RETURN_IF_ERROR(device.ops->Sync());
-  const double weights_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
-  // The one-pipeline rows step pipeline A of the ping-pong executor alone when both are timed,
-  // so the weights are made (and on CUDA uploaded) once.
-  const bool ping_pong_rows =
-      std::find(o.micro_batches.begin(), o.micro_batches.end(), 2) != o.micro_batches.end();
+  RunPlan plan;
+  FLUXION_ASSIGN_OR_RETURN(plan.config, model::PresetConfig(o.preset));
+  if (o.layers > 0) plan.config.num_layers = std::min<int>(plan.config.num_layers, o.layers);
+  const model::ModelConfig& c = plan.config;
+  plan.shape = model::AttentionShape{c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                                     1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  FLUXION_ASSIGN_OR_RETURN(plan.policies, TimedConfigs(o));
+  plan.any_profiled = std::any_of(plan.policies.begin(), plan.policies.end(),
+                                  [](const Timed& t) { return !t.profile.empty(); });
+  FLUXION_ASSIGN_OR_RETURN(plan.resident_only, decode::sparse::ParsePolicy("quest", 1e-6));
+  plan.max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  const int64_t rows_per_point = static_cast<int64_t>(plan.policies.size() * o.block_scores.size() *
+                                                      o.device_read_shares.size());
+  plan.step_tokens = (o.steps + 3) * (rows_per_point + 1) *
+                     static_cast<int64_t>(o.batches.size() * o.micro_batches.size());
+  return plan;
+}
+
+// The one-pipeline executor, and with --micro-batches 2 the ping-pong one whose pipeline A it
+// then is (so the weights are made, and on CUDA uploaded, once).
+struct Executors {
   std::unique_ptr<decode::PingPongStepExecutor> ping_pong;
   std::unique_ptr<decode::HybridStepExecutor> single_owned;
-  decode::HybridStepExecutor* executor = nullptr;  // one pipeline
-  if (ping_pong_rows) {
-    // A holds every request in the one-pipeline rows and the larger half in the ping-pong ones;
-    // B the smaller half.
-    decode::WindowShape b_shape = window_shape;
-    b_shape.max_requests = b_shape.max_rows = std::max<int64_t>(1, max_batch / 2);
-    b_shape.compact_slots = std::min(b_shape.compact_slots, b_shape.max_requests);
-    FLUXION_ASSIGN_OR_RETURN(Device second, MakeDevice(o.device, b_shape, &pool));
-    decode::PingPongStepExecutor::Options options;
-#ifdef FLUXION_HAVE_CUDA
-    if (o.device == "cuda") options = decode::CudaPingPongOptions(0);
-#endif
-    FLUXION_ASSIGN_OR_RETURN(
-        ping_pong, decode::PingPongStepExecutor::Create(
-                       config, std::move(params), {std::move(device.ops), std::move(device.window)},
-                       {std::move(second.ops), std::move(second.window)}, &pool, options));
-    executor = &ping_pong->pipeline(0);
-  } else {
-    FLUXION_ASSIGN_OR_RETURN(
-        single_owned,
-        decode::HybridStepExecutor::Create(config, std::move(device.ops), std::move(params),
-                                           std::move(device.window), &pool));
-    executor = single_owned.get();
+  decode::HybridStepExecutor* single = nullptr;
+  double weights_s = 0;  // making the random weights
+};
+
+absl::StatusOr<Executors> MakeExecutors(const HybridBenchOptions& o, const RunPlan& plan,
+                                        const kernels::cpu::CpuPool& pool) {
+  decode::WindowShape window_shape = decode::WindowShapeFor(plan.shape, plan.max_batch);
+  window_shape.page_tokens = kPageTokens;
+  window_shape.max_context_tokens =
+      *std::max_element(o.contexts.begin(), o.contexts.end()) + plan.step_tokens + kPageTokens;
+  if (std::any_of(plan.policies.begin(), plan.policies.end(),
+                  [](const Timed& t) { return decode::sparse::DeviceSelects(t.policy); })) {
+    window_shape.compact_slots = plan.max_batch;  // every request's compact rows in HBM
   }
-  const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
-  // The pool's read bandwidth from host memory: what the CPU attention's rate is compared with
-  // (issue 14's target: >= 80% of it for the bytes the CPU part touches).
-  const double probe_gbps = common::MeasureReadBandwidthGbps(size_t{1} << 30, pool.threads());
-  std::printf("preset %s (%lld layers) on %s, %d CPU threads (read probe %.1f GB/s), weights made "
-              "in %.1f s, host KV limit %.0f GiB (%.0f KiB per token)\n",
-              o.preset.c_str(), static_cast<long long>(config.num_layers), o.device.c_str(),
-              pool.threads(), probe_gbps, weights_s, limit_gib, BytesPerToken(config) / 1024);
-  // Host bytes of one attended row of one KV head: its bf16 K and V.
-  const double row_bytes = 2.0 * config.head_dim * 2;
+  FLUXION_ASSIGN_OR_RETURN(Device device, MakeDevice(o.device, window_shape, &pool));
+  Executors e;
+  const auto w0 = std::chrono::steady_clock::now();
+  FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
+                           model::RandomParams(plan.config, *device.ops, 1, &pool));
+  FLUXION_RETURN_IF_ERROR(device.ops->Sync());
+  e.weights_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+  if (std::find(o.micro_batches.begin(), o.micro_batches.end(), 2) == o.micro_batches.end()) {
+    FLUXION_ASSIGN_OR_RETURN(
+        e.single_owned,
+        decode::HybridStepExecutor::Create(plan.config, std::move(device.ops), std::move(params),
+                                           std::move(device.window), &pool));
+    e.single = e.single_owned.get();
+    return e;
+  }
+  // A holds every request in the one-pipeline rows and the larger half in the ping-pong ones;
+  // B the smaller half.
+  decode::WindowShape b_shape = window_shape;
+  b_shape.max_requests = b_shape.max_rows = std::max<int64_t>(1, plan.max_batch / 2);
+  b_shape.compact_slots = std::min(b_shape.compact_slots, b_shape.max_requests);
+  FLUXION_ASSIGN_OR_RETURN(Device second, MakeDevice(o.device, b_shape, &pool));
+  decode::PingPongStepExecutor::Options options;
+#ifdef FLUXION_HAVE_CUDA
+  if (o.device == "cuda") options = decode::CudaPingPongOptions(0);
+#endif
+  FLUXION_ASSIGN_OR_RETURN(
+      e.ping_pong,
+      decode::PingPongStepExecutor::Create(
+          plan.config, std::move(params), {std::move(device.ops), std::move(device.window)},
+          {std::move(second.ops), std::move(second.window)}, &pool, options));
+  e.single = &e.ping_pong->pipeline(0);
+  return e;
+}
+
+void PrintHeader(const HybridBenchOptions& o, const RunPlan& plan, const Executors& e, int threads,
+                 double probe_gbps, double limit_gib) {
+  std::printf(
+      "preset %s (%lld layers) on %s, %d CPU threads (read probe %.1f GB/s), weights made "
+      "in %.1f s, host KV limit %.0f GiB (%.0f KiB per token)\n",
+      o.preset.c_str(), static_cast<long long>(plan.config.num_layers), o.device.c_str(), threads,
+      probe_gbps, e.weights_s, limit_gib, BytesPerToken(plan.config) / 1024);
   // mb: micro-batches (1: one pipeline, 2: ping-pong). With 2 the phase times (to_host ...
   // lane) are summed over both halves, each on its own thread, so they may exceed the step.
   // admit: ms per request to enter the window (in the first warm-up step; a served batch waits).
   // cpu GB/s: the CPU's attended rows' K/V bytes over its attention kernel's time, and that as a
   // share of the read probe (with a zero-copy share the device reads host memory at the same time).
-  std::printf("%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s | %8s | "
-              "%13s\n",
-              "context", "batch", "mb", "policy", "step ms", "tok/s", "host rows", "res rows",
-              "to_host", "plan", "cpu att", "finish", "merge", "lane", "idle", "admit",
-              "cpu GB/s");
+  std::printf(
+      "%8s %5s %2s %-34s | %9s %9s | %9s %9s | %7s %7s %7s %7s %7s %7s | %6s | %8s | "
+      "%13s\n",
+      "context", "batch", "mb", "policy", "step ms", "tok/s", "host rows", "res rows", "to_host",
+      "plan", "cpu att", "finish", "merge", "lane", "idle", "admit", "cpu GB/s");
+}
+
+// One context's requests: `fits` of them (as many of the largest batch as the host memory limit
+// holds; 0: the context is skipped), their pages filled, and the sparse state lfps and fluxion
+// start from. Every batch point of the context uses the first `batch` of the same requests.
+struct ContextKv {
+  int64_t fits = 0;
+  std::unique_ptr<decode::KvArena> arena;  // declared before `kvs`: outlives their pages
+  std::vector<std::unique_ptr<decode::PagedKv>> kvs;
+  model::SparseState state;
+};
+
+absl::StatusOr<ContextKv> FillContext(const HybridBenchOptions& o, const RunPlan& plan,
+                                      int64_t context, double limit_gib,
+                                      const kernels::cpu::CpuPool& pool) {
+  const model::ModelConfig& config = plan.config;
+  ContextKv c;
+  const double per_request_gib = BytesPerToken(config) * (context + plan.step_tokens) / (1 << 30);
+  c.fits = std::min<int64_t>(plan.max_batch, static_cast<int64_t>(limit_gib / per_request_gib));
+  if (c.fits < 1) {
+    std::printf("%8lld: skipped (one request's KV, %.1f GiB, exceeds the %.0f GiB limit)\n",
+                static_cast<long long>(context), per_request_gib, limit_gib);
+    c.fits = 0;
+    return c;
+  }
   const decode::KvShape kv_shape{config.num_layers, config.num_kv_heads, config.head_dim,
                                  kPageTokens};
-  for (int64_t context : o.contexts) {
-    const double per_request_gib = BytesPerToken(config) * (context + step_tokens) / (1 << 30);
-    int64_t fits = std::min<int64_t>(max_batch, static_cast<int64_t>(limit_gib / per_request_gib));
-    if (fits < 1) {
-      std::printf("%8lld: skipped (one request's KV, %.1f GiB, exceeds the %.0f GiB limit)\n",
-                  static_cast<long long>(context), per_request_gib, limit_gib);
+  const int64_t pages = c.fits * config.num_layers * config.num_kv_heads *
+                        ((context + plan.step_tokens) / kPageTokens + 2);
+  FLUXION_ASSIGN_OR_RETURN(c.arena, decode::KvArena::Create(kv_shape.page_bytes(), pages));
+#ifdef FLUXION_HAVE_CUDA
+  if (o.device == "cuda") {
+    // Pinned, so the GPU can read host pages zero-copy (--device-read-share).
+    const auto p0 = std::chrono::steady_clock::now();
+    if (absl::Status pinned = decode::PinArenaForCuda(c.arena.get()); !pinned.ok()) {
+      std::printf("%8lld: arena not pinned (%s): the CPU reads every host row\n",
+                  static_cast<long long>(context), std::string(pinned.message()).c_str());
+    } else {
+      std::printf("%8lld: %.1f GiB arena pinned in %.1f s\n", static_cast<long long>(context),
+                  c.arena->bytes() / double(1 << 30),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
+    }
+  }
+#endif
+  const auto f0 = std::chrono::steady_clock::now();
+  FLUXION_ASSIGN_OR_RETURN(c.kvs, FillKv(c.arena.get(), kv_shape, c.fits, context, pool));
+  std::printf("%8lld: %lld requests' KV filled in %.1f s\n", static_cast<long long>(context),
+              static_cast<long long>(c.fits),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
+  // lfps and fluxion start from a prefill's sparse state; random KV had no prefill, so one is
+  // synthesized (model/sparse_state.h says why its contents do not decide the timing under a
+  // profile). One per context, shared by every request, as a real prefill's would be per request.
+  if (plan.any_profiled) {
+    FLUXION_ASSIGN_OR_RETURN(c.state, model::SynthesizeSparseState(plan.shape, context));
+  }
+  return c;
+}
+
+// One printed row of a (context, batch) point.
+struct Row {
+  std::string label, profile;
+  int64_t micro_batches = 1;
+  Point point;
+  double gpu_only_ms = 0;  // the resident-only step of the same micro-batching
+};
+
+// Every row of one micro-batching `mb` at one (context, batch): the resident-only step first,
+// then each policy under each --block-scores and --device-read-share value.
+template <typename Stepper>  // HybridStepExecutor or PingPongStepExecutor
+absl::Status TimeRows(Stepper& stepper, const HybridBenchOptions& o, const RunPlan& plan,
+                      ContextKv& kv, int64_t batch, int64_t mb, std::vector<Row>* rows) {
+  const int64_t vocab = plan.config.vocab_size;
+  SetStallGuard(stepper, decode::StallGuardOptions{});  // the GPU-only row: never degraded
+  FLUXION_ASSIGN_OR_RETURN(Point gpu_only, TimePoint(stepper, kv.kvs, batch, plan.resident_only,
+                                                     nullptr, plan.shape, vocab, o.steps));
+  rows->push_back({"resident-only", "", mb, gpu_only, gpu_only.median_ms});
+  decode::StallGuardOptions guard;
+  guard.enabled = o.degrade_on_stall;
+  for (const Timed& t : plan.policies) {
+    const bool scored = decode::sparse::ReadsPageScores(t.policy);
+    for (const std::string& where : o.block_scores) {
+      for (double share : o.device_read_shares) {
+        stepper.set_window_block_scores(where == "device");
+        stepper.set_device_read_share(share);
+        SetStallGuard(stepper, guard);  // each row starts undegraded
+        FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(stepper, kv.kvs, batch, t.policy, &kv.state,
+                                                    plan.shape, vocab, o.steps));
+        std::string label = t.label;
+        if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
+        if (o.device_read_shares.size() > 1 || share > 0) absl::StrAppend(&label, "/zc", share);
+        rows->push_back({label, t.profile, mb, p, gpu_only.median_ms});
+      }
+      if (!scored) break;  // one set of rows: nothing to score
+    }
+  }
+  stepper.set_window_block_scores(true);
+  stepper.set_device_read_share(0);
+  return absl::OkStatus();
+}
+
+#ifdef FLUXION_HAVE_CUDA
+// The HBM-resident reference rows (one per --hbm-kernels value), printed and recorded at once;
+// skipped, with the reason, where the KV does not fit.
+void TimeHbmRows(decode::HybridStepExecutor& executor, const HybridBenchOptions& o,
+                 const RunPlan& plan, int64_t context, int64_t batch, nlohmann::json* results) {
+  for (const std::string& kernel_name : o.hbm_kernels) {
+    kernels::cuda::PagedKernel kernel = kernels::cuda::PagedKernel::kV5;
+    kernels::cuda::PagedKernelFromName(kernel_name, &kernel);  // checked with the flags
+    const std::string label =
+        o.hbm_kernels.size() > 1 ? "hbm-full-" + kernel_name : std::string("hbm-full");
+    absl::StatusOr<double> hbm =
+        TimeHbmFull(executor, plan.config, context, batch, o.steps, kernel);
+    if (!hbm.ok()) {
+      std::printf("%8lld %5lld %2s %-34s | skipped: %s\n", static_cast<long long>(context),
+                  static_cast<long long>(batch), "1", label.c_str(),
+                  std::string(hbm.status().message()).c_str());
       continue;
     }
-    // Every batch point of this context uses the first `batch` of the same requests.
-    const int64_t pages =
-        fits * config.num_layers * config.num_kv_heads * ((context + step_tokens) / kPageTokens + 2);
-    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::KvArena> arena,
-                             decode::KvArena::Create(kv_shape.page_bytes(), pages));
-#ifdef FLUXION_HAVE_CUDA
-    if (o.device == "cuda") {
-      // Pinned, so the GPU can read host pages zero-copy (--device-read-share).
-      const auto p0 = std::chrono::steady_clock::now();
-      if (absl::Status pinned = decode::PinArenaForCuda(arena.get()); !pinned.ok()) {
-        std::printf("%8lld: arena not pinned (%s): the CPU reads every host row\n",
-                    static_cast<long long>(context), std::string(pinned.message()).c_str());
-      } else {
-        std::printf("%8lld: %.1f GiB arena pinned in %.1f s\n", static_cast<long long>(context),
-                    arena->bytes() / double(1 << 30),
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
-      }
-    }
+    // Whether the dense segments ran from CUDA graphs (docs/GPU.md, "Fused, graphed and tuned
+    // dense half").
+    const model::DecodeStepRunner& runner = executor.runner();
+    const std::string graphs = runner.graph_status().ok()
+                                   ? absl::StrCat(runner.graph_replays(), " graph replays so far")
+                                   : std::string(runner.graph_status().message());
+    std::printf(
+        "%8lld %5lld %2s %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on "
+        "the GPU; %s)\n",
+        static_cast<long long>(context), static_cast<long long>(batch), "1", label.c_str(), *hbm,
+        1e3 * batch / *hbm, graphs.c_str());
+    results->push_back({{"preset", o.preset},
+                        {"device", o.device},
+                        {"context", context},
+                        {"batch", batch},
+                        {"policy", "hbm-full"},
+                        {"kernel", kernel_name},
+                        {"step_ms", *hbm},
+                        {"tokens_per_s", 1e3 * batch / *hbm},
+                        {"graphs", graphs}});
+  }
+}
 #endif
-    const auto f0 = std::chrono::steady_clock::now();
-    FLUXION_ASSIGN_OR_RETURN(auto kvs, FillKv(arena.get(), kv_shape, fits, context, pool));
-    std::printf("%8lld: %lld requests' KV filled in %.1f s\n", static_cast<long long>(context),
-                static_cast<long long>(fits),
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
-    // lfps and fluxion start from a prefill's sparse state; random KV had no prefill, so one is
-    // synthesized (model/sparse_state.h says why its contents do not decide the timing under a
-    // profile). One per context, shared by every request, as a real prefill's would be per request.
-    model::SparseState state;
-    if (any_profiled) {
-      FLUXION_ASSIGN_OR_RETURN(state, model::SynthesizeSparseState(shape, context));
-    }
+
+// Prints `row` and appends its JSON record to `results`.
+void ReportRow(const HybridBenchOptions& o, const RunPlan& plan, const Row& row, int64_t context,
+               int64_t batch, double probe_gbps, nlohmann::json* results) {
+  const Point& p = row.point;
+  const decode::HybridCounters& c = p.per_step;
+  // Host bytes of one attended row of one KV head: its bf16 K and V.
+  const double row_bytes = 2.0 * plan.config.head_dim * 2;
+  // The device is busy at most the resident-only step's time; the rest of a step it waits.
+  const double idle = std::max(0.0, 1.0 - row.gpu_only_ms / p.median_ms);
+  const double cpu_gbps =
+      c.host_kernel_s > 0 ? c.host_rows * row_bytes / c.host_kernel_s / 1e9 : 0.0;
+  std::printf(
+      "%8lld %5lld %2lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f "
+      "%7.2f %7.2f %7.2f | %5.0f%% | %8.2f | %6.1f (%3.0f%%)\n",
+      static_cast<long long>(context), static_cast<long long>(batch),
+      static_cast<long long>(row.micro_batches), row.label.c_str(), p.median_ms,
+      1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
+      static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s, 1e3 * c.host_s,
+      1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s, 100 * idle, p.admit_ms, cpu_gbps,
+      100 * cpu_gbps / probe_gbps);
+  std::fflush(stdout);
+  results->push_back(
+      {{"preset", o.preset},
+       {"layers", plan.config.num_layers},
+       {"device", o.device},
+       {"context", context},
+       {"batch", batch},
+       {"micro_batches", row.micro_batches},
+       {"degrade_on_stall", o.degrade_on_stall},
+       {"budget_scale_end", p.budget_scale_end},
+       {"admit_ms_per_request", p.admit_ms},
+       {"first_step_ms", p.first_step_ms},
+       {"policy", row.label},
+       // null: the path decides nothing data-driven (profile-free)
+       {"profile", row.profile.empty() ? nlohmann::json(nullptr) : nlohmann::json(row.profile)},
+       {"step_ms", p.median_ms},
+       {"tokens_per_s", 1e3 * batch / p.median_ms},
+       {"host_rows_per_step", c.host_rows},
+       {"device_read_rows_per_step", c.mapped_rows},
+       {"k_rows_scored_per_step", p.k_rows_scored},
+       {"cpu_metadata_bytes_per_step", p.metadata_bytes},
+       {"prepared_pick_share", p.prepared_share},
+       {"resident_rows_per_step", c.resident_rows},
+       {"to_host_ms", 1e3 * c.to_host_s},
+       {"plan_ms", 1e3 * c.plan_s},
+       {"append_ms", 1e3 * c.append_s},
+       {"scores_wait_ms", 1e3 * c.scores_s},
+       {"select_ms", 1e3 * c.select_s},
+       {"cpu_attention_ms", 1e3 * c.host_s},
+       {"cpu_attention_prep_ms", 1e3 * c.host_prep_s},
+       {"cpu_attention_kernel_ms", 1e3 * c.host_kernel_s},
+       {"finish_ms", 1e3 * c.finish_s},
+       {"merge_ms", 1e3 * c.merge_s},
+       {"lane_wait_ms", 1e3 * c.lane_wait_s},
+       {"cpu_attention_gbps", cpu_gbps},
+       {"host_read_probe_gbps", probe_gbps},
+       {"gpu_idle_estimate", idle}});
+}
+
+// `flush` is called after every (context, batch) point, so a run cut short by a time limit
+// keeps what it measured.
+absl::Status Run(const HybridBenchOptions& o, const kernels::cpu::CpuPool& pool,
+                 nlohmann::json* results, const std::function<void()>& flush) {
+  FLUXION_ASSIGN_OR_RETURN(RunPlan plan, MakePlan(o));
+  FLUXION_ASSIGN_OR_RETURN(Executors e, MakeExecutors(o, plan, pool));
+  const double limit_gib = o.host_memory_gib > 0 ? o.host_memory_gib : 0.8 * MemAvailableGib();
+  // The pool's read bandwidth from host memory: what the CPU attention's rate is compared with
+  // (issue 14's target: >= 80% of it for the bytes the CPU part touches).
+  const double probe_gbps = common::MeasureReadBandwidthGbps(size_t{1} << 30, pool.threads());
+  PrintHeader(o, plan, e, pool.threads(), probe_gbps, limit_gib);
+  for (int64_t context : o.contexts) {
+    FLUXION_ASSIGN_OR_RETURN(ContextKv kv, FillContext(o, plan, context, limit_gib, pool));
+    if (kv.fits == 0) continue;
     for (int64_t batch : o.batches) {
-      if (batch > fits) {
+      if (batch > kv.fits) {
         std::printf("%8lld %5lld skipped: %lld requests' KV (%.0f GiB) exceed the limit\n",
                     static_cast<long long>(context), static_cast<long long>(batch),
-                    static_cast<long long>(batch), batch * per_request_gib);
+                    static_cast<long long>(batch),
+                    batch * BytesPerToken(plan.config) * (context + plan.step_tokens) / (1 << 30));
         results->push_back({{"context", context}, {"batch", batch}, {"skipped", true}});
         continue;
       }
-      struct Row {
-        std::string label, profile;
-        int64_t micro_batches = 1;
-        Point point;
-        double gpu_only_ms = 0;  // the resident-only step of the same micro-batching
-      };
-      std::vector<Row> points;
-      // Every row of one micro-batching: the resident-only step first, then each policy.
-      decode::StallGuardOptions guard;
-      guard.enabled = o.degrade_on_stall;
-      auto time_rows = [&](auto& stepper, int64_t mb) -> absl::Status {
-        SetStallGuard(stepper, decode::StallGuardOptions{});  // the GPU-only row: never degraded
-        FLUXION_ASSIGN_OR_RETURN(Point gpu_only,
-                                 TimePoint(stepper, kvs, batch, resident_only, nullptr, shape,
-                                           config.vocab_size, o.steps));
-        points.push_back({"resident-only", "", mb, gpu_only, gpu_only.median_ms});
-        for (const Timed& t : policies) {
-          const bool scored = decode::sparse::ReadsPageScores(t.policy);
-          for (const std::string& where : o.block_scores) {
-            for (double share : o.device_read_shares) {
-              stepper.set_window_block_scores(where == "device");
-              stepper.set_device_read_share(share);
-              SetStallGuard(stepper, guard);  // each row starts undegraded
-              FLUXION_ASSIGN_OR_RETURN(Point p, TimePoint(stepper, kvs, batch, t.policy, &state,
-                                                          shape, config.vocab_size, o.steps));
-              std::string label = t.label;
-              if (scored && o.block_scores.size() > 1) absl::StrAppend(&label, "/", where);
-              if (o.device_read_shares.size() > 1 || share > 0) {
-                absl::StrAppend(&label, "/zc", share);
-              }
-              points.push_back({label, t.profile, mb, p, gpu_only.median_ms});
-            }
-            if (!scored) break;  // one set of rows: nothing to score
-          }
-        }
-        stepper.set_window_block_scores(true);
-        stepper.set_device_read_share(0);
-        return absl::OkStatus();
-      };
+      std::vector<Row> rows;
       for (int64_t mb : o.micro_batches) {
-        FLUXION_RETURN_IF_ERROR(mb == 2 ? time_rows(*ping_pong, mb) : time_rows(*executor, mb));
+        FLUXION_RETURN_IF_ERROR(mb == 2 ? TimeRows(*e.ping_pong, o, plan, kv, batch, mb, &rows)
+                                        : TimeRows(*e.single, o, plan, kv, batch, mb, &rows));
       }
 #ifdef FLUXION_HAVE_CUDA
-      for (const std::string& kernel_name : o.device == "cuda" ? o.hbm_kernels
-                                                                : std::vector<std::string>{}) {
-        kernels::cuda::PagedKernel kernel = kernels::cuda::PagedKernel::kV5;
-        kernels::cuda::PagedKernelFromName(kernel_name, &kernel);  // checked with the flags
-        const std::string label = o.hbm_kernels.size() > 1 ? "hbm-full-" + kernel_name
-                                                           : std::string("hbm-full");
-        absl::StatusOr<double> hbm =
-            TimeHbmFull(*executor, config, context, batch, o.steps, kernel);
-        if (hbm.ok()) {
-          // Whether the dense segments ran from CUDA graphs (docs/GPU.md, "Fused, graphed and tuned
-          // dense half").
-          const model::DecodeStepRunner& runner = executor->runner();
-          const std::string graphs =
-              runner.graph_status().ok()
-                  ? absl::StrCat(runner.graph_replays(), " graph replays so far")
-                  : std::string(runner.graph_status().message());
-          std::printf("%8lld %5lld %2s %-34s | %9.2f %9.1f | (whole KV in HBM, full attention on "
-                      "the GPU; %s)\n",
-                      static_cast<long long>(context), static_cast<long long>(batch), "1",
-                      label.c_str(), *hbm, 1e3 * batch / *hbm, graphs.c_str());
-          results->push_back({{"preset", o.preset}, {"device", o.device}, {"context", context},
-                              {"batch", batch}, {"policy", "hbm-full"}, {"kernel", kernel_name},
-                              {"step_ms", *hbm}, {"tokens_per_s", 1e3 * batch / *hbm},
-                              {"graphs", graphs}});
-        } else {
-          std::printf("%8lld %5lld %2s %-34s | skipped: %s\n", static_cast<long long>(context),
-                      static_cast<long long>(batch), "1", label.c_str(),
-                      std::string(hbm.status().message()).c_str());
-        }
-      }
+      if (o.device == "cuda") TimeHbmRows(*e.single, o, plan, context, batch, results);
 #endif
-      for (const Row& row : points) {
-        const std::string& label = row.label;
-        const Point& p = row.point;
-        const decode::HybridCounters& c = p.per_step;
-        // The device is busy at most the resident-only step's time; the rest of a step it waits.
-        const double idle = std::max(0.0, 1.0 - row.gpu_only_ms / p.median_ms);
-        const double cpu_gbps =
-            c.host_kernel_s > 0 ? c.host_rows * row_bytes / c.host_kernel_s / 1e9 : 0.0;
-        std::printf("%8lld %5lld %2lld %-34s | %9.2f %9.1f | %9lld %9lld | %7.2f %7.2f %7.2f "
-                    "%7.2f %7.2f %7.2f | %5.0f%% | %8.2f | %6.1f (%3.0f%%)\n",
-                    static_cast<long long>(context), static_cast<long long>(batch),
-                    static_cast<long long>(row.micro_batches), label.c_str(), p.median_ms,
-                    1e3 * batch / p.median_ms, static_cast<long long>(c.host_rows),
-                    static_cast<long long>(c.resident_rows), 1e3 * c.to_host_s, 1e3 * c.plan_s,
-                    1e3 * c.host_s, 1e3 * c.finish_s, 1e3 * c.merge_s, 1e3 * c.lane_wait_s,
-                    100 * idle, p.admit_ms, cpu_gbps, 100 * cpu_gbps / probe_gbps);
-        std::fflush(stdout);
-        results->push_back({{"preset", o.preset},
-                            {"layers", config.num_layers},
-                            {"device", o.device},
-                            {"context", context},
-                            {"batch", batch},
-                            {"micro_batches", row.micro_batches},
-                            {"degrade_on_stall", o.degrade_on_stall},
-                            {"budget_scale_end", p.budget_scale_end},
-                            {"admit_ms_per_request", p.admit_ms},
-                            {"first_step_ms", p.first_step_ms},
-                            {"policy", label},
-                            // null: the path decides nothing data-driven (profile-free)
-                            {"profile", row.profile.empty() ? nlohmann::json(nullptr)
-                                                            : nlohmann::json(row.profile)},
-                            {"step_ms", p.median_ms},
-                            {"tokens_per_s", 1e3 * batch / p.median_ms},
-                            {"host_rows_per_step", c.host_rows},
-                            {"device_read_rows_per_step", c.mapped_rows},
-                            {"k_rows_scored_per_step", p.k_rows_scored},
-                            {"cpu_metadata_bytes_per_step", p.metadata_bytes},
-                            {"prepared_pick_share", p.prepared_share},
-                            {"resident_rows_per_step", c.resident_rows},
-                            {"to_host_ms", 1e3 * c.to_host_s},
-                            {"plan_ms", 1e3 * c.plan_s},
-                            {"append_ms", 1e3 * c.append_s},
-                            {"scores_wait_ms", 1e3 * c.scores_s},
-                            {"select_ms", 1e3 * c.select_s},
-                            {"cpu_attention_ms", 1e3 * c.host_s},
-                            {"cpu_attention_prep_ms", 1e3 * c.host_prep_s},
-                            {"cpu_attention_kernel_ms", 1e3 * c.host_kernel_s},
-                            {"finish_ms", 1e3 * c.finish_s},
-                            {"merge_ms", 1e3 * c.merge_s},
-                            {"lane_wait_ms", 1e3 * c.lane_wait_s},
-                            {"cpu_attention_gbps", cpu_gbps},
-                            {"host_read_probe_gbps", probe_gbps},
-                            {"gpu_idle_estimate", idle}});
-      }
+      for (const Row& row : rows) ReportRow(o, plan, row, context, batch, probe_gbps, results);
       flush();
     }
   }
@@ -701,117 +773,9 @@ absl::Status Run(const Options& o, const kernels::cpu::CpuPool& pool, nlohmann::
 
 }  // namespace
 
-int RunHybridBench(const std::vector<std::string>& args) {
-  Options o;
-  std::string json_path;
-  FlagSet flags("fluxion bench decode --device cpu|cuda",
-                "Times the hybrid decode step (dense halves and the resident window on --device, "
-                "the rest of each policy's plan on the CPU over host pages) at real model shapes "
-                "with random weights, per context, batch and policy, with the GPU-only step of "
-                "the same run.");
-  flags.String("device", &o.device, "cuda, or cpu (the host stand-in of the device half)");
-  flags.String("preset", &o.preset,
-               "model shape: " + absl::StrJoin(model::PresetNames(), ", "));
-  flags.IntList("contexts", &o.contexts, "tokens each request holds before the timed steps");
-  flags.IntList("batch", &o.batches, "batch sizes");
-  flags.StringList("policy", &o.policies,
-                   "policies: full, quest, exact_topk, fixed_<block>_<b>, and lfps / fluxion "
-                   "under each --profile");
-  flags.DoubleList("budget", &o.budgets, "read budgets for quest / exact_topk / lfps / fluxion");
-  flags.StringList("profile", &o.profiles,
-                   "decision profiles lfps and fluxion replay (each policy once per profile): "
-                   "conservative (every head a retrieval head at the full budget) or a profile "
-                   "file from fluxion eval tasks --record-profile (bench/profiles/)");
-  flags.Int("steps", &o.steps, "timed steps per point (after one warm-up step; median)");
-  flags.DoubleList("device-read-share", &o.device_read_shares,
-                   "shares of every (request, KV head)'s host rows the GPU reads itself from "
-                   "pinned host pages while the CPU reads the rest; each value a row");
-  flags.IntList("micro-batches", &o.micro_batches,
-                "1 (one hybrid pipeline) and/or 2 (the ping-pong executor: the batch in two "
-                "halves, one's GPU work overlapping the other's CPU attention); each value a "
-                "row");
-  flags.StringList("block-scores", &o.block_scores,
-                   "where quest's and fixed_*'s block scores come from: device (the window's "
-                   "page bounds next to the dense halves) and/or cpu (the CPU scans the host "
-                   "pages' bounds); with both, each is a row");
-  flags.StringList("selector", &o.selectors,
-                   "where exact_topk and fluxion choose their rows: device (the top-k of the int8 "
-                   "compact keys the window keeps in HBM, docs/SPARSE.md \"Device selection\") "
-                   "and/or host (the policy's own selection on the CPU); with both, each is a "
-                   "row");
-  flags.Double("host-memory-gib", &o.host_memory_gib,
-               "host memory the requests' KV may take (points beyond it are skipped); 0 = 80% of "
-               "MemAvailable");
-  flags.StringList("hbm-kernels", &o.hbm_kernels,
-                   "paged kernels of the HBM-resident reference row (v5, v3; "
-                   "kernels/cuda/paged_decode.h); each a row");
-  flags.Bool("degrade-on-stall", &o.degrade_on_stall,
-             "every row with dynamic degradation on (fluxion decode --degrade-on-stall: the "
-             "budget shrinks while the CPU phase outlasts the GPU's work); the JSON records the "
-             "budget share the last step ran at");
-  flags.Int("layers", &o.layers,
-            "run only the preset's first N layers (0: all): to profile the CPU half at real head "
-            "shapes where the whole model does not fit; not the model's step time");
-  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
-  flags.String("json", &json_path, "also write results to this file");
-  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
-  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  {
-    auto guard = guard_flags.Read();
-    if (!guard.ok()) {
-      std::cerr << "error: " << guard.status().message() << "\n";
-      return 2;
-    }
-    o.guard_modes = guard->modes;
-    o.guard = guard->config;
-  }
-#ifdef FLUXION_HAVE_CUDA
-  for (const std::string& k : o.hbm_kernels) {
-    kernels::cuda::PagedKernel kernel;
-    if (!kernels::cuda::PagedKernelFromName(k, &kernel)) {
-      std::cerr << "error: --hbm-kernels: unknown kernel '" << k << "'\n";
-      return 2;
-    }
-  }
-#endif
-  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
-  if (!pool.ok()) {
-    std::cerr << "error: " << pool.status().message() << "\n";
-    return 2;
-  }
-  auto positive = [](const std::vector<int64_t>& v, int64_t max) {
-    return !v.empty() && std::all_of(v.begin(), v.end(),
-                                     [max](int64_t x) { return x >= 1 && x <= max; });
-  };
-  if (!positive(o.contexts, 1 << 21) || !positive(o.batches, 256) || o.steps < 1 ||
-      o.steps > 1000 || o.layers < 0) {
-    std::cerr << "error: --contexts in [1, 2097152], --batch in [1, 256], --steps in [1, 1000], "
-                 "--layers >= 0\n";
-    return 2;
-  }
-  if (!positive(o.micro_batches, 2)) {
-    std::cerr << "error: --micro-batches takes 1 and/or 2\n";
-    return 2;
-  }
-  nlohmann::json results = nlohmann::json::array();
-  pool->ApplyToBlas();
-  absl::Status written;
-  auto write = [&] {
-    if (json_path.empty() || !written.ok()) return;
-    written = WriteJson(
-        json_path, ResultEnvelope(JoinCommand("fluxion bench decode", args), {}, results));
-  };
-  if (absl::Status s = Run(o, *pool, &results, write); !s.ok()) {
-    std::cerr << "error: " << s << "\n";
-    write();  // what was measured before the error
-    return 1;
-  }
-  write();
-  if (!written.ok()) {
-    std::cerr << "error: " << written << "\n";
-    return 1;
-  }
-  return 0;
+absl::Status RunHybridBench(const HybridBenchOptions& o, const kernels::cpu::CpuPool& pool,
+                            nlohmann::json* results, const std::function<void()>& flush) {
+  return Run(o, pool, results, flush);
 }
 
 }  // namespace fluxion::bench

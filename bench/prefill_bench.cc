@@ -5,12 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <limits>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -77,7 +77,8 @@ absl::StatusOr<std::string> ReadMessage(int fd) {
     return absl::UnavailableError("the other bench process went away");
   }
   std::string m(n, '\0');
-  if (!ReadExact(fd, m.data(), n)) return absl::UnavailableError("the other bench process went away");
+  if (!ReadExact(fd, m.data(), n))
+    return absl::UnavailableError("the other bench process went away");
   return m;
 }
 
@@ -88,7 +89,8 @@ struct Options {
   std::vector<std::string> send = {"layerwise", "after"};
   int64_t page_tokens = 16, chunk_tokens = prefill::DevicePrefillOptions{}.chunk_tokens;
   int64_t repeats = 1;
-  int64_t staging_ring_mib = static_cast<int64_t>(prefill::PrefillEngineOptions{}.staging_ring_bytes >> 20);
+  int64_t staging_ring_mib =
+      static_cast<int64_t>(prefill::PrefillEngineOptions{}.staging_ring_bytes >> 20);
   transfer::UcxFlags ucx;
 };
 
@@ -114,13 +116,13 @@ class DecodeSide {
     FLUXION_ASSIGN_OR_RETURN(transport_, transfer::NewUcxTransport(o_.ucx.ToOptions(
                                              "bench-decode", proto::CompatibilityOf(layout_, 1))));
     const decode::KvShape shape{c_.num_layers, c_.num_kv_heads, c_.head_dim, o_.page_tokens};
-    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
-                                       o_.page_tokens};
+    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim, o_.page_tokens};
     int64_t pages = 0;
     for (int64_t n : o_.contexts) {
       const int64_t state_pages =
           static_cast<int64_t>(decode::SparseStateBytes(c_.num_layers, c_.num_kv_heads, n) /
-                               shape.page_bytes()) + 2;
+                               shape.page_bytes()) +
+          2;
       const int64_t meta_pages =
           decode::PageMetaRoomPages(Shape(), o_.page_tokens, n, shape.page_bytes());
       for (int64_t b : o_.batches) {
@@ -144,7 +146,8 @@ class DecodeSide {
       long long n = 0, b = 0;
       if (std::sscanf(ask->c_str(), "%lld %lld", &n, &b) != 2 || n < 1 || b < 1) return;
       absl::StatusOr<std::string> reply = OneBatch(n, b, in, out);
-      WriteMessage(out, reply.ok() ? "ok " + *reply : "error " + std::string(reply.status().message()));
+      WriteMessage(out,
+                   reply.ok() ? "ok " + *reply : "error " + std::string(reply.status().message()));
     }
   }
 
@@ -183,10 +186,10 @@ class DecodeSide {
   }
 
   absl::StatusOr<v1::PrefillRequest> Reserve(int64_t n, int64_t index, Pending* p) {
-    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim,
-                                       o_.page_tokens};
+    const transfer::KvPageGeometry geo{c_.num_layers, c_.num_kv_heads, c_.head_dim, o_.page_tokens};
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
-    FLUXION_ASSIGN_OR_RETURN(p->kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
+    FLUXION_ASSIGN_OR_RETURN(
+        p->kv, admission_->Reserve(geo.total_pages(n), deadline, [] { return false; }));
     // The side room as the decode node reserves it: page metadata, then the sparse state.
     const model::AttentionShape shape = Shape();
     p->meta_pages = decode::PageMetaRoomPages(shape, o_.page_tokens, n, arena_->page_bytes());
@@ -206,11 +209,11 @@ class DecodeSide {
     for (int64_t i = 0; i < n; ++i) {
       generate.add_prompt_token_ids(static_cast<uint32_t>(rng() % c_.vocab_size));
     }
-    decode::PrefillTarget target{&descriptor_, arena_->page_bytes(), &p->kv, &p->room,
+    decode::PrefillTarget target{&descriptor_, arena_->page_bytes(),  &p->kv,   &p->room,
                                  NeedsState(), geo.pages_per_head(n), &layout_, p->meta_pages};
     model::SamplingParams sampling;
-    v1::PrefillRequest request =
-        decode::BuildPrefillRequest(absl::StrCat("bench-", n, "-", index), generate, sampling, target);
+    v1::PrefillRequest request = decode::BuildPrefillRequest(absl::StrCat("bench-", n, "-", index),
+                                                             generate, sampling, target);
     p->kv.SetPeerMayWrite(absl::Seconds(60));
     if (!p->room.empty()) p->room.SetPeerMayWrite(absl::Seconds(60));
     return request;
@@ -299,8 +302,9 @@ absl::StatusOr<Row> OneBatch(const prefill::PrefillEngine& engine, int64_t n, in
   for (const v1::PrefillRequest& r : requests) pointers.push_back(&r);
   std::vector<absl::StatusOr<v1::PrefillResponse>> replies(b, absl::UnknownError("no reply"));
   const Clock::time_point t0 = Clock::now();
-  engine.RunBatch(pointers, cancelled,
-                  [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) { replies[i] = std::move(r); });
+  engine.RunBatch(pointers, cancelled, [&](size_t i, absl::StatusOr<v1::PrefillResponse> r) {
+    replies[i] = std::move(r);
+  });
   const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
   for (const auto& r : replies) WriteMessage(out, r.ok() ? r->SerializeAsString() : std::string());
   absl::StatusOr<std::string> landed = ReadMessage(in);
@@ -338,14 +342,7 @@ absl::StatusOr<Row> OneBatch(const prefill::PrefillEngine& engine, int64_t n, in
   return row;
 }
 
-}  // namespace
-
-int RunPrefillBench(const std::vector<std::string>& args) {
-  Options o;
-  FlagSet flags("fluxion bench prefill",
-                "Time to first token of the disaggregated path at prompt lengths: the prefill "
-                "engine here (CPU or GPU) writing over UCX into a forked decode side's arena, "
-                "which lands the prompt with the decode node's own code.");
+void RegisterFlags(FlagSet& flags, Options& o) {
   flags.String("device", &o.device, "where the prefill computes: cuda or cpu");
   flags.String("preset", &o.preset,
                "model shape with random weights made on the GPU (--device cuda; ignored with "
@@ -362,87 +359,115 @@ int RunPrefillBench(const std::vector<std::string>& args) {
   flags.Int("chunk-tokens", &o.chunk_tokens, "the GPU prefill's rows per pass through the layers");
   flags.Int("repeats", &o.repeats, "runs per point (the table shows the median)");
   flags.Int("staging-ring-mib", &o.staging_ring_mib,
-            "host memory the layerwise sends pass through (the prefill node's --staging-ring-mib); "
-            "'after' stages the whole prompt");
+            "host memory the layerwise sends pass through (the prefill node's "
+            "--staging-ring-mib); 'after' stages the whole prompt");
   flags.String("policy", &o.policy,
                "the decode side's policy for landing (lfps / fluxion need the sparse state, "
                "whose capture and transfer are then timed too)");
   flags.String("json", &o.json, "write machine-readable results here");
   o.ucx.Register(flags);
-  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  if (o.device != "cuda" && o.device != "cpu") return Fail(absl::InvalidArgumentError("--device cuda|cpu"));
-  if (o.device == "cpu" && o.model_dir.empty()) {
-    return Fail(absl::InvalidArgumentError("--device cpu needs --model"));
+}
+
+absl::Status CheckOptions(const Options& o) {
+  if (o.device != "cuda" && o.device != "cpu") {
+    return absl::InvalidArgumentError("--device cuda|cpu");
   }
-  absl::StatusOr<model::ModelConfig> config = ConfigOf(o);
-  if (!config.ok()) return Fail(config.status());
-  const std::string model_id = o.model_dir.empty() ? "random:" + o.preset : o.model_dir;
-  const v1::ModelLayout layout = proto::LayoutFor(*config, model_id, model_id, o.page_tokens);
+  if (o.device == "cpu" && o.model_dir.empty()) {
+    return absl::InvalidArgumentError("--device cpu needs --model");
+  }
   for (int64_t b : o.batches) {
-    if (b < 1 || b > 256) return Fail(absl::InvalidArgumentError("--batch takes 1 to 256 prompts"));
+    if (b < 1 || b > 256) return absl::InvalidArgumentError("--batch takes 1 to 256 prompts");
   }
   for (int64_t n : o.contexts) {
-    if (n < 1) return Fail(absl::InvalidArgumentError("--contexts takes positive lengths"));
+    if (n < 1) return absl::InvalidArgumentError("--contexts takes positive lengths");
   }
   for (const std::string& send : o.send) {
     if (send != "layerwise" && send != "after") {
-      return Fail(absl::InvalidArgumentError("--send takes layerwise and/or after"));
+      return absl::InvalidArgumentError("--send takes layerwise and/or after");
     }
   }
+  return absl::OkStatus();
+}
 
-  // The decode side first: fork before CUDA or UCX exist in this process.
-  int to_child[2], to_parent[2];
-  if (pipe(to_child) != 0 || pipe(to_parent) != 0) return Fail(absl::InternalError("pipe"));
-  const pid_t child = fork();
-  if (child == 0) {
-    close(to_child[1]);
-    close(to_parent[0]);
-    DecodeSide side(o, *config, layout);
-    absl::Status s = side.Init();
-    WriteMessage(to_parent[1], s.ok() ? "ready" : "error " + std::string(s.message()));
-    if (s.ok()) side.Serve(to_child[0], to_parent[1]);
-    _exit(s.ok() ? 0 : 1);
+// The decode side in a child process, forked before CUDA or UCX exist in this process, spoken
+// to over two pipes. Stop() (or the destructor) closes its input and waits for it.
+class DecodeChild {
+ public:
+  static absl::StatusOr<std::unique_ptr<DecodeChild>> Start(const Options& o,
+                                                            const model::ModelConfig& config,
+                                                            const v1::ModelLayout& layout) {
+    int to_child[2], to_parent[2];
+    if (pipe(to_child) != 0 || pipe(to_parent) != 0) return absl::InternalError("pipe");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(to_child[1]);
+      close(to_parent[0]);
+      DecodeSide side(o, config, layout);
+      absl::Status s = side.Init();
+      WriteMessage(to_parent[1], s.ok() ? "ready" : "error " + std::string(s.message()));
+      if (s.ok()) side.Serve(to_child[0], to_parent[1]);
+      _exit(s.ok() ? 0 : 1);
+    }
+    close(to_child[0]);
+    close(to_parent[1]);
+    auto child = std::unique_ptr<DecodeChild>(new DecodeChild(pid, to_parent[0], to_child[1]));
+    absl::StatusOr<std::string> ready = ReadMessage(child->in());
+    if (!ready.ok() || *ready != "ready") {
+      return absl::InternalError(
+          absl::StrCat("decode side: ", ready.ok() ? *ready : ready.status().ToString()));
+    }
+    return child;
   }
-  close(to_child[0]);
-  close(to_parent[1]);
-  const int in = to_parent[0], out = to_child[1];
-  auto stop_child = [&] {
-    close(out);
+
+  ~DecodeChild() { Stop(); }
+
+  void Stop() {
+    if (pid_ < 0) return;
+    close(out_);
     int status = 0;
-    waitpid(child, &status, 0);
-  };
-  absl::StatusOr<std::string> ready = ReadMessage(in);
-  if (!ready.ok() || *ready != "ready") {
-    stop_child();
-    return Fail(absl::InternalError(absl::StrCat("decode side: ", ready.ok() ? *ready : ready.status().ToString())));
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
   }
 
-  // The prefill side.
-  const Clock::time_point t_weights = Clock::now();
+  int in() const { return in_; }    // messages from the child
+  int out() const { return out_; }  // messages to the child
+
+ private:
+  DecodeChild(pid_t pid, int in, int out) : pid_(pid), in_(in), out_(out) {}
+  pid_t pid_;
+  int in_, out_;
+};
+
+// The prefill side's engine input: the model on the CPU, or the GPU prefill with its weights
+// (the model's or random ones of --preset) and the largest staging any point uses (a slice per
+// prompt) pinned once, now.
+struct PrefillSide {
   std::unique_ptr<model::Model> cpu_model;
   std::unique_ptr<prefill::DevicePrefill> gpu;
+  double weights_s = 0;
+};
+
+absl::StatusOr<PrefillSide> MakePrefillSide(const Options& o, const model::ModelConfig& config) {
+  PrefillSide side;
+  const Clock::time_point t0 = Clock::now();
   if (!o.model_dir.empty()) {
-    absl::StatusOr<std::unique_ptr<model::Model>> m = model::Model::Load(o.model_dir);
-    if (!m.ok()) return stop_child(), Fail(m.status());
-    cpu_model = std::move(*m);
+    FLUXION_ASSIGN_OR_RETURN(side.cpu_model, model::Model::Load(o.model_dir));
   }
   if (o.device == "cuda") {
-    absl::StatusOr<std::unique_ptr<model::DenseOps>> ops = model::NewCudaDenseOps(0);
-    if (!ops.ok()) return stop_child(), Fail(ops.status());
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::DenseOps> ops, model::NewCudaDenseOps(0));
     kernels::cpu::CpuPool pool(static_cast<int>(std::thread::hardware_concurrency()));
-    absl::StatusOr<model::ModelParams> params =
-        cpu_model != nullptr ? cpu_model->UploadParams(**ops)
-                             : model::RandomParams(*config, **ops, 1, &pool);
-    if (!params.ok()) return stop_child(), Fail(params.status());
-    absl::StatusOr<std::unique_ptr<prefill::DevicePrefill>> made = prefill::DevicePrefill::Create(
-        *config, std::move(*ops), std::move(*params),
-        prefill::DevicePrefillOptions{o.chunk_tokens, model::SparseStateParams{}});
-    if (!made.ok()) return stop_child(), Fail(made.status());
-    gpu = std::move(*made);
-    cpu_model.reset();
-    const transfer::KvPageGeometry geo{config->num_layers, config->num_kv_heads, config->head_dim,
+    FLUXION_ASSIGN_OR_RETURN(model::ModelParams params,
+                             side.cpu_model != nullptr
+                                 ? side.cpu_model->UploadParams(*ops)
+                                 : model::RandomParams(config, *ops, 1, &pool));
+    FLUXION_ASSIGN_OR_RETURN(
+        side.gpu, prefill::DevicePrefill::Create(
+                      config, std::move(ops), std::move(params),
+                      prefill::DevicePrefillOptions{o.chunk_tokens, model::SparseStateParams{}}));
+    side.cpu_model.reset();
+    const transfer::KvPageGeometry geo{config.num_layers, config.num_kv_heads, config.head_dim,
                                        o.page_tokens};
-    uint64_t pinned = 0;  // the largest staging any point uses (a slice per prompt), pinned once, now
+    uint64_t pinned = 0;
     for (const std::string& send : o.send) {
       for (int64_t n : o.contexts) {
         for (int64_t b : o.batches) {
@@ -451,65 +476,112 @@ int RunPrefillBench(const std::vector<std::string>& args) {
         }
       }
     }
-    absl::StatusOr<uint8_t*> staging = gpu->HostStaging(pinned);
-    if (!staging.ok()) return stop_child(), Fail(staging.status());
+    FLUXION_RETURN_IF_ERROR(side.gpu->HostStaging(pinned).status());
   }
-  const double weights_s = std::chrono::duration<double>(Clock::now() - t_weights).count();
-  absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> transport = transfer::NewUcxTransport(
-      o.ucx.ToOptions("bench-prefill", proto::CompatibilityOf(layout, 1)));
-  if (!transport.ok()) return stop_child(), Fail(transport.status());
-  std::printf("prefill on %s (%s, weights ready in %.1f s), UCX tls '%s', pages of %lld tokens, "
-              "landing policy %s\n",
-              o.device.c_str(), model_id.c_str(), weights_s, o.ucx.tls.c_str(),
-              static_cast<long long>(o.page_tokens), o.policy.c_str());
+  side.weights_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  return side;
+}
+
+void PrintHeader(const Options& o, const std::string& model_id, double weights_s) {
+  std::printf(
+      "prefill on %s (%s, weights ready in %.1f s), UCX tls '%s', pages of %lld tokens, "
+      "landing policy %s\n",
+      o.device.c_str(), model_id.c_str(), weights_s, o.ucx.tls.c_str(),
+      static_cast<long long>(o.page_tokens), o.policy.c_str());
   std::printf("%8s %5s %-9s %10s %9s %10s %9s %9s %9s %9s %8s %9s %10s\n", "context", "batch",
               "send", "TTFT ms", "engine", "compute", "state", "tail", "reserve", "land", "KV GB",
               "xfer GB/s", "prefill t/s");
-  nlohmann::json results = nlohmann::json::array();
+}
+
+// Prints the point's median row and appends its JSON record.
+void ReportPoint(int64_t n, int64_t b, const std::string& send, const Row& m, size_t repeats,
+                 nlohmann::json* results) {
+  std::printf("%8lld %5lld %-9s %10.1f %9.1f %10.1f %9.1f %9.1f %9.1f %9.1f %8.2f %9.2f %10.0f\n",
+              static_cast<long long>(n), static_cast<long long>(b), send.c_str(), m.ttft_ms,
+              m.engine_ms, m.compute_ms, m.state_ms, m.tail_ms, m.reserve_ms, m.land_ms, m.kv_gb,
+              m.transfer_gbps, m.prefill_tok_s);
+  std::fflush(stdout);
+  results->push_back({{"context", n},
+                      {"batch", b},
+                      {"send", send},
+                      {"ttft_ms", m.ttft_ms},
+                      {"engine_ms", m.engine_ms},
+                      {"compute_ms", m.compute_ms},
+                      {"sparse_state_ms", m.state_ms},
+                      {"transfer_tail_ms", m.tail_ms},
+                      {"reserve_ms", m.reserve_ms},
+                      {"land_ms", m.land_ms},
+                      {"kv_gb", m.kv_gb},
+                      {"transfer_gbps", m.transfer_gbps},
+                      {"prefill_tok_s", m.prefill_tok_s},
+                      {"repeats", repeats}});
+}
+
+// Every (context, batch, send) point: --repeats runs (one more, untimed, before the first
+// point), the median by TTFT reported.
+absl::Status RunPoints(const Options& o, const PrefillSide& side, transfer::UcxTransport* transport,
+                       const v1::ModelLayout& layout, const DecodeChild& child,
+                       nlohmann::json* results) {
   bool first_run = true;
   for (int64_t n : o.contexts) {
     for (int64_t b : o.batches) {
       for (const std::string& send : o.send) {
         const prefill::PrefillEngineOptions eo = EngineOptions(o, send);
-        auto engine = gpu != nullptr ? std::make_unique<prefill::PrefillEngine>(
-                                           gpu.get(), transport->get(), layout, eo)
-                                     : std::make_unique<prefill::PrefillEngine>(
-                                           cpu_model.get(), transport->get(), layout, eo);
+        auto engine = side.gpu != nullptr ? std::make_unique<prefill::PrefillEngine>(
+                                                side.gpu.get(), transport, layout, eo)
+                                          : std::make_unique<prefill::PrefillEngine>(
+                                                side.cpu_model.get(), transport, layout, eo);
         std::vector<Row> samples;
         for (int64_t rep = 0; rep < o.repeats + (first_run ? 1 : 0); ++rep) {
-          const bool warmup = first_run && rep == 0;
-          absl::StatusOr<Row> row = OneBatch(*engine, n, b, send, in, out);
-          if (!row.ok()) {
-            stop_child();
-            return Fail(row.status());
-          }
-          if (!warmup) samples.push_back(*row);
+          FLUXION_ASSIGN_OR_RETURN(Row row, OneBatch(*engine, n, b, send, child.in(), child.out()));
+          if (!(first_run && rep == 0)) samples.push_back(row);
         }
         first_run = false;
         std::sort(samples.begin(), samples.end(),
                   [](const Row& x, const Row& y) { return x.ttft_ms < y.ttft_ms; });
-        const Row& m = samples[samples.size() / 2];
-        std::printf("%8lld %5lld %-9s %10.1f %9.1f %10.1f %9.1f %9.1f %9.1f %9.1f %8.2f %9.2f %10.0f\n",
-                    static_cast<long long>(n), static_cast<long long>(b), send.c_str(), m.ttft_ms,
-                    m.engine_ms, m.compute_ms, m.state_ms, m.tail_ms, m.reserve_ms, m.land_ms, m.kv_gb,
-                    m.transfer_gbps, m.prefill_tok_s);
-        std::fflush(stdout);
-        results.push_back({{"context", n}, {"batch", b}, {"send", send}, {"ttft_ms", m.ttft_ms},
-                           {"engine_ms", m.engine_ms},
-                           {"compute_ms", m.compute_ms}, {"sparse_state_ms", m.state_ms},
-                           {"transfer_tail_ms", m.tail_ms}, {"reserve_ms", m.reserve_ms},
-                           {"land_ms", m.land_ms}, {"kv_gb", m.kv_gb},
-                           {"transfer_gbps", m.transfer_gbps},
-                           {"prefill_tok_s", m.prefill_tok_s}, {"repeats", samples.size()}});
+        ReportPoint(n, b, send, samples[samples.size() / 2], samples.size(), results);
       }
     }
   }
-  stop_child();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunPrefillBench(const std::vector<std::string>& args) {
+  Options o;
+  FlagSet flags("fluxion bench prefill",
+                "Time to first token of the disaggregated path at prompt lengths: the prefill "
+                "engine here (CPU or GPU) writing over UCX into a forked decode side's arena, "
+                "which lands the prompt with the decode node's own code.");
+  RegisterFlags(flags, o);
+  if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
+  if (absl::Status s = CheckOptions(o); !s.ok()) return Fail(s);
+  absl::StatusOr<model::ModelConfig> config = ConfigOf(o);
+  if (!config.ok()) return Fail(config.status());
+  const std::string model_id = o.model_dir.empty() ? "random:" + o.preset : o.model_dir;
+  const v1::ModelLayout layout = proto::LayoutFor(*config, model_id, model_id, o.page_tokens);
+  absl::StatusOr<std::unique_ptr<DecodeChild>> child = DecodeChild::Start(o, *config, layout);
+  if (!child.ok()) return Fail(child.status());
+  absl::StatusOr<PrefillSide> side = MakePrefillSide(o, *config);
+  if (!side.ok()) return Fail(side.status());
+  absl::StatusOr<std::unique_ptr<transfer::UcxTransport>> transport = transfer::NewUcxTransport(
+      o.ucx.ToOptions("bench-prefill", proto::CompatibilityOf(layout, 1)));
+  if (!transport.ok()) return Fail(transport.status());
+  PrintHeader(o, model_id, side->weights_s);
+  nlohmann::json results = nlohmann::json::array();
+  if (absl::Status s = RunPoints(o, *side, transport->get(), layout, **child, &results); !s.ok()) {
+    return Fail(s);
+  }
+  (*child)->Stop();
   if (!o.json.empty()) {
-    nlohmann::json limits = {{"device", o.device}, {"model", model_id}, {"ucx_tls", o.ucx.tls},
-                             {"page_tokens", o.page_tokens}, {"chunk_tokens", o.chunk_tokens}};
-    if (absl::Status s = WriteJson(o.json, ResultEnvelope(JoinCommand("fluxion bench prefill", args),
-                                                         limits, results));
+    nlohmann::json limits = {{"device", o.device},
+                             {"model", model_id},
+                             {"ucx_tls", o.ucx.tls},
+                             {"page_tokens", o.page_tokens},
+                             {"chunk_tokens", o.chunk_tokens}};
+    if (absl::Status s = WriteJson(
+            o.json, ResultEnvelope(JoinCommand("fluxion bench prefill", args), limits, results));
         !s.ok()) {
       return Fail(s);
     }

@@ -187,10 +187,12 @@ constexpr char kNoLogprobs[] =
 
 using FieldParser = std::function<absl::Status(const Json&, Request*)>;
 
-// The fields of one endpoint: name -> parser. Fields not in the table are refused.
-std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& limits,
-                                          std::optional<uint32_t>* max_completion_tokens) {
-  std::map<std::string, FieldParser> f;
+using FieldTable = std::map<std::string, FieldParser>;
+
+// The sampling fields both endpoints take: model, max_tokens, temperature, top_p, top_k, seed,
+// stop, stop_token_ids.
+void AddSamplingFields(const ParseLimits& limits, FieldTable* table) {
+  FieldTable& f = *table;
   f["model"] = [](const Json& v, Request* r) {
     if (!v.is_string()) return Invalid("model", "model must be a string");
     r->model = v.get<std::string>();
@@ -250,6 +252,11 @@ std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& 
     r->stop_token_ids = std::move(*ids);
     return absl::OkStatus();
   };
+}
+
+// n and the streaming fields.
+void AddStreamingFields(FieldTable* table) {
+  FieldTable& f = *table;
   f["n"] = [](const Json& v, Request*) {
     return OnlyDefault("n", v, v == 1, "one choice per request (send n requests for n choices)");
   };
@@ -273,6 +280,11 @@ std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& 
     }
     return absl::OkStatus();
   };
+}
+
+// Fields accepted only at their defaults (or, for `user`, ignored).
+void AddDefaultOnlyFields(FieldTable* table) {
+  FieldTable& f = *table;
   // Accepted and deliberately ignored: OpenAI uses it for abuse monitoring, which has no
   // counterpart here; refusing it would break clients that always send it.
   f["user"] = [](const Json& v, Request*) {
@@ -291,40 +303,62 @@ std::map<std::string, FieldParser> Fields(Endpoint endpoint, const ParseLimits& 
     return OnlyDefault("logit_bias", v, v.is_object() && v.empty(),
                        "the sampler takes no logit biases");
   };
+}
+
+// /v1/completions' own fields.
+void AddCompletionsFields(const ParseLimits& limits, FieldTable* table) {
+  FieldTable& f = *table;
+  f["prompt"] = [limits](const Json& v, Request* r) { return ParsePrompt(v, limits, r); };
+  f["logprobs"] = [](const Json& v, Request*) {
+    return OnlyDefault("logprobs", v, v == 0, kNoLogprobs);
+  };
+  f["echo"] = [](const Json& v, Request*) {
+    return OnlyDefault("echo", v, v == false, "the prompt is not echoed");
+  };
+  f["best_of"] = [](const Json& v, Request*) {
+    return OnlyDefault("best_of", v, v == 1, "one sequence per request");
+  };
+  f["suffix"] = [](const Json& v, Request*) {
+    return OnlyDefault("suffix", v, false, "no insertion (fill-in-the-middle) mode");
+  };
+}
+
+// /v1/chat/completions' own fields; max_completion_tokens lands in `*max_completion_tokens`.
+void AddChatFields(const ParseLimits& limits, std::optional<uint32_t>* max_completion_tokens,
+                   FieldTable* table) {
+  FieldTable& f = *table;
+  f["messages"] = [limits](const Json& v, Request* r) { return ParseMessages(v, limits, r); };
+  f["max_completion_tokens"] = [max_completion_tokens](const Json& v, Request*) {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("max_completion_tokens", v, 1, std::numeric_limits<uint32_t>::max());
+    if (!x.ok()) return x.status();
+    *max_completion_tokens = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
+  };
+  f["logprobs"] = [](const Json& v, Request*) {
+    return OnlyDefault("logprobs", v, v == false, kNoLogprobs);
+  };
+  f["top_logprobs"] = [](const Json& v, Request*) {
+    return OnlyDefault("top_logprobs", v, v == 0, kNoLogprobs);
+  };
+  f["response_format"] = [](const Json& v, Request*) {
+    return OnlyDefault("response_format", v,
+                       v.is_object() && v.size() == 1 && v.value("type", "") == "text",
+                       "only {\"type\": \"text\"} (no constrained decoding)");
+  };
+}
+
+// The fields of one endpoint: name -> parser. Fields not in the table are refused.
+FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
+                  std::optional<uint32_t>* max_completion_tokens) {
+  FieldTable f;
+  AddSamplingFields(limits, &f);
+  AddStreamingFields(&f);
+  AddDefaultOnlyFields(&f);
   if (endpoint == Endpoint::kCompletions) {
-    f["prompt"] = [limits](const Json& v, Request* r) { return ParsePrompt(v, limits, r); };
-    f["logprobs"] = [](const Json& v, Request*) {
-      return OnlyDefault("logprobs", v, v == 0, kNoLogprobs);
-    };
-    f["echo"] = [](const Json& v, Request*) {
-      return OnlyDefault("echo", v, v == false, "the prompt is not echoed");
-    };
-    f["best_of"] = [](const Json& v, Request*) {
-      return OnlyDefault("best_of", v, v == 1, "one sequence per request");
-    };
-    f["suffix"] = [](const Json& v, Request*) {
-      return OnlyDefault("suffix", v, false, "no insertion (fill-in-the-middle) mode");
-    };
+    AddCompletionsFields(limits, &f);
   } else {
-    f["messages"] = [limits](const Json& v, Request* r) { return ParseMessages(v, limits, r); };
-    f["max_completion_tokens"] = [max_completion_tokens](const Json& v, Request*) {
-      if (v.is_null()) return absl::OkStatus();
-      auto x = UnsignedField("max_completion_tokens", v, 1, std::numeric_limits<uint32_t>::max());
-      if (!x.ok()) return x.status();
-      *max_completion_tokens = static_cast<uint32_t>(*x);
-      return absl::OkStatus();
-    };
-    f["logprobs"] = [](const Json& v, Request*) {
-      return OnlyDefault("logprobs", v, v == false, kNoLogprobs);
-    };
-    f["top_logprobs"] = [](const Json& v, Request*) {
-      return OnlyDefault("top_logprobs", v, v == 0, kNoLogprobs);
-    };
-    f["response_format"] = [](const Json& v, Request*) {
-      return OnlyDefault("response_format", v,
-                         v.is_object() && v.size() == 1 && v.value("type", "") == "text",
-                         "only {\"type\": \"text\"} (no constrained decoding)");
-    };
+    AddChatFields(limits, max_completion_tokens, &f);
   }
   return f;
 }

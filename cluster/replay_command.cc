@@ -17,6 +17,7 @@
 #include "cluster/trace.h"
 #include "common/flag_set.h"
 #include "common/grpc_security.h"
+#include "common/status_macros.h"
 
 namespace fluxion::cluster {
 namespace {
@@ -29,8 +30,7 @@ absl::Status ValidateCommandFlags(int64_t vocab_size, double temperature, double
     return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
   };
   if (vocab_size < 2 || vocab_size > int64_t{kMaxReplayVocabSize}) {
-    return bad("--vocab-size", vocab_size,
-               absl::StrCat("in [2, ", kMaxReplayVocabSize, "]"));
+    return bad("--vocab-size", vocab_size, absl::StrCat("in [2, ", kMaxReplayVocabSize, "]"));
   }
   if (!std::isfinite(temperature) || temperature < 0 || temperature > 100) {
     return bad("--temperature", temperature, "in [0, 100]");
@@ -60,9 +60,10 @@ absl::StatusOr<std::unique_ptr<ResourceSampler>> StartSampler(
     const std::string& target, const serving::ChannelConfig& channel) {
   auto sampled = ParseSamplePids(pids);
   if (!sampled.ok()) return sampled.status();
-  for (const auto& [flag, value] : {std::pair<const char*, double>{"--sample-interval-s", interval_s},
-                                    {"--sample-warmup-s", warmup_s},
-                                    {"--sample-settle-s", settle_s}}) {
+  for (const auto& [flag, value] :
+       {std::pair<const char*, double>{"--sample-interval-s", interval_s},
+        {"--sample-warmup-s", warmup_s},
+        {"--sample-settle-s", settle_s}}) {
     if (!std::isfinite(value) || value < 0 || value > kMaxReplayTimeoutS) {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " must be in [0, ", kMaxReplayTimeoutS, "], got ", value));
@@ -84,11 +85,10 @@ absl::StatusOr<std::unique_ptr<ResourceSampler>> StartSampler(
   return sampler;
 }
 
-}  // namespace
-
-int RunReplayCommand(const std::vector<std::string>& args) {
-  std::string target, trace, json_path, out_dir, plot_format = "png", input_len = "fixed:256",
-                                                 output_len = "fixed:32", policy;
+// Every flag of `fluxion replay`.
+struct ReplayFlags {
+  std::string target, trace, json_path, out_dir, policy;
+  std::string plot_format = "png", input_len = "fixed:256", output_len = "fixed:32";
   bool synthetic = false, progress = true;
   int64_t num_requests = 100, concurrency = 0, max_inflight = 0, vocab_size = 256, seed = 1;
   int64_t distinct_prompts = 0;
@@ -96,178 +96,232 @@ int RunReplayCommand(const std::vector<std::string>& args) {
   double cancel_fraction = 0, cancel_after_s = 1;
   TraceTransform transform;
   Slo slo;
+  std::string sample_pids;
+  double sample_interval_s = 0, sample_warmup_s = 60, sample_settle_s = 60;
+  serving::ClientTlsOptions tls;
+};
+
+void RegisterLoadFlags(FlagSet& flags, ReplayFlags& f) {
+  flags.String("target", &f.target, "host:port of the router or decode node (fluxion.v1 Generate)");
+  flags.String("trace", &f.trace,
+               "Mooncake JSONL trace (timestamp ms, input/output_length, hash_ids)");
+  flags.Bool("synthetic", &f.synthetic, "generate load instead of reading a trace");
+  flags.Int("num-requests", &f.num_requests, "synthetic: number of requests");
+  flags.Double("rate", &f.rate, "synthetic: Poisson arrival rate (req/s); 0 = all at once");
+  flags.String("input-len", &f.input_len,
+               "synthetic prompt lengths: fixed:N, uniform:MIN:MAX, normal:MEAN:STD, "
+               "exponential:MEAN");
+  flags.String("output-len", &f.output_len, "synthetic output lengths (same forms as --input-len)");
+  flags.Int("seed", &f.seed, "seed for synthetic load and sub-sampling");
+  flags.Int("distinct-prompts", &f.distinct_prompts,
+            "synthetic: draw every request from this many prompts and check that answers to the "
+            "same prompt are the same tokens (needs --temperature 0; 0 = every prompt its own)");
+  flags.Int("concurrency", &f.concurrency,
+            "keep exactly this many requests in flight, ignoring arrival times (0 = honour times)");
+  flags.Int("max-inflight", &f.max_inflight, "timed mode: hold arrivals while this many are open");
+  TraceTransform& t = f.transform;
+  flags.Double("time-scale", &t.time_scale, "multiply arrival times (10 = 10x slower)");
+  flags.Double("length-scale", &t.length_scale,
+               "multiply input/output lengths and the 512-token block (keeps prefix sharing)");
+  flags.Int("max-input-tokens", &t.max_input_tokens, "truncate longer prompts (0 = no cap)");
+  flags.Int("max-output-tokens", &t.max_output_tokens, "cap output lengths (0 = no cap)");
+  flags.Double("sample", &t.sample_fraction, "keep each request with this probability");
+  flags.Int("max-requests", &t.max_requests, "keep only the first N requests (0 = all)");
+  flags.Double("start-s", &t.start_s, "skip trace requests before this time (s)");
+  flags.Double("duration-s", &t.duration_s, "keep trace requests up to start+duration (s)");
+}
+
+void RegisterRequestAndReportFlags(FlagSet& flags, ReplayFlags& f) {
+  flags.Int("vocab-size", &f.vocab_size, "prompt token ids are drawn from [1, vocab-size)");
+  flags.Double("temperature", &f.temperature, "sampling temperature (0 = greedy)");
+  flags.String("policy", &f.policy, "sparse attention policy (empty = the server's default)");
+  flags.Double("budget", &f.budget, "sparse budget (0 = the policy's default)");
+  flags.Double("timeout-s", &f.timeout_s, "per-request time budget (timeout_ms and gRPC deadline)");
+  flags.Double("cancel-fraction", &f.cancel_fraction,
+               "cancel this fraction of requests (seeded) --cancel-after-s after sending them");
+  flags.Double("cancel-after-s", &f.cancel_after_s, "delay before a chosen request is cancelled");
+  flags.Double("slo-ttft-ms", &f.slo.ttft_ms, "goodput objective on TTFT (0 = none)");
+  flags.Double("slo-tpot-ms", &f.slo.tpot_ms, "goodput objective on TPOT (0 = none)");
+  flags.Double("slo-e2e-ms", &f.slo.e2e_ms, "goodput objective on end-to-end latency (0 = none)");
+  flags.String("json", &f.json_path, "write the summary as JSON to this file");
+  flags.String("out-dir", &f.out_dir,
+               "write summary.json, requests.csv, timeline.csv and plots into this directory");
+  flags.String("plot-format", &f.plot_format, "png or svg");
+  flags.Double("timeline-bucket-s", &f.bucket_s, "timeline resolution (0 = about 50 points)");
+  flags.Double("sample-interval-s", &f.sample_interval_s,
+               "soak sampling: every this many seconds read the --sample-pids processes' RSS and "
+               "threads (/proc) and the target's GetLoad page counters; 0 = off");
+  flags.String("sample-pids", &f.sample_pids,
+               "soak sampling: name=pid[,name=pid...] of processes on this machine to sample");
+  flags.Double("sample-warmup-s", &f.sample_warmup_s,
+               "soak sampling: RSS and threads must stay flat after this much of the run");
+  flags.Double("sample-settle-s", &f.sample_settle_s,
+               "soak sampling: after the run, wait up to this long for the target to go idle and "
+               "its KV pages to come back before the final sample");
+  flags.Bool("progress", &f.progress, "show a live progress line on stderr (--noprogress to hide)");
+  serving::RegisterClientTlsFlags(flags, "tls", "the target", &f.tls);
+}
+
+// The usage checks before any file is read.
+absl::Status CheckFlags(const ReplayFlags& f) {
+  if (f.trace.empty() == !f.synthetic) {
+    return absl::InvalidArgumentError("give exactly one of --trace FILE and --synthetic");
+  }
+  if (f.distinct_prompts != 0 && (!f.synthetic || f.temperature != 0)) {
+    return absl::InvalidArgumentError(
+        "--distinct-prompts compares answers token for token, so it needs --synthetic and "
+        "greedy sampling (--temperature 0)");
+  }
+  return ValidateCommandFlags(f.vocab_size, f.temperature, f.budget, f.slo, f.bucket_s,
+                              f.plot_format);
+}
+
+// The --synthetic load, described in `run`; InvalidArgument for bad flags.
+absl::StatusOr<Schedule> SyntheticSource(const ReplayFlags& f, RunDescription* run) {
+  SyntheticOptions options;
+  FLUXION_ASSIGN_OR_RETURN(options.input, ParseLengthDistribution(f.input_len));
+  FLUXION_ASSIGN_OR_RETURN(options.output, ParseLengthDistribution(f.output_len));
+  options.num_requests = f.num_requests;
+  options.rate = f.rate;
+  options.seed = static_cast<uint64_t>(f.seed);
+  options.distinct_prompts = f.distinct_prompts;
+  FLUXION_RETURN_IF_ERROR(ValidateSyntheticOptions(options));
+  run->config["source"] = absl::StrFormat(
+      "synthetic: %d requests, %s, input %s, output %s, seed %d%s", f.num_requests,
+      f.rate > 0 ? absl::StrFormat("Poisson %g req/s", f.rate) : std::string("all at t=0"),
+      f.input_len, f.output_len, f.seed,
+      f.distinct_prompts > 0 ? absl::StrFormat(", %d distinct prompts", f.distinct_prompts) : "");
+  return MakeSyntheticSchedule(options);
+}
+
+// The replayer's options from the flags, and the run's description for the report.
+ReplayOptions MakeReplayOptions(const ReplayFlags& f, const serving::ChannelConfig& channel,
+                                const Schedule& schedule, const std::vector<std::string>& args,
+                                RunDescription* run) {
+  ReplayOptions options;
+  options.target = f.target;
+  options.channel = channel;
+  options.concurrency = f.concurrency;
+  options.max_inflight = f.max_inflight;
+  options.timeout_s = f.timeout_s;
+  options.vocab_size = static_cast<uint32_t>(f.vocab_size);
+  options.temperature = static_cast<float>(f.temperature);
+  options.sparse_policy = f.policy;
+  if (f.budget > 0) options.sparse_budget = static_cast<float>(f.budget);
+  options.progress = f.progress;
+  options.cancel_fraction = f.cancel_fraction;
+  options.cancel_after_s = f.cancel_after_s;
+  options.cancel_seed = static_cast<uint64_t>(f.seed);
+  options.keep_output_ids = f.distinct_prompts > 0;
+  nlohmann::json& config = run->config;
+  config["target"] = f.target;
+  config["mode"] = f.concurrency > 0
+                       ? absl::StrCat("fixed concurrency ", f.concurrency)
+                       : absl::StrCat("timed arrivals",
+                                      f.max_inflight > 0
+                                          ? absl::StrCat(", at most ", f.max_inflight, " in flight")
+                                          : std::string());
+  config["transforms"] = DescribeTransform(f.transform, schedule.block_tokens);
+  config["block_tokens"] = schedule.block_tokens;
+  config["vocab_size"] = f.vocab_size;
+  config["temperature"] = f.temperature;
+  config["policy"] = f.policy.empty() ? "server default" : f.policy;
+  config["timeout_s"] = f.timeout_s;
+  if (f.cancel_fraction > 0) {
+    config["cancellation"] =
+        absl::StrCat(f.cancel_fraction, " of requests after ", f.cancel_after_s, " s");
+  }
+  config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
+  return options;
+}
+
+// The report, the repeated-answer check and the soak sampler's verdict. Returns the exit code: 1
+// when a request failed, an output could not be written, answers to one prompt differed, a
+// sampled process died or the pages did not come back.
+int Report(const ReplayFlags& f, const ReplayOptions& options, const Schedule& schedule,
+           const std::vector<RequestRecord>& records, const RunDescription& run,
+           ResourceSampler* sampler) {
+  ReportOutputs outputs;
+  std::optional<AnswerCheck> answers;
+  if (options.keep_output_ids) {
+    answers = CheckRepeatedAnswers(schedule, records, options.vocab_size);
+    outputs.extra_summary["answer_check"] = AnswerCheckToJson(*answers);
+  }
+  std::optional<SamplerReport> resources;
+  if (sampler != nullptr) {
+    resources = sampler->Finish();
+    outputs.extra_summary["resources"] =
+        SamplerReportToJson(*resources, absl::Seconds(f.sample_warmup_s));
+  }
+  outputs.json_path = f.json_path;
+  outputs.out_dir = f.out_dir;
+  outputs.plot_format = f.plot_format;
+  outputs.timeline_bucket_s = f.bucket_s;
+  ReportResult result = ReportRun(records, run, f.slo, outputs);
+  if (answers.has_value()) std::cout << FormatAnswerCheck(*answers);
+  const bool answers_bad = answers.has_value() && answers->mismatched > 0;
+  bool resources_bad = false;
+  if (resources.has_value()) {
+    std::cout << FormatSamplerReport(*resources, absl::Seconds(f.sample_warmup_s));
+    if (!f.out_dir.empty()) {
+      if (absl::Status s = WriteSamplesCsv(f.out_dir + "/samples.csv", *resources); !s.ok()) {
+        std::cerr << "error: " << s.message() << "\n";
+        result.write_failed = true;
+      }
+    }
+    // A sampled process that died, or pages that did not come back, fail the run like a failed
+    // request; RSS/thread growth is reported (the verdict column) for the reader to judge.
+    for (const ProcessTrend& p : resources->processes) resources_bad |= p.died;
+    resources_bad |= resources->have_load && !resources->pages_back_to_baseline;
+  }
+  return (result.stats.failed > 0 || result.write_failed || resources_bad || answers_bad) ? 1 : 0;
+}
+
+int UsageError(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int RunReplayCommand(const std::vector<std::string>& args) {
+  ReplayFlags f;
   FlagSet flags("fluxion replay",
                 "Replays a Mooncake trace or synthetic load against a router or decode node and "
                 "reports TTFT, TPOT, ITL, E2E, throughput and goodput (docs/REPLAY.md).");
-  flags.String("target", &target, "host:port of the router or decode node (fluxion.v1 Generate)");
-  flags.String("trace", &trace, "Mooncake JSONL trace (timestamp ms, input/output_length, hash_ids)");
-  flags.Bool("synthetic", &synthetic, "generate load instead of reading a trace");
-  flags.Int("num-requests", &num_requests, "synthetic: number of requests");
-  flags.Double("rate", &rate, "synthetic: Poisson arrival rate (req/s); 0 = all at once");
-  flags.String("input-len", &input_len,
-               "synthetic prompt lengths: fixed:N, uniform:MIN:MAX, normal:MEAN:STD, exponential:MEAN");
-  flags.String("output-len", &output_len, "synthetic output lengths (same forms as --input-len)");
-  flags.Int("seed", &seed, "seed for synthetic load and sub-sampling");
-  flags.Int("distinct-prompts", &distinct_prompts,
-            "synthetic: draw every request from this many prompts and check that answers to the "
-            "same prompt are the same tokens (needs --temperature 0; 0 = every prompt its own)");
-  flags.Int("concurrency", &concurrency,
-            "keep exactly this many requests in flight, ignoring arrival times (0 = honour times)");
-  flags.Int("max-inflight", &max_inflight, "timed mode: hold arrivals while this many are open");
-  flags.Double("time-scale", &transform.time_scale, "multiply arrival times (10 = 10x slower)");
-  flags.Double("length-scale", &transform.length_scale,
-               "multiply input/output lengths and the 512-token block (keeps prefix sharing)");
-  flags.Int("max-input-tokens", &transform.max_input_tokens, "truncate longer prompts (0 = no cap)");
-  flags.Int("max-output-tokens", &transform.max_output_tokens, "cap output lengths (0 = no cap)");
-  flags.Double("sample", &transform.sample_fraction, "keep each request with this probability");
-  flags.Int("max-requests", &transform.max_requests, "keep only the first N requests (0 = all)");
-  flags.Double("start-s", &transform.start_s, "skip trace requests before this time (s)");
-  flags.Double("duration-s", &transform.duration_s, "keep trace requests up to start+duration (s)");
-  flags.Int("vocab-size", &vocab_size, "prompt token ids are drawn from [1, vocab-size)");
-  flags.Double("temperature", &temperature, "sampling temperature (0 = greedy)");
-  flags.String("policy", &policy, "sparse attention policy (empty = the server's default)");
-  flags.Double("budget", &budget, "sparse budget (0 = the policy's default)");
-  flags.Double("timeout-s", &timeout_s, "per-request time budget (timeout_ms and gRPC deadline)");
-  flags.Double("cancel-fraction", &cancel_fraction,
-               "cancel this fraction of requests (seeded) --cancel-after-s after sending them");
-  flags.Double("cancel-after-s", &cancel_after_s, "delay before a chosen request is cancelled");
-  flags.Double("slo-ttft-ms", &slo.ttft_ms, "goodput objective on TTFT (0 = none)");
-  flags.Double("slo-tpot-ms", &slo.tpot_ms, "goodput objective on TPOT (0 = none)");
-  flags.Double("slo-e2e-ms", &slo.e2e_ms, "goodput objective on end-to-end latency (0 = none)");
-  flags.String("json", &json_path, "write the summary as JSON to this file");
-  flags.String("out-dir", &out_dir,
-               "write summary.json, requests.csv, timeline.csv and plots into this directory");
-  flags.String("plot-format", &plot_format, "png or svg");
-  flags.Double("timeline-bucket-s", &bucket_s, "timeline resolution (0 = about 50 points)");
-  std::string sample_pids;
-  double sample_interval_s = 0, sample_warmup_s = 60, sample_settle_s = 60;
-  flags.Double("sample-interval-s", &sample_interval_s,
-               "soak sampling: every this many seconds read the --sample-pids processes' RSS and "
-               "threads (/proc) and the target's GetLoad page counters; 0 = off");
-  flags.String("sample-pids", &sample_pids,
-               "soak sampling: name=pid[,name=pid...] of processes on this machine to sample");
-  flags.Double("sample-warmup-s", &sample_warmup_s,
-               "soak sampling: RSS and threads must stay flat after this much of the run");
-  flags.Double("sample-settle-s", &sample_settle_s,
-               "soak sampling: after the run, wait up to this long for the target to go idle and "
-               "its KV pages to come back before the final sample");
-  flags.Bool("progress", &progress, "show a live progress line on stderr (--noprogress to hide)");
-  serving::ClientTlsOptions tls;
-  serving::RegisterClientTlsFlags(flags, "tls", "the target", &tls);
+  RegisterLoadFlags(flags, f);
+  RegisterRequestAndReportFlags(flags, f);
   flags.Require("target");
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
-  auto channel = serving::ClientChannelConfig(tls);
-  if (!channel.ok()) {
-    std::cerr << "error: " << channel.status().message() << "\n";
-    return 2;
-  }
-  if (trace.empty() == !synthetic) {
-    std::cerr << "error: give exactly one of --trace FILE and --synthetic\n";
-    return 2;
-  }
-  if (distinct_prompts != 0 && (!synthetic || temperature != 0)) {
-    std::cerr << "error: --distinct-prompts compares answers token for token, so it needs "
-                 "--synthetic and greedy sampling (--temperature 0)\n";
-    return 2;
-  }
-  transform.seed = static_cast<uint64_t>(seed);
-  if (absl::Status valid = ValidateCommandFlags(vocab_size, temperature, budget, slo, bucket_s,
-                                                plot_format);
-      !valid.ok()) {
-    std::cerr << "error: " << valid.message() << "\n";
-    return 2;
-  }
-
+  auto channel = serving::ClientChannelConfig(f.tls);
+  if (!channel.ok()) return UsageError(channel.status());
+  if (absl::Status s = CheckFlags(f); !s.ok()) return UsageError(s);
+  f.transform.seed = static_cast<uint64_t>(f.seed);
   RunDescription run;
   Schedule source;
-  if (synthetic) {
-    SyntheticOptions options;
-    auto in = ParseLengthDistribution(input_len);
-    auto out = ParseLengthDistribution(output_len);
-    if (!in.ok() || !out.ok()) {
-      std::cerr << "error: " << (in.ok() ? out.status() : in.status()).message() << "\n";
-      return 2;
-    }
-    options.num_requests = num_requests;
-    options.rate = rate;
-    options.input = *in;
-    options.output = *out;
-    options.seed = static_cast<uint64_t>(seed);
-    options.distinct_prompts = distinct_prompts;
-    if (absl::Status valid = ValidateSyntheticOptions(options); !valid.ok()) {
-      std::cerr << "error: " << valid.message() << "\n";
-      return 2;
-    }
-    source = MakeSyntheticSchedule(options);
-    run.config["source"] = absl::StrFormat(
-        "synthetic: %d requests, %s, input %s, output %s, seed %d%s", num_requests,
-        rate > 0 ? absl::StrFormat("Poisson %g req/s", rate) : std::string("all at t=0"),
-        input_len, output_len, seed,
-        distinct_prompts > 0 ? absl::StrFormat(", %d distinct prompts", distinct_prompts) : "");
+  if (f.synthetic) {
+    absl::StatusOr<Schedule> synthetic = SyntheticSource(f, &run);
+    if (!synthetic.ok()) return UsageError(synthetic.status());
+    source = *std::move(synthetic);
   } else {
-    auto loaded = LoadMooncakeTrace(trace);
+    auto loaded = LoadMooncakeTrace(f.trace);
     if (!loaded.ok()) {
       std::cerr << "error: " << loaded.status().message() << "\n";
       return 1;
     }
     source = std::move(*loaded);
-    run.config["source"] = absl::StrCat("Mooncake trace ", trace);
+    run.config["source"] = absl::StrCat("Mooncake trace ", f.trace);
   }
-  auto schedule = ApplyTransform(source, transform, &run.transform);
-  if (!schedule.ok()) {
-    std::cerr << "error: " << schedule.status().message() << "\n";
-    return 2;
-  }
+  auto schedule = ApplyTransform(source, f.transform, &run.transform);
+  if (!schedule.ok()) return UsageError(schedule.status());
   if (schedule->requests.empty()) {
-    std::cerr << "error: the schedule is empty after the transforms\n";
-    return 2;
+    return UsageError(absl::InvalidArgumentError("the schedule is empty after the transforms"));
   }
-
-  ReplayOptions options;
-  options.target = target;
-  options.channel = *channel;
-  options.concurrency = concurrency;
-  options.max_inflight = max_inflight;
-  options.timeout_s = timeout_s;
-  options.vocab_size = static_cast<uint32_t>(vocab_size);
-  options.temperature = static_cast<float>(temperature);
-  options.sparse_policy = policy;
-  if (budget > 0) options.sparse_budget = static_cast<float>(budget);
-  options.progress = progress;
-  options.cancel_fraction = cancel_fraction;
-  options.cancel_after_s = cancel_after_s;
-  options.cancel_seed = static_cast<uint64_t>(seed);
-  options.keep_output_ids = distinct_prompts > 0;
-  run.config["target"] = target;
-  run.config["mode"] = concurrency > 0
-                           ? absl::StrCat("fixed concurrency ", concurrency)
-                           : absl::StrCat("timed arrivals",
-                                          max_inflight > 0
-                                              ? absl::StrCat(", at most ", max_inflight, " in flight")
-                                              : std::string());
-  run.config["transforms"] = DescribeTransform(transform, schedule->block_tokens);
-  run.config["block_tokens"] = schedule->block_tokens;
-  run.config["vocab_size"] = vocab_size;
-  run.config["temperature"] = temperature;
-  run.config["policy"] = policy.empty() ? "server default" : policy;
-  run.config["timeout_s"] = timeout_s;
-  if (cancel_fraction > 0) {
-    run.config["cancellation"] = absl::StrCat(cancel_fraction, " of requests after ",
-                                              cancel_after_s, " s");
-  }
-  run.config["command"] = absl::StrCat("fluxion replay ", absl::StrJoin(args, " "));
-  if (absl::Status valid = ValidateReplayOptions(options); !valid.ok()) {
-    std::cerr << "error: " << valid.message() << "\n";
-    return 2;
-  }
-
-  auto sampler = StartSampler(sample_pids, sample_interval_s, sample_warmup_s, sample_settle_s,
-                              target, *channel);
-  if (!sampler.ok()) {
-    std::cerr << "error: " << sampler.status().message() << "\n";
-    return 2;
-  }
-
+  const ReplayOptions options = MakeReplayOptions(f, *channel, *schedule, args, &run);
+  if (absl::Status s = ValidateReplayOptions(options); !s.ok()) return UsageError(s);
+  auto sampler = StartSampler(f.sample_pids, f.sample_interval_s, f.sample_warmup_s,
+                              f.sample_settle_s, f.target, *channel);
+  if (!sampler.ok()) return UsageError(sampler.status());
   Replayer replayer(options);
   absl::StatusOr<std::vector<RequestRecord>> records;
   {
@@ -280,40 +334,7 @@ int RunReplayCommand(const std::vector<std::string>& args) {
     std::cerr << "error: " << records.status().message() << "\n";
     return 1;
   }
-  ReportOutputs outputs;
-  std::optional<AnswerCheck> answers;
-  if (options.keep_output_ids) {
-    answers = CheckRepeatedAnswers(*schedule, *records, options.vocab_size);
-    outputs.extra_summary["answer_check"] = AnswerCheckToJson(*answers);
-  }
-  std::optional<SamplerReport> resources;
-  if (*sampler != nullptr) {
-    resources = (*sampler)->Finish();
-    outputs.extra_summary["resources"] =
-        SamplerReportToJson(*resources, absl::Seconds(sample_warmup_s));
-  }
-  outputs.json_path = json_path;
-  outputs.out_dir = out_dir;
-  outputs.plot_format = plot_format;
-  outputs.timeline_bucket_s = bucket_s;
-  ReportResult result = ReportRun(*records, run, slo, outputs);
-  if (answers.has_value()) std::cout << FormatAnswerCheck(*answers);
-  const bool answers_bad = answers.has_value() && answers->mismatched > 0;
-  bool resources_bad = false;
-  if (resources.has_value()) {
-    std::cout << FormatSamplerReport(*resources, absl::Seconds(sample_warmup_s));
-    if (!out_dir.empty()) {
-      if (absl::Status s = WriteSamplesCsv(out_dir + "/samples.csv", *resources); !s.ok()) {
-        std::cerr << "error: " << s.message() << "\n";
-        result.write_failed = true;
-      }
-    }
-    // A sampled process that died, or pages that did not come back, fail the run like a failed
-    // request; RSS/thread growth is reported (the verdict column) for the reader to judge.
-    for (const ProcessTrend& p : resources->processes) resources_bad |= p.died;
-    resources_bad |= resources->have_load && !resources->pages_back_to_baseline;
-  }
-  return (result.stats.failed > 0 || result.write_failed || resources_bad || answers_bad) ? 1 : 0;
+  return Report(f, options, *schedule, *records, run, sampler->get());
 }
 
 }  // namespace fluxion::cluster

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "fluxion/v1/decode.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -171,10 +172,10 @@ void PrintProgress(const RunState& state, int64_t total, bool tty, bool final_li
   int64_t sent = state.sent.load(), finished = state.finished.load();
   int64_t failed = state.failed.load(), tokens = state.tokens.load();
   std::string line = absl::StrFormat(
-      "replay %6.1fs  sent %lld/%lld  done %lld  failed %lld  in flight %lld  %.0f tok/s",
-      elapsed, static_cast<long long>(sent), static_cast<long long>(total),
-      static_cast<long long>(finished), static_cast<long long>(failed),
-      static_cast<long long>(sent - finished), elapsed > 0 ? tokens / elapsed : 0.0);
+      "replay %6.1fs  sent %lld/%lld  done %lld  failed %lld  in flight %lld  %.0f tok/s", elapsed,
+      static_cast<long long>(sent), static_cast<long long>(total), static_cast<long long>(finished),
+      static_cast<long long>(failed), static_cast<long long>(sent - finished),
+      elapsed > 0 ? tokens / elapsed : 0.0);
   if (tty) {
     std::fprintf(stderr, "\r%s\033[K%s", line.c_str(), final_line ? "\n" : "");
   } else {
@@ -188,6 +189,116 @@ bool FiniteIn(double v, double lo, double hi) { return std::isfinite(v) && v >= 
 template <typename T>
 absl::Status OutOfRange(absl::string_view flag, T value, absl::string_view range) {
   return absl::InvalidArgumentError(absl::StrCat(flag, " must be ", range, ", got ", value));
+}
+
+// The target's stub once its channel connects, or Unavailable after the connect timeout.
+absl::StatusOr<std::unique_ptr<v1::DecodeService::Stub>> Connect(const ReplayOptions& o) {
+  auto channel = serving::CreateChannel(o.target, o.channel);
+  // gRPC deadlines are system_clock time points.
+  auto connect_deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(o.connect_timeout_s * 1e3));
+  if (!channel->WaitForConnected(connect_deadline)) {
+    return absl::UnavailableError(absl::StrCat("replay: cannot connect to ", o.target, " within ",
+                                               o.connect_timeout_s,
+                                               " s (is the router or decode node running?)"));
+  }
+  return v1::DecodeService::NewStub(channel);
+}
+
+// The progress line's thread: a live line on a terminal twice a second; in logs, one line every
+// 10 s; until `done`. `state` and `done` must outlive it (the caller joins it).
+std::thread StartProgress(const RunState& state, int64_t total, bool tty,
+                          const std::atomic<bool>& done) {
+  return std::thread([&state, &done, total, tty] {
+    const auto period = tty ? std::chrono::milliseconds(500) : std::chrono::milliseconds(10000);
+    auto next = Clock::now() + period;
+    while (!done.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (Clock::now() >= next) {
+        PrintProgress(state, total, tty, false);
+        next += period;
+      }
+    }
+  });
+}
+
+// Waits for a request's turn: its arrival time (timed mode), then a free slot under
+// --concurrency or --max-inflight; returns early once `interrupted`.
+void WaitForTurn(RunState& state, const TraceRequest& tr, const ReplayOptions& o,
+                 const std::atomic<bool>& interrupted) {
+  const int64_t limit = o.concurrency > 0 ? o.concurrency : o.max_inflight;
+  if (o.concurrency <= 0) {
+    auto when = state.t0 + std::chrono::microseconds(static_cast<int64_t>(tr.arrival_s * 1e6));
+    while (!interrupted.load() && Clock::now() < when) {
+      std::this_thread::sleep_until(std::min(when, Clock::now() + std::chrono::milliseconds(100)));
+    }
+  }
+  if (limit <= 0) return;
+  std::pair<RunState*, int64_t> arg(&state, limit);
+  absl::MutexLock lock(&state.mu);
+  while (!interrupted.load() && static_cast<int64_t>(state.live.size()) >= limit) {
+    // Woken by OnDone's unlock; the timeout only bounds how late an Interrupt() is seen.
+    state.mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](std::pair<RunState*, int64_t>* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return static_cast<int64_t>(a->first->live.size()) < a->second;
+            },
+            &arg),
+        absl::Milliseconds(100));
+  }
+}
+
+// Request `i` of the schedule as the Generate call sends it.
+v1::GenerateRequest BuildRequest(const ReplayOptions& o, const TraceRequest& tr,
+                                 int64_t block_tokens, int64_t i) {
+  v1::GenerateRequest request;
+  request.set_request_id(absl::StrCat(o.request_id_prefix, "-", i));
+  for (uint32_t t : BuildPrompt(tr, block_tokens, o.vocab_size)) request.add_prompt_token_ids(t);
+  v1::SamplingParams* sampling = request.mutable_sampling();
+  sampling->set_max_tokens(static_cast<uint32_t>(tr.output_tokens));
+  sampling->set_ignore_eos(true);  // the trace fixes the output length
+  if (o.temperature.has_value()) sampling->set_temperature(*o.temperature);
+  if (!o.sparse_policy.empty()) {
+    request.mutable_sparse()->set_policy(o.sparse_policy);
+    if (o.sparse_budget.has_value()) request.mutable_sparse()->set_budget(*o.sparse_budget);
+  }
+  request.set_timeout_ms(static_cast<uint32_t>(o.timeout_s * 1e3));
+  request.set_protocol_version(v1::PROTOCOL_VERSION_1);
+  return request;
+}
+
+// Waits until every call has finished (each has a deadline, so this ends); once `interrupted`,
+// cancels what is left. Then waits until the last Call is destroyed too (see RunState::alive).
+void Drain(RunState& state, const std::atomic<bool>& interrupted) {
+  bool cancelled = false;
+  while (true) {
+    std::vector<std::shared_ptr<Call>> to_cancel;
+    {
+      absl::MutexLock lock(&state.mu);
+      if (state.live.empty()) break;
+      if (interrupted.load() && !cancelled) {
+        for (auto& [ptr, call] : state.live) to_cancel.push_back(call);
+        cancelled = true;
+      } else {
+        state.mu.AwaitWithTimeout(
+            absl::Condition(
+                +[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->live.empty(); },
+                &state),
+            absl::Milliseconds(100));
+      }
+    }
+    // TryCancel outside the lock: it may run OnDone, which takes the lock.
+    for (auto& call : to_cancel) call->Cancel();
+  }
+}
+
+void AwaitCallsDestroyed(RunState& state) {
+  absl::MutexLock lock(&state.mu);
+  state.mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->alive == 0; }, &state),
+      absl::Seconds(10));
 }
 
 }  // namespace
@@ -207,7 +318,8 @@ absl::Status ValidateReplayOptions(const ReplayOptions& o) {
   }
   // timeout_ms travels as uint32 milliseconds (49.7 days); a week is plenty.
   if (!FiniteIn(o.timeout_s, 1e-3, kMaxReplayTimeoutS)) {
-    return OutOfRange("--timeout-s", o.timeout_s, absl::StrCat("in [0.001, ", kMaxReplayTimeoutS, "]"));
+    return OutOfRange("--timeout-s", o.timeout_s,
+                      absl::StrCat("in [0.001, ", kMaxReplayTimeoutS, "]"));
   }
   if (!FiniteIn(o.connect_timeout_s, 1e-3, kMaxReplayTimeoutS)) {
     return OutOfRange("connect timeout", o.connect_timeout_s,
@@ -232,20 +344,10 @@ absl::Status ValidateReplayOptions(const ReplayOptions& o) {
 absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedule) {
   if (absl::Status valid = ValidateReplayOptions(options_); !valid.ok()) return valid;
   if (schedule.block_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("schedule block_tokens ", schedule.block_tokens,
-                                                   " must be at least 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("schedule block_tokens ", schedule.block_tokens, " must be at least 1"));
   }
-  auto channel = serving::CreateChannel(options_.target, options_.channel);
-  // gRPC deadlines are system_clock time points.
-  auto connect_deadline = std::chrono::system_clock::now() +
-                          std::chrono::milliseconds(static_cast<int64_t>(options_.connect_timeout_s * 1e3));
-  if (!channel->WaitForConnected(connect_deadline)) {
-    return absl::UnavailableError(absl::StrCat("replay: cannot connect to ", options_.target,
-                                               " within ", options_.connect_timeout_s,
-                                               " s (is the router or decode node running?)"));
-  }
-  auto stub = v1::DecodeService::NewStub(channel);
-
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<v1::DecodeService::Stub> stub, Connect(options_));
   // Shared with every Call, so whichever of them finishes last can still reach it.
   auto state_ptr = std::make_shared<RunState>();
   RunState& state = *state_ptr;
@@ -254,74 +356,20 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
   const bool tty = isatty(STDERR_FILENO);
   std::atomic<bool> done{false};
   std::thread progress;
-  if (options_.progress) {
-    progress = std::thread([&] {
-      // A live line on a terminal twice a second; in logs, one line every 10 s.
-      const auto period = tty ? std::chrono::milliseconds(500) : std::chrono::milliseconds(10000);
-      auto next = Clock::now() + period;
-      while (!done.load()) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        if (Clock::now() >= next) {
-          PrintProgress(state, total, tty, false);
-          next += period;
-        }
-      }
-    });
-  }
-
+  if (options_.progress) progress = StartProgress(state, total, tty, done);
   std::unique_ptr<Canceller> canceller;
   if (options_.cancel_fraction > 0) canceller = std::make_unique<Canceller>();
   std::mt19937_64 cancel_rng(options_.cancel_seed);
   std::uniform_real_distribution<double> coin(0.0, 1.0);
   const auto cancel_after =
       std::chrono::microseconds(static_cast<int64_t>(options_.cancel_after_s * 1e6));
-  state.t0 = Clock::now();
-  auto open_requests = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
-    return static_cast<int64_t>(state.live.size());
-  };
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_s * 1e3));
+  state.t0 = Clock::now();
   for (int64_t i = 0; i < total && !interrupted_.load(); ++i) {
     const TraceRequest& tr = schedule.requests[i];
-    // Wait for the request's turn: its arrival time, or a free concurrency slot.
-    int64_t limit = options_.concurrency > 0 ? options_.concurrency : options_.max_inflight;
-    if (options_.concurrency <= 0) {
-      auto when = state.t0 + std::chrono::microseconds(static_cast<int64_t>(tr.arrival_s * 1e6));
-      while (!interrupted_.load() && Clock::now() < when) {
-        std::this_thread::sleep_until(std::min(when, Clock::now() + std::chrono::milliseconds(100)));
-      }
-    }
-    if (limit > 0) {
-      std::pair<RunState*, int64_t> arg(&state, limit);
-      absl::MutexLock lock(&state.mu);
-      while (!interrupted_.load() && open_requests() >= limit) {
-        // Woken by OnDone's unlock; the timeout only bounds how late an Interrupt() is seen.
-        state.mu.AwaitWithTimeout(
-            absl::Condition(
-                +[](std::pair<RunState*, int64_t>* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                  return static_cast<int64_t>(a->first->live.size()) < a->second;
-                },
-                &arg),
-            absl::Milliseconds(100));
-      }
-    }
+    WaitForTurn(state, tr, options_, interrupted_);
     if (interrupted_.load()) break;
-
-    v1::GenerateRequest request;
-    request.set_request_id(absl::StrCat(options_.request_id_prefix, "-", i));
-    for (uint32_t t : BuildPrompt(tr, schedule.block_tokens, options_.vocab_size)) {
-      request.add_prompt_token_ids(t);
-    }
-    v1::SamplingParams* sampling = request.mutable_sampling();
-    sampling->set_max_tokens(static_cast<uint32_t>(tr.output_tokens));
-    sampling->set_ignore_eos(true);  // the trace fixes the output length
-    if (options_.temperature.has_value()) sampling->set_temperature(*options_.temperature);
-    if (!options_.sparse_policy.empty()) {
-      request.mutable_sparse()->set_policy(options_.sparse_policy);
-      if (options_.sparse_budget.has_value()) request.mutable_sparse()->set_budget(*options_.sparse_budget);
-    }
-    request.set_timeout_ms(static_cast<uint32_t>(options_.timeout_s * 1e3));
-    request.set_protocol_version(v1::PROTOCOL_VERSION_1);
-
+    v1::GenerateRequest request = BuildRequest(options_, tr, schedule.block_tokens, i);
     RequestRecord record;
     record.index = i;
     record.request_id = request.request_id();
@@ -343,37 +391,9 @@ absl::StatusOr<std::vector<RequestRecord>> Replayer::Run(const Schedule& schedul
       canceller->Schedule(Clock::now() + cancel_after, call);
     }
   }
-
-  // Drain. Every call has a deadline, so this ends; Interrupt() cancels what is left.
-  bool cancelled = false;
-  while (true) {
-    std::vector<std::shared_ptr<Call>> to_cancel;
-    {
-      absl::MutexLock lock(&state.mu);
-      if (state.live.empty()) break;
-      if (interrupted_.load() && !cancelled) {
-        for (auto& [ptr, call] : state.live) to_cancel.push_back(call);
-        cancelled = true;
-      } else {
-        state.mu.AwaitWithTimeout(
-            absl::Condition(
-                +[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->live.empty(); },
-                &state),
-            absl::Milliseconds(100));
-      }
-    }
-    // TryCancel outside the lock: it may run OnDone, which takes the lock.
-    for (auto& call : to_cancel) call->Cancel();
-  }
+  Drain(state, interrupted_);
   canceller.reset();  // it may hold a Call for a moment; the wait below counts those too
-  {
-    // Every Call has left `live`; wait until the last one is destroyed too (see RunState::alive).
-    absl::MutexLock lock(&state.mu);
-    state.mu.AwaitWithTimeout(
-        absl::Condition(+[](RunState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->alive == 0; },
-                        &state),
-        absl::Seconds(10));
-  }
+  AwaitCallsDestroyed(state);
   done.store(true);
   if (progress.joinable()) {
     progress.join();

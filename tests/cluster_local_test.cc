@@ -102,6 +102,9 @@ TEST(LocalClusterTest, ReplaysATraceThroughRealProcessesAndShutsDownCleanly) {
   EXPECT_THAT(log, HasSubstr("decode-0 http://127.0.0.1:"));
   EXPECT_THAT(log, HasSubstr("8 sent, 8 succeeded, 0 failed"));
   EXPECT_THAT(log, HasSubstr("router (pid"));
+  // The closing question, in the form the tiny model was trained on, answered right through the
+  // router's HTTP API.
+  EXPECT_THAT(log, HasSubstr("  expected: 2390561\n  model:    2390561 (right)"));
   nlohmann::json summary = nlohmann::json::parse(Slurp(dir + "-summary.json"));
   EXPECT_EQ(summary["succeeded"], 8);
   EXPECT_GT(summary["ttft_ms"]["p50"].get<double>(), 0);

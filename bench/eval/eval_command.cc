@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
@@ -18,6 +19,7 @@
 #include "bench/attention_eval.h"
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
+#include "common/status_macros.h"
 #include "decode/sparse/decision_profile.h"
 #include "decode/sparse/fluxion_predictor.h"
 #include "decode/sparse/guard_flags.h"
@@ -153,6 +155,369 @@ void PrintSample(const SampleOutcome& o) {
   std::fflush(stdout);
 }
 
+// Every flag of `fluxion eval tasks`. The two flag objects register at their place in --help's
+// order, hence optional.
+struct EvalTasksFlags {
+  std::string model_dir, json_path, capture_dir, predictor_flag, record_profile;
+  std::string device = "cpu";
+  std::vector<std::string> tasks = TaskNames();
+  std::vector<std::string> policies = {"full"};
+  std::vector<std::string> selectors = {"host"};
+  std::vector<double> budgets = {0.05};
+  std::vector<int64_t> contexts = {1024, 4096};
+  int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), max_new_tokens = 0,
+          capture_kv_max = 8192;
+  bool show = false, calibration = false;
+  std::optional<CpuThreadsFlag> cpu_threads;
+  std::optional<decode::sparse::GuardFlags> guard_flags;
+};
+
+void RegisterEvalTasksFlags(FlagSet& flags, EvalTasksFlags& f) {
+  flags.String("model", &f.model_dir, "model directory (config.json + safetensors)");
+  flags.StringList("tasks", &f.tasks, "tasks to run");
+  flags.IntList("contexts", &f.contexts,
+                "prompt lengths in tokens (each prompt is 0.9-1.0 of it)");
+  flags.Int("samples", &f.samples, "samples per task and context");
+  flags.Int("seed", &f.seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
+  flags.StringList("policy", &f.policies,
+                   "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
+  flags.DoubleList("budget", &f.budgets,
+                   "read budgets (fraction of context rows) for each sparse policy");
+  f.cpu_threads.emplace(flags, CpuRole::kOffline);
+  flags.String("device", &f.device,
+               "where the decode steps run: cpu (the CPU engine, Model::Forward per token), cuda "
+               "(the hybrid executor: dense halves and the sinks + window on the GPU, the rest of "
+               "each policy's plan on the CPU; one request per step), host-hybrid (the same "
+               "executor over its host stand-in). The prefill runs on the CPU in every case; "
+               "`full` off the cpu device is the `full` sparse policy over bf16 host pages");
+  flags.Int("max-new-tokens", &f.max_new_tokens,
+            "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
+  flags.String("json", &f.json_path,
+               "also write results to this file (docs/BENCHMARKS.md format)");
+  flags.String("fluxion-predictor", &f.predictor_flag,
+               "head-property predictor for the `fluxion` policy (JSON from "
+               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "present (required when --policy lists fluxion); `none`: fluxion runs its "
+               "rule-based per-head budgets (what `fluxion_rules` always uses)");
+  flags.Bool("calibration", &f.calibration,
+             absl::StrCat("use calibration seeds (", kFirstCalibrationSeed, "-",
+                          kFirstCalibrationSeed + kCalibrationSeeds - 1,
+                          ", docs/TASKS.md) instead of evaluation seeds: for fitting offline "
+                          "predictors, never for reported accuracy"));
+  flags.Bool("show", &f.show, "print each sample's question tail, expected and generated answers");
+  flags.String("capture-dir", &f.capture_dir,
+               "write queries, K/V and attention statistics of every sample here (.npy + "
+               "index.json) for sparse-policy calibration");
+  flags.Int("capture-kv-max", &f.capture_kv_max,
+            "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
+  flags.String("record-profile", &f.record_profile,
+               "write the decision profile of what lfps / fluxion decided over the run (shares of "
+               "streaming and bypassed head-steps, per-head budgets and blocks) to this JSON file, "
+               "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
+  f.guard_flags.emplace(flags, /*allow_both=*/true);
+  flags.StringList("selector", &f.selectors,
+                   "where exact_topk and fluxion choose their rows: host (the policy's own "
+                   "selection) and/or device (the top-k of int8 compact keys, what the hybrid "
+                   "step's GPU picks; computed bit for bit on the CPU here; labels get +device); "
+                   "with both, each is a row (docs/SPARSE.md, \"Device selection\")");
+}
+
+// --guard on / both: every lfps / fluxion label also (or only) under the guard.
+std::vector<std::string> WithGuardModes(const std::vector<std::string>& labels,
+                                        const std::vector<bool>& modes) {
+  std::vector<std::string> out;
+  for (const std::string& label : labels) {
+    auto config = PolicyConfigOf(label);
+    if (!config.ok() || !decode::sparse::TraitsOf(config->kind).guardable ||
+        config->guard.enabled) {
+      out.push_back(label);
+      continue;
+    }
+    for (bool on : modes) out.push_back(on ? label + "+guard" : label);
+  }
+  return out;
+}
+
+// --selector: each label of a kind that selects on the device once per selector.
+absl::StatusOr<std::vector<std::string>> WithSelectors(const std::vector<std::string>& labels,
+                                                       const std::vector<std::string>& selectors) {
+  std::vector<std::string> out;
+  for (const std::string& label : labels) {
+    auto config = PolicyConfigOf(label);
+    bool any = false;
+    for (const std::string& name : selectors) {
+      FLUXION_ASSIGN_OR_RETURN(decode::sparse::Selector s, decode::sparse::ParseSelector(name));
+      const bool device = s == decode::sparse::Selector::kDevice;
+      if (device && (!config.ok() || !decode::sparse::TraitsOf(config->kind).device_selects)) {
+        continue;
+      }
+      out.push_back(device ? label + "+device" : label);
+      any = true;
+    }
+    if (!any) out.push_back(label);
+  }
+  return out;
+}
+
+// The usage errors (exit 2) found before the model is loaded, the first one.
+absl::Status CheckUsage(const EvalTasksFlags& f, const TaskEvalOptions& options) {
+  const int64_t seed = f.seed, samples = f.samples;
+  std::string usage_error;
+  if (f.calibration && (!IsCalibrationSeed(static_cast<uint64_t>(seed)) ||
+                        !IsCalibrationSeed(static_cast<uint64_t>(seed + samples - 1)))) {
+    usage_error = absl::StrCat("--calibration: seeds ", seed, "-", seed + samples - 1,
+                               " leave the calibration range ", kFirstCalibrationSeed, "-",
+                               kFirstCalibrationSeed + kCalibrationSeeds - 1, " (docs/TASKS.md)");
+  } else if (!f.calibration && seed < static_cast<int64_t>(kFirstEvalSeed)) {
+    usage_error = absl::StrCat("--seed ", seed, " is not an evaluation seed; evaluation seeds ",
+                               "are >= ", kFirstEvalSeed, " (calibration runs: --calibration; ",
+                               "docs/TASKS.md)");
+  } else if (samples < 1) {
+    usage_error = "--samples must be >= 1";
+  } else if (f.max_new_tokens < 0) {
+    usage_error = "--max-new-tokens must be >= 0";
+  } else if (f.tasks.empty() || f.contexts.empty() || f.policies.empty()) {
+    usage_error = "--tasks, --contexts and --policy need at least one value each";
+  } else if (f.device != "cpu" && f.device != "cuda" && f.device != "host-hybrid") {
+    usage_error = absl::StrCat("--device must be cpu, cuda or host-hybrid, not '", f.device, "'");
+  } else if (f.device != "cpu" && !f.capture_dir.empty()) {
+    usage_error = "--capture-dir records the CPU engine's decode: use it with --device cpu";
+  }
+  for (const std::string& p : options.policies) {
+    if (absl::Status s = ValidatePolicy(p); usage_error.empty() && !s.ok()) {
+      usage_error = absl::StrCat("--policy: ", s.message());
+    }
+  }
+  for (const std::string& task : f.tasks) {
+    for (int64_t context : f.contexts) {
+      absl::Status s = MakeTaskSample(task, context, options.first_seed).status();
+      if (usage_error.empty() && !s.ok()) usage_error = std::string(s.message());
+    }
+  }
+  const bool records_anything = absl::c_any_of(options.policies, [](const std::string& p) {
+    auto config = PolicyConfigOf(p);
+    return config.ok() && decode::sparse::RecordedInProfiles(*config);
+  });
+  if (usage_error.empty() && !f.record_profile.empty() && !records_anything) {
+    usage_error = "--record-profile records lfps and fluxion: add one of them to --policy";
+  }
+  if (!usage_error.empty()) return absl::InvalidArgumentError(usage_error);
+  return absl::OkStatus();
+}
+
+// The run's options from the flags (the engine's parts, filled by PrepareEngine, aside);
+// InvalidArgument for a usage error.
+absl::StatusOr<TaskEvalOptions> MakeOptions(const EvalTasksFlags& f,
+                                            const decode::sparse::GuardFlags::Parsed& guard) {
+  TaskEvalOptions options;
+  options.tasks = f.tasks;
+  options.contexts = f.contexts;
+  options.samples = f.samples;
+  options.first_seed = static_cast<uint64_t>(f.seed);
+  options.guard = guard.config;
+  options.policies = WithGuardModes(PolicyLabels(f.policies, f.budgets), guard.modes);
+  FLUXION_ASSIGN_OR_RETURN(options.policies, WithSelectors(options.policies, f.selectors));
+  options.max_new_tokens = f.max_new_tokens;
+  options.capture_dir = f.capture_dir;
+  options.capture_kv_max = f.capture_kv_max;
+  options.model_name = f.model_dir;
+  FLUXION_RETURN_IF_ERROR(CheckUsage(f, options));
+  return options;
+}
+
+// The model, the step executor --device names and the fluxion predictor, into `options`.
+// `executor` and `model` must outlive the run.
+absl::Status PrepareEngine(const EvalTasksFlags& f, const kernels::cpu::CpuPool& pool,
+                           std::unique_ptr<model::Model>* model,
+                           std::unique_ptr<decode::StepExecutor>* executor,
+                           TaskEvalOptions* options) {
+  const bool runs_fluxion = absl::c_any_of(options->policies, [](const std::string& p) {
+    auto config = PolicyConfigOf(p);
+    return config.ok() && decode::sparse::TraitsOf(config->kind).uses_predictor;
+  });
+  FLUXION_ASSIGN_OR_RETURN(
+      options->fluxion_predictor,
+      runs_fluxion ? decode::sparse::RequirePredictor(f.predictor_flag, f.model_dir)
+                   : decode::sparse::ResolvePredictor(f.predictor_flag, f.model_dir));
+  std::cerr << "fluxion policy: "
+            << (options->fluxion_predictor ? "trained head-property predictor"
+                                           : "rule-based fallback")
+            << "\n";
+  auto loaded = model::Model::Load(f.model_dir);
+  if (!loaded.ok()) {
+    return absl::Status(loaded.status().code(), absl::StrCat("cannot load model from ",
+                                                             f.model_dir, ": ",
+                                                             loaded.status().ToString()));
+  }
+  *model = std::move(*loaded);
+  absl::StatusOr<std::unique_ptr<decode::StepExecutor>> made =
+      MakeExecutor(f.device, model->get(), &pool);
+  if (!made.ok()) {
+    return absl::Status(made.status().code(), absl::StrCat("--device ", f.device, ": ",
+                                                           made.status().message()));
+  }
+  *executor = std::move(*made);
+  options->executor = executor->get();
+  options->output_projection =
+      std::make_shared<const model::OutputProjection>((*model)->output_projection());
+  if (f.device != "cpu") {
+    std::cerr << "device " << f.device << ": decode steps through the hybrid executor, one "
+              << "request per step; `full` is the " << FullPolicyAttention(f.device) << "\n";
+  }
+  return absl::OkStatus();
+}
+
+// Progress on stderr (one rewritten line on a terminal, a line per sample otherwise: logs),
+// --show's samples on stdout, each sample's --json records into `sample_rows` and its decisions
+// into `recorder`. Both must outlive the run.
+TaskEvalCallbacks MakeCallbacks(const EvalTasksFlags& f, bool tty,
+                                decode::sparse::DecisionRecorder* recorder,
+                                nlohmann::json* sample_rows) {
+  TaskEvalCallbacks callbacks;
+  callbacks.on_sample_start = [tty](int64_t index, int64_t total, const std::string& task,
+                                    int64_t context) {
+    if (tty) {
+      std::fprintf(stderr, "\r\033[K[%lld/%lld] %s %lld ...", static_cast<long long>(index + 1),
+                   static_cast<long long>(total), task.c_str(), static_cast<long long>(context));
+      std::fflush(stderr);
+    }
+  };
+  callbacks.on_sample_done = [tty, show = f.show, device = f.device, recorder,
+                              sample_rows](const SampleOutcome& o) {
+    for (const PolicyOutcome& p : o.policies) {
+      sample_rows->push_back(SampleJson(o, p, device));
+      // Labels were validated before the run.
+      if (auto config = PolicyConfigOf(p.policy); config.ok()) recorder->Add(*config, p.selection);
+    }
+    if (tty) {
+      std::fprintf(stderr, "\r\033[K");
+    } else {
+      std::string verdicts;
+      for (const PolicyOutcome& p : o.policies) {
+        absl::StrAppend(&verdicts, " ", p.policy, "=", p.correct ? "ok" : "wrong");
+      }
+      std::fprintf(stderr, "[%lld/%lld] %s %lld seed %llu:%s (prefill %.0f ms)\n",
+                   static_cast<long long>(o.index + 1), static_cast<long long>(o.total),
+                   o.sample.task.c_str(), static_cast<long long>(o.sample.context),
+                   static_cast<unsigned long long>(o.sample.seed), verdicts.c_str(),
+                   o.prefill_seconds * 1e3);
+    }
+    std::fflush(stderr);
+    if (show) PrintSample(o);
+  };
+  return callbacks;
+}
+
+// --record-profile: what lfps / fluxion decided over the run, as a decision profile file.
+absl::Status WriteProfile(const EvalTasksFlags& f, const decode::sparse::DecisionRecorder& recorder,
+                          bool predictor, const std::vector<std::string>& args) {
+  const nlohmann::json source = {{"command", bench::JoinCommand("fluxion eval tasks", args)},
+                                 {"model", f.model_dir},
+                                 {"tasks", f.tasks},
+                                 {"contexts", f.contexts},
+                                 {"samples", f.samples},
+                                 {"seed", f.seed},
+                                 {"fluxion_predictor", predictor}};
+  FLUXION_ASSIGN_OR_RETURN(
+      decode::sparse::DecisionProfile profile,
+      recorder.Build(std::filesystem::path(f.record_profile).stem().string(), source.dump()));
+  std::ofstream out(f.record_profile, std::ios::trunc);
+  out << profile.Serialize();
+  out.close();
+  if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", f.record_profile));
+  std::cerr << "wrote decision profile " << f.record_profile << "\n";
+  return absl::OkStatus();
+}
+
+// --json: one row per cell, the guard's settings and every sample's records.
+absl::Status WriteResultsJson(const EvalTasksFlags& f, const std::vector<CellResult>& results,
+                              const decode::sparse::GuardFlags::Parsed& guard, bool predictor,
+                              nlohmann::json sample_rows, const std::vector<std::string>& args) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const CellResult& r : results) {
+    rows.push_back({{"task", r.task},
+                    {"context", r.context},
+                    {"policy", r.policy},
+                    {"device", f.device},
+                    {"samples", r.samples},
+                    {"correct", r.correct},
+                    {"accuracy", r.accuracy},
+                    {"ci_low", r.ci_low},
+                    {"ci_high", r.ci_high},
+                    {"prefill_ms", r.prefill_ms},
+                    {"tpot_ms", r.tpot_ms},
+                    {"budget_spent", r.budget_spent},
+                    {"bypassed", r.bypassed},
+                    {"guard_read", r.guard_read},
+                    {"scored", r.scored},
+                    {"guard_escalations", r.guard_escalations},
+                    {"guard_checks", r.guard_checks},
+                    {"guard_error_p50", r.guard_error_p50},
+                    {"guard_error_p90", r.guard_error_p90},
+                    {"degenerate_samples", r.degenerate},
+                    {"paired_lost", r.lost},
+                    {"paired_gained", r.gained},
+                    {"delta_vs_first", r.delta},
+                    {"delta_ci_low", r.delta_low},
+                    {"delta_ci_high", r.delta_high},
+                    {"threads", kernels::cpu::NumThreads()},
+                    {"seed", f.seed},
+                    {"calibration", f.calibration},
+                    {"fluxion_predictor", predictor},
+                    {"model", f.model_dir}});
+  }
+  nlohmann::json doc = bench::ResultEnvelope(bench::JoinCommand("fluxion eval tasks", args),
+                                             nlohmann::json::object(), rows);
+  doc["device"] = f.device;
+  const decode::sparse::GuardConfig& g = guard.config;
+  doc["guard"] = {{"modes", guard.modes},        {"sample_rate", g.sample_rate},
+                  {"tolerance", g.tolerance},    {"relax_ratio", g.relax_ratio},
+                  {"grow", g.grow},              {"shrink", g.shrink},
+                  {"max_weight", g.max_weight}};
+  doc["samples"] = std::move(sample_rows);
+  FLUXION_RETURN_IF_ERROR(bench::WriteJson(f.json_path, doc));
+  std::cerr << "wrote " << f.json_path << "\n";
+  return absl::OkStatus();
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << s.message() << "\n";
+  return 1;
+}
+
+// Loads the model, runs every sample, prints the table and writes --record-profile and --json.
+int RunEvalTasks(const EvalTasksFlags& f, TaskEvalOptions options,
+                 const decode::sparse::GuardFlags::Parsed& guard,
+                 const kernels::cpu::CpuPool& pool, const std::vector<std::string>& args) {
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<decode::StepExecutor> executor;
+  if (absl::Status s = PrepareEngine(f, pool, &model, &executor, &options); !s.ok()) {
+    return Fail(s);
+  }
+  const bool predictor = options.fluxion_predictor != nullptr;
+  const bool tty = isatty(STDERR_FILENO) == 1;
+  decode::sparse::DecisionRecorder recorder;
+  nlohmann::json sample_rows = nlohmann::json::array();
+  auto results = RunTaskEval(*model, options, MakeCallbacks(f, tty, &recorder, &sample_rows));
+  if (tty) std::fprintf(stderr, "\r\033[K");
+  if (!results.ok()) {
+    std::cerr << "error: " << results.status() << "\n";
+    return 1;
+  }
+  PrintTable(*results);
+  if (!f.record_profile.empty()) {
+    if (absl::Status s = WriteProfile(f, recorder, predictor, args); !s.ok()) return Fail(s);
+  }
+  if (!f.json_path.empty()) {
+    if (absl::Status s =
+            WriteResultsJson(f, *results, guard, predictor, std::move(sample_rows), args);
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int RunEvalCommand(const std::vector<std::string>& args) {
@@ -175,335 +540,34 @@ int RunEvalCommand(const std::vector<std::string>& args) {
 }
 
 int RunEvalTasksCommand(const std::vector<std::string>& args) {
-  std::string model_dir, json_path, capture_dir, predictor_flag, record_profile;
-  std::vector<std::string> tasks = TaskNames();
-  std::vector<std::string> policies = {"full"};
-  std::vector<double> budgets = {0.05};
-  std::vector<int64_t> contexts = {1024, 4096};
-  int64_t samples = 8, seed = static_cast<int64_t>(kFirstEvalSeed), max_new_tokens = 0,
-          capture_kv_max = 8192;
-  bool show = false, calibration = false;
-  std::string device = "cpu";
+  EvalTasksFlags f;
   FlagSet flags("fluxion eval tasks",
                 "Runs the long-context tasks of docs/TASKS.md: one full-attention prefill per "
                 "sample on the CPU engine, a greedy decode per attention policy (on the --device), "
                 "exact-match accuracy with 95% Wilson intervals.");
-  flags.String("model", &model_dir, "model directory (config.json + safetensors)");
-  flags.StringList("tasks", &tasks, "tasks to run");
-  flags.IntList("contexts", &contexts, "prompt lengths in tokens (each prompt is 0.9-1.0 of it)");
-  flags.Int("samples", &samples, "samples per task and context");
-  flags.Int("seed", &seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
-  flags.StringList("policy", &policies,
-                   "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
-  flags.DoubleList("budget", &budgets,
-                   "read budgets (fraction of context rows) for each sparse policy");
-  CpuThreadsFlag cpu_threads(flags, CpuRole::kOffline);
-  flags.String("device", &device,
-               "where the decode steps run: cpu (the CPU engine, Model::Forward per token), cuda "
-               "(the hybrid executor: dense halves and the sinks + window on the GPU, the rest of "
-               "each policy's plan on the CPU; one request per step), host-hybrid (the same "
-               "executor over its host stand-in). The prefill runs on the CPU in every case; "
-               "`full` off the cpu device is the `full` sparse policy over bf16 host pages");
-  flags.Int("max-new-tokens", &max_new_tokens,
-            "tokens to generate at most; 0 = len(answer) + 16 as TASKS.md scores");
-  flags.String("json", &json_path, "also write results to this file (docs/BENCHMARKS.md format)");
-  flags.String("fluxion-predictor", &predictor_flag,
-               "head-property predictor for the `fluxion` policy (JSON from "
-               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
-               "present (required when --policy lists fluxion); `none`: fluxion runs its "
-               "rule-based per-head budgets (what `fluxion_rules` always uses)");
-  flags.Bool("calibration", &calibration,
-             absl::StrCat("use calibration seeds (", kFirstCalibrationSeed, "-",
-                          kFirstCalibrationSeed + kCalibrationSeeds - 1,
-                          ", docs/TASKS.md) instead of evaluation seeds: for fitting offline "
-                          "predictors, never for reported accuracy"));
-  flags.Bool("show", &show, "print each sample's question tail, expected and generated answers");
-  flags.String("capture-dir", &capture_dir,
-               "write queries, K/V and attention statistics of every sample here (.npy + "
-               "index.json) for sparse-policy calibration");
-  flags.Int("capture-kv-max", &capture_kv_max,
-            "with --capture-dir: write prompt K/V only for prompts up to this many tokens");
-  flags.String("record-profile", &record_profile,
-               "write the decision profile of what lfps / fluxion decided over the run (shares of "
-               "streaming and bypassed head-steps, per-head budgets and blocks) to this JSON file, "
-               "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
-  decode::sparse::GuardFlags guard_flags(flags, /*allow_both=*/true);
-  std::vector<std::string> selectors = {"host"};
-  flags.StringList("selector", &selectors,
-                   "where exact_topk and fluxion choose their rows: host (the policy's own "
-                   "selection) and/or device (the top-k of int8 compact keys, what the hybrid "
-                   "step's GPU picks; computed bit for bit on the CPU here; labels get +device); "
-                   "with both, each is a row (docs/SPARSE.md, \"Device selection\")");
+  RegisterEvalTasksFlags(flags, f);
   flags.Require("model");
   const bool seed_given = absl::c_any_of(
       args, [](const std::string& a) { return absl::StartsWith(a, "--seed"); });
   if (int rc = ParseFlagsOrExit(flags, args); rc >= 0) return rc;
   // The pool lives for the run: the hybrid executor's host part runs on it.
-  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(cpu_threads);
+  absl::StatusOr<kernels::cpu::CpuPool> pool = kernels::cpu::SetUpProcessCpu(*f.cpu_threads);
   if (!pool.ok()) {
     std::cerr << "error: " << pool.status().message() << "\n";
     return 2;
   }
-  if (calibration && !seed_given) seed = static_cast<int64_t>(kFirstCalibrationSeed);
-
-  TaskEvalOptions options;
-  options.tasks = tasks;
-  options.contexts = contexts;
-  options.samples = samples;
-  options.first_seed = static_cast<uint64_t>(seed);
-  options.policies = PolicyLabels(policies, budgets);
-  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard_read = guard_flags.Read();
-  if (!guard_read.ok()) {
-    std::cerr << "error: " << guard_read.status().message() << "\n";
+  if (f.calibration && !seed_given) f.seed = static_cast<int64_t>(kFirstCalibrationSeed);
+  const absl::StatusOr<decode::sparse::GuardFlags::Parsed> guard = f.guard_flags->Read();
+  if (!guard.ok()) {
+    std::cerr << "error: " << guard.status().message() << "\n";
     return 2;
   }
-  const std::vector<bool>* guard_modes = &guard_read->modes;
-  const decode::sparse::GuardConfig* guard = &guard_read->config;
-  options.guard = *guard;
-  {
-    // --guard on / both: every lfps / fluxion label also (or only) under the guard.
-    std::vector<std::string> labels;
-    for (const std::string& label : options.policies) {
-      auto config = PolicyConfigOf(label);
-      if (!config.ok() || !decode::sparse::TraitsOf(config->kind).guardable ||
-          config->guard.enabled) {
-        labels.push_back(label);
-        continue;
-      }
-      for (bool on : *guard_modes) labels.push_back(on ? label + "+guard" : label);
-    }
-    options.policies = std::move(labels);
-  }
-  {
-    // --selector: each label of a kind that selects on the device once per selector.
-    std::vector<std::string> labels;
-    for (const std::string& label : options.policies) {
-      auto config = PolicyConfigOf(label);
-      bool any = false;
-      for (const std::string& name : selectors) {
-        const absl::StatusOr<decode::sparse::Selector> s = decode::sparse::ParseSelector(name);
-        if (!s.ok()) {
-          std::cerr << "error: " << s.status().message() << "\n";
-          return 2;
-        }
-        const bool device = *s == decode::sparse::Selector::kDevice;
-        if (device && (!config.ok() || !decode::sparse::TraitsOf(config->kind).device_selects)) {
-          continue;
-        }
-        labels.push_back(device ? label + "+device" : label);
-        any = true;
-      }
-      if (!any) labels.push_back(label);
-    }
-    options.policies = std::move(labels);
-  }
-  options.max_new_tokens = max_new_tokens;
-  options.capture_dir = capture_dir;
-  options.capture_kv_max = capture_kv_max;
-  options.model_name = model_dir;
-  // Usage errors (exit 2) are found before the model is loaded.
-  std::string usage_error;
-  if (calibration && (!IsCalibrationSeed(static_cast<uint64_t>(seed)) ||
-                      !IsCalibrationSeed(static_cast<uint64_t>(seed + samples - 1)))) {
-    usage_error = absl::StrCat("--calibration: seeds ", seed, "-", seed + samples - 1,
-                               " leave the calibration range ", kFirstCalibrationSeed, "-",
-                               kFirstCalibrationSeed + kCalibrationSeeds - 1, " (docs/TASKS.md)");
-  } else if (!calibration && seed < static_cast<int64_t>(kFirstEvalSeed)) {
-    usage_error = absl::StrCat("--seed ", seed, " is not an evaluation seed; evaluation seeds ",
-                               "are >= ", kFirstEvalSeed, " (calibration runs: --calibration; ",
-                               "docs/TASKS.md)");
-  } else if (samples < 1) {
-    usage_error = "--samples must be >= 1";
-  } else if (max_new_tokens < 0) {
-    usage_error = "--max-new-tokens must be >= 0";
-  } else if (tasks.empty() || contexts.empty() || policies.empty()) {
-    usage_error = "--tasks, --contexts and --policy need at least one value each";
-  } else if (device != "cpu" && device != "cuda" && device != "host-hybrid") {
-    usage_error = absl::StrCat("--device must be cpu, cuda or host-hybrid, not '", device, "'");
-  } else if (device != "cpu" && !capture_dir.empty()) {
-    usage_error = "--capture-dir records the CPU engine's decode: use it with --device cpu";
-  }
-  for (const std::string& p : options.policies) {
-    if (absl::Status s = ValidatePolicy(p); usage_error.empty() && !s.ok()) {
-      usage_error = absl::StrCat("--policy: ", s.message());
-    }
-  }
-  for (const std::string& task : tasks) {
-    for (int64_t context : contexts) {
-      absl::Status s = MakeTaskSample(task, context, options.first_seed).status();
-      if (usage_error.empty() && !s.ok()) usage_error = std::string(s.message());
-    }
-  }
-  const bool records_anything = absl::c_any_of(options.policies, [](const std::string& p) {
-    auto config = PolicyConfigOf(p);
-    return config.ok() && decode::sparse::RecordedInProfiles(*config);
-  });
-  if (usage_error.empty() && !record_profile.empty() && !records_anything) {
-    usage_error = "--record-profile records lfps and fluxion: add one of them to --policy";
-  }
-  if (!usage_error.empty()) {
-    std::cerr << "error: " << usage_error << "\n";
+  absl::StatusOr<TaskEvalOptions> options = MakeOptions(f, *guard);
+  if (!options.ok()) {
+    std::cerr << "error: " << options.status().message() << "\n";
     return 2;
   }
-
-  const bool runs_fluxion = absl::c_any_of(options.policies, [](const std::string& p) {
-    auto config = PolicyConfigOf(p);
-    return config.ok() && decode::sparse::TraitsOf(config->kind).uses_predictor;
-  });
-  auto predictor = runs_fluxion ? decode::sparse::RequirePredictor(predictor_flag, model_dir)
-                                : decode::sparse::ResolvePredictor(predictor_flag, model_dir);
-  if (!predictor.ok()) {
-    std::cerr << "error: " << predictor.status().message() << "\n";
-    return 1;
-  }
-  options.fluxion_predictor = *predictor;
-  std::cerr << "fluxion policy: "
-            << (*predictor ? "trained head-property predictor" : "rule-based fallback") << "\n";
-
-  auto model = model::Model::Load(model_dir);
-  if (!model.ok()) {
-    std::cerr << "error: cannot load model from " << model_dir << ": " << model.status() << "\n";
-    return 1;
-  }
-  absl::StatusOr<std::unique_ptr<decode::StepExecutor>> executor =
-      MakeExecutor(device, model->get(), &*pool);
-  if (!executor.ok()) {
-    std::cerr << "error: --device " << device << ": " << executor.status().message() << "\n";
-    return 1;
-  }
-  options.executor = executor->get();
-  options.output_projection =
-      std::make_shared<const model::OutputProjection>((*model)->output_projection());
-  if (device != "cpu") {
-    std::cerr << "device " << device << ": decode steps through the hybrid executor, one request "
-              << "per step; `full` is the " << FullPolicyAttention(device) << "\n";
-  }
-
-  // Progress on stderr: one rewritten line on a terminal, a line per sample otherwise (logs).
-  const bool tty = isatty(STDERR_FILENO) == 1;
-  TaskEvalCallbacks callbacks;
-  nlohmann::json sample_rows = nlohmann::json::array();
-  callbacks.on_sample_start = [tty](int64_t index, int64_t total, const std::string& task,
-                                    int64_t context) {
-    if (tty) {
-      std::fprintf(stderr, "\r\033[K[%lld/%lld] %s %lld ...", static_cast<long long>(index + 1),
-                   static_cast<long long>(total), task.c_str(), static_cast<long long>(context));
-      std::fflush(stderr);
-    }
-  };
-  decode::sparse::DecisionRecorder recorder;
-  callbacks.on_sample_done = [tty, show, &recorder](const SampleOutcome& o) {
-    for (const PolicyOutcome& p : o.policies) {
-      // Labels were validated above.
-      if (auto config = PolicyConfigOf(p.policy); config.ok()) recorder.Add(*config, p.selection);
-    }
-    if (tty) {
-      std::fprintf(stderr, "\r\033[K");
-    } else {
-      std::string verdicts;
-      for (const PolicyOutcome& p : o.policies) {
-        absl::StrAppend(&verdicts, " ", p.policy, "=", p.correct ? "ok" : "wrong");
-      }
-      std::fprintf(stderr, "[%lld/%lld] %s %lld seed %llu:%s (prefill %.0f ms)\n",
-                   static_cast<long long>(o.index + 1), static_cast<long long>(o.total),
-                   o.sample.task.c_str(), static_cast<long long>(o.sample.context),
-                   static_cast<unsigned long long>(o.sample.seed), verdicts.c_str(),
-                   o.prefill_seconds * 1e3);
-    }
-    std::fflush(stderr);
-    if (show) PrintSample(o);
-  };
-  // Every sample's records for --json, then the progress line.
-  callbacks.on_sample_done = [&sample_rows, &device,
-                              progress = std::move(callbacks.on_sample_done)](
-                                 const SampleOutcome& o) {
-    for (const PolicyOutcome& p : o.policies) sample_rows.push_back(SampleJson(o, p, device));
-    progress(o);
-  };
-  auto results = RunTaskEval(**model, options, callbacks);
-  if (tty) std::fprintf(stderr, "\r\033[K");
-  if (!results.ok()) {
-    std::cerr << "error: " << results.status() << "\n";
-    return 1;
-  }
-  PrintTable(*results);
-  if (!record_profile.empty()) {
-    const nlohmann::json source = {
-        {"command", bench::JoinCommand("fluxion eval tasks", args)},
-        {"model", model_dir},
-        {"tasks", tasks},
-        {"contexts", contexts},
-        {"samples", samples},
-        {"seed", seed},
-        {"fluxion_predictor", *predictor != nullptr}};
-    absl::StatusOr<decode::sparse::DecisionProfile> profile =
-        recorder.Build(std::filesystem::path(record_profile).stem().string(), source.dump());
-    if (!profile.ok()) {
-      std::cerr << "error: " << profile.status().message() << "\n";
-      return 1;
-    }
-    std::ofstream out(record_profile, std::ios::trunc);
-    out << profile->Serialize();
-    out.close();
-    if (!out) {
-      std::cerr << "error: cannot write " << record_profile << "\n";
-      return 1;
-    }
-    std::cerr << "wrote decision profile " << record_profile << "\n";
-  }
-
-  if (!json_path.empty()) {
-    nlohmann::json rows = nlohmann::json::array();
-    for (const CellResult& r : *results) {
-      rows.push_back({{"task", r.task},
-                      {"context", r.context},
-                      {"policy", r.policy},
-                      {"device", device},
-                      {"samples", r.samples},
-                      {"correct", r.correct},
-                      {"accuracy", r.accuracy},
-                      {"ci_low", r.ci_low},
-                      {"ci_high", r.ci_high},
-                      {"prefill_ms", r.prefill_ms},
-                      {"tpot_ms", r.tpot_ms},
-                      {"budget_spent", r.budget_spent},
-                      {"bypassed", r.bypassed},
-                      {"guard_read", r.guard_read},
-                      {"scored", r.scored},
-                      {"guard_escalations", r.guard_escalations},
-                      {"guard_checks", r.guard_checks},
-                      {"guard_error_p50", r.guard_error_p50},
-                      {"guard_error_p90", r.guard_error_p90},
-                      {"degenerate_samples", r.degenerate},
-                      {"paired_lost", r.lost},
-                      {"paired_gained", r.gained},
-                      {"delta_vs_first", r.delta},
-                      {"delta_ci_low", r.delta_low},
-                      {"delta_ci_high", r.delta_high},
-                      {"threads", kernels::cpu::NumThreads()},
-                      {"seed", seed},
-                      {"calibration", calibration},
-                      {"fluxion_predictor", *predictor != nullptr},
-                      {"model", model_dir}});
-    }
-    nlohmann::json doc = bench::ResultEnvelope(bench::JoinCommand("fluxion eval tasks", args),
-                                               nlohmann::json::object(), rows);
-    doc["device"] = device;
-    doc["guard"] = {{"modes", *guard_modes},
-                    {"sample_rate", guard->sample_rate},
-                    {"tolerance", guard->tolerance},
-                    {"relax_ratio", guard->relax_ratio},
-                    {"grow", guard->grow},
-                    {"shrink", guard->shrink},
-                    {"max_weight", guard->max_weight}};
-    doc["samples"] = std::move(sample_rows);
-    if (absl::Status s = bench::WriteJson(json_path, doc); !s.ok()) {
-      std::cerr << "error: " << s.message() << "\n";
-      return 1;
-    }
-    std::cerr << "wrote " << json_path << "\n";
-  }
-  return 0;
+  return RunEvalTasks(f, *std::move(options), *guard, *pool, args);
 }
 
 }  // namespace fluxion::eval

@@ -51,7 +51,8 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 //   {policy}_positions.npy, {policy}_q_l{L}.npy, {policy}_stats_l{L}.npy: the same for every
 //                                  decode step of that policy's decode
 //   {part}_k_l{L}.npy, {part}_v_l{L}.npy  f32 [rows][kv_heads][head_dim]: the captured rows' own
-//                                  K/V, so a decode step can be replayed over exactly the keys it saw
+//                                  K/V, so a decode step can be replayed over exactly the keys it
+//                                  saw
 class CaptureWriter {
  public:
   CaptureWriter(const TaskEvalOptions& options, const model::AttentionShape& shape)
@@ -98,12 +99,12 @@ class CaptureWriter {
       for (int l = 0; l < shape_.num_layers; ++l) {
         const std::vector<int64_t> dims = {prefilled.length(l), shape_.num_kv_heads,
                                            shape_.head_dim};
-        FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/k_l", l, ".npy"), dims,
-                                         absl::MakeConstSpan(prefilled.keys(l),
-                                                             prefilled.length(l) * row)));
-        FLUXION_RETURN_IF_ERROR(WriteNpy(absl::StrCat(dir_, "/v_l", l, ".npy"), dims,
-                                         absl::MakeConstSpan(prefilled.values(l),
-                                                             prefilled.length(l) * row)));
+        FLUXION_RETURN_IF_ERROR(
+            WriteNpy(absl::StrCat(dir_, "/k_l", l, ".npy"), dims,
+                     absl::MakeConstSpan(prefilled.keys(l), prefilled.length(l) * row)));
+        FLUXION_RETURN_IF_ERROR(
+            WriteNpy(absl::StrCat(dir_, "/v_l", l, ".npy"), dims,
+                     absl::MakeConstSpan(prefilled.values(l), prefilled.length(l) * row)));
       }
     }
     FLUXION_ASSIGN_OR_RETURN(int64_t rows, WriteRows("prompt", prompt_rows));
@@ -204,9 +205,9 @@ absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_
   if (absl::ConsumeSuffix(&label, "+device")) {
     FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig c, ParseLabel(std::string(label)));
     if (!decode::sparse::TraitsOf(c.kind).device_selects) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention policy '", full_label, "': device selection applies to "
-                       "exact_topk, fluxion and fluxion_rules only"));
+      return absl::InvalidArgumentError(absl::StrCat("attention policy '", full_label,
+                                                     "': device selection applies to "
+                                                     "exact_topk, fluxion and fluxion_rules only"));
     }
     c.selector = decode::sparse::Selector::kDevice;
     return c;
@@ -214,9 +215,9 @@ absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_
   if (absl::ConsumeSuffix(&label, "+guard")) {
     FLUXION_ASSIGN_OR_RETURN(decode::sparse::PolicyConfig c, ParseLabel(std::string(label)));
     if (!decode::sparse::TraitsOf(c.kind).guardable) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention policy '", full_label, "': the error guard applies to lfps and "
-                       "fluxion only"));
+      return absl::InvalidArgumentError(absl::StrCat("attention policy '", full_label,
+                                                     "': the error guard applies to lfps and "
+                                                     "fluxion only"));
     }
     c.guard.enabled = true;
     return c;
@@ -224,9 +225,9 @@ absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_
   std::vector<std::string> parts = absl::StrSplit(label, '@');
   double budget = 1.0;
   if (parts.size() > 2 || (parts.size() == 2 && !absl::SimpleAtod(parts[1], &budget))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention policy '", label, "' should be NAME or NAME@BUDGET; known: ",
-                     absl::StrJoin(PolicyNames(), ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention policy '", label,
+        "' should be NAME or NAME@BUDGET; known: ", absl::StrJoin(PolicyNames(), ", ")));
   }
   return decode::sparse::ParsePolicy(parts[0], budget);
 }
@@ -293,10 +294,10 @@ absl::StatusOr<std::unique_ptr<model::SequenceAttention>> MakePolicyAttention(
     return std::unique_ptr<model::SequenceAttention>(
         std::make_unique<model::DenseAttention>(prefilled));
   }
-  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<decode::SparseAttention> sparse,
-                           MakePagedPolicyAttention(label, prefilled, shape, arena, state,
-                                                    std::move(predictor), std::move(profile),
-                                                    guard, std::move(projection)));
+  FLUXION_ASSIGN_OR_RETURN(
+      std::unique_ptr<decode::SparseAttention> sparse,
+      MakePagedPolicyAttention(label, prefilled, shape, arena, state, std::move(predictor),
+                               std::move(profile), guard, std::move(projection)));
   return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
 }
 
@@ -385,8 +386,7 @@ namespace {
 void RecordChoice(absl::Span<const float> logits, PolicyOutcome* po) {
   po->tokens.push_back(model::ArgMax(logits));
   po->margins.push_back(TopTwoMargin(logits));
-  po->top_logits.push_back(logits.empty() ? 0.0f
-                                          : *std::max_element(logits.begin(), logits.end()));
+  po->top_logits.push_back(logits.empty() ? 0.0f : *std::max_element(logits.begin(), logits.end()));
 }
 
 // Feeds `token` to `decode` and leaves the next-token logits in `logits`: on the CPU engine, or
@@ -400,12 +400,10 @@ absl::Status DecodeStep(const model::Model& model, decode::StepExecutor* executo
   return (*statuses)[0];
 }
 
-}  // namespace
-
-absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
-                                                    const TaskEvalOptions& options,
-                                                    const TaskEvalCallbacks& callbacks) {
-  const std::vector<std::string> tasks = options.tasks.empty() ? TaskNames() : options.tasks;
+// Fails before any model time is spent: bad options, a (task, context) that makes no prompt, a
+// vocabulary the byte tokenizer does not fit.
+absl::Status CheckTaskEval(const model::Model& model, const TaskEvalOptions& options,
+                           const std::vector<std::string>& tasks) {
   if (options.samples < 1) {
     return absl::InvalidArgumentError(absl::StrCat("samples must be >= 1, got ", options.samples));
   }
@@ -418,227 +416,291 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
         "capture records the CPU engine's decode; it cannot run through a step executor "
         "(use the cpu device)");
   }
-  // Fail before any model time is spent: every (task, context) must produce a prompt.
   for (const std::string& task : tasks) {
     for (int64_t context : options.contexts) {
       FLUXION_RETURN_IF_ERROR(MakeTaskSample(task, context, options.first_seed).status());
     }
   }
   if (model.config().vocab_size <= ByteTokenizer::kEos) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the model's vocabulary has ", model.config().vocab_size,
-                     " ids; the byte tokenizer needs at least ", ByteTokenizer::kEos + 1,
-                     " (docs/TASKS.md)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the model's vocabulary has ", model.config().vocab_size,
+        " ids; the byte tokenizer needs at least ", ByteTokenizer::kEos + 1, " (docs/TASKS.md)"));
   }
+  return absl::OkStatus();
+}
 
-  const model::AttentionShape shape = model.attention_shape();
+// What every sample of a run shares.
+struct EvalRun {
+  const model::Model& model;
+  const TaskEvalOptions& options;
+  model::AttentionShape shape;
   // Host pages for the sparse policies: one decode at a time, so the longest prompt plus its
   // longest answer (TASKS.md: at most 256 + 16 tokens) per layer and KV head, once.
+  std::unique_ptr<decode::KvArena> arena;
+  std::unique_ptr<CaptureWriter> writer;  // null unless capturing
+  bool needs_sparse_state = false;        // some policy starts from the prefill's sparse state
+  std::vector<float> logits;
+  std::vector<absl::Status> statuses;
+};
+
+absl::Status SetUpRun(EvalRun& run) {
+  const TaskEvalOptions& options = run.options;
+  const model::AttentionShape& shape = run.shape;
   const int64_t longest = *std::max_element(options.contexts.begin(), options.contexts.end()) +
                           std::max<int64_t>(options.max_new_tokens, 512);
   FLUXION_ASSIGN_OR_RETURN(
-      std::unique_ptr<decode::KvArena> arena,
-      decode::KvArena::Create(decode::KvShape{shape.num_layers, shape.num_kv_heads,
-                                              shape.head_dim, kPageTokens}
-                                  .page_bytes(),
-                              shape.num_layers * shape.num_kv_heads *
-                                  ((longest + kPageTokens - 1) / kPageTokens + 1)));
-  const bool capture = !options.capture_dir.empty();
-  const bool needs_sparse_state =
+      run.arena,
+      decode::KvArena::Create(
+          decode::KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}
+              .page_bytes(),
+          shape.num_layers * shape.num_kv_heads * ((longest + kPageTokens - 1) / kPageTokens + 1)));
+  run.needs_sparse_state =
       std::any_of(options.policies.begin(), options.policies.end(), [](const std::string& p) {
         return absl::StartsWith(p, "lfps") || absl::StartsWith(p, "fluxion");
       });
-  std::unique_ptr<CaptureWriter> writer;
-  if (capture) writer = std::make_unique<CaptureWriter>(options, shape);
-  const int64_t num_policies = options.policies.size();
-  std::vector<CellTotals> totals(tasks.size() * options.contexts.size() * num_policies);
-  const int64_t total = tasks.size() * options.contexts.size() * options.samples;
-  int64_t index = 0;
-  std::vector<float> logits;
-  std::vector<absl::Status> statuses;
+  if (!options.capture_dir.empty()) run.writer = std::make_unique<CaptureWriter>(options, shape);
+  return absl::OkStatus();
+}
 
+// One sample's full-attention prefill. Capturing wraps the cache so the last prompt rows'
+// queries and statistics are recorded on the way.
+struct SamplePrefill {
+  std::unique_ptr<model::Sequence> sequence;     // owns the cache below
+  const model::DenseAttention* dense = nullptr;  // the prompt's K/V, every policy copies it
+  model::SparseState sparse_state;               // when run.needs_sparse_state
+  PolicyOutcome first;                           // the first token, every policy's
+  double seconds = 0;
+};
+
+absl::StatusOr<SamplePrefill> Prefill(EvalRun& run, const TaskSample& sample) {
+  const int64_t prompt_len = sample.prompt_ids.size();
+  SamplePrefill p;
+  auto dense = std::make_unique<model::DenseAttention>(run.shape);
+  dense->RecordQueries(std::max<int64_t>(0, prompt_len - model::kPrefillTailRows), prompt_len);
+  p.dense = dense.get();
+  std::unique_ptr<model::SequenceAttention> attention = std::move(dense);
+  const CapturingAttention* prompt_capture = nullptr;
+  if (run.writer != nullptr) {
+    CaptureOptions c;
+    c.capture_from = std::max<int64_t>(0, prompt_len - run.options.capture_prompt_rows);
+    auto wrapped = std::make_unique<CapturingAttention>(std::move(attention), run.shape, c);
+    prompt_capture = wrapped.get();
+    attention = std::move(wrapped);
+  }
+  p.sequence = std::make_unique<model::Sequence>(std::move(attention));
+  const auto t0 = std::chrono::steady_clock::now();
+  FLUXION_RETURN_IF_ERROR(run.model.Forward(*p.sequence, sample.prompt_ids, &run.logits));
+  RecordChoice(run.logits, &p.first);
+  p.seconds = SecondsSince(t0);
+  if (run.writer != nullptr) {
+    FLUXION_RETURN_IF_ERROR(run.writer->BeginSample(sample, *p.dense, *prompt_capture));
+  }
+  // The prefill's sparse state, once per sample, for every policy that starts from it.
+  if (run.needs_sparse_state) {
+    FLUXION_ASSIGN_OR_RETURN(p.sparse_state, model::CaptureSparseState(*p.dense, run.shape));
+  }
+  return p;
+}
+
+// `label`'s attention over a copy of the prompt's cache: paged for the step executor (`*paged`
+// is then the executor's view of the request), else the CPU engine's.
+absl::StatusOr<std::unique_ptr<model::SequenceAttention>> DecodeAttention(
+    EvalRun& run, const SamplePrefill& p, const std::string& label,
+    decode::SparseAttention** paged) {
+  const TaskEvalOptions& o = run.options;
+  const model::SparseState* state = run.needs_sparse_state ? &p.sparse_state : nullptr;
+  *paged = nullptr;
+  if (o.executor != nullptr) {
+    FLUXION_ASSIGN_OR_RETURN(
+        std::unique_ptr<decode::SparseAttention> sparse,
+        MakePagedPolicyAttention(label, *p.dense, run.shape, run.arena.get(), state,
+                                 o.fluxion_predictor, o.decision_profile, o.guard,
+                                 o.output_projection));
+    *paged = sparse.get();
+    return std::unique_ptr<model::SequenceAttention>(std::move(sparse));
+  }
+  return MakePolicyAttention(label, *p.dense, run.shape, run.arena.get(), state,
+                             o.fluxion_predictor, o.decision_profile, o.guard, o.output_projection);
+}
+
+// What the decode under `attention` read: the attended, bypassed, guard-checked and scored
+// shares, the guard's counts, and whether the budget left no middle row at this prompt length.
+void RecordReads(const model::SequenceAttention& attention, int64_t prompt_len, PolicyOutcome* po) {
+  po->attended_fraction = AttendedFraction(attention);
+  po->bypassed_fraction = BypassedFraction(attention);
+  if (const decode::SparseAttention* sparse = SparseUnder(attention)) {
+    po->selection = sparse->stats();
+    const decode::sparse::GuardStats g = sparse->guard_stats();
+    const int64_t context = po->selection.context;
+    po->guard_fraction = context > 0 ? static_cast<double>(g.check_rows) / context : 0.0;
+    po->scored_fraction =
+        context > 0 ? static_cast<double>(po->selection.k_rows_scored) / context : 0.0;
+    po->guard_checks = g.checks;
+    po->guard_escalations = g.escalations;
+    po->guard_errors = g.errors;
+  }
+  if (auto config = ParseLabel(po->policy);
+      config.ok() && config->kind != decode::sparse::PolicyKind::kFull) {
+    po->degenerate = decode::sparse::SplitContext(*config, prompt_len).middle_rows_budget == 0;
+  }
+}
+
+// Greedy decode of one sample under policy `label`, continuing from the prefill (whose token is
+// the first); capturing records it.
+absl::StatusOr<PolicyOutcome> DecodePolicy(EvalRun& run, const TaskSample& sample,
+                                           const SamplePrefill& p, const std::string& label) {
+  const int64_t prompt_len = sample.prompt_ids.size();
+  PolicyOutcome po = p.first;
+  po.policy = label;
+  decode::SparseAttention* paged = nullptr;
+  FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceAttention> attention,
+                           DecodeAttention(run, p, label, &paged));
+  const CapturingAttention* decode_capture = nullptr;
+  if (run.writer != nullptr) {
+    CaptureOptions c;
+    c.capture_from = prompt_len;
+    auto wrapped =
+        std::make_unique<CapturingAttention>(std::move(attention), run.shape, c, p.dense);
+    decode_capture = wrapped.get();
+    attention = std::move(wrapped);
+  }
+  const model::SequenceAttention* view = attention.get();
+  model::Sequence decode(std::move(attention), prompt_len);
+  const int64_t max_new = run.options.max_new_tokens > 0 ? run.options.max_new_tokens
+                                                         : DefaultMaxNewTokens(sample.answer);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!IsAnswerTerminator(po.tokens.back()) &&
+         static_cast<int64_t>(po.tokens.size()) < max_new) {
+    if (absl::Status s = DecodeStep(run.model, run.options.executor, decode, paged,
+                                    po.tokens.back(), &run.logits, &run.statuses);
+        !s.ok()) {
+      return absl::Status(
+          s.code(),
+          absl::StrCat("policy ", po.policy, ", ", sample.task, " ", sample.context, " seed ",
+                       sample.seed, ", decode step ", po.decode_steps, ": ", s.message()));
+    }
+    RecordChoice(run.logits, &po);
+    ++po.decode_steps;
+  }
+  po.decode_seconds = SecondsSince(t0);
+  RecordReads(*view, prompt_len, &po);
+  po.answer = AnswerText(po.tokens);
+  po.correct = po.answer == sample.answer;
+  if (run.writer != nullptr) FLUXION_RETURN_IF_ERROR(run.writer->AddPolicy(po, *decode_capture));
+  return po;
+}
+
+// Adds one policy's outcome of one sample to its cell. `reference`: the sample's first policy's
+// outcome (the paired comparison's baseline), null for the first policy itself.
+void AddToCell(const PolicyOutcome& po, double prefill_seconds, const PolicyOutcome* reference,
+               CellTotals* cell) {
+  ++cell->samples;
+  cell->correct += po.correct;
+  cell->prefill_seconds += prefill_seconds;
+  cell->decode_seconds += po.decode_seconds;
+  cell->decode_steps += po.decode_steps;
+  cell->attended_fraction += po.attended_fraction;
+  cell->bypassed_fraction += po.bypassed_fraction;
+  cell->guard_fraction += po.guard_fraction;
+  cell->scored_fraction += po.scored_fraction;
+  cell->guard_escalations += po.guard_escalations;
+  cell->guard_checks += po.guard_checks;
+  cell->guard_errors.insert(cell->guard_errors.end(), po.guard_errors.begin(),
+                            po.guard_errors.end());
+  cell->degenerate += po.degenerate;
+  if (reference != nullptr) {
+    cell->lost += reference->correct && !po.correct;
+    cell->gained += !reference->correct && po.correct;
+  }
+}
+
+CellResult ToResult(const CellTotals& t, const std::string& task, int64_t context,
+                    const std::string& policy) {
+  CellResult r;
+  r.task = task;
+  r.context = context;
+  r.policy = policy;
+  r.samples = t.samples;
+  r.correct = t.correct;
+  auto per_sample = [&t](double x) { return t.samples > 0 ? x / t.samples : 0.0; };
+  r.accuracy = per_sample(t.correct);
+  const Interval ci95 = Wilson95(t.correct, t.samples);
+  r.ci_low = ci95.low;
+  r.ci_high = ci95.high;
+  r.prefill_ms = per_sample(1e3 * t.prefill_seconds);
+  r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
+  r.budget_spent = per_sample(t.attended_fraction);
+  r.bypassed = per_sample(t.bypassed_fraction);
+  r.guard_read = per_sample(t.guard_fraction);
+  r.scored = per_sample(t.scored_fraction);
+  r.guard_escalations = t.guard_escalations;
+  r.guard_checks = t.guard_checks;
+  std::vector<double> errors = t.guard_errors;
+  r.guard_error_p50 = Quantile(&errors, 0.5);
+  r.guard_error_p90 = Quantile(&errors, 0.9);
+  r.degenerate = t.degenerate;
+  r.lost = t.lost;
+  r.gained = t.gained;
+  r.delta = per_sample(static_cast<double>(t.gained - t.lost));
+  const Interval paired = PairedDifference95(t.lost, t.gained, t.samples);
+  r.delta_low = paired.low;
+  r.delta_high = paired.high;
+  return r;
+}
+
+// One sample: the prefill, then every policy's decode, into `totals` (this sample's cells,
+// one per policy).
+absl::StatusOr<SampleOutcome> RunSample(EvalRun& run, const std::string& task, int64_t context,
+                                        uint64_t seed, CellTotals* totals) {
+  SampleOutcome outcome;
+  FLUXION_ASSIGN_OR_RETURN(outcome.sample, MakeTaskSample(task, context, seed));
+  FLUXION_ASSIGN_OR_RETURN(SamplePrefill p, Prefill(run, outcome.sample));
+  outcome.prefill_seconds = p.seconds;
+  for (size_t pi = 0; pi < run.options.policies.size(); ++pi) {
+    FLUXION_ASSIGN_OR_RETURN(PolicyOutcome po,
+                             DecodePolicy(run, outcome.sample, p, run.options.policies[pi]));
+    AddToCell(po, p.seconds, pi > 0 ? &outcome.policies[0] : nullptr, &totals[pi]);
+    outcome.policies.push_back(std::move(po));
+  }
+  if (run.writer != nullptr) FLUXION_RETURN_IF_ERROR(run.writer->EndSample());
+  return outcome;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
+                                                    const TaskEvalOptions& options,
+                                                    const TaskEvalCallbacks& callbacks) {
+  const std::vector<std::string> tasks = options.tasks.empty() ? TaskNames() : options.tasks;
+  FLUXION_RETURN_IF_ERROR(CheckTaskEval(model, options, tasks));
+  EvalRun run{model, options, model.attention_shape()};
+  FLUXION_RETURN_IF_ERROR(SetUpRun(run));
+  const size_t num_contexts = options.contexts.size(), num_policies = options.policies.size();
+  std::vector<CellTotals> totals(tasks.size() * num_contexts * num_policies);
+  const int64_t total = tasks.size() * num_contexts * options.samples;
+  int64_t index = 0;
   for (size_t ti = 0; ti < tasks.size(); ++ti) {
-    for (size_t ci = 0; ci < options.contexts.size(); ++ci) {
+    for (size_t ci = 0; ci < num_contexts; ++ci) {
       for (int64_t i = 0; i < options.samples; ++i, ++index) {
         if (callbacks.on_sample_start) {
           callbacks.on_sample_start(index, total, tasks[ti], options.contexts[ci]);
         }
-        SampleOutcome outcome;
+        FLUXION_ASSIGN_OR_RETURN(
+            SampleOutcome outcome,
+            RunSample(run, tasks[ti], options.contexts[ci], options.first_seed + i,
+                      &totals[(ti * num_contexts + ci) * num_policies]));
         outcome.index = index;
         outcome.total = total;
-        FLUXION_ASSIGN_OR_RETURN(outcome.sample, MakeTaskSample(tasks[ti], options.contexts[ci],
-                                                                options.first_seed + i));
-        const TaskSample& sample = outcome.sample;
-        const int64_t prompt_len = sample.prompt_ids.size();
-
-        // One full-attention prefill per sample. Capturing wraps the cache so the last prompt
-        // rows' queries and statistics are recorded on the way.
-        auto dense = std::make_unique<model::DenseAttention>(shape);
-        dense->RecordQueries(std::max<int64_t>(0, prompt_len - model::kPrefillTailRows),
-                             prompt_len);
-        const model::DenseAttention* prefilled = dense.get();
-        std::unique_ptr<model::SequenceAttention> attention = std::move(dense);
-        const CapturingAttention* prompt_capture = nullptr;
-        if (capture) {
-          CaptureOptions c;
-          c.capture_from = std::max<int64_t>(0, prompt_len - options.capture_prompt_rows);
-          auto wrapped = std::make_unique<CapturingAttention>(std::move(attention), shape, c);
-          prompt_capture = wrapped.get();
-          attention = std::move(wrapped);
-        }
-        model::Sequence prefill(std::move(attention));
-        auto t0 = std::chrono::steady_clock::now();
-        FLUXION_RETURN_IF_ERROR(model.Forward(prefill, sample.prompt_ids, &logits));
-        PolicyOutcome from_prefill;  // the first token, every policy's
-        RecordChoice(logits, &from_prefill);
-        outcome.prefill_seconds = SecondsSince(t0);
-        if (capture) {
-          FLUXION_RETURN_IF_ERROR(writer->BeginSample(sample, *prefilled, *prompt_capture));
-        }
-
-        // The prefill's sparse state, once per sample, for every policy that starts from it.
-        model::SparseState sparse_state;
-        if (needs_sparse_state) {
-          FLUXION_ASSIGN_OR_RETURN(sparse_state, model::CaptureSparseState(*prefilled, shape));
-        }
-        const int64_t max_new = options.max_new_tokens > 0 ? options.max_new_tokens
-                                                           : DefaultMaxNewTokens(sample.answer);
-        for (int64_t pi = 0; pi < num_policies; ++pi) {
-          PolicyOutcome po = from_prefill;
-          po.policy = options.policies[pi];
-          const model::SparseState* state = needs_sparse_state ? &sparse_state : nullptr;
-          std::unique_ptr<model::SequenceAttention> decode_attention;
-          decode::SparseAttention* paged = nullptr;  // the executor's view of the request
-          if (options.executor != nullptr) {
-            FLUXION_ASSIGN_OR_RETURN(
-                std::unique_ptr<decode::SparseAttention> sparse,
-                MakePagedPolicyAttention(po.policy, *prefilled, shape, arena.get(), state,
-                                         options.fluxion_predictor, options.decision_profile,
-                                         options.guard, options.output_projection));
-            paged = sparse.get();
-            decode_attention = std::move(sparse);
-          } else {
-            FLUXION_ASSIGN_OR_RETURN(decode_attention,
-                                     MakePolicyAttention(po.policy, *prefilled, shape,
-                                                         arena.get(), state,
-                                                         options.fluxion_predictor,
-                                                         options.decision_profile,
-                                                         options.guard,
-                                                         options.output_projection));
-          }
-          const CapturingAttention* decode_capture = nullptr;
-          if (capture) {
-            CaptureOptions c;
-            c.capture_from = prompt_len;
-            auto wrapped = std::make_unique<CapturingAttention>(std::move(decode_attention),
-                                                                shape, c, prefilled);
-            decode_capture = wrapped.get();
-            decode_attention = std::move(wrapped);
-          }
-          // Greedy decode continuing from the prefill's copy; the first token is the prefill's.
-          const model::SequenceAttention* decode_view = decode_attention.get();
-          model::Sequence decode(std::move(decode_attention), prompt_len);
-          t0 = std::chrono::steady_clock::now();
-          while (!IsAnswerTerminator(po.tokens.back()) &&
-                 static_cast<int64_t>(po.tokens.size()) < max_new) {
-            if (absl::Status s = DecodeStep(model, options.executor, decode, paged,
-                                            po.tokens.back(), &logits, &statuses);
-                !s.ok()) {
-              return absl::Status(
-                  s.code(), absl::StrCat("policy ", po.policy, ", ", sample.task, " ",
-                                         sample.context, " seed ", sample.seed, ", decode step ",
-                                         po.decode_steps, ": ", s.message()));
-            }
-            RecordChoice(logits, &po);
-            ++po.decode_steps;
-          }
-          po.decode_seconds = SecondsSince(t0);
-          po.attended_fraction = AttendedFraction(*decode_view);
-          po.bypassed_fraction = BypassedFraction(*decode_view);
-          if (const decode::SparseAttention* sparse = SparseUnder(*decode_view)) {
-            po.selection = sparse->stats();
-            const decode::sparse::GuardStats g = sparse->guard_stats();
-            po.guard_fraction = po.selection.context > 0
-                                    ? static_cast<double>(g.check_rows) / po.selection.context
-                                    : 0.0;
-            po.scored_fraction = po.selection.context > 0
-                                     ? static_cast<double>(po.selection.k_rows_scored) /
-                                           po.selection.context
-                                     : 0.0;
-            po.guard_checks = g.checks;
-            po.guard_escalations = g.escalations;
-            po.guard_errors = g.errors;
-          }
-          if (auto config = ParseLabel(po.policy);
-              config.ok() && config->kind != decode::sparse::PolicyKind::kFull) {
-            po.degenerate = decode::sparse::SplitContext(*config, prompt_len).middle_rows_budget == 0;
-          }
-          po.answer = AnswerText(po.tokens);
-          po.correct = po.answer == sample.answer;
-          if (capture) FLUXION_RETURN_IF_ERROR(writer->AddPolicy(po, *decode_capture));
-
-          CellTotals& cell = totals[(ti * options.contexts.size() + ci) * num_policies + pi];
-          ++cell.samples;
-          cell.correct += po.correct;
-          cell.prefill_seconds += outcome.prefill_seconds;
-          cell.decode_seconds += po.decode_seconds;
-          cell.decode_steps += po.decode_steps;
-          cell.attended_fraction += po.attended_fraction;
-          cell.bypassed_fraction += po.bypassed_fraction;
-          cell.guard_fraction += po.guard_fraction;
-          cell.scored_fraction += po.scored_fraction;
-          cell.guard_escalations += po.guard_escalations;
-          cell.guard_checks += po.guard_checks;
-          cell.guard_errors.insert(cell.guard_errors.end(), po.guard_errors.begin(),
-                                   po.guard_errors.end());
-          cell.degenerate += po.degenerate;
-          if (pi > 0) {
-            const bool reference_correct = outcome.policies[0].correct;
-            cell.lost += reference_correct && !po.correct;
-            cell.gained += !reference_correct && po.correct;
-          }
-          outcome.policies.push_back(std::move(po));
-        }
-        if (capture) FLUXION_RETURN_IF_ERROR(writer->EndSample());
         if (callbacks.on_sample_done) callbacks.on_sample_done(outcome);
       }
     }
   }
-
   std::vector<CellResult> results;
   for (size_t ti = 0; ti < tasks.size(); ++ti) {
-    for (size_t ci = 0; ci < options.contexts.size(); ++ci) {
-      for (int64_t pi = 0; pi < num_policies; ++pi) {
-        const CellTotals& t = totals[(ti * options.contexts.size() + ci) * num_policies + pi];
-        CellResult r;
-        r.task = tasks[ti];
-        r.context = options.contexts[ci];
-        r.policy = options.policies[pi];
-        r.samples = t.samples;
-        r.correct = t.correct;
-        r.accuracy = t.samples > 0 ? static_cast<double>(t.correct) / t.samples : 0.0;
-        const Interval ci95 = Wilson95(t.correct, t.samples);
-        r.ci_low = ci95.low;
-        r.ci_high = ci95.high;
-        r.prefill_ms = t.samples > 0 ? 1e3 * t.prefill_seconds / t.samples : 0.0;
-        r.tpot_ms = t.decode_steps > 0 ? 1e3 * t.decode_seconds / t.decode_steps : 0.0;
-        r.budget_spent = t.samples > 0 ? t.attended_fraction / t.samples : 0.0;
-        r.bypassed = t.samples > 0 ? t.bypassed_fraction / t.samples : 0.0;
-        r.guard_read = t.samples > 0 ? t.guard_fraction / t.samples : 0.0;
-        r.scored = t.samples > 0 ? t.scored_fraction / t.samples : 0.0;
-        r.guard_escalations = t.guard_escalations;
-        r.guard_checks = t.guard_checks;
-        std::vector<double> errors = t.guard_errors;
-        r.guard_error_p50 = Quantile(&errors, 0.5);
-        r.guard_error_p90 = Quantile(&errors, 0.9);
-        r.degenerate = t.degenerate;
-        r.lost = t.lost;
-        r.gained = t.gained;
-        r.delta = t.samples > 0 ? static_cast<double>(t.gained - t.lost) / t.samples : 0.0;
-        const Interval paired = PairedDifference95(t.lost, t.gained, t.samples);
-        r.delta_low = paired.low;
-        r.delta_high = paired.high;
-        results.push_back(std::move(r));
+    for (size_t ci = 0; ci < num_contexts; ++ci) {
+      for (size_t pi = 0; pi < num_policies; ++pi) {
+        results.push_back(ToResult(totals[(ti * num_contexts + ci) * num_policies + pi], tasks[ti],
+                                   options.contexts[ci], options.policies[pi]));
       }
     }
   }
