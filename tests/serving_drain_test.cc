@@ -5,10 +5,12 @@
 // error or finish reason naming the drain -- before the process exits by itself.
 //
 // No timing luck: the requests that must still be live when the drain's timeout passes are either
-// in a prefill node slowed by --test-layer-delay-ms (6 layers x 1 s: at least 6 s, a lower bound no
-// machine beats) or generating 30000 tokens on a decode node that sleeps 1 ms after every step
-// (--test-step-delay-ms: at least 30 s), against a 1 s drain timeout. Every wait is for a
-// condition, with a generous deadline (common/wait_testing.h).
+// in a prefill node slowed by --test-layer-delay-ms (6 layers x 3 s: at least 18 s, a lower bound
+// no machine beats) or generating 30000 tokens on a decode node that sleeps 1 ms after every step
+// (--test-step-delay-ms: at least 30 s), against drain timeouts of 8 s (decode) and 15 s (router),
+// long enough that the checks made during the drain (health, a refused request) finish inside it
+// on a loaded machine, and shorter than those lower bounds. Every wait is for a condition, with a
+// generous deadline (common/wait_testing.h).
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -59,7 +61,7 @@ class GracefulShutdownTest : public ::testing::Test {
     fast.insert(fast.end(), ucx.begin(), ucx.end());
     prefill_ = ServerProcess::Start("prefill", fast).release();
     std::vector<std::string> slow = fast;
-    slow.insert(slow.end(), {"--test-layer-delay-ms", "1000"});
+    slow.insert(slow.end(), {"--test-layer-delay-ms", "3000"});
     slow_prefill_ = ServerProcess::Start("prefill", slow).release();
   }
   static void TearDownTestSuite() {
@@ -95,10 +97,10 @@ ServerProcess* GracefulShutdownTest::prefill_ = nullptr;
 ServerProcess* GracefulShutdownTest::slow_prefill_ = nullptr;
 
 TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnavailable) {
-  std::unique_ptr<ServerProcess> decode = StartDecode(1000);
+  std::unique_ptr<ServerProcess> decode = StartDecode(8000);
   ASSERT_NE(decode, nullptr);
   DecodeClient client(decode->address());
-  // A: decoding (30000 tokens, >= 30 s); B: in the slow prefill node (>= 6 s) when SIGTERM comes.
+  // A: decoding (30000 tokens, >= 30 s); B: in the slow prefill node (>= 18 s) when SIGTERM comes.
   GenerateResult a, b;
   std::thread ta([&] {
     a = client.Generate(GreedyRequest("drain-a", BytePrompt("hello"), kLongRequestTokens, "full",
@@ -115,7 +117,7 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
   EXPECT_TRUE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
 
   decode->Signal(SIGTERM);
-  // Draining for 1 s with both requests live: not ready, still alive.
+  // Draining for 8 s with both requests live: not ready, still alive.
   EXPECT_TRUE(WaitNotServing(*decode, "fluxion.v1.DecodeService"));
   EXPECT_TRUE(Serving(*decode, "")) << "liveness flipped during the drain";
   EXPECT_FALSE(metrics::testing::HttpGet(decode->metrics_port(), "/readyz").ok());
@@ -129,7 +131,7 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
   tb.join();
   // A keeps the tokens it got and ends with an error naming the drain.
   EXPECT_EQ(a.status.error_code(), grpc::StatusCode::UNAVAILABLE) << a.status.error_message();
-  EXPECT_NE(a.status.error_message().find("--drain-timeout-ms (1000 ms)"), std::string::npos)
+  EXPECT_NE(a.status.error_message().find("--drain-timeout-ms (8000 ms)"), std::string::npos)
       << a.status.error_message();
   EXPECT_GE(a.tokens.size(), 1u);
   EXPECT_LT(a.tokens.size(), kLongRequestTokens);
@@ -142,7 +144,7 @@ TEST_F(GracefulShutdownTest, DecodeNodeEndsRequestsLiveAtTheDrainTimeoutWithUnav
             std::string::npos)
       << b.status.error_message();
   EXPECT_TRUE(b.tokens.empty());
-  // It exits by itself (the drain's 1 s, then at most --abort-wait-ms (2 s) for B's prefill to
+  // It exits by itself (the drain's 8 s, then at most --abort-wait-ms (2 s) for B's prefill to
   // answer, then the shutdown), long before the generous bound.
   EXPECT_TRUE(decode->Terminate(kGenerousWait)) << decode->Log();
   EXPECT_NE(decode->Log().find("2 requests were still live at the drain timeout"),
@@ -156,7 +158,7 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
   std::unique_ptr<ServerProcess> router =
       ServerProcess::Start("router", {"--decode", decode->address(), "--prefill",
                                       prefill_->address() + "," + slow_prefill_->address(),
-                                      "--poll-ms", "50", "--drain-timeout-ms", "1000"});
+                                      "--poll-ms", "50", "--drain-timeout-ms", "15000"});
   ASSERT_NE(router, nullptr);
   ASSERT_TRUE(WaitFor([&] { return Serving(*router, "fluxion.v1.DecodeService"); }))
       << router->Log();
@@ -184,7 +186,7 @@ TEST_F(GracefulShutdownTest, RouterRefusesNewRequestsKeepsLivenessAndAbortsLefto
   EXPECT_TRUE(a.status.ok()) << a.status.error_message();
   ASSERT_TRUE(a.has_complete);
   EXPECT_EQ(a.complete.finish_reason(), v1::FINISH_REASON_ABORT);
-  EXPECT_NE(a.complete.abort_reason().find("--drain-timeout-ms (1000 ms)"), std::string::npos)
+  EXPECT_NE(a.complete.abort_reason().find("--drain-timeout-ms (15000 ms)"), std::string::npos)
       << a.complete.abort_reason();
   EXPECT_GE(a.tokens.size(), 1u);
   EXPECT_LT(a.tokens.size(), kLongRequestTokens);
