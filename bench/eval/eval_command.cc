@@ -180,7 +180,7 @@ void RegisterEvalTasksFlags(FlagSet& flags, EvalTasksFlags& f) {
   flags.Int("samples", &f.samples, "samples per task and context");
   flags.Int("seed", &f.seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
   flags.StringList("policy", &f.policies,
-                   "decode attention policies: " + absl::StrJoin(PolicyNames(), ", "));
+                   "decode attention policies: " + decode::sparse::PolicyNamesHelp());
   flags.DoubleList("budget", &f.budgets,
                    "read budgets (fraction of context rows) for each sparse policy");
   f.cpu_threads.emplace(flags, CpuRole::kOffline);

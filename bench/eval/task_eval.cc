@@ -183,21 +183,6 @@ double Quantile(std::vector<double>* v, double q) {
   return (*v)[i];
 }
 
-}  // namespace
-
-const std::vector<std::string>& PolicyNames() {
-  static const auto* names = [] {
-    auto* n = new std::vector<std::string>{"full"};
-    for (const std::string& name : decode::sparse::PolicyNames()) {
-      if (name != "full") n->push_back(name);
-    }
-    return n;
-  }();
-  return *names;
-}
-
-namespace {
-
 // Splits `name@budget`; `full` and fixed_* need no budget.
 absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_label) {
   // `+guard`: the online error guard (PolicyLabel's suffix).
@@ -227,7 +212,7 @@ absl::StatusOr<decode::sparse::PolicyConfig> ParseLabel(const std::string& full_
   if (parts.size() > 2 || (parts.size() == 2 && !absl::SimpleAtod(parts[1], &budget))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attention policy '", label,
-        "' should be NAME or NAME@BUDGET; known: ", absl::StrJoin(PolicyNames(), ", ")));
+        "' should be NAME or NAME@BUDGET; known: ", decode::sparse::PolicyNamesHelp()));
   }
   return decode::sparse::ParsePolicy(parts[0], budget);
 }

@@ -48,9 +48,6 @@ namespace fluxion::eval {
 // `<name>@<budget>` for a sparse policy of decode/sparse over bf16 host pages, e.g.
 // `quest@0.05`; `fixed_<block>_<budget>` carries its own budget.
 
-// Known policy names, `full` first.
-const std::vector<std::string>& PolicyNames();
-
 // OK for a valid label; InvalidArgument naming the known policies otherwise.
 absl::Status ValidatePolicy(const std::string& label);
 

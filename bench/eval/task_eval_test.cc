@@ -58,14 +58,14 @@ TEST(TaskEvalTest, WilsonIntervalMatchesTheClosedForm) {
   EXPECT_EQ(empty.high, 1.0);
 }
 
-TEST(TaskEvalTest, FullIsTheFirstPolicyAndUnknownOnesAreListed) {
-  EXPECT_EQ(PolicyNames().front(), "full");
+TEST(TaskEvalTest, UnknownPoliciesAreRefusedNamingTheKnownOnesAndTheBaselines) {
   EXPECT_TRUE(ValidatePolicy("full").ok());
   EXPECT_TRUE(ValidatePolicy("quest@0.05").ok());
   EXPECT_TRUE(ValidatePolicy("fixed_32_0.05").ok());
   absl::Status s = ValidatePolicy("nope@0.05");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("known: full"));
+  EXPECT_THAT(s.message(), HasSubstr("for comparison, not for serving: quest"));
   EXPECT_FALSE(ValidatePolicy("quest@x").ok());
 }
 
