@@ -234,7 +234,6 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
   HeadState& s = State(in.layer, in.kv_head);
   Scratch& x = ScratchOf(in.layer, in.kv_head);
   const Regions r = StepRegions(in);
-  const int64_t d = in.kv->shape().head_dim;
   s.bypassed = false;
   x.logits_valid = false;  // until this step's logits of what it attends are all known
   std::vector<PageSpan>& middle = x.middle;
@@ -246,7 +245,38 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     return;
   }
   FoldGlobal(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &s);
+  if (Bypasses(in, s, MeasureStreaming(in, r, s, x))) {
+    x.picked_logits.clear();
+    x.logits_valid = true;
+    s.bypassed = true;
+    ++s.steps_since_measured;
+    ++stats->bypassed;
+    AssembleSpans(in, r, middle, spans, stats);
+    return;
+  }
+  x.picked.clear();
+  if (RefreshDue(s)) {
+    PickExactly(in, r, s, x, stats);
+  } else {
+    PickFromTables(in, r, s, x, stats);
+  }
+  // In order already unless the exact refresh's top-k picked them (a sort of sorted input still
+  // costs n log n on the head-step's serial path).
+  if (!std::is_sorted(x.picked.begin(), x.picked.end())) {
+    std::sort(x.picked.begin(), x.picked.end());
+  }
+  AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
+  AssembleSpans(in, r, middle, spans, stats);
+  // The decision, for decision profiles: the budget the head-step was given (not what its
+  // candidates let it spend), sinks and window included.
+  const int64_t decided = r.middle_rows_budget + r.sink_end + (in.context - r.local_begin);
+  const int64_t units = std::llround(static_cast<double>(decided) / (kBudgetUnit * in.context));
+  ++stats->retrieval[{RetrievalBlock(in.layer, in.kv_head), std::max<int64_t>(units, 1)}];
+}
 
+bool LfpsPolicy::MeasureStreaming(const SelectionInput& in, const Regions& r, HeadState& s,
+                                  Scratch& x) {
+  const int64_t d = in.kv->shape().head_dim;
   // Head sparsity (§1.3.8): exact mass of sinks + window against a log-normal estimate of the
   // global region's, for every query head of the group.
   x.spans.clear();
@@ -293,111 +323,93 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     const double rho = z_exact / (z_exact + z_global);
     if (rho < params_.bypass_rho) all_streaming = false;
   }
+  return all_streaming;
+}
+
+bool LfpsPolicy::Bypasses(const SelectionInput& in, const HeadState& s, bool all_streaming) {
   // Re-measure every refresh period: a head may turn from streaming to retrieval.
   const bool measured_recently = s.steps_since_measured < params_.refresh_every;
   // Under a profile the estimate above is still computed (it is the policy's work every
   // retrieval head-step), but the profile decides.
-  const bool bypass =
-      in.budget_shift > 0.0
-          ? false  // the guard measured this head's error above tolerance: no bypass
-          : replaying() ? profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context)
-                        : all_streaming && measured_recently &&
-                              s.MiddleShare() <= 1.0 - params_.bypass_rho;
-  if (bypass) {
-    x.picked_logits.clear();
-    x.logits_valid = true;
-    s.bypassed = true;
-    ++s.steps_since_measured;
-    ++stats->bypassed;
-    AssembleSpans(in, r, middle, spans, stats);
-    return;
-  }
+  if (in.budget_shift > 0.0) return false;  // the guard measured its error above tolerance
+  if (replaying()) return profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context);
+  return all_streaming && measured_recently && s.MiddleShare() <= 1.0 - params_.bypass_rho;
+}
 
+void LfpsPolicy::PickExactly(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x,
+                             SelectionStats* stats) {
   const int64_t n_middle = r.local_begin - r.sink_end;
-  const bool refresh = RefreshDue(s);
-  x.picked.clear();
-  if (refresh) {
-    // Safety valve: an exact top-k over the whole middle region.
-    x.spans.clear();
-    AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &x.spans);
-    x.scores.resize(n_middle);
-    kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
-                                        in.group, x.scores.data());
-    stats->k_rows_scored += n_middle;
-    kernels::cpu::TopKIndicesInTasks(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
-    for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
-    s.steps_since_refresh = 0;
+  // Safety valve: an exact top-k over the whole middle region.
+  x.spans.clear();
+  AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &x.spans);
+  x.scores.resize(n_middle);
+  kernels::cpu::MaxGroupScoresInTasks(in.kv->view(), x.spans.data(), x.spans.size(), in.q,
+                                      in.group, x.scores.data());
+  stats->k_rows_scored += n_middle;
+  kernels::cpu::TopKIndicesInTasks(x.scores.data(), n_middle, r.middle_rows_budget, &x.picked);
+  for (int32_t& i : x.picked) i += static_cast<int32_t>(r.sink_end);
+  s.steps_since_refresh = 0;
+}
+
+void LfpsPolicy::PickFromTables(const SelectionInput& in, const Regions& r, HeadState& s,
+                                Scratch& x, SelectionStats* stats) {
+  // Candidates from the history tables, expanded, restricted to the middle region: made a
+  // step ahead when they were for these regions and this budget (PrepareNextStep), else now.
+  const int64_t k = r.middle_rows_budget;
+  std::vector<int32_t>& candidates = x.candidates;
+  HeadState::PreparedPicks& ahead = s.prepared;
+  std::optional<CandidateMarks> marks;
+  if (ahead.context == in.context && ahead.k == k && ahead.sink_end == r.sink_end &&
+      ahead.local_begin == r.local_begin) {
+    x.candidate_bits.swap(ahead.bits);
+    marks.emplace(CandidateMarks::Marked(r.sink_end, r.local_begin, &x.candidate_bits));
+    ++stats->candidate_steps_prepared;
   } else {
-    // Candidates from the history tables, expanded, restricted to the middle region: made a
-    // step ahead when they were for these regions and this budget (PrepareNextStep), else now.
-    const int64_t k = r.middle_rows_budget;
-    std::vector<int32_t>& candidates = x.candidates;
-    HeadState::PreparedPicks& ahead = s.prepared;
-    std::optional<CandidateMarks> marks;
-    if (ahead.context == in.context && ahead.k == k && ahead.sink_end == r.sink_end &&
-        ahead.local_begin == r.local_begin) {
-      x.candidate_bits.swap(ahead.bits);
-      marks.emplace(CandidateMarks::Marked(r.sink_end, r.local_begin, &x.candidate_bits));
-      ++stats->candidate_steps_prepared;
-    } else {
-      marks.emplace(r.sink_end, r.local_begin, &x.candidate_bits);
-      MarkTablePicks(s, x, r, in.context, k, &*marks);
-    }
-    ahead.context = -1;
-    // Fluxion's added blocks join them in the bitmap.
-    AddCandidates(in, r, k, &*marks, stats);
-    marks->ReadOut(&candidates);
-    if (replaying() && replay_.rescored_share > 0) {
-      // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
-      // the budget: the tables were selected and expanded as always.
-      ThinEvenly(std::max<int64_t>(k, std::llround(replay_.rescored_share * in.context)),
-                 std::size(kExpand), &candidates);
-    }
-    ++stats->candidate_steps;
-    stats->candidate_rows += static_cast<int64_t>(candidates.size());
-    stats->candidate_context += in.context;
-    if (static_cast<int64_t>(candidates.size()) <= k) {
-      x.picked = candidates;
-    } else {
-      // Every query head's logits in one walk, in tasks that build their own spans and take
-      // the max over the group (its value is MaxGroupScores', bit for bit: one kernel): the
-      // picked rows' logits are kept for Observe, which would otherwise read those K rows again.
-      const int64_t n = static_cast<int64_t>(candidates.size()), group = in.group;
-      x.group_scores.resize(n * group);
-      x.scores.resize(n);
-      ScorePositionsInTasks(*in.kv, in.layer, in.kv_head, candidates, in.q, group,
-                            x.group_scores.data(), x.scores.data());
-      kernels::cpu::TopKIndicesInTasks(x.scores.data(), n, k, &x.picked_local);
-      // In candidate order (the candidates are sorted) through a bitmap over [0, n): O(k + n /
-      // 64), where a sort of the k picks cost k log k on the serial path.
-      CandidateMarks order(0, n, &x.picked_bits);
-      for (int32_t i : x.picked_local) order.MarkRun(i, 1);
-      order.ReadOut(&x.picked_local);
-      x.picked_logits.resize(x.picked_local.size() * group);
-      for (size_t j = 0; j < x.picked_local.size(); ++j) {
-        const int32_t i = x.picked_local[j];
-        x.picked.push_back(candidates[i]);
-        for (int64_t g = 0; g < group; ++g) {
-          x.picked_logits[j * group + g] = x.group_scores[i * group + g] * in.scale;
-        }
+    marks.emplace(r.sink_end, r.local_begin, &x.candidate_bits);
+    MarkTablePicks(s, x, r, in.context, k, &*marks);
+  }
+  ahead.context = -1;
+  // Fluxion's added blocks join them in the bitmap.
+  AddCandidates(in, r, k, &*marks, stats);
+  marks->ReadOut(&candidates);
+  if (replaying() && replay_.rescored_share > 0) {
+    // The recorded model's candidate volume (PolicyDecisions::rescored_share), never below
+    // the budget: the tables were selected and expanded as always.
+    ThinEvenly(std::max<int64_t>(k, std::llround(replay_.rescored_share * in.context)),
+               std::size(kExpand), &candidates);
+  }
+  ++stats->candidate_steps;
+  stats->candidate_rows += static_cast<int64_t>(candidates.size());
+  stats->candidate_context += in.context;
+  if (static_cast<int64_t>(candidates.size()) <= k) {
+    x.picked = candidates;
+  } else {
+    // Every query head's logits in one walk, in tasks that build their own spans and take
+    // the max over the group (its value is MaxGroupScores', bit for bit: one kernel): the
+    // picked rows' logits are kept for Observe, which would otherwise read those K rows again.
+    const int64_t n = static_cast<int64_t>(candidates.size()), group = in.group;
+    x.group_scores.resize(n * group);
+    x.scores.resize(n);
+    ScorePositionsInTasks(*in.kv, in.layer, in.kv_head, candidates, in.q, group,
+                          x.group_scores.data(), x.scores.data());
+    kernels::cpu::TopKIndicesInTasks(x.scores.data(), n, k, &x.picked_local);
+    // In candidate order (the candidates are sorted) through a bitmap over [0, n): O(k + n /
+    // 64), where a sort of the k picks cost k log k on the serial path.
+    CandidateMarks order(0, n, &x.picked_bits);
+    for (int32_t i : x.picked_local) order.MarkRun(i, 1);
+    order.ReadOut(&x.picked_local);
+    x.picked_logits.resize(x.picked_local.size() * group);
+    for (size_t j = 0; j < x.picked_local.size(); ++j) {
+      const int32_t i = x.picked_local[j];
+      x.picked.push_back(candidates[i]);
+      for (int64_t g = 0; g < group; ++g) {
+        x.picked_logits[j * group + g] = x.group_scores[i * group + g] * in.scale;
       }
-      x.logits_valid = true;
     }
-    stats->k_rows_scored += static_cast<int64_t>(candidates.size());
-    ++s.steps_since_refresh;
+    x.logits_valid = true;
   }
-  // In order already unless the exact refresh's top-k picked them (a sort of sorted input still
-  // costs n log n on the head-step's serial path).
-  if (!std::is_sorted(x.picked.begin(), x.picked.end())) {
-    std::sort(x.picked.begin(), x.picked.end());
-  }
-  AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
-  AssembleSpans(in, r, middle, spans, stats);
-  // The decision, for decision profiles: the budget the head-step was given (not what its
-  // candidates let it spend), sinks and window included.
-  const int64_t decided = r.middle_rows_budget + r.sink_end + (in.context - r.local_begin);
-  const int64_t units = std::llround(static_cast<double>(decided) / (kBudgetUnit * in.context));
-  ++stats->retrieval[{RetrievalBlock(in.layer, in.kv_head), std::max<int64_t>(units, 1)}];
+  stats->k_rows_scored += static_cast<int64_t>(candidates.size());
+  ++s.steps_since_refresh;
 }
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {

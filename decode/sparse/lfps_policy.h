@@ -184,6 +184,19 @@ class LfpsPolicy : public SparsePolicy {
                              CandidateMarks* marks, SelectionStats* stats) {}
   void FoldGlobal(const PagedKv& kv, int layer, int kv_head, int64_t sink_end, int64_t end,
                   HeadState* s);
+  // Select's phases. MeasureStreaming: the head-sparsity estimate (ALGORITHMS.md §1.3.8) of the
+  // step's query group, the sinks' and window's logits kept in x.edge_logits; true when every
+  // query head of the group looks streaming. Bypasses: whether this head-step reads no middle
+  // row (the guard's shift forbids it; a profile decides when replaying; else the estimate,
+  // re-measured every refresh period). PickExactly: the refresh's exact top-k over the whole
+  // middle. PickFromTables: the tables' candidates (prepared a step ahead or made now, plus
+  // AddCandidates'), rescored for the top k. Both leave the picks in x.picked.
+  bool MeasureStreaming(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x);
+  bool Bypasses(const SelectionInput& in, const HeadState& s, bool all_streaming);
+  void PickExactly(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x,
+                   SelectionStats* stats);
+  void PickFromTables(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x,
+                      SelectionStats* stats);
   // Scaled logits of every query head of the group over `spans`' rows, in span order:
   // (*out)[row * group + g]. One walk over the keys for the whole group.
   static void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,
