@@ -62,6 +62,143 @@ struct Row {
   double gib = 0, ms = 0, ms_min = 0, ms_max = 0, gbps = 0;
 };
 
+// An arena for every page of a `max_context` prompt (and its metadata room), filled with random
+// finite bf16 keys and values (slices of a 4 Mi-value pool: drawing GiBs is slow).
+absl::StatusOr<std::unique_ptr<KvArena>> FilledArena(const KvShape& kv_shape,
+                                                     const model::AttentionShape& shape,
+                                                     int64_t max_context) {
+  const int64_t max_pages =
+      shape.num_layers * shape.num_kv_heads * ((max_context + kPageTokens - 1) / kPageTokens);
+  absl::StatusOr<std::unique_ptr<KvArena>> arena =
+      KvArena::Create(kv_shape.page_bytes(), max_pages + max_pages / 16 + 64,
+                      {/*huge_pages=*/false});
+  if (!arena.ok()) return arena.status();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<bf16> pool(size_t{1} << 22);
+  for (bf16& x : pool) x = FloatToBf16(normal(rng));
+  const size_t per_page = kv_shape.page_bytes() / sizeof(bf16);
+  for (int64_t p = 0; p < (*arena)->num_pages(); ++p) {
+    const size_t at = (static_cast<size_t>(p) * 7919) % (pool.size() - per_page);
+    std::memcpy((*arena)->page(static_cast<int32_t>(p)), pool.data() + at, kv_shape.page_bytes());
+  }
+  return arena;
+}
+
+// What the prefill node sends for the pages of `kv`: CRC-32C per layer over the content bytes in
+// page order, and (shipped) each layer's metadata block, written into `room`, with its CRC-32C.
+v1::PrefillResponse Send(KvArena& arena, const model::AttentionShape& shape, int64_t context,
+                         const Reservation& kv, const Reservation& room, bool shipped) {
+  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                     kPageTokens};
+  const std::vector<int32_t> ids = PageIds(kv);
+  const int64_t page_bytes = arena.page_bytes();
+  v1::PrefillResponse landed;
+  landed.set_node_name("bench");
+  const int64_t per_layer = static_cast<int64_t>(ids.size()) / shape.num_layers;
+  const uint64_t block = transfer::PageMetaLayerBytes(geo, context);
+  std::vector<uint8_t> layer_pages(per_layer * page_bytes);
+  std::vector<uint8_t> meta(transfer::PageMetaBytes(geo, context));
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    for (int64_t i = 0; i < per_layer; ++i) {
+      std::memcpy(layer_pages.data() + i * page_bytes, arena.page(ids[layer * per_layer + i]),
+                  page_bytes);
+    }
+    landed.add_layer_checksums(transfer::Crc32c(layer_pages.data(), layer_pages.size()));
+    if (!shipped) continue;
+    transfer::EncodeLayerPageMeta(geo, context, layer_pages.data(), meta.data() + layer * block);
+    landed.mutable_page_meta()->add_layer_checksums(
+        transfer::Crc32c(meta.data() + layer * block, block));
+  }
+  if (shipped) {
+    uint64_t at = 0;
+    for (const PageRun& r : room.runs()) {
+      const uint64_t n =
+          std::min<uint64_t>(meta.size() - at, static_cast<uint64_t>(r.count) * page_bytes);
+      std::memcpy(arena.page(r.first), meta.data() + at, n);
+      at += n;
+    }
+    landed.mutable_page_meta()->set_format_version(transfer::kPageMetaVersion);
+    landed.mutable_page_meta()->set_bytes_written(meta.size());
+  }
+  return landed;
+}
+
+// One row: `reps` timed landings (after one untimed) of a `context`-token prompt.
+absl::StatusOr<Row> TimeLanding(KvArena& arena, KvAdmission& admission,
+                                const model::AttentionShape& shape, int64_t context, bool shipped,
+                                const kernels::cpu::CpuPool& pool, int64_t reps) {
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens};
+  const int64_t pages =
+      shape.num_layers * shape.num_kv_heads * ((context + kPageTokens - 1) / kPageTokens);
+  const int64_t meta_pages = PageMetaRoomPages(shape, kPageTokens, context, arena.page_bytes());
+  const sparse::PolicyConfig policy = *sparse::ParsePolicy("full", 1.0);
+  std::vector<double> ms;
+  for (int64_t rep = 0; rep <= reps; ++rep) {
+    absl::StatusOr<Reservation> kv = admission.Reserve(
+        pages + meta_pages, absl::Now() + absl::Seconds(10), [] { return false; });
+    if (!kv.ok()) return kv.status();
+    absl::StatusOr<Reservation> room = kv->SplitAfter(pages);
+    if (!room.ok()) return room.status();
+    const v1::PrefillResponse landed = Send(arena, shape, context, *kv, *room, shipped);
+    LandingInput in;
+    in.arena = &arena;
+    in.shape = shape;
+    in.page_tokens = kPageTokens;
+    in.prompt_tokens = context;
+    in.landed = &landed;
+    in.policy = &policy;
+    in.meta_pages = meta_pages;
+    in.pool = &pool;
+    bool checksum_failed = false;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<SparseAttention>> attention =
+        LandPrompt(in, std::move(*kv), std::move(*room), &checksum_failed);
+    const double elapsed = absl::ToDoubleMilliseconds(absl::Now() - start);
+    if (!attention.ok()) return attention.status();
+    if (rep > 0) ms.push_back(elapsed);
+  }
+  std::sort(ms.begin(), ms.end());
+  Row row;
+  row.meta = shipped ? "shipped" : "recompute";
+  row.threads = pool.threads();
+  row.context = context;
+  row.gib = static_cast<double>(pages) * kv_shape.page_bytes() / (1 << 30);
+  row.ms = ms[ms.size() / 2];
+  row.ms_min = ms.front();
+  row.ms_max = ms.back();
+  row.gbps = static_cast<double>(pages) * kv_shape.page_bytes() / (row.ms * 1e6);
+  return row;
+}
+
+void Report(const std::vector<Row>& rows, int64_t reps, double read_gbps,
+            const std::string& json_path) {
+  std::printf("%-10s %7s %8s %8s %10s %10s %10s %12s %14s\n", "meta", "threads", "context",
+              "KV GiB", "ms", "min", "max", "KV GB/s", "one read, ms");
+  for (const Row& r : rows) {
+    std::printf("%-10s %7lld %8lld %8.2f %10.1f %10.1f %10.1f %12.2f %14.1f\n", r.meta.c_str(),
+                static_cast<long long>(r.threads), static_cast<long long>(r.context), r.gib, r.ms,
+                r.ms_min, r.ms_max, r.gbps, r.gib * (1 << 30) / (read_gbps * 1e6));
+  }
+  std::printf("# Llama-3.1-8B KV shapes, policy full, median of %lld; read probe %.2f GB/s "
+              "(1 thread)\n",
+              static_cast<long long>(reps), read_gbps);
+  if (json_path.empty()) return;
+  nlohmann::json j;
+  j["limits"] = {{"host_read_gbps_1_thread", read_gbps}};
+  for (const Row& r : rows) {
+    j["results"].push_back({{"meta", r.meta},
+                            {"threads", r.threads},
+                            {"context", r.context},
+                            {"kv_gib", r.gib},
+                            {"ms", r.ms},
+                            {"ms_min", r.ms_min},
+                            {"ms_max", r.ms_max},
+                            {"gbps", r.gbps}});
+  }
+  std::ofstream(json_path) << j.dump(2) << "\n";
+}
+
 int Main(const std::vector<std::string>& args) {
   std::vector<int64_t> contexts = {2048, 8192, 16384};
   int64_t reps = 5;
@@ -81,154 +218,40 @@ int Main(const std::vector<std::string>& args) {
     std::fprintf(stderr, "%s\n%s", s.ToString().c_str(), flags.Usage().c_str());
     return s.ok() ? 0 : 2;
   }
-  const model::AttentionShape shape = Llama8bShape();
-  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens};
-  const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
-  const int64_t max_pages =
-      shape.num_layers * shape.num_kv_heads * ((max_context + kPageTokens - 1) / kPageTokens);
-  absl::StatusOr<std::unique_ptr<KvArena>> arena =
-      KvArena::Create(kv_shape.page_bytes(), max_pages + max_pages / 16 + 64,
-                      {/*huge_pages=*/false});
-  if (!arena.ok()) {
-    std::fprintf(stderr, "arena: %s\n", arena.status().ToString().c_str());
-    return 1;
-  }
-  {  // random finite bf16 keys and values (slices of a 4 Mi-value pool: drawing GiBs is slow)
-    std::mt19937 rng(7);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<bf16> pool(size_t{1} << 22);
-    for (bf16& x : pool) x = FloatToBf16(normal(rng));
-    const size_t per_page = kv_shape.page_bytes() / sizeof(bf16);
-    for (int64_t p = 0; p < (*arena)->num_pages(); ++p) {
-      const size_t at = (static_cast<size_t>(p) * 7919) % (pool.size() - per_page);
-      std::memcpy((*arena)->page(static_cast<int32_t>(p)), pool.data() + at,
-                  kv_shape.page_bytes());
-    }
-  }
-  KvAdmissionOptions ao;
-  ao.release_thread = false;
-  KvAdmission admission(arena->get(), ao);
-  absl::StatusOr<sparse::PolicyConfig> policy = sparse::ParsePolicy("full", 1.0);
-  const double read_gbps = common::MeasureReadBandwidthGbps(size_t{1} << 30, 1);
-
-  std::vector<Row> rows;
-  const transfer::KvPageGeometry geo{shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                     kPageTokens};
   for (const std::string& meta_mode : metas) {
     if (meta_mode != "shipped" && meta_mode != "recompute") {
       std::fprintf(stderr, "--meta takes shipped or recompute, not %s\n", meta_mode.c_str());
       return 2;
     }
-    const bool shipped = meta_mode == "shipped";
+  }
+  const model::AttentionShape shape = Llama8bShape();
+  const KvShape kv_shape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens};
+  absl::StatusOr<std::unique_ptr<KvArena>> arena =
+      FilledArena(kv_shape, shape, *std::max_element(contexts.begin(), contexts.end()));
+  if (!arena.ok()) {
+    std::fprintf(stderr, "arena: %s\n", arena.status().ToString().c_str());
+    return 1;
+  }
+  KvAdmissionOptions ao;
+  ao.release_thread = false;
+  KvAdmission admission(arena->get(), ao);
+  const double read_gbps = common::MeasureReadBandwidthGbps(size_t{1} << 30, 1);
+  std::vector<Row> rows;
+  for (const std::string& meta_mode : metas) {
     for (int64_t nthreads : threads) {
       const kernels::cpu::CpuPool pool(static_cast<int>(nthreads));
       for (int64_t context : contexts) {
-        const int64_t per_head = (context + kPageTokens - 1) / kPageTokens;
-        const int64_t pages = shape.num_layers * shape.num_kv_heads * per_head;
-        const int64_t meta_pages =
-            PageMetaRoomPages(shape, kPageTokens, context, (*arena)->page_bytes());
-        std::vector<double> ms;
-        for (int64_t rep = 0; rep <= reps; ++rep) {
-          absl::StatusOr<Reservation> kv = admission.Reserve(
-              pages + meta_pages, absl::Now() + absl::Seconds(10), [] { return false; });
-          if (!kv.ok()) {
-            std::fprintf(stderr, "reserve: %s\n", kv.status().ToString().c_str());
-            return 1;
-          }
-          absl::StatusOr<Reservation> room = kv->SplitAfter(pages);
-          if (!room.ok()) return 1;
-          // What the prefill node sends: CRC-32C per layer over the content bytes in page order,
-          // and (shipped) each layer's metadata block, written into the room, with its CRC-32C.
-          const std::vector<int32_t> ids = PageIds(*kv);
-          v1::PrefillResponse landed;
-          landed.set_node_name("bench");
-          const int64_t per_layer = pages / shape.num_layers;
-          const uint64_t block = transfer::PageMetaLayerBytes(geo, context);
-          std::vector<uint8_t> layer_pages(per_layer * kv_shape.page_bytes());
-          std::vector<uint8_t> meta(transfer::PageMetaBytes(geo, context));
-          for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-            for (int64_t i = 0; i < per_layer; ++i) {
-              std::memcpy(layer_pages.data() + i * kv_shape.page_bytes(),
-                          (*arena)->page(ids[layer * per_layer + i]), kv_shape.page_bytes());
-            }
-            landed.add_layer_checksums(transfer::Crc32c(layer_pages.data(), layer_pages.size()));
-            if (!shipped) continue;
-            transfer::EncodeLayerPageMeta(geo, context, layer_pages.data(),
-                                          meta.data() + layer * block);
-            landed.mutable_page_meta()->add_layer_checksums(
-                transfer::Crc32c(meta.data() + layer * block, block));
-          }
-          if (shipped) {
-            uint64_t at = 0;
-            for (const PageRun& r : room->runs()) {
-              const uint64_t n = std::min<uint64_t>(
-                  meta.size() - at, static_cast<uint64_t>(r.count) * (*arena)->page_bytes());
-              std::memcpy((*arena)->page(r.first), meta.data() + at, n);
-              at += n;
-            }
-            landed.mutable_page_meta()->set_format_version(transfer::kPageMetaVersion);
-            landed.mutable_page_meta()->set_bytes_written(meta.size());
-          }
-          LandingInput in;
-          in.arena = arena->get();
-          in.shape = shape;
-          in.page_tokens = kPageTokens;
-          in.prompt_tokens = context;
-          in.landed = &landed;
-          in.policy = &*policy;
-          in.meta_pages = meta_pages;
-          in.pool = &pool;
-          bool checksum_failed = false;
-          const absl::Time start = absl::Now();
-          absl::StatusOr<std::unique_ptr<SparseAttention>> attention =
-              LandPrompt(in, std::move(*kv), std::move(*room), &checksum_failed);
-          const double elapsed = absl::ToDoubleMilliseconds(absl::Now() - start);
-          if (!attention.ok()) {
-            std::fprintf(stderr, "landing: %s\n", attention.status().ToString().c_str());
-            return 1;
-          }
-          if (rep > 0) ms.push_back(elapsed);
+        absl::StatusOr<Row> row = TimeLanding(**arena, admission, shape, context,
+                                              meta_mode == "shipped", pool, reps);
+        if (!row.ok()) {
+          std::fprintf(stderr, "landing: %s\n", row.status().ToString().c_str());
+          return 1;
         }
-        std::sort(ms.begin(), ms.end());
-        Row row;
-        row.meta = meta_mode;
-        row.threads = nthreads;
-        row.context = context;
-        row.gib = static_cast<double>(pages) * kv_shape.page_bytes() / (1 << 30);
-        row.ms = ms[ms.size() / 2];
-        row.ms_min = ms.front();
-        row.ms_max = ms.back();
-        row.gbps = static_cast<double>(pages) * kv_shape.page_bytes() / (row.ms * 1e6);
-        rows.push_back(row);
+        rows.push_back(*row);
       }
     }
   }
-
-  std::printf("%-10s %7s %8s %8s %10s %10s %10s %12s %14s\n", "meta", "threads", "context",
-              "KV GiB", "ms", "min", "max", "KV GB/s", "one read, ms");
-  for (const Row& r : rows) {
-    std::printf("%-10s %7lld %8lld %8.2f %10.1f %10.1f %10.1f %12.2f %14.1f\n", r.meta.c_str(),
-                static_cast<long long>(r.threads), static_cast<long long>(r.context), r.gib, r.ms,
-                r.ms_min, r.ms_max, r.gbps, r.gib * (1 << 30) / (read_gbps * 1e6));
-  }
-  std::printf("# Llama-3.1-8B KV shapes, policy full, median of %lld; read probe %.2f GB/s "
-              "(1 thread)\n",
-              static_cast<long long>(reps), read_gbps);
-  if (!json_path.empty()) {
-    nlohmann::json j;
-    j["limits"] = {{"host_read_gbps_1_thread", read_gbps}};
-    for (const Row& r : rows) {
-      j["results"].push_back({{"meta", r.meta},
-                              {"threads", r.threads},
-                              {"context", r.context},
-                              {"kv_gib", r.gib},
-                              {"ms", r.ms},
-                              {"ms_min", r.ms_min},
-                              {"ms_max", r.ms_max},
-                              {"gbps", r.gbps}});
-    }
-    std::ofstream(json_path) << j.dump(2) << "\n";
-  }
+  Report(rows, reps, read_gbps, json_path);
   return 0;
 }
 
