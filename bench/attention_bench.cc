@@ -26,7 +26,7 @@
 #include "common/cpu_threads.h"
 #include "common/flag_set.h"
 #include "common/status_macros.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
 #include "kernels/cpu/cpu_features.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "decode/paged_kv.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/policy.h"
 #include "kernels/paged_attention.h"
 #include "nlohmann/json.hpp"

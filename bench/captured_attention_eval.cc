@@ -13,7 +13,7 @@
 #include "bench/eval/npy.h"
 #include "common/status_macros.h"
 #include "decode/sparse/policy_util.h"
-#include "decode/sparse_attention.h"
+#include "decode/step/sparse_attention.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/cpu/topk.h"

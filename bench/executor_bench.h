@@ -1,5 +1,5 @@
 // The CPU executors' half of `fluxion bench decode` (the command is bench/decode_bench.h): the
-// decode step of a batch of requests through the step executors (decode/step_executor.h), the
+// decode step of a batch of requests through the step executors (decode/step/step_executor.h), the
 // batched CPU executor (every weight read once per step) against the per-request loop (one
 // Model::Forward per request, the decode node before the batched seam), measured in the same run
 // over the same host pages, per model, context, policy, thread count and batch size.

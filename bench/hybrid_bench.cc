@@ -14,15 +14,15 @@
 #include "bench/bench_util.h"
 #include "common/read_bandwidth.h"
 #include "common/status_macros.h"
-#include "decode/hybrid_step_executor.h"
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
-#include "decode/ping_pong_step_executor.h"
-#include "decode/resident_window.h"
+#include "decode/kv/kv_arena.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/decision_profile.h"
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
-#include "decode/sparse_attention.h"
+#include "decode/step/hybrid_step_executor.h"
+#include "decode/step/ping_pong_step_executor.h"
+#include "decode/step/resident_window.h"
+#include "decode/step/sparse_attention.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/cpu_dense_ops.h"
 #include "model/cuda_dense_ops.h"
@@ -33,8 +33,8 @@
 #ifdef FLUXION_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "decode/cuda_resident_window.h"
-#include "decode/hbm_full_attention.h"
+#include "decode/device/cuda_resident_window.h"
+#include "decode/device/hbm_full_attention.h"
 #endif
 
 namespace fluxion::bench {
@@ -139,7 +139,7 @@ struct Point {
   double first_step_ms = 0;
 };
 
-// Dynamic degradation (decode/stall_guard.h) on every pipeline of a stepper, restarting it.
+// Dynamic degradation (decode/step/stall_guard.h) on every pipeline of a stepper, restarting it.
 void SetStallGuard(decode::HybridStepExecutor& e, const decode::StallGuardOptions& o) {
   e.set_stall_guard(o);
 }

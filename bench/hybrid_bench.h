@@ -1,5 +1,5 @@
 // The hybrid half of `fluxion bench decode` (`--device cpu|cuda`; the command is
-// bench/decode_bench.h): the hybrid decode step (decode/hybrid_step_executor.h) at real model
+// bench/decode_bench.h): the hybrid decode step (decode/step/hybrid_step_executor.h) at real model
 // shapes with random weights made in the dense backend's memory and the KV in host pages: TPOT and
 // tokens/s per (context, batch, policy), the per-step breakdown of the attention's CPU phases, and
 // the GPU-only step (every plan resident: the dense work, the window and the step's fixed costs) in
@@ -37,8 +37,8 @@ struct HybridBenchOptions {
   std::vector<std::string> selectors = {"device"};
   // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.
   std::vector<double> device_read_shares = {0};
-  // 1: one hybrid pipeline; 2: the ping-pong executor over two (decode/ping_pong_step_executor.h);
-  // each value a row.
+  // 1: one hybrid pipeline; 2: the ping-pong executor over two
+  // (decode/step/ping_pong_step_executor.h); each value a row.
   std::vector<int64_t> micro_batches = {1};
   double host_memory_gib = 0;  // 0: 80% of MemAvailable
   // The preset's first `layers` layers only (0: all). A truncated model's step is not the

@@ -1,5 +1,5 @@
-// `fluxion bench landing`: how long LandPrompt (decode/generate_call_steps.h) takes to land a
-// prompt that a prefill node wrote, at Llama-3.1-8B KV shapes (32 layers, 8 KV heads, head_dim
+// `fluxion bench landing`: how long LandPrompt (decode/serving/generate_call_steps.h) takes to land
+// a prompt that a prefill node wrote, at Llama-3.1-8B KV shapes (32 layers, 8 KV heads, head_dim
 // 128, 16-token pages), against one read of the context at this machine's measured read
 // bandwidth (the physical limit of any landing that reads the pages once).
 //
@@ -24,8 +24,8 @@
 #include "common/flag_set.h"
 #include "common/half.h"
 #include "common/read_bandwidth.h"
-#include "decode/generate_call_steps.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/paged_kv.h"
+#include "decode/serving/generate_call_steps.h"
 #include "nlohmann/json.hpp"
 #include "transfer/crc32c.h"
 #include "transfer/page_meta.h"

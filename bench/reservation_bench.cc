@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "decode/kv_admission.h"
-#include "decode/kv_arena.h"
+#include "decode/kv/kv_admission.h"
+#include "decode/kv/kv_arena.h"
 #include "transfer/ucx_transport.h"
 
 namespace fluxion::decode {

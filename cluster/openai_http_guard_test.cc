@@ -299,7 +299,7 @@ TEST_F(OpenAiHttpGuardTest, StoppingAnswersOpenRequestsWith503) {
 
 // Permanent refusals are 400 invalid_request_error without Retry-After; 429 is for "try later".
 TEST_F(OpenAiHttpGuardTest, PermanentRefusalsAre400NotRetryable429) {
-  // A prompt larger than every decode node's KV arena (decode/kv_admission.cc's OUT_OF_RANGE).
+  // A prompt larger than every decode node's KV arena (decode/kv/kv_admission.cc's OUT_OF_RANGE).
   fake_.reject = grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
                               "the request needs 900 KV pages ... can never admit it: shorten the "
                               "prompt or send it to a node with a larger arena (--kv-pages)");

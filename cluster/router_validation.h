@@ -1,7 +1,7 @@
 // Validation of a GenerateRequest at the router, apart from the relaying service so that it is a
 // pure function: unit-testable and fuzzed (cluster/router_request_fuzz.cc, docs/FUZZING.md). The
 // router checks only what it needs to route; the decode node checks the rest
-// (decode/generate_validation.h) against its model.
+// (decode/serving/generate_validation.h) against its model.
 //
 // Thread-safe: a pure function.
 #ifndef FLUXION_CLUSTER_ROUTER_VALIDATION_H_

@@ -1,8 +1,9 @@
 // The serving life every Fluxion server role shares (router, prefill node, decode node), in one
 // place: the /metrics endpoint and the gRPC server started with the health service, the port
 // files written, SIGTERM or SIGINT awaited, the drain run with its deadline, the servers stopped.
-// The role roots (decode/decode_worker.h, prefill/prefill_worker.h, cluster/router_server.h)
-// own one GrpcServe each and say only what differs: their services, readiness and drain plan.
+// The role roots (decode/serving/decode_worker.h, prefill/prefill_worker.h,
+// cluster/router_server.h) own one GrpcServe each and say only what differs: their services,
+// readiness and drain plan.
 //
 // Thread-compatible: the role's main thread drives it.
 #ifndef FLUXION_COMMON_GRPC_SERVE_H_

@@ -1,12 +1,12 @@
 // How a decode node names the prefill node behind a failure, so that the router can tell a
 // prefill peer's failure from the decode node's own (docs/PROTOCOL.md, "caller's reaction").
 //
-// The decode node (decode/prefill_client.cc) prefixes every error of its call to a prefill node
-// with "prefill node <address>: ". A router whose attempt failed with UNAVAILABLE and no message
-// used to eject the decode node as unreachable; when the message names the attempt's prefill
-// node instead, the decode node answered and the prefill node is what failed (a killed prefill
-// node had the router eject every healthy decode node it was paired with, so a burst's retries
-// found none: tests/cluster_faults_test.cc).
+// The decode node (decode/serving/prefill_client.cc) prefixes every error of its call to a prefill
+// node with "prefill node <address>: ". A router whose attempt failed with UNAVAILABLE and no
+// message used to eject the decode node as unreachable; when the message names the attempt's
+// prefill node instead, the decode node answered and the prefill node is what failed (a killed
+// prefill node had the router eject every healthy decode node it was paired with, so a burst's
+// retries found none: tests/cluster_faults_test.cc).
 #ifndef FLUXION_COMMON_PEER_FAILURE_H_
 #define FLUXION_COMMON_PEER_FAILURE_H_
 

@@ -426,7 +426,7 @@ absl::StatusOr<std::unique_ptr<DenseOps>> NewCudaDenseOps(int device) {
     return CudaStatus(e, absl::StrCat("cudaSetDevice(", device, ")"));
   }
   // The highest stream priority: when other work shares the device (the hybrid step's zero-copy
-  // reads of host pages, at the lowest: decode/cuda_resident_window.cc), the dense kernels'
+  // reads of host pages, at the lowest: decode/device/cuda_resident_window.cc), the dense kernels'
   // blocks are scheduled first, since the next CPU phase waits for them.
   int least_priority = 0, greatest_priority = 0;
   if (cudaError_t e = cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority);

@@ -121,8 +121,8 @@ class DenseOps {
   virtual bool CanUseWeightsOf(const DenseOps& owner) const { return &owner == this; }
 
   // The backend's native queue (a cudaStream_t for CUDA), for work that must run in order with
-  // the operations (the hybrid step's resident window, decode/cuda_resident_window.h); null for
-  // backends that run synchronously on the host.
+  // the operations (the hybrid step's resident window, decode/device/cuda_resident_window.h); null
+  // for backends that run synchronously on the host.
   virtual void* native_stream() const { return nullptr; }
 
   // The optional capabilities, or null when the backend has none (the default).

@@ -59,7 +59,7 @@ class Sequence {
       : attention_(std::move(attention)), length_(length) {}
   int64_t length() const { return length_; }
   // For step drivers outside Model (a BatchAttention that appends the step's K/V itself, e.g.
-  // decode/paged_batch_attention.h): records that every layer of the attention now holds `n`
+  // decode/step/paged_batch_attention.h): records that every layer of the attention now holds `n`
   // more tokens. REQUIRES: it does.
   void AdvanceLength(int64_t n) { length_ += n; }
   SequenceAttention& attention() { return *attention_; }

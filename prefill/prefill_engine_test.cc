@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/wait_testing.h"
-#include "decode/kv_admission.h"
+#include "decode/kv/kv_admission.h"
 #include "model/dense_attention.h"
 #include "model/generator.h"
 #include "prefill/prefill_device.h"

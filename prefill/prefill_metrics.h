@@ -1,10 +1,10 @@
 // The prefill node's Prometheus metrics (docs/METRICS.md, names in common/metrics_names.h).
 //
-// As on the decode node (decode/decode_metrics.h), nothing is counted twice: queue gauges and the
-// counters the service and its transport already keep (PrefillServiceImpl::metrics(): prompt
-// tokens; TransportMetrics: bytes written, failures by cause) are read at scrape time through
-// callbacks (Attach); the histograms and the per-status request counter are fed by hooks at the
-// points where the service already takes its timings.
+// As on the decode node (decode/serving/decode_metrics.h), nothing is counted twice: queue gauges
+// and the counters the service and its transport already keep (PrefillServiceImpl::metrics():
+// prompt tokens; TransportMetrics: bytes written, failures by cause) are read at scrape time
+// through callbacks (Attach); the histograms and the per-status request counter are fed by hooks at
+// the points where the service already takes its timings.
 //
 // Thread-safe.
 #ifndef FLUXION_PREFILL_PREFILL_METRICS_H_

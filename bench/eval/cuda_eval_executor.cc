@@ -6,7 +6,7 @@
 
 #include "bench/eval/task_eval.h"
 #include "common/status_macros.h"
-#include "decode/step_executor_factory.h"
+#include "decode/step/step_executor_factory.h"
 #include "model/cuda_dense_ops.h"
 
 namespace fluxion::eval {
@@ -16,7 +16,7 @@ absl::StatusOr<std::unique_ptr<decode::StepExecutor>> NewCudaHybridEvalExecutor(
   // One slot: the harness decodes one request at a time, and the executor gives a slot back at
   // the first step that no longer lists its request. Block scores from the window's page
   // bounds, as served; the CPU reads every host row (zero-copy shares are checked by
-  // decode/cuda_resident_window_test.cc, and the eval's arena is not pinned).
+  // decode/device/cuda_resident_window_test.cc, and the eval's arena is not pinned).
   decode::StepExecutorOptions options;
   options.device = decode::StepDevice::kCuda;
   options.cuda.max_requests = 1;

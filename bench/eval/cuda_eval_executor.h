@@ -6,7 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "decode/step_executor.h"
+#include "decode/step/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/model.h"
 

@@ -29,11 +29,11 @@
 #include "absl/types/span.h"
 #include "bench/eval/paired_stats.h"
 #include "bench/eval/tasks.h"
-#include "decode/kv_arena.h"
+#include "decode/kv/kv_arena.h"
 #include "decode/sparse/decision_profile.h"
 #include "decode/sparse/fluxion_predictor.h"
-#include "decode/sparse_attention.h"
-#include "decode/step_executor.h"
+#include "decode/step/sparse_attention.h"
+#include "decode/step/step_executor.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/attention.h"
 #include "model/dense_attention.h"
@@ -139,7 +139,7 @@ struct TaskEvalOptions {
 
 // `--device` of `fluxion eval tasks`: "cpu" (the CPU engine), "host-hybrid" (the hybrid
 // executor over its host stand-in: CpuDenseOps and the host resident window, runnable anywhere),
-// "cuda" (the hybrid executor on CUDA device 0: decode/step_executor_factory.h).
+// "cuda" (the hybrid executor on CUDA device 0: decode/step/step_executor_factory.h).
 // What a sample's `full` policy attends in a run on `device` (recorded beside its outcome).
 std::string FullPolicyAttention(const std::string& device);
 

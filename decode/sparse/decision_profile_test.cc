@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_replace.h"
-#include "decode/sparse_attention.h"
+#include "decode/step/sparse_attention.h"
 #include "gtest/gtest.h"
 #include "model/sparse_state.h"
 

@@ -5,8 +5,8 @@
 #include <random>
 #include <vector>
 
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/kv_arena.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/fluxion_policy.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/compact_topk.h"

@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "common/flag_set.h"
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/kv_arena.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
-#include "decode/sparse_attention.h"
+#include "decode/step/sparse_attention.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/paged_attention_cpu.h"
 #include "model/output_projection.h"

@@ -16,8 +16,8 @@
 // Step-ahead table picks (PrepareNextStep): the tables' candidates depend on the history alone,
 // not on the query, so once a step is observed the next step's table picks (both clamps, the
 // expansion, the bitmap) can be made right away, off the next step's critical path (the hybrid
-// step does it while the next layer selects: decode/hybrid_batch_attention.h). Select uses them
-// only when the step's regions and budget are the ones they were made for, else makes its own:
+// step does it while the next layer selects: decode/step/hybrid_batch_attention.h). Select uses
+// them only when the step's regions and budget are the ones they were made for, else makes its own:
 // the picks are the same either way.
 //
 // Thread-compatible (one request), with one exception a shared object relies on (Fluxion:

@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/kv_arena.h"
+#include "decode/kv/paged_kv.h"
 #include "gtest/gtest.h"
 
 namespace fluxion::decode::sparse {

@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/error_guard.h"
 #include "decode/sparse/granularity.h"
 #include "kernels/compact_keys.h"
@@ -173,7 +173,7 @@ std::vector<PolicyConfig> ExpandSelectors(const std::vector<PolicyConfig>& confi
 std::string PolicyLabel(const PolicyConfig& config);
 
 // One request's Quest block scores for one layer, computed elsewhere (the hybrid step's device
-// keeps every page's bounds: decode/resident_window.h, ScoreBlocks): for KV head h,
+// keeps every page's bounds: decode/step/resident_window.h, ScoreBlocks): for KV head h,
 // data[h * head_stride + b] is block b's score at `block_tokens` tokens per block, for blocks
 // [0, head_stride), head_stride = ceil(context / block_tokens).
 struct ScoredBlocks {
@@ -224,7 +224,7 @@ struct SelectionInput {
   ScoredBlocks::Range top_range{};
   // The share of the middle-region budget (what remains after sinks and the window) this step
   // may spend, in (0, 1]: below 1 when the hybrid step degrades itself because the CPU would
-  // stall the GPU (decode/stall_guard.h). Every policy that reads the middle applies it.
+  // stall the GPU (decode/step/stall_guard.h). Every policy that reads the middle applies it.
   double budget_scale = 1.0;
   // The online error guard's correction of this head's middle budget (error_guard.h), in units
   // of the uniform middle budget (after budget_scale): the head attends its policy's budget plus

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "decode/kv_arena.h"
-#include "decode/paged_kv.h"
+#include "decode/kv/kv_arena.h"
+#include "decode/kv/paged_kv.h"
 #include "decode/sparse/error_guard.h"
 #include "decode/sparse/policy_util.h"
 #include "gtest/gtest.h"

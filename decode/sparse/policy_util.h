@@ -16,7 +16,7 @@ struct Regions {
 };
 Regions SplitContext(const PolicyConfig& c, int64_t context);
 // SplitContext at the step's context, with the middle budget scaled by in.budget_scale (the
-// hybrid step's stall guard, decode/stall_guard.h; 1 unless it degrades the step).
+// hybrid step's stall guard, decode/step/stall_guard.h; 1 unless it degrades the step).
 Regions SplitStep(const PolicyConfig& c, const SelectionInput& in);
 
 // Sinks + the chosen middle spans + the local window, in token order; counts rows in *stats.

@@ -1,4 +1,4 @@
-// Quest block scoring on the device for the hybrid decode step (decode/resident_window.h,
+// Quest block scoring on the device for the hybrid decode step (decode/step/resident_window.h,
 // "Selection metadata"): per (slot, layer, KV head) the page bounds of every stored page (the
 // element-wise min and max of the page's bf16 keys: exactly PagedKv::key_min / key_max, kept in
 // bf16 because the min and max of bf16 values are bf16 values), and per step the Quest upper

@@ -1,4 +1,4 @@
-// The span list of full attention over HBM pages (decode/hbm_full_attention.h), built on the
+// The span list of full attention over HBM pages (decode/device/hbm_full_attention.h), built on the
 // device: the host computes only the per-(row, KV head) offsets (rows x KV heads + 1 values) and
 // this kernel writes the spans, so a step's host work and upload no longer grow with the context
 // (at 16 x 32K or 4 x 128K the host-built list was ~262K spans, ~3 MB, every step).

@@ -1,5 +1,5 @@
-// FillPageSpans against the span list built on the host (as decode/hbm_full_attention.cc once
-// did): the same spans, exactly, for rows at different contexts and slots.
+// FillPageSpans against the span list built on the host (as decode/device/hbm_full_attention.cc
+// once did): the same spans, exactly, for rows at different contexts and slots.
 #include "kernels/cuda/page_spans.h"
 
 #include <algorithm>

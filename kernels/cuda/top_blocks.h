@@ -1,6 +1,6 @@
 // The best blocks of each (row, KV head) by the Quest scores QuestBlockScores left on the device
 // (kernels/cuda/block_scores.h), so the hybrid step's CPU receives a few block numbers per head
-// instead of ranking every block's score itself (decode/resident_window.h, RankBlocks). At 8B
+// instead of ranking every block's score itself (decode/step/resident_window.h, RankBlocks). At 8B
 // shapes and 128K tokens that CPU ranking is ~2.6 ms of a 17.6 ms step
 // (bench/results/decode-rank-{host,device}-8b-128k-h200-20261202.json): one (layer, KV head)
 // ranks ~4,000 scores in a few microseconds here, with every head of the batch at once.

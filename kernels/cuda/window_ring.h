@@ -1,6 +1,6 @@
-// CUDA kernels of the resident window (decode/resident_window.h): per (slot, layer, KV head) the
-// first `sink` tokens and a ring of the last `window` tokens, bf16, in one array per K and V laid
-// out [slot][layer][kv_head][sink + window][head_dim]. Row of token t: t < sink ? t :
+// CUDA kernels of the resident window (decode/step/resident_window.h): per (slot, layer, KV head)
+// the first `sink` tokens and a ring of the last `window` tokens, bf16, in one array per K and V
+// laid out [slot][layer][kv_head][sink + window][head_dim]. Row of token t: t < sink ? t :
 // sink + (t - sink) % window; at context c the valid rows are [0, min(c, sink) +
 // min(window, max(0, c - sink))).
 //
@@ -44,11 +44,11 @@ cudaError_t RingAttention(const RingLayout& ring, int layer, const float* q, int
                           float scale, const int32_t* slots, const int64_t* positions,
                           int64_t rows, float* out, float* lse, cudaStream_t stream);
 
-// The full-attention KV in HBM (decode/hbm_full_attention.h): for one layer, page p of the layer's
-// arena `layer_base` holds K then V of `page_tokens` tokens ([page_tokens][head_dim] bf16 each);
-// (slot, KV head) owns pages [(slot * num_kv_heads + head) * max_pages, ... + max_pages), token t
-// in page t / page_tokens, row t % page_tokens. Writes row i's K/V (k, v: [rows][num_kv_heads]
-// [head_dim] fp32, rounded to bf16) at positions[i] of slots[i].
+// The full-attention KV in HBM (decode/device/hbm_full_attention.h): for one layer, page p of the
+// layer's arena `layer_base` holds K then V of `page_tokens` tokens ([page_tokens][head_dim] bf16
+// each); (slot, KV head) owns pages [(slot * num_kv_heads + head) * max_pages, ... + max_pages),
+// token t in page t / page_tokens, row t % page_tokens. Writes row i's K/V (k, v:
+// [rows][num_kv_heads] [head_dim] fp32, rounded to bf16) at positions[i] of slots[i].
 cudaError_t HbmPageAppend(bf16* layer_base, int64_t page_tokens, int64_t max_pages,
                           int64_t num_kv_heads, int64_t head_dim, const float* k, const float* v,
                           const int32_t* slots, const int64_t* positions, int64_t rows,

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "bench/commands.h"
-#include "decode/commands.h"
+#include "decode/serving/commands.h"
 #include "bench/eval/eval_command.h"
 #include "cluster/local_command.h"
 #include "cluster/replay_command.h"
@@ -14,7 +14,7 @@
 #include "kernels/cpu/process_cpu.h"
 #include "model/commands.h"
 #ifdef FLUXION_HAVE_SERVICES
-#include "decode/serve_command.h"
+#include "decode/serving/serve_command.h"
 #include "prefill/commands.h"
 #endif
 
