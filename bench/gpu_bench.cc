@@ -213,13 +213,14 @@ struct Probes {
 absl::Status MeasureProbes(const Options& o, cudaStream_t stream, DeviceMemory& mem,
                            nlohmann::json* limits, Probes* probes) {
   // Probes: HBM device-to-device copy (bytes read + written) and pinned host-to-device copy.
-  const size_t probe_bytes = size_t{2} << 30;
+  double hbm_gbps = 0;
+  {
+    DeviceMemory copy_buffers;  // freed before the rest of the bench allocates
+    FLUXION_ASSIGN_OR_RETURN(hbm_gbps, HbmCopyGbps(copy_buffers, stream, o.repeats));
+  }
+  probes->hbm_gbps = hbm_gbps;
+  const size_t probe_bytes = size_t{2} << 30;  // the host-to-device probe's copy
   FLUXION_ASSIGN_OR_RETURN(void* a, mem.Get(probe_bytes));
-  FLUXION_ASSIGN_OR_RETURN(void* b, mem.Get(probe_bytes));
-  FLUXION_ASSIGN_OR_RETURN(Stats d2d, TimeMs(stream, o.repeats, [&] {
-    return CudaCheck(cudaMemcpyAsync(b, a, probe_bytes, cudaMemcpyDeviceToDevice, stream), "d2d");
-  }));
-  const double hbm_gbps = probes->hbm_gbps = 2.0 * probe_bytes / (d2d.median * 1e-3) / 1e9;
   const size_t host_bytes = static_cast<size_t>(o.host_gib * (1ull << 30)) / kPageBytes * kPageBytes;
   void* host = nullptr;
   BENCH_CUDA(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));

@@ -42,10 +42,6 @@ void RegisterServingFlags(FlagSet& flags, RouterServerConfig* c) {
             "(their streams end with the tokens so far and finish reason abort) and the process "
             "exits within 3 s more");
   flags.String("node-name", &c->node_name, "name in GetLoad (default: hostname/start time)");
-  flags.String("port-file", &c->serve.port_file,
-               "write the bound gRPC port into this file once serving");
-  flags.String("metrics-port-file", &c->serve.metrics_port_file,
-               "write the bound /metrics port into this file once serving");
   // One model directory for both text front ends (each loads its tokenizer from it).
   flags.String("model-dir", &c->model_dir,
                "model directory whose tokenizer.json / chat template / config.json the router "
@@ -63,10 +59,8 @@ int RunRouterCommand(const std::vector<std::string>& args) {
                 "Serves fluxion.v1.DecodeService and forwards each request to a prefill/decode "
                 "pair picked by load, with health checks, retries before the first token and load "
                 "shedding (docs/CLUSTER.md).");
-  flags.String("listen", &config.serve.listen,
-               "gRPC address to serve clients on (0.0.0.0:7000: every interface)");
-  flags.String("metrics-listen", &config.serve.metrics_listen,
-               "HTTP address for Prometheus /metrics (empty: no endpoint)");
+  serving::RegisterServeFlags(
+      flags, "gRPC address to serve clients on (0.0.0.0:7000: every interface)", &config.serve);
   RegisterBackendFlags(flags, &config);
   RegisterServingFlags(flags, &config);
   RegisterOpenAiFlags(flags, &config.openai);

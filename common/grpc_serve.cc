@@ -16,6 +16,17 @@
 
 namespace fluxion::serving {
 
+void RegisterServeFlags(FlagSet& flags, const std::string& listen_help, ServeConfig* c) {
+  flags.String("listen", &c->listen, listen_help);
+  flags.String("port-file", &c->port_file,
+               "write the bound gRPC port into this file once serving");
+  flags.String("metrics-listen", &c->metrics_listen,
+               "HTTP address for Prometheus /metrics, host:port (port 0 picks a free port; "
+               "empty: no endpoint)");
+  flags.String("metrics-port-file", &c->metrics_port_file,
+               "write the bound /metrics port into this file once serving");
+}
+
 absl::StatusOr<std::unique_ptr<GrpcServe>> GrpcServe::Start(const ServeConfig& config,
                                                             std::vector<grpc::Service*> services,
                                                             metrics::Registry* registry,

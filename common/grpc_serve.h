@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/flag_set.h"
 #include "common/metrics.h"
 #include "common/metrics_http.h"
 #include "common/server_main.h"
@@ -35,6 +36,10 @@ struct ServeConfig {
   std::string metrics_port_file;  // gets the bound /metrics port (empty: none)
   std::shared_ptr<grpc::ServerCredentials> credentials;  // nullptr: insecure
 };
+
+// Registers --listen, --port-file, --metrics-listen and --metrics-port-file into `c` (its
+// values are the defaults); `listen_help` says what the gRPC address serves and its usual value.
+void RegisterServeFlags(FlagSet& flags, const std::string& listen_help, ServeConfig* c);
 
 class GrpcServe {
  public:

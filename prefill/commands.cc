@@ -20,17 +20,11 @@ namespace {
 
 void RegisterServingFlags(FlagSet& flags, PrefillWorkerConfig* c) {
   flags.String("model", &c->model_dir, "model directory (config.json + safetensors)");
-  flags.String("listen", &c->serve.listen,
-               "gRPC address to serve on (0.0.0.0:7001: every interface); port 0 picks a free "
-               "port");
-  flags.String("port-file", &c->serve.port_file,
-               "write the bound port into this file once serving");
+  serving::RegisterServeFlags(flags,
+                              "gRPC address to serve on (0.0.0.0:7001: every interface); port 0 "
+                              "picks a free port",
+                              &c->serve);
   flags.String("node-name", &c->node_name, "unique name of this process (default: host/pid/time)");
-  flags.String("metrics-listen", &c->serve.metrics_listen,
-               "HTTP address for Prometheus /metrics, host:port (port 0 picks a free port; "
-               "empty: no endpoint)");
-  flags.String("metrics-port-file", &c->serve.metrics_port_file,
-               "write the bound /metrics port into this file once serving");
 }
 
 void RegisterForwardFlags(FlagSet& flags, std::string* device, PrefillWorkerConfig* c) {
