@@ -67,9 +67,9 @@ void RegisterFlags(FlagSet& flags, AttentionEvalFlags& f) {
 
 void RegisterSelectorFlag(FlagSet& flags, AttentionEvalFlags& f) {
   flags.StringList("selector", &f.selectors,
-                   "where exact_topk and fluxion choose their rows: host and/or device (the top-k "
-                   "of int8 compact keys, the hybrid step's GPU picks, computed bit for bit "
-                   "here); with both, each is a row");
+                   "where exact_topk, lfps and fluxion choose their rows: host and/or device "
+                   "(the top-k of int8 compact keys, the hybrid step's GPU picks, computed bit "
+                   "for bit here); with both, each is a row");
 }
 
 // The policies x budgets x selectors to evaluate (none with --head-table unless --policy is

@@ -109,10 +109,10 @@ void RegisterHybridFlags(FlagSet& flags, HybridBenchOptions& o) {
                    "window's page bounds next to the dense halves) and/or cpu (the CPU scans the "
                    "host pages' bounds); with both, each is a row");
   flags.StringList("selector", &o.selectors,
-                   "[--device] where exact_topk and fluxion choose their rows: device (the top-k "
-                   "of the int8 compact keys the window keeps in HBM, docs/SPARSE.md \"Device "
-                   "selection\") and/or host (the policy's own selection on the CPU); with both, "
-                   "each is a row");
+                   "[--device] where exact_topk, lfps and fluxion choose their rows: device (the "
+                   "top-k of the int8 compact keys the window keeps in HBM, docs/SPARSE.md "
+                   "\"Device selection\") and/or host (the policy's own selection on the CPU); "
+                   "with both, each is a row");
   flags.Double("host-memory-gib", &o.host_memory_gib,
                "[--device] host memory the requests' KV may take (points beyond it are skipped); "
                "0 = 80% of MemAvailable");

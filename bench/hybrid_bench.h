@@ -32,7 +32,7 @@ struct HybridBenchOptions {
   // Where quest's / fixed_*'s block scores come from: the window's page bounds on the device,
   // or the CPU's scan of the host bounds; each value a row.
   std::vector<std::string> block_scores = {"device"};
-  // Where exact_topk and fluxion choose their rows (decode/sparse/policy.h, Selector): host
+  // Where exact_topk, lfps and fluxion choose their rows (decode/sparse/policy.h, Selector): host
   // and/or device (compact keys in HBM); each value a row.
   std::vector<std::string> selectors = {"device"};
   // Shares of the host rows the GPU reads itself from pinned host pages; each value a row.

@@ -100,8 +100,8 @@ absl::StatusOr<Point> MakePoint(const Options& o, DeviceMemory& mem, int64_t bat
 absl::Status TimePoint(const Options& o, const Point& p, double hbm_gbps, cudaStream_t stream,
                        nlohmann::json* results) {
   auto scores = [&] {
-    return CudaCheck(cuda::CompactScores(p.layout, 0, p.q, o.heads, p.slots, p.picks, p.batch,
-                                         p.span, p.scores, stream),
+    return CudaCheck(cuda::CompactScores(p.layout, 0, p.q, o.heads, p.slots, p.picks, nullptr,
+                                         p.batch, p.span, p.scores, stream),
                      "CompactScores");
   };
   auto select = [&] {
@@ -110,8 +110,8 @@ absl::Status TimePoint(const Options& o, const Point& p, double hbm_gbps, cudaSt
                      "CompactSelectBest");
   };
   auto both = [&] {
-    return CudaCheck(cuda::CompactTopK(p.layout, 0, p.q, o.heads, p.slots, p.picks, p.batch,
-                                       p.span, p.scores, p.out, stream),
+    return CudaCheck(cuda::CompactTopK(p.layout, 0, p.q, o.heads, p.slots, p.picks, nullptr,
+                                       p.batch, p.span, p.scores, p.out, stream),
                      "CompactTopK");
   };
   FLUXION_ASSIGN_OR_RETURN(Stats scan, TimeMs(stream, o.repeats, scores));

@@ -91,12 +91,21 @@ struct CompactKeysLayout {
 
 // One (row, KV head)'s selection for a step: the k middle rows of [begin, end) with the largest
 // scores, written ascending at out + offset (the caller lays the picks of a step side by side).
-// k <= 0 or begin >= end: nothing.
+// k <= 0 or begin >= end: nothing. mask >= 0: only candidates compete, the rows whose bit is set in
+// the step's candidate words from word `mask` on (bit j of word mask + j / 64, lowest bit first:
+// position begin + j; LFPS's table picks); k must not exceed the candidates then (non-candidates
+// score -infinity and would fill the rest).
 struct CompactPick {
   int32_t begin = 0, end = 0, k = 0;
-  int32_t pad = 0;
+  int32_t mask = -1;
   int64_t offset = 0;
 };
+
+// Whether row `j` of pick p's span competes (CompactPick::mask).
+FLUXION_HOST_DEVICE inline bool CompactCandidate(const CompactPick& p, const uint64_t* masks,
+                                                 int64_t j) {
+  return p.mask < 0 || ((masks[p.mask + (j >> 6)] >> (j & 63)) & 1u) != 0;
+}
 
 }  // namespace fluxion::kernels
 

@@ -216,7 +216,7 @@ void RegisterEvalTasksFlags(FlagSet& flags, EvalTasksFlags& f) {
                "for `fluxion bench decode --profile` (docs/SPARSE.md, \"Decision profiles\")");
   f.guard_flags.emplace(flags, /*allow_both=*/true);
   flags.StringList("selector", &f.selectors,
-                   "where exact_topk and fluxion choose their rows: host (the policy's own "
+                   "where exact_topk, lfps and fluxion choose their rows: host (the policy's own "
                    "selection) and/or device (the top-k of int8 compact keys, what the hybrid "
                    "step's GPU picks; computed bit for bit on the CPU here; labels get +device); "
                    "with both, each is a row (docs/SPARSE.md, \"Device selection\")");

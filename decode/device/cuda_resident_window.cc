@@ -614,7 +614,8 @@ class CudaResidentWindow : public ResidentWindow {
   }
 
   void SelectRows(int layer, const float* q, const float* k,
-                  absl::Span<const kernels::CompactPick> asked) override {
+                  absl::Span<const kernels::CompactPick> asked,
+                  absl::Span<const uint64_t> masks) override {
     picks_issued_ = false;
     if (!compact_step_) return;
     const auto* compact = static_cast<const int32_t*>(compact_slots_dev_.p);
@@ -631,17 +632,28 @@ class CudaResidentWindow : public ResidentWindow {
     std::copy(picks_.picks.begin(), picks_.picks.end(), staged);
     const size_t scores = static_cast<size_t>(pairs * picks_.max_span) * sizeof(float);
     const size_t picked = static_cast<size_t>(picks_.total) * sizeof(int32_t);
+    // The candidates' words go through one pinned staging buffer: the previous layer's copy is
+    // done, since its picks were waited for (WaitBlockScores) before this layer began.
+    const size_t mask_bytes = masks.size() * sizeof(uint64_t);
     for (absl::Status st : {pick_scores_.Reserve(scores), picked_dev_.Reserve(picked),
-                            picked_host_.Reserve(picked)}) {
+                            picked_host_.Reserve(picked), masks_stage_.Reserve(mask_bytes),
+                            masks_dev_.Reserve(mask_bytes)}) {
       if (!st.ok() && error_.ok()) error_ = st;
     }
     if (!error_.ok()) return;
     Record(cudaMemcpyAsync(picks_dev_.p, staged, pairs * sizeof(kernels::CompactPick),
                            cudaMemcpyHostToDevice, stream_),
            "step: copy picks");
+    if (!masks.empty()) {
+      std::copy(masks.begin(), masks.end(), static_cast<uint64_t*>(masks_stage_.get()));
+      Record(cudaMemcpyAsync(masks_dev_.get(), masks_stage_.get(), mask_bytes,
+                             cudaMemcpyHostToDevice, stream_),
+             "step: copy candidates");
+    }
     Record(kernels::cuda::CompactTopK(compact_, layer, q, shape_.num_heads, compact,
                                       static_cast<const kernels::CompactPick*>(picks_dev_.p),
-                                      rows_, picks_.max_span,
+                                      static_cast<const uint64_t*>(masks_dev_.get()), rows_,
+                                      picks_.max_span,
                                       static_cast<float*>(pick_scores_.get()),
                                       static_cast<int32_t*>(picked_dev_.get()), stream_),
            "CompactTopK");
@@ -845,6 +857,7 @@ class CudaResidentWindow : public ResidentWindow {
   DeviceMemory compact_values_, compact_scales_, compact_slots_dev_, picks_dev_;
   PinnedMemory compact_stage_;
   GrowingBuffer pick_scores_{false}, picked_dev_{false}, picked_host_{true};
+  GrowingBuffer masks_stage_{true}, masks_dev_{false};  // the picks' candidate words
   GrowingBuffer compact_stage_chunks_[2] = {GrowingBuffer(true), GrowingBuffer(true)};
   cudaEvent_t compact_copied_[2] = {nullptr, nullptr};
   cudaEvent_t picks_ready_ = nullptr;

@@ -377,8 +377,8 @@ TEST_P(CudaDevicePicksTest, MatchTheHostWindowsPicksExactly) {
           asked.push_back({4, end, ks[(step + 2 * i + h + layer) % 6]});
         }
       }
-      host->SelectRows(layer, q.data(), k.data(), asked);
-      (*cuda)->SelectRows(layer, dev.ToDevice(q), dev.ToDevice(k), asked);
+      host->SelectRows(layer, q.data(), k.data(), asked, {});
+      (*cuda)->SelectRows(layer, dev.ToDevice(q), dev.ToDevice(k), asked, {});
       ASSERT_TRUE(host->WaitBlockScores().ok());
       ASSERT_TRUE((*cuda)->WaitBlockScores().ok());
       for (int row = 0; row < rows; ++row) {

@@ -49,8 +49,8 @@ struct DecodeServiceOptions {
   std::shared_ptr<const sparse::FluxionPredictor> fluxion_predictor;
   // Host costs for `fluxion`'s granularity choice (the node's measured read bandwidth).
   sparse::HostCostModel host_cost;
-  // Where exact_topk and fluxion choose rows (sparse::Selector): device with --device cuda and
-  // compact keys in HBM (a request beyond them computes the same picks on the CPU), else host.
+  // Where exact_topk, lfps and fluxion choose rows (sparse::Selector): device with --device cuda
+  // and compact keys in HBM (a request beyond them computes the same picks on the CPU), else host.
   sparse::Selector selector = sparse::Selector::kHost;
   // The online error guard for lfps / fluxion requests (decode/sparse/error_guard.h; `enabled`
   // from --guard) and the model's W_O it measures e_h with.

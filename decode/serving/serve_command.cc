@@ -55,14 +55,15 @@ void RegisterStepFlags(FlagSet& flags, StepFlags* s, DecodeWorkerConfig* c) {
   // head at 8B shapes, so 16 GiB hold ~3.6 requests of 128K or ~14 of 32K beside 8B weights on an
   // 80 GB card (docs/SPARSE.md, "Device selection").
   flags.Double("device-selection-gib", &c->device_selection_gib,
-               "with --device cuda: GPU memory for the compact keys exact_topk and fluxion select "
-               "from (132 bytes per token, layer and KV head at head_dim 128; requests of up to "
-               "--device-max-context tokens); a request beyond it waits for a place, and a "
+               "with --device cuda: GPU memory for the compact keys exact_topk, lfps and fluxion "
+               "select from (132 bytes per token, layer and KV head at head_dim 128; requests of "
+               "up to --device-max-context tokens); a request beyond it waits for a place, and a "
                "value that holds no request is refused");
   flags.String("selector", &s->selector,
-               "where exact_topk and fluxion choose their rows: device (with --device cuda: the "
-               "top-k of int8 compact keys in GPU memory; docs/SPARSE.md \"Device selection\") "
-               "or host (the policies' own CPU selection; always with --device cpu)");
+               "where exact_topk, lfps and fluxion choose their rows: device (with --device cuda: "
+               "the top-k of int8 compact keys in GPU memory, lfps among its tables' candidates; "
+               "docs/SPARSE.md \"Device selection\") or host (the policies' own CPU selection; "
+               "always with --device cpu)");
   flags.Double("device-read-share", &s->read_share,
                "with --device cuda: share in [0, 1] of every (request, KV head)'s host rows the "
                "GPU reads itself from the pinned arena while the CPU reads the rest");

@@ -19,16 +19,17 @@
 
 namespace fluxion::decode::sparse {
 
-// The device's request for a step's regions: the middle [sink_end, local_begin) and its budget.
-kernels::CompactPick CompactPickOf(const Regions& r);
+// The device's request for a step's regions: the middle [sink_end, local_begin) and its budget
+// (at most the middle's rows), among `candidates` when given (a CandidateMarks bitmap over that
+// middle; the budget at most the candidates then).
+DeviceAsk DeviceAskOf(const Regions& r, const std::vector<uint64_t>* candidates = nullptr);
 
 class CompactSelection {
  public:
-  // Appends the spans of the step's picks in the middle of `r` (r.middle_rows_budget rows, or
-  // all of the middle when it is smaller) to *middle, and counts them in *stats. Uses
-  // in.device_picks when given (a count other than the pick's is the caller's bug: CHECKed),
-  // else scores the middle here.
-  void SelectMiddle(const SelectionInput& in, const Regions& r,
+  // Appends the spans of `ask`'s picks to *middle, and counts them in *stats. Uses
+  // in.device_picks when given (a count other than ask.pick.k is the caller's bug: CHECKed),
+  // else scores the span (its candidates) here.
+  void SelectMiddle(const SelectionInput& in, const DeviceAsk& ask,
                     std::vector<kernels::PageSpan>* middle, SelectionStats* stats);
 
  private:

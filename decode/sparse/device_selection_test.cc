@@ -80,8 +80,10 @@ TEST(DeviceSelectionTest, ExactTopKUnderTheDeviceSelectorAttendsTheCompactTopK) 
   EXPECT_EQ(PolicyLabel(config), "exact_topk@0.1+device");
   std::unique_ptr<SparsePolicy> policy = MakePolicy(config);
   const SelectionInput in = f.Input(1);
-  const std::optional<kernels::CompactPick> pick = policy->DevicePick(in);
-  ASSERT_TRUE(pick.has_value());
+  const std::optional<DeviceAsk> ask = policy->DevicePick(in);
+  ASSERT_TRUE(ask.has_value());
+  EXPECT_EQ(ask->candidates, nullptr) << "the whole middle competes";
+  const kernels::CompactPick* pick = &ask->pick;
   const int64_t budget = static_cast<int64_t>(std::ceil(0.1 * kTokens));
   EXPECT_EQ(pick->begin, 4);
   EXPECT_EQ(pick->end, kTokens - 64);
@@ -103,7 +105,7 @@ TEST(DeviceSelectionTest, PicksHandedOverAreAttendedAsGivenAndScoreNothing) {
   config.selector = Selector::kDevice;
   std::unique_ptr<SparsePolicy> policy = MakePolicy(config);
   SelectionInput in = f.Input(0);
-  const kernels::CompactPick pick = *policy->DevicePick(in);
+  const kernels::CompactPick pick = policy->DevicePick(in)->pick;
   // Any ascending positions the device chose: every other middle row from 10 on.
   std::vector<int32_t> given;
   for (int32_t t = 10; static_cast<int64_t>(given.size()) < pick.k; t += 2) given.push_back(t);
@@ -127,7 +129,7 @@ TEST(DeviceSelectionTest, FluxionPicksEachHeadsAllocatedBudgetFromCompactKeys) {
   for (int h = 0; h < 2; ++h) {
     SCOPED_TRACE(h);
     const SelectionInput in = f.Input(h);
-    const kernels::CompactPick pick = *policy.DevicePick(in);
+    const kernels::CompactPick pick = policy.DevicePick(in)->pick;
     // Without a prefill's features every head keeps the uniform weight.
     EXPECT_EQ(pick.k, static_cast<int64_t>(std::ceil(0.1 * kTokens)) - 68);
     std::vector<kernels::PageSpan> spans;
@@ -141,7 +143,113 @@ TEST(DeviceSelectionTest, FluxionPicksEachHeadsAllocatedBudgetFromCompactKeys) {
   }
 }
 
-TEST(DeviceSelectionTest, OnlyExactTopKAndFluxionSelectOnTheDevice) {
+// LFPS's head with captured tables (no bypass: the prefill measured its middle share at 1): every
+// position of the vertical table holds some weight (a few much more), the slash table a few
+// distances.
+model::HeadSparseState TablesState() {
+  model::HeadSparseState state;
+  state.vertical.assign(kTokens, 0.0f);
+  state.slash.assign(kTokens, 0.0f);
+  for (int64_t t = 0; t < kTokens; ++t) state.vertical[t] = 0.001f * ((t * 7919) % 100 + 1);
+  for (int64_t t : {137, 400, 401, 702, 1100}) state.vertical[t] = 0.5f;
+  for (int64_t dist : {200, 650}) state.slash[dist] = 0.3f;
+  return state;
+}
+
+TEST(DeviceSelectionTest, LfpsPicksTheCompactTopKOfItsTableCandidates) {
+  Fixture f;
+  PolicyConfig config = *ParsePolicy("lfps", 0.1);
+  config.selector = Selector::kDevice;
+  EXPECT_TRUE(DeviceSelects(config));
+  std::unique_ptr<SparsePolicy> policy = MakePolicy(config);
+  const model::HeadSparseState state = TablesState();
+  ASSERT_TRUE(policy->Prepare(*f.kv, 0, 0, &state).ok());
+  const SelectionInput in = f.Input(0);
+  const std::optional<DeviceAsk> ask = policy->DevicePick(in);
+  ASSERT_TRUE(ask.has_value());
+  ASSERT_NE(ask->candidates, nullptr) << "the tables' candidates, not the whole middle";
+  const kernels::CompactPick& pick = ask->pick;
+  std::vector<int32_t> candidates;
+  for (int64_t j = 0; j < pick.end - pick.begin; ++j) {
+    if ((*ask->candidates)[j / 64] >> (j % 64) & 1) candidates.push_back(pick.begin + j);
+  }
+  // At least 2k entries per table (LFPS's lower clamp) over a middle of ~1,400 rows: many
+  // candidates, not all rows.
+  EXPECT_GT(candidates.size(), static_cast<size_t>(pick.k));
+  EXPECT_LT(static_cast<int64_t>(candidates.size()), pick.end - pick.begin);
+  EXPECT_EQ(pick.k, static_cast<int64_t>(std::ceil(0.1 * kTokens)) - 68);
+
+  // The reference: the compact top-k over the candidates alone.
+  kernels::cpu::CompactQuery cq;
+  kernels::cpu::CompactQueryGroup(f.q.data(), 1, kDim, &cq);
+  std::vector<float> scores;
+  std::vector<int8_t> row(kDim);
+  for (int32_t t : candidates) {
+    const float scale =
+        kernels::cpu::CompactKeyRowFromFloat(&f.k[(t * 2) * kDim], kDim, row.data());
+    scores.push_back(kernels::cpu::CompactGroupScore(cq, row.data(), scale));
+  }
+  std::vector<int32_t> best;
+  kernels::cpu::CompactTopKPositions(scores.data(), static_cast<int64_t>(scores.size()), pick.k,
+                                     0, &best);
+  std::vector<int32_t> want_middle;
+  for (int32_t i : best) want_middle.push_back(candidates[i]);
+
+  std::vector<kernels::PageSpan> spans;
+  SelectionStats stats;
+  policy->Select(in, &spans, &stats);
+  const std::vector<int32_t> rows = Rows(*f.kv, 0, spans);
+  ASSERT_GE(rows.size(), static_cast<size_t>(4 + pick.k));
+  EXPECT_EQ(std::vector<int32_t>(rows.begin() + 4, rows.begin() + 4 + pick.k), want_middle);
+  EXPECT_EQ(stats.candidate_steps, 1);
+  EXPECT_EQ(stats.candidate_rows, static_cast<int64_t>(candidates.size()));
+  policy->Observe(in, spans);  // the tables learn from what the step attended, as on the host
+}
+
+TEST(DeviceSelectionTest, LfpsHandedTheDevicesPicksAttendsThem) {
+  Fixture f;
+  PolicyConfig config = *ParsePolicy("lfps", 0.1);
+  config.selector = Selector::kDevice;
+  std::unique_ptr<SparsePolicy> policy = MakePolicy(config);
+  const model::HeadSparseState state = TablesState();
+  ASSERT_TRUE(policy->Prepare(*f.kv, 0, 1, &state).ok());
+  SelectionInput in = f.Input(1);
+  const DeviceAsk ask = *policy->DevicePick(in);
+  ASSERT_NE(ask.candidates, nullptr);
+  // The device's picks: any k ascending candidates (here the first k).
+  std::vector<int32_t> given;
+  for (int64_t j = 0; static_cast<int64_t>(given.size()) < ask.pick.k; ++j) {
+    if ((*ask.candidates)[j / 64] >> (j % 64) & 1) given.push_back(ask.pick.begin + j);
+  }
+  in.device_picks = given.data();
+  in.device_pick_count = ask.pick.k;
+  std::vector<kernels::PageSpan> spans;
+  SelectionStats stats;
+  policy->Select(in, &spans, &stats);
+  const std::vector<int32_t> rows = Rows(*f.kv, 1, spans);
+  EXPECT_EQ(std::vector<int32_t>(rows.begin() + 4, rows.begin() + 4 + ask.pick.k), given);
+  EXPECT_EQ(stats.selections_ranked_elsewhere, 1);
+  EXPECT_EQ(stats.k_rows_scored, 0) << "nothing rescored on the host";
+}
+
+TEST(DeviceSelectionTest, LfpsWithoutTablesRefreshesOverTheWholeMiddle) {
+  Fixture f;
+  PolicyConfig config = *ParsePolicy("lfps", 0.1);
+  config.selector = Selector::kDevice;
+  std::unique_ptr<SparsePolicy> policy = MakePolicy(config);
+  ASSERT_TRUE(policy->Prepare(*f.kv, 0, 0, nullptr).ok());  // no capture: a refresh is due
+  const SelectionInput in = f.Input(0);
+  const DeviceAsk ask = *policy->DevicePick(in);
+  EXPECT_EQ(ask.candidates, nullptr);
+  std::vector<kernels::PageSpan> spans;
+  SelectionStats stats;
+  policy->Select(in, &spans, &stats);
+  const std::vector<int32_t> rows = Rows(*f.kv, 0, spans);
+  EXPECT_EQ(std::vector<int32_t>(rows.begin() + 4, rows.begin() + 4 + ask.pick.k),
+            f.ReferencePicks(0, ask.pick.begin, ask.pick.end, ask.pick.k));
+}
+
+TEST(DeviceSelectionTest, EveryPolicyButTheDeviceRankedBaselinesSelectsOnTheDevice) {
   const std::vector<PolicyConfig> configs = {*ParsePolicy("quest", 0.05),
                                              *ParsePolicy("fluxion", 0.05),
                                              *ParsePolicy("lfps", 0.05)};
@@ -149,11 +257,12 @@ TEST(DeviceSelectionTest, OnlyExactTopKAndFluxionSelectOnTheDevice) {
       ExpandSelectors(configs, {Selector::kHost, Selector::kDevice});
   std::vector<std::string> labels;
   for (const PolicyConfig& c : out) labels.push_back(PolicyLabel(c));
-  EXPECT_EQ(labels, (std::vector<std::string>{"quest@0.05", "fluxion@0.05",
-                                              "fluxion@0.05+device", "lfps@0.05"}));
+  EXPECT_EQ(labels, (std::vector<std::string>{"quest@0.05", "fluxion@0.05", "fluxion@0.05+device",
+                                              "lfps@0.05", "lfps@0.05+device"}));
   EXPECT_FALSE(ReadsPageScores(out[2])) << "compact keys replace Fluxion's page scores";
   EXPECT_TRUE(ReadsPageScores(out[1]));
-  EXPECT_FALSE(MakePolicy(out[3])->DevicePick({}).has_value());
+  EXPECT_FALSE(MakePolicy(out[0])->DevicePick({}).has_value()) << "quest ranks page bounds";
+  EXPECT_FALSE(MakePolicy(out[3])->DevicePick({}).has_value()) << "the host selector";
   EXPECT_EQ(*ParseSelector("device"), Selector::kDevice);
   EXPECT_FALSE(ParseSelector("gpu").ok());
 }

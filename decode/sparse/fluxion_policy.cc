@@ -53,7 +53,7 @@ void FluxionPolicy::Select(const SelectionInput& in, std::vector<kernels::PageSp
   if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) {
     ++stats->streaming;
   } else {
-    ScratchOf(in.layer, in.kv_head).compact.SelectMiddle(in, r, &middle, stats);
+    ScratchOf(in.layer, in.kv_head).compact.SelectMiddle(in, DeviceAskOf(r), &middle, stats);
   }
   AssembleSpans(in, r, middle, spans, stats);
 }
@@ -67,9 +67,9 @@ void FluxionPolicy::PrepareNextStep(const SelectionInput& next) {
   if (!DeviceSelects(config_)) LfpsPolicy::PrepareNextStep(next);
 }
 
-std::optional<kernels::CompactPick> FluxionPolicy::DevicePick(const SelectionInput& in) {
+std::optional<DeviceAsk> FluxionPolicy::DevicePick(const SelectionInput& in) {
   if (!DeviceSelects(config_)) return std::nullopt;
-  return CompactPickOf(StepRegions(in));
+  return DeviceAskOf(StepRegions(in));
 }
 
 void FluxionPolicy::Allocate() {

@@ -60,7 +60,7 @@ class FluxionPolicy : public LfpsPolicy {
               SelectionStats* stats) override;
   void Observe(const SelectionInput& in, const std::vector<kernels::PageSpan>& spans) override;
   void PrepareNextStep(const SelectionInput& next) override;
-  std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) override;
+  std::optional<DeviceAsk> DevicePick(const SelectionInput& in) override;
 
   // The weight of (layer, kv_head) after allocation (1 = the uniform share); for tests and
   // reports. Allocates on first use.

@@ -6,6 +6,7 @@
 #include <iterator>
 #include <optional>
 
+#include "absl/numeric/bits.h"
 #include "decode/sparse/policy_util.h"
 #include "glog/logging.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -214,7 +215,10 @@ void LfpsPolicy::PrepareNextStep(const SelectionInput& next) {
   s.prepared.context = -1;
   // Nothing to make for a step that refreshes exactly, or that will likely bypass (the head
   // bypassed this step; a wrong guess costs a table pass off the critical path, or one on it).
-  if (RefreshDue(s) || s.bypassed) return;
+  // Under the device selector every head is prepared: the device is asked for the picks before
+  // the step knows which heads bypass (DevicePick), and an unprepared head would make its table
+  // pass then, on the critical path.
+  if (RefreshDue(s) || (s.bypassed && !DeviceSelects(config_))) return;
   if (replaying() && profile_->DrawBypass(replay_, next.layer, next.kv_head, next.context)) {
     return;
   }
@@ -254,18 +258,22 @@ void LfpsPolicy::Select(const SelectionInput& in, std::vector<PageSpan>* spans,
     AssembleSpans(in, r, middle, spans, stats);
     return;
   }
-  x.picked.clear();
-  if (RefreshDue(s)) {
-    PickExactly(in, r, s, x, stats);
+  if (DeviceSelects(config_)) {
+    PickOnDevice(in, r, s, x, &middle, stats);
   } else {
-    PickFromTables(in, r, s, x, stats);
+    x.picked.clear();
+    if (RefreshDue(s)) {
+      PickExactly(in, r, s, x, stats);
+    } else {
+      PickFromTables(in, r, s, x, stats);
+    }
+    // In order already unless the exact refresh's top-k picked them (a sort of sorted input
+    // still costs n log n on the head-step's serial path).
+    if (!std::is_sorted(x.picked.begin(), x.picked.end())) {
+      std::sort(x.picked.begin(), x.picked.end());
+    }
+    AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
   }
-  // In order already unless the exact refresh's top-k picked them (a sort of sorted input still
-  // costs n log n on the head-step's serial path).
-  if (!std::is_sorted(x.picked.begin(), x.picked.end())) {
-    std::sort(x.picked.begin(), x.picked.end());
-  }
-  AppendPositions(*in.kv, in.layer, in.kv_head, x.picked, &middle);
   AssembleSpans(in, r, middle, spans, stats);
   // The decision, for decision profiles: the budget the head-step was given (not what its
   // candidates let it spend), sinks and window included.
@@ -410,6 +418,60 @@ void LfpsPolicy::PickFromTables(const SelectionInput& in, const Regions& r, Head
   }
   stats->k_rows_scored += static_cast<int64_t>(candidates.size());
   ++s.steps_since_refresh;
+}
+
+const std::vector<uint64_t>& LfpsPolicy::PreparedCandidates(const SelectionInput& in,
+                                                             const Regions& r, HeadState& s) {
+  HeadState::PreparedPicks& ahead = s.prepared;
+  const int64_t k = r.middle_rows_budget;
+  if (ahead.context != in.context || ahead.k != k || ahead.sink_end != r.sink_end ||
+      ahead.local_begin != r.local_begin) {
+    CandidateMarks marks(r.sink_end, r.local_begin, &ahead.bits);
+    MarkTablePicks(s, ScratchOf(in.layer, in.kv_head), r, in.context, k, &marks);
+    ahead.context = in.context;
+    ahead.k = k;
+    ahead.sink_end = r.sink_end;
+    ahead.local_begin = r.local_begin;
+  }
+  return ahead.bits;
+}
+
+DeviceAsk LfpsPolicy::AskFor(const SelectionInput& in, const Regions& r, HeadState& s) {
+  if (RefreshDue(s)) return DeviceAskOf(r);
+  return DeviceAskOf(r, &PreparedCandidates(in, r, s));
+}
+
+std::optional<DeviceAsk> LfpsPolicy::DevicePick(const SelectionInput& in) {
+  if (!DeviceSelects(config_)) return std::nullopt;
+  const Regions r = StepRegions(in);
+  if (r.middle_rows_budget <= 0 || r.local_begin <= r.sink_end) return DeviceAsk{};
+  // Under a profile the bypass is drawn (Bypasses), unless the guard vetoes it: such a head-step
+  // reads no middle row. Otherwise the bypass needs the step's query: the device picks anyway.
+  if (replaying() && in.budget_shift <= 0.0 &&
+      profile_->DrawBypass(replay_, in.layer, in.kv_head, in.context)) {
+    return DeviceAsk{};
+  }
+  return AskFor(in, r, State(in.layer, in.kv_head));
+}
+
+void LfpsPolicy::PickOnDevice(const SelectionInput& in, const Regions& r, HeadState& s,
+                              Scratch& x, std::vector<PageSpan>* middle, SelectionStats* stats) {
+  const bool refresh = RefreshDue(s);
+  const DeviceAsk ask = AskFor(in, r, s);
+  if (ask.candidates != nullptr) {
+    int64_t candidates = 0;
+    for (uint64_t w : *ask.candidates) candidates += absl::popcount(w);
+    ++stats->candidate_steps;
+    stats->candidate_rows += candidates;
+    stats->candidate_context += in.context;
+  }
+  x.compact.SelectMiddle(in, ask, middle, stats);
+  s.prepared.context = -1;  // used
+  if (refresh) {
+    s.steps_since_refresh = 0;
+  } else {
+    ++s.steps_since_refresh;
+  }
 }
 
 void LfpsPolicy::Observe(const SelectionInput& in, const std::vector<PageSpan>& spans) {

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -75,6 +76,10 @@ class LfpsPolicy : public SparsePolicy {
   void PrepareNextStep(const SelectionInput& next) override;
   bool ApproximateRest(const SelectionInput& in, float* out, float* lse) override;
   double MiddleWeight(int layer, int kv_head) override;
+  // Under Selector::kDevice: the table candidates (made a step ahead, as the host path's) or, on
+  // a refresh step, the whole middle, for the compact-key top-k. Nothing (k 0) for a head-step a
+  // decision profile bypasses.
+  std::optional<DeviceAsk> DevicePick(const SelectionInput& in) override;
 
  protected:
   static constexpr int kShareMemory = 8;
@@ -146,7 +151,7 @@ class LfpsPolicy : public SparsePolicy {
     std::vector<float> best_weights;  // [row]: the group's largest half-normalised weight
     std::vector<double> head_exps;  // [group][row]: exp(logit - the head's max over all rows)
     std::vector<double> head_middle_share;
-    CompactSelection compact;  // Fluxion under Selector::kDevice
+    CompactSelection compact;  // LFPS and Fluxion under Selector::kDevice
   };
 
   // Both create the head's entry on first use. Heads of a shared object selected in parallel
@@ -197,6 +202,18 @@ class LfpsPolicy : public SparsePolicy {
                    SelectionStats* stats);
   void PickFromTables(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x,
                       SelectionStats* stats);
+  // Selector::kDevice's picks in place of both: the compact-key top-k of AskFor's rows, appended
+  // to *middle as spans.
+  void PickOnDevice(const SelectionInput& in, const Regions& r, HeadState& s, Scratch& x,
+                    std::vector<kernels::PageSpan>* middle, SelectionStats* stats);
+  // What the device picks from at the step of `in` (regions r): the whole middle when a refresh
+  // is due, else the tables' candidates (PreparedCandidates).
+  DeviceAsk AskFor(const SelectionInput& in, const Regions& r, HeadState& s);
+  // The tables' expanded candidates of the step of `in` as a CandidateMarks bitmap over r's
+  // middle, in s.prepared: made a step ahead (PrepareNextStep) when they were for these regions
+  // and budget, else now (and kept there for the step's Select).
+  const std::vector<uint64_t>& PreparedCandidates(const SelectionInput& in, const Regions& r,
+                                                  HeadState& s);
   // Scaled logits of every query head of the group over `spans`' rows, in span order:
   // (*out)[row * group + g]. One walk over the keys for the whole group.
   static void GroupLogits(const PagedKv& kv, const std::vector<kernels::PageSpan>& spans,

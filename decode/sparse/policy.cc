@@ -43,9 +43,9 @@ class ExactTopKPolicy : public SparsePolicy {
  public:
   explicit ExactTopKPolicy(const PolicyConfig& c) : config_(c) {}
 
-  std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) override {
+  std::optional<DeviceAsk> DevicePick(const SelectionInput& in) override {
     if (!DeviceSelects(config_)) return std::nullopt;
-    return CompactPickOf(SplitStep(config_, in));
+    return DeviceAskOf(SplitStep(config_, in));
   }
 
   void Select(const SelectionInput& in, std::vector<PageSpan>* spans,
@@ -54,7 +54,7 @@ class ExactTopKPolicy : public SparsePolicy {
     std::vector<PageSpan> middle;
     const int64_t n = r.local_begin - r.sink_end;
     if (DeviceSelects(config_)) {
-      compact_.SelectMiddle(in, r, &middle, stats);
+      compact_.SelectMiddle(in, DeviceAskOf(r), &middle, stats);
     } else if (r.middle_rows_budget > 0 && n > 0) {
       scan_.clear();
       AppendTokenRange(*in.kv, in.layer, in.kv_head, r.sink_end, r.local_begin, &scan_);
@@ -150,9 +150,9 @@ constexpr KindEntry kKinds[] = {
     {PolicyKind::kExactTopK,
      {"exact_topk", false, false, false, true, false, false, false, true, false}},
     {PolicyKind::kQuest, {"quest", false, false, false, true, true, false, false, false, true}},
-    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false, false, false}},
+    {PolicyKind::kLfps, {"lfps", false, true, false, true, false, true, false, true, false}},
     {PolicyKind::kLfpsPaper,
-     {"lfps_paper", false, true, false, true, false, false, false, false, true}},
+     {"lfps_paper", false, true, false, true, false, false, false, true, true}},
     {PolicyKind::kFluxion, {"fluxion", false, true, true, false, true, true, true, true, false}},
     {PolicyKind::kFluxionRules,
      {"fluxion_rules", false, true, false, false, true, false, false, true, true}},

@@ -73,9 +73,10 @@ struct PolicyTraits {
   // (measured: docs/SPARSE.md, "The online per-head error guard"). Escalations still apply.
   bool guard_relaxes;
   // Under Selector::kDevice it picks its middle rows as the top-k of compact-key scores
-  // (decode/sparse/device_selection.h): exact_topk (k: the uniform budget) and Fluxion (k: the
-  // head's allocated budget). The others select as under kHost: quest and fixed_* already rank on
-  // the device; LFPS's history tables stay on the host (docs/SPARSE.md, "Device selection").
+  // (decode/sparse/device_selection.h): exact_topk (k: the uniform budget, the whole middle),
+  // Fluxion (k: the head's allocated budget, the whole middle) and LFPS (k: the uniform budget,
+  // among its history tables' candidates). quest and fixed_* select as under kHost: they already
+  // rank on the device (docs/SPARSE.md, "Device selection").
   bool device_selects;
   // A baseline kept for comparison, not for serving (quest, fixed_*, lfps_paper, fluxion_rules):
   // measuring commands run it beside the served policies; help texts say so.
@@ -130,6 +131,15 @@ struct PolicyConfig {
 // Whether `config` picks its middle rows from compact keys (selector kDevice and a kind whose
 // traits say device_selects).
 bool DeviceSelects(const PolicyConfig& config);
+
+// What a policy that selects from compact keys asks of a head-step (SparsePolicy::DevicePick):
+// the pick.k rows of [pick.begin, pick.end) with the best compact scores, among `candidates` when
+// set (bit j: position pick.begin + j, as CandidateMarks lays them out; pick.k at most the bits
+// set), else among every row. pick.mask is the caller's: where it stages the candidates.
+struct DeviceAsk {
+  kernels::CompactPick pick;
+  const std::vector<uint64_t>* candidates = nullptr;
+};
 
 // Whether `config` reads Quest page-bound scores: its kind ranks page bounds and it does not
 // select from compact keys. The hybrid step's device computes them where it keeps the bounds.
@@ -317,13 +327,12 @@ class SparsePolicy {
   virtual double MiddleWeight(int layer, int kv_head) { return 1.0; }
 
   // For a policy that selects from compact keys (DeviceSelects): the middle region of the step of
-  // `in` (q unused) and how many of its rows it picks, so the hybrid step's device can pick them
-  // before Select runs (and hand them over in SelectionInput::device_picks). A pure function of
-  // the input and what the policy decided before the step. nullopt (the default): the policy
-  // selects itself.
-  virtual std::optional<kernels::CompactPick> DevicePick(const SelectionInput& in) {
-    return std::nullopt;
-  }
+  // `in` (q unused), how many of its rows it picks and among which, so the hybrid step's device
+  // can pick them before Select runs (and hand them over in SelectionInput::device_picks). What
+  // Select picks whenever it reads the middle: a function of the input and what the policy
+  // decided before the step (LFPS may make its table candidates here, which Select then uses).
+  // nullopt (the default): the policy selects itself.
+  virtual std::optional<DeviceAsk> DevicePick(const SelectionInput& in) { return std::nullopt; }
 };
 
 std::unique_ptr<SparsePolicy> MakePolicy(const PolicyConfig& config);

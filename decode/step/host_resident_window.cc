@@ -125,7 +125,8 @@ class HostResidentWindow : public ResidentWindow {
   // The CPU's own compact selection (kernels/cpu/compact_topk.h), which the CUDA window's
   // CompactTopK equals bit for bit.
   void SelectRows(int layer, const float* q, const float* k,
-                  absl::Span<const kernels::CompactPick> asked) override {
+                  absl::Span<const kernels::CompactPick> asked,
+                  absl::Span<const uint64_t> masks) override {
     const int64_t d = shape_.head_dim, hq = shape_.num_heads, hkv = shape_.num_kv_heads;
     const int64_t group = hq / hkv;
     for (size_t i = 0; i < step_slots_.size(); ++i) {
@@ -148,8 +149,12 @@ class HostResidentWindow : public ResidentWindow {
         const int64_t first = CompactRow(layer, h);
         pick_scores_.resize(p.end - p.begin);
         for (int64_t t = p.begin; t < p.end; ++t) {
-          pick_scores_[t - p.begin] = kernels::cpu::CompactGroupScore(
-              query_, compact_values_[c].data() + (first + t) * d, compact_scales_[c][first + t]);
+          pick_scores_[t - p.begin] =
+              kernels::CompactCandidate(p, masks.data(), t - p.begin)
+                  ? kernels::cpu::CompactGroupScore(query_,
+                                                    compact_values_[c].data() + (first + t) * d,
+                                                    compact_scales_[c][first + t])
+                  : -INFINITY;
         }
         kernels::cpu::CompactTopKPositions(pick_scores_.data(), p.end - p.begin, p.k, p.begin,
                                            &picked_);

@@ -115,7 +115,7 @@ absl::Status HybridBatchAttention::Attend(const model::LayerAttentionIo& io) {
   window_->ScoreBlocks(io.layer, io.q, io.k);
   if (window_->shape().compact_slots > 0) {
     AskDevicePicks(io);
-    window_->SelectRows(io.layer, io.q, io.k, asked_);
+    window_->SelectRows(io.layer, io.q, io.k, asked_, asked_masks_);
   }
   window_->AppendAndAttend(io.layer, io.q, io.k, io.v, io.out);
   clock.Lap(&counters_.to_host_s);
@@ -253,11 +253,18 @@ absl::Status HybridBatchAttention::CpuPhase(const model::LayerAttentionIo& io, c
 void HybridBatchAttention::AskDevicePicks(const model::LayerAttentionIo& io) {
   const int64_t hkv = shape_.num_kv_heads;
   asked_.assign(io.rows * hkv, kernels::CompactPick{0, 0, -1});
+  asked_masks_.clear();
   for (int64_t i = 0; i < io.rows; ++i) {
     for (int64_t h = 0; h < hkv; ++h) {
-      const std::optional<kernels::CompactPick> p = attentions_[i]->DevicePick(
+      const std::optional<sparse::DeviceAsk> a = attentions_[i]->DevicePick(
           static_cast<int>(h), io.layer, io.positions[i], budget_scale_);
-      if (p.has_value()) asked_[i * hkv + h] = *p;
+      if (!a.has_value()) continue;
+      kernels::CompactPick& p = asked_[i * hkv + h];
+      p = a->pick;
+      if (a->candidates != nullptr && p.k > 0) {
+        p.mask = static_cast<int32_t>(asked_masks_.size());
+        asked_masks_.insert(asked_masks_.end(), a->candidates->begin(), a->candidates->end());
+      }
     }
   }
 }

@@ -181,6 +181,7 @@ class HybridBatchAttention : public model::BatchAttention {
   std::vector<absl::Status> statuses_;
   std::vector<RequestUnit> units_;
   std::vector<kernels::CompactPick> asked_;  // [rows * num_kv_heads], AskDevicePicks's
+  std::vector<uint64_t> asked_masks_;         // their candidates' words (CompactPick::mask)
   std::vector<RequestUnit> pending_units_;  // the previous layer's deferred observations
   std::vector<PairPlan> pair_plans_;  // [request * num_kv_heads + head]
   std::vector<int64_t> indptr_;

@@ -234,12 +234,14 @@ class ResidentWindow {
   // compact rows (kernels/compact_keys.h), from the host pages at Admit and from each step's K
   // here. Layer `layer` of the step, after ScoreBlocks and before AppendAndAttend, with the same
   // q and k: appends each compact row's K, then picks for every pair j = row * num_kv_heads + h
-  // with asked[j].k > 0 the k best rows of [begin, end) by compact score, ascending
-  // (CompactTopK's rule), readable after WaitBlockScores in block_scores(row).picks. Called
-  // every layer of every step while compact_slots > 0 (the appends keep the rows current);
-  // `asked` empty or every k < 0 picks nothing. Asynchronous like ScoreBlocks.
+  // with asked[j].k > 0 the k best rows of [begin, end) by compact score, among the candidates
+  // of `masks` where asked[j].mask >= 0 (kernels::CompactCandidate), ascending (CompactTopK's
+  // rule), readable after WaitBlockScores in block_scores(row).picks. `masks` is read before the
+  // call returns. Called every layer of every step while compact_slots > 0 (the appends keep the
+  // rows current); `asked` empty or every k < 0 picks nothing. Asynchronous like ScoreBlocks.
   virtual void SelectRows(int layer, const float* q, const float* k,
-                          absl::Span<const kernels::CompactPick> asked) = 0;
+                          absl::Span<const kernels::CompactPick> asked,
+                          absl::Span<const uint64_t> masks) = 0;
 
   // Zero-copy reads (ALGORITHMS.md §2.4.6 item 3): the device attends part of the selected host
   // rows itself, reading host pages over PCIe while the CPU reads the rest, so both paths to host

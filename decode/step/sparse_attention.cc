@@ -204,9 +204,9 @@ void SparseAttention::SelectUnit(int unit, const float* q, const sparse::ScoredB
   PolicyOf(unit).Select(in, &spans, &head_stats_[h]);
 }
 
-std::optional<kernels::CompactPick> SparseAttention::DevicePick(int unit, int layer,
-                                                                int64_t position,
-                                                                double budget_scale) const {
+std::optional<sparse::DeviceAsk> SparseAttention::DevicePick(int unit, int layer,
+                                                             int64_t position,
+                                                             double budget_scale) const {
   sparse::SelectionInput in{kv_.get(), layer, unit, nullptr,
                             shape_.num_heads / shape_.num_kv_heads, shape_.scale, position + 1};
   in.budget_scale = budget_scale;

@@ -87,8 +87,8 @@ class SparseAttention : public model::SequenceAttention {
   // What the policy of `unit` asks the device to pick at `layer` of the step whose token is at
   // `position` (SparsePolicy::DevicePick, with the guard's shift and `budget_scale` as SelectUnit
   // will apply them); nullopt when it selects itself. Before the layer's AppendToken.
-  std::optional<kernels::CompactPick> DevicePick(int unit, int layer, int64_t position,
-                                                 double budget_scale) const;
+  std::optional<sparse::DeviceAsk> DevicePick(int unit, int layer, int64_t position,
+                                              double budget_scale) const;
   const std::vector<kernels::PageSpan>& head_spans(int kv_head) const {
     return head_spans_[step_layer_ & 1][kv_head];
   }

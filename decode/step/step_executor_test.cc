@@ -99,8 +99,8 @@ class StepExecutorTest : public ::testing::Test {
   // The hybrid executor with the dense halves on the CPU and the host stand-in of the window.
   // With max_context_tokens > 0 the window keeps page bounds and scores blocks for quest and
   // fixed_* (ResidentWindow::ScoreBlocks).
-  // With compact_slots > 0 that many requests keep compact keys, and exact_topk / fluxion under
-  // Selector::kDevice take their picks from the window (ResidentWindow::SelectRows).
+  // With compact_slots > 0 that many requests keep compact keys, and exact_topk / lfps / fluxion
+  // under Selector::kDevice take their picks from the window (ResidentWindow::SelectRows).
   static std::unique_ptr<HybridStepExecutor> MakeHybrid(const kernels::cpu::CpuPool* pool,
                                                         int64_t max_requests = 8,
                                                         int64_t max_context_tokens = 0,
@@ -292,7 +292,8 @@ TEST_F(StepExecutorTest, DevicePicksFromTheWindowSelectWhatTheCpuEmulationSelect
   std::vector<Prefill> prefills;
   for (int64_t n : {400, 700, 500}) prefills.push_back(MakePrefill(Prompt(n, 900 + n)));
   const kernels::cpu::CpuPool pool(2);
-  for (const std::string name : {"exact_topk", "fluxion_rules"}) {
+  // lfps: among its tables' candidates (the window's picks take the candidates' words).
+  for (const std::string name : {"exact_topk", "fluxion_rules", "lfps"}) {
     SCOPED_TRACE(name);
     sparse::PolicyConfig policy = *sparse::ParsePolicy(name, 0.3);
     policy.selector = sparse::Selector::kDevice;
@@ -309,6 +310,9 @@ TEST_F(StepExecutorTest, DevicePicksFromTheWindowSelectWhatTheCpuEmulationSelect
     EXPECT_EQ(h.stats[2].selections_ranked_elsewhere, 0) << "no compact slot left for it";
     EXPECT_GT(h.stats[2].k_rows_scored, 0);
     EXPECT_EQ(b.stats[0].selections_ranked_elsewhere, 0);
+    if (name == "lfps") {
+      EXPECT_GT(h.stats[0].candidate_steps, 0) << "some steps picked among table candidates";
+    }
   }
 }
 

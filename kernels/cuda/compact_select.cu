@@ -71,6 +71,7 @@ struct ScoreArgs {
   int64_t num_heads;
   const int32_t* slots;
   const CompactPick* picks;
+  const uint64_t* masks;
   int64_t max_span;
   float* scores;
 };
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kScoreThreads) CompactScoreKernel(ScoreArgs a)
         best = best < s ? s : best;
       }
       const int64_t t = base + u * Shape::kRowsPerLoad + row_in_load;
-      if (part == 0 && t < stop) out[t] = best;
+      if (part == 0 && t < stop) out[t] = CompactCandidate(p, a.masks, t) ? best : -INFINITY;
     }
   }
 }
@@ -482,14 +483,15 @@ cudaError_t CheckSelectArgs(const CompactKeysLayout& layout, int layer, int64_t 
 
 cudaError_t CompactScores(const CompactKeysLayout& layout, int layer, const float* q,
                           int64_t num_heads, const int32_t* slots, const CompactPick* picks,
-                          int64_t rows, int64_t max_span, float* scores, cudaStream_t stream) {
+                          const uint64_t* masks, int64_t rows, int64_t max_span, float* scores,
+                          cudaStream_t stream) {
   if (const cudaError_t e = CheckSelectArgs(layout, layer, num_heads, rows); e != cudaSuccess) {
     return e;
   }
   // Every pair that selects is at most max_span wide: nothing to do without one.
   if (rows <= 0 || max_span <= 0) return cudaSuccess;
   const int64_t group = num_heads / layout.num_kv_heads;
-  const ScoreArgs a{layout, layer, q, num_heads, slots, picks, max_span, scores};
+  const ScoreArgs a{layout, layer, q, num_heads, slots, picks, masks, max_span, scores};
   switch (layout.head_dim) {
     case 32:
       LaunchScoresForGroup<32>(group, a, rows, stream);
@@ -518,9 +520,9 @@ cudaError_t CompactSelectBest(const CompactKeysLayout& layout, const int32_t* sl
 
 cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float* q,
                         int64_t num_heads, const int32_t* slots, const CompactPick* picks,
-                        int64_t rows, int64_t max_span, float* scores, int32_t* out,
-                        cudaStream_t stream) {
-  if (const cudaError_t e = CompactScores(layout, layer, q, num_heads, slots, picks, rows,
+                        const uint64_t* masks, int64_t rows, int64_t max_span, float* scores,
+                        int32_t* out, cudaStream_t stream) {
+  if (const cudaError_t e = CompactScores(layout, layer, q, num_heads, slots, picks, masks, rows,
                                           max_span, scores, stream);
       e != cudaSuccess) {
     return e;

@@ -40,22 +40,26 @@ cudaError_t CompactKeysAppend(const CompactKeysLayout& layout, int layer, const 
 // every compact row t in [p.begin, p.end) of (slots[i], layer, h) as max_g
 // CompactScore(dot_int32(q_g, k_t), q_scale_g, k_scale_t), and writes the min(p.k, p.end - p.begin)
 // positions with the largest scores, ascending, to out[p.offset + j]: ties go to the lower position
-// (exactly kernels::cpu::CompactTopKPositions over the same scores). `scores` is device scratch of
-// rows * num_kv_heads * max_span floats, max_span >= every p.end - p.begin (a pair wider than
-// max_span, or of a row with slots[i] < 0, is skipped: nothing is written for it). picks, slots,
-// out: device memory; layout.values 16-byte aligned (cudaMalloc's are). head_dim 32, 64 or 128, a
-// group of 1..8 heads, layer in [0, num_layers) and rows <= 65535, else cudaErrorInvalidValue.
+// (exactly kernels::cpu::CompactTopKPositions over the same scores). A pick with p.mask >= 0
+// scores its non-candidates (CompactCandidate over `masks`, device memory; null when no pick has
+// a mask) -infinity, so its p.k (at most its candidates) picks come from the candidates.
+// `scores` is device scratch of rows * num_kv_heads * max_span floats, max_span >= every
+// p.end - p.begin (a pair wider than max_span, or of a row with slots[i] < 0, is skipped: nothing
+// is written for it). picks, slots, out: device memory; layout.values 16-byte aligned
+// (cudaMalloc's are). head_dim 32, 64 or 128, a group of 1..8 heads, layer in [0, num_layers)
+// and rows <= 65535, else cudaErrorInvalidValue.
 cudaError_t CompactTopK(const CompactKeysLayout& layout, int layer, const float* q,
                         int64_t num_heads, const int32_t* slots, const CompactPick* picks,
-                        int64_t rows, int64_t max_span, float* scores, int32_t* out,
-                        cudaStream_t stream);
+                        const uint64_t* masks, int64_t rows, int64_t max_span, float* scores,
+                        int32_t* out, cudaStream_t stream);
 
 // CompactTopK's two halves, for timing each (`fluxion bench selection`): CompactScores writes
 // every selecting pair's scores into `scores` (pairs with p.k >= the span are not scored);
 // CompactSelectBest picks from them into `out`. Same arguments and errors as CompactTopK.
 cudaError_t CompactScores(const CompactKeysLayout& layout, int layer, const float* q,
                           int64_t num_heads, const int32_t* slots, const CompactPick* picks,
-                          int64_t rows, int64_t max_span, float* scores, cudaStream_t stream);
+                          const uint64_t* masks, int64_t rows, int64_t max_span, float* scores,
+                          cudaStream_t stream);
 cudaError_t CompactSelectBest(const CompactKeysLayout& layout, const int32_t* slots,
                               const CompactPick* picks, int64_t rows, int64_t max_span,
                               const float* scores, int32_t* out, cudaStream_t stream);

@@ -164,9 +164,11 @@ struct SlotSpec {
   float key_scale;
   int64_t distinct;
 };
-// One (row, KV head)'s range and k.
+// One (row, KV head)'s range and k; with one_in > 0 only candidates compete (CompactPick::mask):
+// each row of the range one time in `one_in`, drawn, and k at most their count.
 struct PickSpec {
   int32_t begin, end, k;
+  int one_in = 0;
 };
 // A batch row: its slot (-1: not selected), its queries' scale, and its picks: head h takes
 // picks[h % picks.size()].
@@ -221,15 +223,19 @@ struct Coverage {
 
 // The CPU's picks for query group q_group ([group][head_dim]) over rows [begin, end) of
 // (slot, layer, head).
+// (slot, layer, head), among the candidates of `pick` (its mask's words in `masks`).
 std::vector<int32_t> CpuPicks(const HostKeys& keys, const SelectCase& c, const float* q_group,
-                              int32_t slot, int64_t head, const PickSpec& p, Coverage* coverage) {
+                              int32_t slot, int64_t head, const CompactPick& p,
+                              const std::vector<uint64_t>& masks, Coverage* coverage) {
   cpu::CompactQuery query;
   cpu::CompactQueryGroup(q_group, c.shape.group, c.shape.head_dim, &query);
   const int64_t n = p.end - p.begin;
   std::vector<float> scores(n);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t row = keys.Row(slot, c.shape.layer, head, p.begin + j);
-    scores[j] = cpu::CompactGroupScore(query, keys.Values(row), keys.scales[row]);
+    scores[j] = CompactCandidate(p, masks.data(), j)
+                    ? cpu::CompactGroupScore(query, keys.Values(row), keys.scales[row])
+                    : -INFINITY;
   }
   std::vector<int32_t> picks;
   cpu::CompactTopKPositions(scores.data(), n, p.k, p.begin, &picks);
@@ -263,15 +269,28 @@ void ExpectSelectMatchesCpu(const SelectCase& c, std::mt19937* rng, Coverage* co
   // expected output.
   std::vector<int32_t> slots;
   std::vector<CompactPick> picks;
+  std::vector<uint64_t> masks;
   std::vector<int32_t> expected;
   int64_t max_n = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const RowSpec& r = c.rows[i];
     slots.push_back(r.slot);
     for (int64_t h = 0; h < c.shape.num_kv_heads; ++h) {
-      const PickSpec& p = r.picks[h % r.picks.size()];
+      PickSpec p = r.picks[h % r.picks.size()];
       const int64_t n = p.end - p.begin;
-      picks.push_back({p.begin, p.end, p.k, 0, static_cast<int64_t>(expected.size())});
+      CompactPick pick{p.begin, p.end, p.k, -1, static_cast<int64_t>(expected.size())};
+      if (p.one_in > 0 && n > 0) {
+        pick.mask = static_cast<int32_t>(masks.size());
+        masks.resize(masks.size() + (n + 63) / 64, 0);
+        int32_t candidates = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          if ((*rng)() % p.one_in != 0) continue;
+          masks[pick.mask + j / 64] |= uint64_t{1} << (j % 64);
+          ++candidates;
+        }
+        pick.k = p.k = std::min(p.k, candidates);
+      }
+      picks.push_back(pick);
       max_n = std::max(max_n, n);
       if (p.k <= 0 || n <= 0) continue;
       if (!Selects(r, p)) {
@@ -280,7 +299,7 @@ void ExpectSelectMatchesCpu(const SelectCase& c, std::mt19937* rng, Coverage* co
       }
       const std::vector<int32_t> cpu_picks =
           CpuPicks(keys, c, q.data() + (i * num_heads + h * c.shape.group) * c.shape.head_dim,
-                   r.slot, h, p, coverage);
+                   r.slot, h, pick, masks, coverage);
       expected.insert(expected.end(), cpu_picks.begin(), cpu_picks.end());
     }
   }
@@ -291,13 +310,14 @@ void ExpectSelectMatchesCpu(const SelectCase& c, std::mt19937* rng, Coverage* co
   const float* q_dev = dev.ToDevice(q);
   const int32_t* slots_dev = dev.ToDevice(slots);
   const CompactPick* picks_dev = dev.ToDevice(picks);
+  const uint64_t* masks_dev = masks.empty() ? nullptr : dev.ToDevice(masks);
   // Scratch rows 16-byte aligned, and not.
   const int64_t aligned_span = (max_n + 3) / 4 * 4;
   for (const int64_t max_span : {aligned_span, aligned_span + 1}) {
     float* scores = dev.ToDevice(std::vector<float>(rows * c.shape.num_kv_heads * max_span, NAN));
     int32_t* out = dev.ToDevice(std::vector<int32_t>(expected.size(), -7));
     ASSERT_EQ(CompactTopK(layout, static_cast<int>(c.shape.layer), q_dev, num_heads, slots_dev,
-                          picks_dev, rows, max_span, scores, out, nullptr),
+                          picks_dev, masks_dev, rows, max_span, scores, out, nullptr),
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<int32_t> got = DeviceBuffers::ToHost(out, expected.size());
@@ -330,7 +350,11 @@ TEST(CompactTopKTest, PicksWhatTheCpuSelectionPicks) {
         {1, 1.0f, {{0, 1000, 100}, {3, 997, 1}}},
         {2, 1.0f, {{0, 37, 5}, {0, 37, 37}}},
         {0, 1.0f, {{100, 5000, 0}, {200, 300, 500}}},  // k = 0; k > span
-        {1, 1.0f, {{500, 500, 5}, {10, 900, 889}}}}},  // an empty range; k = span - 1
+        {1, 1.0f, {{500, 500, 5}, {10, 900, 889}}},    // an empty range; k = span - 1
+        // Candidates only (LFPS's table picks): past the cache and within it; k above their
+        // count (clamped to it); one in one (every row a candidate, as without a mask).
+        {0, 1.0f, {{64, 60000, 2000, 8}, {10, 70000, 100000, 9}}},
+        {1, 1.0f, {{3, 1000, 40, 3}, {0, 1000, 300, 1}}}}},
       // A layer past the first; a row without a slot; an all-zero query (every score +0.0).
       {{32, 2, 4, 3, 2},
        {{1000, 1.0f, 0}, {37, 1.0f, 3}},
@@ -361,8 +385,8 @@ TEST(CompactTopKTest, RejectsUnsupportedShapes) {
   layout.max_tokens = 16;
   auto top_k = [&](int64_t head_dim, int64_t num_heads, int layer) {
     layout.head_dim = head_dim;
-    return CompactTopK(layout, layer, nullptr, num_heads, nullptr, nullptr, 1, 16, nullptr, nullptr,
-                       nullptr);
+    return CompactTopK(layout, layer, nullptr, num_heads, nullptr, nullptr, nullptr, 1, 16,
+                       nullptr, nullptr, nullptr);
   };
   EXPECT_EQ(top_k(48, 8, 0), cudaErrorInvalidValue);    // head_dim
   EXPECT_EQ(top_k(128, 18, 0), cudaErrorInvalidValue);  // a group of 9

@@ -17,6 +17,8 @@
 #       `fluxion bench prefill --device cuda ARGS` (TTFT with a forked decode side), same files
 #   run.sh bench-gpu NAME SECONDS ARGS...
 #       `fluxion bench gpu ARGS` (the decode step's kernels against HBM and PCIe probes)
+#   run.sh bench-selection NAME SECONDS ARGS...
+#       `fluxion bench selection ARGS` (device top-k over compact keys against the HBM probe)
 #   run.sh bench-attention NAME SECONDS ARGS...
 #       `fluxion bench attention ARGS` on the host's cores (set FLUXION_CPU_ISA to pick kernels)
 #   run.sh bench-decode-cpu NAME SECONDS ARGS...
@@ -40,7 +42,7 @@
 #   run.sh tokenizer-refs
 #       the HF tokenizer references of tests/data/tokenizers (tools/hf_reference/make_tokenizer_refs.py)
 #       as $OUT/tok.tar.gz
-mode=${1:?mode: tests, bench-decode, bench-prefill, bench-gpu, bench-attention, bench-decode-cpu, anchor, anchor-prefill, eval, eval-compare, local, train or tokenizer-refs}
+mode=${1:?mode: tests, bench-decode, bench-prefill, bench-gpu, bench-selection, bench-attention, bench-decode-cpu, anchor, anchor-prefill, eval, eval-compare, local, train or tokenizer-refs}
 shift
 here="$(dirname "$0")"
 
@@ -69,7 +71,7 @@ case "$mode" in
     timed "$name" "$seconds" "$bin/fluxion" bench "${mode#bench-}" --device cuda "$@" \
       --json "$out/$name.json"
     ;;
-  bench-gpu|bench-attention)
+  bench-gpu|bench-selection|bench-attention)
     name=${1:?NAME}
     seconds=${2:?SECONDS}
     shift 2
