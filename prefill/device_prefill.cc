@@ -158,6 +158,108 @@ struct Segment {
   int64_t first = 0, rows = 0, offset = 0;
 };
 
+// A batch's prompts laid out in HBM: each prompt's pages (every layer), records and tail queries,
+// and what the three buffers and the batch's rows add up to.
+struct BatchLayout {
+  std::vector<PromptLayout> prompts;
+  size_t pages_bytes = 0, meta_bytes = 0, tail_floats = 0;
+  int64_t total_rows = 0;
+};
+
+absl::StatusOr<BatchLayout> LayOut(absl::Span<const DevicePrompt> prompts,
+                                   const model::ModelConfig& c) {
+  const int64_t hkv = c.num_kv_heads, d = c.head_dim, hq = c.num_heads, layers = c.num_layers;
+  BatchLayout b;
+  b.prompts.resize(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const DevicePrompt& p = prompts[i];
+    const int64_t n = static_cast<int64_t>(p.tokens.size());
+    if (n < 1 || p.page_tokens < 1) {
+      return absl::InvalidArgumentError("the device prefill needs prompts and a page size");
+    }
+    PromptLayout& l = b.prompts[i];
+    l.tokens = n;
+    l.page_tokens = p.page_tokens;
+    l.pages_per_head = (n + p.page_tokens - 1) / p.page_tokens;
+    l.tail_rows = std::min<int64_t>(model::kPrefillTailRows, n);
+    l.page_bytes = static_cast<size_t>(2 * p.page_tokens * d) * 2;
+    l.layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * l.page_bytes;
+    l.pages_offset = b.pages_bytes;
+    b.pages_bytes += l.layer_bytes * layers;
+    l.meta = p.encode_meta;
+    if (l.meta) {  // the records of a layer: (head, page) in the pages' order, 4 * head_dim bytes
+      l.meta_layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * kRecordBytesPerDim * d;
+      l.meta_offset = b.meta_bytes;
+      b.meta_bytes += l.meta_layer_bytes * layers;
+    }
+    l.tail_offset = b.tail_floats;
+    b.tail_floats += static_cast<size_t>(layers * l.tail_rows * hq * d);
+    b.total_rows += n;
+  }
+  return b;
+}
+
+// One segment's device work at `layer` of the chunk in `buf`: its K/V into its pages `lp`, the
+// records of every page its rows touched (into `layer_meta` when l.meta), its causal attention,
+// and the queries of its rows in the prompt's tail (into `tail_q`, the batch's tail queries).
+absl::Status SegmentLayer(const model::StepBuffers& buf, const PromptLayout& l,
+                          const kernels::cuda::LayerPages& lp, const Segment& sg, int64_t layer,
+                          int64_t hq, float scale, uint8_t* layer_meta, float* tail_q,
+                          cudaStream_t stream) {
+  const int64_t d = lp.head_dim, kv_row = lp.num_kv_heads * d;
+  FLUXION_RETURN_IF_ERROR(CudaStatus(
+      kernels::cuda::WriteLayerPages(lp, buf.k + sg.offset * kv_row, buf.v + sg.offset * kv_row,
+                                     kv_row, sg.first, sg.rows, stream),
+      "write pages"));
+  if (l.meta) {
+    FLUXION_RETURN_IF_ERROR(CudaStatus(
+        kernels::cuda::EncodePageMeta(lp, l.tokens, sg.first / l.page_tokens,
+                                      (sg.first + sg.rows + l.page_tokens - 1) / l.page_tokens,
+                                      layer_meta, stream),
+        "page records"));
+  }
+  FLUXION_RETURN_IF_ERROR(CudaStatus(
+      kernels::cuda::CausalPrefillAttention(lp, buf.q + sg.offset * hq * d, sg.first, sg.rows, hq,
+                                            scale, buf.attn + sg.offset * hq * d, stream),
+      "attention"));
+  const int64_t tail0 = l.tokens - l.tail_rows;
+  const int64_t t_begin = std::max(sg.first, tail0), t_end = sg.first + sg.rows;
+  if (t_end <= t_begin) return absl::OkStatus();  // no row of the tail
+  return CudaStatus(
+      cudaMemcpyAsync(tail_q + l.tail_offset + ((layer * l.tail_rows) + (t_begin - tail0)) * hq * d,
+                      buf.q + (sg.offset + t_begin - sg.first) * hq * d,
+                      sizeof(float) * (t_end - t_begin) * hq * d, cudaMemcpyDeviceToDevice,
+                      stream),
+      "tail queries");
+}
+
+// The next chunk of at most `chunk` rows: the rows of the prompts still in (`still_in(i, 0)`), in
+// order, each from where it stopped (*next, advanced), their tokens and positions into `tokens`
+// and `positions`, their segments into *segments; *first_open skips the prompts done or gone.
+// Returns the chunk's rows (0: nothing left).
+template <typename StillIn>
+int64_t PackChunk(absl::Span<const DevicePrompt> prompts, int64_t chunk, StillIn& still_in,
+                  size_t* first_open, std::vector<int64_t>* next, std::vector<Segment>* segments,
+                  int32_t* tokens, int64_t* positions) {
+  segments->clear();
+  int64_t rows = 0;
+  for (size_t i = *first_open; i < prompts.size() && rows < chunk; ++i) {
+    const int64_t n = static_cast<int64_t>(prompts[i].tokens.size());
+    int64_t& at = (*next)[i];
+    if (at == n || !still_in(i, 0)) {
+      if (i == *first_open) ++*first_open;
+      continue;
+    }
+    const int64_t take = std::min(chunk - rows, n - at);
+    segments->push_back({i, at, take, rows});
+    std::copy_n(prompts[i].tokens.data() + at, take, tokens + rows);
+    for (int64_t r = 0; r < take; ++r) positions[rows + r] = at + r;
+    at += take;
+    rows += take;
+  }
+  return rows;
+}
+
 }  // namespace
 
 struct DevicePrefill::Impl {
@@ -179,12 +281,39 @@ struct DevicePrefill::Impl {
     if (staging != nullptr) cudaFreeHost(staging);
   }
 
+  // The buffers of a batch laid out as `b` of `count` prompts, its pages cleared (rows past a
+  // prompt's end in each head's last page go out as zeros).
+  absl::Status ReserveBatch(const BatchLayout& b, size_t count, cudaStream_t stream) {
+    FLUXION_RETURN_IF_ERROR(Reserve(pages, b.pages_bytes));
+    FLUXION_RETURN_IF_ERROR(Reserve(tail_q, sizeof(float) * b.tail_floats));
+    FLUXION_RETURN_IF_ERROR(Reserve(logits, sizeof(float) * count * config.vocab_size));
+    if (b.meta_bytes > 0) FLUXION_RETURN_IF_ERROR(Reserve(meta, b.meta_bytes));
+    return CudaStatus(cudaMemsetAsync(pages->data(), 0, b.pages_bytes, stream), "clear pages");
+  }
+
   // Grows `b` to at least `bytes` (contents not kept).
   absl::Status Reserve(std::unique_ptr<model::OpsBuffer>& b, size_t bytes) {
     if (b != nullptr && b->size() >= bytes) return absl::OkStatus();
     b.reset();
     FLUXION_ASSIGN_OR_RETURN(b, ops->Allocate(bytes));
     return absl::OkStatus();
+  }
+
+  // A prompt's result once the forward is over: `logits`, and its sparse state when `capture`
+  // (from its pages, first layer's at `first_layer`, and the batch's tail queries `tail_q`).
+  absl::StatusOr<DevicePrefillResult> Result(const PromptLayout& l,
+                                             const kernels::cuda::LayerPages& first_layer,
+                                             bool capture, std::vector<float> logits,
+                                             Clock::time_point forward_end, const float* tail_q,
+                                             cudaStream_t stream) {
+    DevicePrefillResult r;
+    r.logits = std::move(logits);
+    r.forward_end = forward_end;
+    if (capture) {
+      FLUXION_ASSIGN_OR_RETURN(r.state, Capture(first_layer, l.layer_bytes, l.tokens, l.tail_rows,
+                                                tail_q + l.tail_offset, stream));
+    }
+    return r;
   }
 
   // The sparse state of one prompt from its pages and its tail queries ([layer][row][head][dim]).
@@ -268,47 +397,14 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
   model::DenseOps& ops = *m.ops;
   cudaStream_t stream = static_cast<cudaStream_t>(ops.native_stream());
   const int64_t hkv = c.num_kv_heads, d = c.head_dim, hq = c.num_heads, layers = c.num_layers;
-  const int64_t kv_row = hkv * d;
   // Each prompt's place in HBM: its pages (every layer), its records, its tail queries.
-  std::vector<PromptLayout> layout(count);
-  size_t pages_bytes = 0, meta_bytes = 0, tail_floats = 0;
-  int64_t total_rows = 0;
-  for (size_t i = 0; i < count; ++i) {
-    const DevicePrompt& p = prompts[i];
-    const int64_t n = static_cast<int64_t>(p.tokens.size());
-    if (n < 1 || p.page_tokens < 1) {
-      return absl::InvalidArgumentError("the device prefill needs prompts and a page size");
-    }
-    PromptLayout& l = layout[i];
-    l.tokens = n;
-    l.page_tokens = p.page_tokens;
-    l.pages_per_head = (n + p.page_tokens - 1) / p.page_tokens;
-    l.tail_rows = std::min<int64_t>(model::kPrefillTailRows, n);
-    l.page_bytes = static_cast<size_t>(2 * p.page_tokens * d) * 2;
-    l.layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * l.page_bytes;
-    l.pages_offset = pages_bytes;
-    pages_bytes += l.layer_bytes * layers;
-    l.meta = p.encode_meta;
-    if (l.meta) {  // the records of a layer: (head, page) in the pages' order, 4 * head_dim bytes
-      l.meta_layer_bytes = static_cast<size_t>(hkv * l.pages_per_head) * kRecordBytesPerDim * d;
-      l.meta_offset = meta_bytes;
-      meta_bytes += l.meta_layer_bytes * layers;
-    }
-    l.tail_offset = tail_floats;
-    tail_floats += static_cast<size_t>(layers * l.tail_rows * hq * d);
-    total_rows += n;
-  }
-  FLUXION_RETURN_IF_ERROR(m.Reserve(m.pages, pages_bytes));
-  FLUXION_RETURN_IF_ERROR(m.Reserve(m.tail_q, sizeof(float) * tail_floats));
-  FLUXION_RETURN_IF_ERROR(m.Reserve(m.logits, sizeof(float) * count * c.vocab_size));
-  if (meta_bytes > 0) FLUXION_RETURN_IF_ERROR(m.Reserve(m.meta, meta_bytes));
+  FLUXION_ASSIGN_OR_RETURN(const BatchLayout batch, LayOut(prompts, c));
+  const std::vector<PromptLayout>& layout = batch.prompts;
+  FLUXION_RETURN_IF_ERROR(m.ReserveBatch(batch, count, stream));
   uint8_t* dev_pages = static_cast<uint8_t*>(m.pages->data());
-  uint8_t* dev_meta = meta_bytes > 0 ? static_cast<uint8_t*>(m.meta->data()) : nullptr;
+  uint8_t* dev_meta = batch.meta_bytes > 0 ? static_cast<uint8_t*>(m.meta->data()) : nullptr;
   float* tail_q = static_cast<float*>(m.tail_q->data());
   float* logits = static_cast<float*>(m.logits->data());
-  // Rows past a prompt's end in each head's last page go out as zeros.
-  FLUXION_RETURN_IF_ERROR(
-      CudaStatus(cudaMemsetAsync(dev_pages, 0, pages_bytes, stream), "clear pages"));
   auto layer_pages = [&](size_t i, int64_t layer) {
     const PromptLayout& l = layout[i];
     return kernels::cuda::LayerPages{dev_pages + l.pages_offset + layer * l.layer_bytes, hkv, d,
@@ -321,7 +417,7 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
 
   const int64_t chunk = m.options.chunk_tokens;
   // Packed chunks number at most this (fewer once prompts leave).
-  std::vector<Event> events(static_cast<size_t>((total_rows + chunk - 1) / chunk * layers));
+  std::vector<Event> events(static_cast<size_t>((batch.total_rows + chunk - 1) / chunk * layers));
   for (Event& e : events) FLUXION_RETURN_IF_ERROR(e.Init());
   PieceReporter reporter(m.device, count, ready);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -341,21 +437,8 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
   };
   absl::Status forward;
   for (size_t ci = 0, first_open = 0; forward.ok(); ++ci) {
-    // The next chunk: rows of the prompts still in, in order, each from where it stopped.
-    segments.clear();
-    int64_t rows = 0;
-    for (size_t i = first_open; i < count && rows < chunk; ++i) {
-      if (next[i] == layout[i].tokens || !still_in(i, 0)) {
-        if (i == first_open) ++first_open;
-        continue;
-      }
-      const int64_t take = std::min(chunk - rows, layout[i].tokens - next[i]);
-      segments.push_back({i, next[i], take, rows});
-      std::copy_n(prompts[i].tokens.data() + next[i], take, tokens.data() + rows);
-      for (int64_t r = 0; r < take; ++r) positions[rows + r] = next[i] + r;
-      next[i] += take;
-      rows += take;
-    }
+    const int64_t rows = PackChunk(prompts, chunk, still_in, &first_open, &next, &segments,
+                                   tokens.data(), positions.data());
     if (rows == 0) break;
     model::EmbedRows(ops, m.params, c, m.buf, tokens.data(), positions.data(), rows);
     absl::StatusOr<int64_t> computed = model::RunLayers(
@@ -365,36 +448,10 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
             if (!still_in(sg.prompt, layer)) continue;  // its rows go on, unread
             any = true;
             const PromptLayout& l = layout[sg.prompt];
-            const kernels::cuda::LayerPages lp = layer_pages(sg.prompt, layer);
-            FLUXION_RETURN_IF_ERROR(CudaStatus(
-                kernels::cuda::WriteLayerPages(lp, m.buf.k + sg.offset * kv_row,
-                                               m.buf.v + sg.offset * kv_row, kv_row, sg.first,
-                                               sg.rows, stream),
-                "write pages"));
-            if (l.meta) {  // the records of every page these rows touched
-              FLUXION_RETURN_IF_ERROR(CudaStatus(
-                  kernels::cuda::EncodePageMeta(
-                      lp, l.tokens, sg.first / l.page_tokens,
-                      (sg.first + sg.rows + l.page_tokens - 1) / l.page_tokens,
-                      dev_meta + l.meta_offset + layer * l.meta_layer_bytes, stream),
-                  "page records"));
-            }
-            FLUXION_RETURN_IF_ERROR(CudaStatus(
-                kernels::cuda::CausalPrefillAttention(lp, m.buf.q + sg.offset * hq * d, sg.first,
-                                                      sg.rows, hq, scale,
-                                                      m.buf.attn + sg.offset * hq * d, stream),
-                "attention"));
-            const int64_t tail0 = l.tokens - l.tail_rows;
-            const int64_t t_begin = std::max(sg.first, tail0), t_end = sg.first + sg.rows;
-            if (t_end > t_begin) {  // these rows hold some of the tail: keep their queries
-              FLUXION_RETURN_IF_ERROR(CudaStatus(
-                  cudaMemcpyAsync(
-                      tail_q + l.tail_offset + ((layer * l.tail_rows) + (t_begin - tail0)) * hq * d,
-                      m.buf.q + (sg.offset + t_begin - sg.first) * hq * d,
-                      sizeof(float) * (t_end - t_begin) * hq * d, cudaMemcpyDeviceToDevice,
-                      stream),
-                  "tail queries"));
-            }
+            uint8_t* layer_meta =
+                l.meta ? dev_meta + l.meta_offset + layer * l.meta_layer_bytes : nullptr;
+            FLUXION_RETURN_IF_ERROR(SegmentLayer(m.buf, l, layer_pages(sg.prompt, layer), sg,
+                                                 layer, hq, scale, layer_meta, tail_q, stream));
           }
           if (!any) return 0;  // every prompt of the chunk left: stop it here
           cudaEvent_t done = events[ci * layers + layer].get();
@@ -442,20 +499,8 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> DevicePrefill::
       results[i] = left_batch[i];
       continue;
     }
-    DevicePrefillResult r;
-    r.logits = std::move(host_logits[i]);
-    r.forward_end = forward_end;
-    if (prompts[i].capture_state) {
-      const PromptLayout& l = layout[i];
-      absl::StatusOr<model::SparseState> st = m.Capture(
-          layer_pages(i, 0), l.layer_bytes, l.tokens, l.tail_rows, tail_q + l.tail_offset, stream);
-      if (!st.ok()) {
-        results[i] = st.status();
-        continue;
-      }
-      r.state = *std::move(st);
-    }
-    results[i] = std::move(r);
+    results[i] = m.Result(layout[i], layer_pages(i, 0), prompts[i].capture_state,
+                          std::move(host_logits[i]), forward_end, tail_q, stream);
   }
   return results;
 }

@@ -107,6 +107,45 @@ cublasStatus_t Gemm::RunPlan(const Plan& p, const bf16* x, const bf16* w, float*
                         workspace_, workspace_bytes_, stream_);
 }
 
+namespace {
+
+// The largest |got[j] - want[j]| (NaN when either holds one).
+double MaxDifference(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0;
+  for (size_t j = 0; j < got.size(); ++j) {
+    const double d = std::abs(double(got[j]) - want[j]);
+    if (!(d <= diff)) diff = d;  // keeps a NaN
+  }
+  return diff;
+}
+
+}  // namespace
+
+bool Gemm::LtCandidates(const Shape& s, Plan* lt, cublasLtMatmulHeuristicResult_t* results,
+                        int* returned) {
+  const auto [m, n, k, accumulate] = s;
+  cublasLtMatmulPreference_t pref = nullptr;
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  uint64_t workspace = workspace_bytes_;
+  const bool ok =
+      cublasLtMatmulDescCreate(&lt->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                     sizeof(trans_a)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescSetAttribute(lt->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                     sizeof(trans_b)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&lt->a, CUDA_R_16BF, k, n, k) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&lt->b, CUDA_R_16BF, k, m, k) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&lt->c, CUDA_R_32F, n, m, n) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace, sizeof(workspace)) ==
+          CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoGetHeuristic(lt_, lt->op, lt->a, lt->b, lt->c, lt->c, pref,
+                                     kTuneCandidates, results, returned) == CUBLAS_STATUS_SUCCESS;
+  if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  return ok;
+}
+
 Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape& s) {
   const auto [m, n, k, accumulate] = s;
   Plan best;
@@ -168,27 +207,9 @@ Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape&
 
   Plan lt;
   lt.kind = Kind::kLt;
-  cublasLtMatmulPreference_t pref = nullptr;
-  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  uint64_t workspace = workspace_bytes_;
   cublasLtMatmulHeuristicResult_t results[kTuneCandidates] = {};
   int returned = 0;
-  bool ok =
-      cublasLtMatmulDescCreate(&lt.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
-                                     sizeof(trans_a)) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
-                                     sizeof(trans_b)) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatrixLayoutCreate(&lt.a, CUDA_R_16BF, k, n, k) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatrixLayoutCreate(&lt.b, CUDA_R_16BF, k, m, k) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatrixLayoutCreate(&lt.c, CUDA_R_32F, n, m, n) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace, sizeof(workspace)) ==
-          CUBLAS_STATUS_SUCCESS &&
-      cublasLtMatmulAlgoGetHeuristic(lt_, lt.op, lt.a, lt.b, lt.c, lt.c, pref, kTuneCandidates,
-                                     results, &returned) == CUBLAS_STATUS_SUCCESS;
-  if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  const bool ok = LtCandidates(s, &lt, results, &returned);
   float best_ms = default_ms;
   int best_index = -1;
   for (int i = 0; ok && i < returned; ++i) {
@@ -199,9 +220,7 @@ Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape&
       cudaGetLastError();
       continue;
     }
-    double diff = 0;
-    for (int64_t j = 0; j < m * n; ++j) diff = std::max(diff, std::abs(double(got[j]) - want[j]));
-    if (!(diff / scale <= kCandidateTolerance)) continue;  // NaN fails too
+    if (!(MaxDifference(got, want) / scale <= kCandidateTolerance)) continue;  // NaN fails too
     if (ms < best_ms) {
       best_ms = ms;
       best_index = i;
@@ -213,12 +232,9 @@ Gemm::Plan Gemm::Tune(const bf16* x, const bf16* w, const float* y, const Shape&
     Plan gemv;
     gemv.kind = Kind::kGemv;
     const float ms = time([&](float* c) { return RunPlan(gemv, x, w, c, s); });
-    if (ms >= 0 && to_host(out, &got)) {
-      double diff = 0;
-      for (int64_t j = 0; j < m * n; ++j) {
-        diff = std::max(diff, std::abs(double(got[j]) - want[j]));
-      }
-      if (diff / scale <= kCandidateTolerance) gemv_ms = ms;
+    if (ms >= 0 && to_host(out, &got) &&
+        MaxDifference(got, want) / scale <= kCandidateTolerance) {
+      gemv_ms = ms;
     }
     cudaGetLastError();
   }

@@ -84,6 +84,10 @@ class Gemm {
   // Tunes `s` on these operands (y is read when accumulating, never written): the plan to keep.
   // Any failure on the way leaves the default (lt false).
   Plan Tune(const bf16* x, const bf16* w, const float* y, const Shape& s);
+  // Tune's cuBLASLt candidates for `s`: *lt's descriptors made (Destroy frees them, also on
+  // failure) and up to kTuneCandidates heuristic results; false when cuBLASLt offers none.
+  bool LtCandidates(const Shape& s, Plan* lt, cublasLtMatmulHeuristicResult_t* results,
+                    int* returned);
   static void Destroy(Plan* plan);
 
   cublasHandle_t handle_;
