@@ -300,79 +300,65 @@ __device__ __forceinline__ int LoadTileKeys(const float* s, const uint32_t* cach
   return count;
 }
 
-// One CTA of kSelectThreads per (KV head, row). A radix select whose digits are taken relative to
-// the candidates' key range (as kernels::cpu::TopKIndices's), so at most three histogram passes
-// reach the k-th largest key; candidates are kept in shared memory once they fit (from the start
-// for spans up to kCacheKeys, else from the pass whose candidates do), so later passes read no
-// global memory. Then one ordered compaction over tiles of kTile scores: thread t owns kPerThread
-// consecutive scores, and a block scan of its counts above the threshold and at it gives every
-// pick its place, ascending, with the ties taken lowest positions first, without a sort.
-__global__ void __launch_bounds__(kSelectThreads)
-    CompactSelectKernel(const int32_t* slots, const CompactPick* picks, int64_t max_span,
-                        const float* scores, int32_t* out) {
-  using Reduce = cub::BlockReduce<uint32_t, kSelectThreads>;
-  using Scan = cub::BlockScan<uint32_t, kSelectThreads>;
-  __shared__ union {
-    typename Reduce::TempStorage reduce;
-    typename Scan::TempStorage scan;
+using SelectReduce = cub::BlockReduce<uint32_t, kSelectThreads>;
+using SelectScan = cub::BlockScan<uint32_t, kSelectThreads>;
+
+// CompactSelectKernel's shared memory: the block's reduce/scan storage, the histogram, the cached
+// candidate keys, and the narrowing's state: candidates are the keys in [lo, hi], `need` of them
+// still to take, `bin_count` of them in all; `fill` counts keys collected into the cache.
+struct SelectShared {
+  union {
+    typename SelectReduce::TempStorage reduce;
+    typename SelectScan::TempStorage scan;
   } temp;
-  __shared__ uint32_t hist[kBins];
-  __shared__ __align__(16) uint32_t cache[kCacheKeys];
-  __shared__ uint32_t s_lo, s_hi;
-  __shared__ int s_need, s_bin_count, s_fill;
+  uint32_t hist[kBins];
+  alignas(16) uint32_t cache[kCacheKeys];
+  uint32_t lo, hi;
+  int need, bin_count, fill;
+};
 
-  const int64_t i = blockIdx.y;
-  const int64_t pair = i * gridDim.x + blockIdx.x;
-  const CompactPick p = picks[pair];
-  if (!Selects(p, slots[i], max_span)) return;
-  const int n = p.end - p.begin;
-  const int k = p.k < n ? p.k : n;
-  int32_t* dst = out + p.offset;
-  const int tid = threadIdx.x;
-  if (k == n) {
-    for (int j = tid; j < n; j += kSelectThreads) dst[j] = p.begin + j;
-    return;
-  }
-  const float* s = scores + pair * max_span;
-
-  // The key range, every key cached (in position order) when the span fits.
-  const bool all_cached = n <= kCacheKeys;
+// The key range of the n scores into sh.lo / sh.hi (every key cached in position order when the
+// span fits the cache), with need = k and bin_count = n.
+__device__ __forceinline__ void KeyRange(const float* s, int n, int k, bool all_cached,
+                                         SelectShared& sh) {
   uint32_t lo = ~0u, hi = 0;
   ForEachScore(s, n, [&](int j, uint32_t key) {
     lo = min(lo, key);
     hi = max(hi, key);
-    if (all_cached) cache[j] = key;
+    if (all_cached) sh.cache[j] = key;
   });
-  lo = Reduce(temp.reduce).Reduce(lo, MinOp());
+  lo = SelectReduce(sh.temp.reduce).Reduce(lo, MinOp());
   __syncthreads();
-  hi = Reduce(temp.reduce).Reduce(hi, MaxOp());
-  if (tid == 0) {
-    s_lo = lo;
-    s_hi = hi;
-    s_need = k;
-    s_bin_count = n;
-    s_fill = 0;
+  hi = SelectReduce(sh.temp.reduce).Reduce(hi, MaxOp());
+  if (threadIdx.x == 0) {
+    sh.lo = lo;
+    sh.hi = hi;
+    sh.need = k;
+    sh.bin_count = n;
+    sh.fill = 0;
   }
   __syncthreads();
-  int cached = all_cached ? n : -1;  // keys in cache (a superset of the candidates), or -1
+}
 
-  // The candidates are the keys in [lo, hi]; `need` of them are still to be taken. Narrow the
-  // range until every candidate is taken or they all share one key.
-  while (s_lo != s_hi && s_bin_count != s_need) {
-    lo = s_lo;
-    hi = s_hi;
-    const int need = s_need, count = s_bin_count;
+// Narrows [sh.lo, sh.hi] by histogram passes until every candidate is taken or they all share
+// one key; `cached`: keys in the cache (a superset of the candidates), or -1 (read the scores).
+__device__ __forceinline__ void NarrowToThreshold(const float* s, int n, int cached,
+                                                  SelectShared& sh) {
+  const int tid = threadIdx.x;
+  while (sh.lo != sh.hi && sh.bin_count != sh.need) {
+    const uint32_t lo = sh.lo, hi = sh.hi;
+    const int need = sh.need, count = sh.bin_count;
     const int shift = max(BitWidth(hi - lo) - kDigitBits, 0);
     const bool collect = cached < 0 && count <= kCacheKeys;
-    for (int b = tid; b < kBins; b += kSelectThreads) hist[b] = 0;
+    for (int b = tid; b < kBins; b += kSelectThreads) sh.hist[b] = 0;
     __syncthreads();
     auto visit = [&](uint32_t key) {
       if (key < lo || key > hi) return;
-      atomicAdd(&hist[(key - lo) >> shift], 1u);
-      if (collect) cache[atomicAdd(&s_fill, 1)] = key;
+      atomicAdd(&sh.hist[(key - lo) >> shift], 1u);
+      if (collect) sh.cache[atomicAdd(&sh.fill, 1)] = key;
     };
     if (cached >= 0) {
-      for (int j = tid; j < cached; j += kSelectThreads) visit(cache[j]);
+      for (int j = tid; j < cached; j += kSelectThreads) visit(sh.cache[j]);
     } else {
       ForEachScore(s, n, [&](int, uint32_t key) { visit(key); });
     }
@@ -382,21 +368,21 @@ __global__ void __launch_bounds__(kSelectThreads)
     // exclusive scan gives the candidates above its bins.
     const int top_bin = kBins - 1 - tid * kBinsPerThread;
     uint32_t mine = 0;
-    for (int b = 0; b < kBinsPerThread; ++b) mine += hist[top_bin - b];
+    for (int b = 0; b < kBinsPerThread; ++b) mine += sh.hist[top_bin - b];
     uint32_t above;
-    Scan(temp.scan).ExclusiveSum(mine, above);
+    SelectScan(sh.temp.scan).ExclusiveSum(mine, above);
     if (static_cast<int>(above) < need && static_cast<int>(above + mine) >= need) {
       int acc = static_cast<int>(above);
       for (int b = 0; b < kBinsPerThread; ++b) {
         const int bin = top_bin - b;
-        const int c = static_cast<int>(hist[bin]);
+        const int c = static_cast<int>(sh.hist[bin]);
         if (acc + c >= need) {
           const uint32_t bin_lo = lo + (static_cast<uint32_t>(bin) << shift);
           const uint64_t bin_hi = static_cast<uint64_t>(bin_lo) + (uint64_t{1} << shift) - 1;
-          s_lo = bin_lo;
-          s_hi = bin_hi < hi ? static_cast<uint32_t>(bin_hi) : hi;
-          s_need = need - acc;
-          s_bin_count = c;
+          sh.lo = bin_lo;
+          sh.hi = bin_hi < hi ? static_cast<uint32_t>(bin_hi) : hi;
+          sh.need = need - acc;
+          sh.bin_count = c;
           break;
         }
         acc += c;
@@ -404,14 +390,18 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     __syncthreads();
   }
-  lo = s_lo;
-  hi = s_hi;
-  const int need = s_need;
-  const int taken_above = k - need;  // scores with keys above hi: all taken
+}
 
-  // Score j goes to dst[A(j) + min(E(j), need)], A(j) / E(j) the scores before j above hi / in
-  // [lo, hi]; those in [lo, hi] only while E(j) < need.
-  const uint32_t* tile_cache = all_cached ? cache : nullptr;
+// The ordered compaction: score j goes to dst[A(j) + min(E(j), need)], A(j) / E(j) the scores
+// before j above hi / in [lo, hi]; those in [lo, hi] only while E(j) < need. `tile_cache`: every
+// key in position order, or null (read the scores).
+__device__ __forceinline__ void WriteSelected(const float* s, const uint32_t* tile_cache, int n,
+                                              int k, int32_t begin, int32_t* dst,
+                                              SelectShared& sh) {
+  const uint32_t lo = sh.lo, hi = sh.hi;
+  const int need = sh.need;
+  const int taken_above = k - need;  // scores with keys above hi: all taken
+  const int tid = threadIdx.x;
   int above_run = 0, equal_run = 0;
   for (int tile = 0; tile < n; tile += kTile) {
     const int j0 = tile + tid * kPerThread;
@@ -422,11 +412,11 @@ __global__ void __launch_bounds__(kSelectThreads)
       counts += keys[e] > hi ? (1u << 16) : (keys[e] >= lo ? 1u : 0u);
     }
     uint32_t before, total;
-    Scan(temp.scan).ExclusiveSum(counts, before, total);
+    SelectScan(sh.temp.scan).ExclusiveSum(counts, before, total);
     int a = above_run + static_cast<int>(before >> 16);
     int e_count = equal_run + static_cast<int>(before & 0xffffu);
     for (int e = 0; e < count; ++e) {
-      const int32_t position = p.begin + j0 + e;
+      const int32_t position = begin + j0 + e;
       if (keys[e] > hi) {
         dst[a + min(e_count, need)] = position;
         ++a;
@@ -439,8 +429,37 @@ __global__ void __launch_bounds__(kSelectThreads)
     equal_run += static_cast<int>(total & 0xffffu);
     // Every pick is written once the scores above hi and `need` at it are seen.
     if (above_run == taken_above && equal_run >= need) break;
-    __syncthreads();  // temp.scan is reused
+    __syncthreads();  // the scan's storage is reused
   }
+}
+
+// One CTA of kSelectThreads per (KV head, row). A radix select whose digits are taken relative to
+// the candidates' key range (as kernels::cpu::TopKIndices's), so at most three histogram passes
+// reach the k-th largest key; candidates are kept in shared memory once they fit (from the start
+// for spans up to kCacheKeys, else from the pass whose candidates do), so later passes read no
+// global memory. Then one ordered compaction over tiles of kTile scores: thread t owns kPerThread
+// consecutive scores, and a block scan of its counts above the threshold and at it gives every
+// pick its place, ascending, with the ties taken lowest positions first, without a sort.
+__global__ void __launch_bounds__(kSelectThreads)
+    CompactSelectKernel(const int32_t* slots, const CompactPick* picks, int64_t max_span,
+                        const float* scores, int32_t* out) {
+  __shared__ SelectShared sh;
+  const int64_t i = blockIdx.y;
+  const int64_t pair = i * gridDim.x + blockIdx.x;
+  const CompactPick p = picks[pair];
+  if (!Selects(p, slots[i], max_span)) return;
+  const int n = p.end - p.begin;
+  const int k = p.k < n ? p.k : n;
+  int32_t* dst = out + p.offset;
+  if (k == n) {
+    for (int j = threadIdx.x; j < n; j += kSelectThreads) dst[j] = p.begin + j;
+    return;
+  }
+  const float* s = scores + pair * max_span;
+  const bool all_cached = n <= kCacheKeys;
+  KeyRange(s, n, k, all_cached, sh);
+  NarrowToThreshold(s, n, all_cached ? n : -1, sh);
+  WriteSelected(s, all_cached ? sh.cache : nullptr, n, k, p.begin, dst, sh);
 }
 
 }  // namespace

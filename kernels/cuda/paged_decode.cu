@@ -33,6 +33,9 @@ __device__ __forceinline__ void UnpackBf16x8(const uint4& raw, float out[8]) {
 //            row groups are summed once at the end.
 // Issuing the loads first is what moves the kernel from latency- to bandwidth-bound: with one
 // load in flight per thread, an earlier version of this kernel read HBM at ~0.9 TB/s.
+// One function on purpose, past the house's ~120 lines: its per-thread arrays (keys, values, the
+// accumulators) live in registers across the tile's phases, and the same phases as inline helpers
+// made ptxas spill (sm_90, head_dim 64: 4 -> 68 bytes of spill loads per thread).
 template <int kHeadDim, int kPageTokens>
 __global__ void __launch_bounds__(128)
     PagedDecodeKernelV3(const uint8_t* arena, size_t page_bytes, const PageSpan* spans,

@@ -92,7 +92,9 @@ struct V5Shape {
 
 // One block of four warps per item; warp w computes units w, w + 4, ...; lane (g = lane / 4,
 // t = lane % 4) holds head g's scores for keys 2t, 2t + 1 (+8) of a unit, head g's softmax state,
-// and the output of heads 2t, 2t + 1 for dims 16 mt + g (+8).
+// and the output of heads 2t, 2t + 1 for dims 16 mt + g (+8). One function on purpose, past the
+// house's ~120 lines: the fragments stay in registers across the phases, which inline helpers put
+// at risk (the FMA kernel's split made ptxas spill: paged_decode.cu).
 template <int kHeadDim, int kPageTokens, int kStages>
 __global__ void __launch_bounds__(pu::kThreads,
                                   (V5Shape<kHeadDim, kPageTokens, kStages>::kMinBlocksPerSm))

@@ -86,7 +86,10 @@ __device__ __forceinline__ void LoadTile(__nv_bfloat16* k_tile, __nv_bfloat16* v
 // 16 rows whose Q fragments, scores, probabilities and output stay in registers (the scores'
 // accumulator layout is the next product's A layout, so P never touches shared memory); K/V tiles
 // of 64 keys stream through shared memory with cp.async, the next tile loading while this one is
-// used. Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 of its warp's 16.
+// used. Thread (g = lane / 4, t = lane % 4) holds rows g and g + 8 of its warp's 16. One function
+// on purpose, past the house's ~120 lines: the fragments stay in registers across the phases,
+// which inline helpers put at risk (the decode FMA kernel's split made ptxas spill:
+// paged_decode.cu).
 template <int D>
 __global__ void __launch_bounds__(kThreads, 2)
     PrefillAttentionKernel(LayerPages pages, const float* __restrict__ q, int64_t first,

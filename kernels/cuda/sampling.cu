@@ -99,144 +99,136 @@ __device__ void WriteRow(const unsigned long long* keys, const float* x, int k, 
   }
 }
 
-// One block per row; see sampling.h for the method. Each pass reads the row in chunks of kUnroll
-// coalesced loads per thread, issued together: one load at a time left the passes latency-bound.
-__global__ void __launch_bounds__(kThreads)
-    TopCandidatesKernel(const float* __restrict__ logits, int64_t vocab, int k,
-                        const double* __restrict__ temperatures, int32_t* __restrict__ ids,
-                        float* __restrict__ values, double* __restrict__ normalisers) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  using Reduce = cub::BlockReduce<double, kThreads>;
-  __shared__ union {
-    typename Scan::TempStorage scan;
-    typename Reduce::TempStorage reduce;
+using SampleScan = cub::BlockScan<int, kThreads>;
+using SampleReduce = cub::BlockReduce<double, kThreads>;
+
+// TopCandidatesKernel's shared memory.
+struct SampleShared {
+  union {
+    typename SampleScan::TempStorage scan;
+    typename SampleReduce::TempStorage reduce;
   } temp;
   // The fast path's histogram, then the keys it sorts (or the general path's winners).
-  __shared__ union {
+  union {
     uint32_t top_hist[kTopBins];
     unsigned long long cand[kFastCap];
   } u;
-  unsigned long long* cand = u.cand;
-  __shared__ uint32_t hist[kBins];
-  __shared__ uint32_t s_prefix, s_max_key;
-  __shared__ int s_remaining, s_count, s_eq_seen, s_top_bin, s_top_taken;
+  uint32_t hist[kBins];
+  uint32_t prefix, max_key;
+  int remaining, count, eq_seen, top_bin, top_taken;
+};
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int64_t row = blockIdx.x;
-  const float* __restrict__ x = logits + row * vocab;
-  const double t = temperatures != nullptr ? temperatures[row] : 0.0;
-  if (tid == 0) s_max_key = 0;
+// Loads the chunk of the row at `base` (kUnroll coalesced loads per thread, issued together: one
+// load at a time left the passes latency-bound); 0 past the row's end.
+__device__ __forceinline__ void LoadChunk(const float* __restrict__ x, int64_t vocab, int64_t base,
+                                          float (&v)[kUnroll]) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const int64_t i = base + j * kThreads + threadIdx.x;
+    v[j] = i < vocab ? x[i] : 0.0f;
+  }
+}
 
-  // Fast path: one pass histograms the top 12 bits (and finds the max); if every key in or above
-  // the bin holding the k-th largest fits in shared memory, a second pass gathers them (and sums
-  // the normaliser) and a sort finishes: two reads of the row instead of five. Rows where that
-  // bin is crowded (many equal or near-equal logits) take the general path below.
-  for (int b = tid; b < kTopBins; b += kThreads) u.top_hist[b] = 0;
+// The fast path's first pass: the histogram of the keys' top 12 bits and the row's largest key.
+__device__ __forceinline__ void TopBinHistogram(const float* __restrict__ x, int64_t vocab,
+                                                SampleShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  for (int b = tid; b < kTopBins; b += kThreads) sh.u.top_hist[b] = 0;
   __syncthreads();
-  {
-    uint32_t max_key = 0;
-    for (int64_t base = 0; base < vocab; base += kChunk) {
-      float v[kUnroll];
+  uint32_t max_key = 0;
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    float v[kUnroll];
+    LoadChunk(x, vocab, base, v);
 #pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int64_t i = base + j * kThreads + tid;
-        v[j] = i < vocab ? x[i] : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        if (base + j * kThreads + tid < vocab) {
-          const uint32_t key = OrderKey(v[j]);
-          max_key = max(max_key, key);
-          atomicAdd(&u.top_hist[key >> kTopShift], 1u);
-        }
-      }
-    }
-    max_key = __reduce_max_sync(0xFFFFFFFFu, max_key);
-    if (lane == 0) atomicMax(&s_max_key, max_key);
-  }
-  __syncthreads();
-  {
-    // Thread t owns bins 4095 - 4t down to 4092 - 4t, so a scan in thread order runs from the
-    // largest keys down; the thread whose range holds the k-th largest publishes its bin.
-    int c[4], own = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      c[j] = static_cast<int>(u.top_hist[kTopBins - 1 - 4 * tid - j]);
-      own += c[j];
-    }
-    int above = 0, total = 0;
-    Scan(temp.scan).ExclusiveSum(own, above, total);
-    if (above < k && k <= above + own) {
-      int j = 0;
-      for (; j < 3; ++j) {
-        if (above + c[j] >= k) break;
-        above += c[j];
-      }
-      s_top_bin = kTopBins - 1 - 4 * tid - j;
-      s_top_taken = above + c[j];  // every key in or above the bin
-      s_count = 0;
-    }
-  }
-  __syncthreads();
-  const double max_value = FromKey(s_max_key);
-  if (s_top_taken <= kFastCap) {
-    const uint32_t top_bin = static_cast<uint32_t>(s_top_bin);
-    double sum = 0.0;
-    for (int64_t base = 0; base < vocab; base += kChunk) {
-      float v[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int64_t i = base + j * kThreads + tid;
-        v[j] = i < vocab ? x[i] : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int64_t i = base + j * kThreads + tid;
-        const bool valid = i < vocab;
+    for (int j = 0; j < kUnroll; ++j) {
+      if (base + j * kThreads + tid < vocab) {
         const uint32_t key = OrderKey(v[j]);
-        if (valid && t > 0.0) sum += exp((static_cast<double>(v[j]) - max_value) / t);
-        const bool take = valid && (key >> kTopShift) >= top_bin;
-        // One shared atomic per warp for the warp's takers.
-        const unsigned ballot = __ballot_sync(0xFFFFFFFFu, take);
-        int slot = 0;
-        if (lane == 0 && ballot != 0) slot = atomicAdd(&s_count, __popc(ballot));
-        slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
-        if (take) {
-          cand[slot + __popc(ballot & ((1u << lane) - 1u))] =
-              (static_cast<unsigned long long>(key) << 32) |
-              (0xFFFFFFFFu - static_cast<uint32_t>(i));
-        }
+        max_key = max(max_key, key);
+        atomicAdd(&sh.u.top_hist[key >> kTopShift], 1u);
       }
     }
-    __syncthreads();
-    SortDescending(cand, s_top_taken);
-    WriteRow(cand, x, k, ids + row * k, values + row * k);
-    if (normalisers != nullptr) {
-      const double total = Reduce(temp.reduce).Sum(sum);
-      if (tid == 0) normalisers[row] = t > 0.0 ? total : 0.0;
+  }
+  max_key = __reduce_max_sync(0xFFFFFFFFu, max_key);
+  if (lane == 0) atomicMax(&sh.max_key, max_key);
+  __syncthreads();
+}
+
+// The bin of the first digit holding the k-th largest key (sh.top_bin) and how many keys lie in or
+// above it (sh.top_taken). Thread t owns bins 4095 - 4t down to 4092 - 4t, so a scan in thread
+// order runs from the largest keys down; the thread whose range holds the k-th largest publishes.
+__device__ __forceinline__ void ChooseTopBin(int k, SampleShared& sh) {
+  const int tid = threadIdx.x;
+  int c[4], own = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    c[j] = static_cast<int>(sh.u.top_hist[kTopBins - 1 - 4 * tid - j]);
+    own += c[j];
+  }
+  int above = 0, total = 0;
+  SampleScan(sh.temp.scan).ExclusiveSum(own, above, total);
+  if (above < k && k <= above + own) {
+    int j = 0;
+    for (; j < 3; ++j) {
+      if (above + c[j] >= k) break;
+      above += c[j];
     }
-    return;
+    sh.top_bin = kTopBins - 1 - 4 * tid - j;
+    sh.top_taken = above + c[j];  // every key in or above the bin
+    sh.count = 0;
   }
   __syncthreads();
+}
 
-  // Radix select: after the pass at `shift`, `prefix` holds the top digits of the k-th largest
-  // key and `remaining` how many of the keys sharing them are still to be taken (k - the count
-  // of keys above the prefix).
+// The fast path's second pass: every key in or above sh.top_bin into sh.u.cand (one shared atomic
+// per warp for the warp's takers); returns this thread's part of the normaliser.
+__device__ __forceinline__ double GatherTopBin(const float* __restrict__ x, int64_t vocab,
+                                               double t, double max_value, SampleShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const uint32_t top_bin = static_cast<uint32_t>(sh.top_bin);
+  double sum = 0.0;
+  for (int64_t base = 0; base < vocab; base += kChunk) {
+    float v[kUnroll];
+    LoadChunk(x, vocab, base, v);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = base + j * kThreads + tid;
+      const bool valid = i < vocab;
+      const uint32_t key = OrderKey(v[j]);
+      if (valid && t > 0.0) sum += exp((static_cast<double>(v[j]) - max_value) / t);
+      const bool take = valid && (key >> kTopShift) >= top_bin;
+      const unsigned ballot = __ballot_sync(0xFFFFFFFFu, take);
+      int slot = 0;
+      if (lane == 0 && ballot != 0) slot = atomicAdd(&sh.count, __popc(ballot));
+      slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
+      if (take) {
+        sh.u.cand[slot + __popc(ballot & ((1u << lane) - 1u))] =
+            (static_cast<unsigned long long>(key) << 32) |
+            (0xFFFFFFFFu - static_cast<uint32_t>(i));
+      }
+    }
+  }
+  __syncthreads();
+  return sum;
+}
+
+// The general path's radix select: after the pass at `shift`, the prefix holds the top digits of
+// the k-th largest key and `remaining` how many of the keys sharing them are still to be taken (k
+// - the count of keys above the prefix). Returns the k-th largest key, with sh.remaining the
+// count of keys equal to it to take; the first pass also finds the row's largest key
+// (sh.max_key).
+__device__ __forceinline__ uint32_t RadixThreshold(const float* __restrict__ x, int64_t vocab,
+                                                   int k, SampleShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31;
   uint32_t prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = tid; b < kBins; b += kThreads) hist[b] = 0;
+    for (int b = tid; b < kBins; b += kThreads) sh.hist[b] = 0;
     __syncthreads();
     uint32_t max_key = 0;
     // Uniform trip count over the block, so every lane of a warp takes part in the match.
     for (int64_t base = 0; base < vocab; base += kChunk) {
       float v[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        const int64_t i = base + j * kThreads + tid;
-        v[j] = i < vocab ? x[i] : 0.0f;
-      }
+      LoadChunk(x, vocab, base, v);
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
         const bool valid = base + j * kThreads + tid < vocab;
@@ -247,39 +239,40 @@ __global__ void __launch_bounds__(kThreads)
         // Logits crowd a few bins (the top digit is the sign and most of the exponent): one
         // shared atomic per distinct bin of the warp instead of one per lane.
         const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
-        if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+        if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], __popc(peers));
       }
     }
     if (shift == 24) {
       max_key = __reduce_max_sync(0xFFFFFFFFu, max_key);
-      if (lane == 0) atomicMax(&s_max_key, max_key);
+      if (lane == 0) atomicMax(&sh.max_key, max_key);
     }
     __syncthreads();
-    ChooseDigit(hist, prefix, shift, remaining, &s_prefix, &s_remaining);
+    ChooseDigit(sh.hist, prefix, shift, remaining, &sh.prefix, &sh.remaining);
     __syncthreads();
-    prefix = s_prefix;
-    remaining = s_remaining;
+    prefix = sh.prefix;
+    remaining = sh.remaining;
     mask |= 0xFFu << shift;
     __syncthreads();
   }
+  return prefix;
+}
 
-  // Gather every key above the threshold and the `remaining` lowest-id keys equal to it; sum the
-  // normaliser on the way.
-  const uint32_t threshold = prefix;
+// The general path's gather: every key above `threshold` and the `remaining` lowest-id keys equal
+// to it into sh.u.cand, in sub-chunks of id order (so ties at the threshold are ranked by id);
+// returns this thread's part of the normaliser.
+__device__ __forceinline__ double GatherAtThreshold(const float* __restrict__ x, int64_t vocab,
+                                                    uint32_t threshold, int remaining, double t,
+                                                    double max_value, SampleShared& sh) {
+  const int tid = threadIdx.x;
   if (tid == 0) {
-    s_count = 0;
-    s_eq_seen = 0;
+    sh.count = 0;
+    sh.eq_seen = 0;
   }
   __syncthreads();
   double sum = 0.0;
   for (int64_t base = 0; base < vocab; base += kChunk) {
     float v[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t i = base + j * kThreads + tid;
-      v[j] = i < vocab ? x[i] : 0.0f;
-    }
-    // Sub-chunks in id order, so that ties at the threshold are ranked by id.
+    LoadChunk(x, vocab, base, v);
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int64_t i = base + j * kThreads + tid;
@@ -290,28 +283,64 @@ __global__ void __launch_bounds__(kThreads)
       bool take = valid && key > threshold;
       // A scan only in the sub-chunks that hold a tie while some are still wanted: rare except
       // in rows of equal values.
-      if (__syncthreads_or(eq) && s_eq_seen < remaining) {
+      if (__syncthreads_or(eq) && sh.eq_seen < remaining) {
         int rank = 0, total = 0;
-        Scan(temp.scan).ExclusiveSum(eq ? 1 : 0, rank, total);
-        take = take || (eq && s_eq_seen + rank < remaining);
-        __syncthreads();  // every thread has read s_eq_seen (and the scan's storage is free)
-        if (tid == 0) s_eq_seen += total;
+        SampleScan(sh.temp.scan).ExclusiveSum(eq ? 1 : 0, rank, total);
+        take = take || (eq && sh.eq_seen + rank < remaining);
+        __syncthreads();  // every thread has read eq_seen (and the scan's storage is free)
+        if (tid == 0) sh.eq_seen += total;
       }
       if (take) {
         // Descending by key, then ascending by id: the sampler's order as one 64-bit number.
-        cand[atomicAdd(&s_count, 1)] = (static_cast<unsigned long long>(key) << 32) |
-                                       (0xFFFFFFFFu - static_cast<uint32_t>(i));
+        sh.u.cand[atomicAdd(&sh.count, 1)] = (static_cast<unsigned long long>(key) << 32) |
+                                             (0xFFFFFFFFu - static_cast<uint32_t>(i));
       }
     }
   }
   __syncthreads();
+  return sum;
+}
 
-  SortDescending(cand, k);
-  WriteRow(cand, x, k, ids + row * k, values + row * k);
+// Sorts row `row`'s `taken` candidates, writes the first k, and the normaliser (the block's sum of
+// `sum`) when asked.
+__device__ __forceinline__ void FinishRow(const float* __restrict__ x, int64_t row, int taken,
+                                          int k, double t, double sum, int32_t* ids,
+                                          float* values, double* normalisers, SampleShared& sh) {
+  SortDescending(sh.u.cand, taken);
+  WriteRow(sh.u.cand, x, k, ids + row * k, values + row * k);
   if (normalisers != nullptr) {
-    const double total = Reduce(temp.reduce).Sum(sum);
-    if (tid == 0) normalisers[row] = t > 0.0 ? total : 0.0;
+    const double total = SampleReduce(sh.temp.reduce).Sum(sum);
+    if (threadIdx.x == 0) normalisers[row] = t > 0.0 ? total : 0.0;
   }
+}
+
+// One block per row; see sampling.h for the method. Fast path: one pass histograms the top 12
+// bits (and finds the max); if every key in or above the bin holding the k-th largest fits in
+// shared memory, a second pass gathers them (and sums the normaliser) and a sort finishes: two
+// reads of the row instead of five. Rows where that bin is crowded (many equal or near-equal
+// logits) take the general path: a radix select of the k-th largest key, then one gather.
+__global__ void __launch_bounds__(kThreads)
+    TopCandidatesKernel(const float* __restrict__ logits, int64_t vocab, int k,
+                        const double* __restrict__ temperatures, int32_t* __restrict__ ids,
+                        float* __restrict__ values, double* __restrict__ normalisers) {
+  __shared__ SampleShared sh;
+  const int64_t row = blockIdx.x;
+  const float* __restrict__ x = logits + row * vocab;
+  const double t = temperatures != nullptr ? temperatures[row] : 0.0;
+  if (threadIdx.x == 0) sh.max_key = 0;
+
+  TopBinHistogram(x, vocab, sh);
+  ChooseTopBin(k, sh);
+  const double max_value = FromKey(sh.max_key);
+  if (sh.top_taken <= kFastCap) {
+    const double sum = GatherTopBin(x, vocab, t, max_value, sh);
+    FinishRow(x, row, sh.top_taken, k, t, sum, ids, values, normalisers, sh);
+    return;
+  }
+  __syncthreads();
+  const uint32_t threshold = RadixThreshold(x, vocab, k, sh);
+  const double sum = GatherAtThreshold(x, vocab, threshold, sh.remaining, t, max_value, sh);
+  FinishRow(x, row, k, k, t, sum, ids, values, normalisers, sh);
 }
 
 }  // namespace
