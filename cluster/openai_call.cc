@@ -30,7 +30,8 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
                      " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
                      "tokenizer; shorten or change it"));
   };
-  auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check);
+  auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
+                                  preparer.max_context_tokens);
   if (!generate.ok()) return generate.status();
   model::StreamDetokenizerOptions detokenizer_options;
   detokenizer_options.stop = request->stop;

@@ -39,6 +39,9 @@ struct Preparer {
   ParseLimits parse_limits;
   // Rendering plus tokenizing one prompt may take this long, then the request is refused (400).
   absl::Duration tokenize_timeout = absl::Seconds(10);
+  // The model's context (config.json's max_position_embeddings); 0: unknown, the decode node
+  // checks alone (openai_generate.h, CheckContextLength).
+  int64_t max_context_tokens = 0;
 };
 
 // A request ready for its Generate call.

@@ -1,6 +1,7 @@
 #include "cluster/openai_generate.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace fluxion::cluster::openai {
 namespace {
@@ -32,11 +33,36 @@ absl::StatusOr<std::vector<uint32_t>> Tokenize(const std::string& text,
 
 }  // namespace
 
+absl::Status CheckContextLength(Endpoint endpoint, int64_t prompt_tokens,
+                                std::optional<uint32_t> max_tokens, int64_t max_context_tokens) {
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  const char* field = chat ? "messages" : "prompt";
+  auto refuse = [&](std::string message) {
+    return WithCode(WithParam(absl::InvalidArgumentError(std::move(message)), field),
+                    "context_length_exceeded");
+  };
+  // At least one token must follow the prompt.
+  if (prompt_tokens >= max_context_tokens) {
+    return refuse(absl::StrCat("This model's maximum context length is ", max_context_tokens,
+                               " tokens. However, your ", field, " resulted in ", prompt_tokens,
+                               " tokens. Please reduce the length of the ", field, "."));
+  }
+  if (max_tokens.has_value() && prompt_tokens + *max_tokens > max_context_tokens) {
+    return refuse(absl::StrCat("This model's maximum context length is ", max_context_tokens,
+                               " tokens. However, you requested ", prompt_tokens + *max_tokens,
+                               " tokens (", prompt_tokens, " in the ", field, ", ", *max_tokens,
+                               " in the completion). Please reduce the length of the ", field,
+                               " or completion."));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
                                                     const model::Tokenizer& tokenizer,
                                                     const ChatRenderer& chat,
                                                     const std::string& request_id,
-                                                    const model::EncodeCheck& check) {
+                                                    const model::EncodeCheck& check,
+                                                    int64_t max_context_tokens) {
   std::vector<uint32_t> prompt;
   if (request.endpoint == Endpoint::kChatCompletions) {
     if (!chat) {
@@ -60,6 +86,11 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   }
   if (absl::Status s = CheckIds(request.stop_token_ids, tokenizer, "stop_token_ids"); !s.ok()) {
     return s;
+  }
+  if (max_context_tokens > 0) {
+    FLUXION_RETURN_IF_ERROR(CheckContextLength(request.endpoint,
+                                               static_cast<int64_t>(prompt.size()),
+                                               request.max_tokens, max_context_tokens));
   }
   v1::GenerateRequest g;
   g.set_request_id(request_id);

@@ -23,12 +23,22 @@ using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector
 
 // InvalidArgument naming the field for a prompt that is empty after tokenization or holds ids
 // outside the vocabulary, or a stop token id outside it; the renderer's error for chat; the
-// tokenizer's (or `check`'s, which bounds the tokenization: model::EncodeCheck) naming the field.
+// tokenizer's (or `check`'s, which bounds the tokenization: model::EncodeCheck) naming the field;
+// CheckContextLength's error when `max_context_tokens` > 0.
 absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
                                                     const model::Tokenizer& tokenizer,
                                                     const ChatRenderer& chat,
                                                     const std::string& request_id,
-                                                    const model::EncodeCheck& check = {});
+                                                    const model::EncodeCheck& check = {},
+                                                    int64_t max_context_tokens = 0);
+
+// A prompt of `prompt_tokens` (and max_tokens, when given) against the model's context of
+// `max_context_tokens`: InvalidArgument in the wording OpenAI clients match ("This model's maximum
+// context length is N tokens. However, ..."), with param "messages" (chat) or "prompt" and code
+// "context_length_exceeded", when the prompt leaves no room for a token or the prompt plus
+// max_tokens exceed the context.
+absl::Status CheckContextLength(Endpoint endpoint, int64_t prompt_tokens,
+                                std::optional<uint32_t> max_tokens, int64_t max_context_tokens);
 
 }  // namespace fluxion::cluster::openai
 

@@ -56,6 +56,9 @@ struct HttpServerOptions {
   size_t max_queued = 64;
   // Rendering and tokenizing one prompt may take this long; then 400 saying so.
   absl::Duration tokenize_timeout = absl::Seconds(10);
+  // The model's context in tokens: a longer request gets OpenAI's context_length_exceeded 400
+  // here, before it reaches a node; 0: unknown (the decode node refuses it, 400 too).
+  int64_t max_context_tokens = 0;
   // Whether the router can serve (a healthy decode node): GET /health answers 200 or 503.
   std::function<bool()> ready = [] { return true; };
   // Where the counters go (fluxion_router_http_*); nullptr: a registry of the server's own.

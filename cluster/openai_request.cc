@@ -18,6 +18,7 @@ namespace {
 using Json = nlohmann::json;
 
 constexpr char kParamPayload[] = "type.fluxion.dev/openai.param";
+constexpr char kCodePayload[] = "type.fluxion.dev/openai.code";
 
 absl::Status Invalid(absl::string_view param, absl::string_view message) {
   return WithParam(absl::InvalidArgumentError(message), param);
@@ -373,6 +374,16 @@ absl::Status WithParam(absl::Status status, absl::string_view param) {
 std::string ErrorParam(const absl::Status& status) {
   auto param = status.GetPayload(kParamPayload);
   return param ? std::string(*param) : std::string();
+}
+
+absl::Status WithCode(absl::Status status, absl::string_view code) {
+  if (!code.empty()) status.SetPayload(kCodePayload, absl::Cord(code));
+  return status;
+}
+
+std::string ErrorCode(const absl::Status& status) {
+  auto code = status.GetPayload(kCodePayload);
+  return code ? std::string(*code) : std::string();
 }
 
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,

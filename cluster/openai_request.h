@@ -72,6 +72,10 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
 std::string ErrorParam(const absl::Status& status);
 // `status` with `param` attached (what ErrorParam returns).
 absl::Status WithParam(absl::Status status, absl::string_view param);
+// OpenAI's machine-readable `error.code` an error carries (e.g. "context_length_exceeded"); empty
+// when none. WithCode attaches it.
+std::string ErrorCode(const absl::Status& status);
+absl::Status WithCode(absl::Status status, absl::string_view code);
 
 }  // namespace fluxion::cluster::openai
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cluster/openai_generate.h"
+#include "cluster/openai_response.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/tokenizer.h"
@@ -161,6 +162,31 @@ TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {
   EXPECT_FALSE(g->sampling().has_top_p());
   EXPECT_EQ(g->sampling().seed(), 3u);
   EXPECT_THAT(g->sampling().stop_token_ids(), ElementsAre(257u));
+}
+
+TEST(OpenAiGenerateTest, RefusesWhatExceedsTheContextInOpenAisWording) {
+  auto tokenizer = model::NewByteTokenizer();
+  auto r = Completions(R"({"model":"m","prompt":"abcdef","max_tokens":5})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(PrepareGenerate(*r, *tokenizer, nullptr, "x", {}, 11).ok()) << "6 + 5 fit 11";
+  auto over = PrepareGenerate(*r, *tokenizer, nullptr, "x", {}, 10);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(over.status().message(),
+            "This model's maximum context length is 10 tokens. However, you requested 11 tokens "
+            "(6 in the prompt, 5 in the completion). Please reduce the length of the prompt or "
+            "completion.");
+  EXPECT_EQ(ErrorParam(over.status()), "prompt");
+  const ApiError e = ErrorFromStatus(over.status());
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  // A prompt that leaves no room, in chat.
+  const absl::Status chat = CheckContextLength(Endpoint::kChatCompletions, 6, std::nullopt, 6);
+  EXPECT_EQ(chat.message(),
+            "This model's maximum context length is 6 tokens. However, your messages resulted in "
+            "6 tokens. Please reduce the length of the messages.");
+  EXPECT_EQ(ErrorParam(chat), "messages");
+  EXPECT_TRUE(CheckContextLength(Endpoint::kChatCompletions, 5, std::nullopt, 6).ok());
 }
 
 TEST(OpenAiGenerateTest, RefusesIdsOutsideTheVocabularyAndChatWithoutTemplate) {

@@ -81,6 +81,7 @@ ApiError ErrorFromStatus(const absl::Status& status) {
       e.type = "server_error";
       break;
   }
+  if (std::string code = ErrorCode(status); !code.empty()) e.code = std::move(code);
   return e;
 }
 

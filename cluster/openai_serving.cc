@@ -6,6 +6,7 @@
 #include "common/metrics.h"
 #include "common/server_main.h"
 #include "model/chat_template.h"
+#include "model/config.h"
 
 namespace fluxion::cluster {
 
@@ -121,6 +122,11 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   options.workers = static_cast<int>(flags.workers);
   options.max_queued = static_cast<size_t>(flags.max_queued);
   options.tokenize_timeout = absl::Milliseconds(flags.tokenize_timeout_ms);
+  // The model's context, for OpenAI's context_length_exceeded answer; a directory without a
+  // readable config.json leaves the check to the decode node.
+  if (auto config = model::LoadModelConfig(flags.model_dir + "/config.json"); config.ok()) {
+    options.max_context_tokens = config->max_position_embeddings;
+  }
   options.registry = &metrics::Registry::Default();
   options.ready = std::move(ready);
   auto started = openai::HttpServer::Start(flags.http_listen,

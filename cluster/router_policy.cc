@@ -29,24 +29,37 @@ double DecodeScore(const BackendState& node) {
   return free_fraction / (1.0 + requests);
 }
 
+namespace {
+
+// "N known: F failed this request, U unhealthy" (the parts that are not 0). Which nodes and why is
+// the operator's (the router's log and /metrics), not the client's: their addresses are internal.
+std::string NodeCounts(size_t known, int failed, int unhealthy) {
+  std::vector<std::string> parts;
+  if (failed > 0) parts.push_back(absl::StrCat(failed, " failed this request"));
+  if (unhealthy > 0) parts.push_back(absl::StrCat(unhealthy, " unhealthy"));
+  return absl::StrCat(known, " known", parts.empty() ? "" : ": ", absl::StrJoin(parts, ", "));
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> PickDecode(const std::vector<BackendState>& decodes,
                                        int64_t prompt_tokens, double shed_kv_usage,
                                        const std::set<std::string>& exclude) {
   std::vector<const BackendState*> candidates;
-  std::vector<std::string> out_reasons;
+  int failed = 0, unhealthy = 0;
   for (const BackendState& node : decodes) {
     if (exclude.count(node.address)) {
-      out_reasons.push_back(absl::StrCat(node.address, ": failed this request"));
+      ++failed;
     } else if (!node.healthy) {
-      out_reasons.push_back(absl::StrCat(node.address, ": ", node.last_error));
+      ++unhealthy;
     } else {
       candidates.push_back(&node);
     }
   }
   if (candidates.empty()) {
-    return absl::UnavailableError(absl::StrCat(
-        "no healthy decode node (", decodes.size(), " known",
-        out_reasons.empty() ? "" : ": ", absl::StrJoin(out_reasons, "; "), ")"));
+    return absl::UnavailableError(
+        absl::StrCat("no healthy decode node (", NodeCounts(decodes.size(), failed, unhealthy),
+                     "); retry later"));
   }
   std::vector<const BackendState*> below;
   float lowest = 1.0f;
@@ -79,18 +92,17 @@ absl::StatusOr<std::string> PickPrefill(const std::vector<BackendState>& prefill
                            n->prefill_load.queued_prompt_tokens() + n->pending_prompt_tokens,
                            n->prefill_load.running_prompt_tokens(), n->address);
   };
-  std::vector<std::string> reasons;
+  int unhealthy = 0;
   for (const BackendState& node : prefills) {
     if (!node.healthy) {
-      reasons.push_back(absl::StrCat(node.address, ": ", node.last_error));
+      ++unhealthy;
       continue;
     }
     if (best == nullptr || key(&node) < key(best)) best = &node;
   }
   if (best == nullptr) {
-    return absl::UnavailableError(absl::StrCat("no healthy prefill node (", prefills.size(),
-                                               " known", reasons.empty() ? "" : ": ",
-                                               absl::StrJoin(reasons, "; "), ")"));
+    return absl::UnavailableError(absl::StrCat(
+        "no healthy prefill node (", NodeCounts(prefills.size(), 0, unhealthy), "); retry later"));
   }
   return best->address;
 }

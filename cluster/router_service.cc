@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "glog/logging.h"
 #include "cluster/router_policy.h"
 #include "cluster/router_validation.h"
 #include "common/secret_token.h"
@@ -20,6 +22,31 @@
 
 namespace fluxion::cluster {
 namespace {
+
+// What a client is told of a decode node's answer `status`: the node's message, never its address
+// (an internal detail: it goes to the router's log, where an operator looks for it). A refusal of
+// the request itself (invalid, out of range) is the message alone: no node failed.
+// The prefill peer's address goes too: in the decode node's report of its failure
+// (common/peer_failure.h) and wherever else the text holds one of the two (gRPC's own transport
+// errors name the address they could not reach).
+std::string DecodeFailure(const std::string& node, const std::string& prefill,
+                          const grpc::Status& status) {
+  LOG(WARNING) << "decode node " << node << ": " << status.error_message();
+  std::string message = status.error_message();
+  if (!prefill.empty()) {
+    message =
+        absl::StrReplaceAll(message, {{PrefillFailureMessage(prefill, ""), "the prefill node: "},
+                                      {prefill, "(the prefill node)"}});
+  }
+  message = absl::StrReplaceAll(message, {{node, "(the decode node)"}});
+  switch (status.error_code()) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return message;
+    default:
+      return absl::StrCat("the decode node: ", message);
+  }
+}
 
 using SystemClock = std::chrono::system_clock;
 
@@ -427,9 +454,8 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
                  attempts_ < s->options_.max_attempts) {
         retry = true;
         s->metrics_.attempts_retried->Increment();
-        last_failure_ = grpc::Status(
-            status.error_code(), absl::StrCat("decode node ", attempt->decode(), ": ",
-                                              status.error_message()));
+        last_failure_ = grpc::Status(status.error_code(),
+                                     DecodeFailure(attempt->decode(), attempt->prefill(), status));
         excluded_decodes_.insert(attempt->decode());
         if (!attempt->prefill().empty()) excluded_prefills_.insert(attempt->prefill());
         // No message at all and UNAVAILABLE: the node itself is unreachable, not just busy --
@@ -447,14 +473,14 @@ class RouterService::Relay : public grpc::ServerWriteReactor<v1::GenerateRespons
         if (relayed_tokens_) {
           final_status = grpc::Status(
               status.error_code(),
-              absl::StrCat("request ", id, ": decode node ", attempt->decode(),
-                           " failed after the first token (not retried: tokens were already "
-                           "streamed): ",
-                           status.error_message()));
+              absl::StrCat("request ", id, ": failed after the first token (not retried: "
+                           "tokens were already streamed): ",
+                           DecodeFailure(attempt->decode(), attempt->prefill(), status)));
         } else {
-          final_status = grpc::Status(status.error_code(),
-                                      absl::StrCat("request ", id, ": decode node ",
-                                                   attempt->decode(), ": ", status.error_message()));
+          final_status = grpc::Status(
+              status.error_code(),
+              absl::StrCat("request ", id, ": ",
+                           DecodeFailure(attempt->decode(), attempt->prefill(), status)));
           if (held_error_.has_value()) {
             out_ = *held_error_;
             final_message = &out_;

@@ -18,6 +18,7 @@ namespace fluxion::cluster {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::FakeDecodeService;
 using testing::FakePrefillService;
 using testing::FakeServer;
@@ -231,6 +232,9 @@ TEST_F(RouterTest, RetriesStopAfterMaxAttemptsWithTheLastError) {
   Result r = Generate(Request("r-4", 3));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(r.status.error_message(), HasSubstr("fake: no pages"));
+  // The nodes' addresses are the router's own business (its log), not the client's.
+  EXPECT_THAT(r.status.error_message(), Not(HasSubstr(a_->address())));
+  EXPECT_THAT(r.status.error_message(), Not(HasSubstr(b_->address())));
   EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 2u);  // each node once
 }
 
@@ -250,6 +254,24 @@ TEST_F(RouterTest, NeverFitsIsTriedOnAnotherNodeThenEndsOutOfRange) {
   Result r = Generate(Request("r-bigger", 3));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
   EXPECT_THAT(r.status.error_message(), HasSubstr("--kv-pages"));
+  EXPECT_THAT(r.status.error_message(), Not(HasSubstr(a_->address())));
+}
+
+// A request the decode node refuses as invalid reaches the client with the node's own message
+// (what the client must change), neither retried elsewhere nor naming the node.
+TEST_F(RouterTest, AnInvalidRequestGetsTheNodesMessageAloneWithoutRetry) {
+  FakeDecodeService::Behaviour invalid;
+  invalid.reject = [](const v1::GenerateRequest&) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "This model's maximum context length is 8 tokens.");
+  };
+  decode_a_.SetBehaviour(invalid);
+  decode_b_.SetBehaviour(invalid);
+  Result r = Generate(Request("r-invalid", 3));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(),
+            "request r-invalid: This model's maximum context length is 8 tokens.");
+  EXPECT_EQ(decode_a_.seen().size() + decode_b_.seen().size(), 1u);
 }
 
 TEST_F(RouterTest, ShedsWithResourceExhaustedWhenEveryDecodeNodeIsAboveTheThreshold) {
@@ -288,7 +310,8 @@ TEST_F(RouterTest, KilledDecodeNodeFailsItsStreamClearlyAndNewRequestsGoElsewher
   EXPECT_FALSE(inflight.status.ok());
   EXPECT_GT(inflight.tokens.size(), 0u);
   EXPECT_THAT(inflight.status.error_message(), HasSubstr("after the first token"));
-  EXPECT_THAT(inflight.status.error_message(), HasSubstr(b_->address()));
+  EXPECT_THAT(inflight.status.error_message(), Not(HasSubstr(b_->address())))
+      << "the node's address is the router's log's, not the client's";
 
   // b's load answer still looks best, but it is gone: the next request tries it, fails before
   // any token, and is served by a; after that the router avoids b.

@@ -32,9 +32,10 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
   }
   const int64_t context_limit = limits.context_limit;
   if (context_limit > 0 && n >= context_limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt of ", n, " tokens leaves no room in the model's ", context_limit,
-                     "-token context"));
+    // OpenAI's wording, which clients match (as the router's HTTP API answers it).
+    return absl::InvalidArgumentError(absl::StrCat(
+        "This model's maximum context length is ", context_limit, " tokens. However, your prompt "
+        "resulted in ", n, " tokens. Please reduce the length of the prompt."));
   }
   ValidatedGenerate out;
   absl::StatusOr<model::SamplingParams> sampling = proto::SamplingFromProto(request.sampling());
@@ -56,9 +57,11 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
   if (sp.has_max_tokens() && context_limit > 0 &&
       static_cast<int64_t>(sp.max_tokens()) > context_limit - n) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "sampling.max_tokens = ", sp.max_tokens(), " is more than the ", context_limit - n,
-        " tokens the model's ", context_limit, "-token context leaves after the ", n,
-        "-token prompt; ask for at most ", context_limit - n, " (or leave it unset)"));
+        "This model's maximum context length is ", context_limit, " tokens. However, you "
+        "requested ", n + static_cast<int64_t>(sp.max_tokens()), " tokens (", n,
+        " in the prompt, ", sp.max_tokens(), " in the completion). Please reduce the length of "
+        "the prompt or completion: sampling.max_tokens at most ", context_limit - n,
+        " (or unset)."));
   }
   out.max_tokens = sp.has_max_tokens()
                        ? static_cast<int64_t>(sp.max_tokens())

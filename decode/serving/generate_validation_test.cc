@@ -47,7 +47,14 @@ TEST(GenerateValidationTest, RejectsWhatAClientCanGetWrongNamingTheField) {
   ExpectRejected(r, absl::StatusCode::kInvalidArgument, "prompt_token_ids[2]");
   r = Valid();
   for (int i = 0; i < 1100; ++i) r.add_prompt_token_ids(3);
-  ExpectRejected(r, absl::StatusCode::kInvalidArgument, "context");
+  ExpectRejected(r, absl::StatusCode::kInvalidArgument,
+                 "This model's maximum context length is 1024 tokens. However, your prompt "
+                 "resulted in 1102 tokens.");
+  r = Valid();
+  r.mutable_sampling()->set_max_tokens(1023);
+  ExpectRejected(r, absl::StatusCode::kInvalidArgument,
+                 "This model's maximum context length is 1024 tokens. However, you requested "
+                 "1025 tokens (2 in the prompt, 1023 in the completion).");
   r = Valid();
   r.mutable_sampling()->set_max_tokens(0);
   ExpectRejected(r, absl::StatusCode::kInvalidArgument, "max_tokens");

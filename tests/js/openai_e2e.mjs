@@ -1,6 +1,7 @@
 // The official `openai` npm SDK against Fluxion's OpenAI-compatible HTTP API (docs/PROTOCOL.md),
 // unchanged: completions and chat, streaming and not, a stop string, a cancelled stream and an
-// aborted whole completion whose KV pages come back, a bad field -> 400, overload -> 429 and 503. Run by tests/openai_e2e_test.cc,
+// aborted whole completion whose KV pages come back, a bad field -> 400, a request beyond the
+// context -> 400 context_length_exceeded, overload -> 429 and 503. Run by tests/openai_e2e_test.cc,
 // which starts the processes and passes their addresses:
 //   FLUXION_HTTP        the router's HTTP API, e.g. http://127.0.0.1:8000/v1
 //   FLUXION_SHED_HTTP   a router that sheds every request (RESOURCE_EXHAUSTED -> 429)
@@ -98,6 +99,17 @@ check('a bad field is 400 naming it', async () => {
                        (e) => e.status === 400 && e.param === 'logprobs');
   await assert.rejects(client.completions.create({ model: 'nope', prompt, max_tokens: 4 }),
                        (e) => e instanceof OpenAI.NotFoundError);
+});
+
+// The context check in the words clients match (OpenAI's, e.g. LangChain's and LiteLLM's
+// "maximum context length" handling), with its code and field, naming no internal address.
+check('a request beyond the context is 400 context_length_exceeded in OpenAI\'s words', async () => {
+  await assert.rejects(
+    client.completions.create({ model, prompt, max_tokens: 1000000 }),
+    (e) => e instanceof OpenAI.BadRequestError && e.code === 'context_length_exceeded' &&
+           e.param === 'prompt' &&
+           /^This model's maximum context length is \d+ tokens\. However, you requested \d+ tokens \(\d+ in the prompt, 1000000 in the completion\)/.test(e.error.message) &&
+           !/\d+\.\d+\.\d+\.\d+:\d+/.test(e.error.message));
 });
 
 // The status a server answers to a POST whose headers declare `bytes` of body and ask
