@@ -61,4 +61,16 @@ for want in "--decode=127.0.0.1:7002" "--http-listen=0.0.0.0:8000" "name: fluxio
             "--backend-tls-cert=/etc/fluxion/tls/tls.crt"; do
   printf '%s' "$out" | grep -q -- "$want" || { echo "overlays/llm-d: missing '$want'"; exit 1; }
 done
+# Every container of every overlay runs a tagged image: an image a patch or component adds after
+# the base's `images:` ran stays bare (`fluxion`, i.e. :latest from whatever registry answers).
+for dir in base overlays/dev overlays/gpu overlays/gpu-monitored overlays/llm-d; do
+  bare=$(kubectl kustomize "$dir" | grep -E '^ *image: [^:@]+$' || true)
+  [ -z "$bare" ] || { echo "$dir: untagged image: $bare"; exit 1; }
+done
+# The llm-d EPP configs (not kustomize resources) scrape /metrics where the pods serve it: 9100
+# on decode and prefill pods, not the InferencePool's target port (8000, the OpenAI API).
+for f in llm-d/epp-config.yaml llm-d/epp-config-pd.yaml; do
+  awk '/type: metrics-data-source/{s=1} s&&/port: 9100/{found=1} END{exit !found}' "$f" ||
+    { echo "$f: the metrics-data-source does not name port 9100"; exit 1; }
+done
 echo "k8s: every overlay renders and validates"
