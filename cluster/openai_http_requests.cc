@@ -11,6 +11,7 @@
 #include "cluster/openai_http_framing.h"
 #include "cluster/openai_http_impl.h"
 #include "cluster/openai_response.h"
+#include "common/build_version.h"
 #include "cluster/prefill_pick.h"
 #include "microhttpd.h"
 
@@ -135,16 +136,19 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
   }
   const bool models = std::strcmp(url, "/v1/models") == 0;
   const bool health = std::strcmp(url, "/health") == 0;
-  if (!models && !health) {
+  const bool version = std::strcmp(url, "/version") == 0;
+  if (!models && !health && !version) {
     return ReplyError(connection, MHD_HTTP_NOT_FOUND,
                       absl::StrCat("no such endpoint: ", url,
                                    " (served: POST /v1/completions, POST /v1/chat/completions, "
-                                   "GET /v1/models, GET /health)"));
+                                   "GET /v1/models, GET /health, GET /version)"));
   }
   if (!get) {
     return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat(url, " takes GET"));
   }
   if (models) return Reply(connection, MHD_HTTP_OK, ModelsJson(options_.model_name, created_));
+  // vLLM's shape: {"version": "..."}.
+  if (version) return Reply(connection, MHD_HTTP_OK, VersionJson(BuildVersion()));
   if (options_.ready()) return Reply(connection, MHD_HTTP_OK, "{\"status\":\"ok\"}");
   return ReplyError(connection, absl::UnavailableError("no healthy decode node"));
 }

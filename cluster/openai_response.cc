@@ -139,6 +139,10 @@ std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage) {
 
 std::string StreamErrorEvent(const ApiError& error) { return SseEvent(ErrorJson(error)); }
 
+std::string VersionJson(absl::string_view version) {
+  return Dump(Json{{"version", std::string(version)}});
+}
+
 std::string ModelsJson(absl::string_view model, int64_t created) {
   Json j = {{"object", "list"},
             {"data", Json::array({{{"id", std::string(model)},

@@ -66,6 +66,8 @@ std::string StreamErrorEvent(const ApiError& error);
 
 // GET /v1/models.
 std::string ModelsJson(absl::string_view model, int64_t created);
+// GET /version's body: {"version": version} (vLLM's).
+std::string VersionJson(absl::string_view version);
 
 }  // namespace fluxion::cluster::openai
 

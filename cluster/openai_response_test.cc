@@ -81,4 +81,8 @@ TEST(OpenAiResponseTest, ModelsList) {
 }
 
 }  // namespace
+TEST(OpenAiResponseTest, VersionIsVllmsShape) {
+  EXPECT_EQ(VersionJson("0.1.0+abc"), R"({"version":"0.1.0+abc"})");
+}
+
 }  // namespace fluxion::cluster::openai

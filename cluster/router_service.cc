@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/build_version.h"
 #include "glog/logging.h"
 #include "cluster/router_policy.h"
 #include "cluster/router_validation.h"
@@ -758,6 +759,7 @@ grpc::ServerUnaryReactor* RouterService::GetLoad(grpc::CallbackServerContext* co
   server->set_role(v1::SERVER_ROLE_ROUTER);
   server->set_node_name(options_.node_name);
   server->set_protocol_version(v1::PROTOCOL_VERSION_1);
+  server->set_build_version(BuildVersion());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

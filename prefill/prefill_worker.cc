@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/build_version.h"
 #include "common/status_macros.h"
 #include "model/cuda_dense_ops.h"
 #include "proto/convert.h"
@@ -93,6 +94,7 @@ absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWork
   info.set_node_name(c.node_name);
   *info.mutable_layout() = worker->layout_;
   info.set_protocol_version(1);
+  info.set_build_version(BuildVersion());
   info.set_max_context_tokens(static_cast<uint32_t>(worker->model_config_.max_position_embeddings));
   worker->node_metrics_ = std::make_unique<PrefillNodeMetrics>(&metrics::Registry::Default());
   worker->service_ =

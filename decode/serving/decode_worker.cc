@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/build_version.h"
 #include "absl/time/clock.h"
 #include "common/read_bandwidth.h"
 #include "common/status_macros.h"
@@ -219,6 +220,7 @@ absl::Status DecodeWorker::BuildService() {
   info.set_node_name(config_.node_name);
   *info.mutable_layout() = layout_;
   info.set_protocol_version(1);
+  info.set_build_version(BuildVersion());
   info.set_max_context_tokens(static_cast<uint32_t>(model_->config().max_position_embeddings));
   service_ = std::make_unique<DecodeServiceImpl>(model_.get(), arena_.get(), admission_.get(),
                                                  scheduler_.get(), transport_.get(), descriptor_,

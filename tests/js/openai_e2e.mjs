@@ -154,6 +154,12 @@ check('HTTP-level refusals: bad JSON, bad UTF-8, too large, unknown path, wrong 
   assert.equal(health.status, 200);
 });
 
+check('GET /version names the build (vLLM\'s shape)', async () => {
+  const res = await fetch(env('FLUXION_HTTP').replace(/\/v1$/, '') + '/version');
+  assert.equal(res.status, 200);
+  assert.match((await res.json()).version, /^\d+\.\d+\.\d+(\+[0-9a-f]+)?$/);
+});
+
 check('overload: 429 and 503 with Retry-After', async () => {
   const shed = new OpenAI({ baseURL: env('FLUXION_SHED_HTTP'), apiKey: 'x', maxRetries: 0 });
   await assert.rejects(shed.completions.create({ model, prompt, max_tokens: 4 }),

@@ -11,6 +11,7 @@
 #include "cluster/local_command.h"
 #include "cluster/replay_command.h"
 #include "cluster/router_command.h"
+#include "common/build_version.h"
 #include "kernels/cpu/process_cpu.h"
 #include "model/commands.h"
 #ifdef FLUXION_HAVE_SERVICES
@@ -52,7 +53,8 @@ const std::vector<Subcommand>& Subcommands() {
 }
 
 void PrintUsage(std::ostream& out) {
-  out << "usage: fluxion <command> [flags]   (fluxion <command> --help for its flags)\n\n"
+  out << "usage: fluxion <command> [flags]   (fluxion <command> --help for its flags; "
+         "fluxion --version)\n\n"
          "commands:\n";
   for (const Subcommand& c : Subcommands()) {
     out << "  " << c.name << std::string(12 - std::strlen(c.name), ' ') << c.summary << "\n";
@@ -68,6 +70,10 @@ int main(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
     PrintUsage(argc < 2 ? std::cerr : std::cout);
     return argc < 2 ? 2 : 0;
+  }
+  if (std::strcmp(argv[1], "--version") == 0) {
+    std::cout << "fluxion " << fluxion::BuildVersion() << "\n";
+    return 0;
   }
   std::vector<std::string> args(argv + 2, argv + argc);
   for (const Subcommand& c : Subcommands()) {
