@@ -56,6 +56,9 @@ struct HttpServerOptions {
   size_t max_queued = 64;
   // Rendering and tokenizing one prompt may take this long; then 400 saying so.
   absl::Duration tokenize_timeout = absl::Seconds(10);
+  // Bearer key every /v1/ request must carry (`Authorization: Bearer KEY`); empty: none. A request
+  // without it gets 401 before its body is read. /health and /version stay open (probes).
+  std::string api_key;
   // The model's context in tokens: a longer request gets OpenAI's context_length_exceeded 400
   // here, before it reaches a node; 0: unknown (the decode node refuses it, 400 too).
   int64_t max_context_tokens = 0;

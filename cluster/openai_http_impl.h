@@ -71,6 +71,8 @@ class HttpServer::Impl {
   MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
                    void** per_request);
   absl::Status Submit(Call* call);
+  // Whether the request carries `Authorization: Bearer <options_.api_key>`.
+  bool Authorized(MHD_Connection* connection) const;
   void Prepare(const std::shared_ptr<CallState>& state, MHD_Connection* connection,
                Endpoint endpoint, const std::string& body, const std::string& id,
                const Metadata& metadata);

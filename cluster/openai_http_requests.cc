@@ -7,11 +7,14 @@
 #include <utility>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "cluster/openai_http_framing.h"
 #include "cluster/openai_http_impl.h"
 #include "cluster/openai_response.h"
 #include "common/build_version.h"
+#include "common/secret_token.h"
 #include "cluster/prefill_pick.h"
 #include "microhttpd.h"
 
@@ -68,6 +71,15 @@ Metadata PrefillPickMetadata(MHD_Connection* connection) {
 
 }  // namespace
 
+bool HttpServer::Impl::Authorized(MHD_Connection* connection) const {
+  const char* value = MHD_lookup_connection_value(connection, MHD_HEADER_KIND,
+                                                  MHD_HTTP_HEADER_AUTHORIZATION);
+  if (value == nullptr) return false;
+  absl::string_view v(value);
+  if (!absl::ConsumePrefix(&v, "Bearer ")) return false;
+  return TokensEqual(std::string(v), options_.api_key);  // no early exit on a partial match
+}
+
 MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url, const char* method,
                                     const char* upload_data, size_t* upload_data_size,
                                     void** per_request) {
@@ -108,6 +120,13 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
   if (absl::Status framing = CheckFraming(FramingHeadersOf(connection)); !framing.ok()) {
     return Reply(connection, MHD_HTTP_BAD_REQUEST, ErrorJson(ErrorFromStatus(framing)),
                  /*retry_after_s=*/0, /*close=*/true);
+  }
+  if (!options_.api_key.empty() && absl::StartsWith(url, "/v1/") && !Authorized(connection)) {
+    return ReplyError(connection,
+                      WithCode(absl::UnauthenticatedError(
+                                   "Incorrect or missing API key: send `Authorization: Bearer "
+                                   "<key>` with the key this server was started with"),
+                               "invalid_api_key"));
   }
   const bool get = std::strcmp(method, "GET") == 0 || std::strcmp(method, "HEAD") == 0;
   const bool post = std::strcmp(method, "POST") == 0;

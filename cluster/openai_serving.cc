@@ -1,5 +1,6 @@
 #include "cluster/openai_serving.h"
 
+#include <cstdlib>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +64,11 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
   flags.Int("http-tokenize-timeout-ms", &out->tokenize_timeout_ms,
             "longest one request's prompt may take to render and tokenize; then 400 saying so "
             "(bounds what a hostile text or tokenizer.json costs)");
+  flags.String("api-key", &out->api_key,
+               "key the HTTP API's /v1/ endpoints require as `Authorization: Bearer KEY` (401 "
+               "otherwise; /health and /version stay open), as vLLM's --api-key; default: "
+               "$FLUXION_API_KEY, else none (a key on the command line is visible in ps: prefer "
+               "the environment)");
 }
 
 OpenAiServing::~OpenAiServing() { server_.reset(); }
@@ -122,6 +128,10 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   options.workers = static_cast<int>(flags.workers);
   options.max_queued = static_cast<size_t>(flags.max_queued);
   options.tokenize_timeout = absl::Milliseconds(flags.tokenize_timeout_ms);
+  options.api_key = flags.api_key;
+  if (const char* env = std::getenv("FLUXION_API_KEY"); options.api_key.empty() && env != nullptr) {
+    options.api_key = env;
+  }
   // The model's context, for OpenAI's context_length_exceeded answer; a directory without a
   // readable config.json leaves the check to the decode node.
   if (auto config = model::LoadModelConfig(flags.model_dir + "/config.json"); config.ok()) {

@@ -33,6 +33,8 @@ struct OpenAiFlags {
   int64_t workers = 2;
   int64_t max_queued = 64;
   int64_t tokenize_timeout_ms = 10000;
+  // Bearer key the /v1/ endpoints require (empty: none); --api-key, else $FLUXION_API_KEY.
+  std::string api_key;
 };
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out);

@@ -88,9 +88,10 @@ TEST(OpenAiE2eTest, OpenAiSdkAgainstTheRouter) {
                      {"--kv-pages", "4096", "--prefill-address", prefill.address});
   Node decode = StartNode(dir, "decode", "decode", decode_args, false);
   ASSERT_FALSE(decode.address.empty()) << "decode did not start; logs in " << dir;
-  Node router = StartNode(
-      dir, "router", "router",
-      {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms", "100"}, true);
+  Node router = StartNode(dir, "router", "router",
+                          {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms",
+                           "100", "--api-key", "e2e-key"},
+                          true);
   Node shedding = StartNode(dir, "router-shed", "router",
                             {"--decode", decode.address, "--prefill", prefill.address, "--poll-ms",
                              "100", "--shed-kv-usage", "0"},
@@ -113,7 +114,8 @@ TEST(OpenAiE2eTest, OpenAiSdkAgainstTheRouter) {
                    "/v1 FLUXION_SHED_HTTP=http://127.0.0.1:", shedding.http_port,
                    "/v1 FLUXION_DOWN_HTTP=http://127.0.0.1:", down.http_port,
                    "/v1 FLUXION_DECODE_METRICS=http://127.0.0.1:", decode.metrics_port,
-                   "/metrics FLUXION_MODEL=fluxion-tiny-retrieval FLUXION_CHAT=", FLUXION_E2E_CHAT,
+                   "/metrics FLUXION_API_KEY_E2E=e2e-key FLUXION_MODEL=fluxion-tiny-retrieval "
+                   "FLUXION_CHAT=", FLUXION_E2E_CHAT,
                    " timeout 240 node openai_e2e.mjs 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);

@@ -8,6 +8,7 @@
 //   FLUXION_DOWN_HTTP   a router with no healthy decode node (UNAVAILABLE -> 503)
 //   FLUXION_DECODE_METRICS  the decode node's /metrics URL
 //   FLUXION_MODEL       the served model name
+//   FLUXION_API_KEY_E2E the key FLUXION_HTTP's router requires (--api-key)
 //   FLUXION_CHAT        "1" when the router has a chat template
 // Exits 0 when every check passed; prints each failure.
 import assert from 'node:assert/strict';
@@ -20,7 +21,10 @@ const env = (name) => {
   return v;
 };
 const model = env('FLUXION_MODEL');
-const client = new OpenAI({ baseURL: env('FLUXION_HTTP'), apiKey: 'unused', maxRetries: 0,
+// The serving router requires this key (--api-key); the SDK sends it as a bearer token.
+const apiKey = env('FLUXION_API_KEY_E2E');
+const auth = { authorization: `Bearer ${apiKey}` };
+const client = new OpenAI({ baseURL: env('FLUXION_HTTP'), apiKey, maxRetries: 0,
                             timeout: 30000 });
 const prompt = 'The key is 42. Remember the key. The key is';
 
@@ -122,7 +126,7 @@ function statusOfHeadersOnly(url, bytes) {
     const req = http.request({ host: u.hostname, port: u.port, path: u.pathname, method: 'POST',
                                headers: { 'content-type': 'application/json',
                                           'content-length': String(bytes),
-                                          expect: '100-continue' } });
+                                          expect: '100-continue', ...auth } });
     req.on('response', (res) => { res.resume(); settle(resolve, res.statusCode); });
     req.on('continue', () => settle(reject, new Error('the server asked for the body')));
     req.on('error', (e) => settle(reject, e));
@@ -135,7 +139,8 @@ check('HTTP-level refusals: bad JSON, bad UTF-8, too large, unknown path, wrong 
       async () => {
   const base = env('FLUXION_HTTP');  // ends in /v1
   const post = (path, body) => fetch(base + path, { method: 'POST', body,
-                                                    headers: { 'content-type': 'application/json' } });
+                                                    headers: { 'content-type': 'application/json',
+                                                               ...auth } });
   const bad = await post('/completions', '{"model":');
   assert.equal(bad.status, 400);
   assert.equal((await bad.json()).error.type, 'invalid_request_error');
@@ -148,10 +153,22 @@ check('HTTP-level refusals: bad JSON, bad UTF-8, too large, unknown path, wrong 
   // about one run in ten on a loaded box), so this one sends the headers with
   // `Expect: 100-continue` and waits, as a careful client does.
   assert.equal(await statusOfHeadersOnly(base + '/completions', 2 << 20), 413);
-  assert.equal((await fetch(base + '/nothing')).status, 404);
-  assert.equal((await fetch(base + '/completions')).status, 405);
+  assert.equal((await fetch(base + '/nothing', { headers: auth })).status, 404);
+  assert.equal((await fetch(base + '/completions', { headers: auth })).status, 405);
   const health = await fetch(base.replace(/\/v1$/, '') + '/health');
   assert.equal(health.status, 200);
+});
+
+check('--api-key: a wrong or missing key is 401 invalid_api_key; probes need none', async () => {
+  const wrong = new OpenAI({ baseURL: env('FLUXION_HTTP'), apiKey: 'not-the-key', maxRetries: 0 });
+  await assert.rejects(wrong.completions.create({ model, prompt, max_tokens: 4 }),
+                       (e) => e instanceof OpenAI.AuthenticationError && e.status === 401 &&
+                              e.code === 'invalid_api_key');
+  await assert.rejects(wrong.models.list(), (e) => e instanceof OpenAI.AuthenticationError);
+  const base = env('FLUXION_HTTP');
+  assert.equal((await fetch(base + '/models')).status, 401);
+  assert.equal((await fetch(base.replace(/\/v1$/, '') + '/health')).status, 200);
+  assert.equal((await fetch(base.replace(/\/v1$/, '') + '/version')).status, 200);
 });
 
 check('GET /version names the build (vLLM\'s shape)', async () => {
