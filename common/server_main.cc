@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/memory_metrics.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
 
 namespace fluxion::serving {
 
@@ -17,6 +18,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(const std::string&
                                                              grpc::Service* service, int* port,
                                                              const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
+  // Server reflection on every server, so grpcurl and the like work without our protos (they are
+  // public: proto/). Registered before the builder is made: the plugin attaches to new builders.
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   *port = 0;
   std::shared_ptr<grpc::ServerCredentials> credentials = options.credentials;

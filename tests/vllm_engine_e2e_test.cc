@@ -90,6 +90,24 @@ TEST(VllmEngineE2eTest, GrpcJsClientDrivesTheRouter) {
   const std::string ended = (*client)->Stop(absl::Seconds(1));
   EXPECT_EQ(ended, "had already exited 0") << (*client)->LogTail(6000) << "\nlogs in " << dir;
   EXPECT_THAT((*client)->LogTail(6000), ::testing::HasSubstr("all VllmEngine checks passed"));
+
+  // Server reflection on every role (docs/PROTOCOL.md): grpcurl's view of each server.
+  const std::vector<std::pair<const Node*, std::vector<std::string>>> reflected = {
+      {&router,
+       {"vllm.grpc.engine.VllmEngine", "fluxion.v1.DecodeService", "grpc.health.v1.Health"}},
+      {&decode, {"fluxion.v1.DecodeService", "grpc.health.v1.Health"}},
+      {&prefill, {"fluxion.v1.PrefillService", "grpc.health.v1.Health"}}};
+  for (const auto& [node, services] : reflected) {
+    std::vector<std::string> argv = {FLUXION_NODE,
+                                     SourceDir() + "/tests/js/vllm/reflection_client.cjs",
+                                     node->address};
+    argv.insert(argv.end(), services.begin(), services.end());
+    auto reflection = ChildProcess::Start("reflection", argv, dir + "/reflection.log");
+    ASSERT_TRUE(reflection.ok()) << reflection.status();
+    WaitFor([&] { return !(*reflection)->Running(); }, kGenerousWait, absl::Milliseconds(50));
+    EXPECT_EQ((*reflection)->Stop(absl::Seconds(1)), "had already exited 0")
+        << (*reflection)->LogTail(3000);
+  }
 }
 
 }  // namespace
