@@ -1,14 +1,15 @@
-// What the prefill engine needs of an accelerator that prefills prompts (issue 15): batches of
-// prompts through one forward, each (chunk, layer) piece reported as it completes, its pages
-// pulled to the host while the next layer computes, and the host memory those pages are staged
-// in. DevicePrefill (prefill/device_prefill.h) is the CUDA one; unit tests put a CPU stand-in
-// behind the same interface to test the engine's device path where there is no GPU.
+// What the prefill engine needs of whatever computes prompts: batches of prompts through one
+// forward, each (chunk, layer) piece reported as it completes, its pages pulled to the host while
+// the next layer computes, and the host memory those pages are staged in. DevicePrefill
+// (prefill/device_prefill.h) is the GPU's, CpuPrefillDevice (prefill/cpu_prefill_device.h) the
+// host cores'; unit tests put a stand-in behind the same interface.
 #ifndef FLUXION_PREFILL_PREFILL_DEVICE_H_
 #define FLUXION_PREFILL_PREFILL_DEVICE_H_
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -20,10 +21,22 @@
 
 namespace fluxion::prefill {
 
+// A prompt's computed pages, kept by a device whose pages outlive its batches
+// (PrefillDevice::PagesOutliveBatch): Copy is CopyPages for this prompt, valid for as long as the
+// object lives, whatever batches run meanwhile.
+class PromptPages {
+ public:
+  virtual ~PromptPages() = default;
+  virtual absl::Status Copy(int layer, int64_t first_page, int64_t end_page, uint8_t* pages,
+                            uint8_t* records) const = 0;
+};
+
 struct DevicePrefillResult {
   std::vector<float> logits;                // the last prompt token's [vocab_size]
   std::optional<model::SparseState> state;  // when the run was asked to capture it
   std::chrono::steady_clock::time_point forward_end;  // before the capture
+  // The prompt's pages from now on, when the device keeps them (PagesOutliveBatch); else null.
+  std::shared_ptr<const PromptPages> pages;
 };
 
 // Called (on a thread of the device's) in (chunk, layer) order, once rows [first, end) of `layer`
@@ -36,7 +49,9 @@ using BatchPiecesReady =
 // One prompt of a batch: ids already validated against the vocabulary, pages of `page_tokens`
 // tokens, each page's selection record (transfer/page_meta.h) computed beside it when
 // `encode_meta`, the sparse state captured after the forward when `capture_state`. `cancelled`
-// (may be empty) is polled between layers; once true the prompt leaves the batch (Cancelled).
+// (may be empty) is polled between layers; once true the prompt leaves the batch (Cancelled). A
+// device may leave that to `ready`, whose error takes the prompt out too (CpuPrefillDevice does:
+// the engine checks cancellation there).
 struct DevicePrompt {
   absl::Span<const int32_t> tokens;
   int64_t page_tokens = 16;
@@ -71,6 +86,14 @@ class PrefillDevice {
   // prompt, range or layer the last batch does not have.
   virtual absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
                                  uint8_t* pages, uint8_t* records) = 0;
+
+  // Whether each prompt's pages stay readable after its batch, in DevicePrefillResult::pages,
+  // whatever batches follow (the CPU's: each prompt's own cache). The engine then gives every
+  // request staging of its own (HostStaging is not asked) and answers it without waiting for its
+  // writes: a decode node that does not take them holds only its own requests. False (the GPU's):
+  // the pages live in device memory the next batch reuses, staging is HostStaging's, and a batch's
+  // writes all land before the next batch.
+  virtual bool PagesOutliveBatch() const { return false; }
 };
 
 }  // namespace fluxion::prefill

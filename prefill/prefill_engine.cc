@@ -14,10 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "model/dense_attention.h"
-#include "model/generator.h"
 #include "model/sampler.h"
 #include "model/sparse_state.h"
+#include "prefill/cpu_prefill_device.h"
 #include "prefill/prefill_validation.h"
 #include "proto/convert.h"
 #include "transfer/crc32c.h"
@@ -33,31 +32,6 @@ using Clock = std::chrono::steady_clock;
 uint64_t MicrosBetween(Clock::time_point a, Clock::time_point b) {
   return b > a ? std::chrono::duration_cast<std::chrono::microseconds>(b - a).count() : 0;
 }
-
-// The prefill's own full attention, which hands every computed piece of a layer (a prompt chunk:
-// the model runs long prompts in chunks) to `on_rows(layer, first, end)` right after storing it:
-// the hook that packs and sends those rows' pages while the model goes on with the next layer,
-// and that checks for cancellation. An error from the hook stops the forward.
-class SendingAttention : public model::SequenceAttention {
- public:
-  SendingAttention(const model::AttentionShape& shape, int64_t tokens,
-                   std::function<absl::Status(int, int64_t, int64_t)> on_rows)
-      : dense_(shape), on_rows_(std::move(on_rows)) {
-    dense_.RecordQueries(std::max<int64_t>(0, tokens - model::kPrefillTailRows), tokens);
-  }
-
-  absl::Status Forward(int layer, int64_t pos0, int64_t n, const float* q, const float* k,
-                       const float* v, float* out) override {
-    FLUXION_RETURN_IF_ERROR(dense_.Forward(layer, pos0, n, q, k, v, out));
-    return on_rows_(layer, pos0, pos0 + n);
-  }
-
-  const model::DenseAttention& dense() const { return dense_; }
-
- private:
-  model::DenseAttention dense_;
-  std::function<absl::Status(int, int64_t, int64_t)> on_rows_;
-};
 
 // Everything submitted for one request, so that every exit path waits for it first.
 class Submitted {
@@ -132,8 +106,8 @@ model::AttentionShape ShapeOf(const model::ModelConfig& c) {
 
 PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* transport,
                              const v1::ModelLayout& layout, const PrefillEngineOptions& options)
-    : model_(model),
-      device_(nullptr),
+    : owned_device_(std::make_unique<CpuPrefillDevice>(model, options.piece_tokens)),
+      device_(owned_device_.get()),
       config_(model->config()),
       shape_(model->attention_shape()),
       transport_(transport),
@@ -142,8 +116,7 @@ PrefillEngine::PrefillEngine(const model::Model* model, transfer::Transport* tra
 
 PrefillEngine::PrefillEngine(PrefillDevice* device, transfer::Transport* transport,
                              const v1::ModelLayout& layout, const PrefillEngineOptions& options)
-    : model_(nullptr),
-      device_(device),
+    : device_(device),
       config_(device->config()),
       shape_(ShapeOf(device->config())),
       transport_(transport),
@@ -174,8 +147,9 @@ struct PrefillEngine::Job {
   bool crc = false;
   std::vector<std::unique_ptr<transfer::RemoteTarget>> targets;
   // The staging ring's memory, the copy source of the page writes (prefill/staging_ring.h): the
-  // CPU path's own, the device path's borrowed from its pinned HostStaging. `slot_pages`: pages
-  // per head staged at most at once, so that several slots are in flight.
+  // request's own when its device's pages outlive the batch (PrefillDevice::PagesOutliveBatch),
+  // else borrowed from the device's HostStaging. `slot_pages`: pages per head staged at most at
+  // once, so that several slots are in flight.
   std::unique_ptr<uint8_t[]> owned_ring;
   uint8_t* ring_memory = nullptr;
   size_t ring_bytes = 0;
@@ -184,9 +158,9 @@ struct PrefillEngine::Job {
   std::unique_ptr<transfer::Registration> ring_reg;
   std::string state_blob;  // the serialized sparse state, a copy source like `staging`
   std::unique_ptr<transfer::Registration> state_reg;
-  // Per-page metadata (transfer/page_meta.h), one block per layer: on the CPU path encoded from
-  // each staging slot as its pages are staged (into `owned_meta`); on the device path computed on
-  // the GPU and copied with the pages into the pinned staging, after the ring. A copy source.
+  // Per-page metadata (transfer/page_meta.h), one block per layer, written by the device with the
+  // pages they describe (PrefillDevice::CopyPages), into `owned_meta` beside owned staging, else
+  // into the device's staging after the ring. A copy source.
   bool want_meta = false;
   uint64_t meta_layer_bytes = 0;
   std::vector<uint32_t> meta_target;  // per page_meta_target extent: its target
@@ -205,9 +179,10 @@ struct PrefillEngine::Job {
   // GB at once at 128K).
   std::vector<int64_t> complete, sent;
   std::vector<uint32_t> head_crcs;
-  SendingAttention* attention = nullptr;  // the CPU path's
-  std::optional<model::SparseState> device_state;  // the device path's capture
-  std::unique_ptr<model::Sequence> seq;
+  std::optional<model::SparseState> device_state;  // the device's capture
+  // The prompt's pages once its batch is over, when the device keeps them (PagesOutliveBatch);
+  // null during the batch (CopyPages) and on devices that do not.
+  std::shared_ptr<const PromptPages> pages;
   std::vector<int32_t> prompt;
   std::vector<float> logits;
   absl::Status forward;
@@ -310,7 +285,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->crc = kv.checksum_algorithm() == v1::CHECKSUM_ALGORITHM_CRC32C;
   j->checksums.assign(shape.num_layers, 0);
   if (j->want_meta) j->meta_checksums.assign(shape.num_layers, 0);
-  if (device_ == nullptr) {  // the device path's staging is a slice of its pinned memory (RunOnDevice)
+  if (device_->PagesOutliveBatch()) {  // else a slice of HostStaging (RunDeviceBatch)
     j->owned_ring.reset(new uint8_t[j->ring_bytes]);
     j->owned_meta.resize(j->meta_bytes);
     FLUXION_RETURN_IF_ERROR(AttachStaging(*j, j->owned_ring.get(), j->owned_meta.data()));
@@ -320,22 +295,6 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
   j->sent.assign(shape.num_layers, 0);
   j->head_crcs.assign(shape.num_layers * shape.num_kv_heads, 0);
   j->prompt.assign(request.prompt_token_ids().begin(), request.prompt_token_ids().end());
-  if (device_ != nullptr) return job;
-  auto owned = std::make_unique<SendingAttention>(
-      shape, n, [this, j](int layer, int64_t first, int64_t end) -> absl::Status {
-        absl::Status s = OnRows(*j, layer, first, end);
-        if (!s.ok() && j->early_handoff != nullptr && !j->replied) {
-          j->forward = s;
-          j->t_compute_end = Clock::now();
-          // The Landing shares the job: the batch's forward still holds its sequence.
-          (*j->early_handoff)(j->index,
-                              std::make_unique<Landing>(j->self.lock(), FinishCompute(*j)));
-          j->replied = true;
-        }
-        return s;
-      });
-  j->attention = owned.get();
-  j->seq = std::make_unique<model::Sequence>(std::move(owned));
   return job;
 }
 
@@ -403,11 +362,20 @@ absl::Status PrefillEngine::CheckCancelled(const Job& j, int layer) const {
                                            "' aborted at layer ", layer + 1));
 }
 
-// The CPU path's per-piece, per-layer hook of `j`'s attention: checks for cancellation and sends
-// the pages the rows completed.
-absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t, int64_t end) const {
-  FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
-  return SendCompleted(j, layer, end);
+// The device's report of `j`'s rows [.., end) of `layer`: checks for cancellation and sends the
+// pages the rows completed. An error takes the request out of its batch; with pages that outlive
+// the batch and others in it, the request is answered right here (its Landing shares the job), so
+// that it does not wait for the others' forward.
+absl::Status PrefillEngine::OnRows(Job& j, int layer, int64_t end) const {
+  absl::Status s = CheckCancelled(j, layer);
+  if (s.ok()) s = SendCompleted(j, layer, end);
+  if (!s.ok() && j.early_handoff != nullptr && !j.replied) {
+    j.forward = s;
+    j.t_compute_end = Clock::now();
+    (*j.early_handoff)(j.index, std::make_unique<Landing>(j.self.lock(), FinishCompute(j)));
+    j.replied = true;
+  }
+  return s;
 }
 
 absl::Status PrefillEngine::SendCompleted(Job& j, int layer, int64_t end) const {
@@ -453,18 +421,15 @@ absl::Status PrefillEngine::Pump(Job& j, bool drain) const {
   return absl::OkStatus();
 }
 
-// Fills `slot` with pages [p0, p1) of every KV head of `layer` (from the model's cache on the
-// CPU path, from HBM on the device path, with their records), then hashes them and, on the CPU
-// path, encodes their records, while the slot is warm.
+// Fills `slot` with pages [p0, p1) of every KV head of `layer` and their records (from the
+// device during the batch, from the prompt's kept pages after it), then hashes them while the
+// slot is warm.
 absl::Status PrefillEngine::Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const {
   uint8_t* records = j.want_meta ? j.meta + layer * j.meta_layer_bytes : nullptr;
-  if (device_ != nullptr) {
-    FLUXION_RETURN_IF_ERROR(device_->CopyPages(j.device_index, layer, p0, p1, slot, records));
+  if (j.pages != nullptr) {
+    FLUXION_RETURN_IF_ERROR(j.pages->Copy(layer, p0, p1, slot, records));
   } else {
-    const int64_t row = shape_.num_kv_heads * shape_.head_dim;
-    const model::DenseAttention& dense = j.attention->dense();
-    transfer::PackPageRange(j.geo, j.n, p0, p1, dense.keys(layer), dense.values(layer), row, slot);
-    if (records != nullptr) transfer::EncodePackedPageMeta(j.geo, j.n, slot, p0, p1, records);
+    FLUXION_RETURN_IF_ERROR(device_->CopyPages(j.device_index, layer, p0, p1, slot, records));
   }
   if (j.crc) {
     const int64_t hkv = shape_.num_kv_heads, count = p1 - p0;
@@ -524,9 +489,9 @@ std::vector<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::PrepareAll(
   return jobs;
 }
 
-// The batch's requests through one device forward, their rows packed into shared chunks. The
-// copy thread calls back with each piece of a request once it is computed: its cancellation is
-// checked there too, then what fits its ring is sent. A request that fails leaves the batch.
+// The batch's requests through one device forward (on the GPU their rows packed into shared
+// chunks). The device calls back with each piece of a request once it is computed (OnRows): its
+// cancellation is checked, then what fits its ring is sent. A request that fails leaves the batch.
 void PrefillEngine::RunOnDevice(absl::Span<Job* const> jobs) const {
   std::vector<DevicePrompt> prompts;
   const Clock::time_point t_compute = Clock::now();
@@ -539,20 +504,19 @@ void PrefillEngine::RunOnDevice(absl::Span<Job* const> jobs) const {
   }
   absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> r = device_->RunBatch(
       prompts, [this, jobs](size_t k, int layer, int64_t, int64_t end) -> absl::Status {
-        Job& j = *jobs[k];
-        FLUXION_RETURN_IF_ERROR(CheckCancelled(j, layer));
-        return SendCompleted(j, layer, end);
+        return OnRows(*jobs[k], layer, end);
       });
   for (size_t k = 0; k < jobs.size(); ++k) {
     Job& j = *jobs[k];
     absl::StatusOr<DevicePrefillResult> one = r.ok() ? std::move((*r)[k]) : r.status();
     if (!one.ok()) {
-      j.forward = one.status();
-      j.t_compute_end = Clock::now();
+      if (j.forward.ok()) j.forward = one.status();  // OnRows may have set (and answered) it
+      if (!j.replied) j.t_compute_end = Clock::now();
       continue;
     }
     j.logits = std::move(one->logits);
     j.device_state = std::move(one->state);
+    j.pages = std::move(one->pages);
     j.t_compute_end = one->forward_end;
   }
 }
@@ -600,7 +564,6 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::Finish(Job& j) const {
 }
 
 absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
-  const model::AttentionShape& shape = shape_;
   const v1::PrefillRequest& request = *j.request;
   const v1::KvTarget& kv = request.kv_target();
   // Every error below is returned without waiting for the writes already submitted: Land waits
@@ -618,10 +581,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   }
   if (request.has_sparse_target()) {
     const v1::SparseStateTarget& st = request.sparse_target();
-    absl::StatusOr<model::SparseState> state =
-        j.device_state.has_value() ? *std::move(j.device_state)
-                                   : model::CaptureSparseState(j.attention->dense(), shape);
-    if (!state.ok()) return state.status();
+    if (!j.device_state.has_value()) {
+      return absl::InternalError("the prefill device captured no sparse state for this request");
+    }
+    std::optional<model::SparseState> state = std::move(j.device_state);
     j.state_blob = state->Serialize();
     absl::StatusOr<std::unique_ptr<transfer::Registration>> reg = transport_->Register(
         {j.state_blob.data(), j.state_blob.size()}, {/*remote_write=*/false});
@@ -725,69 +688,25 @@ void PrefillEngine::RunBatch(absl::Span<const v1::PrefillRequest* const> request
 void PrefillEngine::RunBatchDeferred(absl::Span<const v1::PrefillRequest* const> requests,
                                      absl::Span<const std::function<bool()>> cancelled,
                                      const Handoff& handoff) const {
-  if (device_ != nullptr) return RunDeviceBatch(requests, cancelled, handoff);
-  const Handoff& reply = handoff;
+  if (!device_->PagesOutliveBatch()) return RunDeviceBatch(requests, cancelled, handoff);
+  // Each request with staging of its own and its pages kept by the device: answered as soon as its
+  // compute is over, its writes still landing (the Landing shares the job and its pages).
   std::vector<std::shared_ptr<Job>> jobs;
-  for (std::unique_ptr<Job>& job : PrepareAll(requests, cancelled, reply)) {
+  std::vector<Job*> ready;
+  for (std::unique_ptr<Job>& job : PrepareAll(requests, cancelled, handoff)) {
     std::shared_ptr<Job> shared = std::move(job);
     shared->self = shared;
+    ready.push_back(shared.get());
     jobs.push_back(std::move(shared));
   }
   if (jobs.empty()) return;
-  const int64_t piece = std::max<int64_t>(1, options_.piece_tokens);
-  const Clock::time_point t_compute = Clock::now();
-  for (auto& j : jobs) j->t_compute = t_compute;
-  if (jobs.size() == 1) {
-    // Alone: the plain forward, piece by piece.
-    Job& j = *jobs[0];
-    for (int64_t first = 0; first < j.n && j.forward.ok(); first += piece) {
-      j.forward = model_->Forward(*j.seq,
-                                  absl::MakeConstSpan(j.prompt).subspan(first,
-                                                                        std::min(piece, j.n - first)),
-                                  &j.logits);
-    }
-    j.t_compute_end = Clock::now();
-  } else {
-    // Together: piece p of every request still computing goes through one batched forward. A
-    // request whose hook fails (cancelled, a send refused) leaves the batch at that layer and is
-    // answered from the hook, once its writes stopped, without waiting for the others.
-    std::vector<model::Sequence*> seqs;
-    std::vector<absl::Span<const int32_t>> spans;
-    std::vector<Job*> in;
-    std::vector<std::vector<float>> logits;
-    std::vector<absl::Status> statuses;
-    for (auto& j : jobs) j->early_handoff = &reply;
-    for (int64_t first = 0;; first += piece) {
-      seqs.clear();
-      spans.clear();
-      in.clear();
-      for (auto& j : jobs) {
-        if (!j->forward.ok() || first >= j->n) continue;
-        in.push_back(j.get());
-        seqs.push_back(j->seq.get());
-        spans.push_back(absl::MakeConstSpan(j->prompt).subspan(first, std::min(piece, j->n - first)));
-      }
-      if (in.empty()) break;
-      absl::Status s = model_->ForwardBatch(seqs, spans, &logits, &statuses);
-      const Clock::time_point now = Clock::now();
-      for (size_t b = 0; b < in.size(); ++b) {
-        Job& j = *in[b];
-        j.forward = s.ok() ? statuses[b] : s;
-        if (!j.forward.ok()) {
-          if (!j.replied) {  // failed outside its hook (not expected: inputs were validated)
-            j.t_compute_end = now;
-            reply(j.index, std::make_unique<Landing>(j.self.lock(), FinishCompute(j)));
-            j.replied = true;
-          }
-        } else if (first + piece >= j.n) {
-          j.logits = std::move(logits[b]);
-          j.t_compute_end = now;
-        }
-      }
-    }
+  // In a batch, one that fails leaves it and is answered at once (OnRows); alone it simply ends.
+  if (jobs.size() > 1) {
+    for (auto& j : jobs) j->early_handoff = &handoff;
   }
-  for (auto& j : jobs) {  // the rest, in order; Finish answers a failed forward with its error
-    if (!j->replied) reply(j->index, std::make_unique<Landing>(j, FinishCompute(*j)));
+  RunOnDevice(ready);
+  for (auto& j : jobs) {  // the rest, in order; FinishCompute answers a failed forward with its error
+    if (!j->replied) handoff(j->index, std::make_unique<Landing>(j, FinishCompute(*j)));
     j->replied = true;
   }
 }

@@ -1,21 +1,22 @@
 // The prefill node's work for one request: validate it against this node's model and layout,
 // connect to the decode node's arena (transfer/), run the model's forward over the prompt with
-// full attention, and as each piece of a layer completes write its KV pages into the pages the
-// decode node reserved, so the transfer of layer l overlaps the compute of layers l+1.. (the
-// transport's progress thread moves the bytes while this thread computes). Pages pass through a
-// bounded staging ring (prefill/staging_ring.h); what it has no room for waits in the model's
-// cache or HBM and goes as earlier writes complete. With each completed layer also goes its
-// per-page selection metadata (transfer/page_meta.h), when the request has a page_meta_target:
-// on the CPU path computed from the staged pages, on the device path on the GPU
-// (kernels/cuda/page_meta_encode.h) and copied to the host with its pages. Then capture the
-// sparse state (model::CaptureSparseState), write it into the room reserved for it, send what is
-// left, wait until every write has landed, and sample the first token.
+// full attention on a PrefillDevice (prefill/prefill_device.h: the host's cores, CpuPrefillDevice,
+// or the GPU, DevicePrefill), and as each piece of a layer completes write its KV pages into the
+// pages the decode node reserved, so the transfer of layer l overlaps the compute of layers l+1..
+// (the transport's progress thread moves the bytes while the device computes). Pages pass through
+// a bounded staging ring (prefill/staging_ring.h); what it has no room for waits where the device
+// keeps it (the prompt's cache, HBM) and goes as earlier writes complete. With each completed
+// layer also goes its per-page selection metadata (transfer/page_meta.h), when the request has a
+// page_meta_target, made by the device with the pages. Then the sparse state the device captured
+// is written into the room reserved for it, what is left is sent, every write is waited for, and
+// the first token is sampled.
 //
 // "Any reply means the prefill node stopped writing" (prefill.proto): Run() returns only after
 // every batch it submitted has completed or failed, also when cancelled between layers.
 //
-// Thread-safe: Run()/RunBatch() may be called from several threads (each call owns its buffers);
-// the service runs one batch at a time so that it gets every core.
+// Thread-safe: Run()/RunBatch() may be called from several threads (each call owns its buffers;
+// the device runs one batch at a time); the service runs one batch at a time so that it gets every
+// core.
 #ifndef FLUXION_PREFILL_PREFILL_ENGINE_H_
 #define FLUXION_PREFILL_PREFILL_ENGINE_H_
 
@@ -81,7 +82,9 @@ struct StagingStats {
 
 class PrefillEngine {
  public:
-  // `model` and `transport` must outlive the engine. `layout` is what this node serves.
+  // `model` and `transport` must outlive the engine. `layout` is what this node serves. The
+  // engine computes on the host's cores: a CpuPrefillDevice of its own (prefill/
+  // cpu_prefill_device.h) over `model`, in pieces of options.piece_tokens.
   PrefillEngine(const model::Model* model, transfer::Transport* transport,
                 const fluxion::v1::ModelLayout& layout, const PrefillEngineOptions& options);
   // The same engine computing on an accelerator (prefill/prefill_device.h; the GPU's is
@@ -148,14 +151,14 @@ class PrefillEngine {
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies,
                          std::vector<std::unique_ptr<transfer::TransferHandle>>* writes) const;
   absl::Status WriteEach(Job& j, const std::vector<std::vector<transfer::BlockCopy>>& copies) const;
-  absl::Status OnRows(Job& j, int layer, int64_t first, int64_t end) const;
+  absl::Status OnRows(Job& j, int layer, int64_t end) const;
   absl::Status CheckCancelled(const Job& j, int layer) const;
   // Notes the pages of `layer` that rows [0, end) completed and sends what the ring has room for.
   absl::Status SendCompleted(Job& j, int layer, int64_t end) const;
   absl::Status Pump(Job& j, bool drain) const;
   absl::Status Stage(Job& j, int layer, int64_t p0, int64_t p1, uint8_t* slot) const;
   absl::Status FinishLayer(Job& j, int layer) const;
-  // The CPU path owns its staging; the device path's is a slice of the device's pinned memory.
+  // Staging of the request's own, or its slice of the device's HostStaging.
   absl::Status AttachStaging(Job& j, uint8_t* ring, uint8_t* meta) const;
   void RunDeviceBatch(absl::Span<const fluxion::v1::PrefillRequest* const> requests,
                       absl::Span<const std::function<bool()>> cancelled,
@@ -171,14 +174,15 @@ class PrefillEngine {
   static absl::StatusOr<fluxion::v1::PrefillResponse> Land(
       Job* j, absl::StatusOr<fluxion::v1::PrefillResponse> computed);
 
-  const model::Model* const model_;  // null when the engine computes on `device_`
-  PrefillDevice* const device_;       // null when it computes on `model_` (the CPU)
+  std::unique_ptr<PrefillDevice> owned_device_;  // the CPU's, when built from a model
+  PrefillDevice* const device_;                   // what computes: owned_device_ or the caller's
   const model::ModelConfig config_;
   const model::AttentionShape shape_;
   transfer::Transport* const transport_;
   const fluxion::v1::ModelLayout layout_;
   const PrefillEngineOptions options_;
-  mutable std::mutex device_mu_;  // the device path: one batch at a time (its pinned staging)
+  // Devices whose pages do not outlive a batch: one batch at a time (their shared HostStaging).
+  mutable std::mutex device_mu_;
   mutable std::atomic<uint64_t> slots_{0}, deferred_{0}, drain_waits_{0};  // StagingStats
 };
 
