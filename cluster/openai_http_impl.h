@@ -54,6 +54,9 @@ class HttpServer::Impl {
   struct Call {
     MHD_Connection* connection = nullptr;
     Endpoint endpoint = Endpoint::kCompletions;
+    // The Generate request's id (the answer's `id`: unique here, the client's X-Request-Id in it
+    // when given) and the X-Request-Id answered (the client's, else generate_id).
+    std::string generate_id, id;
     std::string body;
     bool too_large = false;
     std::shared_ptr<CallState> state;  // from Submit on

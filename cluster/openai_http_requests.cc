@@ -1,5 +1,6 @@
 // Answering one request of the HTTP API (openai_http_impl.h): routing and framing checks, the
 // body, the worker that prepares it, the head and the stream.
+#include <algorithm>
 #include <cstring>
 #include <ctime>
 #include <optional>
@@ -7,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -22,14 +24,35 @@ namespace fluxion::cluster::openai {
 namespace {
 
 constexpr char kJson[] = "application/json";
+constexpr char kRequestIdHeader[] = "X-Request-Id";
+constexpr size_t kMaxRequestId = 128;
+
+// A client's X-Request-Id, when it is one we echo and log: 1-128 characters of [A-Za-z0-9._:-]
+// (no room for header or log injection). Empty when absent; *valid false when present and not.
+std::string ClientRequestId(MHD_Connection* connection, bool* valid) {
+  *valid = true;
+  const char* value = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, kRequestIdHeader);
+  if (value == nullptr) return "";
+  const absl::string_view v(value);
+  *valid = !v.empty() && v.size() <= kMaxRequestId &&
+           std::all_of(v.begin(), v.end(), [](char c) {
+             return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
+                    c == ':' || c == '-';
+           });
+  return *valid ? std::string(v) : "";
+}
 
 // `close`: the connection ends after the answer (its framing cannot be trusted for another).
+// `request_id`: the X-Request-Id answered (empty: the client's own, when it sent a valid one).
 MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
-                 int retry_after_s = 0, bool close = false) {
+                 int retry_after_s = 0, bool close = false, const std::string& request_id = "") {
   MHD_Response* response = MHD_create_response_from_buffer(
       body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, "Content-Type", kJson);
+  bool valid = true;
+  const std::string echoed = request_id.empty() ? ClientRequestId(connection, &valid) : request_id;
+  if (!echoed.empty()) MHD_add_response_header(response, kRequestIdHeader, echoed.c_str());
   if (close) MHD_add_response_header(response, MHD_HTTP_HEADER_CONNECTION, "close");
   if (retry_after_s > 0) {
     MHD_add_response_header(response, "Retry-After", std::to_string(retry_after_s).c_str());
@@ -39,9 +62,11 @@ MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::strin
   return result;
 }
 
-MHD_Result ReplyError(MHD_Connection* connection, const absl::Status& status) {
+MHD_Result ReplyError(MHD_Connection* connection, const absl::Status& status,
+                      const std::string& request_id = "") {
   ApiError error = ErrorFromStatus(status);
-  return Reply(connection, error.http_status, ErrorJson(error), error.retry_after_s);
+  return Reply(connection, error.http_status, ErrorJson(error), error.retry_after_s,
+               /*close=*/false, request_id);
 }
 
 MHD_Result ReplyError(MHD_Connection* connection, int http_status, const std::string& message) {
@@ -101,13 +126,13 @@ MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
           connection, MHD_HTTP_CONTENT_TOO_LARGE,
           absl::StrCat("the request body exceeds ", options_.max_body_bytes, " bytes"));
     }
-    if (absl::Status s = Submit(call); !s.ok()) return ReplyError(connection, s);
+    if (absl::Status s = Submit(call); !s.ok()) return ReplyError(connection, s, call->id);
   }
   if (call->exchange == nullptr) {
     std::optional<CallState::Outcome> outcome =
         call->state->OutcomeOrSuspend([this, connection] { Suspend(connection); });
     if (!outcome) return MHD_YES;  // the worker resumes the connection
-    if (!outcome->ok()) return ReplyError(connection, outcome->status());
+    if (!outcome->ok()) return ReplyError(connection, outcome->status(), call->id);
     call->exchange = **outcome;
   }
   return Answer(call);
@@ -147,9 +172,22 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
                         absl::StrCat("the request body (", declared, " bytes) exceeds ",
                                      options_.max_body_bytes, " bytes"));
     }
+    bool valid_id = true;
+    const std::string client_id = ClientRequestId(connection, &valid_id);
+    if (!valid_id) {
+      return ReplyError(connection, MHD_HTTP_BAD_REQUEST,
+                        absl::StrCat("X-Request-Id must be 1-", kMaxRequestId,
+                                     " characters of letters, digits and . _ : -"));
+    }
     auto* call = new Call;
     call->connection = connection;
     call->endpoint = *endpoint;
+    // Ours, unique on this router; it carries the client's X-Request-Id, which is echoed as given.
+    const bool chat = *endpoint == Endpoint::kChatCompletions;
+    call->generate_id =
+        absl::StrCat(chat ? "chatcmpl-" : "cmpl-", client_id.empty() ? id_prefix_ : client_id, "-",
+                     serial_.fetch_add(1));
+    call->id = client_id.empty() ? call->generate_id : client_id;
     *per_request = call;
     return MHD_YES;
   }
@@ -189,11 +227,8 @@ absl::Status HttpServer::Impl::Submit(Call* call) {
   call->watch_id = watcher_->Watch(fd != nullptr ? fd->connect_fd : -1, [state] {
     state->Cancel(absl::CancelledError("the client closed the connection"));
   });
-  const bool chat = call->endpoint == Endpoint::kChatCompletions;
-  std::string id =
-      absl::StrCat(chat ? "chatcmpl-" : "cmpl-", id_prefix_, "-", serial_.fetch_add(1));
   auto job = [this, state, connection, endpoint = call->endpoint, body = std::move(call->body),
-              id = std::move(id), metadata = PrefillPickMetadata(connection)] {
+              id = call->generate_id, metadata = PrefillPickMetadata(connection)] {
     Prepare(state, connection, endpoint, body, id, metadata);
   };
   if (!pool_.TrySubmit(std::move(job))) {
@@ -227,14 +262,17 @@ MHD_Result HttpServer::Impl::Answer(Call* call) {
   std::optional<Exchange::Head> head =
       call->exchange->HeadOrSuspend([this, connection] { Suspend(connection); });
   if (!head) return MHD_YES;  // resumed by the exchange when the head is decided
-  if (!head->streaming)
-    return Reply(connection, head->http_status, head->body, head->retry_after_s);
+  if (!head->streaming) {
+    return Reply(connection, head->http_status, head->body, head->retry_after_s, /*close=*/false,
+                 call->id);
+  }
   MHD_Response* response = MHD_create_response_from_callback(
       MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream, new StreamState{this, call->exchange, connection},
       &FreeStream);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, "Content-Type", "text/event-stream");
   MHD_add_response_header(response, "Cache-Control", "no-cache");
+  MHD_add_response_header(response, kRequestIdHeader, call->id.c_str());
   MHD_Result result = MHD_queue_response(connection, MHD_HTTP_OK, response);
   MHD_destroy_response(response);
   return result;

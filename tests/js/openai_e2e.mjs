@@ -171,6 +171,25 @@ check('--api-key: a wrong or missing key is 401 invalid_api_key; probes need non
   assert.equal((await fetch(base.replace(/\/v1$/, '') + '/version')).status, 200);
 });
 
+check('X-Request-Id: the client\'s is echoed and names the completion; without, ours', async () => {
+  const mine = await client.completions
+    .create({ model, prompt, max_tokens: 2, temperature: 0 }, { headers: { 'X-Request-Id': 'e2e-req.1' } })
+    .withResponse();
+  assert.equal(mine.response.headers.get('x-request-id'), 'e2e-req.1');
+  assert.match(mine.data.id, /^cmpl-e2e-req\.1-\d+$/);
+  const ours = await client.completions.create({ model, prompt, max_tokens: 2 }).withResponse();
+  assert.equal(ours.response.headers.get('x-request-id'), ours.data.id);
+  const streamed = await client.completions
+    .create({ model, prompt, max_tokens: 2, stream: true }, { headers: { 'X-Request-Id': 'e2e-stream' } })
+    .withResponse();
+  assert.equal(streamed.response.headers.get('x-request-id'), 'e2e-stream');
+  for await (const _ of streamed.data) { /* drain */ }
+  await assert.rejects(
+    client.completions.create({ model, prompt, max_tokens: 2 },
+                              { headers: { 'X-Request-Id': 'not ok: spaces' } }),
+    (e) => e instanceof OpenAI.BadRequestError && /X-Request-Id/.test(e.error.message));
+});
+
 check('GET /version names the build (vLLM\'s shape)', async () => {
   const res = await fetch(env('FLUXION_HTTP').replace(/\/v1$/, '') + '/version');
   assert.equal(res.status, 200);
