@@ -71,6 +71,13 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "the environment)");
 }
 
+std::string ServedModelName(const std::string& served_model_name, const std::string& model_dir) {
+  if (!served_model_name.empty()) return served_model_name;
+  std::string dir = model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
+}
+
 OpenAiServing::~OpenAiServing() { server_.reset(); }
 
 int OpenAiServing::port() const { return server_->port(); }
@@ -114,13 +121,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
     };
   }
   openai::HttpServerOptions options;
-  std::string name = flags.served_model_name;
-  if (name.empty()) {
-    std::string dir = flags.model_dir;
-    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    name = dir.substr(dir.rfind('/') + 1);
-  }
-  options.model_name = name;
+  options.model_name = ServedModelName(flags.served_model_name, flags.model_dir);
   options.max_body_bytes = static_cast<size_t>(flags.max_body_bytes);
   options.limits.total = static_cast<unsigned int>(flags.max_connections);
   options.limits.per_client = static_cast<unsigned int>(flags.max_connections_per_client);
@@ -146,7 +147,8 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   serving->server_ = std::move(*started);
   serving::WritePortFile(flags.http_port_file, serving->server_->port());
   std::cout << "router: OpenAI-compatible HTTP API on port " << serving->server_->port()
-            << " (model \"" << name << "\", chat template " << chat_name << ")" << std::endl;
+            << " (model \"" << options.model_name << "\", chat template " << chat_name << ")"
+            << std::endl;
   return serving;
 }
 

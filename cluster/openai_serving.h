@@ -39,6 +39,10 @@ struct OpenAiFlags {
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out);
 
+// The model id the router's APIs answer to: --served-model-name, else the model directory's last
+// component.
+std::string ServedModelName(const std::string& served_model_name, const std::string& model_dir);
+
 // The running API and what it borrows (tokenizer, chat template).
 class OpenAiServing {
  public:

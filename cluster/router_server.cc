@@ -27,6 +27,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(RouterServerC
   VllmEngineFlags vllm_flags;
   c.openai.model_dir = vllm_flags.model_dir = c.model_dir;
   if (!c.model_dir.empty()) {
+    vllm_flags.served_model_name = ServedModelName(c.openai.served_model_name, c.model_dir);
+  }
+  if (!c.model_dir.empty()) {
     auto tokenizer = model::LoadTokenizer(c.model_dir);
     if (!tokenizer.ok()) {
       return absl::InvalidArgumentError(

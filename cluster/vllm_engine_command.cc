@@ -26,6 +26,7 @@ absl::StatusOr<std::unique_ptr<VllmEngineSetup>> MakeVllmEngineService(
                           absl::StrCat("--model-dir: ", config.status().message()));
     }
     options.model_dir = flags.model_dir;
+    options.served_model_name = flags.served_model_name;
     options.tokenizer = setup->tokenizer_.get();
     options.config = std::move(*config);
   }

@@ -19,6 +19,7 @@ inline constexpr char kVllmEngineServiceName[] = "vllm.grpc.engine.VllmEngine";
 
 struct VllmEngineFlags {
   std::string model_dir;  // the router's --model-dir (router_command.cc registers it once)
+  std::string served_model_name;  // what the HTTP API answers to (ServedModelName)
   // Its tokenizer, loaded once by the router for both text front ends (null without model_dir).
   std::shared_ptr<const model::Tokenizer> tokenizer;
 };

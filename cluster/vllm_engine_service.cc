@@ -454,7 +454,9 @@ grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(grpc::CallbackServerCo
         const v1::ServerInfo& server = load.server();
         response->set_model_path(options_.model_dir.empty() ? server.layout().model_id()
                                                             : options_.model_dir);
-        response->set_served_model_name(server.layout().model_id());
+        response->set_served_model_name(options_.served_model_name.empty()
+                                            ? server.layout().model_id()
+                                            : options_.served_model_name);
         response->set_is_generation(true);
         response->set_max_context_length(server.max_context_tokens());
         // A prompt must leave room for at least one generated token (docs/PROTOCOL.md).
@@ -473,6 +475,7 @@ grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(grpc::CallbackServerCo
             response->set_vocab_size(static_cast<uint32_t>(c.vocab_size));
           for (int64_t id : c.eos_token_ids) response->add_eos_token_ids(static_cast<int32_t>(id));
           response->set_bos_token_id(static_cast<int32_t>(std::max<int64_t>(c.bos_token_id, 0)));
+          if (c.pad_token_id >= 0) response->set_pad_token_id(static_cast<int32_t>(c.pad_token_id));
         }
         reactor->Finish(grpc::Status::OK);
       });

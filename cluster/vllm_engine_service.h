@@ -32,6 +32,9 @@ struct VllmEngineOptions {
   // The router's model directory (--model-dir): its tokenizer turns text input into ids and its
   // config.json answers GetModelInfo. Both absent: token ids only.
   std::string model_dir;
+  // The model id the router's APIs answer to (its --served-model-name, else the directory's
+  // name: what GET /v1/models lists); empty: the decode nodes' layout's model id.
+  std::string served_model_name;
   const model::Tokenizer* tokenizer = nullptr;  // must outlive the service
   std::optional<model::ModelConfig> config;
   // HealthCheck's answer: whether the router can serve now (a healthy decode node).

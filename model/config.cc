@@ -366,6 +366,11 @@ absl::Status Validate(const ModelConfig& config, bool head_dim_given) {
                                                    ") is outside the vocabulary [0, ",
                                                    config.vocab_size, ")"));
   }
+  if (config.pad_token_id >= config.vocab_size) {
+    return FieldError("pad_token_id", absl::StrCat("(", config.pad_token_id,
+                                                   ") is outside the vocabulary [0, ",
+                                                   config.vocab_size, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -456,6 +461,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
     return FieldError("bos_token_id", absl::StrCat("must be non-negative, got ", *bos));
   }
   config.bos_token_id = bos.value_or(-1);
+  FLUXION_ASSIGN_OR_RETURN(std::optional<int64_t> pad, fields.OptionalInt("pad_token_id"));
+  if (pad.has_value() && *pad < 0) {
+    return FieldError("pad_token_id", absl::StrCat("must be non-negative, got ", *pad));
+  }
+  config.pad_token_id = pad.value_or(-1);
   // transformers 5 renamed torch_dtype to dtype.
   const char* dtype_key = fields.Has("dtype") ? "dtype" : "torch_dtype";
   FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> dtype, fields.OptionalString(dtype_key));
@@ -524,6 +534,7 @@ std::string ModelConfigToJson(const ModelConfig& config) {
   } else {
     out["bos_token_id"] = nullptr;
   }
+  if (config.pad_token_id >= 0) out["pad_token_id"] = config.pad_token_id;
   if (config.eos_token_ids.empty()) {
     out["eos_token_id"] = nullptr;
   } else if (config.eos_token_ids.size() == 1) {

@@ -76,6 +76,7 @@ struct ModelConfig {
   bool mlp_bias = false;  // Llama `mlp_bias`
   std::vector<int64_t> eos_token_ids;  // `eos_token_id` (int or list); may be empty
   int64_t bos_token_id = -1;           // -1 when absent
+  int64_t pad_token_id = -1;           // -1 when absent (config.json's pad_token_id: null or none)
   std::string torch_dtype;             // "bfloat16", "float16", "float32" or empty
 
   int64_t group_size() const { return num_heads / num_kv_heads; }  // query heads per KV head

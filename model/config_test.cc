@@ -156,6 +156,7 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.mlp_bias, b.mlp_bias);
   EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
   EXPECT_EQ(a.bos_token_id, b.bos_token_id);
+  EXPECT_EQ(a.pad_token_id, b.pad_token_id);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
 }
 
@@ -278,6 +279,26 @@ TEST(ModelConfigTest, EosTokenMayBeAListOrNull) {
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_TRUE(none->eos_token_ids.empty());
   EXPECT_EQ(none->bos_token_id, -1);
+}
+
+TEST(ModelConfigTest, PadTokenIsReadAndCheckedAgainstTheVocabulary) {
+  auto absent = ParseModelConfig(kSmallLlama);
+  ASSERT_TRUE(absent.ok()) << absent.status();
+  EXPECT_EQ(absent->pad_token_id, -1);
+  auto pad = ParseModelConfig(SmallLlamaWith(R"("bos_token_id": 256)",
+                                             R"("bos_token_id": 256, "pad_token_id": 258)"));
+  ASSERT_TRUE(pad.ok()) << pad.status();
+  EXPECT_EQ(pad->pad_token_id, 258);
+  auto null_pad = ParseModelConfig(SmallLlamaWith(R"("bos_token_id": 256)",
+                                                  R"("bos_token_id": 256, "pad_token_id": null)"));
+  ASSERT_TRUE(null_pad.ok()) << null_pad.status();
+  EXPECT_EQ(null_pad->pad_token_id, -1);
+  ExpectRejectedNaming(SmallLlamaWith(R"("bos_token_id": 256)",
+                                      R"("bos_token_id": 256, "pad_token_id": 264)"),
+                       "pad_token_id");
+  ExpectRejectedNaming(SmallLlamaWith(R"("bos_token_id": 256)",
+                                      R"("bos_token_id": 256, "pad_token_id": -2)"),
+                       "pad_token_id");
 }
 
 TEST(ModelConfigTest, LlamaAttentionBiasCoversQkvAndOutputProjections) {

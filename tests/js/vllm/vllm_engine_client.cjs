@@ -86,6 +86,8 @@ async function main() {
   assert.ok(info.max_context_length > prompt.length, JSON.stringify(info));
   assert.equal(info.is_generation, true);
   assert.equal(info.vocab_size, 264);  // the byte tokenizer of models/fluxion-tiny-retrieval
+  assert.equal(info.served_model_name, 'fluxion-tiny-retrieval');  // as GET /v1/models lists it
+  assert.equal(info.pad_token_id, 258);  // config.json's
   console.log('ok GetModelInfo', info.max_context_length, info.model_type, info.architectures);
 
   const server = await unary('GetServerInfo', {});
