@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -366,25 +367,28 @@ FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
 
 }  // namespace
 
+namespace {
+
+// `status` with `value` under `key` (nothing when value is empty), and back.
+absl::Status WithPayload(absl::Status status, absl::string_view key, absl::string_view value) {
+  if (!value.empty()) status.SetPayload(key, absl::Cord(value));
+  return status;
+}
+std::string PayloadOf(const absl::Status& status, absl::string_view key) {
+  auto value = status.GetPayload(key);
+  return value ? std::string(*value) : std::string();
+}
+
+}  // namespace
+
 absl::Status WithParam(absl::Status status, absl::string_view param) {
-  if (!param.empty()) status.SetPayload(kParamPayload, absl::Cord(param));
-  return status;
+  return WithPayload(std::move(status), kParamPayload, param);
 }
-
-std::string ErrorParam(const absl::Status& status) {
-  auto param = status.GetPayload(kParamPayload);
-  return param ? std::string(*param) : std::string();
-}
-
+std::string ErrorParam(const absl::Status& status) { return PayloadOf(status, kParamPayload); }
 absl::Status WithCode(absl::Status status, absl::string_view code) {
-  if (!code.empty()) status.SetPayload(kCodePayload, absl::Cord(code));
-  return status;
+  return WithPayload(std::move(status), kCodePayload, code);
 }
-
-std::string ErrorCode(const absl::Status& status) {
-  auto code = status.GetPayload(kCodePayload);
-  return code ? std::string(*code) : std::string();
-}
+std::string ErrorCode(const absl::Status& status) { return PayloadOf(status, kCodePayload); }
 
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
                                      const ParseLimits& limits) {
