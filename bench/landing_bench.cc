@@ -218,6 +218,15 @@ int Main(const std::vector<std::string>& args) {
     std::fprintf(stderr, "%s\n%s", s.ToString().c_str(), flags.Usage().c_str());
     return s.ok() ? 0 : 2;
   }
+  auto positive = [](const std::vector<int64_t>& v) {
+    return !v.empty() && *std::min_element(v.begin(), v.end()) >= 1;
+  };
+  if (reps < 1 || !positive(contexts) || !positive(threads) || metas.empty()) {
+    std::fprintf(stderr,
+                 "--reps, every --contexts and --cpu-threads value must be >= 1, and --meta "
+                 "non-empty\n");
+    return 2;
+  }
   for (const std::string& meta_mode : metas) {
     if (meta_mode != "shipped" && meta_mode != "recompute") {
       std::fprintf(stderr, "--meta takes shipped or recompute, not %s\n", meta_mode.c_str());

@@ -1,6 +1,7 @@
 #include "cluster/openai_generate.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/context_length.h"
 #include "common/status_macros.h"
 
 namespace fluxion::cluster::openai {
@@ -43,16 +44,10 @@ absl::Status CheckContextLength(Endpoint endpoint, int64_t prompt_tokens,
   };
   // At least one token must follow the prompt.
   if (prompt_tokens >= max_context_tokens) {
-    return refuse(absl::StrCat("This model's maximum context length is ", max_context_tokens,
-                               " tokens. However, your ", field, " resulted in ", prompt_tokens,
-                               " tokens. Please reduce the length of the ", field, "."));
+    return refuse(PromptTooLongMessage(max_context_tokens, prompt_tokens, field));
   }
   if (max_tokens.has_value() && prompt_tokens + *max_tokens > max_context_tokens) {
-    return refuse(absl::StrCat("This model's maximum context length is ", max_context_tokens,
-                               " tokens. However, you requested ", prompt_tokens + *max_tokens,
-                               " tokens (", prompt_tokens, " in the ", field, ", ", *max_tokens,
-                               " in the completion). Please reduce the length of the ", field,
-                               " or completion."));
+    return refuse(RequestTooLongMessage(max_context_tokens, prompt_tokens, *max_tokens, field));
   }
   return absl::OkStatus();
 }

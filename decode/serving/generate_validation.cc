@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/context_length.h"
 #include "proto/convert.h"
 
 namespace fluxion::decode {
@@ -32,10 +33,7 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
   }
   const int64_t context_limit = limits.context_limit;
   if (context_limit > 0 && n >= context_limit) {
-    // OpenAI's wording, which clients match (as the router's HTTP API answers it).
-    return absl::InvalidArgumentError(absl::StrCat(
-        "This model's maximum context length is ", context_limit, " tokens. However, your prompt "
-        "resulted in ", n, " tokens. Please reduce the length of the prompt."));
+    return absl::InvalidArgumentError(PromptTooLongMessage(context_limit, n, "prompt"));
   }
   ValidatedGenerate out;
   absl::StatusOr<model::SamplingParams> sampling = proto::SamplingFromProto(request.sampling());
@@ -57,11 +55,8 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
   if (sp.has_max_tokens() && context_limit > 0 &&
       static_cast<int64_t>(sp.max_tokens()) > context_limit - n) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "This model's maximum context length is ", context_limit, " tokens. However, you "
-        "requested ", n + static_cast<int64_t>(sp.max_tokens()), " tokens (", n,
-        " in the prompt, ", sp.max_tokens(), " in the completion). Please reduce the length of "
-        "the prompt or completion: sampling.max_tokens at most ", context_limit - n,
-        " (or unset)."));
+        RequestTooLongMessage(context_limit, n, sp.max_tokens(), "prompt"),
+        " sampling.max_tokens may be at most ", context_limit - n, " (or unset)."));
   }
   out.max_tokens = sp.has_max_tokens()
                        ? static_cast<int64_t>(sp.max_tokens())
