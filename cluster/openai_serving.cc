@@ -33,6 +33,24 @@ absl::Status CheckLimitFlags(const OpenAiFlags& f) {
   return absl::OkStatus();
 }
 
+// The context the HTTP API checks requests against, for OpenAI's context_length_exceeded answer:
+// --max-model-len, else the model's max_position_embeddings; 0 (a directory without a readable
+// config.json and no flag) leaves the check to the decode node.
+absl::StatusOr<int64_t> ContextLimit(const OpenAiFlags& f) {
+  if (f.max_model_len < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-model-len must be >= 0 (0 = the model's), got ", f.max_model_len));
+  }
+  auto config = model::LoadModelConfig(f.model_dir + "/config.json");
+  if (!config.ok()) return f.max_model_len;
+  if (f.max_model_len > config->max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-model-len ", f.max_model_len, " exceeds the model's max_position_embeddings (",
+        config->max_position_embeddings, ")"));
+  }
+  return f.max_model_len > 0 ? f.max_model_len : config->max_position_embeddings;
+}
+
 }  // namespace
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
@@ -43,6 +61,10 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "write the bound HTTP API port into this file once serving");
   flags.String("served-model-name", &out->served_model_name,
                "model id the HTTP API answers to (default: the model directory's name)");
+  flags.Int("max-model-len", &out->max_model_len,
+            "longest context (prompt plus max_tokens) the HTTP API accepts, at most the model's "
+            "max_position_embeddings (0: that); longer requests get OpenAI's "
+            "context_length_exceeded 400. Give the decode nodes the same --max-model-len");
   flags.Int("http-max-body-bytes", &out->max_body_bytes,
             "largest HTTP request body accepted (413 beyond)");
   flags.Int("http-max-connections", &out->max_connections,
@@ -133,11 +155,9 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   if (const char* env = std::getenv("FLUXION_API_KEY"); options.api_key.empty() && env != nullptr) {
     options.api_key = env;
   }
-  // The model's context, for OpenAI's context_length_exceeded answer; a directory without a
-  // readable config.json leaves the check to the decode node.
-  if (auto config = model::LoadModelConfig(flags.model_dir + "/config.json"); config.ok()) {
-    options.max_context_tokens = config->max_position_embeddings;
-  }
+  auto limit = ContextLimit(flags);
+  if (!limit.ok()) return limit.status();
+  options.max_context_tokens = *limit;
   options.registry = &metrics::Registry::Default();
   options.ready = std::move(ready);
   auto started = openai::HttpServer::Start(flags.http_listen,

@@ -24,6 +24,9 @@ struct OpenAiFlags {
   // http_listen.
   std::shared_ptr<const model::Tokenizer> tokenizer;
   std::string served_model_name;
+  // The longest context the HTTP API lets a request reach (--max-model-len): 0 = the model's
+  // max_position_embeddings. The decode nodes hold gRPC clients to their own.
+  int64_t max_model_len = 0;
   int64_t max_body_bytes = 1 << 20;
   // Connection limits, idle timeout, CPU workers and their queue, the tokenization bound
   // (openai::HttpServerOptions says what each does).

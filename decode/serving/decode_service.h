@@ -57,6 +57,9 @@ struct DecodeServiceOptions {
   sparse::GuardConfig guard;
   std::shared_ptr<const model::OutputProjection> output_projection;
   int64_t page_tokens = 16;
+  // The longest context (prompt plus generated tokens) a request may reach: the model's
+  // max_position_embeddings or the node's --max-model-len below it; 0 = the model's.
+  int64_t context_limit = 0;
   // Longest a request waits for KV pages (also bounded by its own deadline).
   absl::Duration admission_timeout = absl::Seconds(10);
   // Bound on the Prefill call (also bounded by the request's deadline).

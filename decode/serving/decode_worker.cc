@@ -54,6 +54,10 @@ absl::Status ValidateDecodeWorkerConfig(const DecodeWorkerConfig& c) {
     return ConfigError(
         absl::StrCat("--device-selection-gib must be >= 0, got ", c.device_selection_gib));
   }
+  if (c.max_model_len < 0) {
+    return ConfigError(absl::StrCat("--max-model-len must be >= 0 (0 = the model's), got ",
+                                    c.max_model_len));
+  }
   if (c.host_read_gbps < 0) {
     return ConfigError(
         absl::StrCat("--host-read-gbps must be >= 0 (0 = measure), got ", c.host_read_gbps));
@@ -117,6 +121,13 @@ absl::Status DecodeWorker::LoadModel() {
                                    model.status().ToString()));
   }
   model_ = std::move(*model);
+  const int64_t model_limit = model_->config().max_position_embeddings;
+  if (config_.max_model_len > model_limit) {
+    return StartError(absl::StrCat("--max-model-len ", config_.max_model_len,
+                                   " exceeds the model's max_position_embeddings (", model_limit,
+                                   "): positions beyond it were never trained"));
+  }
+  context_limit_ = config_.max_model_len > 0 ? config_.max_model_len : model_limit;
   auto hash = proto::ModelFingerprint(config_.model_dir);
   if (!hash.ok()) return StartError(hash.status().ToString());
   layout_ = proto::LayoutFor(model_->config(), config_.model_dir, *hash, config_.page_tokens);
@@ -215,13 +226,14 @@ absl::Status DecodeWorker::BuildService() {
   options.abort_wait = absl::Milliseconds(config_.abort_wait_ms);
   options.quarantine_lease = absl::Milliseconds(config_.quarantine_ms);
   options.node_metrics = node_metrics_.get();
+  options.context_limit = context_limit_;
   fluxion::v1::ServerInfo info;
   info.set_role(fluxion::v1::SERVER_ROLE_DECODE);
   info.set_node_name(config_.node_name);
   *info.mutable_layout() = layout_;
   info.set_protocol_version(1);
   info.set_build_version(BuildVersion());
-  info.set_max_context_tokens(static_cast<uint32_t>(model_->config().max_position_embeddings));
+  info.set_max_context_tokens(static_cast<uint32_t>(context_limit_));
   service_ = std::make_unique<DecodeServiceImpl>(model_.get(), arena_.get(), admission_.get(),
                                                  scheduler_.get(), transport_.get(), descriptor_,
                                                  info, options);

@@ -38,6 +38,9 @@ namespace fluxion::decode {
 // Everything a decode node is built from; the flags of `fluxion decode` say what each means.
 struct DecodeWorkerConfig {
   std::string model_dir;
+  // The longest context (prompt plus generated tokens) this node accepts: 0 = the model's
+  // max_position_embeddings; more than that is refused at start-up (--max-model-len).
+  int64_t max_model_len = 0;
   std::string node_name;  // empty: decode@<host>/<pid>/<unix ms>
   // The process's CPU pool, set up by the command before any thread starts (process_cpu.h).
   kernels::cpu::CpuPool cpu_pool{1};
@@ -121,6 +124,7 @@ class DecodeWorker {
   // Declared in the order they are built, so they are destroyed in reverse: the registration
   // before the arena, the arena before the transport, the service before what it borrows.
   std::unique_ptr<model::Model> model_;
+  int64_t context_limit_ = 0;  // --max-model-len, else the model's max_position_embeddings
   fluxion::v1::ModelLayout layout_;
   std::unique_ptr<transfer::Transport> transport_;
   std::unique_ptr<KvArena> arena_;

@@ -100,7 +100,9 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::ParseAndValidate() {
   // Everything a client can get wrong is INVALID_ARGUMENT naming the field.
   const model::ModelConfig& config = service_->model_->config();
   absl::StatusOr<ValidatedGenerate> valid = ValidateGenerateRequest(
-      request_, GenerateLimits{config.vocab_size, config.max_position_embeddings,
+      request_, GenerateLimits{config.vocab_size,
+                               options.context_limit > 0 ? options.context_limit
+                                                         : config.max_position_embeddings,
                                options.default_policy, options.default_budget});
   if (!valid.ok()) return Reject(valid.status());
   valid_ = std::move(*valid);

@@ -366,7 +366,7 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const v1::GenerateRequest& reque
     for (int64_t eos : config.eos_token_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));
   }
   r->max_tokens = valid.max_tokens;
-  r->context_limit = config.max_position_embeddings;
+  r->context_limit = valid.context_limit;
   return r;
 }
 

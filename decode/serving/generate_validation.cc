@@ -36,6 +36,7 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
     return absl::InvalidArgumentError(PromptTooLongMessage(context_limit, n, "prompt"));
   }
   ValidatedGenerate out;
+  out.context_limit = context_limit;
   absl::StatusOr<model::SamplingParams> sampling = proto::SamplingFromProto(request.sampling());
   if (!sampling.ok()) return sampling.status();
   out.sampling = *std::move(sampling);

@@ -29,6 +29,7 @@ struct GenerateLimits {
 struct ValidatedGenerate {
   model::SamplingParams sampling;
   int64_t max_tokens = 0;  // sampling.max_tokens, or what is left of the context
+  int64_t context_limit = 0;  // GenerateLimits::context_limit: where decoding stops at the latest
   std::string policy_name;
   sparse::PolicyConfig policy;  // fluxion_predictor and host_cost are left for the caller
 };

@@ -200,6 +200,10 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                 "prefill nodes write over UCX, decodes them in a continuous batch with sparse "
                 "attention, streams tokens.");
   flags.String("model", &config.model_dir, "model directory (config.json + safetensors)");
+  flags.Int("max-model-len", &config.max_model_len,
+            "longest context (prompt plus generated tokens) a request may reach, at most the "
+            "model's max_position_embeddings (0: that); longer prompts get INVALID_ARGUMENT in "
+            "OpenAI's context-length words, and ServerInfo reports it");
   RegisterStepFlags(flags, &steps, &config);
   RegisterServingFlags(flags, &config);
   RegisterPolicyFlags(flags, &config);

@@ -11,6 +11,7 @@
 #include "cluster/local_command.h"
 #include "cluster/replay_command.h"
 #include "cluster/router_command.h"
+#include "cluster/serve_command.h"
 #include "common/build_version.h"
 #include "kernels/cpu/process_cpu.h"
 #include "model/commands.h"
@@ -40,6 +41,8 @@ const std::vector<Subcommand>& Subcommands() {
        fluxion::cluster::RunReplayCommand},
       {"router", "serve DecodeService in front of prefill/decode nodes: pick pairs, retry, shed",
        fluxion::cluster::RunRouterCommand},
+      {"serve", "serve a model's OpenAI API: router + prefill + decode here, until stopped",
+       fluxion::cluster::RunServeCommand},
       {"local", "run router + prefill + decode on this machine and replay a short trace",
        fluxion::cluster::RunLocalCommand},
 #ifdef FLUXION_HAVE_SERVICES
