@@ -16,6 +16,7 @@
 #include "common/metrics_names.h"
 #include "common/wait_testing.h"
 #include "decode/serving/prefill_client.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/random_model.h"
 #include "proto/convert.h"
@@ -26,6 +27,7 @@ namespace {
 
 namespace v1 = ::fluxion::v1;
 namespace names = ::fluxion::metrics::names;
+using ::testing::HasSubstr;
 
 // A prefill node that writes nothing and ends each call as told.
 class FakePrefill final : public v1::PrefillService::Service {
@@ -218,8 +220,10 @@ class DecodePagesTest : public ::testing::Test {
     prefill_ = Serve(&fake_);
   }
 
-  void StartDecode(const std::string& prefill_address, absl::Duration abort_wait) {
+  void StartDecode(const std::string& prefill_address, absl::Duration abort_wait,
+                   int64_t context_limit = 0) {
     DecodeServiceOptions o;
+    o.context_limit = context_limit;
     PrefillPeers::Options peers;
     peers.addresses = {prefill_address};
     absl::StatusOr<std::unique_ptr<PrefillPeers>> created = PrefillPeers::Create(peers);
@@ -319,6 +323,19 @@ TEST_F(DecodePagesTest, DeadlineDuringPrefillFreesPagesAtOnceWhenThePrefillNodeA
   EXPECT_FALSE(fake_.last_had_arena_key.load());
   // And the keys are revoked: only the arena's own registration is left.
   EXPECT_EQ(transport_->metrics().registrations, 1u);
+}
+
+// --max-model-len below the model's context: a gRPC client is held to it before anything is
+// reserved or sent, in OpenAI's words.
+TEST_F(DecodePagesTest, AContextLimitBelowTheModelsRefusesLongerPromptsBeforePrefill) {
+  StartDecode(prefill_.address, absl::Seconds(10), /*context_limit=*/32);
+  grpc::Status s = Generate("forty-tokens", 30000);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("This model's maximum context length is 32 tokens. However, your "
+                        "prompt resulted in 40 tokens."));
+  EXPECT_EQ(fake_.prefills.load(), 0);
+  EXPECT_EQ(arena_->counters().free, arena_->num_pages());
 }
 
 TEST_F(DecodePagesTest, RefusedConnectionFreesPagesAtOnceAndCountsATransportFailure) {
