@@ -32,6 +32,8 @@ inline constexpr char kDecodeStepSeconds[] = "fluxion_decode_step_seconds";
 inline constexpr char kDecodeStepCpuSecondsTotal[] = "fluxion_decode_step_cpu_seconds_total";
 inline constexpr char kDecodeStepGpuSecondsTotal[] = "fluxion_decode_step_gpu_seconds_total";
 inline constexpr char kDecodePreemptionsTotal[] = "fluxion_decode_preemptions_total";
+inline constexpr char kDecodePreemptionsResumedTotal[] =
+    "fluxion_decode_preemptions_resumed_total";
 inline constexpr char kDecodePrefillExpiredTotal[] = "fluxion_decode_prefill_expired_total";
 inline constexpr char kKvQuarantinedReservationsTotal[] =
     "fluxion_kv_quarantined_reservations_total";

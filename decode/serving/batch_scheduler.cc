@@ -129,15 +129,25 @@ std::vector<DecodeRequest*> BatchScheduler::PrepareStep() {
       }
       if (victim == nullptr) break;
       ++preempted_;
+      const bool others_run = std::any_of(running_.begin(), running_.end(), [&](const auto& o) {
+        return o.get() != victim && o->seq != nullptr;
+      });
       {
         absl::MutexLock lock(&victim->mu);
         victim->preempted = true;
+        victim->resumable = others_run;
       }
       End(*victim, Finish::kError,
-          absl::ResourceExhaustedError(absl::StrCat(
-              "preempted: the KV arena ran out of pages while ", running_.size(),
-              " requests were decoding; the youngest request is ended so that older ones "
-              "finish (docs/SERVING.md). Retry with fewer max_tokens or on another node")));
+          absl::ResourceExhaustedError(
+              others_run
+                  ? absl::StrCat("preempted: the KV arena ran out of pages while ",
+                                 running_.size(),
+                                 " requests were decoding; the youngest waits for pages and "
+                                 "resumes (docs/SERVING.md)")
+                  : absl::StrCat("preempted: the request outgrew the decode node's KV arena "
+                                 "(", admission_->arena()->num_pages(),
+                                 " pages) on its own; retry with fewer max_tokens or on a node "
+                                 "with more --kv-pages")));
       if (victim == &r) break;
     }
     if (r.seq != nullptr) starting_page.push_back(&r);

@@ -9,7 +9,9 @@
 // head and the arena has too few free pages, the YOUNGEST running request (latest admitted) is
 // ended with RESOURCE_EXHAUSTED ("preempted") and its pages freed, repeatedly, until the page fits;
 // if the youngest is the request itself, it is the one that ends. Older requests thus always
-// finish; nothing stalls waiting for pages.
+// finish; nothing stalls waiting for pages. A preempted request that had older ones beside it is
+// `resumable`: its call recomputes its KV once pages free up and it joins again where it stopped
+// (generate_call.h, Resume), so the client never sees the preemption.
 //
 // Thread-safe: Join() from any thread; a DecodeRequest's output fields are guarded by its mutex.
 #ifndef FLUXION_DECODE_SERVING_BATCH_SCHEDULER_H_
@@ -63,6 +65,9 @@ struct DecodeRequest {
   sparse::SelectionStats sparse_stats ABSL_GUARDED_BY(mu);  // of its decode steps, set at the end
   sparse::GuardStats guard_stats ABSL_GUARDED_BY(mu);       // its error guard's, set at the end
   bool preempted ABSL_GUARDED_BY(mu) = false;  // ended by the preemption rule
+  // Preempted while older requests still ran: the pages it needs come back when they end. A
+  // request preempted alone would only meet the same shortage again.
+  bool resumable ABSL_GUARDED_BY(mu) = false;
 };
 
 // Records `token` as produced by `r` (into `pending`) and says whether it ends `r`: kStop for a

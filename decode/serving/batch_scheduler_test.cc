@@ -310,6 +310,23 @@ TEST_F(BatchSchedulerTest, RequestsStartingAPageInOneStepPreemptTheYoungestFirst
   EXPECT_EQ(younger->error.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(younger->error.message().find("preempted"), std::string::npos);
   EXPECT_TRUE(younger->preempted);
+  EXPECT_TRUE(younger->resumable);  // the older one ran beside it: its pages come back
+}
+
+TEST_F(BatchSchedulerTest, ARequestThatOutgrowsTheArenaAloneIsNotResumable) {
+  // Room for the prompt and nothing more: the request's first new page can never fit.
+  MakeArena(growth_pages_ * (32 / kPageTokens));
+  auto alone = MakeRequest(Prompt(32, 1), 4, 1);
+  {
+    BatchScheduler scheduler(model_.get(), admission_.get(), growth_pages_, kPageTokens);
+    RunToEnd(scheduler, {alone});
+  }
+  absl::MutexLock lock(&alone->mu);
+  EXPECT_EQ(alone->finish, Finish::kError);
+  EXPECT_EQ(alone->error.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(alone->error.message().find("outgrew"), std::string::npos) << alone->error;
+  EXPECT_TRUE(alone->preempted);
+  EXPECT_FALSE(alone->resumable);
 }
 
 // Runs the batch; in its first step it fails request `fail` (every request when -1) with Internal.

@@ -192,6 +192,10 @@ void DecodeNodeMetrics::Attach(const DecodeServiceImpl* service, const BatchSche
   counter(names::kDecodePreemptionsTotal,
           "Requests ended to free KV pages for older ones (the youngest-first rule).", {},
           [scheduler] { return static_cast<double>(scheduler->preempted()); });
+  counter(names::kDecodePreemptionsResumedTotal,
+          "Preempted requests whose KV was recomputed once pages came back and that went on "
+          "decoding; their clients saw no error.",
+          {}, [service] { return static_cast<double>(service->metrics().resumed); });
   counter(names::kTransferLandingRefusedTotal,
           "Peers' KV write messages this node refused before touching memory: a key revoked or "
           "never issued here, a range outside its registration, a malformed message (a stale, "

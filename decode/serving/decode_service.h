@@ -94,6 +94,7 @@ struct DecodeMetrics {
   uint64_t finished_preempted = 0;
   uint64_t rejected = 0;       // refused before admission (bad arguments, no room)
   uint64_t preempted = 0;
+  uint64_t resumed = 0;  // preempted requests whose KV was recomputed and that went on
   uint64_t checksum_failures = 0;
   uint64_t quarantined_reservations = 0;
   uint64_t completion_tokens = 0;

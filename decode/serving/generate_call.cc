@@ -131,15 +131,20 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::ParseAndValidate() {
   return std::nullopt;
 }
 
+// Unique per attempt toward the prefill node: a router retrying this id on another decode node
+// while the prefill node still holds the first attempt (its decode node died) must not collide
+// with it, nor a resumed request's recompute with its first prefill. Starts with the client's id
+// for logs; at most 64 + 1 + 16 + 1 + 20 bytes.
+std::string DecodeServiceImpl::Call::NextPrefillId() {
+  return absl::StrCat(request_.request_id().substr(0, 64), "#", service_->incarnation_, ".",
+                      ++service_->prefill_serial_);
+}
+
 DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Accept() {
   absl::StatusOr<std::string> abort_token = RandomHexToken(16);
   if (!abort_token.ok()) return Reject(abort_token.status());
   const std::string& id = request_.request_id();
-  // Unique per attempt toward the prefill node: a router retrying this id on another decode node
-  // while the prefill node still holds the first attempt (its decode node died) must not collide
-  // with it. Starts with the client's id for logs; at most 64 + 1 + 16 + 1 + 20 bytes.
-  prefill_id_ = absl::StrCat(id.substr(0, 64), "#", service_->incarnation_, ".",
-                             ++service_->prefill_serial_);
+  prefill_id_ = NextPrefillId();
   live_ = std::make_shared<Live>();
   live_->abort_token = *std::move(abort_token);
   {
@@ -162,16 +167,16 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Admit() {
   const model::AttentionShape shape = service_->model_->attention_shape();
   const int64_t pt = service_->options_.page_tokens;
   const size_t page_bytes = service_->arena_->page_bytes();
-  pages_per_head_ = (prompt_tokens_ + pt - 1) / pt;
+  pages_per_head_ = (context_tokens_ + pt - 1) / pt;
   const int64_t kv_pages = shape.num_layers * shape.num_kv_heads * pages_per_head_;
   needs_state_ = sparse::TraitsOf(valid_->policy.kind).needs_sparse_state;
   const uint64_t state_bytes =
-      SparseStateBytes(shape.num_layers, shape.num_kv_heads, prompt_tokens_);
+      SparseStateBytes(shape.num_layers, shape.num_kv_heads, context_tokens_);
   const int64_t state_pages =
       needs_state_ ? static_cast<int64_t>((state_bytes + page_bytes - 1) / page_bytes) : 0;
   // Room for the per-page metadata the prefill node computes (PROTOCOL.md, "Page metadata"):
   // 1/16 of the KV at head_dim 128, held only until landing.
-  meta_pages_ = PageMetaRoomPages(shape, pt, prompt_tokens_, page_bytes);
+  meta_pages_ = PageMetaRoomPages(shape, pt, context_tokens_, page_bytes);
   absl::StatusOr<Reservation> reserved = service_->admission_->Reserve(
       kv_pages + meta_pages_ + state_pages,
       std::min(deadline_, absl::Now() + service_->options_.admission_timeout),
@@ -184,7 +189,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Admit() {
   timing_.set_queue_us(MicrosBetween(t_arrival_, t_admitted_));
   {
     absl::MutexLock lock(&service_->mu_);
-    service_->metrics_.prompt_tokens += static_cast<uint64_t>(prompt_tokens_);
+    // The client's prompt, once: a resumed request's recompute is not a new prompt.
+    if (resumes_ == 0) service_->metrics_.prompt_tokens += static_cast<uint64_t>(prompt_tokens_);
   }
   if (node_metrics_ != nullptr) node_metrics_->OnAdmitted(timing_.queue_us() * 1e-6);
   // The prompt's pages and the side room (page metadata, then the sparse state) are owned
@@ -221,7 +227,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Prefill() {
   target.meta_pages = meta_pages_;
   target.pages_per_head = pages_per_head_;
   target.layout = &service_->info_.layout();
-  v1::PrefillRequest prefill = BuildPrefillRequest(prefill_id_, request_, valid_->sampling, target);
+  v1::PrefillRequest prefill =
+      BuildPrefillRequest(prefill_id_, *prefill_input_, valid_->sampling, target);
   const absl::Time prefill_deadline = std::min(deadline_, absl::Now() + options.prefill_timeout);
   if (options.transfer_secret != nullptr) {
     proto::SealPrefillRequest(*options.transfer_secret, prefill_deadline + proto::kSealClockSkew,
@@ -278,7 +285,7 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Land() {
   in.arena = service_->arena_;
   in.shape = service_->model_->attention_shape();
   in.page_tokens = service_->options_.page_tokens;
-  in.prompt_tokens = prompt_tokens_;
+  in.prompt_tokens = context_tokens_;
   in.landed = &landed_;
   in.policy = &valid_->policy;
   in.needs_state = needs_state_;
@@ -307,11 +314,58 @@ void DecodeServiceImpl::Call::JoinBatch() {
   timing_.set_load_us(MicrosBetween(t_prefilled_, Clock::now()));
 }
 
-grpc::Status DecodeServiceImpl::Call::Stream() { return EndStream(StreamTokens()); }
-
-DecodeServiceImpl::Call::Streamed DecodeServiceImpl::Call::StreamTokens() {
-  DecodeRequest& r = *r_;
+grpc::Status DecodeServiceImpl::Call::Stream() {
   Streamed s;
+  while (true) {
+    StreamTokens(s);
+    if (!ShouldResume(s)) return EndStream(s);
+    // From here the stream has sent tokens: an ending other than OK is the call's status (the
+    // pages went back inside Admit / PrefillAndLand), its usage counting them.
+    usage_.set_completion_tokens(s.sent);
+    if (Ending end = Resume()) return *end;
+    s.finish = Finish::kNone;
+  }
+}
+
+bool DecodeServiceImpl::Call::ShouldResume(const Streamed& s) {
+  // Bounds a request that keeps being preempted: each resume recomputes its whole context.
+  constexpr int kMaxResumes = 8;
+  if (s.finish != Finish::kError || s.client_gone || s.deadline_hit || resumes_ >= kMaxResumes ||
+      generated_.empty() || service_->draining_.load() || Cancelled()) {
+    return false;
+  }
+  absl::MutexLock lock(&r_->mu);
+  return r_->preempted && r_->resumable;
+}
+
+DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Resume() {
+  ++resumes_;
+  // The KV held the prompt and every generated token but the last, which is the next input.
+  resume_request_ = request_;
+  for (size_t i = 0; i + 1 < generated_.size(); ++i) {
+    resume_request_.add_prompt_token_ids(static_cast<uint32_t>(generated_[i]));
+  }
+  prefill_input_ = &resume_request_;
+  context_tokens_ = resume_request_.prompt_token_ids_size();
+  prefill_id_ = NextPrefillId();
+  const v1::GenerateTiming first_run = timing_;
+  Ending end = Admit();
+  if (!end) end = PrefillAndLand();
+  timing_ = first_run;
+  if (end) return end;
+  std::shared_ptr<DecodeRequest> resumed =
+      ResumeDecodeRequest(*r_, std::move(attention_), context_tokens_, service_->scheduler_);
+  {
+    absl::MutexLock lock(&service_->mu_);
+    live_->request = resumed;
+    ++service_->metrics_.resumed;
+  }
+  r_ = std::move(resumed);
+  return std::nullopt;
+}
+
+void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
+  DecodeRequest& r = *r_;
   while (true) {
     std::vector<int32_t> tokens;
     {
@@ -325,6 +379,7 @@ DecodeServiceImpl::Call::Streamed DecodeServiceImpl::Call::StreamTokens() {
     }
     if (!tokens.empty() && !s.client_gone) {
       s.sent += static_cast<uint32_t>(tokens.size());
+      generated_.insert(generated_.end(), tokens.begin(), tokens.end());
       v1::GenerateResponse msg;
       v1::GenerateChunk* chunk = msg.mutable_chunk();
       for (int32_t t : tokens) chunk->add_token_ids(static_cast<uint32_t>(t));
@@ -338,7 +393,7 @@ DecodeServiceImpl::Call::Streamed DecodeServiceImpl::Call::StreamTokens() {
         r.abort = true;
       }
     }
-    if (s.finish != Finish::kNone) return s;
+    if (s.finish != Finish::kNone) return;
     if (context_->IsCancelled()) {
       s.client_gone = true;
       r.abort = true;

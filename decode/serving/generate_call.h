@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -62,7 +63,8 @@ class DecodeServiceImpl::Call {
   // the batch unless that token already ended it.
   void JoinBatch();
   // Streams the request's tokens until it ends (finish, abort, client gone, deadline), then
-  // counts the ending and writes complete or error.
+  // counts the ending and writes complete or error. A resumable preemption (batch_scheduler.h)
+  // does not end it: Resume, and the stream goes on.
   grpc::Status Stream();
 
  private:
@@ -100,7 +102,16 @@ class DecodeServiceImpl::Call {
   absl::Status ShutdownError(uint32_t tokens_sent) const;
   Ending Prefill();  // PrefillAndLand's first half: the call and its ending
   Ending Land();     // its second half: the landing checks
-  Streamed StreamTokens();
+  // Streams until the request ends; `s` accumulates over the request's runs in the batch.
+  void StreamTokens(Streamed& s);
+  // Whether the run `s` ended by a preemption the call recovers from: resumable, the client
+  // still there, time and resumes left.
+  bool ShouldResume(const Streamed& s);
+  // Recomputes the preempted request's KV (Admit and PrefillAndLand over the prompt and every
+  // generated token but the last, the prefill node's own token discarded) and joins the batch
+  // where it stopped (ResumeDecodeRequest). The client-facing timing stays the first run's.
+  Ending Resume();
+  std::string NextPrefillId();
   grpc::Status EndStream(const Streamed& streamed);
 
   DecodeServiceImpl* const service_;
@@ -111,6 +122,13 @@ class DecodeServiceImpl::Call {
   const Clock::time_point t_arrival_;
   const absl::Time arrival_;
   const int64_t prompt_tokens_;
+  // What the next prefill computes: the request itself, or after a preemption resume_request_
+  // (the prompt and the tokens generated before it), and its length.
+  const fluxion::v1::GenerateRequest* prefill_input_ = &request_;
+  int64_t context_tokens_ = prompt_tokens_;
+  fluxion::v1::GenerateRequest resume_request_;
+  int resumes_ = 0;
+  std::vector<int32_t> generated_;  // every token streamed, in order (Resume's input)
 
   // ParseAndValidate
   std::optional<ValidatedGenerate> valid_;

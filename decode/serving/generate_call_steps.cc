@@ -370,6 +370,25 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const v1::GenerateRequest& reque
   return r;
 }
 
+std::shared_ptr<DecodeRequest> ResumeDecodeRequest(DecodeRequest& preempted,
+                                                   std::unique_ptr<SparseAttention> attention,
+                                                   int64_t context_tokens,
+                                                   BatchScheduler* scheduler) {
+  auto r = std::make_shared<DecodeRequest>();
+  r->id = preempted.id;
+  r->admission_seq = preempted.admission_seq;
+  r->attention = attention.get();
+  r->seq = std::make_unique<model::Sequence>(std::move(attention), context_tokens);
+  r->sampler = std::move(preempted.sampler);
+  r->stop_ids = preempted.stop_ids;
+  r->max_tokens = preempted.max_tokens;
+  r->context_limit = preempted.context_limit;
+  r->last_token = preempted.last_token;
+  r->completion_tokens = preempted.completion_tokens;
+  scheduler->Join(r);
+  return r;
+}
+
 Finish StartDecoding(const std::shared_ptr<DecodeRequest>& r, int32_t first_token,
                      BatchScheduler* scheduler) {
   const Finish first = AcceptToken(*r, first_token);

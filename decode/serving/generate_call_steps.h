@@ -109,6 +109,17 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const fluxion::v1::GenerateReque
 Finish StartDecoding(const std::shared_ptr<DecodeRequest>& r, int32_t first_token,
                      BatchScheduler* scheduler);
 
+// The preempted request `preempted` continued: `attention` holds its KV recomputed over
+// `context_tokens` tokens (the prompt and every generated token but the last); the rest carries
+// over (the sampler at its next draw, the counts and limits, the last token as the next input,
+// its place in the preemption order, so that younger requests yield before it does again).
+// Joins `scheduler`'s batch.
+// REQUIRES: `preempted` has finished (its scheduler-side fields are no longer written).
+std::shared_ptr<DecodeRequest> ResumeDecodeRequest(DecodeRequest& preempted,
+                                                   std::unique_ptr<SparseAttention> attention,
+                                                   int64_t context_tokens,
+                                                   BatchScheduler* scheduler);
+
 }  // namespace fluxion::decode
 
 #endif  // FLUXION_DECODE_SERVING_GENERATE_CALL_STEPS_H_
