@@ -35,6 +35,7 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
   if (!generate.ok()) return generate.status();
   model::StreamDetokenizerOptions detokenizer_options;
   detokenizer_options.stop = request->stop;
+  detokenizer_options.skip_special = request->skip_special_tokens;
   auto detokenizer = model::StreamDetokenizer::Create(preparer.tokenizer, detokenizer_options);
   if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
   Prepared prepared;

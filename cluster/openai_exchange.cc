@@ -38,6 +38,8 @@ Exchange::Exchange(const model::Tokenizer* tokenizer, const Request& request, Re
     : tokenizer_(tokenizer),
       stream_(request.stream),
       include_usage_(request.include_usage),
+      include_stop_str_(request.include_stop_str_in_output),
+      stop_token_ids_(request.stop_token_ids),
       meta_(std::move(meta)),
       detokenizer_(std::move(detokenizer)),
       wake_(std::move(wake)) {}
@@ -84,13 +86,16 @@ bool Exchange::Handle(const v1::GenerateResponse& message) {
     case v1::GenerateResponse::kChunk: {
       started_ = true;
       if (stream_ && first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions) {
-        pending_ += SseEvent(ChunkJson(meta_, "", /*first=*/true, std::nullopt, include_usage_));
+        pending_ += SseEvent(ChunkJson(meta_, "", /*first=*/true, nullptr, include_usage_));
       }
       first_chunk_ = false;
+      if (!message.chunk().sparse_policy().empty()) end_.policy = message.chunk().sparse_policy();
       for (uint32_t id : message.chunk().token_ids()) {
         ++completion_tokens_;
         AppendText(detokenizer_.Add(static_cast<int32_t>(id)));
         if (detokenizer_.stopped()) {
+          end_.stop_string = detokenizer_.matched_stop();
+          if (include_stop_str_) AppendText(*end_.stop_string);
           Finish("stop");
           return false;
         }
@@ -102,6 +107,14 @@ bool Exchange::Handle(const v1::GenerateResponse& message) {
       const v1::GenerateComplete& c = message.complete();
       AppendText(detokenizer_.Finish());
       if (c.has_usage()) completion_tokens_ = c.usage().completion_tokens();
+      // EOS is no stop_reason (vLLM's rule): only the request's own stop token ids are.
+      if (c.has_matched_stop_token_id() &&
+          std::find(stop_token_ids_.begin(), stop_token_ids_.end(),
+                    c.matched_stop_token_id()) != stop_token_ids_.end()) {
+        end_.stop_token_id = c.matched_stop_token_id();
+      }
+      if (!c.sparse_policy().empty()) end_.policy = c.sparse_policy();
+      end_.read_fraction = c.read_fraction();
       Finish(cluster::FinishReasonText(c.finish_reason()));
       return true;  // read on: the status follows
     }
@@ -119,20 +132,20 @@ bool Exchange::Handle(const v1::GenerateResponse& message) {
 void Exchange::AppendText(const std::string& text) {
   if (text.empty()) return;
   if (stream_) {
-    pending_ += SseEvent(ChunkJson(meta_, text, /*first=*/false, std::nullopt, include_usage_));
+    pending_ += SseEvent(ChunkJson(meta_, text, /*first=*/false, nullptr, include_usage_));
   } else {
     text_ += text;
   }
 }
 
 void Exchange::Finish(const std::string& finish_reason) {
-  finish_reason_ = finish_reason;
+  end_.finish_reason = finish_reason;
   done_ = true;
   if (stream_) {
     started_ = true;
     const bool first = first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions;
     first_chunk_ = false;
-    pending_ += SseEvent(ChunkJson(meta_, "", first, finish_reason, include_usage_));
+    pending_ += SseEvent(ChunkJson(meta_, "", first, &end_, include_usage_));
     if (include_usage_) {
       pending_ += SseEvent(UsageChunkJson(meta_, {prompt_tokens_, completion_tokens_}));
     }
@@ -180,7 +193,7 @@ std::optional<Exchange::Head> Exchange::HeadOrSuspend(const std::function<void()
   } else if (stream_) {
     head.streaming = true;
   } else {
-    head.body = CompletionJson(meta_, text_, finish_reason_, {prompt_tokens_, completion_tokens_});
+    head.body = CompletionJson(meta_, text_, end_, {prompt_tokens_, completion_tokens_});
   }
   return head;
 }

@@ -83,6 +83,7 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   // Handles one message; false when no more should be read (a stop string matched).
   bool Handle(const v1::GenerateResponse& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendText(const std::string& text) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the answer: end_ filled by the caller but for the finish reason.
   void Finish(const std::string& finish_reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -91,6 +92,8 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   const model::Tokenizer* const tokenizer_;
   const bool stream_;
   const bool include_usage_;
+  const bool include_stop_str_;                // include_stop_str_in_output
+  const std::vector<uint32_t> stop_token_ids_;  // the request's, for stop_reason
   const ResponseMeta meta_;
   uint32_t prompt_tokens_ = 0;  // set once by Start, before the call starts
   grpc::ClientContext context_;
@@ -108,7 +111,7 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   absl::Status abandoned_ ABSL_GUARDED_BY(mu_);         // Abandon's reason
   std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
   std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
-  std::string finish_reason_ ABSL_GUARDED_BY(mu_);
+  ChoiceEnd end_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;
   std::shared_ptr<Exchange> self_;  // keeps the exchange alive until OnDone

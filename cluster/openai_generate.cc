@@ -97,6 +97,9 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   if (request.seed) s->set_seed(*request.seed);
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
   s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());
+  s->set_ignore_eos(request.ignore_eos);
+  if (!request.policy.empty()) g.mutable_sparse()->set_policy(request.policy);
+  if (request.budget) g.mutable_sparse()->set_budget(*request.budget);
   g.set_protocol_version(v1::PROTOCOL_VERSION_1);
   return g;
 }

@@ -137,6 +137,8 @@ absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
     if (key == "role") {
       if (!v.is_string()) return Invalid("messages", absl::StrCat(where, ".role must be a string"));
       out.role = v.get<std::string>();
+      // OpenAI's newer name for the system role; the chat templates know only `system`.
+      if (out.role == "developer") out.role = "system";
       has_role = true;
     } else if (key == "content") {
       has_content = true;
@@ -157,8 +159,12 @@ absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
         return Invalid("messages",
                        absl::StrCat(where, ".content must be a string or an array of text parts"));
       }
-    } else if (key == "name" && v.is_null()) {
-      // null is the absent value the SDKs may send
+    } else if (key == "name") {
+      // A participant's name. Accepted as the Llama 3 and Qwen2 chat templates of Hugging Face
+      // treat it: they do not render it (nor do ours, model/chat_template.h).
+      if (!v.is_null() && !v.is_string()) {
+        return Invalid("messages", absl::StrCat(where, ".name must be a string"));
+      }
     } else {
       return Invalid("messages", absl::StrCat(where, ".", key, " is not supported"));
     }
@@ -284,6 +290,61 @@ void AddStreamingFields(FieldTable* table) {
   };
 }
 
+absl::Status BoolField(const std::string& name, const Json& v, bool* out) {
+  if (v.is_null()) return absl::OkStatus();
+  if (!v.is_boolean()) return Invalid(name, absl::StrCat(name, " must be a boolean"));
+  *out = v.get<bool>();
+  return absl::OkStatus();
+}
+
+// "fluxion": {"policy": NAME, "budget": FRACTION}, both optional. The decode node checks the name
+// and whether the policy takes a budget (INVALID_ARGUMENT naming them).
+absl::Status ParseFluxionExtension(const Json& v, Request* r) {
+  if (v.is_null()) return absl::OkStatus();
+  if (!v.is_object()) return Invalid("fluxion", "fluxion must be an object");
+  for (const auto& [key, value] : v.items()) {
+    if (key == "policy") {
+      if (!value.is_string() || value.get<std::string>().empty() ||
+          value.get<std::string>().size() > 64) {
+        return Invalid("fluxion", "fluxion.policy must be a policy name (docs/SPARSE.md)");
+      }
+      r->policy = value.get<std::string>();
+    } else if (key == "budget") {
+      auto x = NumberField("fluxion.budget", value);
+      if (!x.ok()) return WithParam(x.status(), "fluxion");
+      if (!(*x > 0 && *x <= 1)) return Invalid("fluxion", "fluxion.budget must be in (0, 1]");
+      r->budget = *x;
+    } else {
+      return Invalid("fluxion", absl::StrCat("fluxion.", key,
+                                             " is not supported (fluxion takes policy, budget)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// vLLM's and Fluxion's extensions both endpoints take.
+void AddExtensionFields(FieldTable* table) {
+  FieldTable& f = *table;
+  f["ignore_eos"] = [](const Json& v, Request* r) {
+    return BoolField("ignore_eos", v, &r->ignore_eos);
+  };
+  f["include_stop_str_in_output"] = [](const Json& v, Request* r) {
+    return BoolField("include_stop_str_in_output", v, &r->include_stop_str_in_output);
+  };
+  f["skip_special_tokens"] = [](const Json& v, Request* r) {
+    return BoolField("skip_special_tokens", v, &r->skip_special_tokens);
+  };
+  f["fluxion"] = ParseFluxionExtension;
+  f["min_tokens"] = [](const Json& v, Request*) {
+    return OnlyDefault("min_tokens", v, v == 0,
+                       "the sampler cannot hold EOS and stop tokens back (use ignore_eos)");
+  };
+  f["repetition_penalty"] = [](const Json& v, Request*) {
+    return OnlyDefault("repetition_penalty", v, v.is_number() && v.get<double>() == 1,
+                       "the sampler has no repetition penalties");
+  };
+}
+
 // Fields accepted only at their defaults (or, for `user`, ignored).
 void AddDefaultOnlyFields(FieldTable* table) {
   FieldTable& f = *table;
@@ -357,6 +418,7 @@ FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
   AddSamplingFields(limits, &f);
   AddStreamingFields(&f);
   AddDefaultOnlyFields(&f);
+  AddExtensionFields(&f);
   if (endpoint == Endpoint::kCompletions) {
     AddCompletionsFields(limits, &f);
   } else {

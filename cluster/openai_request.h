@@ -50,6 +50,15 @@ struct Request {
   std::vector<uint32_t> stop_token_ids;  // vLLM's extension: stop after any of these tokens
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // vLLM's extensions: EOS does not end the generation; a matched stop string is kept at the end
+  // of the text; special tokens (BOS, EOS, chat markers) are left out of the text.
+  bool ignore_eos = false;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  // Fluxion's extension `"fluxion": {"policy": "lfps", "budget": 0.05}`: the attention policy of
+  // this request (empty: the decode node's default) and its budget (absent: the policy's).
+  std::string policy;
+  std::optional<float> budget;
 };
 
 // Bounds on what a body may hold, checked while parsing (the body's size is the HTTP layer's).

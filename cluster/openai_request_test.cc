@@ -92,6 +92,36 @@ TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
                 "Unrecognized");
 }
 
+TEST(OpenAiRequestTest, VllmAndFluxionExtensions) {
+  auto r = Completions(R"({"model":"m","prompt":"p","ignore_eos":true,
+      "include_stop_str_in_output":true,"skip_special_tokens":false,"min_tokens":0,
+      "repetition_penalty":1,"fluxion":{"policy":"lfps","budget":0.05}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->ignore_eos);
+  EXPECT_TRUE(r->include_stop_str_in_output);
+  EXPECT_FALSE(r->skip_special_tokens);
+  EXPECT_EQ(r->policy, "lfps");
+  EXPECT_FLOAT_EQ(*r->budget, 0.05f);
+  auto defaults = Completions(R"({"model":"m","prompt":"p"})");
+  ASSERT_TRUE(defaults.ok());
+  EXPECT_FALSE(defaults->ignore_eos);
+  EXPECT_TRUE(defaults->skip_special_tokens);
+  EXPECT_TRUE(defaults->policy.empty());
+  EXPECT_FALSE(defaults->budget.has_value());
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","ignore_eos":1})"), "ignore_eos",
+                "boolean");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","fluxion":{"budget":0}})"), "fluxion",
+                "(0, 1]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","fluxion":{"policy":""}})"), "fluxion",
+                "policy name");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","fluxion":{"budgets":1}})"), "fluxion",
+                "fluxion.budgets is not supported");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","min_tokens":4})"), "min_tokens",
+                "ignore_eos");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","repetition_penalty":1.2})"),
+                "repetition_penalty", "penalties");
+}
+
 TEST(OpenAiRequestTest, ValuesOutOfRange) {
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":0})"), "max_tokens", "[1, ");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","max_tokens":"5"})"), "max_tokens",
@@ -135,6 +165,13 @@ TEST(OpenAiRequestTest, ChatMessages) {
   auto unlimited = Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
   ASSERT_TRUE(unlimited.ok());
   EXPECT_FALSE(unlimited->max_tokens.has_value());  // the context's room, not 16
+  // OpenAI's `developer` role is the templates' `system`; a name is accepted (not rendered).
+  auto developer = Chat(R"({"model":"m","messages":[{"role":"developer","content":"d"},
+      {"role":"user","content":"x","name":"ann"}]})");
+  ASSERT_TRUE(developer.ok()) << developer.status();
+  EXPECT_EQ(developer->messages[0].role, "system");
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x","name":3}]})"),
+                "messages", "name must be a string");
   ExpectRefused(Chat(R"({"model":"m","messages":[]})"), "messages", "non-empty");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user"}]})"), "messages", "no content");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x","tool_calls":[]}]})"),
@@ -162,6 +199,16 @@ TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {
   EXPECT_FALSE(g->sampling().has_top_p());
   EXPECT_EQ(g->sampling().seed(), 3u);
   EXPECT_THAT(g->sampling().stop_token_ids(), ElementsAre(257u));
+  EXPECT_FALSE(g->sampling().ignore_eos());
+  EXPECT_FALSE(g->has_sparse());  // the decode node's default policy
+  auto ext = Completions(R"({"model":"m","prompt":"ab","ignore_eos":true,
+      "fluxion":{"policy":"quest","budget":0.1}})");
+  ASSERT_TRUE(ext.ok());
+  auto with = PrepareGenerate(*ext, *tokenizer, nullptr, "cmpl-2");
+  ASSERT_TRUE(with.ok()) << with.status();
+  EXPECT_TRUE(with->sampling().ignore_eos());
+  EXPECT_EQ(with->sparse().policy(), "quest");
+  EXPECT_FLOAT_EQ(with->sparse().budget(), 0.1f);
 }
 
 TEST(OpenAiGenerateTest, RefusesWhatExceedsTheContextInOpenAisWording) {

@@ -29,6 +29,20 @@ Json Envelope(const ResponseMeta& meta, bool chunk) {
       {"model", meta.model}};
 }
 
+void AddEnd(const ChoiceEnd& end, Json* choice, Json* response) {
+  (*choice)["finish_reason"] = end.finish_reason;
+  if (end.stop_string) {
+    (*choice)["stop_reason"] = *end.stop_string;
+  } else if (end.stop_token_id) {
+    (*choice)["stop_reason"] = *end.stop_token_id;
+  } else {
+    (*choice)["stop_reason"] = nullptr;
+  }
+  Json fluxion = {{"policy", NullIfEmpty(end.policy)}};
+  if (end.read_fraction) fluxion["read_fraction"] = *end.read_fraction;
+  (*response)["fluxion"] = fluxion;
+}
+
 }  // namespace
 
 ApiError ErrorFromStatus(const absl::Status& status) {
@@ -94,11 +108,11 @@ std::string ErrorJson(const ApiError& error) {
   return Dump(j);
 }
 
-std::string CompletionJson(const ResponseMeta& meta, absl::string_view text,
-                           absl::string_view finish_reason, const TokenUsage& usage) {
+std::string CompletionJson(const ResponseMeta& meta, absl::string_view text, const ChoiceEnd& end,
+                           const TokenUsage& usage) {
   Json j = Envelope(meta, /*chunk=*/false);
-  Json choice = {
-      {"index", 0}, {"finish_reason", std::string(finish_reason)}, {"logprobs", nullptr}};
+  Json choice = {{"index", 0}, {"logprobs", nullptr}};
+  AddEnd(end, &choice, &j);
   if (meta.endpoint == Endpoint::kChatCompletions) {
     choice["message"] = {{"role", "assistant"}, {"content", std::string(text)}};
   } else {
@@ -112,11 +126,10 @@ std::string CompletionJson(const ResponseMeta& meta, absl::string_view text,
 std::string SseEvent(absl::string_view json) { return absl::StrCat("data: ", json, "\n\n"); }
 
 std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
-                      std::optional<absl::string_view> finish_reason, bool include_usage) {
+                      const ChoiceEnd* end, bool include_usage) {
   Json j = Envelope(meta, /*chunk=*/true);
-  Json choice = {{"index", 0},
-                 {"logprobs", nullptr},
-                 {"finish_reason", finish_reason ? Json(std::string(*finish_reason)) : Json()}};
+  Json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  if (end != nullptr) AddEnd(*end, &choice, &j);
   if (meta.endpoint == Endpoint::kChatCompletions) {
     Json delta = Json::object();
     if (first) delta["role"] = "assistant";

@@ -46,19 +46,33 @@ struct TokenUsage {
   uint32_t completion_tokens = 0;
 };
 
+// How a choice ended.
+struct ChoiceEnd {
+  std::string finish_reason;  // "stop", "length", "abort"
+  // vLLM's `stop_reason`: the stop string, or the request's stop token id, that ended the choice;
+  // null when neither did (EOS, max_tokens).
+  std::optional<std::string> stop_string;
+  std::optional<uint32_t> stop_token_id;
+  // Fluxion's extension, the top-level "fluxion" object: the attention policy that served the
+  // request (GenerateChunk / GenerateComplete sparse_policy; empty: none was reported) and the
+  // share of the context its steps read (absent when the decode node's answer was not read).
+  std::string policy;
+  std::optional<float> read_fraction;
+};
+
 // A whole (non-streamed) completion or chat completion.
-std::string CompletionJson(const ResponseMeta& meta, absl::string_view text,
-                           absl::string_view finish_reason, const TokenUsage& usage);
+std::string CompletionJson(const ResponseMeta& meta, absl::string_view text, const ChoiceEnd& end,
+                           const TokenUsage& usage);
 
 // One server-sent event: "data: <json>\n\n".
 std::string SseEvent(absl::string_view json);
 inline constexpr char kSseDone[] = "data: [DONE]\n\n";
 
-// A streamed chunk: `text` (completions) or delta.content (chat), with finish_reason when it is
-// the last. Chat's first chunk carries delta.role = "assistant" (`first`). With include_usage
-// every chunk has "usage": null, as OpenAI sends it.
+// A streamed chunk: `text` (completions) or delta.content (chat); the last one carries `end`
+// (finish_reason, stop_reason, the "fluxion" object). Chat's first chunk carries delta.role =
+// "assistant" (`first`). With include_usage every chunk has "usage": null, as OpenAI sends it.
 std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
-                      std::optional<absl::string_view> finish_reason, bool include_usage);
+                      const ChoiceEnd* end, bool include_usage);
 // The final usage chunk of include_usage: empty choices, the usage.
 std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage);
 // An error inside a stream that already answered 200: {"error": {...}} as one event.

@@ -38,13 +38,24 @@ TEST(OpenAiResponseTest, ErrorShapeAndHttpStatus) {
 
 TEST(OpenAiResponseTest, WholeCompletionAndChat) {
   ResponseMeta meta{Endpoint::kCompletions, "cmpl-1", 100, "m"};
-  Json c = Json::parse(CompletionJson(meta, "héllo", "length", {3, 4}));
+  ChoiceEnd length{"length"};
+  length.policy = "fluxion";
+  length.read_fraction = 0.25f;
+  Json c = Json::parse(CompletionJson(meta, "héllo", length, {3, 4}));
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["text"], "héllo");
   EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(c["choices"][0]["stop_reason"].is_null());
+  EXPECT_EQ(c["fluxion"]["policy"], "fluxion");
+  EXPECT_EQ(c["fluxion"]["read_fraction"], 0.25);
   EXPECT_EQ(c["usage"]["total_tokens"], 7);
   meta.endpoint = Endpoint::kChatCompletions;
-  Json chat = Json::parse(CompletionJson(meta, "hi", "stop", {1, 1}));
+  ChoiceEnd stop{"stop"};
+  stop.stop_token_id = 7;
+  Json chat = Json::parse(CompletionJson(meta, "hi", stop, {1, 1}));
+  EXPECT_EQ(chat["choices"][0]["stop_reason"], 7);
+  EXPECT_TRUE(chat["fluxion"]["policy"].is_null());  // not reported
+  EXPECT_FALSE(chat["fluxion"].contains("read_fraction"));
   EXPECT_EQ(chat["object"], "chat.completion");
   EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(chat["choices"][0]["message"]["content"], "hi");
@@ -54,23 +65,29 @@ TEST(OpenAiResponseTest, SseFraming) {
   EXPECT_EQ(SseEvent("{}"), "data: {}\n\n");
   EXPECT_EQ(std::string(kSseDone), "data: [DONE]\n\n");
   ResponseMeta meta{Endpoint::kChatCompletions, "chatcmpl-1", 5, "m"};
-  Json first = EventJson(SseEvent(ChunkJson(meta, "", true, std::nullopt, true)));
+  Json first = EventJson(SseEvent(ChunkJson(meta, "", true, nullptr, true)));
   EXPECT_EQ(first["object"], "chat.completion.chunk");
   EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
   EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
   EXPECT_TRUE(first.contains("usage") && first["usage"].is_null());
-  Json last = EventJson(SseEvent(ChunkJson(meta, "", false, "stop", false)));
+  EXPECT_FALSE(first.contains("fluxion"));
+  ChoiceEnd stop{"stop"};
+  stop.stop_string = "\n\n";
+  stop.policy = "lfps";
+  Json last = EventJson(SseEvent(ChunkJson(meta, "", false, &stop, false)));
   EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(last["choices"][0]["stop_reason"], "\n\n");
+  EXPECT_EQ(last["fluxion"]["policy"], "lfps");
   EXPECT_TRUE(last["choices"][0]["delta"].empty());
   EXPECT_FALSE(last.contains("usage"));
   Json usage = EventJson(SseEvent(UsageChunkJson(meta, {2, 3})));
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
   meta.endpoint = Endpoint::kCompletions;
-  Json text = EventJson(SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)));
+  Json text = EventJson(SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)));
   EXPECT_EQ(text["choices"][0]["text"], "a\nb");  // a newline in text never splits the event
-  EXPECT_EQ(SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)).find("\n"),
-            SseEvent(ChunkJson(meta, "a\nb", false, std::nullopt, false)).size() - 2);
+  EXPECT_EQ(SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)).find("\n"),
+            SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)).size() - 2);
 }
 
 TEST(OpenAiResponseTest, ModelsList) {

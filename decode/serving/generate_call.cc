@@ -384,6 +384,7 @@ void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
       v1::GenerateChunk* chunk = msg.mutable_chunk();
       for (int32_t t : tokens) chunk->add_token_ids(static_cast<uint32_t>(t));
       chunk->set_completion_tokens(s.sent);
+      if (s.sent == tokens.size()) chunk->set_sparse_policy(sparse::PolicyLabel(valid_->policy));
       if (s.t_first_sent == Clock::time_point{}) {
         s.t_first_sent = Clock::now();
         timing_.set_ttft_us(MicrosBetween(t_arrival_, s.t_first_sent));

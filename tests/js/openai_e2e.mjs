@@ -95,6 +95,40 @@ check('stop string: the text before it, nothing after, both modes', async () => 
   assert.equal(s.finish, 'stop');
 });
 
+check('stop_reason names the stop string; include_stop_str_in_output keeps it', async () => {
+  const stop = greedy.slice(4, 7);
+  const before = greedy.slice(0, greedy.indexOf(stop));
+  const r = await client.completions.create({ model, prompt, max_tokens: 48, temperature: 0, stop,
+                                              include_stop_str_in_output: true });
+  assert.equal(r.choices[0].text, before + stop);
+  assert.equal(r.choices[0].stop_reason, stop);
+  const s = await client.completions.create({ model, prompt, max_tokens: 48, temperature: 0,
+                                              stream: true, stop: [stop] });
+  let reason;
+  for await (const chunk of s) for (const c of chunk.choices) if (c.finish_reason) reason = c;
+  assert.equal(reason.stop_reason, stop);
+  const length = await client.completions.create({ model, prompt, max_tokens: 4, ignore_eos: true });
+  assert.equal(length.choices[0].stop_reason, null);
+  assert.equal(length.usage.completion_tokens, 4);
+});
+
+check('the fluxion field picks the attention policy, and the answer names it', async () => {
+  const byDefault = await client.completions.create({ model, prompt, max_tokens: 8,
+                                                      temperature: 0 });
+  assert.match(byDefault.fluxion.policy, /^fluxion@/);  // the decode node's default
+  assert.ok(byDefault.fluxion.read_fraction > 0 && byDefault.fluxion.read_fraction <= 1);
+  const full = await client.completions.create({ model, prompt, max_tokens: 8, temperature: 0,
+                                                 fluxion: { policy: 'full' } });
+  assert.equal(full.fluxion.policy, 'full');
+  assert.equal(full.fluxion.read_fraction, 1);  // full attention reads every row
+  const lfps = await client.completions.create({ model, prompt, max_tokens: 8, temperature: 0,
+                                                 fluxion: { policy: 'lfps', budget: 0.5 } });
+  assert.equal(lfps.fluxion.policy, 'lfps@0.5');
+  await assert.rejects(
+    client.completions.create({ model, prompt, max_tokens: 4, fluxion: { policy: 'nope' } }),
+    (e) => e.status === 400 && /nope/.test(e.message));
+});
+
 check('a bad field is 400 naming it', async () => {
   await assert.rejects(
     client.completions.create({ model, prompt, max_tokens: 4, bogus_field: 1 }),
@@ -273,6 +307,14 @@ if (process.env.FLUXION_CHAT === '1') {
     }
     assert.equal(role, 'assistant');
     assert.equal(text, whole);
+  });
+  check('chat: a developer message and a named user message', async () => {
+    const r = await client.chat.completions.create({
+      model, max_completion_tokens: 4, temperature: 0,
+      messages: [{ role: 'developer', content: 'Answer briefly.' },
+                 { role: 'user', name: 'ann', content: 'What is the key? The key is 42.' }] });
+    assert.equal(r.choices[0].message.role, 'assistant');
+    assert.equal(r.usage.completion_tokens, 4);
   });
 }
 
