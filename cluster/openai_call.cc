@@ -4,32 +4,40 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace fluxion::cluster::openai {
+
+absl::Status CheckModel(const Preparer& preparer, const std::string& model) {
+  if (model == preparer.model_name) return absl::OkStatus();
+  return WithParam(absl::NotFoundError(absl::StrCat("The model `", model,
+                                                    "` does not exist; this server serves `",
+                                                    preparer.model_name, "`")),
+                   "model");
+}
+
+model::EncodeCheck BoundedCheck(const Preparer& preparer, model::EncodeCheck cancelled) {
+  // The timeout bounds the work one request may cost, whatever the tokenizer makes of its text
+  // (a hostile tokenizer.json: a backtracking pattern, hundreds of thousands of added tokens).
+  const absl::Time deadline = absl::Now() + preparer.tokenize_timeout;
+  return [cancelled = std::move(cancelled), timeout = preparer.tokenize_timeout,
+          deadline]() -> absl::Status {
+    if (absl::Status s = cancelled(); !s.ok()) return s;
+    if (absl::Now() < deadline) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizing the prompt took longer than ", absl::ToInt64Milliseconds(timeout),
+                     " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
+                     "tokenizer; shorten or change it"));
+  };
+}
 
 absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
                                  absl::string_view body, const std::string& id,
                                  const model::EncodeCheck& cancelled) {
   auto request = ParseRequest(endpoint, body, preparer.parse_limits);
   if (!request.ok()) return request.status();
-  if (request->model != preparer.model_name) {
-    return WithParam(absl::NotFoundError(absl::StrCat("The model `", request->model,
-                                                      "` does not exist; this server serves `",
-                                                      preparer.model_name, "`")),
-                     "model");
-  }
-  // The timeout bounds the work one request may cost, whatever the tokenizer makes of its text
-  // (a hostile tokenizer.json: a backtracking pattern, hundreds of thousands of added tokens).
-  const absl::Time deadline = absl::Now() + preparer.tokenize_timeout;
-  const model::EncodeCheck check = [&cancelled, &preparer, deadline]() -> absl::Status {
-    if (absl::Status s = cancelled(); !s.ok()) return s;
-    if (absl::Now() < deadline) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizing the prompt took longer than ",
-                     absl::ToInt64Milliseconds(preparer.tokenize_timeout),
-                     " ms (--http-tokenize-timeout-ms): the text is too expensive for this model's "
-                     "tokenizer; shorten or change it"));
-  };
+  if (absl::Status s = CheckModel(preparer, request->model); !s.ok()) return s;
+  const model::EncodeCheck check = BoundedCheck(preparer, cancelled);
   auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
                                   preparer.max_context_tokens);
   if (!generate.ok()) return generate.status();
@@ -71,8 +79,24 @@ void CallState::Finish(const absl::Status& prepared,
     outcome_ = why_;
   } else {
     exchange_ = start();
-    outcome_ = exchange_;
+    outcome_ = Answer{exchange_, ""};
   }
+  ResumeLocked();
+}
+
+void CallState::FinishWithBody(absl::StatusOr<std::string> body) {
+  absl::MutexLock lock(&mu_);
+  if (!why_.ok()) {
+    outcome_ = why_;
+  } else if (!body.ok()) {
+    outcome_ = body.status();
+  } else {
+    outcome_ = Answer{nullptr, *std::move(body)};
+  }
+  ResumeLocked();
+}
+
+void CallState::ResumeLocked() {
   if (suspended_ && !detached_) {
     suspended_ = false;
     resume_();

@@ -52,6 +52,13 @@ struct Prepared {
   ResponseMeta meta;
 };
 
+// NotFound naming `model` (param "model") unless it is the served model.
+absl::Status CheckModel(const Preparer& preparer, const std::string& model);
+
+// `cancelled`, and InvalidArgument saying so once the preparer's tokenize_timeout has passed
+// since this call: the bound on one request's rendering and tokenization.
+model::EncodeCheck BoundedCheck(const Preparer& preparer, model::EncodeCheck cancelled);
+
 // Parses `body`, checks the model, renders and tokenizes the prompt. `id` is the response id,
 // `cancelled` is polled while tokenizing (its error ends the preparation). Errors are the answer
 // (ErrorFromStatus): 400 naming the field, 404 for another model, 400 saying so for a prompt that
@@ -60,9 +67,15 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
                                  absl::string_view body, const std::string& id,
                                  const model::EncodeCheck& cancelled);
 
+// What a preparation led to: a running call, or (tokenize, detokenize) a whole JSON body.
+struct Answer {
+  std::shared_ptr<Exchange> exchange;  // null: `body` is the answer
+  std::string body;
+};
+
 class CallState {
  public:
-  using Outcome = absl::StatusOr<std::shared_ptr<Exchange>>;
+  using Outcome = absl::StatusOr<Answer>;
 
   // `resume` resumes the waiting connection (MHD_resume_connection and the server's count).
   explicit CallState(std::function<void()> resume) : resume_(std::move(resume)) {}
@@ -80,6 +93,10 @@ class CallState {
   void Finish(const absl::Status& prepared,
               const std::function<std::shared_ptr<Exchange>()>& start);
 
+  // Worker: a whole answer computed without a call (or its error), resuming the connection if it
+  // waits.
+  void FinishWithBody(absl::StatusOr<std::string> body);
+
   // Polling thread: the outcome once Finish ran; otherwise runs `suspend` (under the lock) and
   // returns nullopt (Finish resumes the connection).
   std::optional<Outcome> OutcomeOrSuspend(const std::function<void()>& suspend);
@@ -89,6 +106,8 @@ class CallState {
   void Detach();
 
  private:
+  void ResumeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const std::function<void()> resume_;
   mutable absl::Mutex mu_;
   absl::Status why_ ABSL_GUARDED_BY(mu_);  // non-OK once cancelled

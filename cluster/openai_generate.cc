@@ -52,12 +52,10 @@ absl::Status CheckContextLength(Endpoint endpoint, int64_t prompt_tokens,
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
-                                                    const model::Tokenizer& tokenizer,
-                                                    const ChatRenderer& chat,
-                                                    const std::string& request_id,
-                                                    const model::EncodeCheck& check,
-                                                    int64_t max_context_tokens) {
+absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
+                                                const model::Tokenizer& tokenizer,
+                                                const ChatRenderer& chat,
+                                                const model::EncodeCheck& check) {
   std::vector<uint32_t> prompt;
   if (request.endpoint == Endpoint::kChatCompletions) {
     if (!chat) {
@@ -79,6 +77,17 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
     if (absl::Status s = CheckIds(request.prompt_ids, tokenizer, "prompt"); !s.ok()) return s;
     prompt = request.prompt_ids;
   }
+  return prompt;
+}
+
+absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
+                                                    const model::Tokenizer& tokenizer,
+                                                    const ChatRenderer& chat,
+                                                    const std::string& request_id,
+                                                    const model::EncodeCheck& check,
+                                                    int64_t max_context_tokens) {
+  FLUXION_ASSIGN_OR_RETURN(std::vector<uint32_t> prompt,
+                           PromptIds(request, tokenizer, chat, check));
   if (absl::Status s = CheckIds(request.stop_token_ids, tokenizer, "stop_token_ids"); !s.ok()) {
     return s;
   }

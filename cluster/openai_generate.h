@@ -21,8 +21,17 @@ namespace fluxion::cluster::openai {
 // the router has no chat template, and chat requests are refused.
 using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector<Message>&)>;
 
-// InvalidArgument naming the field for a prompt that is empty after tokenization or holds ids
-// outside the vocabulary, or a stop token id outside it; the renderer's error for chat; the
+// The request's prompt as token ids: the chat template rendered and tokenized (chat), the text
+// tokenized (completions; no BOS added, as Tokenizer::Encode), or the given ids. InvalidArgument
+// naming the field for a prompt empty after tokenization or holding ids outside the vocabulary;
+// the renderer's error; the tokenizer's (or `check`'s) naming the field.
+absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
+                                                const model::Tokenizer& tokenizer,
+                                                const ChatRenderer& chat,
+                                                const model::EncodeCheck& check = {});
+
+// PromptIds, then the sampling fields mapped: PromptIds' errors, InvalidArgument naming the
+// field for a stop token id outside the vocabulary; the renderer's error for chat; the
 // tokenizer's (or `check`'s, which bounds the tokenization: model::EncodeCheck) naming the field;
 // CheckContextLength's error when `max_context_tokens` > 0.
 absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,

@@ -52,7 +52,11 @@ class HttpServer::Impl {
  private:
   // One POST being answered; owned by libmicrohttpd's per-request pointer, deleted in Completed.
   struct Call {
+    // What the body is for: a completion (a Generate call), or vLLM's tokenizer endpoints, which
+    // the router answers itself (openai_tokenize.h).
+    enum class Route { kGenerate, kTokenize, kDetokenize };
     MHD_Connection* connection = nullptr;
+    Route route = Route::kGenerate;
     Endpoint endpoint = Endpoint::kCompletions;
     // The Generate request's id (the answer's `id`: unique here, the client's X-Request-Id in it
     // when given) and the X-Request-Id answered (the client's, else generate_id).
@@ -79,6 +83,9 @@ class HttpServer::Impl {
   void Prepare(const std::shared_ptr<CallState>& state, MHD_Connection* connection,
                Endpoint endpoint, const std::string& body, const std::string& id,
                const Metadata& metadata);
+  // On a worker: /tokenize or /detokenize's answer, into the state.
+  void AnswerTokenizer(const std::shared_ptr<CallState>& state, Call::Route route,
+                       const std::string& body);
   MHD_Result Answer(Call* call);
   static ssize_t ReadStream(void* cls, uint64_t, char* buf, size_t max);
   static void FreeStream(void* cls) { delete static_cast<StreamState*>(cls); }

@@ -15,6 +15,7 @@
 #include "cluster/openai_http_framing.h"
 #include "cluster/openai_http_impl.h"
 #include "cluster/openai_response.h"
+#include "cluster/openai_tokenize.h"
 #include "common/build_version.h"
 #include "common/secret_token.h"
 #include "cluster/prefill_pick.h"
@@ -133,7 +134,10 @@ MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
         call->state->OutcomeOrSuspend([this, connection] { Suspend(connection); });
     if (!outcome) return MHD_YES;  // the worker resumes the connection
     if (!outcome->ok()) return ReplyError(connection, outcome->status(), call->id);
-    call->exchange = **outcome;
+    if ((*outcome)->exchange == nullptr) {
+      return Reply(connection, MHD_HTTP_OK, (*outcome)->body, 0, /*close=*/false, call->id);
+    }
+    call->exchange = (*outcome)->exchange;
   }
   return Answer(call);
 }
@@ -146,7 +150,11 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
     return Reply(connection, MHD_HTTP_BAD_REQUEST, ErrorJson(ErrorFromStatus(framing)),
                  /*retry_after_s=*/0, /*close=*/true);
   }
-  if (!options_.api_key.empty() && absl::StartsWith(url, "/v1/") && !Authorized(connection)) {
+  const bool tokenize = std::strcmp(url, "/tokenize") == 0;
+  const bool detokenize = std::strcmp(url, "/detokenize") == 0;
+  // vLLM's tokenizer endpoints cost CPU like a prompt does: they need the key as /v1/ does.
+  const bool keyed = absl::StartsWith(url, "/v1/") || tokenize || detokenize;
+  if (!options_.api_key.empty() && keyed && !Authorized(connection)) {
     return ReplyError(connection,
                       WithCode(absl::UnauthenticatedError(
                                    "Incorrect or missing API key: send `Authorization: Bearer "
@@ -158,7 +166,7 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
   std::optional<Endpoint> endpoint;
   if (std::strcmp(url, "/v1/completions") == 0) endpoint = Endpoint::kCompletions;
   if (std::strcmp(url, "/v1/chat/completions") == 0) endpoint = Endpoint::kChatCompletions;
-  if (endpoint) {
+  if (endpoint || tokenize || detokenize) {
     if (!post) {
       return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat(url, " takes POST"));
     }
@@ -181,9 +189,12 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
     }
     auto* call = new Call;
     call->connection = connection;
-    call->endpoint = *endpoint;
+    call->route = tokenize     ? Call::Route::kTokenize
+                  : detokenize ? Call::Route::kDetokenize
+                               : Call::Route::kGenerate;
+    call->endpoint = endpoint.value_or(Endpoint::kCompletions);
     // Ours, unique on this router; it carries the client's X-Request-Id, which is echoed as given.
-    const bool chat = *endpoint == Endpoint::kChatCompletions;
+    const bool chat = call->endpoint == Endpoint::kChatCompletions;
     call->generate_id =
         absl::StrCat(chat ? "chatcmpl-" : "cmpl-", client_id.empty() ? id_prefix_ : client_id, "-",
                      serial_.fetch_add(1));
@@ -198,7 +209,8 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
     return ReplyError(connection, MHD_HTTP_NOT_FOUND,
                       absl::StrCat("no such endpoint: ", url,
                                    " (served: POST /v1/completions, POST /v1/chat/completions, "
-                                   "GET /v1/models, GET /health, GET /version)"));
+                                   "GET /v1/models, POST /tokenize, POST /detokenize, "
+                                   "GET /health, GET /version)"));
   }
   if (!get) {
     return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat(url, " takes GET"));
@@ -227,9 +239,14 @@ absl::Status HttpServer::Impl::Submit(Call* call) {
   call->watch_id = watcher_->Watch(fd != nullptr ? fd->connect_fd : -1, [state] {
     state->Cancel(absl::CancelledError("the client closed the connection"));
   });
-  auto job = [this, state, connection, endpoint = call->endpoint, body = std::move(call->body),
-              id = call->generate_id, metadata = PrefillPickMetadata(connection)] {
-    Prepare(state, connection, endpoint, body, id, metadata);
+  auto job = [this, state, connection, route = call->route, endpoint = call->endpoint,
+              body = std::move(call->body), id = call->generate_id,
+              metadata = PrefillPickMetadata(connection)] {
+    if (route == Call::Route::kGenerate) {
+      Prepare(state, connection, endpoint, body, id, metadata);
+    } else {
+      AnswerTokenizer(state, route, body);
+    }
   };
   if (!pool_.TrySubmit(std::move(job))) {
     requests_shed_->Increment();
@@ -255,6 +272,14 @@ void HttpServer::Impl::Prepare(const std::shared_ptr<CallState>& state, MHD_Conn
         std::move(prepared->meta), std::move(*prepared->detokenizer),
         [this, connection] { Resume(connection); }, exchanges_, metadata);
   });
+}
+
+void HttpServer::Impl::AnswerTokenizer(const std::shared_ptr<CallState>& state, Call::Route route,
+                                       const std::string& body) {
+  const model::EncodeCheck cancelled = [&state] { return state->CancelledWhy(); };
+  state->FinishWithBody(route == Call::Route::kTokenize
+                            ? TokenizeAnswer(preparer_, body, cancelled)
+                            : DetokenizeAnswer(preparer_, body));
 }
 
 MHD_Result HttpServer::Impl::Answer(Call* call) {

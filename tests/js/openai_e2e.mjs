@@ -129,6 +129,24 @@ check('the fluxion field picks the attention policy, and the answer names it', a
     (e) => e.status === 400 && /nope/.test(e.message));
 });
 
+check('/tokenize counts as a completion does; /detokenize inverts it; both need the key',
+      async () => {
+  const root = env('FLUXION_HTTP').replace(/\/v1$/, '');
+  const post = (path, body, headers = auth) => fetch(root + path, {
+    method: 'POST', headers: { 'content-type': 'application/json', ...headers },
+    body: JSON.stringify(body) });
+  const t = await (await post('/tokenize', { model, prompt })).json();
+  assert.equal(t.count, Buffer.byteLength(prompt));  // the byte-level model: a token per byte
+  const done = await client.completions.create({ model, prompt, max_tokens: 1 });
+  assert.equal(t.count, done.usage.prompt_tokens);
+  const d = await (await post('/detokenize', { model, tokens: t.tokens })).json();
+  assert.equal(d.prompt, prompt);
+  assert.equal((await post('/tokenize', { model, prompt }, {})).status, 401);
+  const bad = await post('/tokenize', { model, prompt, add_special_tokens: true });
+  assert.equal(bad.status, 400);
+  assert.equal((await bad.json()).error.param, 'add_special_tokens');
+});
+
 check('a bad field is 400 naming it', async () => {
   await assert.rejects(
     client.completions.create({ model, prompt, max_tokens: 4, bogus_field: 1 }),
