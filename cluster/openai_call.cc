@@ -38,31 +38,33 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
   if (!request.ok()) return request.status();
   if (absl::Status s = CheckModel(preparer, request->model); !s.ok()) return s;
   const model::EncodeCheck check = BoundedCheck(preparer, cancelled);
-  auto generate = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
-                                  preparer.max_context_tokens);
-  if (!generate.ok()) return generate.status();
+  auto choices = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
+                                 preparer.max_context_tokens);
+  if (!choices.ok()) return choices.status();
   model::StreamDetokenizerOptions detokenizer_options;
   detokenizer_options.stop = request->stop;
   detokenizer_options.skip_special = request->skip_special_tokens;
-  auto detokenizer = model::StreamDetokenizer::Create(preparer.tokenizer, detokenizer_options);
-  if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
   Prepared prepared;
+  for (size_t i = 0; i < choices->size(); ++i) {
+    auto detokenizer = model::StreamDetokenizer::Create(preparer.tokenizer, detokenizer_options);
+    if (!detokenizer.ok()) return WithParam(detokenizer.status(), "stop");
+    prepared.detokenizers.push_back(std::move(*detokenizer));
+  }
   prepared.meta = {endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
   prepared.request = std::move(*request);
-  prepared.generate = std::move(*generate);
-  prepared.detokenizer.emplace(std::move(*detokenizer));
+  prepared.choices = std::move(*choices);
   return prepared;
 }
 
 void CallState::Cancel(const absl::Status& why) {
-  std::shared_ptr<Exchange> exchange;
+  std::shared_ptr<Completion> completion;
   {
     absl::MutexLock lock(&mu_);
     if (!why_.ok() || detached_) return;
     why_ = why;
-    exchange = exchange_;
+    completion = completion_;
   }
-  if (exchange != nullptr) exchange->Abandon(why);
+  if (completion != nullptr) completion->Abandon(why);
 }
 
 absl::Status CallState::CancelledWhy() const {
@@ -71,15 +73,15 @@ absl::Status CallState::CancelledWhy() const {
 }
 
 void CallState::Finish(const absl::Status& prepared,
-                       const std::function<std::shared_ptr<Exchange>()>& start) {
+                       const std::function<std::shared_ptr<Completion>()>& start) {
   absl::MutexLock lock(&mu_);
   if (!prepared.ok()) {
     outcome_ = prepared;
   } else if (!why_.ok()) {
     outcome_ = why_;
   } else {
-    exchange_ = start();
-    outcome_ = Answer{exchange_, ""};
+    completion_ = start();
+    outcome_ = Answer{completion_, ""};
   }
   ResumeLocked();
 }
@@ -113,14 +115,14 @@ std::optional<CallState::Outcome> CallState::OutcomeOrSuspend(
 }
 
 void CallState::Detach() {
-  std::shared_ptr<Exchange> exchange;
+  std::shared_ptr<Completion> completion;
   {
     absl::MutexLock lock(&mu_);
     detached_ = true;
     if (why_.ok()) why_ = absl::CancelledError("the HTTP request ended");
-    exchange = std::move(exchange_);
+    completion = std::move(completion_);
   }
-  if (exchange != nullptr) exchange->Cancel();
+  if (completion != nullptr) completion->Cancel();
 }
 
 }  // namespace fluxion::cluster::openai

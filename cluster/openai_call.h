@@ -5,7 +5,7 @@
 //
 // Ownership: each holds the CallState by shared_ptr; the state holds the exchange it started.
 // The connection waits suspended until the worker's outcome (OutcomeOrSuspend and Finish take one
-// lock, so a resume is never lost between the check and the suspend, as in Exchange).
+// lock, so a resume is never lost between the check and the suspend, as in Completion).
 //
 // Thread-safe.
 #ifndef FLUXION_CLUSTER_OPENAI_CALL_H_
@@ -21,7 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "cluster/openai_exchange.h"
+#include "cluster/openai_completion.h"
 #include "cluster/openai_generate.h"
 #include "cluster/openai_request.h"
 #include "cluster/openai_response.h"
@@ -44,14 +44,6 @@ struct Preparer {
   int64_t max_context_tokens = 0;
 };
 
-// A request ready for its Generate call.
-struct Prepared {
-  Request request;
-  v1::GenerateRequest generate;
-  std::optional<model::StreamDetokenizer> detokenizer;  // always set on success
-  ResponseMeta meta;
-};
-
 // NotFound naming `model` (param "model") unless it is the served model.
 absl::Status CheckModel(const Preparer& preparer, const std::string& model);
 
@@ -67,9 +59,9 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
                                  absl::string_view body, const std::string& id,
                                  const model::EncodeCheck& cancelled);
 
-// What a preparation led to: a running call, or (tokenize, detokenize) a whole JSON body.
+// What a preparation led to: running calls, or (tokenize, detokenize) a whole JSON body.
 struct Answer {
-  std::shared_ptr<Exchange> exchange;  // null: `body` is the answer
+  std::shared_ptr<Completion> completion;  // null: `body` is the answer
   std::string body;
 };
 
@@ -81,7 +73,7 @@ class CallState {
   explicit CallState(std::function<void()> resume) : resume_(std::move(resume)) {}
 
   // Any thread: the client hung up, or the server stops. A preparation stops at its next check
-  // with `why` as its answer; a running call is cancelled (Exchange::Abandon: the connection
+  // with `why` as its answer; a running call is cancelled (Completion::Abandon: the connection
   // still wakes, answers and completes). Only the first reason counts.
   void Cancel(const absl::Status& why);
   // OK, or the reason Cancel was given (the preparation's check).
@@ -91,7 +83,7 @@ class CallState {
   // the state is not cancelled, `start` starts the call first, under the state's lock, so that a
   // concurrent Cancel either finds the exchange or keeps it from starting.
   void Finish(const absl::Status& prepared,
-              const std::function<std::shared_ptr<Exchange>()>& start);
+              const std::function<std::shared_ptr<Completion>()>& start);
 
   // Worker: a whole answer computed without a call (or its error), resuming the connection if it
   // waits.
@@ -102,7 +94,7 @@ class CallState {
   std::optional<Outcome> OutcomeOrSuspend(const std::function<void()>& suspend);
 
   // Polling thread, when the HTTP request completed: no resume after this, and a call still
-  // running is cancelled without a wake (Exchange::Cancel).
+  // running is cancelled without a wake (Completion::Cancel).
   void Detach();
 
  private:
@@ -114,7 +106,7 @@ class CallState {
   bool suspended_ ABSL_GUARDED_BY(mu_) = false;
   bool detached_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<Outcome> outcome_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<Exchange> exchange_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Completion> completion_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fluxion::cluster::openai

@@ -9,15 +9,15 @@
 namespace fluxion::cluster::openai {
 
 std::shared_ptr<Exchange> Exchange::Start(
-    v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer, v1::GenerateRequest generate,
-    const Request& request, ResponseMeta meta, model::StreamDetokenizer detokenizer,
-    std::function<void()> wake, const std::shared_ptr<ExchangeSet>& set,
+    v1::DecodeService::Stub* stub, v1::GenerateRequest generate, Options options,
+    ResponseMeta meta, model::StreamDetokenizer detokenizer, std::function<void()> wake,
+    const std::shared_ptr<ExchangeSet>& set,
     const std::vector<std::pair<std::string, std::string>>& metadata) {
   const uint64_t id = set->Reserve();
   // The set learns of the destruction only once the members (the ClientContext, which holds the
   // channel) are gone.
   std::shared_ptr<Exchange> exchange(
-      new Exchange(tokenizer, request, std::move(meta), std::move(detokenizer), std::move(wake)),
+      new Exchange(std::move(options), std::move(meta), std::move(detokenizer), std::move(wake)),
       [set, id](Exchange* e) {
         delete e;
         set->Remove(id);
@@ -33,13 +33,9 @@ std::shared_ptr<Exchange> Exchange::Start(
   return exchange;
 }
 
-Exchange::Exchange(const model::Tokenizer* tokenizer, const Request& request, ResponseMeta meta,
-                   model::StreamDetokenizer detokenizer, std::function<void()> wake)
-    : tokenizer_(tokenizer),
-      stream_(request.stream),
-      include_usage_(request.include_usage),
-      include_stop_str_(request.include_stop_str_in_output),
-      stop_token_ids_(request.stop_token_ids),
+Exchange::Exchange(Options options, ResponseMeta meta, model::StreamDetokenizer detokenizer,
+                   std::function<void()> wake)
+    : options_(std::move(options)),
       meta_(std::move(meta)),
       detokenizer_(std::move(detokenizer)),
       wake_(std::move(wake)) {}
@@ -83,41 +79,12 @@ void Exchange::OnDone(const grpc::Status& status) {
 bool Exchange::Handle(const v1::GenerateResponse& message) {
   if (done_) return false;
   switch (message.kind_case()) {
-    case v1::GenerateResponse::kChunk: {
-      started_ = true;
-      if (stream_ && first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions) {
-        pending_ += SseEvent(ChunkJson(meta_, "", /*first=*/true, nullptr, include_usage_));
-      }
-      first_chunk_ = false;
-      if (!message.chunk().sparse_policy().empty()) end_.policy = message.chunk().sparse_policy();
-      for (uint32_t id : message.chunk().token_ids()) {
-        ++completion_tokens_;
-        AppendText(detokenizer_.Add(static_cast<int32_t>(id)));
-        if (detokenizer_.stopped()) {
-          end_.stop_string = detokenizer_.matched_stop();
-          if (include_stop_str_) AppendText(*end_.stop_string);
-          Finish("stop");
-          return false;
-        }
-      }
-      WakeLocked();
-      return true;
-    }
-    case v1::GenerateResponse::kComplete: {
-      const v1::GenerateComplete& c = message.complete();
-      AppendText(detokenizer_.Finish());
-      if (c.has_usage()) completion_tokens_ = c.usage().completion_tokens();
-      // EOS is no stop_reason (vLLM's rule): only the request's own stop token ids are.
-      if (c.has_matched_stop_token_id() &&
-          std::find(stop_token_ids_.begin(), stop_token_ids_.end(),
-                    c.matched_stop_token_id()) != stop_token_ids_.end()) {
-        end_.stop_token_id = c.matched_stop_token_id();
-      }
-      if (!c.sparse_policy().empty()) end_.policy = c.sparse_policy();
-      end_.read_fraction = c.read_fraction();
-      Finish(cluster::FinishReasonText(c.finish_reason()));
+    case v1::GenerateResponse::kChunk:
+      HandleChunk(message.chunk());
+      return !done_;
+    case v1::GenerateResponse::kComplete:
+      HandleComplete(message.complete());
       return true;  // read on: the status follows
-    }
     case v1::GenerateResponse::kError: {
       const v1::GenerateError& e = message.error();
       Fail(absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
@@ -129,10 +96,46 @@ bool Exchange::Handle(const v1::GenerateResponse& message) {
   }
 }
 
+void Exchange::HandleChunk(const v1::GenerateChunk& chunk) {
+  started_ = true;
+  if (options_.stream && first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions) {
+    events_ += SseEvent(
+        ChunkJson(meta_, options_.index, "", /*first=*/true, nullptr, options_.include_usage));
+  }
+  first_chunk_ = false;
+  if (!chunk.sparse_policy().empty()) end_.policy = chunk.sparse_policy();
+  for (uint32_t id : chunk.token_ids()) {
+    ++completion_tokens_;
+    AppendText(detokenizer_.Add(static_cast<int32_t>(id)));
+    if (detokenizer_.stopped()) {
+      end_.stop_string = detokenizer_.matched_stop();
+      if (options_.include_stop_str) AppendText(*end_.stop_string);
+      Finish("stop");
+      return;
+    }
+  }
+  WakeLocked();
+}
+
+void Exchange::HandleComplete(const v1::GenerateComplete& c) {
+  AppendText(detokenizer_.Finish());
+  if (c.has_usage()) completion_tokens_ = c.usage().completion_tokens();
+  // EOS is no stop_reason (vLLM's rule): only the request's own stop token ids are.
+  const std::vector<uint32_t>& stops = options_.stop_token_ids;
+  if (c.has_matched_stop_token_id() &&
+      std::find(stops.begin(), stops.end(), c.matched_stop_token_id()) != stops.end()) {
+    end_.stop_token_id = c.matched_stop_token_id();
+  }
+  if (!c.sparse_policy().empty()) end_.policy = c.sparse_policy();
+  end_.read_fraction = c.read_fraction();
+  Finish(cluster::FinishReasonText(c.finish_reason()));
+}
+
 void Exchange::AppendText(const std::string& text) {
   if (text.empty()) return;
-  if (stream_) {
-    pending_ += SseEvent(ChunkJson(meta_, text, /*first=*/false, nullptr, include_usage_));
+  if (options_.stream) {
+    events_ += SseEvent(
+        ChunkJson(meta_, options_.index, text, /*first=*/false, nullptr, options_.include_usage));
   } else {
     text_ += text;
   }
@@ -141,75 +144,42 @@ void Exchange::AppendText(const std::string& text) {
 void Exchange::Finish(const std::string& finish_reason) {
   end_.finish_reason = finish_reason;
   done_ = true;
-  if (stream_) {
+  if (options_.stream) {
     started_ = true;
     const bool first = first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions;
     first_chunk_ = false;
-    pending_ += SseEvent(ChunkJson(meta_, "", first, &end_, include_usage_));
-    if (include_usage_) {
-      pending_ += SseEvent(UsageChunkJson(meta_, {prompt_tokens_, completion_tokens_}));
-    }
-    pending_ += kSseDone;
+    events_ += SseEvent(ChunkJson(meta_, options_.index, "", first, &end_, options_.include_usage));
   }
   WakeLocked();
 }
 
 void Exchange::Fail(const absl::Status& status) {
   done_ = true;
-  ApiError error = ErrorFromStatus(status);
-  if (stream_ && started_) {
-    // The 200 and earlier text are out: the error goes in the stream, as vLLM sends it.
-    pending_ += StreamErrorEvent(error);
-    pending_ += kSseDone;
-  } else {
-    error_ = std::move(error);
-  }
+  error_ = ErrorFromStatus(status);
+  // Once the 200 is out the error goes in the stream, as vLLM sends it; the completion drops the
+  // event when the failure decides the status line instead.
+  if (options_.stream) events_ += StreamErrorEvent(*error_);
   WakeLocked();
 }
 
 void Exchange::WakeLocked() {
-  if (suspended_ && wake_ && !cancelled_) {
-    suspended_ = false;
+  if (armed_ && wake_ && !cancelled_) {
+    armed_ = false;
     wake_();
   }
 }
 
-bool Exchange::HeadReadyLocked() const {
-  return error_.has_value() || done_ || (stream_ && started_);
+Exchange::Progress Exchange::Poll(std::string* events) {
+  absl::MutexLock lock(&mu_);
+  events->append(events_);
+  events_.clear();
+  if (!done_) armed_ = true;
+  return {started_, done_, error_};
 }
 
-std::optional<Exchange::Head> Exchange::HeadOrSuspend(const std::function<void()>& suspend) {
+ChoiceOutput Exchange::Output() {
   absl::MutexLock lock(&mu_);
-  if (!HeadReadyLocked()) {
-    suspend();
-    suspended_ = true;
-    return std::nullopt;
-  }
-  Head head;
-  if (error_) {
-    head.http_status = error_->http_status;
-    head.body = ErrorJson(*error_);
-    head.retry_after_s = error_->retry_after_s;
-  } else if (stream_) {
-    head.streaming = true;
-  } else {
-    head.body = CompletionJson(meta_, text_, end_, {prompt_tokens_, completion_tokens_});
-  }
-  return head;
-}
-
-long Exchange::ReadOrSuspend(char* buf, size_t max, const std::function<void()>& suspend) {
-  absl::MutexLock lock(&mu_);
-  if (!pending_.empty()) {
-    const size_t n = std::min(max, pending_.size());
-    std::memcpy(buf, pending_.data(), n);
-    pending_.erase(0, n);
-    return static_cast<long>(n);
-  }
-  if (done_) return -1;
-  suspend();
-  suspended_ = true;
-  return 0;
+  return {text_, end_, prompt_tokens_, completion_tokens_};
 }
 
 void Exchange::Abandon(const absl::Status& why) {

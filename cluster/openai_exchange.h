@@ -1,15 +1,14 @@
-// One OpenAI HTTP request in flight: the Generate call to the router's own DecodeService (over
-// the gRPC server's in-process channel, so routing, retries, shedding, deadlines and
-// cancellation are the router's one implementation), the streaming detokenizer with the
-// request's stop strings, and the bytes the HTTP side has yet to send.
+// One choice of an OpenAI HTTP request in flight (a Completion holds one per choice): its
+// Generate call to the router's own DecodeService (over the gRPC server's in-process channel, so
+// routing, retries, shedding, deadlines and cancellation are the router's one implementation),
+// the streaming detokenizer with the request's stop strings, and the choice's output so far.
 //
-// The HTTP side never blocks: it asks for the reply head (status and, unless streaming, the whole
-// body) or for stream bytes, and when there is nothing yet it hands a `suspend` function that is
-// run under the exchange's lock; the exchange runs `wake` (the HTTP side's resume) as soon as
-// there is news. So a wake can never be lost between the check and the suspend.
+// The completion polls it (Poll, under the exchange's lock) and, when nothing is new, the poll
+// arms `wake`: the exchange runs it, once, at its next news. So a wake can never be lost between
+// a poll and the completion's suspend.
 //
-// Thread-safe. Owned by shared_ptr: by the HTTP connection, and by itself while its call runs;
-// an ExchangeSet knows each one until it is destroyed.
+// Thread-safe. Owned by shared_ptr: by its completion, and by itself while its call runs; an
+// ExchangeSet knows each one until it is destroyed.
 #ifndef FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
 #define FLUXION_CLUSTER_OPENAI_EXCHANGE_H_
 
@@ -39,38 +38,43 @@ class ExchangeSet;
 class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
                  public std::enable_shared_from_this<Exchange> {
  public:
-  // Starts the call. `stub` and `tokenizer` must outlive the exchange; `wake` is called (from a
-  // gRPC thread, under the exchange's lock, so it must not call back in) after a `suspend`.
-  // `metadata` goes with the Generate call (HTTP headers the router reads, e.g. the gateway's
-  // prefill pick: cluster/prefill_pick.h); keys lowercase. `set` holds the exchange until it is
-  // destroyed.
+  // How the choice answers: its index among the completion's choices, and the request's output
+  // options.
+  struct Options {
+    uint32_t index = 0;
+    bool stream = false;
+    bool include_stop_str = false;          // include_stop_str_in_output
+    bool include_usage = false;             // "usage": null in each chunk (stream_options)
+    std::vector<uint32_t> stop_token_ids;   // the request's, for stop_reason
+  };
+  // Starts the call. `stub` must outlive the exchange; `wake` is called (from a gRPC thread,
+  // under the exchange's lock, so it must not call back in) once after a Poll that found nothing
+  // new. `metadata` goes with the Generate call (HTTP headers the router reads, e.g. the
+  // gateway's prefill pick: cluster/prefill_pick.h); keys lowercase. `set` holds the exchange
+  // until it is destroyed.
   static std::shared_ptr<Exchange> Start(
-      v1::DecodeService::Stub* stub, const model::Tokenizer* tokenizer,
-      v1::GenerateRequest generate, const Request& request, ResponseMeta meta,
-      model::StreamDetokenizer detokenizer, std::function<void()> wake,
+      v1::DecodeService::Stub* stub, v1::GenerateRequest generate, Options options,
+      ResponseMeta meta, model::StreamDetokenizer detokenizer, std::function<void()> wake,
       const std::shared_ptr<ExchangeSet>& set,
       const std::vector<std::pair<std::string, std::string>>& metadata = {});
 
-  // The reply's status line and headers are decided: a failure before any output, the whole
-  // body once the call ended (not streaming), or 200 once the first chunk came (streaming).
-  struct Head {
-    int http_status = 200;
-    bool streaming = false;
-    std::string body;  // not streaming: the whole body
-    int retry_after_s = 0;
+  // Where the choice stands.
+  struct Progress {
+    bool started = false;            // a chunk came
+    bool done = false;               // nothing more will come
+    std::optional<ApiError> error;   // it failed (streaming: its error event is in the events)
   };
-  // The head when decided; otherwise runs `suspend` and returns nullopt (wake follows).
-  std::optional<Head> HeadOrSuspend(const std::function<void()>& suspend);
+  // Moves the server-sent events made since the last poll to the end of `*events` (streaming)
+  // and says where the choice stands; unless done, arms the wake.
+  Progress Poll(std::string* events);
+  // Not streaming, once done without an error: the choice's answer.
+  ChoiceOutput Output();
 
-  // Streaming: copies up to `max` pending bytes into `buf` and returns how many; -1 at the end of
-  // the stream; 0 after running `suspend` when nothing is pending yet (wake follows).
-  long ReadOrSuspend(char* buf, size_t max, const std::function<void()>& suspend);
-
-  // The client went away (or the server stops): cancels the call, which the router relays to the
-  // decode node; no wake after this.
+  // The client went away (or a sibling choice failed): cancels the call, which the router relays
+  // to the decode node; no wake after this.
   void Cancel();
-  // The client hung up, or the server stops: cancels the call but still wakes the connection,
-  // which then answers (or ends its stream) with `why` and completes, so the server can stop.
+  // The client hung up, or the server stops: cancels the call but still wakes the completion,
+  // which then answers (or ends its stream) with `why`.
   void Abandon(const absl::Status& why);
 
   // grpc::ClientReadReactor
@@ -78,22 +82,19 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   void OnDone(const grpc::Status& status) override;
 
  private:
-  Exchange(const model::Tokenizer* tokenizer, const Request& request, ResponseMeta meta,
-           model::StreamDetokenizer detokenizer, std::function<void()> wake);
+  Exchange(Options options, ResponseMeta meta, model::StreamDetokenizer detokenizer,
+           std::function<void()> wake);
   // Handles one message; false when no more should be read (a stop string matched).
   bool Handle(const v1::GenerateResponse& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleChunk(const v1::GenerateChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleComplete(const v1::GenerateComplete& complete) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendText(const std::string& text) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the answer: end_ filled by the caller but for the finish reason.
   void Finish(const std::string& finish_reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool HeadReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const model::Tokenizer* const tokenizer_;
-  const bool stream_;
-  const bool include_usage_;
-  const bool include_stop_str_;                // include_stop_str_in_output
-  const std::vector<uint32_t> stop_token_ids_;  // the request's, for stop_reason
+  const Options options_;
   const ResponseMeta meta_;
   uint32_t prompt_tokens_ = 0;  // set once by Start, before the call starts
   grpc::ClientContext context_;
@@ -103,14 +104,14 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   absl::Mutex mu_;
   model::StreamDetokenizer detokenizer_ ABSL_GUARDED_BY(mu_);
   std::function<void()> wake_ ABSL_GUARDED_BY(mu_);
-  bool suspended_ ABSL_GUARDED_BY(mu_) = false;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;             // a poll found nothing: wake on news
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came: streaming answers 200
+  bool started_ ABSL_GUARDED_BY(mu_) = false;           // a chunk came
   bool done_ ABSL_GUARDED_BY(mu_) = false;              // no more output
-  std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // failure before any output
+  std::optional<ApiError> error_ ABSL_GUARDED_BY(mu_);  // how it failed
   absl::Status abandoned_ ABSL_GUARDED_BY(mu_);         // Abandon's reason
   std::string text_ ABSL_GUARDED_BY(mu_);               // not streaming: the answer so far
-  std::string pending_ ABSL_GUARDED_BY(mu_);            // streaming: SSE bytes not yet handed out
+  std::string events_ ABSL_GUARDED_BY(mu_);             // streaming: events not yet polled
   ChoiceEnd end_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;

@@ -55,7 +55,7 @@ absl::Status CheckContextLength(Endpoint endpoint, int64_t prompt_tokens,
 absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
                                                 const model::Tokenizer& tokenizer,
                                                 const ChatRenderer& chat,
-                                                const model::EncodeCheck& check) {
+                                                size_t index, const model::EncodeCheck& check) {
   std::vector<uint32_t> prompt;
   if (request.endpoint == Endpoint::kChatCompletions) {
     if (!chat) {
@@ -69,33 +69,23 @@ absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
     auto ids = Tokenize(*text, tokenizer, "messages", check);
     if (!ids.ok()) return ids.status();
     prompt = std::move(*ids);
-  } else if (request.prompt_text) {
-    auto ids = Tokenize(*request.prompt_text, tokenizer, "prompt", check);
+  } else if (const Prompt& p = request.prompts.at(index); p.text) {
+    auto ids = Tokenize(*p.text, tokenizer, "prompt", check);
     if (!ids.ok()) return ids.status();
     prompt = std::move(*ids);
   } else {
-    if (absl::Status s = CheckIds(request.prompt_ids, tokenizer, "prompt"); !s.ok()) return s;
-    prompt = request.prompt_ids;
+    if (absl::Status s = CheckIds(p.ids, tokenizer, "prompt"); !s.ok()) return s;
+    prompt = p.ids;
   }
   return prompt;
 }
 
-absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
-                                                    const model::Tokenizer& tokenizer,
-                                                    const ChatRenderer& chat,
-                                                    const std::string& request_id,
-                                                    const model::EncodeCheck& check,
-                                                    int64_t max_context_tokens) {
-  FLUXION_ASSIGN_OR_RETURN(std::vector<uint32_t> prompt,
-                           PromptIds(request, tokenizer, chat, check));
-  if (absl::Status s = CheckIds(request.stop_token_ids, tokenizer, "stop_token_ids"); !s.ok()) {
-    return s;
-  }
-  if (max_context_tokens > 0) {
-    FLUXION_RETURN_IF_ERROR(CheckContextLength(request.endpoint,
-                                               static_cast<int64_t>(prompt.size()),
-                                               request.max_tokens, max_context_tokens));
-  }
+namespace {
+
+// The GenerateRequest of one choice: `prompt`, the request's sampling fields, `seed` (when the
+// request gives one).
+v1::GenerateRequest ChoiceRequest(const Request& request, const std::vector<uint32_t>& prompt,
+                                  const std::string& request_id, std::optional<uint64_t> seed) {
   v1::GenerateRequest g;
   g.set_request_id(request_id);
   g.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
@@ -103,7 +93,7 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   if (request.temperature) s->set_temperature(*request.temperature);
   if (request.top_p) s->set_top_p(*request.top_p);
   s->set_top_k(request.top_k);
-  if (request.seed) s->set_seed(*request.seed);
+  if (seed) s->set_seed(*seed);
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
   s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());
   s->set_ignore_eos(request.ignore_eos);
@@ -111,6 +101,43 @@ absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
   if (request.budget) g.mutable_sparse()->set_budget(*request.budget);
   g.set_protocol_version(v1::PROTOCOL_VERSION_1);
   return g;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PreparedChoice>> PrepareGenerate(const Request& request,
+                                                            const model::Tokenizer& tokenizer,
+                                                            const ChatRenderer& chat,
+                                                            const std::string& request_id,
+                                                            const model::EncodeCheck& check,
+                                                            int64_t max_context_tokens) {
+  if (absl::Status s = CheckIds(request.stop_token_ids, tokenizer, "stop_token_ids"); !s.ok()) {
+    return s;
+  }
+  const size_t prompts = PromptCount(request);
+  const bool several = prompts * request.n > 1;
+  std::vector<PreparedChoice> choices;
+  choices.reserve(prompts * request.n);
+  for (size_t p = 0; p < prompts; ++p) {
+    FLUXION_ASSIGN_OR_RETURN(std::vector<uint32_t> prompt,
+                             PromptIds(request, tokenizer, chat, p, check));
+    if (max_context_tokens > 0) {
+      FLUXION_RETURN_IF_ERROR(CheckContextLength(request.endpoint,
+                                                 static_cast<int64_t>(prompt.size()),
+                                                 request.max_tokens, max_context_tokens));
+    }
+    for (uint32_t j = 0; j < request.n; ++j) {
+      const size_t index = p * request.n + j;
+      // A seeded request stays reproducible, and its n samples of one prompt still differ.
+      std::optional<uint64_t> seed;
+      if (request.seed) seed = *request.seed + j;
+      choices.push_back(
+          {ChoiceRequest(request, prompt,
+                         several ? absl::StrCat(request_id, ".", index) : request_id, seed),
+           p});
+    }
+  }
+  return choices;
 }
 
 }  // namespace fluxion::cluster::openai

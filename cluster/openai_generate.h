@@ -25,21 +25,30 @@ using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector
 // tokenized (completions; no BOS added, as Tokenizer::Encode), or the given ids. InvalidArgument
 // naming the field for a prompt empty after tokenization or holding ids outside the vocabulary;
 // the renderer's error; the tokenizer's (or `check`'s) naming the field.
+// `index` picks the completions prompt (< PromptCount(request)).
 absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
                                                 const model::Tokenizer& tokenizer,
-                                                const ChatRenderer& chat,
+                                                const ChatRenderer& chat, size_t index = 0,
                                                 const model::EncodeCheck& check = {});
 
-// PromptIds, then the sampling fields mapped: PromptIds' errors, InvalidArgument naming the
-// field for a stop token id outside the vocabulary; the renderer's error for chat; the
-// tokenizer's (or `check`'s, which bounds the tokenization: model::EncodeCheck) naming the field;
-// CheckContextLength's error when `max_context_tokens` > 0.
-absl::StatusOr<v1::GenerateRequest> PrepareGenerate(const Request& request,
-                                                    const model::Tokenizer& tokenizer,
-                                                    const ChatRenderer& chat,
-                                                    const std::string& request_id,
-                                                    const model::EncodeCheck& check = {},
-                                                    int64_t max_context_tokens = 0);
+// One choice's Generate call, and the prompt it continues (its index in the request).
+struct PreparedChoice {
+  v1::GenerateRequest generate;
+  size_t prompt = 0;
+};
+
+// Every choice's Generate call, in choice order (prompt p's j-th of n at p * n + j): PromptIds
+// for each prompt, the sampling fields mapped one to one; with several choices each request id
+// is `request_id`.<choice> and a given seed is seed + j. Errors: PromptIds' (the renderer's,
+// the tokenizer's or `check`'s, which bounds the tokenization: model::EncodeCheck, naming the
+// field), InvalidArgument naming the field for a stop token id outside the vocabulary,
+// CheckContextLength's when `max_context_tokens` > 0.
+absl::StatusOr<std::vector<PreparedChoice>> PrepareGenerate(const Request& request,
+                                                            const model::Tokenizer& tokenizer,
+                                                            const ChatRenderer& chat,
+                                                            const std::string& request_id,
+                                                            const model::EncodeCheck& check = {},
+                                                            int64_t max_context_tokens = 0);
 
 // A prompt of `prompt_tokens` (and max_tokens, when given) against the model's context of
 // `max_context_tokens`: InvalidArgument in the wording OpenAI clients match ("This model's maximum

@@ -66,12 +66,12 @@ class HttpServer::Impl {
     std::shared_ptr<CallState> state;  // from Submit on
     uint64_t state_id = 0;             // in calls_
     uint64_t watch_id = 0;             // in watcher_
-    std::shared_ptr<Exchange> exchange;
+    std::shared_ptr<Completion> completion;
   };
   // A streamed body's reader state; owned by the libmicrohttpd response (freed by FreeStream).
   struct StreamState {
     Impl* impl;
-    std::shared_ptr<Exchange> exchange;
+    std::shared_ptr<Completion> completion;
     MHD_Connection* connection;
   };
 

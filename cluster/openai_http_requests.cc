@@ -129,15 +129,15 @@ MHD_Result HttpServer::Impl::Handle(MHD_Connection* connection, const char* url,
     }
     if (absl::Status s = Submit(call); !s.ok()) return ReplyError(connection, s, call->id);
   }
-  if (call->exchange == nullptr) {
+  if (call->completion == nullptr) {
     std::optional<CallState::Outcome> outcome =
         call->state->OutcomeOrSuspend([this, connection] { Suspend(connection); });
     if (!outcome) return MHD_YES;  // the worker resumes the connection
     if (!outcome->ok()) return ReplyError(connection, outcome->status(), call->id);
-    if ((*outcome)->exchange == nullptr) {
+    if ((*outcome)->completion == nullptr) {
       return Reply(connection, MHD_HTTP_OK, (*outcome)->body, 0, /*close=*/false, call->id);
     }
-    call->exchange = (*outcome)->exchange;
+    call->completion = (*outcome)->completion;
   }
   return Answer(call);
 }
@@ -267,10 +267,9 @@ void HttpServer::Impl::Prepare(const std::shared_ptr<CallState>& state, MHD_Conn
       why.ok() ? openai::Prepare(preparer_, endpoint, body, id, cancelled)
                : absl::StatusOr<Prepared>(why);
   state->Finish(prepared.status(), [&] {
-    return Exchange::Start(
-        stub_.get(), tokenizer_, std::move(prepared->generate), prepared->request,
-        std::move(prepared->meta), std::move(*prepared->detokenizer),
-        [this, connection] { Resume(connection); }, exchanges_, metadata);
+    return Completion::Start(
+        stub_.get(), *std::move(prepared), [this, connection] { Resume(connection); },
+        exchanges_, metadata);
   });
 }
 
@@ -284,15 +283,15 @@ void HttpServer::Impl::AnswerTokenizer(const std::shared_ptr<CallState>& state, 
 
 MHD_Result HttpServer::Impl::Answer(Call* call) {
   MHD_Connection* connection = call->connection;
-  std::optional<Exchange::Head> head =
-      call->exchange->HeadOrSuspend([this, connection] { Suspend(connection); });
+  std::optional<Completion::Head> head =
+      call->completion->HeadOrSuspend([this, connection] { Suspend(connection); });
   if (!head) return MHD_YES;  // resumed by the exchange when the head is decided
   if (!head->streaming) {
     return Reply(connection, head->http_status, head->body, head->retry_after_s, /*close=*/false,
                  call->id);
   }
   MHD_Response* response = MHD_create_response_from_callback(
-      MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream, new StreamState{this, call->exchange, connection},
+      MHD_SIZE_UNKNOWN, 16 * 1024, &ReadStream, new StreamState{this, call->completion, connection},
       &FreeStream);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, "Content-Type", "text/event-stream");
@@ -305,7 +304,7 @@ MHD_Result HttpServer::Impl::Answer(Call* call) {
 
 ssize_t HttpServer::Impl::ReadStream(void* cls, uint64_t, char* buf, size_t max) {
   auto* s = static_cast<StreamState*>(cls);
-  long n = s->exchange->ReadOrSuspend(
+  long n = s->completion->ReadOrSuspend(
       buf, max, [impl = s->impl, connection = s->connection] { impl->Suspend(connection); });
   return n < 0 ? MHD_CONTENT_READER_END_OF_STREAM : static_cast<ssize_t>(n);
 }

@@ -123,6 +123,22 @@ TEST_F(OpenAiHttpTest, RefusalBeforeTheFirstTokenIsAnHttpStatus) {
   EXPECT_THAT(body.status().message(), HasSubstr("503"));
 }
 
+// One failed choice of several decides the answer (its status) and cancels the others, whose
+// pages must not stay taken by an answer nobody reads.
+TEST_F(OpenAiHttpTest, OneChoiceRefusedIsTheAnswerAndTheOthersAreCancelled) {
+  StreamBytes("hi");
+  fake_.hold_first = true;  // the choices that are not refused wait before their first token
+  fake_.reject = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "this one is full");
+  fake_.reject_only_suffix = ".2";
+  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
+                                 R"({"model":"m","prompt":"x","max_tokens":2,"n":3})",
+                                 absl::Seconds(30));
+  ASSERT_FALSE(body.ok());
+  EXPECT_THAT(body.status().message(), HasSubstr("429"));
+  EXPECT_THAT(body.status().message(), HasSubstr("this one is full"));
+  EXPECT_TRUE(fake_.AwaitCancelled(2));
+}
+
 // Requests a proxy in front could frame differently are refused before their body is read, and
 // the connection is closed: conflicting Content-Length (the old server took the first), a
 // Transfer-Encoding other than "chunked" (the old server read such a body until the connection

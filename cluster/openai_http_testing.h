@@ -28,17 +28,24 @@ class FakeDecode final : public v1::DecodeService::Service {
  public:
   std::vector<uint32_t> ids;
   grpc::Status reject = grpc::Status::OK;
+  // Refuses only the calls whose request id ends with this (one choice of several): `reject`.
+  std::string reject_only_suffix;
   bool hold_first = false;       // before the first id, wait for Release() or a cancel
   bool wait_for_cancel = false;  // after the ids, wait for a cancel before completing
   bool hold_status = false;      // after the complete message, wait for a cancel
 
-  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest*,
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
     {
       absl::MutexLock lock(&mu_);
       ++started_;
     }
-    if (!reject.ok()) return reject;
+    const std::string& id = request->request_id();
+    const bool refused = reject_only_suffix.empty() ||
+                         (id.size() >= reject_only_suffix.size() &&
+                          id.compare(id.size() - reject_only_suffix.size(),
+                                     reject_only_suffix.size(), reject_only_suffix) == 0);
+    if (!reject.ok() && refused) return reject;
     if (hold_first) WaitFor(context, /*release=*/true);
     uint32_t sent = 0;
     for (uint32_t id : ids) {

@@ -105,27 +105,43 @@ absl::StatusOr<std::vector<uint32_t>> TokenIds(const std::string& name, const Js
   return ids;
 }
 
-// "prompt": a string, an array of one string, an array of ids, or an array of one array of ids.
-// Several prompts would be several requests: refused (one sequence per request, as n = 1).
-absl::Status ParsePrompt(const Json& v, const ParseLimits& limits, Request* r) {
-  const Json* p = &v;
-  if (v.is_array() && v.size() == 1 && (v[0].is_string() || v[0].is_array())) p = &v[0];
-  if (p->is_string()) {
-    r->prompt_text = p->get<std::string>();
-    if (r->prompt_text->empty()) return Invalid("prompt", "prompt must not be empty");
-    return absl::OkStatus();
+// One prompt: a non-empty string, or a non-empty array of token ids.
+absl::StatusOr<Prompt> ParseOnePrompt(const Json& p, const ParseLimits& limits) {
+  Prompt out;
+  if (p.is_string()) {
+    out.text = p.get<std::string>();
+    if (out.text->empty()) return Invalid("prompt", "prompt must not be empty");
+    return out;
   }
-  if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
-    auto ids = TokenIds("prompt", *p, limits.max_prompt_ids);
+  if (p.is_array() && !p.empty() && p[0].is_number()) {
+    auto ids = TokenIds("prompt", p, limits.max_prompt_ids);
     if (!ids.ok()) return ids.status();
-    r->prompt_ids = std::move(*ids);
-    return absl::OkStatus();
-  }
-  if (p->is_array() && p->size() > 1) {
-    return Invalid("prompt",
-                   "only one prompt per request is supported (send one request per prompt)");
+    out.ids = std::move(*ids);
+    return out;
   }
   return Invalid("prompt", "prompt must be a non-empty string or an array of token ids");
+}
+
+// "prompt": one prompt, or a non-empty array of prompts (strings, or arrays of ids).
+absl::Status ParsePrompt(const Json& v, const ParseLimits& limits, Request* r) {
+  const bool several = v.is_array() && !v.empty() && (v[0].is_string() || v[0].is_array());
+  if (!several) {
+    auto one = ParseOnePrompt(v, limits);
+    if (!one.ok()) return one.status();
+    r->prompts = {*std::move(one)};
+    return absl::OkStatus();
+  }
+  if (v.size() > limits.max_choices) {
+    return Invalid("prompt", absl::StrCat("prompt holds ", v.size(), " prompts; at most ",
+                                          limits.max_choices, " per request"));
+  }
+  r->prompts.clear();
+  for (const Json& p : v) {
+    auto one = ParseOnePrompt(p, limits);
+    if (!one.ok()) return one.status();
+    r->prompts.push_back(*std::move(one));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
@@ -263,10 +279,14 @@ void AddSamplingFields(const ParseLimits& limits, FieldTable* table) {
 }
 
 // n and the streaming fields.
-void AddStreamingFields(FieldTable* table) {
+void AddStreamingFields(const ParseLimits& limits, FieldTable* table) {
   FieldTable& f = *table;
-  f["n"] = [](const Json& v, Request*) {
-    return OnlyDefault("n", v, v == 1, "one choice per request (send n requests for n choices)");
+  f["n"] = [limits](const Json& v, Request* r) -> absl::Status {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("n", v, 1, limits.max_choices);
+    if (!x.ok()) return x.status();
+    r->n = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
   };
   f["stream"] = [](const Json& v, Request* r) {
     if (v.is_null()) return absl::OkStatus();
@@ -416,7 +436,7 @@ FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
                   std::optional<uint32_t>* max_completion_tokens) {
   FieldTable f;
   AddSamplingFields(limits, &f);
-  AddStreamingFields(&f);
+  AddStreamingFields(limits, &f);
   AddDefaultOnlyFields(&f);
   AddExtensionFields(&f);
   if (endpoint == Endpoint::kCompletions) {
@@ -489,6 +509,11 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
   }
   if (endpoint == Endpoint::kCompletions && !r.max_tokens) {
     r.max_tokens = kDefaultCompletionMaxTokens;
+  }
+  if (r.prompts.size() * r.n > limits.max_choices) {
+    return Invalid("n", absl::StrCat(r.prompts.size(), " prompts x n = ", r.n, " is ",
+                                     r.prompts.size() * r.n, " choices; at most ",
+                                     limits.max_choices, " per request"));
   }
   if (json->contains("stream_options") && !(*json)["stream_options"].is_null() && !r.stream) {
     return Invalid("stream_options", "stream_options is only allowed when stream is true");

@@ -31,14 +31,22 @@ struct Message {
   std::string content;
 };
 
+// One completions prompt: text, or token ids (exactly one of the two is set).
+struct Prompt {
+  std::optional<std::string> text;
+  std::vector<uint32_t> ids;
+};
+
 struct Request {
   Endpoint endpoint = Endpoint::kCompletions;
   std::string model;
-  // Completions: the prompt as text, or as token ids (exactly one of the two is set).
-  std::optional<std::string> prompt_text;
-  std::vector<uint32_t> prompt_ids;
+  // Completions: at least one prompt (a list gives one choice per prompt and n).
+  std::vector<Prompt> prompts;
   // Chat: the conversation, at least one message.
   std::vector<Message> messages;
+  // Choices per prompt (OpenAI's `n`); the answer holds prompts x n choices, choice
+  // p * n + j for prompt p's j-th (vLLM's order).
+  uint32_t n = 1;
   // max_tokens (or max_completion_tokens). Absent: completions default to 16 (OpenAI's
   // documented default); chat to the room the context leaves.
   std::optional<uint32_t> max_tokens;
@@ -67,7 +75,14 @@ struct ParseLimits {
   size_t max_messages = 4096;        // chat messages
   size_t max_prompt_ids = 1u << 20;  // token ids of a prompt given as ids
   size_t max_stop_token_ids = 256;
+  // Choices of one request (prompts x n): each is its own Generate on the router.
+  size_t max_choices = 128;
 };
+
+// The prompts a request's choices come from: its completions prompts, or its one conversation.
+inline size_t PromptCount(const Request& r) {
+  return r.endpoint == Endpoint::kChatCompletions ? 1 : r.prompts.size();
+}
 
 // Completions' default max_tokens (https://platform.openai.com/docs/api-reference/completions).
 inline constexpr uint32_t kDefaultCompletionMaxTokens = 16;

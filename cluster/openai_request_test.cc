@@ -38,7 +38,8 @@ TEST(OpenAiRequestTest, CompletionFieldsMapOneToOne) {
       "frequency_penalty":0,"presence_penalty":0})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->model, "m");
-  EXPECT_EQ(*r->prompt_text, "hi");
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(*r->prompts[0].text, "hi");
   EXPECT_EQ(*r->max_tokens, 7u);
   EXPECT_FLOAT_EQ(*r->temperature, 0.5f);
   EXPECT_FLOAT_EQ(*r->top_p, 0.9f);
@@ -62,12 +63,26 @@ TEST(OpenAiRequestTest, CompletionDefaults) {
 TEST(OpenAiRequestTest, PromptAsTokenIds) {
   auto r = Completions(R"({"model":"m","prompt":[1,2,3]})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE(r->prompt_text.has_value());
-  EXPECT_THAT(r->prompt_ids, ElementsAre(1u, 2u, 3u));
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_FALSE(r->prompts[0].text.has_value());
+  EXPECT_THAT(r->prompts[0].ids, ElementsAre(1u, 2u, 3u));
   auto nested = Completions(R"({"model":"m","prompt":[[4,5]]})");
   ASSERT_TRUE(nested.ok()) << nested.status();
-  EXPECT_THAT(nested->prompt_ids, ElementsAre(4u, 5u));
-  ExpectRefused(Completions(R"({"model":"m","prompt":["a","b"]})"), "prompt", "one prompt");
+  ASSERT_EQ(nested->prompts.size(), 1u);
+  EXPECT_THAT(nested->prompts[0].ids, ElementsAre(4u, 5u));
+}
+
+TEST(OpenAiRequestTest, SeveralPromptsAndNGiveOneChoiceEach) {
+  auto r = Completions(R"({"model":"m","prompt":["a",[7,8]],"n":3})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 2u);
+  EXPECT_EQ(*r->prompts[0].text, "a");
+  EXPECT_THAT(r->prompts[1].ids, ElementsAre(7u, 8u));
+  EXPECT_EQ(r->n, 3u);
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","n":0})"), "n", "[1, 128]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":["a","b"],"n":100})"), "n",
+                "200 choices; at most 128");
+  ExpectRefused(Completions(R"({"model":"m","prompt":["a",""]})"), "prompt", "empty");
   ExpectRefused(Completions(R"({"model":"m","prompt":[1,-2]})"), "prompt", "[0, 4294967295]");
   ExpectRefused(Completions(R"({"model":"m","prompt":""})"), "prompt", "empty");
 }
@@ -77,7 +92,6 @@ TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
                 "Unrecognized request argument supplied: bogus");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","logprobs":2})"), "logprobs",
                 "log-probabilities");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","n":2})"), "n", "one choice");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","echo":true})"), "echo", "echoed");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":0.5})"),
                 "presence_penalty", "penalties");
@@ -189,8 +203,10 @@ TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {
   auto r = Completions(R"({"model":"m","prompt":"ab","max_tokens":5,"temperature":0,
       "seed":3,"stop_token_ids":[257]})");
   ASSERT_TRUE(r.ok());
-  auto g = PrepareGenerate(*r, *tokenizer, nullptr, "cmpl-1");
-  ASSERT_TRUE(g.ok()) << g.status();
+  auto choices = PrepareGenerate(*r, *tokenizer, nullptr, "cmpl-1");
+  ASSERT_TRUE(choices.ok()) << choices.status();
+  ASSERT_EQ(choices->size(), 1u);
+  const v1::GenerateRequest* g = &(*choices)[0].generate;
   EXPECT_EQ(g->request_id(), "cmpl-1");
   EXPECT_THAT(g->prompt_token_ids(), ElementsAre('a', 'b'));
   EXPECT_EQ(g->sampling().max_tokens(), 5u);
@@ -204,11 +220,33 @@ TEST(OpenAiGenerateTest, MapsOntoGenerateRequest) {
   auto ext = Completions(R"({"model":"m","prompt":"ab","ignore_eos":true,
       "fluxion":{"policy":"quest","budget":0.1}})");
   ASSERT_TRUE(ext.ok());
-  auto with = PrepareGenerate(*ext, *tokenizer, nullptr, "cmpl-2");
-  ASSERT_TRUE(with.ok()) << with.status();
+  auto prepared = PrepareGenerate(*ext, *tokenizer, nullptr, "cmpl-2");
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  const v1::GenerateRequest* with = &(*prepared)[0].generate;
   EXPECT_TRUE(with->sampling().ignore_eos());
   EXPECT_EQ(with->sparse().policy(), "quest");
   EXPECT_FLOAT_EQ(with->sparse().budget(), 0.1f);
+}
+
+TEST(OpenAiGenerateTest, OneCallPerChoiceInVllmsOrderWithDistinctSeeds) {
+  auto tokenizer = model::NewByteTokenizer();
+  auto r = Completions(R"({"model":"m","prompt":["ab","c"],"n":2,"seed":10})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto choices = PrepareGenerate(*r, *tokenizer, nullptr, "cmpl-9");
+  ASSERT_TRUE(choices.ok()) << choices.status();
+  ASSERT_EQ(choices->size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const PreparedChoice& c = (*choices)[i];
+    EXPECT_EQ(c.prompt, i / 2);
+    EXPECT_EQ(c.generate.request_id(), "cmpl-9." + std::to_string(i));
+    EXPECT_EQ(c.generate.sampling().seed(), 10u + i % 2);
+    EXPECT_EQ(c.generate.prompt_token_ids_size(), i < 2 ? 2 : 1);
+  }
+  // Unseeded choices stay unseeded (the servers pick each one's stream).
+  auto unseeded = Completions(R"({"model":"m","prompt":"ab","n":2})");
+  auto two = PrepareGenerate(*unseeded, *tokenizer, nullptr, "x");
+  ASSERT_TRUE(two.ok());
+  EXPECT_FALSE((*two)[1].generate.sampling().has_seed());
 }
 
 TEST(OpenAiGenerateTest, RefusesWhatExceedsTheContextInOpenAisWording) {
@@ -257,7 +295,7 @@ TEST(OpenAiGenerateTest, RefusesIdsOutsideTheVocabularyAndChatWithoutTemplate) {
   };
   auto rendered = PrepareGenerate(*chat, *tokenizer, render, "x");
   ASSERT_TRUE(rendered.ok()) << rendered.status();
-  EXPECT_EQ(rendered->prompt_token_ids_size(), 7);  // "<user>x"
+  EXPECT_EQ((*rendered)[0].generate.prompt_token_ids_size(), 7);  // "<user>x"
 }
 
 }  // namespace

@@ -108,27 +108,32 @@ std::string ErrorJson(const ApiError& error) {
   return Dump(j);
 }
 
-std::string CompletionJson(const ResponseMeta& meta, absl::string_view text, const ChoiceEnd& end,
+std::string CompletionJson(const ResponseMeta& meta, const std::vector<ChoiceOutput>& choices,
                            const TokenUsage& usage) {
   Json j = Envelope(meta, /*chunk=*/false);
-  Json choice = {{"index", 0}, {"logprobs", nullptr}};
-  AddEnd(end, &choice, &j);
-  if (meta.endpoint == Endpoint::kChatCompletions) {
-    choice["message"] = {{"role", "assistant"}, {"content", std::string(text)}};
-  } else {
-    choice["text"] = std::string(text);
+  j["choices"] = Json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    Json choice = {{"index", i}, {"logprobs", nullptr}};
+    Json response;
+    AddEnd(choices[i].end, &choice, &response);
+    if (i == 0) j["fluxion"] = response["fluxion"];
+    if (meta.endpoint == Endpoint::kChatCompletions) {
+      choice["message"] = {{"role", "assistant"}, {"content", choices[i].text}};
+    } else {
+      choice["text"] = choices[i].text;
+    }
+    j["choices"].push_back(std::move(choice));
   }
-  j["choices"] = Json::array({choice});
   j["usage"] = UsageJson(usage);
   return Dump(j);
 }
 
 std::string SseEvent(absl::string_view json) { return absl::StrCat("data: ", json, "\n\n"); }
 
-std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
-                      const ChoiceEnd* end, bool include_usage) {
+std::string ChunkJson(const ResponseMeta& meta, uint32_t index, absl::string_view text,
+                      bool first, const ChoiceEnd* end, bool include_usage) {
   Json j = Envelope(meta, /*chunk=*/true);
-  Json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  Json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
   if (end != nullptr) AddEnd(*end, &choice, &j);
   if (meta.endpoint == Endpoint::kChatCompletions) {
     Json delta = Json::object();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -60,8 +61,17 @@ struct ChoiceEnd {
   std::optional<float> read_fraction;
 };
 
-// A whole (non-streamed) completion or chat completion.
-std::string CompletionJson(const ResponseMeta& meta, absl::string_view text, const ChoiceEnd& end,
+// What one choice answers with, once it ended without an error.
+struct ChoiceOutput {
+  std::string text;
+  ChoiceEnd end;
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;
+};
+
+// A whole (non-streamed) completion or chat completion: `choices` in index order, the "fluxion"
+// object from the first (one request, one policy), `usage` the request's.
+std::string CompletionJson(const ResponseMeta& meta, const std::vector<ChoiceOutput>& choices,
                            const TokenUsage& usage);
 
 // One server-sent event: "data: <json>\n\n".
@@ -71,8 +81,8 @@ inline constexpr char kSseDone[] = "data: [DONE]\n\n";
 // A streamed chunk: `text` (completions) or delta.content (chat); the last one carries `end`
 // (finish_reason, stop_reason, the "fluxion" object). Chat's first chunk carries delta.role =
 // "assistant" (`first`). With include_usage every chunk has "usage": null, as OpenAI sends it.
-std::string ChunkJson(const ResponseMeta& meta, absl::string_view text, bool first,
-                      const ChoiceEnd* end, bool include_usage);
+std::string ChunkJson(const ResponseMeta& meta, uint32_t index, absl::string_view text,
+                      bool first, const ChoiceEnd* end, bool include_usage);
 // The final usage chunk of include_usage: empty choices, the usage.
 std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage);
 // An error inside a stream that already answered 200: {"error": {...}} as one event.

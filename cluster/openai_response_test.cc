@@ -41,7 +41,7 @@ TEST(OpenAiResponseTest, WholeCompletionAndChat) {
   ChoiceEnd length{"length"};
   length.policy = "fluxion";
   length.read_fraction = 0.25f;
-  Json c = Json::parse(CompletionJson(meta, "héllo", length, {3, 4}));
+  Json c = Json::parse(CompletionJson(meta, {{"héllo", length}}, {3, 4}));
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["text"], "héllo");
   EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
@@ -52,7 +52,11 @@ TEST(OpenAiResponseTest, WholeCompletionAndChat) {
   meta.endpoint = Endpoint::kChatCompletions;
   ChoiceEnd stop{"stop"};
   stop.stop_token_id = 7;
-  Json chat = Json::parse(CompletionJson(meta, "hi", stop, {1, 1}));
+  Json chat = Json::parse(CompletionJson(meta, {{"hi", stop}, {"ho", length}}, {1, 2}));
+  ASSERT_EQ(chat["choices"].size(), 2u);
+  EXPECT_EQ(chat["choices"][1]["index"], 1);
+  EXPECT_EQ(chat["choices"][1]["message"]["content"], "ho");
+  EXPECT_EQ(chat["choices"][1]["finish_reason"], "length");
   EXPECT_EQ(chat["choices"][0]["stop_reason"], 7);
   EXPECT_TRUE(chat["fluxion"]["policy"].is_null());  // not reported
   EXPECT_FALSE(chat["fluxion"].contains("read_fraction"));
@@ -65,7 +69,7 @@ TEST(OpenAiResponseTest, SseFraming) {
   EXPECT_EQ(SseEvent("{}"), "data: {}\n\n");
   EXPECT_EQ(std::string(kSseDone), "data: [DONE]\n\n");
   ResponseMeta meta{Endpoint::kChatCompletions, "chatcmpl-1", 5, "m"};
-  Json first = EventJson(SseEvent(ChunkJson(meta, "", true, nullptr, true)));
+  Json first = EventJson(SseEvent(ChunkJson(meta, 0, "", true, nullptr, true)));
   EXPECT_EQ(first["object"], "chat.completion.chunk");
   EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
   EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
@@ -74,20 +78,23 @@ TEST(OpenAiResponseTest, SseFraming) {
   ChoiceEnd stop{"stop"};
   stop.stop_string = "\n\n";
   stop.policy = "lfps";
-  Json last = EventJson(SseEvent(ChunkJson(meta, "", false, &stop, false)));
+  Json last = EventJson(SseEvent(ChunkJson(meta, 0, "", false, &stop, false)));
   EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(last["choices"][0]["stop_reason"], "\n\n");
   EXPECT_EQ(last["fluxion"]["policy"], "lfps");
+  EXPECT_EQ(EventJson(SseEvent(ChunkJson(meta, 3, "x", false, nullptr, false)))["choices"][0]
+                     ["index"],
+            3);
   EXPECT_TRUE(last["choices"][0]["delta"].empty());
   EXPECT_FALSE(last.contains("usage"));
   Json usage = EventJson(SseEvent(UsageChunkJson(meta, {2, 3})));
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
   meta.endpoint = Endpoint::kCompletions;
-  Json text = EventJson(SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)));
+  Json text = EventJson(SseEvent(ChunkJson(meta, 0, "a\nb", false, nullptr, false)));
   EXPECT_EQ(text["choices"][0]["text"], "a\nb");  // a newline in text never splits the event
-  EXPECT_EQ(SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)).find("\n"),
-            SseEvent(ChunkJson(meta, "a\nb", false, nullptr, false)).size() - 2);
+  EXPECT_EQ(SseEvent(ChunkJson(meta, 0, "a\nb", false, nullptr, false)).find("\n"),
+            SseEvent(ChunkJson(meta, 0, "a\nb", false, nullptr, false)).size() - 2);
 }
 
 TEST(OpenAiResponseTest, ModelsList) {

@@ -72,9 +72,10 @@ absl::StatusOr<std::string> TokenizeAnswer(const Preparer& preparer, absl::strin
                                            const model::EncodeCheck& cancelled) {
   FLUXION_ASSIGN_OR_RETURN(Json json, ParseBody(preparer, body));
   FLUXION_ASSIGN_OR_RETURN(Request request, AsPromptRequest(preparer, json));
-  FLUXION_ASSIGN_OR_RETURN(
-      std::vector<uint32_t> ids,
-      PromptIds(request, *preparer.tokenizer, *preparer.chat, BoundedCheck(preparer, cancelled)));
+  if (PromptCount(request) != 1) return Invalid("prompt", "give one prompt to tokenize");
+  FLUXION_ASSIGN_OR_RETURN(std::vector<uint32_t> ids,
+                           PromptIds(request, *preparer.tokenizer, *preparer.chat, 0,
+                                     BoundedCheck(preparer, cancelled)));
   Json answer = {{"count", ids.size()},
                  {"max_model_len", preparer.max_context_tokens},
                  {"tokens", ids},

@@ -95,6 +95,45 @@ check('stop string: the text before it, nothing after, both modes', async () => 
   assert.equal(s.finish, 'stop');
 });
 
+check('n and a list of prompts: one choice each, in vLLM\'s order, usage counting each prompt once',
+      async () => {
+  const r = await client.completions.create({ model, prompt, max_tokens: 48, temperature: 0,
+                                              n: 3 });
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+  for (const c of r.choices) assert.equal(c.text, greedy);
+  assert.equal(r.usage.prompt_tokens, Buffer.byteLength(prompt));
+  assert.equal(r.usage.completion_tokens, 3 * 48);
+  const other = 'The river flows to the sea. The river';
+  const list = await client.completions.create({ model, prompt: [prompt, other], max_tokens: 8,
+                                                 temperature: 0, n: 2 });
+  assert.equal(list.choices.length, 4);
+  assert.equal(list.choices[0].text, greedy.slice(0, list.choices[0].text.length));
+  assert.equal(list.choices[1].text, list.choices[0].text);
+  assert.equal(list.choices[2].text, list.choices[3].text);
+  assert.equal(list.usage.prompt_tokens,
+               Buffer.byteLength(prompt) + Buffer.byteLength(other));
+  // Streamed: every choice's chunks carry its index; the texts equal the whole answer's.
+  const s = await client.completions.create({ model, prompt: [prompt, other], max_tokens: 8,
+                                              temperature: 0, n: 2, stream: true,
+                                              stream_options: { include_usage: true } });
+  const texts = ['', '', '', ''], finished = [];
+  let usage = null;
+  for await (const chunk of s) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      texts[c.index] += c.text;
+      if (c.finish_reason) finished.push(c.index);
+    }
+  }
+  assert.deepEqual(texts, list.choices.map((c) => c.text));
+  assert.deepEqual(finished.sort(), [0, 1, 2, 3]);
+  assert.equal(usage.completion_tokens, list.usage.completion_tokens);
+  // Seeded sampling stays reproducible with n > 1.
+  const seeded = () => client.completions.create({ model, prompt, max_tokens: 8, n: 2, seed: 5 });
+  const [a, b] = [await seeded(), await seeded()];
+  assert.deepEqual(a.choices.map((c) => c.text), b.choices.map((c) => c.text));
+});
+
 check('stop_reason names the stop string; include_stop_str_in_output keeps it', async () => {
   const stop = greedy.slice(4, 7);
   const before = greedy.slice(0, greedy.indexOf(stop));
