@@ -10,6 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/metrics.h"
+#include "common/metrics_names.h"
 #include "common/status_macros.h"
 #include "model/tokenizer.h"
 
@@ -28,6 +30,11 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(RouterServerC
   c.openai.model_dir = vllm_flags.model_dir = c.model_dir;
   if (!c.model_dir.empty()) {
     vllm_flags.served_model_name = ServedModelName(c.openai.served_model_name, c.model_dir);
+    metrics::Registry::Default()
+        .AddGauge(metrics::names::kModelInfo,
+                  "The served model (vLLM's model_name label), value 1.",
+                  {{"model_name", vllm_flags.served_model_name}})
+        ->Set(1);
   }
   if (!c.model_dir.empty()) {
     auto tokenizer = model::LoadTokenizer(c.model_dir);

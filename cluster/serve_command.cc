@@ -90,6 +90,7 @@ void ResolveChildArgs(ServeOptions& o) {
   c.http_listen = absl::StrCat(bare_ipv6 ? "[" + o.host + "]" : o.host, ":", o.port);
   if (!o.served_model_name.empty()) {
     c.router_args.insert(c.router_args.end(), {"--served-model-name", o.served_model_name});
+    c.decode_args.insert(c.decode_args.end(), {"--served-model-name", o.served_model_name});
   }
   if (o.max_model_len > 0) {
     const std::string len = std::to_string(o.max_model_len);

@@ -28,6 +28,14 @@ inline constexpr char kDecodeQueueSeconds[] = "fluxion_decode_queue_time_seconds
 inline constexpr char kDecodeTtftSeconds[] = "fluxion_decode_time_to_first_token_seconds";
 inline constexpr char kDecodeTpotSeconds[] = "fluxion_decode_time_per_output_token_seconds";
 inline constexpr char kDecodeE2eSeconds[] = "fluxion_decode_e2e_request_latency_seconds";
+inline constexpr char kDecodeInterTokenLatencySeconds[] =
+    "fluxion_decode_inter_token_latency_seconds";
+inline constexpr char kDecodeRequestPrefillSeconds[] = "fluxion_decode_request_prefill_time_seconds";
+inline constexpr char kDecodeRequestDecodeSeconds[] = "fluxion_decode_request_decode_time_seconds";
+inline constexpr char kDecodeRequestPromptTokens[] = "fluxion_decode_request_prompt_tokens";
+inline constexpr char kDecodeRequestGenerationTokens[] = "fluxion_decode_request_generation_tokens";
+// The served model's name as a label (`model_name`, vLLM's), value 1.
+inline constexpr char kModelInfo[] = "fluxion_model_info";
 inline constexpr char kDecodeStepSeconds[] = "fluxion_decode_step_seconds";
 inline constexpr char kDecodeStepCpuSecondsTotal[] = "fluxion_decode_step_cpu_seconds_total";
 inline constexpr char kDecodeStepGpuSecondsTotal[] = "fluxion_decode_step_gpu_seconds_total";

@@ -179,6 +179,7 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
                                ? 0
                                : Sample(idle, "fluxion_decode_requests_total{code=\"OK\"}");
   const double e2e_before = Sample(idle, "fluxion_decode_e2e_request_latency_seconds_count");
+  const double itl_before = Sample(idle, "fluxion_decode_inter_token_latency_seconds_count");
 
   // A: 5 prompt tokens, 180 more (12 pages per head at the end). B: 150 prompt tokens, which need
   // 10 + 1 pages per head free: B waits while A holds 2+ pages per head, then runs.
@@ -247,6 +248,18 @@ TEST_F(ServingMetricsTest, EndpointsPassPromtoolAndLoadMetricsFollowRequests) {
   EXPECT_EQ(Sample(after, "fluxion_transfer_landing_refused_total"), 0);
   EXPECT_GE(Sample(after, "fluxion_sparse_read_fraction_count{policy=\"full\"}"), 2);
   EXPECT_GE(Sample(after, "fluxion_decode_preemptions_total"), 0);
+  // vLLM's per-request series, under our names (docs/METRICS.md, "vLLM's names").
+  EXPECT_EQ(Sample(after, "fluxion_model_info{model_name=\"fluxion-tiny-retrieval\"}"), 1);
+  EXPECT_GE(Sample(after, "fluxion_decode_request_prompt_tokens_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_request_prompt_tokens_sum"), 155);
+  EXPECT_GE(Sample(after, "fluxion_decode_request_generation_tokens_sum"), 184);
+  EXPECT_GE(Sample(after, "fluxion_decode_request_prefill_time_seconds_count"), 2);
+  EXPECT_GE(Sample(after, "fluxion_decode_request_decode_time_seconds_count"), 2);
+  // One observation per token after each request's first chunk: at most 179 + 3 here (how many
+  // tokens a chunk carries depends on the machine, so no lower bound).
+  const double itl = Sample(after, "fluxion_decode_inter_token_latency_seconds_count");
+  EXPECT_FALSE(std::isnan(itl));
+  EXPECT_LE(itl - itl_before, 182);
 
   const std::string prefill = Scrape(*prefill_);
   ExpectPromtoolPasses(prefill, "prefill /metrics (after)");

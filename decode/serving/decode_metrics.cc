@@ -27,6 +27,14 @@ std::vector<double> GuardErrorBuckets() {
 
 // Decode steps of the tiny model take well under a millisecond; big ones tens of ms.
 std::vector<double> StepBuckets() { return metrics::ExponentialBuckets(0.0001, 2.5, 12); }
+// Token counts 1, 2, 5, 10, ... 5M (vLLM's 1-2-5 series, past any context).
+std::vector<double> TokenBuckets() {
+  std::vector<double> b;
+  for (double decade = 1; decade <= 1e6; decade *= 10) {
+    for (double m : {1.0, 2.0, 5.0}) b.push_back(m * decade);
+  }
+  return b;
+}
 
 // Transfer failure cause label (docs/METRICS.md) of a failed Prefill call.
 const char* TransferCause(absl::StatusCode code) {
@@ -56,6 +64,25 @@ DecodeNodeMetrics::DecodeNodeMetrics(metrics::Registry* registry, const DecodeMe
                          metrics::LatencyBuckets());
   e2e_ = r.AddHistogram(names::kDecodeE2eSeconds, "Arrival to the request's end.",
                         metrics::LatencyBuckets());
+  itl_ = r.AddHistogram(names::kDecodeInterTokenLatencySeconds,
+                        "Time between a request's consecutive tokens leaving the node (tokens "
+                        "sent together share the gap).",
+                        StepBuckets());
+  prefill_time_ = r.AddHistogram(names::kDecodeRequestPrefillSeconds,
+                                 "Per request: KV pages reserved to its prefill landed (the "
+                                 "prefill node's compute and the KV transfer).",
+                                 metrics::LatencyBuckets());
+  decode_time_ = r.AddHistogram(names::kDecodeRequestDecodeSeconds,
+                                "Per request: first token sent to its end.",
+                                metrics::LatencyBuckets());
+  prompt_tokens_ = r.AddHistogram(names::kDecodeRequestPromptTokens,
+                                  "Per finished request: its prompt tokens.", TokenBuckets());
+  generation_tokens_ = r.AddHistogram(names::kDecodeRequestGenerationTokens,
+                                      "Per finished request: its completion tokens.",
+                                      TokenBuckets());
+  r.AddGauge(names::kModelInfo, "The served model (vLLM's model_name label), value 1.",
+             {{"model_name", config.model_name}})
+      ->Set(1);
   step_ = r.AddHistogram(names::kDecodeStepSeconds,
                          "Wall time of one batched decode step (one token for every running "
                          "request).",
@@ -245,8 +272,16 @@ void DecodeNodeMetrics::OnQuarantined(const char* reason) {
 
 void DecodeNodeMetrics::OnChecksumFailure() { OnTransferFailed(absl::StatusCode::kDataLoss); }
 
+void DecodeNodeMetrics::OnTokensSent(double seconds, int64_t tokens) {
+  for (int64_t i = 0; i < tokens; ++i) itl_->Observe(seconds / static_cast<double>(tokens));
+}
+
 void DecodeNodeMetrics::OnFinished(const FinishedRequestStats& r) {
   e2e_->Observe(r.e2e_seconds);
+  if (r.prefill_seconds >= 0) prefill_time_->Observe(r.prefill_seconds);
+  if (r.decode_seconds >= 0) decode_time_->Observe(r.decode_seconds);
+  prompt_tokens_->Observe(static_cast<double>(r.prompt_tokens));
+  generation_tokens_->Observe(static_cast<double>(r.completion_tokens));
   if (r.ttft_seconds >= 0) {
     ttft_->Observe(r.ttft_seconds);
     if (r.completion_tokens > 1) {

@@ -38,12 +38,16 @@ struct DecodeMetricsConfig {
   int64_t num_kv_heads = 1;
   std::string default_policy;
   double default_budget = 0.1;
+  std::string model_name;  // fluxion_model_info's model_name label
 };
 
 // What the service knows about a request when it ends (after it joined the batch).
 struct FinishedRequestStats {
   double ttft_seconds = -1;  // < 0: no token was sent
   double e2e_seconds = 0;
+  double prefill_seconds = -1;  // admitted to prefill landed; < 0: it never landed
+  double decode_seconds = -1;   // first token sent to the end; < 0: no token was sent
+  int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   std::string policy;        // the policy's name (PolicyConfig::name)
   double read_fraction = 1;  // rows attended / rows available over its decode steps
@@ -82,6 +86,9 @@ class DecodeNodeMetrics {
   void OnQuarantined(const char* reason);
   void OnChecksumFailure();
   void OnFinished(const FinishedRequestStats& r);
+  // `tokens` of one request left the node together, `seconds` after its previous ones: each
+  // observes seconds / tokens as its inter-token latency.
+  void OnTokensSent(double seconds, int64_t tokens);
   void OnStep(double wall_seconds, double cpu_seconds);
 
  private:
@@ -91,6 +98,11 @@ class DecodeNodeMetrics {
   metrics::Histogram* ttft_;
   metrics::Histogram* tpot_;
   metrics::Histogram* e2e_;
+  metrics::Histogram* itl_;
+  metrics::Histogram* prefill_time_;
+  metrics::Histogram* decode_time_;
+  metrics::Histogram* prompt_tokens_;
+  metrics::Histogram* generation_tokens_;
   metrics::Histogram* step_;
   metrics::Counter* step_cpu_;
   metrics::Counter* bytes_received_;

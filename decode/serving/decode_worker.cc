@@ -166,6 +166,13 @@ absl::Status DecodeWorker::CreateArena() {
   return absl::OkStatus();
 }
 
+std::string DecodeWorker::ServedName() const {
+  if (!config_.served_model_name.empty()) return config_.served_model_name;
+  std::string dir = config_.model_dir;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir.substr(dir.rfind('/') + 1);
+}
+
 absl::Status DecodeWorker::BuildService() {
   const model::AttentionShape shape = model_->attention_shape();
   const int64_t page_tokens = config_.page_tokens;
@@ -173,7 +180,7 @@ absl::Status DecodeWorker::BuildService() {
   node_metrics_ = std::make_unique<DecodeNodeMetrics>(
       &metrics::Registry::Default(),
       DecodeMetricsConfig{page_tokens, shape.num_layers, shape.num_kv_heads, config_.default_policy,
-                          BudgetOf(config_)});
+                          BudgetOf(config_), ServedName()});
   KvAdmissionOptions admission_options;
   admission_options.headroom_pages =
       growth_pages * ((config_.headroom_tokens + page_tokens - 1) / page_tokens);

@@ -41,6 +41,9 @@ struct DecodeWorkerConfig {
   // The longest context (prompt plus generated tokens) this node accepts: 0 = the model's
   // max_position_embeddings; more than that is refused at start-up (--max-model-len).
   int64_t max_model_len = 0;
+  // The model's name in metrics (fluxion_model_info's model_name): the router's
+  // --served-model-name; empty: the model directory's name, as the router defaults it.
+  std::string served_model_name;
   std::string node_name;  // empty: decode@<host>/<pid>/<unix ms>
   // The process's CPU pool, set up by the command before any thread starts (process_cpu.h).
   kernels::cpu::CpuPool cpu_pool{1};
@@ -113,6 +116,7 @@ class DecodeWorker {
   absl::Status LoadModel();
   absl::Status CreateArena();
   absl::Status BuildService();
+  std::string ServedName() const;  // served_model_name, else the model directory's name
   void PrintServing() const;
 
   DecodeWorkerConfig config_;

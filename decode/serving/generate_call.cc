@@ -385,10 +385,15 @@ void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
       for (int32_t t : tokens) chunk->add_token_ids(static_cast<uint32_t>(t));
       chunk->set_completion_tokens(s.sent);
       if (s.sent == tokens.size()) chunk->set_sparse_policy(sparse::PolicyLabel(valid_->policy));
+      const Clock::time_point now = Clock::now();
       if (s.t_first_sent == Clock::time_point{}) {
-        s.t_first_sent = Clock::now();
+        s.t_first_sent = now;
         timing_.set_ttft_us(MicrosBetween(t_arrival_, s.t_first_sent));
+      } else if (node_metrics_ != nullptr) {
+        node_metrics_->OnTokensSent(MicrosBetween(s.t_last_sent, now) * 1e-6,
+                                    static_cast<int64_t>(tokens.size()));
       }
+      s.t_last_sent = now;
       if (!writer_->Write(msg)) {
         s.client_gone = true;
         r.abort = true;
@@ -446,6 +451,9 @@ grpc::Status DecodeServiceImpl::Call::EndStream(const Streamed& s) {
     FinishedRequestStats stats;
     stats.ttft_seconds = s.sent > 0 ? timing_.ttft_us() * 1e-6 : -1;
     stats.e2e_seconds = MicrosBetween(t_arrival_, t_end) * 1e-6;
+    stats.prefill_seconds = timing_.prefill_us() * 1e-6;
+    if (s.sent > 0) stats.decode_seconds = timing_.decode_us() * 1e-6;
+    stats.prompt_tokens = prompt_tokens_;
     stats.completion_tokens = s.sent;
     stats.policy = policy.name;
     stats.read_fraction = read_fraction;

@@ -90,6 +90,7 @@ class DecodeServiceImpl::Call {
     bool client_gone = false;
     bool deadline_hit = false;
     Clock::time_point t_first_sent{};
+    Clock::time_point t_last_sent{};
   };
 
   bool Cancelled() const;

@@ -200,6 +200,9 @@ int RunDecodeCommand(const std::vector<std::string>& args) {
                 "prefill nodes write over UCX, decodes them in a continuous batch with sparse "
                 "attention, streams tokens.");
   flags.String("model", &config.model_dir, "model directory (config.json + safetensors)");
+  flags.String("served-model-name", &config.served_model_name,
+               "the model's name in /metrics (fluxion_model_info's model_name label): the "
+               "router's --served-model-name (default: the model directory's name)");
   flags.Int("max-model-len", &config.max_model_len,
             "longest context (prompt plus generated tokens) a request may reach, at most the "
             "model's max_position_embeddings (0: that); longer prompts get INVALID_ARGUMENT in "
