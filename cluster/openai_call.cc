@@ -37,6 +37,11 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
   auto request = ParseRequest(endpoint, body, preparer.parse_limits);
   if (!request.ok()) return request.status();
   if (absl::Status s = CheckModel(preparer, request->model); !s.ok()) return s;
+  // Fields the request leaves unset take the model's shipped defaults, as vLLM applies them.
+  const model::GenerationDefaults& defaults = preparer.generation_defaults;
+  if (!request->temperature) request->temperature = defaults.temperature;
+  if (!request->top_p) request->top_p = defaults.top_p;
+  if (!request->top_k) request->top_k = defaults.top_k;
   const model::EncodeCheck check = BoundedCheck(preparer, cancelled);
   auto choices = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
                                  preparer.max_context_tokens);

@@ -26,6 +26,7 @@
 #include "cluster/openai_request.h"
 #include "cluster/openai_response.h"
 #include "fluxion/v1/decode.pb.h"
+#include "model/generation_config.h"
 #include "model/stream_detokenizer.h"
 #include "model/tokenizer.h"
 
@@ -42,6 +43,8 @@ struct Preparer {
   // The model's context (config.json's max_position_embeddings); 0: unknown, the decode node
   // checks alone (openai_generate.h, CheckContextLength).
   int64_t max_context_tokens = 0;
+  // The model's generation_config.json: temperature, top_p and top_k for requests without them.
+  model::GenerationDefaults generation_defaults;
 };
 
 // NotFound naming `model` (param "model") unless it is the served model.

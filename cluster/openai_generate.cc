@@ -92,7 +92,7 @@ v1::GenerateRequest ChoiceRequest(const Request& request, const std::vector<uint
   v1::SamplingParams* s = g.mutable_sampling();
   if (request.temperature) s->set_temperature(*request.temperature);
   if (request.top_p) s->set_top_p(*request.top_p);
-  s->set_top_k(request.top_k);
+  s->set_top_k(request.top_k.value_or(0));
   if (seed) s->set_seed(*seed);
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
   s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());

@@ -60,8 +60,13 @@ HttpServer::Impl::Impl(std::shared_ptr<grpc::Channel> channel, const model::Toke
           {{"reason", "work_queue_full"}})),
       watcher_(std::move(watcher)),
       pool_(options_.workers, options_.max_queued) {
-  preparer_ = {tokenizer_, &chat_, options_.model_name, options_.parse_limits,
-               options_.tokenize_timeout, options_.max_context_tokens};
+  preparer_ = {tokenizer_,
+               &chat_,
+               options_.model_name,
+               options_.parse_limits,
+               options_.tokenize_timeout,
+               options_.max_context_tokens,
+               options_.generation_defaults};
   std::random_device random;
   id_prefix_ = absl::StrFormat("%08x%08x", random(), random());
 }

@@ -30,6 +30,7 @@
 #include "cluster/http_connection_limits.h"
 #include "cluster/openai_generate.h"
 #include "cluster/openai_request.h"
+#include "model/generation_config.h"
 #include "common/metrics.h"
 #include "grpcpp/grpcpp.h"
 #include "model/tokenizer.h"
@@ -62,6 +63,8 @@ struct HttpServerOptions {
   // The model's context in tokens: a longer request gets OpenAI's context_length_exceeded 400
   // here, before it reaches a node; 0: unknown (the decode node refuses it, 400 too).
   int64_t max_context_tokens = 0;
+  // generation_config.json's sampling defaults, for requests that leave a field unset.
+  model::GenerationDefaults generation_defaults;
   // Whether the router can serve (a healthy decode node): GET /health answers 200 or 503.
   std::function<bool()> ready = [] { return true; };
   // Where the counters go (fluxion_router_http_*); nullptr: a registry of the server's own.

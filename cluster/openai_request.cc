@@ -249,6 +249,7 @@ void AddSamplingFields(const ParseLimits& limits, FieldTable* table) {
     if (v.is_null()) return absl::OkStatus();
     // -1 is vLLM's spelling of "off", as 0 is ours.
     if (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() == -1) {
+      r->top_k = 0;
       return absl::OkStatus();
     }
     auto x = UnsignedField("top_k", v, 0, std::numeric_limits<uint32_t>::max());

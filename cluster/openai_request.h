@@ -52,7 +52,7 @@ struct Request {
   std::optional<uint32_t> max_tokens;
   std::optional<float> temperature;
   std::optional<float> top_p;
-  uint32_t top_k = 0;
+  std::optional<uint32_t> top_k;  // 0 (or vLLM's -1): off
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;         // stop strings, not included in the output
   std::vector<uint32_t> stop_token_ids;  // vLLM's extension: stop after any of these tokens

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/openai_call.h"
 #include "cluster/openai_generate.h"
 #include "cluster/openai_response.h"
 #include "gmock/gmock.h"
@@ -43,7 +44,7 @@ TEST(OpenAiRequestTest, CompletionFieldsMapOneToOne) {
   EXPECT_EQ(*r->max_tokens, 7u);
   EXPECT_FLOAT_EQ(*r->temperature, 0.5f);
   EXPECT_FLOAT_EQ(*r->top_p, 0.9f);
-  EXPECT_EQ(r->top_k, 40u);
+  EXPECT_EQ(*r->top_k, 40u);
   EXPECT_EQ(*r->seed, 12u);
   EXPECT_THAT(r->stop, ElementsAre("a", "bc"));
   EXPECT_THAT(r->stop_token_ids, ElementsAre(257u));
@@ -247,6 +248,33 @@ TEST(OpenAiGenerateTest, OneCallPerChoiceInVllmsOrderWithDistinctSeeds) {
   auto two = PrepareGenerate(*unseeded, *tokenizer, nullptr, "x");
   ASSERT_TRUE(two.ok());
   EXPECT_FALSE((*two)[1].generate.sampling().has_seed());
+}
+
+// generation_config.json's defaults fill what a request leaves unset, never what it sets.
+TEST(OpenAiGenerateTest, UnsetSamplingFieldsTakeTheModelsGenerationDefaults) {
+  auto tokenizer = model::NewByteTokenizer();
+  ChatRenderer chat;
+  Preparer preparer;
+  preparer.tokenizer = tokenizer.get();
+  preparer.chat = &chat;
+  preparer.model_name = "m";
+  preparer.generation_defaults.temperature = 0.6f;
+  preparer.generation_defaults.top_p = 0.9f;
+  preparer.generation_defaults.top_k = 20;
+  const model::EncodeCheck go = [] { return absl::OkStatus(); };
+  auto unset = Prepare(preparer, Endpoint::kCompletions, R"({"model":"m","prompt":"a"})", "x", go);
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  const v1::SamplingParams& s = unset->choices[0].generate.sampling();
+  EXPECT_FLOAT_EQ(s.temperature(), 0.6f);
+  EXPECT_FLOAT_EQ(s.top_p(), 0.9f);
+  EXPECT_EQ(s.top_k(), 20u);
+  auto set = Prepare(preparer, Endpoint::kCompletions,
+                     R"({"model":"m","prompt":"a","temperature":0,"top_p":1,"top_k":-1})", "x", go);
+  ASSERT_TRUE(set.ok()) << set.status();
+  const v1::SamplingParams& own = set->choices[0].generate.sampling();
+  EXPECT_EQ(own.temperature(), 0.f);
+  EXPECT_EQ(own.top_p(), 1.f);
+  EXPECT_EQ(own.top_k(), 0u);
 }
 
 TEST(OpenAiGenerateTest, RefusesWhatExceedsTheContextInOpenAisWording) {

@@ -8,6 +8,7 @@
 #include "common/server_main.h"
 #include "model/chat_template.h"
 #include "model/config.h"
+#include "model/generation_config.h"
 
 namespace fluxion::cluster {
 
@@ -158,6 +159,14 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   auto limit = ContextLimit(flags);
   if (!limit.ok()) return limit.status();
   options.max_context_tokens = *limit;
+  auto defaults = model::LoadGenerationConfig(flags.model_dir);
+  if (!defaults.ok()) return defaults.status();
+  options.generation_defaults = *defaults;
+  if (defaults->repetition_penalty) {
+    std::cerr << "router: " << flags.model_dir << "/generation_config.json asks for "
+              << "repetition_penalty " << *defaults->repetition_penalty
+              << ", which this server's sampler does not apply (docs/PROTOCOL.md)" << std::endl;
+  }
   options.registry = &metrics::Registry::Default();
   options.ready = std::move(ready);
   auto started = openai::HttpServer::Start(flags.http_listen,

@@ -1,0 +1,39 @@
+// A model directory's generation_config.json: the sampling defaults its authors ship
+// (transformers' GenerationConfig), which vLLM applies to requests that leave a field unset
+// (`--generation-config auto`) and so does the router's OpenAI API (docs/PROTOCOL.md).
+//
+// Thread-safe: pure functions.
+#ifndef FLUXION_MODEL_GENERATION_CONFIG_H_
+#define FLUXION_MODEL_GENERATION_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace fluxion::model {
+
+// The fields that change how a request samples. Absent fields stay unset. `do_sample: false`
+// (greedy decoding by default) reads as temperature 0, as transformers decodes.
+struct GenerationDefaults {
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<uint32_t> top_k;
+  // Set when the file asks for a penalty this server's sampler does not apply (reported at
+  // start-up, not silently dropped).
+  std::optional<float> repetition_penalty;
+};
+
+// Parses the file's text. InvalidArgument naming the field for a value of the wrong type or out
+// of range (temperature < 0, top_p outside (0, 1], top_k < 0); other fields are ignored.
+absl::StatusOr<GenerationDefaults> ParseGenerationConfig(absl::string_view text);
+
+// `<model_dir>/generation_config.json`, bounded like config.json; a missing file gives no
+// defaults. Errors name the path.
+absl::StatusOr<GenerationDefaults> LoadGenerationConfig(const std::string& model_dir);
+
+}  // namespace fluxion::model
+
+#endif  // FLUXION_MODEL_GENERATION_CONFIG_H_
