@@ -14,12 +14,7 @@
 import assert from 'node:assert/strict';
 import http from 'node:http';
 import OpenAI from 'openai';
-
-const env = (name) => {
-  const v = process.env[name];
-  if (!v) throw new Error(`${name} is not set`);
-  return v;
-};
+import { check, env, runChecks } from './checks.mjs';
 const model = env('FLUXION_MODEL');
 // The serving router requires this key (--api-key); the SDK sends it as a bearer token.
 const apiKey = env('FLUXION_API_KEY_E2E');
@@ -49,9 +44,6 @@ async function streamText(params) {
   }
   return { text, finish, usage };
 }
-
-const checks = [];
-const check = (name, fn) => checks.push({ name, fn });
 
 let greedy;  // the greedy answer of `prompt`, 48 tokens, reused by later checks
 check('models lists the served model', async () => {
@@ -375,15 +367,4 @@ if (process.env.FLUXION_CHAT === '1') {
   });
 }
 
-let failed = 0;
-for (const { name, fn } of checks) {
-  try {
-    await fn();
-    console.log(`ok   ${name}`);
-  } catch (e) {
-    failed++;
-    console.log(`FAIL ${name}: ${e?.stack ?? e}`);
-  }
-}
-console.log(`${checks.length - failed}/${checks.length} passed`);
-process.exit(failed ? 1 : 0);
+await runChecks();

@@ -8,20 +8,12 @@
 // Exits 0 when every check passed; prints each failure.
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
-
-const env = (name) => {
-  const v = process.env[name];
-  if (!v) throw new Error(`${name} is not set`);
-  return v;
-};
+import { check, env, runChecks } from './checks.mjs';
 const base = env('FLUXION_HTTP');
 const model = env('FLUXION_MODEL');
 const apiKey = env('FLUXION_API_KEY_E2E');
 const maxModelLen = Number(env('FLUXION_MAX_MODEL_LEN'));
 const client = new OpenAI({ baseURL: base, apiKey, maxRetries: 0, timeout: 30000 });
-
-const checks = [];
-const check = (name, fn) => checks.push({ name, fn });
 
 // First: after a node was restarted the router takes it back on its next health checks, so the
 // first completion may wait for that (bounded: 60 s).
@@ -64,14 +56,4 @@ check('/version answers without the key', async () => {
   assert.match((await res.json()).version, /^\d+\.\d+\.\d+/);
 });
 
-let failed = 0;
-for (const { name, fn } of checks) {
-  try {
-    await fn();
-    console.log(`ok   ${name}`);
-  } catch (e) {
-    failed++;
-    console.log(`FAIL ${name}: ${e.stack ?? e}`);
-  }
-}
-process.exit(failed ? 1 : 0);
+await runChecks();
