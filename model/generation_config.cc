@@ -54,6 +54,16 @@ absl::StatusOr<GenerationDefaults> ParseGenerationConfig(absl::string_view text)
     d.top_k = static_cast<uint32_t>(*top_k);
   }
   if (penalty && *penalty != 1.0) d.repetition_penalty = static_cast<float>(*penalty);
+  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
+    const Json ids = it->is_array() ? *it : Json::array({*it});
+    if (ids.size() > 64) return FieldError("eos_token_id", "lists more than 64 ids");
+    for (const Json& id : ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (1LL << 31)) {
+        return FieldError("eos_token_id", "must be a token id or a list of them");
+      }
+      d.eos_token_ids.push_back(id.get<int64_t>());
+    }
+  }
   if (auto it = j.find("do_sample"); it != j.end() && !it->is_null()) {
     if (!it->is_boolean()) return FieldError("do_sample", "must be a boolean");
     if (!it->get<bool>()) d.temperature = 0.0f;  // greedy, as transformers decodes by default

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -24,6 +25,9 @@ struct GenerationDefaults {
   // Set when the file asks for a penalty this server's sampler does not apply (reported at
   // start-up, not silently dropped).
   std::optional<float> repetition_penalty;
+  // `eos_token_id` (an id or a list): tokens that end a generation, which transformers and vLLM
+  // add to config.json's (Llama 3 Instruct lists <|eot_id|> here).
+  std::vector<int64_t> eos_token_ids;
 };
 
 // Parses the file's text. InvalidArgument naming the field for a value of the wrong type or out

@@ -22,11 +22,15 @@ TEST(GenerationConfigTest, ReadsTheSamplingDefaults) {
   EXPECT_FLOAT_EQ(*d->top_p, 0.9f);
   EXPECT_FALSE(d->top_k.has_value());
   EXPECT_FALSE(d->repetition_penalty.has_value());
+  EXPECT_EQ(d->eos_token_ids, (std::vector<int64_t>{128001, 128008, 128009}));
   auto greedy = ParseGenerationConfig(R"({"do_sample": false, "top_k": 20,
       "repetition_penalty": 1.05})");
   ASSERT_TRUE(greedy.ok()) << greedy.status();
   EXPECT_EQ(*greedy->temperature, 0.0f);  // transformers decodes greedily without do_sample
   EXPECT_EQ(*greedy->top_k, 20u);
+  auto one = ParseGenerationConfig(R"({"eos_token_id": 2})");
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->eos_token_ids, (std::vector<int64_t>{2}));
   EXPECT_FLOAT_EQ(*greedy->repetition_penalty, 1.05f);
 }
 
@@ -36,7 +40,9 @@ TEST(GenerationConfigTest, RefusesValuesNoSamplerTakesNamingTheField) {
            {R"({"top_p": 0})", "top_p"},
            {R"({"top_k": 2.5})", "top_k"},
            {R"({"top_k": "5"})", "top_k"},
-           {R"({"do_sample": 1})", "do_sample"}}) {
+           {R"({"do_sample": 1})", "do_sample"},
+           {R"({"eos_token_id": -1})", "eos_token_id"},
+           {R"({"eos_token_id": [1, "2"]})", "eos_token_id"}}) {
     auto d = ParseGenerationConfig(text);
     ASSERT_FALSE(d.ok()) << text;
     EXPECT_THAT(d.status().message(), HasSubstr("'" + field + "'")) << text;

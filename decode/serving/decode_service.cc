@@ -19,6 +19,17 @@ std::string IncarnationId() {
   return hex.ok() ? *hex : absl::StrCat(absl::ToUnixNanos(absl::Now()));
 }
 
+
+// config.json's EOS ids and generation_config.json's others, once each.
+std::vector<int64_t> EosTokenIds(const model::ModelConfig& config,
+                                 const DecodeServiceOptions& options) {
+  std::vector<int64_t> ids = config.eos_token_ids;
+  for (int64_t id : options.extra_eos_token_ids) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  }
+  return ids;
+}
+
 }  // namespace
 
 DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
@@ -36,7 +47,8 @@ DecodeServiceImpl::DecodeServiceImpl(const model::Model* model, KvArena* arena,
       info_(info),
       options_(options),
       prefill_client_(options.abort_wait, options.prefill_channel),
-      incarnation_(IncarnationId()) {}
+      incarnation_(IncarnationId()),
+      eos_token_ids_(EosTokenIds(model->config(), options)) {}
 
 grpc::Status DecodeServiceImpl::Generate(grpc::ServerContext* context,
                                          const v1::GenerateRequest* request,

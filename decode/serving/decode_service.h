@@ -60,6 +60,9 @@ struct DecodeServiceOptions {
   // The longest context (prompt plus generated tokens) a request may reach: the model's
   // max_position_embeddings or the node's --max-model-len below it; 0 = the model's.
   int64_t context_limit = 0;
+  // Tokens that end a generation (unless ignore_eos) beyond config.json's eos_token_id: the
+  // model's generation_config.json's (model/generation_config.h).
+  std::vector<int64_t> extra_eos_token_ids;
   // Longest a request waits for KV pages (also bounded by its own deadline).
   absl::Duration admission_timeout = absl::Seconds(10);
   // Bound on the Prefill call (also bounded by the request's deadline).
@@ -176,6 +179,8 @@ class DecodeServiceImpl final : public fluxion::v1::DecodeService::Service {
   // Names this process in the ids it sends to prefill nodes (random per start) and numbers the
   // Prefill attempts, so that no two attempts, of this process or another, share an id there.
   const std::string incarnation_;
+  // Tokens that end a generation unless ignore_eos: config.json's and generation_config.json's.
+  const std::vector<int64_t> eos_token_ids_;
   std::atomic<uint64_t> prefill_serial_{0};
   DecodeMetrics metrics_ ABSL_GUARDED_BY(mu_);
 };

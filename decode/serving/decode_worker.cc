@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/read_bandwidth.h"
 #include "common/status_macros.h"
+#include "model/generation_config.h"
 #include "proto/convert.h"
 #include "proto/prefill_seal.h"
 
@@ -128,6 +129,9 @@ absl::Status DecodeWorker::LoadModel() {
                                    "): positions beyond it were never trained"));
   }
   context_limit_ = config_.max_model_len > 0 ? config_.max_model_len : model_limit;
+  auto generation = model::LoadGenerationConfig(config_.model_dir);
+  if (!generation.ok()) return StartError(generation.status().message());
+  generation_eos_ids_ = generation->eos_token_ids;
   auto hash = proto::ModelFingerprint(config_.model_dir);
   if (!hash.ok()) return StartError(hash.status().ToString());
   layout_ = proto::LayoutFor(model_->config(), config_.model_dir, *hash, config_.page_tokens);
@@ -234,6 +238,7 @@ absl::Status DecodeWorker::BuildService() {
   options.quarantine_lease = absl::Milliseconds(config_.quarantine_ms);
   options.node_metrics = node_metrics_.get();
   options.context_limit = context_limit_;
+  options.extra_eos_token_ids = generation_eos_ids_;
   fluxion::v1::ServerInfo info;
   info.set_role(fluxion::v1::SERVER_ROLE_DECODE);
   info.set_node_name(config_.node_name);

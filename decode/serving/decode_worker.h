@@ -129,6 +129,7 @@ class DecodeWorker {
   // before the arena, the arena before the transport, the service before what it borrows.
   std::unique_ptr<model::Model> model_;
   int64_t context_limit_ = 0;  // --max-model-len, else the model's max_position_embeddings
+  std::vector<int64_t> generation_eos_ids_;  // generation_config.json's eos_token_id
   fluxion::v1::ModelLayout layout_;
   std::unique_ptr<transfer::Transport> transport_;
   std::unique_ptr<KvArena> arena_;

@@ -304,7 +304,7 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Land() {
 }
 
 void DecodeServiceImpl::Call::JoinBatch() {
-  r_ = NewDecodeRequest(request_, *valid_, service_->model_->config(), ++service_->admission_seq_,
+  r_ = NewDecodeRequest(request_, *valid_, service_->eos_token_ids_, ++service_->admission_seq_,
                         std::move(attention_), prompt_tokens_);
   StartDecoding(r_, static_cast<int32_t>(landed_.first_token_id()), service_->scheduler_);
   {

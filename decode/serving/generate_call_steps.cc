@@ -347,7 +347,7 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> LandPrompt(const LandingInput& 
 
 std::shared_ptr<DecodeRequest> NewDecodeRequest(const v1::GenerateRequest& request,
                                                 const ValidatedGenerate& valid,
-                                                const model::ModelConfig& config,
+                                                const std::vector<int64_t>& eos_ids,
                                                 uint64_t admission_seq,
                                                 std::unique_ptr<SparseAttention> attention,
                                                 int64_t prompt_tokens) {
@@ -363,7 +363,7 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const v1::GenerateRequest& reque
   const v1::SamplingParams& sp = request.sampling();
   r->stop_ids.assign(sp.stop_token_ids().begin(), sp.stop_token_ids().end());
   if (!sp.ignore_eos()) {
-    for (int64_t eos : config.eos_token_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));
+    for (int64_t eos : eos_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));
   }
   r->max_tokens = valid.max_tokens;
   r->context_limit = valid.context_limit;

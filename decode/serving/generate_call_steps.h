@@ -95,10 +95,10 @@ absl::StatusOr<std::unique_ptr<SparseAttention>> LandPrompt(const LandingInput& 
 // The request as the running batch decodes it: `attention` over its `prompt_tokens` landed
 // tokens, its sampler at draw 1 (draw 0 sampled the first token on the prefill node, PROTOCOL.md,
 // so a seeded request gives the tokens of single-process generation), stop ids (the request's
-// and the model's EOS unless ignore_eos), max_tokens and the model's context limit.
+// and `eos_ids` unless ignore_eos), max_tokens and the context limit.
 std::shared_ptr<DecodeRequest> NewDecodeRequest(const fluxion::v1::GenerateRequest& request,
                                                 const ValidatedGenerate& valid,
-                                                const model::ModelConfig& config,
+                                                const std::vector<int64_t>& eos_ids,
                                                 uint64_t admission_seq,
                                                 std::unique_ptr<SparseAttention> attention,
                                                 int64_t prompt_tokens);

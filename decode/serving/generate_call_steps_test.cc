@@ -212,8 +212,10 @@ class GenerateCallStepsTest : public ::testing::Test {
     return LandPrompt(in, std::move(kv_), std::move(room_), checksum_failed);
   }
 
-  // A request over landed pages, as JoinBatch makes it.
-  std::shared_ptr<DecodeRequest> Request(const v1::GenerateRequest& request) {
+  // A request over landed pages, as JoinBatch makes it; `eos_ids` end it unless ignore_eos (the
+  // model's config.json ones when absent).
+  std::shared_ptr<DecodeRequest> Request(const v1::GenerateRequest& request,
+                                         std::optional<std::vector<int64_t>> eos_ids = {}) {
     bool checksum_failed = false;
     absl::StatusOr<std::unique_ptr<SparseAttention>> attention = Land("full", &checksum_failed);
     EXPECT_TRUE(attention.ok()) << attention.status();
@@ -221,7 +223,8 @@ class GenerateCallStepsTest : public ::testing::Test {
     absl::StatusOr<ValidatedGenerate> valid = ValidateGenerateRequest(
         request, GenerateLimits{config.vocab_size, config.max_position_embeddings, "full", 0});
     EXPECT_TRUE(valid.ok()) << valid.status();
-    return NewDecodeRequest(request, *valid, config, 1, std::move(*attention), kPrompt);
+    return NewDecodeRequest(request, *valid, eos_ids.value_or(config.eos_token_ids), 1,
+                            std::move(*attention), kPrompt);
   }
 
   v1::GenerateRequest SomeGenerate(uint32_t max_tokens) const {
@@ -534,6 +537,25 @@ TEST_F(GenerateCallStepsTest, AFirstTokenThatIsAStopIdEndsWithStop) {
   absl::MutexLock lock(&r->mu);
   EXPECT_EQ(r->matched_stop, std::optional<int32_t>(7));
   EXPECT_TRUE(AllFree());
+}
+
+// generation_config.json's EOS ids (DecodeServiceOptions::extra_eos_token_ids, merged by the
+// service) end a request like config.json's, unless it asks ignore_eos.
+TEST_F(GenerateCallStepsTest, AnEosIdOfTheNodeEndsWithStopUnlessIgnoreEos) {
+  Reserve(/*with_state=*/false);
+  v1::GenerateRequest generate = SomeGenerate(/*max_tokens=*/10);
+  generate.mutable_sampling()->set_ignore_eos(false);
+  std::shared_ptr<DecodeRequest> r = Request(generate, std::vector<int64_t>{9, 7});
+  EXPECT_EQ(StartDecoding(r, 7, scheduler_.get()), Finish::kStop);
+  {
+    absl::MutexLock lock(&r->mu);
+    EXPECT_EQ(r->matched_stop, std::optional<int32_t>(7));
+  }
+  EXPECT_TRUE(AllFree());
+  Reserve(/*with_state=*/false);
+  std::shared_ptr<DecodeRequest> ignoring = Request(SomeGenerate(10), std::vector<int64_t>{7});
+  EXPECT_TRUE(ignoring->stop_ids.empty());
+  EndRequest(*ignoring, Finish::kAbort, absl::OkStatus());
 }
 
 TEST_F(GenerateCallStepsTest, OtherwiseTheRequestJoinsTheBatchAndDecodesToItsLength) {
