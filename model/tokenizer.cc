@@ -11,7 +11,6 @@
 #include "model/byte_tokenizer.h"
 #include "model/config.h"
 #include "model/hf_tokenizer.h"
-#include "model/sentencepiece_tokenizer.h"
 
 namespace fluxion::model {
 namespace {
@@ -141,18 +140,9 @@ std::unique_ptr<Tokenizer> NewByteTokenizer() { return std::make_unique<ByteToke
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir) {
   const std::string hf_path = absl::StrCat(model_dir, "/tokenizer.json");
-  const std::string sp_path = absl::StrCat(model_dir, "/tokenizer.model");
   if (FileExists(hf_path)) {
-    absl::StatusOr<std::unique_ptr<HfTokenizer>> hf = HfTokenizer::FromFile(hf_path);
-    if (hf.ok()) return std::unique_ptr<Tokenizer>(*std::move(hf));
-    // A tokenizer.json converted from a SentencePiece model (Metaspace, byte fallback) is not one
-    // HfTokenizer reads; the model it came from is.
-    if (!FileExists(sp_path)) return hf.status();
-  }
-  if (FileExists(sp_path)) {
-    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> sp,
-                             SentencePieceTokenizer::FromFile(sp_path));
-    return std::unique_ptr<Tokenizer>(std::move(sp));
+    FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<HfTokenizer> hf, HfTokenizer::FromFile(hf_path));
+    return std::unique_ptr<Tokenizer>(std::move(hf));
   }
   const std::string config_path = absl::StrCat(model_dir, "/config.json");
   absl::StatusOr<ModelConfig> config = LoadModelConfig(config_path);
@@ -172,7 +162,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
         model_dir, " has no tokenizer.json and its config.json (vocab_size ", config->vocab_size,
         ", bos_token_id ", config->bos_token_id,
         ") is not a Fluxion byte-level model (vocab_size 264, bos 256, eos 257): copy the "
-        "model's tokenizer.json (or SentencePiece tokenizer.model) into the directory"));
+        "model's tokenizer.json into the directory"));
   }
   return NewByteTokenizer();
 }

@@ -64,11 +64,10 @@ class Tokenizer {
 // U+FFFD.
 std::unique_ptr<Tokenizer> NewByteTokenizer();
 
-// The tokenizer of the model in `model_dir`: its tokenizer.json when present and one HfTokenizer
-// reads (byte-level BPE), else its SentencePiece tokenizer.model (SentencePieceTokenizer), else
+// The tokenizer of the model in `model_dir`: its tokenizer.json when present (HfTokenizer), else
 // the byte tokenizer when config.json describes one of our own byte-level models (vocab_size 264,
 // bos/eos/pad 256/257/258), else FailedPrecondition saying what is missing. Errors of a present
-// but bad tokenizer.json (without a tokenizer.model) are InvalidArgument naming the field.
+// but bad tokenizer.json are InvalidArgument naming the field.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir);
 
 // UTF-8 helpers shared by Decode and the stream detokenizer.

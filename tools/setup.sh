@@ -16,7 +16,6 @@ packages=(
   libmicrohttpd-dev                           # HTTP /metrics endpoints (common/metrics_http)
   libpcre2-dev                                # HF tokenizer.json pre-tokenizer regexes (lookahead)
   libicu-dev                                  # NFC normalization of HF tokenizers (Qwen2)
-  libsentencepiece-dev                        # SentencePiece tokenizer.model (Llama 2, Mistral)
   libcurl4-openssl-dev                        # HTTP client: fluxion local's chat answer, API tests
   libssl-dev                                  # libcrypto: HMAC-SHA256 seals on prefill requests
   prometheus                                  # promtool: tests lint every /metrics endpoint
