@@ -215,7 +215,10 @@ MHD_Result HttpServer::Impl::Begin(MHD_Connection* connection, const char* url, 
   if (!get) {
     return ReplyError(connection, MHD_HTTP_METHOD_NOT_ALLOWED, absl::StrCat(url, " takes GET"));
   }
-  if (models) return Reply(connection, MHD_HTTP_OK, ModelsJson(options_.model_name, created_));
+  if (models) {
+    return Reply(connection, MHD_HTTP_OK,
+                 ModelsJson(options_.model_name, created_, options_.max_context_tokens));
+  }
   // vLLM's shape: {"version": "..."}.
   if (version) return Reply(connection, MHD_HTTP_OK, VersionJson(BuildVersion()));
   if (options_.ready()) return Reply(connection, MHD_HTTP_OK, "{\"status\":\"ok\"}");

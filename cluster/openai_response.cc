@@ -161,12 +161,13 @@ std::string VersionJson(absl::string_view version) {
   return Dump(Json{{"version", std::string(version)}});
 }
 
-std::string ModelsJson(absl::string_view model, int64_t created) {
-  Json j = {{"object", "list"},
-            {"data", Json::array({{{"id", std::string(model)},
-                                   {"object", "model"},
-                                   {"created", created},
-                                   {"owned_by", "fluxion"}}})}};
+std::string ModelsJson(absl::string_view model, int64_t created, int64_t max_model_len) {
+  Json card = {{"id", std::string(model)},
+               {"object", "model"},
+               {"created", created},
+               {"owned_by", "fluxion"}};
+  if (max_model_len > 0) card["max_model_len"] = max_model_len;
+  Json j = {{"object", "list"}, {"data", Json::array({card})}};
   return Dump(j);
 }
 

@@ -88,8 +88,8 @@ std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage);
 // An error inside a stream that already answered 200: {"error": {...}} as one event.
 std::string StreamErrorEvent(const ApiError& error);
 
-// GET /v1/models.
-std::string ModelsJson(absl::string_view model, int64_t created);
+// GET /v1/models; `max_model_len` (vLLM's field: the context a request may reach) when > 0.
+std::string ModelsJson(absl::string_view model, int64_t created, int64_t max_model_len = 0);
 // GET /version's body: {"version": version} (vLLM's).
 std::string VersionJson(absl::string_view version);
 

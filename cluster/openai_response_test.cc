@@ -98,7 +98,9 @@ TEST(OpenAiResponseTest, SseFraming) {
 }
 
 TEST(OpenAiResponseTest, ModelsList) {
-  Json j = Json::parse(ModelsJson("tiny", 9));
+  EXPECT_FALSE(Json::parse(ModelsJson("tiny", 9))["data"][0].contains("max_model_len"));
+  Json j = Json::parse(ModelsJson("tiny", 9, 4096));
+  EXPECT_EQ(j["data"][0]["max_model_len"], 4096);
   EXPECT_EQ(j["object"], "list");
   EXPECT_EQ(j["data"][0]["id"], "tiny");
   EXPECT_EQ(j["data"][0]["object"], "model");

@@ -33,9 +33,10 @@ check('a completion is served (waiting for a restarted node at most 60 s)', asyn
   }
 });
 
-check('--served-model-name is the one model listed', async () => {
+check('--served-model-name is the one model listed, with --max-model-len', async () => {
   const models = await client.models.list();
   assert.deepEqual(models.data.map((m) => m.id), [model]);
+  assert.equal(models.data[0].max_model_len, maxModelLen);  // vLLM's field
 });
 
 check('--api-key: a wrong key gets 401', async () => {
