@@ -12,6 +12,7 @@
 #include "cluster/replayer.h"
 #include "cluster/trace.h"
 #include "common/flag_set.h"
+#include "common/served_model_name.h"
 #include "common/status_macros.h"
 
 namespace fluxion::cluster {
@@ -79,9 +80,7 @@ std::string ClosingHaystack(size_t chars, const std::string& needle) {
 // docs/TASKS.md scores it). Informational: a failure is printed, not fatal (the replay above is
 // the run's result).
 void ShowOneAnswer(int http_port, const std::string& model_dir) {
-  std::string name = model_dir;
-  while (name.size() > 1 && name.back() == '/') name.pop_back();
-  name = name.substr(name.rfind('/') + 1);
+  const std::string name = ServedModelName("", model_dir);
   const std::string prompt = absl::StrCat(ClosingHaystack(kClosingHaystackChars, kClosingNeedle),
                                           "\n\n", kClosingQuestion, " ", kClosingAnswerPrefix);
   auto answer = openai::AskOnce(http_port, name, prompt, /*chat=*/false, 16, absl::Seconds(60));

@@ -94,13 +94,6 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "the environment)");
 }
 
-std::string ServedModelName(const std::string& served_model_name, const std::string& model_dir) {
-  if (!served_model_name.empty()) return served_model_name;
-  std::string dir = model_dir;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir.substr(dir.rfind('/') + 1);
-}
-
 OpenAiServing::~OpenAiServing() { server_.reset(); }
 
 int OpenAiServing::port() const { return server_->port(); }

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "cluster/openai_http.h"
 #include "common/flag_set.h"
+#include "common/served_model_name.h"
 #include "grpcpp/grpcpp.h"
 #include "model/tokenizer.h"
 
@@ -41,10 +42,6 @@ struct OpenAiFlags {
 };
 
 void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out);
-
-// The model id the router's APIs answer to: --served-model-name, else the model directory's last
-// component.
-std::string ServedModelName(const std::string& served_model_name, const std::string& model_dir);
 
 // The running API and what it borrows (tokenizer, chat template).
 class OpenAiServing {

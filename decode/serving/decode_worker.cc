@@ -10,6 +10,7 @@
 #include "common/build_version.h"
 #include "absl/time/clock.h"
 #include "common/read_bandwidth.h"
+#include "common/served_model_name.h"
 #include "common/status_macros.h"
 #include "model/generation_config.h"
 #include "proto/convert.h"
@@ -170,13 +171,6 @@ absl::Status DecodeWorker::CreateArena() {
   return absl::OkStatus();
 }
 
-std::string DecodeWorker::ServedName() const {
-  if (!config_.served_model_name.empty()) return config_.served_model_name;
-  std::string dir = config_.model_dir;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir.substr(dir.rfind('/') + 1);
-}
-
 absl::Status DecodeWorker::BuildService() {
   const model::AttentionShape shape = model_->attention_shape();
   const int64_t page_tokens = config_.page_tokens;
@@ -184,7 +178,8 @@ absl::Status DecodeWorker::BuildService() {
   node_metrics_ = std::make_unique<DecodeNodeMetrics>(
       &metrics::Registry::Default(),
       DecodeMetricsConfig{page_tokens, shape.num_layers, shape.num_kv_heads, config_.default_policy,
-                          BudgetOf(config_), ServedName()});
+                          BudgetOf(config_),
+                          ServedModelName(config_.served_model_name, config_.model_dir)});
   KvAdmissionOptions admission_options;
   admission_options.headroom_pages =
       growth_pages * ((config_.headroom_tokens + page_tokens - 1) / page_tokens);

@@ -116,7 +116,6 @@ class DecodeWorker {
   absl::Status LoadModel();
   absl::Status CreateArena();
   absl::Status BuildService();
-  std::string ServedName() const;  // served_model_name, else the model directory's name
   void PrintServing() const;
 
   DecodeWorkerConfig config_;
