@@ -101,6 +101,10 @@ bool StopSignalsBlocked() {
 }  // namespace
 
 void BlockStopSignals() {
+  // The flag handler first: a thread that started before the mask (gRPC's executors can) may
+  // still take the signal, and must then stop the server, not kill the process unhandled.
+  std::signal(SIGTERM, OnStopSignal);
+  std::signal(SIGINT, OnStopSignal);
   const sigset_t signals = StopSignalSet();
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 }
@@ -110,11 +114,12 @@ void WaitForStopSignal(absl::Duration tick, const std::function<void()>& on_tick
     // Every thread inherited the mask: the signal waits, pending, for this call to take it.
     const sigset_t signals = StopSignalSet();
     const timespec wait = absl::ToTimespec(tick);
-    while (true) {
+    while (!g_stop) {
       if (on_tick) on_tick();
       const int sig = sigtimedwait(&signals, nullptr, &wait);
       if (sig == SIGINT || sig == SIGTERM) return;
     }
+    return;
   }
   // Any thread may take the signal here; the handler only sets a flag this thread polls.
   std::signal(SIGTERM, OnStopSignal);
