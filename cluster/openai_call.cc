@@ -56,6 +56,13 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
     prepared.detokenizers.push_back(std::move(*detokenizer));
   }
   prepared.meta = {endpoint, id, static_cast<int64_t>(std::time(nullptr)), request->model};
+  prepared.tokenizer = preparer.tokenizer;
+  if (request->echo) {
+    for (const Prompt& p : request->prompts) {
+      std::vector<int32_t> ids(p.ids.begin(), p.ids.end());
+      prepared.echo_texts.push_back(p.text ? *p.text : preparer.tokenizer->Decode(ids, false));
+    }
+  }
   prepared.request = std::move(*request);
   prepared.choices = std::move(*choices);
   return prepared;

@@ -20,6 +20,9 @@ std::shared_ptr<Completion> Completion::Start(
     options.include_stop_str = request.include_stop_str_in_output;
     options.include_usage = request.include_usage;
     options.stop_token_ids = request.stop_token_ids;
+    options.logprobs = request.logprobs;
+    options.tokenizer = prepared.tokenizer;
+    if (request.echo) options.echo = prepared.echo_texts.at(prepared.choices[i].prompt);
     completion->prompt_of_.push_back(prepared.choices[i].prompt);
     completion->choices_.push_back(Exchange::Start(
         stub, std::move(prepared.choices[i].generate), std::move(options), prepared.meta,

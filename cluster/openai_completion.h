@@ -40,6 +40,9 @@ struct Prepared {
   std::vector<PreparedChoice> choices;
   std::vector<model::StreamDetokenizer> detokenizers;  // one per choice
   ResponseMeta meta;
+  const model::Tokenizer* tokenizer = nullptr;  // the texts of logprobs' tokens
+  // With echo: each prompt's text as the answer shows it (given text as is, ids decoded).
+  std::vector<std::string> echo_texts;
 };
 
 class Completion {

@@ -38,7 +38,11 @@ Exchange::Exchange(Options options, ResponseMeta meta, model::StreamDetokenizer 
     : options_(std::move(options)),
       meta_(std::move(meta)),
       detokenizer_(std::move(detokenizer)),
-      wake_(std::move(wake)) {}
+      wake_(std::move(wake)) {
+  if (options_.logprobs.has_value() && options_.tokenizer != nullptr) {
+    track_.emplace(options_.tokenizer);
+  }
+}
 
 void Exchange::OnReadDone(bool ok) {
   if (!ok) return;  // the stream ended: OnDone follows
@@ -102,10 +106,19 @@ void Exchange::HandleChunk(const v1::GenerateChunk& chunk) {
     events_ += SseEvent(
         ChunkJson(meta_, options_.index, "", /*first=*/true, nullptr, options_.include_usage));
   }
+  const bool first = first_chunk_;
   first_chunk_ = false;
+  if (first && options_.echo.has_value() && !Echo(chunk)) return;
   if (!chunk.sparse_policy().empty()) end_.policy = chunk.sparse_policy();
-  for (uint32_t id : chunk.token_ids()) {
+  if (track_.has_value() && chunk.logprobs_size() != chunk.token_ids_size()) {
+    Fail(absl::InternalError(absl::StrCat("the decode node sent ", chunk.logprobs_size(),
+                                          " logprobs for ", chunk.token_ids_size(), " tokens")));
+    return;
+  }
+  for (int k = 0; k < chunk.token_ids_size(); ++k) {
+    const uint32_t id = chunk.token_ids(k);
     ++completion_tokens_;
+    if (track_.has_value()) logprobs_.push_back(track_->Add(id, &chunk.logprobs(k)));
     AppendText(detokenizer_.Add(static_cast<int32_t>(id)));
     if (detokenizer_.stopped()) {
       end_.stop_string = detokenizer_.matched_stop();
@@ -131,11 +144,35 @@ void Exchange::HandleComplete(const v1::GenerateComplete& c) {
   Finish(cluster::FinishReasonText(c.finish_reason()));
 }
 
+bool Exchange::Echo(const v1::GenerateChunk& chunk) {
+  if (track_.has_value()) {
+    const int n = generate_.prompt_token_ids_size();
+    if (chunk.prompt_logprobs_size() != n - 1) {
+      Fail(absl::InternalError(absl::StrCat("the decode node sent ", chunk.prompt_logprobs_size(),
+                                            " prompt logprobs for ", n, " prompt tokens")));
+      return false;
+    }
+    for (int i = 0; i < n; ++i) {
+      logprobs_.push_back(track_->Add(generate_.prompt_token_ids(i),
+                                      i == 0 ? nullptr : &chunk.prompt_logprobs(i - 1)));
+    }
+  }
+  AppendText(*options_.echo);
+  return true;
+}
+
+const std::vector<LogprobEntry>* Exchange::PendingLogprobs() {
+  if (!track_.has_value() || logprobs_.empty()) return nullptr;
+  sent_logprobs_.clear();
+  sent_logprobs_.swap(logprobs_);
+  return &sent_logprobs_;
+}
+
 void Exchange::AppendText(const std::string& text) {
   if (text.empty()) return;
   if (options_.stream) {
-    events_ += SseEvent(
-        ChunkJson(meta_, options_.index, text, /*first=*/false, nullptr, options_.include_usage));
+    events_ += SseEvent(ChunkJson(meta_, options_.index, text, /*first=*/false, nullptr,
+                                  options_.include_usage, PendingLogprobs()));
   } else {
     text_ += text;
   }
@@ -148,7 +185,8 @@ void Exchange::Finish(const std::string& finish_reason) {
     started_ = true;
     const bool first = first_chunk_ && meta_.endpoint == Endpoint::kChatCompletions;
     first_chunk_ = false;
-    events_ += SseEvent(ChunkJson(meta_, options_.index, "", first, &end_, options_.include_usage));
+    events_ += SseEvent(ChunkJson(meta_, options_.index, "", first, &end_, options_.include_usage,
+                                  PendingLogprobs()));
   }
   WakeLocked();
 }
@@ -179,7 +217,9 @@ Exchange::Progress Exchange::Poll(std::string* events) {
 
 ChoiceOutput Exchange::Output() {
   absl::MutexLock lock(&mu_);
-  return {text_, end_, prompt_tokens_, completion_tokens_};
+  ChoiceOutput out{text_, end_, prompt_tokens_, completion_tokens_};
+  if (track_.has_value()) out.logprobs = logprobs_;
+  return out;
 }
 
 void Exchange::Abandon(const absl::Status& why) {

@@ -24,6 +24,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "cluster/openai_logprobs.h"
 #include "cluster/openai_request.h"
 #include "cluster/openai_response.h"
 #include "fluxion/v1/decode.grpc.pb.h"
@@ -46,6 +47,12 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
     bool include_stop_str = false;          // include_stop_str_in_output
     bool include_usage = false;             // "usage": null in each chunk (stream_options)
     std::vector<uint32_t> stop_token_ids;   // the request's, for stop_reason
+    // The request's logprobs (absent: none), shown with `tokenizer`'s texts.
+    std::optional<uint32_t> logprobs;
+    const model::Tokenizer* tokenizer = nullptr;  // needed with logprobs
+    // Completions' echo: the prompt's text, answered before the completion's (with logprobs,
+    // its tokens' entries first; the GenerateRequest then asks for prompt_logprobs).
+    std::optional<std::string> echo;
   };
   // Starts the call. `stub` must outlive the exchange; `wake` is called (from a gRPC thread,
   // under the exchange's lock, so it must not call back in) once after a Poll that found nothing
@@ -89,6 +96,10 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   void HandleChunk(const v1::GenerateChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleComplete(const v1::GenerateComplete& complete) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendText(const std::string& text) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The echoed prompt, with its tokens' entries; false (and failed) when the chunk lacks them.
+  bool Echo(const v1::GenerateChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Streaming: the pending entries for the next event (null when the request has none pending).
+  const std::vector<LogprobEntry>* PendingLogprobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the answer: end_ filled by the caller but for the finish reason.
   void Finish(const std::string& finish_reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -114,6 +125,10 @@ class Exchange : public grpc::ClientReadReactor<v1::GenerateResponse>,
   std::string events_ ABSL_GUARDED_BY(mu_);             // streaming: events not yet polled
   ChoiceEnd end_ ABSL_GUARDED_BY(mu_);
   uint32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<LogprobTrack> track_ ABSL_GUARDED_BY(mu_);  // with logprobs
+  // With logprobs: every entry (not streaming), or those not yet in an event (streaming).
+  std::vector<LogprobEntry> logprobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<LogprobEntry> sent_logprobs_ ABSL_GUARDED_BY(mu_);  // the last event's
   bool first_chunk_ ABSL_GUARDED_BY(mu_) = true;
   std::shared_ptr<Exchange> self_;  // keeps the exchange alive until OnDone
 };

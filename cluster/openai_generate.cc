@@ -97,6 +97,11 @@ v1::GenerateRequest ChoiceRequest(const Request& request, const std::vector<uint
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
   s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());
   s->set_ignore_eos(request.ignore_eos);
+  if (request.logprobs) {
+    s->set_logprobs(*request.logprobs);
+    // Echoed prompts show their tokens' logprobs too, with as many alternatives.
+    if (request.echo) s->set_prompt_logprobs(*request.logprobs);
+  }
   if (!request.policy.empty()) g.mutable_sparse()->set_policy(request.policy);
   if (request.budget) g.mutable_sparse()->set_budget(*request.budget);
   g.set_protocol_version(v1::PROTOCOL_VERSION_1);

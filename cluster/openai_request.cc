@@ -206,12 +206,15 @@ absl::Status ParseMessages(const Json& v, const ParseLimits& limits, Request* r)
   return absl::OkStatus();
 }
 
-constexpr char kNoLogprobs[] =
-    "the engine returns no log-probabilities (fluxion.v1 streams token ids only)";
-
 using FieldParser = std::function<absl::Status(const Json&, Request*)>;
 
 using FieldTable = std::map<std::string, FieldParser>;
+
+// Chat's two logprobs fields, read apart and joined once the body is parsed.
+struct ChatLogprobs {
+  bool on = false;
+  std::optional<uint32_t> top;
+};
 
 // The sampling fields both endpoints take: model, max_tokens, temperature, top_p, top_k, seed,
 // stop, stop_token_ids.
@@ -393,12 +396,14 @@ void AddDefaultOnlyFields(FieldTable* table) {
 void AddCompletionsFields(const ParseLimits& limits, FieldTable* table) {
   FieldTable& f = *table;
   f["prompt"] = [limits](const Json& v, Request* r) { return ParsePrompt(v, limits, r); };
-  f["logprobs"] = [](const Json& v, Request*) {
-    return OnlyDefault("logprobs", v, v == 0, kNoLogprobs);
+  f["logprobs"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("logprobs", v, 0, kMaxLogprobs);
+    if (!x.ok()) return x.status();
+    r->logprobs = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
   };
-  f["echo"] = [](const Json& v, Request*) {
-    return OnlyDefault("echo", v, v == false, "the prompt is not echoed");
-  };
+  f["echo"] = [](const Json& v, Request* r) { return BoolField("echo", v, &r->echo); };
   f["best_of"] = [](const Json& v, Request*) {
     return OnlyDefault("best_of", v, v == 1, "one sequence per request");
   };
@@ -409,7 +414,7 @@ void AddCompletionsFields(const ParseLimits& limits, FieldTable* table) {
 
 // /v1/chat/completions' own fields; max_completion_tokens lands in `*max_completion_tokens`.
 void AddChatFields(const ParseLimits& limits, std::optional<uint32_t>* max_completion_tokens,
-                   FieldTable* table) {
+                   ChatLogprobs* logprobs, FieldTable* table) {
   FieldTable& f = *table;
   f["messages"] = [limits](const Json& v, Request* r) { return ParseMessages(v, limits, r); };
   f["max_completion_tokens"] = [max_completion_tokens](const Json& v, Request*) {
@@ -419,11 +424,15 @@ void AddChatFields(const ParseLimits& limits, std::optional<uint32_t>* max_compl
     *max_completion_tokens = static_cast<uint32_t>(*x);
     return absl::OkStatus();
   };
-  f["logprobs"] = [](const Json& v, Request*) {
-    return OnlyDefault("logprobs", v, v == false, kNoLogprobs);
+  f["logprobs"] = [logprobs](const Json& v, Request*) {
+    return BoolField("logprobs", v, &logprobs->on);
   };
-  f["top_logprobs"] = [](const Json& v, Request*) {
-    return OnlyDefault("top_logprobs", v, v == 0, kNoLogprobs);
+  f["top_logprobs"] = [logprobs](const Json& v, Request*) {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("top_logprobs", v, 0, kMaxLogprobs);
+    if (!x.ok()) return x.status();
+    logprobs->top = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
   };
   f["response_format"] = [](const Json& v, Request*) {
     return OnlyDefault("response_format", v,
@@ -434,7 +443,7 @@ void AddChatFields(const ParseLimits& limits, std::optional<uint32_t>* max_compl
 
 // The fields of one endpoint: name -> parser. Fields not in the table are refused.
 FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
-                  std::optional<uint32_t>* max_completion_tokens) {
+                  std::optional<uint32_t>* max_completion_tokens, ChatLogprobs* chat_logprobs) {
   FieldTable f;
   AddSamplingFields(limits, &f);
   AddStreamingFields(limits, &f);
@@ -443,7 +452,7 @@ FieldTable Fields(Endpoint endpoint, const ParseLimits& limits,
   if (endpoint == Endpoint::kCompletions) {
     AddCompletionsFields(limits, &f);
   } else {
-    AddChatFields(limits, max_completion_tokens, &f);
+    AddChatFields(limits, max_completion_tokens, chat_logprobs, &f);
   }
   return f;
 }
@@ -485,7 +494,8 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
   Request r;
   r.endpoint = endpoint;
   std::optional<uint32_t> max_completion_tokens;
-  const auto fields = Fields(endpoint, limits, &max_completion_tokens);
+  ChatLogprobs chat_logprobs;
+  const auto fields = Fields(endpoint, limits, &max_completion_tokens, &chat_logprobs);
   for (const auto& [key, value] : json->items()) {
     auto it = fields.find(key);
     if (it == fields.end()) {
@@ -508,6 +518,10 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
     }
     r.max_tokens = max_completion_tokens;
   }
+  if (chat_logprobs.top && !chat_logprobs.on) {
+    return Invalid("top_logprobs", "top_logprobs needs logprobs set to true");
+  }
+  if (chat_logprobs.on) r.logprobs = chat_logprobs.top.value_or(0);
   if (endpoint == Endpoint::kCompletions && !r.max_tokens) {
     r.max_tokens = kDefaultCompletionMaxTokens;
   }

@@ -67,7 +67,17 @@ struct Request {
   // this request (empty: the decode node's default) and its budget (absent: the policy's).
   std::string policy;
   std::optional<float> budget;
+  // Log-probabilities of each completion token and of its position's `logprobs` most likely
+  // tokens (completions' `logprobs`; chat's `logprobs: true` with `top_logprobs`, default 0).
+  // Absent: none. From the raw logits (model/logprobs.h).
+  std::optional<uint32_t> logprobs;
+  // Completions: the prompt's text precedes the completion's, and with `logprobs` so do the
+  // prompt tokens' log-probabilities (the first token's null), as lm-eval's loglikelihood reads.
+  bool echo = false;
 };
+
+// The most alternatives `logprobs` / `top_logprobs` may ask for (vLLM's default max_logprobs).
+inline constexpr uint32_t kMaxLogprobs = 20;
 
 // Bounds on what a body may hold, checked while parsing (the body's size is the HTTP layer's).
 struct ParseLimits {

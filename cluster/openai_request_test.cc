@@ -91,20 +91,45 @@ TEST(OpenAiRequestTest, SeveralPromptsAndNGiveOneChoiceEach) {
 TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","bogus":1})"), "bogus",
                 "Unrecognized request argument supplied: bogus");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","logprobs":2})"), "logprobs",
-                "log-probabilities");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","echo":true})"), "echo", "echoed");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":0.5})"),
                 "presence_penalty", "penalties");
-  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-      "logprobs":true})"),
-                "logprobs", "log-probabilities");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
       "tools":[]})"),
                 "tools", "Unrecognized");
   // A chat-only field on completions.
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","messages":[]})"), "messages",
                 "Unrecognized");
+}
+
+TEST(OpenAiRequestTest, LogprobsAndEchoAsCompletionsAndChatSpellThem) {
+  absl::StatusOr<Request> c =
+      Completions(R"({"model":"m","prompt":"p","logprobs":1,"echo":true})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->logprobs, std::optional<uint32_t>(1));
+  EXPECT_TRUE(c->echo);
+  c = Completions(R"({"model":"m","prompt":"p","logprobs":null})");
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->logprobs.has_value());
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","logprobs":21})"), "logprobs",
+                "[0, 20]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","echo":1})"), "echo", "boolean");
+
+  const char* kUser = R"("model":"m","messages":[{"role":"user","content":"x"}])";
+  absl::StatusOr<Request> chat =
+      Chat(absl::StrCat("{", kUser, R"(,"logprobs":true,"top_logprobs":5})"));
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->logprobs, std::optional<uint32_t>(5));
+  chat = Chat(absl::StrCat("{", kUser, R"(,"logprobs":true})"));
+  ASSERT_TRUE(chat.ok());
+  EXPECT_EQ(chat->logprobs, std::optional<uint32_t>(0));
+  chat = Chat(absl::StrCat("{", kUser, R"(,"logprobs":false})"));
+  ASSERT_TRUE(chat.ok());
+  EXPECT_FALSE(chat->logprobs.has_value());
+  ExpectRefused(Chat(absl::StrCat("{", kUser, R"(,"top_logprobs":2})")), "top_logprobs",
+                "logprobs set to true");
+  ExpectRefused(Chat(absl::StrCat("{", kUser, R"(,"logprobs":true,"top_logprobs":30})")),
+                "top_logprobs", "[0, 20]");
+  ExpectRefused(Chat(absl::StrCat("{", kUser, R"(,"echo":true})")), "echo", "Unrecognized");
 }
 
 TEST(OpenAiRequestTest, VllmAndFluxionExtensions) {

@@ -1,5 +1,7 @@
 #include "cluster/openai_response.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
@@ -41,6 +43,64 @@ void AddEnd(const ChoiceEnd& end, Json* choice, Json* response) {
   Json fluxion = {{"policy", NullIfEmpty(end.policy)}};
   if (end.read_fraction) fluxion["read_fraction"] = *end.read_fraction;
   (*response)["fluxion"] = fluxion;
+}
+
+// JSON has no -inf (a token the model rules out): vLLM's stand-in.
+float Finite(float logprob) { return std::isfinite(logprob) ? logprob : -9999.0f; }
+
+Json Bytes(const std::string& bytes) {
+  Json out = Json::array();
+  for (unsigned char c : bytes) out.push_back(static_cast<int>(c));
+  return out;
+}
+
+// Completions' legacy object: parallel lists, each position's alternatives as {text: logprob}
+// with its own token among them (OpenAI: "up to logprobs + 1 elements").
+Json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries) {
+  Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(),
+       offsets = Json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.token);
+    offsets.push_back(e.text_offset);
+    if (!e.logprob) {
+      token_logprobs.push_back(nullptr);
+      top.push_back(nullptr);
+      continue;
+    }
+    token_logprobs.push_back(Finite(*e.logprob));
+    Json alternatives = Json::object();
+    for (const LogprobAlternative& a : e.top) {
+      if (!alternatives.contains(a.token)) alternatives[a.token] = Finite(a.logprob);
+    }
+    if (!alternatives.contains(e.token)) alternatives[e.token] = Finite(*e.logprob);
+    top.push_back(std::move(alternatives));
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", token_logprobs},
+          {"top_logprobs", top},
+          {"text_offset", offsets}};
+}
+
+// Chat's object: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}.
+Json ChatLogprobsJson(const std::vector<LogprobEntry>& entries) {
+  Json content = Json::array();
+  for (const LogprobEntry& e : entries) {
+    Json top = Json::array();
+    for (const LogprobAlternative& a : e.top) {
+      top.push_back({{"token", a.token}, {"logprob", Finite(a.logprob)}, {"bytes", Bytes(a.bytes)}});
+    }
+    content.push_back({{"token", e.token},
+                       {"logprob", Finite(e.logprob.value_or(0.0f))},
+                       {"bytes", Bytes(e.bytes)},
+                       {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+Json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>* entries) {
+  if (entries == nullptr) return nullptr;
+  return endpoint == Endpoint::kChatCompletions ? ChatLogprobsJson(*entries)
+                                                : CompletionLogprobsJson(*entries);
 }
 
 }  // namespace
@@ -113,7 +173,9 @@ std::string CompletionJson(const ResponseMeta& meta, const std::vector<ChoiceOut
   Json j = Envelope(meta, /*chunk=*/false);
   j["choices"] = Json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
-    Json choice = {{"index", i}, {"logprobs", nullptr}};
+    const std::optional<std::vector<LogprobEntry>>& logprobs = choices[i].logprobs;
+    Json choice = {{"index", i},
+                   {"logprobs", LogprobsJson(meta.endpoint, logprobs ? &*logprobs : nullptr)}};
     Json response;
     AddEnd(choices[i].end, &choice, &response);
     if (i == 0) j["fluxion"] = response["fluxion"];
@@ -131,9 +193,12 @@ std::string CompletionJson(const ResponseMeta& meta, const std::vector<ChoiceOut
 std::string SseEvent(absl::string_view json) { return absl::StrCat("data: ", json, "\n\n"); }
 
 std::string ChunkJson(const ResponseMeta& meta, uint32_t index, absl::string_view text,
-                      bool first, const ChoiceEnd* end, bool include_usage) {
+                      bool first, const ChoiceEnd* end, bool include_usage,
+                      const std::vector<LogprobEntry>* logprobs) {
   Json j = Envelope(meta, /*chunk=*/true);
-  Json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  Json choice = {{"index", index},
+                 {"logprobs", LogprobsJson(meta.endpoint, logprobs)},
+                 {"finish_reason", nullptr}};
   if (end != nullptr) AddEnd(*end, &choice, &j);
   if (meta.endpoint == Endpoint::kChatCompletions) {
     Json delta = Json::object();

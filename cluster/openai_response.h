@@ -61,12 +61,29 @@ struct ChoiceEnd {
   std::optional<float> read_fraction;
 };
 
+// One token's log-probabilities as an answer shows them (openai_logprobs.h makes them).
+struct LogprobAlternative {
+  std::string token;  // its text
+  std::string bytes;  // its raw bytes (a byte-level token may hold part of a character)
+  float logprob = 0;
+};
+struct LogprobEntry {
+  std::string token;
+  std::string bytes;
+  std::optional<float> logprob;  // none for an echoed prompt's first token, which has none
+  std::vector<LogprobAlternative> top;  // most likely first
+  // Completions: where the token's text starts in the choice's text, in code points.
+  int64_t text_offset = 0;
+};
+
 // What one choice answers with, once it ended without an error.
 struct ChoiceOutput {
   std::string text;
   ChoiceEnd end;
   uint32_t prompt_tokens = 0;
   uint32_t completion_tokens = 0;
+  // With logprobs: one entry per token of `text` (echoed prompt tokens first).
+  std::optional<std::vector<LogprobEntry>> logprobs;
 };
 
 // A whole (non-streamed) completion or chat completion: `choices` in index order, the "fluxion"
@@ -81,8 +98,10 @@ inline constexpr char kSseDone[] = "data: [DONE]\n\n";
 // A streamed chunk: `text` (completions) or delta.content (chat); the last one carries `end`
 // (finish_reason, stop_reason, the "fluxion" object). Chat's first chunk carries delta.role =
 // "assistant" (`first`). With include_usage every chunk has "usage": null, as OpenAI sends it.
+// `logprobs` (may be null: "logprobs": null) are the tokens whose text the chunk carries.
 std::string ChunkJson(const ResponseMeta& meta, uint32_t index, absl::string_view text,
-                      bool first, const ChoiceEnd* end, bool include_usage);
+                      bool first, const ChoiceEnd* end, bool include_usage,
+                      const std::vector<LogprobEntry>* logprobs = nullptr);
 // The final usage chunk of include_usage: empty choices, the usage.
 std::string UsageChunkJson(const ResponseMeta& meta, const TokenUsage& usage);
 // An error inside a stream that already answered 200: {"error": {...}} as one event.

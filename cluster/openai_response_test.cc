@@ -1,6 +1,8 @@
 #include "cluster/openai_response.h"
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -24,6 +24,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   if (!(p.top_p > 0.0 && p.top_p <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
   }
+  if (p.logprobs < -1 || p.logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("logprobs must be in [0, ", kMaxTopLogprobs,
+                                                   "], got ", p.logprobs));
+  }
   return absl::OkStatus();
 }
 
@@ -36,8 +40,18 @@ int64_t CandidatesNeeded(const SamplingParams& p, int64_t vocab, int64_t max_can
   } else if (p.top_p < 1.0) {
     needed = max_candidates;
   }
+  if (p.logprobs >= 0) {
+    // One normaliser per row: top-p without top-k at another temperature than 1 needs its own.
+    if (NeedsNormaliser(p) && p.temperature != 1.0) return 0;
+    needed = std::max<int64_t>(needed, p.logprobs);
+  }
   needed = std::min(needed, vocab);
   return needed <= max_candidates ? needed : 0;
+}
+
+double NormaliserTemperature(const SamplingParams& p) {
+  if (p.logprobs >= 0) return 1.0;
+  return NeedsNormaliser(p) ? p.temperature : 0.0;
 }
 
 bool NeedsNormaliser(const SamplingParams& p) {
@@ -51,6 +65,12 @@ int32_t ArgMax(absl::Span<const float> logits) {
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
 
 int32_t Sampler::Sample(absl::Span<const float> logits) {
+  const int32_t token = DrawRow(logits);
+  if (params_.logprobs >= 0) last_logprobs_ = LogprobsOfRow(logits, token, params_.logprobs);
+  return token;
+}
+
+int32_t Sampler::DrawRow(absl::Span<const float> logits) {
   if (Greedy(params_)) return ArgMax(logits);
   const int64_t vocab = static_cast<int64_t>(logits.size());
   const int64_t k = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
@@ -71,7 +91,23 @@ int32_t Sampler::Sample(absl::Span<const float> logits) {
   return *Draw(c);
 }
 
-std::optional<int32_t> Sampler::SampleCandidates(const Candidates& c) { return Draw(c); }
+std::optional<int32_t> Sampler::SampleCandidates(const Candidates& c) {
+  const int32_t top = params_.logprobs;
+  if (top >= 0) {
+    // Checked before the draw, so that a list that cannot give the logprobs leaves the stream
+    // where it was. The drawn token is always one of the candidates.
+    const bool two_temperatures = NeedsNormaliser(params_) && params_.temperature != 1.0;
+    if (two_temperatures || std::min(c.ids.size(), c.logits.size()) < static_cast<size_t>(top) ||
+        !(std::isfinite(c.normaliser) && c.normaliser > 0.0)) {
+      return std::nullopt;
+    }
+  }
+  std::optional<int32_t> token = Draw(c);
+  if (token.has_value() && top >= 0) {
+    last_logprobs_ = LogprobsOfCandidates(c.ids, c.logits, c.normaliser, *token, top);
+  }
+  return token;
+}
 
 std::optional<int32_t> Sampler::Draw(const Candidates& c) {
   const int64_t n = static_cast<int64_t>(std::min(c.ids.size(), c.logits.size()));

@@ -11,6 +11,9 @@
 //                                          the whole row's normaliser (sum over every token of
 //                                          exp((x - max) / T)), which the device computes too
 //   temperature alone                      every token: only the full row will do
+// and, when the request asks for logprobs (model/logprobs.h), at least `logprobs` candidates and
+// the row's normaliser at temperature 1 (NormaliserTemperature): its log-softmax. A top-p draw
+// without top-k at another temperature would need a second normaliser: that row crosses whole.
 //
 // Top-p without top-k over a partial list: the device sums the normaliser in another order (and
 // with CUDA's exp, within 1 ulp of the host's) than the host's sorted sum, so it may differ from
@@ -33,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "model/logprobs.h"
 
 namespace fluxion::model {
 
@@ -41,9 +45,13 @@ struct SamplingParams {
   int64_t top_k = 0;         // 0: no limit
   double top_p = 1.0;        // nucleus: smallest set of tokens whose probability reaches top_p
   uint64_t seed = 0;
+  // Log-probabilities of each drawn token and of the row's `logprobs` most likely tokens
+  // (0..kMaxTopLogprobs); -1: none (Sampler::last_logprobs stays empty).
+  int32_t logprobs = -1;
 };
 
-// InvalidArgument naming the field for a negative temperature or top_k, or top_p outside (0, 1].
+// InvalidArgument naming the field for a negative temperature or top_k, top_p outside (0, 1], or
+// logprobs outside [-1, kMaxTopLogprobs].
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 // A row's best tokens in the sampler's order (descending logit, ties by lower id): the first
@@ -52,8 +60,8 @@ struct Candidates {
   absl::Span<const int32_t> ids;
   absl::Span<const float> logits;  // logits[i] is token ids[i]'s
   int64_t vocab = 0;               // the whole row's length
-  // Sum over the WHOLE row of exp((x - logits[0]) / temperature) at the sampler's temperature;
-  // read only for top-p without top-k over a partial list (NaN: not computed).
+  // Sum over the WHOLE row of exp((x - logits[0]) / T) at T = NormaliserTemperature(params);
+  // read for top-p without top-k over a partial list and for logprobs (NaN: not computed).
   double normaliser = std::numeric_limits<double>::quiet_NaN();
 };
 
@@ -64,6 +72,9 @@ struct Candidates {
 int64_t CandidatesNeeded(const SamplingParams& params, int64_t vocab, int64_t max_candidates);
 // Whether a draw from a partial list with `params` reads Candidates::normaliser.
 bool NeedsNormaliser(const SamplingParams& params);
+// The temperature at which a partial list's normaliser is summed for `params`: 1 when it asks for
+// logprobs, its temperature for NeedsNormaliser, else 0 (none needed).
+double NormaliserTemperature(const SamplingParams& params);
 
 class Sampler {
  public:
@@ -81,16 +92,21 @@ class Sampler {
   std::optional<int32_t> SampleCandidates(const Candidates& c);
 
   const SamplingParams& params() const { return params_; }
+  // The last draw's log-probabilities when params().logprobs >= 0 (else nullopt).
+  const std::optional<TokenLogprobs>& last_logprobs() const { return last_logprobs_; }
 
  private:
   // The draw both entry points share.
   std::optional<int32_t> Draw(const Candidates& c);
+  // Sample's draw from the full row (without the logprobs).
+  int32_t DrawRow(absl::Span<const float> logits);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<int32_t> order_;  // scratch
   std::vector<float> values_;   // scratch: the logits in order_'s order
   std::vector<double> probs_;   // scratch
+  std::optional<TokenLogprobs> last_logprobs_;
 };
 
 // Index of the largest logit (lowest index among ties).

@@ -253,5 +253,64 @@ TEST(SamplerTest, GreedyNeedsOneCandidate) {
   EXPECT_EQ(k1.SampleCandidates(TopOf(x, 1, 0).view(4)), std::optional<int32_t>(1));
 }
 
+TEST(SamplerTest, LogprobsFromCandidatesEqualTheFullRowsAndNeverChangeTheDraw) {
+  constexpr int64_t kVocab = 2000, kMax = 256;
+  std::mt19937_64 rng(17);
+  int64_t from_candidates = 0;
+  for (SamplingParams p : ParamGrid(3)) {
+    SamplingParams plain = p;
+    p.logprobs = static_cast<int32_t>(rng() % (kMaxTopLogprobs + 1));
+    Sampler full(p), partial(p), without(plain);
+    const int64_t needed = CandidatesNeeded(p, kVocab, kMax);
+    for (int step = 0; step < 12; ++step) {
+      const std::vector<float> x = RandomLogits(rng, kVocab, step % 3 == 0 ? 0.5 : 6.0);
+      const int32_t want = full.Sample(x);
+      ASSERT_EQ(without.Sample(x), want);  // asking for logprobs draws the same tokens
+      ASSERT_TRUE(full.last_logprobs().has_value());
+      const TokenLogprobs& w = *full.last_logprobs();
+      ASSERT_EQ(w.token, want);
+      ASSERT_EQ(w.top_ids.size(), static_cast<size_t>(p.logprobs));
+      std::optional<int32_t> got;
+      if (needed > 0) {
+        got = partial.SampleCandidates(TopOf(x, needed, NormaliserTemperature(p)).view(kVocab));
+      }
+      if (got.has_value()) {
+        ++from_candidates;
+        ASSERT_TRUE(partial.last_logprobs().has_value());
+        const TokenLogprobs& g = *partial.last_logprobs();
+        EXPECT_EQ(g.top_ids, w.top_ids);
+        EXPECT_NEAR(g.logprob, w.logprob, 1e-4);
+        for (size_t i = 0; i < g.top_logprobs.size(); ++i) {
+          EXPECT_NEAR(g.top_logprobs[i], w.top_logprobs[i], 1e-4);
+        }
+      } else {
+        got = partial.Sample(x);
+      }
+      ASSERT_EQ(*got, want) << "t=" << p.temperature << " k=" << p.top_k << " p=" << p.top_p;
+    }
+  }
+  EXPECT_GT(from_candidates, 500);
+}
+
+TEST(SamplerTest, LogprobsBesideTopPAtAnotherTemperatureNeedTheFullRow) {
+  SamplingParams p{0.7, 0, 0.9, 1};
+  p.logprobs = 2;
+  EXPECT_EQ(CandidatesNeeded(p, 100, 64), 0);
+  const std::vector<float> x = {0.0f, 3.0f, 2.0f, 1.0f};
+  Sampler s(p), fresh(p);
+  EXPECT_FALSE(s.SampleCandidates(TopOf(x, 4, 1.0).view(4)).has_value());
+  EXPECT_EQ(s.Sample(x), fresh.Sample(x));  // declining did not draw
+  // At temperature 1 one normaliser serves both; greedy needs max(1, logprobs) candidates.
+  p.temperature = 1.0;
+  EXPECT_EQ(CandidatesNeeded(p, 100, 64), 64);
+  EXPECT_EQ(NormaliserTemperature(p), 1.0);
+  SamplingParams greedy;
+  greedy.logprobs = 5;
+  EXPECT_EQ(CandidatesNeeded(greedy, 100, 64), 5);
+  EXPECT_EQ(NormaliserTemperature(greedy), 1.0);
+  greedy.logprobs = 21;
+  EXPECT_NE(ValidateSamplingParams(greedy).message().find("logprobs"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace fluxion::model

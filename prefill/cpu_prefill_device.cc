@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "model/dense_attention.h"
 #include "model/generator.h"
+#include "model/logprobs.h"
 #include "model/sparse_state.h"
 #include "transfer/kv_pages.h"
 #include "transfer/page_meta.h"
@@ -53,7 +54,8 @@ class CpuPrefillDevice::Prompt final : public PromptPages {
         geo_{model.config().num_layers, model.config().num_kv_heads, model.config().head_dim,
              p.page_tokens},
         shape_(model.attention_shape()),
-        capture_(p.capture_state) {
+        capture_(p.capture_state),
+        prompt_logprobs_(p.prompt_logprobs) {
     // DevicePrompt::cancelled is polled by `ready`'s caller (the engine checks it in its
     // callback, where a cancelled request of a batch is answered at once): a second poll here
     // could take the prompt out of the batch without that answer.
@@ -88,6 +90,17 @@ class CpuPrefillDevice::Prompt final : public PromptPages {
   absl::Span<const int32_t> tokens() const { return tokens_; }
   model::Sequence& seq() { return *seq_; }
   bool capture() const { return capture_; }
+  int32_t prompt_logprobs() const { return prompt_logprobs_; }
+  // Rows [first, first + rows) of the prompt's logits ([rows][vocab]): each row's log-probability
+  // of the token after it, for every one the prompt has.
+  void AddLogprobs(int64_t first, int64_t rows, const float* logits, int64_t vocab) {
+    const int64_t n = static_cast<int64_t>(tokens_.size());
+    for (int64_t r = 0; r < rows && first + r + 1 < n; ++r) {
+      logprobs_.push_back(model::LogprobsOfRow(absl::MakeConstSpan(logits + r * vocab, vocab),
+                                               tokens_[first + r + 1], prompt_logprobs_));
+    }
+  }
+  std::vector<model::TokenLogprobs> TakeLogprobs() { return std::move(logprobs_); }
   absl::StatusOr<model::SparseState> Capture() const {
     return model::CaptureSparseState(attention_->dense(), shape_);
   }
@@ -97,6 +110,8 @@ class CpuPrefillDevice::Prompt final : public PromptPages {
   const transfer::KvPageGeometry geo_;
   const model::AttentionShape shape_;
   const bool capture_;
+  const int32_t prompt_logprobs_;
+  std::vector<model::TokenLogprobs> logprobs_;
   ReportingAttention* attention_ = nullptr;  // owned by seq_
   std::unique_ptr<model::Sequence> seq_;
 };
@@ -120,18 +135,55 @@ void CpuPrefillDevice::Forward(absl::Span<Prompt* const> prompts,
   const size_t count = prompts.size();
   statuses->assign(count, absl::OkStatus());
   logits->assign(count, {});
-  if (count == 1) {
-    // Alone: the plain forward, piece by piece.
-    Prompt& p = *prompts[0];
-    const int64_t n = static_cast<int64_t>(p.tokens().size());
-    for (int64_t first = 0; first < n && (*statuses)[0].ok(); first += piece_tokens_) {
-      (*statuses)[0] = model_->Forward(
-          p.seq(), p.tokens().subspan(first, std::min(piece_tokens_, n - first)), &(*logits)[0]);
+  // Prompts that ask for their prompt logprobs need every row's logits, which the batched
+  // forward does not give: they run alone (few requests ask; lm-eval's loglikelihood does).
+  std::vector<Prompt*> together;
+  std::vector<size_t> together_index;
+  for (size_t i = 0; i < count; ++i) {
+    if (count == 1 || prompts[i]->prompt_logprobs() >= 0) {
+      (*statuses)[i] = ForwardAlone(*prompts[i], &(*logits)[i]);
+    } else {
+      together.push_back(prompts[i]);
+      together_index.push_back(i);
     }
-    return;
   }
-  // Together: piece p of every prompt still computing goes through one batched forward. A prompt
-  // whose hook fails (cancelled, a send refused) leaves the batch at that layer.
+  if (together.empty()) return;
+  std::vector<absl::Status> together_statuses;
+  std::vector<std::vector<float>> together_logits;
+  ForwardTogether(together, &together_statuses, &together_logits);
+  for (size_t b = 0; b < together.size(); ++b) {
+    (*statuses)[together_index[b]] = std::move(together_statuses[b]);
+    (*logits)[together_index[b]] = std::move(together_logits[b]);
+  }
+}
+
+absl::Status CpuPrefillDevice::ForwardAlone(Prompt& p, std::vector<float>* logits) {
+  const int64_t n = static_cast<int64_t>(p.tokens().size());
+  const int64_t vocab = model_->config().vocab_size;
+  const bool all = p.prompt_logprobs() >= 0;
+  std::vector<float> piece_logits;
+  for (int64_t first = 0; first < n; first += piece_tokens_) {
+    const int64_t rows = std::min(piece_tokens_, n - first);
+    FLUXION_RETURN_IF_ERROR(
+        model_->Forward(p.seq(), p.tokens().subspan(first, rows), &piece_logits, all));
+    if (all) p.AddLogprobs(first, rows, piece_logits.data(), vocab);
+  }
+  if (all) {
+    logits->assign(piece_logits.end() - vocab, piece_logits.end());  // the last row's
+  } else {
+    *logits = std::move(piece_logits);
+  }
+  return absl::OkStatus();
+}
+
+void CpuPrefillDevice::ForwardTogether(absl::Span<Prompt* const> prompts,
+                                       std::vector<absl::Status>* statuses,
+                                       std::vector<std::vector<float>>* logits) {
+  const size_t count = prompts.size();
+  statuses->assign(count, absl::OkStatus());
+  logits->assign(count, {});
+  // Piece p of every prompt still computing goes through one batched forward. A prompt whose
+  // hook fails (cancelled, a send refused) leaves the batch at that layer.
   std::vector<model::Sequence*> seqs;
   std::vector<absl::Span<const int32_t>> spans;
   std::vector<size_t> in;
@@ -195,6 +247,7 @@ absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> CpuPrefillDevic
     }
     DevicePrefillResult r;
     r.logits = std::move(logits[i]);
+    r.prompt_logprobs = batch[i]->TakeLogprobs();
     r.forward_end = forward_end;
     if (batch[i]->capture()) {
       absl::StatusOr<model::SparseState> state = batch[i]->Capture();

@@ -39,6 +39,7 @@ class CpuPrefillDevice final : public PrefillDevice {
   absl::Status CopyPages(size_t prompt, int layer, int64_t first_page, int64_t end_page,
                          uint8_t* pages, uint8_t* records) override;
   bool PagesOutliveBatch() const override { return true; }
+  bool ComputesPromptLogprobs() const override { return true; }
 
  private:
   class Prompt;
@@ -46,6 +47,12 @@ class CpuPrefillDevice final : public PrefillDevice {
   // its last token in *logits. A prompt's hook holds RunBatch's `ready`: it runs only in here.
   void Forward(absl::Span<Prompt* const> prompts, std::vector<absl::Status>* statuses,
                std::vector<std::vector<float>>* logits);
+  // One prompt alone, piece by piece; with its prompt logprobs when it asks for them (every
+  // piece's logits, reduced to the logprobs as they come).
+  absl::Status ForwardAlone(Prompt& p, std::vector<float>* logits);
+  // Several prompts stacked through Model::ForwardBatch, piece by piece.
+  void ForwardTogether(absl::Span<Prompt* const> prompts, std::vector<absl::Status>* statuses,
+                       std::vector<std::vector<float>>* logits);
 
   const model::Model* const model_;
   const int64_t piece_tokens_;

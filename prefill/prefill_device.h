@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "model/config.h"
+#include "model/logprobs.h"
 #include "model/sparse_state.h"
 
 namespace fluxion::prefill {
@@ -33,6 +34,8 @@ class PromptPages {
 
 struct DevicePrefillResult {
   std::vector<float> logits;                // the last prompt token's [vocab_size]
+  // With DevicePrompt::prompt_logprobs >= 0: one entry per prompt token after the first.
+  std::vector<model::TokenLogprobs> prompt_logprobs;
   std::optional<model::SparseState> state;  // when the run was asked to capture it
   std::chrono::steady_clock::time_point forward_end;  // before the capture
   // The prompt's pages from now on, when the device keeps them (PagesOutliveBatch); else null.
@@ -58,6 +61,9 @@ struct DevicePrompt {
   bool encode_meta = false;
   bool capture_state = false;
   std::function<bool()> cancelled;
+  // Each prompt token's log-probability after the first and the position's `prompt_logprobs`
+  // most likely tokens (-1: none). Only for a device that ComputesPromptLogprobs.
+  int32_t prompt_logprobs = -1;
 };
 
 class PrefillDevice {
@@ -94,6 +100,10 @@ class PrefillDevice {
   // the pages live in device memory the next batch reuses, staging is HostStaging's, and a batch's
   // writes all land before the next batch.
   virtual bool PagesOutliveBatch() const { return false; }
+
+  // Whether RunBatch computes DevicePrompt::prompt_logprobs (every prompt row through the LM
+  // head). The GPU's does not yet: the engine refuses such requests before they reach it.
+  virtual bool ComputesPromptLogprobs() const { return false; }
 };
 
 }  // namespace fluxion::prefill

@@ -185,6 +185,7 @@ struct PrefillEngine::Job {
   std::shared_ptr<const PromptPages> pages;
   std::vector<int32_t> prompt;
   std::vector<float> logits;
+  std::vector<model::TokenLogprobs> prompt_logprobs;  // when the request asks for them
   absl::Status forward;
   // In a batch: answers this request the moment its hook fails (it then leaves the batch), so it
   // does not wait for the rest of the others' piece. Null when alone.
@@ -215,6 +216,11 @@ absl::StatusOr<std::unique_ptr<PrefillEngine::Job>> PrefillEngine::Prepare(
       ValidatePrefillRequest(request, PrefillLimits{config.vocab_size,
                                                     config.max_position_embeddings, shape,
                                                     &layout_, std::string(transport_->kind())}));
+  if (request.sampling().has_prompt_logprobs() && !device_->ComputesPromptLogprobs()) {
+    return absl::FailedPreconditionError(
+        "prompt logprobs (echo with logprobs) are computed by prefill nodes on the host's cores; "
+        "this prefill node runs its forward on a GPU, which does not compute them yet");
+  }
   const v1::KvTarget& kv = request.kv_target();
   const uint32_t version = valid.version;
   const model::SamplingParams& sampling = valid.sampling;
@@ -499,8 +505,10 @@ void PrefillEngine::RunOnDevice(absl::Span<Job* const> jobs) const {
     Job& j = *jobs[k];
     j.device_index = k;
     j.t_compute = t_compute;
+    const v1::SamplingParams& sp = j.request->sampling();
     prompts.push_back({j.prompt, j.geo.page_tokens, j.want_meta, j.request->has_sparse_target(),
-                       j.cancelled});
+                       j.cancelled,
+                       sp.has_prompt_logprobs() ? static_cast<int32_t>(sp.prompt_logprobs()) : -1});
   }
   absl::StatusOr<std::vector<absl::StatusOr<DevicePrefillResult>>> r = device_->RunBatch(
       prompts, [this, jobs](size_t k, int layer, int64_t, int64_t end) -> absl::Status {
@@ -515,6 +523,7 @@ void PrefillEngine::RunOnDevice(absl::Span<Job* const> jobs) const {
       continue;
     }
     j.logits = std::move(one->logits);
+    j.prompt_logprobs = std::move(one->prompt_logprobs);
     j.device_state = std::move(one->state);
     j.pages = std::move(one->pages);
     j.t_compute_end = one->forward_end;
@@ -616,6 +625,12 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
   j.t_all_computed = Clock::now();
 
   response.set_first_token_id(static_cast<uint32_t>(first));
+  if (sampler.last_logprobs().has_value()) {
+    proto::TokenLogprobsToProto(*sampler.last_logprobs(), response.mutable_first_token_logprobs());
+  }
+  for (const model::TokenLogprobs& l : j.prompt_logprobs) {
+    proto::TokenLogprobsToProto(l, response.add_prompt_logprobs());
+  }
   response.set_prompt_tokens(static_cast<uint32_t>(j.n));
   response.set_checksum_algorithm(kv.checksum_algorithm());
   response.set_kv_bytes_written(j.kv_bytes);  // the checksums once Land has staged every page

@@ -138,6 +138,7 @@ absl::Status CheckPromptAndProtocol(const v1::PrefillRequest& request, const Pre
       "the decode node's model/layout differs from this prefill node's (here = prefill, peer = "
       "decode): "));
   FLUXION_ASSIGN_OR_RETURN(out->sampling, proto::SamplingFromProto(request.sampling()));
+  FLUXION_RETURN_IF_ERROR(proto::ValidatePromptLogprobs(request.sampling(), n));
   out->version = version;
   return absl::OkStatus();
 }

@@ -96,9 +96,39 @@ absl::StatusOr<model::SamplingParams> SamplingFromProto(const fluxion::v1::Sampl
     std::random_device rd;
     s.seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }
+  if (p.has_logprobs()) {
+    if (p.logprobs() > static_cast<uint32_t>(model::kMaxTopLogprobs)) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logprobs must be at most ",
+                                                     model::kMaxTopLogprobs, ", got ",
+                                                     p.logprobs()));
+    }
+    s.logprobs = static_cast<int32_t>(p.logprobs());
+  }
   absl::Status valid = model::ValidateSamplingParams(s);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("sampling: ", valid.message()));
   return s;
+}
+
+absl::Status ValidatePromptLogprobs(const fluxion::v1::SamplingParams& p, int64_t prompt_tokens) {
+  if (!p.has_prompt_logprobs()) return absl::OkStatus();
+  const int64_t top = p.prompt_logprobs();
+  if (top > model::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.prompt_logprobs must be at most ",
+                                                   model::kMaxTopLogprobs, ", got ", top));
+  }
+  if (prompt_tokens * (top + 1) > kMaxPromptLogprobEntries) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.prompt_logprobs: ", prompt_tokens, " prompt tokens x (", top,
+        " + 1) log-probabilities exceed the ", kMaxPromptLogprobEntries,
+        " one request may ask for; ask for fewer alternatives or a shorter prompt"));
+  }
+  return absl::OkStatus();
+}
+
+void TokenLogprobsToProto(const model::TokenLogprobs& l, fluxion::v1::TokenLogprobs* out) {
+  out->set_logprob(l.logprob);
+  for (int32_t id : l.top_ids) out->add_top_token_ids(static_cast<uint32_t>(id));
+  for (float lp : l.top_logprobs) out->add_top_logprobs(lp);
 }
 
 }  // namespace fluxion::proto

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "fluxion/v1/common.pb.h"
 #include "model/config.h"
+#include "model/logprobs.h"
 #include "model/sampler.h"
 #include "transfer/transport.h"
 
@@ -34,6 +35,15 @@ transfer::CompatibilityRecord CompatibilityOf(const fluxion::v1::ModelLayout& la
 // absent seed: a random one). InvalidArgument naming the field for a negative or non-finite
 // temperature, top_p outside (0, 1].
 absl::StatusOr<model::SamplingParams> SamplingFromProto(const fluxion::v1::SamplingParams& p);
+
+// The most prompt tokens x (prompt_logprobs + 1) a request may ask for: what keeps the prefill
+// reply and the first chunk under gRPC's default 4 MiB message (about 12 bytes an entry).
+inline constexpr int64_t kMaxPromptLogprobEntries = 131072;
+// InvalidArgument naming the field when `p` asks for prompt logprobs beyond kMaxTopLogprobs, or
+// for more than kMaxPromptLogprobEntries over `prompt_tokens` tokens.
+absl::Status ValidatePromptLogprobs(const fluxion::v1::SamplingParams& p, int64_t prompt_tokens);
+
+void TokenLogprobsToProto(const model::TokenLogprobs& l, fluxion::v1::TokenLogprobs* out);
 
 }  // namespace fluxion::proto
 

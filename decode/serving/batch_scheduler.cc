@@ -21,7 +21,8 @@ double ProcessCpuSeconds() {
 
 }  // namespace
 
-Finish AcceptToken(DecodeRequest& r, int32_t token) {
+Finish AcceptToken(DecodeRequest& r, int32_t token,
+                   const std::optional<model::TokenLogprobs>& logprobs) {
   r.last_token = token;
   ++r.completion_tokens;
   Finish finish = Finish::kNone;
@@ -33,6 +34,7 @@ Finish AcceptToken(DecodeRequest& r, int32_t token) {
   }
   absl::MutexLock lock(&r.mu);
   r.pending.push_back(token);
+  if (logprobs.has_value()) r.pending_logprobs.push_back(*logprobs);
   if (finish == Finish::kStop) r.matched_stop = token;
   return finish;
 }
@@ -188,7 +190,7 @@ void BatchScheduler::RunStep(const std::vector<DecodeRequest*>& batch) {
       absl::MutexLock lock(&r.mu);
       r.max_step_us = std::max(r.max_step_us, step_us);
     }
-    const Finish finish = AcceptToken(r, token);
+    const Finish finish = AcceptToken(r, token, r.sampler->last_logprobs());
     if (finish != Finish::kNone) End(r, finish, absl::OkStatus());
   }
 }

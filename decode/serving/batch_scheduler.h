@@ -57,6 +57,8 @@ struct DecodeRequest {
 
   absl::Mutex mu;
   std::vector<int32_t> pending ABSL_GUARDED_BY(mu);  // produced, not yet streamed
+  // Beside `pending`, one per token, when the request asks for logprobs.
+  std::vector<model::TokenLogprobs> pending_logprobs ABSL_GUARDED_BY(mu);
   Finish finish ABSL_GUARDED_BY(mu) = Finish::kNone;
   absl::Status error ABSL_GUARDED_BY(mu);             // with kError
   std::optional<int32_t> matched_stop ABSL_GUARDED_BY(mu);
@@ -70,11 +72,12 @@ struct DecodeRequest {
   bool resumable ABSL_GUARDED_BY(mu) = false;
 };
 
-// Records `token` as produced by `r` (into `pending`) and says whether it ends `r`: kStop for a
-// stop token, kLength at max_tokens or the context limit, kNone otherwise. Used for the first
-// token (from the prefill node) and by the scheduler for every later one.
-// REQUIRES: the caller owns r's scheduler-side fields.
-Finish AcceptToken(DecodeRequest& r, int32_t token);
+// Records `token` as produced by `r` (into `pending`, its `logprobs` into `pending_logprobs` when
+// given) and says whether it ends `r`: kStop for a stop token, kLength at max_tokens or the
+// context limit, kNone otherwise. Used for the first token (from the prefill node) and by the
+// scheduler for every later one. REQUIRES: the caller owns r's scheduler-side fields.
+Finish AcceptToken(DecodeRequest& r, int32_t token,
+                   const std::optional<model::TokenLogprobs>& logprobs = std::nullopt);
 
 // Ends `r`: frees its pages (destroys its sequence), then publishes `finish` (the first one set
 // wins) so that whoever sees `finish != kNone` also sees the pages back in the arena.

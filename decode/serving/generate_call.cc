@@ -10,6 +10,7 @@
 #include "decode/serving/generate_call_steps.h"
 #include "decode/sparse/guard_flags.h"
 #include "decode/sparse/policy.h"
+#include "proto/convert.h"
 
 namespace fluxion::decode {
 namespace {
@@ -291,6 +292,15 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Land() {
   in.needs_state = needs_state_;
   in.meta_pages = meta_pages_;
   in.pool = service_->options_.cpu_pool;
+  absl::StatusOr<PrefillTokens> tokens =
+      CheckPrefillTokens(landed_, prefill_input_->sampling(), context_tokens_,
+                         service_->model_->config().vocab_size);
+  if (!tokens.ok()) {
+    kv_pages_.Release();  // the prefill node answered: nobody writes into them any more
+    state_room_.Release();
+    return Fail(tokens.status());
+  }
+  prefill_tokens_ = *std::move(tokens);
   bool checksum_failed = false;
   absl::StatusOr<std::unique_ptr<SparseAttention>> attention =
       LandPrompt(in, std::move(kv_pages_), std::move(state_room_), &checksum_failed);
@@ -306,7 +316,8 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Land() {
 void DecodeServiceImpl::Call::JoinBatch() {
   r_ = NewDecodeRequest(request_, *valid_, service_->eos_token_ids_, ++service_->admission_seq_,
                         std::move(attention_), prompt_tokens_);
-  StartDecoding(r_, static_cast<int32_t>(landed_.first_token_id()), service_->scheduler_);
+  StartDecoding(r_, prefill_tokens_.first_token, prefill_tokens_.first_logprobs,
+                service_->scheduler_);
   {
     absl::MutexLock lock(&service_->mu_);
     live_->request = r_;
@@ -342,6 +353,10 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Resume() {
   ++resumes_;
   // The KV held the prompt and every generated token but the last, which is the next input.
   resume_request_ = request_;
+  // The recompute's first token is not used (the request goes on from its last one), nor are the
+  // prompt's logprobs, sent with the first chunk.
+  resume_request_.mutable_sampling()->clear_logprobs();
+  resume_request_.mutable_sampling()->clear_prompt_logprobs();
   for (size_t i = 0; i + 1 < generated_.size(); ++i) {
     resume_request_.add_prompt_token_ids(static_cast<uint32_t>(generated_[i]));
   }
@@ -368,6 +383,7 @@ void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
   DecodeRequest& r = *r_;
   while (true) {
     std::vector<int32_t> tokens;
+    std::vector<model::TokenLogprobs> logprobs;
     {
       absl::MutexLock lock(&r.mu);
       auto ready = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
@@ -375,6 +391,7 @@ void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
       };
       r.mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(20));
       tokens.swap(r.pending);
+      logprobs.swap(r.pending_logprobs);
       s.finish = r.finish;
     }
     if (!tokens.empty() && !s.client_gone) {
@@ -384,7 +401,13 @@ void DecodeServiceImpl::Call::StreamTokens(Streamed& s) {
       v1::GenerateChunk* chunk = msg.mutable_chunk();
       for (int32_t t : tokens) chunk->add_token_ids(static_cast<uint32_t>(t));
       chunk->set_completion_tokens(s.sent);
-      if (s.sent == tokens.size()) chunk->set_sparse_policy(sparse::PolicyLabel(valid_->policy));
+      for (const model::TokenLogprobs& l : logprobs) {
+        proto::TokenLogprobsToProto(l, chunk->add_logprobs());
+      }
+      if (s.sent == tokens.size()) {
+        chunk->set_sparse_policy(sparse::PolicyLabel(valid_->policy));
+        *chunk->mutable_prompt_logprobs() = std::move(*landed_.mutable_prompt_logprobs());
+      }
       const Clock::time_point now = Clock::now();
       if (s.t_first_sent == Clock::time_point{}) {
         s.t_first_sent = now;

@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "decode/kv/kv_admission.h"
 #include "decode/serving/decode_service.h"
+#include "decode/serving/generate_call_steps.h"
 #include "decode/serving/generate_validation.h"
 #include "decode/step/sparse_attention.h"
 
@@ -150,6 +151,7 @@ class DecodeServiceImpl::Call {
   Reservation state_room_;
   // PrefillAndLand
   fluxion::v1::PrefillResponse landed_;
+  PrefillTokens prefill_tokens_;  // landed_'s, checked against the request
   Clock::time_point t_prefilled_{};
   std::unique_ptr<SparseAttention> attention_;
   // JoinBatch

@@ -389,9 +389,73 @@ std::shared_ptr<DecodeRequest> ResumeDecodeRequest(DecodeRequest& preempted,
   return r;
 }
 
+namespace {
+
+absl::Status CheckLogprobs(const v1::TokenLogprobs& l, uint32_t top, int64_t vocab,
+                           absl::string_view what) {
+  if (static_cast<uint32_t>(l.top_token_ids_size()) != top ||
+      static_cast<uint32_t>(l.top_logprobs_size()) != top) {
+    return absl::DataLossError(absl::StrCat("the prefill node's ", what, " lists ",
+                                            l.top_token_ids_size(), " ids and ",
+                                            l.top_logprobs_size(), " values; ", top,
+                                            " were asked for"));
+  }
+  for (uint32_t id : l.top_token_ids()) {
+    if (id >= static_cast<uint64_t>(vocab)) {
+      return absl::DataLossError(absl::StrCat("the prefill node's ", what, " names token ", id,
+                                              ", outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+model::TokenLogprobs LogprobsFromProto(const v1::TokenLogprobs& l, int32_t token) {
+  model::TokenLogprobs out;
+  out.token = token;
+  out.logprob = l.logprob();
+  out.top_ids.assign(l.top_token_ids().begin(), l.top_token_ids().end());
+  out.top_logprobs.assign(l.top_logprobs().begin(), l.top_logprobs().end());
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<PrefillTokens> CheckPrefillTokens(const v1::PrefillResponse& landed,
+                                                 const v1::SamplingParams& asked,
+                                                 int64_t prompt_tokens, int64_t vocab) {
+  PrefillTokens out;
+  if (landed.first_token_id() >= static_cast<uint64_t>(vocab)) {
+    return absl::DataLossError(absl::StrCat("the prefill node's first token ",
+                                            landed.first_token_id(),
+                                            " is outside the vocabulary [0, ", vocab, ")"));
+  }
+  out.first_token = static_cast<int32_t>(landed.first_token_id());
+  if (asked.has_logprobs() != landed.has_first_token_logprobs()) {
+    return absl::DataLossError(asked.has_logprobs()
+                                   ? "the prefill node sent no logprobs for the first token"
+                                   : "the prefill node sent logprobs nobody asked for");
+  }
+  if (asked.has_logprobs()) {
+    FLUXION_RETURN_IF_ERROR(CheckLogprobs(landed.first_token_logprobs(), asked.logprobs(), vocab,
+                                          "first token's logprobs"));
+    out.first_logprobs = LogprobsFromProto(landed.first_token_logprobs(), out.first_token);
+  }
+  const int64_t want = asked.has_prompt_logprobs() ? prompt_tokens - 1 : 0;
+  if (landed.prompt_logprobs_size() != want) {
+    return absl::DataLossError(absl::StrCat("the prefill node sent ",
+                                            landed.prompt_logprobs_size(),
+                                            " prompt logprobs; ", want, " were asked for"));
+  }
+  for (const v1::TokenLogprobs& l : landed.prompt_logprobs()) {
+    FLUXION_RETURN_IF_ERROR(CheckLogprobs(l, asked.prompt_logprobs(), vocab, "prompt logprobs"));
+  }
+  return out;
+}
+
 Finish StartDecoding(const std::shared_ptr<DecodeRequest>& r, int32_t first_token,
+                     const std::optional<model::TokenLogprobs>& first_logprobs,
                      BatchScheduler* scheduler) {
-  const Finish first = AcceptToken(*r, first_token);
+  const Finish first = AcceptToken(*r, first_token, first_logprobs);
   if (first != Finish::kNone) {
     EndRequest(*r, first, absl::OkStatus());  // its reservations wake the admission's waiters
   } else {

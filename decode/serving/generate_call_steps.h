@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -21,6 +22,7 @@
 #include "fluxion/v1/prefill.pb.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "model/config.h"
+#include "model/logprobs.h"
 #include "model/model.h"
 #include "transfer/transport.h"
 
@@ -107,7 +109,24 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const fluxion::v1::GenerateReque
 // max_tokens 1, the context full) the request ends here (pages freed, finish published) and never
 // joins; otherwise it joins `scheduler`'s batch. Returns how it ended (kNone: joined).
 Finish StartDecoding(const std::shared_ptr<DecodeRequest>& r, int32_t first_token,
+                     const std::optional<model::TokenLogprobs>& first_logprobs,
                      BatchScheduler* scheduler);
+
+// The prefill node's first token and its log-probabilities when asked for.
+struct PrefillTokens {
+  int32_t first_token = 0;
+  std::optional<model::TokenLogprobs> first_logprobs;
+};
+
+// The tokens of the prefill node's answer checked against the request it answers (a peer's
+// bytes: nothing of them is used unchecked): the first token inside the vocabulary; with
+// `asked.logprobs`, the first token's log-probabilities with that many alternatives; with
+// `asked.prompt_logprobs`, one entry per prompt token after the first with that many; every id
+// inside the vocabulary, nothing the request did not ask for. DATA_LOSS naming the field
+// otherwise (the request is not decoded).
+absl::StatusOr<PrefillTokens> CheckPrefillTokens(const fluxion::v1::PrefillResponse& landed,
+                                                 const fluxion::v1::SamplingParams& asked,
+                                                 int64_t prompt_tokens, int64_t vocab);
 
 // The preempted request `preempted` continued: `attention` holds its KV recomputed over
 // `context_tokens` tokens (the prompt and every generated token but the last); the rest carries

@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/context_length.h"
+#include "common/status_macros.h"
 #include "proto/convert.h"
 
 namespace fluxion::decode {
@@ -41,6 +42,7 @@ absl::StatusOr<ValidatedGenerate> ValidateGenerateRequest(const v1::GenerateRequ
   if (!sampling.ok()) return sampling.status();
   out.sampling = *std::move(sampling);
   const v1::SamplingParams& sp = request.sampling();
+  FLUXION_RETURN_IF_ERROR(proto::ValidatePromptLogprobs(sp, n));
   if (sp.has_max_tokens() && sp.max_tokens() == 0) {
     return absl::InvalidArgumentError("sampling.max_tokens must be >= 1 when set");
   }

@@ -287,9 +287,8 @@ absl::Status HybridStepExecutor::DrawTokens(absl::Span<const StepRequest> batch,
     s.temperatures.resize(rows);
     for (int64_t r = 0; r < rows; ++r) {
       const model::Sampler* sampler = batch[s.rows[r]].sampler;
-      s.temperatures[r] = sampler != nullptr && model::NeedsNormaliser(sampler->params())
-                              ? sampler->params().temperature
-                              : 0.0;
+      s.temperatures[r] =
+          sampler != nullptr ? model::NormaliserTemperature(sampler->params()) : 0.0;
     }
     s.candidate_ids.resize(rows * n);
     s.candidate_logits.resize(rows * n);
