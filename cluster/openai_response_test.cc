@@ -108,6 +108,50 @@ TEST(OpenAiResponseTest, ModelsList) {
   EXPECT_EQ(j["data"][0]["object"], "model");
 }
 
+TEST(OpenAiResponseTest, LogprobsInTheCompletionsAndChatShapes) {
+  // An echoed first prompt token (no logprob), then a token whose alternatives lack it, and one
+  // ruled out (-inf: JSON has no such number).
+  std::vector<LogprobEntry> entries(3);
+  entries[0].token = "A";
+  entries[0].bytes = "A";
+  entries[1].token = "b";
+  entries[1].bytes = "b";
+  entries[1].logprob = -2.0f;
+  entries[1].top = {{"c", "c", -0.5f}};
+  entries[1].text_offset = 1;
+  entries[2].token = "\xef\xbf\xbd";
+  entries[2].bytes = "\xc3";
+  entries[2].logprob = -INFINITY;
+  entries[2].text_offset = 2;
+  ChoiceOutput out{"Abx", {"length"}};
+  out.logprobs = entries;
+  ResponseMeta meta{Endpoint::kCompletions, "cmpl-1", 100, "m"};
+  const Json c = Json::parse(CompletionJson(meta, {out}, {1, 2}))["choices"][0]["logprobs"];
+  EXPECT_EQ(c["tokens"], Json::array({"A", "b", "\xef\xbf\xbd"}));
+  EXPECT_TRUE(c["token_logprobs"][0].is_null());
+  EXPECT_TRUE(c["top_logprobs"][0].is_null());
+  EXPECT_EQ(c["token_logprobs"][1], -2.0);
+  EXPECT_EQ(c["token_logprobs"][2], -9999.0);
+  // Up to logprobs + 1 alternatives: the position's own token joins them.
+  EXPECT_EQ(c["top_logprobs"][1], Json({{"c", -0.5}, {"b", -2.0}}));
+  EXPECT_EQ(c["text_offset"], Json::array({0, 1, 2}));
+
+  meta.endpoint = Endpoint::kChatCompletions;
+  std::vector<LogprobEntry> delta(entries.begin() + 1, entries.end());
+  const Json chunk = Json::parse(ChunkJson(meta, 0, "b", false, nullptr, false, &delta));
+  const Json& content = chunk["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[0]["token"], "b");
+  EXPECT_EQ(content[0]["logprob"], -2.0);
+  EXPECT_EQ(content[0]["bytes"], Json::array({98}));
+  EXPECT_EQ(content[0]["top_logprobs"][0],
+            Json({{"token", "c"}, {"logprob", -0.5}, {"bytes", {99}}}));
+  EXPECT_EQ(content[1]["bytes"], Json::array({0xc3}));
+  // Without logprobs the field stays null.
+  EXPECT_TRUE(Json::parse(ChunkJson(meta, 0, "b", false, nullptr, false))["choices"][0]["logprobs"]
+                  .is_null());
+}
+
 }  // namespace
 TEST(OpenAiResponseTest, VersionIsVllmsShape) {
   EXPECT_EQ(VersionJson("0.1.0+abc"), R"({"version":"0.1.0+abc"})");

@@ -21,8 +21,11 @@ void UnsupportedSampling(const ve::SamplingParams& s, std::vector<std::string>* 
   if (s.repetition_penalty() != 0 && s.repetition_penalty() != 1) add("repetition_penalty");
   if (s.min_tokens() != 0) add("min_tokens");
   if (s.n() > 1) add("n (one sequence per request)");
-  if (s.has_logprobs()) add("logprobs");
-  if (s.has_prompt_logprobs()) add("prompt_logprobs");
+  // vLLM's -1 (the whole vocabulary) and anything beyond 20 alternatives.
+  if (s.has_logprobs() && (s.logprobs() < 0 || s.logprobs() > 20)) add("logprobs (0 to 20)");
+  if (s.has_prompt_logprobs() && (s.prompt_logprobs() < 0 || s.prompt_logprobs() > 20)) {
+    add("prompt_logprobs (0 to 20)");
+  }
   if (!s.logit_bias().empty()) add("logit_bias");
   if (s.has_truncate_prompt_tokens()) add("truncate_prompt_tokens");
   switch (s.constraint_case()) {
@@ -94,6 +97,36 @@ v1::GenerateRequest ToFluxionRequest(const ve::GenerateRequest& request,
   if (s.has_max_tokens()) d->set_max_tokens(s.max_tokens());
   for (uint32_t id : s.stop_token_ids()) d->add_stop_token_ids(id);
   d->set_ignore_eos(s.ignore_eos());
+  if (s.has_logprobs()) d->set_logprobs(static_cast<uint32_t>(s.logprobs()));
+  if (s.has_prompt_logprobs()) d->set_prompt_logprobs(static_cast<uint32_t>(s.prompt_logprobs()));
+  return out;
+}
+
+void AppendOutputLogprobs(const v1::GenerateChunk& chunk, int tokens, ve::OutputLogProbs* out) {
+  const int n = std::min({tokens, chunk.logprobs_size(), chunk.token_ids_size()});
+  for (int i = 0; i < n; ++i) {
+    const v1::TokenLogprobs& l = chunk.logprobs(i);
+    out->add_token_logprobs(l.logprob());
+    out->add_token_ids(chunk.token_ids(i));
+    ve::TopLogProbs* top = out->add_top_logprobs();
+    *top->mutable_values() = l.top_logprobs();
+    *top->mutable_token_ids() = l.top_token_ids();
+  }
+}
+
+ve::InputLogProbs ToVllmInputLogprobs(const google::protobuf::RepeatedField<uint32_t>& prompt,
+                                      const v1::GenerateChunk& chunk) {
+  ve::InputLogProbs out;
+  for (int i = 0; i < prompt.size(); ++i) {
+    out.add_token_ids(prompt.Get(i));
+    ve::InputTokenLogProb* value = out.add_token_logprobs();
+    ve::TopLogProbs* top = out.add_top_logprobs();
+    if (i == 0 || i - 1 >= chunk.prompt_logprobs_size()) continue;  // the first has none
+    const v1::TokenLogprobs& l = chunk.prompt_logprobs(i - 1);
+    value->set_value(l.logprob());
+    *top->mutable_values() = l.top_logprobs();
+    *top->mutable_token_ids() = l.top_token_ids();
+  }
   return out;
 }
 

@@ -32,6 +32,14 @@ v1::GenerateRequest ToFluxionRequest(const vllm::grpc::engine::GenerateRequest& 
                                      const std::vector<uint32_t>& prompt_ids);
 
 
+// Appends the first `tokens` of `chunk`'s generated tokens' logprobs to `out` (vLLM's parallel
+// lists: the token's value and id, its alternatives).
+void AppendOutputLogprobs(const v1::GenerateChunk& chunk, int tokens,
+                          vllm::grpc::engine::OutputLogProbs* out);
+// The prompt's logprobs in vLLM's shape: every prompt token, the first without a value.
+vllm::grpc::engine::InputLogProbs ToVllmInputLogprobs(
+    const google::protobuf::RepeatedField<uint32_t>& prompt, const v1::GenerateChunk& chunk);
+
 // The terminal message for a fluxion.v1 `complete`. `output_ids`: what the message carries (every
 // id when not streaming, the last chunk's when streaming, as vLLM's servicer does).
 vllm::grpc::engine::GenerateComplete ToVllmComplete(const v1::GenerateComplete& complete,

@@ -43,7 +43,7 @@ TEST(VllmEngineMapping, NamesEveryUnsupportedField) {
   s->set_frequency_penalty(0.5f);
   s->set_repetition_penalty(1.2f);
   s->set_n(2);
-  s->set_logprobs(3);
+  s->set_logprobs(-1);  // vLLM's whole vocabulary
   (*s->mutable_logit_bias())[5] = 1.0f;
   s->set_regex("a+");
   r.mutable_kv_transfer_params()->set_remote_host("h");
@@ -59,6 +59,39 @@ TEST(VllmEngineMapping, NamesEveryUnsupportedField) {
     EXPECT_THAT(std::string(st.message()), HasSubstr(name));
   }
   EXPECT_THAT(std::string(st.message()), ::testing::Not(HasSubstr("presence_penalty")));
+}
+
+TEST(VllmEngineMapping, LogprobsMapBothWays) {
+  ve::GenerateRequest r = TokenRequest();
+  r.mutable_sampling_params()->set_logprobs(2);
+  r.mutable_sampling_params()->set_prompt_logprobs(0);
+  ASSERT_TRUE(ValidateVllmRequest(r).ok()) << ValidateVllmRequest(r);
+  const v1::GenerateRequest g = ToFluxionRequest(r, {5, 6, 7});
+  EXPECT_EQ(g.sampling().logprobs(), 2u);
+  EXPECT_TRUE(g.sampling().has_prompt_logprobs());
+  EXPECT_EQ(g.sampling().prompt_logprobs(), 0u);
+  EXPECT_FALSE(ToFluxionRequest(TokenRequest(), {5}).sampling().has_logprobs());
+
+  v1::GenerateChunk chunk;
+  for (uint32_t id : {11u, 12u}) {
+    chunk.add_token_ids(id);
+    v1::TokenLogprobs* l = chunk.add_logprobs();
+    l->set_logprob(-0.25f * id);
+    l->add_top_token_ids(id);
+    l->add_top_logprobs(-0.25f * id);
+  }
+  chunk.add_prompt_logprobs()->set_logprob(-1.0f);
+  chunk.add_prompt_logprobs()->set_logprob(-2.0f);
+  ve::OutputLogProbs out;
+  AppendOutputLogprobs(chunk, 1, &out);  // the second token was cut by a stop string
+  ASSERT_EQ(out.token_logprobs_size(), 1);
+  EXPECT_EQ(out.token_ids(0), 11u);
+  EXPECT_FLOAT_EQ(out.token_logprobs(0), -2.75f);
+  EXPECT_EQ(out.top_logprobs(0).token_ids(0), 11u);
+  const ve::InputLogProbs in = ToVllmInputLogprobs(g.prompt_token_ids(), chunk);
+  ASSERT_EQ(in.token_ids_size(), 3);
+  EXPECT_FALSE(in.token_logprobs(0).has_value());
+  EXPECT_FLOAT_EQ(in.token_logprobs(2).value(), -2.0f);
 }
 
 TEST(VllmEngineMapping, EachConstraintIsNamed) {

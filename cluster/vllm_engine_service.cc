@@ -185,6 +185,9 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
     } else if (in.has_chunk()) {
       google::protobuf::RepeatedField<uint32_t> ids = in.chunk().token_ids();
       if (detokenizer_.has_value()) CutAtStopString(&ids);
+      const bool first = first_chunk_;
+      first_chunk_ = false;
+      const bool asked_prompt = downstream_.request.sampling().has_prompt_logprobs();
       if (request_.stream()) {
         sent_tokens_ += static_cast<uint32_t>(ids.size());
         last_chunk_.assign(ids.begin(), ids.end());
@@ -193,11 +196,24 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
         *chunk->mutable_token_ids() = ids;
         chunk->set_prompt_tokens(prompt_tokens_);
         chunk->set_completion_tokens(static_cast<uint32_t>(ids.size()));  // this chunk's
+        if (downstream_.request.sampling().has_logprobs()) {
+          AppendOutputLogprobs(in.chunk(), ids.size(), chunk->mutable_output_logprobs());
+        }
+        if (first && asked_prompt) {
+          *chunk->mutable_input_logprobs() =
+              ToVllmInputLogprobs(downstream_.request.prompt_token_ids(), in.chunk());
+        }
         StartWrite(&out_);
         return;
       }
       sent_tokens_ += static_cast<uint32_t>(ids.size());
       all_ids_.insert(all_ids_.end(), ids.begin(), ids.end());
+      if (downstream_.request.sampling().has_logprobs()) {
+        AppendOutputLogprobs(in.chunk(), ids.size(), &all_logprobs_);
+      }
+      if (first && asked_prompt) {
+        input_logprobs_ = ToVllmInputLogprobs(downstream_.request.prompt_token_ids(), in.chunk());
+      }
     } else if (in.has_complete()) {
       complete_ = in.complete();
     }
@@ -259,6 +275,7 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
       c->set_matched_stop_str(*detokenizer_->matched_stop());
       c->set_prompt_tokens(prompt_tokens_);
       c->set_completion_tokens(sent_tokens_);
+      AddLogprobs(c);
       StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
@@ -274,7 +291,16 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
     out_.Clear();
     *out_.mutable_complete() =
         ToVllmComplete(*complete_, prompt_tokens_, request_.stream() ? last_chunk_ : all_ids_);
+    AddLogprobs(out_.mutable_complete());
     StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  // Not streaming: the whole answer's logprobs in the complete message (streamed chunks carried
+  // theirs).
+  void AddLogprobs(ve::GenerateComplete* c) {
+    if (request_.stream()) return;
+    if (downstream_.request.sampling().has_logprobs()) *c->mutable_output_logprobs() = all_logprobs_;
+    if (input_logprobs_.has_value()) *c->mutable_input_logprobs() = *input_logprobs_;
   }
 
   void FinishWith(const absl::Status& status) {
@@ -299,6 +325,9 @@ class VllmEngineService::GenerateCall : public grpc::ServerWriteReactor<ve::Gene
   bool registered_ = false;  // set before the downstream call starts; read in OnDone
   ve::GenerateResponse out_;
   std::vector<uint32_t> last_chunk_, all_ids_;
+  bool first_chunk_ = true;
+  ve::OutputLogProbs all_logprobs_;                  // not streaming, with logprobs
+  std::optional<ve::InputLogProbs> input_logprobs_;  // not streaming, with prompt_logprobs
   std::optional<v1::GenerateComplete> complete_;
   // Stop strings (sampling_params.stop): matched on the detokenized output.
   std::optional<model::StreamDetokenizer> detokenizer_;

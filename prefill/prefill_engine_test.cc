@@ -18,6 +18,7 @@
 #include "decode/kv/kv_admission.h"
 #include "model/dense_attention.h"
 #include "model/generator.h"
+#include "model/logprobs.h"
 #include "prefill/prefill_device.h"
 #include "transfer/kv_pages.h"
 #include "gtest/gtest.h"
@@ -746,6 +747,66 @@ TEST_F(PrefillEngineDeviceTest, NoStagingFailsEveryRequestOfTheBatchBeforeAnyWri
     EXPECT_TRUE(Holds(requests[i].kv, 0xee));
     Stop(requests[i]);
   }
+}
+
+// The CPU path computes the logprobs a request asks for: the first token's from the last row, the
+// prompt's from every row (a request asking for them runs alone beside the batch's others).
+// Equal to a plain forward's log-softmax over every row.
+TEST_F(PrefillEngineDeviceTest, TheCpuPathComputesTheFirstTokensAndThePromptsLogprobs) {
+  const Sent want0 = OnTheCpu(0), want2 = OnTheCpu(2);
+  PrefillEngineOptions options;
+  options.piece_tokens = CpuStandInDevice::kStandInPiece;  // several pieces: several forwards
+  PrefillEngine engine(model_.get(), prefill_.get(), layout_, options);
+  std::vector<Request> requests;
+  for (int i = 0; i < 3; ++i) requests.push_back(Make(i));
+  requests[1].proto.mutable_sampling()->set_logprobs(2);
+  requests[1].proto.mutable_sampling()->set_prompt_logprobs(3);
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got = RunBatch(engine, requests);
+  // The other two went through the batched forward (equal to a lone one up to its GEMM's
+  // blocking): their greedy tokens are the lone ones'.
+  ASSERT_TRUE(got[0].ok() && got[1].ok() && got[2].ok());
+  EXPECT_EQ(got[0]->first_token_id(), want0.reply.first_token_id());
+  EXPECT_EQ(got[2]->first_token_id(), want2.reply.first_token_id());
+  EXPECT_FALSE(got[0]->has_first_token_logprobs());
+  EXPECT_EQ(got[0]->prompt_logprobs_size(), 0);
+
+  const v1::PrefillRequest& asked = requests[1].proto;
+  std::vector<int32_t> ids(asked.prompt_token_ids().begin(), asked.prompt_token_ids().end());
+  std::unique_ptr<model::Sequence> seq = model_->NewSequence();
+  std::vector<float> rows;
+  ASSERT_TRUE(model_->Forward(*seq, ids, &rows, /*all_logits=*/true).ok());
+  const int64_t vocab = model_->config().vocab_size;
+  auto row = [&](int i) { return absl::MakeConstSpan(rows.data() + i * vocab, vocab); };
+  ASSERT_EQ(got[1]->prompt_logprobs_size(), kPromptTokens - 1);
+  for (int i = 0; i + 1 < kPromptTokens; ++i) {
+    const model::TokenLogprobs want = model::LogprobsOfRow(row(i), ids[i + 1], 3);
+    const v1::TokenLogprobs& l = got[1]->prompt_logprobs(i);
+    EXPECT_NEAR(l.logprob(), want.logprob, 1e-4) << "position " << i;
+    ASSERT_EQ(l.top_token_ids_size(), 3);
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_EQ(l.top_token_ids(k), static_cast<uint32_t>(want.top_ids[k]));
+      EXPECT_NEAR(l.top_logprobs(k), want.top_logprobs[k], 1e-4);
+    }
+  }
+  const model::TokenLogprobs first = model::LogprobsOfRow(
+      row(kPromptTokens - 1), static_cast<int32_t>(got[1]->first_token_id()), 2);
+  EXPECT_EQ(first.top_ids[0], static_cast<int32_t>(got[1]->first_token_id()));  // greedy
+  EXPECT_NEAR(got[1]->first_token_logprobs().logprob(), first.logprob, 1e-4);
+  EXPECT_EQ(got[1]->first_token_logprobs().top_token_ids_size(), 2);
+  for (Request& r : requests) Stop(r);
+}
+
+// A device whose forward does not compute prompt rows refuses prompt logprobs before any write.
+TEST_F(PrefillEngineDeviceTest, ADeviceWithoutPromptLogprobsRefusesThemBeforeAnyWrite) {
+  CpuStandInDevice device(model_.get());
+  PrefillEngine engine(&device, prefill_.get(), layout_, PrefillEngineOptions{});
+  std::vector<Request> requests;
+  requests.push_back(Make(0));
+  requests[0].proto.mutable_sampling()->set_prompt_logprobs(0);
+  std::vector<absl::StatusOr<v1::PrefillResponse>> got = RunBatch(engine, requests);
+  EXPECT_EQ(got[0].status().code(), absl::StatusCode::kFailedPrecondition) << got[0].status();
+  EXPECT_TRUE(Holds(requests[0].kv, 0xee));
+  Stop(requests[0]);
 }
 
 }  // namespace

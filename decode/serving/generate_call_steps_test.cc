@@ -520,7 +520,7 @@ TEST_F(GenerateCallStepsTest, AKvChecksumFailureIsFoundOnThePoolToo) {
 TEST_F(GenerateCallStepsTest, AFirstTokenThatEndsTheRequestNeverJoinsAndFreesItsPages) {
   Reserve(/*with_state=*/false);
   std::shared_ptr<DecodeRequest> r = Request(SomeGenerate(/*max_tokens=*/1));
-  EXPECT_EQ(StartDecoding(r, 7, scheduler_.get()), Finish::kLength);
+  EXPECT_EQ(StartDecoding(r, 7, std::nullopt, scheduler_.get()), Finish::kLength);
   EXPECT_EQ(scheduler_->running(), 0);
   absl::MutexLock lock(&r->mu);
   EXPECT_EQ(r->finish, Finish::kLength);
@@ -533,7 +533,7 @@ TEST_F(GenerateCallStepsTest, AFirstTokenThatIsAStopIdEndsWithStop) {
   v1::GenerateRequest generate = SomeGenerate(/*max_tokens=*/10);
   generate.mutable_sampling()->add_stop_token_ids(7);
   std::shared_ptr<DecodeRequest> r = Request(generate);
-  EXPECT_EQ(StartDecoding(r, 7, scheduler_.get()), Finish::kStop);
+  EXPECT_EQ(StartDecoding(r, 7, std::nullopt, scheduler_.get()), Finish::kStop);
   absl::MutexLock lock(&r->mu);
   EXPECT_EQ(r->matched_stop, std::optional<int32_t>(7));
   EXPECT_TRUE(AllFree());
@@ -546,7 +546,7 @@ TEST_F(GenerateCallStepsTest, AnEosIdOfTheNodeEndsWithStopUnlessIgnoreEos) {
   v1::GenerateRequest generate = SomeGenerate(/*max_tokens=*/10);
   generate.mutable_sampling()->set_ignore_eos(false);
   std::shared_ptr<DecodeRequest> r = Request(generate, std::vector<int64_t>{9, 7});
-  EXPECT_EQ(StartDecoding(r, 7, scheduler_.get()), Finish::kStop);
+  EXPECT_EQ(StartDecoding(r, 7, std::nullopt, scheduler_.get()), Finish::kStop);
   {
     absl::MutexLock lock(&r->mu);
     EXPECT_EQ(r->matched_stop, std::optional<int32_t>(7));
@@ -561,7 +561,7 @@ TEST_F(GenerateCallStepsTest, AnEosIdOfTheNodeEndsWithStopUnlessIgnoreEos) {
 TEST_F(GenerateCallStepsTest, OtherwiseTheRequestJoinsTheBatchAndDecodesToItsLength) {
   Reserve(/*with_state=*/false);
   std::shared_ptr<DecodeRequest> r = Request(SomeGenerate(/*max_tokens=*/3));
-  EXPECT_EQ(StartDecoding(r, 7, scheduler_.get()), Finish::kNone);
+  EXPECT_EQ(StartDecoding(r, 7, std::nullopt, scheduler_.get()), Finish::kNone);
   absl::MutexLock lock(&r->mu);
   auto done = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->finish != Finish::kNone; };
   ASSERT_TRUE(r->mu.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(120)));
@@ -569,6 +569,58 @@ TEST_F(GenerateCallStepsTest, OtherwiseTheRequestJoinsTheBatchAndDecodesToItsLen
   EXPECT_EQ(r->pending.size(), 3u);
   EXPECT_EQ(r->pending[0], 7);
   EXPECT_TRUE(AllFree());
+}
+
+// A prefill node's answer is a peer's bytes: its tokens and logprobs are checked against what the
+// request asked for before anything uses them.
+TEST(CheckPrefillTokensTest, TheAnswersTokensAndLogprobsMustMatchTheRequest) {
+  constexpr int64_t kVocab = 100, kPrompt = 3;
+  v1::SamplingParams asked;
+  v1::PrefillResponse landed;
+  landed.set_first_token_id(7);
+  absl::StatusOr<PrefillTokens> t = CheckPrefillTokens(landed, asked, kPrompt, kVocab);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->first_token, 7);
+  EXPECT_FALSE(t->first_logprobs.has_value());
+
+  landed.set_first_token_id(kVocab);
+  EXPECT_EQ(CheckPrefillTokens(landed, asked, kPrompt, kVocab).status().code(),
+            absl::StatusCode::kDataLoss);
+  landed.set_first_token_id(7);
+
+  // logprobs 2: the first token's entry with exactly two alternatives inside the vocabulary.
+  asked.set_logprobs(2);
+  EXPECT_EQ(CheckPrefillTokens(landed, asked, kPrompt, kVocab).status().code(),
+            absl::StatusCode::kDataLoss);  // none sent
+  v1::TokenLogprobs* first = landed.mutable_first_token_logprobs();
+  first->set_logprob(-0.5f);
+  first->add_top_token_ids(7);
+  first->add_top_logprobs(-0.5f);
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // one of two
+  first->add_top_token_ids(kVocab + 5);
+  first->add_top_logprobs(-1.5f);
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // outside
+  first->set_top_token_ids(1, 9);
+  t = CheckPrefillTokens(landed, asked, kPrompt, kVocab);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE(t->first_logprobs.has_value());
+  EXPECT_EQ(t->first_logprobs->token, 7);
+  EXPECT_EQ(t->first_logprobs->top_ids, (std::vector<int32_t>{7, 9}));
+
+  // prompt_logprobs 0: one entry per prompt token after the first, none unasked.
+  v1::TokenLogprobs* extra = landed.add_prompt_logprobs();
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // not asked for
+  asked.set_prompt_logprobs(0);
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // 1 of 2
+  landed.add_prompt_logprobs();
+  EXPECT_TRUE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());
+  extra->add_top_token_ids(1);
+  extra->add_top_logprobs(-1);
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // 1 alternative of 0
+  asked.clear_logprobs();
+  landed.clear_prompt_logprobs();
+  asked.clear_prompt_logprobs();
+  EXPECT_FALSE(CheckPrefillTokens(landed, asked, kPrompt, kVocab).ok());  // logprobs unasked
 }
 
 }  // namespace

@@ -399,12 +399,13 @@ std::vector<model::SamplingParams> SampledParams() {
 }
 
 // `steps` steps over requests from `prefills`, request i drawing with SampledParams()[i]: through
-// StepAndSample, or (host_sampling) through Step and each sampler over its full row.
-std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, const model::Model* model,
-                                                const sparse::PolicyConfig& policy,
-                                                const std::vector<model::DenseAttention*>& caches,
-                                                const std::vector<int32_t>& first_tokens,
-                                                int steps, bool host_sampling) {
+// StepAndSample, or (host_sampling) through Step and each sampler over its full row. With
+// `logprobs` >= 0 every request asks for them and each draw's land in (*drawn_logprobs)[i].
+std::vector<std::vector<int32_t>> DecodeSampled(
+    StepExecutor& executor, const model::Model* model, const sparse::PolicyConfig& policy,
+    const std::vector<model::DenseAttention*>& caches, const std::vector<int32_t>& first_tokens,
+    int steps, bool host_sampling, int32_t logprobs = -1,
+    std::vector<std::vector<model::TokenLogprobs>>* drawn_logprobs = nullptr) {
   const model::AttentionShape shape = model->attention_shape();
   auto arena = *KvArena::Create(
       KvShape{shape.num_layers, shape.num_kv_heads, shape.head_dim, kPageTokens}.page_bytes(),
@@ -419,8 +420,11 @@ std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, const mo
     EXPECT_TRUE(attention.ok()) << attention.status();
     attentions.push_back(attention->get());
     seqs.push_back(std::make_unique<model::Sequence>(std::move(*attention), caches[i]->length(0)));
-    samplers.emplace_back(params[i % params.size()]);
+    model::SamplingParams p = params[i % params.size()];
+    p.logprobs = logprobs;
+    samplers.emplace_back(p);
   }
+  if (drawn_logprobs != nullptr) drawn_logprobs->assign(caches.size(), {});
   std::vector<std::vector<int32_t>> tokens(caches.size());
   const int64_t vocab = model->config().vocab_size;
   std::vector<int32_t> drawn;
@@ -445,6 +449,9 @@ std::vector<std::vector<int32_t>> DecodeSampled(StepExecutor& executor, const mo
       EXPECT_GE(drawn[i], 0) << "request " << i << " step " << s;
       next[i] = drawn[i];
       tokens[i].push_back(drawn[i]);
+      if (drawn_logprobs != nullptr && samplers[i].last_logprobs().has_value()) {
+        (*drawn_logprobs)[i].push_back(*samplers[i].last_logprobs());
+      }
     }
   }
   return tokens;
@@ -488,6 +495,51 @@ TEST_F(StepExecutorTest, TheHybridStepSamplesFromCandidatesTheTokensTheCpuStepSa
       EXPECT_GE(c.full_rows, 4 * kSteps);  // top_k 20, 40, 50 and temperature alone
     }
   }
+}
+
+// Logprobs ride on the candidate path: the rows that draw from candidates give the log-softmax of
+// their full row (their normaliser summed at temperature 1), the same tokens are drawn, and a
+// top-p row at another temperature crosses whole (one normaliser per row).
+TEST_F(StepExecutorTest, TheHybridStepsLogprobsFromCandidatesEqualTheFullRowsOnes) {
+  std::vector<Prefill> prefills;
+  for (int64_t n : {260, 700, 400, 70, 130, 90}) prefills.push_back(MakePrefill(Prompt(n, 800 + n)));
+  std::vector<model::DenseAttention*> caches;
+  std::vector<int32_t> first;
+  for (const Prefill& p : prefills) {
+    caches.push_back(p.cache.get());
+    first.push_back(p.first_token);
+  }
+  const kernels::cpu::CpuPool pool(2);
+  const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
+  constexpr int kSteps = 6, kTop = 4;
+  std::vector<std::vector<model::TokenLogprobs>> want, got;
+  std::unique_ptr<HybridStepExecutor> full = MakeHybrid(&pool);
+  const auto tokens =
+      DecodeSampled(*full, model_, policy, caches, first, kSteps, true, kTop, &want);
+  std::unique_ptr<HybridStepExecutor> hybrid = MakeHybrid(&pool);
+  hybrid->set_max_candidates(64);
+  EXPECT_EQ(DecodeSampled(*hybrid, model_, policy, caches, first, kSteps, false, kTop, &got),
+            tokens);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].size(), static_cast<size_t>(kSteps));
+    for (int s = 0; s < kSteps; ++s) {
+      SCOPED_TRACE(::testing::Message() << "request " << i << " step " << s);
+      EXPECT_EQ(got[i][s].token, tokens[i][s]);
+      EXPECT_NEAR(got[i][s].logprob, want[i][s].logprob, 1e-4);
+      EXPECT_EQ(got[i][s].top_ids, want[i][s].top_ids);
+      ASSERT_EQ(got[i][s].top_logprobs.size(), static_cast<size_t>(kTop));
+      for (int k = 0; k < kTop; ++k) {
+        EXPECT_NEAR(got[i][s].top_logprobs[k], want[i][s].top_logprobs[k], 1e-4);
+      }
+    }
+  }
+  // Greedy, top-k and top-p at temperature 1 draw from candidates; temperature alone and top-p at
+  // 0.3 / 0.7 (another normaliser) cross whole.
+  const HybridStepExecutor::SamplingCounters& c = hybrid->sampling_counters();
+  EXPECT_EQ(c.candidate_rows + c.full_rows, kSteps * 6);
+  EXPECT_GE(c.candidate_rows, 3 * kSteps);
+  EXPECT_GE(c.full_rows, 2 * kSteps);
 }
 
 std::tuple<int32_t, int32_t, int32_t> Fields(const kernels::PageSpan& s) {

@@ -182,10 +182,60 @@ check('a bad field is 400 naming it', async () => {
   await assert.rejects(
     client.completions.create({ model, prompt, max_tokens: 4, bogus_field: 1 }),
     (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'bogus_field');
-  await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4, logprobs: 3 }),
+  await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4, logprobs: 21 }),
                        (e) => e.status === 400 && e.param === 'logprobs');
   await assert.rejects(client.completions.create({ model: 'nope', prompt, max_tokens: 4 }),
                        (e) => e instanceof OpenAI.NotFoundError);
+});
+
+// logprobs of the generated tokens: the greedy one is each position's most likely; streamed
+// entries equal the whole answer's. Then lm-eval's loglikelihood request (its local-completions
+// backend): token ids, echo, logprobs 1, one generated token, the continuation's numbers read
+// from the echoed positions; they equal what generation reported for those tokens. `full`
+// attention, so that both read the same context.
+check('logprobs: generated tokens, streamed, and echoed prompts as lm-eval reads them', async () => {
+  const full = { policy: 'full' };
+  const r = await client.completions.create({ model, prompt, max_tokens: 4, temperature: 0,
+                                              logprobs: 3, fluxion: full });
+  const text = r.choices[0].text, lp = r.choices[0].logprobs;
+  assert.ok(/^[\x20-\x7e]{4}$/.test(text), `4 printable bytes expected: ${JSON.stringify(text)}`);
+  assert.deepEqual(lp.tokens, [...text]);
+  assert.deepEqual(lp.text_offset, [0, 1, 2, 3]);
+  for (let i = 0; i < 4; ++i) {
+    const alternatives = Object.values(lp.top_logprobs[i]);
+    assert.ok(alternatives.length >= 3 && alternatives.length <= 4);
+    assert.ok(lp.token_logprobs[i] <= 0);
+    assert.equal(lp.token_logprobs[i], Math.max(...alternatives), 'greedy: the top token');
+    assert.equal(lp.top_logprobs[i][lp.tokens[i]], lp.token_logprobs[i]);
+  }
+  const stream = await client.completions.create({ model, prompt, max_tokens: 4, temperature: 0,
+                                                   logprobs: 3, fluxion: full, stream: true });
+  const streamed = [];
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) if (c.logprobs) streamed.push(...c.logprobs.token_logprobs);
+  }
+  assert.deepEqual(streamed, lp.token_logprobs);
+
+  const ids = [...Buffer.from(prompt)], cont = [...Buffer.from(text.slice(0, 2))];
+  const e = await client.completions.create({ model, prompt: ids.concat(cont), max_tokens: 1,
+                                              temperature: 0, logprobs: 1, echo: true,
+                                              fluxion: full });
+  const el = e.choices[0].logprobs;
+  assert.ok(e.choices[0].text.startsWith(prompt + text.slice(0, 2)));
+  assert.equal(el.tokens.length, ids.length + 3);
+  assert.equal(el.token_logprobs[0], null);
+  assert.equal(el.top_logprobs[0], null);
+  // The first continuation token's number comes from the prefill node both times (the last
+  // prompt row, then an echoed row); the second's from a decode step over bf16 pages, then from
+  // the prefill's fp32 forward.
+  assert.ok(Math.abs(el.token_logprobs[ids.length] - lp.token_logprobs[0]) < 1e-3,
+            `${el.token_logprobs[ids.length]} vs ${lp.token_logprobs[0]}`);
+  assert.ok(Math.abs(el.token_logprobs[ids.length + 1] - lp.token_logprobs[1]) < 0.05,
+            `${el.token_logprobs[ids.length + 1]} vs ${lp.token_logprobs[1]}`);
+  // lm-eval's is_greedy: each continuation token's logprob is the largest of its position's.
+  for (const k of [ids.length, ids.length + 1]) {
+    assert.equal(el.token_logprobs[k], Math.max(...Object.values(el.top_logprobs[k])));
+  }
 });
 
 // The context check in the words clients match (OpenAI's, e.g. LangChain's and LiteLLM's
@@ -356,6 +406,26 @@ if (process.env.FLUXION_CHAT === '1') {
     }
     assert.equal(role, 'assistant');
     assert.equal(text, whole);
+  });
+  check('chat: logprobs with top_logprobs, whole and streamed alike', async () => {
+    const params = { model, messages, max_tokens: 6, temperature: 0, logprobs: true,
+                     top_logprobs: 2 };
+    const r = await client.chat.completions.create(params);
+    const content = r.choices[0].logprobs.content;
+    assert.equal(content.length, r.usage.completion_tokens);
+    for (const c of content) {
+      assert.equal(c.top_logprobs.length, 2);
+      assert.ok(c.logprob <= 0);
+      assert.equal(c.logprob, c.top_logprobs[0].logprob, 'greedy: the top token');
+      assert.deepEqual(c.bytes, c.top_logprobs[0].bytes);
+      assert.ok(Array.isArray(c.bytes) && c.bytes.length >= 1);
+    }
+    const stream = await client.chat.completions.create({ ...params, stream: true });
+    const streamed = [];
+    for await (const chunk of stream) {
+      for (const c of chunk.choices) if (c.logprobs) streamed.push(...c.logprobs.content);
+    }
+    assert.deepEqual(streamed, content);
   });
   check('chat: a developer message and a named user message', async () => {
     const r = await client.chat.completions.create({

@@ -135,6 +135,32 @@ async function main() {
   }
   console.log('ok stop string', JSON.stringify(stop), 'after', cut, 'tokens');
 
+  // logprobs and prompt_logprobs in vLLM's shapes: per output token its value, id and top ids
+  // (greedy: the top one is the token), every prompt token with the first valueless; streamed in
+  // the chunks, or whole in complete.
+  const lpParams = { ...greedy('x', 12).sampling_params, logprobs: 2, prompt_logprobs: 1 };
+  const lpStream = await generate({ ...greedy('js-lp-s', 12), stream: true,
+                                    sampling_params: lpParams });
+  const lpWhole = await generate({ ...greedy('js-lp-w', 12), stream: false,
+                                   sampling_params: lpParams });
+  for (const r of [lpStream, lpWhole]) assert.equal(r.status.code, grpc.status.OK);
+  const out = lpWhole.complete.output_logprobs;
+  assert.deepEqual(out.token_ids, ids);
+  assert.deepEqual(lpStream.chunks.flatMap((c) => c.output_logprobs.token_ids), ids);
+  assert.deepEqual(lpStream.chunks.flatMap((c) => c.output_logprobs.token_logprobs),
+                   out.token_logprobs);
+  out.top_logprobs.forEach((top, i) => {
+    assert.equal(top.token_ids.length, 2);
+    assert.equal(top.token_ids[0], ids[i]);
+    assert.equal(top.values[0], out.token_logprobs[i]);
+  });
+  const input = lpWhole.complete.input_logprobs;
+  assert.deepEqual(input.token_ids, prompt);
+  assert.ok(!input.token_logprobs[0].value, 'the first prompt token has no logprob');
+  assert.ok(input.token_logprobs.slice(1).every((l) => l.value <= 0));
+  assert.deepEqual(lpStream.chunks[0].input_logprobs.token_ids, prompt);
+  console.log('ok logprobs and prompt_logprobs');
+
   // Text input through the router's tokenizer (--model-dir): 11 bytes, 11 byte tokens.
   const text = await generate({ request_id: 'js-text', text: 'hello world',
                                 sampling_params: { temperature: 0, max_tokens: 4 } });
@@ -152,7 +178,7 @@ async function main() {
 
   // An unsupported field is INVALID_ARGUMENT naming it, never silently dropped.
   const bad = await generate({ ...greedy('js-bad', 4),
-    sampling_params: { ...greedy('x', 4).sampling_params, min_p: 0.5, logprobs: 2 } });
+    sampling_params: { ...greedy('x', 4).sampling_params, min_p: 0.5, logprobs: -1 } });
   assert.equal(bad.status.code, grpc.status.INVALID_ARGUMENT);
   assert.match(bad.status.details, /sampling_params\.min_p/);
   assert.match(bad.status.details, /sampling_params\.logprobs/);
