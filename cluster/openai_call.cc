@@ -42,6 +42,7 @@ absl::StatusOr<Prepared> Prepare(const Preparer& preparer, Endpoint endpoint,
   if (!request->temperature) request->temperature = defaults.temperature;
   if (!request->top_p) request->top_p = defaults.top_p;
   if (!request->top_k) request->top_k = defaults.top_k;
+  if (!request->repetition_penalty) request->repetition_penalty = defaults.repetition_penalty;
   const model::EncodeCheck check = BoundedCheck(preparer, cancelled);
   auto choices = PrepareGenerate(*request, *preparer.tokenizer, *preparer.chat, id, check,
                                  preparer.max_context_tokens);

@@ -97,6 +97,12 @@ v1::GenerateRequest ChoiceRequest(const Request& request, const std::vector<uint
   if (request.max_tokens) s->set_max_tokens(*request.max_tokens);
   s->mutable_stop_token_ids()->Assign(request.stop_token_ids.begin(), request.stop_token_ids.end());
   s->set_ignore_eos(request.ignore_eos);
+  s->set_presence_penalty(request.presence_penalty);
+  s->set_frequency_penalty(request.frequency_penalty);
+  if (request.repetition_penalty && *request.repetition_penalty != 1) {
+    s->set_repetition_penalty(*request.repetition_penalty);
+  }
+  s->set_min_tokens(request.min_tokens);
   if (request.logprobs) {
     s->set_logprobs(*request.logprobs);
     // Echoed prompts show their tokens' logprobs too, with as many alternatives.

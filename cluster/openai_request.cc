@@ -314,6 +314,18 @@ void AddStreamingFields(const ParseLimits& limits, FieldTable* table) {
   };
 }
 
+// OpenAI's presence / frequency penalty: a number in [-2, 2] (null: 0).
+absl::Status PenaltyField(const std::string& name, const Json& v, float* out) {
+  if (v.is_null()) return absl::OkStatus();
+  auto x = NumberField(name, v);
+  if (!x.ok()) return x.status();
+  if (*x < -2 || *x > 2) {
+    return Invalid(name, absl::StrCat(name, " must be in [-2, 2], got ", v.dump()));
+  }
+  *out = *x;
+  return absl::OkStatus();
+}
+
 absl::Status BoolField(const std::string& name, const Json& v, bool* out) {
   if (v.is_null()) return absl::OkStatus();
   if (!v.is_boolean()) return Invalid(name, absl::StrCat(name, " must be a boolean"));
@@ -346,7 +358,7 @@ absl::Status ParseFluxionExtension(const Json& v, Request* r) {
   return absl::OkStatus();
 }
 
-// vLLM's and Fluxion's extensions both endpoints take.
+// vLLM's and Fluxion's extensions, and OpenAI's penalties, both endpoints take.
 void AddExtensionFields(FieldTable* table) {
   FieldTable& f = *table;
   f["ignore_eos"] = [](const Json& v, Request* r) {
@@ -359,13 +371,26 @@ void AddExtensionFields(FieldTable* table) {
     return BoolField("skip_special_tokens", v, &r->skip_special_tokens);
   };
   f["fluxion"] = ParseFluxionExtension;
-  f["min_tokens"] = [](const Json& v, Request*) {
-    return OnlyDefault("min_tokens", v, v == 0,
-                       "the sampler cannot hold EOS and stop tokens back (use ignore_eos)");
+  f["min_tokens"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = UnsignedField("min_tokens", v, 0, std::numeric_limits<uint32_t>::max());
+    if (!x.ok()) return x.status();
+    r->min_tokens = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
   };
-  f["repetition_penalty"] = [](const Json& v, Request*) {
-    return OnlyDefault("repetition_penalty", v, v.is_number() && v.get<double>() == 1,
-                       "the sampler has no repetition penalties");
+  f["repetition_penalty"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    auto x = NumberField("repetition_penalty", v);
+    if (!x.ok()) return x.status();
+    if (!(*x > 0)) return Invalid("repetition_penalty", "repetition_penalty must be > 0");
+    r->repetition_penalty = *x;
+    return absl::OkStatus();
+  };
+  f["frequency_penalty"] = [](const Json& v, Request* r) {
+    return PenaltyField("frequency_penalty", v, &r->frequency_penalty);
+  };
+  f["presence_penalty"] = [](const Json& v, Request* r) {
+    return PenaltyField("presence_penalty", v, &r->presence_penalty);
   };
 }
 
@@ -377,14 +402,6 @@ void AddDefaultOnlyFields(FieldTable* table) {
   f["user"] = [](const Json& v, Request*) {
     if (!v.is_null() && !v.is_string()) return Invalid("user", "user must be a string");
     return absl::OkStatus();
-  };
-  f["frequency_penalty"] = [](const Json& v, Request*) {
-    return OnlyDefault("frequency_penalty", v, v.is_number() && v.get<double>() == 0,
-                       "the sampler has no repetition penalties");
-  };
-  f["presence_penalty"] = [](const Json& v, Request*) {
-    return OnlyDefault("presence_penalty", v, v.is_number() && v.get<double>() == 0,
-                       "the sampler has no repetition penalties");
   };
   f["logit_bias"] = [](const Json& v, Request*) {
     return OnlyDefault("logit_bias", v, v.is_object() && v.empty(),
@@ -524,6 +541,11 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body,
   if (chat_logprobs.on) r.logprobs = chat_logprobs.top.value_or(0);
   if (endpoint == Endpoint::kCompletions && !r.max_tokens) {
     r.max_tokens = kDefaultCompletionMaxTokens;
+  }
+  if (r.min_tokens > 0 && r.max_tokens && r.min_tokens > *r.max_tokens) {
+    return Invalid("min_tokens", absl::StrCat("min_tokens (", r.min_tokens,
+                                              ") must be at most max_tokens (", *r.max_tokens,
+                                              ")"));
   }
   if (r.prompts.size() * r.n > limits.max_choices) {
     return Invalid("n", absl::StrCat(r.prompts.size(), " prompts x n = ", r.n, " is ",

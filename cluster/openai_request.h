@@ -74,6 +74,12 @@ struct Request {
   // Completions: the prompt's text precedes the completion's, and with `logprobs` so do the
   // prompt tokens' log-probabilities (the first token's null), as lm-eval's loglikelihood reads.
   bool echo = false;
+  // OpenAI's penalties ([-2, 2]), vLLM's repetition_penalty (> 0; 1 off) and min_tokens (at most
+  // max_tokens): model/logit_penalties.h.
+  float presence_penalty = 0;
+  float frequency_penalty = 0;
+  std::optional<float> repetition_penalty;  // unset: generation_config.json's, else 1
+  uint32_t min_tokens = 0;
 };
 
 // The most alternatives `logprobs` / `top_logprobs` may ask for (vLLM's default max_logprobs).

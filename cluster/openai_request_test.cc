@@ -91,8 +91,8 @@ TEST(OpenAiRequestTest, SeveralPromptsAndNGiveOneChoiceEach) {
 TEST(OpenAiRequestTest, UnknownAndUnsupportedFieldsAreRefusedByName) {
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","bogus":1})"), "bogus",
                 "Unrecognized request argument supplied: bogus");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":0.5})"),
-                "presence_penalty", "penalties");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","logit_bias":{"5":1}})"), "logit_bias",
+                "logit biases");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
       "tools":[]})"),
                 "tools", "Unrecognized");
@@ -156,10 +156,26 @@ TEST(OpenAiRequestTest, VllmAndFluxionExtensions) {
                 "policy name");
   ExpectRefused(Completions(R"({"model":"m","prompt":"p","fluxion":{"budgets":1}})"), "fluxion",
                 "fluxion.budgets is not supported");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","min_tokens":4})"), "min_tokens",
-                "ignore_eos");
-  ExpectRefused(Completions(R"({"model":"m","prompt":"p","repetition_penalty":1.2})"),
-                "repetition_penalty", "penalties");
+}
+
+TEST(OpenAiRequestTest, PenaltiesAndMinTokens) {
+  absl::StatusOr<Request> r = Completions(
+      R"({"model":"m","prompt":"p","presence_penalty":0.5,"frequency_penalty":-1,
+          "repetition_penalty":1.2,"min_tokens":4,"max_tokens":8})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FLOAT_EQ(r->presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r->frequency_penalty, -1.0f);
+  EXPECT_EQ(r->repetition_penalty, std::optional<float>(1.2f));
+  EXPECT_EQ(r->min_tokens, 4u);
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","presence_penalty":2.5})"),
+                "presence_penalty", "[-2, 2]");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","frequency_penalty":"x"})"),
+                "frequency_penalty", "number");
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","repetition_penalty":0})"),
+                "repetition_penalty", "> 0");
+  // Completions' default max_tokens is 16.
+  ExpectRefused(Completions(R"({"model":"m","prompt":"p","min_tokens":17})"), "min_tokens",
+                "at most max_tokens (16)");
 }
 
 TEST(OpenAiRequestTest, ValuesOutOfRange) {

@@ -155,11 +155,6 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   auto defaults = model::LoadGenerationConfig(flags.model_dir);
   if (!defaults.ok()) return defaults.status();
   options.generation_defaults = *defaults;
-  if (defaults->repetition_penalty) {
-    std::cerr << "router: " << flags.model_dir << "/generation_config.json asks for "
-              << "repetition_penalty " << *defaults->repetition_penalty
-              << ", which this server's sampler does not apply (docs/PROTOCOL.md)" << std::endl;
-  }
   options.registry = &metrics::Registry::Default();
   options.ready = std::move(ready);
   auto started = openai::HttpServer::Start(flags.http_listen,

@@ -1,6 +1,7 @@
 #include "cluster/vllm_engine_mapping.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -16,10 +17,9 @@ namespace ve = vllm::grpc::engine;
 void UnsupportedSampling(const ve::SamplingParams& s, std::vector<std::string>* bad) {
   auto add = [bad](const char* name) { bad->push_back(absl::StrCat("sampling_params.", name)); };
   if (s.min_p() != 0) add("min_p");
-  if (s.frequency_penalty() != 0) add("frequency_penalty");
-  if (s.presence_penalty() != 0) add("presence_penalty");
-  if (s.repetition_penalty() != 0 && s.repetition_penalty() != 1) add("repetition_penalty");
-  if (s.min_tokens() != 0) add("min_tokens");
+  if (std::abs(s.frequency_penalty()) > 2) add("frequency_penalty ([-2, 2])");
+  if (std::abs(s.presence_penalty()) > 2) add("presence_penalty ([-2, 2])");
+  if (s.repetition_penalty() < 0) add("repetition_penalty (> 0; 0 reads as 1)");
   if (s.n() > 1) add("n (one sequence per request)");
   // vLLM's -1 (the whole vocabulary) and anything beyond 20 alternatives.
   if (s.has_logprobs() && (s.logprobs() < 0 || s.logprobs() > 20)) add("logprobs (0 to 20)");
@@ -97,6 +97,13 @@ v1::GenerateRequest ToFluxionRequest(const ve::GenerateRequest& request,
   if (s.has_max_tokens()) d->set_max_tokens(s.max_tokens());
   for (uint32_t id : s.stop_token_ids()) d->add_stop_token_ids(id);
   d->set_ignore_eos(s.ignore_eos());
+  d->set_presence_penalty(s.presence_penalty());
+  d->set_frequency_penalty(s.frequency_penalty());
+  // vLLM's servicer reads an unset (0) repetition penalty as 1, as it does top_p.
+  if (s.repetition_penalty() != 0 && s.repetition_penalty() != 1) {
+    d->set_repetition_penalty(s.repetition_penalty());
+  }
+  d->set_min_tokens(s.min_tokens());
   if (s.has_logprobs()) d->set_logprobs(static_cast<uint32_t>(s.logprobs()));
   if (s.has_prompt_logprobs()) d->set_prompt_logprobs(static_cast<uint32_t>(s.prompt_logprobs()));
   return out;

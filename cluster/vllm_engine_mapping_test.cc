@@ -40,8 +40,8 @@ TEST(VllmEngineMapping, NamesEveryUnsupportedField) {
   ve::GenerateRequest r = TokenRequest();
   ve::SamplingParams* s = r.mutable_sampling_params();
   s->set_min_p(0.1f);
-  s->set_frequency_penalty(0.5f);
-  s->set_repetition_penalty(1.2f);
+  s->set_frequency_penalty(2.5f);
+  s->set_repetition_penalty(-1.0f);
   s->set_n(2);
   s->set_logprobs(-1);  // vLLM's whole vocabulary
   (*s->mutable_logit_bias())[5] = 1.0f;
@@ -59,6 +59,23 @@ TEST(VllmEngineMapping, NamesEveryUnsupportedField) {
     EXPECT_THAT(std::string(st.message()), HasSubstr(name));
   }
   EXPECT_THAT(std::string(st.message()), ::testing::Not(HasSubstr("presence_penalty")));
+}
+
+TEST(VllmEngineMapping, PenaltiesAndMinTokensMapOneToOne) {
+  ve::GenerateRequest r = TokenRequest();
+  ve::SamplingParams* s = r.mutable_sampling_params();
+  s->set_presence_penalty(0.5f);
+  s->set_frequency_penalty(-0.25f);
+  s->set_repetition_penalty(1.3f);
+  s->set_min_tokens(3);
+  ASSERT_TRUE(ValidateVllmRequest(r).ok()) << ValidateVllmRequest(r);
+  const v1::SamplingParams g = ToFluxionRequest(r, {5}).sampling();
+  EXPECT_FLOAT_EQ(g.presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(g.frequency_penalty(), -0.25f);
+  EXPECT_FLOAT_EQ(g.repetition_penalty(), 1.3f);
+  EXPECT_EQ(g.min_tokens(), 3u);
+  s->set_repetition_penalty(0);  // SMG's unset
+  EXPECT_FALSE(ToFluxionRequest(r, {5}).sampling().has_repetition_penalty());
 }
 
 TEST(VllmEngineMapping, LogprobsMapBothWays) {

@@ -53,7 +53,10 @@ absl::StatusOr<GenerationDefaults> ParseGenerationConfig(absl::string_view text)
     }
     d.top_k = static_cast<uint32_t>(*top_k);
   }
-  if (penalty && *penalty != 1.0) d.repetition_penalty = static_cast<float>(*penalty);
+  if (penalty) {
+    if (!(*penalty > 0)) return FieldError("repetition_penalty", "must be > 0");
+    if (*penalty != 1.0) d.repetition_penalty = static_cast<float>(*penalty);
+  }
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
     const Json ids = it->is_array() ? *it : Json::array({*it});
     if (ids.size() > 64) return FieldError("eos_token_id", "lists more than 64 ids");

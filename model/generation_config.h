@@ -22,8 +22,7 @@ struct GenerationDefaults {
   std::optional<float> temperature;
   std::optional<float> top_p;
   std::optional<uint32_t> top_k;
-  // Set when the file asks for a penalty this server's sampler does not apply (reported at
-  // start-up, not silently dropped).
+  // The default repetition penalty (model/logit_penalties.h) when the file sets one other than 1.
   std::optional<float> repetition_penalty;
   // `eos_token_id` (an id or a list): tokens that end a generation, which transformers and vLLM
   // add to config.json's (Llama 3 Instruct lists <|eot_id|> here).

@@ -24,6 +24,20 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   if (!(p.top_p > 0.0 && p.top_p <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
   }
+  const PenaltyParams& pen = p.penalties;
+  for (const auto& [name, v] : {std::pair{"presence_penalty", pen.presence},
+                                std::pair{"frequency_penalty", pen.frequency}}) {
+    if (!(v >= -2.0 && v <= 2.0)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in [-2, 2], got ", v));
+    }
+  }
+  if (!(pen.repetition > 0.0) || !std::isfinite(pen.repetition)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty must be a finite number > 0, got ", pen.repetition));
+  }
+  if (pen.min_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("min_tokens must be >= 0, got ", pen.min_tokens));
+  }
   if (p.logprobs < -1 || p.logprobs > kMaxTopLogprobs) {
     return absl::InvalidArgumentError(absl::StrCat("logprobs must be in [0, ", kMaxTopLogprobs,
                                                    "], got ", p.logprobs));
@@ -65,7 +79,15 @@ int32_t ArgMax(absl::Span<const float> logits) {
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
 
 int32_t Sampler::Sample(absl::Span<const float> logits) {
-  const int32_t token = DrawRow(logits);
+  int32_t token;
+  if (history_.Changes(params_.penalties)) {
+    penalised_.assign(logits.begin(), logits.end());
+    history_.Apply(params_.penalties, absl::MakeSpan(penalised_));
+    token = DrawRow(penalised_);
+  } else {
+    token = DrawRow(logits);
+  }
+  // The logprobs are the raw row's (vLLM's raw_logprobs).
   if (params_.logprobs >= 0) last_logprobs_ = LogprobsOfRow(logits, token, params_.logprobs);
   return token;
 }
@@ -91,7 +113,18 @@ int32_t Sampler::DrawRow(absl::Span<const float> logits) {
   return *Draw(c);
 }
 
+int64_t Sampler::CandidatesNeeded(int64_t vocab, int64_t max_candidates) const {
+  if (history_.Changes(params_.penalties)) return 0;
+  return model::CandidatesNeeded(params_, vocab, max_candidates);
+}
+
+void Sampler::SkipDraw() {
+  // Every draw that is not greedy takes exactly one uniform variate (Draw), whatever its range.
+  if (!Greedy(params_)) (void)std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+}
+
 std::optional<int32_t> Sampler::SampleCandidates(const Candidates& c) {
+  if (history_.Changes(params_.penalties)) return std::nullopt;  // the raw order no longer holds
   const int32_t top = params_.logprobs;
   if (top >= 0) {
     // Checked before the draw, so that a list that cannot give the logprobs leaves the stream

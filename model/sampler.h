@@ -36,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "model/logit_penalties.h"
 #include "model/logprobs.h"
 
 namespace fluxion::model {
@@ -48,10 +49,14 @@ struct SamplingParams {
   // Log-probabilities of each drawn token and of the row's `logprobs` most likely tokens
   // (0..kMaxTopLogprobs); -1: none (Sampler::last_logprobs stays empty).
   int32_t logprobs = -1;
+  // Repetition, frequency and presence penalties and min_tokens (model/logit_penalties.h). Rows
+  // they change are drawn from the full row only.
+  PenaltyParams penalties;
 };
 
-// InvalidArgument naming the field for a negative temperature or top_k, top_p outside (0, 1], or
-// logprobs outside [-1, kMaxTopLogprobs].
+// InvalidArgument naming the field for a negative temperature or top_k, top_p outside (0, 1],
+// logprobs outside [-1, kMaxTopLogprobs], presence or frequency penalties outside [-2, 2], a
+// repetition penalty <= 0, or a negative min_tokens.
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 // A row's best tokens in the sampler's order (descending logit, ties by lower id): the first
@@ -90,6 +95,16 @@ class Sampler {
   // top_p, a normaliser missing or too close to the cut): the stream has then not advanced and
   // the caller samples the full row. REQUIRES: `c` is a prefix of the row in the sampler's order.
   std::optional<int32_t> SampleCandidates(const Candidates& c);
+  // CandidatesNeeded for this sampler's next draw: 0 while its penalties change rows.
+  int64_t CandidatesNeeded(int64_t vocab, int64_t max_candidates) const;
+  // Advances the random stream as one draw does, without a row: the draw made elsewhere (the
+  // first token, drawn by the prefill node from the same seed).
+  void SkipDraw();
+
+  // What the penalties read: the prompt (repetition) and every output token, including one drawn
+  // elsewhere; the owner reports each one it keeps.
+  void SetPrompt(absl::Span<const int32_t> prompt) { history_.SetPrompt(prompt); }
+  void Accept(int32_t token) { history_.Accept(token); }
 
   const SamplingParams& params() const { return params_; }
   // The last draw's log-probabilities when params().logprobs >= 0 (else nullopt).
@@ -107,6 +122,8 @@ class Sampler {
   std::vector<float> values_;   // scratch: the logits in order_'s order
   std::vector<double> probs_;   // scratch
   std::optional<TokenLogprobs> last_logprobs_;
+  TokenHistory history_;
+  std::vector<float> penalised_;  // scratch: the row with the penalties applied
 };
 
 // Index of the largest logit (lowest index among ties).

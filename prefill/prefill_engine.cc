@@ -621,6 +621,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillEngine::FinishCompute(Job& j) const {
 
   // 5. The first token. Waiting until every write has landed is Land's.
   model::Sampler sampler(j.sampling);
+  if (j.sampling.penalties.repetition != 1.0) sampler.SetPrompt(j.prompt);
   const int32_t first = sampler.Sample(j.logits);
   j.t_all_computed = Clock::now();
 

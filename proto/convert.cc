@@ -104,6 +104,17 @@ absl::StatusOr<model::SamplingParams> SamplingFromProto(const fluxion::v1::Sampl
     }
     s.logprobs = static_cast<int32_t>(p.logprobs());
   }
+  s.penalties.presence = p.presence_penalty();
+  s.penalties.frequency = p.frequency_penalty();
+  s.penalties.repetition = p.has_repetition_penalty() ? p.repetition_penalty() : 1.0;
+  s.penalties.min_tokens = p.min_tokens();
+  if (p.has_max_tokens() && p.min_tokens() > p.max_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.min_tokens (", p.min_tokens(),
+                                                   ") must be at most max_tokens (",
+                                                   p.max_tokens(), ")"));
+  }
+  // Held back while min_tokens is not reached (a decode node adds EOS to them).
+  s.penalties.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   absl::Status valid = model::ValidateSamplingParams(s);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("sampling: ", valid.message()));
   return s;

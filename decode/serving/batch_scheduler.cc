@@ -25,6 +25,7 @@ Finish AcceptToken(DecodeRequest& r, int32_t token,
                    const std::optional<model::TokenLogprobs>& logprobs) {
   r.last_token = token;
   ++r.completion_tokens;
+  if (r.sampler.has_value()) r.sampler->Accept(token);  // what its penalties read
   Finish finish = Finish::kNone;
   if (std::find(r.stop_ids.begin(), r.stop_ids.end(), token) != r.stop_ids.end()) {
     finish = Finish::kStop;

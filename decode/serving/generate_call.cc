@@ -230,6 +230,13 @@ DecodeServiceImpl::Call::Ending DecodeServiceImpl::Call::Prefill() {
   target.layout = &service_->info_.layout();
   v1::PrefillRequest prefill =
       BuildPrefillRequest(prefill_id_, *prefill_input_, valid_->sampling, target);
+  // min_tokens holds EOS back from the prefill node's draw too (its only use of stop ids).
+  v1::SamplingParams* prefill_sampling = prefill.mutable_sampling();
+  if (prefill_sampling->min_tokens() > 0 && !prefill_sampling->ignore_eos()) {
+    for (int64_t eos : service_->eos_token_ids_) {
+      prefill_sampling->add_stop_token_ids(static_cast<uint32_t>(eos));
+    }
+  }
   const absl::Time prefill_deadline = std::min(deadline_, absl::Now() + options.prefill_timeout);
   if (options.transfer_secret != nullptr) {
     proto::SealPrefillRequest(*options.transfer_secret, prefill_deadline + proto::kSealClockSkew,

@@ -356,15 +356,22 @@ std::shared_ptr<DecodeRequest> NewDecodeRequest(const v1::GenerateRequest& reque
   r->admission_seq = admission_seq;
   r->attention = attention.get();
   r->seq = std::make_unique<model::Sequence>(std::move(attention), prompt_tokens);
-  r->sampler.emplace(valid.sampling);
-  // Draw 0 of the request's stream sampled the first token on the prefill node; the next token is
-  // draw 1 (PROTOCOL.md), so a seeded request gives the tokens of single-process generation.
-  (void)r->sampler->Sample(std::vector<float>{0.0f});
   const v1::SamplingParams& sp = request.sampling();
   r->stop_ids.assign(sp.stop_token_ids().begin(), sp.stop_token_ids().end());
   if (!sp.ignore_eos()) {
     for (int64_t eos : eos_ids) r->stop_ids.push_back(static_cast<int32_t>(eos));
   }
+  model::SamplingParams sampling = valid.sampling;
+  sampling.penalties.stop_token_ids = r->stop_ids;  // what min_tokens holds back
+  r->sampler.emplace(sampling);
+  if (sampling.penalties.repetition != 1.0) {
+    const std::vector<int32_t> prompt(request.prompt_token_ids().begin(),
+                                      request.prompt_token_ids().end());
+    r->sampler->SetPrompt(prompt);
+  }
+  // Draw 0 of the request's stream sampled the first token on the prefill node; the next token is
+  // draw 1 (PROTOCOL.md), so a seeded request gives the tokens of single-process generation.
+  r->sampler->SkipDraw();
   r->max_tokens = valid.max_tokens;
   r->context_limit = valid.context_limit;
   return r;

@@ -277,9 +277,9 @@ absl::Status HybridStepExecutor::DrawTokens(absl::Span<const StepRequest> batch,
   s.needed.assign(rows, 0);
   int64_t k = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const model::Sampler* sampler = batch[s.rows[r]].sampler;
+    model::Sampler* sampler = batch[s.rows[r]].sampler;
     if (sampler == nullptr || candidate_ops == nullptr) continue;
-    s.needed[r] = model::CandidatesNeeded(sampler->params(), vocab, max_candidates);
+    s.needed[r] = sampler->CandidatesNeeded(vocab, max_candidates);
     k = std::max(k, s.needed[r]);
   }
   const int64_t n = std::min(k, vocab);

@@ -238,6 +238,31 @@ check('logprobs: generated tokens, streamed, and echoed prompts as lm-eval reads
   }
 });
 
+// Penalties change what greedy decoding picks, the same way each time; min_tokens holds a stop
+// token back, on the prefill node's first draw too (the byte model: the first greedy token is
+// the answer's first byte).
+check('penalties and min_tokens', async () => {
+  const base = { model, prompt, max_tokens: 48, temperature: 0 };
+  for (const penalty of [{ repetition_penalty: 1.5 }, { frequency_penalty: 2 },
+                         { presence_penalty: 2 }]) {
+    const a = await client.completions.create({ ...base, ...penalty });
+    const b = await client.completions.create({ ...base, ...penalty });
+    assert.notEqual(a.choices[0].text, greedy, JSON.stringify(penalty));
+    assert.equal(a.choices[0].text, b.choices[0].text, JSON.stringify(penalty));
+  }
+  const first = Buffer.from(greedy)[0];
+  const stopped = await client.completions.create({ ...base, max_tokens: 8,
+                                                    stop_token_ids: [first] });
+  assert.equal(stopped.usage.completion_tokens, 1);
+  assert.equal(stopped.choices[0].finish_reason, 'stop');
+  const held = await client.completions.create({ ...base, max_tokens: 8, stop_token_ids: [first],
+                                                 min_tokens: 3 });
+  assert.ok(held.usage.completion_tokens >= 3, `${held.usage.completion_tokens} tokens`);
+  assert.notEqual(Buffer.from(held.choices[0].text)[0], first);
+  await assert.rejects(client.completions.create({ ...base, presence_penalty: 3 }),
+                       (e) => e.status === 400 && e.param === 'presence_penalty');
+});
+
 // The context check in the words clients match (OpenAI's, e.g. LangChain's and LiteLLM's
 // "maximum context length" handling), with its code and field, naming no internal address.
 check('a request beyond the context is 400 context_length_exceeded in OpenAI\'s words', async () => {
