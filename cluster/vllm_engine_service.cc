@@ -497,9 +497,8 @@ grpc::ServerUnaryReactor* VllmEngineService::GetModelInfo(grpc::CallbackServerCo
         }
         if (options_.config.has_value()) {
           const model::ModelConfig& c = *options_.config;
-          const bool qwen = c.architecture == model::Architecture::kQwen2;
-          response->set_model_type(qwen ? "qwen2" : "llama");
-          response->add_architectures(qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM");
+          response->set_model_type(model::ModelTypeName(c.architecture));
+          response->add_architectures(model::ArchitectureName(c.architecture));
           if (options_.tokenizer == nullptr)
             response->set_vocab_size(static_cast<uint32_t>(c.vocab_size));
           for (int64_t id : c.eos_token_ids) response->add_eos_token_ids(static_cast<int32_t>(id));

@@ -156,11 +156,12 @@ absl::Status CheckProduct(absl::string_view what, std::initializer_list<int64_t>
 }
 
 absl::StatusOr<Architecture> ArchitectureFromName(absl::string_view field, absl::string_view name) {
-  if (name == "LlamaForCausalLM" || name == "llama") return Architecture::kLlama;
-  if (name == "Qwen2ForCausalLM" || name == "qwen2") return Architecture::kQwen2;
+  for (Architecture a : {Architecture::kLlama, Architecture::kQwen2, Architecture::kMistral}) {
+    if (name == ArchitectureName(a) || name == ModelTypeName(a)) return a;
+  }
   return FieldError(field, absl::StrCat("names unsupported architecture '", name,
                                         "' (supported: LlamaForCausalLM / llama, "
-                                        "Qwen2ForCausalLM / qwen2)"));
+                                        "Qwen2ForCausalLM / qwen2, MistralForCausalLM / mistral)"));
 }
 
 absl::StatusOr<Architecture> ReadArchitecture(const Fields& fields) {
@@ -303,14 +304,17 @@ absl::StatusOr<std::vector<int64_t>> ReadTokenIds(const Fields& fields, const st
 // Qwen2 slides the window only on layers >= max_window_layers, but we refuse any window that is
 // shorter than the context rather than depend on that default-laden rule: we only run full
 // attention, and a window that never bites (>= max_position_embeddings) is full attention.
+// Mistral has no use_sliding_window: its window applies whenever sliding_window is set.
 absl::Status CheckSlidingWindow(const Fields& fields, const ModelConfig& config) {
-  FLUXION_ASSIGN_OR_RETURN(bool use_sliding_window, fields.Bool("use_sliding_window", false));
+  FLUXION_ASSIGN_OR_RETURN(
+      bool use_sliding_window,
+      fields.Bool("use_sliding_window", config.architecture == Architecture::kMistral));
   FLUXION_ASSIGN_OR_RETURN(std::optional<int64_t> window, fields.OptionalInt("sliding_window"));
   if (!use_sliding_window || !window.has_value()) return absl::OkStatus();
   if (*window < config.max_position_embeddings) {
     return FieldError(
         "use_sliding_window",
-        absl::StrCat("is true with sliding_window ", *window, " < max_position_embeddings ",
+        absl::StrCat("is on with sliding_window ", *window, " < max_position_embeddings ",
                      config.max_position_embeddings, "; only full attention is supported"));
   }
   return absl::OkStatus();
@@ -419,7 +423,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
   const Fields fields(root, "");
   ModelConfig config;
   FLUXION_ASSIGN_OR_RETURN(config.architecture, ReadArchitecture(fields));
-  const bool llama = config.architecture == Architecture::kLlama;
+  const bool mistral = config.architecture == Architecture::kMistral;
+  const bool llama = config.architecture == Architecture::kLlama || mistral;
 
   FLUXION_ASSIGN_OR_RETURN(config.vocab_size, fields.RequiredInt("vocab_size"));
   FLUXION_ASSIGN_OR_RETURN(config.hidden_size, fields.RequiredInt("hidden_size"));
@@ -435,13 +440,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
   FLUXION_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.Number("rms_norm_eps", 1e-6));
   // The defaults transformers fills in when the field is absent.
   FLUXION_ASSIGN_OR_RETURN(config.max_position_embeddings,
-                           fields.Int("max_position_embeddings", llama ? 2048 : 32768));
+                           fields.Int("max_position_embeddings",
+                                      mistral ? 131072 : (llama ? 2048 : 32768)));
   FLUXION_ASSIGN_OR_RETURN(config.rope, ReadRope(fields));
   FLUXION_ASSIGN_OR_RETURN(config.tie_word_embeddings, fields.Bool("tie_word_embeddings", false));
   if (llama) {
     FLUXION_ASSIGN_OR_RETURN(config.qkv_bias, fields.Bool("attention_bias", false));
     config.o_bias = config.qkv_bias;
     FLUXION_ASSIGN_OR_RETURN(config.mlp_bias, fields.Bool("mlp_bias", false));
+    if (mistral) FLUXION_RETURN_IF_ERROR(CheckSlidingWindow(fields, config));
   } else {
     // Qwen2's attention hard-codes bias=True on q/k/v and bias=False on o_proj and the MLP.
     config.qkv_bias = true;
@@ -489,11 +496,35 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
   return config;
 }
 
+const char* ArchitectureName(Architecture a) {
+  switch (a) {
+    case Architecture::kQwen2:
+      return "Qwen2ForCausalLM";
+    case Architecture::kMistral:
+      return "MistralForCausalLM";
+    case Architecture::kLlama:
+      break;
+  }
+  return "LlamaForCausalLM";
+}
+
+const char* ModelTypeName(Architecture a) {
+  switch (a) {
+    case Architecture::kQwen2:
+      return "qwen2";
+    case Architecture::kMistral:
+      return "mistral";
+    case Architecture::kLlama:
+      break;
+  }
+  return "llama";
+}
+
 std::string ModelConfigToJson(const ModelConfig& config) {
-  const bool llama = config.architecture == Architecture::kLlama;
+  const bool llama = config.architecture != Architecture::kQwen2;
   OrderedJson out;
-  out["architectures"] = OrderedJson::array({llama ? "LlamaForCausalLM" : "Qwen2ForCausalLM"});
-  out["model_type"] = llama ? "llama" : "qwen2";
+  out["architectures"] = OrderedJson::array({ArchitectureName(config.architecture)});
+  out["model_type"] = ModelTypeName(config.architecture);
   out["vocab_size"] = config.vocab_size;
   out["hidden_size"] = config.hidden_size;
   out["intermediate_size"] = config.intermediate_size;
@@ -526,6 +557,7 @@ std::string ModelConfigToJson(const ModelConfig& config) {
     // Llama has one switch for all four attention projections; qkv_bias is the one loaders need.
     out["attention_bias"] = config.qkv_bias;
     out["mlp_bias"] = config.mlp_bias;
+    if (config.architecture == Architecture::kMistral) out["sliding_window"] = nullptr;
   } else {
     out["use_sliding_window"] = false;
   }

@@ -41,7 +41,14 @@ inline constexpr int64_t kMaxTokenIds = 1024;  // entries of the eos_token_id li
 inline constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // config.json file size
 inline constexpr int kMaxJsonDepth = 64;  // nesting of config.json and safetensors headers
 
-enum class Architecture { kLlama, kQwen2 };
+// kMistral is Llama's layout and arithmetic (no biases); it differs in its sliding window, which
+// applies whenever config.json gives one: we serve it only when the window never bites
+// (sliding_window null or >= max_position_embeddings: Mistral-7B v0.2 / v0.3, Nemo).
+enum class Architecture { kLlama, kQwen2, kMistral };
+
+// transformers' names: "LlamaForCausalLM" / "llama", ...
+const char* ArchitectureName(Architecture a);
+const char* ModelTypeName(Architecture a);
 
 enum class RopeType {
   kDefault,  // inv_freq[i] = theta^(-2i/d)

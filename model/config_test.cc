@@ -228,6 +228,38 @@ TEST(ModelConfigTest, ParsesQwen25WithTiedEmbeddingsAndQkvBias) {
   EXPECT_EQ(config->bos_token_id, 151643);
 }
 
+// Mistral-7B-Instruct-v0.3's config.json (no sliding window: Llama's arithmetic).
+constexpr char kMistral7bV03[] = R"({
+  "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+  "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0",
+  "use_cache": true, "vocab_size": 32768})";
+
+TEST(ModelConfigTest, ParsesMistralAsLlamasLayoutAndRefusesAWindowThatBites) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(kMistral7bV03);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->architecture, Architecture::kMistral);
+  EXPECT_EQ(config->head_dim, 128);
+  EXPECT_EQ(config->group_size(), 4);
+  EXPECT_DOUBLE_EQ(config->rope.theta, 1e6);
+  EXPECT_FALSE(config->qkv_bias || config->o_bias || config->mlp_bias);
+  EXPECT_EQ(config->eos_token_ids, (std::vector<int64_t>{2}));
+  absl::StatusOr<ModelConfig> reparsed = ParseModelConfig(ModelConfigToJson(*config));
+  ASSERT_TRUE(reparsed.ok()) << reparsed.status();
+  ExpectSameConfig(*config, *reparsed);
+  // Mistral-7B v0.1: a 4096-token window over a 32768-token context, which we do not run.
+  ExpectRejectedNaming(absl::StrReplaceAll(kMistral7bV03, {{R"("sliding_window": null)",
+                                                            R"("sliding_window": 4096)"}}),
+                       "sliding_window 4096");
+  // A window as long as the context never bites.
+  EXPECT_TRUE(ParseModelConfig(absl::StrReplaceAll(kMistral7bV03, {{R"("sliding_window": null)",
+                                                                     R"("sliding_window": 32768)"}}))
+                  .ok());
+}
+
 TEST(ModelConfigTest, ModelTypeAloneSelectsTheArchitecture) {
   std::string text =
       absl::StrReplaceAll(kQwen25, {{R"("architectures": ["Qwen2ForCausalLM"],)", ""}});
