@@ -496,29 +496,30 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
   return config;
 }
 
-const char* ArchitectureName(Architecture a) {
-  switch (a) {
-    case Architecture::kQwen2:
-      return "Qwen2ForCausalLM";
-    case Architecture::kMistral:
-      return "MistralForCausalLM";
-    case Architecture::kLlama:
-      break;
+namespace {
+
+struct ArchitectureNames {
+  Architecture architecture;
+  const char* name;
+  const char* model_type;
+};
+constexpr ArchitectureNames kArchitectureNames[] = {
+    {Architecture::kLlama, "LlamaForCausalLM", "llama"},
+    {Architecture::kQwen2, "Qwen2ForCausalLM", "qwen2"},
+    {Architecture::kMistral, "MistralForCausalLM", "mistral"},
+};
+
+const ArchitectureNames& NamesOf(Architecture a) {
+  for (const ArchitectureNames& n : kArchitectureNames) {
+    if (n.architecture == a) return n;
   }
-  return "LlamaForCausalLM";
+  return kArchitectureNames[0];
 }
 
-const char* ModelTypeName(Architecture a) {
-  switch (a) {
-    case Architecture::kQwen2:
-      return "qwen2";
-    case Architecture::kMistral:
-      return "mistral";
-    case Architecture::kLlama:
-      break;
-  }
-  return "llama";
-}
+}  // namespace
+
+const char* ArchitectureName(Architecture a) { return NamesOf(a).name; }
+const char* ModelTypeName(Architecture a) { return NamesOf(a).model_type; }
 
 std::string ModelConfigToJson(const ModelConfig& config) {
   const bool llama = config.architecture != Architecture::kQwen2;

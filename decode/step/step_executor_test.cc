@@ -53,6 +53,24 @@ class StepExecutorTest : public ::testing::Test {
     return step_testing::Prompt(n, seed);
   }
 
+  // Six prompts of several lengths for the sampling tests: their prefills, caches and first tokens.
+  struct SampledPrompts {
+    std::vector<Prefill> prefills;
+    std::vector<model::DenseAttention*> caches;
+    std::vector<int32_t> first;
+  };
+  static SampledPrompts MakeSampledPrompts() {
+    SampledPrompts out;
+    for (int64_t n : {260, 700, 400, 70, 130, 90}) {
+      out.prefills.push_back(MakePrefill(Prompt(n, 800 + n)));
+    }
+    for (const Prefill& p : out.prefills) {
+      out.caches.push_back(p.cache.get());
+      out.first.push_back(p.first_token);
+    }
+    return out;
+  }
+
   struct Run {
     std::vector<std::vector<int32_t>> tokens;  // [request][step]
     std::vector<std::vector<float>> logits;    // [step][batch * vocab]
@@ -458,14 +476,9 @@ std::vector<std::vector<int32_t>> DecodeSampled(
 }
 
 TEST_F(StepExecutorTest, TheHybridStepSamplesFromCandidatesTheTokensTheCpuStepSamples) {
-  std::vector<Prefill> prefills;
-  for (int64_t n : {260, 700, 400, 70, 130, 90}) prefills.push_back(MakePrefill(Prompt(n, 800 + n)));
-  std::vector<model::DenseAttention*> caches;
-  std::vector<int32_t> first;
-  for (const Prefill& p : prefills) {
-    caches.push_back(p.cache.get());
-    first.push_back(p.first_token);
-  }
+  const SampledPrompts prompts = MakeSampledPrompts();
+  const std::vector<model::DenseAttention*>& caches = prompts.caches;
+  const std::vector<int32_t>& first = prompts.first;
   const kernels::cpu::CpuPool pool(2);
   const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
   constexpr int kSteps = 8;
@@ -501,14 +514,9 @@ TEST_F(StepExecutorTest, TheHybridStepSamplesFromCandidatesTheTokensTheCpuStepSa
 // their full row (their normaliser summed at temperature 1), the same tokens are drawn, and a
 // top-p row at another temperature crosses whole (one normaliser per row).
 TEST_F(StepExecutorTest, TheHybridStepsLogprobsFromCandidatesEqualTheFullRowsOnes) {
-  std::vector<Prefill> prefills;
-  for (int64_t n : {260, 700, 400, 70, 130, 90}) prefills.push_back(MakePrefill(Prompt(n, 800 + n)));
-  std::vector<model::DenseAttention*> caches;
-  std::vector<int32_t> first;
-  for (const Prefill& p : prefills) {
-    caches.push_back(p.cache.get());
-    first.push_back(p.first_token);
-  }
+  const SampledPrompts prompts = MakeSampledPrompts();
+  const std::vector<model::DenseAttention*>& caches = prompts.caches;
+  const std::vector<int32_t>& first = prompts.first;
   const kernels::cpu::CpuPool pool(2);
   const sparse::PolicyConfig policy = *sparse::ParsePolicy("quest", 0.3);
   constexpr int kSteps = 6, kTop = 4;
