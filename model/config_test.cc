@@ -424,8 +424,8 @@ TEST(ModelConfigTest, NonPositiveSizeIsRejectedNamingTheField) {
 }
 
 TEST(ModelConfigTest, UnknownArchitectureIsRejectedNamingIt) {
-  ExpectRejectedNaming(SmallLlamaWith(R"(["LlamaForCausalLM"])", R"(["MistralForCausalLM"])"),
-                       "MistralForCausalLM");
+  ExpectRejectedNaming(SmallLlamaWith(R"(["LlamaForCausalLM"])", R"(["GemmaForCausalLM"])"),
+                       "GemmaForCausalLM");
 }
 
 TEST(ModelConfigTest, NonSiluActivationIsRejected) {
