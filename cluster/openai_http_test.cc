@@ -139,33 +139,6 @@ TEST_F(OpenAiHttpTest, OneChoiceRefusedIsTheAnswerAndTheOthersAreCancelled) {
   EXPECT_TRUE(fake_.AwaitCancelled(2));
 }
 
-// A choice that fails after the streamed 200 went out ends the stream with its error event (the
-// status line cannot change any more), and the other choices are cancelled.
-TEST_F(OpenAiHttpTest, AChoiceFailingAfterAStreamed200EndsTheStreamWithItsErrorEvent) {
-  StreamBytes("hello");
-  fake_.wait_for_cancel = true;  // a choice that does not fail waits to be cancelled
-  fake_.reject_only_suffix = ".1";
-  fake_.fail_after_first = grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node went away");
-  auto body = PostJsonToLoopback(http_->port(), "/v1/completions",
-                                 R"({"model":"m","prompt":"x","max_tokens":5,"n":2,
-                                     "stream":true})",
-                                 absl::Seconds(30));
-  ASSERT_TRUE(body.ok()) << body.status();  // 200: the stream had started
-  const std::vector<std::string> events = Events(*body);
-  ASSERT_FALSE(events.empty());
-  bool error_event = false;
-  for (const std::string& e : events) {
-    if (e == "[DONE]") continue;
-    const nlohmann::json j = nlohmann::json::parse(e);
-    if (j.contains("error")) {
-      error_event = true;
-      EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr("decode node went away"));
-    }
-  }
-  EXPECT_TRUE(error_event) << *body;
-  EXPECT_TRUE(fake_.AwaitCancelled(1));  // the choice still streaming
-}
-
 // Requests a proxy in front could frame differently are refused before their body is read, and
 // the connection is closed: conflicting Content-Length (the old server took the first), a
 // Transfer-Encoding other than "chunked" (the old server read such a body until the connection

@@ -33,9 +33,6 @@ class FakeDecode final : public v1::DecodeService::Service {
   bool hold_first = false;       // before the first id, wait for Release() or a cancel
   bool wait_for_cancel = false;  // after the ids, wait for a cancel before completing
   bool hold_status = false;      // after the complete message, wait for a cancel
-  // The calls reject_only_suffix names end with this status after their first id (a failure
-  // once the answer has started); OK: they do not.
-  grpc::Status fail_after_first = grpc::Status::OK;
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
@@ -57,7 +54,6 @@ class FakeDecode final : public v1::DecodeService::Service {
       r.mutable_chunk()->add_token_ids(id);
       r.mutable_chunk()->set_completion_tokens(++sent);
       if (!writer->Write(r)) break;
-      if (!fail_after_first.ok() && refused && !reject_only_suffix.empty()) return fail_after_first;
     }
     if (wait_for_cancel) WaitFor(context, /*release=*/false);
     if (context->IsCancelled()) return CountCancel();
