@@ -1,6 +1,9 @@
 #include "model/logprobs.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -24,6 +27,22 @@ TEST(LogprobsTest, RowLogprobsAreALogSoftmaxWithTheTopInTheSamplersOrder) {
   EXPECT_TRUE(LogprobsOfRow(x, 3, 0).top_ids.empty());
   EXPECT_EQ(LogprobsOfRow(x, 3, 9).top_ids.size(), 4u);
   EXPECT_TRUE(std::isinf(LogprobsOfRow(x, 3, 0).logprob));
+}
+
+TEST(LogprobsTest, TheRowsTopMatchesAFullSortOnRowsFullOfTies) {
+  // Logits drawn from a handful of values, so most ranks are ties the one-pass selection must
+  // order exactly as a stable sort of the whole row does.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> x(1 + rng() % 300);
+    for (float& v : x) v = static_cast<float>(rng() % 6) - 2.0f;
+    const int32_t top = static_cast<int32_t>(rng() % (kMaxTopLogprobs + 1));
+    std::vector<int32_t> order(x.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return x[a] > x[b]; });
+    order.resize(std::min<size_t>(top, x.size()));
+    EXPECT_EQ(LogprobsOfRow(x, 0, top).top_ids, order) << "trial " << trial;
+  }
 }
 
 TEST(LogprobsTest, CandidatesAndTheirNormaliserGiveTheRowsLogprobs) {
