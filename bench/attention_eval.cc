@@ -61,7 +61,7 @@ void RegisterFlags(FlagSet& flags, AttentionEvalFlags& f) {
                "after (default: the one the capture names)");
   flags.String("head-table", &f.head_table,
                "with --capture: write Fluxion's predictor training table (features + e_h(b) "
-               "labels per step, layer and KV head; tools/fluxion_predictor/README.md) to this "
+               "labels per step, layer and KV head; docs/CALIBRATE.md) to this "
                "CSV; policies are then evaluated only when --policy is given");
 }
 

@@ -17,7 +17,7 @@ namespace fluxion::bench {
 // and returns the result rows. NotFound / InvalidArgument for a missing or malformed capture.
 //
 // With `head_table_csv` set, also writes Fluxion's predictor training table there
-// (tools/fluxion_predictor/README.md): one row per (sample, decode step, layer, KV head) with the
+// (docs/CALIBRATE.md, "Head table"): one row per (sample, decode step, layer, KV head) with the
 // head's prefill features (the sparse state's five, from the prompt's last 32 query rows, plus
 // layer / num_layers) and its labels: e_h(b) for b in {0, 0.02, 0.05} (ALGORITHMS.md §2.4.2:
 // error after the head's W_O slice relative to the layer's output, sink-free partial outputs,

@@ -176,7 +176,8 @@ void RegisterEvalTasksFlags(FlagSet& flags, EvalTasksFlags& f) {
   flags.String("model", &f.model_dir, "model directory (config.json + safetensors)");
   flags.StringList("tasks", &f.tasks, "tasks to run");
   flags.IntList("contexts", &f.contexts,
-                "prompt lengths in tokens (each prompt is 0.9-1.0 of it)");
+                "prompt lengths in the model's tokens (each prompt is 0.9-1.0 of it; a model with a "
+                "tokenizer.json reads the task text through it)");
   flags.Int("samples", &f.samples, "samples per task and context");
   flags.Int("seed", &f.seed, "seed of the first sample (sample i uses seed + i); >= 1000000");
   flags.StringList("policy", &f.policies,
@@ -196,7 +197,7 @@ void RegisterEvalTasksFlags(FlagSet& flags, EvalTasksFlags& f) {
                "also write results to this file (docs/BENCHMARKS.md format)");
   flags.String("fluxion-predictor", &f.predictor_flag,
                "head-property predictor for the `fluxion` policy (JSON from "
-               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "`fluxion calibrate`); default: <model>/fluxion_predictor.json if "
                "present (required when --policy lists fluxion); `none`: fluxion runs its "
                "rule-based per-head budgets (what `fluxion_rules` always uses)");
   flags.Bool("calibration", &f.calibration,
@@ -350,6 +351,10 @@ absl::Status PrepareEngine(const EvalTasksFlags& f, const kernels::cpu::CpuPool&
                                                              loaded.status().ToString()));
   }
   *model = std::move(*loaded);
+  const model::ModelConfig& config = (*model)->config();
+  FLUXION_ASSIGN_OR_RETURN(options->codec,
+                           TaskCodec::ForModel(f.model_dir, config.bos_token_id,
+                                               config.eos_token_ids));
   absl::StatusOr<std::unique_ptr<decode::StepExecutor>> made =
       MakeExecutor(f.device, model->get(), &pool);
   if (!made.ok()) {

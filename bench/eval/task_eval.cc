@@ -42,7 +42,7 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 // Capture layout, one folder per sample (`<task>_<context>_<seed>/`) beside `index.json`, which
 // describes every file and is rewritten after each sample so an interrupted run stays readable:
-//   prompt_ids.npy                 int64 [tokens]   BOS + bytes
+//   prompt_ids.npy                 int64 [tokens]   the prompt's ids (BOS + bytes for byte models)
 //   k_l{L}.npy, v_l{L}.npy         f32 [tokens][kv_heads][head_dim], post-RoPE K; only for prompts
 //                                  of at most capture_kv_max tokens
 //   prompt_positions.npy           int64 [rows]     the last capture_prompt_rows prompt positions
@@ -72,7 +72,7 @@ class CaptureWriter {
         {"local_window", c.local_window},
         {"capture_kv_max", options.capture_kv_max},
         {"files",
-         {{"prompt_ids", "int64 [tokens]: BOS + bytes"},
+         {{"prompt_ids", "int64 [tokens]: the prompt's ids (BOS + bytes for byte models)"},
           {"k_l{L}, v_l{L}", "float32 [tokens][num_kv_heads][head_dim], K post-RoPE"},
           {"{part}_positions", "int64 [rows]"},
           {"{part}_q_l{L}", "float32 [rows][num_heads][head_dim], post-RoPE"},
@@ -345,17 +345,6 @@ float TopTwoMargin(absl::Span<const float> logits) {
   return first - second;
 }
 
-bool IsAnswerTerminator(int32_t token) { return token == '\n' || token == ByteTokenizer::kEos; }
-
-std::string AnswerText(absl::Span<const int32_t> generated) {
-  auto end = std::find_if(generated.begin(), generated.end(), IsAnswerTerminator);
-  return ByteTokenizer::Decode(absl::MakeConstSpan(generated.begin(), end));
-}
-
-int64_t DefaultMaxNewTokens(const std::string& answer) {
-  return static_cast<int64_t>(answer.size()) + 16;
-}
-
 Interval Wilson95(int64_t successes, int64_t n) {
   if (n <= 0) return {0.0, 1.0};
   constexpr double z = 1.959963984540054;
@@ -403,10 +392,10 @@ absl::Status CheckTaskEval(const model::Model& model, const TaskEvalOptions& opt
   }
   for (const std::string& task : tasks) {
     for (int64_t context : options.contexts) {
-      FLUXION_RETURN_IF_ERROR(MakeTaskSample(task, context, options.first_seed).status());
+      FLUXION_RETURN_IF_ERROR(options.codec.Sample(task, context, options.first_seed).status());
     }
   }
-  if (model.config().vocab_size <= ByteTokenizer::kEos) {
+  if (options.codec.bytes() && model.config().vocab_size <= ByteTokenizer::kEos) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the model's vocabulary has ", model.config().vocab_size,
         " ids; the byte tokenizer needs at least ", ByteTokenizer::kEos + 1, " (docs/TASKS.md)"));
@@ -551,10 +540,11 @@ absl::StatusOr<PolicyOutcome> DecodePolicy(EvalRun& run, const TaskSample& sampl
   }
   const model::SequenceAttention* view = attention.get();
   model::Sequence decode(std::move(attention), prompt_len);
+  const TaskCodec& codec = run.options.codec;
   const int64_t max_new = run.options.max_new_tokens > 0 ? run.options.max_new_tokens
-                                                         : DefaultMaxNewTokens(sample.answer);
+                                                         : codec.MaxNewTokens(sample.answer);
   const auto t0 = std::chrono::steady_clock::now();
-  while (!IsAnswerTerminator(po.tokens.back()) &&
+  while (!codec.EndsAnswer(po.tokens.back()) &&
          static_cast<int64_t>(po.tokens.size()) < max_new) {
     if (absl::Status s = DecodeStep(run.model, run.options.executor, decode, paged,
                                     po.tokens.back(), &run.logits, &run.statuses);
@@ -569,7 +559,7 @@ absl::StatusOr<PolicyOutcome> DecodePolicy(EvalRun& run, const TaskSample& sampl
   }
   po.decode_seconds = SecondsSince(t0);
   RecordReads(*view, prompt_len, &po);
-  po.answer = AnswerText(po.tokens);
+  po.answer = codec.AnswerText(po.tokens);
   po.correct = po.answer == sample.answer;
   if (run.writer != nullptr) FLUXION_RETURN_IF_ERROR(run.writer->AddPolicy(po, *decode_capture));
   return po;
@@ -638,7 +628,7 @@ CellResult ToResult(const CellTotals& t, const std::string& task, int64_t contex
 absl::StatusOr<SampleOutcome> RunSample(EvalRun& run, const std::string& task, int64_t context,
                                         uint64_t seed, CellTotals* totals) {
   SampleOutcome outcome;
-  FLUXION_ASSIGN_OR_RETURN(outcome.sample, MakeTaskSample(task, context, seed));
+  FLUXION_ASSIGN_OR_RETURN(outcome.sample, run.options.codec.Sample(task, context, seed));
   FLUXION_ASSIGN_OR_RETURN(SamplePrefill p, Prefill(run, outcome.sample));
   outcome.prefill_seconds = p.seconds;
   for (size_t pi = 0; pi < run.options.policies.size(); ++pi) {

@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "bench/eval/paired_stats.h"
+#include "bench/eval/task_codec.h"
 #include "bench/eval/tasks.h"
 #include "decode/kv/kv_arena.h"
 #include "decode/sparse/decision_profile.h"
@@ -92,15 +93,6 @@ double AttendedFraction(const model::SequenceAttention& attention);
 
 // --- Scoring (TASKS.md "Scoring") ---
 
-// Tokens that end an answer: "\n" and the byte tokenizer's EOS.
-bool IsAnswerTerminator(int32_t token);
-
-// The continuation up to (excluding) the first terminator, decoded as text.
-std::string AnswerText(absl::Span<const int32_t> generated);
-
-// Tokens to generate at most for `answer`: len(answer) + 16.
-int64_t DefaultMaxNewTokens(const std::string& answer);
-
 // Greedy decision margin of one logits row: the largest logit minus the second largest (0 on a
 // tie; 0 for fewer than two logits). How close a greedy step was to choosing another token.
 float TopTwoMargin(absl::Span<const float> logits);
@@ -116,7 +108,10 @@ struct TaskEvalOptions {
   int64_t samples = 8;                    // per (task, context)
   uint64_t first_seed = kFirstEvalSeed;   // sample i of every cell uses first_seed + i
   std::vector<std::string> policies = {"full"};
-  int64_t max_new_tokens = 0;  // > 0 overrides DefaultMaxNewTokens(answer)
+  int64_t max_new_tokens = 0;  // > 0 overrides the codec's MaxNewTokens(answer)
+  // How task text becomes the model's tokens and generated tokens an answer (task_codec.h):
+  // TaskCodec::Bytes() for our byte-level models, ForTokenizer for a checkpoint of its own.
+  TaskCodec codec = TaskCodec::Bytes();
   // Null: the decode steps run on the CPU engine (Model::Forward per token). Otherwise every
   // generated step is one Step() of this executor with a batch of one request, over the
   // policy's host pages (`full` as the `full` sparse policy: see MakePagedPolicyAttention). The
@@ -163,7 +158,7 @@ struct PolicyOutcome {
   // differ, the reference's margin there tells a near-tie from a divergence (eval_compare.h).
   std::vector<float> margins;
   std::vector<float> top_logits;
-  std::string answer;           // AnswerText(tokens)
+  std::string answer;           // the codec's AnswerText(tokens)
   bool correct = false;
   int64_t decode_steps = 0;     // forwards after the prefill (the first token comes from it)
   double decode_seconds = 0;

@@ -57,7 +57,7 @@ void RegisterDecodeFlags(FlagSet& flags, GenerateFlags& f) {
   flags.Int("page-tokens", &f.page_tokens, "tokens per host KV page for sparse policies");
   flags.String("fluxion-predictor", &f.predictor_flag,
                "head-property predictor for the `fluxion` policy (JSON from "
-               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "`fluxion calibrate`); default: <model>/fluxion_predictor.json if "
                "present (required when --policy is fluxion); `none`: fluxion runs its rule-based "
                "per-head budgets");
 }

@@ -106,7 +106,7 @@ void RegisterPolicyFlags(FlagSet& flags, DecodeWorkerConfig* c) {
   flags.Double("default-budget", &c->default_budget, "budget for requests that name none");
   flags.String("fluxion-predictor", &c->fluxion_predictor,
                "head-property predictor for the `fluxion` policy (JSON from "
-               "tools/fluxion_predictor/train.py); default: <model>/fluxion_predictor.json if "
+               "`fluxion calibrate`); default: <model>/fluxion_predictor.json if "
                "present (the worker refuses to start without one); `none`: fluxion runs its "
                "rule-based per-head budgets");
   flags.Double("host-read-gbps", &c->host_read_gbps,

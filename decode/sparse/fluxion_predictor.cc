@@ -17,7 +17,7 @@ using nlohmann::json;
 absl::Status Bad(const std::string& what) {
   return absl::InvalidArgumentError(
       absl::StrCat("fluxion predictor: ", what,
-                   " (regenerate it with tools/fluxion_predictor/train.py, or pass "
+                   " (refit it with `fluxion calibrate --model DIR`, or pass "
                    "--fluxion-predictor none for the rule-based fallback)"));
 }
 
@@ -176,11 +176,10 @@ absl::StatusOr<std::shared_ptr<const FluxionPredictor>> RequirePredictor(
   if (predictor != nullptr || flag == "none") return predictor;
   return absl::FailedPreconditionError(absl::StrCat(
       "the fluxion policy needs a head-property predictor for this model, and ", model_dir,
-      " has no ", kPredictorFileName, ": fit one (docs/SPARSE.md, \"Fluxion: the head-property "
-      "predictor and the rule-based fallback\": fluxion eval tasks --calibration, fluxion eval "
-      "attention --head-table, tools/fluxion_predictor/train.py) and pass --fluxion-predictor "
-      "FILE or put it beside the weights, or pass --fluxion-predictor none to run fluxion's "
-      "rule-based per-head budgets knowingly (they lost 85.7 points at 4K / 0.02 on our model)"));
+      " has no ", kPredictorFileName, ": run `fluxion calibrate --model ", model_dir,
+      "` to fit one beside the weights (docs/CALIBRATE.md), or pass --fluxion-predictor FILE, "
+      "or --fluxion-predictor none to run fluxion's rule-based per-head budgets knowingly (they "
+      "lost 85.7 points at 4K / 0.02 on our model)"));
 }
 
 }  // namespace fluxion::decode::sparse

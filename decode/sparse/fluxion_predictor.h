@@ -3,9 +3,9 @@
 // a retrieval head, its budget tier (the smallest of {0.02, 0.05} with e_h(b) <= tau).
 //
 // The model is two logistic regressions over standardised features, fitted offline by
-// tools/fluxion_predictor/train.py on the head table `fluxion eval attention --head-table` writes
-// from calibration runs; its parameters travel as JSON (format in tools/fluxion_predictor/
-// README.md), normally models/<model>/fluxion_predictor.json.
+// `fluxion calibrate --model DIR` (bench/eval/predictor_fit.h) from calibration runs of that
+// model; its parameters travel as JSON (format in docs/CALIBRATE.md), normally
+// <model>/fluxion_predictor.json.
 //
 // Thread-safe: immutable after Parse.
 #ifndef FLUXION_DECODE_SPARSE_FLUXION_PREDICTOR_H_

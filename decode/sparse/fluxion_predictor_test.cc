@@ -136,7 +136,7 @@ TEST(FluxionPredictorTest, RequireRefusesAModelWithoutOneUnlessToldNone) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(missing.status().message(), HasSubstr(dir));
   EXPECT_THAT(missing.status().message(), HasSubstr("--fluxion-predictor none"));
-  EXPECT_THAT(missing.status().message(), HasSubstr("train.py"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("fluxion calibrate --model " + dir));
   auto rules = RequirePredictor("none", dir);
   ASSERT_TRUE(rules.ok()) << rules.status();
   EXPECT_EQ(*rules, nullptr);

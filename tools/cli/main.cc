@@ -7,6 +7,7 @@
 
 #include "bench/commands.h"
 #include "decode/serving/commands.h"
+#include "bench/eval/calibrate_command.h"
 #include "bench/eval/eval_command.h"
 #include "cluster/local_command.h"
 #include "cluster/replay_command.h"
@@ -37,6 +38,8 @@ const std::vector<Subcommand>& Subcommands() {
       {"bench", "measurements: `fluxion bench model|attention|decode|topk|gpu|tokenizer`",
        fluxion::bench::RunBenchCommand},
       {"eval", "quality: `fluxion eval tasks|attention`", fluxion::eval::RunEvalCommand},
+      {"calibrate", "fit the fluxion policy's head-property predictor for a model's directory",
+       fluxion::eval::RunCalibrateCommand},
       {"replay", "load-test a router or decode node from a Mooncake trace or synthetic load",
        fluxion::cluster::RunReplayCommand},
       {"router", "serve DecodeService in front of prefill/decode nodes: pick pairs, retry, shed",
