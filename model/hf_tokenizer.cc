@@ -15,7 +15,9 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/status_macros.h"
 #include "model/json_text.h"
 #include "nlohmann/json.hpp"
@@ -176,6 +178,14 @@ uint32_t CodePointAt(absl::string_view text, size_t pos, size_t* length) {
   return cp;
 }
 
+// Whether `text` is exactly one valid UTF-8 character.
+bool IsOneCharacter(absl::string_view text) {
+  if (text.empty() || !IsValidUtf8(text)) return false;
+  size_t length = 0;
+  CodePointAt(text, 0, &length);
+  return length == text.size();
+}
+
 // Bytes of whitespace at the start / end of valid UTF-8 `text`.
 size_t LeadingWhitespace(absl::string_view text) {
   size_t pos = 0;
@@ -217,6 +227,40 @@ absl::StatusOr<std::string> Nfc(absl::string_view text) {
     return absl::InvalidArgumentError(absl::StrCat("NFC normalization: ", u_errorName(status)));
   }
   return out;
+}
+
+// SentencePiece's byte token for `b` ("<0x0A>"), what byte_fallback falls back to.
+std::string ByteFallbackSpelling(int b) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  return absl::StrCat("<0x", std::string(1, kHex[b >> 4]), std::string(1, kHex[b & 15]), ">");
+}
+
+// The byte a <0xXX> token stands for, or -1.
+int ByteFallbackByte(absl::string_view spelling) {
+  if (spelling.size() != 6 || !absl::StartsWith(spelling, "<0x") || spelling[5] != '>') return -1;
+  int value = 0;
+  for (char c : spelling.substr(3, 2)) {
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+// A literal Replace's `pattern.String` and `content`.
+absl::StatusOr<std::pair<std::string, std::string>> LiteralReplace(const Json& step,
+                                                                   const std::string& prefix) {
+  FLUXION_ASSIGN_OR_RETURN(const Json* pattern,
+                           RequiredObject(step, "pattern", absl::StrCat(prefix, "pattern")));
+  FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> from,
+                           OptionalString(*pattern, "String", absl::StrCat(prefix, "pattern.")));
+  if (!from.has_value() || from->empty()) {
+    return FieldError(absl::StrCat(prefix, "pattern"),
+                      "must hold a non-empty 'String' (Regex replacements are not supported)");
+  }
+  FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> to, OptionalString(step, "content", prefix));
+  if (!to.has_value()) return FieldError(absl::StrCat(prefix, "content"), "is required");
+  return std::make_pair(*std::move(from), *std::move(to));
 }
 
 // GPT-2's pre-tokenizer pattern: what ByteLevel with use_regex=true splits by.
@@ -382,8 +426,22 @@ class HfTokenizerLoader {
     FLUXION_RETURN_IF_ERROR(LoadModel(*model, t.get()));
     FLUXION_RETURN_IF_ERROR(LoadNormalizer(root, t.get()));  // before the added tokens: NFC
     FLUXION_RETURN_IF_ERROR(LoadAdded(root, t.get()));
-    FLUXION_RETURN_IF_ERROR(LoadPreTokenizer(root, t.get()));
-    FLUXION_RETURN_IF_ERROR(LoadDecoder(root));
+    bool byte_level_pre = false;
+    FLUXION_RETURN_IF_ERROR(LoadPreTokenizer(root, t.get(), &byte_level_pre));
+    FLUXION_RETURN_IF_ERROR(LoadDecoder(root, t.get()));
+    // Symbols start as bytes exactly when the decoder maps byte-level characters back to bytes;
+    // a ByteLevel pre-tokenizer without that decoder (or byte fallback with it) would encode
+    // text into symbols its decoding cannot give back.
+    if (byte_level_pre && !t->byte_level_) {
+      return FieldError("decoder.type", "must be ByteLevel with a ByteLevel pre-tokenizer");
+    }
+    if (t->byte_level_ && t->byte_fallback_) {
+      return FieldError("model.byte_fallback",
+                        "is true with a ByteLevel decoder, which is not supported");
+    }
+    if (t->byte_level_ && t->metaspace_.has_value()) {
+      return FieldError("decoder.type", "is ByteLevel with a Metaspace pre-tokenizer");
+    }
     return t;
   }
 
@@ -401,15 +459,11 @@ class HfTokenizerLoader {
       FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> affix,
                                OptionalString(model, key, "model."));
       if (affix.has_value() && !affix->empty()) {
-        return FieldError(absl::StrCat("model.", key),
-                          "is set; byte-level BPE with it is not supported");
+        return FieldError(absl::StrCat("model.", key), "is set, which is not supported");
       }
     }
-    FLUXION_ASSIGN_OR_RETURN(bool byte_fallback,
+    FLUXION_ASSIGN_OR_RETURN(t->byte_fallback_,
                              OptionalBool(model, "byte_fallback", false, "model."));
-    if (byte_fallback) {
-      return FieldError("model.byte_fallback", "is true; only byte-level BPE is supported");
-    }
     FLUXION_ASSIGN_OR_RETURN(t->fuse_unk_, OptionalBool(model, "fuse_unk", false, "model."));
     FLUXION_ASSIGN_OR_RETURN(t->ignore_merges_,
                              OptionalBool(model, "ignore_merges", false, "model."));
@@ -460,10 +514,19 @@ class HfTokenizerLoader {
       if (mapped) t->bytes_to_id_.emplace(token.bytes, id);
     }
     t->byte_id_.fill(-1);
+    t->byte_fallback_id_.fill(-1);
     const ByteLevelMap& map = ByteMap();
     for (int b = 0; b < 256; ++b) {
       auto it = t->spelling_to_id_.find(map.byte_to_utf8[b]);
       if (it != t->spelling_to_id_.end()) t->byte_id_[b] = it->second;
+      it = t->spelling_to_id_.find(ByteFallbackSpelling(b));
+      if (it != t->spelling_to_id_.end()) t->byte_fallback_id_[b] = it->second;
+    }
+    // Character-level BPE starts from the vocabulary's single characters (valid UTF-8 only: a
+    // spelling that is not cannot match a character of valid input).
+    for (const auto& [spelling, id] : t->spelling_to_id_) {
+      size_t length = 0;
+      if (IsOneCharacter(spelling)) t->char_id_.emplace(CodePointAt(spelling, 0, &length), id);
     }
     return absl::OkStatus();
   }
@@ -572,8 +635,11 @@ class HfTokenizerLoader {
       }
       // A normalized token matches, and decodes, as its normalized form (HF's normalized_cache).
       token.match_content = token.content;
-      if (token.normalized && t->nfc_ && !IsAscii(token.content)) {
-        FLUXION_ASSIGN_OR_RETURN(token.match_content, Nfc(token.content));
+      if (token.normalized && !t->normalizers_.empty()) {
+        std::string storage;
+        FLUXION_ASSIGN_OR_RETURN(absl::string_view normalized,
+                                 t->Normalize(token.content, &storage));
+        token.match_content = std::string(normalized);
         if (token.match_content.empty()) {
           return FieldError(absl::StrCat(prefix, "content"), "normalizes to nothing");
         }
@@ -614,6 +680,31 @@ class HfTokenizerLoader {
     }
   }
 
+  // One normalizer: NFC, Prepend or a literal Replace (the SentencePiece-style files' spaces).
+  static absl::Status LoadNormalizerStep(const Json& step, const std::string& prefix,
+                                         HfTokenizer* t) {
+    if (!step.is_object()) return FieldError(prefix, "must be an object");
+    FLUXION_ASSIGN_OR_RETURN(std::string type, RequiredType(step, absl::StrCat(prefix, ".")));
+    HfTokenizer::NormalizerStep n{HfTokenizer::NormalizerStep::kNfc, "", ""};
+    if (type == "NFC") {
+      t->nfc_ = true;
+    } else if (type == "Prepend") {
+      FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> prepend,
+                               OptionalString(step, "prepend", absl::StrCat(prefix, ".")));
+      if (!prepend.has_value()) return FieldError(absl::StrCat(prefix, ".prepend"), "is required");
+      n = {HfTokenizer::NormalizerStep::kPrepend, "", *std::move(prepend)};
+    } else if (type == "Replace") {
+      FLUXION_ASSIGN_OR_RETURN(auto replace, LiteralReplace(step, absl::StrCat(prefix, ".")));
+      n = {HfTokenizer::NormalizerStep::kReplace, std::move(replace.first),
+           std::move(replace.second)};
+    } else {
+      return FieldError(absl::StrCat(prefix, ".type"),
+                        absl::StrCat("is '", type, "'; only NFC, Prepend and Replace are supported"));
+    }
+    t->normalizers_.push_back(std::move(n));
+    return absl::OkStatus();
+  }
+
   static absl::Status LoadNormalizer(const Json& root, HfTokenizer* t) {
     const Json* normalizer = Find(root, "normalizer");
     if (normalizer == nullptr) return absl::OkStatus();
@@ -622,26 +713,14 @@ class HfTokenizerLoader {
                         absl::StrCat("must be an object or null, got ", normalizer->type_name()));
     }
     FLUXION_ASSIGN_OR_RETURN(std::string type, RequiredType(*normalizer, "normalizer."));
-    if (type == "NFC") {
-      t->nfc_ = true;
-    } else if (type == "Sequence") {
-      const Json* list = Find(*normalizer, "normalizers");
-      if (list == nullptr || !list->is_array()) {
-        return FieldError("normalizer.normalizers", "must be an array");
-      }
-      for (size_t i = 0; i < list->size(); ++i) {
-        const std::string prefix = absl::StrCat("normalizer.normalizers[", i, "].");
-        if (!(*list)[i].is_object()) return FieldError(prefix, "must be an object");
-        FLUXION_ASSIGN_OR_RETURN(std::string inner, RequiredType((*list)[i], prefix));
-        if (inner != "NFC") {
-          return FieldError(absl::StrCat(prefix, "type"),
-                            absl::StrCat("is '", inner, "'; only NFC is supported"));
-        }
-        t->nfc_ = true;
-      }
-    } else {
-      return FieldError("normalizer.type",
-                        absl::StrCat("is '", type, "'; only null and NFC are supported"));
+    if (type != "Sequence") return LoadNormalizerStep(*normalizer, "normalizer", t);
+    const Json* list = Find(*normalizer, "normalizers");
+    if (list == nullptr || !list->is_array()) {
+      return FieldError("normalizer.normalizers", "must be an array");
+    }
+    for (size_t i = 0; i < list->size(); ++i) {
+      FLUXION_RETURN_IF_ERROR(
+          LoadNormalizerStep((*list)[i], absl::StrCat("normalizer.normalizers[", i, "]"), t));
     }
     return absl::OkStatus();
   }
@@ -687,15 +766,56 @@ class HfTokenizerLoader {
     return absl::OkStatus();
   }
 
-  static absl::Status LoadPreTokenizer(const Json& root, HfTokenizer* t) {
-    FLUXION_ASSIGN_OR_RETURN(const Json* pre,
-                             RequiredObject(root, "pre_tokenizer", "pre_tokenizer"));
+  static absl::Status LoadMetaspace(const Json& metaspace, const std::string& prefix,
+                                    HfTokenizer::Metaspace* out) {
+    FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> replacement,
+                             OptionalString(metaspace, "replacement", prefix));
+    out->replacement = replacement.value_or("\xE2\x96\x81");  // U+2581, SentencePiece's
+    if (!IsOneCharacter(out->replacement)) {
+      return FieldError(absl::StrCat(prefix, "replacement"), "must be one character");
+    }
+    FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> scheme,
+                             OptionalString(metaspace, "prepend_scheme", prefix));
+    if (scheme.has_value()) {
+      if (*scheme == "always") {
+        out->prepend = HfTokenizer::Metaspace::kAlways;
+      } else if (*scheme == "first") {
+        out->prepend = HfTokenizer::Metaspace::kFirst;
+      } else if (*scheme == "never") {
+        out->prepend = HfTokenizer::Metaspace::kNever;
+      } else {
+        return FieldError(absl::StrCat(prefix, "prepend_scheme"),
+                          absl::StrCat("is '", *scheme, "'; not always, first or never"));
+      }
+    } else {  // files written before tokenizers 0.14
+      FLUXION_ASSIGN_OR_RETURN(bool add_prefix_space,
+                               OptionalBool(metaspace, "add_prefix_space", true, prefix));
+      out->prepend = add_prefix_space ? HfTokenizer::Metaspace::kAlways
+                                      : HfTokenizer::Metaspace::kNever;
+    }
+    FLUXION_ASSIGN_OR_RETURN(out->split, OptionalBool(metaspace, "split", true, prefix));
+    return absl::OkStatus();
+  }
+
+  // `byte_level` tells whether the pre-tokenizer has a ByteLevel step.
+  static absl::Status LoadPreTokenizer(const Json& root, HfTokenizer* t, bool* byte_level) {
+    const Json* pre = Find(root, "pre_tokenizer");
+    if (pre == nullptr) return absl::OkStatus();  // each piece is one pre-token
+    if (!pre->is_object()) {
+      return FieldError("pre_tokenizer",
+                        absl::StrCat("must be an object or null, got ", pre->type_name()));
+    }
     FLUXION_ASSIGN_OR_RETURN(std::string type, RequiredType(*pre, "pre_tokenizer."));
+    *byte_level = type == "ByteLevel";
     if (type == "ByteLevel") return LoadByteLevel(*pre, "pre_tokenizer.", t);
+    if (type == "Metaspace") {
+      t->metaspace_.emplace();
+      return LoadMetaspace(*pre, "pre_tokenizer.", &*t->metaspace_);
+    }
     if (type != "Sequence") {
       return FieldError("pre_tokenizer.type",
                         absl::StrCat("is '", type,
-                                     "'; only ByteLevel or a Sequence of Split "
+                                     "'; only ByteLevel, Metaspace or a Sequence of Split "
                                      "and a final ByteLevel is supported"));
     }
     const Json* list = Find(*pre, "pretokenizers");
@@ -711,6 +831,7 @@ class HfTokenizerLoader {
       if (step_type == "Split" && !last) {
         FLUXION_RETURN_IF_ERROR(LoadSplit(step, prefix, t));
       } else if (step_type == "ByteLevel" && last) {
+        *byte_level = true;
         FLUXION_RETURN_IF_ERROR(LoadByteLevel(step, prefix, t));
       } else {
         return FieldError(absl::StrCat(prefix, "type"),
@@ -721,18 +842,100 @@ class HfTokenizerLoader {
     return absl::OkStatus();
   }
 
-  static absl::Status LoadDecoder(const Json& root) {
+  // What the decoder makes of each token, for character-level BPE: literal replacements in
+  // order, and <0xXX> tokens as their byte.
+  struct TokenDecoding {
+    std::vector<std::pair<std::string, std::string>> replaces;
+    bool byte_fallback = false;
+  };
+
+  // One step of a SentencePiece-style decoder Sequence. `fused`: a Fuse came before (a Strip
+  // then cuts the start of the whole text, which is what Decode applies).
+  static absl::Status LoadDecoderStep(const Json& step, const std::string& prefix, bool* fused,
+                                      TokenDecoding* decoding, HfTokenizer* t) {
+    if (!step.is_object()) return FieldError(prefix, "must be an object");
+    FLUXION_ASSIGN_OR_RETURN(std::string type, RequiredType(step, absl::StrCat(prefix, ".")));
+    if (type == "Replace") {
+      FLUXION_ASSIGN_OR_RETURN(auto replace, LiteralReplace(step, absl::StrCat(prefix, ".")));
+      decoding->replaces.push_back(std::move(replace));
+    } else if (type == "ByteFallback") {
+      decoding->byte_fallback = true;
+    } else if (type == "Fuse") {
+      *fused = true;
+    } else if (type == "Strip") {
+      FLUXION_ASSIGN_OR_RETURN(std::optional<std::string> content,
+                               OptionalString(step, "content", absl::StrCat(prefix, ".")));
+      const Json* start = Find(step, "start");
+      const Json* stop = Find(step, "stop");
+      const bool stops = stop != nullptr && !(stop->is_number_integer() && stop->get<int64_t>() == 0);
+      if (!*fused || content.value_or("") != " " || stops || start == nullptr ||
+          !start->is_number_integer() || start->get<int64_t>() < 0 ||
+          start->get<int64_t>() > 16) {
+        return FieldError(prefix,
+                          "is a Strip other than of up to 16 leading spaces after a Fuse");
+      }
+      t->decode_strip_ = static_cast<int>(start->get<int64_t>());
+    } else {
+      return FieldError(absl::StrCat(prefix, ".type"),
+                        absl::StrCat("is '", type, "'; only Replace, ByteFallback, Fuse and "
+                                     "Strip are supported in a decoder Sequence"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Every token's bytes under `decoding` (the ByteLevel decoder's were set with the vocabulary).
+  static void DecodeTokens(const TokenDecoding& decoding, HfTokenizer* t) {
+    for (HfTokenizer::Token& token : t->tokens_) {
+      if (!token.present) continue;
+      const int byte = decoding.byte_fallback ? ByteFallbackByte(token.spelling) : -1;
+      if (byte >= 0) {
+        token.bytes = std::string(1, static_cast<char>(byte));
+        continue;
+      }
+      token.bytes = token.spelling;
+      for (const auto& [from, to] : decoding.replaces) {
+        token.bytes = absl::StrReplaceAll(token.bytes, {{from, to}});
+      }
+    }
+  }
+
+  static absl::Status LoadDecoder(const Json& root, HfTokenizer* t) {
     FLUXION_ASSIGN_OR_RETURN(const Json* decoder, RequiredObject(root, "decoder", "decoder"));
     FLUXION_ASSIGN_OR_RETURN(std::string type, RequiredType(*decoder, "decoder."));
-    if (type != "ByteLevel") {
+    if (type == "ByteLevel") return absl::OkStatus();
+    t->byte_level_ = false;
+    TokenDecoding decoding;
+    if (type == "Metaspace") {
+      HfTokenizer::Metaspace metaspace;
+      FLUXION_RETURN_IF_ERROR(LoadMetaspace(*decoder, "decoder.", &metaspace));
+      decoding.replaces.emplace_back(metaspace.replacement, " ");
+      // HF's Metaspace decoder drops the first token's leading space unless it never prepends.
+      t->decode_strip_ = metaspace.prepend == HfTokenizer::Metaspace::kNever ? 0 : 1;
+    } else if (type == "Sequence") {
+      const Json* list = Find(*decoder, "decoders");
+      if (list == nullptr || !list->is_array()) {
+        return FieldError("decoder.decoders", "must be an array");
+      }
+      bool fused = false;
+      for (size_t i = 0; i < list->size(); ++i) {
+        FLUXION_RETURN_IF_ERROR(LoadDecoderStep((*list)[i], absl::StrCat("decoder.decoders[", i, "]"),
+                                                &fused, &decoding, t));
+      }
+    } else {
       return FieldError("decoder.type",
-                        absl::StrCat("is '", type, "'; only ByteLevel is supported"));
+                        absl::StrCat("is '", type,
+                                     "'; only ByteLevel, Metaspace or a Sequence of Replace, "
+                                     "ByteFallback, Fuse and Strip is supported"));
     }
+    DecodeTokens(decoding, t);
     return absl::OkStatus();
   }
 };
 
-HfTokenizer::HfTokenizer() { byte_id_.fill(-1); }
+HfTokenizer::HfTokenizer() {
+  byte_id_.fill(-1);
+  byte_fallback_id_.fill(-1);
+}
 HfTokenizer::~HfTokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(absl::string_view json) {
@@ -810,31 +1013,55 @@ absl::StatusOr<std::vector<int32_t>> HfTokenizer::EncodeChecked(absl::string_vie
     if (piece.added_id >= 0) {
       ids.push_back(piece.added_id);
     } else {
-      FLUXION_RETURN_IF_ERROR(EncodeText(piece.text, &ids, &work));
+      FLUXION_RETURN_IF_ERROR(
+          EncodeText(piece.text, /*at_start=*/piece.text.data() == text.data(), &ids, &work));
     }
   }
   return ids;
 }
 
-absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t>* ids,
-                                     WorkCheck* work) const {
-  std::string normalized_storage;
-  absl::string_view normalized = text;
-  if (nfc_ && !IsAscii(text)) {  // ASCII is always NFC
-    FLUXION_ASSIGN_OR_RETURN(normalized_storage, Nfc(text));
-    normalized = normalized_storage;
+absl::StatusOr<absl::string_view> HfTokenizer::Normalize(absl::string_view text,
+                                                         std::string* storage) const {
+  absl::string_view out = text;
+  for (const NormalizerStep& step : normalizers_) {
+    switch (step.kind) {
+      case NormalizerStep::kNfc: {
+        if (IsAscii(out)) continue;  // ASCII is always NFC
+        FLUXION_ASSIGN_OR_RETURN(std::string nfc, Nfc(out));
+        *storage = std::move(nfc);
+        break;
+      }
+      case NormalizerStep::kPrepend:
+        if (out.empty()) continue;
+        *storage = absl::StrCat(step.to, out);
+        break;
+      case NormalizerStep::kReplace:
+        if (!absl::StrContains(out, step.from)) continue;
+        *storage = absl::StrReplaceAll(out, {{step.from, step.to}});
+        break;
+    }
+    out = *storage;
   }
+  return out;
+}
+
+absl::Status HfTokenizer::EncodeText(absl::string_view text, bool at_start,
+                                     std::vector<int32_t>* ids, WorkCheck* work) const {
+  std::string normalized_storage;
+  FLUXION_ASSIGN_OR_RETURN(absl::string_view normalized, Normalize(text, &normalized_storage));
   std::vector<Piece> pieces;
   FLUXION_RETURN_IF_ERROR(SplitOnAdded(normalized, normalized_added_, &pieces, work));
   std::vector<absl::string_view> pre_tokens;
-  std::deque<std::string> prefixed;  // pieces with ByteLevel's prefix space
+  std::deque<std::string> storage;  // pieces with ByteLevel's prefix space or Metaspace's marks
   for (const Piece& piece : pieces) {
     if (piece.added_id >= 0) {
       ids->push_back(piece.added_id);
       continue;
     }
     pre_tokens.clear();
-    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text, &pre_tokens, &prefixed, work));
+    FLUXION_RETURN_IF_ERROR(PreTokenize(piece.text,
+                                        at_start && piece.text.data() == normalized.data(),
+                                        &pre_tokens, &storage, work));
     for (absl::string_view pre_token : pre_tokens) {
       FLUXION_RETURN_IF_ERROR(work->Add(pre_token.size()));
       EncodePreToken(pre_token, ids);
@@ -843,8 +1070,31 @@ absl::Status HfTokenizer::EncodeText(absl::string_view text, std::vector<int32_t
   return absl::OkStatus();
 }
 
-absl::Status HfTokenizer::PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
+absl::Status HfTokenizer::PreTokenize(absl::string_view text, bool at_start,
+                                      std::vector<absl::string_view>* out,
                                       std::deque<std::string>* storage, WorkCheck* work) const {
+  if (metaspace_.has_value()) {
+    const std::string& mark = metaspace_->replacement;
+    std::string marked = absl::StrReplaceAll(text, {{" ", mark}});
+    const bool prepend = metaspace_->prepend == Metaspace::kAlways ||
+                         (metaspace_->prepend == Metaspace::kFirst && at_start);
+    if (prepend && !absl::StartsWith(marked, mark)) marked.insert(0, mark);
+    storage->push_back(std::move(marked));
+    absl::string_view rest = storage->back();
+    if (!metaspace_->split) {
+      if (!rest.empty()) out->push_back(rest);
+      return absl::OkStatus();
+    }
+    // Cut before every mark, each mark starting the piece after it (HF's MergedWithNext).
+    size_t start = 0;
+    for (size_t at = rest.find(mark, 1); at != absl::string_view::npos;
+         at = rest.find(mark, at + mark.size())) {
+      out->push_back(rest.substr(start, at - start));
+      start = at;
+    }
+    if (start < rest.size()) out->push_back(rest.substr(start));
+    return work->Add(rest.size());
+  }
   out->push_back(text);
   std::vector<absl::string_view> next;
   for (size_t step = 0; step <= splits_.size(); ++step) {
@@ -868,8 +1118,9 @@ absl::Status HfTokenizer::PreTokenize(absl::string_view text, std::vector<absl::
 
 void HfTokenizer::EncodePreToken(absl::string_view bytes, std::vector<int32_t>* ids) const {
   if (ignore_merges_) {  // Llama-3: a pre-token that is itself a token is emitted whole
-    auto it = bytes_to_id_.find(bytes);
-    if (it != bytes_to_id_.end()) {
+    const auto& whole = byte_level_ ? bytes_to_id_ : spelling_to_id_;
+    auto it = whole.find(bytes);
+    if (it != whole.end()) {
       ids->push_back(it->second);
       return;
     }
@@ -894,6 +1145,46 @@ void HfTokenizer::EncodePreToken(absl::string_view bytes, std::vector<int32_t>* 
   }
 }
 
+void HfTokenizer::InitialSymbols(absl::string_view bytes, std::vector<int32_t>* ids) const {
+  // A symbol with no token: unk when the model has one (fused with a preceding unk when
+  // fuse_unk), else dropped, as HF does.
+  auto unknown = [&] {
+    if (!unk_id_.has_value()) return;
+    if (fuse_unk_ && !ids->empty() && ids->back() == *unk_id_) return;
+    ids->push_back(*unk_id_);
+  };
+  if (byte_level_) {
+    for (char c : bytes) {
+      const int32_t id = byte_id_[static_cast<unsigned char>(c)];
+      if (id >= 0) {
+        ids->push_back(id);
+      } else {
+        unknown();
+      }
+    }
+    return;
+  }
+  for (size_t pos = 0; pos < bytes.size();) {
+    size_t length = 0;
+    const uint32_t cp = CodePointAt(bytes, pos, &length);
+    const absl::string_view character = bytes.substr(pos, length);
+    pos += length;
+    if (auto it = char_id_.find(cp); it != char_id_.end()) {
+      ids->push_back(it->second);
+      continue;
+    }
+    const bool all_bytes =
+        byte_fallback_ && std::all_of(character.begin(), character.end(), [this](char c) {
+          return byte_fallback_id_[static_cast<unsigned char>(c)] >= 0;
+        });
+    if (!all_bytes) {
+      unknown();
+      continue;
+    }
+    for (char c : character) ids->push_back(byte_fallback_id_[static_cast<unsigned char>(c)]);
+  }
+}
+
 void HfTokenizer::MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids) const {
   struct Symbol {
     int32_t id;
@@ -901,22 +1192,17 @@ void HfTokenizer::MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids)
     int next;
     bool alive;
   };
+  std::vector<int32_t> initial;
+  initial.reserve(bytes.size());
+  InitialSymbols(bytes, &initial);
+  if (initial.empty()) return;
   std::vector<Symbol> symbols;
-  symbols.reserve(bytes.size());
-  for (char c : bytes) {
-    int32_t id = byte_id_[static_cast<unsigned char>(c)];
-    if (id < 0) {
-      // A byte with no token: unk when the model has one (fused with a preceding unk when
-      // fuse_unk), else dropped, as HF does.
-      if (!unk_id_.has_value()) continue;
-      if (fuse_unk_ && !symbols.empty() && symbols.back().id == *unk_id_) continue;
-      id = *unk_id_;
-    }
+  symbols.reserve(initial.size());
+  for (int32_t id : initial) {
     const int index = static_cast<int>(symbols.size());
     symbols.push_back({id, index - 1, -1, true});
     if (index > 0) symbols[index - 1].next = index;
   }
-  if (symbols.empty()) return;
 
   struct Candidate {
     int32_t rank;

@@ -1,11 +1,13 @@
-// Hugging Face tokenizer.json, byte-level BPE (Llama-3, Qwen2/2.5, GPT-2 style): what is supported
-// and what is not is docs/TOKENIZER.md. Encode and Decode match HF `tokenizers` (tested against
-// references made with 0.23.2, tests/data/tokenizers/).
+// Hugging Face tokenizer.json BPE: byte-level (Llama-3, Qwen2/2.5, GPT-2 style) and
+// SentencePiece-style with byte fallback (Llama-2, Mistral, Gemma); what is supported and what is
+// not is docs/TOKENIZER.md. Encode and Decode match HF `tokenizers` (tested against references
+// made with 0.23.2, tests/data/tokenizers/).
 //
 // Encode: added tokens are cut out of the text first (leftmost, longest first, as HF's
-// split_special_tokens=false); the rest is normalized (none or NFC), split by the pre-tokenizer's
-// regexes (PCRE2: HF's patterns need lookahead) into pre-tokens, and each pre-token's bytes are
-// merged by rank (a heap over adjacent pairs, HF's algorithm) with a bounded cache of results.
+// split_special_tokens=false); the rest is normalized (NFC, Prepend, Replace), split by the
+// pre-tokenizer (regexes, PCRE2: HF's patterns need lookahead; or Metaspace) into pre-tokens, and
+// each pre-token's symbols (bytes for byte-level BPE, characters with byte fallback otherwise)
+// are merged by rank (a heap over adjacent pairs, HF's algorithm) with a bounded cache of results.
 //
 // Thread-safe: const members may be called concurrently (the cache has its own lock).
 #ifndef FLUXION_MODEL_HF_TOKENIZER_H_
@@ -56,6 +58,7 @@ class HfTokenizer final : public Tokenizer {
   std::optional<std::string> IdToToken(int32_t id) const override;
   bool IsSpecial(int32_t id) const override;
   int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
+  int leading_spaces_stripped() const override { return decode_strip_; }
 
   // Entries in the pre-token cache (for tests and the bench).
   size_t cache_size() const;
@@ -98,29 +101,60 @@ class HfTokenizer final : public Tokenizer {
     absl::string_view text;
     int32_t added_id;  // -1: text still to tokenize
   };
+  // One normalizer of the file's list, applied in order.
+  struct NormalizerStep {
+    enum Kind { kNfc, kPrepend, kReplace } kind;
+    std::string from, to;  // kReplace: every `from` becomes `to`; kPrepend: `to` before a non-empty text
+  };
+  // The Metaspace pre-tokenizer: spaces become `replacement`, which is prepended to every piece
+  // (kAlways) or to the piece at the start of the text (kFirst) that does not start with it, and
+  // with `split` each piece is cut before every replacement.
+  struct Metaspace {
+    enum Prepend { kAlways, kFirst, kNever };
+    std::string replacement;
+    Prepend prepend = kAlways;
+    bool split = true;
+  };
 
   HfTokenizer();
   friend class HfTokenizerLoader;
 
   absl::Status SplitOnAdded(absl::string_view text, const AddedMatcher& matcher,
                             std::vector<Piece>* out, WorkCheck* work) const;
-  absl::Status EncodeText(absl::string_view text, std::vector<int32_t>* ids, WorkCheck* work) const;
+  // `at_start`: `text` begins the encoded text (Metaspace's prepend_scheme "first").
+  absl::Status EncodeText(absl::string_view text, bool at_start, std::vector<int32_t>* ids,
+                          WorkCheck* work) const;
+  // `text` after the normalizers; `storage` holds it when it differs.
+  absl::StatusOr<absl::string_view> Normalize(absl::string_view text, std::string* storage) const;
   // Appends the pre-tokens of `text` to `out`; pieces that are not substrings of `text` (with
-  // a prefix space) live in `storage`.
-  absl::Status PreTokenize(absl::string_view text, std::vector<absl::string_view>* out,
-                           std::deque<std::string>* storage, WorkCheck* work) const;
+  // a prefix space, or Metaspace's replacements) live in `storage`.
+  absl::Status PreTokenize(absl::string_view text, bool at_start,
+                           std::vector<absl::string_view>* out, std::deque<std::string>* storage,
+                           WorkCheck* work) const;
   void EncodePreToken(absl::string_view bytes, std::vector<int32_t>* ids) const;
   void MergeBytes(absl::string_view bytes, std::vector<int32_t>* ids) const;
+  // The symbols a pre-token starts as, before any merge: one per byte (byte-level BPE) or one per
+  // character, a character missing from the vocabulary as its <0xXX> byte tokens (byte_fallback)
+  // or unk.
+  void InitialSymbols(absl::string_view bytes, std::vector<int32_t>* ids) const;
 
   std::vector<Token> tokens_;                                 // by id
   absl::flat_hash_map<std::string, int32_t> spelling_to_id_;  // vocab, then added tokens
   absl::flat_hash_map<std::string, int32_t> bytes_to_id_;     // model vocab, by decoded bytes
   absl::flat_hash_map<uint64_t, Merge> merges_;               // (left id << 32 | right id)
   std::array<int32_t, 256> byte_id_;                          // single-byte tokens; -1 if absent
+  // Character-level BPE: single-character vocab tokens by code point, and the <0xXX> tokens.
+  absl::flat_hash_map<uint32_t, int32_t> char_id_;
+  std::array<int32_t, 256> byte_fallback_id_;  // -1 if absent
+  bool byte_level_ = true;  // the decoder is ByteLevel: symbols start as bytes
+  bool byte_fallback_ = false;
   std::optional<int32_t> unk_id_;
   bool fuse_unk_ = false;
   bool ignore_merges_ = false;
-  bool nfc_ = false;
+  bool nfc_ = false;  // an NFC step among normalizers_ (ASCII text may skip it)
+  std::vector<NormalizerStep> normalizers_;
+  std::optional<Metaspace> metaspace_;
+  int decode_strip_ = 0;  // leading spaces the decoder strips from a decoded text
   std::vector<AddedToken> added_;
   AddedMatcher raw_added_;
   AddedMatcher normalized_added_;

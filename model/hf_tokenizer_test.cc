@@ -294,6 +294,92 @@ TEST(HfTokenizerTest, EncodeCheckBoundsTheWork) {
   EXPECT_EQ(before.status().code(), absl::StatusCode::kCancelled);
 }
 
+// A SentencePiece-style tokenizer in Mistral v0.3's layout: Metaspace pre-tokenizer, byte
+// fallback, unk, and the decoder Replace (mark -> space), ByteFallback, Fuse, Strip one leading
+// space. "\xE2\x96\x81" is U+2581, the mark spaces become.
+Json MiniSentencePiece(const std::string& prepend_scheme, bool split) {
+  Json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  for (int b = 0; b < 256; ++b) {
+    static constexpr char kHex[] = "0123456789ABCDEF";
+    vocab[absl::StrCat("<0x", std::string(1, kHex[b >> 4]), std::string(1, kHex[b & 15]), ">")] =
+        3 + b;
+  }
+  const std::string mark = "\xE2\x96\x81";
+  vocab[mark] = 259;
+  vocab["h"] = 260;
+  vocab["i"] = 261;
+  vocab[mark + "h"] = 262;
+  vocab[mark + "hi"] = 263;
+  vocab["a"] = 264;
+  const Json metaspace = {
+      {"type", "Metaspace"}, {"replacement", mark}, {"prepend_scheme", prepend_scheme},
+      {"split", split}};
+  Json j;
+  j["model"] = {{"type", "BPE"},           {"vocab", vocab},      {"unk_token", "<unk>"},
+                {"byte_fallback", true},   {"fuse_unk", true},
+                {"merges", Json::array({Json::array({mark, "h"}), Json::array({mark + "h", "i"})})}};
+  j["pre_tokenizer"] = metaspace;
+  j["decoder"] = {{"type", "Sequence"},
+                  {"decoders", Json::array({{{"type", "Replace"},
+                                             {"pattern", {{"String", mark}}},
+                                             {"content", " "}},
+                                            {{"type", "ByteFallback"}},
+                                            {{"type", "Fuse"}},
+                                            {{"type", "Strip"},
+                                             {"content", " "},
+                                             {"start", 1},
+                                             {"stop", 0}}})}};
+  j["added_tokens"] =
+      Json::array({{{"id", 1}, {"content", "<s>"}, {"special", true}, {"normalized", false}}});
+  return j;
+}
+
+TEST(HfTokenizerTest, MetaspaceMarksSpacesPrependsPerSchemeAndFallsBackToBytes) {
+  auto first = HfTokenizer::FromJson(MiniSentencePiece("first", false).dump());
+  ASSERT_TRUE(first.ok()) << first.status();
+  const HfTokenizer& t = **first;
+  EXPECT_THAT(*t.Encode("hi"), ElementsAre(263));
+  EXPECT_THAT(*t.Encode("hi hi"), ElementsAre(263, 263));
+  // After an added token the text no longer starts the input: "first" prepends nothing.
+  EXPECT_THAT(*t.Encode("<s>hi"), ElementsAre(1, 260, 261));
+  // Characters outside the vocabulary become their UTF-8 bytes' tokens.
+  EXPECT_THAT(*t.Encode("\n"), ElementsAre(259, 3 + 0x0A));
+  EXPECT_THAT(*t.Encode("\xC3\xA9"), ElementsAre(259, 3 + 0xC3, 3 + 0xA9));
+  // The decoder turns marks back into spaces, bytes back into text, and drops the first space.
+  EXPECT_EQ(t.Decode({263, 263}, false), "hi hi");
+  EXPECT_EQ(t.Decode({259, 3 + 0xC3, 3 + 0xA9}, false), "\xC3\xA9");
+  EXPECT_EQ(t.Decode({1, 263}, false), "<s> hi");
+  EXPECT_EQ(t.Decode({1, 263}, true), "hi");
+  std::string one;
+  t.AppendTokenBytes(263, false, &one);
+  EXPECT_EQ(one, " hi");  // a streamed token keeps its space: it continues the text before it
+
+  // The Metaspace decoder: marks become spaces and the first is dropped, but without a
+  // ByteFallback step byte tokens stay spelled out, as in HF.
+  Json always_json = MiniSentencePiece("always", true);
+  always_json["decoder"] = always_json["pre_tokenizer"];
+  auto always = HfTokenizer::FromJson(always_json.dump());
+  ASSERT_TRUE(always.ok()) << always.status();
+  EXPECT_THAT(*(*always)->Encode("<s>hi"), ElementsAre(1, 263));
+  EXPECT_EQ((*always)->Decode({263, 263}, false), "hi hi");
+  EXPECT_EQ((*always)->Decode({259, 3 + 0xC3}, false), "<0xC3>");
+  // split: cut before every mark, so "ahi hi" merges within "\xE2\x96\x81ahi" and "\xE2\x96\x81hi".
+  EXPECT_THAT(*(*always)->Encode("ahi hi"), ElementsAre(259, 264, 260, 261, 263));
+
+  Json never_json = MiniSentencePiece("never", false);
+  never_json["model"]["byte_fallback"] = false;
+  auto never = HfTokenizer::FromJson(never_json.dump());
+  ASSERT_TRUE(never.ok()) << never.status();
+  EXPECT_THAT(*(*never)->Encode("hi"), ElementsAre(260, 261));
+  EXPECT_THAT(*(*never)->Encode(" hi"), ElementsAre(263));
+  // Without byte fallback an unknown character is unk, consecutive ones fused.
+  EXPECT_THAT(*(*never)->Encode("\xC3\xA9\xC3\xA9h"), ElementsAre(0, 260));
+  never_json["decoder"] = never_json["pre_tokenizer"];
+  auto never_decoder = HfTokenizer::FromJson(never_json.dump());
+  ASSERT_TRUE(never_decoder.ok()) << never_decoder.status();
+  EXPECT_EQ((*never_decoder)->Decode({263}, false), " hi");  // "never" strips nothing
+}
+
 void ExpectInvalid(const std::string& json, const std::string& message_part) {
   auto t = HfTokenizer::FromJson(json);
   ASSERT_FALSE(t.ok()) << "accepted: " << json.substr(0, 200);
@@ -350,7 +436,27 @@ TEST(HfTokenizerTest, MalformedFilesAreInvalidArgumentNamingTheField) {
                   j["pre_tokenizer"] = {{"type", "Whitespace"}};
                 }),
                 "pre_tokenizer.type");
-  ExpectInvalid(with([](Json& j) { j.erase("pre_tokenizer"); }), "pre_tokenizer");
+  ExpectInvalid(with([](Json& j) { j["pre_tokenizer"] = 7; }), "pre_tokenizer");
+  ExpectInvalid(with([](Json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }),
+                "decoder.type");
+  ExpectInvalid(with([](Json& j) { j["decoder"] = {{"type", "Metaspace"}}; }), "decoder.type");
+  ExpectInvalid(with([](Json& j) {
+                  j["normalizer"] = {{"type", "Replace"},
+                                     {"pattern", {{"Regex", " +"}}},
+                                     {"content", "_"}};
+                }),
+                "normalizer.pattern");
+  ExpectInvalid(with([](Json& j) {
+                  j.erase("pre_tokenizer");
+                  j["decoder"] = {
+                      {"type", "Sequence"},
+                      {"decoders", Json::array({{{"type", "Strip"},
+                                                 {"content", " "},
+                                                 {"start", 1},
+                                                 {"stop", 0}},
+                                                {{"type", "Fuse"}}})}};
+                }),
+                "decoder.decoders[0]");
   ExpectInvalid(
       with([](Json& j) {
         j["pre_tokenizer"] = {

@@ -132,8 +132,17 @@ std::string Tokenizer::Decode(absl::Span<const int32_t> ids, bool skip_special) 
   for (int32_t id : ids) AppendTokenBytes(id, skip_special, &bytes);
   std::string text;
   text.reserve(bytes.size());
-  AppendUtf8Lossy(bytes, /*final=*/true, &text);
+  AppendUtf8Lossy(StripDecodedStart(bytes), /*final=*/true, &text);
   return text;
+}
+
+absl::string_view Tokenizer::StripDecodedStart(absl::string_view text) const {
+  size_t strip = 0;
+  while (strip < text.size() && static_cast<int>(strip) < leading_spaces_stripped() &&
+         text[strip] == ' ') {
+    ++strip;
+  }
+  return text.substr(strip);
 }
 
 std::unique_ptr<Tokenizer> NewByteTokenizer() { return std::make_unique<ByteTokenizerAdapter>(); }

@@ -57,6 +57,12 @@ class Tokenizer {
   virtual bool IsSpecial(int32_t id) const = 0;
   // One more than the largest id (ids below it may still be unused).
   virtual int32_t vocab_size() const = 0;
+  // Spaces the tokenizer's decoder strips from the start of a decoded text (a SentencePiece-style
+  // tokenizer strips the one its normalizer prepends). Decode strips them; a streamed
+  // continuation (stream_detokenizer.h) keeps them, since its text continues the prompt's.
+  virtual int leading_spaces_stripped() const { return 0; }
+  // `text` without the leading spaces Decode strips: a streamed text as Decode gives it.
+  absl::string_view StripDecodedStart(absl::string_view text) const;
 };
 
 // The byte tokenizer (byte_tokenizer.h) behind the interface. Encode adds no BOS; Decode writes
