@@ -1,13 +1,15 @@
 """Reference tokenizers for the C++ tokenizer.json loader (issue 16), made with HF `tokenizers`.
 
 Trains two small byte-level BPE tokenizers with the pre-tokenizers and special tokens that
-Llama-3 and Qwen2.5 ship, saves their tokenizer.json, and records how HF encodes and decodes a
-set of varied texts (Unicode, emoji, numbers, whitespace runs, code, special tokens inside
+Llama-3 and Qwen2.5 ship, and one SentencePiece-style BPE with byte fallback saved in the two
+layouts such checkpoints ship (Mistral v0.3's Metaspace pre-tokenizer; Llama-2 / Mistral v0.1's
+Prepend + Replace normalizer), saves their tokenizer.json, and records how HF encodes and decodes
+a set of varied texts (Unicode, emoji, numbers, whitespace runs, code, special tokens inside
 text). The C++ tokenizer must reproduce every id sequence and every decoded string exactly.
 Runs wherever `tokenizers` is installed (the lent GPU machine's python3); no GPU needed.
 
   python3 tools/hf_reference/make_tokenizer_refs.py OUT_DIR
-writes OUT_DIR/{llama3,qwen2}/tokenizer.json and OUT_DIR/{llama3,qwen2}/references.json.
+writes OUT_DIR/{llama3,qwen2,mistral3,llama2}/tokenizer.json and .../references.json.
 """
 import json
 import os
@@ -60,6 +62,38 @@ def build(pattern, specials, nfc):
     return tok
 
 
+SP_SPECIALS = ["<unk>", "<s>", "</s>"]
+MARK = "\u2581"
+
+
+def build_sentencepiece():
+    """One SentencePiece-style vocabulary in its two tokenizer.json layouts."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=MARK, prepend_scheme="always",
+                                                 split=True)
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=SP_SPECIALS, show_progress=False)
+    tok.train_from_iterator(corpus(2), trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    for b in range(256):  # SentencePiece's byte pieces, which byte fallback falls back to
+        name = "<0x%02X>" % b
+        if name not in vocab:
+            vocab[name] = next_id
+            next_id += 1
+    decoder = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": MARK}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    metaspace = dict(spec["pre_tokenizer"], prepend_scheme="first", split=False)
+    legacy = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": MARK},
+        {"type": "Replace", "pattern": {"String": " "}, "content": MARK}]}
+    layouts = {"mistral3": dict(spec, normalizer=None, pre_tokenizer=metaspace, decoder=decoder),
+               "llama2": dict(spec, normalizer=legacy, pre_tokenizer=None, decoder=decoder)}
+    return {name: Tokenizer.from_str(json.dumps(s)) for name, s in layouts.items()}
+
+
 TEXTS = [
     "Hello, world!",
     "the quick brown fox jumps over the lazy dog",
@@ -84,9 +118,18 @@ TEXTS = [
 ]
 
 
-def references(tok):
+# What SentencePiece-style layouts do differently: the prepended mark, text holding the mark,
+# added tokens inside text (each piece is normalized on its own), characters only byte fallback
+# can spell.
+SP_TEXTS = TEXTS + [
+    " space first", MARK + "already marked", "<s>hello</s> world <unk>", "hello<s>world",
+    "\u0000 nul and \u007f del", "\U0001F916 robot \U00010348", "\ufb01 ligature \u00bd",
+]
+
+
+def references(tok, texts=TEXTS):
     out = []
-    for text in TEXTS:
+    for text in texts:
         enc = tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         out.append({
@@ -110,6 +153,14 @@ def main():
             json.dump({"tokenizers_version": tokenizers.__version__, "cases": references(tok)}, f,
                       ensure_ascii=False, indent=1)
         print(name, "vocab", tok.get_vocab_size(), "cases", len(TEXTS))
+    for name, tok in build_sentencepiece().items():
+        d = os.path.join(out, name)
+        os.makedirs(d, exist_ok=True)
+        tok.save(os.path.join(d, "tokenizer.json"))
+        with open(os.path.join(d, "references.json"), "w", encoding="utf-8") as f:
+            json.dump({"tokenizers_version": tokenizers.__version__,
+                       "cases": references(tok, SP_TEXTS)}, f, ensure_ascii=False, indent=1)
+        print(name, "vocab", tok.get_vocab_size(), "cases", len(SP_TEXTS))
 
 
 if __name__ == "__main__":
