@@ -29,7 +29,8 @@ class ChildProcess {
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;
 
-  // Waits until `port_file` holds a port (the server writes it once serving), up to `timeout`.
+  // Waits until `port_file` holds a port (the server writes it once serving), up to `timeout`
+  // (zero: looks once).
   // UNAVAILABLE, with the log's tail, if the process exits first; DEADLINE_EXCEEDED on timeout.
   absl::StatusOr<int> WaitForPortFile(const std::string& port_file, absl::Duration timeout);
 

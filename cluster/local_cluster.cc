@@ -271,6 +271,10 @@ absl::Status LocalCluster::WaitForHealthyDecode(Child& router) {
 std::vector<std::string> LocalCluster::RestartExited() {
   std::vector<std::string> lines;
   for (const std::unique_ptr<Child>& child : children_) {
+    if (child->starting) {
+      if (std::optional<std::string> line = CheckRestarted(*child)) lines.push_back(*line);
+      continue;
+    }
     if (child->process->Running() || absl::Now() < child->next_restart) continue;
     lines.push_back(Restart(*child));
   }
@@ -286,14 +290,42 @@ std::string LocalCluster::Restart(Child& child) {
       now - child.started_at > kLongestBackoff ? kShortestBackoff : child.backoff;
   child.next_restart = now + wait;
   child.backoff = std::min(wait * 2, kLongestBackoff);
-  absl::Status started = StartChild(child);
-  if (started.ok()) started = WaitForPorts({&child}).status();
-  if (!started.ok()) {
+  if (absl::Status started = StartChild(child); !started.ok()) {
     return absl::StrCat(child.name, " ", how, " and did not restart (", started.message(),
                         "); next try in ", absl::FormatDuration(wait), ", log ", log);
   }
-  return absl::StrCat(child.name, " ", how, "; restarted on the same ports (pid ",
+  child.starting = true;
+  child.serving_deadline = now + absl::Seconds(o_.startup_timeout_s);
+  return absl::StrCat(child.name, " ", how, "; starting it again on the same ports (pid ",
                       child.process->pid(), ", log ", log, ")");
+}
+
+std::optional<std::string> LocalCluster::CheckRestarted(Child& child) {
+  absl::Status failed;
+  for (const std::string& file : child.port_files) {
+    absl::StatusOr<int> port = child.process->WaitForPortFile(file, absl::ZeroDuration());
+    if (port.ok()) continue;
+    if (port.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      failed = port.status();  // it exited before serving
+    } else if (absl::Now() > child.serving_deadline) {
+      failed = absl::DeadlineExceededError(absl::StrCat(
+          "did not start serving within ", absl::FormatDuration(absl::Seconds(o_.startup_timeout_s))));
+    } else {
+      return std::nullopt;  // still starting
+    }
+    break;
+  }
+  child.starting = false;
+  if (failed.ok()) {
+    return absl::StrCat(child.name, " restarted on the same ports (pid ", child.process->pid(),
+                        ")");
+  }
+  // Stopped, it counts as exited: the next restart comes after the backoff.
+  child.process->Stop(absl::ZeroDuration());
+  return absl::StrCat(child.name, " did not restart (", failed.message(), "); next try after ",
+                      absl::FormatDuration(std::max(absl::ZeroDuration(),
+                                                    child.next_restart - absl::Now())),
+                      ", log ", child.process->log_path());
 }
 
 }  // namespace fluxion::cluster

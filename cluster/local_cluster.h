@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,10 @@ class LocalCluster {
 
   // Starts again, on the ports it first bound, every child that has exited since (a crash, an
   // OOM kill), at most once per `backoff` each, doubling up to a minute while it keeps exiting.
-  // Returns one line per child it restarted or failed to restart, for the caller to print.
+  // Never waits: a restarted child is checked for its ports on later calls (a model load can
+  // take minutes, and meanwhile other children may die or a signal may arrive), and one that
+  // exits or does not serve within the startup timeout counts as exited again. Returns one line
+  // per child restarted, serving again or failing, for the caller to print.
   std::vector<std::string> RestartExited();
 
   // Stops the children in reverse start order, printing how each ended.
@@ -84,6 +88,9 @@ class LocalCluster {
     absl::Time started_at;
     absl::Duration backoff = absl::Seconds(1);  // the wait before its next restart, doubling
     absl::Time next_restart = absl::InfinitePast();
+    // Restarted and not yet serving: its ports are checked until `serving_deadline`.
+    bool starting = false;
+    absl::Time serving_deadline;
   };
 
   absl::Status StartChild(Child& child);
@@ -97,8 +104,11 @@ class LocalCluster {
                           std::vector<std::string>* addresses);
   absl::Status StartRouter();
   absl::Status WaitForHealthyDecode(Child& router);
-  // Restarts one exited child on its pinned ports; a line saying how it went.
+  // Restarts one exited child on its pinned ports, without waiting for them; a line saying so.
   std::string Restart(Child& child);
+  // A restarted child's ports, checked without waiting: a line once it serves or has failed,
+  // nothing while it is still starting.
+  std::optional<std::string> CheckRestarted(Child& child);
 
   const LocalClusterOptions o_;
   const std::string logs_;
