@@ -217,7 +217,7 @@ Exchange::Progress Exchange::Poll(std::string* events) {
 
 ChoiceOutput Exchange::Output() {
   absl::MutexLock lock(&mu_);
-  ChoiceOutput out{text_, end_, prompt_tokens_, completion_tokens_};
+  ChoiceOutput out{text_, end_, prompt_tokens_, completion_tokens_, std::nullopt};
   if (track_.has_value()) out.logprobs = logprobs_;
   return out;
 }

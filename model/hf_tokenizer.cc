@@ -809,8 +809,10 @@ class HfTokenizerLoader {
     *byte_level = type == "ByteLevel";
     if (type == "ByteLevel") return LoadByteLevel(*pre, "pre_tokenizer.", t);
     if (type == "Metaspace") {
-      t->metaspace_.emplace();
-      return LoadMetaspace(*pre, "pre_tokenizer.", &*t->metaspace_);
+      HfTokenizer::Metaspace metaspace;
+      FLUXION_RETURN_IF_ERROR(LoadMetaspace(*pre, "pre_tokenizer.", &metaspace));
+      t->metaspace_ = std::move(metaspace);
+      return absl::OkStatus();
     }
     if (type != "Sequence") {
       return FieldError("pre_tokenizer.type",

@@ -508,7 +508,7 @@ TEST(LoadTokenizerTest, PicksTokenizerJsonThenOurByteModelElseExplains) {
   ScopedTestTempDir empty;
   auto none = LoadTokenizer(empty.dir());
   EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(none.status().message(), HasSubstr("neither tokenizer.json nor config.json"));
+  EXPECT_THAT(none.status().message(), HasSubstr("neither tokenizer.json, tokenizer.model nor config.json"));
 
   ScopedTestTempDir other;
   std::ofstream(other.File("config.json"))

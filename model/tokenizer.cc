@@ -11,6 +11,8 @@
 #include "model/byte_tokenizer.h"
 #include "model/config.h"
 #include "model/hf_tokenizer.h"
+#include "model/json_text.h"
+#include "model/sentencepiece_model.h"
 
 namespace fluxion::model {
 namespace {
@@ -153,11 +155,23 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
     FLUXION_ASSIGN_OR_RETURN(std::unique_ptr<HfTokenizer> hf, HfTokenizer::FromFile(hf_path));
     return std::unique_ptr<Tokenizer>(std::move(hf));
   }
+  const std::string spm_path = absl::StrCat(model_dir, "/tokenizer.model");
+  if (FileExists(spm_path)) {
+    FLUXION_ASSIGN_OR_RETURN(const std::string bytes,
+                             ReadFileBounded(spm_path, kMaxSentencePieceModelBytes));
+    absl::StatusOr<nlohmann::json> converted = SentencePieceToTokenizerJson(bytes);
+    absl::StatusOr<std::unique_ptr<HfTokenizer>> hf =
+        converted.ok() ? HfTokenizer::FromJson(converted->dump()) : converted.status();
+    if (!hf.ok()) {
+      return absl::Status(hf.status().code(), absl::StrCat(spm_path, ": ", hf.status().message()));
+    }
+    return std::unique_ptr<Tokenizer>(std::move(*hf));
+  }
   const std::string config_path = absl::StrCat(model_dir, "/config.json");
   absl::StatusOr<ModelConfig> config = LoadModelConfig(config_path);
   if (absl::IsNotFound(config.status())) {
     return absl::FailedPreconditionError(
-        absl::StrCat(model_dir, " has neither tokenizer.json nor config.json: no tokenizer"));
+        absl::StrCat(model_dir, " has neither tokenizer.json, tokenizer.model nor config.json: no tokenizer"));
   }
   if (!config.ok()) return config.status();
   // Our byte-level models (docs/TASKS.md) say so only through their vocabulary: 256 bytes and the
@@ -171,7 +185,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
         model_dir, " has no tokenizer.json and its config.json (vocab_size ", config->vocab_size,
         ", bos_token_id ", config->bos_token_id,
         ") is not a Fluxion byte-level model (vocab_size 264, bos 256, eos 257): copy the "
-        "model's tokenizer.json into the directory"));
+        "model's tokenizer.json (or tokenizer.model) into the directory"));
   }
   return NewByteTokenizer();
 }

@@ -71,7 +71,8 @@ class Tokenizer {
 std::unique_ptr<Tokenizer> NewByteTokenizer();
 
 // The tokenizer of the model in `model_dir`: its tokenizer.json when present (HfTokenizer), else
-// the byte tokenizer when config.json describes one of our own byte-level models (vocab_size 264,
+// its SentencePiece tokenizer.model converted as HF does (sentencepiece_model.h), else the byte
+// tokenizer when config.json describes one of our own byte-level models (vocab_size 264,
 // bos/eos/pad 256/257/258), else FailedPrecondition saying what is missing. Errors of a present
 // but bad tokenizer.json are InvalidArgument naming the field.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir);

@@ -405,6 +405,8 @@ absl::Status CheckTaskEval(const model::Model& model, const TaskEvalOptions& opt
 
 // What every sample of a run shares.
 struct EvalRun {
+  EvalRun(const model::Model& m, const TaskEvalOptions& o)
+      : model(m), options(o), shape(m.attention_shape()) {}
   const model::Model& model;
   const TaskEvalOptions& options;
   model::AttentionShape shape;
@@ -648,7 +650,7 @@ absl::StatusOr<std::vector<CellResult>> RunTaskEval(const model::Model& model,
                                                     const TaskEvalCallbacks& callbacks) {
   const std::vector<std::string> tasks = options.tasks.empty() ? TaskNames() : options.tasks;
   FLUXION_RETURN_IF_ERROR(CheckTaskEval(model, options, tasks));
-  EvalRun run{model, options, model.attention_shape()};
+  EvalRun run(model, options);
   FLUXION_RETURN_IF_ERROR(SetUpRun(run));
   const size_t num_contexts = options.contexts.size(), num_policies = options.policies.size();
   std::vector<CellTotals> totals(tasks.size() * num_contexts * num_policies);
