@@ -64,7 +64,7 @@ absl::StatusOr<std::vector<uint32_t>> PromptIds(const Request& request,
                                      "template for this model (use /v1/completions)"),
           "messages");
     }
-    auto text = chat(request.messages);
+    auto text = chat(request.messages, request.chat_template_kwargs);
     if (!text.ok()) return WithParam(text.status(), "messages");
     auto ids = Tokenize(*text, tokenizer, "messages", check);
     if (!ids.ok()) return ids.status();

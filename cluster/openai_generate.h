@@ -17,9 +17,11 @@
 
 namespace fluxion::cluster::openai {
 
-// The prompt text for a conversation, ending with the assistant turn's header. Empty function:
-// the router has no chat template, and chat requests are refused.
-using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector<Message>&)>;
+// The prompt text for a conversation, ending with the assistant turn's header; `kwargs` are the
+// request's chat_template_kwargs. Empty function: the router has no chat template, and chat
+// requests are refused.
+using ChatRenderer = std::function<absl::StatusOr<std::string>(const std::vector<Message>&,
+                                                               const nlohmann::json& kwargs)>;
 
 // The request's prompt as token ids: the chat template rendered and tokenized (chat), the text
 // tokenized (completions; no BOS added, as Tokenizer::Encode), or the given ids. InvalidArgument

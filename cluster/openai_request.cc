@@ -176,11 +176,11 @@ absl::StatusOr<Message> ParseMessage(const Json& m, size_t index) {
                        absl::StrCat(where, ".content must be a string or an array of text parts"));
       }
     } else if (key == "name") {
-      // A participant's name. Accepted as the Llama 3 and Qwen2 chat templates of Hugging Face
-      // treat it: they do not render it (nor do ours, model/chat_template.h).
+      // A participant's name: passed to the chat template, which renders it or not.
       if (!v.is_null() && !v.is_string()) {
         return Invalid("messages", absl::StrCat(where, ".name must be a string"));
       }
+      if (v.is_string()) out.name = v.get<std::string>();
     } else {
       return Invalid("messages", absl::StrCat(where, ".", key, " is not supported"));
     }
@@ -449,6 +449,14 @@ void AddChatFields(const ParseLimits& limits, std::optional<uint32_t>* max_compl
     auto x = UnsignedField("top_logprobs", v, 0, kMaxLogprobs);
     if (!x.ok()) return x.status();
     logprobs->top = static_cast<uint32_t>(*x);
+    return absl::OkStatus();
+  };
+  f["chat_template_kwargs"] = [](const Json& v, Request* r) {
+    if (v.is_null()) return absl::OkStatus();
+    if (!v.is_object()) {
+      return Invalid("chat_template_kwargs", "chat_template_kwargs must be an object");
+    }
+    r->chat_template_kwargs = v;
     return absl::OkStatus();
   };
   f["response_format"] = [](const Json& v, Request*) {

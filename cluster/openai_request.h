@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "nlohmann/json.hpp"
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -29,6 +31,7 @@ enum class Endpoint { kCompletions, kChatCompletions };
 struct Message {
   std::string role;
   std::string content;
+  std::string name;  // a participant's name (passed to the chat template); empty when none
 };
 
 // One completions prompt: text, or token ids (exactly one of the two is set).
@@ -44,6 +47,8 @@ struct Request {
   std::vector<Prompt> prompts;
   // Chat: the conversation, at least one message.
   std::vector<Message> messages;
+  // Chat: the request's chat_template_kwargs, extra variables for the chat template (an object).
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();
   // Choices per prompt (OpenAI's `n`); the answer holds prompts x n choices, choice
   // p * n + j for prompt p's j-th (vLLM's order).
   uint32_t n = 1;

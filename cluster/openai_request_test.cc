@@ -221,11 +221,16 @@ TEST(OpenAiRequestTest, ChatMessages) {
   auto unlimited = Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
   ASSERT_TRUE(unlimited.ok());
   EXPECT_FALSE(unlimited->max_tokens.has_value());  // the context's room, not 16
-  // OpenAI's `developer` role is the templates' `system`; a name is accepted (not rendered).
+  // OpenAI's `developer` role is the templates' `system`; a name goes to the template.
   auto developer = Chat(R"({"model":"m","messages":[{"role":"developer","content":"d"},
-      {"role":"user","content":"x","name":"ann"}]})");
+      {"role":"user","content":"x","name":"ann"}],"chat_template_kwargs":{"enable_thinking":false}})");
   ASSERT_TRUE(developer.ok()) << developer.status();
   EXPECT_EQ(developer->messages[0].role, "system");
+  EXPECT_EQ(developer->messages[1].name, "ann");
+  EXPECT_EQ(developer->chat_template_kwargs, nlohmann::json({{"enable_thinking", false}}));
+  ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "chat_template_kwargs":[1]})"),
+                "chat_template_kwargs", "must be an object");
   ExpectRefused(Chat(R"({"model":"m","messages":[{"role":"user","content":"x","name":3}]})"),
                 "messages", "name must be a string");
   ExpectRefused(Chat(R"({"model":"m","messages":[]})"), "messages", "non-empty");
@@ -359,12 +364,20 @@ TEST(OpenAiGenerateTest, RefusesIdsOutsideTheVocabularyAndChatWithoutTemplate) {
   auto none = PrepareGenerate(*chat, *tokenizer, nullptr, "x");
   ASSERT_FALSE(none.ok());
   EXPECT_THAT(none.status().message(), HasSubstr("no chat template"));
-  ChatRenderer render = [](const std::vector<Message>& m) -> absl::StatusOr<std::string> {
-    return "<" + m[0].role + ">" + m[0].content;
+  ChatRenderer render = [](const std::vector<Message>& m,
+                           const nlohmann::json& kwargs) -> absl::StatusOr<std::string> {
+    return "<" + m[0].role + ">" + m[0].content + kwargs.value("suffix", "");
   };
   auto rendered = PrepareGenerate(*chat, *tokenizer, render, "x");
   ASSERT_TRUE(rendered.ok()) << rendered.status();
   EXPECT_EQ((*rendered)[0].generate.prompt_token_ids_size(), 7);  // "<user>x"
+  // The request's chat_template_kwargs reach the renderer.
+  auto with_kwargs = Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "chat_template_kwargs":{"suffix":"yz"}})");
+  ASSERT_TRUE(with_kwargs.ok());
+  auto suffixed = PrepareGenerate(*with_kwargs, *tokenizer, render, "x");
+  ASSERT_TRUE(suffixed.ok()) << suffixed.status();
+  EXPECT_EQ((*suffixed)[0].generate.prompt_token_ids_size(), 9);  // "<user>xyz"
 }
 
 }  // namespace

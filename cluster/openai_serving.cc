@@ -60,6 +60,9 @@ void RegisterOpenAiFlags(FlagSet& flags, OpenAiFlags* out) {
                "empty: off). Needs --model-dir (docs/PROTOCOL.md)");
   flags.String("http-port-file", &out->http_port_file,
                "write the bound HTTP API port into this file once serving");
+  flags.String("chat-template", &out->chat_template,
+               "a Jinja chat template file for /v1/chat/completions instead of the model's "
+               "tokenizer_config.json chat_template (docs/CHAT.md)");
   flags.String("served-model-name", &out->served_model_name,
                "model id the HTTP API answers to (default: the model directory's name)");
   flags.Int("max-model-len", &out->max_model_len,
@@ -118,20 +121,27 @@ absl::StatusOr<std::unique_ptr<OpenAiServing>> StartOpenAiHttp(const OpenAiFlags
   // completions, and chat requests get 400 saying why.
   openai::ChatRenderer chat;
   std::string chat_name;
-  auto chat_template = model::ChatTemplate::Load(flags.model_dir);
+  auto chat_template = model::ChatTemplate::Load(flags.model_dir, flags.chat_template);
+  if (!chat_template.ok() && !flags.chat_template.empty()) {
+    return chat_template.status();  // a template asked for by flag must work
+  }
   if (chat_template.ok()) {
     auto shared = std::make_shared<const model::ChatTemplate>(std::move(*chat_template));
     chat_name = shared->name();
-    chat = [shared](const std::vector<openai::Message>& messages) -> absl::StatusOr<std::string> {
+    chat = [shared](const std::vector<openai::Message>& messages,
+                    const nlohmann::json& kwargs) -> absl::StatusOr<std::string> {
       std::vector<model::ChatMessage> converted;
       converted.reserve(messages.size());
-      for (const openai::Message& m : messages) converted.push_back({m.role, m.content});
-      return shared->Render(converted, /*add_generation_prompt=*/true);
+      for (const openai::Message& m : messages) converted.push_back({m.role, m.content, m.name});
+      // The template sees the kwargs in the request's order (ordered_json keeps it).
+      return shared->Render(converted, /*add_generation_prompt=*/true,
+                            nlohmann::ordered_json::parse(kwargs.dump()));
     };
   } else {
     const std::string why(chat_template.status().message());
     chat_name = "none: " + why;
-    chat = [why](const std::vector<openai::Message>&) -> absl::StatusOr<std::string> {
+    chat = [why](const std::vector<openai::Message>&,
+                 const nlohmann::json&) -> absl::StatusOr<std::string> {
       return absl::InvalidArgumentError(
           absl::StrCat("chat completions are not available for this model: ", why));
     };

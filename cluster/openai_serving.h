@@ -25,6 +25,9 @@ struct OpenAiFlags {
   // http_listen.
   std::shared_ptr<const model::Tokenizer> tokenizer;
   std::string served_model_name;
+  // --chat-template: a Jinja chat template file used instead of the model's (empty: the model's
+  // tokenizer_config.json chat_template).
+  std::string chat_template;
   // The longest context the HTTP API lets a request reach (--max-model-len): 0 = the model's
   // max_position_embeddings. The decode nodes hold gRPC clients to their own.
   int64_t max_model_len = 0;

@@ -17,7 +17,8 @@ using Json = nlohmann::json;
 class TokenizeTest : public ::testing::Test {
  protected:
   TokenizeTest() {
-    chat_ = [](const std::vector<Message>& messages) -> absl::StatusOr<std::string> {
+    chat_ = [](const std::vector<Message>& messages,
+               const nlohmann::json&) -> absl::StatusOr<std::string> {
       std::string out;
       for (const Message& m : messages) out += m.role + ": " + m.content + "\n";
       return out + "assistant: ";

@@ -28,7 +28,7 @@ struct ServeOptions {
   // (--host 0.0.0.0), best made with --api-key.
   std::string host = "127.0.0.1";
   int64_t port = 8000;  // vLLM's default, so clients' base URLs carry over
-  std::string served_model_name, api_key, policy, log_dir;
+  std::string served_model_name, api_key, policy, log_dir, chat_template;
   int64_t max_model_len = 0;
   double budget = 0;
 
@@ -50,6 +50,9 @@ void RegisterFlags(FlagSet& flags, ServeOptions& o) {
   flags.String("api-key", &o.api_key,
                "key the /v1/ endpoints require as `Authorization: Bearer KEY` (default: "
                "$FLUXION_API_KEY, else none; prefer the environment: flags are visible in ps)");
+  flags.String("chat-template", &o.chat_template,
+               "a Jinja chat template file instead of the model's tokenizer_config.json one "
+               "(docs/CHAT.md)");
   flags.String("policy", &o.policy,
                "sparse attention policy for requests that name none (empty: the decode "
                "node's default, fluxion)");
@@ -88,6 +91,9 @@ void ResolveChildArgs(ServeOptions& o) {
   if (!o.api_key.empty()) setenv("FLUXION_API_KEY", o.api_key.c_str(), 1);
   const bool bare_ipv6 = o.host.find(':') != std::string::npos && o.host[0] != '[';
   c.http_listen = absl::StrCat(bare_ipv6 ? "[" + o.host + "]" : o.host, ":", o.port);
+  if (!o.chat_template.empty()) {
+    c.router_args.insert(c.router_args.end(), {"--chat-template", o.chat_template});
+  }
   if (!o.served_model_name.empty()) {
     c.router_args.insert(c.router_args.end(), {"--served-model-name", o.served_model_name});
     c.decode_args.insert(c.decode_args.end(), {"--served-model-name", o.served_model_name});

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "model/hf_tokenizer.h"
+#include "model/tokenizer.h"
 #include "sentencepiece/model.pb.h"
 
 namespace fluxion::model {
@@ -112,6 +113,10 @@ absl::StatusOr<Json> SentencePieceToTokenizerJson(absl::string_view model_bytes)
     if (p.piece().empty() || p.piece().size() > kMaxTokenBytes) {
       return Unsupported(absl::StrCat("piece ", id, " is empty or longer than ", kMaxTokenBytes,
                                       " bytes"));
+    }
+    // proto2 strings are bytes: one that is not UTF-8 would not survive the JSON hand-over.
+    if (!IsValidUtf8(p.piece())) {
+      return Unsupported(absl::StrCat("piece ", id, " is not valid UTF-8"));
     }
     if (!ids.emplace(p.piece(), id).second) {
       return Unsupported(absl::StrCat("piece ", id, " repeats an earlier one"));

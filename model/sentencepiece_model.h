@@ -24,7 +24,7 @@ inline constexpr size_t kMaxSentencePieceModelBytes = size_t{64} << 20;
 // serve: a unigram / word / char model, a normalization rule other than identity (a precompiled
 // character map: NFKC), remove_extra_whitespaces (SentencePiece collapses runs of spaces, which
 // no tokenizer.json normalizer here does), escape_whitespaces off, more pieces than a
-// tokenizer.json may hold, an empty, repeated or over-long (kMaxTokenBytes) piece.
+// tokenizer.json may hold, an empty, repeated, over-long (kMaxTokenBytes) or non-UTF-8 piece.
 absl::StatusOr<nlohmann::json> SentencePieceToTokenizerJson(absl::string_view model_bytes);
 
 }  // namespace fluxion::model

@@ -91,6 +91,9 @@ TEST(SentencePieceModelTest, WhatItDoesNotServeIsInvalidArgumentSayingWhat) {
   m = good;
   m.mutable_pieces(5)->set_piece(m.pieces(4).piece());
   ExpectRefused(m, "piece 5");
+  m = good;
+  m.mutable_pieces(6)->set_piece(std::string("a\0\xff", 3));  // found by sentencepiece_model_fuzz
+  ExpectRefused(m, "UTF-8");
 }
 
 }  // namespace
