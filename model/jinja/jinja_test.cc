@@ -35,7 +35,9 @@ TEST(JinjaTest, RendersEveryCaseAsJinja2Does) {
     SCOPED_TRACE(c["name"].get<std::string>());
     auto t = Template::Parse(c["template"].get<std::string>());
     ASSERT_TRUE(t.ok()) << t.status();
-    auto text = t->Render(refs["context"], refs["now"].get<int64_t>());
+    // A case may carry its own variables; the others share the file's.
+    const Json& context = c.contains("context") ? c["context"] : refs["context"];
+    auto text = t->Render(context, refs["now"].get<int64_t>());
     if (c.contains("error")) {
       ASSERT_FALSE(text.ok()) << *text;
       EXPECT_EQ(text.status().code(), absl::StatusCode::kInvalidArgument);

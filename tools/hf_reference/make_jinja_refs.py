@@ -8,8 +8,11 @@ json.dumps(ensure_ascii=False)). A case whose template raises records the error 
 text. Needs Debian's python3-jinja2.
 
   /usr/bin/python3 tools/hf_reference/make_jinja_refs.py > tests/data/jinja/cases.json
+
+Cases with their own "context" render with it, the others with the file's shared one.
 """
 import json
+import os
 import sys
 from datetime import datetime, timezone
 
@@ -79,15 +82,44 @@ CASES = [
 ]
 
 
+# The real Llama-3.1 and Qwen2.5 templates of tests/data/chat with what the plain references there
+# leave out: tools, a tool call and its result, content parts, a single user turn.
+REAL_TEMPLATES = ["llama3.1", "qwen2.5"]
+TOOL_CONTEXTS = {
+    "tools": {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_123456789", "type": "function",
+             "function": {"name": "get", "arguments": {"city": "Paris", "n": 2}}}]},
+        {"role": "tool", "name": "get", "tool_call_id": "call_123456789", "content": "{\"t\": 21}"},
+        {"role": "user", "content": "Thanks"}]},
+    "parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": " one "},
+                                                         {"type": "text", "text": "two"}]}]},
+    "user_only": {"messages": [{"role": "user", "content": "What is 2+2?"}]},
+}
+
+
+def render(case, template, context):
+    try:
+        case["text"] = env.from_string(template).render(**context)
+    except Exception as e:  # the C++ side must fail too
+        case["error"] = str(e)
+    return case
+
+
 def main():
-    cases = []
-    for name, template in CASES:
-        case = {"name": name, "template": template}
-        try:
-            case["text"] = env.from_string(template).render(**CTX)
-        except Exception as e:  # the C++ side must fail too
-            case["error"] = str(e)
-        cases.append(case)
+    cases = [render({"name": name, "template": template}, template, CTX)
+             for name, template in CASES]
+    here = os.path.dirname(os.path.abspath(__file__))
+    for model in REAL_TEMPLATES:
+        path = os.path.join(here, "..", "..", "tests", "data", "chat", model, "tokenizer_config.json")
+        template = json.load(open(path))["chat_template"]
+        for name, ctx in TOOL_CONTEXTS.items():
+            for generation in (True, False):
+                context = dict(ctx, bos_token="<s>", eos_token="</s>",
+                               add_generation_prompt=generation)
+                cases.append(render({"name": f"{model} {name} {generation}", "template": template,
+                                     "context": context}, template, context))
     json.dump({"jinja2_version": jinja2.__version__, "now": NOW, "context": CTX, "cases": cases},
               sys.stdout, ensure_ascii=False, indent=1)
     print()
