@@ -78,7 +78,8 @@ TEST(JinjaTest, RendersRealChatTemplatesAsJinja2Does) {
 
 TEST(JinjaTest, BadTemplatesAndRunawayRendersAreInvalidArgument) {
   for (const char* bad : {"{% if x %}open", "{{ 1 + }}", "{% unknown %}", "{{ 'unclosed }}",
-                          "{# never closed", "{% for %}{% endfor %}"}) {
+                          "{# never closed", "{% for %}{% endfor %}",
+                          "{{ x[] }}", "{{ 99999999999999999999 }}" /* found by jinja_fuzz */}) {
     auto t = Template::Parse(bad);
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(t.status().message(), HasSubstr("line 1")) << bad;

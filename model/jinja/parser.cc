@@ -6,15 +6,17 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace fluxion::model::jinja {
 namespace {
 
-// Bounds on what a template may make the parser do (a template comes from a model directory or a
-// request's chat_template).
-constexpr int kMaxDepth = 200;
+// How deep blocks and expressions may nest: the parser and the renderer walk them recursively,
+// and real chat templates nest a few levels (a template comes from a model directory or a flag,
+// and a file that nests deeper is refused rather than allowed to exhaust the stack).
+constexpr int kMaxDepth = 100;
 
 struct Token {
   enum Type { kText, kVarBegin, kVarEnd, kBlockBegin, kBlockEnd, kName, kString, kNumber, kOp };
@@ -298,7 +300,7 @@ class Parser {
         auto node = std::make_unique<Node>();
         node->kind = Node::Kind::kOutput;
         node->line = t.line;
-        FLUXION_ASSIGN_OR_RETURN(node->expr, ParseExpr());
+        FLUXION_ASSIGN_OR_RETURN(node->expr, ParseChecked(&Parser::ParseExpr));
         FLUXION_RETURN_IF_ERROR(Expect(Token::kVarEnd, nullptr));
         body.push_back(std::move(node));
       } else {
@@ -329,7 +331,7 @@ class Parser {
     if (word == "if") {
       node->kind = Node::Kind::kIf;
       while (true) {
-        FLUXION_ASSIGN_OR_RETURN(ExprPtr cond, ParseExpr());
+        FLUXION_ASSIGN_OR_RETURN(ExprPtr cond, ParseChecked(&Parser::ParseExpr));
         node->conditions.push_back(std::move(cond));
         FLUXION_RETURN_IF_ERROR(Expect(Token::kBlockEnd, nullptr));
         FLUXION_ASSIGN_OR_RETURN(Body body, ParseBody({"elif", "else", "endif"}, &end));
@@ -351,10 +353,11 @@ class Parser {
         node->targets.push_back(std::move(target));
       } while (IsOp(",") && (++pos_, true));
       FLUXION_RETURN_IF_ERROR(Expect(Token::kName, "in"));
-      FLUXION_ASSIGN_OR_RETURN(node->expr, ParseOr());  // no ternary: `if` filters the loop
+      // No ternary: `if` filters the loop.
+      FLUXION_ASSIGN_OR_RETURN(node->expr, ParseChecked(&Parser::ParseOr));
       if (IsName("if")) {
         ++pos_;
-        FLUXION_ASSIGN_OR_RETURN(ExprPtr cond, ParseOr());
+        FLUXION_ASSIGN_OR_RETURN(ExprPtr cond, ParseChecked(&Parser::ParseOr));
         node->conditions.push_back(std::move(cond));
       }
       FLUXION_RETURN_IF_ERROR(Expect(Token::kBlockEnd, nullptr));
@@ -383,7 +386,7 @@ class Parser {
       }
       if (IsOp("=")) {
         ++pos_;
-        FLUXION_ASSIGN_OR_RETURN(node->expr, ParseExpr());
+        FLUXION_ASSIGN_OR_RETURN(node->expr, ParseChecked(&Parser::ParseExpr));
         FLUXION_RETURN_IF_ERROR(Expect(Token::kBlockEnd, nullptr));
         return node;
       }
@@ -404,7 +407,7 @@ class Parser {
         ExprPtr fallback;
         if (IsOp("=")) {
           ++pos_;
-          FLUXION_ASSIGN_OR_RETURN(fallback, ParseExpr());
+          FLUXION_ASSIGN_OR_RETURN(fallback, ParseChecked(&Parser::ParseExpr));
         }
         node->defaults.push_back(std::move(fallback));
         if (!IsOp(")")) FLUXION_RETURN_IF_ERROR(Expect(Token::kOp, ","));
@@ -434,6 +437,24 @@ class Parser {
       return node;
     }
     return Error(line, absl::StrCat("unsupported tag '", word, "'"));
+  }
+
+  // A statement's expression, its tree no deeper than kMaxDepth: rendering walks it recursively,
+  // and a left-nested chain (`a ~ b ~ c ~ ...`) is parsed by a loop, so depth is checked here,
+  // without recursion.
+  absl::StatusOr<ExprPtr> ParseChecked(absl::StatusOr<ExprPtr> (Parser::*parse)()) {
+    FLUXION_ASSIGN_OR_RETURN(ExprPtr e, (this->*parse)());
+    std::vector<std::pair<const Expr*, int>> stack = {{e.get(), 1}};
+    while (!stack.empty()) {
+      const auto [x, depth] = stack.back();
+      stack.pop_back();
+      if (depth > kMaxDepth) return Error(x->line, "expression nested too deep");
+      for (const ExprPtr& child : x->items) {
+        if (child != nullptr) stack.push_back({child.get(), depth + 1});
+      }
+      for (const auto& [name, child] : x->keywords) stack.push_back({child.get(), depth + 1});
+    }
+    return e;
   }
 
   // --- Expressions, Jinja's precedence from loosest to tightest ---
@@ -494,10 +515,12 @@ class Parser {
 
   absl::StatusOr<ExprPtr> ParseNot() {
     if (IsName("not")) {
+      if (++depth_ > kMaxDepth) return Error(Line(), "expression nested too deep");
       ++pos_;
       auto e = Make(Expr::Kind::kNot, Line());
       FLUXION_ASSIGN_OR_RETURN(ExprPtr inner, ParseNot());
       e->items.push_back(std::move(inner));
+      --depth_;
       return e;
     }
     return ParseCompare();
@@ -578,9 +601,11 @@ class Parser {
 
   absl::StatusOr<ExprPtr> ParseUnary() {
     if (IsOp("-") || IsOp("+")) {
+      if (++depth_ > kMaxDepth) return Error(Line(), "expression nested too deep");
       const bool minus = IsOp("-");
       ++pos_;
       FLUXION_ASSIGN_OR_RETURN(ExprPtr inner, ParseUnary());
+      --depth_;
       if (!minus) return inner;
       auto e = Make(Expr::Kind::kNegate, Line());
       e->items.push_back(std::move(inner));
@@ -671,6 +696,7 @@ class Parser {
           break;
         }
         FLUXION_RETURN_IF_ERROR(Expect(Token::kOp, "]"));
+        if (!slice && parts[0] == nullptr) return Error(Line(), "empty subscript []");
         auto e = Make(slice ? Expr::Kind::kSlice : Expr::Kind::kItem, Line());
         e->items.push_back(std::move(value));
         for (int i = 0; i < (slice ? 3 : 1); ++i) e->items.push_back(std::move(parts[i]));
@@ -701,9 +727,13 @@ class Parser {
     if (t->type == Token::kNumber) {
       auto e = Make(Expr::Kind::kLiteral, line);
       if (t->text.find_first_of(".eE") != std::string::npos) {
-        e->literal = std::stod(t->text);
+        double x = 0;
+        if (!absl::SimpleAtod(t->text, &x)) return Error(line, "a number out of range");
+        e->literal = x;
       } else {
-        e->literal = std::stoll(t->text.size() > 18 ? t->text.substr(0, 18) : t->text);
+        int64_t x = 0;
+        if (!absl::SimpleAtoi(t->text, &x)) return Error(line, "an integer out of range");
+        e->literal = x;
       }
       ++pos_;
       return e;

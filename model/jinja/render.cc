@@ -17,7 +17,7 @@
 namespace fluxion::model::jinja {
 namespace {
 
-constexpr int kMaxCallDepth = 64;
+constexpr int kMaxCallDepth = 32;  // macro calls in flight (recursive macros, e.g. JSON schemas)
 
 // Pops the innermost scope when it goes out of scope.
 struct ScopeExit {
