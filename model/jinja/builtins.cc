@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/status_macros.h"
+#include "model/jinja/jinja.h"
 
 namespace fluxion::model::jinja {
 namespace {
@@ -19,6 +21,13 @@ namespace {
 using Json = nlohmann::ordered_json;
 
 absl::Status Bad(const std::string& what) { return absl::InvalidArgumentError(what); }
+
+// A computed string or list may not outgrow what a render may write (jinja.h): a template that
+// doubles a value in a loop is stopped before it exhausts memory.
+absl::Status CheckSize(size_t size) {
+  if (size > kMaxRenderedBytes) return Bad("a value beyond the output bound");
+  return absl::OkStatus();
+}
 
 // Positional argument `i`, else keyword `name`, else undefined.
 Value Arg(const Arguments& a, size_t i, const char* name) {
@@ -176,10 +185,27 @@ absl::StatusOr<Value> Select(const Value& subject, const Arguments& a, bool keep
   return Value(std::move(out));
 }
 
-std::string Indent(const std::string& s, const Arguments& a) {
+// str.replace(old, new), the result bounded like any computed string.
+absl::StatusOr<Value> Replace(const std::string& s, const Arguments& a) {
+  const std::string from = Arg(a, 0, "old").ToString(), to = Arg(a, 1, "new").ToString();
+  if (from.empty()) return Value(Json(s));
+  size_t count = 0;
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + from.size())) {
+    ++count;
+  }
+  if (to.size() > from.size() && count > 0) {
+    FLUXION_RETURN_IF_ERROR(CheckSize(s.size() + count * (to.size() - from.size())));
+  }
+  return Value(Json(absl::StrReplaceAll(s, {{from, to}})));
+}
+
+absl::StatusOr<std::string> Indent(const std::string& s, const Arguments& a) {
   const Value width = Arg(a, 0, "width");
+  const int64_t spaces = width.json().is_number_integer() ? width.json().get<int64_t>() : 4;
+  if (spaces < 0 || spaces > 256) return Bad("'indent' width outside [0, 256]");
   const std::string pad = width.json().is_string() ? width.json().get<std::string>()
-                          : std::string(width.json().is_number_integer() ? width.json().get<size_t>() : 4, ' ');
+                                                   : std::string(static_cast<size_t>(spaces), ' ');
+  FLUXION_RETURN_IF_ERROR(CheckSize(s.size() + pad.size() * (1 + std::count(s.begin(), s.end(), '\n'))));
   const bool first = Arg(a, 1, "first").Truthy(), blank = Arg(a, 2, "blank").Truthy();
   std::string out;
   size_t start = 0;
@@ -213,7 +239,7 @@ std::vector<std::string> Utf8Characters(const std::string& s) {
 absl::StatusOr<Value> Slice(const Value& object, std::optional<int64_t> start,
                             std::optional<int64_t> stop, std::optional<int64_t> step, int line) {
   const Json& j = object.json();
-  const int64_t by = step.value_or(1);
+  int64_t by = step.value_or(1);
   if (by == 0) return Bad(absl::StrCat("line ", line, ": slice step is zero"));
   std::vector<Json> items;
   if (j.is_array()) {
@@ -224,14 +250,14 @@ absl::StatusOr<Value> Slice(const Value& object, std::optional<int64_t> start,
     return Bad(absl::StrCat("line ", line, ": only lists and strings slice"));
   }
   const int64_t n = static_cast<int64_t>(items.size());
-  auto clamp = [&](std::optional<int64_t> v, int64_t fallback, bool upper) {
+  by = std::clamp<int64_t>(by, -(n + 1), n + 1);  // the same slice, and no index overflows
+  auto clamp = [&](std::optional<int64_t> v, int64_t fallback) {
     if (!v.has_value()) return fallback;
-    int64_t x = *v < 0 ? *v + n : *v;
-    if (by > 0) return std::clamp<int64_t>(x, 0, n);
-    return std::clamp<int64_t>(x, -1, n - 1) + (upper ? 0 : 0);
+    const int64_t x = *v < 0 ? *v + n : *v;
+    return by > 0 ? std::clamp<int64_t>(x, 0, n) : std::clamp<int64_t>(x, -1, n - 1);
   };
-  const int64_t b = clamp(start, by > 0 ? 0 : n - 1, false);
-  const int64_t e = clamp(stop, by > 0 ? n : -1, true);
+  const int64_t b = clamp(start, by > 0 ? 0 : n - 1);
+  const int64_t e = clamp(stop, by > 0 ? n : -1);
   Json out = Json::array();
   std::string text;
   for (int64_t i = b; by > 0 ? i < e : i > e; i += by) {
@@ -251,7 +277,11 @@ absl::StatusOr<Value> BinaryOp(const std::string& op, const Value& l, const Valu
   if (op == "!=") return Value(Json(!Equal(l, r)));
   if (op == "in") return Value(Json(Contains(r, l)));
   if (op == "not in") return Value(Json(!Contains(r, l)));
-  if (op == "~") return Value(Json(l.ToString() + r.ToString()));
+  if (op == "~") {
+    std::string a = l.ToString(), b = r.ToString();
+    FLUXION_RETURN_IF_ERROR(CheckSize(a.size() + b.size()));
+    return Value(Json(a + b));
+  }
   if (op == "<" || op == ">" || op == "<=" || op == ">=") {
     FLUXION_ASSIGN_OR_RETURN(bool lt, Less(x, y));
     FLUXION_ASSIGN_OR_RETURN(bool gt, Less(y, x));
@@ -261,16 +291,26 @@ absl::StatusOr<Value> BinaryOp(const std::string& op, const Value& l, const Valu
     return Value(Json(!lt));
   }
   if (op == "+") {
-    if (x.is_string() && y.is_string()) return Value(Json(x.get<std::string>() + y.get<std::string>()));
+    if (x.is_string() && y.is_string()) {
+      FLUXION_RETURN_IF_ERROR(CheckSize(x.get_ref<const std::string&>().size() +
+                                        y.get_ref<const std::string&>().size()));
+      return Value(Json(x.get<std::string>() + y.get<std::string>()));
+    }
     if (x.is_array() && y.is_array()) {
+      FLUXION_RETURN_IF_ERROR(CheckSize(x.size() + y.size()));
       Json out = x;
       out.insert(out.end(), y.begin(), y.end());
       return Value(std::move(out));
     }
   }
   if (op == "*" && x.is_string() && y.is_number_integer()) {
+    const std::string& unit = x.get_ref<const std::string&>();
+    const int64_t times = std::max<int64_t>(0, y.get<int64_t>());
+    if (!unit.empty() && times > static_cast<int64_t>(kMaxRenderedBytes / unit.size())) {
+      return Bad("a repeated string beyond the output bound");
+    }
     std::string out;
-    for (int64_t i = 0; i < std::min<int64_t>(y.get<int64_t>(), 1 << 20); ++i) out += x.get<std::string>();
+    for (int64_t i = 0; i < times; ++i) out += unit;
     return Value(Json(out));
   }
   if (!(x.is_number() || x.is_boolean()) || !(y.is_number() || y.is_boolean())) {
@@ -280,16 +320,33 @@ absl::StatusOr<Value> BinaryOp(const std::string& op, const Value& l, const Valu
   const bool integers = (x.is_number_integer() || x.is_boolean()) && (y.is_number_integer() || y.is_boolean());
   auto as_int = [](const Json& j) { return j.is_boolean() ? int64_t{j.get<bool>()} : j.get<int64_t>(); };
   auto as_double = [](const Json& j) { return j.is_boolean() ? double{j.get<bool>() ? 1.0 : 0.0} : j.get<double>(); };
-  if (integers && op != "/") {
+  if (integers && op != "/" && !(op == "**" && as_int(y) < 0)) {
+    // Python's integers do not overflow; ours are 64 bits, and a result beyond them is refused
+    // (no chat template computes one).
     const int64_t a = as_int(x), b = as_int(y);
-    if (op == "+") return Value(Json(a + b));
-    if (op == "-") return Value(Json(a - b));
-    if (op == "*") return Value(Json(a * b));
-    if (op == "**") return Value(Json(static_cast<int64_t>(std::pow(a, b))));
-    if (b == 0) return Bad("division by zero");
-    const int64_t q = a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0);  // Python floors
-    if (op == "//") return Value(Json(q));
-    if (op == "%") return Value(Json(a - q * b));
+    int64_t r = 0;
+    bool overflow = false;
+    if (op == "+") {
+      overflow = __builtin_add_overflow(a, b, &r);
+    } else if (op == "-") {
+      overflow = __builtin_sub_overflow(a, b, &r);
+    } else if (op == "*") {
+      overflow = __builtin_mul_overflow(a, b, &r);
+    } else if (op == "**") {
+      r = 1;
+      for (int64_t i = 0; i < b && !overflow; ++i) {
+        overflow = __builtin_mul_overflow(r, a, &r);
+        if (r == 0 || r == 1) break;  // 0 and 1 stay; -1 alternates below
+      }
+      if (!overflow && a == -1) r = (b % 2 == 0) ? 1 : -1;
+    } else {
+      if (b == 0) return Bad("division by zero");
+      if (a == std::numeric_limits<int64_t>::min() && b == -1) return Bad("integer overflow");
+      const int64_t q = a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0);  // Python floors
+      r = op == "//" ? q : a - q * b;
+    }
+    if (overflow) return Bad(absl::StrCat("integer overflow in ", op));
+    return Value(Json(r));
   }
   const double a = as_double(x), b = as_double(y);
   if (op == "+") return Value(Json(a + b));
@@ -394,11 +451,20 @@ absl::StatusOr<Value> ApplyFilter(const std::string& name, const Value& v, const
   }
   if (name == "tojson") {
     const Value indent = Arg(a, 0, "indent");
+    if (indent.json().is_number_integer() &&
+        (indent.json().get<int64_t>() < 0 || indent.json().get<int64_t>() > 64)) {
+      return Bad("'tojson' indent outside [0, 64]");
+    }
     return Value(Json(PythonJsonDumps(j, indent.json().is_number_integer() ? indent.json().get<int>() : -1,
                                       Arg(a, 1, "sort_keys").Truthy())));
   }
   if (name == "int") {
-    if (j.is_number()) return Value(Json(static_cast<int64_t>(j.get<double>())));
+    if (j.is_number_integer()) return v;
+    if (j.is_number()) {
+      const double d = j.get<double>();
+      if (!(std::fabs(d) < 9.2e18)) return Bad("'int' of a number beyond 64 bits");
+      return Value(Json(static_cast<int64_t>(d)));
+    }
     if (j.is_boolean()) return Value(Json(int64_t{j.get<bool>()}));
     try {
       return Value(Json(std::stoll(s)));
@@ -415,7 +481,11 @@ absl::StatusOr<Value> ApplyFilter(const std::string& name, const Value& v, const
     }
   }
   if (name == "abs") {
-    if (j.is_number_integer()) return Value(Json(std::llabs(j.get<int64_t>())));
+    if (j.is_number_integer()) {
+      const int64_t x = j.get<int64_t>();
+      if (x == std::numeric_limits<int64_t>::min()) return Bad("integer overflow in abs");
+      return Value(Json(x < 0 ? -x : x));
+    }
     if (j.is_number()) return Value(Json(std::fabs(j.get<double>())));
     return Bad("'abs' needs a number");
   }
@@ -425,10 +495,11 @@ absl::StatusOr<Value> ApplyFilter(const std::string& name, const Value& v, const
     const double scale = std::pow(10.0, precision.json().is_number_integer() ? precision.json().get<int>() : 0);
     return Value(Json(std::nearbyint(j.get<double>() * scale) / scale));
   }
-  if (name == "replace") {
-    return Value(Json(absl::StrReplaceAll(s, {{Arg(a, 0, "old").ToString(), Arg(a, 1, "new").ToString()}})));
+  if (name == "replace") return Replace(s, a);
+  if (name == "indent") {
+    FLUXION_ASSIGN_OR_RETURN(std::string indented, Indent(s, a));
+    return Value(Json(std::move(indented)));
   }
-  if (name == "indent") return Value(Json(Indent(s, a)));
   if (name == "map") {
     const Value attribute = Arg(a, 99, "attribute");
     Json out = Json::array();
@@ -534,9 +605,7 @@ absl::StatusOr<Value> CallMethod(const Value& object, const std::string& name, c
       }
       return Value(Json(false));
     }
-    if (name == "replace") {
-      return Value(Json(absl::StrReplaceAll(s, {{Arg(a, 0, "old").ToString(), Arg(a, 1, "new").ToString()}})));
-    }
+    if (name == "replace") return Replace(s, a);
     if (name == "split") {
       const Value sep = Arg(a, 0, "sep");
       const Value max = Arg(a, 1, "maxsplit");

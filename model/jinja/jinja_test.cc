@@ -92,6 +92,17 @@ TEST(JinjaTest, BadTemplatesAndRunawayRendersAreInvalidArgument) {
   ASSERT_TRUE(forever.ok());
   auto r = forever->Render(Json::object(), 0);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  // Values are bounded as the output is, and integers do not overflow silently (jinja_fuzz).
+  for (const char* bad : {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+                          "{{ 2 ** 64 }}",
+                          "{% set ns = namespace(s='x') %}{% for i in range(100) %}"
+                          "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+                          "{{ 'ab' * 100000000 }}", "{{ 'a'|indent(100000) }}"}) {
+    auto t = Template::Parse(bad);
+    ASSERT_TRUE(t.ok()) << bad << ": " << t.status();
+    EXPECT_EQ(t->Render(Json::object(), 0).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
   auto recursive = Template::Parse("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}");
   ASSERT_TRUE(recursive.ok());
   EXPECT_EQ(recursive->Render(Json::object(), 0).status().code(),
