@@ -31,7 +31,7 @@ enum class Endpoint { kCompletions, kChatCompletions };
 struct Message {
   std::string role;
   std::string content;
-  std::string name;  // a participant's name (passed to the chat template); empty when none
+  std::string name = "";  // a participant's name (passed to the chat template); empty when none
 };
 
 // One completions prompt: text, or token ids (exactly one of the two is set).

@@ -27,7 +27,7 @@ inline constexpr size_t kMaxChatTemplateBytes = size_t{1} << 20;      // its cha
 struct ChatMessage {
   std::string role;
   std::string content;
-  std::string name;  // a participant's name; empty when none (not passed to the template)
+  std::string name = "";  // a participant's name; empty when none (not passed to the template)
 };
 
 class ChatTemplate {

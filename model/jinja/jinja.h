@@ -27,7 +27,10 @@ struct Node;
 using Body = std::vector<std::unique_ptr<Node>>;
 
 inline constexpr size_t kMaxRenderedBytes = size_t{64} << 20;
-inline constexpr int64_t kMaxRenderSteps = int64_t{1} << 20;
+// Steps (a node, an expression, a loop iteration counting kLoopIterationSteps): ample for real
+// templates (a few dozen per message) and a bounded time for a hostile one.
+inline constexpr int64_t kMaxRenderSteps = int64_t{1} << 18;
+inline constexpr int64_t kLoopIterationSteps = 8;
 
 class Template {
  public:

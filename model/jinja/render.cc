@@ -247,6 +247,10 @@ class Renderer {
     // Each iteration has a scope of its own, as in Jinja: a `set` in the body lasts until the
     // iteration ends (a namespace() is how a template carries a value across iterations).
     for (size_t i = 0; i < n && status.ok(); ++i) {
+      // An iteration costs a scope and the loop object besides its body.
+      steps_ += kLoopIterationSteps;
+      status = Step(node.line);
+      if (!status.ok()) break;
       scopes_.emplace_back();
       ScopeExit pop{&scopes_};
       status = Bind(node, items[i]);
